@@ -1,0 +1,181 @@
+"""Local commands of the CLI: each `register_*` adds a subcommand whose `run` does the work."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from .cli import UsageError, add_model_args, parse_bytes, parse_size, print_json
+
+
+def load_pipeline(args, **overrides):
+    """The pipeline named by --model/--preset (default: the packaged model, else the tiny preset)."""
+    import torch
+
+    from megaslide.engine.models import default_model_source, resolve_model_path
+    from megaslide.engine.pipeline import VideoPipeline
+
+    device = getattr(args, "device", "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device is available")
+    if args.preset:
+        return VideoPipeline.from_preset(args.preset, device=device, **overrides)
+    kind, source = ("model", args.model) if args.model else default_model_source()
+    if kind == "preset":
+        return VideoPipeline.from_preset(source, device=device, **overrides)
+    return VideoPipeline.from_pretrained(resolve_model_path(source), device=device, **overrides)
+
+
+# ---------------------------------------------------------------------------------------------
+# generate
+
+
+def register_generate(sub) -> None:
+    p = sub.add_parser("generate", help="generate a video from a prompt")
+    p.add_argument("prompt")
+    p.add_argument("-o", "--output", default="out.mp4", help="MP4 file to write (default: out.mp4)")
+    add_model_args(p)
+    p.add_argument("--steps", type=int, help="denoising steps (default: the model's)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--frames", type=int, help="number of frames (default: the model's)")
+    p.add_argument("--size", help="WIDTHxHEIGHT, both even (default: the model's)")
+    p.add_argument("--fps", type=int, help="frames per second of the MP4 (default: the model's)")
+    p.add_argument("--guidance", type=float, help="classifier-free guidance scale (1 = off)")
+    p.add_argument("--negative-prompt", default="", help="what to steer away from")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--attention", choices=("dense", "dsa"), help="self-attention backend (default: the model's)")
+    p.add_argument("--offload", choices=("none", "stream"), default="none",
+                   help="stream block weights from host RAM (default: none, all weights on the device)")
+    p.add_argument("--gpu-budget", type=parse_bytes, help="device bytes for weights when streaming, e.g. 20GB")
+    p.add_argument("--stats", help="write streaming and step-time stats as JSON here")
+    p.add_argument("--trace", help="write a Chrome trace (Perfetto) of block copies and computes here")
+    p.add_argument("--server", help="generate on a MegaSlide server at this URL instead of locally")
+    p.add_argument("--api-key", help="API key for --server (default: $MEGASLIDE_API_KEY)")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    p.set_defaults(run=run_generate)
+
+
+def run_generate(args) -> int:
+    from megaslide.engine.pipeline import GenerationRequest
+
+    if not args.prompt.strip():
+        raise UsageError("the prompt is empty")
+    width, height = parse_size(args.size) if args.size else (None, None)
+    for flag, value in (("--steps", args.steps), ("--frames", args.frames), ("--fps", args.fps)):
+        if value is not None and value < 1:
+            raise UsageError(f"{flag} must be at least 1, got {value}")
+    if not args.output.lower().endswith(".mp4"):
+        raise UsageError(f"--output must be an .mp4 file, got {args.output}")
+    out_dir = Path(args.output).resolve().parent
+    if not out_dir.is_dir():
+        raise UsageError(f"--output: directory {out_dir} does not exist")
+    if args.server:
+        from .remote import generate_remote
+
+        return generate_remote(args, width=width, height=height)
+    if (args.gpu_budget or args.stats or args.trace) and args.offload != "stream":
+        raise UsageError("--gpu-budget, --stats and --trace need --offload stream")
+
+    overrides = {"attention": args.attention} if args.attention else {}
+    pipe = load_pipeline(args, **overrides)
+    request = pipe.resolve(GenerationRequest(
+        prompt=args.prompt, negative_prompt=args.negative_prompt, frames=args.frames, height=height,
+        width=width, steps=args.steps, guidance=args.guidance, seed=args.seed, fps=args.fps,
+    ))  # fmt: skip
+    handle = stream_pipeline(pipe, args) if args.offload == "stream" else None
+    step_times = []
+    with progress_bar(request.steps, "denoising", disable=args.no_progress) as bar:
+        state = pipe.prepare(request)
+        while not state.done:
+            start = time.perf_counter()
+            pipe.denoise_step([state])
+            step_times.append(time.perf_counter() - start)
+            bar.update(1)
+    frames = pipe.finish(state)
+
+    from megaslide.engine.video import write_mp4
+
+    write_mp4(args.output, frames, fps=request.fps)
+    if handle is not None:
+        write_stream_reports(handle, args, step_times)
+    print(f"wrote {args.output} ({len(frames)} frames, {request.width}x{request.height}, {request.fps} fps)",
+          file=sys.stderr)  # fmt: skip
+    return 0
+
+
+def stream_pipeline(pipe, args):
+    """Stream the DiT's blocks from host RAM (the `--offload stream` mode)."""
+    from megaslide.engine.streaming import stream_module
+
+    return stream_module(pipe.dit, blocks=pipe.dit.blocks, device=args.device,
+                         gpu_budget_bytes=args.gpu_budget, timing=bool(args.stats or args.trace))  # fmt: skip
+
+
+def write_stream_reports(handle, args, step_times) -> None:
+    if args.stats:
+        stats = dict(handle.stats(), step_times_s=step_times)
+        Path(args.stats).write_text(json.dumps(stats, indent=2) + "\n")
+    if args.trace:
+        handle.write_trace(args.trace)
+
+
+class _NoBar:
+    def update(self, n=1):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def progress_bar(total: int, desc: str, disable: bool = False):
+    """A tqdm bar on stderr, or a no-op when disabled."""
+    if disable:
+        return _NoBar()
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="step", file=sys.stderr, dynamic_ncols=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# info
+
+
+def register_info(sub) -> None:
+    p = sub.add_parser("info", help="print a preset's or model's config and exact parameter count")
+    add_model_args(p)
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(run=run_info)
+
+
+def run_info(args) -> int:
+    from megaslide.engine.checkpoint import read_config
+    from megaslide.engine.dit import count_parameters, get_preset
+    from megaslide.engine.models import default_model_source, resolve_model_path
+
+    if args.preset:
+        name, config = args.preset, get_preset(args.preset)
+    else:
+        kind, source = ("model", args.model) if args.model else default_model_source()
+        if kind == "preset":
+            name, config = source, get_preset(source)
+        else:
+            name, (config, _) = source, read_config(resolve_model_path(source))
+    counts = count_parameters(config)
+    info = {"name": name, "parameters": counts["total"], "parameter_counts": counts, "config": config.to_dict()}
+    if args.json:
+        print_json(info)
+    else:
+        print(f"{name}: {counts['total']:,} parameters ({counts['total'] / 1e9:.3g}B); "
+              f"{config.depth} blocks of {counts['per_block']:,}; dim {config.dim}, heads {config.heads}")  # fmt: skip
+    return 0
+
+
+def register_all(sub: argparse._SubParsersAction) -> None:
+    register_generate(sub)
+    register_info(sub)

@@ -1,0 +1,104 @@
+"""Rectified flow: the training loss and the Euler sampler with classifier-free guidance.
+
+Convention (SD3, Wan): a clip `x0` and Gaussian noise `e` are joined by the straight path
+`x_t = (1 - t) * x0 + t * e`, t in [0, 1]; the model predicts the velocity `e - x0`. Sampling walks
+from t = 1 (noise) to t = 0 with Euler steps on a shifted schedule.
+
+The sampler is step-wise: each request is a `SampleState`, and `denoise_step` advances any list of
+them by one step with one forward pass over all of them and both halves of their guidance pairs,
+so requests at different steps share one pass of the model's weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+def shifted_schedule(steps: int, shift: float) -> torch.Tensor:
+    """Flow times `(steps + 1,)` from 1 to 0, warped by `shift` toward the noisy end.
+
+    `t' = shift * t / (1 + (shift - 1) * t)` (SD3, eq. 23): with shift > 1 more of the steps are spent
+    at high noise, where a video's layout and motion are decided.
+    """
+    if steps < 1:
+        raise ValueError(f"steps must be at least 1, got {steps}")
+    t = torch.linspace(1.0, 0.0, steps + 1, dtype=torch.float64)
+    return (shift * t / (1 + (shift - 1) * t)).float()
+
+
+def flow_matching_loss(model, x0, ctx, ctx_mask, *, t: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """Mean squared error between the predicted and the true velocity at flow times `t (B,)`."""
+    t_ = t.view(-1, *([1] * (x0.dim() - 1)))
+    x_t = (1 - t_) * x0 + t_ * noise  # (B, C, F, H, W)
+    v = model(x_t, t, ctx, ctx_mask)  # (B, C, F, H, W)
+    return F.mse_loss(v.float(), (noise - x0).float())
+
+
+def sample_training_times(batch: int, generator: torch.Generator) -> torch.Tensor:
+    """Flow times for training: logit-normal (SD3's default), which favours the middle of the path."""
+    return torch.sigmoid(torch.randn(batch, generator=generator))
+
+
+def cfg_combine(v_cond: torch.Tensor, v_uncond: torch.Tensor, guidance: float) -> torch.Tensor:
+    """Classifier-free guidance: extrapolate from the unconditional toward the conditional velocity."""
+    return v_uncond + guidance * (v_cond - v_uncond)
+
+
+@dataclass
+class SampleState:
+    """One request on its way from noise to a clip."""
+
+    latents: torch.Tensor  # (1, C, F, H, W) at times[step]
+    ctx: torch.Tensor  # (1 or 2, L, text_dim): conditional, then unconditional when guided
+    ctx_mask: torch.Tensor  # (1 or 2, L) bool
+    times: torch.Tensor  # (steps + 1,) from 1 to 0
+    guidance: float
+    step: int = 0
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.times) - 1
+
+    @property
+    def done(self) -> bool:
+        return self.step >= self.num_steps
+
+    @property
+    def guided(self) -> bool:
+        return self.guidance != 1.0
+
+
+@torch.no_grad()
+def denoise_step(model, states: list[SampleState]) -> None:
+    """Advance every unfinished state by one Euler step, in one batched forward pass.
+
+    The batch holds each guided request twice (conditional and unconditional context), so a streamed
+    model moves its weights once per step for all of them.
+    """
+    states = [s for s in states if not s.done]
+    if not states:
+        return
+    xs, ts, ctxs, masks = [], [], [], []
+    for s in states:
+        copies = 2 if s.guided else 1
+        xs.append(s.latents.expand(copies, *s.latents.shape[1:]))
+        ts.append(s.times[s.step].expand(copies))
+        ctxs.append(s.ctx[:copies])
+        masks.append(s.ctx_mask[:copies])
+    param = next(model.parameters())
+    x = torch.cat(xs).to(param.dtype)  # (B', C, F, H, W)
+    v = model(x, torch.cat(ts).to(x.device), torch.cat(ctxs), torch.cat(masks)).float()  # (B', C, F, H, W)
+    offset = 0
+    for s in states:
+        if s.guided:
+            v_s = cfg_combine(v[offset : offset + 1], v[offset + 1 : offset + 2], s.guidance)
+            offset += 2
+        else:
+            v_s = v[offset : offset + 1]
+            offset += 1
+        dt = s.times[s.step + 1] - s.times[s.step]  # negative: walking from noise to data
+        s.latents = s.latents + dt * v_s  # (1, C, F, H, W)
+        s.step += 1

@@ -1,0 +1,128 @@
+"""The DiT's shapes, presets, initialisation and positions."""
+
+import math
+
+import pytest
+import torch
+
+from megaslide.engine.dit import PRESETS, DiTConfig, VideoDiT, apply_rope, count_parameters, rope_frequencies
+from megaslide.engine.text import ByteTextEncoder, TextEncoderConfig, tokenize
+
+TINY = PRESETS["tiny"]
+
+
+def make(config=TINY, seed=0):
+    torch.manual_seed(seed)
+    return VideoDiT(config).eval(), ByteTextEncoder(config.text).eval()
+
+
+def randomise_zero_inits(dit):
+    """Give every zero-initialised tensor random values, so a test exercises every path."""
+    with torch.no_grad():
+        for p in dit.parameters():
+            if not p.any():
+                p.normal_(0, 0.05)
+
+
+def test_forward_shapes_for_several_clip_shapes():
+    dit, text = make()
+    ctx, mask = text.encode(["a red circle", "x"])
+    for frames, h, w in [(16, 64, 64), (3, 32, 48), (1, 8, 4)]:
+        x = torch.randn(2, 3, frames, h, w)
+        v = dit(x, torch.tensor([0.3, 0.9]), ctx, mask)
+        assert v.shape == x.shape
+
+
+def test_patchify_round_trips():
+    dit, _ = make()
+    x = torch.randn(2, 3, 4, 16, 24)
+    tokens, grid = dit.patchify(x)
+    assert grid == (4, 4, 6) and tokens.shape == (2, 96, 3 * math.prod(TINY.patch))
+    assert torch.equal(dit.unpatchify(tokens, grid), x)
+
+
+def test_adaln_zero_makes_every_block_the_identity_at_init():
+    dit, text = make()
+    ctx, mask = text.encode(["anything at all"])
+    t_emb = dit.time_embed(torch.randn(1, 256))
+    t_mod = dit.time_mod(t_emb).unflatten(1, (6, -1))
+    h = torch.randn(1, 64, TINY.dim)
+    angles = rope_frequencies(TINY, (4, 4, 4))
+    ctx = dit.text_proj(ctx)
+    for block in dit.blocks:
+        assert torch.equal(block(h, t_mod, ctx, mask, (4, 4, 4), angles), h)
+    # ...and the whole model predicts zero velocity, whatever the input.
+    x = torch.randn(1, 3, 4, 16, 16)
+    assert not dit(x, torch.tensor([0.5]), *text.encode(["p"])).any()
+
+
+def test_blocks_stop_being_identity_once_trained():
+    # Guards the test above from passing because a block ignores its input entirely.
+    dit, text = make()
+    randomise_zero_inits(dit)
+    x = torch.randn(1, 3, 4, 16, 16)
+    assert dit(x, torch.tensor([0.5]), *text.encode(["p"])).abs().mean() > 1e-3
+
+
+def test_text_changes_the_prediction_and_padding_does_not():
+    dit, text = make()
+    randomise_zero_inits(dit)
+    x, t = torch.randn(1, 3, 4, 16, 16), torch.tensor([0.5])
+    a = dit(x, t, *text.encode(["a red circle"]))
+    b = dit(x, t, *text.encode(["a blue square"]))
+    assert (a - b).abs().max() > 1e-4
+    # Longer padding must not change anything: padded keys are masked out of cross-attention.
+    long_text = ByteTextEncoder(TextEncoderConfig(max_len=100))
+    long_text.load_state_dict({k: (v if k != "pos" else torch.cat([v, torch.zeros(36, v.shape[1])]))
+                               for k, v in text.state_dict().items()})  # fmt: skip
+    c = dit(x, t, *long_text.encode(["a red circle"]))
+    torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-6)
+
+
+def test_rope_is_a_rotation_that_encodes_relative_position():
+    config = DiTConfig(dim=96, heads=2)  # head dim 48: 16 channels per axis
+    angles = rope_frequencies(config, (3, 4, 5))
+    assert angles.shape == (60, 24)
+    q, k = torch.randn(1, 1, 60, 48), torch.randn(1, 1, 60, 48)
+    rq, rk = apply_rope(q, angles), apply_rope(k, angles)
+    torch.testing.assert_close(rq.norm(dim=-1), q.norm(dim=-1))
+    # Same q/k content at two positions: the score depends only on the offset between them.
+    q1 = q[..., :1, :].expand(1, 1, 60, 48)
+    k1 = k[..., :1, :].expand(1, 1, 60, 48)
+    s = (apply_rope(q1, angles)[0, 0] @ apply_rope(k1, angles)[0, 0].T)  # (60, 60)
+    idx = lambda t, y, x: (t * 4 + y) * 5 + x  # noqa: E731
+    torch.testing.assert_close(s[idx(0, 0, 0), idx(1, 2, 3)], s[idx(1, 1, 1), idx(2, 3, 4)], rtol=1e-4, atol=1e-4)
+
+
+def test_presets_have_the_promised_sizes():
+    assert count_parameters(PRESETS["tiny"])["total"] <= 5_000_000
+    assert 100e6 <= count_parameters(PRESETS["small"])["total"] <= 300e6
+    assert 1.0e11 <= count_parameters(PRESETS["megaslide-105b"])["total"] <= 1.1e11
+    wan = count_parameters(PRESETS["wan-14b"])
+    assert 13e9 <= wan["dit"] <= 15.5e9
+
+
+def test_config_round_trips_and_rejects_bad_values():
+    c = PRESETS["small"].replace(attention="dsa")
+    assert DiTConfig.from_dict(c.to_dict()) == c
+    with pytest.raises(ValueError, match="divisible"):
+        DiTConfig(dim=100, heads=3)
+    with pytest.raises(ValueError, match="attention"):
+        DiTConfig(attention="flash")
+    with pytest.raises(ValueError, match="unknown model config keys"):
+        DiTConfig.from_dict({**c.to_dict(), "bogus": 1})
+
+
+def test_check_shape_names_the_problem():
+    dit, _ = make()
+    with pytest.raises(ValueError, match="frames must be between"):
+        dit.check_shape(TINY.max_frames + 1, 64, 64)
+    with pytest.raises(ValueError, match="multiple of the patch size"):
+        dit.check_shape(8, 62, 64)
+
+
+def test_tokenizer_rejects_long_prompts():
+    ids, mask = tokenize(["ab", ""], 8)
+    assert mask.sum(1).tolist() == [4, 2]
+    with pytest.raises(ValueError, match="at most 6"):
+        tokenize(["x" * 7], 8)
