@@ -37,8 +37,9 @@ class DiTConfig:
     ffn_dim: int = 512
     text: TextEncoderConfig = field(default_factory=TextEncoderConfig)
     autoencoder: str = "identity"  # "identity" = pixel space; anything else needs that VAE
-    max_frames: int = 32  # largest clip, in frames, that the positions are sized for
-    max_size: int = 256  # largest height or width, in pixels
+    vae_stride: tuple[int, int, int] = (1, 1, 1)  # pixels per latent on (t, y, x); Wan's VAE: (4, 8, 8)
+    max_frames: int = 32  # largest clip, in latent frames, that the positions are sized for
+    max_size: int = 256  # largest latent height or width (pixels, for the identity autoencoder)
     rope_theta: float = 10000.0
     attention: str = "dense"  # self-attention backend: "dense" (SDPA) or "dsa" (3D-DSA)
     dsa_tile: tuple[int, int, int] = (1, 4, 4)  # 3D-DSA tile, in tokens (t, y, x)
@@ -64,6 +65,12 @@ class DiTConfig:
     def head_dim(self) -> int:
         return self.dim // self.heads
 
+    def token_grid(self, frames: int, height: int, width: int) -> tuple[int, int, int]:
+        """Token grid `(T, Y, X)` of a clip given in pixels (a causal VAE keeps the first frame alone)."""
+        (st, sy, sx), (pt, ph, pw) = self.vae_stride, self.patch
+        latent_frames = 1 + (frames - 1) // st if st > 1 else frames
+        return latent_frames // pt, height // sy // ph, width // sx // pw
+
     def replace(self, **changes) -> "DiTConfig":
         return dataclasses.replace(self, **changes)
 
@@ -74,7 +81,7 @@ class DiTConfig:
     def from_dict(cls, d: dict) -> "DiTConfig":
         d = dict(d)
         d["text"] = TextEncoderConfig(**d.get("text", {}))
-        for key in ("patch", "dsa_tile", "dsa_window"):
+        for key in ("patch", "vae_stride", "dsa_tile", "dsa_window"):
             if key in d:
                 d[key] = tuple(d[key])
         known = {f.name for f in dataclasses.fields(cls)}
@@ -95,15 +102,15 @@ PRESETS: dict[str, DiTConfig] = {
     # latents from its VAE with 1x2x2 patches).
     "wan-14b": DiTConfig(
         in_channels=16, patch=(1, 2, 2), dim=5120, depth=40, heads=40, ffn_dim=13824,
-        text=TextEncoderConfig(dim=4096, layers=2, heads=32), autoencoder="wan-vae",
-        max_frames=21, max_size=1280, frames=21, height=90, width=160, fps=16, steps=50,
+        text=TextEncoderConfig(dim=4096, layers=2, heads=32), autoencoder="wan-vae", vae_stride=(4, 8, 8),
+        max_frames=21, max_size=160, frames=81, height=720, width=1280, fps=16, steps=50,
         guidance=5.0, shift=5.0,
     ),
     # The flagship: ~105B params, 210 GB in bf16, which only runs with its blocks streamed.
     "megaslide-105b": DiTConfig(
         in_channels=16, patch=(1, 2, 2), dim=12288, depth=44, heads=96, ffn_dim=46080,
-        text=TextEncoderConfig(dim=4096, layers=2, heads=32), autoencoder="wan-vae",
-        max_frames=32, max_size=1280, frames=21, height=90, width=160, fps=16, steps=50,
+        text=TextEncoderConfig(dim=4096, layers=2, heads=32), autoencoder="wan-vae", vae_stride=(4, 8, 8),
+        max_frames=32, max_size=160, frames=81, height=720, width=1280, fps=16, steps=50,
         guidance=5.0, shift=5.0,
     ),
 }

@@ -154,18 +154,10 @@ def register_info(sub) -> None:
 
 
 def run_info(args) -> int:
-    from megaslide.engine.checkpoint import read_config
-    from megaslide.engine.dit import count_parameters, get_preset
-    from megaslide.engine.models import default_model_source, resolve_model_path
+    from megaslide.engine.dit import count_parameters
 
-    if args.preset:
-        name, config = args.preset, get_preset(args.preset)
-    else:
-        kind, source = ("model", args.model) if args.model else default_model_source()
-        if kind == "preset":
-            name, config = source, get_preset(source)
-        else:
-            name, (config, _) = source, read_config(resolve_model_path(source))
+    config = model_config(args)
+    name = args.preset or args.model or "default"
     counts = count_parameters(config)
     info = {"name": name, "parameters": counts["total"], "parameter_counts": counts, "config": config.to_dict()}
     if args.json:
@@ -176,6 +168,63 @@ def run_info(args) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------------------------
+# plan
+
+
+def register_plan(sub) -> None:
+    p = sub.add_parser("plan", help="memory and time accounting of a model on a machine")
+    add_model_args(p)
+    p.add_argument("--mode", choices=("infer", "finetune"), default="infer")
+    p.add_argument("--frames", type=int, help="clip frames in pixels-space frames (default: the model's)")
+    p.add_argument("--size", help="clip WIDTHxHEIGHT in pixels (default: the model's)")
+    p.add_argument("--batch", type=int, default=1, help="requests (inference) or clips (fine-tuning) per step")
+    p.add_argument("--no-guidance", action="store_true", help="inference without the unconditional pass")
+    p.add_argument("--gpu-mem", type=parse_bytes, default="141GB", help="device memory (default: 141GB)")
+    p.add_argument("--host-mem", type=parse_bytes, default="1.5TB", help="host RAM (default: 1.5TB)")
+    p.add_argument("--gpu-budget", type=parse_bytes, help="device bytes for weights (default: stream every block)")
+    p.add_argument("--h2d-gbps", type=float, default=55.0, help="host-to-device GB/s (default: 55)")
+    p.add_argument("--d2h-gbps", type=float, default=55.0, help="device-to-host GB/s (default: 55)")
+    p.add_argument("--tflops", type=float, default=790.0, help="achieved bf16 TFLOP/s (default: 790)")
+    p.add_argument("--host-gbps", type=float, default=200.0, help="host memory GB/s for the CPU optimizer")
+    p.add_argument("--prefetch", type=int, default=2, help="device slots for streamed blocks (default: 2)")
+    p.add_argument("--max-grad-norm", action="store_true", help="fine-tuning with global-norm clipping")
+    p.add_argument("--dtype-bytes", type=int, default=2, help="bytes per compute-dtype value (default: 2, bf16)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=run_plan)
+
+
+def run_plan(args) -> int:
+    from megaslide.engine.planner import Machine, Workload, format_plan, plan
+
+    config = model_config(args)
+    width, height = parse_size(args.size) if args.size else (None, None)
+    for flag, value in (("--batch", args.batch), ("--prefetch", args.prefetch), ("--frames", args.frames)):
+        if value is not None and value < 1:
+            raise UsageError(f"{flag} must be at least 1, got {value}")
+    machine = Machine(gpu_mem=args.gpu_mem, host_mem=args.host_mem, h2d_gbps=args.h2d_gbps,
+                      d2h_gbps=args.d2h_gbps, tflops=args.tflops, host_gbps=args.host_gbps)  # fmt: skip
+    workload = Workload(mode=args.mode, frames=args.frames, height=height, width=width, batch=args.batch,
+                        guidance=not args.no_guidance, dtype_bytes=args.dtype_bytes, prefetch=args.prefetch,
+                        gpu_budget=args.gpu_budget, max_grad_norm=args.max_grad_norm)  # fmt: skip
+    result = plan(config, machine, workload)
+    print_json(result) if args.json else print(format_plan(result))
+    return 0
+
+
+def model_config(args):
+    """The DiTConfig named by --model/--preset, read without loading any weights."""
+    from megaslide.engine.checkpoint import read_config
+    from megaslide.engine.dit import get_preset
+    from megaslide.engine.models import default_model_source, resolve_model_path
+
+    if args.preset:
+        return get_preset(args.preset)
+    kind, source = ("model", args.model) if args.model else default_model_source()
+    return get_preset(source) if kind == "preset" else read_config(resolve_model_path(source))[0]
+
+
 def register_all(sub: argparse._SubParsersAction) -> None:
     register_generate(sub)
     register_info(sub)
+    register_plan(sub)

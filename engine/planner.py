@@ -1,0 +1,188 @@
+"""Memory and time planner: will a model run, in which mode, on which machine, and how fast?
+
+Every figure is derived from the model config (built on the meta device) and a few machine
+numbers, and named, so the accounting can be read and checked line by line:
+
+- Inference keeps the compute-dtype weights in host RAM (pinned once, at the exact size) and
+  streams each block into one of `prefetch` device slots; resident blocks and the non-block
+  parameters stay on the device. Each denoising step moves every streamed block across the bus once
+  (the whole batch, guidance pairs included, runs through a block while it is loaded).
+- Fine-tuning keeps fp32 master weights and AdamW's m and v in host RAM (12 B/param); the
+  compute-dtype copy of a block is cast on the fly into a pinned staging slot, so no full
+  compute-dtype copy exists. The forward keeps only block-boundary activations; the backward streams
+  the blocks again in reverse, recomputes each block and sends its gradients to the host.
+
+Time per step is `max(transfer, compute)` (copies overlap compute) with the bound named.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from .dit import DiTConfig, count_parameters
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What the planner needs to know about the hardware."""
+
+    gpu_mem: float = 141 * GB  # device bytes (H200)
+    host_mem: float = 1.5e12  # host RAM bytes
+    h2d_gbps: float = 55.0  # achieved pinned host->device bandwidth, GB/s (PCIe 5 x16)
+    d2h_gbps: float = 55.0
+    tflops: float = 790.0  # achieved dense bf16 TFLOP/s
+    host_gbps: float = 200.0  # host memory bandwidth the CPU optimizer streams through, GB/s
+    reserve: float = 0.05  # fraction of device memory kept free for the allocator and CUDA context
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What runs: mode, clip shape and batch."""
+
+    mode: str = "infer"  # "infer" or "finetune"
+    frames: int | None = None
+    height: int | None = None
+    width: int | None = None
+    batch: int = 1
+    guidance: bool = True  # inference: conditional and unconditional rows in one batch
+    dtype_bytes: int = 2  # compute dtype (bf16)
+    prefetch: int = 2  # device slots
+    gpu_budget: float | None = None  # device bytes for weights; None streams every block
+    max_grad_norm: bool = False  # fine-tuning: global-norm clipping
+
+
+def tokens(config: DiTConfig, w: Workload) -> int:
+    """Video tokens of one clip of the workload's shape (in pixels; the model's default when unset)."""
+    grid = config.token_grid(w.frames or config.frames, w.height or config.height, w.width or config.width)
+    return math.prod(grid)
+
+
+def attention_keys(config: DiTConfig, n: int) -> int:
+    """Keys each query attends to: all tokens (dense) or the 3D-DSA window."""
+    if config.attention == "dense":
+        return n
+    return min(n, math.prod(config.dsa_window) * math.prod(config.dsa_tile))
+
+
+def plan(config: DiTConfig, machine: Machine = Machine(), w: Workload = Workload()) -> dict:
+    """The full accounting as a dict of named byte counts, times and a verdict."""
+    if w.mode not in ("infer", "finetune"):
+        raise ValueError(f"mode must be 'infer' or 'finetune', got {w.mode!r}")
+    counts = count_parameters(config)
+    n_params, n_block = counts["total"], counts["per_block"]
+    n_nonblock = n_params - n_block * config.depth
+    b = w.dtype_bytes
+    block_bytes, nonblock_bytes = n_block * b, n_nonblock * b
+    n_tok = tokens(config, w)
+    rows = w.batch * (2 if (w.guidance and w.mode == "infer") else 1)
+    D, F, L = config.dim, config.ffn_dim, config.text.max_len
+    keys = attention_keys(config, n_tok)
+
+    # Device: weights. Slots hold streamed blocks; the rest of the budget keeps blocks resident.
+    slots = w.prefetch * block_bytes
+    if w.gpu_budget is None:
+        resident = 0
+    else:
+        resident = int(max(0, w.gpu_budget - nonblock_bytes - slots) // block_bytes)
+        resident = min(resident, config.depth)
+    streamed = config.depth - resident
+    weights_dev = nonblock_bytes + slots + resident * block_bytes
+
+    # Device: activations of one block's forward, the largest live set (hidden state, qkv, attention
+    # output, MLP hidden), and the attention workspace (flash-style kernels keep O(N) per row).
+    act_block = rows * n_tok * (2 * D + max(4 * D, F + D)) * b
+    attn_ws = rows * config.heads * n_tok * 4  # fp32 log-sum-exp per query row
+    device = {"non_block_weights": nonblock_bytes, "slots": slots, "resident_blocks": resident * block_bytes}
+    host = {}
+    if w.mode == "infer":
+        device.update(activations=act_block, attention_workspace=attn_ws)
+        host["compute_dtype_weights"] = n_params * b  # pinned once at the exact size
+    else:
+        # Backward: one block's recompute plus its saved tensors (about 3x the forward live set), the
+        # block-boundary activations of every block, and gradient slots draining to the host.
+        boundary = rows * n_tok * D * b * config.depth
+        grad_slots = w.prefetch * block_bytes
+        device.update(activations=3 * act_block, attention_workspace=attn_ws, boundary_activations=boundary,
+                      gradient_slots=grad_slots)  # fmt: skip
+        host.update(
+            fp32_master=4 * n_params, adam_m=4 * n_params, adam_v=4 * n_params,
+            pinned_staging=w.prefetch * block_bytes,  # compute-dtype casts of blocks on their way up
+            pinned_gradients=w.prefetch * n_block * 4,  # fp32 gradients on their way down
+            grad_clipping=(4 * n_params if w.max_grad_norm else 0),  # every grad held until the norm is known
+        )  # fmt: skip
+    device_limit = machine.gpu_mem * (1 - machine.reserve)
+    if w.mode == "finetune" and sum(device.values()) > device_limit:
+        # Over the device budget: the block-boundary activations wait in pinned host memory instead
+        # (one block's worth comes back for each block's recompute, overlapped like a weight copy).
+        host["boundary_activations"] = device.pop("boundary_activations")
+    device_total = sum(device.values())
+    host_total = sum(host.values())
+
+    # Time: FLOPs of one forward over the batch (matmuls 2*params*tokens, attention 4*N*keys*D).
+    matmul_params = n_block - 6 * D  # everything in a block but its modulation table is a matmul weight
+    fwd_flops = config.depth * rows * (2 * matmul_params * n_tok + 4 * n_tok * keys * D + 4 * n_tok * L * D)
+    streamed_bytes = streamed * block_bytes
+    if w.mode == "infer":
+        compute_s = fwd_flops / (machine.tflops * 1e12)
+        transfer_s = streamed_bytes / (machine.h2d_gbps * GB)
+        optimizer_s = 0.0
+    else:
+        compute_s = 4 * fwd_flops / (machine.tflops * 1e12)  # forward, recompute, backward (2x)
+        offloaded = host.get("boundary_activations", 0)  # down in the forward, back up in the backward
+        h2d_bytes = 2 * streamed_bytes + offloaded  # every streamed block in the forward and the backward
+        d2h_bytes = config.depth * n_block * b + offloaded  # every block's gradients
+        transfer_s = h2d_bytes / (machine.h2d_gbps * GB) + d2h_bytes / (machine.d2h_gbps * GB)
+        optimizer_s = 30 * n_params / (machine.host_gbps * GB)  # ~30 B/param through host memory
+    bounds = {"compute": compute_s, "transfer": transfer_s, "optimizer": optimizer_s}
+    bound = max(bounds, key=bounds.get)
+
+    problems = []
+    if device_total > device_limit:
+        problems.append(f"device memory: needs {device_total / GB:.1f} GB of {device_limit / GB:.1f} GB usable")
+    if host_total > machine.host_mem:
+        problems.append(f"host memory: needs {host_total / GB:.1f} GB of {machine.host_mem / GB:.1f} GB")
+    if w.gpu_budget is not None and w.gpu_budget < nonblock_bytes + slots:
+        problems.append(f"gpu budget {w.gpu_budget / GB:.2f} GB is below non-block weights + slots "
+                        f"({(nonblock_bytes + slots) / GB:.2f} GB)")  # fmt: skip
+    return {
+        "mode": w.mode,
+        "parameters": n_params,
+        "per_block_parameters": n_block,
+        "blocks": config.depth,
+        "resident_blocks": resident,
+        "streamed_blocks": streamed,
+        "tokens": n_tok,
+        "batch_rows": rows,
+        "host": {**host, "total": host_total},
+        "device": {**device, "weights": weights_dev, "total": device_total},
+        "time_s": {**bounds, "step": max(bounds.values()), "bound": bound},
+        "bytes_per_step": {"h2d": streamed_bytes if w.mode == "infer" else h2d_bytes},
+        "fits": not problems,
+        "problems": problems,
+        "machine": asdict(machine),
+        "workload": asdict(w),
+    }
+
+
+def format_plan(p: dict) -> str:
+    """A human-readable table of a plan."""
+
+    def gb(x):
+        return f"{x / GB:10.2f} GB"
+
+    lines = [f"{p['mode']}: {p['parameters']:,} parameters, {p['blocks']} blocks "
+             f"({p['resident_blocks']} resident, {p['streamed_blocks']} streamed), {p['tokens']:,} tokens x {p['batch_rows']} rows"]  # fmt: skip
+    for side in ("host", "device"):
+        lines.append(f"{side}:")
+        for name, value in p[side].items():
+            if name not in ("total", "weights"):
+                lines.append(f"  {name:<22}{gb(value)}")
+        lines.append(f"  {'total':<22}{gb(p[side]['total'])}")
+    t = p["time_s"]
+    lines.append(f"time per step: {t['step']:.3f} s, bound by {t['bound']} "
+                 f"(compute {t['compute']:.3f} s, transfer {t['transfer']:.3f} s, optimizer {t['optimizer']:.3f} s)")  # fmt: skip
+    lines.append("verdict: fits" if p["fits"] else "verdict: does not fit: " + "; ".join(p["problems"]))
+    return "\n".join(lines)
