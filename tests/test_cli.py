@@ -1,0 +1,82 @@
+"""The `megaslide` command line: generate, info, plan, and its handling of bad input."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from megaslide import __version__
+from megaslide.cli import main
+
+GEN = ["generate", "a red circle moving right", "--preset", "tiny", "--steps", "2", "--frames", "4",
+       "--size", "32x32", "--no-progress"]  # fmt: skip
+
+
+def run(argv, capsys):
+    code = main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_generate_writes_a_deterministic_mp4(tmp_path, capsys):
+    from megaslide.engine.video import read_video
+
+    paths = [tmp_path / f"{name}.mp4" for name in ("a", "b", "c")]
+    for path, seed in zip(paths, ("1", "1", "2")):
+        code, _, err = run([*GEN, "-o", str(path), "--seed", seed], capsys)
+        assert code == 0, err
+    a, b, c = (read_video(p) for p in paths)
+    assert a.shape == (4, 32, 32, 3)
+    assert np.array_equal(a, b)
+    assert not np.array_equal(a, c)
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--size", "33x32"], "even"),
+        (["--frames", "999"], "frames must be between"),
+        (["--preset", "nope"], "unknown preset"),
+        (["--steps", "0"], "--steps must be at least 1"),
+        (["--size", "big"], "WIDTHxHEIGHT"),
+    ],
+)
+def test_bad_generate_input_is_one_line_exit_2_and_no_file(tmp_path, capsys, extra, message):
+    out = tmp_path / "out.mp4"
+    code, _, err = run([*GEN, "-o", str(out), *extra], capsys)
+    assert code == 2
+    assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_empty_prompt_and_missing_model_are_rejected(tmp_path, capsys):
+    out = tmp_path / "out.mp4"
+    code, _, err = run(["generate", "  ", "-o", str(out)], capsys)
+    assert code == 2 and "prompt is empty" in err
+    code, _, err = run(["generate", "p", "-o", str(out), "--model", str(tmp_path / "missing")], capsys)
+    assert code == 2 and "not found" in err
+    assert not out.exists()
+
+
+def test_info_reports_exact_parameter_counts(capsys):
+    code, out, _ = run(["info", "--preset", "megaslide-105b", "--json"], capsys)
+    info = json.loads(out)
+    assert code == 0 and 1.0e11 <= info["parameters"] <= 1.1e11
+    assert info["config"]["depth"] * info["parameter_counts"]["per_block"] < info["parameters"]
+
+
+def test_plan_105b(capsys):
+    code, out, _ = run(["plan", "--preset", "megaslide-105b", "--mode", "finetune", "--json"], capsys)
+    p = json.loads(out)
+    assert code == 0 and p["fits"], p["problems"]
+    assert p["host"]["fp32_master"] + p["host"]["adam_m"] + p["host"]["adam_v"] == 12 * p["parameters"]
+    code, out, _ = run(["plan", "--preset", "megaslide-105b", "--json"], capsys)
+    p = json.loads(out)
+    assert abs(p["time_s"]["transfer"] / (210e9 / 55e9) - 1) < 0.05
+
+
+def test_console_script_version():
+    out = subprocess.run([sys.executable, "-m", "megaslide", "--version"], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == f"megaslide {__version__}"
