@@ -253,11 +253,11 @@ class DiTBlock(nn.Module):
         nn.init.zeros_(self.cross.out.weight)
         nn.init.zeros_(self.cross.out.bias)
 
-    def forward(self, x, t_mod, ctx, ctx_mask, grid, angles):
-        mod = (t_mod + self.modulation).unsqueeze(2)  # (B, 6, 1, D)
+    def forward(self, x: torch.Tensor, c: "BlockInputs") -> torch.Tensor:
+        mod = (c.t_mod + self.modulation).unsqueeze(2)  # (B, 6, 1, D)
         shift1, scale1, gate1, shift2, scale2, gate2 = mod.unbind(1)  # (B, 1, D) each
-        x = x + gate1 * self.attn(self.norm1(x) * (1 + scale1) + shift1, grid, angles)  # (B, N, D)
-        x = x + self.cross(self.norm_cross(x), ctx, ctx_mask)  # (B, N, D)
+        x = x + gate1 * self.attn(self.norm1(x) * (1 + scale1) + shift1, c.grid, c.angles)  # (B, N, D)
+        x = x + self.cross(self.norm_cross(x), c.ctx, c.ctx_mask)  # (B, N, D)
         x = x + gate2 * self.mlp(self.norm2(x) * (1 + scale2) + shift2)  # (B, N, D)
         return x
 
@@ -331,16 +331,40 @@ class VideoDiT(nn.Module):
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, ctx: torch.Tensor, ctx_mask: torch.Tensor):
         """x `(B, C, F, H, W)`, t `(B,)` in [0, 1], ctx `(B, L, text_dim)`, ctx_mask `(B, L)` bool."""
+        h, c = self.prologue(x, t, ctx, ctx_mask)  # (B, N, D)
+        for block in self.blocks:
+            h = block(h, c)  # (B, N, D)
+        return self.epilogue(h, c)  # (B, C, F, H, W)
+
+    # The forward in three parts, so fine-tuning can run the blocks one at a time (and recompute
+    # them in its backward pass) while the parts around them stay ordinary autograd.
+
+    def prologue(self, x, t, ctx, ctx_mask) -> tuple[torch.Tensor, "BlockInputs"]:
+        """Everything before the first block: tokens `(B, N, D)` and what every block reads."""
         tokens, grid = self.patchify(x)  # (B, N, C*pt*ph*pw)
         h = self.patch_embed(tokens)  # (B, N, D)
         angles = rope_frequencies(self.config, grid, device=x.device)  # (N, d/2)
         t_emb = self.time_embed(timestep_embedding(t, 256).to(h.dtype))  # (B, D)
         t_mod = self.time_mod(t_emb).unflatten(1, (6, -1))  # (B, 6, D)
         ctx = self.text_proj(ctx.to(h.dtype))  # (B, L, D)
-        for block in self.blocks:
-            h = block(h, t_mod, ctx, ctx_mask, grid, angles)  # (B, N, D)
-        out = self.final(h, t_emb)  # (B, N, C*pt*ph*pw)
-        return self.unpatchify(out, grid)  # (B, C, F, H, W)
+        return h, BlockInputs(t_emb, t_mod, ctx, ctx_mask, grid, angles)
+
+    def epilogue(self, h: torch.Tensor, c: "BlockInputs") -> torch.Tensor:
+        """Everything after the last block: tokens `(B, N, D)` -> velocity `(B, C, F, H, W)`."""
+        out = self.final(h, c.t_emb)  # (B, N, C*pt*ph*pw)
+        return self.unpatchify(out, c.grid)  # (B, C, F, H, W)
+
+
+@dataclass
+class BlockInputs:
+    """What every block reads besides the hidden state: conditioning, text and positions."""
+
+    t_emb: torch.Tensor  # (B, D) timestep embedding
+    t_mod: torch.Tensor  # (B, 6, D) shared adaLN modulation
+    ctx: torch.Tensor  # (B, L, D) projected text tokens
+    ctx_mask: torch.Tensor  # (B, L) bool, True where a text token is real
+    grid: tuple[int, int, int]  # token grid (T, Y, X)
+    angles: torch.Tensor  # (N, head_dim / 2) rotary angles
 
 
 def count_parameters(config: DiTConfig) -> dict[str, int]:

@@ -43,16 +43,11 @@ def test_patchify_round_trips():
 
 def test_adaln_zero_makes_every_block_the_identity_at_init():
     dit, text = make()
-    ctx, mask = text.encode(["anything at all"])
-    t_emb = dit.time_embed(torch.randn(1, 256))
-    t_mod = dit.time_mod(t_emb).unflatten(1, (6, -1))
-    h = torch.randn(1, 64, TINY.dim)
-    angles = rope_frequencies(TINY, (4, 4, 4))
-    ctx = dit.text_proj(ctx)
-    for block in dit.blocks:
-        assert torch.equal(block(h, t_mod, ctx, mask, (4, 4, 4), angles), h)
-    # ...and the whole model predicts zero velocity, whatever the input.
     x = torch.randn(1, 3, 4, 16, 16)
+    h, c = dit.prologue(x, torch.tensor([0.5]), *text.encode(["anything at all"]))
+    for block in dit.blocks:
+        assert torch.equal(block(h, c), h)
+    # ...and the whole model predicts zero velocity, whatever the input.
     assert not dit(x, torch.tensor([0.5]), *text.encode(["p"])).any()
 
 
