@@ -186,6 +186,9 @@ class SelfAttention(nn.Module):
         self.motion = nn.Linear(config.dim, 2 * config.heads)
         nn.init.zeros_(self.motion.weight)
         nn.init.zeros_(self.motion.bias)
+        # Dense attention never reads the head: freeze it there so training leaves it untouched
+        # (no weight decay on a parameter the loss cannot see).
+        self.motion.requires_grad_(config.attention == "dsa")
 
     def forward(self, x: torch.Tensor, grid: tuple[int, int, int], angles: torch.Tensor):
         B, N, D = x.shape
@@ -221,14 +224,18 @@ class CrossAttention(nn.Module):
         super().__init__()
         self.heads = config.heads
         self.q = nn.Linear(config.dim, config.dim)
-        self.kv = nn.Linear(config.dim, 2 * config.dim)
+        # No key bias: softmax is invariant to adding the same q.b to every logit of a row, so a key
+        # bias would be a parameter whose true gradient is zero (and whose computed one is noise).
+        self.k = nn.Linear(config.dim, config.dim, bias=False)
+        self.v = nn.Linear(config.dim, config.dim)
         self.out = nn.Linear(config.dim, config.dim)
 
     def forward(self, x: torch.Tensor, ctx: torch.Tensor, ctx_mask: torch.Tensor):
         B, N, D = x.shape
         L = ctx.shape[1]
         q = self.q(x).view(B, N, self.heads, -1).transpose(1, 2)  # (B, h, N, d)
-        k, v = self.kv(ctx).view(B, L, 2, self.heads, -1).permute(2, 0, 3, 1, 4)  # (B, h, L, d) x2
+        k = self.k(ctx).view(B, L, self.heads, -1).transpose(1, 2)  # (B, h, L, d)
+        v = self.v(ctx).view(B, L, self.heads, -1).transpose(1, 2)  # (B, h, L, d)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx_mask[:, None, None, :])
         return self.out(o.transpose(1, 2).reshape(B, N, D))  # (B, N, D)
 

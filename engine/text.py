@@ -55,7 +55,9 @@ class EncoderLayer(nn.Module):
         super().__init__()
         self.heads = config.heads
         self.norm1 = nn.LayerNorm(config.dim)
-        self.qkv = nn.Linear(config.dim, 3 * config.dim)
+        # No bias: a key bias cannot change attention (softmax ignores a per-row constant), so its
+        # gradient would be pure rounding noise that AdamW amplifies into real updates.
+        self.qkv = nn.Linear(config.dim, 3 * config.dim, bias=False)
         self.out = nn.Linear(config.dim, config.dim)
         self.norm2 = nn.LayerNorm(config.dim)
         self.mlp = nn.Sequential(nn.Linear(config.dim, 4 * config.dim), nn.GELU(), nn.Linear(4 * config.dim, config.dim))

@@ -1,0 +1,277 @@
+"""One full-parameter training step that touches one block at a time.
+
+The step never holds the whole model's gradients, or (when streamed) its weights, on the device:
+
+1. Forward, no autograd inside the blocks: the prologue (text encoder, embeddings) runs with
+   autograd; each block is loaded, run, and released, and only its input is kept (block-boundary
+   activation checkpointing).
+2. The epilogue and the loss run with autograd, giving the gradient at the last block's output.
+3. Backward, blocks in reverse: load block i, recompute its forward from the saved input with
+   autograd, backpropagate the incoming gradient, and hand block i's parameter gradients to the
+   host: a CPU worker runs AdamW on block i's fp32 master while the device goes on to block i - 1.
+   Gradients for what every block reads (timestep modulation, projected text) accumulate on leaf
+   tensors across blocks.
+4. Those accumulated gradients flow back through the prologue; the non-block parameters are
+   updated last.
+
+fp32 master weights live on the host. When streamed, the streamer's host store *is* the fp32
+master of each block; on CUDA the compute happens under bf16 autocast, so the bf16 copy is cast on
+the fly on the device and no host copy in the compute dtype exists (12 B/param on the host with m
+and v). With `offload="none"` the blocks stay on the device and masters are separate host copies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, replace
+
+import torch
+from torch import nn
+
+from .dit import VideoDiT
+from .flow import sample_training_times
+from .optim import CPUAdamW
+from .text import ByteTextEncoder
+
+NON_BLOCK = "non_block"  # optimizer block id of everything outside the DiT's blocks
+
+
+@dataclass(frozen=True)
+class StepConfig:
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_accum: int = 1
+    max_grad_norm: float | None = None
+    offload: str = "none"  # "none": blocks stay on the device; "stream": streamed from host RAM
+    autocast: torch.dtype | None = None  # e.g. torch.bfloat16 on CUDA; None computes in fp32
+
+
+class _ResidentBlocks:
+    """The streamer's load/release interface for blocks that never leave the device."""
+
+    def load(self, i):
+        pass
+
+    def release(self, i):
+        pass
+
+    @contextlib.contextmanager
+    def manual(self, order=None):
+        yield self
+
+
+class BlockwiseStep:
+    """Owns the device copy of a model, its host fp32 masters and the CPU AdamW that updates them."""
+
+    def __init__(self, dit: VideoDiT, text: ByteTextEncoder, device: str | torch.device, config: StepConfig):
+        if config.offload not in ("none", "stream"):
+            raise ValueError(f"offload must be 'none' or 'stream', got {config.offload!r}")
+        self.dit, self.text, self.config = dit, text, config
+        self.device = torch.device(device)
+        for p in [*dit.parameters(), *text.parameters()]:
+            if p.dtype != torch.float32 or p.device.type != "cpu":
+                raise ValueError("the model must come in fp32 on the CPU: it becomes the fp32 master")
+        # Host masters of the non-block parameters (and, unless streamed, of the blocks): the
+        # parameters themselves where they already live on the host, else host copies.
+        named = {f"dit.{n}": p for n, p in trainable(dit) if not n.startswith("blocks.")}
+        named |= {f"text.{n}": p for n, p in trainable(text)}
+        self.non_block_params = named
+        non_block_master = self._host_master(named)  # before anything moves to the device
+        # Frozen parameters never change: a host copy of each is all checkpoints need.
+        self.frozen = {f"{prefix}.{n}": p.detach().clone()
+                       for prefix, m in (("dit", dit), ("text", text))
+                       for n, p in m.named_parameters() if not p.requires_grad}  # fmt: skip
+        self.handle = None
+        if config.offload == "stream":
+            from .streaming import stream_module
+
+            self.handle = stream_module(dit, blocks=dit.blocks, device=self.device)
+            self.blocks_io = self.handle
+            # The streamer's host store of each block is its fp32 master: AdamW updates it in place
+            # and the next load copies the new values.
+            block_masters = {}
+            for i, block in enumerate(dit.blocks):
+                names = {n for n, _ in trainable(block)}
+                block_masters[i] = {n: t for n, t in self.handle.host_tensors(i).items() if n in names}
+        else:
+            self.blocks_io = _ResidentBlocks()
+            block_masters = {i: self._host_master(dict(trainable(b))) for i, b in enumerate(dit.blocks)}
+            dit.to(self.device)
+        text.to(self.device)
+        # Block masters are keyed by names inside the block ("attn.qkv.weight").
+        self.masters = {**block_masters, NON_BLOCK: non_block_master}
+        self.optimizer = CPUAdamW(
+            self.masters, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay,
+            accumulation_steps=config.grad_accum, max_grad_norm=config.max_grad_norm,
+        )  # fmt: skip
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megaslide-adamw")
+        self.micro = 0
+        self.d2h_bytes = 0
+
+    def _host_master(self, named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if self.device.type == "cpu":
+            return {n: p.data for n, p in named.items()}  # the parameters are the masters
+        return {n: p.detach().clone() for n, p in named.items()}
+
+    @property
+    def h2d_bytes(self) -> int:
+        return self.handle.stats()["h2d_bytes"] if self.handle is not None else 0
+
+    def autocast(self):
+        if self.config.autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.config.autocast)
+
+    def micro_step(self, x0: torch.Tensor, prompts: list[str], generator: torch.Generator) -> dict:
+        """Forward and backward of one micro-batch; the optimizer steps after `grad_accum` of them.
+
+        `x0` `(B, C, F, H, W)` clips in latent space; noise and flow times come from `generator`.
+        """
+        start = time.perf_counter()
+        dit, io = self.dit, self.blocks_io
+        B = x0.shape[0]
+        t = sample_training_times(B, generator)  # (B,)
+        noise = torch.randn(x0.shape, generator=generator)  # (B, C, F, H, W)
+        x0, noise, t = x0.to(self.device), noise.to(self.device), t.to(self.device)
+        t_ = t.view(-1, 1, 1, 1, 1)
+        x_t = (1 - t_) * x0 + t_ * noise  # (B, C, F, H, W)
+        target = noise - x0
+        last = self.micro + 1 == self.config.grad_accum
+
+        # 1. Prologue with autograd; blocks without, keeping each block's input.
+        with self.autocast():
+            ids_ctx, ids_mask = self.text.encode(prompts)  # (B, L, text_dim)
+            h, c = dit.prologue(x_t, t, ids_ctx, ids_mask)  # (B, N, D)
+        # Leaves for what every block reads: blocks' gradients accumulate on them.
+        c_leaf = replace(c, t_mod=c.t_mod.detach().requires_grad_(), ctx=c.ctx.detach().requires_grad_())
+        inputs = []
+        x = h.detach()
+        with torch.no_grad(), io.manual(order="forward"), self.autocast():
+            for i, block in enumerate(dit.blocks):
+                io.load(i)
+                inputs.append(x)
+                x = block(x, c_leaf)  # (B, N, D)
+                io.release(i)
+
+        # 2. Epilogue and loss with autograd.
+        x = x.detach().requires_grad_()
+        t_emb_leaf = c.t_emb.detach().requires_grad_()
+        with self.autocast():
+            v = dit.epilogue(x, replace(c_leaf, t_emb=t_emb_leaf))  # (B, C, F, H, W)
+            loss = torch.nn.functional.mse_loss(v.float(), target.float())
+        (loss / self.config.grad_accum).backward()
+        grad = x.grad
+
+        # 3. Blocks in reverse: recompute, backpropagate, hand gradients to the CPU optimizer.
+        pending: list[Future] = []
+        sq_norm = torch.zeros((), device=self.device)
+        with io.manual(order="reverse"):
+            for i in reversed(range(len(dit.blocks))):
+                io.load(i)
+                xi = inputs[i].requires_grad_()
+                with self.autocast():
+                    out = dit.blocks[i](xi, c_leaf)  # (B, N, D)
+                out.backward(grad)
+                grad = xi.grad
+                inputs[i] = None  # this boundary activation is no longer needed
+                params = dict(trainable(dit.blocks[i]))
+                grads = _grads_or_zeros(params)
+                sq_norm += sum(g.float().square().sum() for g in grads.values())
+                host_grads = self._to_host(grads)
+                for p in params.values():
+                    p.grad = None  # gradients exist only for the block being processed
+                io.release(i)
+                if self.handle is not None:
+                    # Re-fetch the host views: this also tells the streamer that block i's host copy
+                    # is about to change, so a stale slot copy is never reused.
+                    self.handle.host_tensors(i)
+                pending.append(self.worker.submit(self._update, i, host_grads, last))
+
+        # 4. Through the prologue with everything the blocks and the epilogue sent back.
+        torch.autograd.backward(
+            [h, c.t_mod, c.ctx, c.t_emb], [grad, c_leaf.t_mod.grad, c_leaf.ctx.grad, t_emb_leaf.grad]
+        )
+        named = self.non_block_params
+        grads = _grads_or_zeros(named)
+        sq_norm += sum(g.float().square().sum() for g in grads.values())
+        host_grads = self._to_host(grads)
+        for p in named.values():
+            p.grad = None
+        pending.append(self.worker.submit(self._update, NON_BLOCK, host_grads, last))
+        for f in pending:
+            # The next forward reads the masters these updates write: wait for every one of them.
+            f.result()
+        if last and self.config.max_grad_norm is not None:
+            for block_id in self.masters:  # clipping needs every gradient before any update
+                self.optimizer.step_block(block_id)
+        if last:
+            self._publish()
+        self.micro = 0 if last else self.micro + 1
+        # One host read per micro-step for the metrics; the values are needed on the host anyway.
+        return {"loss": loss.item(), "grad_norm": sq_norm.sqrt().item() * self.config.grad_accum,
+                "step_time_s": time.perf_counter() - start, "stepped": last}  # fmt: skip
+
+    def _to_host(self, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """fp32 host copies of device gradients (the same tensors on the CPU)."""
+        if self.device.type == "cpu":
+            return grads
+        out = {n: torch.empty(g.shape, dtype=torch.float32, pin_memory=True) for n, g in grads.items()}
+        for n, g in grads.items():
+            out[n].copy_(g, non_blocking=True)
+        # The CPU worker reads these buffers: wait until the copies have landed. A dedicated D2H
+        # stream would let this wait overlap the next block's compute; here it is one sync per block.
+        torch.cuda.current_stream(self.device).synchronize()
+        self.d2h_bytes += sum(g.numel() * 4 for g in grads.values())
+        return out
+
+    def _update(self, block_id, grads: dict[str, torch.Tensor], last: bool) -> None:
+        if not last or self.config.max_grad_norm is not None:
+            self.optimizer.accumulate(block_id, grads)
+        else:
+            self.optimizer.step_block(block_id, grads)
+
+    def _publish(self) -> None:
+        """Make the device see the updated masters where it keeps its own copies."""
+        if self.device.type == "cpu":
+            return
+        with torch.no_grad():
+            for n, p in self.non_block_params.items():
+                p.copy_(self.masters[NON_BLOCK][n])
+            if self.handle is None:
+                for i, block in enumerate(self.dit.blocks):
+                    for n, p in trainable(block):
+                        p.copy_(self.masters[i][n])
+
+    def close(self) -> None:
+        self.worker.shutdown(wait=True)
+        self.optimizer.close()
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
+
+
+def trainable(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+
+
+def _grads_or_zeros(params: dict[str, nn.Parameter]) -> dict[str, torch.Tensor]:
+    """Each parameter's gradient, zeros for one the loss did not reach this step (e.g. no prompt was
+    long enough to touch the last text positions, whose gradient torch would also make zero)."""
+    return {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in params.items()}
+
+
+def master_state_dicts(step: BlockwiseStep) -> tuple[dict, dict]:
+    """Every parameter on the host, fp32 masters and frozen ones: `(dit_state_dict, text_state_dict)`."""
+    flat = dict(step.frozen)
+    for block_id, named in step.masters.items():
+        prefix = "" if block_id == NON_BLOCK else f"dit.blocks.{block_id}."
+        flat |= {prefix + n: t for n, t in named.items()}
+    dit_sd = {n[4:]: t for n, t in flat.items() if n.startswith("dit.")}
+    text_sd = {n[5:]: t for n, t in flat.items() if n.startswith("text.")}
+    return dit_sd, text_sd
+
+
+__all__ = ["BlockwiseStep", "StepConfig", "NON_BLOCK", "master_state_dicts"]
