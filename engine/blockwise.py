@@ -47,6 +47,7 @@ class StepConfig:
     max_grad_norm: float | None = None
     offload: str = "none"  # "none": blocks stay on the device; "stream": streamed from host RAM
     autocast: torch.dtype | None = None  # e.g. torch.bfloat16 on CUDA; None computes in fp32
+    timing: bool = False  # per-block copy and compute times in the streamer's stats and trace
 
 
 class _ResidentBlocks:
@@ -88,7 +89,7 @@ class BlockwiseStep:
         if config.offload == "stream":
             from .streaming import stream_module
 
-            self.handle = stream_module(dit, blocks=dit.blocks, device=self.device)
+            self.handle = stream_module(dit, blocks=dit.blocks, device=self.device, timing=config.timing)
             self.blocks_io = self.handle
             # The streamer's host store of each block is its fp32 master: AdamW updates it in place
             # and the next load copies the new values.

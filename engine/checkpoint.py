@@ -73,6 +73,11 @@ def read_tensors(file: str | os.PathLike, prefix: str = "", device="cpu", dtype=
         for name in f.keys():
             if name.startswith(prefix):
                 t = f.get_tensor(name)
+                if t.data_ptr() % 64:
+                    # Tensors at unaligned offsets of the file send CPU matmuls down a differently
+                    # blocked path, so a loaded model would differ from the saved one in the last
+                    # bit. A fresh allocation is aligned.
+                    t = t.clone()
                 out[name] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
     return out
 

@@ -24,7 +24,7 @@ class TextEncoderConfig:
     dim: int = 128
     layers: int = 2
     heads: int = 4
-    max_len: int = 64  # tokens, including BOS and EOS; longer prompts are rejected, not cut
+    max_len: int = 128  # tokens (bytes), including BOS and EOS; longer prompts are rejected, not cut
 
 
 class TextEncoder(ABC):

@@ -224,7 +224,91 @@ def model_config(args):
     return get_preset(source) if kind == "preset" else read_config(resolve_model_path(source))[0]
 
 
+# ---------------------------------------------------------------------------------------------
+# finetune
+
+
+def register_finetune(sub) -> None:
+    p = sub.add_parser("finetune", help="full-parameter fine-tuning on a directory of captioned clips")
+    add_model_args(p)
+    p.add_argument("--data", required=True, help="dataset directory with metadata.jsonl")
+    p.add_argument("--output", help="run directory: metrics, checkpoints and the final model")
+    length = p.add_mutually_exclusive_group()
+    length.add_argument("--steps", type=int, help="optimizer steps")
+    length.add_argument("--epochs", type=float, help="passes over the dataset (default: 1)")
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--max-grad-norm", type=float, help="clip the global gradient norm to this")
+    p.add_argument("--save-every", type=int, default=50, help="checkpoint every N steps (and at the end)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --output")
+    p.add_argument("--frames", type=int, help="training clip frames (default: the model's)")
+    p.add_argument("--size", help="training clip WIDTHxHEIGHT (default: the model's)")
+    p.add_argument("--attention", choices=("dense", "dsa"), help="self-attention backend to train with")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--offload", choices=("none", "stream"), default="none")
+    p.add_argument("--gpu-budget", type=parse_bytes, help="reserved: fine-tuning streams every block")
+    p.add_argument("--stats", help="write streaming stats of the run as JSON here")
+    p.add_argument("--trace", help="write a Chrome trace of the last step's block copies and computes")
+    p.add_argument("--server", help="run the job on a MegaSlide server at this URL instead of locally")
+    p.add_argument("--api-key", help="API key for --server (default: $MEGASLIDE_API_KEY)")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(run=run_finetune)
+
+
+def run_finetune(args) -> int:
+    if args.server:
+        from .remote import finetune_remote
+
+        return finetune_remote(args)
+    from megaslide.engine.finetune import FinetuneConfig, Trainer
+
+    if not args.output:
+        raise UsageError("--output is required for a local run")
+    if args.gpu_budget is not None:
+        raise UsageError("--gpu-budget: fine-tuning streams every block; omit it")
+    width, height = parse_size(args.size) if args.size else (None, None)
+    model, preset = args.model, args.preset
+    if not model and not preset:
+        from megaslide.engine.models import default_model_source
+
+        kind, source = default_model_source()
+        model, preset = (source, None) if kind == "model" else (None, source)
+    config = FinetuneConfig(
+        data=args.data, output=args.output, model=model, preset=preset, steps=args.steps,
+        epochs=None if args.steps else (args.epochs or 1.0), lr=args.lr, batch_size=args.batch_size,
+        grad_accum=args.grad_accum, weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
+        save_every=args.save_every, seed=args.seed, device=args.device, offload=args.offload,
+        frames=args.frames, height=height, width=width, attention=args.attention,
+        timing=bool(args.stats or args.trace),
+    )  # fmt: skip
+    with Trainer(config, resume=args.resume) as trainer:
+        if trainer.done:
+            print(f"already at step {trainer.step} of {trainer.total_steps}", file=sys.stderr)
+        with progress_bar(trainer.total_steps, "fine-tuning", disable=args.no_progress) as bar:
+            bar.update(trainer.step)
+
+            def report(m):
+                bar.update(1)
+                if hasattr(bar, "set_postfix"):
+                    bar.set_postfix(loss=f"{m['loss']:.4f}", step_s=f"{m['step_time_s']:.2f}")
+
+            last = trainer.run(report)
+        if last is not None and trainer.step % args.save_every:
+            trainer.save_checkpoint()  # the end of the run is always a checkpoint
+        if args.stats and trainer.engine.handle is not None:
+            Path(args.stats).write_text(json.dumps(trainer.engine.handle.stats(), indent=2) + "\n")
+        if args.trace and trainer.engine.handle is not None:
+            trainer.engine.handle.write_trace(args.trace)
+        path = trainer.export()
+    print(f"fine-tuned model written to {path}", file=sys.stderr)
+    return 0
+
+
 def register_all(sub: argparse._SubParsersAction) -> None:
     register_generate(sub)
     register_info(sub)
     register_plan(sub)
+    register_finetune(sub)

@@ -1,0 +1,194 @@
+"""Remote mode of the CLI: `generate` and `finetune` run on a MegaSlide server through the SDK.
+
+`megaslide generate PROMPT -o OUT.mp4 --server URL` queues the video, shows its progress and
+downloads the MP4; `megaslide finetune --data DIR --server URL` packs DIR into a .tar.gz, uploads
+it, starts the job and follows its events until it ends. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+from .cli import UsageError
+
+# Options of local generation that mean nothing to a server, with their defaults: giving one
+# together with --server is a mistake we name rather than silently ignore.
+LOCAL_ONLY_GENERATE = {"device": "cpu", "attention": None, "offload": "none", "gpu_budget": None,
+                       "stats": None, "trace": None}  # fmt: skip
+
+
+def _sdk():
+    try:
+        import megaslide_client
+    except ImportError:
+        raise UsageError("--server needs the megaslide-client package: pip install ./clients/python") from None
+    return megaslide_client
+
+
+def _say(text: str) -> None:
+    """A line on stderr that does not tear a tqdm bar in progress."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        print(text, file=sys.stderr)
+    else:
+        tqdm.write(text, file=sys.stderr)
+
+
+def _api_failure(command: str, error, base_url: str) -> int:
+    """Print a server or connection error in one line; 2 for a request the server judged invalid."""
+    sdk = _sdk()
+    if isinstance(error, sdk.APIConnectionError):
+        print(f"megaslide {command}: error: cannot reach the server at {base_url}: {error.message}", file=sys.stderr)
+        return 1
+    print(f"megaslide {command}: error: the server answered {error.status_code}: {error.message}", file=sys.stderr)
+    return 2 if error.status_code in (400, 404, 413, 422) else 1
+
+
+def _check_local_only(args) -> None:
+    for name, default in LOCAL_ONLY_GENERATE.items():
+        if getattr(args, name, default) != default:
+            raise UsageError(f"--{name.replace('_', '-')} is an option of local generation; it does not go with --server")
+
+
+def generate_remote(args, width: int | None, height: int | None) -> int:
+    """Generate on the server at `args.server` and write the MP4 to `args.output`.
+
+    Reads from `args`: prompt, output, model / preset (the server's model name), steps, seed,
+    frames, fps, guidance, negative_prompt, server, api_key, no_progress. Ctrl-C cancels the job on
+    the server, since nobody is left to fetch its result.
+    """
+    _check_local_only(args)
+    sdk = _sdk()
+    client = sdk.Client(base_url=args.server, api_key=args.api_key)
+    with client:
+        try:
+            video = client.videos.create(
+                prompt=args.prompt, model=args.model or args.preset,
+                size=f"{width}x{height}" if width else None, num_frames=args.frames, fps=args.fps,
+                num_inference_steps=args.steps, guidance_scale=args.guidance,
+                negative_prompt=args.negative_prompt or None, seed=args.seed,
+            )  # fmt: skip
+            print(f"video {video.id} queued on {client.base_url} (model {video.model}, {video.size}, "
+                  f"seed {video.seed})", file=sys.stderr)  # fmt: skip
+            try:
+                video = client.videos.poll(video.id, progress=not args.no_progress)
+            except KeyboardInterrupt:
+                _cancel_video(client, video.id)
+                raise
+            if video.status != "completed":
+                reason = video.error.message if video.error else "no reason given"
+                print(f"megaslide generate: error: video {video.id} {video.status}: {reason}", file=sys.stderr)
+                return 1
+            client.videos.download_content(video.id, variant="video", path=args.output)
+        except sdk.APIError as e:
+            return _api_failure("generate", e, client.base_url)
+    size = Path(args.output).stat().st_size
+    print(f"wrote {args.output} ({size:,} bytes, {video.size}, model {video.model}, video {video.id})",
+          file=sys.stderr)  # fmt: skip
+    return 0
+
+
+def _cancel_video(client, video_id: str) -> None:
+    try:
+        client.videos.delete(video_id)
+        print(f"\ncancelled video {video_id} on the server", file=sys.stderr)
+    except Exception as e:  # the interrupt matters more than a failed cleanup
+        print(f"\ncould not cancel video {video_id} on the server: {e}", file=sys.stderr)
+
+
+# ---------------------------------------------------------------------------------------------
+# finetune
+
+
+def pack_dataset(root: Path, dest: Path) -> int:
+    """Write every regular file under `root` into the gzipped tar `dest`; return the file count.
+
+    Members are named relative to `root` (no leading folder, no absolute paths, no `..`), in sorted
+    order so the same folder always packs the same way. Links are followed: the server refuses
+    link members, and a dataset often links to clips stored elsewhere.
+    """
+    files = sorted(p for p in root.rglob("*") if p.is_file())
+    if not files:
+        raise UsageError(f"--data: {root} holds no files")
+    with tarfile.open(dest, "w:gz") as tar:
+        for path in files:
+            tar.add(path.resolve(), arcname=path.relative_to(root).as_posix(), recursive=False)
+    return len(files)
+
+
+def _hyperparameters(args) -> dict | None:
+    hp = {"n_epochs": getattr(args, "epochs", None), "batch_size": getattr(args, "batch_size", None),
+          "learning_rate_multiplier": getattr(args, "learning_rate_multiplier", None)}  # fmt: skip
+    hp = {k: v for k, v in hp.items() if v is not None}
+    return hp or None
+
+
+def _base_model(client, args) -> str:
+    """The model named by --model/--preset, else the server's first base model."""
+    name = getattr(args, "model", None) or getattr(args, "preset", None)
+    if name:
+        return name
+    bases = [m.id for m in client.models.list() if not str(m.id).startswith("ft:")]
+    if not bases:
+        raise UsageError(f"the server at {client.base_url} serves no base model to fine-tune")
+    return bases[0]
+
+
+def _print_event(event) -> None:
+    data = event.data or {}
+    if event.type == "metrics":
+        parts = [f"{k} {data[k]:.4g}" if isinstance(data[k], float) else f"{k} {data[k]}" for k in data]
+        _say("  " + ", ".join(parts))
+    else:
+        _say(f"  {event.message}")
+
+
+def finetune_remote(args) -> int:
+    """Fine-tune on the server at `args.server` with the dataset folder `args.data`.
+
+    Reads from `args`: data, server, api_key, and when present model / preset (the base model;
+    default: the server's first), epochs, batch_size, learning_rate_multiplier, seed, suffix,
+    no_progress. Prints the fine-tuned model's name on stdout when the job succeeds. Ctrl-C
+    detaches: the job keeps running on the server.
+    """
+    root = Path(args.data)
+    if not root.is_dir():
+        raise UsageError(f"--data: {root} is not a directory")
+    sdk = _sdk()
+    client = sdk.Client(base_url=args.server, api_key=getattr(args, "api_key", None))
+    fd, archive = tempfile.mkstemp(prefix=f"{root.resolve().name}-", suffix=".tar.gz")
+    os.close(fd)
+    with client:
+        try:
+            count = pack_dataset(root, Path(archive))
+            model = _base_model(client, args)
+            uploaded = client.files.create(file=archive, purpose="fine-tune")
+            print(f"uploaded {root} ({count} files, {uploaded.bytes:,} bytes) as {uploaded.id}", file=sys.stderr)
+            job = client.fine_tuning.jobs.create(
+                model=model, training_file=uploaded.id, hyperparameters=_hyperparameters(args),
+                seed=getattr(args, "seed", None), suffix=getattr(args, "suffix", None),
+            )  # fmt: skip
+            print(f"fine-tuning job {job.id} on {model}: {job.status}", file=sys.stderr)
+            try:
+                job = client.fine_tuning.jobs.wait(job.id, progress=not getattr(args, "no_progress", False),
+                                                   on_event=_print_event)  # fmt: skip
+            except KeyboardInterrupt:
+                print(f"\ndetached from job {job.id}; it keeps running on the server", file=sys.stderr)
+                raise
+        except sdk.APIError as e:
+            return _api_failure("finetune", e, client.base_url)
+        finally:
+            Path(archive).unlink(missing_ok=True)
+    if job.status != "succeeded":
+        reason = job.error.message if job.error else "no reason given"
+        print(f"megaslide finetune: error: job {job.id} {job.status}: {reason}", file=sys.stderr)
+        return 1
+    print(job.fine_tuned_model)
+    print(f"generate with it: megaslide generate PROMPT --server {args.server} --model {job.fine_tuned_model}",
+          file=sys.stderr)  # fmt: skip
+    return 0

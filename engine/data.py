@@ -1,0 +1,325 @@
+"""Fine-tuning data: a directory of videos with a `metadata.jsonl`, validated before training.
+
+Layout (the convention of Hugging Face `datasets` "videofolder" and the diffusers trainers):
+
+    root/
+      metadata.jsonl        one JSON object per line: {"file": "clips/a.mp4", "text": "a cat ..."}
+      clips/a.mp4           mp4, webm, gif, ... anything FFmpeg decodes,
+      clips/b/              or a folder of frames (png/jpg, natural name order)
+
+`file` is relative to root. Blank lines are ignored; other keys are allowed and ignored.
+
+`validate_dataset` checks everything before a step runs: malformed JSON, a line that is not an
+object, missing or non-string keys, an empty caption, a path that is absolute or uses ``..``, a
+missing file, a video that does not decode or holds no frames, and a clip shorter than the frame
+count training needs. All problems (up to `max_problems`) are reported in one `DatasetError`, each
+naming the line of metadata.jsonl and the file. Symlinks are followed (the Hugging Face cache stores
+files as symlinks), so only the written path is checked for escaping the root.
+
+Order: the sample stream is epoch 0's permutation, then epoch 1's, and so on; the permutation of
+epoch e depends only on (seed, e, dataset size). A batch is the next `batch_size` samples of that
+stream (it may straddle two epochs). The loader's position is (epoch, index in epoch), and
+`BackgroundLoader.state_dict()` gives the position of the next batch the consumer will receive, so
+a resumed run continues with exactly the next sample.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath, PureWindowsPath
+
+import numpy as np
+import torch
+
+from .video import count_frames, frames_to_float, read_video
+
+METADATA = "metadata.jsonl"
+
+
+class DatasetError(ValueError):
+    """A dataset that cannot be trained on; `problems` lists each "file line N: what" message."""
+
+    def __init__(self, root: str | os.PathLike, problems: list[str], total: int | None = None):
+        self.root = Path(root)
+        self.problems = problems
+        total = len(problems) if total is None else total
+        more = f"\n  ... and {total - len(problems)} more" if total > len(problems) else ""
+        super().__init__(f"dataset {root} has {total} problem(s):\n  "
+                         + "\n  ".join(problems) + more)
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One validated training clip."""
+
+    path: Path  # absolute path of the video file or frame folder
+    text: str  # caption
+    line: int  # 1-based line in metadata.jsonl
+    num_frames: int  # frames in the clip, counted by decoding it
+
+
+def validate_dataset(root: str | os.PathLike, *, num_frames: int | None = None,
+                     max_problems: int = 20, workers: int | None = None) -> list[Sample]:
+    """Check a whole dataset directory and return its samples, or raise `DatasetError`.
+
+    num_frames: frames each clip must have at least (the training clip length); None accepts any
+    clip with one frame or more. Every video is decoded in full (on `workers` threads), so an
+    undecodable file is found now rather than halfway through training.
+    """
+    root = Path(root)
+    meta = root / METADATA
+    if not root.is_dir():
+        raise DatasetError(root, [f"{root}: not a directory"])
+    if not meta.is_file():
+        raise DatasetError(root, [f"{meta}: missing (one {{\"file\": ..., \"text\": ...}} per line)"])
+
+    problems: list[tuple[int, str]] = []  # (line, message), sorted by line at the end
+    entries: list[tuple[int, str, str, Path]] = []  # (line, file as written, caption, path)
+    try:
+        lines = meta.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise DatasetError(root, [f"{METADATA}: not UTF-8 text ({e})"]) from e
+    for lineno, raw in enumerate(lines, start=1):
+        if not raw.strip():
+            continue
+        where = f"{METADATA} line {lineno}"
+        try:
+            row = json.loads(raw)
+        except json.JSONDecodeError as e:
+            problems.append((lineno, f"{where}: malformed JSON ({e.msg} at column {e.colno})"))
+            continue
+        if not isinstance(row, dict):
+            problems.append((lineno, f"{where}: expected a JSON object, got {type(row).__name__}"))
+            continue
+        missing = [k for k in ("file", "text") if k not in row]
+        if missing:
+            problems.append((lineno, f"{where}: missing key(s) {', '.join(missing)}"))
+            continue
+        file, text = row["file"], row["text"]
+        if not isinstance(file, str) or not file:
+            problems.append((lineno, f"{where}: \"file\" must be a non-empty string"))
+            continue
+        where = f"{METADATA} line {lineno} ({file})"
+        if not isinstance(text, str):
+            problems.append((lineno, f"{where}: \"text\" must be a string"))
+            continue
+        if not text.strip():
+            problems.append((lineno, f"{where}: empty caption"))
+            continue
+        if _escapes(file):
+            problems.append((lineno, f"{where}: path escapes the dataset root "
+                                     "(absolute paths and '..' are not allowed)"))
+            continue
+        path = root / file
+        if not path.exists():
+            problems.append((lineno, f"{where}: file not found"))
+            continue
+        entries.append((lineno, file, text, path.absolute()))
+
+    def check(entry) -> tuple[int, str | int]:
+        lineno, file, _, path = entry
+        where = f"{METADATA} line {lineno} ({file})"
+        try:
+            n = count_frames(path)
+        except ValueError as e:
+            return lineno, f"{where}: cannot decode video: {e}"
+        if n == 0:
+            return lineno, f"{where}: video has no frames"
+        if num_frames is not None and n < num_frames:
+            return lineno, f"{where}: video has {n} frames, training needs {num_frames}"
+        return lineno, n
+
+    # FFmpeg decodes without the GIL, so threads give real parallelism here.
+    n_workers = workers or min(8, os.cpu_count() or 1)
+    with ThreadPoolExecutor(n_workers, thread_name_prefix="validate") as pool:
+        results = list(pool.map(check, entries))
+    samples = []
+    for (lineno, _, text, path), (_, res) in zip(entries, results):
+        if isinstance(res, str):
+            problems.append((lineno, res))
+        else:
+            samples.append(Sample(path=path, text=text, line=lineno, num_frames=res))
+
+    if problems:
+        problems.sort(key=lambda p: p[0])
+        raise DatasetError(root, [m for _, m in problems[:max_problems]], total=len(problems))
+    if not samples:
+        raise DatasetError(root, [f"{METADATA}: no samples"])
+    return samples
+
+
+def _escapes(file: str) -> bool:
+    """True for absolute paths and paths with '..' components (POSIX or Windows spelling)."""
+    for pure in (PurePosixPath(file), PureWindowsPath(file)):
+        if pure.is_absolute() or pure.anchor or ".." in pure.parts:
+            return True
+    return False
+
+
+class VideoDataset:
+    """Validated clips as ``(video float32 (3, F, H, W) in [-1, 1], caption)``."""
+
+    def __init__(self, root: str | os.PathLike, num_frames: int, size: tuple[int, int], *,
+                 sampling: str = "uniform", samples: list[Sample] | None = None):
+        """size is (W, H). Validates the whole dataset now (DatasetError) unless `samples` is given."""
+        self.root = Path(root)
+        self.num_frames = num_frames
+        self.size = size
+        self.sampling = sampling
+        self.samples = samples if samples is not None else validate_dataset(root, num_frames=num_frames)
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, str]:
+        s = self.samples[i]
+        try:
+            u8 = read_video(s.path, num_frames=self.num_frames, size=self.size,
+                            sampling=self.sampling)  # (F, H, W, 3)
+        except ValueError as e:  # changed on disk since validation
+            raise DatasetError(self.root, [f"{METADATA} line {s.line} ({s.path}): {e}"]) from e
+        return frames_to_float(u8), s.text  # (3, F, H, W)
+
+
+def epoch_permutation(n: int, seed: int, epoch: int) -> np.ndarray:
+    """The sample order of one epoch: a permutation of range(n) fixed by (seed, epoch)."""
+    return np.random.default_rng([seed, epoch]).permutation(n)
+
+
+@dataclass(frozen=True)
+class Batch:
+    """`batch_size` consecutive samples of the stream."""
+
+    video: torch.Tensor  # (B, 3, F, H, W) float32 in [-1, 1]
+    text: list[str]
+    indices: list[int]  # dataset indices of the samples
+    epoch: int  # epoch of the first sample
+
+
+class _Failure:
+    """An exception raised on the producer thread, carried to the consumer."""
+
+    def __init__(self, exc: BaseException):
+        self.exc = exc
+
+
+class BackgroundLoader:
+    """Decodes batches on a background thread, `prefetch` batches ahead of the consumer.
+
+    Iterating never ends (training stops by step count); see the module docstring for the order.
+    An exception on the loader thread is raised from the consumer's next `next()`. `close()` (or
+    leaving the `with` block) stops and joins the thread.
+    """
+
+    def __init__(self, dataset: VideoDataset, *, batch_size: int = 1, seed: int = 0,
+                 prefetch: int = 2):
+        if batch_size < 1 or prefetch < 1:
+            raise ValueError(f"batch_size and prefetch must be >= 1, got {batch_size}, {prefetch}")
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.seed = seed
+        self.prefetch = prefetch
+        self._epoch, self._index = 0, 0  # position of the next batch the consumer receives
+        self._thread: threading.Thread | None = None
+        self._queue: queue.Queue | None = None
+        self._stop = threading.Event()
+        self._failed: BaseException | None = None
+
+    # -- position
+
+    def state_dict(self) -> dict:
+        """{"seed", "epoch", "index"}: where the next batch handed to the consumer starts."""
+        return {"seed": self.seed, "epoch": self._epoch, "index": self._index}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from a saved position (drops anything prefetched)."""
+        n = len(self.dataset)
+        epoch, index = int(state["epoch"]), int(state["index"])
+        if epoch < 0 or not 0 <= index < n:
+            raise ValueError(f"bad loader position epoch={epoch} index={index} for {n} samples")
+        self._shutdown()
+        self.seed, self._epoch, self._index = int(state["seed"]), epoch, index
+        self._failed = None
+
+    # -- iteration
+
+    def __iter__(self) -> BackgroundLoader:
+        return self
+
+    def __next__(self) -> Batch:
+        if self._failed is not None:
+            raise self._failed
+        if self._thread is None:
+            self._start()
+        item = self._queue.get()  # blocks until the loader thread has decoded the next batch
+        if isinstance(item, _Failure):
+            self._failed = item.exc
+            self._shutdown()
+            raise item.exc
+        batch, (self._epoch, self._index) = item
+        return batch
+
+    def close(self) -> None:
+        self._shutdown()
+
+    def __enter__(self) -> BackgroundLoader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- thread
+
+    def _start(self) -> None:
+        self._stop = threading.Event()
+        self._queue = queue.Queue(maxsize=self.prefetch)
+        self._thread = threading.Thread(
+            target=self._produce, args=(self._epoch, self._index, self._stop, self._queue),
+            name="video-loader", daemon=True)
+        self._thread.start()
+
+    def _produce(self, epoch: int, index: int, stop: threading.Event, q: queue.Queue) -> None:
+        n = len(self.dataset)
+        order = epoch_permutation(n, self.seed, epoch)
+        try:
+            while not stop.is_set():
+                videos, texts, idx = [], [], []
+                first_epoch = epoch
+                for _ in range(self.batch_size):
+                    i = int(order[index])
+                    video, text = self.dataset[i]  # (3, F, H, W)
+                    videos.append(video)
+                    texts.append(text)
+                    idx.append(i)
+                    index += 1
+                    if index == n:
+                        epoch, index = epoch + 1, 0
+                        order = epoch_permutation(n, self.seed, epoch)
+                batch = Batch(torch.stack(videos), texts, idx, first_epoch)  # (B, 3, F, H, W)
+                if not self._put(q, (batch, (epoch, index)), stop):
+                    return
+        except BaseException as e:  # carried to the consumer, which re-raises it
+            self._put(q, _Failure(e), stop)
+
+    @staticmethod
+    def _put(q: queue.Queue, item, stop: threading.Event) -> bool:
+        """Put unless asked to stop; the timeout lets a full queue notice the stop request."""
+        while not stop.is_set():
+            try:
+                q.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _shutdown(self) -> None:
+        if self._thread is None:
+            return
+        self._stop.set()
+        self._thread.join()
+        self._thread, self._queue = None, None

@@ -1,0 +1,257 @@
+"""Adaptation mode: full-parameter fine-tuning of a video DiT on a directory of captioned clips.
+
+`Trainer` owns the whole run: it validates the dataset before the first step, streams decoded clips
+from a background loader, runs `BlockwiseStep` (see blockwise.py), appends one JSON line of metrics
+per step to `<output>/metrics.jsonl`, and writes checkpoints atomically:
+
+    <output>/checkpoints/step-000050/
+        model/            fp32 master weights, a servable model directory
+        optimizer.pt      AdamW m, v and step counts of every block
+        state.pt          step, data-loader position and RNG state
+    <output>/model/       the final export (`export()`), in the same servable format
+
+Resuming from a checkpoint continues exactly: a run killed after step k and resumed ends with
+bitwise the weights of an uninterrupted run (same machine, CPU), because the masters, the moments,
+the noise generator and the data position are all restored.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from .blockwise import BlockwiseStep, StepConfig, master_state_dicts
+from .checkpoint import load_model, save_model
+from .data import BackgroundLoader, VideoDataset, validate_dataset
+from .dit import VideoDiT, get_preset
+from .models import resolve_model_path
+from .text import ByteTextEncoder
+
+CHECKPOINTS = "checkpoints"
+METRICS = "metrics.jsonl"
+
+
+@dataclass(frozen=True)
+class FinetuneConfig:
+    """A fine-tuning run. Exactly one of `model` and `preset`; `steps` or `epochs`."""
+
+    data: str
+    output: str
+    model: str | None = None
+    preset: str | None = None
+    steps: int | None = None
+    epochs: float | None = None
+    lr: float = 1e-4
+    batch_size: int = 1
+    grad_accum: int = 1
+    weight_decay: float = 0.0
+    max_grad_norm: float | None = None
+    save_every: int = 50
+    seed: int = 0
+    device: str = "cpu"
+    offload: str = "none"
+    frames: int | None = None  # training clip shape (default: the model's sampling default)
+    height: int | None = None
+    width: int | None = None
+    attention: str | None = None  # train with this self-attention backend (default: the model's)
+    timing: bool = False  # streamer timings for stats and traces
+
+    def validate(self) -> None:
+        if (self.model is None) == (self.preset is None):
+            raise ValueError("give exactly one of model and preset")
+        if (self.steps is None) == (self.epochs is None):
+            raise ValueError("give exactly one of steps and epochs")
+        for name in ("steps", "batch_size", "grad_accum", "save_every", "frames", "height", "width"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}")
+        if self.epochs is not None and self.epochs <= 0:
+            raise ValueError(f"epochs must be positive, got {self.epochs}")
+        if self.lr <= 0:
+            raise ValueError(f"lr must be positive, got {self.lr}")
+        if self.offload not in ("none", "stream"):
+            raise ValueError(f"offload must be 'none' or 'stream', got {self.offload!r}")
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # makes the rename itself durable, not just the files' contents
+    finally:
+        os.close(fd)
+
+
+def _build_model(config: FinetuneConfig) -> tuple[VideoDiT, ByteTextEncoder]:
+    overrides = {"attention": config.attention} if config.attention else {}
+    if config.preset:
+        model_config = get_preset(config.preset).replace(**overrides)
+        torch.manual_seed(config.seed)  # a preset's random initial weights follow the run's seed
+        return VideoDiT(model_config), ByteTextEncoder(model_config.text)
+    dit, text, _ = load_model(resolve_model_path(config.model), dtype=torch.float32, **overrides)
+    return dit, text
+
+
+def list_checkpoints(output: str | os.PathLike) -> list[dict]:
+    """Complete checkpoints of a run, oldest first: `{"step", "path", "created_at"}`."""
+    root = Path(output) / CHECKPOINTS
+    if not root.is_dir():
+        return []
+    found = []
+    for d in root.iterdir():
+        if d.name.startswith("step-") and not d.name.endswith(".tmp") and (d / "state.pt").is_file():
+            found.append({"step": int(d.name[5:]), "path": str(d), "created_at": int(d.stat().st_mtime)})
+    return sorted(found, key=lambda c: c["step"])
+
+
+class Trainer:
+    """A fine-tuning run, one optimizer step per `train_step()`."""
+
+    def __init__(self, config: FinetuneConfig, *, resume: bool = False):
+        config.validate()
+        self.config = config
+        self.output = Path(config.output)
+        dit, text = _build_model(config)
+        mc = dit.config
+        self.frames, self.height, self.width = (config.frames or mc.frames, config.height or mc.height,
+                                                config.width or mc.width)  # fmt: skip
+        dit.check_shape(self.frames, self.height, self.width)
+        # The whole dataset is checked before anything else happens: a bad file fails the run now.
+        samples = validate_dataset(config.data, num_frames=self.frames)
+        self.dataset = VideoDataset(config.data, self.frames, (self.width, self.height), samples=samples)
+        per_step = config.batch_size * config.grad_accum
+        self.total_steps = config.steps or max(1, math.ceil(config.epochs * len(self.dataset) / per_step))
+        self.loader = BackgroundLoader(self.dataset, batch_size=config.batch_size, seed=config.seed)
+        self.generator = torch.Generator().manual_seed(config.seed)
+        self.step = 0
+        self.output.mkdir(parents=True, exist_ok=True)
+
+        latest = list_checkpoints(self.output)[-1] if resume and list_checkpoints(self.output) else None
+        if latest is not None:
+            dit, text, _ = load_model(Path(latest["path"]) / "model", dtype=torch.float32,
+                                      **({"attention": config.attention} if config.attention else {}))  # fmt: skip
+        cuda = torch.device(config.device).type == "cuda"
+        step_config = StepConfig(
+            lr=config.lr, weight_decay=config.weight_decay, grad_accum=config.grad_accum,
+            max_grad_norm=config.max_grad_norm, offload=config.offload,
+            autocast=torch.bfloat16 if cuda else None, timing=config.timing,
+        )  # fmt: skip
+        self.engine = BlockwiseStep(dit, text, config.device, step_config)
+        if latest is not None:
+            self._restore(Path(latest["path"]))
+        else:
+            (self.output / METRICS).write_text("")  # a fresh run: no metrics from an earlier one
+        self._metrics = open(self.output / METRICS, "a")
+
+    # -- training ---------------------------------------------------------------------------------
+
+    @property
+    def done(self) -> bool:
+        return self.step >= self.total_steps
+
+    def train_step(self) -> dict:
+        """One optimizer step (`grad_accum` micro-batches); checkpoints every `save_every` steps."""
+        start = time.perf_counter()
+        h2d0, d2h0 = self.engine.h2d_bytes, self.engine.d2h_bytes
+        losses, norm = [], 0.0
+        for _ in range(self.config.grad_accum):
+            batch = next(self.loader)
+            out = self.engine.micro_step(batch.video, batch.text, self.generator)
+            losses.append(out["loss"])
+            norm = out["grad_norm"]
+        self.step += 1
+        metrics = {
+            "step": self.step,
+            "loss": sum(losses) / len(losses),
+            "lr": self.engine.optimizer.lr,
+            "grad_norm": norm,
+            "step_time_s": time.perf_counter() - start,
+            "h2d_bytes": self.engine.h2d_bytes - h2d0,
+            "d2h_bytes": self.engine.d2h_bytes - d2h0,
+            "epoch": self.loader.state_dict()["epoch"],
+            "time": time.time(),
+        }
+        self._metrics.write(json.dumps(metrics) + "\n")
+        self._metrics.flush()
+        if self.step % self.config.save_every == 0:
+            self.save_checkpoint()
+        return metrics
+
+    def run(self, progress=None) -> dict | None:
+        """Train to the end; `progress(metrics)` after every step. Returns the last metrics."""
+        metrics = None
+        while not self.done:
+            metrics = self.train_step()
+            if progress is not None:
+                progress(metrics)
+        return metrics
+
+    # -- checkpoints -------------------------------------------------------------------------------
+
+    def save_checkpoint(self) -> Path:
+        """Write `checkpoints/step-N` atomically: a temp directory, fsynced, renamed into place."""
+        root = self.output / CHECKPOINTS
+        final = root / f"step-{self.step:06d}"
+        tmp = root / f"step-{self.step:06d}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        self._save_model(tmp / "model")
+        torch.save(self.engine.optimizer.state_dict(), tmp / "optimizer.pt")
+        state = {"step": self.step, "loader": self.loader.state_dict(), "generator": self.generator.get_state(),
+                 "config": asdict(self.config)}  # fmt: skip
+        torch.save(state, tmp / "state.pt")
+        for f in (tmp / "optimizer.pt", tmp / "state.pt"):
+            with open(f, "rb+") as fh:
+                os.fsync(fh.fileno())  # contents on disk before the rename publishes them
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        _fsync_dir(root)
+        return final
+
+    def checkpoints(self) -> list[dict]:
+        return list_checkpoints(self.output)
+
+    def _restore(self, path: Path) -> None:
+        self.engine.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
+        self.engine.optimizer.lr = self.config.lr  # this run's flags rule, as for every other setting
+        state = torch.load(path / "state.pt", weights_only=True)
+        self.step = int(state["step"])
+        self.loader.load_state_dict(state["loader"])
+        self.generator.set_state(state["generator"])
+        # Metrics past the checkpoint belong to the lost part of the killed run.
+        metrics = self.output / METRICS
+        lines = metrics.read_text().splitlines() if metrics.exists() else []
+        kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= self.step]
+        metrics.write_text("".join(line + "\n" for line in kept))
+
+    def _save_model(self, path: Path) -> None:
+        dit_sd, text_sd = master_state_dicts(self.engine)
+        config = self.engine.dit.config
+        with torch.device("meta"):
+            dit, text = VideoDiT(config), ByteTextEncoder(config.text)
+        dit.load_state_dict(dit_sd, assign=True)
+        text.load_state_dict(text_sd, assign=True)
+        save_model(path, dit, text)
+
+    def export(self, path: str | os.PathLike | None = None) -> Path:
+        """Write the current weights as a servable model directory (default `<output>/model`)."""
+        path = Path(path) if path is not None else self.output / "model"
+        self._save_model(path)
+        return path
+
+    def close(self) -> None:
+        self.loader.close()
+        self.engine.close()
+        self._metrics.close()
+
+    def __enter__(self) -> "Trainer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

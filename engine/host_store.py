@@ -1,0 +1,266 @@
+"""Host memory for streamed blocks: one contiguous, 64-byte-aligned buffer per block.
+
+A block's parameters and buffers are packed into one flat uint8 buffer (`HostBlockStore`), each
+tensor a dtype view at an aligned offset with its original strides, so one memcpy (one DMA on CUDA)
+moves a whole block and any flat buffer with the same layout (a device slot) can be viewed the same
+way. The module's tensor objects are re-pointed at these views (`tensor.data = view`), so their
+identity, leafness and `requires_grad` survive and their old storage is freed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import weakref
+from collections.abc import Iterator, Mapping, Sequence
+
+import torch
+from torch import nn
+
+# Every tensor starts at a multiple of 64 bytes inside a flat buffer: any dtype can be viewed there,
+# and CPU kernels see the same alignment as with torch's own allocator (also 64), so streamed and
+# resident runs pick the same vectorised code paths and agree bitwise.
+ALIGN_BYTES = 64
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return (n + multiple - 1) // multiple * multiple
+
+
+def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def _storage_strides(t: torch.Tensor) -> tuple[int, ...]:
+    """Strides to store `t` with: its own when dense and non-overlapping (channels_last,
+    transposed), so kernels see the layout they saw before streaming; contiguous otherwise."""
+    if t.numel() == 0:
+        return _contiguous_strides(t.shape)
+    expected = 1
+    for d in sorted(range(t.dim()), key=lambda d: t.stride(d)):
+        if t.size(d) == 1:
+            continue  # a size-1 dimension is never stepped over, its stride is free
+        if t.stride(d) != expected:
+            return _contiguous_strides(t.shape)
+        expected *= t.size(d)
+    return tuple(t.stride())
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorEntry:
+    """Where one tensor of a block lives inside the block's flat buffer."""
+
+    names: tuple[str, ...]  # names inside the block; several when a tensor is tied within it
+    kind: str  # "param" or "buffer"
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int  # bytes from the start of the flat buffer, a multiple of ALIGN_BYTES
+    nbytes: int
+
+    def view(self, flat: torch.Tensor) -> torch.Tensor:
+        """This tensor as a view into `flat`, a uint8 buffer with the store's layout."""
+        segment = flat[self.offset : self.offset + self.nbytes]  # (nbytes,) uint8
+        return segment.view(self.dtype).as_strided(self.shape, self.stride)
+
+
+@dataclasses.dataclass
+class _Bound:
+    """One tensor object of a module (a Parameter or a buffer) and every name it goes by."""
+
+    tensor: torch.Tensor  # the object itself: its identity never changes while streamed
+    names: list[str]
+    kind: str
+    persistent: bool
+    device: torch.device  # where it lived before streaming; remove() puts it back there
+
+
+def _collect_tensors(module: nn.Module, stop: frozenset[int] = frozenset()) -> list[_Bound]:
+    """Every parameter and buffer reachable from `module` without entering a module whose id is in
+    `stop`, deduplicated by identity (tied tensors get all their names), in module order."""
+    found: dict[int, _Bound] = {}
+
+    def walk(sub: nn.Module, prefix: str) -> None:
+        for kind, table in (("param", sub._parameters), ("buffer", sub._buffers)):
+            for attr, t in table.items():
+                if t is None:
+                    continue
+                name = prefix + attr
+                persistent = kind == "param" or attr not in sub._non_persistent_buffers_set
+                bound = found.get(id(t))
+                if bound is None:
+                    found[id(t)] = _Bound(t, [name], kind, persistent, t.device)
+                elif name not in bound.names:
+                    bound.names.append(name)
+                    bound.persistent |= persistent
+        for attr, child in sub._modules.items():
+            if child is not None and id(child) not in stop:
+                walk(child, f"{prefix}{attr}.")
+
+    walk(module, "")
+    for bound in found.values():
+        t = bound.tensor
+        plain = type(t) in (torch.Tensor, nn.Parameter) and t.layout == torch.strided
+        if not plain or t.is_quantized:
+            raise TypeError(
+                f"{bound.names[0]!r} is a {type(t).__name__} with layout {t.layout}: only plain "
+                "dense tensors can be streamed"
+            )
+    return list(found.values())
+
+
+def _layout(tensors: Sequence[_Bound]) -> tuple[tuple[TensorEntry, ...], int]:
+    """Pack `tensors` into one flat buffer: (entries, total bytes), every offset 64-byte aligned."""
+    entries, cursor = [], 0
+    for bound in tensors:
+        t = bound.tensor
+        offset = _round_up(cursor, ALIGN_BYTES)
+        nbytes = t.numel() * t.element_size()
+        strides = _storage_strides(t)
+        entries.append(TensorEntry(tuple(bound.names), bound.kind, t.dtype, tuple(t.shape), strides,
+                                   offset, nbytes))  # fmt: skip
+        cursor = offset + nbytes
+    return tuple(entries), _round_up(cursor, ALIGN_BYTES)
+
+
+def layout_nbytes(block: nn.Module) -> int:
+    """Bytes of `block`'s flat buffer (its tensors, 64-byte aligned); works on meta blocks too."""
+    return _layout(_collect_tensors(block))[1]
+
+
+def _pin_exact(buffer: torch.Tensor) -> None:
+    """Page-lock `buffer` where it lies, at exactly its size, so H2D copies from it run async (DMA).
+
+    Not `Tensor.pin_memory()` / `torch.empty(..., pin_memory=True)`: those go through torch's
+    caching host allocator, which rounds every request up to a power of two (a 2.1 GB block would
+    lock 4 GB; pytorch#95823) and keeps freed blocks cached. `cudaHostRegister` on a plain
+    allocation locks the bytes we use and nothing more; `_unpin` undoes it.
+    """
+    if buffer.numel() == 0:
+        return
+    # Flag 1 = cudaHostRegisterPortable: pinned for every CUDA context, as torch's own helper does.
+    err = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel(), 1))
+    if err != 0:
+        raise RuntimeError(f"cudaHostRegister of {buffer.numel()} bytes failed (cudaError {err})")
+
+
+def _unpin(ptr: int, nbytes: int) -> None:
+    if nbytes:
+        err = int(torch.cuda.cudart().cudaHostUnregister(ptr))
+        if err != 0:
+            raise RuntimeError(f"cudaHostUnregister failed (cudaError {err})")
+
+
+class HostBlockStore:
+    """All parameters and buffers of one block in one contiguous host buffer, optionally pinned."""
+
+    def __init__(self, entries: Sequence[TensorEntry], nbytes: int, pinned: bool = False):
+        self.entries = tuple(entries)
+        self.nbytes = nbytes
+        self.buffer = torch.empty(nbytes, dtype=torch.uint8)  # plain allocation, see _pin_exact
+        self.pinned = pinned
+        self._finalizer = None
+        if pinned:
+            _pin_exact(self.buffer)
+            # Unregister before the memory can be freed, even if close() is never called.
+            self._finalizer = weakref.finalize(self, _unpin, self.buffer.data_ptr(), nbytes)
+            self._finalizer.atexit = False  # at exit the driver unpins; the context may be gone
+        self.views = tuple(e.view(self.buffer) for e in self.entries)  # one per entry, host memory
+
+    @classmethod
+    def from_module(cls, block: nn.Module, pinned: bool = False) -> HostBlockStore:
+        """Copy `block`'s tensors into a new store and point them at views of it.
+
+        The block's previous storage is freed unless referenced elsewhere, so the host never holds
+        two copies of a block for longer than this call. Meta-device tensors get uninitialised
+        bytes, to be filled by `fill()`.
+        """
+        return cls._adopt(_collect_tensors(block), pinned)
+
+    @classmethod
+    def _adopt(cls, tensors: Sequence[_Bound], pinned: bool) -> HostBlockStore:
+        store = cls(*_layout(tensors), pinned=pinned)
+        _move_into(tensors, store.views)
+        return store
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Host views by (first) name; writing into them changes what the next copy transfers."""
+        return {e.names[0]: v for e, v in zip(self.entries, self.views)}
+
+    def fill(self, source: Mapping[str, torch.Tensor], prefix: str = "") -> set[int]:
+        """Copy tensors named `prefix + name` from `source` into the store, one at a time.
+
+        `source` may be lazy (see `SafetensorsFile`): only one tensor is materialised at a time,
+        so a checkpoint streams from the page cache into the store without a second copy in RAM.
+        Dtypes are cast by `copy_`; shapes must match. Returns the indices of the entries filled.
+        """
+        return _fill_views(self.entries, self.views, source, prefix)
+
+    def close(self) -> None:
+        """Unpin the buffer (if pinned); views stay readable as ordinary host memory."""
+        if self._finalizer is not None:
+            self._finalizer()
+
+
+def _move_into(tensors: Sequence[_Bound], views: Sequence[torch.Tensor]) -> None:
+    """Copy each tensor into its view and re-point it there (meta tensors: re-point only)."""
+    for bound, view in zip(tensors, views):
+        if not bound.tensor.is_meta:
+            view.copy_(bound.tensor.detach())
+        _repoint(bound.tensor, view)
+
+
+def _fill_views(entries: Sequence[TensorEntry], views: Sequence[torch.Tensor],
+                source: Mapping[str, torch.Tensor], prefix: str) -> set[int]:  # fmt: skip
+    filled = set()
+    for k, (entry, view) in enumerate(zip(entries, views)):
+        key = next((prefix + n for n in entry.names if prefix + n in source), None)
+        if key is None:
+            continue
+        src = source[key]
+        if tuple(src.shape) != entry.shape:
+            raise ValueError(f"{key!r}: checkpoint shape {tuple(src.shape)} != {entry.shape}")
+        view.copy_(src)
+        filled.add(k)
+    return filled
+
+
+class SafetensorsFile(Mapping):
+    """A read-only mapping over a .safetensors file; each lookup reads one tensor via its mmap."""
+
+    def __init__(self, path: str | os.PathLike):
+        from safetensors import safe_open
+
+        self._file = safe_open(os.fspath(path), framework="pt", device="cpu")
+        self._keys = list(self._file.keys())
+        self._key_set = set(self._keys)
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key not in self._key_set:
+            raise KeyError(key)
+        return self._file.get_tensor(key)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._key_set
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+
+def _repoint(t: torch.Tensor, new: torch.Tensor) -> None:
+    """Make the tensor object `t` alias `new`, keeping its identity, leafness and requires_grad."""
+    if t.is_meta:
+        # set_data refuses meta -> real storage; swapping implementations keeps the Python object.
+        other = new.detach()
+        if isinstance(t, nn.Parameter):
+            other = nn.Parameter(other, requires_grad=t.requires_grad)
+        torch.utils.swap_tensors(t, other)
+    else:
+        t.data = new

@@ -1,0 +1,522 @@
+"""CPU AdamW for host-resident fp32 master weights, updated one block at a time.
+
+The math is torch.optim.AdamW exactly as documented at
+https://pytorch.org/docs/stable/generated/torch.optim.AdamW.html (amsgrad=False, maximize=False).
+For each parameter p with gradient g, at step t (counted from 1):
+
+    p   = p * (1 - lr * weight_decay)            # decoupled weight decay, before the moments
+    m   = beta1 * m + (1 - beta1) * g            # first moment
+    v   = beta2 * v + (1 - beta2) * g * g        # second moment
+    m_hat = m / (1 - beta1 ** t)                 # bias corrections
+    v_hat = v / (1 - beta2 ** t)
+    p   = p - lr * m_hat / (sqrt(v_hat) + eps)   # eps is added after the square root
+
+The arithmetic is not ours: every update runs torch's own fused CPU kernel
+(`torch._fused_adamw_`, the kernel behind `torch.optim.AdamW(fused=True)`), so for the same inputs
+the result is bitwise that of torch's fused AdamW. What this module adds is the machinery the
+fine-tuning loop needs around it:
+
+* Blocks. Parameters come as an ordered mapping ``block_id -> {name: fp32 tensor}`` and
+  `CPUAdamW.step_block` updates one block, so the loop can update block i while the GPU computes
+  the gradients of block i-1.
+* The compute-dtype copy. `step_block(..., out=...)` writes ``master.to(out.dtype)`` into the given
+  buffers in the same pass: parameters are processed in chunks of `chunk_numel` elements and each
+  chunk is cast right after its update, while it is still in cache, so the cast costs the 2 B/param
+  write but not a second read of the fp32 master from memory.
+* Parameter groups: weight decay applies to tensors with ndim >= 2; 1-D tensors (norm scales, biases)
+  get none, unless `decay_filter` says otherwise.
+* Gradient accumulation over `accumulation_steps` micro-batches into an fp32 host buffer; the step
+  uses the mean of the micro-batch gradients (the gradient of the mean loss, what torch users get by
+  calling ``(loss / k).backward()`` k times).
+* Optional global-norm clipping as `torch.nn.utils.clip_grad_norm_` does it (see "Clipping" below).
+* `state_dict` / `load_state_dict` with m, v and the step counts, for exact resume.
+
+Clipping: the clipping coefficient depends on the norm of the gradient of *every* block, and no
+block may be updated before it is known. We hold all gradients: with clipping on, every block's
+gradients (all micro-batches) go into its fp32 host buffer via `accumulate`, the global norm is
+taken once all blocks are in, and only then are blocks stepped (``step_block(block_id)`` without
+grads). Extra host memory: one fp32 gradient buffer for the whole model, 4 B/param
+(`clipping_extra_bytes`); with accumulation_steps > 1 that buffer exists anyway and clipping costs
+nothing more. The price is time, not memory: with clipping the updates cannot overlap the backward
+pass. (The alternative, a second backward pass that only measures the norm, costs no memory but a
+whole extra backward; we do not implement it.) With clipping on, a non-finite global norm raises
+`FloatingPointError` before any weight changes.
+
+Threads: the update runs on `threads` worker threads owned by the optimizer (default: torch's
+intra-op thread count at construction); `step_block` blocks until they are done. Each worker runs
+torch ops single-threaded and pulls chunks from a shared cursor, so one worker can cast a chunk
+while another streams the next update through memory, and a worker whose core is taken by someone
+else simply does fewer chunks. (Running the kernels on torch's intra-op pool instead puts an OpenMP
+barrier in every chunk; with one core busy elsewhere that was several times slower here.)
+`torch.set_num_threads` is process-wide in torch's bookkeeping, but under torch's OpenMP backend
+(the Linux builds) the count it sets is kept per calling thread: each worker sets 1 for itself when
+it starts and the constructing thread then restores its previous value, so the rest of the process
+keeps its setting. Do not change torch's thread count from another thread while an optimizer is
+being constructed.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Callable, Hashable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+FP32_BYTES = 4
+
+# The fused kernel splits each tensor into 64-byte cache-line units (16 fp32) and runs 16-wide
+# vectors with a scalar tail; cutting tensors at multiples of 64 elements keeps the vector/tail
+# split, and therefore the rounding, identical to one call on the whole tensor.
+_CHUNK_ALIGN = 64
+
+
+def default_decay_filter(name: str, param: Tensor) -> bool:
+    """Weight decay for matrices and conv kernels (ndim >= 2), none for 1-D norm scales and biases."""
+    return param.ndim >= 2
+
+
+def grad_buffer_bytes(num_params: int, *, accumulation_steps: int = 1,
+                      max_grad_norm: float | None = None) -> int:
+    """Host bytes of the fp32 gradient buffer: needed for accumulation or clipping, else none."""
+    needed = accumulation_steps > 1 or max_grad_norm is not None
+    return FP32_BYTES * num_params if needed else 0
+
+
+def clipping_extra_bytes(num_params: int, *, accumulation_steps: int = 1) -> int:
+    """Host bytes that turning on global-norm clipping adds: the whole-model fp32 gradient buffer
+    (4 B/param) when there is no accumulation, nothing when accumulation already holds one."""
+    return FP32_BYTES * num_params if accumulation_steps == 1 else 0
+
+
+def optimizer_host_bytes(num_params: int, *, accumulation_steps: int = 1,
+                         max_grad_norm: float | None = None, threads: int | None = None,
+                         chunk_numel: int = 1 << 19) -> int:
+    """Host bytes the optimizer itself allocates: m and v (8 B/param), the gradient buffer if any,
+    and one fp32 chunk of scratch per worker (used only for non-fp32 gradients). The fp32 master
+    weights and the compute-dtype copies belong to the caller and are not counted."""
+    scratch = (threads or torch.get_num_threads()) * chunk_numel * FP32_BYTES
+    return (2 * FP32_BYTES * num_params + scratch
+            + grad_buffer_bytes(num_params, accumulation_steps=accumulation_steps,
+                                max_grad_norm=max_grad_norm))
+
+
+@dataclass
+class _Chunk:
+    """At most `chunk_numel` elements of one block, as 1-D slices of one or more parameters,
+    all with the same weight decay. Views of p, m and v are built once; grads are sliced per step."""
+
+    weight_decay: float
+    slices: list[tuple[str, int, int]]  # (name, start, end) in the flattened parameter
+    params: list[Tensor]
+    m: list[Tensor]
+    v: list[Tensor]
+    g: list[Tensor] | None = None  # views of the block's gradient buffer, once it exists
+
+
+@dataclass
+class _Block:
+    """Optimizer state of one block."""
+
+    params: dict[str, Tensor]  # fp32 masters, owned by the caller, updated in place
+    m: dict[str, Tensor]
+    v: dict[str, Tensor]
+    step: Tensor  # 0-dim fp32: the form the fused kernel reads the step count in
+    chunks: list[_Chunk]
+    grad_buf: dict[str, Tensor] | None = None  # fp32 sums of micro-batch gradients
+    micro: int = 0  # micro-batches accumulated since the last step of this block
+    norms: Tensor | None = None  # (n_tensors,) per-tensor norms of grad_buf, for clipping
+
+
+class CPUAdamW:
+    """AdamW on host fp32 masters, one block at a time, writing the compute-dtype copy."""
+
+    def __init__(
+        self,
+        blocks: Mapping[Hashable, Mapping[str, Tensor]],
+        *,
+        lr: float = 1e-4,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.01,
+        accumulation_steps: int = 1,
+        max_grad_norm: float | None = None,
+        decay_filter: Callable[[str, Tensor], bool] = default_decay_filter,
+        threads: int | None = None,
+        chunk_numel: int = 1 << 19,
+    ):
+        if not 0.0 <= betas[0] < 1.0 or not 0.0 <= betas[1] < 1.0:
+            raise ValueError(f"betas must be in [0, 1), got {betas}")
+        if lr < 0 or eps < 0 or weight_decay < 0:
+            raise ValueError(f"lr, eps and weight_decay must be >= 0, got {lr}, {eps}, {weight_decay}")
+        if accumulation_steps < 1:
+            raise ValueError(f"accumulation_steps must be >= 1, got {accumulation_steps}")
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
+        if threads is not None and threads < 1:
+            raise ValueError(f"threads must be >= 1 or None, got {threads}")
+        if chunk_numel < _CHUNK_ALIGN or chunk_numel % _CHUNK_ALIGN:
+            raise ValueError(f"chunk_numel must be a positive multiple of {_CHUNK_ALIGN}")
+
+        self.lr = float(lr)  # may be changed between steps (schedules); read at each step_block
+        self.betas = (float(betas[0]), float(betas[1]))
+        self.eps = float(eps)
+        self.weight_decay = float(weight_decay)
+        self.accumulation_steps = int(accumulation_steps)
+        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        self.threads = threads if threads is not None else torch.get_num_threads()
+        self.chunk_numel = int(chunk_numel)
+        self.last_grad_norm: float | None = None  # global norm of the last clipped step
+
+        self._blocks: dict[Hashable, _Block] = {}
+        for block_id, named in blocks.items():
+            self._blocks[block_id] = self._build_block(block_id, named, decay_filter)
+        # Clipping bookkeeping for the current step: the clip coefficient, once every block's
+        # gradients are in, and the blocks that still have to be stepped with it.
+        self._clip_scale: Tensor | None = None
+        self._pending: set[Hashable] = set()
+
+        self._scratch: list[Tensor | None] = [None] * self.threads
+        self._pool: ThreadPoolExecutor | None = _single_threaded_pool(self.threads)
+
+    # ------------------------------------------------------------------ setup
+
+    def _build_block(self, block_id, named: Mapping[str, Tensor], decay_filter) -> _Block:
+        params: dict[str, Tensor] = {}
+        for name, p in named.items():
+            if p.dtype != torch.float32 or p.device.type != "cpu" or not p.is_contiguous():
+                raise ValueError(
+                    f"block {block_id!r} param {name!r}: master weights must be contiguous fp32 "
+                    f"CPU tensors, got {p.dtype} on {p.device}, contiguous={p.is_contiguous()}")
+            params[name] = p
+        m = {n: torch.zeros_like(p) for n, p in params.items()}
+        v = {n: torch.zeros_like(p) for n, p in params.items()}
+        decayed = [n for n, p in params.items() if decay_filter(n, p)]
+        plain = [n for n, p in params.items() if not decay_filter(n, p)]
+        chunks = (self._make_chunks(decayed, self.weight_decay, params, m, v)
+                  + self._make_chunks(plain, 0.0, params, m, v))
+        return _Block(params=params, m=m, v=v, step=torch.zeros((), dtype=torch.float32),
+                      chunks=chunks)
+
+    def _make_chunks(self, names, weight_decay, params, m, v) -> list[_Chunk]:
+        """Cut tensors into <= chunk_numel slices (at multiples of 64) and pack small ones together."""
+        chunks: list[_Chunk] = []
+        cur: list[tuple[str, int, int]] = []
+        cur_numel = 0
+        for name in names:
+            numel = params[name].numel()
+            start = 0
+            while start < numel:
+                room = self.chunk_numel - cur_numel
+                end = numel if numel - start <= room else start + (room // _CHUNK_ALIGN) * _CHUNK_ALIGN
+                if end == start:  # no aligned room left in this chunk: close it
+                    chunks.append(cur)
+                    cur, cur_numel = [], 0
+                    continue
+                cur.append((name, start, end))
+                cur_numel += end - start
+                start = end
+            if cur_numel >= self.chunk_numel:
+                chunks.append(cur)
+                cur, cur_numel = [], 0
+        if cur:
+            chunks.append(cur)
+
+        def views(store, s):
+            return [store[n].view(-1)[a:b] for n, a, b in s]
+
+        return [_Chunk(weight_decay, s, views(params, s), views(m, s), views(v, s)) for s in chunks]
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def block_ids(self) -> list[Hashable]:
+        """Block ids in registration order."""
+        return list(self._blocks)
+
+    def num_steps(self, block_id: Hashable) -> int:
+        """Optimizer steps taken by one block."""
+        return int(self._blocks[block_id].step.item())
+
+    def copy_params(self, block_id: Hashable, out: Mapping[str, Tensor]) -> None:
+        """Write ``master.to(out.dtype)`` for one block (e.g. the compute copy before step 1)."""
+        b = self._blocks[block_id]
+        self._check_tensors(block_id, b, out, "out", allow_any_float=True)
+        names = list(b.params)
+        torch._foreach_copy_([out[n] for n in names], [b.params[n] for n in names])
+
+    def accumulate(self, block_id: Hashable, grads: Mapping[str, Tensor]) -> None:
+        """Add one micro-batch's gradients of one block into its fp32 host buffer.
+
+        Use it for the first k-1 micro-batches (then `step_block(block_id, grads)` with the last),
+        or, with clipping, for all k (then `step_block(block_id)` once every block is in).
+        """
+        b = self._blocks[block_id]
+        k = self.accumulation_steps
+        if b.micro >= k:
+            raise RuntimeError(
+                f"block {block_id!r} already holds {k} micro-batch gradient(s); step it first")
+        self._check_tensors(block_id, b, grads, "grads", allow_any_float=True)
+        if b.grad_buf is None:
+            b.grad_buf = {n: torch.empty_like(p) for n, p in b.params.items()}
+            for c in b.chunks:
+                c.g = [b.grad_buf[n].view(-1)[a:e] for n, a, e in c.slices]
+        first = b.micro == 0
+
+        def add(c: _Chunk, worker: int) -> None:
+            g = [grads[n].view(-1)[a:e] for n, a, e in c.slices]
+            if first:
+                torch._foreach_copy_(c.g, g)  # overwrites last step's sums: no zeroing pass
+            else:
+                torch._foreach_add_(c.g, g)  # a bf16/fp16 grad is widened to fp32 exactly
+
+        self._parallel(b.chunks, add)
+        b.micro += 1
+        if b.micro == k and self.max_grad_norm is not None:
+            # Per-tensor norms now, while this block is the one being worked on; the global norm
+            # combines them in block order once all blocks are in (as clip_grad_norm_ stacks them).
+            b.norms = torch.stack(torch._foreach_norm([b.grad_buf[n] for n in b.params]))
+
+    def step_block(self, block_id: Hashable, grads: Mapping[str, Tensor] | None = None, *,
+                   out: Mapping[str, Tensor] | None = None) -> None:
+        """Apply one AdamW step to one block, then write its compute-dtype copy into `out`.
+
+        `grads` are the gradients of the last micro-batch (fp32, or bf16/fp16 which are widened
+        exactly); pass None when all micro-batches went through `accumulate` (required with
+        clipping). `out`, if given, maps every parameter name to a CPU tensor of the same shape
+        (typically bf16, possibly pinned); it receives ``master.to(out.dtype)`` after the update.
+        """
+        b = self._blocks[block_id]
+        k = self.accumulation_steps
+        clipping = self.max_grad_norm is not None
+        if clipping and grads is not None:
+            raise ValueError("with max_grad_norm set, pass every micro-batch to accumulate() and "
+                             "call step_block(block_id) without grads once all blocks are in")
+        if grads is not None and (k > 1 or b.micro > 0):
+            self.accumulate(block_id, grads)
+            grads = None
+        if grads is None and b.micro != k:
+            raise RuntimeError(f"block {block_id!r} has {b.micro} of {k} micro-batch gradients")
+        if grads is not None:
+            self._check_tensors(block_id, b, grads, "grads", allow_any_float=True)
+        if out is not None:
+            self._check_tensors(block_id, b, out, "out", allow_any_float=True)
+
+        # The fused kernel divides the gradients by grad_scale (and writes the quotient back, which
+        # is harmless: it only ever sees our own buffer here): sum / k is the mean, and clipping
+        # divides by 1 / clip_coef.
+        grad_scale = None
+        if clipping:
+            grad_scale = self._clip_grad_scale(block_id)
+        elif k > 1:
+            grad_scale = torch.tensor(float(k), dtype=torch.float32)
+        src = grads if grads is not None else b.grad_buf
+
+        b.step.add_(1)  # torch increments the step before the update; t starts at 1
+        hyper = dict(lr=self.lr, beta1=self.betas[0], beta2=self.betas[1], eps=self.eps,
+                     amsgrad=False, maximize=False, grad_scale=grad_scale)
+
+        def update(c: _Chunk, worker: int) -> None:
+            g = [src[n].view(-1)[a:e] for n, a, e in c.slices]
+            if g[0].dtype != torch.float32:
+                g = self._widen(g, worker)
+            torch._fused_adamw_(c.params, g, c.m, c.v, [], [b.step] * len(g),
+                                weight_decay=c.weight_decay, **hyper)
+            if out is not None:  # cast this chunk now, while it is still in cache
+                torch._foreach_copy_([out[n].view(-1)[a:e] for n, a, e in c.slices], c.params)
+
+        self._parallel(b.chunks, update)
+        b.micro = 0
+        b.norms = None
+
+    def step(self, grads: Mapping[Hashable, Mapping[str, Tensor]] | None = None, *,
+             out: Mapping[Hashable, Mapping[str, Tensor]] | None = None) -> None:
+        """Whole-model step: every block, in order (convenience for resident training and tests)."""
+        if self.max_grad_norm is not None and grads is not None:
+            for block_id in self._blocks:
+                self.accumulate(block_id, grads[block_id])
+            grads = None
+        for block_id in self._blocks:
+            self.step_block(block_id, None if grads is None else grads[block_id],
+                            out=None if out is None else out[block_id])
+
+    def state_dict(self) -> dict:
+        """m, v and step per block plus the hyperparameters. Tensors are the live state (no copy:
+        at 12 B/param a copy may not fit); serialize them before the next step. Must be taken
+        between optimizer steps, not in the middle of an accumulation."""
+        self._check_idle("state_dict")
+        return {
+            "format": "megaslide.cpu_adamw.v1",
+            "hparams": {"lr": self.lr, "betas": list(self.betas), "eps": self.eps,
+                        "weight_decay": self.weight_decay,
+                        "accumulation_steps": self.accumulation_steps,
+                        "max_grad_norm": self.max_grad_norm},
+            "step": {bid: int(b.step.item()) for bid, b in self._blocks.items()},
+            "m": {bid: dict(b.m) for bid, b in self._blocks.items()},
+            "v": {bid: dict(b.v) for bid, b in self._blocks.items()},
+        }
+
+    def load_state_dict(self, state: Mapping) -> None:
+        """Restore m, v, steps and lr saved by `state_dict` (copied into this optimizer's tensors)."""
+        self._check_idle("load_state_dict")
+        if state.get("format") != "megaslide.cpu_adamw.v1":
+            raise ValueError(f"not a CPUAdamW state dict (format={state.get('format')!r})")
+        if set(state["step"]) != set(self._blocks):
+            raise ValueError(f"state dict blocks {sorted(map(str, state['step']))} do not match "
+                             f"optimizer blocks {sorted(map(str, self._blocks))}")
+        for bid, b in self._blocks.items():
+            for key, store in (("m", b.m), ("v", b.v)):
+                saved = state[key][bid]
+                if set(saved) != set(store):
+                    raise ValueError(f"block {bid!r}: state dict {key} names do not match params")
+                for name, t in store.items():
+                    if saved[name].shape != t.shape:
+                        raise ValueError(f"block {bid!r} {key}[{name!r}]: shape "
+                                         f"{tuple(saved[name].shape)} != {tuple(t.shape)}")
+        for bid, b in self._blocks.items():
+            for key, store in (("m", b.m), ("v", b.v)):
+                for name, t in store.items():
+                    t.copy_(state[key][bid][name])
+            b.step.fill_(float(state["step"][bid]))
+        self.lr = float(state["hparams"]["lr"])
+
+    def __enter__(self) -> CPUAdamW:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the worker threads; the optimizer cannot step afterwards."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+    # ------------------------------------------------------------------ internals
+
+    def _parallel(self, chunks: list[_Chunk], fn: Callable[[_Chunk, int], None]) -> None:
+        """Run fn(chunk, worker_index) for every chunk on the worker threads; wait for all.
+
+        Workers pull chunks from a shared cursor rather than a fixed split, so a worker whose core
+        is busy with something else (the thread driving the GPU, another process) just takes fewer
+        chunks instead of holding up the whole block.
+        """
+        if self._pool is None:
+            raise RuntimeError("the optimizer was closed")
+        cursor = _Cursor()
+
+        def loop(worker: int) -> None:
+            while (i := cursor.take()) < len(chunks):
+                fn(chunks[i], worker)
+
+        futures = [self._pool.submit(loop, w) for w in range(self.threads)]
+        for f in futures:
+            f.result()  # waits for the worker and re-raises its exception, if any
+
+    def _widen(self, grads: list[Tensor], worker: int) -> list[Tensor]:
+        """Copy bf16/fp16 gradient slices into this worker's fp32 scratch (exact widening)."""
+        scratch = self._scratch[worker]
+        if scratch is None:
+            scratch = self._scratch[worker] = torch.empty(self.chunk_numel, dtype=torch.float32)
+        wide, offset = [], 0
+        for g in grads:
+            w = scratch[offset:offset + g.numel()]
+            w.copy_(g)
+            wide.append(w)
+            offset += g.numel()
+        return wide
+
+    def _clip_grad_scale(self, block_id: Hashable) -> Tensor:
+        """1 / clip_coef * k as a 0-dim tensor, computing the global norm on the step's first block."""
+        if self._clip_scale is None:
+            missing = [bid for bid, b in self._blocks.items() if b.norms is None]
+            if missing:
+                raise RuntimeError(
+                    f"clipping needs the gradients of every block before any update; blocks "
+                    f"{missing[:5]} have not accumulated {self.accumulation_steps} micro-batch(es)")
+            k = self.accumulation_steps
+            # Same formula as torch.nn.utils.clip_grad_norm_: norm of the per-tensor norms,
+            # coef = max_norm / (norm + 1e-6) clamped to 1. The buffers hold sums, so / k.
+            total = torch.linalg.vector_norm(
+                torch.cat([b.norms for b in self._blocks.values()])) / k
+            # .item() is a host read of a CPU scalar, no device sync: we need the number to refuse
+            # a non-finite norm before touching any weight, and to report it.
+            self.last_grad_norm = float(total.item())
+            if not math.isfinite(self.last_grad_norm):
+                raise FloatingPointError(f"global gradient norm is {self.last_grad_norm}; "
+                                         "no weights were updated")
+            coef = torch.clamp(self.max_grad_norm / (total + 1e-6), max=1.0)
+            self._clip_scale = (k / coef).to(torch.float32)
+            self._pending = set(self._blocks)
+        if block_id not in self._pending:
+            raise RuntimeError(f"block {block_id!r} was already stepped in this clipped step")
+        scale = self._clip_scale
+        self._pending.discard(block_id)
+        if not self._pending:
+            self._clip_scale = None
+        return scale
+
+    def _check_tensors(self, block_id, b: _Block, tensors: Mapping[str, Tensor], what: str,
+                       allow_any_float: bool) -> None:
+        if set(tensors) != set(b.params):
+            extra = sorted(set(tensors) - set(b.params))[:3]
+            missing = sorted(set(b.params) - set(tensors))[:3]
+            raise ValueError(f"block {block_id!r} {what}: names do not match the parameters "
+                             f"(missing {missing}, unexpected {extra})")
+        for name, t in tensors.items():
+            p = b.params[name]
+            if t.shape != p.shape:
+                raise ValueError(f"block {block_id!r} {what}[{name!r}]: shape {tuple(t.shape)} "
+                                 f"!= parameter shape {tuple(p.shape)}")
+            if t.device.type != "cpu" or not t.is_contiguous():
+                raise ValueError(f"block {block_id!r} {what}[{name!r}]: must be a contiguous CPU "
+                                 f"tensor, got device {t.device}, contiguous={t.is_contiguous()}")
+            if not t.is_floating_point() or (not allow_any_float and t.dtype != torch.float32):
+                raise ValueError(f"block {block_id!r} {what}[{name!r}]: bad dtype {t.dtype}")
+
+    def _check_idle(self, what: str) -> None:
+        busy = [bid for bid, b in self._blocks.items() if b.micro]
+        if busy or self._pending:
+            raise RuntimeError(f"{what} must be called between optimizer steps; blocks "
+                               f"{(busy or sorted(self._pending, key=str))[:5]} are mid-step")
+
+
+class _Cursor:
+    """A counter shared by the workers of one step_block: each take() returns a fresh index."""
+
+    def __init__(self) -> None:
+        self._next = 0
+        self._lock = threading.Lock()
+
+    def take(self) -> int:
+        with self._lock:
+            i = self._next
+            self._next += 1
+            return i
+
+
+def _single_threaded_pool(threads: int) -> ThreadPoolExecutor:
+    """A pool of `threads` workers, each running torch ops on one intra-op thread.
+
+    Every worker calls torch.set_num_threads(1) once at start (a barrier makes sure all have
+    started); under OpenMP that sets the calling thread's own count (checked in the tests). The constructing thread then
+    restores its previous value, which also restores torch's process-wide record of it.
+    """
+    previous = torch.get_num_threads()
+    barrier = threading.Barrier(threads)
+
+    def init() -> None:
+        # torch sets up each thread's count lazily, from the process-wide value, the first time
+        # the thread asks; ask first, or that first use would undo the 1 set here.
+        torch.get_num_threads()
+        torch.set_num_threads(1)
+        barrier.wait()
+
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="cpu-adamw")
+    for f in [pool.submit(init) for _ in range(threads)]:
+        f.result()
+    torch.set_num_threads(previous)
+    return pool

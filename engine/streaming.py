@@ -1,0 +1,806 @@
+"""Stream a module's blocks from host RAM to the device, each copy hidden under earlier compute.
+
+`stream_module(module, blocks, device)` turns any module whose heavy part is an ordered list of
+blocks into one that runs with only a few blocks on the device at a time:
+
+- every streamed block keeps its parameters and buffers in one contiguous host buffer
+  (`HostBlockStore`, in host_store.py), page-locked at its exact size when the device is CUDA;
+- the device holds a ring of `prefetch` flat slot buffers sized to the largest streamed block;
+  before a block runs its tensors are re-pointed (`tensor.data = view`) at the slot holding its
+  copy, so every Parameter keeps its identity, stays a leaf and keeps `requires_grad`;
+- copies run on a dedicated copy stream, ordered against the compute stream by events only;
+- with `gpu_budget_bytes`, as many blocks as fit stay resident (no streaming); parameters and
+  buffers outside the blocks are always resident.
+
+The streamer knows only "an ordered list of blocks with tensors", never the model's math: forward
+pre-hooks load a block (and prefetch the next ones in the current order), forward hooks release it.
+On `device="cpu"` the same logic runs with synchronous memcpy, so all of it is tested without a GPU.
+
+Training (backward through streamed blocks). Hooks release a block when its forward returns, and a
+released block's tensors point back at the host store, so backward through a graph built by a hooked
+forward would read host tensors (an error on CUDA). The fine-tuning loop instead drives blocks
+explicitly, recomputing each block in reverse order::
+
+    with torch.no_grad():                       # forward: keep only each block's input
+        inputs = []
+        for blk in blocks: inputs.append(h); h = blk(h)
+    ...                                         # head, loss, grad_h = dloss/dh
+    with handle.manual(order="reverse"):        # hooks off; prefetch runs n-1, n-2, ...
+        for i in reversed(range(len(blocks))):
+            handle.load(i)                      # block i usable on the compute stream
+            x = inputs[i].requires_grad_()
+            blocks[i](x).backward(grad_h)       # block params are leaves: .grad fills on the device
+            grad_h = x.grad
+            ...                                 # read / move / clear p.grad of block i here
+            handle.release(i)                   # slot may be refilled once this work is done
+
+Caution: do not `.to()` / `.cuda()` a streamed module, and do not write into block tensors except
+through `handle.host_tensors(i)` or `handle.load_weights(...)`. One thread drives a handle.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from .host_store import (
+    ALIGN_BYTES, HostBlockStore, SafetensorsFile, TensorEntry, _Bound, _collect_tensors,
+    _fill_views, _layout, _move_into, _repoint, layout_nbytes,
+)  # fmt: skip
+
+__all__ = [
+    "ALIGN_BYTES", "HostBlockStore", "ResidencyPlan", "SafetensorsFile", "StreamHandle",
+    "TensorEntry", "layout_nbytes", "plan_residency", "stream_module",
+]  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------
+# Ordering primitives: CUDA streams and events, or their synchronous CPU stand-ins
+
+
+class _HostOrdering:
+    """device="cpu": copies are synchronous memcpy, so a copy has landed when `copy` returns and no
+    compute can overlap it. Every event and wait is therefore a no-op; stamps are perf_counter.
+
+    This class and `_CudaOrdering` share one interface, the only ordering calls the streamer makes.
+    """
+
+    def new_event(self) -> Any:
+        return None
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src)
+
+    def record_on_copy(self, event: Any) -> None:
+        pass
+
+    def record_on_compute(self, event: Any) -> None:
+        pass
+
+    def compute_wait(self, event: Any) -> None:
+        pass
+
+    def copy_wait(self, event: Any) -> None:
+        pass
+
+    def drain_copies(self) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def stamp(self, on_copy: bool) -> Any:
+        return time.perf_counter()
+
+    def seconds(self, origin: Any, stamp: Any) -> float:
+        return stamp - origin
+
+
+class _CudaOrdering:
+    """A dedicated copy stream beside whatever stream is current for compute, ordered by events."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.copy_stream = torch.cuda.Stream(device)
+
+    def _compute_stream(self) -> torch.cuda.Stream:
+        return torch.cuda.current_stream(self.device)
+
+    def new_event(self) -> torch.cuda.Event:
+        return torch.cuda.Event()
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        with torch.cuda.stream(self.copy_stream):
+            dst.copy_(src, non_blocking=True)  # async only from page-locked src (see _pin_exact)
+
+    def record_on_copy(self, event: torch.cuda.Event) -> None:
+        event.record(self.copy_stream)
+
+    def record_on_compute(self, event: torch.cuda.Event) -> None:
+        event.record(self._compute_stream())
+
+    def compute_wait(self, event: torch.cuda.Event) -> None:
+        self._compute_stream().wait_event(event)
+
+    def copy_wait(self, event: torch.cuda.Event) -> None:
+        self.copy_stream.wait_event(event)
+
+    def drain_copies(self) -> None:
+        # Host sync, never in the block loop: callers are about to write host memory that a queued
+        # DMA may still be reading; without it the device could receive half-updated weights.
+        self.copy_stream.synchronize()
+
+    def synchronize(self) -> None:
+        # Host sync, only in remove(): slots are freed and host stores unpinned next; without it a
+        # queued copy or kernel could touch memory that is no longer ours.
+        torch.cuda.synchronize(self.device)
+
+    def stamp(self, on_copy: bool) -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(self.copy_stream if on_copy else self._compute_stream())
+        return event
+
+    def seconds(self, origin: torch.cuda.Event, stamp: torch.cuda.Event) -> float:
+        # Host sync, only when stats or a trace are read: elapsed_time needs both events completed.
+        origin.synchronize()
+        stamp.synchronize()
+        return origin.elapsed_time(stamp) / 1e3
+
+
+def _make_ordering(device: torch.device) -> _HostOrdering | _CudaOrdering:
+    if device.type == "cpu":
+        return _HostOrdering()
+    if device.type == "cuda":
+        return _CudaOrdering(device)
+    raise ValueError(f"device {device} is not supported: use 'cpu' or 'cuda'")
+
+
+# ----------------------------------------------------------------------------------------------
+# Residency plan
+
+
+@dataclasses.dataclass(frozen=True)
+class ResidencyPlan:
+    """Which blocks stay on the device and how big the streaming ring is."""
+
+    resident: tuple[int, ...]
+    streamed: tuple[int, ...]
+    num_slots: int
+    slot_bytes: int
+    resident_block_bytes: int
+    device_weight_bytes: int  # non-block + resident blocks + slots: the streamer's device footprint
+
+
+def _spread(k: int, n: int) -> list[int]:
+    """k of range(n), evenly spaced from 0: each streamed block then has resident compute before it
+    to hide its copy under."""
+    return sorted({j * n // k for j in range(k)}) if k else []
+
+
+def plan_residency(
+    block_bytes: Sequence[int],
+    *,
+    prefetch: int = 2,
+    gpu_budget_bytes: int | None = None,
+    non_block_bytes: int = 0,
+    activation_reserve_bytes: int = 0,
+) -> ResidencyPlan:
+    """Choose resident blocks: the most that fit `gpu_budget_bytes` beside the slots, the non-block
+    tensors and the activation reserve (`None`: stream every block).
+
+    `block_bytes[i]` is block i's flat size (`layout_nbytes`); resident blocks are charged the same,
+    as they live in one flat device buffer each. The ring has min(prefetch, #streamed) slots of the
+    largest streamed block. Resident blocks are spread evenly, so copies hide under their compute.
+    """
+    n = len(block_bytes)
+    if prefetch < 2:
+        raise ValueError(f"prefetch={prefetch}: need >= 2 slots, one copying while one computes")
+
+    def plan(resident: list[int]) -> ResidencyPlan:
+        chosen = set(resident)
+        streamed = [i for i in range(n) if i not in chosen]
+        slots = min(prefetch, len(streamed))
+        slot_bytes = max((block_bytes[i] for i in streamed), default=0)
+        res_bytes = sum(block_bytes[i] for i in resident)
+        total = non_block_bytes + res_bytes + slots * slot_bytes
+        return ResidencyPlan(tuple(resident), tuple(streamed), slots, slot_bytes, res_bytes, total)
+
+    if gpu_budget_bytes is None:
+        return plan([])
+    for k in range(n, -1, -1):
+        candidate = plan(_spread(k, n))
+        if candidate.device_weight_bytes + activation_reserve_bytes <= gpu_budget_bytes:
+            return candidate
+    floor = plan([])
+    raise ValueError(
+        f"gpu_budget_bytes={gpu_budget_bytes} is below the minimum "
+        f"{floor.device_weight_bytes + activation_reserve_bytes}: non-block {non_block_bytes} + "
+        f"activation reserve {activation_reserve_bytes} + {floor.num_slots} slots x largest block "
+        f"{floor.slot_bytes}"
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# The streamer
+
+
+@dataclasses.dataclass
+class _Block:
+    """One block as the streamer sees it: its tensors, layout, and where its bytes are."""
+
+    index: int
+    name: str  # qualified name inside the streamed module
+    module: nn.Module
+    tensors: list[_Bound]
+    entries: tuple[TensorEntry, ...]
+    nbytes: int  # flat layout size
+    resident: bool = False
+    store: HostBlockStore | None = None  # streamed blocks
+    device_flat: torch.Tensor | None = None  # resident blocks: their own flat device buffer
+    slot_views: list[tuple[torch.Tensor, ...]] = dataclasses.field(default_factory=list)
+    slot: int | None = None  # slot holding (or receiving) a copy of this block
+    loaded: bool = False  # tensors point at the device copy and compute may use them
+    open_span: _Span | None = None
+    missing: set[int] = dataclasses.field(default_factory=set)  # entries never filled (meta)
+
+
+@dataclasses.dataclass
+class _Slot:
+    """One device buffer of the ring and the events that order its reuse."""
+
+    buffer: torch.Tensor  # (slot_bytes,) uint8 on the device
+    ready: Any  # recorded on the copy stream after the latest copy into this slot
+    free: Any  # recorded on the compute stream after the latest work that read this slot
+    block: int | None = None
+    last_use: int = 0
+
+
+@dataclasses.dataclass
+class _Span:
+    """One timed block copy or block compute (stamps: events on CUDA, seconds on CPU)."""
+
+    kind: str  # "copy" or "compute"
+    block: int
+    slot: int | None
+    forward: int
+    start: Any
+    end: Any = None
+    nbytes: int = 0
+
+
+def _covered(intervals: list[tuple[float, float]], busy: list[tuple[float, float]]) -> float:
+    """Total length of `intervals` during which at least one `busy` interval is running."""
+    merged: list[tuple[float, float]] = []
+    for a, b in sorted(busy):
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    total, j = 0.0, 0
+    for a, b in sorted(intervals):  # one sweep: both lists sorted by start
+        while j < len(merged) and merged[j][1] <= a:
+            j += 1
+        k = j
+        while k < len(merged) and merged[k][0] < b:
+            total += min(b, merged[k][1]) - max(a, merged[k][0])
+            k += 1
+    return total
+
+
+class StreamHandle:
+    """Control of one streamed module: stats, traces, explicit loads for training, and `remove()`.
+
+    Block indices are positions in the `blocks` passed to `stream_module`.
+    """
+
+    def __init__(self, module, blocks, device, plan, pinned, prefetch, timing, non_block, ordering):
+        self.module = module
+        self.device = device
+        self.plan = plan
+        self.prefetch_depth = prefetch
+        self.host_pinned = pinned
+        self.timing = timing
+        self._blocks: list[_Block] = blocks
+        self._non_block: list[_Bound] = non_block
+        self._non_block_missing = {k for k, t in enumerate(non_block) if t.device.type == "meta"}
+        self._non_block_bytes = sum(b.tensor.numel() * b.tensor.element_size() for b in non_block)
+        self._ord = ordering
+        self._slots: list[_Slot] = []
+        self._hooks: list[Any] = []
+        self._hooks_on = True
+        self._tick = 0
+        self._closed = False
+        self.set_order("forward")
+        self.reset_stats()
+
+    # -- explicit control ----------------------------------------------------------------------
+
+    def set_order(self, order: str | Sequence[int], cyclic: bool = False) -> None:
+        """Set the order in which blocks run next: "forward", "reverse" or a list of block indices.
+
+        After block i is loaded, the next `prefetch - 1` streamed blocks after i in this order are
+        copied ahead. With `cyclic`, the order wraps (the end of one forward prefetches the start of
+        the next: hides the first copy of every denoising step, at the price of `prefetch - 1`
+        extra block copies after the last step, which `h2d_bytes` counts).
+        """
+        n = len(self._blocks)
+        if order == "forward":
+            order = list(range(n))
+        elif order == "reverse":
+            order = list(range(n - 1, -1, -1))
+        order = [int(i) for i in order]
+        if len(set(order)) != len(order) or any(not 0 <= i < n for i in order):
+            raise ValueError(f"order must list distinct block indices in [0, {n}), got {order}")
+        self._order, self._cyclic = order, cyclic
+        streamed_ahead = max(self.plan.num_slots - 1, 0)
+        self._ahead: dict[int, tuple[int, ...]] = {}
+        for pos, i in enumerate(order):
+            rest = order[pos + 1 :] + (order[:pos] if cyclic else [])
+            self._ahead[i] = tuple(j for j in rest if not self._blocks[j].resident)[:streamed_ahead]
+
+    @contextlib.contextmanager
+    def manual(self, order: str | Sequence[int] | None = None) -> Iterator[StreamHandle]:
+        """Within this context the hooks do nothing: the caller loads and releases blocks itself
+        (e.g. recompute + backward in reverse order). `order`, if given, applies meanwhile."""
+        saved = (self._order, self._cyclic, self._hooks_on)
+        if order is not None:
+            self.set_order(order)
+        self._hooks_on = False
+        try:
+            yield self
+        finally:
+            self._hooks_on = saved[2]
+            self.set_order(saved[0], saved[1])
+
+    def load(self, i: int) -> None:
+        """Make block i usable by work queued next on the current (compute) stream.
+
+        Copies block i into a slot unless a slot already holds it, prefetches the next blocks of
+        the current order, makes the compute stream wait for block i's copy and points its tensors
+        at the slot. No-op for resident blocks (apart from prefetch) and for a loaded block.
+        Raises if every slot is held by a loaded block (release one first).
+        """
+        self._check_open()
+        block = self._blocks[i]
+        if block.loaded:
+            return
+        if block.missing:
+            raise RuntimeError(f"block {i} ({block.name}) was never filled: call load_weights")
+        if not block.resident:
+            slot = self._place(i, protect={i, *self._ahead.get(i, ())})
+            if slot is None:
+                slot = self._place(i, protect={i})
+            if slot is None:
+                raise RuntimeError(
+                    f"cannot load block {i}: all {len(self._slots)} slots hold loaded blocks; "
+                    "release one first"
+                )
+        self._prefetch_ahead(i)
+        if not block.resident:
+            s = self._slots[slot]
+            # The compute stream must not read the slot before block i's bytes have landed; without
+            # this wait the block computes with the previous occupant's (or uninitialised) weights.
+            self._ord.compute_wait(s.ready)
+            for bound, view in zip(block.tensors, block.slot_views[slot]):
+                bound.tensor.data = view
+            self._tick += 1
+            s.last_use = self._tick
+        block.loaded = True
+        if self.timing:
+            start = self._ord.stamp(False)
+            block.open_span = _Span("compute", i, block.slot, self._forwards, start)
+
+    def release(self, i: int) -> None:
+        """Declare block i done for now: its slot may be refilled once the work queued so far on
+        the compute stream (forward, or recompute + backward) has finished. Call it after
+        `backward()` returns. Its tensors point back at the host store, so stray use is an error on
+        CUDA; its params' `.grad` (device tensors) stay readable."""
+        self._check_open()
+        block = self._blocks[i]
+        if not block.loaded:
+            return
+        block.loaded = False
+        if self.timing and block.open_span is not None:
+            block.open_span.end = self._ord.stamp(False)
+            self._spans.append(block.open_span)
+            block.open_span = None
+        if block.resident:
+            return
+        # The next copy into this slot waits on this event; without it the copy stream could
+        # overwrite weights that kernels queued for this block are still reading.
+        self._ord.record_on_compute(self._slots[block.slot].free)
+        for bound, view in zip(block.tensors, block.store.views):
+            bound.tensor.data = view
+
+    def prefetch(self, indices: Sequence[int]) -> None:
+        """Start copying these streamed blocks into free slots, in order, as far as slots allow;
+        the compute stream does not wait for them (that happens in `load`). E.g. the sampler may
+        prefetch block 0 after a step, or training the last block before its backward."""
+        self._check_open()
+        indices = [int(i) for i in indices if not self._blocks[int(i)].resident]
+        for k, i in enumerate(indices):
+            if self._place(i, protect=set(indices[: k + 1])) is None:
+                break
+
+    def host_tensors(self, i: int) -> dict[str, torch.Tensor]:
+        """Host views of streamed block i's tensors, by name inside the block, safe to write into
+        (e.g. optimizer updates); the next load of block i copies the new values."""
+        self._check_open()
+        block = self._blocks[i]
+        if block.resident:
+            raise ValueError(f"block {i} is resident: update its device parameters in place")
+        if block.loaded:
+            raise RuntimeError(f"block {i} is loaded: release it before writing its host copy")
+        self._ord.drain_copies()  # a queued DMA may still read this store (see drain_copies)
+        self._forget_copy(block)
+        return block.store.tensors()
+
+    def load_weights(self, source: Mapping[str, torch.Tensor] | str | os.PathLike,
+                     strict: bool = True) -> None:  # fmt: skip
+        """Fill the streamed module's tensors from a state-dict-like mapping or a .safetensors path.
+
+        Keys are names as in `module.state_dict()`. Streamed blocks are filled straight into their
+        host stores, block by block, one tensor at a time (a lazy mapping or a file is never fully
+        materialised); resident tensors are copied to the device. With `strict`, every persistent
+        tensor must be present and every key must name a tensor of the module.
+        """
+        self._check_open()
+        if not isinstance(source, Mapping):
+            source = SafetensorsFile(source)
+        keys = set(source)
+        groups = [(t, t.names) for t in self._non_block]
+        groups += [(t, self._qualified(b, t.names)) for b in self._blocks for t in b.tensors]
+        known = {n for _, names in groups for n in names}
+        missing = [names[0] for t, names in groups if t.persistent and not keys.intersection(names)]
+        unexpected = [k for k in keys if k not in known]
+        if strict and (missing or unexpected):
+            raise KeyError(f"load_weights: missing {missing[:8]}, unexpected {unexpected[:8]}")
+        loaded = [b.index for b in self._blocks if b.loaded]
+        if loaded:
+            raise RuntimeError(f"blocks {loaded} are loaded: release them before load_weights")
+        self._ord.drain_copies()  # host stores are about to change under queued DMAs
+        for b in self._blocks:
+            prefix = f"{b.name}." if b.name else ""
+            if b.resident:
+                views = tuple(e.view(b.device_flat) for e in b.entries)
+                filled = _fill_views(b.entries, views, source, prefix)
+            else:
+                filled = b.store.fill(source, prefix)
+                self._forget_copy(b)
+            b.missing -= filled
+        for k, t in enumerate(self._non_block):
+            key = next((n for n in t.names if n in source), None)
+            if key is not None:
+                src = source[key]
+                if src.shape != t.tensor.shape:
+                    shape = tuple(t.tensor.shape)
+                    raise ValueError(f"{key!r}: checkpoint shape {tuple(src.shape)} != {shape}")
+                t.tensor.data.copy_(src)
+                self._non_block_missing.discard(k)
+
+    @staticmethod
+    def _qualified(block: _Block, names: Sequence[str]) -> list[str]:
+        return [f"{block.name}.{n}" if block.name else n for n in names]
+
+    # -- stats and traces ------------------------------------------------------------------------
+
+    def reset_stats(self) -> None:
+        """Zero the counters and drop timing records (these grow with blocks x forwards)."""
+        self._h2d_bytes = 0
+        self._copies = 0
+        self._forwards = 0
+        self._spans: list[_Span] = []
+        self._origin = self._ord.stamp(False) if self.timing else None
+
+    def stats(self) -> dict[str, Any]:
+        """The streamer's accounting. Timing figures (when `timing=True`) read CUDA events, which
+        waits for the work recorded so far to finish."""
+        p = self.plan
+        out: dict[str, Any] = {
+            "device": str(self.device),
+            "host_pinned": self.host_pinned,
+            "num_blocks": len(self._blocks),
+            "resident_blocks": len(p.resident),
+            "streamed_blocks": len(p.streamed),
+            "resident_block_indices": list(p.resident),
+            "prefetch": self.prefetch_depth,
+            "num_slots": p.num_slots,
+            "slot_bytes": p.slot_bytes,
+            "non_block_bytes": self._non_block_bytes,
+            "resident_block_bytes": p.resident_block_bytes,
+            "streamed_block_bytes": sum(self._blocks[i].nbytes for i in p.streamed),
+            "host_store_bytes": sum(self._blocks[i].nbytes for i in p.streamed),
+            # Everything is allocated up front, so the peak is the steady-state footprint.
+            "peak_device_weight_bytes": self._non_block_bytes + p.resident_block_bytes
+            + p.num_slots * p.slot_bytes,
+            "h2d_bytes": self._h2d_bytes,
+            "copies": self._copies,
+            "forwards": self._forwards,
+        }
+        if self.timing:
+            out.update(self._timing_stats())
+        return out
+
+    def _intervals(self) -> list[tuple[_Span, float, float]]:
+        seconds = self._ord.seconds
+        origin = self._origin
+        return [(s, seconds(origin, s.start), seconds(origin, s.end)) for s in self._spans]
+
+    def _timing_stats(self) -> dict[str, Any]:
+        n = len(self._blocks)
+        copy_s, compute_s = [0.0] * n, [0.0] * n
+        copies, computes, copied_bytes = [], [], 0
+        for span, a, b in self._intervals():
+            if span.kind == "copy":
+                copy_s[span.block] += b - a
+                copies.append((a, b))
+                copied_bytes += span.nbytes
+            else:
+                compute_s[span.block] += b - a
+                computes.append((a, b))
+        total_copy = sum(copy_s)
+        # Fraction of copy time during which some block was computing: 1.0 means fully hidden.
+        hidden = _covered(copies, computes)
+        return {
+            "copy_s": copy_s,
+            "compute_s": compute_s,
+            "copy_s_total": total_copy,
+            "compute_s_total": sum(compute_s),
+            "h2d_gbps": copied_bytes / total_copy / 1e9 if total_copy > 0 else None,
+            "copy_hidden_fraction": hidden / total_copy if total_copy > 0 else None,
+        }
+
+    def trace_events(self) -> list[dict[str, Any]]:
+        """Chrome trace events: one "X" event per block copy (copy stream) and per block compute
+        (compute stream), times in microseconds since `reset_stats`, plus thread-name metadata."""
+        if not self.timing:
+            raise RuntimeError("trace_events needs stream_module(..., timing=True)")
+        pid, tids = os.getpid(), {"compute": 1, "copy": 2}
+        events: list[dict[str, Any]] = [
+            {"ph": "M", "name": "process_name", "pid": pid, "tid": 0,
+             "args": {"name": f"megaslide streamer ({self.device})"}},
+            {"ph": "M", "name": "thread_name", "pid": pid, "tid": tids["compute"],
+             "args": {"name": "compute stream"}},
+            {"ph": "M", "name": "thread_name", "pid": pid, "tid": tids["copy"],
+             "args": {"name": "copy stream (host to device)"}},
+        ]  # fmt: skip
+        for span, a, b in self._intervals():
+            args = {"block": span.block, "slot": span.slot, "forward": span.forward}
+            if span.kind == "copy":
+                args["bytes"] = span.nbytes
+            events.append({
+                "name": f"{span.kind} block {span.block}", "cat": span.kind, "ph": "X",
+                "ts": a * 1e6, "dur": (b - a) * 1e6, "pid": pid, "tid": tids[span.kind],
+                "args": args,
+            })  # fmt: skip
+        return events
+
+    def write_trace(self, path: str | os.PathLike) -> None:
+        """Write `{"traceEvents": [...]}`, which Perfetto and chrome://tracing open."""
+        with open(path, "w") as f:
+            json.dump({"traceEvents": self.trace_events(), "displayTimeUnit": "ms"}, f)
+
+    # -- teardown --------------------------------------------------------------------------------
+
+    def remove(self) -> None:
+        """Undo streaming: hooks removed, every tensor back on its original device as an ordinary
+        tensor with the same values (bitwise) and strides (meta-built tensors come back on CPU)."""
+        self._check_open()
+        self._ord.synchronize()  # see _CudaOrdering.synchronize
+        for hook in self._hooks:
+            hook.remove()
+        home = lambda d: torch.device("cpu") if d.type == "meta" else d  # noqa: E731
+        for block in self._blocks:
+            views = block.store.views if block.store is not None else \
+                tuple(e.view(block.device_flat) for e in block.entries)  # fmt: skip
+            for bound, entry, view in zip(block.tensors, block.entries, views):
+                own = torch.empty_strided(entry.shape, entry.stride, dtype=entry.dtype,
+                                          device=home(bound.device))  # fmt: skip
+                own.copy_(view)
+                bound.tensor.data = own
+            if block.store is not None:
+                block.store.close()
+            block.store = block.device_flat = None
+            block.slot_views = []
+        for bound in self._non_block:
+            bound.tensor.data = bound.tensor.data.to(home(bound.device))
+        self._slots = []
+        self._closed = True
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this StreamHandle was removed")
+
+    # -- slots -----------------------------------------------------------------------------------
+
+    def _place(self, i: int, protect: set[int]) -> int | None:
+        """Slot holding block i, copying it into the least recently used free slot if needed; None
+        if every slot is loaded or protected."""
+        block = self._blocks[i]
+        if block.slot is not None:
+            return block.slot
+        def evictable(s: _Slot) -> bool:
+            return s.block is None or (s.block not in protect and not self._blocks[s.block].loaded)
+
+        candidates = [k for k, s in enumerate(self._slots) if evictable(s)]
+        if not candidates:
+            return None
+        # Empty slots first, then the least recently used one.
+        k = min(candidates, key=lambda k: (self._slots[k].block is not None,
+                                           self._slots[k].last_use))  # fmt: skip
+        slot = self._slots[k]
+        if slot.block is not None:
+            self._blocks[slot.block].slot = None
+        # The copy stream must not overwrite the slot before the compute stream is done with the
+        # block that last used it (its release event); without this wait kernels still queued for
+        # that block would read the new block's weights (diffusers#12673: garbage output).
+        self._ord.copy_wait(slot.free)
+        span = _Span("copy", i, k, self._forwards, self._ord.stamp(True)) if self.timing else None
+        self._ord.copy(slot.buffer[: block.nbytes], block.store.buffer)
+        # Recorded after the copy so load() can make compute wait for exactly this copy.
+        self._ord.record_on_copy(slot.ready)
+        if span is not None:
+            span.end, span.nbytes = self._ord.stamp(True), block.nbytes
+            self._spans.append(span)
+        slot.block, block.slot = i, k
+        self._tick += 1
+        slot.last_use = self._tick
+        self._h2d_bytes += block.nbytes
+        self._copies += 1
+        return k
+
+    def _prefetch_ahead(self, i: int) -> None:
+        ahead = self._ahead.get(i, ())
+        for j in ahead:
+            if self._place(j, protect={i, *ahead}) is None:
+                break
+
+    def _forget_copy(self, block: _Block) -> None:
+        """The host copy changed: a slot's copy of this block is stale."""
+        if block.slot is not None:
+            self._slots[block.slot].block = None
+            block.slot = None
+
+    # -- hooks -----------------------------------------------------------------------------------
+
+    def _install(self) -> None:
+        def on_module(_module, _args):
+            if self._non_block_missing:
+                raise RuntimeError("non-block tensors were never loaded: call load_weights")
+            if self._hooks_on:
+                self._forwards += 1
+
+        self._hooks.append(self.module.register_forward_pre_hook(on_module))
+        for block in self._blocks:
+            i = block.index
+
+            def pre(_module, _args, i=i):
+                if self._hooks_on:
+                    self.load(i)
+
+            def post(_module, _args, _output, i=i):
+                if self._hooks_on:
+                    self.release(i)
+
+            self._hooks.append(block.module.register_forward_pre_hook(pre))
+            # always_call: a forward that raises still releases its block, so its slot is reusable.
+            self._hooks.append(block.module.register_forward_hook(post, always_call=True))
+
+
+def _resolve_pinning(device: torch.device, host_pinned: bool | None) -> bool:
+    """Pin host stores iff copies go to a CUDA device (unless told otherwise): page-locked memory is
+    what lets the copy engine DMA asynchronously; pageable copies stage through the driver."""
+    if host_pinned is None:
+        return device.type == "cuda"
+    if host_pinned and not torch.cuda.is_available():
+        raise ValueError("host_pinned=True needs CUDA (cudaHostRegister)")
+    return host_pinned
+
+
+def stream_module(
+    module: nn.Module,
+    blocks: Sequence[nn.Module] | nn.ModuleList,
+    device: str | torch.device,
+    gpu_budget_bytes: int | None = None,
+    prefetch: int = 2,
+    timing: bool = False,
+    host_pinned: bool | None = None,
+    activation_reserve_bytes: int = 0,
+) -> StreamHandle:
+    """Stream `blocks` (submodules of `module`, in the order they run) from host RAM to `device`.
+
+    After this call `module(...)` runs as usual. Tensors outside the blocks move to `device`.
+    With `gpu_budget_bytes`, the most blocks that fit beside the `prefetch` slots, the non-block
+    tensors and `activation_reserve_bytes` stay resident (see `plan_residency`); `None` streams all.
+    A block called several times in one forward is correct: each call loads it (a copy only if its
+    slot was reused meanwhile). Tensors may be on the meta device: fill them with `load_weights`.
+    """
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if activation_reserve_bytes < 0:
+        raise ValueError(f"activation_reserve_bytes={activation_reserve_bytes} must be >= 0")
+    blocks = list(blocks)
+    if not blocks:
+        raise ValueError("blocks is empty: nothing to stream")
+    names: dict[int, str] = {}
+    for name, m in module.named_modules(remove_duplicate=False):
+        names.setdefault(id(m), name)
+    for i, b in enumerate(blocks):
+        if not isinstance(b, nn.Module) or id(b) not in names:
+            raise ValueError(f"blocks[{i}] ({type(b).__name__}) is not a submodule of the module")
+        if b is module:
+            raise ValueError(f"blocks[{i}] is the module itself: pass its repeated submodules")
+    if len({id(b) for b in blocks}) != len(blocks):
+        raise ValueError("a block appears twice in blocks: list each block once")
+    block_ids = {id(b) for b in blocks}
+    for i, b in enumerate(blocks):
+        if any(id(m) in block_ids for m in b.modules() if m is not b):
+            raise ValueError(f"blocks[{i}] contains another block: blocks must not nest")
+
+    per_block = [_collect_tensors(b) for b in blocks]
+    owner: dict[int, int] = {}
+    for i, tensors in enumerate(per_block):
+        for t in tensors:
+            if id(t.tensor) in owner:
+                first = owner[id(t.tensor)]
+                raise ValueError(f"{t.names[0]!r} is shared by blocks {first} and {i}")
+            owner[id(t.tensor)] = i
+    # Tensors reachable without entering a block; one also reachable through a block (tied weights,
+    # a shared submodule) would be used while its block is not loaded, so it is refused.
+    non_block = _collect_tensors(module, stop=frozenset(block_ids))
+    for t in non_block:
+        if id(t.tensor) in owner:
+            raise ValueError(
+                f"{t.names[0]!r} is shared between block {owner[id(t.tensor)]} and the rest of the "
+                "module: untie it or make the sharing module a block"
+            )
+    for t in non_block + [t for ts in per_block for t in ts]:
+        if t.tensor.is_meta and not t.persistent:
+            raise ValueError(f"non-persistent buffer {t.names[0]!r} is on meta: set it first")
+
+    layouts = [_layout(ts) for ts in per_block]
+    non_block_bytes = sum(t.tensor.numel() * t.tensor.element_size() for t in non_block)
+    plan = plan_residency([nb for _, nb in layouts], prefetch=prefetch,
+                          gpu_budget_bytes=gpu_budget_bytes, non_block_bytes=non_block_bytes,
+                          activation_reserve_bytes=activation_reserve_bytes)  # fmt: skip
+    pinned = _resolve_pinning(device, host_pinned)
+    ordering = _make_ordering(device)
+
+    records = []
+    resident = set(plan.resident)
+    for i, (b, tensors, (entries, nbytes)) in enumerate(zip(blocks, per_block, layouts)):
+        rec = _Block(i, names[id(b)], b, tensors, entries, nbytes, resident=i in resident)
+        rec.missing = {k for k, t in enumerate(tensors) if t.tensor.is_meta}
+        if rec.resident:  # one flat device buffer per resident block, exactly as planned
+            rec.device_flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            _move_into(tensors, [e.view(rec.device_flat) for e in entries])
+        else:  # block by block, so the host holds at most one block twice at a time
+            rec.store = HostBlockStore._adopt(tensors, pinned)
+        records.append(rec)
+    for t in non_block:
+        _repoint(t.tensor, torch.empty_like(t.tensor, device=device) if t.tensor.is_meta
+                 else t.tensor.detach().to(device))  # fmt: skip
+
+    handle = StreamHandle(module, records, device, plan, pinned, prefetch, timing, non_block,
+                          ordering)  # fmt: skip
+    for _ in range(plan.num_slots):
+        slot = _Slot(torch.empty(plan.slot_bytes, dtype=torch.uint8, device=device),
+                     ordering.new_event(), ordering.new_event())  # fmt: skip
+        # The allocator may hand us memory whose previous owner still has kernels queued on the
+        # compute stream; the first copy into the slot waits for them through this event.
+        ordering.record_on_compute(slot.free)
+        handle._slots.append(slot)
+    for rec in records:  # views are built once here, outside any inference_mode a caller may use
+        if not rec.resident:
+            rec.slot_views = [tuple(e.view(s.buffer) for e in rec.entries) for s in handle._slots]
+    handle._install()
+    return handle

@@ -1,0 +1,341 @@
+"""Video I/O: MP4 writing, decoding of clips and frame folders, and the uint8 <-> float mapping.
+
+Pixel convention. Frames on disk and in numpy are uint8 ``(F, H, W, 3)`` RGB. The model sees float
+``(3, F, H, W)`` in [-1, 1]. The two maps, exact inverses on uint8 values:
+
+    to float:  x  = u8 / 127.5 - 1
+    to uint8:  u8 = clip(round((x + 1) * 127.5), 0, 255)     (round half to even, as numpy/torch)
+
+Values outside [-1, 1] are clipped; NaN or inf is an error.
+
+MP4 output: H.264 (libx264) in yuv420p, constant frame rate (frame i has pts i in a 1/fps time
+base), ``movflags=+faststart`` (the index goes first, so browsers can play while downloading).
+4:2:0 chroma needs even width and height; odd sizes are rejected, not silently padded. The file is
+written under a temporary name in the target directory and renamed on success, so a failed write
+never leaves a partial file at `path`.
+
+Decoding uses PyAV (FFmpeg): mp4, webm, gif and anything else FFmpeg reads, plus folders of frames
+(png/jpg/jpeg/webp/bmp, sorted by name with numbers compared as numbers, so frame2 < frame10).
+
+`av` is imported inside the functions that use it: the engine must import without it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from fractions import Fraction
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
+SAMPLING_MODES = ("uniform", "first")
+
+
+# ---------------------------------------------------------------------- pixel mapping
+
+
+def frames_to_float(frames) -> torch.Tensor:
+    """uint8 ``(F, H, W, 3)`` (numpy or torch) -> float32 ``(3, F, H, W)`` in [-1, 1]."""
+    u8 = torch.as_tensor(frames)
+    if u8.dtype != torch.uint8 or u8.ndim != 4 or u8.shape[-1] != 3:
+        raise ValueError(f"expected uint8 frames (F, H, W, 3), got {u8.dtype} {tuple(u8.shape)}")
+    return u8.permute(3, 0, 1, 2).to(torch.float32) / 127.5 - 1.0  # (3, F, H, W)
+
+
+def float_to_frames(x, *, layout: str | None = None) -> np.ndarray:
+    """float in [-1, 1], ``(3, F, H, W)`` or ``(F, H, W, 3)`` -> uint8 ``(F, H, W, 3)`` numpy.
+
+    ``u8 = clip(round((x + 1) * 127.5), 0, 255)``. `layout` ("CFHW" or "FHWC") is inferred from
+    which axis has size 3 and must be given when both ends do.
+    """
+    t = torch.as_tensor(x)
+    if not t.is_floating_point() or t.ndim != 4:
+        raise ValueError(f"expected a 4-D float tensor, got {t.dtype} {tuple(t.shape)}")
+    layout = layout or _infer_layout(t.shape)
+    if layout == "CFHW":
+        t = t.permute(1, 2, 3, 0)  # (F, H, W, 3)
+    elif layout != "FHWC":
+        raise ValueError(f"layout must be 'CFHW' or 'FHWC', got {layout!r}")
+    if t.shape[-1] != 3:
+        raise ValueError(f"expected 3 channels for layout {layout}, got shape {tuple(t.shape)}")
+    # .cpu() copies a device tensor to the host (a sync): the encoder needs the pixels there.
+    t = t.detach().to(device="cpu", dtype=torch.float32)
+    if not bool(torch.isfinite(t).all()):
+        raise ValueError("frames contain NaN or inf")
+    u8 = torch.clamp(torch.round((t + 1.0) * 127.5), 0, 255).to(torch.uint8)
+    return u8.contiguous().numpy()
+
+
+def _infer_layout(shape) -> str:
+    first, last = shape[0] == 3, shape[-1] == 3
+    if first and last:
+        raise ValueError(f"ambiguous layout for shape {tuple(shape)}: pass layout='CFHW' or 'FHWC'")
+    if not (first or last):
+        raise ValueError(f"no channel axis of size 3 in shape {tuple(shape)}")
+    return "CFHW" if first else "FHWC"
+
+
+def to_uint8_frames(frames, *, layout: str | None = None) -> np.ndarray:
+    """Any accepted frame input -> contiguous uint8 ``(F, H, W, 3)`` numpy."""
+    if isinstance(frames, torch.Tensor) and frames.dtype == torch.uint8:
+        # .cpu() is a host copy (a sync for device tensors): the encoder reads host memory.
+        frames = frames.detach().cpu().numpy()
+    if isinstance(frames, np.ndarray) and frames.dtype == np.uint8:
+        if frames.ndim != 4 or frames.shape[-1] != 3:
+            raise ValueError(f"uint8 frames must be (F, H, W, 3), got {frames.shape}")
+        return np.ascontiguousarray(frames)
+    t = torch.as_tensor(frames)
+    if not t.is_floating_point():
+        raise ValueError(f"frames must be uint8 or float in [-1, 1], got {t.dtype}")
+    return float_to_frames(t, layout=layout)
+
+
+# ---------------------------------------------------------------------- writing
+
+
+def write_mp4(path: str | os.PathLike, frames, fps: int | float | Fraction = 16, *,
+              crf: int = 18, preset: str = "medium", layout: str | None = None) -> Path:
+    """Encode frames to an H.264/yuv420p MP4 at `path` (atomically) and return the path.
+
+    frames: uint8 ``(F, H, W, 3)`` or float in [-1, 1] (``(F, H, W, 3)`` or ``(3, F, H, W)``),
+    numpy or torch. crf: x264 constant rate factor, 0-51, lower is better (18 is near
+    transparent). Raises ValueError for odd width/height, empty input or bad values.
+    """
+    u8 = to_uint8_frames(frames, layout=layout)
+    n, h, w, _ = u8.shape
+    if n == 0:
+        raise ValueError("no frames to write")
+    if h % 2 or w % 2:
+        raise ValueError(
+            f"H.264 with yuv420p needs even width and height, got {w}x{h} (W x H); "
+            "crop or resize the frames to even dimensions")
+    if not 0 <= crf <= 51:
+        raise ValueError(f"crf must be in [0, 51], got {crf}")
+    rate = Fraction(fps).limit_denominator(1001)
+    if rate <= 0:
+        raise ValueError(f"fps must be > 0, got {fps}")
+
+    import av
+
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
+    os.close(fd)
+    try:
+        # A real file path, not a buffer: +faststart rewrites the file to move the index first.
+        with av.open(tmp, mode="w", format="mp4",
+                     container_options={"movflags": "+faststart"}) as container:
+            stream = container.add_stream("libx264", rate=rate)
+            stream.width, stream.height, stream.pix_fmt = w, h, "yuv420p"
+            stream.time_base = 1 / rate
+            stream.options = {"crf": str(crf), "preset": preset}
+            for i in range(n):
+                frame = av.VideoFrame.from_ndarray(u8[i], format="rgb24")
+                frame.pts = i  # constant frame rate: frame i at i / fps seconds
+                container.mux(stream.encode(frame))
+            container.mux(stream.encode(None))  # flush the encoder's delayed frames
+        _fsync(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def first_frame_png(video_path: str | os.PathLike, out_path: str | os.PathLike, *,
+                    max_side: int | None = None) -> Path:
+    """Write the first frame of a video (or frame folder) as a PNG thumbnail, atomically.
+
+    With `max_side`, the frame is scaled down (antialiased, aspect kept) so that its longer side
+    is at most `max_side` pixels.
+    """
+    frame = read_video(video_path, num_frames=1, sampling="first")[0]  # (H, W, 3)
+    if max_side is not None and max(frame.shape[:2]) > max_side:
+        h, w = frame.shape[:2]
+        s = max_side / max(h, w)
+        frame = _resize(frame[None], max(1, round(w * s)), max(1, round(h * s)))[0]
+
+    import av
+
+    codec = av.CodecContext.create("png", "w")
+    codec.width, codec.height, codec.pix_fmt = frame.shape[1], frame.shape[0], "rgb24"
+    vf = av.VideoFrame.from_ndarray(np.ascontiguousarray(frame), format="rgb24")
+    data = b"".join(bytes(p) for p in codec.encode(vf) + codec.encode(None))
+    out_path = Path(out_path)
+    fd, tmp = tempfile.mkstemp(dir=out_path.parent, prefix=f".{out_path.name}.", suffix=".part")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, out_path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return out_path
+
+
+def _fsync(path: str) -> None:
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+
+
+# ---------------------------------------------------------------------- reading
+
+
+def read_video(path: str | os.PathLike, *, num_frames: int | None = None,
+               size: tuple[int, int] | None = None, sampling: str = "uniform") -> np.ndarray:
+    """Decode a video file or a folder of frames to uint8 ``(F, H, W, 3)`` RGB.
+
+    num_frames: None keeps every frame. Otherwise `sampling` picks which of the T decoded frames:
+      "uniform": evenly spaced over the whole clip, frame ``floor(i * T / num_frames)`` for
+                 i = 0..num_frames-1 (so the first frame is always taken);
+      "first":   the first num_frames frames, contiguous (decoding stops there).
+    A clip with fewer than num_frames frames raises ValueError.
+    size: ``(W, H)`` output size. The largest centered crop with the target's aspect ratio is cut
+      from each frame and resized to exactly W x H (bilinear, antialiased), i.e. "resize to cover,
+      then center crop".
+    Raises ValueError for a file that cannot be decoded or holds no frames.
+    """
+    if sampling not in SAMPLING_MODES:
+        raise ValueError(f"sampling must be one of {SAMPLING_MODES}, got {sampling!r}")
+    if num_frames is not None and num_frames < 1:
+        raise ValueError(f"num_frames must be >= 1, got {num_frames}")
+    path = Path(path)
+    if path.is_dir():
+        frames = _read_folder(path, num_frames, sampling)
+    else:
+        frames = _read_container(path, num_frames, sampling)
+    if size is not None:
+        frames = resize_center_crop(frames, size)
+    return frames
+
+
+def count_frames(path: str | os.PathLike) -> int:
+    """Number of frames in a video file or frame folder, by decoding it all (so a corrupt stream
+    is found here, not halfway through training). Raises ValueError if undecodable."""
+    path = Path(path)
+    if path.is_dir():
+        files = list_frame_files(path)
+        for f in files:
+            _decode_image(f)
+        return len(files)
+    n = 0
+    for _ in _iter_decoded(path):
+        n += 1
+    return n
+
+
+def sample_indices(total: int, num_frames: int | None, sampling: str) -> list[int]:
+    """Frame indices that `read_video` keeps out of `total` (see its docstring)."""
+    if num_frames is None:
+        return list(range(total))
+    if total < num_frames:
+        raise ValueError(f"clip has {total} frames, {num_frames} needed")
+    if sampling == "first":
+        return list(range(num_frames))
+    return [i * total // num_frames for i in range(num_frames)]
+
+
+def list_frame_files(folder: Path) -> list[Path]:
+    """Image files of a frame folder in natural order (numbers compared as numbers)."""
+    files = [p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES]
+    return sorted(files, key=_natural_key)
+
+
+def _natural_key(p: Path):
+    return [(0, int(s), "") if s.isdigit() else (1, 0, s) for s in re.split(r"(\d+)", p.name)]
+
+
+def _read_folder(folder: Path, num_frames: int | None, sampling: str) -> np.ndarray:
+    files = list_frame_files(folder)
+    if not files:
+        raise ValueError(f"{folder}: no frame images ({', '.join(IMAGE_SUFFIXES)})")
+    frames = [_decode_image(files[i]) for i in sample_indices(len(files), num_frames, sampling)]
+    shapes = {f.shape for f in frames}
+    if len(shapes) > 1:
+        raise ValueError(f"{folder}: frames have different sizes {sorted(shapes)}")
+    return np.stack(frames)  # (F, H, W, 3)
+
+
+def _decode_image(path: Path) -> np.ndarray:
+    """One image file -> uint8 (H, W, 3), with PyAV (FFmpeg's image decoders)."""
+    frames = list(_iter_decoded(path))
+    if not frames:
+        raise ValueError(f"{path}: no image could be decoded")
+    return frames[0]
+
+
+def _iter_decoded(path: Path):
+    """Yield uint8 (H, W, 3) RGB frames of a file; FFmpeg errors become ValueError."""
+    import av
+
+    try:
+        with av.open(str(path)) as container:
+            if not container.streams.video:
+                raise ValueError(f"{path}: no video stream")
+            stream = container.streams.video[0]
+            stream.thread_type = "AUTO"  # frame + slice threads inside FFmpeg
+            for frame in container.decode(stream):
+                yield frame.to_ndarray(format="rgb24")
+    except av.FFmpegError as e:
+        raise ValueError(f"{path}: cannot decode: {e}") from e
+
+
+def _read_container(path: Path, num_frames: int | None, sampling: str) -> np.ndarray:
+    if num_frames is not None and sampling == "uniform":
+        # The frame count in the header is missing for some formats (webm, gif) and can be wrong;
+        # count by decoding, then decode again keeping only the sampled frames.
+        total = count_frames(path)
+        keep = set(sample_indices(total, num_frames, sampling))
+    else:
+        keep = None
+    frames = []
+    for i, frame in enumerate(_iter_decoded(path)):
+        if keep is None or i in keep:
+            frames.append(frame)
+        if num_frames is not None and sampling == "first" and len(frames) == num_frames:
+            break
+    if not frames:
+        raise ValueError(f"{path}: no frames decoded")
+    if num_frames is not None and len(frames) < num_frames:
+        raise ValueError(f"{path}: clip has {len(frames)} frames, {num_frames} needed")
+    return np.stack(frames)  # (F, H, W, 3)
+
+
+# ---------------------------------------------------------------------- geometry
+
+
+def center_crop_box(w: int, h: int, out_w: int, out_h: int) -> tuple[int, int, int, int]:
+    """(left, top, crop_w, crop_h): the largest centered box of aspect out_w:out_h inside w x h."""
+    if w * out_h > h * out_w:  # source is wider than the target: keep full height
+        crop_h, crop_w = h, min(w, round(h * out_w / out_h))
+    else:
+        crop_w, crop_h = w, min(h, round(w * out_h / out_w))
+    return (w - crop_w) // 2, (h - crop_h) // 2, crop_w, crop_h
+
+
+def resize_center_crop(frames: np.ndarray, size: tuple[int, int]) -> np.ndarray:
+    """uint8 (F, H, W, 3) -> uint8 (F, out_h, out_w, 3): center crop to the target aspect, resize."""
+    out_w, out_h = size
+    if out_w < 1 or out_h < 1:
+        raise ValueError(f"size must be positive (W, H), got {size}")
+    _, h, w, _ = frames.shape
+    left, top, cw, ch = center_crop_box(w, h, out_w, out_h)
+    crop = frames[:, top:top + ch, left:left + cw]
+    if (cw, ch) == (out_w, out_h):
+        return np.ascontiguousarray(crop)
+    return _resize(crop, out_w, out_h)
+
+
+def _resize(frames: np.ndarray, out_w: int, out_h: int) -> np.ndarray:
+    """uint8 (F, H, W, 3) -> uint8 (F, out_h, out_w, 3), bilinear with antialiasing (CPU)."""
+    x = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2).float()  # (F, 3, H, W)
+    # antialias=True low-pass filters when shrinking (PIL-style), so downscaled clips do not alias.
+    y = F.interpolate(x, size=(out_h, out_w), mode="bilinear", antialias=True, align_corners=False)
+    y = torch.clamp(torch.round(y), 0, 255).to(torch.uint8)  # (F, 3, out_h, out_w)
+    return y.permute(0, 2, 3, 1).contiguous().numpy()  # (F, out_h, out_w, 3)
