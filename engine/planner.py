@@ -7,10 +7,11 @@ numbers, and named, so the accounting can be read and checked line by line:
   streams each block into one of `prefetch` device slots; resident blocks and the non-block
   parameters stay on the device. Each denoising step moves every streamed block across the bus once
   (the whole batch, guidance pairs included, runs through a block while it is loaded).
-- Fine-tuning keeps fp32 master weights and AdamW's m and v in host RAM (12 B/param); the
-  compute-dtype copy of a block is cast on the fly into a pinned staging slot, so no full
-  compute-dtype copy exists. The forward keeps only block-boundary activations; the backward streams
-  the blocks again in reverse, recomputes each block and sends its gradients to the host.
+- Fine-tuning keeps fp32 master weights and AdamW's m and v in host RAM (12 B/param). The fp32
+  masters are what streams (4 B/param per crossing) and the compute-dtype copy of a block is cast
+  on the fly on the device, so no full compute-dtype copy exists anywhere. The forward keeps only
+  block-boundary activations; the backward streams the blocks again in reverse, recomputes each
+  block and sends its fp32 gradients to the host.
 
 Time per step is `max(transfer, compute)` (copies overlap compute) with the bound named.
 """
@@ -52,6 +53,7 @@ class Workload:
     prefetch: int = 2  # device slots
     gpu_budget: float | None = None  # device bytes for weights; None streams every block
     max_grad_norm: bool = False  # fine-tuning: global-norm clipping
+    grad_accum: int = 1  # fine-tuning: micro-batches per optimizer step
 
 
 def tokens(config: DiTConfig, w: Workload) -> int:
@@ -71,19 +73,23 @@ def plan(config: DiTConfig, machine: Machine = Machine(), w: Workload = Workload
     """The full accounting as a dict of named byte counts, times and a verdict."""
     if w.mode not in ("infer", "finetune"):
         raise ValueError(f"mode must be 'infer' or 'finetune', got {w.mode!r}")
+    finetune = w.mode == "finetune"
     counts = count_parameters(config)
     n_params, n_block = counts["total"], counts["per_block"]
     n_nonblock = n_params - n_block * config.depth
     b = w.dtype_bytes
-    block_bytes, nonblock_bytes = n_block * b, n_nonblock * b
+    # Inference streams compute-dtype weights; fine-tuning streams the fp32 masters themselves and
+    # casts to the compute dtype on the device (autocast), so no host copy in that dtype exists.
+    wb = 4 if finetune else b
+    block_bytes, nonblock_bytes = n_block * wb, n_nonblock * wb
     n_tok = tokens(config, w)
-    rows = w.batch * (2 if (w.guidance and w.mode == "infer") else 1)
+    rows = w.batch * (2 if (w.guidance and not finetune) else 1)
     D, F, L = config.dim, config.ffn_dim, config.text.max_len
     keys = attention_keys(config, n_tok)
 
     # Device: weights. Slots hold streamed blocks; the rest of the budget keeps blocks resident.
     slots = w.prefetch * block_bytes
-    if w.gpu_budget is None:
+    if w.gpu_budget is None or finetune:  # fine-tuning streams every block
         resident = 0
     else:
         resident = int(max(0, w.gpu_budget - nonblock_bytes - slots) // block_bytes)
@@ -97,24 +103,26 @@ def plan(config: DiTConfig, machine: Machine = Machine(), w: Workload = Workload
     attn_ws = rows * config.heads * n_tok * 4  # fp32 log-sum-exp per query row
     device = {"non_block_weights": nonblock_bytes, "slots": slots, "resident_blocks": resident * block_bytes}
     host = {}
-    if w.mode == "infer":
+    if not finetune:
         device.update(activations=act_block, attention_workspace=attn_ws)
         host["compute_dtype_weights"] = n_params * b  # pinned once at the exact size
     else:
         # Backward: one block's recompute plus its saved tensors (about 3x the forward live set), the
-        # block-boundary activations of every block, and gradient slots draining to the host.
-        boundary = rows * n_tok * D * b * config.depth
-        grad_slots = w.prefetch * block_bytes
-        device.update(activations=3 * act_block, attention_workspace=attn_ws, boundary_activations=boundary,
-                      gradient_slots=grad_slots)  # fmt: skip
+        # compute-dtype cast of that block, its fp32 gradients, and every block's boundary activation.
+        device.update(
+            activations=3 * act_block, attention_workspace=attn_ws,
+            block_cast=n_block * b, block_gradients=n_block * 4,
+            boundary_activations=rows * n_tok * D * b * config.depth,
+        )  # fmt: skip
         host.update(
-            fp32_master=4 * n_params, adam_m=4 * n_params, adam_v=4 * n_params,
-            pinned_staging=w.prefetch * block_bytes,  # compute-dtype casts of blocks on their way up
-            pinned_gradients=w.prefetch * n_block * 4,  # fp32 gradients on their way down
-            grad_clipping=(4 * n_params if w.max_grad_norm else 0),  # every grad held until the norm is known
+            fp32_master=4 * n_params,  # pinned: the streamer's host store is the master
+            adam_m=4 * n_params, adam_v=4 * n_params,
+            pinned_gradients=n_block * 4,  # one block's fp32 gradients on their way to the optimizer
+            # Accumulating micro-batches, or clipping by the global norm, holds every gradient.
+            grad_accumulation=(4 * n_params if w.max_grad_norm or w.grad_accum > 1 else 0),
         )  # fmt: skip
     device_limit = machine.gpu_mem * (1 - machine.reserve)
-    if w.mode == "finetune" and sum(device.values()) > device_limit:
+    if finetune and sum(device.values()) > device_limit:
         # Over the device budget: the block-boundary activations wait in pinned host memory instead
         # (one block's worth comes back for each block's recompute, overlapped like a weight copy).
         host["boundary_activations"] = device.pop("boundary_activations")
@@ -125,15 +133,18 @@ def plan(config: DiTConfig, machine: Machine = Machine(), w: Workload = Workload
     matmul_params = n_block - 6 * D  # everything in a block but its modulation table is a matmul weight
     fwd_flops = config.depth * rows * (2 * matmul_params * n_tok + 4 * n_tok * keys * D + 4 * n_tok * L * D)
     streamed_bytes = streamed * block_bytes
-    if w.mode == "infer":
+    if not finetune:
         compute_s = fwd_flops / (machine.tflops * 1e12)
-        transfer_s = streamed_bytes / (machine.h2d_gbps * GB)
+        h2d_bytes = streamed_bytes
+        transfer_s = h2d_bytes / (machine.h2d_gbps * GB)
         optimizer_s = 0.0
     else:
         compute_s = 4 * fwd_flops / (machine.tflops * 1e12)  # forward, recompute, backward (2x)
         offloaded = host.get("boundary_activations", 0)  # down in the forward, back up in the backward
-        h2d_bytes = 2 * streamed_bytes + offloaded  # every streamed block in the forward and the backward
-        d2h_bytes = config.depth * n_block * b + offloaded  # every block's gradients
+        # Every block crosses in the forward and again in the backward, except those still in their
+        # slots when the backward turns around.
+        h2d_bytes = (2 * streamed - min(w.prefetch, streamed)) * block_bytes + offloaded
+        d2h_bytes = config.depth * n_block * 4 + offloaded  # every block's fp32 gradients
         transfer_s = h2d_bytes / (machine.h2d_gbps * GB) + d2h_bytes / (machine.d2h_gbps * GB)
         optimizer_s = 30 * n_params / (machine.host_gbps * GB)  # ~30 B/param through host memory
     bounds = {"compute": compute_s, "transfer": transfer_s, "optimizer": optimizer_s}
@@ -144,7 +155,7 @@ def plan(config: DiTConfig, machine: Machine = Machine(), w: Workload = Workload
         problems.append(f"device memory: needs {device_total / GB:.1f} GB of {device_limit / GB:.1f} GB usable")
     if host_total > machine.host_mem:
         problems.append(f"host memory: needs {host_total / GB:.1f} GB of {machine.host_mem / GB:.1f} GB")
-    if w.gpu_budget is not None and w.gpu_budget < nonblock_bytes + slots:
+    if w.gpu_budget is not None and not finetune and w.gpu_budget < nonblock_bytes + slots:
         problems.append(f"gpu budget {w.gpu_budget / GB:.2f} GB is below non-block weights + slots "
                         f"({(nonblock_bytes + slots) / GB:.2f} GB)")  # fmt: skip
     return {
@@ -159,7 +170,7 @@ def plan(config: DiTConfig, machine: Machine = Machine(), w: Workload = Workload
         "host": {**host, "total": host_total},
         "device": {**device, "weights": weights_dev, "total": device_total},
         "time_s": {**bounds, "step": max(bounds.values()), "bound": bound},
-        "bytes_per_step": {"h2d": streamed_bytes if w.mode == "infer" else h2d_bytes},
+        "bytes_per_step": {"h2d": h2d_bytes},
         "fits": not problems,
         "problems": problems,
         "machine": asdict(machine),

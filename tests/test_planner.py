@@ -34,3 +34,17 @@ def test_verdict_names_the_broken_constraint():
     assert not p["fits"] and "host memory" in p["problems"][0]
     with pytest.raises(ValueError, match="mode"):
         plan(PRESETS["tiny"], Machine(), Workload(mode="train"))
+
+
+@pytest.mark.parametrize("preset", ["tiny", "small"])
+def test_predicted_device_weights_match_the_streamers_accounting(preset):
+    from megaslide.engine.pipeline import VideoPipeline
+    from megaslide.engine.streaming import stream_module
+
+    pipe = VideoPipeline.from_preset(preset)
+    handle = stream_module(pipe.dit, blocks=pipe.dit.blocks, device="cpu")
+    text_bytes = sum(p.numel() * 4 for p in pipe.text_encoder.parameters())
+    measured = handle.stats()["peak_device_weight_bytes"] + text_bytes  # the text encoder is resident too
+    handle.remove()
+    predicted = plan(PRESETS[preset], Machine(), Workload(dtype_bytes=4))["device"]["weights"]
+    assert abs(predicted / measured - 1) <= 0.10, (predicted, measured)

@@ -189,6 +189,7 @@ def register_plan(sub) -> None:
     p.add_argument("--host-gbps", type=float, default=200.0, help="host memory GB/s for the CPU optimizer")
     p.add_argument("--prefetch", type=int, default=2, help="device slots for streamed blocks (default: 2)")
     p.add_argument("--max-grad-norm", action="store_true", help="fine-tuning with global-norm clipping")
+    p.add_argument("--grad-accum", type=int, default=1, help="fine-tuning micro-batches per step")
     p.add_argument("--dtype-bytes", type=int, default=2, help="bytes per compute-dtype value (default: 2, bf16)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=run_plan)
@@ -206,7 +207,8 @@ def run_plan(args) -> int:
                       d2h_gbps=args.d2h_gbps, tflops=args.tflops, host_gbps=args.host_gbps)  # fmt: skip
     workload = Workload(mode=args.mode, frames=args.frames, height=height, width=width, batch=args.batch,
                         guidance=not args.no_guidance, dtype_bytes=args.dtype_bytes, prefetch=args.prefetch,
-                        gpu_budget=args.gpu_budget, max_grad_norm=args.max_grad_norm)  # fmt: skip
+                        gpu_budget=args.gpu_budget, max_grad_norm=args.max_grad_norm,
+                        grad_accum=args.grad_accum)  # fmt: skip
     result = plan(config, machine, workload)
     print_json(result) if args.json else print(format_plan(result))
     return 0
