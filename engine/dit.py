@@ -46,8 +46,8 @@ class DiTConfig:
     dsa_window: tuple[int, int, int] = (3, 3, 3)  # 3D-DSA window, in tiles (odd)
     # Sampling defaults: what `megaslide generate` uses when a flag is absent.
     frames: int = 16
-    height: int = 64
-    width: int = 64
+    height: int = 32
+    width: int = 32
     fps: int = 8
     steps: int = 20
     guidance: float = 4.0

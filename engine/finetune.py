@@ -62,6 +62,7 @@ class FinetuneConfig:
     width: int | None = None
     attention: str | None = None  # train with this self-attention backend (default: the model's)
     timing: bool = False  # streamer timings for stats and traces
+    caption_dropout: float = 0.1  # fraction of captions replaced by "" so guidance has an unconditional model
 
     def validate(self) -> None:
         if (self.model is None) == (self.preset is None):
@@ -74,6 +75,8 @@ class FinetuneConfig:
                 raise ValueError(f"{name} must be at least 1, got {value}")
         if self.epochs is not None and self.epochs <= 0:
             raise ValueError(f"epochs must be positive, got {self.epochs}")
+        if not 0 <= self.caption_dropout < 1:
+            raise ValueError(f"caption_dropout must be in [0, 1), got {self.caption_dropout}")
         if self.lr <= 0:
             raise ValueError(f"lr must be positive, got {self.lr}")
         if self.offload not in ("none", "stream"):
@@ -162,7 +165,9 @@ class Trainer:
         losses, norm = [], 0.0
         for _ in range(self.config.grad_accum):
             batch = next(self.loader)
-            out = self.engine.micro_step(batch.video, batch.text, self.generator)
+            drop = torch.rand(len(batch.text), generator=self.generator) < self.config.caption_dropout
+            prompts = ["" if d else text for d, text in zip(drop.tolist(), batch.text)]
+            out = self.engine.micro_step(batch.video, prompts, self.generator)
             losses.append(out["loss"])
             norm = out["grad_norm"]
         self.step += 1

@@ -245,6 +245,8 @@ def register_finetune(sub) -> None:
     p.add_argument("--max-grad-norm", type=float, help="clip the global gradient norm to this")
     p.add_argument("--save-every", type=int, default=50, help="checkpoint every N steps (and at the end)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--caption-dropout", type=float, default=0.1,
+                   help="fraction of captions dropped, which classifier-free guidance needs (default: 0.1)")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --output")
     p.add_argument("--frames", type=int, help="training clip frames (default: the model's)")
     p.add_argument("--size", help="training clip WIDTHxHEIGHT (default: the model's)")
@@ -284,7 +286,7 @@ def run_finetune(args) -> int:
         grad_accum=args.grad_accum, weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
         save_every=args.save_every, seed=args.seed, device=args.device, offload=args.offload,
         frames=args.frames, height=height, width=width, attention=args.attention,
-        timing=bool(args.stats or args.trace),
+        timing=bool(args.stats or args.trace), caption_dropout=args.caption_dropout,
     )  # fmt: skip
     with Trainer(config, resume=args.resume) as trainer:
         if trainer.done:

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The project's GPU checks, in one run of under 8 minutes on one CUDA device (an H200 here).
+# Installs the project offline into the machine's Python, checks correctness on CUDA, runs the CUDA
+# benchmarks and writes every result under $OUT (default: ./gpu-results).
+#
+#   OUT=/tmp/results bash benchmarks/gpu_check.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu-results}
+mkdir -p "$OUT"
+status=0
+
+run() {  # run NAME TIMEOUT_S CMD...: keep going after a failure, remember it, save the output
+  local name=$1 limit=$2
+  shift 2
+  echo "== $name"
+  if timeout "$limit" "$@" >"$OUT/$name.json" 2>"$OUT/$name.log"; then
+    echo "   ok"
+  else
+    echo "   FAILED (exit $?), see $OUT/$name.log"
+    tail -n 20 "$OUT/$name.log"
+    status=1
+  fi
+}
+
+python3 -m pip install --no-index --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || {
+  echo "install failed"; tail -n 20 "$OUT/install.log"; exit 1; }
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >"$OUT/gpu.csv" 2>&1
+
+# Correctness first: 3D-DSA kernels (bf16, fp16) against the reference, then streaming and training.
+run dsa_cuda_check 120 python3 benchmarks/dsa_cuda_check.py --json
+run cuda_checks 150 python3 benchmarks/cuda_checks.py --preset small --json
+# Benchmarks.
+run streaming_small 90 python3 benchmarks/streaming.py --device cuda --preset small --frames 16 --size 256x256 --json
+run attention_cuda 150 python3 benchmarks/attention.py --json --cuda-only
+echo "results in $OUT"
+exit $status
