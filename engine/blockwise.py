@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from .dit import VideoDiT
+from .dit import VideoDiT, pop_aux_losses
 from .flow import sample_training_times
 from .optim import CPUAdamW
 from .text import ByteTextEncoder
@@ -48,6 +48,7 @@ class StepConfig:
     offload: str = "none"  # "none": blocks stay on the device; "stream": streamed from host RAM
     autocast: torch.dtype | None = None  # e.g. torch.bfloat16 on CUDA; None computes in fp32
     timing: bool = False  # per-block copy and compute times in the streamer's stats and trace
+    aux_loss_weight: float = 0.1  # weight of the layers' auxiliary losses (3D-DSA motion heads)
 
 
 class _ResidentBlocks:
@@ -175,7 +176,9 @@ class BlockwiseStep:
                 xi = inputs[i].requires_grad_()
                 with self.autocast():
                     out = dit.blocks[i](xi, c_leaf)  # (B, N, D)
-                out.backward(grad)
+                aux = pop_aux_losses(dit.blocks[i])  # e.g. the 3D-DSA motion heads' consistency loss
+                weight = torch.tensor(self.config.aux_loss_weight / self.config.grad_accum, device=self.device)
+                torch.autograd.backward([out, *aux], [grad, *([weight] * len(aux))])
                 grad = xi.grad
                 inputs[i] = None  # this boundary activation is no longer needed
                 params = dict(trainable(dit.blocks[i]))

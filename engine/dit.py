@@ -189,6 +189,7 @@ class SelfAttention(nn.Module):
         # Dense attention never reads the head: freeze it there so training leaves it untouched
         # (no weight decay on a parameter the loss cannot see).
         self.motion.requires_grad_(config.attention == "dsa")
+        self.aux_loss: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, grid: tuple[int, int, int], angles: torch.Tensor):
         B, N, D = x.shape
@@ -205,16 +206,50 @@ class SelfAttention(nn.Module):
         from megaslide.kernels import dsa_attention
 
         motion = self.motion_field(x, grid)  # (B, h, nT, nY, nX, 2)
-        return dsa_attention(q, k, v, grid=grid, tile=self.tile, window=self.window, motion=motion)
+        if self.training and torch.is_grad_enabled() and self.motion.weight.requires_grad:
+            # Picked up (and cleared) by the training loop, which adds it to the loss; see below.
+            self.aux_loss = motion_consistency_loss(k, motion, grid, self.tile)
+        return dsa_attention(q, k, v, grid=grid, tile=self.tile, window=self.window, motion=motion.detach())
 
     def motion_field(self, x: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
-        """Velocity `(vy, vx)` per head and query tile, in tiles per time-tile, from tile-pooled x."""
+        """Velocity `(vy, vx)` per head and query tile, in tiles per time-tile, from tile-pooled x.
+
+        Rounding a velocity to whole tiles has no gradient, so the head cannot learn through the
+        attention output. It learns instead from `motion_consistency_loss`: the pooled keys of each
+        tile, moved by the predicted velocity, should land on the pooled keys of the next time-tile.
+        """
         B, _, D = x.shape
         (T, Y, X), (tt, ty, tx) = grid, self.tile
         tiles = x.view(B, T // tt, tt, Y // ty, ty, X // tx, tx, D)
         pooled = tiles.mean(dim=(2, 4, 6))  # (B, nT, nY, nX, D)
         vel = self.motion(pooled).unflatten(-1, (self.heads, 2))  # (B, nT, nY, nX, h, 2)
         return vel.permute(0, 4, 1, 2, 3, 5)  # (B, h, nT, nY, nX, 2)
+
+
+def motion_consistency_loss(k: torch.Tensor, motion: torch.Tensor, grid, tile) -> torch.Tensor:
+    """How badly the velocities explain the keys' motion: a self-supervised signal for the motion head.
+
+    Keys are pooled per tile (detached: only the head learns from this), and the next time-tile's
+    pooled keys are sampled bilinearly at each tile's position moved by its velocity; the loss is the
+    mean squared difference to the tile's own pooled keys, which is differentiable in the velocity.
+    """
+    B, h, N, d = k.shape
+    (T, Y, X), (tt, ty, tx) = grid, tile
+    nT, nY, nX = T // tt, Y // ty, X // tx
+    if nT < 2 or nY < 2 or nX < 2:
+        return k.new_zeros(())
+    pooled = k.detach().float().view(B, h, nT, tt, nY, ty, nX, tx, d).mean(dim=(3, 5, 7))  # (B, h, nT, nY, nX, d)
+    nxt = pooled[:, :, 1:].permute(0, 1, 2, 5, 3, 4).reshape(-1, d, nY, nX)  # (B*h*(nT-1), d, nY, nX)
+    vel = motion[:, :, :-1].float()  # (B, h, nT-1, nY, nX, 2) as (vy, vx)
+    ys = torch.arange(nY, device=k.device, dtype=torch.float32).view(nY, 1)
+    xs = torch.arange(nX, device=k.device, dtype=torch.float32).view(1, nX)
+    # grid_sample wants (x, y) in [-1, 1] with align_corners=True mapping -1/+1 to the first/last tile.
+    gx = 2 * (xs + vel[..., 1]) / (nX - 1) - 1
+    gy = 2 * (ys + vel[..., 0]) / (nY - 1) - 1
+    where = torch.stack((gx, gy), dim=-1).reshape(-1, nY, nX, 2)  # (B*h*(nT-1), nY, nX, 2)
+    moved = F.grid_sample(nxt, where, mode="bilinear", padding_mode="border", align_corners=True)
+    here = pooled[:, :, :-1].permute(0, 1, 2, 5, 3, 4).reshape(-1, d, nY, nX)
+    return F.mse_loss(moved, here)
 
 
 class CrossAttention(nn.Module):
@@ -372,6 +407,16 @@ class BlockInputs:
     ctx_mask: torch.Tensor  # (B, L) bool, True where a text token is real
     grid: tuple[int, int, int]  # token grid (T, Y, X)
     angles: torch.Tensor  # (N, head_dim / 2) rotary angles
+
+
+def pop_aux_losses(module: nn.Module) -> list[torch.Tensor]:
+    """Auxiliary losses the layers of `module` recorded in their last training forward, cleared."""
+    losses = []
+    for m in module.modules():
+        if getattr(m, "aux_loss", None) is not None:
+            losses.append(m.aux_loss)
+            m.aux_loss = None
+    return losses
 
 
 def count_parameters(config: DiTConfig) -> dict[str, int]:

@@ -59,8 +59,6 @@ def register_generate(sub) -> None:
 
 
 def run_generate(args) -> int:
-    from megaslide.engine.pipeline import GenerationRequest
-
     if not args.prompt.strip():
         raise UsageError("the prompt is empty")
     width, height = parse_size(args.size) if args.size else (None, None)
@@ -78,6 +76,7 @@ def run_generate(args) -> int:
         return generate_remote(args, width=width, height=height)
     if (args.gpu_budget or args.stats or args.trace) and args.offload != "stream":
         raise UsageError("--gpu-budget, --stats and --trace need --offload stream")
+    from megaslide.engine.pipeline import GenerationRequest
 
     overrides = {"attention": args.attention} if args.attention else {}
     pipe = load_pipeline(args, **overrides)
@@ -312,7 +311,10 @@ def run_finetune(args) -> int:
 
 
 def register_all(sub: argparse._SubParsersAction) -> None:
+    from . import serve_cmd
+
     register_generate(sub)
     register_info(sub)
     register_plan(sub)
     register_finetune(sub)
+    serve_cmd.register(sub)
