@@ -67,8 +67,9 @@ def test_text_changes_the_prediction_and_padding_does_not():
     b = dit(x, t, *text.encode(["a blue square"]))
     assert (a - b).abs().max() > 1e-4
     # Longer padding must not change anything: padded keys are masked out of cross-attention.
-    long_text = ByteTextEncoder(TextEncoderConfig(max_len=100))
-    long_text.load_state_dict({k: (v if k != "pos" else torch.cat([v, torch.zeros(36, v.shape[1])]))
+    extra = 32
+    long_text = ByteTextEncoder(TextEncoderConfig(max_len=TINY.text.max_len + extra))
+    long_text.load_state_dict({k: (v if k != "pos" else torch.cat([v, torch.zeros(extra, v.shape[1])]))
                                for k, v in text.state_dict().items()})  # fmt: skip
     c = dit(x, t, *long_text.encode(["a red circle"]))
     torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-6)
@@ -121,3 +122,31 @@ def test_tokenizer_rejects_long_prompts():
     assert mask.sum(1).tolist() == [4, 2]
     with pytest.raises(ValueError, match="at most 6"):
         tokenize(["x" * 7], 8)
+
+
+def test_dsa_with_a_window_covering_the_grid_equals_dense_attention():
+    dense, text = make(TINY.replace(dsa_tile=(1, 2, 2), dsa_window=(3, 3, 3)))
+    randomise_zero_inits(dense)
+    slide = VideoDiT(dense.config.replace(attention="dsa")).eval()
+    slide.load_state_dict(dense.state_dict())
+    x = torch.randn(1, 3, 3, 24, 24)  # tokens (3, 6, 6): tiles (3, 3, 3), the window is everything
+    ctx = text.encode(["a red circle"])
+    with torch.no_grad():
+        torch.testing.assert_close(slide(x, torch.tensor([0.5]), *ctx), dense(x, torch.tensor([0.5]), *ctx),
+                                   rtol=1e-4, atol=1e-5)  # fmt: skip
+
+
+def test_dsa_motion_head_learns_from_the_key_flow_loss():
+    from megaslide.engine.dit import pop_aux_losses
+
+    config = TINY.replace(attention="dsa", dsa_tile=(1, 2, 2), dsa_window=(1, 3, 3))
+    dit, text = make(config)
+    dit.train()
+    x = torch.randn(1, 3, 4, 32, 32)
+    dit(x, torch.tensor([0.5]), *text.encode(["p"]))
+    losses = pop_aux_losses(dit)
+    assert len(losses) == config.depth and pop_aux_losses(dit) == []
+    sum(losses).backward()
+    assert dit.blocks[0].attn.motion.weight.grad.abs().sum() > 0
+    # Dense models freeze the head: nothing to learn, nothing to decay.
+    assert not make()[0].blocks[0].attn.motion.weight.requires_grad
