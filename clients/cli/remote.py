@@ -19,6 +19,12 @@ from .cli import UsageError
 # together with --server is a mistake we name rather than silently ignore.
 LOCAL_ONLY_GENERATE = {"device": "cpu", "attention": None, "offload": "none", "gpu_budget": None,
                        "stats": None, "trace": None}  # fmt: skip
+# The same for `finetune`: the server decides the schedule, checkpoints and where the model lives.
+LOCAL_ONLY_FINETUNE = {"output": None, "steps": None, "grad_accum": 1, "weight_decay": 0.0, "max_grad_norm": None,
+                       "save_every": 50, "resume": False, **LOCAL_ONLY_GENERATE}  # fmt: skip
+# `finetune --lr` defaults to this; the server's rate at learning_rate_multiplier=1 is its own
+# setting (MEGASLIDE_FINETUNE_LR, also 1e-4 unless changed), so --lr travels as a ratio to it.
+DEFAULT_LR = 1e-4
 
 
 def _sdk():
@@ -49,10 +55,10 @@ def _api_failure(command: str, error, base_url: str) -> int:
     return 2 if error.status_code in (400, 404, 413, 422) else 1
 
 
-def _check_local_only(args) -> None:
-    for name, default in LOCAL_ONLY_GENERATE.items():
+def _check_local_only(args, options: dict) -> None:
+    for name, default in options.items():
         if getattr(args, name, default) != default:
-            raise UsageError(f"--{name.replace('_', '-')} is an option of local generation; it does not go with --server")
+            raise UsageError(f"--{name.replace('_', '-')} is an option of a local run; it does not go with --server")
 
 
 def generate_remote(args, width: int | None, height: int | None) -> int:
@@ -62,7 +68,7 @@ def generate_remote(args, width: int | None, height: int | None) -> int:
     frames, fps, guidance, negative_prompt, server, api_key, no_progress. Ctrl-C cancels the job on
     the server, since nobody is left to fetch its result.
     """
-    _check_local_only(args)
+    _check_local_only(args, LOCAL_ONLY_GENERATE)
     sdk = _sdk()
     client = sdk.Client(base_url=args.server, api_key=args.api_key)
     with client:
@@ -121,11 +127,16 @@ def pack_dataset(root: Path, dest: Path) -> int:
     return len(files)
 
 
-def _hyperparameters(args) -> dict | None:
-    hp = {"n_epochs": getattr(args, "epochs", None), "batch_size": getattr(args, "batch_size", None),
-          "learning_rate_multiplier": getattr(args, "learning_rate_multiplier", None)}  # fmt: skip
-    hp = {k: v for k, v in hp.items() if v is not None}
-    return hp or None
+def _hyperparameters(args) -> dict:
+    """The job's hyperparameters from the command's flags; what is not given stays "auto"."""
+    epochs = getattr(args, "epochs", None)
+    if epochs is not None and (epochs != int(epochs) or epochs < 1):
+        raise UsageError(f"--epochs with --server must be a whole number of at least 1, got {epochs:g}")
+    lr = getattr(args, "lr", None)
+    hp = {"n_epochs": None if epochs is None else int(epochs), "batch_size": getattr(args, "batch_size", None),
+          "learning_rate_multiplier": None if lr is None or lr == DEFAULT_LR else lr / DEFAULT_LR,
+          "num_frames": getattr(args, "frames", None), "size": getattr(args, "size", None)}  # fmt: skip
+    return {k: v for k, v in hp.items() if v is not None}
 
 
 def _base_model(client, args) -> str:
@@ -140,25 +151,26 @@ def _base_model(client, args) -> str:
 
 
 def _print_event(event) -> None:
+    """One line per job event: the server's message, plus the learning rate of a metrics event."""
     data = event.data or {}
-    if event.type == "metrics":
-        parts = [f"{k} {data[k]:.4g}" if isinstance(data[k], float) else f"{k} {data[k]}" for k in data]
-        _say("  " + ", ".join(parts))
-    else:
-        _say(f"  {event.message}")
+    lr = f" (lr {data['lr']:.3g})" if event.type == "metrics" and isinstance(data.get("lr"), (int, float)) else ""
+    _say(f"  {event.message}{lr}")
 
 
 def finetune_remote(args) -> int:
     """Fine-tune on the server at `args.server` with the dataset folder `args.data`.
 
     Reads from `args`: data, server, api_key, and when present model / preset (the base model;
-    default: the server's first), epochs, batch_size, learning_rate_multiplier, seed, suffix,
-    no_progress. Prints the fine-tuned model's name on stdout when the job succeeds. Ctrl-C
-    detaches: the job keeps running on the server.
+    default: the server's first), epochs (whole), batch_size, lr (sent as a multiple of 1e-4),
+    frames, size, seed, suffix, no_progress. Options of a local run (--output, --steps,
+    --resume, ...) are refused by name. Prints the fine-tuned model's name on stdout when the
+    job succeeds. Ctrl-C detaches: the job keeps running on the server.
     """
+    _check_local_only(args, LOCAL_ONLY_FINETUNE)
     root = Path(args.data)
     if not root.is_dir():
         raise UsageError(f"--data: {root} is not a directory")
+    hyperparameters = _hyperparameters(args)
     sdk = _sdk()
     client = sdk.Client(base_url=args.server, api_key=getattr(args, "api_key", None))
     fd, archive = tempfile.mkstemp(prefix=f"{root.resolve().name}-", suffix=".tar.gz")
@@ -170,7 +182,7 @@ def finetune_remote(args) -> int:
             uploaded = client.files.create(file=archive, purpose="fine-tune")
             print(f"uploaded {root} ({count} files, {uploaded.bytes:,} bytes) as {uploaded.id}", file=sys.stderr)
             job = client.fine_tuning.jobs.create(
-                model=model, training_file=uploaded.id, hyperparameters=_hyperparameters(args),
+                model=model, training_file=uploaded.id, hyperparameters=hyperparameters or None,
                 seed=getattr(args, "seed", None), suffix=getattr(args, "suffix", None),
             )  # fmt: skip
             print(f"fine-tuning job {job.id} on {model}: {job.status}", file=sys.stderr)

@@ -1,0 +1,9 @@
+"""Resources of the API, each a sync class and its async twin."""
+
+from .files import AsyncFiles, Files
+from .fine_tuning import AsyncFineTuning, AsyncJobs, FineTuning, Jobs
+from .models import AsyncModels, Models
+from .videos import AsyncVideos, Videos
+
+__all__ = ["Videos", "AsyncVideos", "Files", "AsyncFiles", "FineTuning", "AsyncFineTuning", "Jobs",
+           "AsyncJobs", "Models", "AsyncModels"]  # fmt: skip

@@ -1,0 +1,57 @@
+"""The CLI's remote mode (`generate --server`, `finetune --server`): dataset packing and option
+checks here; runs against a real server are in test_client_server.py."""
+
+from __future__ import annotations
+
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+try:
+    import megaslide_client  # noqa: F401
+except ImportError:  # not installed: use the source tree
+    sys.path.insert(0, str(ROOT / "clients" / "python"))
+
+from megaslide.cli import UsageError
+from megaslide.cli import main as cli_main
+from megaslide.remote import pack_dataset
+
+
+def test_pack_dataset_names_members_relative_and_follows_links(tmp_path):
+    data = tmp_path / "data"
+    (data / "clips").mkdir(parents=True)
+    (data / "clips" / "b.mp4").write_bytes(b"bbb")
+    (data / "metadata.jsonl").write_text('{"file": "clips/b.mp4", "caption": "x"}\n')
+    elsewhere = tmp_path / "elsewhere.mp4"
+    elsewhere.write_bytes(b"linked clip")
+    (data / "clips" / "a.mp4").symlink_to(elsewhere)
+    archive = tmp_path / "data.tar.gz"
+    assert pack_dataset(data, archive) == 3
+    with tarfile.open(archive) as tar:
+        members = tar.getmembers()
+        assert [m.name for m in members] == ["clips/a.mp4", "clips/b.mp4", "metadata.jsonl"]
+        assert all(m.isfile() for m in members)
+        assert tar.extractfile("clips/a.mp4").read() == b"linked clip"
+
+
+def test_pack_dataset_refuses_an_empty_folder(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UsageError, match="holds no files"):
+        pack_dataset(tmp_path / "empty", tmp_path / "x.tar.gz")
+
+
+@pytest.mark.parametrize(
+    "command, option",
+    [("generate", "--offload stream"), ("generate", "--device cuda"), ("generate", "--stats s.json"),
+     ("finetune", "--resume"), ("finetune", "--steps 3"), ("finetune", "--output run"), ("finetune", "--epochs 1.5")],
+)
+def test_local_only_options_are_refused_with_server(command, option, tmp_path, capsys):
+    """Nothing is sent: the check comes before any request (port 1 has no server anyway)."""
+    (tmp_path / "data").mkdir()
+    head = ["generate", "x", "-o", str(tmp_path / "o.mp4")] if command == "generate" else ["finetune", "--data",
+                                                                                          str(tmp_path / "data")]
+    assert cli_main(head + option.split() + ["--server", "http://127.0.0.1:1"]) == 2
+    assert option.split()[0] in capsys.readouterr().err
