@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import sys
 
-from .cli import UsageError
+from .cli import UsageError, parse_bytes
 
 
 def register(sub) -> None:
     p = sub.add_parser("serve", help="serve the OpenAI-compatible video and fine-tuning API over HTTP",
-                       description="Serve models over HTTP. Every flag also reads MEGASLIDE_<FLAG> from the "
-                                   "environment (e.g. MEGASLIDE_API_KEYS=key1,key2); flags win.")  # fmt: skip
+                       description="Serve models over HTTP. Settings also come from MEGASLIDE_* variables "
+                                   "(MEGASLIDE_API_KEYS=key1,key2, MEGASLIDE_MODELS, MEGASLIDE_PRESET, "
+                                   "MEGASLIDE_DATA_DIR, MEGASLIDE_PORT, ...); flags win.")  # fmt: skip
     p.add_argument("--host", help="address to listen on (default: 127.0.0.1)")
     p.add_argument("--port", type=int, help="port to listen on (default: 8000)")
     p.add_argument("--model", action="append", default=[], metavar="DIR|NAME",
@@ -22,6 +23,9 @@ def register(sub) -> None:
     p.add_argument("--max-queue", type=int, help="queued jobs before new ones get 429 (default: 64)")
     p.add_argument("--max-batch", type=int, help="video jobs sharing one denoising pass (default: 8)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), help="default: cuda when available")
+    p.add_argument("--offload", choices=("none", "stream"),
+                   help="stream DiT blocks from host RAM each step (models larger than the device)")  # fmt: skip
+    p.add_argument("--gpu-budget", type=parse_bytes, help="with --offload stream: device bytes for weights, e.g. 20GB")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     p.set_defaults(run=run_serve)
 
@@ -40,7 +44,8 @@ def run_serve(args) -> int:
         if value is not None and value < (0 if flag == "--port" else 1):
             raise UsageError(f"{flag} must be {'non-negative' if flag == '--port' else 'at least 1'}, got {value}")
     overrides = {"host": args.host, "port": args.port, "preset": args.preset, "data_dir": args.data_dir,
-                 "max_queue": args.max_queue, "max_batch": args.max_batch, "device": args.device}  # fmt: skip
+                 "max_queue": args.max_queue, "max_batch": args.max_batch, "device": args.device,
+                 "offload": args.offload, "gpu_budget": args.gpu_budget}  # fmt: skip
     overrides = {k: v for k, v in overrides.items() if v is not None}
     if args.model:
         overrides["models"] = args.model
@@ -51,6 +56,8 @@ def run_serve(args) -> int:
     except ValidationError as e:
         err = e.errors()[0]
         raise UsageError(f"{'.'.join(map(str, err['loc']))}: {err['msg']}") from None
+    if settings.gpu_budget is not None and settings.offload != "stream":
+        raise UsageError("--gpu-budget needs --offload stream")
 
     # Name a bad --model/--preset now, in one line, rather than as a traceback from the app's start-up.
     names = [card.name for card in TorchBackend(settings).cards()]

@@ -1,0 +1,104 @@
+"""Dependencies shared by the routers: the store, the engine, the settings, API keys, idempotency."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import json
+import secrets
+import time
+from typing import Annotated, Callable
+
+from fastapi import Depends, Request
+
+from .client import EngineClient
+from .errors import Conflict, EngineDead, QueueFull, Unauthorized
+from .settings import Settings
+from .store import JobStore
+
+
+def get_settings(request: Request) -> Settings:
+    return request.app.state.settings
+
+
+def get_store(request: Request) -> JobStore:
+    return request.app.state.store
+
+
+def get_engine(request: Request) -> EngineClient:
+    return request.app.state.engine
+
+
+SettingsDep = Annotated[Settings, Depends(get_settings)]
+StoreDep = Annotated[JobStore, Depends(get_store)]
+EngineDep = Annotated[EngineClient, Depends(get_engine)]
+
+
+def require_api_key(request: Request, settings: SettingsDep) -> None:
+    """With keys configured, every request must carry `Authorization: Bearer <one of them>`."""
+    request.state.key_scope = "-"
+    if not settings.api_keys:
+        return
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise Unauthorized("Missing bearer authentication in header (Authorization: Bearer <key>)")
+    token = token.strip().encode()
+    # compare_digest against every key, without stopping at a match: the time taken says nothing
+    # about how much of a guess was right, nor which key matched.
+    matched = [hmac.compare_digest(token, key.encode()) for key in settings.api_keys]
+    if not any(matched):
+        raise Unauthorized("Incorrect API key provided")
+    # Idempotency keys are scoped per API key, so one client cannot replay another's job.
+    request.state.key_scope = hashlib.sha256(token).hexdigest()[:16]
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}{secrets.token_hex(12)}"
+
+
+def request_hash(payload) -> str:
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def replayed(request: Request, store: JobStore, payload_hash: str) -> str | None:
+    """The resource a retried POST created the first time (same `Idempotency-Key`), if any.
+
+    Reusing a key with a different body is a client bug, answered 409 rather than guessed at.
+    """
+    key = idempotency(request, payload_hash)
+    if key is None:
+        return None
+    prior = store.idempotent(key[0], key[1])
+    if prior is None:
+        return None
+    if prior["request_hash"] != payload_hash:
+        raise Conflict("Idempotency-Key was already used with a different request body",
+                       code="idempotency_key_reused")  # fmt: skip
+    return prior["resource_id"]
+
+
+def idempotency(request: Request, payload_hash: str) -> tuple[str, str, str] | None:
+    key = request.headers.get("idempotency-key")
+    if not key:
+        return None
+    return (getattr(request.state, "key_scope", "-"), f"{request.url.path}:{key}", payload_hash)
+
+
+def admit(store: JobStore, engine: EngineClient, settings: Settings) -> None:
+    """Refuse new work when the worker is dead or the queue is full."""
+    if engine.dead:
+        raise EngineDead(f"the engine stopped ({engine.dead}); restart the server")
+    depth = store.queue_depth()
+    if depth >= settings.max_queue:
+        raise QueueFull(f"the queue is full ({depth} jobs waiting); retry later", retry_after=engine.retry_after())
+
+
+async def wait_for(done: Callable[[], bool], timeout_s: float, interval_s: float = 0.05) -> bool:
+    """Poll `done` without blocking the event loop; True if it became true within the timeout."""
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(interval_s)
+    return True

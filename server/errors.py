@@ -1,0 +1,121 @@
+"""Domain errors and their one mapping to HTTP: the OpenAI error envelope on every 4xx and 5xx.
+
+Handlers raise these types; `install_error_handlers` turns them, request-validation errors, unknown
+routes and unexpected exceptions into `{"error": {"message", "type", "param", "code"}}`.
+A failed job is not an error here: it is a job whose status is `failed` (see `worker.py`).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger("megaslide.server")
+
+
+class APIError(Exception):
+    """An error answered to the client; subclasses fix the status and type."""
+
+    status = 500
+    type = "server_error"
+    default_code: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None, headers=None):
+        super().__init__(message)
+        self.message, self.param = message, param
+        self.code = code or self.default_code
+        self.headers = headers or {}
+
+
+class InvalidRequest(APIError):
+    status, type, default_code = 400, "invalid_request_error", "invalid_value"
+
+
+class Unauthorized(APIError):
+    status, type, default_code = 401, "invalid_request_error", "invalid_api_key"
+
+
+class NotFound(APIError):
+    status, type, default_code = 404, "invalid_request_error", "not_found"
+
+
+class Conflict(APIError):
+    status, type, default_code = 409, "invalid_request_error", "conflict"
+
+
+class PayloadTooLarge(APIError):
+    status, type, default_code = 413, "invalid_request_error", "file_too_large"
+
+
+class RangeNotSatisfiable(APIError):
+    status, type, default_code = 416, "invalid_request_error", "range_not_satisfiable"
+
+
+class QueueFull(APIError):
+    """The queue holds `max_queue` jobs; the client should retry after `retry_after` seconds."""
+
+    status, type, default_code = 429, "rate_limit_error", "queue_full"
+
+    def __init__(self, message: str, retry_after: int):
+        super().__init__(message, headers={"Retry-After": str(retry_after)})
+
+
+class NotReady(APIError):
+    status, type, default_code = 503, "server_error", "not_ready"
+
+
+class EngineDead(APIError):
+    """The worker thread is gone: no job can run until the server restarts."""
+
+    status, type, default_code = 503, "server_error", "engine_dead"
+
+
+def envelope(status: int, message: str, type_: str, param=None, code=None, headers=None) -> JSONResponse:
+    body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def invalid_request(exc: ValidationError | RequestValidationError) -> InvalidRequest:
+    """The first pydantic error as an InvalidRequest whose message and `param` name the field."""
+    err = exc.errors()[0]
+    loc = [str(p) for p in err.get("loc", ()) if p not in ("body", "query", "path", "header", "form")]
+    field = ".".join(loc) or None
+    if err.get("type") == "extra_forbidden":
+        return InvalidRequest(f"Unrecognized request argument supplied: {field}", param=field,
+                              code="unknown_parameter")  # fmt: skip
+    if err.get("type") == "missing":
+        return InvalidRequest(f"Missing required parameter: {field}", param=field, code="missing_required_parameter")
+    message = err.get("msg", "invalid value")
+    return InvalidRequest(f"{field}: {message}" if field else message, param=field)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Map every error the app can raise to the OpenAI envelope."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return envelope(exc.status, exc.message, exc.type, exc.param, exc.code, exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError):
+        err = invalid_request(exc)
+        return envelope(err.status, err.message, err.type, err.param, err.code)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        if exc.status_code == 404:
+            message, code = f"Unknown route: {request.method} {request.url.path}", "unknown_url"
+        else:
+            message, code = str(exc.detail), None
+        type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return envelope(exc.status_code, message, type_, None, code, getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return envelope(500, f"internal server error: {type(exc).__name__}", "server_error", None, "internal_error")

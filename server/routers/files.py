@@ -1,0 +1,115 @@
+"""`/v1/files`: upload a training archive (validated on upload), list, retrieve, delete."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+from pathlib import Path
+from typing import Literal
+
+from fastapi import APIRouter, Query, Request
+from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import UploadFile
+
+from ..archives import ArchiveError, extract_archive, remove_tree
+from ..deps import EngineDep, SettingsDep, StoreDep, idempotency, new_id, replayed, request_hash
+from ..errors import Conflict, InvalidRequest, NotFound, PayloadTooLarge
+from ..schemas import FileDeleted, FileObject, ListPage, file_object, page
+
+router = APIRouter(prefix="/v1/files", tags=["files"])
+
+PURPOSES = ("fine-tune",)
+MULTIPART_SLACK = 64 * 1024  # form boundaries and headers around the file itself
+
+
+def save_upload(src, dst: Path, max_bytes: int) -> tuple[int, str]:
+    """Copy an upload to disk, counting as it goes; returns (bytes, sha256)."""
+    digest, size = hashlib.sha256(), 0
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    with open(dst, "wb") as out:
+        while chunk := src.read(1 << 20):
+            size += len(chunk)
+            if size > max_bytes:
+                raise PayloadTooLarge(f"the file is larger than this server's limit of {max_bytes} bytes",
+                                      param="file")  # fmt: skip
+            digest.update(chunk)
+            out.write(chunk)
+    return size, digest.hexdigest()
+
+
+@router.post("", response_model=FileObject)
+async def create_file(request: Request, store: StoreDep, engine: EngineDep, settings: SettingsDep):
+    """Multipart `file` + `purpose=fine-tune`: a .zip or .tar(.gz) in the fine-tuning dataset layout."""
+    length = request.headers.get("content-length")
+    if length and length.isdigit() and int(length) > settings.max_upload_bytes + MULTIPART_SLACK:
+        raise PayloadTooLarge(f"the upload is {length} bytes; this server accepts files up to "
+                              f"{settings.max_upload_bytes} bytes", param="file")  # fmt: skip
+    if not request.headers.get("content-type", "").startswith("multipart/form-data"):
+        raise InvalidRequest("upload files as multipart/form-data with fields file and purpose")
+    form = await request.form(max_files=1, max_fields=8)
+    purpose, upload = form.get("purpose"), form.get("file")
+    if not purpose:
+        raise InvalidRequest("Missing required parameter: purpose", param="purpose", code="missing_required_parameter")
+    if purpose not in PURPOSES:
+        raise InvalidRequest(f"purpose must be one of {', '.join(PURPOSES)}, got {purpose!r}", param="purpose")
+    if not isinstance(upload, UploadFile):
+        raise InvalidRequest("Missing required parameter: file", param="file", code="missing_required_parameter")
+
+    file_id = new_id("file-")
+    folder = Path(settings.data_dir) / "files" / file_id
+    try:
+        size, digest = await run_in_threadpool(save_upload, upload.file, folder / "upload", settings.max_upload_bytes)
+        payload = request_hash({"sha256": digest, "purpose": purpose, "filename": upload.filename})
+        prior = replayed(request, store, payload)
+        if prior is not None and (row := store.get_file(prior)) is not None:
+            remove_tree(folder)
+            return file_object(row)
+        root = await run_in_threadpool(extract_archive, folder / "upload", folder / "data",
+                                       settings.max_extracted_bytes)  # fmt: skip
+        clips = await run_in_threadpool(engine.check_dataset, root)
+    except (ArchiveError, ValueError) as e:
+        remove_tree(folder)
+        raise InvalidRequest(f"{upload.filename}: {e}", param="file", code="invalid_file") from None
+    except BaseException:
+        remove_tree(folder)
+        raise
+    (folder / "upload").unlink()  # the unpacked copy is what training reads
+    row = store.insert_file(
+        {"id": file_id, "filename": upload.filename or "upload", "purpose": purpose, "bytes": size,
+         "path": str(root), "clips": clips},
+        idempotency=idempotency(request, payload),
+    )  # fmt: skip
+    return file_object(row)
+
+
+@router.get("", response_model=ListPage[FileObject])
+async def list_files(store: StoreDep, purpose: str | None = None, after: str | None = None,
+                     limit: int = Query(100, ge=1, le=10000), order: Literal["asc", "desc"] = "desc"):  # fmt: skip
+    rows, has_more = store.list_files(after, limit, order, purpose)
+    return page([file_object(r) for r in rows], has_more)
+
+
+def find_file(store, file_id: str) -> dict:
+    row = store.get_file(file_id)
+    if row is None:
+        raise NotFound(f"No such File object: {file_id}", param="file_id")
+    return row
+
+
+@router.get("/{file_id}", response_model=FileObject)
+async def retrieve_file(file_id: str, store: StoreDep):
+    return file_object(find_file(store, file_id))
+
+
+@router.delete("/{file_id}", response_model=FileDeleted)
+async def delete_file(file_id: str, store: StoreDep, settings: SettingsDep):
+    find_file(store, file_id)
+    outcome = store.delete_file(file_id)
+    if outcome == "in_use":
+        raise Conflict(f"file {file_id} is the training file of a queued or running fine-tuning job; "
+                       "cancel the job first", param="file_id", code="file_in_use")  # fmt: skip
+    if outcome == "missing":
+        raise NotFound(f"No such File object: {file_id}", param="file_id")
+    folder = Path(settings.data_dir) / "files" / file_id
+    await run_in_threadpool(shutil.rmtree, folder, True)
+    return FileDeleted(id=file_id, deleted=True)

@@ -1,0 +1,24 @@
+"""`/v1/models`: the served base models and the fine-tuned ones, usable as soon as they are listed."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from ..deps import EngineDep
+from ..errors import NotFound
+from ..schemas import ListPage, Model, model_object
+
+router = APIRouter(prefix="/v1/models", tags=["models"])
+
+
+@router.get("", response_model=ListPage[Model])
+async def list_models(engine: EngineDep):
+    return {"data": [model_object(card) for card in engine.models()]}
+
+
+@router.get("/{model_id}", response_model=Model)
+async def retrieve_model(model_id: str, engine: EngineDep):
+    card = engine.model(model_id)
+    if card is None:
+        raise NotFound(f"The model {model_id!r} does not exist", param="model", code="model_not_found")
+    return model_object(card)

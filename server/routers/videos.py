@@ -1,0 +1,188 @@
+"""`/v1/videos`: create (JSON or multipart), retrieve, list, cancel/delete, content, and SSE events."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Literal
+
+from fastapi import APIRouter, Query, Request, Response
+from fastapi.responses import StreamingResponse
+from pydantic import ValidationError
+from starlette.datastructures import UploadFile
+
+from ..deps import EngineDep, SettingsDep, StoreDep, admit, idempotency, new_id, replayed, request_hash, wait_for
+from ..errors import InvalidRequest, NotFound, invalid_request
+from ..ranges import file_response
+from ..schemas import ListPage, Video, VideoCreate, VideoDeleted, page, video_object
+from ..store import VIDEO_TERMINAL, JobStore, now
+from ..validation import resolve_video
+from ..worker import video_paths
+
+router = APIRouter(prefix="/v1/videos", tags=["videos"])
+
+SSE_KEEPALIVE_S = 15.0  # a comment line this often keeps proxies from closing a quiet stream
+TEXT_FIELDS = ("prompt", "negative_prompt")  # an empty form value is meaningful for these only
+
+
+async def read_create_body(request: Request) -> VideoCreate:
+    """The create parameters from a JSON body or form fields (the openai SDK sends multipart)."""
+    content_type = request.headers.get("content-type", "")
+    if content_type.startswith(("multipart/form-data", "application/x-www-form-urlencoded")):
+        form = await request.form()
+        data = {}
+        for key, value in form.multi_items():
+            if isinstance(value, UploadFile):
+                data[key] = value.filename or "upload"
+            elif value != "" or key in TEXT_FIELDS:
+                data[key] = value
+    else:
+        try:
+            data = json.loads(await request.body() or b"null")
+        except json.JSONDecodeError as e:
+            raise InvalidRequest(f"the request body is not valid JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise InvalidRequest("the request body must be a JSON object (or multipart form fields)")
+    try:
+        return VideoCreate.model_validate(data)
+    except ValidationError as e:
+        raise invalid_request(e) from None
+
+
+def find_video(store: JobStore, video_id: str) -> dict:
+    row = store.get_video(video_id)
+    if row is None:
+        raise NotFound(f"No video found with id {video_id!r}", param="video_id")
+    return row
+
+
+def poll_hint(response: Response, row: dict, settings) -> None:
+    if row["status"] not in VIDEO_TERMINAL:
+        response.headers["openai-poll-after-ms"] = str(settings.poll_after_ms)
+
+
+# The body is parsed by hand (JSON or form), so its schema is declared here for the OpenAPI docs.
+CREATE_BODY_DOC = {"requestBody": {"required": True, "content": {
+    "application/json": {"schema": VideoCreate.model_json_schema()},
+    "multipart/form-data": {"schema": VideoCreate.model_json_schema()},
+}}}  # fmt: skip
+
+
+@router.post("", response_model=Video, openapi_extra=CREATE_BODY_DOC)
+async def create_video(request: Request, response: Response, store: StoreDep, engine: EngineDep,
+                       settings: SettingsDep):  # fmt: skip
+    body = await read_create_body(request)
+    name = body.model or engine.models()[0].name
+    card = engine.model(name)
+    if card is None:
+        raise NotFound(f"The model {name!r} does not exist; see GET /v1/models", param="model",
+                       code="model_not_found")  # fmt: skip
+    spec = resolve_video(body, card, settings)
+    try:
+        engine.check_video(spec)
+    except ValueError as e:
+        raise InvalidRequest(str(e)) from None
+    payload = request_hash(body.model_dump(exclude_none=True))
+    prior = replayed(request, store, payload)
+    if prior is not None and (row := store.get_video(prior)) is not None:
+        poll_hint(response, row, settings)
+        return video_object(row)
+    admit(store, engine, settings)
+    row = store.insert_video(new_id("video_"), spec.to_dict(), idempotency=idempotency(request, payload))
+    engine.wake()
+    poll_hint(response, row, settings)
+    return video_object(row)
+
+
+@router.get("", response_model=ListPage[Video])
+async def list_videos(store: StoreDep, after: str | None = None, limit: int = Query(20, ge=1, le=100),
+                      order: Literal["asc", "desc"] = "desc"):  # fmt: skip
+    rows, has_more = store.list_videos(after, limit, order)
+    return page([video_object(r) for r in rows], has_more)
+
+
+@router.get("/{video_id}", response_model=Video)
+async def retrieve_video(video_id: str, response: Response, store: StoreDep, settings: SettingsDep):
+    row = find_video(store, video_id)
+    poll_hint(response, row, settings)
+    return video_object(row)
+
+
+@router.delete("/{video_id}", response_model=VideoDeleted)
+async def delete_video(video_id: str, store: StoreDep, engine: EngineDep, settings: SettingsDep):
+    """Cancel a queued or running video, or delete a finished one with its files.
+
+    A running video stops at its next step boundary; the answer waits (up to `cancel_wait_s`) until
+    the worker has stopped it, so `deleted: true` means no more steps run for it. The record stays,
+    as `cancelled`, for pollers; a second DELETE removes it.
+    """
+    row = find_video(store, video_id)
+    if row["status"] in VIDEO_TERMINAL:
+        store.delete_video(video_id)
+        for path in video_paths(settings.data_dir, video_id):
+            path.unlink(missing_ok=True)
+        return VideoDeleted(id=video_id, deleted=True, status="deleted")
+    status = store.cancel_video(video_id)
+    engine.wake()
+    if status == "in_progress":
+        await wait_for(lambda: store.get_video(video_id)["status"] != "in_progress", settings.cancel_wait_s)
+    status = store.get_video(video_id)["status"]
+    return VideoDeleted(id=video_id, deleted=status != "in_progress", status=status)
+
+
+@router.get("/{video_id}/content")
+async def video_content(video_id: str, request: Request, store: StoreDep, settings: SettingsDep,
+                        variant: Literal["video", "thumbnail"] = "video"):  # fmt: skip
+    """The MP4 (with Range support) or the first frame as a PNG."""
+    row = find_video(store, video_id)
+    if row["status"] != "completed":
+        raise InvalidRequest(f"video {video_id} is {row['status']}; its content exists once it is completed",
+                             param="video_id", code="video_not_ready")  # fmt: skip
+    if row["expires_at"] is not None and row["expires_at"] < now():
+        raise NotFound(f"the content of video {video_id} expired", param="video_id", code="video_expired")
+    mp4, png = video_paths(settings.data_dir, video_id)
+    path, media_type = (mp4, "video/mp4") if variant == "video" else (png, "image/png")
+    if not path.is_file():
+        raise NotFound(f"the {variant} of video {video_id} is gone from disk", param="video_id")
+    return file_response(path, request.headers.get("range"), media_type, f"{video_id}{path.suffix}")
+
+
+@router.get("/{video_id}/events")
+async def video_events(video_id: str, request: Request, store: StoreDep, settings: SettingsDep):
+    """Server-Sent Events of status and progress, replayed from the start (or `Last-Event-ID`),
+    ending once the video is completed, failed or cancelled."""
+    find_video(store, video_id)
+    try:
+        last = int(request.headers.get("last-event-id") or 0)
+    except ValueError:
+        last = 0
+    return StreamingResponse(_sse(store, video_id, last, request, settings.sse_interval_s),
+                             media_type="text/event-stream", headers={"Cache-Control": "no-cache"})  # fmt: skip
+
+
+async def _sse(store: JobStore, video_id: str, last: int, request: Request, interval_s: float):
+    quiet_since = time.monotonic()
+    while True:
+        events = store.events_after(video_id, last)
+        for event in events:
+            last = event["seq"]
+            data = json.loads(event["data"] or "{}")
+            terminal = data.get("status") in VIDEO_TERMINAL
+            row = store.get_video(video_id) if terminal else None
+            body = video_object(row).model_dump() if row else {"id": video_id, "object": "video", **data}
+            yield f"id: {last}\nevent: {event['type']}\ndata: {json.dumps(body)}\n\n"
+            if terminal:
+                return
+        if events:
+            quiet_since = time.monotonic()
+        else:
+            row = store.get_video(video_id)
+            if row is None or row["status"] in VIDEO_TERMINAL:
+                return  # deleted, or the client resumed after the terminal event
+            if time.monotonic() - quiet_since > SSE_KEEPALIVE_S:
+                quiet_since = time.monotonic()
+                yield ": keep-alive\n\n"
+        if await request.is_disconnected():
+            return
+        await asyncio.sleep(interval_s)

@@ -1,0 +1,308 @@
+"""Request and response bodies of the API, in the OpenAI shapes, and the conversions from store rows.
+
+Requests forbid unknown fields, so a misspelt parameter is an error that names it rather than a
+silently ignored default. Responses carry the OpenAI fields first, then MegaSlide's own (seed, shape,
+step counts), which OpenAI clients ignore.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Generic, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from .client import ModelCard
+
+T = TypeVar("T")
+
+SEED_LIMIT = 2**63  # seeds are stored as SQLite integers (signed 64-bit)
+
+
+class Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ListPage(BaseModel, Generic[T]):
+    object: Literal["list"] = "list"
+    data: list[T]
+    first_id: str | None = None
+    last_id: str | None = None
+    has_more: bool = False
+
+
+def page(items: list, has_more: bool) -> dict:
+    return {"data": items, "first_id": items[0].id if items else None,
+            "last_id": items[-1].id if items else None, "has_more": has_more}  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# videos
+
+
+class VideoCreate(Request):
+    """`POST /v1/videos`, as JSON or as multipart form fields (all strings, converted here)."""
+
+    prompt: str
+    model: str | None = None
+    seconds: float | None = Field(None, gt=0, description="clip length; frames = round(seconds * fps)")
+    size: str | None = Field(None, description="WIDTHxHEIGHT, both even")
+    num_frames: int | None = Field(None, ge=1)
+    fps: int | None = Field(None, ge=1, le=120)
+    num_inference_steps: int | None = Field(None, ge=1)
+    guidance_scale: float | None = Field(None, ge=0, le=100)
+    negative_prompt: str | None = None
+    seed: int | None = Field(None, ge=0, lt=SEED_LIMIT)
+    priority: int = Field(0, ge=-100, le=100, description="higher runs first")
+    input_reference: Any = None  # image-to-video: accepted as a field only to be refused by name
+
+    @field_validator("seconds", mode="before")
+    @classmethod
+    def _seconds(cls, value):
+        # The OpenAI API sends seconds as a string ("4"); accept numbers as well.
+        if isinstance(value, str):
+            try:
+                return float(value.strip())
+            except ValueError:
+                raise ValueError(f"must be a number of seconds, got {value!r}") from None
+        return value
+
+
+class VideoError(BaseModel):
+    code: str | None
+    message: str | None
+
+
+class Video(BaseModel):
+    id: str
+    object: Literal["video"] = "video"
+    status: str
+    progress: int
+    created_at: int
+    completed_at: int | None
+    expires_at: int | None
+    error: VideoError | None
+    model: str
+    prompt: str
+    seconds: str
+    size: str
+    remixed_from_video_id: str | None = None
+    seed: int
+    num_frames: int
+    fps: int
+    num_inference_steps: int
+    guidance_scale: float
+    negative_prompt: str
+    priority: int
+    step: int
+
+
+class VideoDeleted(BaseModel):
+    id: str
+    object: Literal["video.deleted"] = "video.deleted"
+    deleted: bool
+    status: str | None = None
+
+
+def seconds_text(frames: int, fps: int) -> str:
+    """Clip length as the OpenAI API writes it (a string): "4", "0.5"."""
+    return f"{frames / fps:g}"
+
+
+def video_object(row: dict) -> Video:
+    spec = json.loads(row["spec"])
+    error = VideoError(code=row["error_code"], message=row["error_message"]) if row["error_message"] else None
+    return Video(
+        id=row["id"], status=row["status"], progress=row["progress"], created_at=row["created_at"],
+        completed_at=row["completed_at"], expires_at=row["expires_at"], error=error, model=row["model"],
+        prompt=spec["prompt"], seconds=seconds_text(spec["frames"], spec["fps"]),
+        size=f"{spec['width']}x{spec['height']}", seed=spec["seed"], num_frames=spec["frames"], fps=spec["fps"],
+        num_inference_steps=spec["steps"], guidance_scale=spec["guidance"],
+        negative_prompt=spec["negative_prompt"], priority=spec["priority"], step=row["step"],
+    )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# files
+
+
+class FileObject(BaseModel):
+    id: str
+    object: Literal["file"] = "file"
+    bytes: int
+    created_at: int
+    filename: str
+    purpose: str
+    status: str = "processed"
+    status_details: str | None = None
+    expires_at: int | None = None
+    clips: int
+
+
+class FileDeleted(BaseModel):
+    id: str
+    object: Literal["file"] = "file"
+    deleted: bool
+
+
+def file_object(row: dict) -> FileObject:
+    return FileObject(id=row["id"], bytes=row["bytes"], created_at=row["created_at"], filename=row["filename"],
+                      purpose=row["purpose"], clips=row["clips"])  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# fine-tuning
+
+
+class Hyperparameters(Request):
+    """OpenAI's three knobs ("auto" = the server's default) and the clip shape to train at."""
+
+    n_epochs: int | Literal["auto"] = Field("auto", description="passes over the data (1-100)")
+    batch_size: int | Literal["auto"] = "auto"
+    learning_rate_multiplier: float | Literal["auto"] = "auto"
+    num_frames: int | None = Field(None, ge=1, description="frames per training clip (default: the trainer's)")
+    size: str | None = Field(None, description="WIDTHxHEIGHT of training clips (default: the trainer's)")
+
+    @field_validator("n_epochs")
+    @classmethod
+    def _epochs(cls, v):
+        if v != "auto" and not 1 <= v <= 100:
+            raise ValueError("must be between 1 and 100")
+        return v
+
+    @field_validator("batch_size")
+    @classmethod
+    def _batch(cls, v):
+        if v != "auto" and not 1 <= v <= 256:
+            raise ValueError("must be between 1 and 256")
+        return v
+
+    @field_validator("learning_rate_multiplier")
+    @classmethod
+    def _lr(cls, v):
+        if v != "auto" and not 0 < v <= 100:
+            raise ValueError("must be greater than 0 and at most 100")
+        return v
+
+
+class Supervised(Request):
+    hyperparameters: Hyperparameters = Field(default_factory=Hyperparameters)
+
+
+class Method(Request):
+    type: Literal["supervised"] = "supervised"
+    supervised: Supervised = Field(default_factory=Supervised)
+
+
+class FineTuningJobCreate(Request):
+    model: str
+    training_file: str
+    hyperparameters: Hyperparameters | None = None
+    method: Method | None = None
+    seed: int | None = Field(None, ge=0, lt=SEED_LIMIT)
+    suffix: str | None = Field(None, max_length=64, pattern=r"^[A-Za-z0-9_-]*$")
+    validation_file: str | None = None
+    integrations: list | None = None
+    metadata: dict[str, str] | None = None
+
+
+class FineTuningError(BaseModel):
+    code: str | None
+    message: str | None
+    param: str | None = None
+
+
+class FineTuningJob(BaseModel):
+    id: str
+    object: Literal["fine_tuning.job"] = "fine_tuning.job"
+    created_at: int
+    error: FineTuningError | None
+    fine_tuned_model: str | None
+    finished_at: int | None
+    hyperparameters: dict
+    method: dict
+    model: str
+    organization_id: str = "megaslide"
+    result_files: list[str] = []
+    seed: int
+    status: str
+    trained_tokens: int | None = None
+    training_file: str
+    validation_file: str | None = None
+    estimated_finish: int | None = None
+    integrations: list = []
+    suffix: str | None
+    step: int
+    total_steps: int | None
+
+
+def finetune_object(row: dict) -> FineTuningJob:
+    hyper = json.loads(row["hyperparameters"])
+    public = {k: hyper[k] for k in ("n_epochs", "batch_size", "learning_rate_multiplier")}
+    error = FineTuningError(code=row["error_code"], message=row["error_message"]) if row["error_message"] else None
+    return FineTuningJob(
+        id=row["id"], created_at=row["created_at"], error=error, fine_tuned_model=row["fine_tuned_model"],
+        finished_at=row["finished_at"], hyperparameters=public,
+        method={"type": "supervised", "supervised": {"hyperparameters": public}}, model=row["model"],
+        seed=row["seed"], status=row["status"], training_file=row["training_file"], suffix=row["suffix"],
+        step=row["step"], total_steps=row["total_steps"],
+    )  # fmt: skip
+
+
+class FineTuningEvent(BaseModel):
+    id: str
+    object: Literal["fine_tuning.job.event"] = "fine_tuning.job.event"
+    created_at: int
+    level: str
+    message: str
+    type: str
+    data: dict | None
+
+
+def event_object(row: dict) -> FineTuningEvent:
+    return FineTuningEvent(id=f"ftevent-{row['seq']}", created_at=row["created_at"], level=row["level"],
+                           message=row["message"], type=row["type"],
+                           data=json.loads(row["data"]) if row["data"] else None)  # fmt: skip
+
+
+class Checkpoint(BaseModel):
+    id: str
+    object: Literal["fine_tuning.job.checkpoint"] = "fine_tuning.job.checkpoint"
+    created_at: int
+    fine_tuned_model_checkpoint: str
+    fine_tuning_job_id: str
+    metrics: dict
+    step_number: int
+
+
+def checkpoint_object(row: dict, job: dict) -> Checkpoint:
+    name = f"ft:{job['model']}:{job['suffix'] or ''}:{job['id'].removeprefix('ftjob-')}:ckpt-step-{row['step']}"
+    return Checkpoint(id=row["id"], created_at=row["created_at"], fine_tuned_model_checkpoint=name,
+                      fine_tuning_job_id=row["job_id"], metrics=json.loads(row["metrics"] or "{}"),
+                      step_number=row["step"])  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# models
+
+
+class Model(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str
+    kind: str
+    parent: str | None
+    defaults: dict
+    limits: dict
+
+
+def model_object(card: ModelCard) -> Model:
+    return Model(
+        id=card.name, created=card.created, owned_by="user" if card.kind == "fine-tune" else "megaslide",
+        kind=card.kind, parent=card.parent,
+        defaults={"num_frames": card.frames, "size": f"{card.width}x{card.height}", "fps": card.fps,
+                  "num_inference_steps": card.steps, "guidance_scale": card.guidance},
+        limits={"max_frames": card.max_frames, "max_size": card.max_size, "size_multiple": list(card.patch[1:]),
+                "frames_multiple": card.patch[0], "max_prompt_bytes": card.max_prompt_bytes},
+    )  # fmt: skip

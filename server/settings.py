@@ -1,0 +1,63 @@
+"""Server settings: one pydantic-settings class, read from `MEGASLIDE_*` variables and the CLI.
+
+`megaslide serve` passes its flags as keyword arguments, which take precedence over the
+environment; anything not given falls back to the defaults below.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    """Everything the server needs to know at start-up."""
+
+    model_config = SettingsConfigDict(env_prefix="MEGASLIDE_", frozen=True)
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # What to serve: model directories or packaged model names, and/or one preset's random weights.
+    # With neither, the packaged default model (or the tiny preset when none ships) is served.
+    models: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    preset: str | None = None
+    data_dir: Path = Path("megaslide-data")
+    # Bearer keys; comma-separated in MEGASLIDE_API_KEYS. Empty = no authentication.
+    api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    device: str = "auto"  # "auto" = cuda when available, else cpu
+    dtype: str = "auto"  # "auto" = bfloat16 on cuda, float32 on cpu
+    # "stream": keep the DiT's blocks in host RAM and stream them to the device each step, so a
+    # model larger than the device serves; gpu_budget (bytes) keeps as many blocks resident as fit.
+    offload: Literal["none", "stream"] = "none"
+    gpu_budget: int | None = Field(None, ge=0)
+
+    # Queue and scheduler.
+    max_queue: int = Field(64, ge=1, description="queued jobs (videos + fine-tunes) before 429")
+    max_batch: int = Field(8, ge=1, description="video jobs sharing one denoising pass")
+    max_steps: int = Field(200, ge=1, description="largest num_inference_steps accepted")
+    max_prompt_chars: int = Field(4000, ge=1, description="hard cap before the model's own limit")
+    poll_after_ms: int = Field(1000, ge=0, description="openai-poll-after-ms hint for active jobs")
+    cancel_wait_s: float = Field(10.0, ge=0, description="how long DELETE waits for the worker to stop")
+    video_ttl_s: int = Field(7 * 24 * 3600, ge=60, description="how long a finished MP4 is kept")
+    sse_interval_s: float = Field(0.2, gt=0, description="how often an SSE stream checks for news")
+
+    # Files and fine-tuning.
+    max_upload_bytes: int = Field(2 * 1024**3, ge=1, description="largest training archive (413 above)")
+    max_extracted_bytes: int = Field(8 * 1024**3, ge=1, description="largest unpacked archive")
+    finetune_lr: float = Field(1e-4, gt=0, description="learning rate at learning_rate_multiplier=1")
+    finetune_epochs: int = Field(1, ge=1, description="n_epochs when the request says 'auto'")
+    finetune_save_every: int = Field(50, ge=1, description="checkpoint interval in optimizer steps")
+
+    @field_validator("models", "api_keys", mode="before")
+    @classmethod
+    def _split_commas(cls, value):
+        if isinstance(value, str):
+            return [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    @property
+    def db_path(self) -> Path:
+        return self.data_dir / "megaslide.db"

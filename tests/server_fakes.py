@@ -1,0 +1,185 @@
+"""A torch-free stand-in for the model side of the server, so API and scheduler tests run in milliseconds.
+
+`FakeBackend` plugs into the real `LocalEngine` (worker thread, scheduler, store): only the models are
+fake. It records every batched step as the list of job seeds it advanced, so tests can see which
+jobs shared a pass, in which order they ran, and that a cancelled job got no further steps.
+
+Prompts steer failures: "explode" raises in the denoising step, "nomem" raises an error with the type
+name CUDA uses, "badprep" raises while preparing.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from megaslide.server.client import ModelCard, VideoSpec
+from megaslide.server.worker import Backend, FinetuneJob, Trainer, VideoModel
+
+FAKE_CARD = ModelCard(name="fake", kind="preset", created=1_700_000_000, source="fake", frames=4, height=32,
+                      width=32, fps=8, steps=2, guidance=1.0, max_frames=32, max_size=256, patch=(1, 4, 4),
+                      max_prompt_bytes=62)  # fmt: skip
+
+
+class OutOfMemoryError(RuntimeError):
+    """Named like torch.cuda.OutOfMemoryError, raised by the 'nomem' prompt."""
+
+
+class FakeState:
+    def __init__(self, spec: VideoSpec):
+        self.spec, self.step, self.num_steps = spec, 0, spec.steps
+
+    @property
+    def done(self) -> bool:
+        return self.step >= self.num_steps
+
+
+class FakeModel(VideoModel):
+    def __init__(self, backend: FakeBackend, name: str):
+        self.backend, self.name = backend, name
+
+    def prepare(self, spec):
+        if "badprep" in spec.prompt:
+            raise ValueError("cannot prepare this prompt")
+        return FakeState(spec)
+
+    def step(self, states):
+        b = self.backend
+        b.gate.wait(30)  # tests close the gate to hold the worker inside a step
+        time.sleep(b.step_s)
+        prompts = [s.spec.prompt for s in states]
+        if any("nomem" in p for p in prompts):
+            raise OutOfMemoryError("CUDA out of memory. Tried to allocate 80.00 GiB")
+        if any("explode" in p for p in prompts):
+            raise RuntimeError("the denoiser exploded")
+        with b.lock:
+            b.passes.append((self.name, [s.spec.seed for s in states]))
+            b.timeline.append(("video", [s.spec.seed for s in states]))
+        for s in states:
+            s.step += 1
+        return {"h2d_bytes": 1000 * len(states)}
+
+    def finish(self, state):
+        s = state.spec
+        # A clip whose bytes depend on the seed, so content tests can tell videos apart.
+        rng = np.random.default_rng(s.seed)
+        return rng.integers(0, 256, size=(s.frames, s.height, s.width, 3), dtype=np.uint8)
+
+
+class FakeTrainer(Trainer):
+    """Counts steps, checkpoints every `save_every`, resumes from the newest checkpoint file."""
+
+    def __init__(self, backend: FakeBackend, job: FinetuneJob):
+        self.backend, self.job = backend, job
+        clips = len([line for line in (job.data_dir / "metadata.jsonl").read_text().splitlines() if line.strip()])
+        self.total_steps = job.epochs * -(-clips // job.batch_size)
+        self.step = 0
+        job.output_dir.mkdir(parents=True, exist_ok=True)
+        if job.resume:
+            saved = sorted(int(p.stem.split("-")[1]) for p in job.output_dir.glob("step-*.ckpt"))
+            self.step = saved[-1] if saved else 0
+        self.closed = False
+
+    def train_step(self):
+        time.sleep(self.backend.train_step_s)
+        self.backend.gate.wait(30)
+        self.step += 1
+        with self.backend.lock:
+            self.backend.timeline.append(("train", self.step))
+        if self.step % self.job.save_every == 0:
+            self.save_checkpoint()
+        return {"step": self.step, "loss": 1.0 / self.step, "lr": self.job.learning_rate, "grad_norm": 0.5,
+                "step_time_s": self.backend.train_step_s, "h2d_bytes": 0, "d2h_bytes": 0}  # fmt: skip
+
+    def save_checkpoint(self):
+        path = self.job.output_dir / f"step-{self.step}.ckpt"
+        path.write_text(json.dumps({"step": self.step}))
+        return path
+
+    def checkpoints(self):
+        found = sorted(self.job.output_dir.glob("step-*.ckpt"), key=lambda p: int(p.stem.split("-")[1]))
+        return [{"step": int(p.stem.split("-")[1]), "path": p, "created_at": 0} for p in found]
+
+    def export(self, path):
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "config.json").write_text(json.dumps({"fake": True, "step": self.step}))
+        return path
+
+    def close(self):
+        self.closed = True
+
+
+class FakeBackend(Backend):
+    def __init__(self, step_s: float = 0.01, train_step_s: float = 0.01, load_s: float = 0.0,
+                 encode_s: float = 0.0, fail_load: bool = False):  # fmt: skip
+        self.step_s, self.train_step_s, self.load_s, self.encode_s = step_s, train_step_s, load_s, encode_s
+        self.fail_load = fail_load
+        self.gate = threading.Event()
+        self.gate.set()
+        self.lock = threading.Lock()
+        self.passes: list[tuple[str, list[int]]] = []
+        self.timeline: list[tuple] = []
+        self.released = 0
+
+    # helpers for tests
+    def seeds_run(self) -> list[int]:
+        with self.lock:
+            return [seed for _, seeds in self.passes for seed in seeds]
+
+    def first_pass_of(self, seed: int) -> int:
+        with self.lock:
+            return next(i for i, (_, seeds) in enumerate(self.passes) if seed in seeds)
+
+    # Backend
+    def cards(self):
+        return [FAKE_CARD]
+
+    def fine_tuned_card(self, name, parent, path):
+        return parent.replace(name=name, kind="fine-tune", parent=parent.name, source=str(path))
+
+    def load(self, card):
+        time.sleep(self.load_s)
+        if self.fail_load:
+            raise RuntimeError("weights are corrupt")
+        return FakeModel(self, card.name)
+
+    def check_video(self, card, spec):
+        if spec.frames == 3:
+            raise ValueError("frames (3): this model's autoencoder needs another count")
+
+    def check_dataset(self, root):
+        meta = Path(root) / "metadata.jsonl"
+        if not meta.is_file():
+            raise ValueError(f"{meta.name}: missing")
+        n = 0
+        for i, line in enumerate(meta.read_text().splitlines(), start=1):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            if not (Path(root) / row["file"]).exists():
+                raise ValueError(f"metadata.jsonl line {i} ({row['file']}): file not found")
+            n += 1
+        return n
+
+    def trainer(self, job):
+        return FakeTrainer(self, job)
+
+    def save_video(self, frames, fps, mp4_path, thumbnail_path):
+        from PIL import Image
+
+        time.sleep(self.encode_s)
+        Image.fromarray(frames[0]).save(thumbnail_path, format="PNG")
+        tmp = mp4_path.with_name(mp4_path.name + ".part")
+        tmp.write_bytes(b"FAKEMP4" + frames.tobytes())
+        tmp.replace(mp4_path)
+
+    def error_code(self, exc):
+        return "out_of_memory" if type(exc).__name__ == "OutOfMemoryError" else None
+
+    def release_memory(self):
+        self.released += 1

@@ -1,0 +1,648 @@
+"""The HTTP API and the scheduler, in process, on the real worker and store with fake models.
+
+Everything except the tensor math is real here: routers, SQLite store, worker thread, batching,
+cancellation, encoder thread. `FakeBackend` (tests/server_fakes.py) records every batched step.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import subprocess
+import sys
+import tarfile
+import time
+import zipfile
+
+import warnings
+
+import pytest
+
+with warnings.catch_warnings():  # starlette's notice that its TestClient will move to httpx2
+    warnings.simplefilter("ignore")
+    from fastapi.testclient import TestClient
+
+from megaslide.server import Settings, build_app
+from megaslide.server.client import VideoSpec
+from megaslide.server.store import JobStore
+from megaslide.server.worker import LocalEngine
+
+from .server_fakes import FakeBackend
+
+TERMINAL = ("completed", "failed", "cancelled")
+SMALL = {"num_frames": 4, "size": "32x32", "num_inference_steps": 2}
+
+
+@pytest.fixture
+def make_client(tmp_path, monkeypatch):
+    for var in ("MEGASLIDE_API_KEYS", "MEGASLIDE_MODELS", "MEGASLIDE_PRESET"):
+        monkeypatch.delenv(var, raising=False)
+    opened = []
+
+    def make(backend: FakeBackend | None = None, wait_ready: bool = True, **overrides) -> TestClient:
+        backend = backend or FakeBackend()
+        options = dict(data_dir=tmp_path / "data", poll_after_ms=50, cancel_wait_s=5.0, sse_interval_s=0.02)
+        settings = Settings(**{**options, **overrides})
+        client = TestClient(build_app(settings, LocalEngine(settings, backend)))
+        client.__enter__()
+        opened.append(client)
+        client.backend = backend
+        if wait_ready:
+            until(lambda: client.get("/readyz").status_code == 200, what="readyz")
+        return client
+
+    yield make
+    for client in reversed(opened):
+        client.backend.gate.set()
+        client.__exit__(None, None, None)
+
+
+def until(predicate, timeout=10.0, what="condition", interval=0.01):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def create(client, **fields):
+    body = {"prompt": "a red ball", **SMALL, **fields}
+    r = client.post("/v1/videos", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def wait_status(client, video_id, statuses=TERMINAL, timeout=10.0):
+    return until(lambda: (v := client.get(f"/v1/videos/{video_id}").json())["status"] in statuses and v,
+                 timeout, f"{video_id} to reach {statuses}")  # fmt: skip
+
+
+def assert_error(r, status, param=None, fragment=None):
+    assert r.status_code == status, r.text[:500]
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    if param is not None:
+        assert err["param"] == param, err
+    if fragment is not None:
+        assert fragment in err["message"], err
+    return err
+
+
+# ---------------------------------------------------------------------------------------------
+# videos
+
+
+def test_video_lifecycle_json_and_multipart(make_client):
+    c = make_client(FakeBackend(encode_s=0.2))
+    a = create(c, seed=7)
+    assert a["object"] == "video" and a["status"] == "queued" and a["progress"] == 0
+    assert a["seed"] == 7 and a["size"] == "32x32" and a["seconds"] == "0.5" and a["model"] == "fake"
+    # The stock openai SDK sends multipart with every value a string and extra_body keys flat.
+    r = c.post("/v1/videos", data={"prompt": "a blue cube", "seconds": "0.5", "size": "32x32", "model": "fake",
+                                   "num_inference_steps": "2", "fps": "8"})  # fmt: skip
+    assert r.status_code == 200, r.text
+    b = r.json()
+    assert b["num_frames"] == 4 and isinstance(b["seed"], int)  # chosen and echoed when absent
+
+    seen = []  # (status, progress, mp4 exists) while polling
+    mp4 = c.app.state.settings.data_dir / "videos" / f"{a['id']}.mp4"
+    while True:
+        r = c.get(f"/v1/videos/{a['id']}")
+        v = r.json()
+        seen.append((v["status"], v["progress"], mp4.exists()))
+        if v["status"] in TERMINAL:
+            assert "openai-poll-after-ms" not in r.headers
+            break
+        assert r.headers["openai-poll-after-ms"] == "50"
+        time.sleep(0.005)
+    assert v["status"] == "completed" and v["progress"] == 100 and v["completed_at"] and v["expires_at"]
+    progress = [p for _, p, _ in seen]
+    assert progress == sorted(progress), progress
+    assert any(0 < p < 100 for p in progress), "progress jumped straight to 100"
+    assert all(exists for _, p, exists in seen if p == 100), "100 before the MP4 existed"
+    assert any(p == 95 and not exists for _, p, exists in seen), "no finalizing phase observed"
+
+    body = c.get(f"/v1/videos/{a['id']}/content").content
+    assert body.startswith(b"FAKEMP4") and len(body) == 7 + 4 * 32 * 32 * 3
+    thumb = c.get(f"/v1/videos/{a['id']}/content", params={"variant": "thumbnail"})
+    assert thumb.headers["content-type"] == "image/png" and thumb.content.startswith(b"\x89PNG")
+    wait_status(c, b["id"])
+
+
+def test_range_requests(make_client):
+    c = make_client()
+    v = create(c)
+    wait_status(c, v["id"])
+    url = f"/v1/videos/{v['id']}/content"
+    full = c.get(url)
+    assert full.status_code == 200 and full.headers["accept-ranges"] == "bytes"
+    size = len(full.content)
+    r = c.get(url, headers={"Range": "bytes=10-19"})
+    assert r.status_code == 206 and r.content == full.content[10:20]
+    assert r.headers["content-range"] == f"bytes 10-19/{size}" and r.headers["content-length"] == "10"
+    r = c.get(url, headers={"Range": "bytes=100-"})
+    assert r.status_code == 206 and r.content == full.content[100:]
+    r = c.get(url, headers={"Range": "bytes=-5"})
+    assert r.status_code == 206 and r.content == full.content[-5:]
+    r = c.get(url, headers={"Range": f"bytes={size - 3}-{size + 100}"})  # clamped to the end
+    assert r.status_code == 206 and r.content == full.content[-3:]
+    r = c.get(url, headers={"Range": f"bytes={size}-"})
+    assert_error(r, 416)
+    assert r.headers["content-range"] == f"bytes */{size}"
+    r = c.get(url, headers={"Range": "bytes=0-1,5-6"})  # several ranges: the whole file, as RFC 9110 allows
+    assert r.status_code == 200 and r.content == full.content
+
+
+def test_expired_content_is_gone(make_client):
+    c = make_client()
+    v = create(c)
+    wait_status(c, v["id"])
+    with c.app.state.store._tx() as conn:  # fast-forward past the video's lifetime
+        conn.execute("UPDATE videos SET expires_at = 1 WHERE id = ?", (v["id"],))
+    assert_error(c.get(f"/v1/videos/{v['id']}/content"), 404, fragment="expired")
+    assert c.get(f"/v1/videos/{v['id']}").json()["status"] == "completed"
+
+
+def test_pagination(make_client):
+    c = make_client()
+    ids = [create(c, seed=i)["id"] for i in range(5)]
+    page = c.get("/v1/videos", params={"limit": 2}).json()
+    assert page["object"] == "list" and page["has_more"] is True
+    assert [v["id"] for v in page["data"]] == ids[::-1][:2]
+    assert page["first_id"] == ids[4] and page["last_id"] == ids[3]
+    walked, after = [], None
+    while True:
+        params = {"limit": 2, **({"after": after} if after else {})}
+        page = c.get("/v1/videos", params=params).json()
+        walked += [v["id"] for v in page["data"]]
+        if not page["has_more"]:
+            break
+        after = page["last_id"]
+    assert walked == ids[::-1]
+    asc = c.get("/v1/videos", params={"order": "asc", "after": ids[1], "limit": 10}).json()
+    assert [v["id"] for v in asc["data"]] == ids[2:] and asc["has_more"] is False
+    assert_error(c.get("/v1/videos", params={"limit": 0}), 400, param="limit")
+    assert_error(c.get("/v1/videos", params={"order": "sideways"}), 400, param="order")
+
+
+def test_cancelling_a_running_job_stops_its_steps(make_client):
+    c = make_client(FakeBackend(step_s=0.02))
+    long = create(c, num_inference_steps=150, seed=11)
+    after = create(c, num_inference_steps=2, seed=12, size="64x64")  # incompatible: waits for the first
+    until(lambda: c.get(f"/v1/videos/{long['id']}").json()["step"] >= 3, what="a few steps")
+    r = c.delete(f"/v1/videos/{long['id']}")
+    assert r.status_code == 200 and r.json() == {"id": long["id"], "object": "video.deleted", "deleted": True,
+                                                 "status": "cancelled"}  # fmt: skip
+    steps_at_cancel = c.backend.seeds_run().count(11)
+    v = c.get(f"/v1/videos/{long['id']}").json()
+    assert v["status"] == "cancelled" and v["progress"] < 100 and v["step"] == steps_at_cancel
+    assert wait_status(c, after["id"])["status"] == "completed"  # the worker went on to the next job
+    time.sleep(0.1)
+    assert c.backend.seeds_run().count(11) == steps_at_cancel < 150, "the cancelled job kept stepping"
+    assert_error(c.get(f"/v1/videos/{long['id']}/content"), 400, fragment="cancelled")
+    # A second DELETE removes the record.
+    assert c.delete(f"/v1/videos/{long['id']}").json()["deleted"] is True
+    assert_error(c.get(f"/v1/videos/{long['id']}"), 404)
+
+
+def test_cancelling_a_queued_job_runs_none_of_it(make_client):
+    c = make_client(FakeBackend(step_s=0.02))
+    first = create(c, num_inference_steps=20, seed=1)
+    queued = create(c, seed=2, size="64x64")
+    r = c.delete(f"/v1/videos/{queued['id']}")
+    assert r.json()["deleted"] is True and r.json()["status"] == "cancelled"
+    wait_status(c, first["id"])
+    time.sleep(0.05)
+    assert 2 not in c.backend.seeds_run()
+
+
+def test_deleting_a_finished_video_removes_its_files(make_client):
+    c = make_client()
+    v = create(c)
+    wait_status(c, v["id"])
+    mp4 = c.app.state.settings.data_dir / "videos" / f"{v['id']}.mp4"
+    assert mp4.exists()
+    assert c.delete(f"/v1/videos/{v['id']}").json() == {"id": v["id"], "object": "video.deleted", "deleted": True,
+                                                         "status": "deleted"}  # fmt: skip
+    assert not mp4.exists()
+    assert_error(c.get(f"/v1/videos/{v['id']}"), 404)
+    assert_error(c.delete(f"/v1/videos/{v['id']}"), 404)
+
+
+def test_compatible_jobs_share_steps_and_never_overtake(make_client):
+    backend = FakeBackend(step_s=0.03)
+    c = make_client(backend)
+    a = create(c, num_inference_steps=12, seed=1)
+    until(lambda: backend.seeds_run().count(1) >= 2, what="A to run")
+    b = create(c, num_inference_steps=12, seed=2)  # same model/shape/steps: joins A's batch
+    other = create(c, num_inference_steps=12, seed=3, size="64x64")  # different shape: its own batch
+    d = create(c, num_inference_steps=12, seed=4)  # compatible with A, but queued after `other`
+    for v in (a, b, other, d):
+        wait_status(c, v["id"], timeout=20)
+    passes = [seeds for _, seeds in backend.passes]
+    assert any(set(p) == {1, 2} for p in passes), passes
+    assert 2 in passes[backend.first_pass_of(2)] and backend.first_pass_of(2) > backend.first_pass_of(1)
+    assert not any(3 in p and (1 in p or 4 in p) for p in passes), "incompatible jobs shared a pass"
+    assert backend.first_pass_of(4) > backend.first_pass_of(3), "a compatible job overtook an earlier one"
+    assert sum(len(p) for p in passes) == 4 * 12  # every job got exactly its steps
+
+
+def test_priority_orders_the_queue(make_client):
+    backend = FakeBackend(step_s=0.01)
+    c = make_client(backend, max_batch=1)
+    backend.gate.clear()  # hold the worker inside the first step while the queue fills
+    blocker = create(c, seed=1)
+    until(lambda: c.get(f"/v1/videos/{blocker['id']}").json()["status"] == "in_progress", what="blocker")
+    low = create(c, seed=2, priority=-5)
+    mid = create(c, seed=3)
+    high = create(c, seed=4, priority=10)
+    backend.gate.set()
+    for v in (blocker, low, mid, high):
+        wait_status(c, v["id"])
+    order = [backend.first_pass_of(seed) for seed in (4, 3, 2)]
+    assert order == sorted(order), backend.passes
+
+
+def test_a_failed_job_is_isolated(make_client):
+    backend = FakeBackend()
+    c = make_client(backend)
+    boom = create(c, prompt="explode please", seed=1)
+    oom = create(c, prompt="nomem please", seed=2)
+    bad = create(c, prompt="badprep", seed=3)
+    fine = create(c, prompt="a fine clip", seed=4)
+    assert wait_status(c, boom["id"])["error"] == {"code": "generation_failed",
+                                                    "message": "RuntimeError: the denoiser exploded"}  # fmt: skip
+    err = wait_status(c, oom["id"])["error"]
+    assert err["code"] == "out_of_memory" and "CUDA out of memory" in err["message"]
+    assert wait_status(c, bad["id"])["status"] == "failed"
+    good = wait_status(c, fine["id"])
+    assert good["status"] == "completed", good
+    # The four jobs were one batch: the failing pass was retried job by job, so the good job never
+    # lost a step and the failing ones got none.
+    assert backend.seeds_run().count(4) == 2 and 1 not in backend.seeds_run()
+    assert backend.released >= 2
+    assert c.get("/healthz").json() == {"status": "ok"}
+    assert wait_status(c, create(c, seed=5)["id"])["status"] == "completed"
+
+
+def test_sse_events(make_client):
+    c = make_client(FakeBackend(step_s=0.02))
+    v = create(c, num_inference_steps=4)
+    with c.stream("GET", f"/v1/videos/{v['id']}/events") as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        text = "".join(r.iter_text())
+    events = [dict(re.findall(r"^(id|event|data): (.*)$", block, re.M)) for block in text.strip().split("\n\n")]
+    names = [e["event"] for e in events]
+    assert names[0] == "video.queued" and names[1] == "video.in_progress" and names[-1] == "video.completed"
+    assert names.count("video.progress") >= 4
+    progress = [json.loads(e["data"])["progress"] for e in events]
+    assert progress == sorted(progress) and progress[-1] == 100
+    final = json.loads(events[-1]["data"])
+    assert final["status"] == "completed" and final["id"] == v["id"] and final["object"] == "video"
+    ids = [int(e["id"]) for e in events]
+    assert ids == sorted(ids)
+    # Resuming with Last-Event-ID replays only what came after it.
+    with c.stream("GET", f"/v1/videos/{v['id']}/events", headers={"Last-Event-ID": str(ids[-2])}) as r:
+        rest = "".join(r.iter_text())
+    assert rest.count("event: ") == 1 and "video.completed" in rest
+    assert_error(c.get("/v1/videos/video_nope/events"), 404)
+
+
+def test_validation_errors_name_the_field(make_client):
+    c = make_client(max_steps=50)
+    cases = [
+        ({"size": "33x32"}, 400, "size", "even"),
+        ({"size": "512x512"}, 400, "size", "at most 256"),
+        ({"size": "30x30"}, 400, "size", "multiple of 4"),
+        ({"size": "big"}, 400, "size", "WIDTHxHEIGHT"),
+        ({"num_frames": 64}, 400, "num_frames", "1 to 32 frames"),
+        ({"num_frames": None, "seconds": "60"}, 400, "seconds", "60 s at 8 fps"),
+        ({"num_frames": 8, "seconds": 2}, 400, "seconds", "disagree"),
+        ({"prompt": "   "}, 400, "prompt", "must not be empty"),
+        ({"prompt": "x" * 63}, 400, "prompt", "at most 62"),
+        ({"negative_prompt": "y" * 100}, 400, "negative_prompt", "at most 62"),
+        ({"num_inference_steps": 51}, 400, "num_inference_steps", "limit of 50"),
+        ({"num_inference_steps": 0}, 400, "num_inference_steps", None),
+        ({"seed": -1}, 400, "seed", None),
+        ({"priority": 1000}, 400, "priority", None),
+        ({"num_frames": 3}, 400, None, "autoencoder"),  # the engine's own check, mapped to 400
+        ({"model": "nope"}, 404, "model", "does not exist"),
+        ({"colour": "red"}, 400, "colour", "Unrecognized request argument"),
+        ({"input_reference": "img.png"}, 400, "input_reference", "not supported"),
+    ]
+    for fields, status, param, fragment in cases:
+        body = {"prompt": "ok", **SMALL, **fields}
+        body = {k: v for k, v in body.items() if v is not None}
+        assert_error(c.post("/v1/videos", json=body), status, param, fragment)
+    assert_error(c.post("/v1/videos", json={"size": "32x32"}), 400, "prompt", "Missing required parameter")
+    assert_error(c.post("/v1/videos", content=b"{not json", headers={"content-type": "application/json"}), 400)
+    assert_error(c.post("/v1/videos", data={"prompt": "p", "num_frames": "four"}), 400, "num_frames")
+    for path in ("/v1/videos/video_nope", "/v1/videos/video_nope/content"):
+        assert_error(c.get(path), 404, "video_id")
+    assert_error(c.delete("/v1/videos/video_nope"), 404)
+    v = create(c)
+    assert_error(c.get(f"/v1/videos/{v['id']}/content", params={"variant": "spritesheet"}), 400, "variant")
+    assert_error(c.get("/v1/nowhere"), 404)
+    assert_error(c.put("/v1/videos"), 405)
+
+
+def test_auth(make_client):
+    c = make_client(api_keys=["k-one", "k-two"])
+    assert c.get("/healthz").status_code == 200 and c.get("/readyz").status_code == 200
+    for path in ("/v1/models", "/v1/videos", "/metrics", "/v1/files", "/v1/fine_tuning/jobs"):
+        assert_error(c.get(path), 401)
+        assert_error(c.get(path, headers={"Authorization": "Bearer wrong"}), 401, fragment="Incorrect API key")
+    assert_error(c.get("/v1/models", headers={"Authorization": "Basic k-one"}), 401)
+    for key in ("k-one", "k-two"):
+        assert c.get("/v1/models", headers={"Authorization": f"Bearer {key}"}).status_code == 200
+    assert c.get("/metrics", headers={"Authorization": "Bearer k-two"}).status_code == 200
+    r = c.post("/v1/videos", json={"prompt": "p", **SMALL}, headers={"Authorization": "Bearer k-one"})
+    assert r.status_code == 200
+
+
+def test_keys_from_the_environment(monkeypatch):
+    monkeypatch.setenv("MEGASLIDE_API_KEYS", "alpha, beta")
+    assert Settings().api_keys == ["alpha", "beta"]
+
+
+def test_idempotency_key_returns_the_first_job(make_client):
+    c = make_client(api_keys=["a", "b"])
+    headers = {"Authorization": "Bearer a", "Idempotency-Key": "req-1"}
+    first = c.post("/v1/videos", json={"prompt": "p", **SMALL}, headers=headers).json()
+    again = c.post("/v1/videos", json={"prompt": "p", **SMALL}, headers=headers).json()
+    assert again["id"] == first["id"] and again["seed"] == first["seed"]
+    assert_error(c.post("/v1/videos", json={"prompt": "other", **SMALL}, headers=headers), 409,
+                 fragment="different request body")  # fmt: skip
+    # Another key holder using the same Idempotency-Key gets a job of its own.
+    other = c.post("/v1/videos", json={"prompt": "p", **SMALL},
+                   headers={"Authorization": "Bearer b", "Idempotency-Key": "req-1"}).json()  # fmt: skip
+    assert other["id"] != first["id"]
+    listed = c.get("/v1/videos", headers={"Authorization": "Bearer a"}).json()["data"]
+    assert len(listed) == 2
+    # No key: two posts are two jobs.
+    plain = [c.post("/v1/videos", json={"prompt": "p", **SMALL}, headers={"Authorization": "Bearer a"}).json()["id"]
+             for _ in range(2)]  # fmt: skip
+    assert plain[0] != plain[1]
+
+
+def test_full_queue_answers_429_with_retry_after(make_client):
+    backend = FakeBackend()
+    c = make_client(backend, max_queue=2, max_batch=1)
+    backend.gate.clear()
+    running = create(c, seed=1)
+    until(lambda: c.get(f"/v1/videos/{running['id']}").json()["status"] == "in_progress", what="start")
+    create(c, seed=2)
+    create(c, seed=3)
+    r = c.post("/v1/videos", json={"prompt": "p", **SMALL})
+    err = assert_error(r, 429, fragment="queue is full")
+    assert err["type"] == "rate_limit_error" and int(r.headers["retry-after"]) >= 1
+    backend.gate.set()
+    wait_status(c, running["id"])
+    until(lambda: c.post("/v1/videos", json={"prompt": "p", **SMALL}).status_code == 200, what="room again")
+
+
+def test_health_readiness_and_metrics(make_client):
+    backend = FakeBackend(load_s=0.5)
+    c = make_client(backend, wait_ready=False)
+    assert c.get("/healthz").status_code == 200
+    assert_error(c.get("/readyz"), 503, fragment="loading")
+    queued = create(c)  # accepted while loading; runs once ready
+    until(lambda: c.get("/readyz").status_code == 200, what="ready")
+    wait_status(c, queued["id"])
+    text = c.get("/metrics").text
+    assert c.get("/metrics").headers["content-type"].startswith("text/plain; version=0.0.4")
+    assert re.search(r"^megaslide_queue_depth 0$", text, re.M)
+    assert re.search(r'^megaslide_jobs\{kind="video",state="completed"\} 1$', text, re.M)
+    assert re.search(r"^megaslide_denoise_step_seconds_count 2$", text, re.M)
+    assert re.search(r"^megaslide_denoise_steps_total 2$", text, re.M)
+    assert re.search(r"^megaslide_h2d_bytes_total 2000$", text, re.M)
+    assert re.search(r'^megaslide_denoise_step_seconds_bucket\{le="\+Inf"\} 2$', text, re.M)
+
+
+def test_a_dead_engine_is_reported(make_client):
+    c = make_client(FakeBackend(fail_load=True), wait_ready=False)
+    until(lambda: c.get("/healthz").status_code == 503, what="healthz to report the dead worker")
+    assert_error(c.get("/healthz"), 503, fragment="weights are corrupt")
+    assert_error(c.post("/v1/videos", json={"prompt": "p", **SMALL}), 503, fragment="restart")
+
+
+def test_models_list(make_client):
+    c = make_client()
+    models = c.get("/v1/models").json()
+    assert models["object"] == "list" and [m["id"] for m in models["data"]] == ["fake"]
+    m = c.get("/v1/models/fake").json()
+    assert m["object"] == "model" and m["defaults"]["size"] == "32x32" and m["limits"]["max_frames"] == 32
+    assert_error(c.get("/v1/models/none"), 404, "model")
+
+
+# ---------------------------------------------------------------------------------------------
+# files and fine-tuning
+
+
+def dataset_zip(clips=2, extra: dict | None = None, wrap: str = "") -> bytes:
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as zf:
+        lines = [json.dumps({"file": f"clips/{i}.mp4", "text": f"clip {i}"}) for i in range(clips)]
+        zf.writestr(f"{wrap}metadata.jsonl", "\n".join(lines) + "\n")
+        for i in range(clips):
+            zf.writestr(f"{wrap}clips/{i}.mp4", b"not really a video")
+        for name, data in (extra or {}).items():
+            zf.writestr(name, data)
+    return buf.getvalue()
+
+
+def upload(c, data: bytes, name="data.zip", purpose="fine-tune", headers=None):
+    return c.post("/v1/files", data={"purpose": purpose}, files={"file": (name, data)}, headers=headers or {})
+
+
+def test_file_upload_validation(make_client):
+    c = make_client(max_upload_bytes=50_000)
+    f = upload(c, dataset_zip(wrap="mydata/")).json()  # one wrapping folder is looked through
+    assert f["object"] == "file" and f["purpose"] == "fine-tune" and f["clips"] == 2 and f["filename"] == "data.zip"
+    assert c.get(f"/v1/files/{f['id']}").json()["id"] == f["id"]
+    assert [x["id"] for x in c.get("/v1/files").json()["data"]] == [f["id"]]
+
+    assert_error(upload(c, dataset_zip(extra={"../evil.txt": "x"})), 400, "file", "'../evil.txt'")
+    assert_error(upload(c, dataset_zip(extra={"/etc/passwd": "x"})), 400, "file", "absolute")
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tf:
+        link = tarfile.TarInfo("data/link")
+        link.type, link.linkname = tarfile.SYMTYPE, "/etc/passwd"
+        tf.addfile(link)
+    assert_error(upload(c, buf.getvalue(), "d.tar.gz"), 400, "file", "'data/link' is a link")
+    bad_meta = io.BytesIO()
+    with zipfile.ZipFile(bad_meta, "w") as zf:
+        zf.writestr("metadata.jsonl", json.dumps({"file": "clips/missing.mp4", "text": "x"}) + "\n")
+    assert_error(upload(c, bad_meta.getvalue()), 400, "file", "clips/missing.mp4")
+    assert_error(upload(c, b"just some bytes"), 400, "file", "not a .zip")
+    assert_error(upload(c, b"x" * 60_000), 413, "file")
+    assert_error(upload(c, dataset_zip(), purpose="batch"), 400, "purpose")
+    assert_error(c.post("/v1/files", data={"purpose": "fine-tune"}, files={"other": ("a", b"b")}), 400, "file")
+    assert len(c.get("/v1/files").json()["data"]) == 1  # nothing half-stored by the failures
+    files_dir = c.app.state.settings.data_dir / "files"
+    assert [p.name for p in files_dir.iterdir()] == [f["id"]]
+
+    r1 = upload(c, dataset_zip(), headers={"Idempotency-Key": "u1"}).json()
+    r2 = upload(c, dataset_zip(), headers={"Idempotency-Key": "u1"}).json()
+    assert r1["id"] == r2["id"]
+    assert c.delete(f"/v1/files/{r1['id']}").json() == {"id": r1["id"], "object": "file", "deleted": True}
+    assert_error(c.get(f"/v1/files/{r1['id']}"), 404)
+
+
+def test_finetune_produces_a_model_that_generates(make_client):
+    backend = FakeBackend(train_step_s=0.01)
+    c = make_client(backend, finetune_save_every=2)
+    f = upload(c, dataset_zip(clips=3)).json()
+    job = c.post("/v1/fine_tuning/jobs", json={
+        "model": "fake", "training_file": f["id"], "suffix": "cats", "seed": 3,
+        "method": {"type": "supervised", "supervised": {"hyperparameters": {"n_epochs": 2, "batch_size": 1}}},
+    }).json()  # fmt: skip
+    assert job["object"] == "fine_tuning.job" and job["status"] == "queued"
+    assert job["hyperparameters"] == {"n_epochs": 2, "batch_size": 1, "learning_rate_multiplier": 1.0}
+    assert_error(c.delete(f"/v1/files/{f['id']}"), 409, fragment="cancel the job first")
+    done = until(lambda: (j := c.get(f"/v1/fine_tuning/jobs/{job['id']}").json())["status"] in
+                 ("succeeded", "failed", "cancelled") and j, what="fine-tune")  # fmt: skip
+    assert done["status"] == "succeeded", done
+    short = job["id"].removeprefix("ftjob-")
+    assert done["fine_tuned_model"] == f"ft:fake:cats:{short}" and done["step"] == done["total_steps"] == 6
+
+    events = c.get(f"/v1/fine_tuning/jobs/{job['id']}/events", params={"limit": 100}).json()["data"]
+    metrics = [e for e in events if e["type"] == "metrics"]
+    assert [e["data"]["step"] for e in metrics] == [6, 5, 4, 3, 2, 1]  # newest first, as OpenAI lists them
+    assert all({"loss", "lr", "total_steps"} <= set(e["data"]) for e in metrics)
+    first_page = c.get(f"/v1/fine_tuning/jobs/{job['id']}/events", params={"limit": 3}).json()
+    second = c.get(f"/v1/fine_tuning/jobs/{job['id']}/events",
+                   params={"limit": 3, "after": first_page["data"][-1]["id"]}).json()  # fmt: skip
+    assert first_page["has_more"] and [e["id"] for e in second["data"]] == [e["id"] for e in events[3:6]]
+    ckpts = c.get(f"/v1/fine_tuning/jobs/{job['id']}/checkpoints").json()["data"]
+    assert [k["step_number"] for k in ckpts] == [6, 4, 2]
+    assert ckpts[0]["fine_tuned_model_checkpoint"].endswith(":ckpt-step-6")
+
+    names = [m["id"] for m in c.get("/v1/models").json()["data"]]
+    assert names == ["fake", done["fine_tuned_model"]]
+    assert c.get(f"/v1/models/{done['fine_tuned_model']}").json()["parent"] == "fake"
+    v = create(c, model=done["fine_tuned_model"], seed=99)
+    assert wait_status(c, v["id"])["status"] == "completed"
+    assert any(name == done["fine_tuned_model"] for name, _ in backend.passes)
+    listed = c.get("/v1/fine_tuning/jobs").json()
+    assert [j["id"] for j in listed["data"]] == [job["id"]]
+
+
+def test_finetune_requests_are_validated(make_client):
+    c = make_client()
+    f = upload(c, dataset_zip()).json()
+    base = {"model": "fake", "training_file": f["id"]}
+    assert_error(c.post("/v1/fine_tuning/jobs", json={**base, "model": "nope"}), 404, "model")
+    assert_error(c.post("/v1/fine_tuning/jobs", json={**base, "training_file": "file-x"}), 404, "training_file")
+    assert_error(c.post("/v1/fine_tuning/jobs", json={**base, "hyperparameters": {"n_epochs": 0}}), 400,
+                 "hyperparameters.n_epochs")  # fmt: skip
+    assert_error(c.post("/v1/fine_tuning/jobs", json={**base, "suffix": "no spaces"}), 400, "suffix")
+    assert_error(c.post("/v1/fine_tuning/jobs", json={**base, "validation_file": f["id"]}), 400, "validation_file")
+    assert_error(c.get("/v1/fine_tuning/jobs/ftjob-none"), 404)
+    assert_error(c.post("/v1/fine_tuning/jobs/ftjob-none/cancel"), 404)
+
+
+def test_running_finetune_yields_to_videos_and_can_be_cancelled(make_client):
+    backend = FakeBackend(step_s=0.01, train_step_s=0.02)
+    c = make_client(backend)
+    f = upload(c, dataset_zip(clips=200)).json()
+    job = c.post("/v1/fine_tuning/jobs", json={"model": "fake", "training_file": f["id"]}).json()
+    until(lambda: c.get(f"/v1/fine_tuning/jobs/{job['id']}").json()["step"] >= 3, what="training to start")
+    v = create(c, num_inference_steps=5, seed=5)
+    wait_status(c, v["id"])
+    until(lambda: sum(1 for kind, _ in backend.timeline if kind == "train") >= 10, what="training to resume")
+    with backend.lock:
+        kinds = [kind for kind, _ in backend.timeline]
+    first_video, last_video = kinds.index("video"), len(kinds) - 1 - kinds[::-1].index("video")
+    assert "train" not in kinds[first_video:last_video + 1], "training ran while a video was in progress"
+    assert kinds[last_video + 1:].count("train") > 0
+    messages = [e["message"] for e in c.get(f"/v1/fine_tuning/jobs/{job['id']}/events",
+                                            params={"limit": 1000}).json()["data"]]  # fmt: skip
+    assert any(m.startswith("Paused") for m in messages) and any(m.startswith("Resumed") for m in messages)
+
+    r = c.post(f"/v1/fine_tuning/jobs/{job['id']}/cancel").json()
+    assert r["status"] == "cancelled"
+    steps = sum(1 for kind, _ in backend.timeline if kind == "train")
+    time.sleep(0.1)
+    assert sum(1 for kind, _ in backend.timeline if kind == "train") == steps
+    assert_error(c.post(f"/v1/fine_tuning/jobs/{job['id']}/cancel"), 400, fragment="already cancelled")
+
+
+# ---------------------------------------------------------------------------------------------
+# durability (the kill -9 test against a real process is in test_server_e2e.py)
+
+
+def test_restart_requeues_interrupted_work_and_resumes_finetunes(make_client, tmp_path):
+    # The database and output folder as a kill -9 leaves them: a video and a fine-tune marked running.
+    data = tmp_path / "data"
+    store = JobStore(data / "megaslide.db")
+    spec = VideoSpec(model="fake", prompt="p", negative_prompt="", frames=4, width=32, height=32, fps=8, steps=3,
+                     guidance=1.0, seed=8).to_dict()  # fmt: skip
+    store.insert_video("video_interrupted", spec)
+    store.start_video("video_interrupted")
+    store.set_video_progress([("video_interrupted", 2, 60)])
+    store.insert_video("video_waiting", {**spec, "seed": 9})
+    store.insert_video("video_cancelling", {**spec, "seed": 10})
+    store.start_video("video_cancelling")
+    assert store.cancel_video("video_cancelling") == "in_progress"  # asked, not yet honoured at the kill
+    root = data / "files" / "file-1" / "data"
+    (root / "clips").mkdir(parents=True)
+    (root / "metadata.jsonl").write_text("".join(json.dumps({"file": f"clips/{i}", "text": "t"}) + "\n"
+                                                 for i in range(40)))  # fmt: skip
+    store.insert_file({"id": "file-1", "filename": "d.zip", "purpose": "fine-tune", "bytes": 1, "path": str(root),
+                       "clips": 40})  # fmt: skip
+    out = data / "fine_tunes" / "ftjob-1"
+    store.insert_finetune({"id": "ftjob-1", "model": "fake", "training_file": "file-1", "seed": 0, "suffix": "s",
+                           "output_dir": str(out), "hyperparameters": {"n_epochs": 1, "batch_size": 1,
+                                                                        "learning_rate_multiplier": 1.0}})  # fmt: skip
+    store.start_finetune("ftjob-1")
+    store.finetune_progress("ftjob-1", 13, 40, {"step": 13, "loss": 0.1})
+    out.mkdir(parents=True)
+    for step in (5, 10):  # the last checkpoints the killed run saved; steps 11-13 were lost with it
+        (out / f"step-{step}.ckpt").write_text("{}")
+    store.close()
+
+    backend = FakeBackend()
+    c = make_client(backend, finetune_save_every=5)
+    for video_id in ("video_interrupted", "video_waiting"):
+        assert wait_status(c, video_id)["status"] == "completed"
+    with c.stream("GET", "/v1/videos/video_interrupted/events") as r:
+        events = re.findall(r"^event: (.*)$", "".join(r.iter_text()), re.M)
+    # Started, requeued by the restart, started again, completed once.
+    assert events.count("video.queued") == 2 and events.count("video.in_progress") == 2
+    assert events.count("video.completed") == 1 and events[-1] == "video.completed"
+    assert backend.seeds_run().count(8) == 3  # rerun from noise: all three steps
+    assert c.get("/v1/videos/video_cancelling").json()["status"] == "cancelled" and 10 not in backend.seeds_run()
+    done = until(lambda: (j := c.get("/v1/fine_tuning/jobs/ftjob-1").json())["status"] == "succeeded" and j,
+                 what="fine-tune after restart")  # fmt: skip
+    train_steps = [step for kind, step in backend.timeline if kind == "train"]
+    assert train_steps == list(range(11, 41)), "did not resume right after the last checkpoint"
+    assert done["step"] == 40 and done["fine_tuned_model"] == "ft:fake:s:1"
+    messages = [e["message"] for e in c.get("/v1/fine_tuning/jobs/ftjob-1/events",
+                                            params={"limit": 1000}).json()["data"]]  # fmt: skip
+    assert any("requeued: the server restarted" in m for m in messages)
+    assert any(m.startswith("Resumed at step 10") for m in messages)
+
+
+def test_routers_never_import_torch():
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "from megaslide.server import build_app, Settings\n"
+        "from megaslide.server.worker import LocalEngine\n"
+        "import megaslide.server.routers.videos, megaslide.server.routers.files\n"
+        "build_app(Settings(data_dir='unused'), LocalEngine(Settings()))\n"
+        "assert 'megaslide.server.runners' not in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_a_second_server_on_the_same_data_dir_is_refused(make_client):
+    c = make_client()
+    settings = c.app.state.settings
+    other = TestClient(build_app(settings, LocalEngine(settings, FakeBackend())))
+    with pytest.raises(RuntimeError, match="another megaslide server"):
+        other.__enter__()
+    assert c.get("/readyz").status_code == 200  # the first one is unaffected

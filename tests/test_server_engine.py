@@ -1,0 +1,76 @@
+"""The server's torch backend in process: streamed serving equals resident, real OOM is isolated."""
+
+from __future__ import annotations
+
+import time
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("av")
+pytest.importorskip("fastapi")
+
+with warnings.catch_warnings():  # starlette's notice that its TestClient will move to httpx2
+    warnings.simplefilter("ignore")
+    from fastapi.testclient import TestClient
+
+from megaslide.engine.pipeline import GenerationRequest, VideoPipeline
+from megaslide.engine.video import read_video
+from megaslide.server import Settings, build_app
+
+CLIP = {"num_frames": 4, "size": "32x32", "num_inference_steps": 2}
+
+
+def serve(tmp_path, **overrides):
+    settings = Settings(data_dir=tmp_path / "data", preset="tiny", device="cpu", poll_after_ms=50, **overrides)
+    return TestClient(build_app(settings))
+
+
+def wait(client, video_id, timeout=120.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = client.get(f"/v1/videos/{video_id}").json()
+        if v["status"] in ("completed", "failed", "cancelled"):
+            return v
+        time.sleep(0.05)
+    raise AssertionError(f"{video_id} still {v['status']} after {timeout}s")
+
+
+def test_streamed_serving_equals_resident_and_counts_h2d_bytes(tmp_path):
+    with serve(tmp_path, offload="stream") as c:
+        v = c.post("/v1/videos", json={"prompt": "streamed", "seed": 3, **CLIP}).json()
+        assert wait(c, v["id"])["status"] == "completed"
+        (tmp_path / "served.mp4").write_bytes(c.get(f"/v1/videos/{v['id']}/content").content)
+        metrics = c.get("/metrics").text
+    h2d = float(next(line.split()[1] for line in metrics.splitlines() if line.startswith("megaslide_h2d_bytes_total")))
+    pipe = VideoPipeline.from_preset("tiny")
+    block_bytes = sum(p.numel() * p.element_size() for p in pipe.dit.blocks.parameters())
+    # Two steps, each moving every block once (no budget: nothing stays resident).
+    assert h2d >= 2 * block_bytes, (h2d, block_bytes)
+    local = pipe.generate(GenerationRequest(prompt="streamed", frames=4, height=32, width=32, steps=2, seed=3))
+    from megaslide.engine.video import write_mp4
+
+    write_mp4(tmp_path / "local.mp4", local, fps=8)
+    assert np.array_equal(read_video(tmp_path / "served.mp4"), read_video(tmp_path / "local.mp4"))
+
+
+def test_cuda_out_of_memory_fails_only_its_job(tmp_path, monkeypatch):
+    real_step = VideoPipeline.denoise_step
+
+    def step(self, states):
+        # A 64x64 clip stands for a request too big for the device.
+        if any(s.latents.shape[-1] == 64 for s in states):
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 96.00 GiB")
+        return real_step(self, states)
+
+    monkeypatch.setattr(VideoPipeline, "denoise_step", step)
+    with serve(tmp_path) as c:
+        big = c.post("/v1/videos", json={"prompt": "big", **CLIP, "size": "64x64"}).json()
+        small = c.post("/v1/videos", json={"prompt": "small", **CLIP}).json()
+        failed = wait(c, big["id"])
+        assert failed["status"] == "failed" and failed["error"]["code"] == "out_of_memory"
+        assert "CUDA out of memory" in failed["error"]["message"]
+        assert wait(c, small["id"])["status"] == "completed"
+        assert c.get("/healthz").status_code == 200
