@@ -182,17 +182,22 @@ def analyse_clip(video: np.ndarray, background: str = "black") -> Analysis:
     nearest = np.linalg.norm(pixels[:, None] - palette[None], axis=-1).argmin(1)
     colour_idx = np.bincount(nearest, minlength=len(palette)).argmax()
     colour = list(COLOURS)[colour_idx]
-    # Track only the main colour, so a second object or stray pixels do not move the centroid.
-    mask = fg & (np.linalg.norm(v - palette[colour_idx], axis=-1) < 90)
+    # Track only the main colour, so a second object does not move the centroid. Nearest-colour
+    # (not a distance threshold) keeps edge pixels whose chroma the video codec has smeared.
+    nearest_all = np.linalg.norm(v[..., None, :] - palette, axis=-1).argmin(-1)  # (F, H, W)
+    mask = fg & (nearest_all == colour_idx)
     cents, fills, drops = [], [], []
     for f in frames_with_object:
         ys, xs = np.nonzero(mask[f])
         if len(ys) < 4:
             continue
         cents.append((ys.mean(), xs.mean()))
-        top, height = ys.min(), ys.max() - ys.min() + 1
-        fills.append(len(ys) / (height * (xs.max() - xs.min() + 1)))
-        drops.append((ys.mean() + 0.5 - top) / height)  # where the mass sits: 1/2 symmetric, 2/3 triangle
+        # The shape is measured on the foreground inside the main object's box: the codec smears
+        # chroma at edges, so edge pixels are clearly not background but not clearly one colour.
+        box = fg[f][ys.min() : ys.max() + 1, xs.min() : xs.max() + 1]  # (h, w)
+        rows = np.nonzero(box)[0]
+        fills.append(box.mean())
+        drops.append((rows.mean() + 0.5) / box.shape[0])  # where the mass sits: 1/2 symmetric, 2/3 triangle
     if len(cents) < 2:
         return Analysis(colour, None, None, (0.0, 0.0), 0.0, 0.0)
     cents = np.array(cents)
@@ -206,6 +211,7 @@ def analyse_clip(video: np.ndarray, background: str = "black") -> Analysis:
     else:
         motion = "down" if dy > 0 else "up"
     fill, drop = float(np.median(fills)), float(np.median(drops))
-    # A triangle (apex up) has its mass low in its box; a square fills its box, a circle pi/4 of it.
-    shape = "triangle" if drop > 0.58 else "square" if fill > 0.9 else "circle"
+    # A triangle (apex up) has its mass low in its box (2/3 down, against 1/2); a square fills its
+    # box, a circle pi/4 of it.
+    shape = "triangle" if drop > 0.563 else "square" if fill > 0.894 else "circle"
     return Analysis(colour, shape, motion, (float(dy), float(dx)), fill, drop)
