@@ -76,7 +76,8 @@ def validate_dataset(root: str | os.PathLike, *, num_frames: int | None = None,
     if not root.is_dir():
         raise DatasetError(root, [f"{root}: not a directory"])
     if not meta.is_file():
-        raise DatasetError(root, [f"{meta}: missing (one {{\"file\": ..., \"text\": ...}} per line)"])
+        raise DatasetError(
+            root, [f"{meta}: missing (one {{\"file\": ..., \"text\": ...}} per line)"])
 
     problems: list[tuple[int, str]] = []  # (line, message), sorted by line at the end
     entries: list[tuple[int, str, str, Path]] = []  # (line, file as written, caption, path)
@@ -166,12 +167,14 @@ class VideoDataset:
 
     def __init__(self, root: str | os.PathLike, num_frames: int, size: tuple[int, int], *,
                  sampling: str = "uniform", samples: list[Sample] | None = None):
-        """size is (W, H). Validates the whole dataset now (DatasetError) unless `samples` is given."""
+        """size is (W, H). Validates the whole dataset now (DatasetError) unless `samples` given."""
         self.root = Path(root)
         self.num_frames = num_frames
         self.size = size
         self.sampling = sampling
-        self.samples = samples if samples is not None else validate_dataset(root, num_frames=num_frames)
+        if samples is None:
+            samples = validate_dataset(root, num_frames=num_frames)
+        self.samples = samples
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -180,7 +183,7 @@ class VideoDataset:
         s = self.samples[i]
         try:
             u8 = read_video(s.path, num_frames=self.num_frames, size=self.size,
-                            sampling=self.sampling)  # (F, H, W, 3)
+                            sampling=self.sampling, frame_count=s.num_frames)  # (F, H, W, 3)
         except ValueError as e:  # changed on disk since validation
             raise DatasetError(self.root, [f"{METADATA} line {s.line} ({s.path}): {e}"]) from e
         return frames_to_float(u8), s.text  # (3, F, H, W)

@@ -12,9 +12,10 @@ For each parameter p with gradient g, at step t (counted from 1):
     p   = p - lr * m_hat / (sqrt(v_hat) + eps)   # eps is added after the square root
 
 The arithmetic is not ours: every update runs torch's own fused CPU kernel
-(`torch._fused_adamw_`, the kernel behind `torch.optim.AdamW(fused=True)`), so for the same inputs
-the result is bitwise that of torch's fused AdamW. What this module adds is the machinery the
-fine-tuning loop needs around it:
+(`torch._fused_adamw_`, the kernel behind `torch.optim.AdamW(fused=True)`; present on the CPU since
+torch 2.4, the project's floor, so there is no slower fallback path), and with one micro-batch and
+no clipping the result is bitwise that of `torch.optim.AdamW(fused=True)` (tested). What this
+module adds is the machinery the fine-tuning loop needs around it:
 
 * Blocks. Parameters come as an ordered mapping ``block_id -> {name: fp32 tensor}`` and
   `CPUAdamW.step_block` updates one block, so the loop can update block i while the GPU computes
@@ -23,8 +24,8 @@ fine-tuning loop needs around it:
   buffers in the same pass: parameters are processed in chunks of `chunk_numel` elements and each
   chunk is cast right after its update, while it is still in cache, so the cast costs the 2 B/param
   write but not a second read of the fp32 master from memory.
-* Parameter groups: weight decay applies to tensors with ndim >= 2; 1-D tensors (norm scales, biases)
-  get none, unless `decay_filter` says otherwise.
+* Parameter groups: weight decay applies to tensors with ndim >= 2; 1-D tensors (norm scales,
+  biases) get none, unless `decay_filter` says otherwise.
 * Gradient accumulation over `accumulation_steps` micro-batches into an fp32 host buffer; the step
   uses the mean of the micro-batch gradients (the gradient of the mean loss, what torch users get by
   calling ``(loss / k).backward()`` k times).
@@ -42,8 +43,8 @@ pass. (The alternative, a second backward pass that only measures the norm, cost
 whole extra backward; we do not implement it.) With clipping on, a non-finite global norm raises
 `FloatingPointError` before any weight changes.
 
-Threads: the update runs on `threads` worker threads owned by the optimizer (default: torch's
-intra-op thread count at construction); `step_block` blocks until they are done. Each worker runs
+Threads: updates and accumulation run on `threads` worker threads owned by the optimizer (default:
+torch's intra-op thread count at construction); the calls block until the workers are done. Each worker runs
 torch ops single-threaded and pulls chunks from a shared cursor, so one worker can cast a chunk
 while another streams the next update through memory, and a worker whose core is taken by someone
 else simply does fewer chunks. (Running the kernels on torch's intra-op pool instead puts an OpenMP
@@ -75,7 +76,7 @@ _CHUNK_ALIGN = 64
 
 
 def default_decay_filter(name: str, param: Tensor) -> bool:
-    """Weight decay for matrices and conv kernels (ndim >= 2), none for 1-D norm scales and biases."""
+    """Decay matrices and conv kernels (ndim >= 2); not 1-D norm scales and biases."""
     return param.ndim >= 2
 
 
@@ -107,7 +108,8 @@ def optimizer_host_bytes(num_params: int, *, accumulation_steps: int = 1,
 @dataclass
 class _Chunk:
     """At most `chunk_numel` elements of one block, as 1-D slices of one or more parameters,
-    all with the same weight decay. Views of p, m and v are built once; grads are sliced per step."""
+    all with the same weight decay. Views of p, m and v are built once; grads are sliced per
+    step."""
 
     weight_decay: float
     slices: list[tuple[str, int, int]]  # (name, start, end) in the flattened parameter
@@ -132,7 +134,22 @@ class _Block:
 
 
 class CPUAdamW:
-    """AdamW on host fp32 masters, one block at a time, writing the compute-dtype copy."""
+    """AdamW on host fp32 masters, one block at a time, writing the compute-dtype copy.
+
+    Usage in a streamed backward (k = accumulation_steps, no clipping)::
+
+        opt = CPUAdamW({i: block_params(i) for i in range(n_blocks)}, lr=1e-4, weight_decay=0.01)
+        for micro in range(k):
+            for i in reversed(range(n_blocks)):      # gradients arrive block by block
+                grads = ...                          # {name: CPU tensor}, fp32 or bf16
+                if micro < k - 1:
+                    opt.accumulate(i, grads)
+                else:
+                    opt.step_block(i, grads, out=bf16_copy(i))
+
+    With clipping, every micro-batch of every block goes to `accumulate`, then
+    ``opt.step_block(i, out=...)`` for each block (see the module docstring).
+    """
 
     def __init__(
         self,
@@ -151,7 +168,8 @@ class CPUAdamW:
         if not 0.0 <= betas[0] < 1.0 or not 0.0 <= betas[1] < 1.0:
             raise ValueError(f"betas must be in [0, 1), got {betas}")
         if lr < 0 or eps < 0 or weight_decay < 0:
-            raise ValueError(f"lr, eps and weight_decay must be >= 0, got {lr}, {eps}, {weight_decay}")
+            raise ValueError(
+                f"lr, eps and weight_decay must be >= 0, got {lr}, {eps}, {weight_decay}")
         if accumulation_steps < 1:
             raise ValueError(f"accumulation_steps must be >= 1, got {accumulation_steps}")
         if max_grad_norm is not None and not max_grad_norm > 0:
@@ -202,7 +220,7 @@ class CPUAdamW:
                       chunks=chunks)
 
     def _make_chunks(self, names, weight_decay, params, m, v) -> list[_Chunk]:
-        """Cut tensors into <= chunk_numel slices (at multiples of 64) and pack small ones together."""
+        """Cut tensors into <= chunk_numel slices (at multiples of 64); pack small ones together."""
         chunks: list[_Chunk] = []
         cur: list[tuple[str, int, int]] = []
         cur_numel = 0
@@ -211,7 +229,10 @@ class CPUAdamW:
             start = 0
             while start < numel:
                 room = self.chunk_numel - cur_numel
-                end = numel if numel - start <= room else start + (room // _CHUNK_ALIGN) * _CHUNK_ALIGN
+                if numel - start <= room:
+                    end = numel
+                else:
+                    end = start + (room // _CHUNK_ALIGN) * _CHUNK_ALIGN
                 if end == start:  # no aligned room left in this chunk: close it
                     chunks.append(cur)
                     cur, cur_numel = [], 0
@@ -295,6 +316,8 @@ class CPUAdamW:
         if clipping and grads is not None:
             raise ValueError("with max_grad_norm set, pass every micro-batch to accumulate() and "
                              "call step_block(block_id) without grads once all blocks are in")
+        if out is not None:
+            self._check_tensors(block_id, b, out, "out", allow_any_float=True)
         if grads is not None and (k > 1 or b.micro > 0):
             self.accumulate(block_id, grads)
             grads = None
@@ -302,8 +325,6 @@ class CPUAdamW:
             raise RuntimeError(f"block {block_id!r} has {b.micro} of {k} micro-batch gradients")
         if grads is not None:
             self._check_tensors(block_id, b, grads, "grads", allow_any_float=True)
-        if out is not None:
-            self._check_tensors(block_id, b, out, "out", allow_any_float=True)
 
         # The fused kernel divides the gradients by grad_scale (and writes the quotient back, which
         # is harmless: it only ever sees our own buffer here): sum / k is the mean, and clipping
@@ -321,7 +342,7 @@ class CPUAdamW:
 
         def update(c: _Chunk, worker: int) -> None:
             g = [src[n].view(-1)[a:e] for n, a, e in c.slices]
-            if g[0].dtype != torch.float32:
+            if any(t.dtype != torch.float32 for t in g):
                 g = self._widen(g, worker)
             torch._fused_adamw_(c.params, g, c.m, c.v, [], [b.step] * len(g),
                                 weight_decay=c.weight_decay, **hyper)
@@ -360,7 +381,7 @@ class CPUAdamW:
         }
 
     def load_state_dict(self, state: Mapping) -> None:
-        """Restore m, v, steps and lr saved by `state_dict` (copied into this optimizer's tensors)."""
+        """Restore m, v, steps and lr saved by `state_dict` (copied into our own tensors)."""
         self._check_idle("load_state_dict")
         if state.get("format") != "megaslide.cpu_adamw.v1":
             raise ValueError(f"not a CPUAdamW state dict (format={state.get('format')!r})")
@@ -430,7 +451,7 @@ class CPUAdamW:
         return wide
 
     def _clip_grad_scale(self, block_id: Hashable) -> Tensor:
-        """1 / clip_coef * k as a 0-dim tensor, computing the global norm on the step's first block."""
+        """k / clip_coef as a 0-dim tensor; the global norm is computed at a step's first block."""
         if self._clip_scale is None:
             missing = [bid for bid, b in self._blocks.items() if b.norms is None]
             if missing:
@@ -502,8 +523,9 @@ def _single_threaded_pool(threads: int) -> ThreadPoolExecutor:
     """A pool of `threads` workers, each running torch ops on one intra-op thread.
 
     Every worker calls torch.set_num_threads(1) once at start (a barrier makes sure all have
-    started); under OpenMP that sets the calling thread's own count (checked in the tests). The constructing thread then
-    restores its previous value, which also restores torch's process-wide record of it.
+    started); under OpenMP that sets the calling thread's own count (the tests check it). The
+    constructing thread then restores its previous value, which also restores torch's
+    process-wide record of it.
     """
     previous = torch.get_num_threads()
     barrier = threading.Barrier(threads)

@@ -188,7 +188,8 @@ def _fsync(path: str) -> None:
 
 
 def read_video(path: str | os.PathLike, *, num_frames: int | None = None,
-               size: tuple[int, int] | None = None, sampling: str = "uniform") -> np.ndarray:
+               size: tuple[int, int] | None = None, sampling: str = "uniform",
+               frame_count: int | None = None) -> np.ndarray:
     """Decode a video file or a folder of frames to uint8 ``(F, H, W, 3)`` RGB.
 
     num_frames: None keeps every frame. Otherwise `sampling` picks which of the T decoded frames:
@@ -199,6 +200,8 @@ def read_video(path: str | os.PathLike, *, num_frames: int | None = None,
     size: ``(W, H)`` output size. The largest centered crop with the target's aspect ratio is cut
       from each frame and resized to exactly W x H (bilinear, antialiased), i.e. "resize to cover,
       then center crop".
+    frame_count: the clip's frame count if already known (`count_frames`, e.g. from dataset
+      validation); uniform sampling of a video file then skips its counting pass.
     Raises ValueError for a file that cannot be decoded or holds no frames.
     """
     if sampling not in SAMPLING_MODES:
@@ -209,7 +212,7 @@ def read_video(path: str | os.PathLike, *, num_frames: int | None = None,
     if path.is_dir():
         frames = _read_folder(path, num_frames, sampling)
     else:
-        frames = _read_container(path, num_frames, sampling)
+        frames = _read_container(path, num_frames, sampling, frame_count)
     if size is not None:
         frames = resize_center_crop(frames, size)
     return frames
@@ -225,7 +228,7 @@ def count_frames(path: str | os.PathLike) -> int:
             _decode_image(f)
         return len(files)
     n = 0
-    for _ in _iter_decoded(path):
+    for _ in _iter_frames(path):
         n += 1
     return n
 
@@ -264,14 +267,16 @@ def _read_folder(folder: Path, num_frames: int | None, sampling: str) -> np.ndar
 
 def _decode_image(path: Path) -> np.ndarray:
     """One image file -> uint8 (H, W, 3), with PyAV (FFmpeg's image decoders)."""
-    frames = list(_iter_decoded(path))
-    if not frames:
-        raise ValueError(f"{path}: no image could be decoded")
-    return frames[0]
+    for frame in _iter_frames(path):
+        return _rgb(frame, path)
+    raise ValueError(f"{path}: no image could be decoded")
 
 
-def _iter_decoded(path: Path):
-    """Yield uint8 (H, W, 3) RGB frames of a file; FFmpeg errors become ValueError."""
+def _iter_frames(path: Path):
+    """Yield the decoded av.VideoFrame objects of a file; FFmpeg errors become ValueError.
+
+    Frames stay in their decoded pixel format: only the ones kept are converted to RGB (`_rgb`).
+    """
     import av
 
     try:
@@ -280,26 +285,39 @@ def _iter_decoded(path: Path):
                 raise ValueError(f"{path}: no video stream")
             stream = container.streams.video[0]
             stream.thread_type = "AUTO"  # frame + slice threads inside FFmpeg
-            for frame in container.decode(stream):
-                yield frame.to_ndarray(format="rgb24")
+            yield from container.decode(stream)
     except av.FFmpegError as e:
         raise ValueError(f"{path}: cannot decode: {e}") from e
 
 
-def _read_container(path: Path, num_frames: int | None, sampling: str) -> np.ndarray:
-    if num_frames is not None and sampling == "uniform":
-        # The frame count in the header is missing for some formats (webm, gif) and can be wrong;
-        # count by decoding, then decode again keeping only the sampled frames.
-        total = count_frames(path)
-        keep = set(sample_indices(total, num_frames, sampling))
-    else:
-        keep = None
+def _rgb(frame, path: Path) -> np.ndarray:
+    """av.VideoFrame -> uint8 (H, W, 3) RGB."""
+    import av
+
+    try:
+        return frame.to_ndarray(format="rgb24")
+    except av.FFmpegError as e:
+        raise ValueError(f"{path}: cannot convert a frame to RGB: {e}") from e
+
+
+def _read_container(path: Path, num_frames: int | None, sampling: str,
+                    frame_count: int | None) -> np.ndarray:
+    keep = None
+    if num_frames is not None:
+        if sampling == "uniform" and frame_count is None:
+            # The frame count in the header is missing for some formats (webm, gif) and can be
+            # wrong; count by decoding, then decode again keeping only the sampled frames.
+            frame_count = count_frames(path)
+        if sampling == "first":
+            keep = set(range(num_frames))
+        else:
+            keep = set(sample_indices(frame_count, num_frames, sampling))
     frames = []
-    for i, frame in enumerate(_iter_decoded(path)):
+    for i, frame in enumerate(_iter_frames(path)):
         if keep is None or i in keep:
-            frames.append(frame)
-        if num_frames is not None and sampling == "first" and len(frames) == num_frames:
-            break
+            frames.append(_rgb(frame, path))
+        if keep is not None and len(frames) == len(keep):
+            break  # nothing further is needed: stop decoding
     if not frames:
         raise ValueError(f"{path}: no frames decoded")
     if num_frames is not None and len(frames) < num_frames:
@@ -320,7 +338,7 @@ def center_crop_box(w: int, h: int, out_w: int, out_h: int) -> tuple[int, int, i
 
 
 def resize_center_crop(frames: np.ndarray, size: tuple[int, int]) -> np.ndarray:
-    """uint8 (F, H, W, 3) -> uint8 (F, out_h, out_w, 3): center crop to the target aspect, resize."""
+    """uint8 (F, H, W, 3) -> (F, out_h, out_w, 3): center crop to the target aspect, resize."""
     out_w, out_h = size
     if out_w < 1 or out_h < 1:
         raise ValueError(f"size must be positive (W, H), got {size}")

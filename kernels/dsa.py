@@ -18,11 +18,13 @@ Semantics (both backends; `tests/test_dsa.py` checks each line):
   the dtype and shape of `q`, natural token order.
 - Without motion this is Sliding Tile Attention; cost is O(N * wt*wy*wx * S * D), linear in N.
 
-The tile-contiguous token permutation happens inside the op: the kernels address tile tokens in
-natural order directly (a tile is tt*ty rows of tx consecutive tokens), so no permuted copies are
-made. Forward: one program per (query tile, block of its tokens, batch*head) walks the tile's
-`W = wt*wy*wx` key tiles with an online softmax in base 2, fp32 accumulation, and stores the
-base-2 log-sum-exp. Backward (FlashAttention-2 style, no atomics): `delta = rowsum(dO * O)`;
+The tile-contiguous token permutation happens inside the op, without permuted copies: token s
+of tile j sits at natural index `origin[j] + offsets[s]` (two small int32 tables from
+`tile_origins`), and the kernels load rows through those indices. Forward: one program per (query
+tile, block of BLOCK_M of its tokens, batch*head) walks the tile's key list, the W = wt*wy*wx
+key tiles taken as one list of W*S tokens, in blocks of BLOCK_N that may straddle tiles (so odd
+tile sizes waste no padding), with an online softmax in base 2 and fp32 accumulation, and stores
+the base-2 log-sum-exp. Backward (FlashAttention-2 style, no atomics): `delta = rowsum(dO * O)`;
 dQ programs walk the same query->key lists; dK/dV programs walk the inverted key->query lists
 (`invert_windows`, CSR), so every gradient row is written by exactly one program.
 
@@ -34,16 +36,14 @@ Caution:
 - fp32 inputs use IEEE fp32 dots, not TF32: fp32 is the accuracy mode, several times slower.
 - The Triton backend needs a power-of-two head dim in [16, 256]; the reference takes any D.
 - Window and inverted lists are computed with torch on q's device on every call (nQ*W integers,
-  no host sync). dK/dV work per key tile grows with the number of query tiles that use it, so
-  border tiles and converging motion cost more (imbalance, not error).
+  a handful of small kernels, no host sync). dK/dV work per key tile grows with the number of
+  query tiles that use it, so border tiles and converging motion cost more (imbalance, not error).
 - Row offsets inside one (batch, head) are int32: `N * stride(2)` must stay below 2**31 (checked).
 - Results are deterministic for a given block configuration; autotuning may pick another
   configuration on another machine, which changes the summation order in the last bits.
 - Triton is optional at import time (no wheels on macOS): `backend="auto"` then always uses the
   reference, and `backend="triton"` raises.
 """
-
-from __future__ import annotations
 
 import os
 
@@ -53,8 +53,8 @@ from torch import Tensor
 from .dsa_reference import (
     DSAGeometry,
     check_inputs,
-    dsa_geometry,
     dsa_attention_reference,
+    dsa_geometry,
     invert_windows,
     window_tiles,
 )
@@ -85,6 +85,7 @@ except ImportError as exc:  # no Triton wheel for this platform; the reference s
 
     triton = tl = _TritonMissing  # type: ignore[assignment]
     _TRITON_IMPORT_ERROR = exc
+
 
 def _interpreting() -> bool:
     """True under TRITON_INTERPRET=1, where kernels run on CPU tensors through numpy."""
