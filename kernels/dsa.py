@@ -540,6 +540,7 @@ class DSAFunction(torch.autograd.Function):
         return out
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # the backward kernels have no backward
     def backward(ctx, dout):
         q, k, v, out, lse, origin, offsets, win_tiles, win = ctx.saved_tensors
         dq, dk, dv = _dsa_backward(dout, q, k, v, out, lse, origin, offsets, win_tiles, win,

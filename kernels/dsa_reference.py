@@ -5,7 +5,8 @@ backends share and what tests compare against:
 
 - `dsa_geometry` validates `grid`, `tile` and `window` and returns a frozen `DSAGeometry`.
 - `window_tiles` computes, for every query tile, the `wt*wy*wx` key tiles it attends to. The Triton
-  kernels read exactly this tensor, so the two backends cannot disagree about a window.
+  kernels read exactly this tensor, so the two backends cannot disagree about a window;
+  `invert_windows` turns it into the key->query lists of the Triton dK/dV pass.
 - `dsa_attention_reference` is the readable PyTorch implementation and the fast CPU path: it
   gathers the key and value tiles of each query tile and calls SDPA on them, so it never forms an
   N x N matrix and trains through ordinary autograd.
