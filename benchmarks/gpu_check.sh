@@ -14,7 +14,7 @@ run() {  # run NAME TIMEOUT_S CMD...: keep going after a failure, remember it, s
   local name=$1 limit=$2
   shift 2
   echo "== $name"
-  if timeout "$limit" "$@" >"$OUT/$name.json" 2>"$OUT/$name.log"; then
+  if timeout "$limit" "$@" >"$OUT/$name.out" 2>"$OUT/$name.log"; then
     echo "   ok"
   else
     echo "   FAILED (exit $?), see $OUT/$name.log"
@@ -28,10 +28,10 @@ python3 -m pip install --no-index --no-deps --no-build-isolation -e . >"$OUT/ins
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >"$OUT/gpu.csv" 2>&1
 
 # Correctness first: 3D-DSA kernels (bf16, fp16) against the reference, then streaming and training.
-run dsa_cuda_check 120 python3 benchmarks/dsa_cuda_check.py --json
+run dsa_cuda_check 120 python3 benchmarks/dsa_cuda_check.py
 run cuda_checks 150 python3 benchmarks/cuda_checks.py --preset small --json
 # Benchmarks.
 run streaming_small 90 python3 benchmarks/streaming.py --device cuda --preset small --frames 16 --size 256x256 --json
-run attention_cuda 150 python3 benchmarks/attention.py --json --cuda-only
+run attention 200 python3 benchmarks/attention.py --json --quick
 echo "results in $OUT"
 exit $status
