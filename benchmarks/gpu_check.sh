@@ -28,10 +28,10 @@ python3 -m pip install --no-index --no-deps --no-build-isolation -e . >"$OUT/ins
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >"$OUT/gpu.csv" 2>&1
 
 # Correctness first: 3D-DSA kernels (bf16, fp16) against the reference, then streaming and training.
-run dsa_cuda_check 120 python3 benchmarks/dsa_cuda_check.py
-run cuda_checks 150 python3 benchmarks/cuda_checks.py --preset small --json
+run dsa_cuda_check 90 python3 benchmarks/dsa_cuda_check.py
+run cuda_checks 120 python3 benchmarks/cuda_checks.py --preset small --json
 # Benchmarks.
-run streaming_small 90 python3 benchmarks/streaming.py --device cuda --preset small --frames 16 --size 256x256 --json
-run attention 200 python3 benchmarks/attention.py --json --quick
+run streaming_small 60 python3 benchmarks/streaming.py --device cuda --preset small --frames 16 --size 256x256 --json
+run attention 180 python3 benchmarks/attention.py --json --quick
 echo "results in $OUT"
 exit $status
