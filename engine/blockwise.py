@@ -49,6 +49,7 @@ class StepConfig:
     autocast: torch.dtype | None = None  # e.g. torch.bfloat16 on CUDA; None computes in fp32
     timing: bool = False  # per-block copy and compute times in the streamer's stats and trace
     aux_loss_weight: float = 0.1  # weight of the layers' auxiliary losses (3D-DSA motion heads)
+    time_sampling: str = "logit-normal"  # distribution of training flow times (flow.TIME_SAMPLING)
 
 
 class _ResidentBlocks:
@@ -135,7 +136,7 @@ class BlockwiseStep:
         start = time.perf_counter()
         dit, io = self.dit, self.blocks_io
         B = x0.shape[0]
-        t = sample_training_times(B, generator)  # (B,)
+        t = sample_training_times(B, generator, self.config.time_sampling)  # (B,)
         noise = torch.randn(x0.shape, generator=generator)  # (B, C, F, H, W)
         x0, noise, t = x0.to(self.device), noise.to(self.device), t.to(self.device)
         t_ = t.view(-1, 1, 1, 1, 1)

@@ -63,6 +63,7 @@ class FinetuneConfig:
     attention: str | None = None  # train with this self-attention backend (default: the model's)
     timing: bool = False  # streamer timings for stats and traces
     caption_dropout: float = 0.1  # fraction of captions replaced by "" so guidance has an unconditional model
+    time_sampling: str = "logit-normal"  # training flow times: "logit-normal" or "uniform"
 
     def validate(self) -> None:
         if (self.model is None) == (self.preset is None):
@@ -143,7 +144,7 @@ class Trainer:
         step_config = StepConfig(
             lr=config.lr, weight_decay=config.weight_decay, grad_accum=config.grad_accum,
             max_grad_norm=config.max_grad_norm, offload=config.offload,
-            autocast=torch.bfloat16 if cuda else None, timing=config.timing,
+            autocast=torch.bfloat16 if cuda else None, timing=config.timing, time_sampling=config.time_sampling,
         )  # fmt: skip
         self.engine = BlockwiseStep(dit, text, config.device, step_config)
         if latest is not None:

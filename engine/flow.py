@@ -37,9 +37,20 @@ def flow_matching_loss(model, x0, ctx, ctx_mask, *, t: torch.Tensor, noise: torc
     return F.mse_loss(v.float(), (noise - x0).float())
 
 
-def sample_training_times(batch: int, generator: torch.Generator) -> torch.Tensor:
-    """Flow times for training: logit-normal (SD3's default), which favours the middle of the path."""
-    return torch.sigmoid(torch.randn(batch, generator=generator))
+TIME_SAMPLING = ("logit-normal", "uniform")
+
+
+def sample_training_times(batch: int, generator: torch.Generator, kind: str = "logit-normal") -> torch.Tensor:
+    """Flow times for training, `(batch,)` in (0, 1).
+
+    "logit-normal" (SD3's default for large latents) favours the middle of the path; "uniform"
+    gives the low-noise end, where small pixel-space clips get their crisp edges, its full share.
+    """
+    if kind == "logit-normal":
+        return torch.sigmoid(torch.randn(batch, generator=generator))
+    if kind == "uniform":
+        return torch.rand(batch, generator=generator)
+    raise ValueError(f"time sampling must be one of {TIME_SAMPLING}, got {kind!r}")
 
 
 def cfg_combine(v_cond: torch.Tensor, v_uncond: torch.Tensor, guidance: float) -> torch.Tensor:

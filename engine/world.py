@@ -86,7 +86,8 @@ def random_object(rng: random.Random, frames: int, height: int, width: int, colo
     return ObjectSpec(colour, shape, motion, start(height, dy), start(width, dx), size, speed)
 
 
-def random_clip(rng: random.Random, frames=16, height=32, width=32, *, allow_held_out=False, max_objects=2) -> ClipSpec:
+def random_clip(rng: random.Random, frames=16, height=32, width=32, *, allow_held_out=False, max_objects=2,
+                backgrounds=tuple(BACKGROUNDS)) -> ClipSpec:  # fmt: skip
     """A clip of one (mostly) or two objects of distinct colours, avoiding held-out combinations."""
     n = 1 if max_objects == 1 or rng.random() < 0.75 else 2
     colours = rng.sample(list(COLOURS), n)
@@ -97,7 +98,7 @@ def random_clip(rng: random.Random, frames=16, height=32, width=32, *, allow_hel
             if allow_held_out or not held_out(colour, shape, motion):
                 break
         objects.append(random_object(rng, frames, height, width, colour, shape, motion))
-    return ClipSpec(tuple(objects), rng.choice(list(BACKGROUNDS)), frames, height, width)
+    return ClipSpec(tuple(objects), rng.choice(list(backgrounds)), frames, height, width)
 
 
 def shape_mask(shape: str, cy: float, cx: float, size: float, height: int, width: int) -> np.ndarray:
@@ -127,7 +128,8 @@ def render(spec: ClipSpec) -> np.ndarray:
     return video
 
 
-def write_dataset(root: str | Path, count: int, *, seed: int = 0, frames=16, height=32, width=32, fps=8) -> Path:
+def write_dataset(root: str | Path, count: int, *, seed: int = 0, frames=16, height=32, width=32, fps=8,
+                  backgrounds=tuple(BACKGROUNDS)) -> Path:  # fmt: skip
     """Write `count` clips and their captions in the fine-tuning dataset layout (metadata.jsonl + MP4s)."""
     from .video import write_mp4
 
@@ -136,7 +138,7 @@ def write_dataset(root: str | Path, count: int, *, seed: int = 0, frames=16, hei
     rng = random.Random(seed)
     lines = []
     for i in range(count):
-        spec = random_clip(rng, frames, height, width)
+        spec = random_clip(rng, frames, height, width, backgrounds=backgrounds)
         name = f"clips/{i:05d}.mp4"
         write_mp4(root / name, render(spec), fps=fps)
         lines.append(json.dumps({"file": name, "text": spec.caption(), "spec": asdict(spec)}))

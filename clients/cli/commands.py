@@ -246,6 +246,8 @@ def register_finetune(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--caption-dropout", type=float, default=0.1,
                    help="fraction of captions dropped, which classifier-free guidance needs (default: 0.1)")
+    p.add_argument("--time-sampling", choices=("logit-normal", "uniform"), default="logit-normal",
+                   help="distribution of training flow times (default: logit-normal)")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --output")
     p.add_argument("--frames", type=int, help="training clip frames (default: the model's)")
     p.add_argument("--size", help="training clip WIDTHxHEIGHT (default: the model's)")
@@ -286,6 +288,7 @@ def run_finetune(args) -> int:
         save_every=args.save_every, seed=args.seed, device=args.device, offload=args.offload,
         frames=args.frames, height=height, width=width, attention=args.attention,
         timing=bool(args.stats or args.trace), caption_dropout=args.caption_dropout,
+        time_sampling=args.time_sampling,
     )  # fmt: skip
     with Trainer(config, resume=args.resume) as trainer:
         if trainer.done:
