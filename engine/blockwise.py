@@ -111,8 +111,9 @@ class BlockwiseStep:
             accumulation_steps=config.grad_accum, max_grad_norm=config.max_grad_norm,
         )  # fmt: skip
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megaslide-adamw")
+        largest = max(sum(t.numel() for t in named.values()) for named in self.masters.values())
+        self.drain = _GradientDrain(self.device, largest)
         self.micro = 0
-        self.d2h_bytes = 0
 
     def _host_master(self, named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if self.device.type == "cpu":
@@ -185,7 +186,7 @@ class BlockwiseStep:
                 params = dict(trainable(dit.blocks[i]))
                 grads = _grads_or_zeros(params)
                 sq_norm += sum(g.float().square().sum() for g in grads.values())
-                host_grads = self._to_host(grads)
+                host_grads, landed = self.drain.send(grads)
                 for p in params.values():
                     p.grad = None  # gradients exist only for the block being processed
                 io.release(i)
@@ -193,7 +194,7 @@ class BlockwiseStep:
                     # Re-fetch the host views: this also tells the streamer that block i's host copy
                     # is about to change, so a stale slot copy is never reused.
                     self.handle.host_tensors(i)
-                pending.append(self.worker.submit(self._update, i, host_grads, last))
+                pending.append(self.drain.attach(self.worker.submit(self._update, i, host_grads, landed, last)))
 
         # 4. Through the prologue with everything the blocks and the epilogue sent back.
         torch.autograd.backward(
@@ -202,10 +203,10 @@ class BlockwiseStep:
         named = self.non_block_params
         grads = _grads_or_zeros(named)
         sq_norm += sum(g.float().square().sum() for g in grads.values())
-        host_grads = self._to_host(grads)
+        host_grads, landed = self.drain.send(grads)
         for p in named.values():
             p.grad = None
-        pending.append(self.worker.submit(self._update, NON_BLOCK, host_grads, last))
+        pending.append(self.drain.attach(self.worker.submit(self._update, NON_BLOCK, host_grads, landed, last)))
         for f in pending:
             # The next forward reads the masters these updates write: wait for every one of them.
             f.result()
@@ -219,20 +220,15 @@ class BlockwiseStep:
         return {"loss": loss.item(), "grad_norm": sq_norm.sqrt().item() * self.config.grad_accum,
                 "step_time_s": time.perf_counter() - start, "stepped": last}  # fmt: skip
 
-    def _to_host(self, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """fp32 host copies of device gradients (the same tensors on the CPU)."""
-        if self.device.type == "cpu":
-            return grads
-        out = {n: torch.empty(g.shape, dtype=torch.float32, pin_memory=True) for n, g in grads.items()}
-        for n, g in grads.items():
-            out[n].copy_(g, non_blocking=True)
-        # The CPU worker reads these buffers: wait until the copies have landed. A dedicated D2H
-        # stream would let this wait overlap the next block's compute; here it is one sync per block.
-        torch.cuda.current_stream(self.device).synchronize()
-        self.d2h_bytes += sum(g.numel() * 4 for g in grads.values())
-        return out
+    @property
+    def d2h_bytes(self) -> int:
+        return self.drain.bytes
 
-    def _update(self, block_id, grads: dict[str, torch.Tensor], last: bool) -> None:
+    def _update(self, block_id, grads: dict[str, torch.Tensor], landed, last: bool) -> None:
+        if landed is not None:
+            # The optimizer reads the pinned buffers the D2H copy is filling: wait for that copy
+            # (this worker thread only; the GPU and the thread driving it go on).
+            landed.synchronize()
         if not last or self.config.max_grad_norm is not None:
             self.optimizer.accumulate(block_id, grads)
         else:
@@ -256,6 +252,57 @@ class BlockwiseStep:
         if self.handle is not None:
             self.handle.remove()
             self.handle = None
+
+
+class _GradientDrain:
+    """Moves one block's fp32 gradients to the host on a dedicated stream, into a ring of two pinned
+    buffers, so the copy overlaps the next block's backward. On the CPU it hands them over as they are."""
+
+    def __init__(self, device: torch.device, max_numel: int):
+        self.cuda = device.type == "cuda"
+        self.bytes = 0
+        if self.cuda:
+            from .host_store import _pin_exact
+
+            self.stream = torch.cuda.Stream(device)
+            self.buffers = [torch.empty(max_numel, dtype=torch.float32) for _ in range(2)]
+            for b in self.buffers:
+                _pin_exact(b)  # exactly this size, not torch's power-of-two pinned cache
+            self.readers: list[Future | None] = [None, None]
+            self.turn = 0
+
+    def send(self, grads: dict[str, torch.Tensor]):
+        """Start copying; returns host tensors and an event to wait on before reading them (or None)."""
+        if not self.cuda:
+            return grads, None  # already on the host: nothing crosses a bus
+        self.bytes += sum(g.numel() * 4 for g in grads.values())
+        j = self.turn
+        if self.readers[j] is not None:
+            self.readers[j].result()  # the optimizer must be done with buffer j before it is overwritten
+        backward_done = torch.cuda.Event()
+        backward_done.record()  # on the compute stream, after this block's backward
+        # The copies must not read gradients the backward kernels are still writing.
+        self.stream.wait_event(backward_done)
+        out, offset = {}, 0
+        with torch.cuda.stream(self.stream):
+            for name, g in grads.items():
+                view = self.buffers[j][offset : offset + g.numel()].view(g.shape)
+                offset += g.numel()
+                view.copy_(g, non_blocking=True)
+                # The caller drops its references next; without this the allocator could hand g's
+                # memory to the next block's backward while the copy is still reading it.
+                g.record_stream(self.stream)
+                out[name] = view
+        landed = torch.cuda.Event()
+        landed.record(self.stream)
+        return out, landed
+
+    def attach(self, reader: Future) -> Future:
+        """Record the optimizer task that reads the buffer `send` just filled."""
+        if self.cuda:
+            self.readers[self.turn] = reader
+            self.turn ^= 1
+        return reader
 
 
 def trainable(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
