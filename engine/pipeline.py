@@ -19,6 +19,7 @@ from .checkpoint import load_model
 from .dit import DiTConfig, VideoDiT, get_preset
 from .flow import SampleState, denoise_step, shifted_schedule
 from .text import ByteTextEncoder
+from .video import float_to_frames
 
 
 @dataclass(frozen=True)
@@ -109,7 +110,7 @@ class VideoPipeline:
             raise RuntimeError(f"state is at step {state.step} of {state.num_steps}")
         with torch.no_grad():
             pixels = self.autoencoder.decode(state.latents.float())[0]  # (3, F, H, W) in [-1, 1]
-        return to_uint8(pixels)
+        return float_to_frames(pixels, layout="CFHW")  # (F, H, W, 3) uint8, round and clip
 
     def generate(self, request: GenerationRequest, progress: Callable[[int, int], None] | None = None) -> np.ndarray:
         """Sample one clip; `progress(step, total)` is called after every step."""
@@ -119,9 +120,3 @@ class VideoPipeline:
             if progress is not None:
                 progress(state.step, state.num_steps)
         return self.finish(state)
-
-
-def to_uint8(pixels: torch.Tensor) -> np.ndarray:
-    """`(3, F, H, W)` floats in [-1, 1] -> `(F, H, W, 3)` uint8 by round and clip."""
-    u8 = ((pixels.float() + 1) * 127.5).round().clamp(0, 255).to(torch.uint8)
-    return u8.permute(1, 2, 3, 0).contiguous().cpu().numpy()
