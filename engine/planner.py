@@ -22,6 +22,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from .dit import DiTConfig, count_parameters
+from .optim import grad_buffer_bytes
 
 GB = 1e9
 
@@ -119,7 +120,8 @@ def plan(config: DiTConfig, machine: Machine = Machine(), w: Workload = Workload
             adam_m=4 * n_params, adam_v=4 * n_params,
             pinned_gradients=n_block * 4,  # one block's fp32 gradients on their way to the optimizer
             # Accumulating micro-batches, or clipping by the global norm, holds every gradient.
-            grad_accumulation=(4 * n_params if w.max_grad_norm or w.grad_accum > 1 else 0),
+            grad_accumulation=grad_buffer_bytes(n_params, accumulation_steps=w.grad_accum,
+                                                max_grad_norm=1.0 if w.max_grad_norm else None),
         )  # fmt: skip
     device_limit = machine.gpu_mem * (1 - machine.reserve)
     if finetune and sum(device.values()) > device_limit:
