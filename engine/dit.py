@@ -52,6 +52,11 @@ class DiTConfig:
     steps: int = 20
     guidance: float = 4.0
     shift: float = 3.0  # timestep shift of the Euler schedule (SD3 / Wan convention)
+    # What the network's last layer predicts: "velocity" (noise - data, as Wan and SD3) or "data"
+    # (the clean clip, turned into a velocity in the epilogue). Predicting data suits pixel space
+    # with patches wider than the model: a token cannot carry a patch's worth of noise through a
+    # narrower hidden state, but a clean patch is simple (Li & He 2025, "Back to Basics").
+    prediction: str = "velocity"
 
     def __post_init__(self):
         if self.dim % self.heads:
@@ -60,6 +65,8 @@ class DiTConfig:
             raise ValueError(f"attention must be one of {ATTENTION_BACKENDS}, got {self.attention!r}")
         if (self.dim // self.heads) % 2:
             raise ValueError("head dim must be even for rotary positions")
+        if self.prediction not in ("velocity", "data"):
+            raise ValueError(f"prediction must be 'velocity' or 'data', got {self.prediction!r}")
 
     @property
     def head_dim(self) -> int:
@@ -95,8 +102,9 @@ PRESETS: dict[str, DiTConfig] = {
     # Seconds per clip on two CPU cores; used by tests and the embedded default model.
     "tiny": DiTConfig(),
     # The embedded default model: tiny with 8x8 patches (4x fewer tokens, so four times the training
-    # steps on a CPU) and an unshifted schedule, which suits 32x32 pixel-space clips.
-    "megaslide-tiny": DiTConfig(patch=(1, 8, 8), shift=1.0),
+    # steps on a CPU), predicting clean patches (192 values per token against a width of 128), and
+    # an unshifted schedule, which suits 32x32 pixel-space clips.
+    "megaslide-tiny": DiTConfig(patch=(1, 8, 8), shift=1.0, prediction="data"),
     # ~150M params: big enough that streaming its blocks costs real memory traffic on a CPU.
     "small": DiTConfig(
         dim=768, depth=12, heads=12, ffn_dim=3072, text=TextEncoderConfig(dim=512, layers=2, heads=8)
@@ -392,12 +400,17 @@ class VideoDiT(nn.Module):
         t_emb = self.time_embed(timestep_embedding(t, 256).to(h.dtype))  # (B, D)
         t_mod = self.time_mod(t_emb).unflatten(1, (6, -1))  # (B, 6, D)
         ctx = self.text_proj(ctx.to(h.dtype))  # (B, L, D)
-        return h, BlockInputs(t_emb, t_mod, ctx, ctx_mask, grid, angles)
+        return h, BlockInputs(t_emb, t_mod, ctx, ctx_mask, grid, angles, x, t)
 
     def epilogue(self, h: torch.Tensor, c: "BlockInputs") -> torch.Tensor:
         """Everything after the last block: tokens `(B, N, D)` -> velocity `(B, C, F, H, W)`."""
-        out = self.final(h, c.t_emb)  # (B, N, C*pt*ph*pw)
-        return self.unpatchify(out, c.grid)  # (B, C, F, H, W)
+        out = self.unpatchify(self.final(h, c.t_emb), c.grid)  # (B, C, F, H, W)
+        if self.config.prediction == "velocity":
+            return out
+        # x_t = (1 - t) x0 + t e  =>  velocity e - x0 = (x_t - x0) / t; t is floored so the division
+        # stays tame at the clean end (JiT's 0.05), where the velocity matters least.
+        t = c.t.float().clamp_min(0.05).view(-1, 1, 1, 1, 1)
+        return ((c.x.float() - out.float()) / t).to(out.dtype)  # (B, C, F, H, W)
 
 
 @dataclass
@@ -410,6 +423,8 @@ class BlockInputs:
     ctx_mask: torch.Tensor  # (B, L) bool, True where a text token is real
     grid: tuple[int, int, int]  # token grid (T, Y, X)
     angles: torch.Tensor  # (N, head_dim / 2) rotary angles
+    x: torch.Tensor  # (B, C, F, H, W) the noisy input, and t (B,) its flow time: the epilogue's
+    t: torch.Tensor  # conversion from a data prediction to a velocity reads them
 
 
 def pop_aux_losses(module: nn.Module) -> list[torch.Tensor]:
