@@ -344,6 +344,10 @@ class VideoDiT(nn.Module):
         nn.init.zeros_(self.time_mod[1].weight)
         nn.init.zeros_(self.time_mod[1].bias)
         self.text_proj = nn.Sequential(nn.Linear(config.text.dim, D), nn.GELU(approximate="tanh"), nn.Linear(D, D))
+        # The mean of the text tokens joins the timestep embedding, so every adaLN modulation sees
+        # the prompt as a whole (SD3's pooled text vector; DiT's class embedding), besides the
+        # token-by-token cross-attention.
+        self.text_pool = nn.Linear(D, D)
         self.blocks = nn.ModuleList(DiTBlock(config) for _ in range(config.depth))
         self.final = FinalLayer(config)
 
@@ -397,9 +401,11 @@ class VideoDiT(nn.Module):
         tokens, grid = self.patchify(x)  # (B, N, C*pt*ph*pw)
         h = self.patch_embed(tokens)  # (B, N, D)
         angles = rope_frequencies(self.config, grid, device=x.device)  # (N, d/2)
-        t_emb = self.time_embed(timestep_embedding(t, 256).to(h.dtype))  # (B, D)
-        t_mod = self.time_mod(t_emb).unflatten(1, (6, -1))  # (B, 6, D)
         ctx = self.text_proj(ctx.to(h.dtype))  # (B, L, D)
+        valid = ctx_mask.unsqueeze(-1).to(h.dtype)  # (B, L, 1)
+        pooled = (ctx * valid).sum(1) / valid.sum(1).clamp_min(1)  # (B, D) mean over real tokens
+        t_emb = self.time_embed(timestep_embedding(t, 256).to(h.dtype)) + self.text_pool(pooled)  # (B, D)
+        t_mod = self.time_mod(t_emb).unflatten(1, (6, -1))  # (B, 6, D)
         return h, BlockInputs(t_emb, t_mod, ctx, ctx_mask, grid, angles, x, t)
 
     def epilogue(self, h: torch.Tensor, c: "BlockInputs") -> torch.Tensor:
