@@ -63,7 +63,7 @@ class FinetuneConfig:
     attention: str | None = None  # train with this self-attention backend (default: the model's)
     timing: bool = False  # streamer timings for stats and traces
     caption_dropout: float = 0.1  # fraction of captions replaced by "" so guidance has an unconditional model
-    time_sampling: str = "logit-normal"  # training flow times: "logit-normal" or "uniform"
+    time_sampling: str = "logit-normal"  # training flow times: flow.TIME_SAMPLING
 
     def validate(self) -> None:
         if (self.model is None) == (self.preset is None):

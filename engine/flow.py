@@ -37,17 +37,20 @@ def flow_matching_loss(model, x0, ctx, ctx_mask, *, t: torch.Tensor, noise: torc
     return F.mse_loss(v.float(), (noise - x0).float())
 
 
-TIME_SAMPLING = ("logit-normal", "uniform")
+TIME_SAMPLING = ("logit-normal", "noisy", "uniform")
 
 
 def sample_training_times(batch: int, generator: torch.Generator, kind: str = "logit-normal") -> torch.Tensor:
-    """Flow times for training, `(batch,)` in (0, 1).
+    """Flow times for training, `(batch,)` in (0, 1) (1 is pure noise).
 
-    "logit-normal" (SD3's default for large latents) favours the middle of the path; "uniform"
-    gives the low-noise end, where small pixel-space clips get their crisp edges, its full share.
+    "logit-normal" (SD3's default) favours the middle of the path. "noisy" is logit-normal with
+    mean 0.8 and std 0.8, favouring the noisy end, where the prompt is all the model has to go on
+    (JiT's choice for pixel-space data prediction, in our direction of time). "uniform" is flat.
     """
     if kind == "logit-normal":
         return torch.sigmoid(torch.randn(batch, generator=generator))
+    if kind == "noisy":
+        return torch.sigmoid(0.8 + 0.8 * torch.randn(batch, generator=generator))
     if kind == "uniform":
         return torch.rand(batch, generator=generator)
     raise ValueError(f"time sampling must be one of {TIME_SAMPLING}, got {kind!r}")

@@ -7,7 +7,8 @@ The training set is the procedural world (engine/world.py): clips of coloured sh
 black background, with captions, none showing the held-out colour x shape x motion combinations.
 The run is `megaslide finetune` from random `megaslide-tiny` weights (the tiny preset with 8x8
 patches, predicting clean patches) in pixel space, with the built-in text encoder trained
-alongside. Dense self-attention: at 32x32
+alongside. Flow times favour the noisy end: at moderate noise a clip's colour, shape and motion
+are still visible in the input, so only near pure noise does the model need the prompt. Dense self-attention: at 32x32
 pixels the token grid is 4x4 per frame, smaller than one 3D-DSA window, so 3D-DSA would be dense
 attention anyway.
 
@@ -53,7 +54,7 @@ def main(argv=None) -> int:
         sys.executable, "-m", "megaslide", "finetune", "--preset", "megaslide-tiny", "--data", str(data),
         "--output", str(output), "--steps", str(args.steps), "--batch-size", str(args.batch_size),
         "--lr", str(args.lr), "--seed", str(args.seed), "--save-every", str(args.save_every),
-        "--frames", "16", "--size", "32x32", "--attention", "dense",
+        "--frames", "16", "--size", "32x32", "--attention", "dense", "--time-sampling", "noisy",
     ]  # fmt: skip
     if args.resume:
         command.append("--resume")

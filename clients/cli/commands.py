@@ -246,7 +246,7 @@ def register_finetune(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--caption-dropout", type=float, default=0.1,
                    help="fraction of captions dropped, which classifier-free guidance needs (default: 0.1)")
-    p.add_argument("--time-sampling", choices=("logit-normal", "uniform"), default="logit-normal",
+    p.add_argument("--time-sampling", choices=("logit-normal", "noisy", "uniform"), default="logit-normal",
                    help="distribution of training flow times (default: logit-normal)")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --output")
     p.add_argument("--frames", type=int, help="training clip frames (default: the model's)")
