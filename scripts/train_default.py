@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import shutil
 import subprocess
@@ -77,9 +78,11 @@ def package(output: Path, args, command: list[str], seconds: float) -> int:
     metrics = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines() if line.strip()]
     last = metrics[-50:]
     record = {
-        "command": shlex.join(["megaslide", *command[3:]]),
+        "command": shlex.join(["megaslide", *(os.path.relpath(a, ROOT) if a.startswith(str(ROOT)) else a
+                                               for a in command[3:])]),
         "seed": args.seed,
-        "steps": ckpt["step"],
+        "steps": ckpt["step"],  # the newest checkpoint's step: a run may be stopped before --steps
+        "planned_steps": args.steps,
         "clips": args.clips,
         "final_loss_mean_of_last_50_steps": sum(m["loss"] for m in last) / len(last),
         "train_seconds_this_part": round(seconds, 1),
