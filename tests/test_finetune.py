@@ -43,7 +43,7 @@ def max_relative_difference(ours: dict, ref: dict) -> float:
     return max(((ours[k] - ref[k]).norm() / ref[k].norm().clamp_min(1e-30)).item() for k in ref)
 
 
-@pytest.mark.parametrize("preset, steps, lr", [("tiny", 3, 3e-4), ("small", 2, 1e-4)])
+@pytest.mark.parametrize("preset, steps, lr", [("tiny", 3, 3e-4), ("small", 2, 3e-5)])
 def test_streamed_training_matches_torch_adamw(preset, steps, lr):
     torch.manual_seed(0)
     config = PRESETS[preset]
