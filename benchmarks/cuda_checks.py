@@ -54,7 +54,7 @@ def h2d_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> dict:
         start = time.perf_counter()
         for _ in range(repeats):
             device.copy_(src, non_blocking=True)
-        torch.cuda.synchronize()
+        torch.cuda.synchronize()  # the clock stops when the last copy has landed, not when it was queued
         out[f"{name}_gbps"] = nbytes * repeats / (time.perf_counter() - start) / 1e9
     _unpin(pinned.data_ptr(), nbytes)
     out["ok"] = out["pinned_gbps"] > out["pageable_gbps"]

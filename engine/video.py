@@ -139,7 +139,7 @@ def write_mp4(path: str | os.PathLike, frames, fps: int | float | Fraction = 16,
                 container.mux(stream.encode(frame))
             container.mux(stream.encode(None))  # flush the encoder's delayed frames
         _fsync(tmp)
-        os.replace(tmp, path)
+        _publish(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
@@ -172,11 +172,18 @@ def first_frame_png(video_path: str | os.PathLike, out_path: str | os.PathLike, 
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, out_path)
+        _publish(tmp, out_path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
     return out_path
+
+
+def _publish(tmp: str, path: Path) -> None:
+    """Rename a finished temp file into place, readable like any other output file (mkstemp
+    creates it owner-only)."""
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)
 
 
 def _fsync(path: str) -> None:
