@@ -64,11 +64,11 @@ def h2d_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> dict:
 def training_step(preset: str) -> dict:
     from megaslide.engine.blockwise import BlockwiseStep, StepConfig, master_state_dicts
     from megaslide.engine.dit import VideoDiT, get_preset
-    from megaslide.engine.text import ByteTextEncoder
+    from megaslide.engine.text import BuiltinTextEncoder
 
     torch.manual_seed(0)
     config = get_preset(preset)
-    dit, text = VideoDiT(config), ByteTextEncoder(config.text)
+    dit, text = VideoDiT(config), BuiltinTextEncoder(config.text)
     x0 = torch.randn(2, 3, 8, 64, 64)
     prompts = ["a red circle moving left", "a blue square"]
     results = {}

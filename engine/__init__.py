@@ -9,10 +9,10 @@ from .dit import PRESETS, DiTConfig, VideoDiT, count_parameters, get_preset
 from .flow import SampleState, denoise_step, flow_matching_loss, shifted_schedule
 from .pipeline import GenerationRequest, VideoPipeline
 from .streaming import StreamHandle, stream_module
-from .text import ByteTextEncoder, TextEncoder, TextEncoderConfig
+from .text import BuiltinTextEncoder, TextEncoder, TextEncoderConfig
 
 __all__ = [
-    "PRESETS", "ByteTextEncoder", "DiTConfig", "GenerationRequest", "SampleState", "TextEncoder",
+    "PRESETS", "BuiltinTextEncoder", "DiTConfig", "GenerationRequest", "SampleState", "TextEncoder",
     "StreamHandle", "TextEncoderConfig", "VideoDiT", "VideoPipeline", "count_parameters", "denoise_step",
     "flow_matching_loss", "get_preset", "load_model", "save_model", "shifted_schedule", "stream_module",
 ]  # fmt: skip

@@ -33,7 +33,7 @@ from torch import nn
 from .dit import VideoDiT, pop_aux_losses
 from .flow import sample_training_times
 from .optim import CPUAdamW
-from .text import ByteTextEncoder
+from .text import BuiltinTextEncoder
 
 NON_BLOCK = "non_block"  # optimizer block id of everything outside the DiT's blocks
 
@@ -69,7 +69,7 @@ class _ResidentBlocks:
 class BlockwiseStep:
     """Owns the device copy of a model, its host fp32 masters and the CPU AdamW that updates them."""
 
-    def __init__(self, dit: VideoDiT, text: ByteTextEncoder, device: str | torch.device, config: StepConfig):
+    def __init__(self, dit: VideoDiT, text: BuiltinTextEncoder, device: str | torch.device, config: StepConfig):
         if config.offload not in ("none", "stream"):
             raise ValueError(f"offload must be 'none' or 'stream', got {config.offload!r}")
         self.dit, self.text, self.config = dit, text, config

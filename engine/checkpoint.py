@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from .dit import DiTConfig, VideoDiT
-from .text import ByteTextEncoder
+from .text import BuiltinTextEncoder
 
 FORMAT = "megaslide-model/1"
 MODEL_FILE, TEXT_FILE, CONFIG_FILE = "model.safetensors", "text_encoder.safetensors", "config.json"
@@ -30,7 +30,7 @@ def _atomic_write(path: Path, write) -> None:
     os.replace(tmp, path)
 
 
-def save_model(path: str | os.PathLike, dit: VideoDiT, text_encoder: ByteTextEncoder, *, dtype=None, extra=None):
+def save_model(path: str | os.PathLike, dit: VideoDiT, text_encoder: BuiltinTextEncoder, *, dtype=None, extra=None):
     """Write a model directory. `dtype` casts floating tensors (e.g. bf16 to halve the size)."""
     from safetensors.torch import save_file
 
@@ -92,7 +92,7 @@ def load_model(path: str | os.PathLike, *, device="cpu", dtype=None, **overrides
     config, raw = read_config(path)
     config = config.replace(**overrides) if overrides else config
     with torch.device("meta"):
-        dit, text = VideoDiT(config), ByteTextEncoder(config.text)
+        dit, text = VideoDiT(config), BuiltinTextEncoder(config.text)
     for module, filename in ((dit, MODEL_FILE), (text, TEXT_FILE)):
         state = read_tensors(path / filename, device=device, dtype=dtype)
         # assign=True adopts the loaded tensors as the parameters instead of copying into meta ones.

@@ -166,8 +166,11 @@ class VideoDataset:
     """Validated clips as ``(video float32 (3, F, H, W) in [-1, 1], caption)``."""
 
     def __init__(self, root: str | os.PathLike, num_frames: int, size: tuple[int, int], *,
-                 sampling: str = "uniform", samples: list[Sample] | None = None):
-        """size is (W, H). Validates the whole dataset now (DatasetError) unless `samples` given."""
+                 sampling: str = "uniform", samples: list[Sample] | None = None, cache_bytes: int = 0):
+        """size is (W, H). Validates the whole dataset now (DatasetError) unless `samples` given.
+
+        Decoded clips are kept in memory, first come first kept, up to `cache_bytes` (as uint8): a
+        small dataset is decoded once instead of once per epoch."""
         self.root = Path(root)
         self.num_frames = num_frames
         self.size = size
@@ -175,17 +178,25 @@ class VideoDataset:
         if samples is None:
             samples = validate_dataset(root, num_frames=num_frames)
         self.samples = samples
+        self.cache_bytes = cache_bytes
+        self._cache: dict[int, np.ndarray] = {}
+        self._cached_bytes = 0
 
     def __len__(self) -> int:
         return len(self.samples)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, str]:
         s = self.samples[i]
-        try:
-            u8 = read_video(s.path, num_frames=self.num_frames, size=self.size,
-                            sampling=self.sampling, frame_count=s.num_frames)  # (F, H, W, 3)
-        except ValueError as e:  # changed on disk since validation
-            raise DatasetError(self.root, [f"{METADATA} line {s.line} ({s.path}): {e}"]) from e
+        u8 = self._cache.get(i)
+        if u8 is None:
+            try:
+                u8 = read_video(s.path, num_frames=self.num_frames, size=self.size,
+                                sampling=self.sampling, frame_count=s.num_frames)  # (F, H, W, 3)
+            except ValueError as e:  # changed on disk since validation
+                raise DatasetError(self.root, [f"{METADATA} line {s.line} ({s.path}): {e}"]) from e
+            if self._cached_bytes + u8.nbytes <= self.cache_bytes:
+                self._cache[i] = u8
+                self._cached_bytes += u8.nbytes
         return frames_to_float(u8), s.text  # (3, F, H, W)
 
 

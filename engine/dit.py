@@ -104,7 +104,9 @@ PRESETS: dict[str, DiTConfig] = {
     # The embedded default model: tiny with 8x8 patches (4x fewer tokens, so four times the training
     # steps on a CPU), predicting clean patches (192 values per token against a width of 128), and
     # an unshifted schedule, which suits 32x32 pixel-space clips.
-    "megaslide-tiny": DiTConfig(patch=(1, 8, 8), shift=1.0, prediction="data"),
+    "megaslide-tiny": DiTConfig(
+        patch=(1, 8, 8), shift=1.0, prediction="data", text=TextEncoderConfig(max_len=64, tokenizer="words")
+    ),
     # ~150M params: big enough that streaming its blocks costs real memory traffic on a CPU.
     "small": DiTConfig(
         dim=768, depth=12, heads=12, ffn_dim=3072, text=TextEncoderConfig(dim=512, layers=2, heads=8)
@@ -445,10 +447,10 @@ def pop_aux_losses(module: nn.Module) -> list[torch.Tensor]:
 
 def count_parameters(config: DiTConfig) -> dict[str, int]:
     """Exact parameter counts of a config, built on the meta device (instant at any size)."""
-    from .text import ByteTextEncoder
+    from .text import BuiltinTextEncoder
 
     with torch.device("meta"):
-        dit, text = VideoDiT(config), ByteTextEncoder(config.text)
+        dit, text = VideoDiT(config), BuiltinTextEncoder(config.text)
     n_dit = sum(p.numel() for p in dit.parameters())
     n_block = sum(p.numel() for p in dit.blocks[0].parameters()) if config.depth else 0
     n_text = sum(p.numel() for p in text.parameters())

@@ -32,10 +32,11 @@ from .checkpoint import load_model, save_model
 from .data import BackgroundLoader, VideoDataset, validate_dataset
 from .dit import VideoDiT, get_preset
 from .models import resolve_model_path
-from .text import ByteTextEncoder
+from .text import BuiltinTextEncoder
 
 CHECKPOINTS = "checkpoints"
 METRICS = "metrics.jsonl"
+LR_SCHEDULES = ("constant", "cosine")
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,9 @@ class FinetuneConfig:
     timing: bool = False  # streamer timings for stats and traces
     caption_dropout: float = 0.1  # fraction of captions replaced by "" so guidance has an unconditional model
     time_sampling: str = "logit-normal"  # training flow times: flow.TIME_SAMPLING
+    lr_schedule: str = "constant"  # LR_SCHEDULES; "cosine" decays to 0 at the run's last step
+    warmup_steps: int = 0  # linear warm-up from lr / warmup_steps to lr
+    cache_mb: int = 1024  # decoded training clips kept in RAM (a small dataset is decoded once)
 
     def validate(self) -> None:
         if (self.model is None) == (self.preset is None):
@@ -80,8 +84,26 @@ class FinetuneConfig:
             raise ValueError(f"caption_dropout must be in [0, 1), got {self.caption_dropout}")
         if self.lr <= 0:
             raise ValueError(f"lr must be positive, got {self.lr}")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"lr_schedule must be one of {LR_SCHEDULES}, got {self.lr_schedule!r}")
+        if self.cache_mb < 0:
+            raise ValueError(f"cache_mb must be >= 0, got {self.cache_mb}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
         if self.offload not in ("none", "stream"):
             raise ValueError(f"offload must be 'none' or 'stream', got {self.offload!r}")
+
+
+def learning_rate(config: FinetuneConfig, step: int, total_steps: int) -> float:
+    """The learning rate of optimizer step `step` (0-based) of `total_steps`: a pure function of
+    the step, so a resumed run follows the same schedule."""
+    if step < config.warmup_steps:
+        return config.lr * (step + 1) / config.warmup_steps
+    if config.lr_schedule == "constant":
+        return config.lr
+    decay = max(1, total_steps - config.warmup_steps)
+    progress = min(1.0, (step - config.warmup_steps) / decay)
+    return config.lr * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def _fsync_dir(path: Path) -> None:
@@ -92,12 +114,12 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _build_model(config: FinetuneConfig) -> tuple[VideoDiT, ByteTextEncoder]:
+def _build_model(config: FinetuneConfig) -> tuple[VideoDiT, BuiltinTextEncoder]:
     overrides = {"attention": config.attention} if config.attention else {}
     if config.preset:
         model_config = get_preset(config.preset).replace(**overrides)
         torch.manual_seed(config.seed)  # a preset's random initial weights follow the run's seed
-        return VideoDiT(model_config), ByteTextEncoder(model_config.text)
+        return VideoDiT(model_config), BuiltinTextEncoder(model_config.text)
     dit, text, _ = load_model(resolve_model_path(config.model), dtype=torch.float32, **overrides)
     return dit, text
 
@@ -128,7 +150,8 @@ class Trainer:
         dit.check_shape(self.frames, self.height, self.width)
         # The whole dataset is checked before anything else happens: a bad file fails the run now.
         samples = validate_dataset(config.data, num_frames=self.frames)
-        self.dataset = VideoDataset(config.data, self.frames, (self.width, self.height), samples=samples)
+        self.dataset = VideoDataset(config.data, self.frames, (self.width, self.height), samples=samples,
+                                    cache_bytes=config.cache_mb << 20)
         per_step = config.batch_size * config.grad_accum
         self.total_steps = config.steps or max(1, math.ceil(config.epochs * len(self.dataset) / per_step))
         self.loader = BackgroundLoader(self.dataset, batch_size=config.batch_size, seed=config.seed)
@@ -164,6 +187,7 @@ class Trainer:
         start = time.perf_counter()
         h2d0, d2h0 = self.engine.h2d_bytes, self.engine.d2h_bytes
         losses, norm = [], 0.0
+        self.engine.optimizer.lr = learning_rate(self.config, self.step, self.total_steps)
         for _ in range(self.config.grad_accum):
             batch = next(self.loader)
             drop = torch.rand(len(batch.text), generator=self.generator) < self.config.caption_dropout
@@ -225,7 +249,6 @@ class Trainer:
 
     def _restore(self, path: Path) -> None:
         self.engine.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
-        self.engine.optimizer.lr = self.config.lr  # this run's flags rule, as for every other setting
         state = torch.load(path / "state.pt", weights_only=True)
         self.step = int(state["step"])
         self.loader.load_state_dict(state["loader"])
@@ -240,7 +263,7 @@ class Trainer:
         dit_sd, text_sd = master_state_dicts(self.engine)
         config = self.engine.dit.config
         with torch.device("meta"):
-            dit, text = VideoDiT(config), ByteTextEncoder(config.text)
+            dit, text = VideoDiT(config), BuiltinTextEncoder(config.text)
         dit.load_state_dict(dit_sd, assign=True)
         text.load_state_dict(text_sd, assign=True)
         save_model(path, dit, text)

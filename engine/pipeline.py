@@ -18,7 +18,7 @@ from .autoencoder import build_autoencoder
 from .checkpoint import load_model
 from .dit import DiTConfig, VideoDiT, get_preset
 from .flow import SampleState, denoise_step, shifted_schedule
-from .text import ByteTextEncoder
+from .text import BuiltinTextEncoder
 from .video import float_to_frames
 
 
@@ -40,7 +40,7 @@ class GenerationRequest:
 class VideoPipeline:
     """A loaded model ready to sample clips."""
 
-    def __init__(self, dit: VideoDiT, text_encoder: ByteTextEncoder, name: str = "model"):
+    def __init__(self, dit: VideoDiT, text_encoder: BuiltinTextEncoder, name: str = "model"):
         self.dit, self.text_encoder, self.name = dit, text_encoder, name
         self.config: DiTConfig = dit.config
         self.autoencoder = build_autoencoder(self.config.autoencoder)
@@ -50,7 +50,7 @@ class VideoPipeline:
         """Random weights of a named preset (for tests and benchmarks), deterministic from `seed`."""
         config = get_preset(preset).replace(**overrides)
         torch.manual_seed(seed)
-        dit, text = VideoDiT(config), ByteTextEncoder(config.text)
+        dit, text = VideoDiT(config), BuiltinTextEncoder(config.text)
         return cls(dit.to(device, dtype).eval(), text.to(device, dtype).eval(), name=preset)
 
     @classmethod

@@ -1,11 +1,17 @@
-"""Text encoders: the small interface the pipeline uses and the built-in byte-level encoder.
+"""Text encoders: the small interface the pipeline uses and the built-in encoder.
 
-The built-in encoder needs no vocabulary file: a prompt is its UTF-8 bytes, framed by BOS/EOS and
-padded to `max_len`. Its weights are saved with the model, so a checkpoint is self-contained.
+The built-in encoder needs no vocabulary file. A prompt is cut into tokens by one of two rules:
+"bytes" (its UTF-8 bytes: any text, but the encoder must learn what a word is) or "words"
+(lower-cased words and punctuation, each hashed into one of `buckets` ids: a word is one
+embedding from the first step, which a small model trained from scratch learns far faster).
+Tokens are framed by BOS/EOS and padded to `max_len`. The encoder's weights are saved with the
+model, so a checkpoint is self-contained.
 """
 
 from __future__ import annotations
 
+import re
+import zlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -13,18 +19,41 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-PAD, BOS, EOS = 256, 257, 258
-VOCAB_SIZE = 259
+TOKENIZERS = ("bytes", "words")
+_WORD = re.compile(r"\w+|[^\w\s]")
 
 
 @dataclass(frozen=True)
 class TextEncoderConfig:
-    """Width and depth of the built-in byte-level text encoder."""
+    """Tokenizer, width and depth of the built-in text encoder."""
 
     dim: int = 128
     layers: int = 2
     heads: int = 4
-    max_len: int = 128  # tokens (bytes), including BOS and EOS; longer prompts are rejected, not cut
+    max_len: int = 128  # tokens, including BOS and EOS; longer prompts are rejected, not cut
+    tokenizer: str = "bytes"  # "bytes" or "words" (see the module docstring)
+    buckets: int = 4096  # hashed word ids ("words" only)
+
+    def __post_init__(self):
+        if self.tokenizer not in TOKENIZERS:
+            raise ValueError(f"tokenizer must be one of {TOKENIZERS}, got {self.tokenizer!r}")
+
+    @property
+    def base(self) -> int:
+        """Ids below this are text; PAD, BOS and EOS follow it."""
+        return 256 if self.tokenizer == "bytes" else self.buckets
+
+    @property
+    def vocab_size(self) -> int:
+        return self.base + 3
+
+
+def token_ids(prompt: str, tokenizer: str = "bytes", buckets: int = 4096) -> list[int]:
+    """A prompt's text ids, without framing: UTF-8 bytes, or hashed lower-cased words."""
+    if tokenizer == "bytes":
+        return list(prompt.encode("utf-8"))
+    # crc32 is stable across processes and platforms, unlike hash() of a str.
+    return [zlib.crc32(w.encode("utf-8")) % buckets for w in _WORD.findall(prompt.lower())]
 
 
 class TextEncoder(ABC):
@@ -37,15 +66,17 @@ class TextEncoder(ABC):
     def encode(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
-def tokenize(prompts: list[str], max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """UTF-8 bytes framed by BOS/EOS, padded to `max_len`: ids `(B, L)` int64 and mask `(B, L)` bool."""
-    ids = torch.full((len(prompts), max_len), PAD, dtype=torch.long)
+def tokenize(prompts: list[str], config: TextEncoderConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Text ids framed by BOS/EOS, padded to `max_len`: ids `(B, L)` int64 and mask `(B, L)` bool."""
+    pad, bos, eos = config.base, config.base + 1, config.base + 2
+    unit = "bytes" if config.tokenizer == "bytes" else "tokens"
+    ids = torch.full((len(prompts), config.max_len), pad, dtype=torch.long)
     for i, prompt in enumerate(prompts):
-        data = list(prompt.encode("utf-8"))
-        if len(data) + 2 > max_len:
-            raise ValueError(f"prompt is {len(data)} bytes; this model takes at most {max_len - 2}")
-        ids[i, : len(data) + 2] = torch.tensor([BOS, *data, EOS])
-    return ids, ids != PAD
+        data = token_ids(prompt, config.tokenizer, config.buckets)
+        if len(data) + 2 > config.max_len:
+            raise ValueError(f"prompt is {len(data)} {unit}; this model takes at most {config.max_len - 2}")
+        ids[i, : len(data) + 2] = torch.tensor([bos, *data, eos])
+    return ids, ids != pad
 
 
 class EncoderLayer(nn.Module):
@@ -70,14 +101,14 @@ class EncoderLayer(nn.Module):
         return x + self.mlp(self.norm2(x))  # (B, L, D)
 
 
-class ByteTextEncoder(nn.Module, TextEncoder):
-    """Byte embeddings, learned positions and a few transformer layers."""
+class BuiltinTextEncoder(nn.Module, TextEncoder):
+    """Token embeddings, learned positions and a few transformer layers."""
 
     def __init__(self, config: TextEncoderConfig):
         super().__init__()
         self.config = config
         self.dim, self.max_len = config.dim, config.max_len
-        self.embed = nn.Embedding(VOCAB_SIZE, config.dim)
+        self.embed = nn.Embedding(config.vocab_size, config.dim)
         self.pos = nn.Parameter(torch.randn(config.max_len, config.dim) * 0.02)
         self.layers = nn.ModuleList(EncoderLayer(config) for _ in range(config.layers))
         self.norm = nn.LayerNorm(config.dim)
@@ -90,6 +121,6 @@ class ByteTextEncoder(nn.Module, TextEncoder):
 
     def encode(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         device = self.embed.weight.device
-        ids, mask = tokenize(prompts, self.max_len)
+        ids, mask = tokenize(prompts, self.config)
         ids, mask = ids.to(device), mask.to(device)
         return self(ids, mask), mask

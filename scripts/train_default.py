@@ -34,8 +34,8 @@ PACKAGED = ROOT / "engine" / "assets" / "models" / "megaslide-tiny"
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", default=str(ROOT / "runs" / "megaslide-tiny"), help="data and checkpoints")
-    ap.add_argument("--clips", type=int, default=3000)
-    ap.add_argument("--steps", type=int, default=8000)
+    ap.add_argument("--clips", type=int, default=10000)
+    ap.add_argument("--steps", type=int, default=16000)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--seed", type=int, default=0)
@@ -54,7 +54,7 @@ def main(argv=None) -> int:
     command = [
         sys.executable, "-m", "megaslide", "finetune", "--preset", "megaslide-tiny", "--data", str(data),
         "--output", str(output), "--steps", str(args.steps), "--batch-size", str(args.batch_size),
-        "--lr", str(args.lr), "--seed", str(args.seed), "--save-every", str(args.save_every),
+        "--lr", str(args.lr), "--lr-schedule", "cosine", "--warmup-steps", "200", "--seed", str(args.seed), "--save-every", str(args.save_every),
         "--frames", "16", "--size", "32x32", "--attention", "dense", "--time-sampling", "noisy",
     ]  # fmt: skip
     if args.resume:

@@ -7,13 +7,13 @@ import torch
 
 from megaslide.engine.checkpoint import MODEL_FILE, load_model, read_tensors, save_model
 from megaslide.engine.dit import PRESETS, VideoDiT
-from megaslide.engine.text import ByteTextEncoder
+from megaslide.engine.text import BuiltinTextEncoder
 from tests.test_model import randomise_zero_inits
 
 
 def build(seed=0):
     torch.manual_seed(seed)
-    dit, text = VideoDiT(PRESETS["tiny"]), ByteTextEncoder(PRESETS["tiny"].text)
+    dit, text = VideoDiT(PRESETS["tiny"]), BuiltinTextEncoder(PRESETS["tiny"].text)
     randomise_zero_inits(dit)
     return dit, text
 

@@ -243,3 +243,19 @@ def test_close_does_not_hang_on_a_full_queue():
     loader.close()
     assert time.perf_counter() - t0 < 2.0
     assert not any(t.name == "video-loader" for t in threading.enumerate())
+
+
+def test_cache_keeps_decoded_clips_up_to_its_budget(good_root, monkeypatch):
+    import megaslide.engine.data as data
+    from megaslide.engine.video import read_video
+
+    plain = VideoDataset(good_root, FRAMES, SIZE)
+    one_clip = plain[0][0].numel()  # uint8 bytes of one decoded clip
+    cached = VideoDataset(good_root, FRAMES, SIZE, cache_bytes=2 * one_clip)
+    first = [cached[i][0] for i in range(5)]
+    reads = []
+    monkeypatch.setattr(data, "read_video", lambda path, **kw: reads.append(path) or read_video(path, **kw))
+    again = [cached[i][0] for i in range(5)]
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    assert len(reads) == 3  # clips 0 and 1 fit the budget and are never decoded again
+    assert all(torch.equal(cached[i][0], plain[i][0]) for i in range(5))

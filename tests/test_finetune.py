@@ -2,6 +2,8 @@
 
 import copy
 import json
+import math
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -9,9 +11,9 @@ import torch
 from megaslide.engine.blockwise import BlockwiseStep, StepConfig, master_state_dicts
 from megaslide.engine.data import DatasetError
 from megaslide.engine.dit import PRESETS, VideoDiT
-from megaslide.engine.finetune import FinetuneConfig, Trainer
+from megaslide.engine.finetune import FinetuneConfig, Trainer, learning_rate
 from megaslide.engine.flow import sample_training_times
-from megaslide.engine.text import ByteTextEncoder
+from megaslide.engine.text import BuiltinTextEncoder
 from megaslide.engine.world import write_dataset
 from tests.test_model import randomise_zero_inits
 
@@ -47,7 +49,7 @@ def max_relative_difference(ours: dict, ref: dict) -> float:
 def test_streamed_training_matches_torch_adamw(preset, steps, lr):
     torch.manual_seed(0)
     config = PRESETS[preset]
-    dit, text = VideoDiT(config), ByteTextEncoder(config.text)
+    dit, text = VideoDiT(config), BuiltinTextEncoder(config.text)
     randomise_zero_inits(dit)
     x0 = torch.randn(2, 3, 2, 16, 16)
     ref_dit, ref_text = copy.deepcopy(dit), copy.deepcopy(text)
@@ -96,22 +98,35 @@ def final_masters(trainer):
 
 
 def test_kill_and_resume_equals_uninterrupted(world, tmp_path):
-    with Trainer(run_config(world, tmp_path / "a")) as t:
+    schedule = dict(lr_schedule="cosine", warmup_steps=1)  # the resumed part must follow it too
+    with Trainer(run_config(world, tmp_path / "a", **schedule)) as t:
         t.run()
         uninterrupted = final_masters(t)
     # The interrupted run dies after step 3: its last checkpoint is step 2, step 3 is lost.
-    t = Trainer(run_config(world, tmp_path / "b"))
+    t = Trainer(run_config(world, tmp_path / "b", **schedule))
     for _ in range(3):
         t.train_step()
     t.loader.close()  # no close(): nothing is flushed or saved beyond what the run wrote itself
-    with Trainer(run_config(world, tmp_path / "b"), resume=True) as resumed:
+    with Trainer(run_config(world, tmp_path / "b", **schedule), resume=True) as resumed:
         assert resumed.step == 2
         resumed.run()
         after = final_masters(resumed)
     assert after.keys() == uninterrupted.keys()
     assert all(torch.equal(after[k], uninterrupted[k]) for k in after)
-    steps = [json.loads(line)["step"] for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [1, 2, 3, 4]
+    metrics = [json.loads(line) for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    assert [m["lr"] for m in metrics] == pytest.approx([2e-3, 2e-3, 1.5e-3, 0.5e-3])
+
+
+def test_learning_rate_schedules():
+    config = FinetuneConfig(data="d", output="o", preset="tiny", steps=10, lr=1.0, warmup_steps=2)
+    assert [learning_rate(config, s, 10) for s in (0, 1, 2, 9)] == [0.5, 1.0, 1.0, 1.0]
+    cosine = FinetuneConfig(**{**asdict(config), "lr_schedule": "cosine"})
+    lrs = [learning_rate(cosine, s, 10) for s in range(10)]
+    assert lrs[:3] == [0.5, 1.0, 1.0] and lrs[-1] == pytest.approx(0.5 * (1 + math.cos(math.pi * 7 / 8)))
+    assert all(a > b for a, b in zip(lrs[2:], lrs[3:]))
+    with pytest.raises(ValueError, match="lr_schedule must be one of"):
+        FinetuneConfig(data="d", output="o", preset="tiny", steps=1, lr_schedule="step").validate()
 
 
 def test_loss_falls_and_export_serves(world, tmp_path):

@@ -6,14 +6,14 @@ import pytest
 import torch
 
 from megaslide.engine.dit import PRESETS, DiTConfig, VideoDiT, apply_rope, count_parameters, rope_frequencies
-from megaslide.engine.text import ByteTextEncoder, TextEncoderConfig, tokenize
+from megaslide.engine.text import BuiltinTextEncoder, TextEncoderConfig, tokenize
 
 TINY = PRESETS["tiny"]
 
 
 def make(config=TINY, seed=0):
     torch.manual_seed(seed)
-    return VideoDiT(config).eval(), ByteTextEncoder(config.text).eval()
+    return VideoDiT(config).eval(), BuiltinTextEncoder(config.text).eval()
 
 
 def randomise_zero_inits(dit):
@@ -68,7 +68,7 @@ def test_text_changes_the_prediction_and_padding_does_not():
     assert (a - b).abs().max() > 1e-4
     # Longer padding must not change anything: padded keys are masked out of cross-attention.
     extra = 32
-    long_text = ByteTextEncoder(TextEncoderConfig(max_len=TINY.text.max_len + extra))
+    long_text = BuiltinTextEncoder(TextEncoderConfig(max_len=TINY.text.max_len + extra))
     long_text.load_state_dict({k: (v if k != "pos" else torch.cat([v, torch.zeros(extra, v.shape[1])]))
                                for k, v in text.state_dict().items()})  # fmt: skip
     c = dit(x, t, *long_text.encode(["a red circle"]))
@@ -118,10 +118,23 @@ def test_check_shape_names_the_problem():
 
 
 def test_tokenizer_rejects_long_prompts():
-    ids, mask = tokenize(["ab", ""], 8)
+    ids, mask = tokenize(["ab", ""], TextEncoderConfig(max_len=8))
     assert mask.sum(1).tolist() == [4, 2]
-    with pytest.raises(ValueError, match="at most 6"):
-        tokenize(["x" * 7], 8)
+    with pytest.raises(ValueError, match="7 bytes; this model takes at most 6"):
+        tokenize(["x" * 7], TextEncoderConfig(max_len=8))
+
+
+def test_word_tokenizer_hashes_lower_cased_words():
+    config = TextEncoderConfig(max_len=8, tokenizer="words", buckets=1000)
+    ids, mask = tokenize(["A red circle.", "a  RED circle .", "a green circle"], config)
+    assert mask.sum(1).tolist() == [6, 6, 5]  # BOS, a, red, circle, ".", EOS
+    assert torch.equal(ids[0], ids[1])
+    assert ids[0, 2] != ids[2, 2] and ids[0, 3] == ids[2, 3]  # red != green; circle == circle
+    assert ids.max() < config.vocab_size and ids[0, 1:5].max() < config.buckets
+    with pytest.raises(ValueError, match="7 tokens; this model takes at most 6"):
+        tokenize(["one two three four five six seven"], config)
+    with pytest.raises(ValueError, match="tokenizer must be one of"):
+        TextEncoderConfig(tokenizer="sentencepiece")
 
 
 def test_dsa_with_a_window_covering_the_grid_equals_dense_attention():

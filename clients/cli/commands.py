@@ -238,6 +238,9 @@ def register_finetune(sub) -> None:
     length.add_argument("--steps", type=int, help="optimizer steps")
     length.add_argument("--epochs", type=float, help="passes over the dataset (default: 1)")
     p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant",
+                   help="constant, or cosine decay to 0 at the last step (default: constant)")
+    p.add_argument("--warmup-steps", type=int, default=0, help="linear learning-rate warm-up (default: 0)")
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--weight-decay", type=float, default=0.0)
@@ -248,6 +251,8 @@ def register_finetune(sub) -> None:
                    help="fraction of captions dropped, which classifier-free guidance needs (default: 0.1)")
     p.add_argument("--time-sampling", choices=("logit-normal", "noisy", "uniform"), default="logit-normal",
                    help="distribution of training flow times (default: logit-normal)")
+    p.add_argument("--cache-mb", type=int, default=1024,
+                   help="decoded training clips kept in RAM, in MiB (default: 1024)")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --output")
     p.add_argument("--frames", type=int, help="training clip frames (default: the model's)")
     p.add_argument("--size", help="training clip WIDTHxHEIGHT (default: the model's)")
@@ -288,7 +293,8 @@ def run_finetune(args) -> int:
         save_every=args.save_every, seed=args.seed, device=args.device, offload=args.offload,
         frames=args.frames, height=height, width=width, attention=args.attention,
         timing=bool(args.stats or args.trace), caption_dropout=args.caption_dropout,
-        time_sampling=args.time_sampling,
+        time_sampling=args.time_sampling, lr_schedule=args.lr_schedule, warmup_steps=args.warmup_steps,
+        cache_mb=args.cache_mb,
     )  # fmt: skip
     with Trainer(config, resume=args.resume) as trainer:
         if trainer.done:
