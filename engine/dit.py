@@ -102,10 +102,11 @@ PRESETS: dict[str, DiTConfig] = {
     # Seconds per clip on two CPU cores; used by tests and the embedded default model.
     "tiny": DiTConfig(),
     # The embedded default model: tiny with 8x8 patches (4x fewer tokens, so four times the training
-    # steps on a CPU), predicting clean patches (192 values per token against a width of 128), and
-    # an unshifted schedule, which suits 32x32 pixel-space clips.
+    # steps on a CPU), predicting clean patches (192 values per token against a width of 128), an
+    # unshifted schedule, which suits 32x32 pixel-space clips, and hashed word tokens for its prompts.
     "megaslide-tiny": DiTConfig(
-        patch=(1, 8, 8), shift=1.0, prediction="data", text=TextEncoderConfig(max_len=64, tokenizer="words")
+        patch=(1, 8, 8), shift=1.0, prediction="data", text=TextEncoderConfig(max_len=64, tokenizer="words"),
+        dsa_tile=(4, 1, 1),  # its 32x32 clips are 4x4 tokens a frame: 3D-DSA tiles of 4 frames x 1 token
     ),
     # ~150M params: big enough that streaming its blocks costs real memory traffic on a CPU.
     "small": DiTConfig(
