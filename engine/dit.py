@@ -41,6 +41,10 @@ class DiTConfig:
     max_frames: int = 32  # largest clip, in latent frames, that the positions are sized for
     max_size: int = 256  # largest latent height or width (pixels, for the identity autoencoder)
     rope_theta: float = 10000.0
+    # Also add fixed 3D sine-cosine positions to the tokens (as DiT and Latte do). RoPE is relative:
+    # in pure noise every token looks alike, so without these a token cannot tell the first frame
+    # from the tenth, nor the left edge from the right, and cannot draw a prompt's motion.
+    absolute_positions: bool = False
     attention: str = "dense"  # self-attention backend: "dense" (SDPA) or "dsa" (3D-DSA)
     dsa_tile: tuple[int, int, int] = (1, 4, 4)  # 3D-DSA tile, in tokens (t, y, x)
     dsa_window: tuple[int, int, int] = (3, 3, 3)  # 3D-DSA window, in tiles (odd)
@@ -103,10 +107,11 @@ PRESETS: dict[str, DiTConfig] = {
     "tiny": DiTConfig(),
     # The embedded default model: tiny with 8x8 patches (4x fewer tokens, so four times the training
     # steps on a CPU), predicting clean patches (192 values per token against a width of 128), an
-    # unshifted schedule, which suits 32x32 pixel-space clips, and hashed word tokens for its prompts.
+    # unshifted schedule, which suits 32x32 pixel-space clips, hashed word tokens for its prompts,
+    # and absolute positions, without which it drew objects moving in random directions.
     "megaslide-tiny": DiTConfig(
         patch=(1, 8, 8), shift=1.0, prediction="data", text=TextEncoderConfig(max_len=64, tokenizer="words"),
-        dsa_tile=(4, 1, 1),  # its 32x32 clips are 4x4 tokens a frame: 3D-DSA tiles of 4 frames x 1 token
+        absolute_positions=True, dsa_tile=(4, 1, 1),  # its 32x32 clips are 4x4 tokens a frame: 3D-DSA tiles of 4 frames x 1 token
     ),
     # ~150M params: big enough that streaming its blocks costs real memory traffic on a CPU.
     "small": DiTConfig(
@@ -160,6 +165,21 @@ def rope_frequencies(config: DiTConfig, grid: tuple[int, int, int], device=None)
         shape[axis] = n
         angles.append(a.view(shape).expand(*grid, a.shape[-1]))
     return torch.cat(angles, dim=-1).reshape(-1, d // 2)  # (N, d/2)
+
+
+def sincos_positions(dim: int, grid: tuple[int, int, int], device=None) -> torch.Tensor:
+    """Fixed absolute positions `(N, dim)` for a `(T, Y, X)` grid: each axis gets its share of the
+    channels (split as in `rope_frequencies`), half sines and half cosines of a frequency ladder."""
+    d_space = 2 * (dim // 6)
+    parts = []
+    for axis, (n, dim_axis) in enumerate(zip(grid, (dim - 2 * d_space, d_space, d_space))):
+        inv = 10000.0 ** (-torch.arange(dim_axis // 2, device=device) / (dim_axis // 2))
+        a = torch.outer(torch.arange(n, device=device, dtype=torch.float32), inv)  # (n, dim_axis // 2)
+        emb = torch.cat((a.sin(), a.cos()), dim=-1)  # (n, dim_axis)
+        shape = [1, 1, 1, dim_axis]
+        shape[axis] = n
+        parts.append(emb.view(shape).expand(*grid, dim_axis))
+    return torch.cat(parts, dim=-1).reshape(-1, dim)  # (N, dim)
 
 
 def apply_rope(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
@@ -403,6 +423,8 @@ class VideoDiT(nn.Module):
         """Everything before the first block: tokens `(B, N, D)` and what every block reads."""
         tokens, grid = self.patchify(x)  # (B, N, C*pt*ph*pw)
         h = self.patch_embed(tokens)  # (B, N, D)
+        if self.config.absolute_positions:
+            h = h + sincos_positions(h.shape[-1], grid, device=x.device).to(h.dtype)  # (B, N, D)
         angles = rope_frequencies(self.config, grid, device=x.device)  # (N, d/2)
         ctx = self.text_proj(ctx.to(h.dtype))  # (B, L, D)
         valid = ctx_mask.unsqueeze(-1).to(h.dtype)  # (B, L, 1)

@@ -33,35 +33,41 @@ PACKAGED = ROOT / "engine" / "assets" / "models" / "megaslide-tiny"
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--work", default=str(ROOT / "runs" / "megaslide-tiny"), help="data and checkpoints")
+    ap.add_argument("--work", default=str(ROOT / "runs" / "megaslide-tiny"), help="checkpoints (and the world)")
+    ap.add_argument("--world", help="training clips (default: <work>/world, written there if missing)")
     ap.add_argument("--clips", type=int, default=10000)
     ap.add_argument("--steps", type=int, default=16000)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--attention", choices=("dense", "dsa"), default="dense")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--save-every", type=int, default=500)
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--export-only", action="store_true", help="package the newest checkpoint and stop")
+    ap.add_argument("--no-package", action="store_true", help="train only (comparison runs)")
     args = ap.parse_args(argv)
 
     from megaslide.engine.world import write_dataset
 
     work = Path(args.work)
-    data, output = work / "world", work / "run"
+    data, output = Path(args.world) if args.world else work / "world", work / "run"
     if not (data / "metadata.jsonl").exists():
         print(f"writing {args.clips} clips to {data}", file=sys.stderr)
         write_dataset(data, args.clips, seed=args.seed, backgrounds=("black",))
     command = [
         sys.executable, "-m", "megaslide", "finetune", "--preset", "megaslide-tiny", "--data", str(data),
         "--output", str(output), "--steps", str(args.steps), "--batch-size", str(args.batch_size),
-        "--lr", str(args.lr), "--lr-schedule", "cosine", "--warmup-steps", "200", "--seed", str(args.seed), "--save-every", str(args.save_every),
-        "--frames", "16", "--size", "32x32", "--attention", "dense", "--time-sampling", "noisy",
+        "--lr", str(args.lr), "--lr-schedule", "cosine", "--warmup-steps", "200", "--seed", str(args.seed),
+        "--save-every", str(args.save_every), "--frames", "16", "--size", "32x32", "--attention", args.attention,
+        "--time-sampling", "noisy",
     ]  # fmt: skip
     if args.resume:
         command.append("--resume")
     start = time.time()
     if not args.export_only:
         subprocess.run(command, check=True)
+    if args.no_package:
+        return 0
     return package(output, args, command, time.time() - start)
 
 

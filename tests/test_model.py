@@ -5,7 +5,9 @@ import math
 import pytest
 import torch
 
-from megaslide.engine.dit import PRESETS, DiTConfig, VideoDiT, apply_rope, count_parameters, rope_frequencies
+from megaslide.engine.dit import (
+    PRESETS, DiTConfig, VideoDiT, apply_rope, count_parameters, rope_frequencies, sincos_positions,
+)
 from megaslide.engine.text import BuiltinTextEncoder, TextEncoderConfig, tokenize
 
 TINY = PRESETS["tiny"]
@@ -163,3 +165,21 @@ def test_dsa_motion_head_learns_from_the_key_flow_loss():
     assert dit.blocks[0].attn.motion.weight.grad.abs().sum() > 0
     # Dense models freeze the head: nothing to learn, nothing to decay.
     assert not make()[0].blocks[0].attn.motion.weight.requires_grad
+
+
+@pytest.mark.parametrize("absolute", [False, True])
+def test_only_absolute_positions_tell_tokens_of_a_uniform_clip_apart(absolute):
+    """RoPE is relative: when every token is alike, every token's output is alike. Absolute
+    positions are what lets a model draw where and when, starting from featureless input."""
+    dit, text = make(TINY.replace(absolute_positions=absolute))
+    randomise_zero_inits(dit)
+    x = torch.full((1, 3, 4, 16, 16), 0.3)
+    with torch.no_grad():
+        out = dit(x, torch.tensor([0.9]), *text.encode(["a red circle"]))  # (1, 3, F, H, W)
+    patches = dit.patchify(out)[0][0]  # (N, C*pt*ph*pw)
+    spread = (patches - patches[0]).abs().max().item()
+    assert (spread > 1e-3) if absolute else (spread < 1e-5), spread
+    if absolute:
+        p = sincos_positions(128, (16, 4, 4))
+        gaps = torch.cdist(p, p) + torch.eye(len(p)) * 1e9
+        assert gaps.min() > 0.1  # every token of the grid has its own position
