@@ -68,13 +68,14 @@ class FinetuneConfig:
     lr_schedule: str = "constant"  # LR_SCHEDULES; "cosine" decays to 0 at the run's last step
     warmup_steps: int = 0  # linear warm-up from lr / warmup_steps to lr
     cache_mb: int = 1024  # decoded training clips kept in RAM (a small dataset is decoded once)
+    until: int | None = None  # stop after this step of the schedule; a resumed run continues it
 
     def validate(self) -> None:
         if (self.model is None) == (self.preset is None):
             raise ValueError("give exactly one of model and preset")
         if (self.steps is None) == (self.epochs is None):
             raise ValueError("give exactly one of steps and epochs")
-        for name in ("steps", "batch_size", "grad_accum", "save_every", "frames", "height", "width"):
+        for name in ("steps", "batch_size", "grad_accum", "save_every", "frames", "height", "width", "until"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be at least 1, got {value}")
@@ -180,7 +181,8 @@ class Trainer:
 
     @property
     def done(self) -> bool:
-        return self.step >= self.total_steps
+        """At the end of the schedule, or at the step this part of the run stops at."""
+        return self.step >= min(self.total_steps, self.config.until or self.total_steps)
 
     def train_step(self) -> dict:
         """One optimizer step (`grad_accum` micro-batches); checkpoints every `save_every` steps."""

@@ -24,11 +24,20 @@ import shlex
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGED = ROOT / "engine" / "assets" / "models" / "megaslide-tiny"
+
+
+# Two parts of one recipe. The first learns colours, shapes and the text from random weights,
+# with flow times favouring the noisy end; it is the first 5000 steps of a 12000-step cosine
+# schedule. The second fine-tunes that model with times shifted further toward pure noise, where
+# a sample's layout and motion are decided (see flow.sample_training_times), on a fresh schedule.
+PHASES = (
+    {"name": "phase1", "steps": 12000, "until": 5000, "lr": 1e-3, "warmup": 200, "seed": 0, "times": "noisy"},
+    {"name": "phase2", "steps": 7000, "until": None, "lr": 7e-4, "warmup": 100, "seed": 1, "times": "shifted"},
+)
 
 
 def main(argv=None) -> int:
@@ -36,63 +45,69 @@ def main(argv=None) -> int:
     ap.add_argument("--work", default=str(ROOT / "runs" / "megaslide-tiny"), help="checkpoints (and the world)")
     ap.add_argument("--world", help="training clips (default: <work>/world, written there if missing)")
     ap.add_argument("--clips", type=int, default=10000)
-    ap.add_argument("--steps", type=int, default=16000)
     ap.add_argument("--batch-size", type=int, default=8)
-    ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--attention", choices=("dense", "dsa"), default="dense")
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--save-every", type=int, default=500)
-    ap.add_argument("--resume", action="store_true")
-    ap.add_argument("--export-only", action="store_true", help="package the newest checkpoint and stop")
+    ap.add_argument("--phases", type=int, default=len(PHASES), help="run only the first N phases")
+    ap.add_argument("--export-only", action="store_true", help="package the finished run and stop")
     ap.add_argument("--no-package", action="store_true", help="train only (comparison runs)")
     args = ap.parse_args(argv)
 
     from megaslide.engine.world import write_dataset
 
     work = Path(args.work)
-    data, output = Path(args.world) if args.world else work / "world", work / "run"
+    data = Path(args.world) if args.world else work / "world"
     if not (data / "metadata.jsonl").exists():
         print(f"writing {args.clips} clips to {data}", file=sys.stderr)
-        write_dataset(data, args.clips, seed=args.seed, backgrounds=("black",))
-    command = [
-        sys.executable, "-m", "megaslide", "finetune", "--preset", "megaslide-tiny", "--data", str(data),
-        "--output", str(output), "--steps", str(args.steps), "--batch-size", str(args.batch_size),
-        "--lr", str(args.lr), "--lr-schedule", "cosine", "--warmup-steps", "200", "--seed", str(args.seed),
-        "--save-every", str(args.save_every), "--frames", "16", "--size", "32x32", "--attention", args.attention,
-        "--time-sampling", "noisy",
-    ]  # fmt: skip
-    if args.resume:
-        command.append("--resume")
-    start = time.time()
-    if not args.export_only:
-        subprocess.run(command, check=True)
+        write_dataset(data, args.clips, seed=0, backgrounds=("black",))
+    commands = []
+    for i, phase in enumerate(PHASES[: args.phases]):
+        init = ["--preset", "megaslide-tiny"] if i == 0 else ["--model", str(work / PHASES[i - 1]["name"] / "model")]
+        command = [
+            sys.executable, "-m", "megaslide", "finetune", *init, "--data", str(data),
+            "--output", str(work / phase["name"]), "--steps", str(phase["steps"]),
+            *(["--until", str(phase["until"])] if phase["until"] else []),
+            "--batch-size", str(args.batch_size), "--lr", str(phase["lr"]), "--lr-schedule", "cosine",
+            "--warmup-steps", str(phase["warmup"]), "--seed", str(phase["seed"]), "--save-every", str(args.save_every),
+            "--frames", "16", "--size", "32x32", "--attention", args.attention, "--time-sampling", phase["times"],
+            "--resume",  # a part that was interrupted continues; a finished one stops at once
+        ]  # fmt: skip
+        commands.append(command)
+        if not args.export_only:
+            subprocess.run(command, check=True)
     if args.no_package:
         return 0
-    return package(output, args, command, time.time() - start)
+    return package(work, commands, args)
 
 
-def package(output: Path, args, command: list[str], seconds: float) -> int:
-    """Copy the newest checkpoint's fp32 weights into the package, with the run's record."""
+def package(work: Path, commands: list[list[str]], args) -> int:
+    """Copy the last phase's final fp32 weights into the package, with the run's record."""
     from megaslide.engine.checkpoint import load_model, save_model
     from megaslide.engine.finetune import list_checkpoints
 
-    ckpt = list_checkpoints(output)[-1]
-    dit, text, _ = load_model(Path(ckpt["path"]) / "model")
+    parts = []
+    for phase, command in zip(PHASES, commands):
+        output = work / phase["name"]
+        step = list_checkpoints(output)[-1]["step"]
+        lines = (output / "metrics.jsonl").read_text().splitlines()
+        metrics = [m for m in map(json.loads, filter(str.strip, lines)) if m["step"] <= step]
+        parts.append({
+            "command": shlex.join(["megaslide", *(os.path.relpath(a, ROOT) if a.startswith(str(ROOT)) else a
+                                                   for a in command[3:])]),
+            "steps": step,
+            "final_loss_mean_of_last_50_steps": sum(m["loss"] for m in metrics[-50:]) / len(metrics[-50:]),
+            "train_seconds": round(sum(m["step_time_s"] for m in metrics), 1),
+        })  # fmt: skip
+    dit, text, _ = load_model(work / PHASES[len(commands) - 1]["name"] / "model")
     tmp = PACKAGED.with_name(PACKAGED.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     save_model(tmp, dit, text)
-    metrics = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    last = metrics[-50:]
     record = {
-        "command": shlex.join(["megaslide", *(os.path.relpath(a, ROOT) if a.startswith(str(ROOT)) else a
-                                               for a in command[3:])]),
-        "seed": args.seed,
-        "steps": ckpt["step"],  # the newest checkpoint's step: a run may be stopped before --steps
-        "planned_steps": args.steps,
         "clips": args.clips,
-        "final_loss_mean_of_last_50_steps": sum(m["loss"] for m in last) / len(last),
-        "train_seconds_this_part": round(seconds, 1),
-        "train_seconds_total": round(sum(m["step_time_s"] for m in metrics), 1),
+        "world_seed": 0,
+        "phases": parts,
+        "steps_total": sum(p["steps"] for p in parts),
+        "train_seconds_total": round(sum(p["train_seconds"] for p in parts), 1),
     }
     (tmp / "training.json").write_text(json.dumps(record, indent=2) + "\n")
     shutil.rmtree(PACKAGED, ignore_errors=True)

@@ -113,6 +113,15 @@ def test_kill_and_resume_equals_uninterrupted(world, tmp_path):
         after = final_masters(resumed)
     assert after.keys() == uninterrupted.keys()
     assert all(torch.equal(after[k], uninterrupted[k]) for k in after)
+    # A run in planned parts (--until) follows the same schedule to the same weights.
+    with Trainer(run_config(world, tmp_path / "c", until=3, **schedule)) as first:
+        first.run()
+        assert first.step == 3 and first.total_steps == 4
+        first.save_checkpoint()
+    with Trainer(run_config(world, tmp_path / "c", **schedule), resume=True) as second:
+        second.run()
+        parts = final_masters(second)
+    assert all(torch.equal(parts[k], uninterrupted[k]) for k in parts)
     metrics = [json.loads(line) for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]
     assert [m["lr"] for m in metrics] == pytest.approx([2e-3, 2e-3, 1.5e-3, 0.5e-3])

@@ -249,10 +249,12 @@ def register_finetune(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--caption-dropout", type=float, default=0.1,
                    help="fraction of captions dropped, which classifier-free guidance needs (default: 0.1)")
-    p.add_argument("--time-sampling", choices=("logit-normal", "noisy", "uniform"), default="logit-normal",
+    p.add_argument("--time-sampling", choices=("logit-normal", "noisy", "shifted", "uniform"), default="logit-normal",
                    help="distribution of training flow times (default: logit-normal)")
     p.add_argument("--cache-mb", type=int, default=1024,
                    help="decoded training clips kept in RAM, in MiB (default: 1024)")
+    p.add_argument("--until", type=int, metavar="STEP",
+                   help="stop after this step of the schedule and checkpoint; --resume continues the run")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --output")
     p.add_argument("--frames", type=int, help="training clip frames (default: the model's)")
     p.add_argument("--size", help="training clip WIDTHxHEIGHT (default: the model's)")
@@ -294,7 +296,7 @@ def run_finetune(args) -> int:
         frames=args.frames, height=height, width=width, attention=args.attention,
         timing=bool(args.stats or args.trace), caption_dropout=args.caption_dropout,
         time_sampling=args.time_sampling, lr_schedule=args.lr_schedule, warmup_steps=args.warmup_steps,
-        cache_mb=args.cache_mb,
+        cache_mb=args.cache_mb, until=args.until,
     )  # fmt: skip
     with Trainer(config, resume=args.resume) as trainer:
         if trainer.done:
@@ -315,6 +317,8 @@ def run_finetune(args) -> int:
         if args.trace and trainer.engine.handle is not None:
             trainer.engine.handle.write_trace(args.trace)
         path = trainer.export()
+        if trainer.step < trainer.total_steps:
+            print(f"stopped at step {trainer.step} of {trainer.total_steps}; --resume continues", file=sys.stderr)
     print(f"fine-tuned model written to {path}", file=sys.stderr)
     return 0
 
