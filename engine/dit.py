@@ -108,10 +108,11 @@ PRESETS: dict[str, DiTConfig] = {
     # The embedded default model: tiny with 8x8 patches (4x fewer tokens, so four times the training
     # steps on a CPU), predicting clean patches (192 values per token against a width of 128), an
     # unshifted schedule, which suits 32x32 pixel-space clips, hashed word tokens for its prompts,
-    # and absolute positions, without which it drew objects moving in random directions.
+    # and absolute positions (RoPE alone cannot place an object in featureless noise).
     "megaslide-tiny": DiTConfig(
         patch=(1, 8, 8), shift=1.0, prediction="data", text=TextEncoderConfig(max_len=64, tokenizer="words"),
-        absolute_positions=True, dsa_tile=(4, 1, 1),  # its 32x32 clips are 4x4 tokens a frame: 3D-DSA tiles of 4 frames x 1 token
+        # 32x32 clips are 4x4 tokens a frame: a 3D-DSA tile is 4 frames x 1 token.
+        absolute_positions=True, dsa_tile=(4, 1, 1),
     ),
     # ~150M params: big enough that streaming its blocks costs real memory traffic on a CPU.
     "small": DiTConfig(

@@ -3,7 +3,9 @@
 import pytest
 import torch
 
-from megaslide.engine.flow import SampleState, cfg_combine, denoise_step, flow_matching_loss, shifted_schedule
+from megaslide.engine.flow import (
+    TIME_SAMPLING, SampleState, cfg_combine, denoise_step, flow_matching_loss, sample_training_times, shifted_schedule,
+)
 from megaslide.engine.pipeline import GenerationRequest, VideoPipeline
 from tests.test_model import randomise_zero_inits
 
@@ -18,6 +20,17 @@ def test_schedule_runs_from_noise_to_data_and_shift_favours_noise():
     assert torch.all(s[1:-1] > t[1:-1])
     with pytest.raises(ValueError):
         shifted_schedule(0, 1.0)
+
+
+def test_training_times_lie_in_the_open_interval_and_order_by_noisiness():
+    g = torch.Generator().manual_seed(0)
+    times = {kind: sample_training_times(20000, g, kind) for kind in TIME_SAMPLING}
+    assert all(((t > 0) & (t < 1)).all() for t in times.values())
+    share_above = {kind: (t > 0.9).float().mean().item() for kind, t in times.items()}
+    assert share_above["logit-normal"] < share_above["noisy"] < share_above["uniform"] < share_above["shifted"]
+    assert share_above["shifted"] == pytest.approx(0.21, abs=0.02)  # P(sigmoid(z) > 0.9 / 1.3)
+    with pytest.raises(ValueError, match="time sampling must be one of"):
+        sample_training_times(2, g, "cosine")
 
 
 class Oracle(torch.nn.Module):
