@@ -48,6 +48,14 @@ class TextEncoderConfig:
         return self.base + 3
 
 
+TOKEN_UNITS = {"bytes": "bytes (UTF-8)", "words": "tokens (words and punctuation)"}
+
+
+def count_tokens(prompt: str, tokenizer: str = "bytes") -> int:
+    """How many text tokens a prompt takes (BOS and EOS not counted)."""
+    return len(prompt.encode("utf-8")) if tokenizer == "bytes" else len(_WORD.findall(prompt))
+
+
 def token_ids(prompt: str, tokenizer: str = "bytes", buckets: int = 4096) -> list[int]:
     """A prompt's text ids, without framing: UTF-8 bytes, or hashed lower-cased words."""
     if tokenizer == "bytes":

@@ -1,18 +1,18 @@
 """Train the embedded default model, `megaslide-tiny`, with MegaSlide's own fine-tuning mode.
 
-    python scripts/train_default.py                # generate the world, train, export into the package
-    python scripts/train_default.py --resume       # continue an interrupted run (it runs in parts)
+    python scripts/train_default.py                # write the world, train both phases, package
+    python scripts/train_default.py                # again after an interruption: continues where it stopped
 
-The training set is the procedural world (engine/world.py): clips of coloured shapes moving on a
-black background, with captions, none showing the held-out colour x shape x motion combinations.
-The run is `megaslide finetune` from random `megaslide-tiny` weights (the tiny preset with 8x8
-patches, predicting clean patches) in pixel space, with the built-in text encoder trained
-alongside. Flow times favour the noisy end: at moderate noise a clip's colour, shape and motion
-are still visible in the input, so only near pure noise does the model need the prompt. Dense self-attention: at 32x32
-pixels the token grid is 4x4 per frame, smaller than one 3D-DSA window, so 3D-DSA would be dense
-attention anyway.
+The training set is the procedural world (engine/world.py): 10000 clips of coloured shapes moving
+on a black background, with captions, none showing the held-out colour x shape x motion
+combinations. Both phases are `megaslide finetune` runs in pixel space, with the built-in text
+encoder (hashed word tokens) trained alongside: the first from random `megaslide-tiny` weights
+(the tiny preset with 8x8 patches, predicting clean patches, with absolute positions), the second
+fine-tuning the first's model (see PHASES). Dense self-attention; `--attention dsa` trains the
+same recipe with 3D-DSA (the comparison is in docs/benchmarks.md).
 
-The record (`training.json` beside the weights) holds the command, seed, steps and final loss.
+The record (`training.json` beside the weights) holds each phase's command, steps, final loss and
+training time.
 """
 
 from __future__ import annotations

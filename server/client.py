@@ -11,11 +11,15 @@ import dataclasses
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
     from .metrics import Registry
     from .store import JobStore
+
+
+def _utf8_bytes(prompt: str) -> int:
+    return len(prompt.encode("utf-8"))
 
 
 @dataclass(frozen=True)
@@ -37,7 +41,10 @@ class ModelCard:
     max_frames: int
     max_size: int
     patch: tuple[int, int, int]  # (frames, height, width) multiples
-    max_prompt_bytes: int
+    max_prompt_tokens: int  # in the model's own tokens, BOS and EOS not counted
+    # The model's token count of a prompt, and its unit (the engine's count for a real model).
+    prompt_tokens: Callable[[str], int] = _utf8_bytes
+    prompt_unit: str = "bytes (UTF-8)"
     parent: str | None = None  # the base model of a fine-tune
 
     def replace(self, **changes) -> ModelCard:

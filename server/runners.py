@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import time
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -17,6 +18,7 @@ from megaslide.engine.checkpoint import read_config
 from megaslide.engine.dit import DiTConfig, VideoDiT, get_preset
 from megaslide.engine.models import default_model_source, packaged_models, resolve_model_path
 from megaslide.engine.pipeline import GenerationRequest, VideoPipeline
+from megaslide.engine.text import TOKEN_UNITS, count_tokens
 
 from .client import ModelCard, VideoSpec
 from .settings import Settings
@@ -29,7 +31,9 @@ def card_from_config(name: str, kind: str, source: str, config: DiTConfig, creat
         name=name, kind=kind, created=created, source=source, parent=parent,
         frames=config.frames, height=config.height, width=config.width, fps=config.fps, steps=config.steps,
         guidance=config.guidance, max_frames=config.max_frames, max_size=config.max_size,
-        patch=tuple(config.patch), max_prompt_bytes=config.text.max_len - 2,  # BOS and EOS take two tokens
+        patch=tuple(config.patch), max_prompt_tokens=config.text.max_len - 2,  # BOS and EOS take two tokens
+        prompt_tokens=partial(count_tokens, tokenizer=config.text.tokenizer),
+        prompt_unit=TOKEN_UNITS[config.text.tokenizer],
     )  # fmt: skip
 
 

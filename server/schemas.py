@@ -304,5 +304,6 @@ def model_object(card: ModelCard) -> Model:
         defaults={"num_frames": card.frames, "size": f"{card.width}x{card.height}", "fps": card.fps,
                   "num_inference_steps": card.steps, "guidance_scale": card.guidance},
         limits={"max_frames": card.max_frames, "max_size": card.max_size, "size_multiple": list(card.patch[1:]),
-                "frames_multiple": card.patch[0], "max_prompt_bytes": card.max_prompt_bytes},
+                "frames_multiple": card.patch[0], "max_prompt_tokens": card.max_prompt_tokens,
+                "prompt_unit": card.prompt_unit},
     )  # fmt: skip

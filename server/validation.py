@@ -26,11 +26,13 @@ def parse_size(text: str, param: str = "size") -> tuple[int, int]:
 
 
 def check_prompt(text: str, param: str, card: ModelCard, settings: Settings) -> None:
-    nbytes = len(text.encode("utf-8"))
-    if len(text) > settings.max_prompt_chars or nbytes > card.max_prompt_bytes:
-        limit = min(card.max_prompt_bytes, settings.max_prompt_chars)
-        raise InvalidRequest(f"{param} is {nbytes} bytes (UTF-8); model {card.name} accepts at most {limit}",
-                             param=param, code="prompt_too_long")  # fmt: skip
+    if len(text) > settings.max_prompt_chars:
+        raise InvalidRequest(f"{param} is {len(text)} characters; this server accepts at most "
+                             f"{settings.max_prompt_chars}", param=param, code="prompt_too_long")  # fmt: skip
+    n = card.prompt_tokens(text)
+    if n > card.max_prompt_tokens:
+        raise InvalidRequest(f"{param} is {n} {card.prompt_unit}; model {card.name} accepts at most "
+                             f"{card.max_prompt_tokens}", param=param, code="prompt_too_long")  # fmt: skip
 
 
 def resolve_video(body: VideoCreate, card: ModelCard, settings: Settings) -> VideoSpec:

@@ -22,7 +22,7 @@ from megaslide.server.worker import Backend, FinetuneJob, Trainer, VideoModel
 
 FAKE_CARD = ModelCard(name="fake", kind="preset", created=1_700_000_000, source="fake", frames=4, height=32,
                       width=32, fps=8, steps=2, guidance=1.0, max_frames=32, max_size=256, patch=(1, 4, 4),
-                      max_prompt_bytes=62)  # fmt: skip
+                      max_prompt_tokens=62)  # fmt: skip
 
 
 class OutOfMemoryError(RuntimeError):

@@ -311,6 +311,26 @@ def test_sse_events(make_client):
     assert_error(c.get("/v1/videos/video_nope/events"), 404)
 
 
+def test_prompt_length_is_counted_in_the_models_own_tokens():
+    from dataclasses import replace
+
+    from megaslide.server.errors import InvalidRequest
+    from megaslide.server.settings import Settings
+    from megaslide.server.validation import check_prompt
+    from tests.server_fakes import FAKE_CARD
+
+    from megaslide.engine.text import TOKEN_UNITS, count_tokens
+
+    words = replace(FAKE_CARD, max_prompt_tokens=12, prompt_tokens=lambda p: count_tokens(p, "words"),
+                    prompt_unit=TOKEN_UNITS["words"])  # fmt: skip
+    long_but_few_words = "a magenta triangle moving left and a yellow square moving down"  # 11 words, 62 bytes
+    check_prompt(long_but_few_words, "prompt", words, Settings())
+    with pytest.raises(InvalidRequest, match="13 tokens \\(words and punctuation\\); model fake accepts at most 12"):
+        check_prompt(long_but_few_words + " on black", "prompt", words, Settings())
+    with pytest.raises(InvalidRequest, match="63 bytes"):
+        check_prompt("x" * 63, "prompt", FAKE_CARD, Settings())
+
+
 def test_validation_errors_name_the_field(make_client):
     c = make_client(max_steps=50)
     cases = [
