@@ -8,8 +8,8 @@ on a black background, with captions, none showing the held-out colour x shape x
 combinations. Both phases are `megaslide finetune` runs in pixel space, with the built-in text
 encoder (hashed word tokens) trained alongside: the first from random `megaslide-tiny` weights
 (the tiny preset with 8x8 patches, predicting clean patches, with absolute positions), the second
-fine-tuning the first's model (see PHASES). Dense self-attention; `--attention dsa` trains the
-same recipe with 3D-DSA (the comparison is in docs/benchmarks.md).
+fine-tuning the first's model with 3D-DSA self-attention (see PHASES; the comparison with dense
+attention is in docs/benchmarks.md).
 
 The record (`training.json` beside the weights) holds each phase's command, steps, final loss and
 training time.
@@ -31,12 +31,15 @@ PACKAGED = ROOT / "engine" / "assets" / "models" / "megaslide-tiny"
 
 
 # Two parts of one recipe. The first learns colours, shapes and the text from random weights,
-# with flow times favouring the noisy end; it is the first 5000 steps of a 12000-step cosine
-# schedule. The second fine-tunes that model with times shifted further toward pure noise, where
-# a sample's layout and motion are decided (see flow.sample_training_times), on a fresh schedule.
+# with dense attention and flow times favouring the noisy end; it is the first 5000 steps of a
+# 12000-step cosine schedule. The second fine-tunes that model with 3D-DSA self-attention and
+# times shifted further toward pure noise, where a sample's layout and motion are decided (see
+# flow.sample_training_times), on a fresh schedule.
 PHASES = (
-    {"name": "phase1", "steps": 12000, "until": 5000, "lr": 1e-3, "warmup": 200, "seed": 0, "times": "noisy"},
-    {"name": "phase2", "steps": 7000, "until": None, "lr": 7e-4, "warmup": 100, "seed": 1, "times": "shifted"},
+    {"name": "phase1", "steps": 12000, "until": 5000, "lr": 1e-3, "warmup": 200, "seed": 0, "times": "noisy",
+     "attention": "dense"},
+    {"name": "phase2", "steps": 7000, "until": None, "lr": 7e-4, "warmup": 100, "seed": 1, "times": "shifted",
+     "attention": "dsa"},
 )
 
 
@@ -46,7 +49,7 @@ def main(argv=None) -> int:
     ap.add_argument("--world", help="training clips (default: <work>/world, written there if missing)")
     ap.add_argument("--clips", type=int, default=10000)
     ap.add_argument("--batch-size", type=int, default=8)
-    ap.add_argument("--attention", choices=("dense", "dsa"), default="dense")
+    ap.add_argument("--attention", choices=("dense", "dsa"), help="one backend for every phase (comparisons)")
     ap.add_argument("--save-every", type=int, default=500)
     ap.add_argument("--phases", type=int, default=len(PHASES), help="run only the first N phases")
     ap.add_argument("--export-only", action="store_true", help="package the finished run and stop")
@@ -69,7 +72,8 @@ def main(argv=None) -> int:
             *(["--until", str(phase["until"])] if phase["until"] else []),
             "--batch-size", str(args.batch_size), "--lr", str(phase["lr"]), "--lr-schedule", "cosine",
             "--warmup-steps", str(phase["warmup"]), "--seed", str(phase["seed"]), "--save-every", str(args.save_every),
-            "--frames", "16", "--size", "32x32", "--attention", args.attention, "--time-sampling", phase["times"],
+            "--frames", "16", "--size", "32x32", "--attention", args.attention or phase["attention"],
+            "--time-sampling", phase["times"],
             "--resume",  # a part that was interrupted continues; a finished one stops at once
         ]  # fmt: skip
         commands.append(command)
