@@ -43,7 +43,7 @@ class DiTConfig:
     rope_theta: float = 10000.0
     # Also add fixed 3D sine-cosine positions to the tokens (as DiT and Latte do). RoPE is relative:
     # in pure noise every token looks alike, so without these a token cannot tell the first frame
-    # from the tenth, nor the left edge from the right, and cannot draw a prompt's motion.
+    # from the tenth, nor the left edge from the right, when it starts to draw a clip.
     absolute_positions: bool = False
     attention: str = "dense"  # self-attention backend: "dense" (SDPA) or "dsa" (3D-DSA)
     dsa_tile: tuple[int, int, int] = (1, 4, 4)  # 3D-DSA tile, in tokens (t, y, x)
@@ -147,6 +147,13 @@ def get_preset(name: str) -> DiTConfig:
 # Positions
 
 
+def axis_channels(d: int) -> tuple[int, int, int]:
+    """Channels of `d` given to time, height and width: `2 * (d // 6)` to each spatial axis, the
+    rest (at least as many) to time; all even when `d` is."""
+    d_space = 2 * (d // 6)
+    return d - 2 * d_space, d_space, d_space
+
+
 def rope_frequencies(config: DiTConfig, grid: tuple[int, int, int], device=None) -> torch.Tensor:
     """Per-token rotary angles for a `(T, Y, X)` grid: `(N, head_dim // 2)` in fp32.
 
@@ -155,10 +162,8 @@ def rope_frequencies(config: DiTConfig, grid: tuple[int, int, int], device=None)
     grid up to the configured maximum gets distinct positions.
     """
     d = config.head_dim
-    d_space = 2 * (d // 6)
-    dims = (d - 2 * d_space, d_space, d_space)
     angles = []
-    for axis, (n, dim_axis) in enumerate(zip(grid, dims)):
+    for axis, (n, dim_axis) in enumerate(zip(grid, axis_channels(d))):
         inv = config.rope_theta ** (-torch.arange(0, dim_axis, 2, device=device) / dim_axis)
         pos = torch.arange(n, device=device, dtype=torch.float32)
         a = torch.outer(pos, inv)  # (n, dim_axis // 2)
@@ -170,10 +175,9 @@ def rope_frequencies(config: DiTConfig, grid: tuple[int, int, int], device=None)
 
 def sincos_positions(dim: int, grid: tuple[int, int, int], device=None) -> torch.Tensor:
     """Fixed absolute positions `(N, dim)` for a `(T, Y, X)` grid: each axis gets its share of the
-    channels (split as in `rope_frequencies`), half sines and half cosines of a frequency ladder."""
-    d_space = 2 * (dim // 6)
+    channels (`axis_channels`), half sines and half cosines of a frequency ladder."""
     parts = []
-    for axis, (n, dim_axis) in enumerate(zip(grid, (dim - 2 * d_space, d_space, d_space))):
+    for axis, (n, dim_axis) in enumerate(zip(grid, axis_channels(dim))):
         inv = 10000.0 ** (-torch.arange(dim_axis // 2, device=device) / (dim_axis // 2))
         a = torch.outer(torch.arange(n, device=device, dtype=torch.float32), inv)  # (n, dim_axis // 2)
         emb = torch.cat((a.sin(), a.cos()), dim=-1)  # (n, dim_axis)

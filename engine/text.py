@@ -53,7 +53,7 @@ TOKEN_UNITS = {"bytes": "bytes (UTF-8)", "words": "tokens (words and punctuation
 
 def count_tokens(prompt: str, tokenizer: str = "bytes") -> int:
     """How many text tokens a prompt takes (BOS and EOS not counted)."""
-    return len(prompt.encode("utf-8")) if tokenizer == "bytes" else len(_WORD.findall(prompt))
+    return len(token_ids(prompt, tokenizer))
 
 
 def token_ids(prompt: str, tokenizer: str = "bytes", buckets: int = 4096) -> list[int]:
@@ -77,12 +77,12 @@ class TextEncoder(ABC):
 def tokenize(prompts: list[str], config: TextEncoderConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """Text ids framed by BOS/EOS, padded to `max_len`: ids `(B, L)` int64 and mask `(B, L)` bool."""
     pad, bos, eos = config.base, config.base + 1, config.base + 2
-    unit = "bytes" if config.tokenizer == "bytes" else "tokens"
     ids = torch.full((len(prompts), config.max_len), pad, dtype=torch.long)
     for i, prompt in enumerate(prompts):
         data = token_ids(prompt, config.tokenizer, config.buckets)
         if len(data) + 2 > config.max_len:
-            raise ValueError(f"prompt is {len(data)} {unit}; this model takes at most {config.max_len - 2}")
+            raise ValueError(f"prompt is {len(data)} {TOKEN_UNITS[config.tokenizer]}; "
+                             f"this model takes at most {config.max_len - 2}")
         ids[i, : len(data) + 2] = torch.tensor([bos, *data, eos])
     return ids, ids != pad
 

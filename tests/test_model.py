@@ -122,7 +122,7 @@ def test_check_shape_names_the_problem():
 def test_tokenizer_rejects_long_prompts():
     ids, mask = tokenize(["ab", ""], TextEncoderConfig(max_len=8))
     assert mask.sum(1).tolist() == [4, 2]
-    with pytest.raises(ValueError, match="7 bytes; this model takes at most 6"):
+    with pytest.raises(ValueError, match=r"7 bytes \(UTF-8\); this model takes at most 6"):
         tokenize(["x" * 7], TextEncoderConfig(max_len=8))
 
 
@@ -133,7 +133,7 @@ def test_word_tokenizer_hashes_lower_cased_words():
     assert torch.equal(ids[0], ids[1])
     assert ids[0, 2] != ids[2, 2] and ids[0, 3] == ids[2, 3]  # red != green; circle == circle
     assert ids.max() < config.vocab_size and ids[0, 1:5].max() < config.buckets
-    with pytest.raises(ValueError, match="7 tokens; this model takes at most 6"):
+    with pytest.raises(ValueError, match=r"7 tokens \(words and punctuation\); this model takes at most 6"):
         tokenize(["one two three four five six seven"], config)
     with pytest.raises(ValueError, match="tokenizer must be one of"):
         TextEncoderConfig(tokenizer="sentencepiece")
