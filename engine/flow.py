@@ -37,8 +37,11 @@ def flow_matching_loss(model, x0, ctx, ctx_mask, *, t: torch.Tensor, noise: torc
     return F.mse_loss(v.float(), (noise - x0).float())
 
 
-TIME_SAMPLING = ("logit-normal", "noisy", "shifted", "uniform")
+_SPREAD = ("logit-normal", "noisy", "shifted", "uniform")  # times spread over the whole path
+TIME_SAMPLING = (*_SPREAD, "prior", *(f"{kind}+prior" for kind in _SPREAD))
 TRAINING_SHIFT = 4.0  # the "shifted" time sampling's shift
+PRIOR_FLOOR = 0.99  # "prior" times lie in [PRIOR_FLOOR, 1)
+PRIOR_SHARE = 0.25  # share of "prior" times in "<kind>+prior"
 
 
 def sample_training_times(batch: int, generator: torch.Generator, kind: str = "logit-normal") -> torch.Tensor:
@@ -51,6 +54,15 @@ def sample_training_times(batch: int, generator: torch.Generator, kind: str = "l
     does for larger images: a fifth of the times lie above 0.9. Small clips of large flat objects
     stay legible under heavy noise, so the layout and motion of a sample are decided there, and a
     model that has not learned that regime reads motion into pure noise. "uniform" is flat.
+
+    "prior" is uniform in [0.99, 1): the input is all but pure noise, so the best prediction is the
+    mean clip the prompt implies, and training there is regression from the prompt alone. A
+    direction of motion lives only in that mean's joint dependence on frame and position (a
+    left-moving object is on the right early and on the left late; averaged over either, left and
+    right look alike), which gradient descent finds slowly: with times spread over the path, the
+    evidence in less noisy inputs explains the loss first and the direction words stay unused.
+    "<kind>+prior" ("noisy+prior", ...) draws a quarter of the times from "prior" and the rest
+    from `kind`, so a model keeps what the prompt alone implies while it learns to denoise.
     """
     if kind == "logit-normal":
         return torch.sigmoid(torch.randn(batch, generator=generator))
@@ -61,6 +73,12 @@ def sample_training_times(batch: int, generator: torch.Generator, kind: str = "l
         return TRAINING_SHIFT * t / (1 + (TRAINING_SHIFT - 1) * t)
     if kind == "uniform":
         return torch.rand(batch, generator=generator)
+    if kind == "prior":
+        return PRIOR_FLOOR + (1 - PRIOR_FLOOR) * torch.rand(batch, generator=generator)
+    if kind in TIME_SAMPLING and kind.endswith("+prior"):
+        t = sample_training_times(batch, generator, kind.removesuffix("+prior"))
+        prior = torch.rand(batch, generator=generator) < PRIOR_SHARE
+        return torch.where(prior, sample_training_times(batch, generator, "prior"), t)
     raise ValueError(f"time sampling must be one of {TIME_SAMPLING}, got {kind!r}")
 
 

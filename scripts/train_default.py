@@ -7,9 +7,10 @@ The training set is the procedural world (engine/world.py): 10000 clips of colou
 on a black background, with captions, none showing the held-out colour x shape x motion
 combinations. Both phases are `megaslide finetune` runs in pixel space, with the built-in text
 encoder (hashed word tokens) trained alongside: the first from random `megaslide-tiny` weights
-(the tiny preset with 8x8 patches, predicting clean patches, with absolute positions), the second
-fine-tuning the first's model with 3D-DSA self-attention (see PHASES; the comparison with dense
-attention is in docs/benchmarks.md).
+(the tiny preset with 8x8 patches, predicting clean patches, with absolute positions) at flow
+times next to pure noise, where it learns what each prompt implies, its direction of motion
+included; the second fine-tunes the first's model with 3D-DSA self-attention over the whole path
+(see PHASES; the comparison with dense attention is in docs/benchmarks.md).
 
 The record (`training.json` beside the weights) holds each phase's command, steps, final loss and
 training time.
@@ -30,17 +31,17 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGED = ROOT / "engine" / "assets" / "models" / "megaslide-tiny"
 
 
-# Two parts of one recipe. The first learns colours, shapes and the text from random weights,
-# with dense attention and flow times favouring the noisy end; it is the first 5000 steps of a
-# 12000-step cosine schedule. The second fine-tunes that model with 3D-DSA self-attention and
-# times shifted further toward pure noise, where a sample's layout and motion are decided (see
-# flow.sample_training_times), on a fresh schedule stopped at 6000 of 7000 steps (the rest, below
-# 5% of the peak learning rate, was left out to fit the time).
+# Two parts of one recipe, both from the same world. The first learns what a prompt alone implies:
+# from random weights, with flow times only in [0.99, 1) ("prior"), where the input is all but
+# pure noise and the best prediction is the mean clip of the prompt, which carries its colours,
+# shapes and, only there, its direction of motion (see flow.sample_training_times). The second
+# learns to denoise, with 3D-DSA self-attention, on times shifted toward the noisy end with a
+# quarter still drawn from "prior", so the first phase's directions are kept.
 PHASES = (
-    {"name": "phase1", "steps": 12000, "until": 5000, "lr": 1e-3, "warmup": 200, "seed": 0, "times": "noisy",
-     "attention": "dense"},
-    {"name": "phase2", "steps": 7000, "until": 6000, "lr": 7e-4, "warmup": 100, "seed": 1, "times": "shifted",
-     "attention": "dsa"},
+    {"name": "prior", "steps": 3000, "until": None, "lr": 1e-3, "schedule": "constant", "warmup": 200, "seed": 0,
+     "times": "prior", "attention": "dense"},
+    {"name": "denoise", "steps": 10000, "until": None, "lr": 1e-3, "schedule": "cosine", "warmup": 100, "seed": 1,
+     "times": "noisy+prior", "attention": "dsa"},
 )
 
 
@@ -71,7 +72,7 @@ def main(argv=None) -> int:
             sys.executable, "-m", "megaslide", "finetune", *init, "--data", str(data),
             "--output", str(work / phase["name"]), "--steps", str(phase["steps"]),
             *(["--until", str(phase["until"])] if phase["until"] else []),
-            "--batch-size", str(args.batch_size), "--lr", str(phase["lr"]), "--lr-schedule", "cosine",
+            "--batch-size", str(args.batch_size), "--lr", str(phase["lr"]), "--lr-schedule", phase["schedule"],
             "--warmup-steps", str(phase["warmup"]), "--seed", str(phase["seed"]), "--save-every", str(args.save_every),
             "--frames", "16", "--size", "32x32", "--attention", args.attention or phase["attention"],
             "--time-sampling", phase["times"],

@@ -29,6 +29,13 @@ def test_training_times_lie_in_the_open_interval_and_order_by_noisiness():
     share_above = {kind: (t > 0.9).float().mean().item() for kind, t in times.items()}
     assert share_above["logit-normal"] < share_above["noisy"] < share_above["uniform"] < share_above["shifted"]
     assert share_above["shifted"] == pytest.approx(0.21, abs=0.02)  # P(sigmoid(z) > 0.9 / 1.3)
+    assert (times["prior"] >= 0.99).all()
+    # "<kind>+prior": a quarter from "prior", the rest from the kind (under 0.1% of each kind's own
+    # times lie above 0.99).
+    for kind in ("logit-normal", "noisy", "shifted", "uniform"):
+        mixed = times[f"{kind}+prior"]
+        assert (mixed >= 0.99).float().mean().item() == pytest.approx(0.25 + 0.75 * (kind == "uniform") * 0.01, abs=0.015)
+        assert share_above[f"{kind}+prior"] == pytest.approx(0.25 + 0.75 * share_above[kind], abs=0.02)
     with pytest.raises(ValueError, match="time sampling must be one of"):
         sample_training_times(2, g, "cosine")
 
@@ -42,6 +49,12 @@ class Oracle(torch.nn.Module):
 
     def forward(self, x, t, ctx, mask):
         return (x - self.x0) / t.view(-1, 1, 1, 1, 1)
+
+
+def test_cli_offers_every_time_sampling():
+    from megaslide.commands import TIME_SAMPLING as CLI_TIME_SAMPLING
+
+    assert CLI_TIME_SAMPLING == TIME_SAMPLING
 
 
 def test_loss_is_zero_for_the_true_velocity_and_euler_lands_on_the_data():

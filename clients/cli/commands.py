@@ -229,6 +229,12 @@ def model_config(args):
 # finetune
 
 
+# engine.flow.TIME_SAMPLING, spelled out so that building the parser does not import torch (a test
+# keeps the two equal).
+_SPREAD_TIMES = ("logit-normal", "noisy", "shifted", "uniform")
+TIME_SAMPLING = (*_SPREAD_TIMES, "prior", *(f"{kind}+prior" for kind in _SPREAD_TIMES))
+
+
 def register_finetune(sub) -> None:
     p = sub.add_parser("finetune", help="full-parameter fine-tuning on a directory of captioned clips")
     add_model_args(p)
@@ -249,7 +255,7 @@ def register_finetune(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--caption-dropout", type=float, default=0.1,
                    help="fraction of captions dropped, which classifier-free guidance needs (default: 0.1)")
-    p.add_argument("--time-sampling", choices=("logit-normal", "noisy", "shifted", "uniform"), default="logit-normal",
+    p.add_argument("--time-sampling", choices=TIME_SAMPLING, default="logit-normal",
                    help="distribution of training flow times (default: logit-normal)")
     p.add_argument("--cache-mb", type=int, default=1024,
                    help="decoded training clips kept in RAM, in MiB (default: 1024)")
