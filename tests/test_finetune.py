@@ -69,9 +69,12 @@ def test_streamed_training_matches_torch_adamw(preset, steps, lr):
     step.close()
 
     # fp32 throughout; the block-wise backward sums some gradients in another order, so the weights
-    # agree to rounding, not bitwise: the tolerance the adaptation mode promises.
+    # agree to rounding, not bitwise: the tolerance the adaptation mode promises. The text encoder's
+    # gradient arrives as a sum over every block's cross-attention, and its LayerNorm biases sum
+    # that over tokens where the terms nearly cancel, so reordering moves them by about 2e-6 of
+    # their size after a few steps; losing the last block's contribution moves them by 0.75.
     assert max_relative_difference(dit_sd, ref_dit.state_dict()) <= 1e-6
-    assert max_relative_difference(text_sd, ref_text.state_dict()) <= 1e-6
+    assert max_relative_difference(text_sd, ref_text.state_dict()) <= 1e-5
     assert live_grads and max(live_grads) <= 1  # never a gradient for a block not being processed
     block_bytes = stats["slot_bytes"]
     assert stats["peak_device_weight_bytes"] <= stats["non_block_bytes"] + 2 * block_bytes
