@@ -167,8 +167,25 @@ class Analysis:
     shape: str | None
     motion: str | None
     displacement: tuple[float, float]
-    fill: float  # object pixels / bounding-box pixels
+    fill: float  # object pixels, holes filled, / bounding-box pixels
     drop: float  # height of the centroid within the bounding box, from the top, in [0, 1]
+
+
+def fill_holes(mask: np.ndarray) -> np.ndarray:
+    """`mask` with every region of False pixels that does not reach its border (4-connected) set."""
+    outside = np.zeros_like(mask)
+    outside[[0, -1], :] |= ~mask[[0, -1], :]
+    outside[:, [0, -1]] |= ~mask[:, [0, -1]]
+    while True:  # grow the outside through False pixels until it stops
+        grown = outside.copy()
+        grown[1:] |= outside[:-1]
+        grown[:-1] |= outside[1:]
+        grown[:, 1:] |= outside[:, :-1]
+        grown[:, :-1] |= outside[:, 1:]
+        grown &= ~mask
+        if (grown == outside).all():
+            return ~outside
+        outside = grown
 
 
 def analyse_clip(video: np.ndarray, background: str = "black") -> Analysis:
@@ -194,9 +211,10 @@ def analyse_clip(video: np.ndarray, background: str = "black") -> Analysis:
         if len(ys) < 4:
             continue
         cents.append((ys.mean(), xs.mean()))
-        # The shape is measured on the foreground inside the main object's box: the codec smears
-        # chroma at edges, so edge pixels are clearly not background but not clearly one colour.
-        box = fg[f][ys.min() : ys.max() + 1, xs.min() : xs.max() + 1]  # (h, w)
+        # The shape is the main colour's mask inside its own box with its holes filled: a dark
+        # fleck inside an object (the texture a sampler leaves) is not an edge, and a dark fringe
+        # around it (or one the codec smears into the corners of a circle's box) is not the object.
+        box = fill_holes(mask[f][ys.min() : ys.max() + 1, xs.min() : xs.max() + 1])  # (h, w)
         rows = np.nonzero(box)[0]
         fills.append(box.mean())
         drops.append((rows.mean() + 0.5) / box.shape[0])  # where the mass sits: 1/2 symmetric, 2/3 triangle
