@@ -21,3 +21,21 @@ def test_streaming_benchmark_quick():
     assert abs(r["ratio"] - r["streamed_s"] / r["resident_s"]) < 1e-9
     # One bus crossing per block per step: the CFG pair shares it.
     assert r["h2d_bytes_per_step"] == r["streamed_block_bytes"]
+
+
+def test_prompt_adherence_benchmark_quick():
+    r = run_json("benchmarks/prompt_adherence.py", "--count", "2", "--steps", "2", "--json")
+    assert r["prompts"] == 2 and len(r["rows"]) == 2
+    assert r["unseen_prompts"] == sum(row["unseen_combination"] for row in r["rows"])
+    for attr in ("colour", "shape", "motion"):
+        assert r["accuracy"][attr] == sum(row[attr] for row in r["rows"]) / 2
+        assert r["goals_met"][attr] == (r["accuracy"][attr] >= r["goals"][attr])
+    assert r["seconds_per_clip"] > 0
+
+
+def test_motion_prior_benchmark_quick():
+    r = run_json("benchmarks/motion_prior.py", "--colours", "1", "--shapes", "1", "--samples", "8",
+                 "--noises", "1", "--times", "1.0", "--json")  # fmt: skip
+    scores = r["times"]["1.0"]["score_by_direction"]
+    assert set(scores) == {"left", "right", "up", "down"}
+    assert abs(r["times"]["1.0"]["score"] - sum(scores.values()) / 4) < 1e-9
