@@ -61,7 +61,8 @@ def predicted_clean_clip(pipe: VideoPipeline, prompt: str, t: float, noises: int
     sampler's first steps see it), averaged over `noises` draws."""
     c = pipe.config
     ctx, mask = pipe.text_encoder.encode([prompt] * noises)  # (n, L, text_dim)
-    noise = torch.randn(noises, c.in_channels, c.frames, c.height, c.width, generator=torch.Generator().manual_seed(seed))
+    g = torch.Generator().manual_seed(seed)
+    noise = torch.randn(noises, c.in_channels, c.frames, c.height, c.width, generator=g)  # (n, C, F, H, W)
     v = pipe.dit(noise, torch.full((noises,), t), ctx, mask).float()  # (n, C, F, H, W) velocity
     return (noise - t * v).mean(0)  # x_t - t * (noise - x0) = x0 when x_t is on the path
 

@@ -171,18 +171,23 @@ class Analysis:
     drop: float  # height of the centroid within the bounding box, from the top, in [0, 1]
 
 
+def dilate(mask: np.ndarray) -> np.ndarray:
+    """`mask` grown by one pixel toward its four neighbours."""
+    grown = mask.copy()
+    grown[1:] |= mask[:-1]
+    grown[:-1] |= mask[1:]
+    grown[:, 1:] |= mask[:, :-1]
+    grown[:, :-1] |= mask[:, 1:]
+    return grown
+
+
 def fill_holes(mask: np.ndarray) -> np.ndarray:
     """`mask` with every region of False pixels that does not reach its border (4-connected) set."""
     outside = np.zeros_like(mask)
     outside[[0, -1], :] |= ~mask[[0, -1], :]
     outside[:, [0, -1]] |= ~mask[:, [0, -1]]
     while True:  # grow the outside through False pixels until it stops
-        grown = outside.copy()
-        grown[1:] |= outside[:-1]
-        grown[:-1] |= outside[1:]
-        grown[:, 1:] |= outside[:, :-1]
-        grown[:, :-1] |= outside[:, 1:]
-        grown &= ~mask
+        grown = dilate(outside) & ~mask
         if (grown == outside).all():
             return ~outside
         outside = grown

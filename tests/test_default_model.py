@@ -29,7 +29,6 @@ def test_default_shape_runs_with_3d_dsa():
         assert dit(x, torch.tensor([0.5]), ctx, mask).shape == x.shape
 
 
-
 def test_readme_prompt_is_followed():
     """The README's main command's prompt, five seeds: the analyser reads what was asked in at
     least four (all ten of seeds 0-9 on the development machine)."""

@@ -7,8 +7,8 @@ import random
 import numpy as np
 
 from megaslide.engine.world import (
-    BACKGROUNDS, COLOURS, MOTIONS, SHAPES, analyse_clip, benchmark_prompts, fill_holes, held_out, random_clip, render,
-    write_dataset,
+    BACKGROUNDS, COLOURS, MOTIONS, SHAPES, analyse_clip, benchmark_prompts, dilate, fill_holes, held_out, random_clip,
+    render, write_dataset,
 )  # fmt: skip
 
 
@@ -45,12 +45,7 @@ def flecked_and_fringed(video: np.ndarray, colour: str, background: str, rng: np
     out, bg = video.copy(), np.array(BACKGROUNDS[background])
     for frame in out:
         obj = (frame != bg).any(-1)
-        ring = np.zeros_like(obj)
-        ring[1:] |= obj[:-1]
-        ring[:-1] |= obj[1:]
-        ring[:, 1:] |= obj[:, :-1]
-        ring[:, :-1] |= obj[:, 1:]
-        frame[ring & ~obj] = np.clip(0.35 * np.array(COLOURS[colour]) + [0, 0, 90], 0, 255).astype(np.uint8)
+        frame[dilate(obj) & ~obj] = np.clip(0.35 * np.array(COLOURS[colour]) + [0, 0, 90], 0, 255).astype(np.uint8)
         frame[obj & (rng.random(obj.shape) < 0.125)] = bg
     return out
 
