@@ -132,8 +132,12 @@ def measure_cpu(method: str, tokens: int) -> dict:
             t0 = time.perf_counter()
             fn()
             times.append(time.perf_counter() - t0)
-    return {"ms": 1e3 * statistics.median(times), "peak_mb": (peak - base) / 1024,
-            "memory_method": method_used, "threads": torch.get_num_threads()}
+    return {
+        "ms": 1e3 * statistics.median(times),
+        "peak_mb": (peak - base) / 1024,
+        "memory_method": method_used,
+        "threads": torch.get_num_threads(),
+    }
 
 
 MEASURE_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
@@ -147,7 +151,10 @@ def run_cpu(tokens_list, raw_env: bool) -> tuple[list[dict], str]:
         for method in ("dsa", "dense"):
             proc = subprocess.run(
                 [sys.executable, os.path.abspath(__file__), "--_measure-cpu", method, str(tokens)],
-                capture_output=True, text=True, check=False, env=env,
+                capture_output=True,
+                text=True,
+                check=False,
+                env=env,
             )
             if proc.returncode != 0:
                 raise RuntimeError(f"{method} at {tokens} tokens failed:\n{proc.stderr[-3000:]}")
@@ -155,9 +162,11 @@ def run_cpu(tokens_list, raw_env: bool) -> tuple[list[dict], str]:
             row[f"{method}_ms"] = round(res["ms"], 2)
             row[f"{method}_peak_mb"] = round(res["peak_mb"], 1)
             method_used = res["memory_method"]
-        log(f"cpu N={tokens:6d}: dsa {row['dsa_ms']:9.1f} ms {row['dsa_peak_mb']:7.1f} MB | "
+        log(
+            f"cpu N={tokens:6d}: dsa {row['dsa_ms']:9.1f} ms {row['dsa_peak_mb']:7.1f} MB | "
             f"dense {row['dense_ms']:9.1f} ms {row['dense_peak_mb']:7.1f} MB | "
-            f"speed-up {row['dense_ms'] / row['dsa_ms']:.2f}x")
+            f"speed-up {row['dense_ms'] / row['dsa_ms']:.2f}x"
+        )
         rows.append(row)
     return rows, method_used
 
@@ -234,9 +243,15 @@ def flex_block_mask(geom, batch: int, heads: int, device):
     def in_window(b, h, q_idx, kv_idx):
         return allowed[q_idx // S, kv_idx // S]
 
-    return BlockMask.from_kv_blocks(torch.zeros_like(full), idx, full, idx, BLOCK_SIZE=S,
-                                    mask_mod=in_window,
-                                    seq_lengths=(geom.num_tokens, geom.num_tokens))
+    return BlockMask.from_kv_blocks(
+        torch.zeros_like(full),
+        idx,
+        full,
+        idx,
+        BLOCK_SIZE=S,
+        mask_mod=in_window,
+        seq_lengths=(geom.num_tokens, geom.num_tokens),
+    )
 
 
 def _cuda_time(fn, reps: int = 10) -> float:
@@ -266,19 +281,23 @@ def _cuda_peak_mb(fn) -> float:
 
 
 def run_cuda() -> list[dict]:
-    from megaslide.kernels.dsa_reference import to_tiles
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.flex_attention import flex_attention
+
+    from megaslide.kernels.dsa_reference import to_tiles
 
     device = torch.device("cuda")
     geom = dsa_geometry(CUDA_GRID, CUDA_TILE, CUDA_WINDOW)
     B, H, D, N = 1, CUDA_HEADS, CUDA_DIM, geom.num_tokens
     g = torch.Generator(device=device).manual_seed(0)
-    q, k, v = [torch.randn(B, H, N, D, generator=g, device=device, dtype=torch.bfloat16)
-               .requires_grad_() for _ in range(3)]
+    q, k, v = [
+        torch.randn(B, H, N, D, generator=g, device=device, dtype=torch.bfloat16).requires_grad_()
+        for _ in range(3)
+    ]
     do = torch.randn(B, H, N, D, generator=g, device=device, dtype=torch.bfloat16)
-    qt, kt, vt = [to_tiles(t.detach(), geom).reshape(B, H, N, D).requires_grad_()
-                  for t in (q, k, v)]
+    qt, kt, vt = [
+        to_tiles(t.detach(), geom).reshape(B, H, N, D).requires_grad_() for t in (q, k, v)
+    ]
     mask = flex_block_mask(geom, 1, 1, device)  # broadcast over batch and heads
     flex = torch.compile(flex_attention, dynamic=False)
 
@@ -296,17 +315,31 @@ def run_cuda() -> list[dict]:
     dense_flops = 4.0 * B * H * N * N * D
     rows = []
     for pass_name, mult in (("fwd", 1.0), ("fwd+bwd", 3.5)):
-        row = {"tokens": N, "pass": pass_name, "grid": list(CUDA_GRID), "heads": H, "dim": D,
-               "tile": list(CUDA_TILE), "window": list(CUDA_WINDOW), "dtype": "bfloat16"}
-        for name, fn, inputs in (("dsa", dsa, (q, k, v)), ("dense", dense, (q, k, v)),
-                                 ("flex", flexed, (qt, kt, vt))):
+        row = {
+            "tokens": N,
+            "pass": pass_name,
+            "grid": list(CUDA_GRID),
+            "heads": H,
+            "dim": D,
+            "tile": list(CUDA_TILE),
+            "window": list(CUDA_WINDOW),
+            "dtype": "bfloat16",
+        }
+        for name, fn, inputs in (
+            ("dsa", dsa, (q, k, v)),
+            ("dense", dense, (q, k, v)),
+            ("flex", flexed, (qt, kt, vt)),
+        ):
             if pass_name == "fwd":
+
                 def call(fn=fn):
                     with torch.no_grad():
                         fn()
             else:
+
                 def call(fn=fn, inputs=inputs):  # autograd.grad: no accumulation into .grad
                     torch.autograd.grad(fn(), inputs, do)
+
             try:
                 row[f"{name}_ms"] = round(_cuda_time(call), 3)
                 row[f"{name}_peak_mb"] = round(_cuda_peak_mb(call), 1)
@@ -322,15 +355,25 @@ def run_cuda() -> list[dict]:
         for other in ("dense", "flex"):
             if row[f"{other}_ms"] is not None:
                 row[f"speedup_vs_{other}"] = round(row[f"{other}_ms"] / row["dsa_ms"], 2)
-        log(f"cuda {pass_name:8s}: dsa {row['dsa_ms']} ms ({row['dsa_tflops']} TFLOP/s in "
+        log(
+            f"cuda {pass_name:8s}: dsa {row['dsa_ms']} ms ({row['dsa_tflops']} TFLOP/s in "
             f"window) | dense {row['dense_ms']} ms | flex {row['flex_ms']} ms | "
-            f"{row.get('speedup_vs_dense')}x vs dense")
+            f"{row.get('speedup_vs_dense')}x vs dense"
+        )
         rows.append(row)
     with torch.no_grad():  # sanity: the timed kernel computes the operator at this shape
-        want = dsa_attention(q.float(), k.float(), v.float(), grid=CUDA_GRID, tile=CUDA_TILE,
-                             window=CUDA_WINDOW, backend="reference")
+        want = dsa_attention(
+            q.float(),
+            k.float(),
+            v.float(),
+            grid=CUDA_GRID,
+            tile=CUDA_TILE,
+            window=CUDA_WINDOW,
+            backend="reference",
+        )
         rows[0]["dsa_max_abs_err_vs_fp32_reference"] = round(
-            (dsa().float() - want).abs().max().item(), 5)  # .item(): a number for the JSON
+            (dsa().float() - want).abs().max().item(), 5
+        )  # .item(): a number for the JSON
     return rows
 
 
@@ -345,8 +388,11 @@ def main(argv=None) -> int:
     p.add_argument("--plot", metavar="PNG", help="plot CPU time and memory against N")
     p.add_argument("--quick", action="store_true", help="CPU at 4k and 8k tokens only")
     p.add_argument("--no-cuda", action="store_true", help="skip the CUDA rows")
-    p.add_argument("--raw-env", action="store_true",
-                   help="measure CPU rows in the inherited environment (see the docstring)")
+    p.add_argument(
+        "--raw-env",
+        action="store_true",
+        help="measure CPU rows in the inherited environment (see the docstring)",
+    )
     p.add_argument("--_measure-cpu", nargs=2, metavar=("METHOD", "TOKENS"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
 
@@ -356,20 +402,28 @@ def main(argv=None) -> int:
         return 0
 
     tokens = CPU_TOKENS[:2] if args.quick else CPU_TOKENS
-    log(f"CPU: {torch.get_num_threads()} threads, heads {CPU_HEADS}, dim {CPU_DIM}, "
-        f"tile {CPU_TILE}, window {CPU_WINDOW}, fp32 forward")
+    log(
+        f"CPU: {torch.get_num_threads()} threads, heads {CPU_HEADS}, dim {CPU_DIM}, "
+        f"tile {CPU_TILE}, window {CPU_WINDOW}, fp32 forward"
+    )
     load_before = os.getloadavg()[0]
     cpu_rows, memory_method = run_cpu(tokens, args.raw_env)
     result = {
         "cpu": cpu_rows,
         "cpu_goals": cpu_goals(cpu_rows),
-        "cpu_setup": {"heads": CPU_HEADS, "dim": CPU_DIM, "tile": list(CPU_TILE),
-                      "window": list(CPU_WINDOW), "grid": "tokens/1024 x 32 x 32",
-                      "dtype": "float32", "pass": "forward", "threads": torch.get_num_threads(),
-                      "memory_method": memory_method,
-                      "env": "inherited" if args.raw_env else MEASURE_ENV,
-                      "load_average_1min": [round(load_before, 2),
-                                            round(os.getloadavg()[0], 2)]},
+        "cpu_setup": {
+            "heads": CPU_HEADS,
+            "dim": CPU_DIM,
+            "tile": list(CPU_TILE),
+            "window": list(CPU_WINDOW),
+            "grid": "tokens/1024 x 32 x 32",
+            "dtype": "float32",
+            "pass": "forward",
+            "threads": torch.get_num_threads(),
+            "memory_method": memory_method,
+            "env": "inherited" if args.raw_env else MEASURE_ENV,
+            "load_average_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+        },
         "torch": torch.__version__,
     }
     if torch.cuda.is_available() and not args.no_cuda:

@@ -22,7 +22,9 @@ def streamed_equals_resident(preset: str) -> dict:
     from megaslide.engine.pipeline import GenerationRequest, VideoPipeline
     from megaslide.engine.streaming import stream_module
 
-    request = GenerationRequest("a red circle moving right", frames=8, height=64, width=64, steps=3, seed=1)
+    request = GenerationRequest(
+        "a red circle moving right", frames=8, height=64, width=64, steps=3, seed=1
+    )
     pipe = VideoPipeline.from_preset(preset, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():  # random zero-initialised layers would make both outputs pure noise
         for p in pipe.dit.parameters():
@@ -36,8 +38,12 @@ def streamed_equals_resident(preset: str) -> dict:
     diff = abs(resident.astype(int) - streamed.astype(int))
     # Same kernels on the same weights: identical, or at most one uint8 level where bf16 reductions
     # were scheduled differently.
-    return {"preset": preset, "max_uint8_diff": int(diff.max()), "ok": int(diff.max()) <= 1,
-            "h2d_bytes": stats["h2d_bytes"]}  # fmt: skip
+    return {
+        "preset": preset,
+        "max_uint8_diff": int(diff.max()),
+        "ok": int(diff.max()) <= 1,
+        "h2d_bytes": stats["h2d_bytes"],
+    }
 
 
 def h2d_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> dict:
@@ -73,24 +79,40 @@ def training_step(preset: str) -> dict:
     prompts = ["a red circle moving left", "a blue square"]
     results = {}
     for offload in ("none", "stream"):
-        step = BlockwiseStep(copy.deepcopy(dit), copy.deepcopy(text), "cuda", StepConfig(lr=1e-4, offload=offload))
+        step = BlockwiseStep(
+            copy.deepcopy(dit), copy.deepcopy(text), "cuda", StepConfig(lr=1e-4, offload=offload)
+        )
         g = torch.Generator().manual_seed(0)
         for _ in range(2):
             step.micro_step(x0, prompts, g)
         results[offload] = master_state_dicts(step)[0]
         step.close()
-    worst = max(((results["stream"][k] - results["none"][k]).norm() / results["none"][k].norm().clamp_min(1e-30)).item()
-                for k in results["none"])  # fmt: skip
-    timed = BlockwiseStep(copy.deepcopy(dit), copy.deepcopy(text), "cuda",
-                          StepConfig(lr=1e-4, offload="stream", autocast=torch.bfloat16, timing=True))  # fmt: skip
+    worst = max(
+        (
+            (results["stream"][k] - results["none"][k]).norm()
+            / results["none"][k].norm().clamp_min(1e-30)
+        ).item()
+        for k in results["none"]
+    )
+    timed = BlockwiseStep(
+        copy.deepcopy(dit),
+        copy.deepcopy(text),
+        "cuda",
+        StepConfig(lr=1e-4, offload="stream", autocast=torch.bfloat16, timing=True),
+    )
     g = torch.Generator().manual_seed(0)
     timed.micro_step(x0, prompts, g)
     seconds = [timed.micro_step(x0, prompts, g)["step_time_s"] for _ in range(3)]
     stats = timed.handle.stats()
     timed.close()
-    return {"preset": preset, "max_relative_difference_stream_vs_resident": worst, "ok": worst <= 1e-5,
-            "bf16_streamed_step_s": sorted(seconds)[1], "h2d_gbps": stats.get("h2d_gbps"),
-            "copy_hidden_fraction": stats.get("copy_hidden_fraction")}  # fmt: skip
+    return {
+        "preset": preset,
+        "max_relative_difference_stream_vs_resident": worst,
+        "ok": worst <= 1e-5,
+        "bf16_streamed_step_s": sorted(seconds)[1],
+        "h2d_gbps": stats.get("h2d_gbps"),
+        "copy_hidden_fraction": stats.get("copy_hidden_fraction"),
+    }
 
 
 def main(argv=None) -> int:

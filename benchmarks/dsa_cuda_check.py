@@ -52,10 +52,15 @@ def check_case(case, dtype, device) -> bool:
     geom = dsa_geometry(grid, tile, window)
     N = geom.num_tokens
     g = torch.Generator().manual_seed(0)
-    q, k, v, do = [torch.randn(B, H, N, D, generator=g).to(device=device, dtype=dtype)
-                   for _ in range(4)]
-    kw = dict(grid=grid, tile=tile, window=window,
-              motion=make_motion(motion_kind, B, H, geom.tiles, device))
+    q, k, v, do = [
+        torch.randn(B, H, N, D, generator=g).to(device=device, dtype=dtype) for _ in range(4)
+    ]
+    kw = dict(
+        grid=grid,
+        tile=tile,
+        window=window,
+        motion=make_motion(motion_kind, B, H, geom.tiles, device),
+    )
 
     def run(fn, *tensors):
         q_, k_, v_, do_ = tensors
@@ -63,10 +68,14 @@ def check_case(case, dtype, device) -> bool:
         out = fn(q_, k_, v_)
         return (out, *torch.autograd.grad(out, (q_, k_, v_), do_))
 
-    oracle = run(lambda a, b, c: dsa_attention_reference(a, b, c, **kw),
-                 q.double(), k.double(), v.double(), do.double())
-    low = run(lambda a, b, c: dsa_attention_reference(a, b, c, use_sdpa=False, **kw),
-              q, k, v, do)
+    oracle = run(
+        lambda a, b, c: dsa_attention_reference(a, b, c, **kw),
+        q.double(),
+        k.double(),
+        v.double(),
+        do.double(),
+    )
+    low = run(lambda a, b, c: dsa_attention_reference(a, b, c, use_sdpa=False, **kw), q, k, v, do)
     kernel = run(lambda a, b, c: dsa_triton(a, b, c, **kw), q, k, v, do)
     ok = True
     for tname, kt, lt, ot in zip(("out", "dq", "dk", "dv"), kernel, low, oracle):
@@ -74,10 +83,12 @@ def check_case(case, dtype, device) -> bool:
         bound = 2 * l_err.max().item() + EPS
         passed = k_err.max().item() <= bound and kt.dtype == dtype
         ok &= passed
-        print(f"{'ok  ' if passed else 'FAIL'} {name:16s} {str(dtype)[6:]:9s} {tname}: kernel max "
-              f"{k_err.max().item():.3e} mean {k_err.mean().item():.3e} | torch max "
-              f"{l_err.max().item():.3e} mean {l_err.mean().item():.3e} | bound {bound:.3e}",
-              flush=True)
+        print(
+            f"{'ok  ' if passed else 'FAIL'} {name:16s} {str(dtype)[6:]:9s} {tname}: kernel max "
+            f"{k_err.max().item():.3e} mean {k_err.mean().item():.3e} | torch max "
+            f"{l_err.max().item():.3e} mean {l_err.mean().item():.3e} | bound {bound:.3e}",
+            flush=True,
+        )
     return ok
 
 

@@ -36,11 +36,15 @@ from megaslide.engine.world import COLOURS, SHAPES, ClipSpec, caption_for, rando
 DIRECTIONS = ("left", "right", "up", "down")
 
 
-def mean_clip(colour: str, shape: str, motion: str, samples: int, rng: random.Random, config) -> torch.Tensor:
+def mean_clip(
+    colour: str, shape: str, motion: str, samples: int, rng: random.Random, config
+) -> torch.Tensor:
     """The world's mean one-object clip `(3, F, H, W)` in [-1, 1] for a caption, on black."""
     F, H, W = config.frames, config.height, config.width
-    clips = (render(ClipSpec((random_object(rng, F, H, W, colour, shape, motion),), "black", F, H, W))
-             for _ in range(samples))  # fmt: skip
+    clips = (
+        render(ClipSpec((random_object(rng, F, H, W, colour, shape, motion),), "black", F, H, W))
+        for _ in range(samples)
+    )
     return sum(frames_to_float(clip) for clip in clips) / samples  # (3, F, H, W)
 
 
@@ -56,13 +60,17 @@ def centroid_drift(clip: torch.Tensor) -> tuple[float, float]:
 
 
 @torch.no_grad()
-def predicted_clean_clip(pipe: VideoPipeline, prompt: str, t: float, noises: int, seed: int) -> torch.Tensor:
+def predicted_clean_clip(
+    pipe: VideoPipeline, prompt: str, t: float, noises: int, seed: int
+) -> torch.Tensor:
     """The model's clean clip `(C, F, H, W)` from pure noise presented as flow time t (as the
     sampler's first steps see it), averaged over `noises` draws."""
     c = pipe.config
     ctx, mask = pipe.text_encoder.encode([prompt] * noises)  # (n, L, text_dim)
     g = torch.Generator().manual_seed(seed)
-    noise = torch.randn(noises, c.in_channels, c.frames, c.height, c.width, generator=g)  # (n, C, F, H, W)
+    noise = torch.randn(
+        noises, c.in_channels, c.frames, c.height, c.width, generator=g
+    )  # (n, C, F, H, W)
     v = pipe.dit(noise, torch.full((noises,), t), ctx, mask).float()  # (n, C, F, H, W) velocity
     return (noise - t * v).mean(0)  # x_t - t * (noise - x0) = x0 when x_t is on the path
 
@@ -70,8 +78,12 @@ def predicted_clean_clip(pipe: VideoPipeline, prompt: str, t: float, noises: int
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=DEFAULT_MODEL, help="model directory or packaged name")
-    ap.add_argument("--times", type=float, nargs="+", default=[1.0, 0.9], help="flow times to probe")
-    ap.add_argument("--colours", type=int, default=len(COLOURS), help="first N colours of the world")
+    ap.add_argument(
+        "--times", type=float, nargs="+", default=[1.0, 0.9], help="flow times to probe"
+    )
+    ap.add_argument(
+        "--colours", type=int, default=len(COLOURS), help="first N colours of the world"
+    )
     ap.add_argument("--shapes", type=int, default=len(SHAPES), help="first N shapes of the world")
     ap.add_argument("--samples", type=int, default=200, help="world clips per mean clip")
     ap.add_argument("--noises", type=int, default=4, help="noise draws per prediction")
@@ -82,28 +94,42 @@ def main(argv=None) -> int:
     pipe = VideoPipeline.from_pretrained(resolve_model_path(args.model), dtype=torch.float32)
     rng = random.Random(args.seed)
     result = {"model": args.model, "samples": args.samples, "noises": args.noises, "times": {}}
-    prompts = [(colour, shape) for colour in list(COLOURS)[: args.colours] for shape in SHAPES[: args.shapes]]
-    means = {(c, s, d): mean_clip(c, s, d, args.samples, rng, pipe.config) for c, s in prompts for d in DIRECTIONS}
+    prompts = [
+        (colour, shape)
+        for colour in list(COLOURS)[: args.colours]
+        for shape in SHAPES[: args.shapes]
+    ]
+    means = {
+        (c, s, d): mean_clip(c, s, d, args.samples, rng, pipe.config)
+        for c, s in prompts
+        for d in DIRECTIONS
+    }
     for t in args.times:
         scores = {d: [] for d in DIRECTIONS}
         drifts = {d: [] for d in DIRECTIONS}
         for i, (colour, shape) in enumerate(prompts):
             mu_any = sum(means[colour, shape, d] for d in DIRECTIONS) / len(DIRECTIONS)
             for d in DIRECTIONS:
-                pred = predicted_clean_clip(pipe, caption_for(colour, shape, d), t, args.noises, args.seed + i)
+                pred = predicted_clean_clip(
+                    pipe, caption_for(colour, shape, d), t, args.noises, args.seed + i
+                )
                 target = means[colour, shape, d] - mu_any
                 scores[d].append(float(((pred - mu_any) * target).sum() / target.square().sum()))
                 drifts[d].append(centroid_drift(pred))
         result["times"][str(t)] = {
             "score": float(np.mean([s for d in DIRECTIONS for s in scores[d]])),
             "score_by_direction": {d: float(np.mean(scores[d])) for d in DIRECTIONS},
-            "drift_px": {d: [round(float(v), 2) for v in np.mean(drifts[d], axis=0)] for d in DIRECTIONS},
+            "drift_px": {
+                d: [round(float(v), 2) for v in np.mean(drifts[d], axis=0)] for d in DIRECTIONS
+            },
         }
     if args.json:
         print(json.dumps(result, indent=2))
     else:
         for t, r in result["times"].items():
-            print(f"t={t}: direction score {r['score']:.3f} (1 = the prompt's mean clip, 0 = direction ignored)")
+            print(
+                f"t={t}: direction score {r['score']:.3f} (1 = the prompt's mean clip, 0 = direction ignored)"
+            )
     return 0
 
 

@@ -85,8 +85,7 @@ def bench_size(num_params: int, rounds: int, threads: int | None, chunk_numel: i
     p_blocks = group_blocks(params)
     g_blocks = group_blocks(grads)
     outs = group_blocks([torch.empty(p.shape, dtype=torch.bfloat16) for p in params])
-    ours = CPUAdamW(p_blocks, lr=1e-4, weight_decay=0.01, threads=threads,
-                    chunk_numel=chunk_numel)
+    ours = CPUAdamW(p_blocks, lr=1e-4, weight_decay=0.01, threads=threads, chunk_numel=chunk_numel)
 
     def step_ours():
         for bid in p_blocks:
@@ -101,8 +100,7 @@ def bench_size(num_params: int, rounds: int, threads: int | None, chunk_numel: i
         tparams = [torch.nn.Parameter(p) for p in params]  # shares storage with `params`
         for tp, g in zip(tparams, grads):
             tp.grad = g
-        torch_opts[kind] = torch.optim.AdamW(tparams, lr=1e-4, weight_decay=0.01,
-                                             **{kind: True})
+        torch_opts[kind] = torch.optim.AdamW(tparams, lr=1e-4, weight_decay=0.01, **{kind: True})
 
     variants = {
         "ours": step_ours,
@@ -144,10 +142,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     ap.add_argument("--sizes", default="50e6,200e6", help="comma-separated parameter counts")
     ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--threads", type=int, default=None,
-                    help="CPUAdamW worker threads (default: torch.get_num_threads())")
-    ap.add_argument("--chunk-numel", type=int, default=None,
-                    help="CPUAdamW chunk size in elements (default: the optimizer's default)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPUAdamW worker threads (default: torch.get_num_threads())",
+    )
+    ap.add_argument(
+        "--chunk-numel",
+        type=int,
+        default=None,
+        help="CPUAdamW chunk size in elements (default: the optimizer's default)",
+    )
     args = ap.parse_args(argv)
     sizes = [int(float(s)) for s in args.sizes.split(",")]
     chunk = args.chunk_numel or inspect.signature(CPUAdamW).parameters["chunk_numel"].default
@@ -168,13 +174,16 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(report, indent=2))
     else:
         for r in results:
-            print(f"{r['params'] / 1e6:7.1f}M params: ours {r['ours_params_per_s'] / 1e6:7.0f}M/s "
-                  f"(no copy {r['ours_no_copy_params_per_s'] / 1e6:5.0f}M/s), "
-                  f"torch fused {r['torch_fused_params_per_s'] / 1e6:7.0f}M/s, "
-                  f"foreach {r['torch_foreach_params_per_s'] / 1e6:7.0f}M/s, "
-                  f"ratio {r['ratio_vs_torch_fused']:.3f}, copy {r['copy_gbps']:.1f} GB/s, "
-                  f"roofline {100 * r['roofline_fraction']:.0f}% "
-                  f"(in-place {100 * r['roofline_fraction_inplace']:.0f}%)", file=sys.stdout)
+            print(
+                f"{r['params'] / 1e6:7.1f}M params: ours {r['ours_params_per_s'] / 1e6:7.0f}M/s "
+                f"(no copy {r['ours_no_copy_params_per_s'] / 1e6:5.0f}M/s), "
+                f"torch fused {r['torch_fused_params_per_s'] / 1e6:7.0f}M/s, "
+                f"foreach {r['torch_foreach_params_per_s'] / 1e6:7.0f}M/s, "
+                f"ratio {r['ratio_vs_torch_fused']:.3f}, copy {r['copy_gbps']:.1f} GB/s, "
+                f"roofline {100 * r['roofline_fraction']:.0f}% "
+                f"(in-place {100 * r['roofline_fraction_inplace']:.0f}%)",
+                file=sys.stdout,
+            )
     return 0
 
 

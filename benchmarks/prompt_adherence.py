@@ -38,16 +38,23 @@ def main(argv=None) -> int:
     pipe = VideoPipeline.from_pretrained(resolve_model_path(args.model), dtype=torch.float32)
     rows, seconds = [], []
     for i, (prompt, colour, shape, motion) in enumerate(benchmark_prompts(args.count)):
-        request = GenerationRequest(prompt, steps=args.steps, guidance=args.guidance, seed=args.seed + i)
+        request = GenerationRequest(
+            prompt, steps=args.steps, guidance=args.guidance, seed=args.seed + i
+        )
         start = time.perf_counter()
         frames = pipe.generate(request)
         seconds.append(time.perf_counter() - start)
         a = analyse_clip(frames, "black")
-        rows.append({
-            "prompt": prompt, "unseen_combination": held_out(colour, shape, motion),
-            "colour": a.colour == colour, "shape": a.shape == shape, "motion": a.motion == motion,
-            "read": {"colour": a.colour, "shape": a.shape, "motion": a.motion},
-        })  # fmt: skip
+        rows.append(
+            {
+                "prompt": prompt,
+                "unseen_combination": held_out(colour, shape, motion),
+                "colour": a.colour == colour,
+                "shape": a.shape == shape,
+                "motion": a.motion == motion,
+                "read": {"colour": a.colour, "shape": a.shape, "motion": a.motion},
+            }
+        )
 
     def accuracy(subset, attr):
         return sum(r[attr] for r in subset) / len(subset) if subset else None
@@ -70,8 +77,10 @@ def main(argv=None) -> int:
         print(json.dumps(result, indent=2))
     else:
         acc = result["accuracy"]
-        print(f"{len(rows)} prompts: colour {acc['colour']:.1%}, shape {acc['shape']:.1%}, motion {acc['motion']:.1%}; "
-              f"{result['seconds_per_clip']:.2f} s per clip")  # fmt: skip
+        print(
+            f"{len(rows)} prompts: colour {acc['colour']:.1%}, shape {acc['shape']:.1%}, motion {acc['motion']:.1%}; "
+            f"{result['seconds_per_clip']:.2f} s per clip"
+        )
     return 0
 
 

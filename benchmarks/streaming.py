@@ -60,12 +60,20 @@ def main(argv=None) -> int:
         args.preset, args.repeats = "tiny", 3
     dtype = getattr(torch, args.dtype or ("bfloat16" if args.device == "cuda" else "float32"))
     width, height = (int(v) for v in args.size.split("x"))
-    request = GenerationRequest("a red circle moving right", frames=args.frames, height=height, width=width,
-                                steps=args.repeats + 1, seed=0)  # fmt: skip
+    request = GenerationRequest(
+        "a red circle moving right",
+        frames=args.frames,
+        height=height,
+        width=width,
+        steps=args.repeats + 1,
+        seed=0,
+    )
 
     pipe = VideoPipeline.from_preset(args.preset, device=args.device, dtype=dtype)
     resident = time_steps(pipe, request, args.device)
-    handle = stream_module(pipe.dit, blocks=pipe.dit.blocks, device=args.device, timing=args.device == "cuda")
+    handle = stream_module(
+        pipe.dit, blocks=pipe.dit.blocks, device=args.device, timing=args.device == "cuda"
+    )
     streamed = time_steps(pipe, request, args.device)
     stats = handle.stats()
     result = {
@@ -91,9 +99,12 @@ def main(argv=None) -> int:
             step_over_bound=result["streamed_s"] / (max(compute, copy) / (args.repeats + 1)),
         )
     handle.remove()
-    print(json.dumps(result, indent=2) if args.json else
-          f"{args.preset} on {args.device}: resident {result['resident_s']:.4f} s/step, streamed "
-          f"{result['streamed_s']:.4f} s/step, ratio {result['ratio']:.3f}")  # fmt: skip
+    print(
+        json.dumps(result, indent=2)
+        if args.json
+        else f"{args.preset} on {args.device}: resident {result['resident_s']:.4f} s/step, streamed "
+        f"{result['streamed_s']:.4f} s/step, ratio {result['ratio']:.3f}"
+    )
     return 0
 
 

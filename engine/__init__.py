@@ -12,7 +12,22 @@ from .streaming import StreamHandle, stream_module
 from .text import BuiltinTextEncoder, TextEncoder, TextEncoderConfig
 
 __all__ = [
-    "PRESETS", "BuiltinTextEncoder", "DiTConfig", "GenerationRequest", "SampleState", "TextEncoder",
-    "StreamHandle", "TextEncoderConfig", "VideoDiT", "VideoPipeline", "count_parameters", "denoise_step",
-    "flow_matching_loss", "get_preset", "load_model", "save_model", "shifted_schedule", "stream_module",
-]  # fmt: skip
+    "PRESETS",
+    "BuiltinTextEncoder",
+    "DiTConfig",
+    "GenerationRequest",
+    "SampleState",
+    "TextEncoder",
+    "StreamHandle",
+    "TextEncoderConfig",
+    "VideoDiT",
+    "VideoPipeline",
+    "count_parameters",
+    "denoise_step",
+    "flow_matching_loss",
+    "get_preset",
+    "load_model",
+    "save_model",
+    "shifted_schedule",
+    "stream_module",
+]

@@ -69,14 +69,22 @@ class _ResidentBlocks:
 class BlockwiseStep:
     """Owns the device copy of a model, its host fp32 masters and the CPU AdamW that updates them."""
 
-    def __init__(self, dit: VideoDiT, text: BuiltinTextEncoder, device: str | torch.device, config: StepConfig):
+    def __init__(
+        self,
+        dit: VideoDiT,
+        text: BuiltinTextEncoder,
+        device: str | torch.device,
+        config: StepConfig,
+    ):
         if config.offload not in ("none", "stream"):
             raise ValueError(f"offload must be 'none' or 'stream', got {config.offload!r}")
         self.dit, self.text, self.config = dit, text, config
         self.device = torch.device(device)
         for p in [*dit.parameters(), *text.parameters()]:
             if p.dtype != torch.float32 or p.device.type != "cpu":
-                raise ValueError("the model must come in fp32 on the CPU: it becomes the fp32 master")
+                raise ValueError(
+                    "the model must come in fp32 on the CPU: it becomes the fp32 master"
+                )
         # Host masters of the non-block parameters (and, unless streamed, of the blocks): the
         # parameters themselves where they already live on the host, else host copies.
         named = {f"dit.{n}": p for n, p in trainable(dit) if not n.startswith("blocks.")}
@@ -84,32 +92,45 @@ class BlockwiseStep:
         self.non_block_params = named
         non_block_master = self._host_master(named)  # before anything moves to the device
         # Frozen parameters never change: a host copy of each is all checkpoints need.
-        self.frozen = {f"{prefix}.{n}": p.detach().clone()
-                       for prefix, m in (("dit", dit), ("text", text))
-                       for n, p in m.named_parameters() if not p.requires_grad}  # fmt: skip
+        self.frozen = {
+            f"{prefix}.{n}": p.detach().clone()
+            for prefix, m in (("dit", dit), ("text", text))
+            for n, p in m.named_parameters()
+            if not p.requires_grad
+        }
         self.handle = None
         if config.offload == "stream":
             from .streaming import stream_module
 
-            self.handle = stream_module(dit, blocks=dit.blocks, device=self.device, timing=config.timing)
+            self.handle = stream_module(
+                dit, blocks=dit.blocks, device=self.device, timing=config.timing
+            )
             self.blocks_io = self.handle
             # The streamer's host store of each block is its fp32 master: AdamW updates it in place
             # and the next load copies the new values.
             block_masters = {}
             for i, block in enumerate(dit.blocks):
                 names = {n for n, _ in trainable(block)}
-                block_masters[i] = {n: t for n, t in self.handle.host_tensors(i).items() if n in names}
+                block_masters[i] = {
+                    n: t for n, t in self.handle.host_tensors(i).items() if n in names
+                }
         else:
             self.blocks_io = _ResidentBlocks()
-            block_masters = {i: self._host_master(dict(trainable(b))) for i, b in enumerate(dit.blocks)}
+            block_masters = {
+                i: self._host_master(dict(trainable(b))) for i, b in enumerate(dit.blocks)
+            }
             dit.to(self.device)
         text.to(self.device)
         # Block masters are keyed by names inside the block ("attn.qkv.weight").
         self.masters = {**block_masters, NON_BLOCK: non_block_master}
         self.optimizer = CPUAdamW(
-            self.masters, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay,
-            accumulation_steps=config.grad_accum, max_grad_norm=config.max_grad_norm,
-        )  # fmt: skip
+            self.masters,
+            lr=config.lr,
+            betas=config.betas,
+            weight_decay=config.weight_decay,
+            accumulation_steps=config.grad_accum,
+            max_grad_norm=config.max_grad_norm,
+        )
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megaslide-adamw")
         largest = max(sum(t.numel() for t in named.values()) for named in self.masters.values())
         self.drain = _GradientDrain(self.device, largest)
@@ -150,7 +171,9 @@ class BlockwiseStep:
             ids_ctx, ids_mask = self.text.encode(prompts)  # (B, L, text_dim)
             h, c = dit.prologue(x_t, t, ids_ctx, ids_mask)  # (B, N, D)
         # Leaves for what every block reads: blocks' gradients accumulate on them.
-        c_leaf = replace(c, t_mod=c.t_mod.detach().requires_grad_(), ctx=c.ctx.detach().requires_grad_())
+        c_leaf = replace(
+            c, t_mod=c.t_mod.detach().requires_grad_(), ctx=c.ctx.detach().requires_grad_()
+        )
         inputs = []
         x = h.detach()
         with torch.no_grad(), io.manual(order="forward"), self.autocast():
@@ -178,8 +201,12 @@ class BlockwiseStep:
                 xi = inputs[i].requires_grad_()
                 with self.autocast():
                     out = dit.blocks[i](xi, c_leaf)  # (B, N, D)
-                aux = pop_aux_losses(dit.blocks[i])  # e.g. the 3D-DSA motion heads' consistency loss
-                weight = torch.tensor(self.config.aux_loss_weight / self.config.grad_accum, device=self.device)
+                aux = pop_aux_losses(
+                    dit.blocks[i]
+                )  # e.g. the 3D-DSA motion heads' consistency loss
+                weight = torch.tensor(
+                    self.config.aux_loss_weight / self.config.grad_accum, device=self.device
+                )
                 torch.autograd.backward([out, *aux], [grad, *([weight] * len(aux))])
                 grad = xi.grad
                 inputs[i] = None  # this boundary activation is no longer needed
@@ -194,11 +221,14 @@ class BlockwiseStep:
                     # Re-fetch the host views: this also tells the streamer that block i's host copy
                     # is about to change, so a stale slot copy is never reused.
                     self.handle.host_tensors(i)
-                pending.append(self.drain.attach(self.worker.submit(self._update, i, host_grads, landed, last)))
+                pending.append(
+                    self.drain.attach(self.worker.submit(self._update, i, host_grads, landed, last))
+                )
 
         # 4. Through the prologue with everything the blocks and the epilogue sent back.
         torch.autograd.backward(
-            [h, c.t_mod, c.ctx, c.t_emb], [grad, c_leaf.t_mod.grad, c_leaf.ctx.grad, t_emb_leaf.grad]
+            [h, c.t_mod, c.ctx, c.t_emb],
+            [grad, c_leaf.t_mod.grad, c_leaf.ctx.grad, t_emb_leaf.grad],
         )
         named = self.non_block_params
         grads = _grads_or_zeros(named)
@@ -206,7 +236,9 @@ class BlockwiseStep:
         host_grads, landed = self.drain.send(grads)
         for p in named.values():
             p.grad = None
-        pending.append(self.drain.attach(self.worker.submit(self._update, NON_BLOCK, host_grads, landed, last)))
+        pending.append(
+            self.drain.attach(self.worker.submit(self._update, NON_BLOCK, host_grads, landed, last))
+        )
         for f in pending:
             # The next forward reads the masters these updates write: wait for every one of them.
             f.result()
@@ -217,8 +249,12 @@ class BlockwiseStep:
             self._publish()
         self.micro = 0 if last else self.micro + 1
         # One host read per micro-step for the metrics; the values are needed on the host anyway.
-        return {"loss": loss.item(), "grad_norm": sq_norm.sqrt().item() * self.config.grad_accum,
-                "step_time_s": time.perf_counter() - start, "stepped": last}  # fmt: skip
+        return {
+            "loss": loss.item(),
+            "grad_norm": sq_norm.sqrt().item() * self.config.grad_accum,
+            "step_time_s": time.perf_counter() - start,
+            "stepped": last,
+        }
 
     @property
     def d2h_bytes(self) -> int:
@@ -278,7 +314,9 @@ class _GradientDrain:
         self.bytes += sum(g.numel() * 4 for g in grads.values())
         j = self.turn
         if self.readers[j] is not None:
-            self.readers[j].result()  # the optimizer must be done with buffer j before it is overwritten
+            self.readers[
+                j
+            ].result()  # the optimizer must be done with buffer j before it is overwritten
         backward_done = torch.cuda.Event()
         backward_done.record()  # on the compute stream, after this block's backward
         # The copies must not read gradients the backward kernels are still writing.

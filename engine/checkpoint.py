@@ -30,7 +30,14 @@ def _atomic_write(path: Path, write) -> None:
     os.replace(tmp, path)
 
 
-def save_model(path: str | os.PathLike, dit: VideoDiT, text_encoder: BuiltinTextEncoder, *, dtype=None, extra=None):
+def save_model(
+    path: str | os.PathLike,
+    dit: VideoDiT,
+    text_encoder: BuiltinTextEncoder,
+    *,
+    dtype=None,
+    extra=None,
+):
     """Write a model directory. `dtype` casts floating tensors (e.g. bf16 to halve the size)."""
     from safetensors.torch import save_file
 
@@ -47,9 +54,14 @@ def save_model(path: str | os.PathLike, dit: VideoDiT, text_encoder: BuiltinText
         return out
 
     for filename, module in ((MODEL_FILE, dit), (TEXT_FILE, text_encoder)):
-        _atomic_write(path / filename, lambda tmp, m=module: save_file(tensors(m), str(tmp), metadata={"format": "pt"}))
+        _atomic_write(
+            path / filename,
+            lambda tmp, m=module: save_file(tensors(m), str(tmp), metadata={"format": "pt"}),
+        )
     config = {"format": FORMAT, "model": dit.config.to_dict(), **(extra or {})}
-    _atomic_write(path / CONFIG_FILE, lambda tmp: tmp.write_text(json.dumps(config, indent=2) + "\n"))
+    _atomic_write(
+        path / CONFIG_FILE, lambda tmp: tmp.write_text(json.dumps(config, indent=2) + "\n")
+    )
 
 
 def read_config(path: str | os.PathLike) -> tuple[DiTConfig, dict]:
@@ -60,11 +72,15 @@ def read_config(path: str | os.PathLike) -> tuple[DiTConfig, dict]:
         raise FileNotFoundError(f"{path} is not a model directory (no {CONFIG_FILE})")
     raw = json.loads(config_file.read_text())
     if raw.get("format") != FORMAT:
-        raise ValueError(f"{config_file}: unsupported format {raw.get('format')!r}, expected {FORMAT!r}")
+        raise ValueError(
+            f"{config_file}: unsupported format {raw.get('format')!r}, expected {FORMAT!r}"
+        )
     return DiTConfig.from_dict(raw["model"]), raw
 
 
-def read_tensors(file: str | os.PathLike, prefix: str = "", device="cpu", dtype=None) -> dict[str, torch.Tensor]:
+def read_tensors(
+    file: str | os.PathLike, prefix: str = "", device="cpu", dtype=None
+) -> dict[str, torch.Tensor]:
     """Tensors of one safetensors file whose names start with `prefix` (the prefix is kept)."""
     from safetensors import safe_open
 

@@ -49,8 +49,9 @@ class DatasetError(ValueError):
         self.problems = problems
         total = len(problems) if total is None else total
         more = f"\n  ... and {total - len(problems)} more" if total > len(problems) else ""
-        super().__init__(f"dataset {root} has {total} problem(s):\n  "
-                         + "\n  ".join(problems) + more)
+        super().__init__(
+            f"dataset {root} has {total} problem(s):\n  " + "\n  ".join(problems) + more
+        )
 
 
 @dataclass(frozen=True)
@@ -63,8 +64,13 @@ class Sample:
     num_frames: int  # frames in the clip, counted by decoding it
 
 
-def validate_dataset(root: str | os.PathLike, *, num_frames: int | None = None,
-                     max_problems: int = 20, workers: int | None = None) -> list[Sample]:
+def validate_dataset(
+    root: str | os.PathLike,
+    *,
+    num_frames: int | None = None,
+    max_problems: int = 20,
+    workers: int | None = None,
+) -> list[Sample]:
     """Check a whole dataset directory and return its samples, or raise `DatasetError`.
 
     num_frames: frames each clip must have at least (the training clip length); None accepts any
@@ -76,8 +82,7 @@ def validate_dataset(root: str | os.PathLike, *, num_frames: int | None = None,
     if not root.is_dir():
         raise DatasetError(root, [f"{root}: not a directory"])
     if not meta.is_file():
-        raise DatasetError(
-            root, [f"{meta}: missing (one {{\"file\": ..., \"text\": ...}} per line)"])
+        raise DatasetError(root, [f'{meta}: missing (one {{"file": ..., "text": ...}} per line)'])
 
     problems: list[tuple[int, str]] = []  # (line, message), sorted by line at the end
     entries: list[tuple[int, str, str, Path]] = []  # (line, file as written, caption, path)
@@ -103,18 +108,23 @@ def validate_dataset(root: str | os.PathLike, *, num_frames: int | None = None,
             continue
         file, text = row["file"], row["text"]
         if not isinstance(file, str) or not file:
-            problems.append((lineno, f"{where}: \"file\" must be a non-empty string"))
+            problems.append((lineno, f'{where}: "file" must be a non-empty string'))
             continue
         where = f"{METADATA} line {lineno} ({file})"
         if not isinstance(text, str):
-            problems.append((lineno, f"{where}: \"text\" must be a string"))
+            problems.append((lineno, f'{where}: "text" must be a string'))
             continue
         if not text.strip():
             problems.append((lineno, f"{where}: empty caption"))
             continue
         if _escapes(file):
-            problems.append((lineno, f"{where}: path escapes the dataset root "
-                                     "(absolute paths and '..' are not allowed)"))
+            problems.append(
+                (
+                    lineno,
+                    f"{where}: path escapes the dataset root "
+                    "(absolute paths and '..' are not allowed)",
+                )
+            )
             continue
         path = root / file
         if not path.exists():
@@ -165,8 +175,16 @@ def _escapes(file: str) -> bool:
 class VideoDataset:
     """Validated clips as ``(video float32 (3, F, H, W) in [-1, 1], caption)``."""
 
-    def __init__(self, root: str | os.PathLike, num_frames: int, size: tuple[int, int], *,
-                 sampling: str = "uniform", samples: list[Sample] | None = None, cache_bytes: int = 0):
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        num_frames: int,
+        size: tuple[int, int],
+        *,
+        sampling: str = "uniform",
+        samples: list[Sample] | None = None,
+        cache_bytes: int = 0,
+    ):
         """size is (W, H). Validates the whole dataset now (DatasetError) unless `samples` given.
 
         Decoded clips are kept in memory, first come first kept, up to `cache_bytes` (as uint8): a
@@ -190,8 +208,13 @@ class VideoDataset:
         u8 = self._cache.get(i)
         if u8 is None:
             try:
-                u8 = read_video(s.path, num_frames=self.num_frames, size=self.size,
-                                sampling=self.sampling, frame_count=s.num_frames)  # (F, H, W, 3)
+                u8 = read_video(
+                    s.path,
+                    num_frames=self.num_frames,
+                    size=self.size,
+                    sampling=self.sampling,
+                    frame_count=s.num_frames,
+                )  # (F, H, W, 3)
             except ValueError as e:  # changed on disk since validation
                 raise DatasetError(self.root, [f"{METADATA} line {s.line} ({s.path}): {e}"]) from e
             if self._cached_bytes + u8.nbytes <= self.cache_bytes:
@@ -230,8 +253,9 @@ class BackgroundLoader:
     leaving the `with` block) stops and joins the thread.
     """
 
-    def __init__(self, dataset: VideoDataset, *, batch_size: int = 1, seed: int = 0,
-                 prefetch: int = 2):
+    def __init__(
+        self, dataset: VideoDataset, *, batch_size: int = 1, seed: int = 0, prefetch: int = 2
+    ):
         if batch_size < 1 or prefetch < 1:
             raise ValueError(f"batch_size and prefetch must be >= 1, got {batch_size}, {prefetch}")
         self.dataset = dataset
@@ -293,8 +317,11 @@ class BackgroundLoader:
         self._stop = threading.Event()
         self._queue = queue.Queue(maxsize=self.prefetch)
         self._thread = threading.Thread(
-            target=self._produce, args=(self._epoch, self._index, self._stop, self._queue),
-            name="video-loader", daemon=True)
+            target=self._produce,
+            args=(self._epoch, self._index, self._stop, self._queue),
+            name="video-loader",
+            daemon=True,
+        )
         self._thread.start()
 
     def _produce(self, epoch: int, index: int, stop: threading.Event, q: queue.Queue) -> None:

@@ -37,7 +37,11 @@ class DiTConfig:
     ffn_dim: int = 512
     text: TextEncoderConfig = field(default_factory=TextEncoderConfig)
     autoencoder: str = "identity"  # "identity" = pixel space; anything else needs that VAE
-    vae_stride: tuple[int, int, int] = (1, 1, 1)  # pixels per latent on (t, y, x); Wan's VAE: (4, 8, 8)
+    vae_stride: tuple[int, int, int] = (
+        1,
+        1,
+        1,
+    )  # pixels per latent on (t, y, x); Wan's VAE: (4, 8, 8)
     max_frames: int = 32  # largest clip, in latent frames, that the positions are sized for
     max_size: int = 256  # largest latent height or width (pixels, for the identity autoencoder)
     rope_theta: float = 10000.0
@@ -66,7 +70,9 @@ class DiTConfig:
         if self.dim % self.heads:
             raise ValueError(f"dim {self.dim} is not divisible by heads {self.heads}")
         if self.attention not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention must be one of {ATTENTION_BACKENDS}, got {self.attention!r}")
+            raise ValueError(
+                f"attention must be one of {ATTENTION_BACKENDS}, got {self.attention!r}"
+            )
         if (self.dim // self.heads) % 2:
             raise ValueError("head dim must be even for rotary positions")
         if self.prediction not in ("velocity", "data"):
@@ -82,14 +88,14 @@ class DiTConfig:
         latent_frames = 1 + (frames - 1) // st if st > 1 else frames
         return latent_frames // pt, height // sy // ph, width // sx // pw
 
-    def replace(self, **changes) -> "DiTConfig":
+    def replace(self, **changes) -> DiTConfig:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "DiTConfig":
+    def from_dict(cls, d: dict) -> DiTConfig:
         d = dict(d)
         d["text"] = TextEncoderConfig(**d.get("text", {}))
         for key in ("patch", "vae_stride", "dsa_tile", "dsa_window"):
@@ -110,28 +116,64 @@ PRESETS: dict[str, DiTConfig] = {
     # unshifted schedule, which suits 32x32 pixel-space clips, hashed word tokens for its prompts,
     # and absolute positions (RoPE alone cannot place an object in featureless noise).
     "megaslide-tiny": DiTConfig(
-        patch=(1, 8, 8), shift=1.0, prediction="data", text=TextEncoderConfig(max_len=64, tokenizer="words"),
+        patch=(1, 8, 8),
+        shift=1.0,
+        prediction="data",
+        text=TextEncoderConfig(max_len=64, tokenizer="words"),
         # 32x32 clips are 4x4 tokens a frame: a 3D-DSA tile is 4 frames x 1 token.
-        absolute_positions=True, dsa_tile=(4, 1, 1),
+        absolute_positions=True,
+        dsa_tile=(4, 1, 1),
     ),
     # ~150M params: big enough that streaming its blocks costs real memory traffic on a CPU.
     "small": DiTConfig(
-        dim=768, depth=12, heads=12, ffn_dim=3072, text=TextEncoderConfig(dim=512, layers=2, heads=8)
+        dim=768,
+        depth=12,
+        heads=12,
+        ffn_dim=3072,
+        text=TextEncoderConfig(dim=512, layers=2, heads=8),
     ),
     # Wan2.1-14B's transformer dimensions (40 blocks of width 5120, FFN 13824, 40 heads, 16-channel
     # latents from its VAE with 1x2x2 patches).
     "wan-14b": DiTConfig(
-        in_channels=16, patch=(1, 2, 2), dim=5120, depth=40, heads=40, ffn_dim=13824,
-        text=TextEncoderConfig(dim=4096, layers=2, heads=32), autoencoder="wan-vae", vae_stride=(4, 8, 8),
-        max_frames=21, max_size=160, frames=81, height=720, width=1280, fps=16, steps=50,
-        guidance=5.0, shift=5.0,
+        in_channels=16,
+        patch=(1, 2, 2),
+        dim=5120,
+        depth=40,
+        heads=40,
+        ffn_dim=13824,
+        text=TextEncoderConfig(dim=4096, layers=2, heads=32),
+        autoencoder="wan-vae",
+        vae_stride=(4, 8, 8),
+        max_frames=21,
+        max_size=160,
+        frames=81,
+        height=720,
+        width=1280,
+        fps=16,
+        steps=50,
+        guidance=5.0,
+        shift=5.0,
     ),
     # The flagship: ~105B params, 210 GB in bf16, which only runs with its blocks streamed.
     "megaslide-105b": DiTConfig(
-        in_channels=16, patch=(1, 2, 2), dim=12288, depth=44, heads=96, ffn_dim=46080,
-        text=TextEncoderConfig(dim=4096, layers=2, heads=32), autoencoder="wan-vae", vae_stride=(4, 8, 8),
-        max_frames=32, max_size=160, frames=81, height=720, width=1280, fps=16, steps=50,
-        guidance=5.0, shift=5.0,
+        in_channels=16,
+        patch=(1, 2, 2),
+        dim=12288,
+        depth=44,
+        heads=96,
+        ffn_dim=46080,
+        text=TextEncoderConfig(dim=4096, layers=2, heads=32),
+        autoencoder="wan-vae",
+        vae_stride=(4, 8, 8),
+        max_frames=32,
+        max_size=160,
+        frames=81,
+        height=720,
+        width=1280,
+        fps=16,
+        steps=50,
+        guidance=5.0,
+        shift=5.0,
     ),
 }
 
@@ -179,7 +221,9 @@ def sincos_positions(dim: int, grid: tuple[int, int, int], device=None) -> torch
     parts = []
     for axis, (n, dim_axis) in enumerate(zip(grid, axis_channels(dim))):
         inv = 10000.0 ** (-torch.arange(dim_axis // 2, device=device) / (dim_axis // 2))
-        a = torch.outer(torch.arange(n, device=device, dtype=torch.float32), inv)  # (n, dim_axis // 2)
+        a = torch.outer(
+            torch.arange(n, device=device, dtype=torch.float32), inv
+        )  # (n, dim_axis // 2)
         emb = torch.cat((a.sin(), a.cos()), dim=-1)  # (n, dim_axis)
         shape = [1, 1, 1, dim_axis]
         shape[axis] = n
@@ -232,7 +276,9 @@ class SelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, grid: tuple[int, int, int], angles: torch.Tensor):
         B, N, D = x.shape
-        q, k, v = self.qkv(x).view(B, N, 3, self.heads, -1).permute(2, 0, 3, 1, 4)  # (B, h, N, d) x3
+        q, k, v = (
+            self.qkv(x).view(B, N, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        )  # (B, h, N, d) x3
         q, k = self.q_norm(q), self.k_norm(k)  # QK-norm keeps logits bounded in low precision
         q, k = apply_rope(q, angles), apply_rope(k, angles)
         if self.backend == "dense":
@@ -248,7 +294,9 @@ class SelfAttention(nn.Module):
         if self.training and torch.is_grad_enabled() and self.motion.weight.requires_grad:
             # Picked up (and cleared) by the training loop, which adds it to the loss; see below.
             self.aux_loss = motion_consistency_loss(k, motion, grid, self.tile)
-        return dsa_attention(q, k, v, grid=grid, tile=self.tile, window=self.window, motion=motion.detach())
+        return dsa_attention(
+            q, k, v, grid=grid, tile=self.tile, window=self.window, motion=motion.detach()
+        )
 
     def motion_field(self, x: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
         """Velocity `(vy, vx)` per head and query tile, in tiles per time-tile, from tile-pooled x.
@@ -277,8 +325,12 @@ def motion_consistency_loss(k: torch.Tensor, motion: torch.Tensor, grid, tile) -
     nT, nY, nX = T // tt, Y // ty, X // tx
     if nT < 2 or nY < 2 or nX < 2:
         return k.new_zeros(())
-    pooled = k.detach().float().view(B, h, nT, tt, nY, ty, nX, tx, d).mean(dim=(3, 5, 7))  # (B, h, nT, nY, nX, d)
-    nxt = pooled[:, :, 1:].permute(0, 1, 2, 5, 3, 4).reshape(-1, d, nY, nX)  # (B*h*(nT-1), d, nY, nX)
+    pooled = (
+        k.detach().float().view(B, h, nT, tt, nY, ty, nX, tx, d).mean(dim=(3, 5, 7))
+    )  # (B, h, nT, nY, nX, d)
+    nxt = (
+        pooled[:, :, 1:].permute(0, 1, 2, 5, 3, 4).reshape(-1, d, nY, nX)
+    )  # (B*h*(nT-1), d, nY, nX)
     vel = motion[:, :, :-1].float()  # (B, h, nT-1, nY, nX, 2) as (vy, vx)
     ys = torch.arange(nY, device=k.device, dtype=torch.float32).view(nY, 1)
     xs = torch.arange(nX, device=k.device, dtype=torch.float32).view(1, nX)
@@ -325,7 +377,9 @@ class DiTBlock(nn.Module):
         self.cross = CrossAttention(config)
         self.norm2 = nn.LayerNorm(config.dim, elementwise_affine=False, eps=1e-6)
         self.mlp = nn.Sequential(
-            nn.Linear(config.dim, config.ffn_dim), nn.GELU(approximate="tanh"), nn.Linear(config.ffn_dim, config.dim)
+            nn.Linear(config.dim, config.ffn_dim),
+            nn.GELU(approximate="tanh"),
+            nn.Linear(config.ffn_dim, config.dim),
         )
         # This block's share of the modulation: added to the shared timestep projection
         # (adaLN-single, as in PixArt-alpha and Wan), zero so the block starts as the identity.
@@ -334,10 +388,12 @@ class DiTBlock(nn.Module):
         nn.init.zeros_(self.cross.out.weight)
         nn.init.zeros_(self.cross.out.bias)
 
-    def forward(self, x: torch.Tensor, c: "BlockInputs") -> torch.Tensor:
+    def forward(self, x: torch.Tensor, c: BlockInputs) -> torch.Tensor:
         mod = (c.t_mod + self.modulation).unsqueeze(2)  # (B, 6, 1, D)
         shift1, scale1, gate1, shift2, scale2, gate2 = mod.unbind(1)  # (B, 1, D) each
-        x = x + gate1 * self.attn(self.norm1(x) * (1 + scale1) + shift1, c.grid, c.angles)  # (B, N, D)
+        x = x + gate1 * self.attn(
+            self.norm1(x) * (1 + scale1) + shift1, c.grid, c.angles
+        )  # (B, N, D)
         x = x + self.cross(self.norm_cross(x), c.ctx, c.ctx_mask)  # (B, N, D)
         x = x + gate2 * self.mlp(self.norm2(x) * (1 + scale2) + shift2)  # (B, N, D)
         return x
@@ -371,7 +427,9 @@ class VideoDiT(nn.Module):
         self.time_mod = nn.Sequential(nn.SiLU(), nn.Linear(D, 6 * D))
         nn.init.zeros_(self.time_mod[1].weight)
         nn.init.zeros_(self.time_mod[1].bias)
-        self.text_proj = nn.Sequential(nn.Linear(config.text.dim, D), nn.GELU(approximate="tanh"), nn.Linear(D, D))
+        self.text_proj = nn.Sequential(
+            nn.Linear(config.text.dim, D), nn.GELU(approximate="tanh"), nn.Linear(D, D)
+        )
         # The mean of the text tokens joins the timestep embedding, so every adaLN modulation sees
         # the prompt as a whole (SD3's pooled text vector; DiT's class embedding), besides the
         # token-by-token cross-attention.
@@ -383,9 +441,13 @@ class VideoDiT(nn.Module):
         """Raise ValueError naming the problem if a clip of this shape cannot go through the model."""
         c, (pt, ph, pw) = self.config, self.config.patch
         if frames < 1 or frames > c.max_frames:
-            raise ValueError(f"frames must be between 1 and {c.max_frames} for this model, got {frames}")
+            raise ValueError(
+                f"frames must be between 1 and {c.max_frames} for this model, got {frames}"
+            )
         if max(height, width) > c.max_size or min(height, width) < 1:
-            raise ValueError(f"height and width must be between 1 and {c.max_size}, got {width}x{height}")
+            raise ValueError(
+                f"height and width must be between 1 and {c.max_size}, got {width}x{height}"
+            )
         for name, n, p in (("frames", frames, pt), ("height", height, ph), ("width", width, pw)):
             if n % p:
                 raise ValueError(f"{name} ({n}) must be a multiple of the patch size {p}")
@@ -403,7 +465,9 @@ class VideoDiT(nn.Module):
         B, C, Fr, H, W = x.shape
         pt, ph, pw = self.config.patch
         T, Y, X = Fr // pt, H // ph, W // pw
-        x = x.view(B, C, T, pt, Y, ph, X, pw).permute(0, 2, 4, 6, 1, 3, 5, 7)  # (B, T, Y, X, C, pt, ph, pw)
+        x = x.view(B, C, T, pt, Y, ph, X, pw).permute(
+            0, 2, 4, 6, 1, 3, 5, 7
+        )  # (B, T, Y, X, C, pt, ph, pw)
         return x.reshape(B, T * Y * X, -1), (T, Y, X)
 
     def unpatchify(self, tokens: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
@@ -411,7 +475,9 @@ class VideoDiT(nn.Module):
         B = tokens.shape[0]
         (T, Y, X), (pt, ph, pw) = grid, self.config.patch
         C = self.config.in_channels
-        x = tokens.view(B, T, Y, X, C, pt, ph, pw).permute(0, 4, 1, 5, 2, 6, 3, 7)  # (B, C, T, pt, Y, ph, X, pw)
+        x = tokens.view(B, T, Y, X, C, pt, ph, pw).permute(
+            0, 4, 1, 5, 2, 6, 3, 7
+        )  # (B, C, T, pt, Y, ph, X, pw)
         return x.reshape(B, C, T * pt, Y * ph, X * pw)
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, ctx: torch.Tensor, ctx_mask: torch.Tensor):
@@ -424,7 +490,7 @@ class VideoDiT(nn.Module):
     # The forward in three parts, so fine-tuning can run the blocks one at a time (and recompute
     # them in its backward pass) while the parts around them stay ordinary autograd.
 
-    def prologue(self, x, t, ctx, ctx_mask) -> tuple[torch.Tensor, "BlockInputs"]:
+    def prologue(self, x, t, ctx, ctx_mask) -> tuple[torch.Tensor, BlockInputs]:
         """Everything before the first block: tokens `(B, N, D)` and what every block reads."""
         tokens, grid = self.patchify(x)  # (B, N, C*pt*ph*pw)
         h = self.patch_embed(tokens)  # (B, N, D)
@@ -434,11 +500,13 @@ class VideoDiT(nn.Module):
         ctx = self.text_proj(ctx.to(h.dtype))  # (B, L, D)
         valid = ctx_mask.unsqueeze(-1).to(h.dtype)  # (B, L, 1)
         pooled = (ctx * valid).sum(1) / valid.sum(1).clamp_min(1)  # (B, D) mean over real tokens
-        t_emb = self.time_embed(timestep_embedding(t, 256).to(h.dtype)) + self.text_pool(pooled)  # (B, D)
+        t_emb = self.time_embed(timestep_embedding(t, 256).to(h.dtype)) + self.text_pool(
+            pooled
+        )  # (B, D)
         t_mod = self.time_mod(t_emb).unflatten(1, (6, -1))  # (B, 6, D)
         return h, BlockInputs(t_emb, t_mod, ctx, ctx_mask, grid, angles, x, t)
 
-    def epilogue(self, h: torch.Tensor, c: "BlockInputs") -> torch.Tensor:
+    def epilogue(self, h: torch.Tensor, c: BlockInputs) -> torch.Tensor:
         """Everything after the last block: tokens `(B, N, D)` -> velocity `(B, C, F, H, W)`."""
         out = self.unpatchify(self.final(h, c.t_emb), c.grid)  # (B, C, F, H, W)
         if self.config.prediction == "velocity":

@@ -63,7 +63,9 @@ class FinetuneConfig:
     width: int | None = None
     attention: str | None = None  # train with this self-attention backend (default: the model's)
     timing: bool = False  # streamer timings for stats and traces
-    caption_dropout: float = 0.1  # fraction of captions replaced by "" so guidance has an unconditional model
+    caption_dropout: float = (
+        0.1  # fraction of captions replaced by "" so guidance has an unconditional model
+    )
     time_sampling: str = "logit-normal"  # training flow times: flow.TIME_SAMPLING
     lr_schedule: str = "constant"  # LR_SCHEDULES; "cosine" decays to 0 at the run's last step
     warmup_steps: int = 0  # linear warm-up from lr / warmup_steps to lr
@@ -75,7 +77,16 @@ class FinetuneConfig:
             raise ValueError("give exactly one of model and preset")
         if (self.steps is None) == (self.epochs is None):
             raise ValueError("give exactly one of steps and epochs")
-        for name in ("steps", "batch_size", "grad_accum", "save_every", "frames", "height", "width", "until"):
+        for name in (
+            "steps",
+            "batch_size",
+            "grad_accum",
+            "save_every",
+            "frames",
+            "height",
+            "width",
+            "until",
+        ):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be at least 1, got {value}")
@@ -132,8 +143,14 @@ def list_checkpoints(output: str | os.PathLike) -> list[dict]:
         return []
     found = []
     for d in root.iterdir():
-        if d.name.startswith("step-") and not d.name.endswith(".tmp") and (d / "state.pt").is_file():
-            found.append({"step": int(d.name[5:]), "path": str(d), "created_at": int(d.stat().st_mtime)})
+        if (
+            d.name.startswith("step-")
+            and not d.name.endswith(".tmp")
+            and (d / "state.pt").is_file()
+        ):
+            found.append(
+                {"step": int(d.name[5:]), "path": str(d), "created_at": int(d.stat().st_mtime)}
+            )
     return sorted(found, key=lambda c: c["step"])
 
 
@@ -146,30 +163,50 @@ class Trainer:
         self.output = Path(config.output)
         dit, text = _build_model(config)
         mc = dit.config
-        self.frames, self.height, self.width = (config.frames or mc.frames, config.height or mc.height,
-                                                config.width or mc.width)  # fmt: skip
+        self.frames, self.height, self.width = (
+            config.frames or mc.frames,
+            config.height or mc.height,
+            config.width or mc.width,
+        )
         dit.check_shape(self.frames, self.height, self.width)
         # The whole dataset is checked before anything else happens: a bad file fails the run now.
         samples = validate_dataset(config.data, num_frames=self.frames)
-        self.dataset = VideoDataset(config.data, self.frames, (self.width, self.height), samples=samples,
-                                    cache_bytes=config.cache_mb << 20)
+        self.dataset = VideoDataset(
+            config.data,
+            self.frames,
+            (self.width, self.height),
+            samples=samples,
+            cache_bytes=config.cache_mb << 20,
+        )
         per_step = config.batch_size * config.grad_accum
-        self.total_steps = config.steps or max(1, math.ceil(config.epochs * len(self.dataset) / per_step))
+        self.total_steps = config.steps or max(
+            1, math.ceil(config.epochs * len(self.dataset) / per_step)
+        )
         self.loader = BackgroundLoader(self.dataset, batch_size=config.batch_size, seed=config.seed)
         self.generator = torch.Generator().manual_seed(config.seed)
         self.step = 0
         self.output.mkdir(parents=True, exist_ok=True)
 
-        latest = list_checkpoints(self.output)[-1] if resume and list_checkpoints(self.output) else None
+        latest = (
+            list_checkpoints(self.output)[-1] if resume and list_checkpoints(self.output) else None
+        )
         if latest is not None:
-            dit, text, _ = load_model(Path(latest["path"]) / "model", dtype=torch.float32,
-                                      **({"attention": config.attention} if config.attention else {}))  # fmt: skip
+            dit, text, _ = load_model(
+                Path(latest["path"]) / "model",
+                dtype=torch.float32,
+                **({"attention": config.attention} if config.attention else {}),
+            )
         cuda = torch.device(config.device).type == "cuda"
         step_config = StepConfig(
-            lr=config.lr, weight_decay=config.weight_decay, grad_accum=config.grad_accum,
-            max_grad_norm=config.max_grad_norm, offload=config.offload,
-            autocast=torch.bfloat16 if cuda else None, timing=config.timing, time_sampling=config.time_sampling,
-        )  # fmt: skip
+            lr=config.lr,
+            weight_decay=config.weight_decay,
+            grad_accum=config.grad_accum,
+            max_grad_norm=config.max_grad_norm,
+            offload=config.offload,
+            autocast=torch.bfloat16 if cuda else None,
+            timing=config.timing,
+            time_sampling=config.time_sampling,
+        )
         self.engine = BlockwiseStep(dit, text, config.device, step_config)
         if latest is not None:
             self._restore(Path(latest["path"]))
@@ -192,7 +229,9 @@ class Trainer:
         self.engine.optimizer.lr = learning_rate(self.config, self.step, self.total_steps)
         for _ in range(self.config.grad_accum):
             batch = next(self.loader)
-            drop = torch.rand(len(batch.text), generator=self.generator) < self.config.caption_dropout
+            drop = (
+                torch.rand(len(batch.text), generator=self.generator) < self.config.caption_dropout
+            )
             prompts = ["" if d else text for d, text in zip(drop.tolist(), batch.text)]
             out = self.engine.micro_step(batch.video, prompts, self.generator)
             losses.append(out["loss"])
@@ -235,8 +274,12 @@ class Trainer:
         tmp.mkdir(parents=True)
         self._save_model(tmp / "model")
         torch.save(self.engine.optimizer.state_dict(), tmp / "optimizer.pt")
-        state = {"step": self.step, "loader": self.loader.state_dict(), "generator": self.generator.get_state(),
-                 "config": asdict(self.config)}  # fmt: skip
+        state = {
+            "step": self.step,
+            "loader": self.loader.state_dict(),
+            "generator": self.generator.get_state(),
+            "config": asdict(self.config),
+        }
         torch.save(state, tmp / "state.pt")
         for f in (tmp / "optimizer.pt", tmp / "state.pt"):
             with open(f, "rb+") as fh:
@@ -281,7 +324,7 @@ class Trainer:
         self.engine.close()
         self._metrics.close()
 
-    def __enter__(self) -> "Trainer":
+    def __enter__(self) -> Trainer:
         return self
 
     def __exit__(self, *exc) -> None:

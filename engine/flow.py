@@ -29,7 +29,9 @@ def shifted_schedule(steps: int, shift: float) -> torch.Tensor:
     return (shift * t / (1 + (shift - 1) * t)).float()
 
 
-def flow_matching_loss(model, x0, ctx, ctx_mask, *, t: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+def flow_matching_loss(
+    model, x0, ctx, ctx_mask, *, t: torch.Tensor, noise: torch.Tensor
+) -> torch.Tensor:
     """Mean squared error between the predicted and the true velocity at flow times `t (B,)`."""
     t_ = t.view(-1, *([1] * (x0.dim() - 1)))
     x_t = (1 - t_) * x0 + t_ * noise  # (B, C, F, H, W)
@@ -44,7 +46,9 @@ PRIOR_FLOOR = 0.99  # "prior" times lie in [PRIOR_FLOOR, 1)
 PRIOR_SHARE = 0.25  # share of "prior" times in "<kind>+prior"
 
 
-def sample_training_times(batch: int, generator: torch.Generator, kind: str = "logit-normal") -> torch.Tensor:
+def sample_training_times(
+    batch: int, generator: torch.Generator, kind: str = "logit-normal"
+) -> torch.Tensor:
     """Flow times for training, `(batch,)` in (0, 1) (1 is pure noise).
 
     "logit-normal" (SD3's default) favours the middle of the path. "noisy" is logit-normal with
@@ -130,7 +134,9 @@ def denoise_step(model, states: list[SampleState]) -> None:
         masks.append(s.ctx_mask[:copies])
     param = next(model.parameters())
     x = torch.cat(xs).to(param.dtype)  # (B', C, F, H, W)
-    v = model(x, torch.cat(ts).to(x.device), torch.cat(ctxs), torch.cat(masks)).float()  # (B', C, F, H, W)
+    v = model(
+        x, torch.cat(ts).to(x.device), torch.cat(ctxs), torch.cat(masks)
+    ).float()  # (B', C, F, H, W)
     offset = 0
     for s in states:
         if s.guided:

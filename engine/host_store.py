@@ -121,8 +121,11 @@ def _layout(tensors: Sequence[_Bound]) -> tuple[tuple[TensorEntry, ...], int]:
         offset = _round_up(cursor, ALIGN_BYTES)
         nbytes = t.numel() * t.element_size()
         strides = _storage_strides(t)
-        entries.append(TensorEntry(tuple(bound.names), bound.kind, t.dtype, tuple(t.shape), strides,
-                                   offset, nbytes))  # fmt: skip
+        entries.append(
+            TensorEntry(
+                tuple(bound.names), bound.kind, t.dtype, tuple(t.shape), strides, offset, nbytes
+            )
+        )
         cursor = offset + nbytes
     return tuple(entries), _round_up(cursor, ALIGN_BYTES)
 
@@ -214,8 +217,12 @@ def _move_into(tensors: Sequence[_Bound], views: Sequence[torch.Tensor]) -> None
         _repoint(bound.tensor, view)
 
 
-def _fill_views(entries: Sequence[TensorEntry], views: Sequence[torch.Tensor],
-                source: Mapping[str, torch.Tensor], prefix: str) -> set[int]:  # fmt: skip
+def _fill_views(
+    entries: Sequence[TensorEntry],
+    views: Sequence[torch.Tensor],
+    source: Mapping[str, torch.Tensor],
+    prefix: str,
+) -> set[int]:
     filled = set()
     for k, (entry, view) in enumerate(zip(entries, views)):
         key = next((prefix + n for n in entry.names if prefix + n in source), None)

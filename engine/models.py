@@ -28,7 +28,9 @@ def resolve_model_path(model: str) -> Path:
     if path.exists():
         raise ValueError(f"{model} is not a model directory (no config.json)")
     known = ", ".join(packaged) or "none"
-    raise ValueError(f"model {model!r} not found: not a directory, nor a packaged model (packaged: {known})")
+    raise ValueError(
+        f"model {model!r} not found: not a directory, nor a packaged model (packaged: {known})"
+    )
 
 
 def default_model_source() -> tuple[str, str]:
@@ -39,4 +41,10 @@ def default_model_source() -> tuple[str, str]:
     return "preset", "tiny"
 
 
-__all__ = ["DEFAULT_MODEL", "PRESETS", "default_model_source", "packaged_models", "resolve_model_path"]
+__all__ = [
+    "DEFAULT_MODEL",
+    "PRESETS",
+    "default_model_source",
+    "packaged_models",
+    "resolve_model_path",
+]

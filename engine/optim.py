@@ -80,8 +80,9 @@ def default_decay_filter(name: str, param: Tensor) -> bool:
     return param.ndim >= 2
 
 
-def grad_buffer_bytes(num_params: int, *, accumulation_steps: int = 1,
-                      max_grad_norm: float | None = None) -> int:
+def grad_buffer_bytes(
+    num_params: int, *, accumulation_steps: int = 1, max_grad_norm: float | None = None
+) -> int:
     """Host bytes of the fp32 gradient buffer: needed for accumulation or clipping, else none."""
     needed = accumulation_steps > 1 or max_grad_norm is not None
     return FP32_BYTES * num_params if needed else 0
@@ -93,16 +94,25 @@ def clipping_extra_bytes(num_params: int, *, accumulation_steps: int = 1) -> int
     return FP32_BYTES * num_params if accumulation_steps == 1 else 0
 
 
-def optimizer_host_bytes(num_params: int, *, accumulation_steps: int = 1,
-                         max_grad_norm: float | None = None, threads: int | None = None,
-                         chunk_numel: int = 1 << 19) -> int:
+def optimizer_host_bytes(
+    num_params: int,
+    *,
+    accumulation_steps: int = 1,
+    max_grad_norm: float | None = None,
+    threads: int | None = None,
+    chunk_numel: int = 1 << 19,
+) -> int:
     """Host bytes the optimizer itself allocates: m and v (8 B/param), the gradient buffer if any,
     and one fp32 chunk of scratch per worker (used only for non-fp32 gradients). The fp32 master
     weights and the compute-dtype copies belong to the caller and are not counted."""
     scratch = (threads or torch.get_num_threads()) * chunk_numel * FP32_BYTES
-    return (2 * FP32_BYTES * num_params + scratch
-            + grad_buffer_bytes(num_params, accumulation_steps=accumulation_steps,
-                                max_grad_norm=max_grad_norm))
+    return (
+        2 * FP32_BYTES * num_params
+        + scratch
+        + grad_buffer_bytes(
+            num_params, accumulation_steps=accumulation_steps, max_grad_norm=max_grad_norm
+        )
+    )
 
 
 @dataclass
@@ -169,7 +179,8 @@ class CPUAdamW:
             raise ValueError(f"betas must be in [0, 1), got {betas}")
         if lr < 0 or eps < 0 or weight_decay < 0:
             raise ValueError(
-                f"lr, eps and weight_decay must be >= 0, got {lr}, {eps}, {weight_decay}")
+                f"lr, eps and weight_decay must be >= 0, got {lr}, {eps}, {weight_decay}"
+            )
         if accumulation_steps < 1:
             raise ValueError(f"accumulation_steps must be >= 1, got {accumulation_steps}")
         if max_grad_norm is not None and not max_grad_norm > 0:
@@ -208,16 +219,19 @@ class CPUAdamW:
             if p.dtype != torch.float32 or p.device.type != "cpu" or not p.is_contiguous():
                 raise ValueError(
                     f"block {block_id!r} param {name!r}: master weights must be contiguous fp32 "
-                    f"CPU tensors, got {p.dtype} on {p.device}, contiguous={p.is_contiguous()}")
+                    f"CPU tensors, got {p.dtype} on {p.device}, contiguous={p.is_contiguous()}"
+                )
             params[name] = p
         m = {n: torch.zeros_like(p) for n, p in params.items()}
         v = {n: torch.zeros_like(p) for n, p in params.items()}
         decayed = [n for n, p in params.items() if decay_filter(n, p)]
         plain = [n for n, p in params.items() if not decay_filter(n, p)]
-        chunks = (self._make_chunks(decayed, self.weight_decay, params, m, v)
-                  + self._make_chunks(plain, 0.0, params, m, v))
-        return _Block(params=params, m=m, v=v, step=torch.zeros((), dtype=torch.float32),
-                      chunks=chunks)
+        chunks = self._make_chunks(decayed, self.weight_decay, params, m, v) + self._make_chunks(
+            plain, 0.0, params, m, v
+        )
+        return _Block(
+            params=params, m=m, v=v, step=torch.zeros((), dtype=torch.float32), chunks=chunks
+        )
 
     def _make_chunks(self, names, weight_decay, params, m, v) -> list[_Chunk]:
         """Cut tensors into <= chunk_numel slices (at multiples of 64); pack small ones together."""
@@ -279,7 +293,8 @@ class CPUAdamW:
         k = self.accumulation_steps
         if b.micro >= k:
             raise RuntimeError(
-                f"block {block_id!r} already holds {k} micro-batch gradient(s); step it first")
+                f"block {block_id!r} already holds {k} micro-batch gradient(s); step it first"
+            )
         self._check_tensors(block_id, b, grads, "grads", allow_any_float=True)
         if b.grad_buf is None:
             b.grad_buf = {n: torch.empty_like(p) for n, p in b.params.items()}
@@ -301,8 +316,13 @@ class CPUAdamW:
             # combines them in block order once all blocks are in (as clip_grad_norm_ stacks them).
             b.norms = torch.stack(torch._foreach_norm([b.grad_buf[n] for n in b.params]))
 
-    def step_block(self, block_id: Hashable, grads: Mapping[str, Tensor] | None = None, *,
-                   out: Mapping[str, Tensor] | None = None) -> None:
+    def step_block(
+        self,
+        block_id: Hashable,
+        grads: Mapping[str, Tensor] | None = None,
+        *,
+        out: Mapping[str, Tensor] | None = None,
+    ) -> None:
         """Apply one AdamW step to one block, then write its compute-dtype copy into `out`.
 
         `grads` are the gradients of the last micro-batch (fp32, or bf16/fp16 which are widened
@@ -314,8 +334,10 @@ class CPUAdamW:
         k = self.accumulation_steps
         clipping = self.max_grad_norm is not None
         if clipping and grads is not None:
-            raise ValueError("with max_grad_norm set, pass every micro-batch to accumulate() and "
-                             "call step_block(block_id) without grads once all blocks are in")
+            raise ValueError(
+                "with max_grad_norm set, pass every micro-batch to accumulate() and "
+                "call step_block(block_id) without grads once all blocks are in"
+            )
         if out is not None:
             self._check_tensors(block_id, b, out, "out", allow_any_float=True)
         if grads is not None and (k > 1 or b.micro > 0):
@@ -337,15 +359,23 @@ class CPUAdamW:
         src = grads if grads is not None else b.grad_buf
 
         b.step.add_(1)  # torch increments the step before the update; t starts at 1
-        hyper = dict(lr=self.lr, beta1=self.betas[0], beta2=self.betas[1], eps=self.eps,
-                     amsgrad=False, maximize=False, grad_scale=grad_scale)
+        hyper = dict(
+            lr=self.lr,
+            beta1=self.betas[0],
+            beta2=self.betas[1],
+            eps=self.eps,
+            amsgrad=False,
+            maximize=False,
+            grad_scale=grad_scale,
+        )
 
         def update(c: _Chunk, worker: int) -> None:
             g = [src[n].view(-1)[a:e] for n, a, e in c.slices]
             if any(t.dtype != torch.float32 for t in g):
                 g = self._widen(g, worker)
-            torch._fused_adamw_(c.params, g, c.m, c.v, [], [b.step] * len(g),
-                                weight_decay=c.weight_decay, **hyper)
+            torch._fused_adamw_(
+                c.params, g, c.m, c.v, [], [b.step] * len(g), weight_decay=c.weight_decay, **hyper
+            )
             if out is not None:  # cast this chunk now, while it is still in cache
                 torch._foreach_copy_([out[n].view(-1)[a:e] for n, a, e in c.slices], c.params)
 
@@ -353,16 +383,23 @@ class CPUAdamW:
         b.micro = 0
         b.norms = None
 
-    def step(self, grads: Mapping[Hashable, Mapping[str, Tensor]] | None = None, *,
-             out: Mapping[Hashable, Mapping[str, Tensor]] | None = None) -> None:
+    def step(
+        self,
+        grads: Mapping[Hashable, Mapping[str, Tensor]] | None = None,
+        *,
+        out: Mapping[Hashable, Mapping[str, Tensor]] | None = None,
+    ) -> None:
         """Whole-model step: every block, in order (convenience for resident training and tests)."""
         if self.max_grad_norm is not None and grads is not None:
             for block_id in self._blocks:
                 self.accumulate(block_id, grads[block_id])
             grads = None
         for block_id in self._blocks:
-            self.step_block(block_id, None if grads is None else grads[block_id],
-                            out=None if out is None else out[block_id])
+            self.step_block(
+                block_id,
+                None if grads is None else grads[block_id],
+                out=None if out is None else out[block_id],
+            )
 
     def state_dict(self) -> dict:
         """m, v and step per block plus the hyperparameters. Tensors are the live state (no copy:
@@ -371,10 +408,14 @@ class CPUAdamW:
         self._check_idle("state_dict")
         return {
             "format": "megaslide.cpu_adamw.v1",
-            "hparams": {"lr": self.lr, "betas": list(self.betas), "eps": self.eps,
-                        "weight_decay": self.weight_decay,
-                        "accumulation_steps": self.accumulation_steps,
-                        "max_grad_norm": self.max_grad_norm},
+            "hparams": {
+                "lr": self.lr,
+                "betas": list(self.betas),
+                "eps": self.eps,
+                "weight_decay": self.weight_decay,
+                "accumulation_steps": self.accumulation_steps,
+                "max_grad_norm": self.max_grad_norm,
+            },
             "step": {bid: int(b.step.item()) for bid, b in self._blocks.items()},
             "m": {bid: dict(b.m) for bid, b in self._blocks.items()},
             "v": {bid: dict(b.v) for bid, b in self._blocks.items()},
@@ -386,8 +427,10 @@ class CPUAdamW:
         if state.get("format") != "megaslide.cpu_adamw.v1":
             raise ValueError(f"not a CPUAdamW state dict (format={state.get('format')!r})")
         if set(state["step"]) != set(self._blocks):
-            raise ValueError(f"state dict blocks {sorted(map(str, state['step']))} do not match "
-                             f"optimizer blocks {sorted(map(str, self._blocks))}")
+            raise ValueError(
+                f"state dict blocks {sorted(map(str, state['step']))} do not match "
+                f"optimizer blocks {sorted(map(str, self._blocks))}"
+            )
         for bid, b in self._blocks.items():
             for key, store in (("m", b.m), ("v", b.v)):
                 saved = state[key][bid]
@@ -395,8 +438,10 @@ class CPUAdamW:
                     raise ValueError(f"block {bid!r}: state dict {key} names do not match params")
                 for name, t in store.items():
                     if saved[name].shape != t.shape:
-                        raise ValueError(f"block {bid!r} {key}[{name!r}]: shape "
-                                         f"{tuple(saved[name].shape)} != {tuple(t.shape)}")
+                        raise ValueError(
+                            f"block {bid!r} {key}[{name!r}]: shape "
+                            f"{tuple(saved[name].shape)} != {tuple(t.shape)}"
+                        )
         for bid, b in self._blocks.items():
             for key, store in (("m", b.m), ("v", b.v)):
                 for name, t in store.items():
@@ -444,7 +489,7 @@ class CPUAdamW:
             scratch = self._scratch[worker] = torch.empty(self.chunk_numel, dtype=torch.float32)
         wide, offset = [], 0
         for g in grads:
-            w = scratch[offset:offset + g.numel()]
+            w = scratch[offset : offset + g.numel()]
             w.copy_(g)
             wide.append(w)
             offset += g.numel()
@@ -457,18 +502,21 @@ class CPUAdamW:
             if missing:
                 raise RuntimeError(
                     f"clipping needs the gradients of every block before any update; blocks "
-                    f"{missing[:5]} have not accumulated {self.accumulation_steps} micro-batch(es)")
+                    f"{missing[:5]} have not accumulated {self.accumulation_steps} micro-batch(es)"
+                )
             k = self.accumulation_steps
             # Same formula as torch.nn.utils.clip_grad_norm_: norm of the per-tensor norms,
             # coef = max_norm / (norm + 1e-6) clamped to 1. The buffers hold sums, so / k.
-            total = torch.linalg.vector_norm(
-                torch.cat([b.norms for b in self._blocks.values()])) / k
+            total = (
+                torch.linalg.vector_norm(torch.cat([b.norms for b in self._blocks.values()])) / k
+            )
             # .item() is a host read of a CPU scalar, no device sync: we need the number to refuse
             # a non-finite norm before touching any weight, and to report it.
             self.last_grad_norm = float(total.item())
             if not math.isfinite(self.last_grad_norm):
-                raise FloatingPointError(f"global gradient norm is {self.last_grad_norm}; "
-                                         "no weights were updated")
+                raise FloatingPointError(
+                    f"global gradient norm is {self.last_grad_norm}; no weights were updated"
+                )
             coef = torch.clamp(self.max_grad_norm / (total + 1e-6), max=1.0)
             self._clip_scale = (k / coef).to(torch.float32)
             self._pending = set(self._blocks)
@@ -480,29 +528,38 @@ class CPUAdamW:
             self._clip_scale = None
         return scale
 
-    def _check_tensors(self, block_id, b: _Block, tensors: Mapping[str, Tensor], what: str,
-                       allow_any_float: bool) -> None:
+    def _check_tensors(
+        self, block_id, b: _Block, tensors: Mapping[str, Tensor], what: str, allow_any_float: bool
+    ) -> None:
         if set(tensors) != set(b.params):
             extra = sorted(set(tensors) - set(b.params))[:3]
             missing = sorted(set(b.params) - set(tensors))[:3]
-            raise ValueError(f"block {block_id!r} {what}: names do not match the parameters "
-                             f"(missing {missing}, unexpected {extra})")
+            raise ValueError(
+                f"block {block_id!r} {what}: names do not match the parameters "
+                f"(missing {missing}, unexpected {extra})"
+            )
         for name, t in tensors.items():
             p = b.params[name]
             if t.shape != p.shape:
-                raise ValueError(f"block {block_id!r} {what}[{name!r}]: shape {tuple(t.shape)} "
-                                 f"!= parameter shape {tuple(p.shape)}")
+                raise ValueError(
+                    f"block {block_id!r} {what}[{name!r}]: shape {tuple(t.shape)} "
+                    f"!= parameter shape {tuple(p.shape)}"
+                )
             if t.device.type != "cpu" or not t.is_contiguous():
-                raise ValueError(f"block {block_id!r} {what}[{name!r}]: must be a contiguous CPU "
-                                 f"tensor, got device {t.device}, contiguous={t.is_contiguous()}")
+                raise ValueError(
+                    f"block {block_id!r} {what}[{name!r}]: must be a contiguous CPU "
+                    f"tensor, got device {t.device}, contiguous={t.is_contiguous()}"
+                )
             if not t.is_floating_point() or (not allow_any_float and t.dtype != torch.float32):
                 raise ValueError(f"block {block_id!r} {what}[{name!r}]: bad dtype {t.dtype}")
 
     def _check_idle(self, what: str) -> None:
         busy = [bid for bid, b in self._blocks.items() if b.micro]
         if busy or self._pending:
-            raise RuntimeError(f"{what} must be called between optimizer steps; blocks "
-                               f"{(busy or sorted(self._pending, key=str))[:5]} are mid-step")
+            raise RuntimeError(
+                f"{what} must be called between optimizer steps; blocks "
+                f"{(busy or sorted(self._pending, key=str))[:5]} are mid-step"
+            )
 
 
 class _Cursor:

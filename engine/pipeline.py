@@ -7,9 +7,9 @@ denoising-step granularity, and `generate` for the simple case.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
@@ -46,7 +46,9 @@ class VideoPipeline:
         self.autoencoder = build_autoencoder(self.config.autoencoder)
 
     @classmethod
-    def from_preset(cls, preset: str, *, seed: int = 0, device="cpu", dtype=torch.float32, **overrides):
+    def from_preset(
+        cls, preset: str, *, seed: int = 0, device="cpu", dtype=torch.float32, **overrides
+    ):
         """Random weights of a named preset (for tests and benchmarks), deterministic from `seed`."""
         config = get_preset(preset).replace(**overrides)
         torch.manual_seed(seed)
@@ -79,7 +81,9 @@ class VideoPipeline:
         if not r.prompt.strip():
             raise ValueError("prompt must not be empty")
         if r.height % 2 or r.width % 2:
-            raise ValueError(f"size {r.width}x{r.height}: width and height must be even (H.264 yuv420p)")
+            raise ValueError(
+                f"size {r.width}x{r.height}: width and height must be even (H.264 yuv420p)"
+            )
         if r.steps < 1:
             raise ValueError(f"steps must be at least 1, got {r.steps}")
         if r.fps < 1:
@@ -97,8 +101,16 @@ class VideoPipeline:
         shape = (1, *self.autoencoder.latent_shape(r.frames, r.height, r.width))
         # Noise is drawn on the CPU from the request's own generator: the same seed gives the same
         # starting point on every device and whatever else is in the batch.
-        noise = torch.randn(shape, generator=torch.Generator().manual_seed(r.seed), dtype=torch.float32)
-        return SampleState(noise.to(self.device), ctx, mask, shifted_schedule(r.steps, self.config.shift), r.guidance)
+        noise = torch.randn(
+            shape, generator=torch.Generator().manual_seed(r.seed), dtype=torch.float32
+        )
+        return SampleState(
+            noise.to(self.device),
+            ctx,
+            mask,
+            shifted_schedule(r.steps, self.config.shift),
+            r.guidance,
+        )
 
     def denoise_step(self, states: list[SampleState]) -> None:
         """One Euler step for every state in one batched forward pass."""
@@ -112,7 +124,9 @@ class VideoPipeline:
             pixels = self.autoencoder.decode(state.latents.float())[0]  # (3, F, H, W) in [-1, 1]
         return float_to_frames(pixels, layout="CFHW")  # (F, H, W, 3) uint8, round and clip
 
-    def generate(self, request: GenerationRequest, progress: Callable[[int, int], None] | None = None) -> np.ndarray:
+    def generate(
+        self, request: GenerationRequest, progress: Callable[[int, int], None] | None = None
+    ) -> np.ndarray:
         """Sample one clip; `progress(step, total)` is called after every step."""
         state = self.prepare(request)
         for _ in range(state.num_steps):

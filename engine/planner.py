@@ -59,7 +59,9 @@ class Workload:
 
 def tokens(config: DiTConfig, w: Workload) -> int:
     """Video tokens of one clip of the workload's shape (in pixels; the model's default when unset)."""
-    grid = config.token_grid(w.frames or config.frames, w.height or config.height, w.width or config.width)
+    grid = config.token_grid(
+        w.frames or config.frames, w.height or config.height, w.width or config.width
+    )
     return math.prod(grid)
 
 
@@ -102,7 +104,11 @@ def plan(config: DiTConfig, machine: Machine = Machine(), w: Workload = Workload
     # output, MLP hidden), and the attention workspace (flash-style kernels keep O(N) per row).
     act_block = rows * n_tok * (2 * D + max(4 * D, F + D)) * b
     attn_ws = rows * config.heads * n_tok * 4  # fp32 log-sum-exp per query row
-    device = {"non_block_weights": nonblock_bytes, "slots": slots, "resident_blocks": resident * block_bytes}
+    device = {
+        "non_block_weights": nonblock_bytes,
+        "slots": slots,
+        "resident_blocks": resident * block_bytes,
+    }
     host = {}
     if not finetune:
         device.update(activations=act_block, attention_workspace=attn_ws)
@@ -111,18 +117,25 @@ def plan(config: DiTConfig, machine: Machine = Machine(), w: Workload = Workload
         # Backward: one block's recompute plus its saved tensors (about 3x the forward live set), the
         # compute-dtype cast of that block, its fp32 gradients, and every block's boundary activation.
         device.update(
-            activations=3 * act_block, attention_workspace=attn_ws,
-            block_cast=n_block * b, block_gradients=n_block * 4,
+            activations=3 * act_block,
+            attention_workspace=attn_ws,
+            block_cast=n_block * b,
+            block_gradients=n_block * 4,
             boundary_activations=rows * n_tok * D * b * config.depth,
-        )  # fmt: skip
+        )
         host.update(
             fp32_master=4 * n_params,  # pinned: the streamer's host store is the master
-            adam_m=4 * n_params, adam_v=4 * n_params,
-            pinned_gradients=n_block * 4,  # one block's fp32 gradients on their way to the optimizer
+            adam_m=4 * n_params,
+            adam_v=4 * n_params,
+            pinned_gradients=n_block
+            * 4,  # one block's fp32 gradients on their way to the optimizer
             # Accumulating micro-batches, or clipping by the global norm, holds every gradient.
-            grad_accumulation=grad_buffer_bytes(n_params, accumulation_steps=w.grad_accum,
-                                                max_grad_norm=1.0 if w.max_grad_norm else None),
-        )  # fmt: skip
+            grad_accumulation=grad_buffer_bytes(
+                n_params,
+                accumulation_steps=w.grad_accum,
+                max_grad_norm=1.0 if w.max_grad_norm else None,
+            ),
+        )
     device_limit = machine.gpu_mem * (1 - machine.reserve)
     if finetune and sum(device.values()) > device_limit:
         # Over the device budget: the block-boundary activations wait in pinned host memory instead
@@ -132,8 +145,12 @@ def plan(config: DiTConfig, machine: Machine = Machine(), w: Workload = Workload
     host_total = sum(host.values())
 
     # Time: FLOPs of one forward over the batch (matmuls 2*params*tokens, attention 4*N*keys*D).
-    matmul_params = n_block - 6 * D  # everything in a block but its modulation table is a matmul weight
-    fwd_flops = config.depth * rows * (2 * matmul_params * n_tok + 4 * n_tok * keys * D + 4 * n_tok * L * D)
+    matmul_params = (
+        n_block - 6 * D
+    )  # everything in a block but its modulation table is a matmul weight
+    fwd_flops = (
+        config.depth * rows * (2 * matmul_params * n_tok + 4 * n_tok * keys * D + 4 * n_tok * L * D)
+    )
     streamed_bytes = streamed * block_bytes
     if not finetune:
         compute_s = fwd_flops / (machine.tflops * 1e12)
@@ -142,7 +159,9 @@ def plan(config: DiTConfig, machine: Machine = Machine(), w: Workload = Workload
         optimizer_s = 0.0
     else:
         compute_s = 4 * fwd_flops / (machine.tflops * 1e12)  # forward, recompute, backward (2x)
-        offloaded = host.get("boundary_activations", 0)  # down in the forward, back up in the backward
+        offloaded = host.get(
+            "boundary_activations", 0
+        )  # down in the forward, back up in the backward
         # Every block crosses in the forward and again in the backward, except those still in their
         # slots when the backward turns around.
         h2d_bytes = (2 * streamed - min(w.prefetch, streamed)) * block_bytes + offloaded
@@ -154,12 +173,18 @@ def plan(config: DiTConfig, machine: Machine = Machine(), w: Workload = Workload
 
     problems = []
     if device_total > device_limit:
-        problems.append(f"device memory: needs {device_total / GB:.1f} GB of {device_limit / GB:.1f} GB usable")
+        problems.append(
+            f"device memory: needs {device_total / GB:.1f} GB of {device_limit / GB:.1f} GB usable"
+        )
     if host_total > machine.host_mem:
-        problems.append(f"host memory: needs {host_total / GB:.1f} GB of {machine.host_mem / GB:.1f} GB")
+        problems.append(
+            f"host memory: needs {host_total / GB:.1f} GB of {machine.host_mem / GB:.1f} GB"
+        )
     if w.gpu_budget is not None and not finetune and w.gpu_budget < nonblock_bytes + slots:
-        problems.append(f"gpu budget {w.gpu_budget / GB:.2f} GB is below non-block weights + slots "
-                        f"({(nonblock_bytes + slots) / GB:.2f} GB)")  # fmt: skip
+        problems.append(
+            f"gpu budget {w.gpu_budget / GB:.2f} GB is below non-block weights + slots "
+            f"({(nonblock_bytes + slots) / GB:.2f} GB)"
+        )
     return {
         "mode": w.mode,
         "parameters": n_params,
@@ -186,8 +211,10 @@ def format_plan(p: dict) -> str:
     def gb(x):
         return f"{x / GB:10.2f} GB"
 
-    lines = [f"{p['mode']}: {p['parameters']:,} parameters, {p['blocks']} blocks "
-             f"({p['resident_blocks']} resident, {p['streamed_blocks']} streamed), {p['tokens']:,} tokens x {p['batch_rows']} rows"]  # fmt: skip
+    lines = [
+        f"{p['mode']}: {p['parameters']:,} parameters, {p['blocks']} blocks "
+        f"({p['resident_blocks']} resident, {p['streamed_blocks']} streamed), {p['tokens']:,} tokens x {p['batch_rows']} rows"
+    ]
     for side in ("host", "device"):
         lines.append(f"{side}:")
         for name, value in p[side].items():
@@ -195,7 +222,11 @@ def format_plan(p: dict) -> str:
                 lines.append(f"  {name:<22}{gb(value)}")
         lines.append(f"  {'total':<22}{gb(p[side]['total'])}")
     t = p["time_s"]
-    lines.append(f"time per step: {t['step']:.3f} s, bound by {t['bound']} "
-                 f"(compute {t['compute']:.3f} s, transfer {t['transfer']:.3f} s, optimizer {t['optimizer']:.3f} s)")  # fmt: skip
-    lines.append("verdict: fits" if p["fits"] else "verdict: does not fit: " + "; ".join(p["problems"]))
+    lines.append(
+        f"time per step: {t['step']:.3f} s, bound by {t['bound']} "
+        f"(compute {t['compute']:.3f} s, transfer {t['transfer']:.3f} s, optimizer {t['optimizer']:.3f} s)"
+    )
+    lines.append(
+        "verdict: fits" if p["fits"] else "verdict: does not fit: " + "; ".join(p["problems"])
+    )
     return "\n".join(lines)

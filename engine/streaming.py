@@ -52,14 +52,30 @@ import torch
 from torch import nn
 
 from .host_store import (
-    ALIGN_BYTES, HostBlockStore, SafetensorsFile, TensorEntry, _Bound, _collect_tensors,
-    _fill_views, _layout, _move_into, _repoint, layout_nbytes,
-)  # fmt: skip
+    ALIGN_BYTES,
+    HostBlockStore,
+    SafetensorsFile,
+    TensorEntry,
+    _Bound,
+    _collect_tensors,
+    _fill_views,
+    _layout,
+    _move_into,
+    _repoint,
+    layout_nbytes,
+)
 
 __all__ = [
-    "ALIGN_BYTES", "HostBlockStore", "ResidencyPlan", "SafetensorsFile", "StreamHandle",
-    "TensorEntry", "layout_nbytes", "plan_residency", "stream_module",
-]  # fmt: skip
+    "ALIGN_BYTES",
+    "HostBlockStore",
+    "ResidencyPlan",
+    "SafetensorsFile",
+    "StreamHandle",
+    "TensorEntry",
+    "layout_nbytes",
+    "plan_residency",
+    "stream_module",
+]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -443,8 +459,9 @@ class StreamHandle:
         self._forget_copy(block)
         return block.store.tensors()
 
-    def load_weights(self, source: Mapping[str, torch.Tensor] | str | os.PathLike,
-                     strict: bool = True) -> None:  # fmt: skip
+    def load_weights(
+        self, source: Mapping[str, torch.Tensor] | str | os.PathLike, strict: bool = True
+    ) -> None:
         """Fill the streamed module's tensors from a state-dict-like mapping or a .safetensors path.
 
         Keys are names as in `module.state_dict()`. Streamed blocks are filled straight into their
@@ -519,7 +536,8 @@ class StreamHandle:
             "streamed_block_bytes": sum(self._blocks[i].nbytes for i in p.streamed),
             "host_store_bytes": sum(self._blocks[i].nbytes for i in p.streamed),
             # Everything is allocated up front, so the peak is the steady-state footprint.
-            "peak_device_weight_bytes": self._non_block_bytes + p.resident_block_bytes
+            "peak_device_weight_bytes": self._non_block_bytes
+            + p.resident_block_bytes
             + p.num_slots * p.slot_bytes,
             "h2d_bytes": self._h2d_bytes,
             "copies": self._copies,
@@ -565,22 +583,44 @@ class StreamHandle:
             raise RuntimeError("trace_events needs stream_module(..., timing=True)")
         pid, tids = os.getpid(), {"compute": 1, "copy": 2}
         events: list[dict[str, Any]] = [
-            {"ph": "M", "name": "process_name", "pid": pid, "tid": 0,
-             "args": {"name": f"megaslide streamer ({self.device})"}},
-            {"ph": "M", "name": "thread_name", "pid": pid, "tid": tids["compute"],
-             "args": {"name": "compute stream"}},
-            {"ph": "M", "name": "thread_name", "pid": pid, "tid": tids["copy"],
-             "args": {"name": "copy stream (host to device)"}},
-        ]  # fmt: skip
+            {
+                "ph": "M",
+                "name": "process_name",
+                "pid": pid,
+                "tid": 0,
+                "args": {"name": f"megaslide streamer ({self.device})"},
+            },
+            {
+                "ph": "M",
+                "name": "thread_name",
+                "pid": pid,
+                "tid": tids["compute"],
+                "args": {"name": "compute stream"},
+            },
+            {
+                "ph": "M",
+                "name": "thread_name",
+                "pid": pid,
+                "tid": tids["copy"],
+                "args": {"name": "copy stream (host to device)"},
+            },
+        ]
         for span, a, b in self._intervals():
             args = {"block": span.block, "slot": span.slot, "forward": span.forward}
             if span.kind == "copy":
                 args["bytes"] = span.nbytes
-            events.append({
-                "name": f"{span.kind} block {span.block}", "cat": span.kind, "ph": "X",
-                "ts": a * 1e6, "dur": (b - a) * 1e6, "pid": pid, "tid": tids[span.kind],
-                "args": args,
-            })  # fmt: skip
+            events.append(
+                {
+                    "name": f"{span.kind} block {span.block}",
+                    "cat": span.kind,
+                    "ph": "X",
+                    "ts": a * 1e6,
+                    "dur": (b - a) * 1e6,
+                    "pid": pid,
+                    "tid": tids[span.kind],
+                    "args": args,
+                }
+            )
         return events
 
     def write_trace(self, path: str | os.PathLike) -> None:
@@ -599,11 +639,15 @@ class StreamHandle:
             hook.remove()
         home = lambda d: torch.device("cpu") if d.type == "meta" else d  # noqa: E731
         for block in self._blocks:
-            views = block.store.views if block.store is not None else \
-                tuple(e.view(block.device_flat) for e in block.entries)  # fmt: skip
+            views = (
+                block.store.views
+                if block.store is not None
+                else tuple(e.view(block.device_flat) for e in block.entries)
+            )
             for bound, entry, view in zip(block.tensors, block.entries, views):
-                own = torch.empty_strided(entry.shape, entry.stride, dtype=entry.dtype,
-                                          device=home(bound.device))  # fmt: skip
+                own = torch.empty_strided(
+                    entry.shape, entry.stride, dtype=entry.dtype, device=home(bound.device)
+                )
                 own.copy_(view)
                 bound.tensor.data = own
             if block.store is not None:
@@ -627,6 +671,7 @@ class StreamHandle:
         block = self._blocks[i]
         if block.slot is not None:
             return block.slot
+
         def evictable(s: _Slot) -> bool:
             return s.block is None or (s.block not in protect and not self._blocks[s.block].loaded)
 
@@ -634,8 +679,9 @@ class StreamHandle:
         if not candidates:
             return None
         # Empty slots first, then the least recently used one.
-        k = min(candidates, key=lambda k: (self._slots[k].block is not None,
-                                           self._slots[k].last_use))  # fmt: skip
+        k = min(
+            candidates, key=lambda k: (self._slots[k].block is not None, self._slots[k].last_use)
+        )
         slot = self._slots[k]
         if slot.block is not None:
             self._blocks[slot.block].slot = None
@@ -769,9 +815,13 @@ def stream_module(
 
     layouts = [_layout(ts) for ts in per_block]
     non_block_bytes = sum(t.tensor.numel() * t.tensor.element_size() for t in non_block)
-    plan = plan_residency([nb for _, nb in layouts], prefetch=prefetch,
-                          gpu_budget_bytes=gpu_budget_bytes, non_block_bytes=non_block_bytes,
-                          activation_reserve_bytes=activation_reserve_bytes)  # fmt: skip
+    plan = plan_residency(
+        [nb for _, nb in layouts],
+        prefetch=prefetch,
+        gpu_budget_bytes=gpu_budget_bytes,
+        non_block_bytes=non_block_bytes,
+        activation_reserve_bytes=activation_reserve_bytes,
+    )
     pinned = _resolve_pinning(device, host_pinned)
     ordering = _make_ordering(device)
 
@@ -787,14 +837,22 @@ def stream_module(
             rec.store = HostBlockStore._adopt(tensors, pinned)
         records.append(rec)
     for t in non_block:
-        _repoint(t.tensor, torch.empty_like(t.tensor, device=device) if t.tensor.is_meta
-                 else t.tensor.detach().to(device))  # fmt: skip
+        _repoint(
+            t.tensor,
+            torch.empty_like(t.tensor, device=device)
+            if t.tensor.is_meta
+            else t.tensor.detach().to(device),
+        )
 
-    handle = StreamHandle(module, records, device, plan, pinned, prefetch, timing, non_block,
-                          ordering)  # fmt: skip
+    handle = StreamHandle(
+        module, records, device, plan, pinned, prefetch, timing, non_block, ordering
+    )
     for _ in range(plan.num_slots):
-        slot = _Slot(torch.empty(plan.slot_bytes, dtype=torch.uint8, device=device),
-                     ordering.new_event(), ordering.new_event())  # fmt: skip
+        slot = _Slot(
+            torch.empty(plan.slot_bytes, dtype=torch.uint8, device=device),
+            ordering.new_event(),
+            ordering.new_event(),
+        )
         # The allocator may hand us memory whose previous owner still has kernels queued on the
         # compute stream; the first copy into the slot waits for them through this event.
         ordering.record_on_compute(slot.free)

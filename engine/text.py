@@ -81,8 +81,10 @@ def tokenize(prompts: list[str], config: TextEncoderConfig) -> tuple[torch.Tenso
     for i, prompt in enumerate(prompts):
         data = token_ids(prompt, config.tokenizer, config.buckets)
         if len(data) + 2 > config.max_len:
-            raise ValueError(f"prompt is {len(data)} {TOKEN_UNITS[config.tokenizer]}; "
-                             f"this model takes at most {config.max_len - 2}")
+            raise ValueError(
+                f"prompt is {len(data)} {TOKEN_UNITS[config.tokenizer]}; "
+                f"this model takes at most {config.max_len - 2}"
+            )
         ids[i, : len(data) + 2] = torch.tensor([bos, *data, eos])
     return ids, ids != pad
 
@@ -99,12 +101,18 @@ class EncoderLayer(nn.Module):
         self.qkv = nn.Linear(config.dim, 3 * config.dim, bias=False)
         self.out = nn.Linear(config.dim, config.dim)
         self.norm2 = nn.LayerNorm(config.dim)
-        self.mlp = nn.Sequential(nn.Linear(config.dim, 4 * config.dim), nn.GELU(), nn.Linear(4 * config.dim, config.dim))
+        self.mlp = nn.Sequential(
+            nn.Linear(config.dim, 4 * config.dim), nn.GELU(), nn.Linear(4 * config.dim, config.dim)
+        )
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         B, L, D = x.shape
-        q, k, v = self.qkv(self.norm1(x)).view(B, L, 3, self.heads, -1).permute(2, 0, 3, 1, 4)  # (B, h, L, d)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :])  # (B, h, L, d)
+        q, k, v = (
+            self.qkv(self.norm1(x)).view(B, L, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        )  # (B, h, L, d)
+        o = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask[:, None, None, :]
+        )  # (B, h, L, d)
         x = x + self.out(o.transpose(1, 2).reshape(B, L, D))  # (B, L, D)
         return x + self.mlp(self.norm2(x))  # (B, L, D)
 

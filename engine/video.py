@@ -98,8 +98,15 @@ def to_uint8_frames(frames, *, layout: str | None = None) -> np.ndarray:
 # ---------------------------------------------------------------------- writing
 
 
-def write_mp4(path: str | os.PathLike, frames, fps: int | float | Fraction = 16, *,
-              crf: int = 18, preset: str = "medium", layout: str | None = None) -> Path:
+def write_mp4(
+    path: str | os.PathLike,
+    frames,
+    fps: int | float | Fraction = 16,
+    *,
+    crf: int = 18,
+    preset: str = "medium",
+    layout: str | None = None,
+) -> Path:
     """Encode frames to an H.264/yuv420p MP4 at `path` (atomically) and return the path.
 
     frames: uint8 ``(F, H, W, 3)`` or float in [-1, 1] (``(F, H, W, 3)`` or ``(3, F, H, W)``),
@@ -113,7 +120,8 @@ def write_mp4(path: str | os.PathLike, frames, fps: int | float | Fraction = 16,
     if h % 2 or w % 2:
         raise ValueError(
             f"H.264 with yuv420p needs even width and height, got {w}x{h} (W x H); "
-            "crop or resize the frames to even dimensions")
+            "crop or resize the frames to even dimensions"
+        )
     if not 0 <= crf <= 51:
         raise ValueError(f"crf must be in [0, 51], got {crf}")
     rate = Fraction(fps).limit_denominator(1001)
@@ -127,8 +135,9 @@ def write_mp4(path: str | os.PathLike, frames, fps: int | float | Fraction = 16,
     os.close(fd)
     try:
         # A real file path, not a buffer: +faststart rewrites the file to move the index first.
-        with av.open(tmp, mode="w", format="mp4",
-                     container_options={"movflags": "+faststart"}) as container:
+        with av.open(
+            tmp, mode="w", format="mp4", container_options={"movflags": "+faststart"}
+        ) as container:
             stream = container.add_stream("libx264", rate=rate)
             stream.width, stream.height, stream.pix_fmt = w, h, "yuv420p"
             stream.time_base = 1 / rate
@@ -146,8 +155,9 @@ def write_mp4(path: str | os.PathLike, frames, fps: int | float | Fraction = 16,
     return path
 
 
-def first_frame_png(video_path: str | os.PathLike, out_path: str | os.PathLike, *,
-                    max_side: int | None = None) -> Path:
+def first_frame_png(
+    video_path: str | os.PathLike, out_path: str | os.PathLike, *, max_side: int | None = None
+) -> Path:
     """Write the first frame of a video (or frame folder) as a PNG thumbnail, atomically.
 
     With `max_side`, the frame is scaled down (antialiased, aspect kept) so that its longer side
@@ -194,9 +204,14 @@ def _fsync(path: str) -> None:
 # ---------------------------------------------------------------------- reading
 
 
-def read_video(path: str | os.PathLike, *, num_frames: int | None = None,
-               size: tuple[int, int] | None = None, sampling: str = "uniform",
-               frame_count: int | None = None) -> np.ndarray:
+def read_video(
+    path: str | os.PathLike,
+    *,
+    num_frames: int | None = None,
+    size: tuple[int, int] | None = None,
+    sampling: str = "uniform",
+    frame_count: int | None = None,
+) -> np.ndarray:
     """Decode a video file or a folder of frames to uint8 ``(F, H, W, 3)`` RGB.
 
     num_frames: None keeps every frame. Otherwise `sampling` picks which of the T decoded frames:
@@ -307,8 +322,9 @@ def _rgb(frame, path: Path) -> np.ndarray:
         raise ValueError(f"{path}: cannot convert a frame to RGB: {e}") from e
 
 
-def _read_container(path: Path, num_frames: int | None, sampling: str,
-                    frame_count: int | None) -> np.ndarray:
+def _read_container(
+    path: Path, num_frames: int | None, sampling: str, frame_count: int | None
+) -> np.ndarray:
     keep = None
     if num_frames is not None:
         if sampling == "uniform" and frame_count is None:
@@ -351,7 +367,7 @@ def resize_center_crop(frames: np.ndarray, size: tuple[int, int]) -> np.ndarray:
         raise ValueError(f"size must be positive (W, H), got {size}")
     _, h, w, _ = frames.shape
     left, top, cw, ch = center_crop_box(w, h, out_w, out_h)
-    crop = frames[:, top:top + ch, left:left + cw]
+    crop = frames[:, top : top + ch, left : left + cw]
     if (cw, ch) == (out_w, out_h):
         return np.ascontiguousarray(crop)
     return _resize(crop, out_w, out_h)

@@ -55,7 +55,9 @@ class ClipSpec:
     width: int = 32
 
     def caption(self) -> str:
-        return " and ".join(o.phrase() for o in self.objects) + f" on a {self.background} background"
+        return (
+            " and ".join(o.phrase() for o in self.objects) + f" on a {self.background} background"
+        )
 
 
 def caption_for(colour: str, shape: str, motion: str, background: str = "black") -> str:
@@ -65,10 +67,14 @@ def caption_for(colour: str, shape: str, motion: str, background: str = "black")
 
 def held_out(colour: str, shape: str, motion: str) -> bool:
     """Combinations of colour, shape and motion that never appear together in training (1 in 5)."""
-    return (list(COLOURS).index(colour) + SHAPES.index(shape) + list(MOTIONS).index(motion)) % 5 == 0
+    return (
+        list(COLOURS).index(colour) + SHAPES.index(shape) + list(MOTIONS).index(motion)
+    ) % 5 == 0
 
 
-def random_object(rng: random.Random, frames: int, height: int, width: int, colour, shape, motion) -> ObjectSpec:
+def random_object(
+    rng: random.Random, frames: int, height: int, width: int, colour, shape, motion
+) -> ObjectSpec:
     size = rng.uniform(0.28, 0.36) * min(height, width)
     speed = 0.0 if motion == "static" else rng.uniform(0.9, 1.2) * min(height, width) / 32
     dy, dx = MOTIONS[motion]
@@ -86,8 +92,16 @@ def random_object(rng: random.Random, frames: int, height: int, width: int, colo
     return ObjectSpec(colour, shape, motion, start(height, dy), start(width, dx), size, speed)
 
 
-def random_clip(rng: random.Random, frames=16, height=32, width=32, *, allow_held_out=False, max_objects=2,
-                backgrounds=tuple(BACKGROUNDS)) -> ClipSpec:  # fmt: skip
+def random_clip(
+    rng: random.Random,
+    frames=16,
+    height=32,
+    width=32,
+    *,
+    allow_held_out=False,
+    max_objects=2,
+    backgrounds=tuple(BACKGROUNDS),
+) -> ClipSpec:
     """A clip of one (mostly) or two objects of distinct colours, avoiding held-out combinations."""
     n = 1 if max_objects == 1 or rng.random() < 0.75 else 2
     colours = rng.sample(list(COLOURS), n)
@@ -101,7 +115,9 @@ def random_clip(rng: random.Random, frames=16, height=32, width=32, *, allow_hel
     return ClipSpec(tuple(objects), rng.choice(list(backgrounds)), frames, height, width)
 
 
-def shape_mask(shape: str, cy: float, cx: float, size: float, height: int, width: int) -> np.ndarray:
+def shape_mask(
+    shape: str, cy: float, cx: float, size: float, height: int, width: int
+) -> np.ndarray:
     """Boolean `(H, W)` mask of a shape centred at (cy, cx), sampled at pixel centres."""
     yy, xx = np.mgrid[0:height, 0:width] + 0.5
     r = size / 2
@@ -123,13 +139,29 @@ def render(spec: ClipSpec) -> np.ndarray:
     for f in range(spec.frames):
         for o in spec.objects:
             dy, dx = MOTIONS[o.motion]
-            mask = shape_mask(o.shape, o.y + dy * o.speed * f, o.x + dx * o.speed * f, o.size, spec.height, spec.width)
+            mask = shape_mask(
+                o.shape,
+                o.y + dy * o.speed * f,
+                o.x + dx * o.speed * f,
+                o.size,
+                spec.height,
+                spec.width,
+            )
             video[f][mask] = COLOURS[o.colour]
     return video
 
 
-def write_dataset(root: str | Path, count: int, *, seed: int = 0, frames=16, height=32, width=32, fps=8,
-                  backgrounds=tuple(BACKGROUNDS)) -> Path:  # fmt: skip
+def write_dataset(
+    root: str | Path,
+    count: int,
+    *,
+    seed: int = 0,
+    frames=16,
+    height=32,
+    width=32,
+    fps=8,
+    backgrounds=tuple(BACKGROUNDS),
+) -> Path:
     """Write `count` clips and their captions in the fine-tuning dataset layout (metadata.jsonl + MP4s)."""
     from .video import write_mp4
 
@@ -222,7 +254,9 @@ def analyse_clip(video: np.ndarray, background: str = "black") -> Analysis:
         box = fill_holes(mask[f][ys.min() : ys.max() + 1, xs.min() : xs.max() + 1])  # (h, w)
         rows = np.nonzero(box)[0]
         fills.append(box.mean())
-        drops.append((rows.mean() + 0.5) / box.shape[0])  # where the mass sits: 1/2 symmetric, 2/3 triangle
+        drops.append(
+            (rows.mean() + 0.5) / box.shape[0]
+        )  # where the mass sits: 1/2 symmetric, 2/3 triangle
     if len(cents) < 2:
         return Analysis(colour, None, None, (0.0, 0.0), 0.0, 0.0)
     cents = np.array(cents)

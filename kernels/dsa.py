@@ -99,15 +99,37 @@ def _interpreting() -> bool:
 
 @triton.jit
 def _dsa_fwd_kernel(
-    Q, K, V, O, LSE, ORIGIN, TILE_OFFS, WIN,
-    stride_qb, stride_qh, stride_qn,
-    stride_kb, stride_kh, stride_kn,
-    stride_vb, stride_vh, stride_vn,
-    stride_ob, stride_oh, stride_on,
-    stride_wb, stride_wh,
-    H, N, sm_scale,
-    TILE_TOKENS: tl.constexpr, WIN_TILES: tl.constexpr, HEAD_DIM: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    Q,
+    K,
+    V,
+    O,
+    LSE,
+    ORIGIN,
+    TILE_OFFS,
+    WIN,
+    stride_qb,
+    stride_qh,
+    stride_qn,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_ob,
+    stride_oh,
+    stride_on,
+    stride_wb,
+    stride_wh,
+    H,
+    N,
+    sm_scale,
+    TILE_TOKENS: tl.constexpr,
+    WIN_TILES: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     """O and base-2 LSE for BLOCK_M tokens of one query tile of one (batch, head).
 
@@ -145,10 +167,12 @@ def _dsa_fwd_kernel(
     for n_start in range(0, KEYS, BLOCK_N):
         j = n_start + tl.arange(0, BLOCK_N)  # position in the window's key list
         valid_n = j < KEYS
-        rows_n = tl.load(win + j // TILE_TOKENS, mask=valid_n, other=0) \
-            + tl.load(TILE_OFFS + j % TILE_TOKENS)
-        kT = tl.load(K + rows_n[None, :] * stride_kn + offs_d[:, None],
-                     mask=valid_n[None, :], other=0.0)  # (HEAD_DIM, BLOCK_N)
+        rows_n = tl.load(win + j // TILE_TOKENS, mask=valid_n, other=0) + tl.load(
+            TILE_OFFS + j % TILE_TOKENS
+        )
+        kT = tl.load(
+            K + rows_n[None, :] * stride_kn + offs_d[:, None], mask=valid_n[None, :], other=0.0
+        )  # (HEAD_DIM, BLOCK_N)
         s = tl.dot(q, kT, input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N)
         if KEYS % BLOCK_N != 0:
             s = tl.where(valid_n[None, :], s, float("-inf"))
@@ -157,21 +181,35 @@ def _dsa_fwd_kernel(
         alpha = tl.math.exp2(m_i - m_new)
         p = tl.math.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + rows_n[:, None] * stride_vn + offs_d[None, :],
-                    mask=valid_n[:, None], other=0.0)  # (BLOCK_N, HEAD_DIM)
+        v = tl.load(
+            V + rows_n[:, None] * stride_vn + offs_d[None, :], mask=valid_n[:, None], other=0.0
+        )  # (BLOCK_N, HEAD_DIM)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
     acc = acc / l_i[:, None]
-    tl.store(O + rows_m[:, None] * stride_on + offs_d[None, :], acc.to(O.dtype.element_ty),
-             mask=valid_m[:, None])
+    tl.store(
+        O + rows_m[:, None] * stride_on + offs_d[None, :],
+        acc.to(O.dtype.element_ty),
+        mask=valid_m[:, None],
+    )
     tl.store(LSE + bh.to(tl.int64) * N + rows_m, m_i + tl.math.log2(l_i), mask=valid_m)
 
 
 @triton.jit
 def _dsa_bwd_delta_kernel(
-    O, DO, DELTA,
-    stride_ob, stride_oh, stride_on, stride_db, stride_dh, stride_dn,
-    H, N, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
+    O,
+    DO,
+    DELTA,
+    stride_ob,
+    stride_oh,
+    stride_on,
+    stride_db,
+    stride_dh,
+    stride_dn,
+    H,
+    N,
+    HEAD_DIM: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     """delta = rowsum(dO * O) in fp32, the softmax-backward correction term, per token."""
     bh = tl.program_id(1)
@@ -180,26 +218,58 @@ def _dsa_bwd_delta_kernel(
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     valid = rows < N
     offs_d = tl.arange(0, HEAD_DIM)
-    o = tl.load(O + b * stride_ob + h * stride_oh + rows[:, None] * stride_on + offs_d[None, :],
-                mask=valid[:, None], other=0.0)
-    do = tl.load(DO + b * stride_db + h * stride_dh + rows[:, None] * stride_dn + offs_d[None, :],
-                 mask=valid[:, None], other=0.0)
+    o = tl.load(
+        O + b * stride_ob + h * stride_oh + rows[:, None] * stride_on + offs_d[None, :],
+        mask=valid[:, None],
+        other=0.0,
+    )
+    do = tl.load(
+        DO + b * stride_db + h * stride_dh + rows[:, None] * stride_dn + offs_d[None, :],
+        mask=valid[:, None],
+        other=0.0,
+    )
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(DELTA + bh.to(tl.int64) * N + rows, delta, mask=valid)
 
 
 @triton.jit
 def _dsa_bwd_dq_kernel(
-    Q, K, V, DO, DQ, LSE, DELTA, ORIGIN, TILE_OFFS, WIN,
-    stride_qb, stride_qh, stride_qn,
-    stride_kb, stride_kh, stride_kn,
-    stride_vb, stride_vh, stride_vn,
-    stride_dob, stride_doh, stride_don,
-    stride_dqb, stride_dqh, stride_dqn,
-    stride_wb, stride_wh,
-    H, N, sm_scale,
-    TILE_TOKENS: tl.constexpr, WIN_TILES: tl.constexpr, HEAD_DIM: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    Q,
+    K,
+    V,
+    DO,
+    DQ,
+    LSE,
+    DELTA,
+    ORIGIN,
+    TILE_OFFS,
+    WIN,
+    stride_qb,
+    stride_qh,
+    stride_qn,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_dob,
+    stride_doh,
+    stride_don,
+    stride_dqb,
+    stride_dqh,
+    stride_dqn,
+    stride_wb,
+    stride_wh,
+    H,
+    N,
+    sm_scale,
+    TILE_TOKENS: tl.constexpr,
+    WIN_TILES: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     """dQ for BLOCK_M tokens of one query tile, over the tile's query->key list."""
     KEYS: tl.constexpr = WIN_TILES * TILE_TOKENS
@@ -221,8 +291,9 @@ def _dsa_bwd_dq_kernel(
     valid_m = pos_m < TILE_TOKENS
     rows_m = tl.load(ORIGIN + q_tile) + tl.load(TILE_OFFS + pos_m, mask=valid_m, other=0)
     q = tl.load(Q + rows_m[:, None] * stride_qn + offs_d[None, :], mask=valid_m[:, None], other=0.0)
-    do = tl.load(DO + rows_m[:, None] * stride_don + offs_d[None, :], mask=valid_m[:, None],
-                 other=0.0)
+    do = tl.load(
+        DO + rows_m[:, None] * stride_don + offs_d[None, :], mask=valid_m[:, None], other=0.0
+    )
     lse = tl.load(LSE + bh.to(tl.int64) * N + rows_m, mask=valid_m, other=0.0)
     delta = tl.load(DELTA + bh.to(tl.int64) * N + rows_m, mask=valid_m, other=0.0)
 
@@ -231,12 +302,15 @@ def _dsa_bwd_dq_kernel(
     for n_start in range(0, KEYS, BLOCK_N):
         j = n_start + tl.arange(0, BLOCK_N)
         valid_n = j < KEYS
-        rows_n = tl.load(win + j // TILE_TOKENS, mask=valid_n, other=0) \
-            + tl.load(TILE_OFFS + j % TILE_TOKENS)
-        k = tl.load(K + rows_n[:, None] * stride_kn + offs_d[None, :],
-                    mask=valid_n[:, None], other=0.0)  # (BLOCK_N, HEAD_DIM)
-        vT = tl.load(V + rows_n[None, :] * stride_vn + offs_d[:, None],
-                     mask=valid_n[None, :], other=0.0)  # (HEAD_DIM, BLOCK_N)
+        rows_n = tl.load(win + j // TILE_TOKENS, mask=valid_n, other=0) + tl.load(
+            TILE_OFFS + j % TILE_TOKENS
+        )
+        k = tl.load(
+            K + rows_n[:, None] * stride_kn + offs_d[None, :], mask=valid_n[:, None], other=0.0
+        )  # (BLOCK_N, HEAD_DIM)
+        vT = tl.load(
+            V + rows_n[None, :] * stride_vn + offs_d[:, None], mask=valid_n[None, :], other=0.0
+        )  # (HEAD_DIM, BLOCK_N)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         p = tl.math.exp2(s - lse[:, None])  # (BLOCK_M, BLOCK_N): the forward's softmax
         if KEYS % BLOCK_N != 0:
@@ -245,23 +319,57 @@ def _dsa_bwd_dq_kernel(
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
     dq = dq * sm_scale  # d(scores)/d(q) carries the natural-log scale, applied once in fp32
-    tl.store(DQ + rows_m[:, None] * stride_dqn + offs_d[None, :], dq.to(DQ.dtype.element_ty),
-             mask=valid_m[:, None])
+    tl.store(
+        DQ + rows_m[:, None] * stride_dqn + offs_d[None, :],
+        dq.to(DQ.dtype.element_ty),
+        mask=valid_m[:, None],
+    )
 
 
 @triton.jit
 def _dsa_bwd_dkdv_kernel(
-    Q, K, V, DO, DK, DV, LSE, DELTA, ORIGIN, TILE_OFFS, INV_OFF, INV_Q,
-    stride_qb, stride_qh, stride_qn,
-    stride_kb, stride_kh, stride_kn,
-    stride_vb, stride_vh, stride_vn,
-    stride_dob, stride_doh, stride_don,
-    stride_dkb, stride_dkh, stride_dkn,
-    stride_dvb, stride_dvh, stride_dvn,
-    stride_iob, stride_ioh, stride_iqb, stride_iqh,
-    H, N, sm_scale,
-    TILE_TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    Q,
+    K,
+    V,
+    DO,
+    DK,
+    DV,
+    LSE,
+    DELTA,
+    ORIGIN,
+    TILE_OFFS,
+    INV_OFF,
+    INV_Q,
+    stride_qb,
+    stride_qh,
+    stride_qn,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_dob,
+    stride_doh,
+    stride_don,
+    stride_dkb,
+    stride_dkh,
+    stride_dkn,
+    stride_dvb,
+    stride_dvh,
+    stride_dvn,
+    stride_iob,
+    stride_ioh,
+    stride_iqb,
+    stride_iqh,
+    H,
+    N,
+    sm_scale,
+    TILE_TOKENS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     """dK and dV for BLOCK_N tokens of one key tile, over the tile's key->query list.
 
@@ -301,12 +409,15 @@ def _dsa_bwd_dkdv_kernel(
     for m_start in range(first, last, BLOCK_M):
         j = m_start + tl.arange(0, BLOCK_M)  # position in the key tile's query list
         valid_m = j < last
-        rows_m = tl.load(inv_q + j // TILE_TOKENS, mask=valid_m, other=0) \
-            + tl.load(TILE_OFFS + j % TILE_TOKENS)
-        q = tl.load(Q + rows_m[:, None] * stride_qn + offs_d[None, :],
-                    mask=valid_m[:, None], other=0.0)  # (BLOCK_M, HEAD_DIM)
-        do = tl.load(DO + rows_m[:, None] * stride_don + offs_d[None, :],
-                     mask=valid_m[:, None], other=0.0)
+        rows_m = tl.load(inv_q + j // TILE_TOKENS, mask=valid_m, other=0) + tl.load(
+            TILE_OFFS + j % TILE_TOKENS
+        )
+        q = tl.load(
+            Q + rows_m[:, None] * stride_qn + offs_d[None, :], mask=valid_m[:, None], other=0.0
+        )  # (BLOCK_M, HEAD_DIM)
+        do = tl.load(
+            DO + rows_m[:, None] * stride_don + offs_d[None, :], mask=valid_m[:, None], other=0.0
+        )
         lse = tl.load(LSE + rows_m, mask=valid_m, other=0.0)
         delta = tl.load(DELTA + rows_m, mask=valid_m, other=0.0)
         sT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale  # (BN, BM)
@@ -316,10 +427,16 @@ def _dsa_bwd_dkdv_kernel(
         dsT = pT * (dpT - delta[None, :])
         dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
     dk = dk * sm_scale
-    tl.store(DK + rows_n[:, None] * stride_dkn + offs_d[None, :], dk.to(DK.dtype.element_ty),
-             mask=valid_n[:, None])
-    tl.store(DV + rows_n[:, None] * stride_dvn + offs_d[None, :], dv.to(DV.dtype.element_ty),
-             mask=valid_n[:, None])
+    tl.store(
+        DK + rows_n[:, None] * stride_dkn + offs_d[None, :],
+        dk.to(DK.dtype.element_ty),
+        mask=valid_n[:, None],
+    )
+    tl.store(
+        DV + rows_n[:, None] * stride_dvn + offs_d[None, :],
+        dv.to(DV.dtype.element_ty),
+        mask=valid_n[:, None],
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -330,22 +447,39 @@ _AUTOTUNE_KEY = ["TILE_TOKENS", "HEAD_DIM", "WIN_TILES"]
 
 
 def _configs(rows):
-    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st)
-            for m, n, w, st in rows]
+    return [
+        triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st)
+        for m, n, w, st in rows
+    ]
 
 
 # (BLOCK_M, BLOCK_N, warps, stages). Forward and dQ: BLOCK_M query tokens of one tile against
 # BLOCK_N keys of its window list. Small-M rows serve small tiles (e.g. 1x4x4 = 16 tokens).
-_FWD_CONFIGS = _configs([
-    (128, 64, 8, 3), (128, 64, 4, 2), (64, 64, 4, 3), (128, 32, 4, 3), (64, 32, 4, 2),
-    (32, 64, 4, 2), (16, 64, 4, 2), (16, 128, 4, 2),
-])
+_FWD_CONFIGS = _configs(
+    [
+        (128, 64, 8, 3),
+        (128, 64, 4, 2),
+        (64, 64, 4, 3),
+        (128, 32, 4, 3),
+        (64, 32, 4, 2),
+        (32, 64, 4, 2),
+        (16, 64, 4, 2),
+        (16, 128, 4, 2),
+    ]
+)
 # dK/dV: BLOCK_N key tokens of one tile against BLOCK_M tokens of its query list; it holds two
 # (BLOCK_N, D) fp32 accumulators, so the streamed query block stays small.
-_BWD_CONFIGS = _configs([
-    (64, 128, 8, 2), (32, 128, 8, 2), (64, 64, 4, 2), (32, 64, 4, 2), (64, 32, 4, 2),
-    (64, 16, 4, 2), (128, 16, 4, 2),
-])
+_BWD_CONFIGS = _configs(
+    [
+        (64, 128, 8, 2),
+        (32, 128, 8, 2),
+        (64, 64, 4, 2),
+        (32, 64, 4, 2),
+        (64, 32, 4, 2),
+        (64, 16, 4, 2),
+        (128, 16, 4, 2),
+    ]
+)
 
 
 def _pruner(tile_block: str, list_block: str):
@@ -372,13 +506,19 @@ def _pruner(tile_block: str, list_block: str):
 
 
 _dsa_fwd = triton.autotune(
-    _FWD_CONFIGS, key=_AUTOTUNE_KEY, prune_configs_by=_pruner("BLOCK_M", "BLOCK_N"),
+    _FWD_CONFIGS,
+    key=_AUTOTUNE_KEY,
+    prune_configs_by=_pruner("BLOCK_M", "BLOCK_N"),
 )(_dsa_fwd_kernel)
 _dsa_bwd_dq = triton.autotune(
-    _FWD_CONFIGS, key=_AUTOTUNE_KEY, prune_configs_by=_pruner("BLOCK_M", "BLOCK_N"),
+    _FWD_CONFIGS,
+    key=_AUTOTUNE_KEY,
+    prune_configs_by=_pruner("BLOCK_M", "BLOCK_N"),
 )(_dsa_bwd_dq_kernel)
 _dsa_bwd_dkdv = triton.autotune(
-    _BWD_CONFIGS, key=_AUTOTUNE_KEY[:2], prune_configs_by=_pruner("BLOCK_N", "BLOCK_M"),
+    _BWD_CONFIGS,
+    key=_AUTOTUNE_KEY[:2],
+    prune_configs_by=_pruner("BLOCK_N", "BLOCK_M"),
 )(_dsa_bwd_dkdv_kernel)
 
 
@@ -458,9 +598,17 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _dsa_forward(q: Tensor, k: Tensor, v: Tensor, origin: Tensor, offsets: Tensor, win: Tensor,
-                 geom: DSAGeometry, scale: float,
-                 blocks: tuple[int, int] | None) -> tuple[Tensor, Tensor]:
+def _dsa_forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    origin: Tensor,
+    offsets: Tensor,
+    win: Tensor,
+    geom: DSAGeometry,
+    scale: float,
+    blocks: tuple[int, int] | None,
+) -> tuple[Tensor, Tensor]:
     """Launch the forward kernel: returns out (like q) and the base-2 LSE, fp32 (B, H, N).
 
     origin, offsets: from `tile_origins`; win: (Bm, Hm, nTiles, W) int32 first tokens of each
@@ -472,20 +620,48 @@ def _dsa_forward(q: Tensor, k: Tensor, v: Tensor, origin: Tensor, offsets: Tenso
     S = geom.tile_tokens
     grid_fn = lambda meta: (triton.cdiv(S, meta["BLOCK_M"]) * geom.num_tiles, B * H)  # noqa: E731
     _launch(
-        _dsa_fwd, blocks, grid_fn,
-        q, k, v, out, lse, origin, offsets, win,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+        _dsa_fwd,
+        blocks,
+        grid_fn,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        origin,
+        offsets,
+        win,
+        *q.stride()[:3],
+        *k.stride()[:3],
+        *v.stride()[:3],
+        *out.stride()[:3],
         *_broadcast_strides(win),
-        H, N, sm_scale=scale, WIN_TILES=geom.window_tiles, HEAD_DIM=D,
-        DOT_PRECISION=_dot_precision(q.dtype), TILE_TOKENS=geom.tile_tokens,
+        H,
+        N,
+        sm_scale=scale,
+        WIN_TILES=geom.window_tiles,
+        HEAD_DIM=D,
+        DOT_PRECISION=_dot_precision(q.dtype),
+        TILE_TOKENS=geom.tile_tokens,
     )
     return out, lse
 
 
-def _dsa_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                  origin: Tensor, offsets: Tensor, win_tiles: Tensor, win: Tensor,
-                  geom: DSAGeometry, scale: float,
-                  blocks: tuple[int, int] | None) -> tuple[Tensor, Tensor, Tensor]:
+def _dsa_backward(
+    do: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    origin: Tensor,
+    offsets: Tensor,
+    win_tiles: Tensor,
+    win: Tensor,
+    geom: DSAGeometry,
+    scale: float,
+    blocks: tuple[int, int] | None,
+) -> tuple[Tensor, Tensor, Tensor]:
     """Launch delta, dQ and dK/dV kernels; gradients have the shapes and dtypes of q, k, v.
 
     win_tiles: the (Bm, Hm, nTiles, W) key-tile indices, inverted here into key->query lists.
@@ -495,29 +671,80 @@ def _dsa_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse:
     do = do.contiguous()  # autograd may hand over an expanded (stride-0) gradient
     delta = torch.empty_like(lse)
     _dsa_bwd_delta_kernel[(triton.cdiv(N, 64), B * H)](
-        out, do, delta, *out.stride()[:3], *do.stride()[:3], H, N, HEAD_DIM=D, BLOCK=64,
+        out,
+        do,
+        delta,
+        *out.stride()[:3],
+        *do.stride()[:3],
+        H,
+        N,
+        HEAD_DIM=D,
+        BLOCK=64,
     )
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     precision = _dot_precision(q.dtype)
     grid_q = lambda meta: (triton.cdiv(S, meta["BLOCK_M"]) * nQ, B * H)  # noqa: E731
     _launch(
-        _dsa_bwd_dq, blocks, grid_q,
-        q, k, v, do, dq, lse, delta, origin, offsets, win,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *dq.stride()[:3],
+        _dsa_bwd_dq,
+        blocks,
+        grid_q,
+        q,
+        k,
+        v,
+        do,
+        dq,
+        lse,
+        delta,
+        origin,
+        offsets,
+        win,
+        *q.stride()[:3],
+        *k.stride()[:3],
+        *v.stride()[:3],
+        *do.stride()[:3],
+        *dq.stride()[:3],
         *_broadcast_strides(win),
-        H, N, sm_scale=scale, WIN_TILES=geom.window_tiles, HEAD_DIM=D,
-        DOT_PRECISION=precision, TILE_TOKENS=geom.tile_tokens,
+        H,
+        N,
+        sm_scale=scale,
+        WIN_TILES=geom.window_tiles,
+        HEAD_DIM=D,
+        DOT_PRECISION=precision,
+        TILE_TOKENS=geom.tile_tokens,
     )
     inv_off, inv_q = invert_windows(win_tiles, nQ)  # (Bm, Hm, nQ+1), (Bm, Hm, nQ*W)
     inv_q = origin[inv_q.long()]  # query tiles -> their first tokens, int32
     grid_k = lambda meta: (triton.cdiv(S, meta["BLOCK_N"]) * nQ, B * H)  # noqa: E731
     _launch(
-        _dsa_bwd_dkdv, blocks, grid_k,
-        q, k, v, do, dk, dv, lse, delta, origin, offsets, inv_off, inv_q,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3],
-        *dk.stride()[:3], *dv.stride()[:3],
-        *_broadcast_strides(inv_off), *_broadcast_strides(inv_q),
-        H, N, sm_scale=scale, HEAD_DIM=D, DOT_PRECISION=precision, TILE_TOKENS=geom.tile_tokens,
+        _dsa_bwd_dkdv,
+        blocks,
+        grid_k,
+        q,
+        k,
+        v,
+        do,
+        dk,
+        dv,
+        lse,
+        delta,
+        origin,
+        offsets,
+        inv_off,
+        inv_q,
+        *q.stride()[:3],
+        *k.stride()[:3],
+        *v.stride()[:3],
+        *do.stride()[:3],
+        *dk.stride()[:3],
+        *dv.stride()[:3],
+        *_broadcast_strides(inv_off),
+        *_broadcast_strides(inv_q),
+        H,
+        N,
+        sm_scale=scale,
+        HEAD_DIM=D,
+        DOT_PRECISION=precision,
+        TILE_TOKENS=geom.tile_tokens,
     )
     return dq, dk, dv
 
@@ -543,14 +770,36 @@ class DSAFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable  # the backward kernels have no backward
     def backward(ctx, dout):
         q, k, v, out, lse, origin, offsets, win_tiles, win = ctx.saved_tensors
-        dq, dk, dv = _dsa_backward(dout, q, k, v, out, lse, origin, offsets, win_tiles, win,
-                                   ctx.geom, ctx.scale, ctx.blocks)
+        dq, dk, dv = _dsa_backward(
+            dout,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            origin,
+            offsets,
+            win_tiles,
+            win,
+            ctx.geom,
+            ctx.scale,
+            ctx.blocks,
+        )
         return dq, dk, dv, None, None, None, None
 
 
-def dsa_triton(q: Tensor, k: Tensor, v: Tensor, *, grid, tile, window,
-               motion: Tensor | None = None, scale: float | None = None,
-               blocks: tuple[int, int] | None = None) -> Tensor:
+def dsa_triton(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    grid,
+    tile,
+    window,
+    motion: Tensor | None = None,
+    scale: float | None = None,
+    blocks: tuple[int, int] | None = None,
+) -> Tensor:
     """3D-DSA on the Triton kernels. `blocks=(BLOCK_M, BLOCK_N)` skips autotuning (tests)."""
     geom = dsa_geometry(grid, tile, window)
     scale = check_inputs(q, k, v, motion, geom, scale)
@@ -570,9 +819,18 @@ def dsa_triton(q: Tensor, k: Tensor, v: Tensor, *, grid, tile, window,
 # ---------------------------------------------------------------------------------------------
 
 
-def dsa_attention(q: Tensor, k: Tensor, v: Tensor, *, grid, tile, window,
-                  motion: Tensor | None = None, scale: float | None = None,
-                  backend: str = "auto") -> Tensor:
+def dsa_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    grid,
+    tile,
+    window,
+    motion: Tensor | None = None,
+    scale: float | None = None,
+    backend: str = "auto",
+) -> Tensor:
     """3D Deformable Slide Attention; semantics in this module's docstring.
 
     `backend`: "triton", "reference", or "auto" (Triton for CUDA tensors when Triton imports,
@@ -583,6 +841,7 @@ def dsa_attention(q: Tensor, k: Tensor, v: Tensor, *, grid, tile, window,
     if backend == "triton":
         return dsa_triton(q, k, v, grid=grid, tile=tile, window=window, motion=motion, scale=scale)
     if backend == "reference":
-        return dsa_attention_reference(q, k, v, grid=grid, tile=tile, window=window, motion=motion,
-                             scale=scale)
+        return dsa_attention_reference(
+            q, k, v, grid=grid, tile=tile, window=window, motion=motion, scale=scale
+        )
     raise ValueError(f"backend must be 'auto', 'triton' or 'reference', got {backend!r}")

@@ -95,8 +95,9 @@ def dsa_geometry(grid, tile, window) -> DSAGeometry:
     return DSAGeometry(grid, tile, window)
 
 
-def check_inputs(q: Tensor, k: Tensor, v: Tensor, motion: Tensor | None, geom: DSAGeometry,
-                 scale: float | None) -> float:
+def check_inputs(
+    q: Tensor, k: Tensor, v: Tensor, motion: Tensor | None, geom: DSAGeometry, scale: float | None
+) -> float:
     """Raise ValueError with a clear message on any inconsistency; return the softmax scale."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
@@ -127,8 +128,7 @@ def check_inputs(q: Tensor, k: Tensor, v: Tensor, motion: Tensor | None, geom: D
             or tuple(motion.shape[2:]) != (*geom.tiles, 2)
         ):
             raise ValueError(
-                f"motion must be (B, heads or 1, nT, nY, nX, 2) = {want}, "
-                f"got {tuple(motion.shape)}"
+                f"motion must be (B, heads or 1, nT, nY, nX, 2) = {want}, got {tuple(motion.shape)}"
             )
         if not motion.is_floating_point():
             raise ValueError(f"motion must be a floating-point tensor, got {motion.dtype}")
@@ -142,8 +142,9 @@ def check_inputs(q: Tensor, k: Tensor, v: Tensor, motion: Tensor | None, geom: D
     return scale
 
 
-def window_tiles(geom: DSAGeometry, motion: Tensor | None = None, *,
-                 device: torch.device | str | None = None) -> Tensor:
+def window_tiles(
+    geom: DSAGeometry, motion: Tensor | None = None, *, device: torch.device | str | None = None
+) -> Tensor:
     """Key tiles attended by each query tile: int64 `(Bm, Hm, nT*nY*nX, wt*wy*wx)`.
 
     `Bm, Hm` are `motion.shape[:2]`, or `(1, 1)` without motion (windows then do not depend on
@@ -236,9 +237,18 @@ def _tile_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, use_sdpa: boo
     return p @ v  # (B, G, S, D)
 
 
-def dsa_attention_reference(q: Tensor, k: Tensor, v: Tensor, *, grid, tile, window,
-                            motion: Tensor | None = None, scale: float | None = None,
-                            use_sdpa: bool | None = None) -> Tensor:
+def dsa_attention_reference(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    grid,
+    tile,
+    window,
+    motion: Tensor | None = None,
+    scale: float | None = None,
+    use_sdpa: bool | None = None,
+) -> Tensor:
     """3D-DSA in plain PyTorch: (B, H, N, D) natural-order inputs -> (B, H, N, D) output.
 
     Gathers, for a chunk of query tiles at a time, the `wt*wy*wx` key and value tiles of each
@@ -336,8 +346,17 @@ def dsa_dense_mask(geom: DSAGeometry, motion: Tensor | None = None) -> Tensor:
     return torch.stack(masks)
 
 
-def dsa_dense_oracle(q: Tensor, k: Tensor, v: Tensor, *, grid, tile, window,
-                     motion: Tensor | None = None, scale: float | None = None) -> Tensor:
+def dsa_dense_oracle(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    grid,
+    tile,
+    window,
+    motion: Tensor | None = None,
+    scale: float | None = None,
+) -> Tensor:
     """Masked dense attention with the full N x N mask, in the input dtype. Tests only."""
     geom = dsa_geometry(grid, tile, window)
     scale = check_inputs(q, k, v, motion, geom, scale)

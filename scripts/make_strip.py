@@ -1,6 +1,6 @@
 """Render a PNG strip of frames from clips of the packaged model, one row per prompt (docs/ shows it).
 
-    python scripts/make_strip.py docs/megaslide-tiny.png
+python scripts/make_strip.py docs/megaslide-tiny.png
 """
 
 from __future__ import annotations
@@ -30,9 +30,16 @@ def main(out: str) -> int:
     rows = []
     for prompt in PROMPTS:
         frames = pipe.generate(GenerationRequest(prompt, seed=0))  # (F, H, W, 3)
-        strip = np.concatenate([np.pad(f, ((2, 2), (2, 2), (0, 0)), constant_values=255)
-                                for f in frames[:: len(frames) // FRAMES_SHOWN]], axis=1)  # fmt: skip
-        image = Image.fromarray(strip).resize((strip.shape[1] * SCALE, strip.shape[0] * SCALE), Image.NEAREST)
+        strip = np.concatenate(
+            [
+                np.pad(f, ((2, 2), (2, 2), (0, 0)), constant_values=255)
+                for f in frames[:: len(frames) // FRAMES_SHOWN]
+            ],
+            axis=1,
+        )
+        image = Image.fromarray(strip).resize(
+            (strip.shape[1] * SCALE, strip.shape[0] * SCALE), Image.NEAREST
+        )
         row = Image.new("RGB", (LABEL_W + image.width, image.height), "white")
         ImageDraw.Draw(row).text((8, image.height // 2 - 6), prompt, fill="black")
         row.paste(image, (LABEL_W, 0))

@@ -38,10 +38,28 @@ PACKAGED = ROOT / "engine" / "assets" / "models" / "megaslide-tiny"
 # learns to denoise, with 3D-DSA self-attention, on times shifted toward the noisy end with a
 # quarter still drawn from "prior", so the first phase's directions are kept.
 PHASES = (
-    {"name": "prior", "steps": 3000, "until": None, "lr": 1e-3, "schedule": "constant", "warmup": 200, "seed": 0,
-     "times": "prior", "attention": "dense"},
-    {"name": "denoise", "steps": 10000, "until": None, "lr": 1e-3, "schedule": "cosine", "warmup": 100, "seed": 1,
-     "times": "noisy+prior", "attention": "dsa"},
+    {
+        "name": "prior",
+        "steps": 3000,
+        "until": None,
+        "lr": 1e-3,
+        "schedule": "constant",
+        "warmup": 200,
+        "seed": 0,
+        "times": "prior",
+        "attention": "dense",
+    },
+    {
+        "name": "denoise",
+        "steps": 10000,
+        "until": None,
+        "lr": 1e-3,
+        "schedule": "cosine",
+        "warmup": 100,
+        "seed": 1,
+        "times": "noisy+prior",
+        "attention": "dsa",
+    },
 )
 
 # The packaged model's default guidance scale, chosen on prompts sampled with seeds the benchmark
@@ -53,11 +71,17 @@ GUIDANCE = 2.5
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--work", default=str(ROOT / "runs" / "megaslide-tiny"), help="checkpoints (and the world)")
-    ap.add_argument("--world", help="training clips (default: <work>/world, written there if missing)")
+    ap.add_argument(
+        "--work", default=str(ROOT / "runs" / "megaslide-tiny"), help="checkpoints (and the world)"
+    )
+    ap.add_argument(
+        "--world", help="training clips (default: <work>/world, written there if missing)"
+    )
     ap.add_argument("--clips", type=int, default=10000)
     ap.add_argument("--batch-size", type=int, default=8)
-    ap.add_argument("--attention", choices=("dense", "dsa"), help="one backend for every phase (comparisons)")
+    ap.add_argument(
+        "--attention", choices=("dense", "dsa"), help="one backend for every phase (comparisons)"
+    )
     ap.add_argument("--save-every", type=int, default=500)
     ap.add_argument("--phases", type=int, default=len(PHASES), help="run only the first N phases")
     ap.add_argument("--export-only", action="store_true", help="package the finished run and stop")
@@ -73,17 +97,46 @@ def main(argv=None) -> int:
         write_dataset(data, args.clips, seed=0, backgrounds=("black",))
     commands = []
     for i, phase in enumerate(PHASES[: args.phases]):
-        init = ["--preset", "megaslide-tiny"] if i == 0 else ["--model", str(work / PHASES[i - 1]["name"] / "model")]
+        init = (
+            ["--preset", "megaslide-tiny"]
+            if i == 0
+            else ["--model", str(work / PHASES[i - 1]["name"] / "model")]
+        )
         command = [
-            sys.executable, "-m", "megaslide", "finetune", *init, "--data", str(data),
-            "--output", str(work / phase["name"]), "--steps", str(phase["steps"]),
+            sys.executable,
+            "-m",
+            "megaslide",
+            "finetune",
+            *init,
+            "--data",
+            str(data),
+            "--output",
+            str(work / phase["name"]),
+            "--steps",
+            str(phase["steps"]),
             *(["--until", str(phase["until"])] if phase["until"] else []),
-            "--batch-size", str(args.batch_size), "--lr", str(phase["lr"]), "--lr-schedule", phase["schedule"],
-            "--warmup-steps", str(phase["warmup"]), "--seed", str(phase["seed"]), "--save-every", str(args.save_every),
-            "--frames", "16", "--size", "32x32", "--attention", args.attention or phase["attention"],
-            "--time-sampling", phase["times"],
+            "--batch-size",
+            str(args.batch_size),
+            "--lr",
+            str(phase["lr"]),
+            "--lr-schedule",
+            phase["schedule"],
+            "--warmup-steps",
+            str(phase["warmup"]),
+            "--seed",
+            str(phase["seed"]),
+            "--save-every",
+            str(args.save_every),
+            "--frames",
+            "16",
+            "--size",
+            "32x32",
+            "--attention",
+            args.attention or phase["attention"],
+            "--time-sampling",
+            phase["times"],
             "--resume",  # a part that was interrupted continues; a finished one stops at once
-        ]  # fmt: skip
+        ]
         commands.append(command)
         if not args.export_only:
             subprocess.run(command, check=True)
@@ -103,15 +156,27 @@ def package(work: Path, commands: list[list[str]], args) -> int:
         step = list_checkpoints(output)[-1]["step"]
         lines = (output / "metrics.jsonl").read_text().splitlines()
         metrics = [m for m in map(json.loads, filter(str.strip, lines)) if m["step"] <= step]
-        parts.append({
-            "command": shlex.join(["megaslide", *(os.path.relpath(a, ROOT) if a.startswith(str(ROOT)) else a
-                                                   for a in command[3:])]),
-            "steps": step,
-            "final_loss_mean_of_last_50_steps": sum(m["loss"] for m in metrics[-50:]) / len(metrics[-50:]),
-            "train_seconds": round(sum(m["step_time_s"] for m in metrics), 1),
-        })  # fmt: skip
+        parts.append(
+            {
+                "command": shlex.join(
+                    [
+                        "megaslide",
+                        *(
+                            os.path.relpath(a, ROOT) if a.startswith(str(ROOT)) else a
+                            for a in command[3:]
+                        ),
+                    ]
+                ),
+                "steps": step,
+                "final_loss_mean_of_last_50_steps": sum(m["loss"] for m in metrics[-50:])
+                / len(metrics[-50:]),
+                "train_seconds": round(sum(m["step_time_s"] for m in metrics), 1),
+            }
+        )
     dit, text, _ = load_model(work / PHASES[len(commands) - 1]["name"] / "model")
-    dit.config = dit.config.replace(guidance=GUIDANCE)  # a sampling default: the weights are unchanged
+    dit.config = dit.config.replace(
+        guidance=GUIDANCE
+    )  # a sampling default: the weights are unchanged
     tmp = PACKAGED.with_name(PACKAGED.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     save_model(tmp, dit, text)

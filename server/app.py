@@ -40,7 +40,9 @@ def data_dir_lock(data_dir: Path):
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise RuntimeError(f"another megaslide server is using the data directory {data_dir}") from None
+            raise RuntimeError(
+                f"another megaslide server is using the data directory {data_dir}"
+            ) from None
         try:
             yield
         finally:
@@ -87,8 +89,12 @@ def build_app(settings: Settings, engine: EngineClient | None = None) -> FastAPI
             finally:
                 store.close()
 
-    app = FastAPI(title="MegaSlide", version=__version__, lifespan=lifespan,
-                  description="OpenAI-compatible video generation and fine-tuning")  # fmt: skip
+    app = FastAPI(
+        title="MegaSlide",
+        version=__version__,
+        lifespan=lifespan,
+        description="OpenAI-compatible video generation and fine-tuning",
+    )
     app.state.settings = settings
     app.state.engine = engine
     install_error_handlers(app)

@@ -43,8 +43,10 @@ class _Budget:
             while chunk := src.read(COPY_CHUNK):
                 self.left -= len(chunk)
                 if self.left < 0:
-                    raise ArchiveError(f"archive member {name!r}: the archive unpacks to more than "
-                                       f"{self.max_bytes} bytes")  # fmt: skip
+                    raise ArchiveError(
+                        f"archive member {name!r}: the archive unpacks to more than "
+                        f"{self.max_bytes} bytes"
+                    )
                 dst.write(chunk)
 
 
@@ -80,7 +82,9 @@ def _extract_zip(archive: Path, dest: Path, budget: _Budget) -> None:
                 # The Unix file type, when a Unix zip wrote one (0 otherwise): refuse links and devices.
                 kind = stat.S_IFMT(info.external_attr >> 16)
                 if kind and kind not in (stat.S_IFREG, stat.S_IFDIR):
-                    raise ArchiveError(f"archive member {info.filename!r}: only plain files and folders are allowed")
+                    raise ArchiveError(
+                        f"archive member {info.filename!r}: only plain files and folders are allowed"
+                    )
                 if not parts:
                     continue
                 if info.is_dir():
@@ -105,8 +109,10 @@ def _extract_tar(archive: Path, dest: Path, budget: _Budget) -> None:
                     continue
                 if not member.isfile():
                     kind = "a link" if member.issym() or member.islnk() else "not a plain file"
-                    raise ArchiveError(f"archive member {member.name!r} is {kind}; only plain files and folders "
-                                       "are allowed")  # fmt: skip
+                    raise ArchiveError(
+                        f"archive member {member.name!r} is {kind}; only plain files and folders "
+                        "are allowed"
+                    )
                 if not parts:
                     continue
                 src = tf.extractfile(member)

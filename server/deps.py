@@ -8,7 +8,8 @@ import hmac
 import json
 import secrets
 import time
-from typing import Annotated, Callable
+from collections.abc import Callable
+from typing import Annotated
 
 from fastapi import Depends, Request
 
@@ -73,8 +74,10 @@ def replayed(request: Request, store: JobStore, payload_hash: str) -> str | None
     if prior is None:
         return None
     if prior["request_hash"] != payload_hash:
-        raise Conflict("Idempotency-Key was already used with a different request body",
-                       code="idempotency_key_reused")  # fmt: skip
+        raise Conflict(
+            "Idempotency-Key was already used with a different request body",
+            code="idempotency_key_reused",
+        )
     return prior["resource_id"]
 
 
@@ -91,7 +94,10 @@ def admit(store: JobStore, engine: EngineClient, settings: Settings) -> None:
         raise EngineDead(f"the engine stopped ({engine.dead}); restart the server")
     depth = store.queue_depth()
     if depth >= settings.max_queue:
-        raise QueueFull(f"the queue is full ({depth} jobs waiting); retry later", retry_after=engine.retry_after())
+        raise QueueFull(
+            f"the queue is full ({depth} jobs waiting); retry later",
+            retry_after=engine.retry_after(),
+        )
 
 
 async def wait_for(done: Callable[[], bool], timeout_s: float, interval_s: float = 0.05) -> bool:

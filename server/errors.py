@@ -25,7 +25,9 @@ class APIError(Exception):
     type = "server_error"
     default_code: str | None = None
 
-    def __init__(self, message: str, *, param: str | None = None, code: str | None = None, headers=None):
+    def __init__(
+        self, message: str, *, param: str | None = None, code: str | None = None, headers=None
+    ):
         super().__init__(message)
         self.message, self.param = message, param
         self.code = code or self.default_code
@@ -75,7 +77,9 @@ class EngineDead(APIError):
     status, type, default_code = 503, "server_error", "engine_dead"
 
 
-def envelope(status: int, message: str, type_: str, param=None, code=None, headers=None) -> JSONResponse:
+def envelope(
+    status: int, message: str, type_: str, param=None, code=None, headers=None
+) -> JSONResponse:
     body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
     return JSONResponse(body, status_code=status, headers=headers)
 
@@ -83,13 +87,20 @@ def envelope(status: int, message: str, type_: str, param=None, code=None, heade
 def invalid_request(exc: ValidationError | RequestValidationError) -> InvalidRequest:
     """The first pydantic error as an InvalidRequest whose message and `param` name the field."""
     err = exc.errors()[0]
-    loc = [str(p) for p in err.get("loc", ()) if p not in ("body", "query", "path", "header", "form")]
+    loc = [
+        str(p) for p in err.get("loc", ()) if p not in ("body", "query", "path", "header", "form")
+    ]
     field = ".".join(loc) or None
     if err.get("type") == "extra_forbidden":
-        return InvalidRequest(f"Unrecognized request argument supplied: {field}", param=field,
-                              code="unknown_parameter")  # fmt: skip
+        return InvalidRequest(
+            f"Unrecognized request argument supplied: {field}",
+            param=field,
+            code="unknown_parameter",
+        )
     if err.get("type") == "missing":
-        return InvalidRequest(f"Missing required parameter: {field}", param=field, code="missing_required_parameter")
+        return InvalidRequest(
+            f"Missing required parameter: {field}", param=field, code="missing_required_parameter"
+        )
     message = err.get("msg", "invalid value")
     return InvalidRequest(f"{field}: {message}" if field else message, param=field)
 
@@ -118,4 +129,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
         log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return envelope(500, f"internal server error: {type(exc).__name__}", "server_error", None, "internal_error")
+        return envelope(
+            500,
+            f"internal server error: {type(exc).__name__}",
+            "server_error",
+            None,
+            "internal_error",
+        )

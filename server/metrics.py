@@ -17,8 +17,10 @@ STEP_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 6
 def _labels(labels: dict[str, str]) -> str:
     if not labels:
         return ""
-    inner = ",".join(f'{k}="{str(v).replace(chr(92), chr(92) * 2).replace(chr(34), chr(92) + chr(34))}"'
-                     for k, v in sorted(labels.items()))  # fmt: skip
+    inner = ",".join(
+        f'{k}="{str(v).replace(chr(92), chr(92) * 2).replace(chr(34), chr(92) + chr(34))}"'
+        for k, v in sorted(labels.items())
+    )
     return "{" + inner + "}"
 
 
@@ -111,21 +113,49 @@ class Registry:
     """The metrics one worker keeps."""
 
     def __init__(self):
-        self.steps = Counter("megaslide_denoise_steps_total", "Denoising steps run, each counted once per job it advanced")
-        self.passes = Counter("megaslide_denoise_passes_total", "Batched forward passes of the video model")
-        self.step_seconds = Histogram("megaslide_denoise_step_seconds", "Wall time of one batched denoising step")
-        self.batch_size = Histogram("megaslide_denoise_batch_size", "Jobs advanced by one denoising pass",
-                                    buckets=(1, 2, 4, 8, 16, 32))  # fmt: skip
-        self.video_seconds = Histogram("megaslide_video_job_seconds", "Wall time from start to MP4 of one video",
-                                       buckets=(1, 5, 10, 30, 60, 120, 300, 600, 1800, 3600))  # fmt: skip
-        self.jobs_finished = Counter("megaslide_jobs_finished_total", "Jobs that reached a terminal state")
+        self.steps = Counter(
+            "megaslide_denoise_steps_total",
+            "Denoising steps run, each counted once per job it advanced",
+        )
+        self.passes = Counter(
+            "megaslide_denoise_passes_total", "Batched forward passes of the video model"
+        )
+        self.step_seconds = Histogram(
+            "megaslide_denoise_step_seconds", "Wall time of one batched denoising step"
+        )
+        self.batch_size = Histogram(
+            "megaslide_denoise_batch_size",
+            "Jobs advanced by one denoising pass",
+            buckets=(1, 2, 4, 8, 16, 32),
+        )
+        self.video_seconds = Histogram(
+            "megaslide_video_job_seconds",
+            "Wall time from start to MP4 of one video",
+            buckets=(1, 5, 10, 30, 60, 120, 300, 600, 1800, 3600),
+        )
+        self.jobs_finished = Counter(
+            "megaslide_jobs_finished_total", "Jobs that reached a terminal state"
+        )
         self.train_steps = Counter("megaslide_finetune_steps_total", "Fine-tuning optimizer steps")
-        self.h2d_bytes = Counter("megaslide_h2d_bytes_total", "Bytes copied host to device by weight streaming")
-        self.d2h_bytes = Counter("megaslide_d2h_bytes_total", "Bytes copied device to host by weight streaming")
+        self.h2d_bytes = Counter(
+            "megaslide_h2d_bytes_total", "Bytes copied host to device by weight streaming"
+        )
+        self.d2h_bytes = Counter(
+            "megaslide_d2h_bytes_total", "Bytes copied device to host by weight streaming"
+        )
 
     def all(self) -> list[Metric]:
-        return [self.steps, self.passes, self.step_seconds, self.batch_size, self.video_seconds,
-                self.jobs_finished, self.train_steps, self.h2d_bytes, self.d2h_bytes]  # fmt: skip
+        return [
+            self.steps,
+            self.passes,
+            self.step_seconds,
+            self.batch_size,
+            self.video_seconds,
+            self.jobs_finished,
+            self.train_steps,
+            self.h2d_bytes,
+            self.d2h_bytes,
+        ]
 
 
 def render(metrics: list[Metric]) -> str:

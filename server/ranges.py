@@ -31,15 +31,19 @@ def parse_range(header: str | None, size: int) -> tuple[int, int] | None:
         if first_text == "":  # suffix range: the last N bytes
             n = int(last_text)
             if n <= 0:
-                raise RangeNotSatisfiable(f"range {header!r} asks for no bytes", headers=_unsatisfiable(size))
+                raise RangeNotSatisfiable(
+                    f"range {header!r} asks for no bytes", headers=_unsatisfiable(size)
+                )
             return max(size - n, 0), size - 1
         first = int(first_text)
         last = int(last_text) if last_text else size - 1
     except ValueError:
         return None
     if first >= size:
-        raise RangeNotSatisfiable(f"range {header!r} starts past the end of the {size}-byte file",
-                                  headers=_unsatisfiable(size))  # fmt: skip
+        raise RangeNotSatisfiable(
+            f"range {header!r} starts past the end of the {size}-byte file",
+            headers=_unsatisfiable(size),
+        )
     if first < 0 or last < first:
         return None
     return first, min(last, size - 1)
@@ -49,12 +53,17 @@ def _unsatisfiable(size: int) -> dict:
     return {"Content-Range": f"bytes */{size}"}
 
 
-def file_response(path: Path, range_header: str | None, media_type: str, filename: str) -> StreamingResponse:
+def file_response(
+    path: Path, range_header: str | None, media_type: str, filename: str
+) -> StreamingResponse:
     size = path.stat().st_size
     span = parse_range(range_header, size)
     first, last = span if span is not None else (0, size - 1)
-    headers = {"Accept-Ranges": "bytes", "Content-Length": str(last - first + 1 if size else 0),
-               "Content-Disposition": f'inline; filename="{filename}"'}  # fmt: skip
+    headers = {
+        "Accept-Ranges": "bytes",
+        "Content-Length": str(last - first + 1 if size else 0),
+        "Content-Disposition": f'inline; filename="{filename}"',
+    }
     if span is not None:
         headers["Content-Range"] = f"bytes {first}-{last}/{size}"
 
@@ -69,4 +78,6 @@ def file_response(path: Path, range_header: str | None, media_type: str, filenam
                 left -= len(chunk)
                 yield chunk
 
-    return StreamingResponse(body(), status_code=206 if span else 200, headers=headers, media_type=media_type)
+    return StreamingResponse(
+        body(), status_code=206 if span else 200, headers=headers, media_type=media_type
+    )

@@ -25,16 +25,29 @@ from .settings import Settings
 from .worker import Backend, FinetuneJob, Trainer, VideoModel
 
 
-def card_from_config(name: str, kind: str, source: str, config: DiTConfig, created: int, parent=None) -> ModelCard:
+def card_from_config(
+    name: str, kind: str, source: str, config: DiTConfig, created: int, parent=None
+) -> ModelCard:
     """What the HTTP layer needs to know of a model: defaults and limits, read from its config."""
     return ModelCard(
-        name=name, kind=kind, created=created, source=source, parent=parent,
-        frames=config.frames, height=config.height, width=config.width, fps=config.fps, steps=config.steps,
-        guidance=config.guidance, max_frames=config.max_frames, max_size=config.max_size,
-        patch=tuple(config.patch), max_prompt_tokens=config.text.max_len - 2,  # BOS and EOS take two tokens
+        name=name,
+        kind=kind,
+        created=created,
+        source=source,
+        parent=parent,
+        frames=config.frames,
+        height=config.height,
+        width=config.width,
+        fps=config.fps,
+        steps=config.steps,
+        guidance=config.guidance,
+        max_frames=config.max_frames,
+        max_size=config.max_size,
+        patch=tuple(config.patch),
+        max_prompt_tokens=config.text.max_len - 2,  # BOS and EOS take two tokens
         prompt_tokens=partial(count_tokens, tokenizer=config.text.tokenizer),
         prompt_unit=TOKEN_UNITS[config.text.tokenizer],
-    )  # fmt: skip
+    )
 
 
 class PipelineModel(VideoModel):
@@ -44,10 +57,19 @@ class PipelineModel(VideoModel):
         self.pipe, self.stream = pipe, stream
 
     def prepare(self, spec: VideoSpec):
-        return self.pipe.prepare(GenerationRequest(
-            prompt=spec.prompt, negative_prompt=spec.negative_prompt, frames=spec.frames, height=spec.height,
-            width=spec.width, steps=spec.steps, guidance=spec.guidance, seed=spec.seed, fps=spec.fps,
-        ))  # fmt: skip
+        return self.pipe.prepare(
+            GenerationRequest(
+                prompt=spec.prompt,
+                negative_prompt=spec.negative_prompt,
+                frames=spec.frames,
+                height=spec.height,
+                width=spec.width,
+                steps=spec.steps,
+                guidance=spec.guidance,
+                seed=spec.seed,
+                fps=spec.fps,
+            )
+        )
 
     def step(self, states: list) -> dict:
         if self.stream is None:
@@ -79,7 +101,9 @@ class TorchBackend(Backend):
         elif settings.dtype in dtypes:
             self.dtype = dtypes[settings.dtype]
         else:
-            raise ValueError(f"dtype must be auto or one of {', '.join(dtypes)}, got {settings.dtype!r}")
+            raise ValueError(
+                f"dtype must be auto or one of {', '.join(dtypes)}, got {settings.dtype!r}"
+            )
 
     # --- models ------------------------------------------------------------------------------
 
@@ -93,23 +117,33 @@ class TorchBackend(Backend):
             path = resolve_model_path(model)
             name = model if model in packaged_models() else path.resolve().name
             config, _ = read_config(path)
-            cards.append(card_from_config(name, "model", str(path), config, int(os.path.getmtime(path))))
+            cards.append(
+                card_from_config(name, "model", str(path), config, int(os.path.getmtime(path)))
+            )
         if not cards:
             kind, source = default_model_source()
             if kind == "preset":
-                cards.append(card_from_config(source, "preset", source, get_preset(source), started))
+                cards.append(
+                    card_from_config(source, "preset", source, get_preset(source), started)
+                )
             else:
                 name = Path(source).name
-                cards.append(card_from_config(name, "model", source, read_config(source)[0], started))
+                cards.append(
+                    card_from_config(name, "model", source, read_config(source)[0], started)
+                )
         names = [c.name for c in cards]
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
-            raise ValueError(f"two served models share the name {duplicates[0]!r}; rename one directory")
+            raise ValueError(
+                f"two served models share the name {duplicates[0]!r}; rename one directory"
+            )
         return cards
 
     def fine_tuned_card(self, name: str, parent: ModelCard, path: Path) -> ModelCard:
         config, _ = read_config(path)
-        return card_from_config(name, "fine-tune", str(path), config, int(time.time()), parent=parent.name)
+        return card_from_config(
+            name, "fine-tune", str(path), config, int(time.time()), parent=parent.name
+        )
 
     def load(self, card: ModelCard) -> VideoModel:
         streamed = self.settings.offload == "stream"
@@ -126,14 +160,19 @@ class TorchBackend(Backend):
         from megaslide.engine.streaming import stream_module
 
         pipe.text_encoder.to(self.device)
-        handle = stream_module(pipe.dit, blocks=pipe.dit.blocks, device=self.device,
-                               gpu_budget_bytes=self.settings.gpu_budget)  # fmt: skip
+        handle = stream_module(
+            pipe.dit,
+            blocks=pipe.dit.blocks,
+            device=self.device,
+            gpu_budget_bytes=self.settings.gpu_budget,
+        )
         return PipelineModel(pipe, handle)
 
     def _config(self, card: ModelCard) -> DiTConfig:
         if card.source not in self._configs:  # config.json is read once per model, not per request
-            self._configs[card.source] = (get_preset(card.source) if card.kind == "preset"
-                                          else read_config(card.source)[0])  # fmt: skip
+            self._configs[card.source] = (
+                get_preset(card.source) if card.kind == "preset" else read_config(card.source)[0]
+            )
         return self._configs[card.source]
 
     def check_video(self, card: ModelCard, spec: VideoSpec) -> None:
@@ -141,7 +180,8 @@ class TorchBackend(Backend):
 
         config = self._config(card)
         _, frames, height, width = build_autoencoder(config.autoencoder).latent_shape(
-            spec.frames, spec.height, spec.width)  # fmt: skip
+            spec.frames, spec.height, spec.width
+        )
         # check_shape reads nothing but `self.config`, so no model needs to be built to ask it.
         VideoDiT.check_shape(SimpleNamespace(config=config), frames, height, width)
 
@@ -162,11 +202,20 @@ class TorchBackend(Backend):
         base = job.base
         source = self._preset_weights(base.source) if base.kind == "preset" else base.source
         config = FinetuneConfig(
-            data=str(job.data_dir), output=str(job.output_dir), model=source, epochs=job.epochs,
-            lr=job.learning_rate, batch_size=job.batch_size, save_every=job.save_every, seed=job.seed,
-            device=self.device, offload=self.settings.offload, frames=job.num_frames, height=job.height,
+            data=str(job.data_dir),
+            output=str(job.output_dir),
+            model=source,
+            epochs=job.epochs,
+            lr=job.learning_rate,
+            batch_size=job.batch_size,
+            save_every=job.save_every,
+            seed=job.seed,
+            device=self.device,
+            offload=self.settings.offload,
+            frames=job.num_frames,
+            height=job.height,
             width=job.width,
-        )  # fmt: skip
+        )
         return EngineTrainer(config, resume=job.resume)
 
     def _preset_weights(self, preset: str) -> str:

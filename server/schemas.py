@@ -32,8 +32,12 @@ class ListPage(BaseModel, Generic[T]):
 
 
 def page(items: list, has_more: bool) -> dict:
-    return {"data": items, "first_id": items[0].id if items else None,
-            "last_id": items[-1].id if items else None, "has_more": has_more}  # fmt: skip
+    return {
+        "data": items,
+        "first_id": items[0].id if items else None,
+        "last_id": items[-1].id if items else None,
+        "has_more": has_more,
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -45,7 +49,9 @@ class VideoCreate(Request):
 
     prompt: str
     model: str | None = None
-    seconds: float | None = Field(None, gt=0, description="clip length; frames = round(seconds * fps)")
+    seconds: float | None = Field(
+        None, gt=0, description="clip length; frames = round(seconds * fps)"
+    )
     size: str | None = Field(None, description="WIDTHxHEIGHT, both even")
     num_frames: int | None = Field(None, ge=1)
     fps: int | None = Field(None, ge=1, le=120)
@@ -111,15 +117,32 @@ def seconds_text(frames: int, fps: int) -> str:
 
 def video_object(row: dict) -> Video:
     spec = json.loads(row["spec"])
-    error = VideoError(code=row["error_code"], message=row["error_message"]) if row["error_message"] else None
+    error = (
+        VideoError(code=row["error_code"], message=row["error_message"])
+        if row["error_message"]
+        else None
+    )
     return Video(
-        id=row["id"], status=row["status"], progress=row["progress"], created_at=row["created_at"],
-        completed_at=row["completed_at"], expires_at=row["expires_at"], error=error, model=row["model"],
-        prompt=spec["prompt"], seconds=seconds_text(spec["frames"], spec["fps"]),
-        size=f"{spec['width']}x{spec['height']}", seed=spec["seed"], num_frames=spec["frames"], fps=spec["fps"],
-        num_inference_steps=spec["steps"], guidance_scale=spec["guidance"],
-        negative_prompt=spec["negative_prompt"], priority=spec["priority"], step=row["step"],
-    )  # fmt: skip
+        id=row["id"],
+        status=row["status"],
+        progress=row["progress"],
+        created_at=row["created_at"],
+        completed_at=row["completed_at"],
+        expires_at=row["expires_at"],
+        error=error,
+        model=row["model"],
+        prompt=spec["prompt"],
+        seconds=seconds_text(spec["frames"], spec["fps"]),
+        size=f"{spec['width']}x{spec['height']}",
+        seed=spec["seed"],
+        num_frames=spec["frames"],
+        fps=spec["fps"],
+        num_inference_steps=spec["steps"],
+        guidance_scale=spec["guidance"],
+        negative_prompt=spec["negative_prompt"],
+        priority=spec["priority"],
+        step=row["step"],
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -146,8 +169,14 @@ class FileDeleted(BaseModel):
 
 
 def file_object(row: dict) -> FileObject:
-    return FileObject(id=row["id"], bytes=row["bytes"], created_at=row["created_at"], filename=row["filename"],
-                      purpose=row["purpose"], clips=row["clips"])  # fmt: skip
+    return FileObject(
+        id=row["id"],
+        bytes=row["bytes"],
+        created_at=row["created_at"],
+        filename=row["filename"],
+        purpose=row["purpose"],
+        clips=row["clips"],
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -160,8 +189,12 @@ class Hyperparameters(Request):
     n_epochs: int | Literal["auto"] = Field("auto", description="passes over the data (1-100)")
     batch_size: int | Literal["auto"] = "auto"
     learning_rate_multiplier: float | Literal["auto"] = "auto"
-    num_frames: int | None = Field(None, ge=1, description="frames per training clip (default: the trainer's)")
-    size: str | None = Field(None, description="WIDTHxHEIGHT of training clips (default: the trainer's)")
+    num_frames: int | None = Field(
+        None, ge=1, description="frames per training clip (default: the trainer's)"
+    )
+    size: str | None = Field(
+        None, description="WIDTHxHEIGHT of training clips (default: the trainer's)"
+    )
 
     @field_validator("n_epochs")
     @classmethod
@@ -239,14 +272,27 @@ class FineTuningJob(BaseModel):
 def finetune_object(row: dict) -> FineTuningJob:
     hyper = json.loads(row["hyperparameters"])
     public = {k: hyper[k] for k in ("n_epochs", "batch_size", "learning_rate_multiplier")}
-    error = FineTuningError(code=row["error_code"], message=row["error_message"]) if row["error_message"] else None
+    error = (
+        FineTuningError(code=row["error_code"], message=row["error_message"])
+        if row["error_message"]
+        else None
+    )
     return FineTuningJob(
-        id=row["id"], created_at=row["created_at"], error=error, fine_tuned_model=row["fine_tuned_model"],
-        finished_at=row["finished_at"], hyperparameters=public,
-        method={"type": "supervised", "supervised": {"hyperparameters": public}}, model=row["model"],
-        seed=row["seed"], status=row["status"], training_file=row["training_file"], suffix=row["suffix"],
-        step=row["step"], total_steps=row["total_steps"],
-    )  # fmt: skip
+        id=row["id"],
+        created_at=row["created_at"],
+        error=error,
+        fine_tuned_model=row["fine_tuned_model"],
+        finished_at=row["finished_at"],
+        hyperparameters=public,
+        method={"type": "supervised", "supervised": {"hyperparameters": public}},
+        model=row["model"],
+        seed=row["seed"],
+        status=row["status"],
+        training_file=row["training_file"],
+        suffix=row["suffix"],
+        step=row["step"],
+        total_steps=row["total_steps"],
+    )
 
 
 class FineTuningEvent(BaseModel):
@@ -260,9 +306,14 @@ class FineTuningEvent(BaseModel):
 
 
 def event_object(row: dict) -> FineTuningEvent:
-    return FineTuningEvent(id=f"ftevent-{row['seq']}", created_at=row["created_at"], level=row["level"],
-                           message=row["message"], type=row["type"],
-                           data=json.loads(row["data"]) if row["data"] else None)  # fmt: skip
+    return FineTuningEvent(
+        id=f"ftevent-{row['seq']}",
+        created_at=row["created_at"],
+        level=row["level"],
+        message=row["message"],
+        type=row["type"],
+        data=json.loads(row["data"]) if row["data"] else None,
+    )
 
 
 class Checkpoint(BaseModel):
@@ -277,9 +328,14 @@ class Checkpoint(BaseModel):
 
 def checkpoint_object(row: dict, job: dict) -> Checkpoint:
     name = f"ft:{job['model']}:{job['suffix'] or ''}:{job['id'].removeprefix('ftjob-')}:ckpt-step-{row['step']}"
-    return Checkpoint(id=row["id"], created_at=row["created_at"], fine_tuned_model_checkpoint=name,
-                      fine_tuning_job_id=row["job_id"], metrics=json.loads(row["metrics"] or "{}"),
-                      step_number=row["step"])  # fmt: skip
+    return Checkpoint(
+        id=row["id"],
+        created_at=row["created_at"],
+        fine_tuned_model_checkpoint=name,
+        fine_tuning_job_id=row["job_id"],
+        metrics=json.loads(row["metrics"] or "{}"),
+        step_number=row["step"],
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -299,11 +355,24 @@ class Model(BaseModel):
 
 def model_object(card: ModelCard) -> Model:
     return Model(
-        id=card.name, created=card.created, owned_by="user" if card.kind == "fine-tune" else "megaslide",
-        kind=card.kind, parent=card.parent,
-        defaults={"num_frames": card.frames, "size": f"{card.width}x{card.height}", "fps": card.fps,
-                  "num_inference_steps": card.steps, "guidance_scale": card.guidance},
-        limits={"max_frames": card.max_frames, "max_size": card.max_size, "size_multiple": list(card.patch[1:]),
-                "frames_multiple": card.patch[0], "max_prompt_tokens": card.max_prompt_tokens,
-                "prompt_unit": card.prompt_unit},
-    )  # fmt: skip
+        id=card.name,
+        created=card.created,
+        owned_by="user" if card.kind == "fine-tune" else "megaslide",
+        kind=card.kind,
+        parent=card.parent,
+        defaults={
+            "num_frames": card.frames,
+            "size": f"{card.width}x{card.height}",
+            "fps": card.fps,
+            "num_inference_steps": card.steps,
+            "guidance_scale": card.guidance,
+        },
+        limits={
+            "max_frames": card.max_frames,
+            "max_size": card.max_size,
+            "size_multiple": list(card.patch[1:]),
+            "frames_multiple": card.patch[0],
+            "max_prompt_tokens": card.max_prompt_tokens,
+            "prompt_unit": card.prompt_unit,
+        },
+    )

@@ -40,14 +40,20 @@ class Settings(BaseSettings):
     max_steps: int = Field(200, ge=1, description="largest num_inference_steps accepted")
     max_prompt_chars: int = Field(4000, ge=1, description="hard cap before the model's own limit")
     poll_after_ms: int = Field(1000, ge=0, description="openai-poll-after-ms hint for active jobs")
-    cancel_wait_s: float = Field(10.0, ge=0, description="how long DELETE waits for the worker to stop")
+    cancel_wait_s: float = Field(
+        10.0, ge=0, description="how long DELETE waits for the worker to stop"
+    )
     video_ttl_s: int = Field(7 * 24 * 3600, ge=60, description="how long a finished MP4 is kept")
     sse_interval_s: float = Field(0.2, gt=0, description="how often an SSE stream checks for news")
 
     # Files and fine-tuning.
-    max_upload_bytes: int = Field(2 * 1024**3, ge=1, description="largest training archive (413 above)")
+    max_upload_bytes: int = Field(
+        2 * 1024**3, ge=1, description="largest training archive (413 above)"
+    )
     max_extracted_bytes: int = Field(8 * 1024**3, ge=1, description="largest unpacked archive")
-    finetune_lr: float = Field(1e-4, gt=0, description="learning rate at learning_rate_multiplier=1")
+    finetune_lr: float = Field(
+        1e-4, gt=0, description="learning rate at learning_rate_multiplier=1"
+    )
     finetune_epochs: int = Field(1, ge=1, description="n_epochs when the request says 'auto'")
     finetune_save_every: int = Field(50, ge=1, description="checkpoint interval in optimizer steps")
 

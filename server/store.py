@@ -167,7 +167,9 @@ class JobStore:
             return [dict(r) for r in self._conn.execute(sql, args).fetchall()]
 
     @staticmethod
-    def _event(conn, job_id: str, type_: str, message: str = "", data: dict | None = None, level="info"):
+    def _event(
+        conn, job_id: str, type_: str, message: str = "", data: dict | None = None, level="info"
+    ):
         conn.execute(
             "INSERT INTO events (job_id, created_at, type, level, message, data) VALUES (?, ?, ?, ?, ?, ?)",
             (job_id, now(), type_, level, message, json.dumps(data) if data is not None else None),
@@ -182,25 +184,60 @@ class JobStore:
         A cancellation that was asked for but not yet honoured is honoured now instead.
         """
         with self._tx() as c:
-            cancelled = [r["id"] for r in c.execute(
-                "SELECT id FROM videos WHERE status = 'in_progress' AND cancel_requested = 1")]  # fmt: skip
+            cancelled = [
+                r["id"]
+                for r in c.execute(
+                    "SELECT id FROM videos WHERE status = 'in_progress' AND cancel_requested = 1"
+                )
+            ]
             for vid in cancelled:
-                c.execute("UPDATE videos SET status = 'cancelled', completed_at = ? WHERE id = ?", (now(), vid))
-                self._event(c, vid, "video.cancelled", data={"status": "cancelled", "progress": 0, "step": 0})
-            videos = [r["id"] for r in c.execute("SELECT id FROM videos WHERE status = 'in_progress'")]
+                c.execute(
+                    "UPDATE videos SET status = 'cancelled', completed_at = ? WHERE id = ?",
+                    (now(), vid),
+                )
+                self._event(
+                    c,
+                    vid,
+                    "video.cancelled",
+                    data={"status": "cancelled", "progress": 0, "step": 0},
+                )
+            videos = [
+                r["id"] for r in c.execute("SELECT id FROM videos WHERE status = 'in_progress'")
+            ]
             for vid in videos:
-                c.execute("UPDATE videos SET status = 'queued', progress = 0, step = 0 WHERE id = ?", (vid,))
-                self._event(c, vid, "video.queued", "requeued: the server restarted while it ran",
-                            {"status": "queued", "progress": 0, "step": 0})  # fmt: skip
-            c.execute("UPDATE fine_tunes SET status = 'cancelled', finished_at = ? "
-                      "WHERE status = 'running' AND cancel_requested = 1", (now(),))  # fmt: skip
-            tunes = [r["id"] for r in c.execute("SELECT id FROM fine_tunes WHERE status = 'running'")]
+                c.execute(
+                    "UPDATE videos SET status = 'queued', progress = 0, step = 0 WHERE id = ?",
+                    (vid,),
+                )
+                self._event(
+                    c,
+                    vid,
+                    "video.queued",
+                    "requeued: the server restarted while it ran",
+                    {"status": "queued", "progress": 0, "step": 0},
+                )
+            c.execute(
+                "UPDATE fine_tunes SET status = 'cancelled', finished_at = ? "
+                "WHERE status = 'running' AND cancel_requested = 1",
+                (now(),),
+            )
+            tunes = [
+                r["id"] for r in c.execute("SELECT id FROM fine_tunes WHERE status = 'running'")
+            ]
             for job in tunes:
                 c.execute("UPDATE fine_tunes SET status = 'queued' WHERE id = ?", (job,))
-                self._event(c, job, "message", "requeued: the server restarted; resuming from the last checkpoint")
+                self._event(
+                    c,
+                    job,
+                    "message",
+                    "requeued: the server restarted; resuming from the last checkpoint",
+                )
             c.execute("DELETE FROM idempotency WHERE created_at < ?", (now() - IDEMPOTENCY_TTL_S,))
-        return {"videos_requeued": len(videos), "videos_cancelled": len(cancelled),
-                "fine_tunes_requeued": len(tunes)}  # fmt: skip
+        return {
+            "videos_requeued": len(videos),
+            "videos_cancelled": len(cancelled),
+            "fine_tunes_requeued": len(tunes),
+        }
 
     # -----------------------------------------------------------------------------------------
     # idempotency
@@ -216,8 +253,10 @@ class JobStore:
     def _remember(c, idempotency: tuple[str, str, str] | None, resource_id: str) -> None:
         if idempotency is not None:
             scope, key, request_hash = idempotency
-            c.execute("INSERT OR REPLACE INTO idempotency VALUES (?, ?, ?, ?, ?)",
-                      (scope, key, request_hash, resource_id, now()))  # fmt: skip
+            c.execute(
+                "INSERT OR REPLACE INTO idempotency VALUES (?, ?, ?, ?, ?)",
+                (scope, key, request_hash, resource_id, now()),
+            )
 
     def queue_depth(self) -> int:
         """Jobs waiting for the worker: queued videos and queued fine-tunes."""
@@ -243,7 +282,9 @@ class JobStore:
                 "INSERT INTO videos (id, created_at, status, model, priority, spec) VALUES (?, ?, 'queued', ?, ?, ?)",
                 (video_id, now(), spec["model"], spec["priority"], json.dumps(spec)),
             )
-            self._event(c, video_id, "video.queued", data={"status": "queued", "progress": 0, "step": 0})
+            self._event(
+                c, video_id, "video.queued", data={"status": "queued", "progress": 0, "step": 0}
+            )
             self._remember(c, idempotency, video_id)
         return self.get_video(video_id)
 
@@ -254,18 +295,24 @@ class JobStore:
         """A page of videos in creation order and whether more follow; `after` is an id cursor."""
         return self._page("videos", after, limit, order)
 
-    def _page(self, table: str, after, limit, order, where: str = "1", args=()) -> tuple[list[dict], bool]:
+    def _page(
+        self, table: str, after, limit, order, where: str = "1", args=()
+    ) -> tuple[list[dict], bool]:
         op, direction = ("<", "DESC") if order == "desc" else (">", "ASC")
         if after is not None:
             where += f" AND seq {op} (SELECT seq FROM {table} WHERE id = ?)"
             args = (*args, after)
-        rows = self._all(f"SELECT * FROM {table} WHERE {where} ORDER BY seq {direction} LIMIT ?", (*args, limit + 1))
+        rows = self._all(
+            f"SELECT * FROM {table} WHERE {where} ORDER BY seq {direction} LIMIT ?",
+            (*args, limit + 1),
+        )
         return rows[:limit], len(rows) > limit
 
     def queued_videos(self, limit: int) -> list[dict]:
         """Queued videos in the order they should run: higher priority first, then first come."""
         return self._all(
-            "SELECT * FROM videos WHERE status = 'queued' ORDER BY priority DESC, seq ASC LIMIT ?", (limit,)
+            "SELECT * FROM videos WHERE status = 'queued' ORDER BY priority DESC, seq ASC LIMIT ?",
+            (limit,),
         )
 
     def start_video(self, video_id: str) -> bool:
@@ -273,27 +320,41 @@ class JobStore:
         with self._tx() as c:
             n = c.execute(
                 "UPDATE videos SET status = 'in_progress', progress = 0, step = 0, started_at = ?, "
-                "attempts = attempts + 1 WHERE id = ? AND status = 'queued'", (now(), video_id),
-            ).rowcount  # fmt: skip
+                "attempts = attempts + 1 WHERE id = ? AND status = 'queued'",
+                (now(), video_id),
+            ).rowcount
             if n:
-                self._event(c, video_id, "video.in_progress", data={"status": "in_progress", "progress": 0, "step": 0})
+                self._event(
+                    c,
+                    video_id,
+                    "video.in_progress",
+                    data={"status": "in_progress", "progress": 0, "step": 0},
+                )
         return bool(n)
 
     def set_video_progress(self, updates: list[tuple[str, int, int]]) -> None:
         """`(id, step, progress)` for each running video, in one transaction."""
         with self._tx() as c:
             for video_id, step, progress in updates:
-                c.execute("UPDATE videos SET step = ?, progress = ? WHERE id = ? AND status = 'in_progress'",
-                          (step, progress, video_id))  # fmt: skip
-                self._event(c, video_id, "video.progress",
-                            data={"status": "in_progress", "progress": progress, "step": step})  # fmt: skip
+                c.execute(
+                    "UPDATE videos SET step = ?, progress = ? WHERE id = ? AND status = 'in_progress'",
+                    (step, progress, video_id),
+                )
+                self._event(
+                    c,
+                    video_id,
+                    "video.progress",
+                    data={"status": "in_progress", "progress": progress, "step": step},
+                )
 
     def finish_video(self, video_id: str, status: str, *, expires_at=None, error=None) -> bool:
         """in_progress -> completed | failed | cancelled. A pending cancel wins over completion."""
         code, message = error if error else (None, None)
         with self._tx() as c:
-            row = c.execute("SELECT status, cancel_requested, progress, step FROM videos WHERE id = ?",
-                            (video_id,)).fetchone()  # fmt: skip
+            row = c.execute(
+                "SELECT status, cancel_requested, progress, step FROM videos WHERE id = ?",
+                (video_id,),
+            ).fetchone()
             if row is None or row["status"] != "in_progress":
                 return False
             if row["cancel_requested"] and status == "completed":
@@ -301,12 +362,20 @@ class JobStore:
             progress = 100 if status == "completed" else row["progress"]
             c.execute(
                 "UPDATE videos SET status = ?, progress = ?, completed_at = ?, expires_at = ?, error_code = ?, "
-                "error_message = ? WHERE id = ?", (status, progress, now(), expires_at, code, message, video_id),
-            )  # fmt: skip
+                "error_message = ? WHERE id = ?",
+                (status, progress, now(), expires_at, code, message, video_id),
+            )
             data = {"status": status, "progress": progress, "step": row["step"]}
             if error:
                 data["error"] = {"code": code, "message": message}
-            self._event(c, video_id, f"video.{status}", message or "", data, level="error" if error else "info")
+            self._event(
+                c,
+                video_id,
+                f"video.{status}",
+                message or "",
+                data,
+                level="error" if error else "info",
+            )
         return status == "completed"
 
     def cancel_video(self, video_id: str) -> str | None:
@@ -316,8 +385,16 @@ class JobStore:
             if row is None:
                 return None
             if row["status"] == "queued":
-                c.execute("UPDATE videos SET status = 'cancelled', completed_at = ? WHERE id = ?", (now(), video_id))
-                self._event(c, video_id, "video.cancelled", data={"status": "cancelled", "progress": 0, "step": 0})
+                c.execute(
+                    "UPDATE videos SET status = 'cancelled', completed_at = ? WHERE id = ?",
+                    (now(), video_id),
+                )
+                self._event(
+                    c,
+                    video_id,
+                    "video.cancelled",
+                    data={"status": "cancelled", "progress": 0, "step": 0},
+                )
                 return "cancelled"
             if row["status"] == "in_progress":
                 c.execute("UPDATE videos SET cancel_requested = 1 WHERE id = ?", (video_id,))
@@ -327,37 +404,58 @@ class JobStore:
         if not ids:
             return set()
         marks = ",".join("?" * len(ids))
-        return {r["id"] for r in self._all(f"SELECT id FROM videos WHERE cancel_requested = 1 AND id IN ({marks})",
-                                           tuple(ids))}  # fmt: skip
+        return {
+            r["id"]
+            for r in self._all(
+                f"SELECT id FROM videos WHERE cancel_requested = 1 AND id IN ({marks})", tuple(ids)
+            )
+        }
 
     def requeue_videos(self, ids: list[str], reason: str) -> None:
         """in_progress -> queued (a graceful shutdown): the job runs again from noise next time."""
         with self._tx() as c:
             for video_id in ids:
-                n = c.execute("UPDATE videos SET status = 'queued', progress = 0, step = 0 "
-                              "WHERE id = ? AND status = 'in_progress'", (video_id,)).rowcount  # fmt: skip
+                n = c.execute(
+                    "UPDATE videos SET status = 'queued', progress = 0, step = 0 "
+                    "WHERE id = ? AND status = 'in_progress'",
+                    (video_id,),
+                ).rowcount
                 if n:
-                    self._event(c, video_id, "video.queued", reason, {"status": "queued", "progress": 0, "step": 0})
+                    self._event(
+                        c,
+                        video_id,
+                        "video.queued",
+                        reason,
+                        {"status": "queued", "progress": 0, "step": 0},
+                    )
 
     def delete_video(self, video_id: str) -> bool:
         with self._tx() as c:
-            n = c.execute("DELETE FROM videos WHERE id = ? AND status IN ('completed', 'failed', 'cancelled')",
-                          (video_id,)).rowcount  # fmt: skip
+            n = c.execute(
+                "DELETE FROM videos WHERE id = ? AND status IN ('completed', 'failed', 'cancelled')",
+                (video_id,),
+            ).rowcount
             if n:
                 c.execute("DELETE FROM events WHERE job_id = ?", (video_id,))
         return n > 0
 
     def expired_videos(self) -> list[str]:
-        return [r["id"] for r in self._all("SELECT id FROM videos WHERE expires_at IS NOT NULL AND expires_at < ?",
-                                           (now(),))]  # fmt: skip
+        return [
+            r["id"]
+            for r in self._all(
+                "SELECT id FROM videos WHERE expires_at IS NOT NULL AND expires_at < ?", (now(),)
+            )
+        ]
 
     def file_ids(self) -> set[str]:
         return {r["id"] for r in self._all("SELECT id FROM files")}
 
     def events_after(self, job_id: str, after_seq: int, limit: int = 100) -> list[dict]:
         """A job's events in order, starting after `after_seq` (for SSE and its Last-Event-ID)."""
-        return self._all("SELECT * FROM events WHERE job_id = ? AND seq > ? ORDER BY seq LIMIT ?",
-                         (job_id, after_seq, limit))  # fmt: skip
+        return self._all(
+            "SELECT * FROM events WHERE job_id = ? AND seq > ? ORDER BY seq LIMIT ?",
+            (job_id, after_seq, limit),
+        )
 
     # -----------------------------------------------------------------------------------------
     # files
@@ -366,7 +464,15 @@ class JobStore:
         with self._tx() as c:
             c.execute(
                 "INSERT INTO files (id, created_at, filename, purpose, bytes, path, clips) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (row["id"], now(), row["filename"], row["purpose"], row["bytes"], row["path"], row["clips"]),
+                (
+                    row["id"],
+                    now(),
+                    row["filename"],
+                    row["purpose"],
+                    row["bytes"],
+                    row["path"],
+                    row["clips"],
+                ),
             )
             self._remember(c, idempotency, row["id"])
         return self.get_file(row["id"])
@@ -383,11 +489,17 @@ class JobStore:
         """'deleted', 'missing', or 'in_use' when an active fine-tune still reads it."""
         with self._tx() as c:
             placeholders = ",".join("?" * len(FINETUNE_ACTIVE))
-            busy = c.execute(f"SELECT 1 FROM fine_tunes WHERE training_file = ? AND status IN ({placeholders})",
-                             (file_id, *FINETUNE_ACTIVE)).fetchone()  # fmt: skip
+            busy = c.execute(
+                f"SELECT 1 FROM fine_tunes WHERE training_file = ? AND status IN ({placeholders})",
+                (file_id, *FINETUNE_ACTIVE),
+            ).fetchone()
             if busy:
                 return "in_use"
-            return "deleted" if c.execute("DELETE FROM files WHERE id = ?", (file_id,)).rowcount else "missing"
+            return (
+                "deleted"
+                if c.execute("DELETE FROM files WHERE id = ?", (file_id,)).rowcount
+                else "missing"
+            )
 
     # -----------------------------------------------------------------------------------------
     # fine-tunes
@@ -397,9 +509,17 @@ class JobStore:
             c.execute(
                 "INSERT INTO fine_tunes (id, created_at, status, model, training_file, hyperparameters, seed, "
                 "suffix, output_dir) VALUES (?, ?, 'queued', ?, ?, ?, ?, ?, ?)",
-                (row["id"], now(), row["model"], row["training_file"], json.dumps(row["hyperparameters"]),
-                 row["seed"], row["suffix"], row["output_dir"]),
-            )  # fmt: skip
+                (
+                    row["id"],
+                    now(),
+                    row["model"],
+                    row["training_file"],
+                    json.dumps(row["hyperparameters"]),
+                    row["seed"],
+                    row["suffix"],
+                    row["output_dir"],
+                ),
+            )
             self._event(c, row["id"], "message", f"Created fine-tuning job: {row['id']}")
             self._remember(c, idempotency, row["id"])
         return self.get_finetune(row["id"])
@@ -416,33 +536,56 @@ class JobStore:
     def start_finetune(self, job_id: str) -> int | None:
         """queued -> running; returns the attempt number (1 = first run), None if cancelled meanwhile."""
         with self._tx() as c:
-            n = c.execute("UPDATE fine_tunes SET status = 'running', attempts = attempts + 1 "
-                          "WHERE id = ? AND status = 'queued'", (job_id,)).rowcount  # fmt: skip
+            n = c.execute(
+                "UPDATE fine_tunes SET status = 'running', attempts = attempts + 1 "
+                "WHERE id = ? AND status = 'queued'",
+                (job_id,),
+            ).rowcount
             if not n:
                 return None
-            return c.execute("SELECT attempts FROM fine_tunes WHERE id = ?", (job_id,)).fetchone()["attempts"]
+            return c.execute("SELECT attempts FROM fine_tunes WHERE id = ?", (job_id,)).fetchone()[
+                "attempts"
+            ]
 
-    def finetune_progress(self, job_id: str, step: int, total_steps: int, metrics: dict | None) -> None:
+    def finetune_progress(
+        self, job_id: str, step: int, total_steps: int, metrics: dict | None
+    ) -> None:
         with self._tx() as c:
-            c.execute("UPDATE fine_tunes SET step = ?, total_steps = ? WHERE id = ?", (step, total_steps, job_id))
+            c.execute(
+                "UPDATE fine_tunes SET step = ?, total_steps = ? WHERE id = ?",
+                (step, total_steps, job_id),
+            )
             if metrics is not None:
-                self._event(c, job_id, "metrics", f"Step {step}/{total_steps}: training loss={metrics['loss']:.4f}",
-                            metrics)  # fmt: skip
+                self._event(
+                    c,
+                    job_id,
+                    "metrics",
+                    f"Step {step}/{total_steps}: training loss={metrics['loss']:.4f}",
+                    metrics,
+                )
 
-    def add_event(self, job_id: str, message: str, type_: str = "message", data=None, level="info") -> None:
+    def add_event(
+        self, job_id: str, message: str, type_: str = "message", data=None, level="info"
+    ) -> None:
         with self._tx() as c:
             self._event(c, job_id, type_, message, data, level)
 
-    def finetune_events(self, job_id: str, after: str | None, limit: int) -> tuple[list[dict], bool]:
+    def finetune_events(
+        self, job_id: str, after: str | None, limit: int
+    ) -> tuple[list[dict], bool]:
         """Newest first, as the OpenAI API pages them; `after` is an event id (`ftevent-<seq>`)."""
         where, args = "job_id = ?", (job_id,)
         if after is not None:
             where += " AND seq < ?"
             args = (*args, int(after.removeprefix("ftevent-")))
-        rows = self._all(f"SELECT * FROM events WHERE {where} ORDER BY seq DESC LIMIT ?", (*args, limit + 1))
+        rows = self._all(
+            f"SELECT * FROM events WHERE {where} ORDER BY seq DESC LIMIT ?", (*args, limit + 1)
+        )
         return rows[:limit], len(rows) > limit
 
-    def finish_finetune(self, job_id: str, status: str, *, error=None, model: dict | None = None) -> bool:
+    def finish_finetune(
+        self, job_id: str, status: str, *, error=None, model: dict | None = None
+    ) -> bool:
         """running -> succeeded | failed | cancelled; a success registers its model in the same transaction."""
         code, message = error if error else (None, None)
         with self._tx() as c:
@@ -450,14 +593,25 @@ class JobStore:
                 "UPDATE fine_tunes SET status = ?, finished_at = ?, error_code = ?, error_message = ?, "
                 "fine_tuned_model = ? WHERE id = ? AND status IN ('queued', 'running')",
                 (status, now(), code, message, model["name"] if model else None, job_id),
-            ).rowcount  # fmt: skip
+            ).rowcount
             if not n:
                 return False
             if model is not None:
-                c.execute("INSERT INTO models (name, parent, path, job_id, created_at) VALUES (?, ?, ?, ?, ?)",
-                          (model["name"], model["parent"], model["path"], job_id, now()))  # fmt: skip
-            text = {"succeeded": "The job has successfully completed", "cancelled": "The job was cancelled"}
-            self._event(c, job_id, "message", message or text.get(status, status), level="error" if error else "info")
+                c.execute(
+                    "INSERT INTO models (name, parent, path, job_id, created_at) VALUES (?, ?, ?, ?, ?)",
+                    (model["name"], model["parent"], model["path"], job_id, now()),
+                )
+            text = {
+                "succeeded": "The job has successfully completed",
+                "cancelled": "The job was cancelled",
+            }
+            self._event(
+                c,
+                job_id,
+                "message",
+                message or text.get(status, status),
+                level="error" if error else "info",
+            )
         return True
 
     def cancel_finetune(self, job_id: str) -> str | None:
@@ -467,7 +621,10 @@ class JobStore:
             if row is None:
                 return None
             if row["status"] == "queued":
-                c.execute("UPDATE fine_tunes SET status = 'cancelled', finished_at = ? WHERE id = ?", (now(), job_id))
+                c.execute(
+                    "UPDATE fine_tunes SET status = 'cancelled', finished_at = ? WHERE id = ?",
+                    (now(), job_id),
+                )
                 self._event(c, job_id, "message", "The job was cancelled")
                 return "cancelled"
             if row["status"] == "running":
@@ -480,15 +637,28 @@ class JobStore:
 
     def requeue_finetune(self, job_id: str, reason: str) -> None:
         with self._tx() as c:
-            if c.execute("UPDATE fine_tunes SET status = 'queued' WHERE id = ? AND status = 'running'",
-                         (job_id,)).rowcount:  # fmt: skip
+            if c.execute(
+                "UPDATE fine_tunes SET status = 'queued' WHERE id = ? AND status = 'running'",
+                (job_id,),
+            ).rowcount:
                 self._event(c, job_id, "message", reason)
 
-    def add_checkpoint(self, checkpoint_id: str, job_id: str, step: int, path: str, metrics: dict | None) -> None:
+    def add_checkpoint(
+        self, checkpoint_id: str, job_id: str, step: int, path: str, metrics: dict | None
+    ) -> None:
         with self._tx() as c:
-            c.execute("INSERT OR IGNORE INTO checkpoints (id, job_id, created_at, step, path, metrics) "
-                      "VALUES (?, ?, ?, ?, ?, ?)",
-                      (checkpoint_id, job_id, now(), step, path, json.dumps(metrics) if metrics else None))  # fmt: skip
+            c.execute(
+                "INSERT OR IGNORE INTO checkpoints (id, job_id, created_at, step, path, metrics) "
+                "VALUES (?, ?, ?, ?, ?, ?)",
+                (
+                    checkpoint_id,
+                    job_id,
+                    now(),
+                    step,
+                    path,
+                    json.dumps(metrics) if metrics else None,
+                ),
+            )
 
     def checkpoints(self, job_id: str, after: str | None, limit: int) -> tuple[list[dict], bool]:
         return self._page("checkpoints", after, limit, "desc", "job_id = ?", (job_id,))

@@ -28,9 +28,10 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from .client import EngineClient, ModelCard, VideoSpec
 from .metrics import Registry
@@ -40,7 +41,9 @@ from .store import JobStore, now
 log = logging.getLogger("megaslide.server")
 
 IDLE_WAIT_S = 0.5  # how long an idle worker sleeps before looking at the store again if not woken
-MAX_LOADED_FINE_TUNES = 2  # fine-tuned models kept loaded beside the base models (least recently used go)
+MAX_LOADED_FINE_TUNES = (
+    2  # fine-tuned models kept loaded beside the base models (least recently used go)
+)
 DENOISE_SHARE = 90  # progress points for denoising; decoding and encoding the MP4 take the rest
 DECODED_PROGRESS = 95  # clip decoded, MP4 being written; 100 only once the file is in place
 HOUSEKEEPING_INTERVAL_S = 600.0  # how often an idle worker deletes expired outputs
@@ -139,6 +142,7 @@ class Backend(ABC):
 
     def release_memory(self) -> None:
         """Called after a job fails, before the next one runs (e.g. to empty the CUDA cache)."""
+        return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -171,7 +175,9 @@ class _Tuning:
 class LocalEngine(EngineClient):
     """Runs every job in one worker thread of this process, on the models `backend` provides."""
 
-    def __init__(self, settings: Settings, backend: Backend | Callable[[Settings], Backend] | None = None):
+    def __init__(
+        self, settings: Settings, backend: Backend | Callable[[Settings], Backend] | None = None
+    ):
         self.settings = settings
         self._backend_arg = backend
         self.backend: Backend | None = None
@@ -203,7 +209,9 @@ class LocalEngine(EngineClient):
         self.backend = backend(self.settings) if not isinstance(backend, Backend) else backend
         self._cards = {card.name: card for card in self.backend.cards()}
         # One encoder thread: MP4 writing overlaps the next denoising steps instead of delaying them.
-        self._encoder = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="megaslide-encode")
+        self._encoder = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="megaslide-encode"
+        )
         self._thread = threading.Thread(target=self._main, name="megaslide-worker", daemon=True)
         self._thread.start()
 
@@ -292,7 +300,9 @@ class LocalEngine(EngineClient):
         if self._batch:
             if self._tuning is not None and not self._tuning.paused:
                 self._tuning.paused = True
-                self.store.add_event(self._tuning.id, "Paused at a step boundary: video jobs are waiting")
+                self.store.add_event(
+                    self._tuning.id, "Paused at a step boundary: video jobs are waiting"
+                )
             self._step_videos()
             return True
         return self._step_finetune()
@@ -308,7 +318,9 @@ class LocalEngine(EngineClient):
 
     def _park(self) -> None:
         """Graceful stop: running videos go back to the queue, a running fine-tune checkpoints first."""
-        self.store.requeue_videos([r.id for r in self._batch], "requeued: the server shut down while it ran")
+        self.store.requeue_videos(
+            [r.id for r in self._batch], "requeued: the server shut down while it ran"
+        )
         self._batch = []
         if self._tuning is not None:
             t, self._tuning = self._tuning, None
@@ -396,16 +408,21 @@ class LocalEngine(EngineClient):
         self._metrics.batch_size.observe(len(advanced))
         self._metrics.h2d_bytes.inc(transfers.get("h2d_bytes", 0))
         self._metrics.d2h_bytes.inc(transfers.get("d2h_bytes", 0))
-        self.store.set_video_progress([
-            (r.id, r.state.step, DENOISE_SHARE * r.state.step // r.state.num_steps) for r in advanced
-        ])  # fmt: skip
+        self.store.set_video_progress(
+            [
+                (r.id, r.state.step, DENOISE_SHARE * r.state.step // r.state.num_steps)
+                for r in advanced
+            ]
+        )
         for run in [r for r in self._batch if r.state.done]:
             self._batch.remove(run)
             self._finish_video(model, run)
 
     def _finish_video(self, model: VideoModel, run: _Running) -> None:
         try:
-            frames = model.finish(run.state)  # decoding needs the device, so it stays on this thread
+            frames = model.finish(
+                run.state
+            )  # decoding needs the device, so it stays on this thread
         except Exception as exc:  # noqa: BLE001
             self.backend.release_memory()
             self._fail_video(run.id, exc)
@@ -457,15 +474,21 @@ class LocalEngine(EngineClient):
                 self._metrics.h2d_bytes.inc(metrics.get("h2d_bytes") or 0)
                 self._metrics.d2h_bytes.inc(metrics.get("d2h_bytes") or 0)
                 total = t.trainer.total_steps
-                self.store.finetune_progress(t.id, t.trainer.step, total, {**metrics, "total_steps": total})
+                self.store.finetune_progress(
+                    t.id, t.trainer.step, total, {**metrics, "total_steps": total}
+                )
                 self._record_checkpoints(t, metrics)
             if t.trainer.step >= t.trainer.total_steps:
                 name = f"ft:{t.parent}:{t.suffix}:{t.id.removeprefix('ftjob-')}"
                 path = t.trainer.export(Path(self.settings.data_dir) / "models" / t.id)
-                self._end_finetune("succeeded", model={"name": name, "parent": t.parent, "path": str(path)})
+                self._end_finetune(
+                    "succeeded", model={"name": name, "parent": t.parent, "path": str(path)}
+                )
         except Exception as exc:  # noqa: BLE001 - the job fails; videos and later jobs go on
             self.backend.release_memory()
-            self._end_finetune("failed", error=(self.backend.error_code(exc) or "training_failed", _message(exc)))
+            self._end_finetune(
+                "failed", error=(self.backend.error_code(exc) or "training_failed", _message(exc))
+            )
         return True
 
     def _start_finetune(self, row: dict) -> None:
@@ -481,19 +504,28 @@ class LocalEngine(EngineClient):
             if file_row is None:
                 raise ValueError(f"training file {row['training_file']} was deleted")
             job = FinetuneJob(
-                base=base, data_dir=Path(file_row["path"]), output_dir=Path(row["output_dir"]),
-                epochs=hyper["n_epochs"], batch_size=hyper["batch_size"],
-                learning_rate=self.settings.finetune_lr * hyper["learning_rate_multiplier"], seed=row["seed"],
-                save_every=self.settings.finetune_save_every, resume=attempt > 1,
-                num_frames=hyper.get("num_frames"), width=hyper.get("width"), height=hyper.get("height"),
-            )  # fmt: skip
+                base=base,
+                data_dir=Path(file_row["path"]),
+                output_dir=Path(row["output_dir"]),
+                epochs=hyper["n_epochs"],
+                batch_size=hyper["batch_size"],
+                learning_rate=self.settings.finetune_lr * hyper["learning_rate_multiplier"],
+                seed=row["seed"],
+                save_every=self.settings.finetune_save_every,
+                resume=attempt > 1,
+                num_frames=hyper.get("num_frames"),
+                width=hyper.get("width"),
+                height=hyper.get("height"),
+            )
             trainer = self.backend.trainer(job)
         except Exception as exc:  # noqa: BLE001
             code = self.backend.error_code(exc) or "training_failed"
             self.store.finish_finetune(row["id"], "failed", error=(code, _message(exc)))
             self._metrics.jobs_finished.inc(kind="fine_tune", status="failed")
             return
-        self._tuning = _Tuning(row["id"], trainer, row["model"], row["suffix"] or "", Path(row["output_dir"]))
+        self._tuning = _Tuning(
+            row["id"], trainer, row["model"], row["suffix"] or "", Path(row["output_dir"])
+        )
         self._record_checkpoints(self._tuning)  # those of an earlier attempt, without events
         verb = f"Resumed at step {trainer.step}" if attempt > 1 else "Fine-tuning job started"
         self.store.add_event(row["id"], f"{verb} ({trainer.total_steps} steps)")
@@ -509,8 +541,13 @@ class LocalEngine(EngineClient):
             summary = {"step": ckpt["step"]}
             if metrics is not None and metrics.get("step") == ckpt["step"]:
                 summary.update(loss=metrics.get("loss"), lr=metrics.get("lr"))
-            self.store.add_checkpoint(f"ftckpt-{t.id.removeprefix('ftjob-')}-{ckpt['step']}", t.id, ckpt["step"],
-                                      path, summary)  # fmt: skip
+            self.store.add_checkpoint(
+                f"ftckpt-{t.id.removeprefix('ftjob-')}-{ckpt['step']}",
+                t.id,
+                ckpt["step"],
+                path,
+                summary,
+            )
             if metrics is not None:
                 self.store.add_event(t.id, f"Checkpoint saved at step {ckpt['step']}")
 

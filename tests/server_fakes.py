@@ -20,9 +20,22 @@ import numpy as np
 from megaslide.server.client import ModelCard, VideoSpec
 from megaslide.server.worker import Backend, FinetuneJob, Trainer, VideoModel
 
-FAKE_CARD = ModelCard(name="fake", kind="preset", created=1_700_000_000, source="fake", frames=4, height=32,
-                      width=32, fps=8, steps=2, guidance=1.0, max_frames=32, max_size=256, patch=(1, 4, 4),
-                      max_prompt_tokens=62)  # fmt: skip
+FAKE_CARD = ModelCard(
+    name="fake",
+    kind="preset",
+    created=1_700_000_000,
+    source="fake",
+    frames=4,
+    height=32,
+    width=32,
+    fps=8,
+    steps=2,
+    guidance=1.0,
+    max_frames=32,
+    max_size=256,
+    patch=(1, 4, 4),
+    max_prompt_tokens=62,
+)
 
 
 class OutOfMemoryError(RuntimeError):
@@ -75,7 +88,13 @@ class FakeTrainer(Trainer):
 
     def __init__(self, backend: FakeBackend, job: FinetuneJob):
         self.backend, self.job = backend, job
-        clips = len([line for line in (job.data_dir / "metadata.jsonl").read_text().splitlines() if line.strip()])
+        clips = len(
+            [
+                line
+                for line in (job.data_dir / "metadata.jsonl").read_text().splitlines()
+                if line.strip()
+            ]
+        )
         self.total_steps = job.epochs * -(-clips // job.batch_size)
         self.step = 0
         job.output_dir.mkdir(parents=True, exist_ok=True)
@@ -92,8 +111,15 @@ class FakeTrainer(Trainer):
             self.backend.timeline.append(("train", self.step))
         if self.step % self.job.save_every == 0:
             self.save_checkpoint()
-        return {"step": self.step, "loss": 1.0 / self.step, "lr": self.job.learning_rate, "grad_norm": 0.5,
-                "step_time_s": self.backend.train_step_s, "h2d_bytes": 0, "d2h_bytes": 0}  # fmt: skip
+        return {
+            "step": self.step,
+            "loss": 1.0 / self.step,
+            "lr": self.job.learning_rate,
+            "grad_norm": 0.5,
+            "step_time_s": self.backend.train_step_s,
+            "h2d_bytes": 0,
+            "d2h_bytes": 0,
+        }
 
     def save_checkpoint(self):
         path = self.job.output_dir / f"step-{self.step}.ckpt"
@@ -101,7 +127,9 @@ class FakeTrainer(Trainer):
         return path
 
     def checkpoints(self):
-        found = sorted(self.job.output_dir.glob("step-*.ckpt"), key=lambda p: int(p.stem.split("-")[1]))
+        found = sorted(
+            self.job.output_dir.glob("step-*.ckpt"), key=lambda p: int(p.stem.split("-")[1])
+        )
         return [{"step": int(p.stem.split("-")[1]), "path": p, "created_at": 0} for p in found]
 
     def export(self, path):
@@ -115,9 +143,20 @@ class FakeTrainer(Trainer):
 
 
 class FakeBackend(Backend):
-    def __init__(self, step_s: float = 0.01, train_step_s: float = 0.01, load_s: float = 0.0,
-                 encode_s: float = 0.0, fail_load: bool = False):  # fmt: skip
-        self.step_s, self.train_step_s, self.load_s, self.encode_s = step_s, train_step_s, load_s, encode_s
+    def __init__(
+        self,
+        step_s: float = 0.01,
+        train_step_s: float = 0.01,
+        load_s: float = 0.0,
+        encode_s: float = 0.0,
+        fail_load: bool = False,
+    ):
+        self.step_s, self.train_step_s, self.load_s, self.encode_s = (
+            step_s,
+            train_step_s,
+            load_s,
+            encode_s,
+        )
         self.fail_load = fail_load
         self.gate = threading.Event()
         self.gate.set()

@@ -9,7 +9,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def run_json(*args: str) -> dict:
-    out = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout)
 
@@ -34,8 +36,20 @@ def test_prompt_adherence_benchmark_quick():
 
 
 def test_motion_prior_benchmark_quick():
-    r = run_json("benchmarks/motion_prior.py", "--colours", "1", "--shapes", "1", "--samples", "8",
-                 "--noises", "1", "--times", "1.0", "--json")  # fmt: skip
+    r = run_json(
+        "benchmarks/motion_prior.py",
+        "--colours",
+        "1",
+        "--shapes",
+        "1",
+        "--samples",
+        "8",
+        "--noises",
+        "1",
+        "--times",
+        "1.0",
+        "--json",
+    )
     scores = r["times"]["1.0"]["score_by_direction"]
     assert set(scores) == {"left", "right", "up", "down"}
     assert abs(r["times"]["1.0"]["score"] - sum(scores.values()) / 4) < 1e-9

@@ -10,8 +10,19 @@ import pytest
 from megaslide import __version__
 from megaslide.cli import main
 
-GEN = ["generate", "a red circle moving right", "--preset", "tiny", "--steps", "2", "--frames", "4",
-       "--size", "32x32", "--no-progress"]  # fmt: skip
+GEN = [
+    "generate",
+    "a red circle moving right",
+    "--preset",
+    "tiny",
+    "--steps",
+    "2",
+    "--frames",
+    "4",
+    "--size",
+    "32x32",
+    "--no-progress",
+]
 
 
 def run(argv, capsys):
@@ -55,7 +66,9 @@ def test_empty_prompt_and_missing_model_are_rejected(tmp_path, capsys):
     out = tmp_path / "out.mp4"
     code, _, err = run(["generate", "  ", "-o", str(out)], capsys)
     assert code == 2 and "prompt is empty" in err
-    code, _, err = run(["generate", "p", "-o", str(out), "--model", str(tmp_path / "missing")], capsys)
+    code, _, err = run(
+        ["generate", "p", "-o", str(out), "--model", str(tmp_path / "missing")], capsys
+    )
     assert code == 2 and "not found" in err
     assert not out.exists()
 
@@ -68,15 +81,21 @@ def test_info_reports_exact_parameter_counts(capsys):
 
 
 def test_plan_105b(capsys):
-    code, out, _ = run(["plan", "--preset", "megaslide-105b", "--mode", "finetune", "--json"], capsys)
+    code, out, _ = run(
+        ["plan", "--preset", "megaslide-105b", "--mode", "finetune", "--json"], capsys
+    )
     p = json.loads(out)
     assert code == 0 and p["fits"], p["problems"]
-    assert p["host"]["fp32_master"] + p["host"]["adam_m"] + p["host"]["adam_v"] == 12 * p["parameters"]
+    assert (
+        p["host"]["fp32_master"] + p["host"]["adam_m"] + p["host"]["adam_v"] == 12 * p["parameters"]
+    )
     code, out, _ = run(["plan", "--preset", "megaslide-105b", "--json"], capsys)
     p = json.loads(out)
     assert abs(p["time_s"]["transfer"] / (210e9 / 55e9) - 1) < 0.05
 
 
 def test_console_script_version():
-    out = subprocess.run([sys.executable, "-m", "megaslide", "--version"], capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "megaslide", "--version"], capture_output=True, text=True
+    )
     assert out.returncode == 0 and out.stdout.strip() == f"megaslide {__version__}"

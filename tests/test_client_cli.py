@@ -3,17 +3,9 @@ checks here; runs against a real server are in test_client_server.py."""
 
 from __future__ import annotations
 
-import sys
 import tarfile
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
-try:
-    import megaslide_client  # noqa: F401
-except ImportError:  # not installed: use the source tree
-    sys.path.insert(0, str(ROOT / "clients" / "python"))
 
 from megaslide.cli import UsageError
 from megaslide.cli import main as cli_main
@@ -45,13 +37,23 @@ def test_pack_dataset_refuses_an_empty_folder(tmp_path):
 
 @pytest.mark.parametrize(
     "command, option",
-    [("generate", "--offload stream"), ("generate", "--device cuda"), ("generate", "--stats s.json"),
-     ("finetune", "--resume"), ("finetune", "--steps 3"), ("finetune", "--output run"), ("finetune", "--epochs 1.5")],
+    [
+        ("generate", "--offload stream"),
+        ("generate", "--device cuda"),
+        ("generate", "--stats s.json"),
+        ("finetune", "--resume"),
+        ("finetune", "--steps 3"),
+        ("finetune", "--output run"),
+        ("finetune", "--epochs 1.5"),
+    ],
 )
 def test_local_only_options_are_refused_with_server(command, option, tmp_path, capsys):
     """Nothing is sent: the check comes before any request (port 1 has no server anyway)."""
     (tmp_path / "data").mkdir()
-    head = ["generate", "x", "-o", str(tmp_path / "o.mp4")] if command == "generate" else ["finetune", "--data",
-                                                                                          str(tmp_path / "data")]
+    head = (
+        ["generate", "x", "-o", str(tmp_path / "o.mp4")]
+        if command == "generate"
+        else ["finetune", "--data", str(tmp_path / "data")]
+    )
     assert cli_main(head + option.split() + ["--server", "http://127.0.0.1:1"]) == 2
     assert option.split()[0] in capsys.readouterr().err

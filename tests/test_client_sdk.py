@@ -16,22 +16,25 @@ from pathlib import Path
 import httpx
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-try:
-    import megaslide_client
-except ImportError:  # not installed: use the source tree
-    sys.path.insert(0, str(ROOT / "clients" / "python"))
-    import megaslide_client
-
+import megaslide_client
 from megaslide_client import _base_client, _constants
 from megaslide_client._sse import iter_sse
 from megaslide_client.types import Video
+
+ROOT = Path(__file__).resolve().parents[1]
 
 ERR = {"error": {"message": "boom", "type": "server_error", "param": None, "code": "x"}}
 
 
 def video_json(vid="video_1", status="queued", progress=0, **extra):
-    return {"id": vid, "object": "video", "status": status, "progress": progress, "model": "tiny", **extra}
+    return {
+        "id": vid,
+        "object": "video",
+        "status": status,
+        "progress": progress,
+        "model": "tiny",
+        **extra,
+    }
 
 
 @pytest.fixture
@@ -87,8 +90,17 @@ def client_for(transport, **kwargs):
     ],
 )
 def test_status_maps_to_typed_error(status, cls, sleeps):
-    body = {"error": {"message": f"bad {status}", "type": "invalid_request_error", "param": "size", "code": "c"}}
-    transport, seen = scripted([httpx.Response(status, json=body, headers={"x-request-id": "req-9"})])
+    body = {
+        "error": {
+            "message": f"bad {status}",
+            "type": "invalid_request_error",
+            "param": "size",
+            "code": "c",
+        }
+    }
+    transport, seen = scripted(
+        [httpx.Response(status, json=body, headers={"x-request-id": "req-9"})]
+    )
     with client_for(transport, max_retries=0) as client, pytest.raises(cls) as info:
         client.videos.retrieve("video_1")
     err = info.value
@@ -101,7 +113,10 @@ def test_status_maps_to_typed_error(status, cls, sleeps):
 
 def test_non_json_error_body_keeps_text():
     transport, _ = scripted([httpx.Response(502, text="bad gateway")])
-    with client_for(transport, max_retries=0) as client, pytest.raises(megaslide_client.InternalServerError) as info:
+    with (
+        client_for(transport, max_retries=0) as client,
+        pytest.raises(megaslide_client.InternalServerError) as info,
+    ):
         client.videos.retrieve("v")
     assert info.value.message == "bad gateway" and info.value.body == "bad gateway"
 
@@ -112,8 +127,13 @@ def test_non_json_error_body_keeps_text():
 
 @pytest.mark.parametrize("status", [408, 409, 429, 500, 503])
 def test_transient_status_is_retried_with_the_same_idempotency_key(status, sleeps):
-    transport, seen = scripted([httpx.Response(status, json=ERR), httpx.Response(status, json=ERR),
-                                httpx.Response(200, json=video_json())])  # fmt: skip
+    transport, seen = scripted(
+        [
+            httpx.Response(status, json=ERR),
+            httpx.Response(status, json=ERR),
+            httpx.Response(200, json=video_json()),
+        ]
+    )
     with client_for(transport) as client:
         video = client.videos.create(prompt="a cat", size="64x64")
     assert video.id == "video_1" and len(seen) == 3
@@ -128,26 +148,40 @@ def test_transient_status_is_retried_with_the_same_idempotency_key(status, sleep
 
 
 def test_each_logical_post_gets_its_own_key_and_gets_none(sleeps):
-    transport, seen = scripted([httpx.Response(200, json=video_json("a")), httpx.Response(200, json=video_json("b")),
-                                httpx.Response(200, json=video_json("a"))])  # fmt: skip
+    transport, seen = scripted(
+        [
+            httpx.Response(200, json=video_json("a")),
+            httpx.Response(200, json=video_json("b")),
+            httpx.Response(200, json=video_json("a")),
+        ]
+    )
     with client_for(transport) as client:
         client.videos.create(prompt="x")
         client.videos.create(prompt="x", idempotency_key="mine")
         client.videos.retrieve("a")
-    assert seen[0].headers["idempotency-key"] != "mine" and seen[1].headers["idempotency-key"] == "mine"
+    assert (
+        seen[0].headers["idempotency-key"] != "mine"
+        and seen[1].headers["idempotency-key"] == "mine"
+    )
     assert "idempotency-key" not in seen[2].headers
 
 
 def test_non_transient_status_is_not_retried(sleeps):
     transport, seen = scripted([httpx.Response(400, json=ERR)])
-    with client_for(transport, max_retries=5) as client, pytest.raises(megaslide_client.BadRequestError):
+    with (
+        client_for(transport, max_retries=5) as client,
+        pytest.raises(megaslide_client.BadRequestError),
+    ):
         client.videos.create(prompt="x")
     assert len(seen) == 1 and sleeps == []
 
 
 def test_retries_are_bounded(sleeps):
     transport, seen = scripted([httpx.Response(500, json=ERR)] * 4)
-    with client_for(transport, max_retries=3) as client, pytest.raises(megaslide_client.InternalServerError):
+    with (
+        client_for(transport, max_retries=3) as client,
+        pytest.raises(megaslide_client.InternalServerError),
+    ):
         client.videos.retrieve("v")
     assert len(seen) == 4 and len(sleeps) == 3
 
@@ -157,15 +191,21 @@ def test_retries_are_bounded(sleeps):
     [({"retry-after-ms": "250"}, 0.25), ({"Retry-After": "3"}, 3.0), ({"Retry-After": "0"}, 0.0)],
 )
 def test_retry_after_is_honoured(headers, expected, sleeps):
-    transport, _ = scripted([httpx.Response(429, json=ERR, headers=headers), httpx.Response(200, json=video_json())])
+    transport, _ = scripted(
+        [httpx.Response(429, json=ERR, headers=headers), httpx.Response(200, json=video_json())]
+    )
     with client_for(transport) as client:
         client.videos.create(prompt="x")
     assert sleeps == [expected]
 
 
 def test_unreasonable_retry_after_falls_back_to_backoff(sleeps):
-    transport, _ = scripted([httpx.Response(429, json=ERR, headers={"Retry-After": "3600"}),
-                             httpx.Response(200, json=video_json())])  # fmt: skip
+    transport, _ = scripted(
+        [
+            httpx.Response(429, json=ERR, headers={"Retry-After": "3600"}),
+            httpx.Response(200, json=video_json()),
+        ]
+    )
     with client_for(transport) as client:
         client.videos.create(prompt="x")
     assert sleeps[0] <= _constants.INITIAL_RETRY_DELAY
@@ -179,12 +219,18 @@ def test_connection_errors_are_retried_then_typed(sleeps):
     assert len(seen) == 2
 
     transport, seen = scripted([httpx.ConnectError("refused")] * 3)
-    with client_for(transport) as client, pytest.raises(megaslide_client.APIConnectionError) as info:
+    with (
+        client_for(transport) as client,
+        pytest.raises(megaslide_client.APIConnectionError) as info,
+    ):
         client.videos.retrieve("v")
     assert not isinstance(info.value, megaslide_client.APITimeoutError) and len(seen) == 3
 
     transport, seen = scripted([httpx.ReadTimeout("slow")] * 2)
-    with client_for(transport, max_retries=1) as client, pytest.raises(megaslide_client.APITimeoutError):
+    with (
+        client_for(transport, max_retries=1) as client,
+        pytest.raises(megaslide_client.APITimeoutError),
+    ):
         client.videos.retrieve("v")
     assert len(seen) == 2
 
@@ -211,7 +257,9 @@ def test_upload_retry_resends_the_whole_file(tmp_path, sleeps):
 def test_environment_supplies_url_and_key(monkeypatch):
     monkeypatch.setenv("MEGASLIDE_BASE_URL", "http://env-host:9000/v1/")
     monkeypatch.setenv("MEGASLIDE_API_KEY", "sk-env")
-    transport, seen = scripted([httpx.Response(200, json={"object": "list", "data": [{"id": "tiny"}]})])
+    transport, seen = scripted(
+        [httpx.Response(200, json={"object": "list", "data": [{"id": "tiny"}]})]
+    )
     with megaslide_client.Client(transport=transport) as client:
         assert [m.id for m in client.models.list()] == ["tiny"]
     assert str(seen[0].url) == "http://env-host:9000/v1/models"
@@ -221,11 +269,16 @@ def test_environment_supplies_url_and_key(monkeypatch):
 
 
 def test_typed_objects_keep_unknown_fields():
-    video = Video.from_dict(video_json(status="failed", error={"code": "oom", "message": "out of memory"}, shiny=1))
+    video = Video.from_dict(
+        video_json(status="failed", error={"code": "oom", "message": "out of memory"}, shiny=1)
+    )
     assert video.error.message == "out of memory" and video.shiny == 1 and video.done
-    assert video.to_dict()["shiny"] == 1 and video.to_dict()["error"] == {"code": "oom", "message": "out of memory"}
+    assert video.to_dict()["shiny"] == 1 and video.to_dict()["error"] == {
+        "code": "oom",
+        "message": "out of memory",
+    }
     with pytest.raises(AttributeError):
-        video.not_a_field
+        _ = video.not_a_field
 
 
 # ---------------------------------------------------------------------------------------------
@@ -238,11 +291,17 @@ def paging_transport(ids, seen):
         limit = int(request.url.params.get("limit", 20))
         after = request.url.params.get("after")
         start = ids.index(after) + 1 if after else 0
-        page = ids[start:start + limit]
-        return httpx.Response(200, json={"object": "list", "data": [video_json(i) for i in page],
-                                         "first_id": page[0] if page else None,
-                                         "last_id": page[-1] if page else None,
-                                         "has_more": start + limit < len(ids)})  # fmt: skip
+        page = ids[start : start + limit]
+        return httpx.Response(
+            200,
+            json={
+                "object": "list",
+                "data": [video_json(i) for i in page],
+                "first_id": page[0] if page else None,
+                "last_id": page[-1] if page else None,
+                "has_more": start + limit < len(ids),
+            },
+        )
 
     return httpx.MockTransport(handler)
 
@@ -254,46 +313,69 @@ def test_list_walks_every_page():
         assert [v.id for v in page.data] == ids[:2] and page.has_more
         assert [v.id for v in page] == ids
         assert [len(p.data) for p in page.iter_pages()] == [2, 2, 1]
-    assert seen[:3] == [{"limit": "2", "order": "asc"}, {"limit": "2", "order": "asc", "after": "video_1"},
-                        {"limit": "2", "order": "asc", "after": "video_3"}]  # fmt: skip
+    assert seen[:3] == [
+        {"limit": "2", "order": "asc"},
+        {"limit": "2", "order": "asc", "after": "video_1"},
+        {"limit": "2", "order": "asc", "after": "video_3"},
+    ]
 
 
 def test_poll_honours_poll_after_header(sleeps):
-    answers = [httpx.Response(200, json=video_json(status="queued"), headers={"openai-poll-after-ms": "700"}),
-               httpx.Response(200, json=video_json(status="in_progress", progress=50),
-                              headers={"openai-poll-after-ms": "300"}),
-               httpx.Response(200, json=video_json(status="completed", progress=100))]  # fmt: skip
+    answers = [
+        httpx.Response(
+            200, json=video_json(status="queued"), headers={"openai-poll-after-ms": "700"}
+        ),
+        httpx.Response(
+            200,
+            json=video_json(status="in_progress", progress=50),
+            headers={"openai-poll-after-ms": "300"},
+        ),
+        httpx.Response(200, json=video_json(status="completed", progress=100)),
+    ]
     transport, seen = scripted(answers)
     with client_for(transport) as client:
         video = client.videos.poll("video_1")
     assert video.status == "completed" and sleeps == [0.7, 0.3] and len(seen) == 3
 
-    slow = httpx.Response(200, json=video_json(status="queued"), headers={"openai-poll-after-ms": "700"})
+    slow = httpx.Response(
+        200, json=video_json(status="queued"), headers={"openai-poll-after-ms": "700"}
+    )
     transport, _ = scripted([slow] * 3)
     with client_for(transport) as client, pytest.raises(TimeoutError):
         client.videos.poll("video_1", max_wait=0.5)
 
 
 def test_sse_parser_follows_the_spec():
-    text = (": keep-alive\n\n"
-            'event: progress\nid: 7\ndata: {"a":\ndata: 1}\n\n'
-            "data: plain\nretry: 50\n\n"
-            "event: end\ndata: x")  # the last event lacks its blank line: the end of the stream ends it
+    text = (
+        ": keep-alive\n\n"
+        'event: progress\nid: 7\ndata: {"a":\ndata: 1}\n\n'
+        "data: plain\nretry: 50\n\n"
+        "event: end\ndata: x"
+    )  # the last event lacks its blank line: the end of the stream ends it
     events = list(iter_sse(text.split("\n")))
     assert [(e.event, e.data, e.id) for e in events] == [
-        ("progress", '{"a":\n1}', "7"), (None, "plain", None), ("end", "x", None)]
+        ("progress", '{"a":\n1}', "7"),
+        (None, "plain", None),
+        ("end", "x", None),
+    ]
     assert events[1].retry == 50
 
 
 def test_events_yield_videos():
-    frames = [("video.progress", video_json(status="in_progress", progress=40)),
-              ("video.completed", video_json(status="completed", progress=100))]
+    frames = [
+        ("video.progress", video_json(status="in_progress", progress=40)),
+        ("video.completed", video_json(status="completed", progress=100)),
+    ]
     body = "".join(f"event: {name}\ndata: {json.dumps(data)}\n\n" for name, data in frames)
-    transport, seen = scripted([httpx.Response(200, text=body, headers={"content-type": "text/event-stream"})])
+    transport, seen = scripted(
+        [httpx.Response(200, text=body, headers={"content-type": "text/event-stream"})]
+    )
     with client_for(transport) as client:
         events = list(client.videos.events("video_1"))
     assert [(e.event, e.video.status, e.video.progress) for e in events] == [
-        ("video.progress", "in_progress", 40), ("video.completed", "completed", 100)]  # fmt: skip
+        ("video.progress", "in_progress", 40),
+        ("video.completed", "completed", 100),
+    ]
     assert seen[0].headers["accept"] == "text/event-stream"
 
 
@@ -317,8 +399,11 @@ def test_download_resumes_with_a_range_request(tmp_path, sleeps):
         if len(seen) == 1:
             return httpx.Response(200, stream=BreakingStream(mp4, 4096))
         start = int(request.headers["range"].split("=")[1].rstrip("-"))
-        return httpx.Response(206, content=mp4[start:],
-                              headers={"content-range": f"bytes {start}-{len(mp4) - 1}/{len(mp4)}"})  # fmt: skip
+        return httpx.Response(
+            206,
+            content=mp4[start:],
+            headers={"content-range": f"bytes {start}-{len(mp4) - 1}/{len(mp4)}"},
+        )
 
     with client_for(httpx.MockTransport(handler)) as client:
         out = client.videos.download_content("video_1", path=tmp_path / "out.mp4")
@@ -328,8 +413,13 @@ def test_download_resumes_with_a_range_request(tmp_path, sleeps):
 
 def test_download_that_keeps_breaking_leaves_no_file(tmp_path, sleeps):
     mp4 = os.urandom(10_000)
-    transport = httpx.MockTransport(lambda request: httpx.Response(200, stream=BreakingStream(mp4, 100)))
-    with client_for(transport, max_retries=2) as client, pytest.raises(megaslide_client.APIConnectionError):
+    transport = httpx.MockTransport(
+        lambda request: httpx.Response(200, stream=BreakingStream(mp4, 100))
+    )
+    with (
+        client_for(transport, max_retries=2) as client,
+        pytest.raises(megaslide_client.APIConnectionError),
+    ):
         client.videos.download_content("video_1", path=tmp_path / "out.mp4")
     assert list(tmp_path.iterdir()) == [] and len(sleeps) == 2
 
@@ -352,7 +442,9 @@ def test_async_client_retries_and_paginates(sleeps):
 
     async def main():
         transport = httpx.MockTransport(handler)
-        async with megaslide_client.AsyncClient(base_url="http://test", transport=transport) as client:
+        async with megaslide_client.AsyncClient(
+            base_url="http://test", transport=transport
+        ) as client:
             video = await client.videos.create(prompt="x")
             first = await client.videos.list(limit=2)
             everything = [v.id async for v in client.videos.list(limit=2)]
@@ -369,19 +461,32 @@ def test_async_client_retries_and_paginates(sleeps):
 
 def test_package_imports_without_torch():
     env = dict(os.environ, PYTHONPATH=str(ROOT / "clients" / "python"))
-    code = ("import sys, megaslide_client\n"
-            "heavy = sorted({'torch', 'numpy', 'fastapi', 'megaslide', 'pydantic'} & set(sys.modules))\n"
-            "assert not heavy, heavy\n"
-            "print(megaslide_client.__version__)")  # fmt: skip
-    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    code = (
+        "import sys, megaslide_client\n"
+        "heavy = sorted({'torch', 'numpy', 'fastapi', 'megaslide', 'pydantic'} & set(sys.modules))\n"
+        "assert not heavy, heavy\n"
+        "print(megaslide_client.__version__)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == megaslide_client.__version__
 
 
 def test_wait_reports_each_event_once_oldest_first(sleeps):
     """Events are listed newest first and may span pages; wait() hands each new one over once."""
-    log = [{"id": f"ftevent-{i}", "object": "fine_tuning.job.event", "created_at": 0, "type": "metrics",
-            "message": f"step {i}", "data": {"step": i, "total_steps": 6}} for i in range(1, 7)]  # fmt: skip
+    log = [
+        {
+            "id": f"ftevent-{i}",
+            "object": "fine_tuning.job.event",
+            "created_at": 0,
+            "type": "metrics",
+            "message": f"step {i}",
+            "data": {"step": i, "total_steps": 6},
+        }
+        for i in range(1, 7)
+    ]
     visible = iter([2, 5, 6])  # events that exist at each poll
     state = {"n": 0}
 
@@ -392,24 +497,42 @@ def test_wait_reports_each_event_once_oldest_first(sleeps):
             after = request.url.params.get("after")
             start = [e["id"] for e in newest_first].index(after) + 1 if after else 0
             limit = int(request.url.params["limit"])
-            page = newest_first[start:start + 2]  # pages of 2 whatever the limit, to force paging
+            page = newest_first[start : start + 2]  # pages of 2 whatever the limit, to force paging
             assert limit >= 2
-            return httpx.Response(200, json={"object": "list", "data": page, "has_more": start + 2 < len(newest_first)})
+            return httpx.Response(
+                200,
+                json={"object": "list", "data": page, "has_more": start + 2 < len(newest_first)},
+            )
         state["n"] = next(visible)
         status = "succeeded" if state["n"] == 6 else "running"
-        return httpx.Response(200, json={"id": "ftjob-1", "object": "fine_tuning.job", "status": status,
-                                         "fine_tuned_model": "ft:tiny:x:ftjob-1" if status == "succeeded" else None})
+        return httpx.Response(
+            200,
+            json={
+                "id": "ftjob-1",
+                "object": "fine_tuning.job",
+                "status": status,
+                "fine_tuned_model": "ft:tiny:x:ftjob-1" if status == "succeeded" else None,
+            },
+        )
 
     got = []
     with client_for(httpx.MockTransport(handler)) as client:
-        job = client.fine_tuning.jobs.wait("ftjob-1", on_event=lambda e: got.append(e.id), poll_interval_ms=5)
+        job = client.fine_tuning.jobs.wait(
+            "ftjob-1", on_event=lambda e: got.append(e.id), poll_interval_ms=5
+        )
     assert job.status == "succeeded" and job.fine_tuned_model == "ft:tiny:x:ftjob-1"
     assert got == [e["id"] for e in log] and sleeps == [0.005, 0.005]
 
 
 def test_permanent_conflict_is_not_retried(sleeps):
-    body = {"error": {"message": "key reused", "type": "invalid_request_error", "param": None,
-                      "code": "idempotency_key_reused"}}  # fmt: skip
+    body = {
+        "error": {
+            "message": "key reused",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": "idempotency_key_reused",
+        }
+    }
     transport, seen = scripted([httpx.Response(409, json=body)])
     with client_for(transport) as client, pytest.raises(megaslide_client.ConflictError) as info:
         client.videos.create(prompt="x")
@@ -433,10 +556,17 @@ def test_events_resume_from_the_last_event_id(sleeps):
     def handler(request):
         seen.append(request.headers.get("last-event-id"))
         if len(seen) == 1:
-            return httpx.Response(200, stream=BreakingEvents(), headers={"content-type": "text/event-stream"})
-        return httpx.Response(200, headers={"content-type": "text/event-stream"}, text=(
-            'id: 2\nevent: video.progress\ndata: {"id": "v", "status": "in_progress", "progress": 45}\n\n'
-            'id: 3\nevent: video.completed\ndata: {"id": "v", "status": "completed", "progress": 100}\n\n'))
+            return httpx.Response(
+                200, stream=BreakingEvents(), headers={"content-type": "text/event-stream"}
+            )
+        return httpx.Response(
+            200,
+            headers={"content-type": "text/event-stream"},
+            text=(
+                'id: 2\nevent: video.progress\ndata: {"id": "v", "status": "in_progress", "progress": 45}\n\n'
+                'id: 3\nevent: video.completed\ndata: {"id": "v", "status": "completed", "progress": 100}\n\n'
+            ),
+        )
 
     with client_for(httpx.MockTransport(handler)) as client:
         events = [(e.id, e.video.status) for e in client.videos.events("v")]
@@ -446,8 +576,12 @@ def test_events_resume_from_the_last_event_id(sleeps):
 
 def test_progress_bar_follows_the_video(sleeps, capsys):
     pytest.importorskip("tqdm")
-    answers = [httpx.Response(200, json=video_json(status="in_progress", progress=p)) for p in (10, 55)]
-    transport, _ = scripted(answers + [httpx.Response(200, json=video_json(status="completed", progress=100))])
+    answers = [
+        httpx.Response(200, json=video_json(status="in_progress", progress=p)) for p in (10, 55)
+    ]
+    transport, _ = scripted(
+        answers + [httpx.Response(200, json=video_json(status="completed", progress=100))]
+    )
     with client_for(transport) as client:
         client.videos.poll("video_1", progress=True, poll_interval_ms=1)
     err = capsys.readouterr().err

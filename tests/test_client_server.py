@@ -40,8 +40,15 @@ SMALL = dict(size="32x32", num_frames=8, num_inference_steps=2)
 
 
 def settings(data_dir: Path, **changes) -> Settings:
-    base = dict(preset="tiny", data_dir=data_dir, api_keys=[KEY], poll_after_ms=50, sse_interval_s=0.02,
-                cancel_wait_s=20.0, finetune_save_every=1)  # fmt: skip
+    base = dict(
+        preset="tiny",
+        data_dir=data_dir,
+        api_keys=[KEY],
+        poll_after_ms=50,
+        sse_interval_s=0.02,
+        cancel_wait_s=20.0,
+        finetune_save_every=1,
+    )
     return Settings(**{**base, **changes})
 
 
@@ -117,8 +124,9 @@ def cancel_all(client, ids) -> None:
 
 
 def test_video_lifecycle(client, tmp_path):
-    video = client.videos.create_and_poll(prompt="a red circle moving right", seed=7, priority=3,
-                                          max_wait=60, **SMALL)  # fmt: skip
+    video = client.videos.create_and_poll(
+        prompt="a red circle moving right", seed=7, priority=3, max_wait=60, **SMALL
+    )
     assert video.status == "completed" and video.progress == 100 and video.error is None
     echoed = (video.size, video.num_frames, video.num_inference_steps, video.seed, video.priority)
     assert echoed == ("32x32", 8, 2, 7, 3)
@@ -128,7 +136,11 @@ def test_video_lifecycle(client, tmp_path):
 
     out = client.videos.download_content(video.id, path=tmp_path / "clip.mp4")
     mp4 = out.read_bytes()
-    assert out == tmp_path / "clip.mp4" and mp4[4:8] == b"ftyp" and not (tmp_path / "clip.mp4.part").exists()
+    assert (
+        out == tmp_path / "clip.mp4"
+        and mp4[4:8] == b"ftyp"
+        and not (tmp_path / "clip.mp4.part").exists()
+    )
     assert client.videos.download_content(video.id) == mp4
     assert client.videos.download_content(video.id, variant="thumbnail")[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -156,7 +168,9 @@ def test_list_walks_pages(client):
 
 
 def test_delete_cancels_a_running_video(client):
-    video = client.videos.create(prompt="a long one", size="32x32", num_frames=8, num_inference_steps=200)
+    video = client.videos.create(
+        prompt="a long one", size="32x32", num_frames=8, num_inference_steps=200
+    )
     deadline = time.monotonic() + 30
     while client.videos.retrieve(video.id).status != "in_progress":
         assert time.monotonic() < deadline
@@ -177,7 +191,10 @@ def test_retried_create_makes_exactly_one_job(server_url):
         created = all_video_ids(client) - before
         cancel_all(client, created)
     assert len(transport.posts) == 2  # the lost attempt and its retry ...
-    assert transport.posts[0].headers["idempotency-key"] == transport.posts[1].headers["idempotency-key"]
+    assert (
+        transport.posts[0].headers["idempotency-key"]
+        == transport.posts[1].headers["idempotency-key"]
+    )
     assert created == {video.id}  # ... and the server made one job
 
 
@@ -199,7 +216,11 @@ def test_without_the_key_a_retry_would_duplicate(server_url):
 def test_error_types(client, server_url, monkeypatch):
     with pytest.raises(megaslide_client.BadRequestError) as info:
         client.videos.create(prompt="odd", size="33x32")
-    assert info.value.status_code == 400 and info.value.param == "size" and "33x32" in info.value.message
+    assert (
+        info.value.status_code == 400
+        and info.value.param == "size"
+        and "33x32" in info.value.message
+    )
     with pytest.raises(megaslide_client.BadRequestError) as info:
         client.videos.create(prompt="x", extra_body={"colour": "red"})
     assert info.value.code == "unknown_parameter" and info.value.param == "colour"
@@ -215,7 +236,9 @@ def test_error_types(client, server_url, monkeypatch):
         client.videos.create(prompt="x", model="no-such-model")
     assert info.value.code == "model_not_found"
 
-    monkeypatch.delenv("MEGASLIDE_API_KEY", raising=False)  # no key at all, not even from the environment
+    monkeypatch.delenv(
+        "MEGASLIDE_API_KEY", raising=False
+    )  # no key at all, not even from the environment
     for key in (None, "sk-wrong"):
         with megaslide_client.Client(base_url=server_url, api_key=key) as anonymous:
             with pytest.raises(megaslide_client.AuthenticationError) as info:
@@ -223,7 +246,10 @@ def test_error_types(client, server_url, monkeypatch):
             assert info.value.status_code == 401
 
     first = client.videos.create(prompt="first body", idempotency_key="fixed-key", **SMALL)
-    assert client.videos.create(prompt="first body", idempotency_key="fixed-key", **SMALL).id == first.id
+    assert (
+        client.videos.create(prompt="first body", idempotency_key="fixed-key", **SMALL).id
+        == first.id
+    )
     with pytest.raises(megaslide_client.ConflictError) as info:
         client.videos.create(prompt="another body", idempotency_key="fixed-key", **SMALL)
     assert info.value.code == "idempotency_key_reused"
@@ -259,7 +285,9 @@ def make_dataset(root: Path) -> Path:
     frames.mkdir(parents=True)
     for i in range(8):
         Image.new("RGB", (32, 32), (30 * i, 0, 255 - 30 * i)).save(frames / f"{i:03d}.png")
-    (root / "metadata.jsonl").write_text(json.dumps({"file": "clips/a", "text": "a colour fade"}) + "\n")
+    (root / "metadata.jsonl").write_text(
+        json.dumps({"file": "clips/a", "text": "a colour fade"}) + "\n"
+    )
     return root
 
 
@@ -275,7 +303,11 @@ def test_files(client, server_url, tmp_path):
     archive = tmp_path / "data.tar.gz"
     pack_dataset(make_dataset(tmp_path / "data"), archive)
     uploaded = client.files.create(file=archive, purpose="fine-tune")
-    assert uploaded.purpose == "fine-tune" and uploaded.bytes == archive.stat().st_size and uploaded.clips == 1
+    assert (
+        uploaded.purpose == "fine-tune"
+        and uploaded.bytes == archive.stat().st_size
+        and uploaded.clips == 1
+    )
     assert client.files.retrieve(uploaded.id).filename == "data.tar.gz"
     with open(archive, "rb") as f:
         second = client.files.create(file=f)
@@ -299,20 +331,34 @@ def test_fine_tuning_jobs(client, tmp_path):
     archive = tmp_path / "data.tar.gz"
     pack_dataset(make_dataset(tmp_path / "data"), archive)
     training_file = client.files.create(file=archive).id
-    job = client.fine_tuning.jobs.create(model="tiny", training_file=training_file, suffix="fade", seed=5,
-                                         hyperparameters={"n_epochs": 2, "batch_size": 1,
-                                                          "num_frames": 8, "size": "32x32"})  # fmt: skip
-    assert job.object == "fine_tuning.job" and job.model == "tiny" and job.seed == 5 and job.suffix == "fade"
+    job = client.fine_tuning.jobs.create(
+        model="tiny",
+        training_file=training_file,
+        suffix="fade",
+        seed=5,
+        hyperparameters={"n_epochs": 2, "batch_size": 1, "num_frames": 8, "size": "32x32"},
+    )
+    assert (
+        job.object == "fine_tuning.job"
+        and job.model == "tiny"
+        and job.seed == 5
+        and job.suffix == "fade"
+    )
     assert job.hyperparameters.n_epochs == 2
     assert job.id in {j.id for j in client.fine_tuning.jobs.list(limit=1)}
     seen = []
-    done = client.fine_tuning.jobs.wait(job.id, on_event=seen.append, poll_interval_ms=50, max_wait=40)
+    done = client.fine_tuning.jobs.wait(
+        job.id, on_event=seen.append, poll_interval_ms=50, max_wait=40
+    )
     listed = list(client.fine_tuning.jobs.list_events(job.id, limit=2))
     assert [e.id for e in seen] == [e.id for e in reversed(listed)]  # each event once, oldest first
     assert seen[0].message.startswith("Created fine-tuning job")
     assert done.status == "succeeded", done.error
     assert done.fine_tuned_model.startswith("ft:tiny:fade:")
-    assert [e.data["step"] for e in seen if e.type == "metrics"] == [1, 2] and done.step == done.total_steps == 2
+    assert [e.data["step"] for e in seen if e.type == "metrics"] == [
+        1,
+        2,
+    ] and done.step == done.total_steps == 2
     assert all(isinstance(e.data["loss"], float) for e in seen if e.type == "metrics")
     checkpoints = list(client.fine_tuning.jobs.checkpoints(job.id, limit=1))
     assert [c.step_number for c in checkpoints] == [2, 1]  # newest first, one per page
@@ -326,7 +372,9 @@ def test_fine_tuning_cancel(client, tmp_path):
     pack_dataset(make_dataset(tmp_path / "data"), archive)
     training_file = client.files.create(file=archive).id
     # Videos come before fine-tunes, so with one running the job stays queued until cancelled.
-    blocker = client.videos.create(prompt="keep the worker busy", size="32x32", num_frames=8, num_inference_steps=200)
+    blocker = client.videos.create(
+        prompt="keep the worker busy", size="32x32", num_frames=8, num_inference_steps=200
+    )
     job = client.fine_tuning.jobs.create(model="tiny", training_file=training_file)
     cancelled = client.fine_tuning.jobs.cancel(job.id)
     assert cancelled.status == "cancelled"
@@ -343,13 +391,35 @@ def test_fine_tuning_cancel(client, tmp_path):
 
 def test_cli_generate_remote(server_url, tmp_path, capsys):
     out = tmp_path / "cli.mp4"
-    argv = ["generate", "a blue square", "-o", str(out), "--preset", "tiny", "--steps", "2", "--frames", "8",
-            "--size", "32x32", "--seed", "1", "--server", server_url, "--api-key", KEY, "--no-progress"]  # fmt: skip
+    argv = [
+        "generate",
+        "a blue square",
+        "-o",
+        str(out),
+        "--preset",
+        "tiny",
+        "--steps",
+        "2",
+        "--frames",
+        "8",
+        "--size",
+        "32x32",
+        "--seed",
+        "1",
+        "--server",
+        server_url,
+        "--api-key",
+        KEY,
+        "--no-progress",
+    ]
     assert cli_main(argv) == 0
     assert out.read_bytes()[4:8] == b"ftyp" and "wrote" in capsys.readouterr().err
 
     bad = tmp_path / "bad.mp4"
-    argv[argv.index("32x32")], argv[3] = "34x34", str(bad)  # 34 is not a multiple of the 4-pixel patch
+    argv[argv.index("32x32")], argv[3] = (
+        "34x34",
+        str(bad),
+    )  # 34 is not a multiple of the 4-pixel patch
     assert cli_main(argv) == 2
     err = capsys.readouterr().err
     assert "400" in err and "34x34" in err and not bad.exists()
@@ -359,8 +429,25 @@ def test_cli_generate_remote(server_url, tmp_path, capsys):
 
 def test_cli_finetune_remote(server_url, tmp_path, capsys):
     data = make_dataset(tmp_path / "data")
-    argv = ["finetune", "--data", str(data), "--preset", "tiny", "--epochs", "1", "--frames", "8", "--size", "32x32",
-            "--lr", "2e-4", "--server", server_url, "--api-key", KEY]  # fmt: skip
+    argv = [
+        "finetune",
+        "--data",
+        str(data),
+        "--preset",
+        "tiny",
+        "--epochs",
+        "1",
+        "--frames",
+        "8",
+        "--size",
+        "32x32",
+        "--lr",
+        "2e-4",
+        "--server",
+        server_url,
+        "--api-key",
+        KEY,
+    ]
     assert cli_main(argv) == 0  # with the progress bar: events are written above it
     captured = capsys.readouterr()
     model = captured.out.strip()
@@ -396,17 +483,28 @@ def test_async_client(tmp_path):
     async def main():
         async with app.router.lifespan_context(app):
             transport = AsyncLoseFirstPostAnswer(httpx.ASGITransport(app))
-            async with megaslide_client.AsyncClient(base_url="http://app", api_key=KEY, transport=transport) as c:
+            async with megaslide_client.AsyncClient(
+                base_url="http://app", api_key=KEY, transport=transport
+            ) as c:
                 while not app.state.engine.ready:
                     await asyncio.sleep(0.02)
                 # Retried create: the first answer is lost, the retry returns the same job.
-                video = await c.videos.create(prompt="async clip", seed=2, size="32x32", seconds=1, fps=8,
-                                              num_inference_steps=2)  # fmt: skip
+                video = await c.videos.create(
+                    prompt="async clip",
+                    seed=2,
+                    size="32x32",
+                    seconds=1,
+                    fps=8,
+                    num_inference_steps=2,
+                )
                 assert len(transport.posts) == 2 and video.num_frames == 8 and video.seconds == "1"
                 assert [v.id async for v in c.videos.list()] == [video.id]
 
                 video = await c.videos.poll(video.id, max_wait=60)
-                assert video.status == "completed" and (await c.videos.retrieve(video.id)).progress == 100
+                assert (
+                    video.status == "completed"
+                    and (await c.videos.retrieve(video.id)).progress == 100
+                )
                 events = [e async for e in c.videos.events(video.id)]
                 assert events[-1].video.status == "completed"
                 mp4 = await c.videos.download_content(video.id, path=tmp_path / "a.mp4")
@@ -422,21 +520,31 @@ def test_async_client(tmp_path):
                 assert [m.id async for m in c.models.list()] == ["tiny"]
 
                 # A full queue (max_queue=1): a running long video, one queued of another shape, then 429.
-                long = await c.videos.create(prompt="long", size="32x32", num_frames=8, num_inference_steps=200)
+                long = await c.videos.create(
+                    prompt="long", size="32x32", num_frames=8, num_inference_steps=200
+                )
                 while (await c.videos.retrieve(long.id)).status != "in_progress":
                     await asyncio.sleep(0.02)
-                queued = await c.videos.create(prompt="waits", size="64x64", num_frames=8, num_inference_steps=2)
+                queued = await c.videos.create(
+                    prompt="waits", size="64x64", num_frames=8, num_inference_steps=2
+                )
                 no_retry = c.with_options(max_retries=0)
                 with pytest.raises(megaslide_client.RateLimitError) as info:
                     await no_retry.videos.create(prompt="no room", **SMALL)
-                assert info.value.code == "queue_full" and info.value.response.headers["retry-after"].isdigit()
+                assert (
+                    info.value.code == "queue_full"
+                    and info.value.response.headers["retry-after"].isdigit()
+                )
                 with pytest.raises(megaslide_client.RateLimitError):
                     await no_retry.fine_tuning.jobs.create(model="tiny", training_file=uploaded.id)
                 assert (await c.videos.delete(queued.id)).status == "cancelled"
                 assert (await c.videos.delete(long.id)).status == "cancelled"
 
-                job = await c.fine_tuning.jobs.create(model="tiny", training_file=uploaded.id,
-                                                      hyperparameters={"num_frames": 8, "size": "32x32"})
+                job = await c.fine_tuning.jobs.create(
+                    model="tiny",
+                    training_file=uploaded.id,
+                    hyperparameters={"num_frames": 8, "size": "32x32"},
+                )
                 assert job.id in [j.id async for j in c.fine_tuning.jobs.list()]
                 assert (await c.fine_tuning.jobs.retrieve(job.id)).training_file == uploaded.id
                 done = await c.fine_tuning.jobs.wait(job.id, poll_interval_ms=50, max_wait=40)
@@ -449,9 +557,9 @@ def test_async_client(tmp_path):
                     await c.fine_tuning.jobs.cancel("ftjob-nope")
                 assert (await c.files.delete(uploaded.id)).deleted
                 with pytest.raises(megaslide_client.AuthenticationError):
-                    async with megaslide_client.AsyncClient(base_url="http://app", api_key="bad",
-                                                            transport=httpx.ASGITransport(app)) as bad:  # fmt: skip
+                    async with megaslide_client.AsyncClient(
+                        base_url="http://app", api_key="bad", transport=httpx.ASGITransport(app)
+                    ) as bad:
                         await bad.models.list()
 
     asyncio.run(main())
-

@@ -113,8 +113,19 @@ def bad_case(tmp_path, name: str):
     return root, msg
 
 
-BAD_CASES = ["malformed", "not_object", "missing_key", "empty_caption", "missing_file", "absolute",
-             "dotdot", "undecodable", "empty_file", "empty_folder", "too_short"]
+BAD_CASES = [
+    "malformed",
+    "not_object",
+    "missing_key",
+    "empty_caption",
+    "missing_file",
+    "absolute",
+    "dotdot",
+    "undecodable",
+    "empty_file",
+    "empty_folder",
+    "too_short",
+]
 
 
 @pytest.mark.parametrize("name", BAD_CASES)
@@ -134,20 +145,26 @@ def test_all_problems_reported_in_one_error(tmp_path):
     root = tmp_path / "many"
     root.mkdir()
     write_mp4(root / "ok.mp4", clip(0), fps=8)
-    write_metadata(root, [
-        {"file": "ok.mp4", "text": "fine"},
-        "{oops",
-        {"file": "gone.mp4", "text": "x"},
-        {"file": "ok.mp4", "text": ""},
-        {"file": "ok.mp4", "text": "fine again"},
-        {"text": "no file"},
-    ])
+    write_metadata(
+        root,
+        [
+            {"file": "ok.mp4", "text": "fine"},
+            "{oops",
+            {"file": "gone.mp4", "text": "x"},
+            {"file": "ok.mp4", "text": ""},
+            {"file": "ok.mp4", "text": "fine again"},
+            {"text": "no file"},
+        ],
+    )
     with pytest.raises(DatasetError) as info:
         validate_dataset(root)
     problems = info.value.problems
     assert [p.split(":")[0].split(" (")[0] for p in problems] == [
-        "metadata.jsonl line 2", "metadata.jsonl line 3", "metadata.jsonl line 4",
-        "metadata.jsonl line 6"]
+        "metadata.jsonl line 2",
+        "metadata.jsonl line 3",
+        "metadata.jsonl line 4",
+        "metadata.jsonl line 6",
+    ]
     assert "4 problem(s)" in str(info.value)
     with pytest.raises(DatasetError) as info:
         validate_dataset(root, max_problems=2)
@@ -173,8 +190,8 @@ def test_epoch_order_is_a_permutation_fixed_by_seed(good_root):
         seq_b = [x.indices[0] for x in collect(b, 15)]
     assert seq_a == seq_b
     for e in range(3):  # every epoch visits each sample exactly once, in that epoch's order
-        assert seq_a[5 * e:5 * e + 5] == epoch_permutation(5, 3, e).tolist()
-        assert sorted(seq_a[5 * e:5 * e + 5]) == list(range(5))
+        assert seq_a[5 * e : 5 * e + 5] == epoch_permutation(5, 3, e).tolist()
+        assert sorted(seq_a[5 * e : 5 * e + 5]) == list(range(5))
     other = [epoch_permutation(5, 4, e).tolist() for e in range(3)]
     assert other != [seq_a[0:5], seq_a[5:10], seq_a[10:15]]
 
@@ -254,7 +271,9 @@ def test_cache_keeps_decoded_clips_up_to_its_budget(good_root, monkeypatch):
     cached = VideoDataset(good_root, FRAMES, SIZE, cache_bytes=2 * one_clip)
     first = [cached[i][0] for i in range(5)]
     reads = []
-    monkeypatch.setattr(data, "read_video", lambda path, **kw: reads.append(path) or read_video(path, **kw))
+    monkeypatch.setattr(
+        data, "read_video", lambda path, **kw: reads.append(path) or read_video(path, **kw)
+    )
     again = [cached[i][0] for i in range(5)]
     assert all(torch.equal(a, b) for a, b in zip(first, again))
     assert len(reads) == 3  # clips 0 and 1 fit the budget and are never decoded again

@@ -12,7 +12,9 @@ def test_packaged_model_loads_and_generates():
     path = packaged_models()[DEFAULT_MODEL]
     assert sum(f.stat().st_size for f in path.iterdir()) <= 25 * 2**20
     pipe = VideoPipeline.from_pretrained(path, dtype=torch.float32)
-    frames = pipe.generate(GenerationRequest("a red circle moving right on a black background", steps=2))
+    frames = pipe.generate(
+        GenerationRequest("a red circle moving right on a black background", steps=2)
+    )
     assert frames.shape == (pipe.config.frames, pipe.config.height, pipe.config.width, 3)
     assert frames.std() > 1  # a clip, not a constant
 
@@ -34,14 +36,33 @@ def test_readme_prompt_is_followed():
     least four (all ten of seeds 0-9 on the development machine)."""
     pipe = VideoPipeline.from_pretrained(packaged_models()[DEFAULT_MODEL], dtype=torch.float32)
     prompt = "a yellow triangle moving left on a black background"
-    reads = [analyse_clip(pipe.generate(GenerationRequest(prompt, seed=seed)), "black") for seed in range(5)]
-    assert sum((a.colour, a.shape, a.motion) == ("yellow", "triangle", "left") for a in reads) >= 4, reads
+    reads = [
+        analyse_clip(pipe.generate(GenerationRequest(prompt, seed=seed)), "black")
+        for seed in range(5)
+    ]
+    assert (
+        sum((a.colour, a.shape, a.motion) == ("yellow", "triangle", "left") for a in reads) >= 4
+    ), reads
 
 
 def test_packaged_model_draws_the_prompted_direction_from_noise():
     """From pure noise the model predicts the prompt's mean clip, direction of motion included
     (benchmarks/motion_prior.py: 1 = the world's mean clip for the direction, 0 = ignored)."""
-    r = run_json("benchmarks/motion_prior.py", "--colours", "2", "--shapes", "1", "--samples", "50",
-                 "--noises", "2", "--times", "1.0", "--json")  # fmt: skip
+    r = run_json(
+        "benchmarks/motion_prior.py",
+        "--colours",
+        "2",
+        "--shapes",
+        "1",
+        "--samples",
+        "50",
+        "--noises",
+        "2",
+        "--times",
+        "1.0",
+        "--json",
+    )
     scores = r["times"]["1.0"]["score_by_direction"]
-    assert min(scores.values()) > 0.4, scores  # 0.81-0.91 on the development machine; a model that ignores the word: ~0
+    assert min(scores.values()) > 0.4, (
+        scores
+    )  # 0.81-0.91 on the development machine; a model that ignores the word: ~0

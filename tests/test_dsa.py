@@ -23,6 +23,7 @@ import textwrap
 import pytest
 import torch
 
+import megaslide.kernels.dsa_reference as reference_module
 from megaslide.kernels import (
     dsa_attention,
     dsa_attention_reference,
@@ -31,7 +32,6 @@ from megaslide.kernels import (
     invert_windows,
     window_tiles,
 )
-import megaslide.kernels.dsa_reference as reference_module
 
 # ---------------------------------------------------------------------------------------------
 # Window semantics on hand-computed cases
@@ -95,8 +95,9 @@ def test_motion_rounding_is_floor_of_x_plus_half(v, shifts):
     tiles = (3, 1, 9)
     geom = dsa_geometry(grid=(3, 1, 9), tile=(1, 1, 1), window=(3, 1, 1))
     win = window_tiles(geom, _motion(tiles, (1, 0, 4), (0.0, v)))[0, 0]
-    assert win[_flat(tiles, 1, 0, 4)].tolist() == [_flat(tiles, t, 0, 4 + s)
-                                                    for t, s in zip(range(3), shifts)]
+    assert win[_flat(tiles, 1, 0, 4)].tolist() == [
+        _flat(tiles, t, 0, 4 + s) for t, s in zip(range(3), shifts)
+    ]
 
 
 def test_motion_past_the_border_clamps_and_never_shrinks():
@@ -112,8 +113,9 @@ def test_motion_past_the_border_clamps_and_never_shrinks():
         win = window_tiles(geom, _motion(tiles, (1, 2, 3), vel))[0, 0]
         expected = []
         for t, (y0, x0) in enumerate(starts):
-            expected += [_flat(tiles, t, y, x)
-                         for y in range(y0, y0 + 3) for x in range(x0, x0 + 3)]
+            expected += [
+                _flat(tiles, t, y, x) for y in range(y0, y0 + 3) for x in range(x0, x0 + 3)
+            ]
         assert win[_flat(tiles, 1, 2, 3)].tolist() == expected, vel
 
 
@@ -138,7 +140,7 @@ def test_invert_windows_lists_every_query_of_every_key_tile_in_order():
     for b in range(2):
         for key in range(geom.num_tiles):
             want = [q for q in range(geom.num_tiles) if key in win[b, 0, q].tolist()]
-            got = queries[b, 0, offsets[b, 0, key]:offsets[b, 0, key + 1]].tolist()
+            got = queries[b, 0, offsets[b, 0, key] : offsets[b, 0, key + 1]].tolist()
             assert got == want
 
 
@@ -161,13 +163,26 @@ def _make_motion(kind, B, H, tiles, seed=0):
     return m * (6.0 if kind == "past_border" else 1.5)
 
 
-@pytest.mark.parametrize("grid, tile, window, motion", [
-    ((3, 10, 14), (1, 2, 2), (3, 3, 3), "none"),  # 3 x 5 x 7 tiles, every window touches a border
-    ((3, 10, 14), (1, 2, 2), (3, 3, 3), "per_head"),
-    ((6, 6, 10), (2, 3, 2), (1, 1, 5), "broadcast"),  # 3 x 2 x 5 tiles, odd tile of 12 tokens
-    ((4, 9, 12), (1, 3, 4), (3, 3, 3), "past_border"),  # window as large as the tile grid in y, x
-    ((5, 4, 4), (1, 4, 4), (5, 1, 1), "per_head"),  # one spatial tile: motion can move nothing
-])
+@pytest.mark.parametrize(
+    "grid, tile, window, motion",
+    [
+        (
+            (3, 10, 14),
+            (1, 2, 2),
+            (3, 3, 3),
+            "none",
+        ),  # 3 x 5 x 7 tiles, every window touches a border
+        ((3, 10, 14), (1, 2, 2), (3, 3, 3), "per_head"),
+        ((6, 6, 10), (2, 3, 2), (1, 1, 5), "broadcast"),  # 3 x 2 x 5 tiles, odd tile of 12 tokens
+        (
+            (4, 9, 12),
+            (1, 3, 4),
+            (3, 3, 3),
+            "past_border",
+        ),  # window as large as the tile grid in y, x
+        ((5, 4, 4), (1, 4, 4), (5, 1, 1), "per_head"),  # one spatial tile: motion can move nothing
+    ],
+)
 def test_reference_matches_dense_oracle(grid, tile, window, motion):
     B, H, D = 2, 2, 8
     geom = dsa_geometry(grid, tile, window)
@@ -249,31 +264,45 @@ def test_auto_backend_on_cpu_is_the_reference():
 
 
 def _bad_call(**overrides):
-    args = dict(q=torch.zeros(1, 2, 48, 16), k=torch.zeros(1, 2, 48, 16),
-                v=torch.zeros(1, 2, 48, 16), grid=(3, 4, 4), tile=(1, 2, 2), window=(3, 1, 1),
-                motion=None, scale=None, backend="reference")
+    args = dict(
+        q=torch.zeros(1, 2, 48, 16),
+        k=torch.zeros(1, 2, 48, 16),
+        v=torch.zeros(1, 2, 48, 16),
+        grid=(3, 4, 4),
+        tile=(1, 2, 2),
+        window=(3, 1, 1),
+        motion=None,
+        scale=None,
+        backend="reference",
+    )
     args.update(overrides)
     q, k, v = args.pop("q"), args.pop("k"), args.pop("v")
     return dsa_attention(q, k, v, **args)
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (dict(tile=(1, 3, 2)), "must divide grid"),
-    (dict(window=(2, 1, 1)), "must be odd"),
-    (dict(window=(3, 3, 1)), "larger than the tile count 2 on axis y"),
-    (dict(grid=(3, 4, 5)), "tile .* must divide grid"),
-    (dict(grid=(3, 4, 2), tile=(1, 2, 1)), "does not match grid"),
-    (dict(grid=(3, 4)), "three integers"),
-    (dict(k=torch.zeros(1, 2, 48, 8)), "same shape"),
-    (dict(q=torch.zeros(2, 48, 16)), r"must be \(B, heads, N, D\)"),
-    (dict(v=torch.zeros(1, 2, 48, 16, dtype=torch.float64)), "share a dtype"),
-    (dict(motion=torch.zeros(1, 2, 3, 2, 2)), r"motion must be \(B, heads or 1, nT, nY, nX, 2\)"),
-    (dict(motion=torch.zeros(1, 3, 3, 2, 2, 2)), r"motion must be"),
-    (dict(motion=torch.zeros(2, 1, 3, 2, 2, 2)), r"motion must be"),
-    (dict(motion=torch.zeros(1, 1, 3, 2, 2, 2, dtype=torch.int64)), "floating-point"),
-    (dict(scale=-1.0), "positive finite"),
-    (dict(backend="flash"), "backend must be"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(tile=(1, 3, 2)), "must divide grid"),
+        (dict(window=(2, 1, 1)), "must be odd"),
+        (dict(window=(3, 3, 1)), "larger than the tile count 2 on axis y"),
+        (dict(grid=(3, 4, 5)), "tile .* must divide grid"),
+        (dict(grid=(3, 4, 2), tile=(1, 2, 1)), "does not match grid"),
+        (dict(grid=(3, 4)), "three integers"),
+        (dict(k=torch.zeros(1, 2, 48, 8)), "same shape"),
+        (dict(q=torch.zeros(2, 48, 16)), r"must be \(B, heads, N, D\)"),
+        (dict(v=torch.zeros(1, 2, 48, 16, dtype=torch.float64)), "share a dtype"),
+        (
+            dict(motion=torch.zeros(1, 2, 3, 2, 2)),
+            r"motion must be \(B, heads or 1, nT, nY, nX, 2\)",
+        ),
+        (dict(motion=torch.zeros(1, 3, 3, 2, 2, 2)), r"motion must be"),
+        (dict(motion=torch.zeros(2, 1, 3, 2, 2, 2)), r"motion must be"),
+        (dict(motion=torch.zeros(1, 1, 3, 2, 2, 2, dtype=torch.int64)), "floating-point"),
+        (dict(scale=-1.0), "positive finite"),
+        (dict(backend="flash"), "backend must be"),
+    ],
+)
 def test_bad_inputs_raise_clear_errors(overrides, message):
     with pytest.raises(ValueError, match=message):
         _bad_call(**overrides)
@@ -334,8 +363,9 @@ def test_package_imports_and_runs_the_reference_without_triton():
         print("ok")
     """)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          env=env, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120
+    )
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
 
 
@@ -346,20 +376,63 @@ def test_package_imports_and_runs_the_reference_without_triton():
 # Kept tiny: the interpreter costs about a millisecond per Triton operation per program.
 INTERPRET_CASES = {
     # 3 x 5 x 7 tiles, all windows at borders; default (autotuner-chosen) blocks.
-    "odd_grid_fp32": dict(grid=(3, 10, 14), tile=(1, 2, 2), window=(3, 3, 3), B=1, H=1, D=16,
-                          dtype="float32", motion="none"),
-    "odd_grid_fp16_motion": dict(grid=(3, 10, 14), tile=(1, 2, 2), window=(3, 3, 3), B=1, H=1,
-                                 D=16, dtype="float16", motion="per_head"),
+    "odd_grid_fp32": dict(
+        grid=(3, 10, 14),
+        tile=(1, 2, 2),
+        window=(3, 3, 3),
+        B=1,
+        H=1,
+        D=16,
+        dtype="float32",
+        motion="none",
+    ),
+    "odd_grid_fp16_motion": dict(
+        grid=(3, 10, 14),
+        tile=(1, 2, 2),
+        window=(3, 3, 3),
+        B=1,
+        H=1,
+        D=16,
+        dtype="float16",
+        motion="per_head",
+    ),
     # Motion pushing windows past the borders, per (batch, head); q/k/v as (B, N, H, D) views.
-    "past_border_fp16_strided": dict(grid=(3, 6, 8), tile=(1, 2, 2), window=(3, 3, 3), B=2, H=2,
-                                     D=32, dtype="float16", motion="past_border",
-                                     layout="bnhd"),
+    "past_border_fp16_strided": dict(
+        grid=(3, 6, 8),
+        tile=(1, 2, 2),
+        window=(3, 3, 3),
+        B=2,
+        H=2,
+        D=32,
+        dtype="float16",
+        motion="past_border",
+        layout="bnhd",
+    ),
     # 24-token tiles with 16 x 16 blocks: two query blocks per tile, key blocks that straddle
     # tiles and a ragged last block; heads share one motion field.
-    "ragged_blocks_fp32": dict(grid=(3, 8, 12), tile=(1, 4, 6), window=(3, 1, 1), B=1, H=2, D=16,
-                               dtype="float32", motion="broadcast", blocks=(16, 16)),
-    "ragged_blocks_fp16": dict(grid=(3, 8, 12), tile=(1, 4, 6), window=(3, 1, 1), B=1, H=2, D=32,
-                               dtype="float16", motion="per_head", blocks=(16, 16), scale=0.7),
+    "ragged_blocks_fp32": dict(
+        grid=(3, 8, 12),
+        tile=(1, 4, 6),
+        window=(3, 1, 1),
+        B=1,
+        H=2,
+        D=16,
+        dtype="float32",
+        motion="broadcast",
+        blocks=(16, 16),
+    ),
+    "ragged_blocks_fp16": dict(
+        grid=(3, 8, 12),
+        tile=(1, 4, 6),
+        window=(3, 1, 1),
+        B=1,
+        H=2,
+        D=32,
+        dtype="float16",
+        motion="per_head",
+        blocks=(16, 16),
+        scale=0.7,
+    ),
 }
 
 
@@ -385,8 +458,13 @@ def _run_interpret_case(case: dict) -> dict:
     motion = _make_motion(case["motion"], B, H, geom.tiles, seed=7)
     if motion is not None:
         motion = motion.float().requires_grad_()
-    kw = dict(grid=case["grid"], tile=case["tile"], window=case["window"], motion=motion,
-              scale=case.get("scale"))
+    kw = dict(
+        grid=case["grid"],
+        tile=case["tile"],
+        window=case["window"],
+        motion=motion,
+        scale=case.get("scale"),
+    )
 
     motion_grads = []
 
@@ -398,16 +476,25 @@ def _run_interpret_case(case: dict) -> dict:
         motion_grads.append(grads[3:])  # motion only selects tiles: no gradient may reach it
         return (out, *grads[:3])
 
-    oracle = run(lambda q, k, v: dsa_attention_reference(q, k, v, **kw),
-                 q.double(), k.double(), v.double(), dout.double())
-    torch_lp = run(lambda q, k, v: dsa_attention_reference(q, k, v, use_sdpa=False, **kw),
-                   q, k, v, dout)
-    kernel = run(lambda q, k, v: dsa_triton(q, k, v, blocks=case.get("blocks"), **kw),
-                 q, k, v, dout)
+    oracle = run(
+        lambda q, k, v: dsa_attention_reference(q, k, v, **kw),
+        q.double(),
+        k.double(),
+        v.double(),
+        dout.double(),
+    )
+    torch_lp = run(
+        lambda q, k, v: dsa_attention_reference(q, k, v, use_sdpa=False, **kw), q, k, v, dout
+    )
+    kernel = run(
+        lambda q, k, v: dsa_triton(q, k, v, blocks=case.get("blocks"), **kw), q, k, v, dout
+    )
     names = ("out", "dq", "dk", "dv")
     return {
-        "errors": {n: {"kernel": _err(kv, o), "torch": _err(tv, o)}
-                   for n, kv, tv, o in zip(names, kernel, torch_lp, oracle)},
+        "errors": {
+            n: {"kernel": _err(kv, o), "torch": _err(tv, o)}
+            for n, kv, tv, o in zip(names, kernel, torch_lp, oracle)
+        },
         "dtypes_ok": all(t.dtype == dtype for t in kernel),
         "motion_grad_is_none": all(g is None for gs in motion_grads for g in gs),
     }
@@ -432,12 +519,18 @@ def interpret_results():
     if dsa._TRITON_IMPORT_ERROR is not None:
         pytest.skip(f"triton is not importable here: {dsa._TRITON_IMPORT_ERROR}")
     env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--interpret-worker"],
-                          capture_output=True, text=True, env=env, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--interpret-worker"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
     assert proc.returncode == 0 and lines, (
-        f"worker failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-    return json.loads(lines[-1][len("RESULTS "):])
+        f"worker failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    )
+    return json.loads(lines[-1][len("RESULTS ") :])
 
 
 # A few float32 ulps at unit scale (outputs and gradients here are O(1)): in fp32 both errors
@@ -459,8 +552,10 @@ def test_triton_interpreter_matches_reference(interpret_results, name):
         (k_max, k_mean), (t_max, t_mean) = e["kernel"], e["torch"]
         bound = 2 * t_max + eps
         ok &= k_max <= bound
-        report.append(f"{tensor}: kernel max {k_max:.3e} mean {k_mean:.3e} | torch max "
-                      f"{t_max:.3e} mean {t_mean:.3e} | bound {bound:.3e}")
+        report.append(
+            f"{tensor}: kernel max {k_max:.3e} mean {k_mean:.3e} | torch max "
+            f"{t_max:.3e} mean {t_mean:.3e} | bound {bound:.3e}"
+        )
     assert ok, "\n".join(report)
 
 

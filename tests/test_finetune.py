@@ -24,9 +24,12 @@ def reference_training(dit, text, x0, steps, lr, weight_decay, seed):
     """What a user would write: whole-model autograd and torch.optim.AdamW."""
     params = [p for p in [*dit.parameters(), *text.parameters()] if p.requires_grad]
     opt = torch.optim.AdamW(
-        [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
-         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}], lr=lr,
-    )  # fmt: skip
+        [
+            {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+        ],
+        lr=lr,
+    )
     g = torch.Generator().manual_seed(seed)
     for _ in range(steps):
         t = sample_training_times(x0.shape[0], g)
@@ -59,7 +62,9 @@ def test_streamed_training_matches_torch_adamw(preset, steps, lr):
     live_grads = []  # blocks holding gradients whenever a block's backward finishes
     for block in dit.blocks:
         block.register_full_backward_hook(
-            lambda *_: live_grads.append(sum(any(p.grad is not None for p in b.parameters()) for b in dit.blocks))
+            lambda *_: live_grads.append(
+                sum(any(p.grad is not None for p in b.parameters()) for b in dit.blocks)
+            )
         )
     g = torch.Generator().manual_seed(0)
     for _ in range(steps):
@@ -86,18 +91,34 @@ def test_streamed_training_matches_torch_adamw(preset, steps, lr):
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    return write_dataset(tmp_path_factory.mktemp("world") / "data", 12, seed=0, frames=4, height=16, width=16)
+    return write_dataset(
+        tmp_path_factory.mktemp("world") / "data", 12, seed=0, frames=4, height=16, width=16
+    )
 
 
 def run_config(world, output, **kw):
-    base = dict(data=str(world), output=str(output), preset="tiny", steps=4, lr=2e-3, batch_size=2,
-                save_every=2, frames=4, height=16, width=16, offload="stream")  # fmt: skip
+    base = dict(
+        data=str(world),
+        output=str(output),
+        preset="tiny",
+        steps=4,
+        lr=2e-3,
+        batch_size=2,
+        save_every=2,
+        frames=4,
+        height=16,
+        width=16,
+        offload="stream",
+    )
     return FinetuneConfig(**{**base, **kw})
 
 
 def final_masters(trainer):
     dit_sd, text_sd = master_state_dicts(trainer.engine)
-    return {**{f"d.{k}": v.clone() for k, v in dit_sd.items()}, **{f"t.{k}": v.clone() for k, v in text_sd.items()}}
+    return {
+        **{f"d.{k}": v.clone() for k, v in dit_sd.items()},
+        **{f"t.{k}": v.clone() for k, v in text_sd.items()},
+    }
 
 
 def test_kill_and_resume_equals_uninterrupted(world, tmp_path):
@@ -125,7 +146,9 @@ def test_kill_and_resume_equals_uninterrupted(world, tmp_path):
         second.run()
         parts = final_masters(second)
     assert all(torch.equal(parts[k], uninterrupted[k]) for k in parts)
-    metrics = [json.loads(line) for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    metrics = [
+        json.loads(line) for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()
+    ]
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]
     assert [m["lr"] for m in metrics] == pytest.approx([2e-3, 2e-3, 1.5e-3, 0.5e-3])
 
@@ -135,7 +158,9 @@ def test_learning_rate_schedules():
     assert [learning_rate(config, s, 10) for s in (0, 1, 2, 9)] == [0.5, 1.0, 1.0, 1.0]
     cosine = FinetuneConfig(**{**asdict(config), "lr_schedule": "cosine"})
     lrs = [learning_rate(cosine, s, 10) for s in range(10)]
-    assert lrs[:3] == [0.5, 1.0, 1.0] and lrs[-1] == pytest.approx(0.5 * (1 + math.cos(math.pi * 7 / 8)))
+    assert lrs[:3] == [0.5, 1.0, 1.0] and lrs[-1] == pytest.approx(
+        0.5 * (1 + math.cos(math.pi * 7 / 8))
+    )
     assert all(a > b for a, b in zip(lrs[2:], lrs[3:]))
     with pytest.raises(ValueError, match="lr_schedule must be one of"):
         FinetuneConfig(data="d", output="o", preset="tiny", steps=1, lr_schedule="step").validate()
@@ -144,12 +169,16 @@ def test_learning_rate_schedules():
 def test_loss_falls_and_export_serves(world, tmp_path):
     from megaslide.engine.pipeline import GenerationRequest, VideoPipeline
 
-    with Trainer(run_config(world, tmp_path, steps=30, lr=3e-3, save_every=100, offload="none")) as t:
+    with Trainer(
+        run_config(world, tmp_path, steps=30, lr=3e-3, save_every=100, offload="none")
+    ) as t:
         losses = [t.train_step()["loss"] for _ in range(30)]
         path = t.export()
     assert sum(losses[-8:]) / 8 < 0.8 * sum(losses[:8]) / 8, losses
     pipe = VideoPipeline.from_pretrained(path)
-    frames = pipe.generate(GenerationRequest("a red circle moving left", frames=4, height=16, width=16, steps=2))
+    frames = pipe.generate(
+        GenerationRequest("a red circle moving left", frames=4, height=16, width=16, steps=2)
+    )
     assert frames.shape == (4, 16, 16, 3)
 
 

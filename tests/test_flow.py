@@ -4,7 +4,13 @@ import pytest
 import torch
 
 from megaslide.engine.flow import (
-    TIME_SAMPLING, SampleState, cfg_combine, denoise_step, flow_matching_loss, sample_training_times, shifted_schedule,
+    TIME_SAMPLING,
+    SampleState,
+    cfg_combine,
+    denoise_step,
+    flow_matching_loss,
+    sample_training_times,
+    shifted_schedule,
 )
 from megaslide.engine.pipeline import GenerationRequest, VideoPipeline
 from tests.test_model import randomise_zero_inits
@@ -27,7 +33,12 @@ def test_training_times_lie_in_the_open_interval_and_order_by_noisiness():
     times = {kind: sample_training_times(20000, g, kind) for kind in TIME_SAMPLING}
     assert all(((t > 0) & (t < 1)).all() for t in times.values())
     share_above = {kind: (t > 0.9).float().mean().item() for kind, t in times.items()}
-    assert share_above["logit-normal"] < share_above["noisy"] < share_above["uniform"] < share_above["shifted"]
+    assert (
+        share_above["logit-normal"]
+        < share_above["noisy"]
+        < share_above["uniform"]
+        < share_above["shifted"]
+    )
     assert share_above["shifted"] == pytest.approx(0.21, abs=0.02)  # P(sigmoid(z) > 0.9 / 1.3)
     assert (times["prior"] >= 0.99).all()
     # "<kind>+prior": a quarter from "prior", the rest from the kind (under 0.1% of each kind's own
@@ -35,8 +46,12 @@ def test_training_times_lie_in_the_open_interval_and_order_by_noisiness():
     for kind in ("logit-normal", "noisy", "shifted", "uniform"):
         mixed = times[f"{kind}+prior"]
         own_share = 0.01 if kind == "uniform" else 0.0  # of the kind's own times above 0.99
-        assert (mixed >= 0.99).float().mean().item() == pytest.approx(0.25 + 0.75 * own_share, abs=0.015)
-        assert share_above[f"{kind}+prior"] == pytest.approx(0.25 + 0.75 * share_above[kind], abs=0.02)
+        assert (mixed >= 0.99).float().mean().item() == pytest.approx(
+            0.25 + 0.75 * own_share, abs=0.015
+        )
+        assert share_above[f"{kind}+prior"] == pytest.approx(
+            0.25 + 0.75 * share_above[kind], abs=0.02
+        )
     with pytest.raises(ValueError, match="time sampling must be one of"):
         sample_training_times(2, g, "cosine")
 
@@ -117,7 +132,10 @@ def test_same_seed_is_bitwise_identical_and_seeds_differ(pipe):
 
 
 def test_batched_steps_equal_one_at_a_time(pipe):
-    reqs = [GenerationRequest("a red circle", seed=1, **REQ), GenerationRequest("a blue square", seed=5, guidance=1.0, **REQ)]
+    reqs = [
+        GenerationRequest("a red circle", seed=1, **REQ),
+        GenerationRequest("a blue square", seed=5, guidance=1.0, **REQ),
+    ]
     alone = [pipe.generate(r) for r in reqs]
     states = [pipe.prepare(r) for r in reqs]
     while not all(s.done for s in states):

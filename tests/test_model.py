@@ -6,7 +6,13 @@ import pytest
 import torch
 
 from megaslide.engine.dit import (
-    PRESETS, DiTConfig, VideoDiT, apply_rope, count_parameters, rope_frequencies, sincos_positions,
+    PRESETS,
+    DiTConfig,
+    VideoDiT,
+    apply_rope,
+    count_parameters,
+    rope_frequencies,
+    sincos_positions,
 )
 from megaslide.engine.text import BuiltinTextEncoder, TextEncoderConfig, tokenize
 
@@ -71,8 +77,12 @@ def test_text_changes_the_prediction_and_padding_does_not():
     # Longer padding must not change anything: padded keys are masked out of cross-attention.
     extra = 32
     long_text = BuiltinTextEncoder(TextEncoderConfig(max_len=TINY.text.max_len + extra))
-    long_text.load_state_dict({k: (v if k != "pos" else torch.cat([v, torch.zeros(extra, v.shape[1])]))
-                               for k, v in text.state_dict().items()})  # fmt: skip
+    long_text.load_state_dict(
+        {
+            k: (v if k != "pos" else torch.cat([v, torch.zeros(extra, v.shape[1])]))
+            for k, v in text.state_dict().items()
+        }
+    )
     c = dit(x, t, *long_text.encode(["a red circle"]))
     torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-6)
 
@@ -82,14 +92,16 @@ def test_rope_is_a_rotation_that_encodes_relative_position():
     angles = rope_frequencies(config, (3, 4, 5))
     assert angles.shape == (60, 24)
     q, k = torch.randn(1, 1, 60, 48), torch.randn(1, 1, 60, 48)
-    rq, rk = apply_rope(q, angles), apply_rope(k, angles)
+    rq = apply_rope(q, angles)
     torch.testing.assert_close(rq.norm(dim=-1), q.norm(dim=-1))
     # Same q/k content at two positions: the score depends only on the offset between them.
     q1 = q[..., :1, :].expand(1, 1, 60, 48)
     k1 = k[..., :1, :].expand(1, 1, 60, 48)
-    s = (apply_rope(q1, angles)[0, 0] @ apply_rope(k1, angles)[0, 0].T)  # (60, 60)
+    s = apply_rope(q1, angles)[0, 0] @ apply_rope(k1, angles)[0, 0].T  # (60, 60)
     idx = lambda t, y, x: (t * 4 + y) * 5 + x  # noqa: E731
-    torch.testing.assert_close(s[idx(0, 0, 0), idx(1, 2, 3)], s[idx(1, 1, 1), idx(2, 3, 4)], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        s[idx(0, 0, 0), idx(1, 2, 3)], s[idx(1, 1, 1), idx(2, 3, 4)], rtol=1e-4, atol=1e-4
+    )
 
 
 def test_presets_have_the_promised_sizes():
@@ -133,7 +145,9 @@ def test_word_tokenizer_hashes_lower_cased_words():
     assert torch.equal(ids[0], ids[1])
     assert ids[0, 2] != ids[2, 2] and ids[0, 3] == ids[2, 3]  # red != green; circle == circle
     assert ids.max() < config.vocab_size and ids[0, 1:5].max() < config.buckets
-    with pytest.raises(ValueError, match=r"7 tokens \(words and punctuation\); this model takes at most 6"):
+    with pytest.raises(
+        ValueError, match=r"7 tokens \(words and punctuation\); this model takes at most 6"
+    ):
         tokenize(["one two three four five six seven"], config)
     with pytest.raises(ValueError, match="tokenizer must be one of"):
         TextEncoderConfig(tokenizer="sentencepiece")
@@ -147,8 +161,12 @@ def test_dsa_with_a_window_covering_the_grid_equals_dense_attention():
     x = torch.randn(1, 3, 3, 24, 24)  # tokens (3, 6, 6): tiles (3, 3, 3), the window is everything
     ctx = text.encode(["a red circle"])
     with torch.no_grad():
-        torch.testing.assert_close(slide(x, torch.tensor([0.5]), *ctx), dense(x, torch.tensor([0.5]), *ctx),
-                                   rtol=1e-4, atol=1e-5)  # fmt: skip
+        torch.testing.assert_close(
+            slide(x, torch.tensor([0.5]), *ctx),
+            dense(x, torch.tensor([0.5]), *ctx),
+            rtol=1e-4,
+            atol=1e-5,
+        )
 
 
 def test_dsa_motion_head_learns_from_the_key_flow_loss():

@@ -31,14 +31,17 @@ TOL = 1e-6
 
 def make_params(seed=0):
     g = torch.Generator().manual_seed(seed)
-    return {b: {n: torch.randn(s, generator=g) for n, s in named.items()}
-            for b, named in SHAPES.items()}
+    return {
+        b: {n: torch.randn(s, generator=g) for n, s in named.items()} for b, named in SHAPES.items()
+    }
 
 
 def make_grads(seed, dtype=torch.float32):
     g = torch.Generator().manual_seed(1000 + seed)
-    return {b: {n: torch.randn(s, generator=g).to(dtype) for n, s in named.items()}
-            for b, named in SHAPES.items()}
+    return {
+        b: {n: torch.randn(s, generator=g).to(dtype) for n, s in named.items()}
+        for b, named in SHAPES.items()
+    }
 
 
 def clone(tree):
@@ -52,14 +55,17 @@ def flat(tree):
 def torch_reference(params, **kw):
     """torch.optim.AdamW on copies of `params`, with the same groups: decay on ndim >= 2."""
     ref = {k: torch.nn.Parameter(t.clone()) for k, t in flat(params).items()}
-    groups = [{"params": [p for p in ref.values() if p.ndim >= 2], "weight_decay": WD},
-              {"params": [p for p in ref.values() if p.ndim < 2], "weight_decay": 0.0}]
+    groups = [
+        {"params": [p for p in ref.values() if p.ndim >= 2], "weight_decay": WD},
+        {"params": [p for p in ref.values() if p.ndim < 2], "weight_decay": 0.0},
+    ]
     return ref, torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS, **kw)
 
 
 def rel_diff(ours, ref) -> float:
-    return max(((ours[k] - ref[k].detach()).abs().max() / ref[k].detach().abs().max()).item()
-               for k in ref)
+    return max(
+        ((ours[k] - ref[k].detach()).abs().max() / ref[k].detach().abs().max()).item() for k in ref
+    )
 
 
 def assert_close(ours_tree, ref):
@@ -71,8 +77,12 @@ def assert_close(ours_tree, ref):
 def test_matches_torch_adamw_step_by_step(impl):
     params = make_params()
     ours_p = clone(params)
-    ref, topt = torch_reference(params, **{"fused": {"fused": True}, "foreach": {"foreach": True},
-                                           "for-loop": {"foreach": False}}[impl])
+    ref, topt = torch_reference(
+        params,
+        **{"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}[
+            impl
+        ],
+    )
     opt = CPUAdamW(ours_p, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, chunk_numel=256)
     for step in range(6):
         lr = LR * (1 - step / 10)  # a schedule: lr changes between steps
@@ -96,8 +106,9 @@ def test_gradient_accumulation():
     params = make_params()
     ours_p = clone(params)
     ref, topt = torch_reference(params, foreach=True)
-    opt = CPUAdamW(ours_p, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, accumulation_steps=k,
-                   chunk_numel=256)
+    opt = CPUAdamW(
+        ours_p, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, accumulation_steps=k, chunk_numel=256
+    )
     for step in range(4):
         micro = [make_grads(10 * step + i) for i in range(k)]
         # torch convention: (loss / k).backward() per micro-batch, .grad accumulates
@@ -122,8 +133,16 @@ def test_global_norm_clipping(k):
     params = make_params()
     ours_p = clone(params)
     ref, topt = torch_reference(params, foreach=True)
-    opt = CPUAdamW(ours_p, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, accumulation_steps=k,
-                   max_grad_norm=max_norm, chunk_numel=256)
+    opt = CPUAdamW(
+        ours_p,
+        lr=LR,
+        betas=BETAS,
+        eps=EPS,
+        weight_decay=WD,
+        accumulation_steps=k,
+        max_grad_norm=max_norm,
+        chunk_numel=256,
+    )
     for step in range(4):
         micro = [make_grads(10 * step + i) for i in range(k)]
         for key, p in ref.items():
@@ -178,8 +197,15 @@ def run_blocks(block_of, order, threads, chunk_numel, steps=4):
     blocks: dict = {}
     for key, t in params.items():
         blocks.setdefault(block_of(key), {})[key[1]] = t
-    opt = CPUAdamW(blocks, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, threads=threads,
-                   chunk_numel=chunk_numel)
+    opt = CPUAdamW(
+        blocks,
+        lr=LR,
+        betas=BETAS,
+        eps=EPS,
+        weight_decay=WD,
+        threads=threads,
+        chunk_numel=chunk_numel,
+    )
     for step in range(steps):
         grads = {key[1]: g for key, g in flat(make_grads(step)).items()}
         for b in order(list(blocks)):
@@ -237,8 +263,9 @@ def test_state_dict_refused_mid_accumulation():
 def test_compute_dtype_copy_equals_master_cast(dtype):
     params = make_params()
     opt = CPUAdamW(params, lr=LR, weight_decay=WD, chunk_numel=256, threads=2)
-    out = {b: {n: torch.empty(s, dtype=dtype) for n, s in named.items()}
-           for b, named in SHAPES.items()}
+    out = {
+        b: {n: torch.empty(s, dtype=dtype) for n, s in named.items()} for b, named in SHAPES.items()
+    }
     for b in SHAPES:
         opt.copy_params(b, out[b])
         for n in SHAPES[b]:

@@ -44,7 +44,9 @@ def test_predicted_device_weights_match_the_streamers_accounting(preset):
     pipe = VideoPipeline.from_preset(preset)
     handle = stream_module(pipe.dit, blocks=pipe.dit.blocks, device="cpu")
     text_bytes = sum(p.numel() * 4 for p in pipe.text_encoder.parameters())
-    measured = handle.stats()["peak_device_weight_bytes"] + text_bytes  # the text encoder is resident too
+    measured = (
+        handle.stats()["peak_device_weight_bytes"] + text_bytes
+    )  # the text encoder is resident too
     handle.remove()
     predicted = plan(PRESETS[preset], Machine(), Workload(dtype_bytes=4))["device"]["weights"]
     assert abs(predicted / measured - 1) <= 0.10, (predicted, measured)

@@ -13,9 +13,8 @@ import subprocess
 import sys
 import tarfile
 import time
-import zipfile
-
 import warnings
+import zipfile
 
 import pytest
 
@@ -40,9 +39,13 @@ def make_client(tmp_path, monkeypatch):
         monkeypatch.delenv(var, raising=False)
     opened = []
 
-    def make(backend: FakeBackend | None = None, wait_ready: bool = True, **overrides) -> TestClient:
+    def make(
+        backend: FakeBackend | None = None, wait_ready: bool = True, **overrides
+    ) -> TestClient:
         backend = backend or FakeBackend()
-        options = dict(data_dir=tmp_path / "data", poll_after_ms=50, cancel_wait_s=5.0, sse_interval_s=0.02)
+        options = dict(
+            data_dir=tmp_path / "data", poll_after_ms=50, cancel_wait_s=5.0, sse_interval_s=0.02
+        )
         settings = Settings(**{**options, **overrides})
         client = TestClient(build_app(settings, LocalEngine(settings, backend)))
         client.__enter__()
@@ -76,8 +79,11 @@ def create(client, **fields):
 
 
 def wait_status(client, video_id, statuses=TERMINAL, timeout=10.0):
-    return until(lambda: (v := client.get(f"/v1/videos/{video_id}").json())["status"] in statuses and v,
-                 timeout, f"{video_id} to reach {statuses}")  # fmt: skip
+    return until(
+        lambda: (v := client.get(f"/v1/videos/{video_id}").json())["status"] in statuses and v,
+        timeout,
+        f"{video_id} to reach {statuses}",
+    )
 
 
 def assert_error(r, status, param=None, fragment=None):
@@ -99,10 +105,21 @@ def test_video_lifecycle_json_and_multipart(make_client):
     c = make_client(FakeBackend(encode_s=0.2))
     a = create(c, seed=7)
     assert a["object"] == "video" and a["status"] == "queued" and a["progress"] == 0
-    assert a["seed"] == 7 and a["size"] == "32x32" and a["seconds"] == "0.5" and a["model"] == "fake"
+    assert (
+        a["seed"] == 7 and a["size"] == "32x32" and a["seconds"] == "0.5" and a["model"] == "fake"
+    )
     # The stock openai SDK sends multipart with every value a string and extra_body keys flat.
-    r = c.post("/v1/videos", data={"prompt": "a blue cube", "seconds": "0.5", "size": "32x32", "model": "fake",
-                                   "num_inference_steps": "2", "fps": "8"})  # fmt: skip
+    r = c.post(
+        "/v1/videos",
+        data={
+            "prompt": "a blue cube",
+            "seconds": "0.5",
+            "size": "32x32",
+            "model": "fake",
+            "num_inference_steps": "2",
+            "fps": "8",
+        },
+    )
     assert r.status_code == 200, r.text
     b = r.json()
     assert b["num_frames"] == 4 and isinstance(b["seed"], int)  # chosen and echoed when absent
@@ -118,7 +135,12 @@ def test_video_lifecycle_json_and_multipart(make_client):
             break
         assert r.headers["openai-poll-after-ms"] == "50"
         time.sleep(0.005)
-    assert v["status"] == "completed" and v["progress"] == 100 and v["completed_at"] and v["expires_at"]
+    assert (
+        v["status"] == "completed"
+        and v["progress"] == 100
+        and v["completed_at"]
+        and v["expires_at"]
+    )
     progress = [p for _, p, _ in seen]
     assert progress == sorted(progress), progress
     assert any(0 < p < 100 for p in progress), "progress jumped straight to 100"
@@ -142,7 +164,9 @@ def test_range_requests(make_client):
     size = len(full.content)
     r = c.get(url, headers={"Range": "bytes=10-19"})
     assert r.status_code == 206 and r.content == full.content[10:20]
-    assert r.headers["content-range"] == f"bytes 10-19/{size}" and r.headers["content-length"] == "10"
+    assert (
+        r.headers["content-range"] == f"bytes 10-19/{size}" and r.headers["content-length"] == "10"
+    )
     r = c.get(url, headers={"Range": "bytes=100-"})
     assert r.status_code == 206 and r.content == full.content[100:]
     r = c.get(url, headers={"Range": "bytes=-5"})
@@ -152,7 +176,9 @@ def test_range_requests(make_client):
     r = c.get(url, headers={"Range": f"bytes={size}-"})
     assert_error(r, 416)
     assert r.headers["content-range"] == f"bytes */{size}"
-    r = c.get(url, headers={"Range": "bytes=0-1,5-6"})  # several ranges: the whole file, as RFC 9110 allows
+    r = c.get(
+        url, headers={"Range": "bytes=0-1,5-6"}
+    )  # several ranges: the whole file, as RFC 9110 allows
     assert r.status_code == 200 and r.content == full.content
 
 
@@ -191,17 +217,27 @@ def test_pagination(make_client):
 def test_cancelling_a_running_job_stops_its_steps(make_client):
     c = make_client(FakeBackend(step_s=0.02))
     long = create(c, num_inference_steps=150, seed=11)
-    after = create(c, num_inference_steps=2, seed=12, size="64x64")  # incompatible: waits for the first
+    after = create(
+        c, num_inference_steps=2, seed=12, size="64x64"
+    )  # incompatible: waits for the first
     until(lambda: c.get(f"/v1/videos/{long['id']}").json()["step"] >= 3, what="a few steps")
     r = c.delete(f"/v1/videos/{long['id']}")
-    assert r.status_code == 200 and r.json() == {"id": long["id"], "object": "video.deleted", "deleted": True,
-                                                 "status": "cancelled"}  # fmt: skip
+    assert r.status_code == 200 and r.json() == {
+        "id": long["id"],
+        "object": "video.deleted",
+        "deleted": True,
+        "status": "cancelled",
+    }
     steps_at_cancel = c.backend.seeds_run().count(11)
     v = c.get(f"/v1/videos/{long['id']}").json()
     assert v["status"] == "cancelled" and v["progress"] < 100 and v["step"] == steps_at_cancel
-    assert wait_status(c, after["id"])["status"] == "completed"  # the worker went on to the next job
+    assert (
+        wait_status(c, after["id"])["status"] == "completed"
+    )  # the worker went on to the next job
     time.sleep(0.1)
-    assert c.backend.seeds_run().count(11) == steps_at_cancel < 150, "the cancelled job kept stepping"
+    assert c.backend.seeds_run().count(11) == steps_at_cancel < 150, (
+        "the cancelled job kept stepping"
+    )
     assert_error(c.get(f"/v1/videos/{long['id']}/content"), 400, fragment="cancelled")
     # A second DELETE removes the record.
     assert c.delete(f"/v1/videos/{long['id']}").json()["deleted"] is True
@@ -225,8 +261,12 @@ def test_deleting_a_finished_video_removes_its_files(make_client):
     wait_status(c, v["id"])
     mp4 = c.app.state.settings.data_dir / "videos" / f"{v['id']}.mp4"
     assert mp4.exists()
-    assert c.delete(f"/v1/videos/{v['id']}").json() == {"id": v["id"], "object": "video.deleted", "deleted": True,
-                                                         "status": "deleted"}  # fmt: skip
+    assert c.delete(f"/v1/videos/{v['id']}").json() == {
+        "id": v["id"],
+        "object": "video.deleted",
+        "deleted": True,
+        "status": "deleted",
+    }
     assert not mp4.exists()
     assert_error(c.get(f"/v1/videos/{v['id']}"), 404)
     assert_error(c.delete(f"/v1/videos/{v['id']}"), 404)
@@ -238,15 +278,21 @@ def test_compatible_jobs_share_steps_and_never_overtake(make_client):
     a = create(c, num_inference_steps=12, seed=1)
     until(lambda: backend.seeds_run().count(1) >= 2, what="A to run")
     b = create(c, num_inference_steps=12, seed=2)  # same model/shape/steps: joins A's batch
-    other = create(c, num_inference_steps=12, seed=3, size="64x64")  # different shape: its own batch
+    other = create(
+        c, num_inference_steps=12, seed=3, size="64x64"
+    )  # different shape: its own batch
     d = create(c, num_inference_steps=12, seed=4)  # compatible with A, but queued after `other`
     for v in (a, b, other, d):
         wait_status(c, v["id"], timeout=20)
     passes = [seeds for _, seeds in backend.passes]
     assert any(set(p) == {1, 2} for p in passes), passes
-    assert 2 in passes[backend.first_pass_of(2)] and backend.first_pass_of(2) > backend.first_pass_of(1)
+    assert 2 in passes[backend.first_pass_of(2)] and backend.first_pass_of(
+        2
+    ) > backend.first_pass_of(1)
     assert not any(3 in p and (1 in p or 4 in p) for p in passes), "incompatible jobs shared a pass"
-    assert backend.first_pass_of(4) > backend.first_pass_of(3), "a compatible job overtook an earlier one"
+    assert backend.first_pass_of(4) > backend.first_pass_of(3), (
+        "a compatible job overtook an earlier one"
+    )
     assert sum(len(p) for p in passes) == 4 * 12  # every job got exactly its steps
 
 
@@ -255,7 +301,10 @@ def test_priority_orders_the_queue(make_client):
     c = make_client(backend, max_batch=1)
     backend.gate.clear()  # hold the worker inside the first step while the queue fills
     blocker = create(c, seed=1)
-    until(lambda: c.get(f"/v1/videos/{blocker['id']}").json()["status"] == "in_progress", what="blocker")
+    until(
+        lambda: c.get(f"/v1/videos/{blocker['id']}").json()["status"] == "in_progress",
+        what="blocker",
+    )
     low = create(c, seed=2, priority=-5)
     mid = create(c, seed=3)
     high = create(c, seed=4, priority=10)
@@ -273,8 +322,10 @@ def test_a_failed_job_is_isolated(make_client):
     oom = create(c, prompt="nomem please", seed=2)
     bad = create(c, prompt="badprep", seed=3)
     fine = create(c, prompt="a fine clip", seed=4)
-    assert wait_status(c, boom["id"])["error"] == {"code": "generation_failed",
-                                                    "message": "RuntimeError: the denoiser exploded"}  # fmt: skip
+    assert wait_status(c, boom["id"])["error"] == {
+        "code": "generation_failed",
+        "message": "RuntimeError: the denoiser exploded",
+    }
     err = wait_status(c, oom["id"])["error"]
     assert err["code"] == "out_of_memory" and "CUDA out of memory" in err["message"]
     assert wait_status(c, bad["id"])["status"] == "failed"
@@ -294,9 +345,16 @@ def test_sse_events(make_client):
     with c.stream("GET", f"/v1/videos/{v['id']}/events") as r:
         assert r.headers["content-type"].startswith("text/event-stream")
         text = "".join(r.iter_text())
-    events = [dict(re.findall(r"^(id|event|data): (.*)$", block, re.M)) for block in text.strip().split("\n\n")]
+    events = [
+        dict(re.findall(r"^(id|event|data): (.*)$", block, re.M))
+        for block in text.strip().split("\n\n")
+    ]
     names = [e["event"] for e in events]
-    assert names[0] == "video.queued" and names[1] == "video.in_progress" and names[-1] == "video.completed"
+    assert (
+        names[0] == "video.queued"
+        and names[1] == "video.in_progress"
+        and names[-1] == "video.completed"
+    )
     assert names.count("video.progress") >= 4
     progress = [json.loads(e["data"])["progress"] for e in events]
     assert progress == sorted(progress) and progress[-1] == 100
@@ -305,7 +363,9 @@ def test_sse_events(make_client):
     ids = [int(e["id"]) for e in events]
     assert ids == sorted(ids)
     # Resuming with Last-Event-ID replays only what came after it.
-    with c.stream("GET", f"/v1/videos/{v['id']}/events", headers={"Last-Event-ID": str(ids[-2])}) as r:
+    with c.stream(
+        "GET", f"/v1/videos/{v['id']}/events", headers={"Last-Event-ID": str(ids[-2])}
+    ) as r:
         rest = "".join(r.iter_text())
     assert rest.count("event: ") == 1 and "video.completed" in rest
     assert_error(c.get("/v1/videos/video_nope/events"), 404)
@@ -314,18 +374,25 @@ def test_sse_events(make_client):
 def test_prompt_length_is_counted_in_the_models_own_tokens():
     from dataclasses import replace
 
+    from megaslide.engine.text import TOKEN_UNITS, count_tokens
     from megaslide.server.errors import InvalidRequest
     from megaslide.server.settings import Settings
     from megaslide.server.validation import check_prompt
     from tests.server_fakes import FAKE_CARD
 
-    from megaslide.engine.text import TOKEN_UNITS, count_tokens
-
-    words = replace(FAKE_CARD, max_prompt_tokens=12, prompt_tokens=lambda p: count_tokens(p, "words"),
-                    prompt_unit=TOKEN_UNITS["words"])  # fmt: skip
-    long_but_few_words = "a magenta triangle moving left and a yellow square moving down"  # 11 words, 62 bytes
+    words = replace(
+        FAKE_CARD,
+        max_prompt_tokens=12,
+        prompt_tokens=lambda p: count_tokens(p, "words"),
+        prompt_unit=TOKEN_UNITS["words"],
+    )
+    long_but_few_words = (
+        "a magenta triangle moving left and a yellow square moving down"  # 11 words, 62 bytes
+    )
     check_prompt(long_but_few_words, "prompt", words, Settings())
-    with pytest.raises(InvalidRequest, match="13 tokens \\(words and punctuation\\); model fake accepts at most 12"):
+    with pytest.raises(
+        InvalidRequest, match="13 tokens \\(words and punctuation\\); model fake accepts at most 12"
+    ):
         check_prompt(long_but_few_words + " on black", "prompt", words, Settings())
     with pytest.raises(InvalidRequest, match="63 bytes"):
         check_prompt("x" * 63, "prompt", FAKE_CARD, Settings())
@@ -357,14 +424,23 @@ def test_validation_errors_name_the_field(make_client):
         body = {"prompt": "ok", **SMALL, **fields}
         body = {k: v for k, v in body.items() if v is not None}
         assert_error(c.post("/v1/videos", json=body), status, param, fragment)
-    assert_error(c.post("/v1/videos", json={"size": "32x32"}), 400, "prompt", "Missing required parameter")
-    assert_error(c.post("/v1/videos", content=b"{not json", headers={"content-type": "application/json"}), 400)
-    assert_error(c.post("/v1/videos", data={"prompt": "p", "num_frames": "four"}), 400, "num_frames")
+    assert_error(
+        c.post("/v1/videos", json={"size": "32x32"}), 400, "prompt", "Missing required parameter"
+    )
+    assert_error(
+        c.post("/v1/videos", content=b"{not json", headers={"content-type": "application/json"}),
+        400,
+    )
+    assert_error(
+        c.post("/v1/videos", data={"prompt": "p", "num_frames": "four"}), 400, "num_frames"
+    )
     for path in ("/v1/videos/video_nope", "/v1/videos/video_nope/content"):
         assert_error(c.get(path), 404, "video_id")
     assert_error(c.delete("/v1/videos/video_nope"), 404)
     v = create(c)
-    assert_error(c.get(f"/v1/videos/{v['id']}/content", params={"variant": "spritesheet"}), 400, "variant")
+    assert_error(
+        c.get(f"/v1/videos/{v['id']}/content", params={"variant": "spritesheet"}), 400, "variant"
+    )
     assert_error(c.get("/v1/nowhere"), 404)
     assert_error(c.put("/v1/videos"), 405)
 
@@ -374,12 +450,18 @@ def test_auth(make_client):
     assert c.get("/healthz").status_code == 200 and c.get("/readyz").status_code == 200
     for path in ("/v1/models", "/v1/videos", "/metrics", "/v1/files", "/v1/fine_tuning/jobs"):
         assert_error(c.get(path), 401)
-        assert_error(c.get(path, headers={"Authorization": "Bearer wrong"}), 401, fragment="Incorrect API key")
+        assert_error(
+            c.get(path, headers={"Authorization": "Bearer wrong"}),
+            401,
+            fragment="Incorrect API key",
+        )
     assert_error(c.get("/v1/models", headers={"Authorization": "Basic k-one"}), 401)
     for key in ("k-one", "k-two"):
         assert c.get("/v1/models", headers={"Authorization": f"Bearer {key}"}).status_code == 200
     assert c.get("/metrics", headers={"Authorization": "Bearer k-two"}).status_code == 200
-    r = c.post("/v1/videos", json={"prompt": "p", **SMALL}, headers={"Authorization": "Bearer k-one"})
+    r = c.post(
+        "/v1/videos", json={"prompt": "p", **SMALL}, headers={"Authorization": "Bearer k-one"}
+    )
     assert r.status_code == 200
 
 
@@ -394,17 +476,27 @@ def test_idempotency_key_returns_the_first_job(make_client):
     first = c.post("/v1/videos", json={"prompt": "p", **SMALL}, headers=headers).json()
     again = c.post("/v1/videos", json={"prompt": "p", **SMALL}, headers=headers).json()
     assert again["id"] == first["id"] and again["seed"] == first["seed"]
-    assert_error(c.post("/v1/videos", json={"prompt": "other", **SMALL}, headers=headers), 409,
-                 fragment="different request body")  # fmt: skip
+    assert_error(
+        c.post("/v1/videos", json={"prompt": "other", **SMALL}, headers=headers),
+        409,
+        fragment="different request body",
+    )
     # Another key holder using the same Idempotency-Key gets a job of its own.
-    other = c.post("/v1/videos", json={"prompt": "p", **SMALL},
-                   headers={"Authorization": "Bearer b", "Idempotency-Key": "req-1"}).json()  # fmt: skip
+    other = c.post(
+        "/v1/videos",
+        json={"prompt": "p", **SMALL},
+        headers={"Authorization": "Bearer b", "Idempotency-Key": "req-1"},
+    ).json()
     assert other["id"] != first["id"]
     listed = c.get("/v1/videos", headers={"Authorization": "Bearer a"}).json()["data"]
     assert len(listed) == 2
     # No key: two posts are two jobs.
-    plain = [c.post("/v1/videos", json={"prompt": "p", **SMALL}, headers={"Authorization": "Bearer a"}).json()["id"]
-             for _ in range(2)]  # fmt: skip
+    plain = [
+        c.post(
+            "/v1/videos", json={"prompt": "p", **SMALL}, headers={"Authorization": "Bearer a"}
+        ).json()["id"]
+        for _ in range(2)
+    ]
     assert plain[0] != plain[1]
 
 
@@ -413,7 +505,9 @@ def test_full_queue_answers_429_with_retry_after(make_client):
     c = make_client(backend, max_queue=2, max_batch=1)
     backend.gate.clear()
     running = create(c, seed=1)
-    until(lambda: c.get(f"/v1/videos/{running['id']}").json()["status"] == "in_progress", what="start")
+    until(
+        lambda: c.get(f"/v1/videos/{running['id']}").json()["status"] == "in_progress", what="start"
+    )
     create(c, seed=2)
     create(c, seed=3)
     r = c.post("/v1/videos", json={"prompt": "p", **SMALL})
@@ -421,7 +515,10 @@ def test_full_queue_answers_429_with_retry_after(make_client):
     assert err["type"] == "rate_limit_error" and int(r.headers["retry-after"]) >= 1
     backend.gate.set()
     wait_status(c, running["id"])
-    until(lambda: c.post("/v1/videos", json={"prompt": "p", **SMALL}).status_code == 200, what="room again")
+    until(
+        lambda: c.post("/v1/videos", json={"prompt": "p", **SMALL}).status_code == 200,
+        what="room again",
+    )
 
 
 def test_health_readiness_and_metrics(make_client):
@@ -454,7 +551,11 @@ def test_models_list(make_client):
     models = c.get("/v1/models").json()
     assert models["object"] == "list" and [m["id"] for m in models["data"]] == ["fake"]
     m = c.get("/v1/models/fake").json()
-    assert m["object"] == "model" and m["defaults"]["size"] == "32x32" and m["limits"]["max_frames"] == 32
+    assert (
+        m["object"] == "model"
+        and m["defaults"]["size"] == "32x32"
+        and m["limits"]["max_frames"] == 32
+    )
     assert_error(c.get("/v1/models/none"), 404, "model")
 
 
@@ -475,13 +576,20 @@ def dataset_zip(clips=2, extra: dict | None = None, wrap: str = "") -> bytes:
 
 
 def upload(c, data: bytes, name="data.zip", purpose="fine-tune", headers=None):
-    return c.post("/v1/files", data={"purpose": purpose}, files={"file": (name, data)}, headers=headers or {})
+    return c.post(
+        "/v1/files", data={"purpose": purpose}, files={"file": (name, data)}, headers=headers or {}
+    )
 
 
 def test_file_upload_validation(make_client):
     c = make_client(max_upload_bytes=50_000)
     f = upload(c, dataset_zip(wrap="mydata/")).json()  # one wrapping folder is looked through
-    assert f["object"] == "file" and f["purpose"] == "fine-tune" and f["clips"] == 2 and f["filename"] == "data.zip"
+    assert (
+        f["object"] == "file"
+        and f["purpose"] == "fine-tune"
+        and f["clips"] == 2
+        and f["filename"] == "data.zip"
+    )
     assert c.get(f"/v1/files/{f['id']}").json()["id"] == f["id"]
     assert [x["id"] for x in c.get("/v1/files").json()["data"]] == [f["id"]]
 
@@ -500,7 +608,11 @@ def test_file_upload_validation(make_client):
     assert_error(upload(c, b"just some bytes"), 400, "file", "not a .zip")
     assert_error(upload(c, b"x" * 60_000), 413, "file")
     assert_error(upload(c, dataset_zip(), purpose="batch"), 400, "purpose")
-    assert_error(c.post("/v1/files", data={"purpose": "fine-tune"}, files={"other": ("a", b"b")}), 400, "file")
+    assert_error(
+        c.post("/v1/files", data={"purpose": "fine-tune"}, files={"other": ("a", b"b")}),
+        400,
+        "file",
+    )
     assert len(c.get("/v1/files").json()["data"]) == 1  # nothing half-stored by the failures
     files_dir = c.app.state.settings.data_dir / "files"
     assert [p.name for p in files_dir.iterdir()] == [f["id"]]
@@ -508,7 +620,11 @@ def test_file_upload_validation(make_client):
     r1 = upload(c, dataset_zip(), headers={"Idempotency-Key": "u1"}).json()
     r2 = upload(c, dataset_zip(), headers={"Idempotency-Key": "u1"}).json()
     assert r1["id"] == r2["id"]
-    assert c.delete(f"/v1/files/{r1['id']}").json() == {"id": r1["id"], "object": "file", "deleted": True}
+    assert c.delete(f"/v1/files/{r1['id']}").json() == {
+        "id": r1["id"],
+        "object": "file",
+        "deleted": True,
+    }
     assert_error(c.get(f"/v1/files/{r1['id']}"), 404)
 
 
@@ -516,27 +632,60 @@ def test_finetune_produces_a_model_that_generates(make_client):
     backend = FakeBackend(train_step_s=0.01)
     c = make_client(backend, finetune_save_every=2)
     f = upload(c, dataset_zip(clips=3)).json()
-    job = c.post("/v1/fine_tuning/jobs", json={
-        "model": "fake", "training_file": f["id"], "suffix": "cats", "seed": 3,
-        "method": {"type": "supervised", "supervised": {"hyperparameters": {"n_epochs": 2, "batch_size": 1}}},
-    }).json()  # fmt: skip
+    job = c.post(
+        "/v1/fine_tuning/jobs",
+        json={
+            "model": "fake",
+            "training_file": f["id"],
+            "suffix": "cats",
+            "seed": 3,
+            "method": {
+                "type": "supervised",
+                "supervised": {"hyperparameters": {"n_epochs": 2, "batch_size": 1}},
+            },
+        },
+    ).json()
     assert job["object"] == "fine_tuning.job" and job["status"] == "queued"
-    assert job["hyperparameters"] == {"n_epochs": 2, "batch_size": 1, "learning_rate_multiplier": 1.0}
+    assert job["hyperparameters"] == {
+        "n_epochs": 2,
+        "batch_size": 1,
+        "learning_rate_multiplier": 1.0,
+    }
     assert_error(c.delete(f"/v1/files/{f['id']}"), 409, fragment="cancel the job first")
-    done = until(lambda: (j := c.get(f"/v1/fine_tuning/jobs/{job['id']}").json())["status"] in
-                 ("succeeded", "failed", "cancelled") and j, what="fine-tune")  # fmt: skip
+    done = until(
+        lambda: (
+            (j := c.get(f"/v1/fine_tuning/jobs/{job['id']}").json())["status"]
+            in ("succeeded", "failed", "cancelled")
+            and j
+        ),
+        what="fine-tune",
+    )
     assert done["status"] == "succeeded", done
     short = job["id"].removeprefix("ftjob-")
-    assert done["fine_tuned_model"] == f"ft:fake:cats:{short}" and done["step"] == done["total_steps"] == 6
+    assert (
+        done["fine_tuned_model"] == f"ft:fake:cats:{short}"
+        and done["step"] == done["total_steps"] == 6
+    )
 
     events = c.get(f"/v1/fine_tuning/jobs/{job['id']}/events", params={"limit": 100}).json()["data"]
     metrics = [e for e in events if e["type"] == "metrics"]
-    assert [e["data"]["step"] for e in metrics] == [6, 5, 4, 3, 2, 1]  # newest first, as OpenAI lists them
+    assert [e["data"]["step"] for e in metrics] == [
+        6,
+        5,
+        4,
+        3,
+        2,
+        1,
+    ]  # newest first, as OpenAI lists them
     assert all({"loss", "lr", "total_steps"} <= set(e["data"]) for e in metrics)
     first_page = c.get(f"/v1/fine_tuning/jobs/{job['id']}/events", params={"limit": 3}).json()
-    second = c.get(f"/v1/fine_tuning/jobs/{job['id']}/events",
-                   params={"limit": 3, "after": first_page["data"][-1]["id"]}).json()  # fmt: skip
-    assert first_page["has_more"] and [e["id"] for e in second["data"]] == [e["id"] for e in events[3:6]]
+    second = c.get(
+        f"/v1/fine_tuning/jobs/{job['id']}/events",
+        params={"limit": 3, "after": first_page["data"][-1]["id"]},
+    ).json()
+    assert first_page["has_more"] and [e["id"] for e in second["data"]] == [
+        e["id"] for e in events[3:6]
+    ]
     ckpts = c.get(f"/v1/fine_tuning/jobs/{job['id']}/checkpoints").json()["data"]
     assert [k["step_number"] for k in ckpts] == [6, 4, 2]
     assert ckpts[0]["fine_tuned_model_checkpoint"].endswith(":ckpt-step-6")
@@ -556,11 +705,24 @@ def test_finetune_requests_are_validated(make_client):
     f = upload(c, dataset_zip()).json()
     base = {"model": "fake", "training_file": f["id"]}
     assert_error(c.post("/v1/fine_tuning/jobs", json={**base, "model": "nope"}), 404, "model")
-    assert_error(c.post("/v1/fine_tuning/jobs", json={**base, "training_file": "file-x"}), 404, "training_file")
-    assert_error(c.post("/v1/fine_tuning/jobs", json={**base, "hyperparameters": {"n_epochs": 0}}), 400,
-                 "hyperparameters.n_epochs")  # fmt: skip
-    assert_error(c.post("/v1/fine_tuning/jobs", json={**base, "suffix": "no spaces"}), 400, "suffix")
-    assert_error(c.post("/v1/fine_tuning/jobs", json={**base, "validation_file": f["id"]}), 400, "validation_file")
+    assert_error(
+        c.post("/v1/fine_tuning/jobs", json={**base, "training_file": "file-x"}),
+        404,
+        "training_file",
+    )
+    assert_error(
+        c.post("/v1/fine_tuning/jobs", json={**base, "hyperparameters": {"n_epochs": 0}}),
+        400,
+        "hyperparameters.n_epochs",
+    )
+    assert_error(
+        c.post("/v1/fine_tuning/jobs", json={**base, "suffix": "no spaces"}), 400, "suffix"
+    )
+    assert_error(
+        c.post("/v1/fine_tuning/jobs", json={**base, "validation_file": f["id"]}),
+        400,
+        "validation_file",
+    )
     assert_error(c.get("/v1/fine_tuning/jobs/ftjob-none"), 404)
     assert_error(c.post("/v1/fine_tuning/jobs/ftjob-none/cancel"), 404)
 
@@ -570,25 +732,41 @@ def test_running_finetune_yields_to_videos_and_can_be_cancelled(make_client):
     c = make_client(backend)
     f = upload(c, dataset_zip(clips=200)).json()
     job = c.post("/v1/fine_tuning/jobs", json={"model": "fake", "training_file": f["id"]}).json()
-    until(lambda: c.get(f"/v1/fine_tuning/jobs/{job['id']}").json()["step"] >= 3, what="training to start")
+    until(
+        lambda: c.get(f"/v1/fine_tuning/jobs/{job['id']}").json()["step"] >= 3,
+        what="training to start",
+    )
     v = create(c, num_inference_steps=5, seed=5)
     wait_status(c, v["id"])
-    until(lambda: sum(1 for kind, _ in backend.timeline if kind == "train") >= 10, what="training to resume")
+    until(
+        lambda: sum(1 for kind, _ in backend.timeline if kind == "train") >= 10,
+        what="training to resume",
+    )
     with backend.lock:
         kinds = [kind for kind, _ in backend.timeline]
     first_video, last_video = kinds.index("video"), len(kinds) - 1 - kinds[::-1].index("video")
-    assert "train" not in kinds[first_video:last_video + 1], "training ran while a video was in progress"
-    assert kinds[last_video + 1:].count("train") > 0
-    messages = [e["message"] for e in c.get(f"/v1/fine_tuning/jobs/{job['id']}/events",
-                                            params={"limit": 1000}).json()["data"]]  # fmt: skip
-    assert any(m.startswith("Paused") for m in messages) and any(m.startswith("Resumed") for m in messages)
+    assert "train" not in kinds[first_video : last_video + 1], (
+        "training ran while a video was in progress"
+    )
+    assert kinds[last_video + 1 :].count("train") > 0
+    messages = [
+        e["message"]
+        for e in c.get(f"/v1/fine_tuning/jobs/{job['id']}/events", params={"limit": 1000}).json()[
+            "data"
+        ]
+    ]
+    assert any(m.startswith("Paused") for m in messages) and any(
+        m.startswith("Resumed") for m in messages
+    )
 
     r = c.post(f"/v1/fine_tuning/jobs/{job['id']}/cancel").json()
     assert r["status"] == "cancelled"
     steps = sum(1 for kind, _ in backend.timeline if kind == "train")
     time.sleep(0.1)
     assert sum(1 for kind, _ in backend.timeline if kind == "train") == steps
-    assert_error(c.post(f"/v1/fine_tuning/jobs/{job['id']}/cancel"), 400, fragment="already cancelled")
+    assert_error(
+        c.post(f"/v1/fine_tuning/jobs/{job['id']}/cancel"), 400, fragment="already cancelled"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -599,25 +777,54 @@ def test_restart_requeues_interrupted_work_and_resumes_finetunes(make_client, tm
     # The database and output folder as a kill -9 leaves them: a video and a fine-tune marked running.
     data = tmp_path / "data"
     store = JobStore(data / "megaslide.db")
-    spec = VideoSpec(model="fake", prompt="p", negative_prompt="", frames=4, width=32, height=32, fps=8, steps=3,
-                     guidance=1.0, seed=8).to_dict()  # fmt: skip
+    spec = VideoSpec(
+        model="fake",
+        prompt="p",
+        negative_prompt="",
+        frames=4,
+        width=32,
+        height=32,
+        fps=8,
+        steps=3,
+        guidance=1.0,
+        seed=8,
+    ).to_dict()
     store.insert_video("video_interrupted", spec)
     store.start_video("video_interrupted")
     store.set_video_progress([("video_interrupted", 2, 60)])
     store.insert_video("video_waiting", {**spec, "seed": 9})
     store.insert_video("video_cancelling", {**spec, "seed": 10})
     store.start_video("video_cancelling")
-    assert store.cancel_video("video_cancelling") == "in_progress"  # asked, not yet honoured at the kill
+    assert (
+        store.cancel_video("video_cancelling") == "in_progress"
+    )  # asked, not yet honoured at the kill
     root = data / "files" / "file-1" / "data"
     (root / "clips").mkdir(parents=True)
-    (root / "metadata.jsonl").write_text("".join(json.dumps({"file": f"clips/{i}", "text": "t"}) + "\n"
-                                                 for i in range(40)))  # fmt: skip
-    store.insert_file({"id": "file-1", "filename": "d.zip", "purpose": "fine-tune", "bytes": 1, "path": str(root),
-                       "clips": 40})  # fmt: skip
+    (root / "metadata.jsonl").write_text(
+        "".join(json.dumps({"file": f"clips/{i}", "text": "t"}) + "\n" for i in range(40))
+    )
+    store.insert_file(
+        {
+            "id": "file-1",
+            "filename": "d.zip",
+            "purpose": "fine-tune",
+            "bytes": 1,
+            "path": str(root),
+            "clips": 40,
+        }
+    )
     out = data / "fine_tunes" / "ftjob-1"
-    store.insert_finetune({"id": "ftjob-1", "model": "fake", "training_file": "file-1", "seed": 0, "suffix": "s",
-                           "output_dir": str(out), "hyperparameters": {"n_epochs": 1, "batch_size": 1,
-                                                                        "learning_rate_multiplier": 1.0}})  # fmt: skip
+    store.insert_finetune(
+        {
+            "id": "ftjob-1",
+            "model": "fake",
+            "training_file": "file-1",
+            "seed": 0,
+            "suffix": "s",
+            "output_dir": str(out),
+            "hyperparameters": {"n_epochs": 1, "batch_size": 1, "learning_rate_multiplier": 1.0},
+        }
+    )
     store.start_finetune("ftjob-1")
     store.finetune_progress("ftjob-1", 13, 40, {"step": 13, "loss": 0.1})
     out.mkdir(parents=True)
@@ -635,14 +842,21 @@ def test_restart_requeues_interrupted_work_and_resumes_finetunes(make_client, tm
     assert events.count("video.queued") == 2 and events.count("video.in_progress") == 2
     assert events.count("video.completed") == 1 and events[-1] == "video.completed"
     assert backend.seeds_run().count(8) == 3  # rerun from noise: all three steps
-    assert c.get("/v1/videos/video_cancelling").json()["status"] == "cancelled" and 10 not in backend.seeds_run()
-    done = until(lambda: (j := c.get("/v1/fine_tuning/jobs/ftjob-1").json())["status"] == "succeeded" and j,
-                 what="fine-tune after restart")  # fmt: skip
+    assert (
+        c.get("/v1/videos/video_cancelling").json()["status"] == "cancelled"
+        and 10 not in backend.seeds_run()
+    )
+    done = until(
+        lambda: (j := c.get("/v1/fine_tuning/jobs/ftjob-1").json())["status"] == "succeeded" and j,
+        what="fine-tune after restart",
+    )
     train_steps = [step for kind, step in backend.timeline if kind == "train"]
     assert train_steps == list(range(11, 41)), "did not resume right after the last checkpoint"
     assert done["step"] == 40 and done["fine_tuned_model"] == "ft:fake:s:1"
-    messages = [e["message"] for e in c.get("/v1/fine_tuning/jobs/ftjob-1/events",
-                                            params={"limit": 1000}).json()["data"]]  # fmt: skip
+    messages = [
+        e["message"]
+        for e in c.get("/v1/fine_tuning/jobs/ftjob-1/events", params={"limit": 1000}).json()["data"]
+    ]
     assert any("requeued: the server restarted" in m for m in messages)
     assert any(m.startswith("Resumed at step 10") for m in messages)
 

@@ -45,15 +45,28 @@ class Server:
         self.data_dir, self.port = data_dir, free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log = data_dir.parent / f"{data_dir.name}-{self.port}.log"
-        args = ["serve", "--preset", "tiny", "--host", "127.0.0.1", "--port", str(self.port),
-                "--data-dir", str(data_dir), "--log-level", "warning", *extra]  # fmt: skip
+        args = [
+            "serve",
+            "--preset",
+            "tiny",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--data-dir",
+            str(data_dir),
+            "--log-level",
+            "warning",
+            *extra,
+        ]
         # Two intra-op threads, as the test process uses (conftest), so both compute in the same order.
         env = {**os.environ, "OMP_NUM_THREADS": "2", "MEGASLIDE_POLL_AFTER_MS": "100"}
         for var in ("MEGASLIDE_API_KEYS", "MEGASLIDE_MODELS", "MEGASLIDE_PRESET"):
             env.pop(var, None)
         with open(self.log, "w") as log:
-            self.proc = subprocess.Popen([sys.executable, "-c", LAUNCH, *args], stdout=log, stderr=subprocess.STDOUT,
-                                         env=env)  # fmt: skip
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", LAUNCH, *args], stdout=log, stderr=subprocess.STDOUT, env=env
+            )
         self.http = httpx.Client(base_url=self.base, timeout=30)
         self.wait_ready()
 
@@ -61,7 +74,9 @@ class Server:
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise AssertionError(f"server exited with {self.proc.returncode}:\n{self.log.read_text()}")
+                raise AssertionError(
+                    f"server exited with {self.proc.returncode}:\n{self.log.read_text()}"
+                )
             try:
                 if self.http.get("/readyz").status_code == 200:
                     return
@@ -95,7 +110,9 @@ class Server:
             if v["status"] in statuses:
                 return v
             time.sleep(0.1)
-        raise AssertionError(f"{video_id} still {v['status']} after {timeout}s:\n{self.log.read_text()[-3000:]}")
+        raise AssertionError(
+            f"{video_id} still {v['status']} after {timeout}s:\n{self.log.read_text()[-3000:]}"
+        )
 
     def metric(self, name: str) -> float:
         text = self.http.get("/metrics").text
@@ -113,7 +130,9 @@ def sse_events(srv: Server, video_id: str) -> list[tuple[str, dict]]:
     with srv.http.stream("GET", f"/v1/videos/{video_id}/events", timeout=JOB_TIMEOUT_S) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         text = "".join(r.iter_text())
-    blocks = [dict(re.findall(r"^(event|data): (.*)$", b, re.M)) for b in text.strip().split("\n\n")]
+    blocks = [
+        dict(re.findall(r"^(event|data): (.*)$", b, re.M)) for b in text.strip().split("\n\n")
+    ]
     return [(b["event"], json.loads(b["data"])) for b in blocks]
 
 
@@ -127,9 +146,15 @@ def test_video_lifecycle_over_http(server, tmp_path):
     assert video["status"] == "queued" and r.headers["openai-poll-after-ms"] == "100"
     events = sse_events(server, video["id"])  # follows the job to its end
     names = [name for name, _ in events]
-    assert names[0] == "video.queued" and names[-1] == "video.completed" and "video.in_progress" in names
+    assert (
+        names[0] == "video.queued"
+        and names[-1] == "video.completed"
+        and "video.in_progress" in names
+    )
     progress = [data["progress"] for _, data in events]
-    assert progress == sorted(progress) and progress[-1] == 100 and any(0 < p < 100 for p in progress)
+    assert (
+        progress == sorted(progress) and progress[-1] == 100 and any(0 < p < 100 for p in progress)
+    )
     done = server.video(video["id"])
     assert done["status"] == "completed" and done["progress"] == 100 and done["step"] == 2
 
@@ -140,7 +165,9 @@ def test_video_lifecycle_over_http(server, tmp_path):
     assert served.shape == (4, 32, 32, 3)
     # The server's clip is the library's clip: same weights (preset, seed 0), same request.
     pipe = VideoPipeline.from_preset("tiny")
-    local = pipe.generate(GenerationRequest(prompt="a red ball", frames=4, height=32, width=32, steps=2, seed=42))
+    local = pipe.generate(
+        GenerationRequest(prompt="a red ball", frames=4, height=32, width=32, steps=2, seed=42)
+    )
     write_mp4(tmp_path / "local.mp4", local, fps=8)
     assert np.array_equal(read_video(tmp_path / "local.mp4"), served)
 
@@ -154,8 +181,14 @@ def test_video_lifecycle_over_http(server, tmp_path):
     assert thumb.headers["content-type"] == "image/png" and np.array_equal(image, local[0])
 
     # What the stock openai SDK sends: multipart, every value a string, extra_body keys as fields.
-    fields = {"prompt": "a blue cube", "model": "tiny", "seconds": "0.5", "size": "32x32",
-              "num_inference_steps": "2", "seed": "7"}  # fmt: skip
+    fields = {
+        "prompt": "a blue cube",
+        "model": "tiny",
+        "seconds": "0.5",
+        "size": "32x32",
+        "num_inference_steps": "2",
+        "seed": "7",
+    }
     r = server.http.post("/v1/videos", files={k: (None, v) for k, v in fields.items()})
     assert r.status_code == 200, r.text
     assert r.json()["num_frames"] == 4 and r.json()["seed"] == 7
@@ -165,13 +198,20 @@ def test_video_lifecycle_over_http(server, tmp_path):
 
 
 def test_cancelling_a_running_job_stops_the_model(server):
-    v = server.http.post("/v1/videos", json={"prompt": "long", **CLIP, "num_inference_steps": 60}).json()
+    v = server.http.post(
+        "/v1/videos", json={"prompt": "long", **CLIP, "num_inference_steps": 60}
+    ).json()
     server.wait(v["id"], statuses=("in_progress",))
     deadline = time.monotonic() + JOB_TIMEOUT_S
     while server.video(v["id"])["step"] < 1 and time.monotonic() < deadline:
         time.sleep(0.05)
     r = server.http.delete(f"/v1/videos/{v['id']}")
-    assert r.json() == {"id": v["id"], "object": "video.deleted", "deleted": True, "status": "cancelled"}
+    assert r.json() == {
+        "id": v["id"],
+        "object": "video.deleted",
+        "deleted": True,
+        "status": "cancelled",
+    }
     steps = server.metric("megaslide_denoise_steps_total")
     time.sleep(1.5)  # several step times of this model: a job still stepping would show
     assert server.metric("megaslide_denoise_steps_total") == steps
@@ -187,7 +227,9 @@ def make_dataset_archive(tmp_path: Path) -> bytes:
     rng = np.random.default_rng(0)
     lines = []
     for i in range(2):
-        write_mp4(root / "clips" / f"{i}.mp4", rng.integers(0, 256, (4, 32, 32, 3), dtype=np.uint8), fps=8)
+        write_mp4(
+            root / "clips" / f"{i}.mp4", rng.integers(0, 256, (4, 32, 32, 3), dtype=np.uint8), fps=8
+        )
         lines.append(json.dumps({"file": f"clips/{i}.mp4", "text": f"noise clip {i}"}))
     (root / "metadata.jsonl").write_text("\n".join(lines) + "\n")
     buf = io.BytesIO()
@@ -199,28 +241,45 @@ def make_dataset_archive(tmp_path: Path) -> bytes:
 def test_finetune_through_the_files_api_yields_a_servable_model(server, tmp_path):
     pytest.importorskip("megaslide.engine.finetune")
     archive = make_dataset_archive(tmp_path)
-    f = server.http.post("/v1/files", data={"purpose": "fine-tune"}, files={"file": ("data.tar.gz", archive)})
+    f = server.http.post(
+        "/v1/files", data={"purpose": "fine-tune"}, files={"file": ("data.tar.gz", archive)}
+    )
     assert f.status_code == 200, f.text
     assert f.json()["clips"] == 2
-    job = server.http.post("/v1/fine_tuning/jobs", json={
-        "model": "tiny", "training_file": f.json()["id"], "suffix": "e2e", "seed": 1,
-        "hyperparameters": {"n_epochs": 1, "batch_size": 1, "num_frames": 4, "size": "32x32"},
-    })  # fmt: skip
+    job = server.http.post(
+        "/v1/fine_tuning/jobs",
+        json={
+            "model": "tiny",
+            "training_file": f.json()["id"],
+            "suffix": "e2e",
+            "seed": 1,
+            "hyperparameters": {"n_epochs": 1, "batch_size": 1, "num_frames": 4, "size": "32x32"},
+        },
+    )
     assert job.status_code == 200, job.text
     job_id = job.json()["id"]
     deadline = time.monotonic() + JOB_TIMEOUT_S
     while (j := server.http.get(f"/v1/fine_tuning/jobs/{job_id}").json())["status"] not in (
-            "succeeded", "failed", "cancelled"):  # fmt: skip
+        "succeeded",
+        "failed",
+        "cancelled",
+    ):
         assert time.monotonic() < deadline, f"fine-tune still {j['status']}"
         time.sleep(0.2)
     assert j["status"] == "succeeded", j
-    assert j["fine_tuned_model"] == f"ft:tiny:e2e:{job_id.removeprefix('ftjob-')}" and j["step"] == 2
+    assert (
+        j["fine_tuned_model"] == f"ft:tiny:e2e:{job_id.removeprefix('ftjob-')}" and j["step"] == 2
+    )
     events = server.http.get(f"/v1/fine_tuning/jobs/{job_id}/events").json()["data"]
     metrics = [e["data"] for e in events if e["type"] == "metrics"]
-    assert [m["step"] for m in metrics] == [2, 1] and all(np.isfinite(m["loss"]) and m["lr"] > 0 for m in metrics)
+    assert [m["step"] for m in metrics] == [2, 1] and all(
+        np.isfinite(m["loss"]) and m["lr"] > 0 for m in metrics
+    )
 
     assert j["fine_tuned_model"] in [m["id"] for m in server.http.get("/v1/models").json()["data"]]
-    v = server.http.post("/v1/videos", json={"prompt": "a tuned clip", "model": j["fine_tuned_model"], **CLIP})
+    v = server.http.post(
+        "/v1/videos", json={"prompt": "a tuned clip", "model": j["fine_tuned_model"], **CLIP}
+    )
     assert v.status_code == 200, v.text
     assert server.wait(v.json()["id"])["status"] == "completed"
     assert server.http.get(f"/v1/videos/{v.json()['id']}/content").content[4:8] == b"ftyp"
@@ -231,7 +290,9 @@ def test_kill_9_then_restart_completes_every_job_exactly_once(tmp_path):
     first = Server(data)
     ids = []
     for seed in range(5):
-        r = first.http.post("/v1/videos", json={"prompt": f"clip {seed}", "seed": seed, "guidance_scale": 1, **CLIP})
+        r = first.http.post(
+            "/v1/videos", json={"prompt": f"clip {seed}", "seed": seed, "guidance_scale": 1, **CLIP}
+        )
         assert r.status_code == 200, r.text
         ids.append(r.json()["id"])
     first.wait(ids[0], statuses=("in_progress",) + TERMINAL)

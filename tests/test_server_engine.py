@@ -24,7 +24,9 @@ CLIP = {"num_frames": 4, "size": "32x32", "num_inference_steps": 2}
 
 
 def serve(tmp_path, **overrides):
-    settings = Settings(data_dir=tmp_path / "data", preset="tiny", device="cpu", poll_after_ms=50, **overrides)
+    settings = Settings(
+        data_dir=tmp_path / "data", preset="tiny", device="cpu", poll_after_ms=50, **overrides
+    )
     return TestClient(build_app(settings))
 
 
@@ -44,12 +46,20 @@ def test_streamed_serving_equals_resident_and_counts_h2d_bytes(tmp_path):
         assert wait(c, v["id"])["status"] == "completed"
         (tmp_path / "served.mp4").write_bytes(c.get(f"/v1/videos/{v['id']}/content").content)
         metrics = c.get("/metrics").text
-    h2d = float(next(line.split()[1] for line in metrics.splitlines() if line.startswith("megaslide_h2d_bytes_total")))
+    h2d = float(
+        next(
+            line.split()[1]
+            for line in metrics.splitlines()
+            if line.startswith("megaslide_h2d_bytes_total")
+        )
+    )
     pipe = VideoPipeline.from_preset("tiny")
     block_bytes = sum(p.numel() * p.element_size() for p in pipe.dit.blocks.parameters())
     # Two steps, each moving every block once (no budget: nothing stays resident).
     assert h2d >= 2 * block_bytes, (h2d, block_bytes)
-    local = pipe.generate(GenerationRequest(prompt="streamed", frames=4, height=32, width=32, steps=2, seed=3))
+    local = pipe.generate(
+        GenerationRequest(prompt="streamed", frames=4, height=32, width=32, steps=2, seed=3)
+    )
     from megaslide.engine.video import write_mp4
 
     write_mp4(tmp_path / "local.mp4", local, fps=8)

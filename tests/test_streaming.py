@@ -11,8 +11,12 @@ from torch import nn
 
 from megaslide.engine import streaming
 from megaslide.engine.streaming import (
-    ALIGN_BYTES, HostBlockStore, layout_nbytes, plan_residency, stream_module,
-)  # fmt: skip
+    ALIGN_BYTES,
+    HostBlockStore,
+    layout_nbytes,
+    plan_residency,
+    stream_module,
+)
 
 # ------------------------------------------------------------------------------------------------
 # Two toy modules with different block structures
@@ -105,8 +109,11 @@ def block_bytes(blocks):
 
 def non_block_bytes(model, blocks):
     inside = {id(p) for b in blocks for p in [*b.parameters(), *b.buffers()]}
-    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]
-               if id(t) not in inside)  # fmt: skip
+    return sum(
+        t.numel() * t.element_size()
+        for t in [*model.parameters(), *model.buffers()]
+        if id(t) not in inside
+    )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -195,8 +202,9 @@ def test_partial_residency_respects_budget_and_counts_blocks():
     ]
     for budget, reserve, expected in cases:
         m = copy.deepcopy(model)
-        handle = stream_module(m, m.blocks, "cpu", gpu_budget_bytes=budget,
-                               activation_reserve_bytes=reserve)  # fmt: skip
+        handle = stream_module(
+            m, m.blocks, "cpu", gpu_budget_bytes=budget, activation_reserve_bytes=reserve
+        )
         s = handle.stats()
         assert s["resident_blocks"] == expected, (budget, reserve)
         assert s["streamed_blocks"] == n - expected
@@ -206,8 +214,9 @@ def test_partial_residency_respects_budget_and_counts_blocks():
         assert s["num_slots"] == (0 if expected == n else 2)
         # Resident blocks never cross; each streamed one crosses once per forward.
         assert handle.stats()["h2d_bytes"] == 2 * (n - expected) * size
-    assert plan_residency([size] * 6, gpu_budget_bytes=fixed + 5 * size,
-                          non_block_bytes=fixed).resident == (0, 2, 4)  # fmt: skip
+    assert plan_residency(
+        [size] * 6, gpu_budget_bytes=fixed + 5 * size, non_block_bytes=fixed
+    ).resident == (0, 2, 4)
 
 
 @pytest.mark.parametrize("batch", [1, 7])

@@ -22,16 +22,24 @@ from megaslide.engine.video import (  # noqa: E402
 def smooth_clip(f: int = 6, h: int = 48, w: int = 64) -> np.ndarray:
     """uint8 (F, H, W, 3): gentle gradients that move per frame (no edges, no wrap-around)."""
     yy, xx = np.mgrid[0:h, 0:w].astype(np.float64)
-    frames = [np.stack([40 + 2 * xx + t, 60 + 2 * yy + 2 * t, 200 - xx - yy + 3 * t], -1)
-              for t in range(f)]
+    frames = [
+        np.stack([40 + 2 * xx + t, 60 + 2 * yy + 2 * t, 200 - xx - yy + 3 * t], -1)
+        for t in range(f)
+    ]
     return np.stack(frames).round().clip(0, 255).astype(np.uint8)
 
 
 def yuv420_round_trip(frames: np.ndarray) -> np.ndarray:
     """What RGB -> yuv420p -> RGB alone does to the frames (the same swscale conversions the
     encoder and decoder use), without any codec."""
-    return np.stack([av.VideoFrame.from_ndarray(f, format="rgb24").reformat(format="yuv420p")
-                     .to_ndarray(format="rgb24") for f in frames])
+    return np.stack(
+        [
+            av.VideoFrame.from_ndarray(f, format="rgb24")
+            .reformat(format="yuv420p")
+            .to_ndarray(format="rgb24")
+            for f in frames
+        ]
+    )
 
 
 def write_png(path, frame: np.ndarray) -> None:
@@ -118,8 +126,10 @@ def test_float_mapping_exact():
 def test_float_layout_errors():
     with pytest.raises(ValueError, match="ambiguous"):
         float_to_frames(torch.zeros(3, 2, 2, 3))
-    np.testing.assert_array_equal(float_to_frames(torch.zeros(3, 2, 2, 3), layout="CFHW"),
-                                  np.full((2, 2, 3, 3), 128, np.uint8))
+    np.testing.assert_array_equal(
+        float_to_frames(torch.zeros(3, 2, 2, 3), layout="CFHW"),
+        np.full((2, 2, 3, 3), 128, np.uint8),
+    )
     with pytest.raises(ValueError, match="NaN"):
         float_to_frames(torch.full((1, 2, 2, 3), float("nan")))
     with pytest.raises(ValueError, match="channel"):

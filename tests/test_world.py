@@ -7,9 +7,19 @@ import random
 import numpy as np
 
 from megaslide.engine.world import (
-    BACKGROUNDS, COLOURS, MOTIONS, SHAPES, analyse_clip, benchmark_prompts, dilate, fill_holes, held_out, random_clip,
-    render, write_dataset,
-)  # fmt: skip
+    BACKGROUNDS,
+    COLOURS,
+    MOTIONS,
+    SHAPES,
+    analyse_clip,
+    benchmark_prompts,
+    dilate,
+    fill_holes,
+    held_out,
+    random_clip,
+    render,
+    write_dataset,
+)
 
 
 def test_analyser_reads_rendered_clips():
@@ -34,18 +44,25 @@ def test_analyser_reads_clips_through_mp4(tmp_path):
     assert len(single) >= 30
     hits = 0
     for r in single:
-        a, o = analyse_clip(read_video(root / r["file"]), r["spec"]["background"]), r["spec"]["objects"][0]
+        a, o = (
+            analyse_clip(read_video(root / r["file"]), r["spec"]["background"]),
+            r["spec"]["objects"][0],
+        )
         hits += (a.colour, a.shape, a.motion) == (o["colour"], o["shape"], o["motion"])
     assert hits / len(single) >= 0.99
 
 
-def flecked_and_fringed(video: np.ndarray, colour: str, background: str, rng: np.random.Generator) -> np.ndarray:
+def flecked_and_fringed(
+    video: np.ndarray, colour: str, background: str, rng: np.random.Generator
+) -> np.ndarray:
     """The flaws of a sampled clip: an eighth of the object's pixels back to the background, and a
     one-pixel ring of a dark bluish tint of its colour around it."""
     out, bg = video.copy(), np.array(BACKGROUNDS[background])
     for frame in out:
         obj = (frame != bg).any(-1)
-        frame[dilate(obj) & ~obj] = np.clip(0.35 * np.array(COLOURS[colour]) + [0, 0, 90], 0, 255).astype(np.uint8)
+        frame[dilate(obj) & ~obj] = np.clip(
+            0.35 * np.array(COLOURS[colour]) + [0, 0, 90], 0, 255
+        ).astype(np.uint8)
         frame[obj & (rng.random(obj.shape) < 0.125)] = bg
     return out
 
@@ -57,7 +74,9 @@ def test_analyser_reads_flecked_and_fringed_clips():
     for _ in range(n):
         spec = random_clip(rng, max_objects=1, allow_held_out=True)
         o = spec.objects[0]
-        a = analyse_clip(flecked_and_fringed(render(spec), o.colour, spec.background, flaws), spec.background)
+        a = analyse_clip(
+            flecked_and_fringed(render(spec), o.colour, spec.background, flaws), spec.background
+        )
         hits += (a.colour, a.shape, a.motion) == (o.colour, o.shape, o.motion)
     assert hits / n >= 0.99
 
@@ -75,7 +94,9 @@ def test_analyser_is_not_fooled_by_noise():
     blank = np.zeros((16, 32, 32, 3), dtype=np.uint8)
     assert analyse_clip(blank).colour is None
     a = analyse_clip(noise)
-    assert a.motion == "static" or a.shape is None or a.fill < 0.9  # noise is never a clean moving square
+    assert (
+        a.motion == "static" or a.shape is None or a.fill < 0.9
+    )  # noise is never a clean moving square
 
 
 def test_dataset_is_deterministic_and_never_shows_held_out_combinations():

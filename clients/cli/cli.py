@@ -32,23 +32,37 @@ def parse_size(text: str) -> tuple[int, int]:
 
 def parse_bytes(text: str) -> int:
     """'20GB', '1.5TB', '512MiB' or a plain number of bytes -> bytes."""
-    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-             "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
+    units = {
+        "": 1,
+        "b": 1,
+        "kb": 10**3,
+        "mb": 10**6,
+        "gb": 10**9,
+        "tb": 10**12,
+        "kib": 2**10,
+        "mib": 2**20,
+        "gib": 2**30,
+        "tib": 2**40,
+    }
     s = text.strip().lower()
     num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = s[len(num):].strip()
+    unit = s[len(num) :].strip()
     try:
         value = float(num)
     except ValueError:
         raise UsageError(f"cannot read a size from {text!r} (expected e.g. 20GB)") from None
     if unit not in units or value < 0:
-        raise UsageError(f"cannot read a size from {text!r} (units: {', '.join(u for u in units if u)})")
+        raise UsageError(
+            f"cannot read a size from {text!r} (units: {', '.join(u for u in units if u)})"
+        )
     return int(value * units[unit])
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--model", help="model directory or packaged model name (default: the packaged model)")
+    src.add_argument(
+        "--model", help="model directory or packaged model name (default: the packaged model)"
+    )
     src.add_argument("--preset", help="random weights of a named preset (for tests and benchmarks)")
 
 

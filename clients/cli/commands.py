@@ -46,12 +46,24 @@ def register_generate(sub) -> None:
     p.add_argument("--guidance", type=float, help="classifier-free guidance scale (1 = off)")
     p.add_argument("--negative-prompt", default="", help="what to steer away from")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--attention", choices=("dense", "dsa"), help="self-attention backend (default: the model's)")
-    p.add_argument("--offload", choices=("none", "stream"), default="none",
-                   help="stream block weights from host RAM (default: none, all weights on the device)")
-    p.add_argument("--gpu-budget", type=parse_bytes, help="device bytes for weights when streaming, e.g. 20GB")
+    p.add_argument(
+        "--attention",
+        choices=("dense", "dsa"),
+        help="self-attention backend (default: the model's)",
+    )
+    p.add_argument(
+        "--offload",
+        choices=("none", "stream"),
+        default="none",
+        help="stream block weights from host RAM (default: none, all weights on the device)",
+    )
+    p.add_argument(
+        "--gpu-budget", type=parse_bytes, help="device bytes for weights when streaming, e.g. 20GB"
+    )
     p.add_argument("--stats", help="write streaming and step-time stats as JSON here")
-    p.add_argument("--trace", help="write a Chrome trace (Perfetto) of block copies and computes here")
+    p.add_argument(
+        "--trace", help="write a Chrome trace (Perfetto) of block copies and computes here"
+    )
     p.add_argument("--server", help="generate on a MegaSlide server at this URL instead of locally")
     p.add_argument("--api-key", help="API key for --server (default: $MEGASLIDE_API_KEY)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
@@ -80,10 +92,19 @@ def run_generate(args) -> int:
 
     overrides = {"attention": args.attention} if args.attention else {}
     pipe = load_pipeline(args, **overrides)
-    request = pipe.resolve(GenerationRequest(
-        prompt=args.prompt, negative_prompt=args.negative_prompt, frames=args.frames, height=height,
-        width=width, steps=args.steps, guidance=args.guidance, seed=args.seed, fps=args.fps,
-    ))  # fmt: skip
+    request = pipe.resolve(
+        GenerationRequest(
+            prompt=args.prompt,
+            negative_prompt=args.negative_prompt,
+            frames=args.frames,
+            height=height,
+            width=width,
+            steps=args.steps,
+            guidance=args.guidance,
+            seed=args.seed,
+            fps=args.fps,
+        )
+    )
     handle = stream_pipeline(pipe, args) if args.offload == "stream" else None
     step_times = []
     with progress_bar(request.steps, "denoising", disable=args.no_progress) as bar:
@@ -100,8 +121,10 @@ def run_generate(args) -> int:
     write_mp4(args.output, frames, fps=request.fps)
     if handle is not None:
         write_stream_reports(handle, args, step_times)
-    print(f"wrote {args.output} ({len(frames)} frames, {request.width}x{request.height}, {request.fps} fps)",
-          file=sys.stderr)  # fmt: skip
+    print(
+        f"wrote {args.output} ({len(frames)} frames, {request.width}x{request.height}, {request.fps} fps)",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -109,8 +132,13 @@ def stream_pipeline(pipe, args):
     """Stream the DiT's blocks from host RAM (the `--offload stream` mode)."""
     from megaslide.engine.streaming import stream_module
 
-    return stream_module(pipe.dit, blocks=pipe.dit.blocks, device=args.device,
-                         gpu_budget_bytes=args.gpu_budget, timing=bool(args.stats or args.trace))  # fmt: skip
+    return stream_module(
+        pipe.dit,
+        blocks=pipe.dit.blocks,
+        device=args.device,
+        gpu_budget_bytes=args.gpu_budget,
+        timing=bool(args.stats or args.trace),
+    )
 
 
 def write_stream_reports(handle, args, step_times) -> None:
@@ -158,12 +186,19 @@ def run_info(args) -> int:
     config = model_config(args)
     name = args.preset or args.model or "default"
     counts = count_parameters(config)
-    info = {"name": name, "parameters": counts["total"], "parameter_counts": counts, "config": config.to_dict()}
+    info = {
+        "name": name,
+        "parameters": counts["total"],
+        "parameter_counts": counts,
+        "config": config.to_dict(),
+    }
     if args.json:
         print_json(info)
     else:
-        print(f"{name}: {counts['total']:,} parameters ({counts['total'] / 1e9:.3g}B); "
-              f"{config.depth} blocks of {counts['per_block']:,}; dim {config.dim}, heads {config.heads}")  # fmt: skip
+        print(
+            f"{name}: {counts['total']:,} parameters ({counts['total'] / 1e9:.3g}B); "
+            f"{config.depth} blocks of {counts['per_block']:,}; dim {config.dim}, heads {config.heads}"
+        )
     return 0
 
 
@@ -175,21 +210,48 @@ def register_plan(sub) -> None:
     p = sub.add_parser("plan", help="memory and time accounting of a model on a machine")
     add_model_args(p)
     p.add_argument("--mode", choices=("infer", "finetune"), default="infer")
-    p.add_argument("--frames", type=int, help="clip frames in pixels-space frames (default: the model's)")
+    p.add_argument(
+        "--frames", type=int, help="clip frames in pixels-space frames (default: the model's)"
+    )
     p.add_argument("--size", help="clip WIDTHxHEIGHT in pixels (default: the model's)")
-    p.add_argument("--batch", type=int, default=1, help="requests (inference) or clips (fine-tuning) per step")
-    p.add_argument("--no-guidance", action="store_true", help="inference without the unconditional pass")
-    p.add_argument("--gpu-mem", type=parse_bytes, default="141GB", help="device memory (default: 141GB)")
-    p.add_argument("--host-mem", type=parse_bytes, default="1.5TB", help="host RAM (default: 1.5TB)")
-    p.add_argument("--gpu-budget", type=parse_bytes, help="device bytes for weights (default: stream every block)")
+    p.add_argument(
+        "--batch", type=int, default=1, help="requests (inference) or clips (fine-tuning) per step"
+    )
+    p.add_argument(
+        "--no-guidance", action="store_true", help="inference without the unconditional pass"
+    )
+    p.add_argument(
+        "--gpu-mem", type=parse_bytes, default="141GB", help="device memory (default: 141GB)"
+    )
+    p.add_argument(
+        "--host-mem", type=parse_bytes, default="1.5TB", help="host RAM (default: 1.5TB)"
+    )
+    p.add_argument(
+        "--gpu-budget",
+        type=parse_bytes,
+        help="device bytes for weights (default: stream every block)",
+    )
     p.add_argument("--h2d-gbps", type=float, default=55.0, help="host-to-device GB/s (default: 55)")
     p.add_argument("--d2h-gbps", type=float, default=55.0, help="device-to-host GB/s (default: 55)")
-    p.add_argument("--tflops", type=float, default=790.0, help="achieved bf16 TFLOP/s (default: 790)")
-    p.add_argument("--host-gbps", type=float, default=200.0, help="host memory GB/s for the CPU optimizer")
-    p.add_argument("--prefetch", type=int, default=2, help="device slots for streamed blocks (default: 2)")
-    p.add_argument("--max-grad-norm", action="store_true", help="fine-tuning with global-norm clipping")
+    p.add_argument(
+        "--tflops", type=float, default=790.0, help="achieved bf16 TFLOP/s (default: 790)"
+    )
+    p.add_argument(
+        "--host-gbps", type=float, default=200.0, help="host memory GB/s for the CPU optimizer"
+    )
+    p.add_argument(
+        "--prefetch", type=int, default=2, help="device slots for streamed blocks (default: 2)"
+    )
+    p.add_argument(
+        "--max-grad-norm", action="store_true", help="fine-tuning with global-norm clipping"
+    )
     p.add_argument("--grad-accum", type=int, default=1, help="fine-tuning micro-batches per step")
-    p.add_argument("--dtype-bytes", type=int, default=2, help="bytes per compute-dtype value (default: 2, bf16)")
+    p.add_argument(
+        "--dtype-bytes",
+        type=int,
+        default=2,
+        help="bytes per compute-dtype value (default: 2, bf16)",
+    )
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=run_plan)
 
@@ -199,15 +261,34 @@ def run_plan(args) -> int:
 
     config = model_config(args)
     width, height = parse_size(args.size) if args.size else (None, None)
-    for flag, value in (("--batch", args.batch), ("--prefetch", args.prefetch), ("--frames", args.frames)):
+    for flag, value in (
+        ("--batch", args.batch),
+        ("--prefetch", args.prefetch),
+        ("--frames", args.frames),
+    ):
         if value is not None and value < 1:
             raise UsageError(f"{flag} must be at least 1, got {value}")
-    machine = Machine(gpu_mem=args.gpu_mem, host_mem=args.host_mem, h2d_gbps=args.h2d_gbps,
-                      d2h_gbps=args.d2h_gbps, tflops=args.tflops, host_gbps=args.host_gbps)  # fmt: skip
-    workload = Workload(mode=args.mode, frames=args.frames, height=height, width=width, batch=args.batch,
-                        guidance=not args.no_guidance, dtype_bytes=args.dtype_bytes, prefetch=args.prefetch,
-                        gpu_budget=args.gpu_budget, max_grad_norm=args.max_grad_norm,
-                        grad_accum=args.grad_accum)  # fmt: skip
+    machine = Machine(
+        gpu_mem=args.gpu_mem,
+        host_mem=args.host_mem,
+        h2d_gbps=args.h2d_gbps,
+        d2h_gbps=args.d2h_gbps,
+        tflops=args.tflops,
+        host_gbps=args.host_gbps,
+    )
+    workload = Workload(
+        mode=args.mode,
+        frames=args.frames,
+        height=height,
+        width=width,
+        batch=args.batch,
+        guidance=not args.no_guidance,
+        dtype_bytes=args.dtype_bytes,
+        prefetch=args.prefetch,
+        gpu_budget=args.gpu_budget,
+        max_grad_norm=args.max_grad_norm,
+        grad_accum=args.grad_accum,
+    )
     result = plan(config, machine, workload)
     print_json(result) if args.json else print(format_plan(result))
     return 0
@@ -236,7 +317,9 @@ TIME_SAMPLING = (*_SPREAD_TIMES, "prior", *(f"{kind}+prior" for kind in _SPREAD_
 
 
 def register_finetune(sub) -> None:
-    p = sub.add_parser("finetune", help="full-parameter fine-tuning on a directory of captioned clips")
+    p = sub.add_parser(
+        "finetune", help="full-parameter fine-tuning on a directory of captioned clips"
+    )
     add_model_args(p)
     p.add_argument("--data", required=True, help="dataset directory with metadata.jsonl")
     p.add_argument("--output", help="run directory: metrics, checkpoints and the final model")
@@ -244,33 +327,67 @@ def register_finetune(sub) -> None:
     length.add_argument("--steps", type=int, help="optimizer steps")
     length.add_argument("--epochs", type=float, help="passes over the dataset (default: 1)")
     p.add_argument("--lr", type=float, default=1e-4)
-    p.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant",
-                   help="constant, or cosine decay to 0 at the last step (default: constant)")
-    p.add_argument("--warmup-steps", type=int, default=0, help="linear learning-rate warm-up (default: 0)")
+    p.add_argument(
+        "--lr-schedule",
+        choices=("constant", "cosine"),
+        default="constant",
+        help="constant, or cosine decay to 0 at the last step (default: constant)",
+    )
+    p.add_argument(
+        "--warmup-steps", type=int, default=0, help="linear learning-rate warm-up (default: 0)"
+    )
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--max-grad-norm", type=float, help="clip the global gradient norm to this")
-    p.add_argument("--save-every", type=int, default=50, help="checkpoint every N steps (and at the end)")
+    p.add_argument(
+        "--save-every", type=int, default=50, help="checkpoint every N steps (and at the end)"
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--caption-dropout", type=float, default=0.1,
-                   help="fraction of captions dropped, which classifier-free guidance needs (default: 0.1)")
-    p.add_argument("--time-sampling", choices=TIME_SAMPLING, default="logit-normal",
-                   help="distribution of training flow times (default: logit-normal)")
-    p.add_argument("--cache-mb", type=int, default=1024,
-                   help="decoded training clips kept in RAM, in MiB (default: 1024)")
-    p.add_argument("--until", type=int, metavar="STEP",
-                   help="stop after this step of the schedule and checkpoint; --resume continues the run")
-    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --output")
+    p.add_argument(
+        "--caption-dropout",
+        type=float,
+        default=0.1,
+        help="fraction of captions dropped, which classifier-free guidance needs (default: 0.1)",
+    )
+    p.add_argument(
+        "--time-sampling",
+        choices=TIME_SAMPLING,
+        default="logit-normal",
+        help="distribution of training flow times (default: logit-normal)",
+    )
+    p.add_argument(
+        "--cache-mb",
+        type=int,
+        default=1024,
+        help="decoded training clips kept in RAM, in MiB (default: 1024)",
+    )
+    p.add_argument(
+        "--until",
+        type=int,
+        metavar="STEP",
+        help="stop after this step of the schedule and checkpoint; --resume continues the run",
+    )
+    p.add_argument(
+        "--resume", action="store_true", help="continue from the newest checkpoint in --output"
+    )
     p.add_argument("--frames", type=int, help="training clip frames (default: the model's)")
     p.add_argument("--size", help="training clip WIDTHxHEIGHT (default: the model's)")
-    p.add_argument("--attention", choices=("dense", "dsa"), help="self-attention backend to train with")
+    p.add_argument(
+        "--attention", choices=("dense", "dsa"), help="self-attention backend to train with"
+    )
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--offload", choices=("none", "stream"), default="none")
-    p.add_argument("--gpu-budget", type=parse_bytes, help="reserved: fine-tuning streams every block")
+    p.add_argument(
+        "--gpu-budget", type=parse_bytes, help="reserved: fine-tuning streams every block"
+    )
     p.add_argument("--stats", help="write streaming stats of the run as JSON here")
-    p.add_argument("--trace", help="write a Chrome trace of the last step's block copies and computes")
-    p.add_argument("--server", help="run the job on a MegaSlide server at this URL instead of locally")
+    p.add_argument(
+        "--trace", help="write a Chrome trace of the last step's block copies and computes"
+    )
+    p.add_argument(
+        "--server", help="run the job on a MegaSlide server at this URL instead of locally"
+    )
     p.add_argument("--api-key", help="API key for --server (default: $MEGASLIDE_API_KEY)")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(run=run_finetune)
@@ -295,15 +412,33 @@ def run_finetune(args) -> int:
         kind, source = default_model_source()
         model, preset = (source, None) if kind == "model" else (None, source)
     config = FinetuneConfig(
-        data=args.data, output=args.output, model=model, preset=preset, steps=args.steps,
-        epochs=None if args.steps else (args.epochs or 1.0), lr=args.lr, batch_size=args.batch_size,
-        grad_accum=args.grad_accum, weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
-        save_every=args.save_every, seed=args.seed, device=args.device, offload=args.offload,
-        frames=args.frames, height=height, width=width, attention=args.attention,
-        timing=bool(args.stats or args.trace), caption_dropout=args.caption_dropout,
-        time_sampling=args.time_sampling, lr_schedule=args.lr_schedule, warmup_steps=args.warmup_steps,
-        cache_mb=args.cache_mb, until=args.until,
-    )  # fmt: skip
+        data=args.data,
+        output=args.output,
+        model=model,
+        preset=preset,
+        steps=args.steps,
+        epochs=None if args.steps else (args.epochs or 1.0),
+        lr=args.lr,
+        batch_size=args.batch_size,
+        grad_accum=args.grad_accum,
+        weight_decay=args.weight_decay,
+        max_grad_norm=args.max_grad_norm,
+        save_every=args.save_every,
+        seed=args.seed,
+        device=args.device,
+        offload=args.offload,
+        frames=args.frames,
+        height=height,
+        width=width,
+        attention=args.attention,
+        timing=bool(args.stats or args.trace),
+        caption_dropout=args.caption_dropout,
+        time_sampling=args.time_sampling,
+        lr_schedule=args.lr_schedule,
+        warmup_steps=args.warmup_steps,
+        cache_mb=args.cache_mb,
+        until=args.until,
+    )
     with Trainer(config, resume=args.resume) as trainer:
         if trainer.done:
             print(f"already at step {trainer.step} of {trainer.total_steps}", file=sys.stderr)
@@ -324,7 +459,10 @@ def run_finetune(args) -> int:
             trainer.engine.handle.write_trace(args.trace)
         path = trainer.export()
         if trainer.step < trainer.total_steps:
-            print(f"stopped at step {trainer.step} of {trainer.total_steps}; --resume continues", file=sys.stderr)
+            print(
+                f"stopped at step {trainer.step} of {trainer.total_steps}; --resume continues",
+                file=sys.stderr,
+            )
     print(f"fine-tuned model written to {path}", file=sys.stderr)
     return 0
 

@@ -17,11 +17,25 @@ from .cli import UsageError
 
 # Options of local generation that mean nothing to a server, with their defaults: giving one
 # together with --server is a mistake we name rather than silently ignore.
-LOCAL_ONLY_GENERATE = {"device": "cpu", "attention": None, "offload": "none", "gpu_budget": None,
-                       "stats": None, "trace": None}  # fmt: skip
+LOCAL_ONLY_GENERATE = {
+    "device": "cpu",
+    "attention": None,
+    "offload": "none",
+    "gpu_budget": None,
+    "stats": None,
+    "trace": None,
+}
 # The same for `finetune`: the server decides the schedule, checkpoints and where the model lives.
-LOCAL_ONLY_FINETUNE = {"output": None, "steps": None, "grad_accum": 1, "weight_decay": 0.0, "max_grad_norm": None,
-                       "save_every": 50, "resume": False, **LOCAL_ONLY_GENERATE}  # fmt: skip
+LOCAL_ONLY_FINETUNE = {
+    "output": None,
+    "steps": None,
+    "grad_accum": 1,
+    "weight_decay": 0.0,
+    "max_grad_norm": None,
+    "save_every": 50,
+    "resume": False,
+    **LOCAL_ONLY_GENERATE,
+}
 # `finetune --lr` defaults to this; the server's rate at learning_rate_multiplier=1 is its own
 # setting (MEGASLIDE_FINETUNE_LR, also 1e-4 unless changed), so --lr travels as a ratio to it.
 DEFAULT_LR = 1e-4
@@ -31,7 +45,9 @@ def _sdk():
     try:
         import megaslide_client
     except ImportError:
-        raise UsageError("--server needs the megaslide-client package: pip install ./clients/python") from None
+        raise UsageError(
+            "--server needs the megaslide-client package: pip install ./clients/python"
+        ) from None
     return megaslide_client
 
 
@@ -49,16 +65,24 @@ def _api_failure(command: str, error, base_url: str) -> int:
     """Print a server or connection error in one line; 2 for a request the server judged invalid."""
     sdk = _sdk()
     if isinstance(error, sdk.APIConnectionError):
-        print(f"megaslide {command}: error: cannot reach the server at {base_url}: {error.message}", file=sys.stderr)
+        print(
+            f"megaslide {command}: error: cannot reach the server at {base_url}: {error.message}",
+            file=sys.stderr,
+        )
         return 1
-    print(f"megaslide {command}: error: the server answered {error.status_code}: {error.message}", file=sys.stderr)
+    print(
+        f"megaslide {command}: error: the server answered {error.status_code}: {error.message}",
+        file=sys.stderr,
+    )
     return 2 if error.status_code in (400, 404, 413, 422) else 1
 
 
 def _check_local_only(args, options: dict) -> None:
     for name, default in options.items():
         if getattr(args, name, default) != default:
-            raise UsageError(f"--{name.replace('_', '-')} is an option of a local run; it does not go with --server")
+            raise UsageError(
+                f"--{name.replace('_', '-')} is an option of a local run; it does not go with --server"
+            )
 
 
 def generate_remote(args, width: int | None, height: int | None) -> int:
@@ -74,13 +98,21 @@ def generate_remote(args, width: int | None, height: int | None) -> int:
     with client:
         try:
             video = client.videos.create(
-                prompt=args.prompt, model=args.model or args.preset,
-                size=f"{width}x{height}" if width else None, num_frames=args.frames, fps=args.fps,
-                num_inference_steps=args.steps, guidance_scale=args.guidance,
-                negative_prompt=args.negative_prompt or None, seed=args.seed,
-            )  # fmt: skip
-            print(f"video {video.id} queued on {client.base_url} (model {video.model}, {video.size}, "
-                  f"seed {video.seed})", file=sys.stderr)  # fmt: skip
+                prompt=args.prompt,
+                model=args.model or args.preset,
+                size=f"{width}x{height}" if width else None,
+                num_frames=args.frames,
+                fps=args.fps,
+                num_inference_steps=args.steps,
+                guidance_scale=args.guidance,
+                negative_prompt=args.negative_prompt or None,
+                seed=args.seed,
+            )
+            print(
+                f"video {video.id} queued on {client.base_url} (model {video.model}, {video.size}, "
+                f"seed {video.seed})",
+                file=sys.stderr,
+            )
             try:
                 video = client.videos.poll(video.id, progress=not args.no_progress)
             except KeyboardInterrupt:
@@ -88,14 +120,19 @@ def generate_remote(args, width: int | None, height: int | None) -> int:
                 raise
             if video.status != "completed":
                 reason = video.error.message if video.error else "no reason given"
-                print(f"megaslide generate: error: video {video.id} {video.status}: {reason}", file=sys.stderr)
+                print(
+                    f"megaslide generate: error: video {video.id} {video.status}: {reason}",
+                    file=sys.stderr,
+                )
                 return 1
             client.videos.download_content(video.id, variant="video", path=args.output)
         except sdk.APIError as e:
             return _api_failure("generate", e, client.base_url)
     size = Path(args.output).stat().st_size
-    print(f"wrote {args.output} ({size:,} bytes, {video.size}, model {video.model}, video {video.id})",
-          file=sys.stderr)  # fmt: skip
+    print(
+        f"wrote {args.output} ({size:,} bytes, {video.size}, model {video.model}, video {video.id})",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -131,11 +168,17 @@ def _hyperparameters(args) -> dict:
     """The job's hyperparameters from the command's flags; what is not given stays "auto"."""
     epochs = getattr(args, "epochs", None)
     if epochs is not None and (epochs != int(epochs) or epochs < 1):
-        raise UsageError(f"--epochs with --server must be a whole number of at least 1, got {epochs:g}")
+        raise UsageError(
+            f"--epochs with --server must be a whole number of at least 1, got {epochs:g}"
+        )
     lr = getattr(args, "lr", None)
-    hp = {"n_epochs": None if epochs is None else int(epochs), "batch_size": getattr(args, "batch_size", None),
-          "learning_rate_multiplier": None if lr is None or lr == DEFAULT_LR else lr / DEFAULT_LR,
-          "num_frames": getattr(args, "frames", None), "size": getattr(args, "size", None)}  # fmt: skip
+    hp = {
+        "n_epochs": None if epochs is None else int(epochs),
+        "batch_size": getattr(args, "batch_size", None),
+        "learning_rate_multiplier": None if lr is None or lr == DEFAULT_LR else lr / DEFAULT_LR,
+        "num_frames": getattr(args, "frames", None),
+        "size": getattr(args, "size", None),
+    }
     return {k: v for k, v in hp.items() if v is not None}
 
 
@@ -153,7 +196,11 @@ def _base_model(client, args) -> str:
 def _print_event(event) -> None:
     """One line per job event: the server's message, plus the learning rate of a metrics event."""
     data = event.data or {}
-    lr = f" (lr {data['lr']:.3g})" if event.type == "metrics" and isinstance(data.get("lr"), (int, float)) else ""
+    lr = (
+        f" (lr {data['lr']:.3g})"
+        if event.type == "metrics" and isinstance(data.get("lr"), (int, float))
+        else ""
+    )
     _say(f"  {event.message}{lr}")
 
 
@@ -180,17 +227,26 @@ def finetune_remote(args) -> int:
             count = pack_dataset(root, Path(archive))
             model = _base_model(client, args)
             uploaded = client.files.create(file=archive, purpose="fine-tune")
-            print(f"uploaded {root} ({count} files, {uploaded.bytes:,} bytes) as {uploaded.id}", file=sys.stderr)
+            print(
+                f"uploaded {root} ({count} files, {uploaded.bytes:,} bytes) as {uploaded.id}",
+                file=sys.stderr,
+            )
             job = client.fine_tuning.jobs.create(
-                model=model, training_file=uploaded.id, hyperparameters=hyperparameters or None,
-                seed=getattr(args, "seed", None), suffix=getattr(args, "suffix", None),
-            )  # fmt: skip
+                model=model,
+                training_file=uploaded.id,
+                hyperparameters=hyperparameters or None,
+                seed=getattr(args, "seed", None),
+                suffix=getattr(args, "suffix", None),
+            )
             print(f"fine-tuning job {job.id} on {model}: {job.status}", file=sys.stderr)
             try:
-                job = client.fine_tuning.jobs.wait(job.id, progress=not getattr(args, "no_progress", False),
-                                                   on_event=_print_event)  # fmt: skip
+                job = client.fine_tuning.jobs.wait(
+                    job.id, progress=not getattr(args, "no_progress", False), on_event=_print_event
+                )
             except KeyboardInterrupt:
-                print(f"\ndetached from job {job.id}; it keeps running on the server", file=sys.stderr)
+                print(
+                    f"\ndetached from job {job.id}; it keeps running on the server", file=sys.stderr
+                )
                 raise
         except sdk.APIError as e:
             return _api_failure("finetune", e, client.base_url)
@@ -201,6 +257,8 @@ def finetune_remote(args) -> int:
         print(f"megaslide finetune: error: job {job.id} {job.status}: {reason}", file=sys.stderr)
         return 1
     print(job.fine_tuned_model)
-    print(f"generate with it: megaslide generate PROMPT --server {args.server} --model {job.fine_tuned_model}",
-          file=sys.stderr)  # fmt: skip
+    print(
+        f"generate with it: megaslide generate PROMPT --server {args.server} --model {job.fine_tuned_model}",
+        file=sys.stderr,
+    )
     return 0

@@ -30,8 +30,10 @@ def save_upload(src, dst: Path, max_bytes: int) -> tuple[int, str]:
         while chunk := src.read(1 << 20):
             size += len(chunk)
             if size > max_bytes:
-                raise PayloadTooLarge(f"the file is larger than this server's limit of {max_bytes} bytes",
-                                      param="file")  # fmt: skip
+                raise PayloadTooLarge(
+                    f"the file is larger than this server's limit of {max_bytes} bytes",
+                    param="file",
+                )
             digest.update(chunk)
             out.write(chunk)
     return size, digest.hexdigest()
@@ -42,30 +44,44 @@ async def create_file(request: Request, store: StoreDep, engine: EngineDep, sett
     """Multipart `file` + `purpose=fine-tune`: a .zip or .tar(.gz) in the fine-tuning dataset layout."""
     length = request.headers.get("content-length")
     if length and length.isdigit() and int(length) > settings.max_upload_bytes + MULTIPART_SLACK:
-        raise PayloadTooLarge(f"the upload is {length} bytes; this server accepts files up to "
-                              f"{settings.max_upload_bytes} bytes", param="file")  # fmt: skip
+        raise PayloadTooLarge(
+            f"the upload is {length} bytes; this server accepts files up to "
+            f"{settings.max_upload_bytes} bytes",
+            param="file",
+        )
     if not request.headers.get("content-type", "").startswith("multipart/form-data"):
         raise InvalidRequest("upload files as multipart/form-data with fields file and purpose")
     form = await request.form(max_files=1, max_fields=8)
     purpose, upload = form.get("purpose"), form.get("file")
     if not purpose:
-        raise InvalidRequest("Missing required parameter: purpose", param="purpose", code="missing_required_parameter")
+        raise InvalidRequest(
+            "Missing required parameter: purpose",
+            param="purpose",
+            code="missing_required_parameter",
+        )
     if purpose not in PURPOSES:
-        raise InvalidRequest(f"purpose must be one of {', '.join(PURPOSES)}, got {purpose!r}", param="purpose")
+        raise InvalidRequest(
+            f"purpose must be one of {', '.join(PURPOSES)}, got {purpose!r}", param="purpose"
+        )
     if not isinstance(upload, UploadFile):
-        raise InvalidRequest("Missing required parameter: file", param="file", code="missing_required_parameter")
+        raise InvalidRequest(
+            "Missing required parameter: file", param="file", code="missing_required_parameter"
+        )
 
     file_id = new_id("file-")
     folder = Path(settings.data_dir) / "files" / file_id
     try:
-        size, digest = await run_in_threadpool(save_upload, upload.file, folder / "upload", settings.max_upload_bytes)
+        size, digest = await run_in_threadpool(
+            save_upload, upload.file, folder / "upload", settings.max_upload_bytes
+        )
         payload = request_hash({"sha256": digest, "purpose": purpose, "filename": upload.filename})
         prior = replayed(request, store, payload)
         if prior is not None and (row := store.get_file(prior)) is not None:
             remove_tree(folder)
             return file_object(row)
-        root = await run_in_threadpool(extract_archive, folder / "upload", folder / "data",
-                                       settings.max_extracted_bytes)  # fmt: skip
+        root = await run_in_threadpool(
+            extract_archive, folder / "upload", folder / "data", settings.max_extracted_bytes
+        )
         clips = await run_in_threadpool(engine.check_dataset, root)
     except (ArchiveError, ValueError) as e:
         remove_tree(folder)
@@ -75,16 +91,27 @@ async def create_file(request: Request, store: StoreDep, engine: EngineDep, sett
         raise
     (folder / "upload").unlink()  # the unpacked copy is what training reads
     row = store.insert_file(
-        {"id": file_id, "filename": upload.filename or "upload", "purpose": purpose, "bytes": size,
-         "path": str(root), "clips": clips},
+        {
+            "id": file_id,
+            "filename": upload.filename or "upload",
+            "purpose": purpose,
+            "bytes": size,
+            "path": str(root),
+            "clips": clips,
+        },
         idempotency=idempotency(request, payload),
-    )  # fmt: skip
+    )
     return file_object(row)
 
 
 @router.get("", response_model=ListPage[FileObject])
-async def list_files(store: StoreDep, purpose: str | None = None, after: str | None = None,
-                     limit: int = Query(100, ge=1, le=10000), order: Literal["asc", "desc"] = "desc"):  # fmt: skip
+async def list_files(
+    store: StoreDep,
+    purpose: str | None = None,
+    after: str | None = None,
+    limit: int = Query(100, ge=1, le=10000),
+    order: Literal["asc", "desc"] = "desc",
+):
     rows, has_more = store.list_files(after, limit, order, purpose)
     return page([file_object(r) for r in rows], has_more)
 
@@ -106,8 +133,12 @@ async def delete_file(file_id: str, store: StoreDep, settings: SettingsDep):
     find_file(store, file_id)
     outcome = store.delete_file(file_id)
     if outcome == "in_use":
-        raise Conflict(f"file {file_id} is the training file of a queued or running fine-tuning job; "
-                       "cancel the job first", param="file_id", code="file_in_use")  # fmt: skip
+        raise Conflict(
+            f"file {file_id} is the training file of a queued or running fine-tuning job; "
+            "cancel the job first",
+            param="file_id",
+            code="file_in_use",
+        )
     if outcome == "missing":
         raise NotFound(f"No such File object: {file_id}", param="file_id")
     folder = Path(settings.data_dir) / "files" / file_id

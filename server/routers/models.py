@@ -20,5 +20,7 @@ async def list_models(engine: EngineDep):
 async def retrieve_model(model_id: str, engine: EngineDep):
     card = engine.model(model_id)
     if card is None:
-        raise NotFound(f"The model {model_id!r} does not exist", param="model", code="model_not_found")
+        raise NotFound(
+            f"The model {model_id!r} does not exist", param="model", code="model_not_found"
+        )
     return model_object(card)

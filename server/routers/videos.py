@@ -12,7 +12,17 @@ from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 from starlette.datastructures import UploadFile
 
-from ..deps import EngineDep, SettingsDep, StoreDep, admit, idempotency, new_id, replayed, request_hash, wait_for
+from ..deps import (
+    EngineDep,
+    SettingsDep,
+    StoreDep,
+    admit,
+    idempotency,
+    new_id,
+    replayed,
+    request_hash,
+    wait_for,
+)
 from ..errors import InvalidRequest, NotFound, invalid_request
 from ..ranges import file_response
 from ..schemas import ListPage, Video, VideoCreate, VideoDeleted, page, video_object
@@ -43,7 +53,9 @@ async def read_create_body(request: Request) -> VideoCreate:
         except json.JSONDecodeError as e:
             raise InvalidRequest(f"the request body is not valid JSON: {e}") from None
         if not isinstance(data, dict):
-            raise InvalidRequest("the request body must be a JSON object (or multipart form fields)")
+            raise InvalidRequest(
+                "the request body must be a JSON object (or multipart form fields)"
+            )
     try:
         return VideoCreate.model_validate(data)
     except ValidationError as e:
@@ -63,21 +75,30 @@ def poll_hint(response: Response, row: dict, settings) -> None:
 
 
 # The body is parsed by hand (JSON or form), so its schema is declared here for the OpenAPI docs.
-CREATE_BODY_DOC = {"requestBody": {"required": True, "content": {
-    "application/json": {"schema": VideoCreate.model_json_schema()},
-    "multipart/form-data": {"schema": VideoCreate.model_json_schema()},
-}}}  # fmt: skip
+CREATE_BODY_DOC = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/json": {"schema": VideoCreate.model_json_schema()},
+            "multipart/form-data": {"schema": VideoCreate.model_json_schema()},
+        },
+    }
+}
 
 
 @router.post("", response_model=Video, openapi_extra=CREATE_BODY_DOC)
-async def create_video(request: Request, response: Response, store: StoreDep, engine: EngineDep,
-                       settings: SettingsDep):  # fmt: skip
+async def create_video(
+    request: Request, response: Response, store: StoreDep, engine: EngineDep, settings: SettingsDep
+):
     body = await read_create_body(request)
     name = body.model or engine.models()[0].name
     card = engine.model(name)
     if card is None:
-        raise NotFound(f"The model {name!r} does not exist; see GET /v1/models", param="model",
-                       code="model_not_found")  # fmt: skip
+        raise NotFound(
+            f"The model {name!r} does not exist; see GET /v1/models",
+            param="model",
+            code="model_not_found",
+        )
     spec = resolve_video(body, card, settings)
     try:
         engine.check_video(spec)
@@ -89,15 +110,21 @@ async def create_video(request: Request, response: Response, store: StoreDep, en
         poll_hint(response, row, settings)
         return video_object(row)
     admit(store, engine, settings)
-    row = store.insert_video(new_id("video_"), spec.to_dict(), idempotency=idempotency(request, payload))
+    row = store.insert_video(
+        new_id("video_"), spec.to_dict(), idempotency=idempotency(request, payload)
+    )
     engine.wake()
     poll_hint(response, row, settings)
     return video_object(row)
 
 
 @router.get("", response_model=ListPage[Video])
-async def list_videos(store: StoreDep, after: str | None = None, limit: int = Query(20, ge=1, le=100),
-                      order: Literal["asc", "desc"] = "desc"):  # fmt: skip
+async def list_videos(
+    store: StoreDep,
+    after: str | None = None,
+    limit: int = Query(20, ge=1, le=100),
+    order: Literal["asc", "desc"] = "desc",
+):
     rows, has_more = store.list_videos(after, limit, order)
     return page([video_object(r) for r in rows], has_more)
 
@@ -126,21 +153,33 @@ async def delete_video(video_id: str, store: StoreDep, engine: EngineDep, settin
     status = store.cancel_video(video_id)
     engine.wake()
     if status == "in_progress":
-        await wait_for(lambda: store.get_video(video_id)["status"] != "in_progress", settings.cancel_wait_s)
+        await wait_for(
+            lambda: store.get_video(video_id)["status"] != "in_progress", settings.cancel_wait_s
+        )
     status = store.get_video(video_id)["status"]
     return VideoDeleted(id=video_id, deleted=status != "in_progress", status=status)
 
 
 @router.get("/{video_id}/content")
-async def video_content(video_id: str, request: Request, store: StoreDep, settings: SettingsDep,
-                        variant: Literal["video", "thumbnail"] = "video"):  # fmt: skip
+async def video_content(
+    video_id: str,
+    request: Request,
+    store: StoreDep,
+    settings: SettingsDep,
+    variant: Literal["video", "thumbnail"] = "video",
+):
     """The MP4 (with Range support) or the first frame as a PNG."""
     row = find_video(store, video_id)
     if row["status"] != "completed":
-        raise InvalidRequest(f"video {video_id} is {row['status']}; its content exists once it is completed",
-                             param="video_id", code="video_not_ready")  # fmt: skip
+        raise InvalidRequest(
+            f"video {video_id} is {row['status']}; its content exists once it is completed",
+            param="video_id",
+            code="video_not_ready",
+        )
     if row["expires_at"] is not None and row["expires_at"] < now():
-        raise NotFound(f"the content of video {video_id} expired", param="video_id", code="video_expired")
+        raise NotFound(
+            f"the content of video {video_id} expired", param="video_id", code="video_expired"
+        )
     mp4, png = video_paths(settings.data_dir, video_id)
     path, media_type = (mp4, "video/mp4") if variant == "video" else (png, "image/png")
     if not path.is_file():
@@ -157,8 +196,11 @@ async def video_events(video_id: str, request: Request, store: StoreDep, setting
         last = int(request.headers.get("last-event-id") or 0)
     except ValueError:
         last = 0
-    return StreamingResponse(_sse(store, video_id, last, request, settings.sse_interval_s),
-                             media_type="text/event-stream", headers={"Cache-Control": "no-cache"})  # fmt: skip
+    return StreamingResponse(
+        _sse(store, video_id, last, request, settings.sse_interval_s),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache"},
+    )
 
 
 async def _sse(store: JobStore, video_id: str, last: int, request: Request, interval_s: float):
@@ -170,7 +212,11 @@ async def _sse(store: JobStore, video_id: str, last: int, request: Request, inte
             data = json.loads(event["data"] or "{}")
             terminal = data.get("status") in VIDEO_TERMINAL
             row = store.get_video(video_id) if terminal else None
-            body = video_object(row).model_dump() if row else {"id": video_id, "object": "video", **data}
+            body = (
+                video_object(row).model_dump()
+                if row
+                else {"id": video_id, "object": "video", **data}
+            )
             yield f"id: {last}\nevent: {event['type']}\ndata: {json.dumps(body)}\n\n"
             if terminal:
                 return

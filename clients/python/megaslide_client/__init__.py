@@ -1,11 +1,11 @@
 """Python client for a MegaSlide server: video generation and fine-tuning over HTTP.
 
-    from megaslide_client import Client
+from megaslide_client import Client
 
-    client = Client(base_url="http://127.0.0.1:8000")
-    video = client.videos.create_and_poll(prompt="a red circle moving right", size="64x64", progress=True)
-    if video.status == "completed":
-        client.videos.download_content(video.id, path="out.mp4")
+client = Client(base_url="http://127.0.0.1:8000")
+video = client.videos.create_and_poll(prompt="a red circle moving right", size="64x64", progress=True)
+if video.status == "completed":
+    client.videos.download_content(video.id, path="out.mp4")
 """
 
 from . import types

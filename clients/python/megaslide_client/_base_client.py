@@ -12,7 +12,8 @@ import os
 import random
 import time
 import uuid
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import anyio
 import httpx
@@ -129,7 +130,9 @@ class _BaseClient:
         self.max_retries = max_retries
         self._default_headers = dict(default_headers or {})
 
-    def _headers(self, extra: Mapping[str, str] | None, idempotency_key: str | None) -> dict[str, str]:
+    def _headers(
+        self, extra: Mapping[str, str] | None, idempotency_key: str | None
+    ) -> dict[str, str]:
         headers = {"Accept": "application/json", "User-Agent": f"megaslide-client/{__version__}"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
@@ -181,8 +184,13 @@ class SyncAPIClient(_BaseClient):
         http_client: httpx.Client | None,
         transport: httpx.BaseTransport | None,
     ) -> None:
-        super().__init__(base_url=base_url, api_key=api_key, timeout=timeout, max_retries=max_retries,
-                         default_headers=default_headers)  # fmt: skip
+        super().__init__(
+            base_url=base_url,
+            api_key=api_key,
+            timeout=timeout,
+            max_retries=max_retries,
+            default_headers=default_headers,
+        )
         if http_client is not None and transport is not None:
             raise ValueError("give http_client or transport, not both")
         self._owns_http = http_client is None
@@ -214,9 +222,18 @@ class SyncAPIClient(_BaseClient):
             idempotency_key = new_idempotency_key()
         attempt = 0
         while True:
-            request = self._build_request(self._http, method, path, params=params, json_body=json, data=data,
-                                          files=files, headers=headers, timeout=timeout,
-                                          idempotency_key=idempotency_key)  # fmt: skip
+            request = self._build_request(
+                self._http,
+                method,
+                path,
+                params=params,
+                json_body=json,
+                data=data,
+                files=files,
+                headers=headers,
+                timeout=timeout,
+                idempotency_key=idempotency_key,
+            )
             try:
                 response = self._http.send(request, stream=True)
             except httpx.TimeoutException as e:
@@ -284,8 +301,13 @@ class AsyncAPIClient(_BaseClient):
         http_client: httpx.AsyncClient | None,
         transport: httpx.AsyncBaseTransport | None,
     ) -> None:
-        super().__init__(base_url=base_url, api_key=api_key, timeout=timeout, max_retries=max_retries,
-                         default_headers=default_headers)  # fmt: skip
+        super().__init__(
+            base_url=base_url,
+            api_key=api_key,
+            timeout=timeout,
+            max_retries=max_retries,
+            default_headers=default_headers,
+        )
         if http_client is not None and transport is not None:
             raise ValueError("give http_client or transport, not both")
         self._owns_http = http_client is None
@@ -312,9 +334,18 @@ class AsyncAPIClient(_BaseClient):
             idempotency_key = new_idempotency_key()
         attempt = 0
         while True:
-            request = self._build_request(self._http, method, path, params=params, json_body=json, data=data,
-                                          files=files, headers=headers, timeout=timeout,
-                                          idempotency_key=idempotency_key)  # fmt: skip
+            request = self._build_request(
+                self._http,
+                method,
+                path,
+                params=params,
+                json_body=json,
+                data=data,
+                files=files,
+                headers=headers,
+                timeout=timeout,
+                idempotency_key=idempotency_key,
+            )
             try:
                 response = await self._http.send(request, stream=True)
             except httpx.TimeoutException as e:
@@ -366,4 +397,3 @@ class AsyncAPIClient(_BaseClient):
 
     async def __aexit__(self, *exc: Any) -> None:
         await self.close()
-

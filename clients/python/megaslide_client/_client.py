@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
-from typing import Mapping, Optional, Union
+from collections.abc import Mapping
 
 import httpx
 
 from ._base_client import AsyncAPIClient, SyncAPIClient
 from ._constants import DEFAULT_MAX_RETRIES, DEFAULT_TIMEOUT
-from .resources import AsyncFiles, AsyncFineTuning, AsyncModels, AsyncVideos, Files, FineTuning, Models, Videos
+from .resources import (
+    AsyncFiles,
+    AsyncFineTuning,
+    AsyncModels,
+    AsyncVideos,
+    Files,
+    FineTuning,
+    Models,
+    Videos,
+)
 
 
 class _Unset:
@@ -39,30 +48,44 @@ class Client(SyncAPIClient):
     def __init__(
         self,
         *,
-        base_url: Optional[str] = None,
-        api_key: Optional[str] = None,
-        timeout: Union[float, httpx.Timeout, None] = DEFAULT_TIMEOUT,
+        base_url: str | None = None,
+        api_key: str | None = None,
+        timeout: float | httpx.Timeout | None = DEFAULT_TIMEOUT,
         max_retries: int = DEFAULT_MAX_RETRIES,
-        default_headers: Optional[Mapping[str, str]] = None,
-        http_client: Optional[httpx.Client] = None,
-        transport: Optional[httpx.BaseTransport] = None,
+        default_headers: Mapping[str, str] | None = None,
+        http_client: httpx.Client | None = None,
+        transport: httpx.BaseTransport | None = None,
     ) -> None:
-        super().__init__(base_url=base_url, api_key=api_key, timeout=timeout, max_retries=max_retries,
-                         default_headers=default_headers, http_client=http_client, transport=transport)  # fmt: skip
+        super().__init__(
+            base_url=base_url,
+            api_key=api_key,
+            timeout=timeout,
+            max_retries=max_retries,
+            default_headers=default_headers,
+            http_client=http_client,
+            transport=transport,
+        )
         self.videos = Videos(self)
         self.files = Files(self)
         self.fine_tuning = FineTuning(self)
         self.models = Models(self)
 
     def with_options(
-        self, *, timeout: Union[float, httpx.Timeout, None, _Unset] = _UNSET, max_retries: Optional[int] = None
-    ) -> "Client":
+        self,
+        *,
+        timeout: float | httpx.Timeout | None | _Unset = _UNSET,
+        max_retries: int | None = None,
+    ) -> Client:
         """A client like this one (same server, key and connection pool) with other limits:
         `client.with_options(max_retries=0).videos.create(...)`."""
-        return Client(base_url=self.base_url, api_key=self.api_key,
-                      timeout=self.timeout if timeout is _UNSET else timeout,
-                      max_retries=self.max_retries if max_retries is None else max_retries,
-                      default_headers=self._default_headers, http_client=self._http)  # fmt: skip
+        return Client(
+            base_url=self.base_url,
+            api_key=self.api_key,
+            timeout=self.timeout if timeout is _UNSET else timeout,
+            max_retries=self.max_retries if max_retries is None else max_retries,
+            default_headers=self._default_headers,
+            http_client=self._http,
+        )
 
     def __repr__(self) -> str:
         return f"Client(base_url={self.base_url!r})"
@@ -71,10 +94,10 @@ class Client(SyncAPIClient):
 class AsyncClient(AsyncAPIClient):
     """Async twin of Client: the same resources, every call awaited.
 
-        async with AsyncClient() as client:
-            video = await client.videos.create_and_poll(prompt="...")
-            async for v in client.videos.list():
-                ...
+    async with AsyncClient() as client:
+        video = await client.videos.create_and_poll(prompt="...")
+        async for v in client.videos.list():
+            ...
     """
 
     videos: AsyncVideos
@@ -85,29 +108,43 @@ class AsyncClient(AsyncAPIClient):
     def __init__(
         self,
         *,
-        base_url: Optional[str] = None,
-        api_key: Optional[str] = None,
-        timeout: Union[float, httpx.Timeout, None] = DEFAULT_TIMEOUT,
+        base_url: str | None = None,
+        api_key: str | None = None,
+        timeout: float | httpx.Timeout | None = DEFAULT_TIMEOUT,
         max_retries: int = DEFAULT_MAX_RETRIES,
-        default_headers: Optional[Mapping[str, str]] = None,
-        http_client: Optional[httpx.AsyncClient] = None,
-        transport: Optional[httpx.AsyncBaseTransport] = None,
+        default_headers: Mapping[str, str] | None = None,
+        http_client: httpx.AsyncClient | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
-        super().__init__(base_url=base_url, api_key=api_key, timeout=timeout, max_retries=max_retries,
-                         default_headers=default_headers, http_client=http_client, transport=transport)  # fmt: skip
+        super().__init__(
+            base_url=base_url,
+            api_key=api_key,
+            timeout=timeout,
+            max_retries=max_retries,
+            default_headers=default_headers,
+            http_client=http_client,
+            transport=transport,
+        )
         self.videos = AsyncVideos(self)
         self.files = AsyncFiles(self)
         self.fine_tuning = AsyncFineTuning(self)
         self.models = AsyncModels(self)
 
     def with_options(
-        self, *, timeout: Union[float, httpx.Timeout, None, _Unset] = _UNSET, max_retries: Optional[int] = None
-    ) -> "AsyncClient":
+        self,
+        *,
+        timeout: float | httpx.Timeout | None | _Unset = _UNSET,
+        max_retries: int | None = None,
+    ) -> AsyncClient:
         """An AsyncClient like this one (same server, key and connection pool) with other limits."""
-        return AsyncClient(base_url=self.base_url, api_key=self.api_key,
-                           timeout=self.timeout if timeout is _UNSET else timeout,
-                           max_retries=self.max_retries if max_retries is None else max_retries,
-                           default_headers=self._default_headers, http_client=self._http)  # fmt: skip
+        return AsyncClient(
+            base_url=self.base_url,
+            api_key=self.api_key,
+            timeout=self.timeout if timeout is _UNSET else timeout,
+            max_retries=self.max_retries if max_retries is None else max_retries,
+            default_headers=self._default_headers,
+            http_client=self._http,
+        )
 
     def __repr__(self) -> str:
         return f"AsyncClient(base_url={self.base_url!r})"

@@ -1,17 +1,17 @@
 """Errors raised by the client: one class per HTTP status family, plus connection and timeout.
 
-    APIError
-    ├── APIConnectionError          the server could not be reached (after retries)
-    │   └── APITimeoutError         the request timed out (after retries)
-    └── APIStatusError              the server answered 4xx / 5xx (after retries)
-        ├── BadRequestError             400
-        ├── AuthenticationError         401
-        ├── PermissionDeniedError       403
-        ├── NotFoundError               404
-        ├── ConflictError               409
-        ├── UnprocessableEntityError    422
-        ├── RateLimitError              429
-        └── InternalServerError         >= 500
+APIError
+├── APIConnectionError          the server could not be reached (after retries)
+│   └── APITimeoutError         the request timed out (after retries)
+└── APIStatusError              the server answered 4xx / 5xx (after retries)
+    ├── BadRequestError             400
+    ├── AuthenticationError         401
+    ├── PermissionDeniedError       403
+    ├── NotFoundError               404
+    ├── ConflictError               409
+    ├── UnprocessableEntityError    422
+    ├── RateLimitError              429
+    └── InternalServerError         >= 500
 """
 
 from __future__ import annotations
@@ -39,7 +39,9 @@ __all__ = [
 class APIError(Exception):
     """Base of every error this client raises."""
 
-    def __init__(self, message: str, request: httpx.Request | None = None, body: Any = None) -> None:
+    def __init__(
+        self, message: str, request: httpx.Request | None = None, body: Any = None
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.request = request
@@ -49,7 +51,9 @@ class APIError(Exception):
 class APIConnectionError(APIError):
     """The request never got an HTTP answer: refused, reset, DNS, TLS, or a broken stream."""
 
-    def __init__(self, message: str = "Connection error.", request: httpx.Request | None = None) -> None:
+    def __init__(
+        self, message: str = "Connection error.", request: httpx.Request | None = None
+    ) -> None:
         super().__init__(message, request)
 
 

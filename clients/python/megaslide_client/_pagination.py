@@ -7,7 +7,12 @@ single page.
 
 from __future__ import annotations
 
-from typing import Any, AsyncIterator, Awaitable, Callable, Generic, Iterator, List, Optional, TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import (
+    Any,
+    Generic,
+    TypeVar,
+)
 
 from .types import APIObject
 
@@ -19,12 +24,12 @@ class CursorPage(Generic[T]):
 
     def __init__(self, body: dict, item_type: type[T]) -> None:
         self.object: str = body.get("object", "list")
-        self.data: List[T] = [item_type.from_dict(item) for item in body.get("data", [])]
+        self.data: list[T] = [item_type.from_dict(item) for item in body.get("data", [])]
         self.has_more: bool = bool(body.get("has_more", False))
-        self.first_id: Optional[str] = body.get("first_id")
-        self.last_id: Optional[str] = body.get("last_id")
+        self.first_id: str | None = body.get("first_id")
+        self.last_id: str | None = body.get("last_id")
 
-    def next_cursor(self) -> Optional[str]:
+    def next_cursor(self) -> str | None:
         """The `after` value for the next page, or None on the last page."""
         if not self.has_more or not self.data:
             return None
@@ -40,20 +45,22 @@ class CursorPage(Generic[T]):
 class SyncCursorPage(CursorPage[T]):
     """A page that fetches the following pages while you iterate over it."""
 
-    def __init__(self, body: dict, item_type: type[T], fetch: Callable[[str], "SyncCursorPage[T]"]) -> None:
+    def __init__(
+        self, body: dict, item_type: type[T], fetch: Callable[[str], SyncCursorPage[T]]
+    ) -> None:
         super().__init__(body, item_type)
         self._fetch = fetch
 
     def has_next_page(self) -> bool:
         return self.next_cursor() is not None
 
-    def next_page(self) -> "SyncCursorPage[T]":
+    def next_page(self) -> SyncCursorPage[T]:
         cursor = self.next_cursor()
         if cursor is None:
             raise RuntimeError("no next page; check has_next_page() first")
         return self._fetch(cursor)
 
-    def iter_pages(self) -> Iterator["SyncCursorPage[T]"]:
+    def iter_pages(self) -> Iterator[SyncCursorPage[T]]:
         page: SyncCursorPage[T] = self
         while True:
             yield page
@@ -70,7 +77,10 @@ class AsyncCursorPage(CursorPage[T]):
     """Async twin of SyncCursorPage: `async for item in page` walks every page."""
 
     def __init__(
-        self, body: dict, item_type: type[T], fetch: Callable[[str], Awaitable["AsyncCursorPage[T]"]]
+        self,
+        body: dict,
+        item_type: type[T],
+        fetch: Callable[[str], Awaitable[AsyncCursorPage[T]]],
     ) -> None:
         super().__init__(body, item_type)
         self._fetch = fetch
@@ -78,13 +88,13 @@ class AsyncCursorPage(CursorPage[T]):
     def has_next_page(self) -> bool:
         return self.next_cursor() is not None
 
-    async def next_page(self) -> "AsyncCursorPage[T]":
+    async def next_page(self) -> AsyncCursorPage[T]:
         cursor = self.next_cursor()
         if cursor is None:
             raise RuntimeError("no next page; check has_next_page() first")
         return await self._fetch(cursor)
 
-    async def iter_pages(self) -> AsyncIterator["AsyncCursorPage[T]"]:
+    async def iter_pages(self) -> AsyncIterator[AsyncCursorPage[T]]:
         page: AsyncCursorPage[T] = self
         while True:
             yield page

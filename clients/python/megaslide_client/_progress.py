@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from typing import Any, Optional
+from typing import Any
 
 
 class ProgressBar:
@@ -18,14 +18,20 @@ class ProgressBar:
             from tqdm import tqdm
         except ImportError:
             return
-        self._bar = tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, dynamic_ncols=True,
-                         bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f} [{elapsed}<{remaining}{postfix}]")  # fmt: skip
+        self._bar = tqdm(
+            total=total,
+            desc=desc,
+            unit=unit,
+            file=sys.stderr,
+            dynamic_ncols=True,
+            bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f} [{elapsed}<{remaining}{postfix}]",
+        )
 
     @property
     def active(self) -> bool:
         return self._bar is not None
 
-    def update_to(self, n: Optional[float], status: Optional[str] = None) -> None:
+    def update_to(self, n: float | None, status: str | None = None) -> None:
         """Move the bar to `n` (never backwards) and show `status` beside it."""
         if self._bar is None:
             return
@@ -52,7 +58,7 @@ class ProgressBar:
             self._bar.close()
             self._bar = None
 
-    def __enter__(self) -> "ProgressBar":
+    def __enter__(self) -> ProgressBar:
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -6,30 +6,30 @@ a blank line dispatches it; lines starting with `:` are comments (keep-alives) a
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass
-from typing import AsyncIterator, Iterable, Iterator, List, Optional
 
 
 @dataclass
 class ServerSentEvent:
     """One raw event: name (None means the default "message"), data text, id and retry."""
 
-    event: Optional[str]
+    event: str | None
     data: str
-    id: Optional[str]
-    retry: Optional[int]
+    id: str | None
+    retry: int | None
 
 
 class SSEDecoder:
     """Feed it lines; it returns an event when a blank line completes one."""
 
     def __init__(self) -> None:
-        self._event: Optional[str] = None
-        self._data: List[str] = []
-        self._id: Optional[str] = None
-        self._retry: Optional[int] = None
+        self._event: str | None = None
+        self._data: list[str] = []
+        self._id: str | None = None
+        self._retry: int | None = None
 
-    def feed(self, line: str) -> Optional[ServerSentEvent]:
+    def feed(self, line: str) -> ServerSentEvent | None:
         line = line.rstrip("\r\n")
         if not line:
             if self._event is None and not self._data and self._id is None and self._retry is None:
@@ -56,7 +56,7 @@ class SSEDecoder:
                 self._retry = int(value)
         return None
 
-    def flush(self) -> Optional[ServerSentEvent]:
+    def flush(self) -> ServerSentEvent | None:
         """The event left when the stream ended without a final blank line, if any."""
         return self.feed("")
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Dict, List, Optional, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 __all__ = [
     "APIObject",
@@ -40,18 +40,18 @@ class APIObject:
     """A JSON object from the server; unknown fields land in `extra`."""
 
     # field name -> APIObject subclass, for fields holding a nested object.
-    _nested: ClassVar[Dict[str, type]] = {}
+    _nested: ClassVar[dict[str, type]] = {}
 
-    extra: Dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    extra: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
-    def from_dict(cls: type[T], data: Dict[str, Any]) -> T:
+    def from_dict(cls: type[T], data: dict[str, Any]) -> T:
         """Parse one JSON object, converting nested objects and keeping unknown fields."""
         if not isinstance(data, dict):
             raise TypeError(f"{cls.__name__}: expected a JSON object, got {type(data).__name__}")
         known = {f.name for f in dataclasses.fields(cls) if f.name != "extra"}
-        kwargs: Dict[str, Any] = {}
-        extra: Dict[str, Any] = {}
+        kwargs: dict[str, Any] = {}
+        extra: dict[str, Any] = {}
         for key, value in data.items():
             if key not in known:
                 extra[key] = value
@@ -68,9 +68,9 @@ class APIObject:
             return extra[name]
         raise AttributeError(f"{type(self).__name__!s} has no field {name!r}")
 
-    def to_dict(self) -> Dict[str, Any]:
+    def to_dict(self) -> dict[str, Any]:
         """The JSON object: declared fields that are set, nested objects expanded, plus `extra`."""
-        out: Dict[str, Any] = {}
+        out: dict[str, Any] = {}
         for f in dataclasses.fields(self):
             if f.name == "extra":
                 continue
@@ -89,37 +89,37 @@ class APIObject:
 class VideoError(APIObject):
     """Why a video failed."""
 
-    code: Optional[str] = None
-    message: Optional[str] = None
+    code: str | None = None
+    message: str | None = None
 
 
 @dataclass
 class Video(APIObject):
     """A video generation job and, once completed, its result."""
 
-    _nested: ClassVar[Dict[str, type]] = {"error": VideoError}
+    _nested: ClassVar[dict[str, type]] = {"error": VideoError}
 
-    id: Optional[str] = None
-    object: Optional[str] = None
-    status: Optional[str] = None  # queued | in_progress | completed | failed | cancelled
-    progress: Optional[float] = None  # 0-100; 100 only once the MP4 exists
-    created_at: Optional[int] = None
-    completed_at: Optional[int] = None
-    expires_at: Optional[int] = None
-    error: Optional[VideoError] = None
-    model: Optional[str] = None
-    prompt: Optional[str] = None
-    seconds: Optional[str] = None
-    size: Optional[str] = None
-    seed: Optional[int] = None
-    num_frames: Optional[int] = None
-    fps: Optional[int] = None
-    num_inference_steps: Optional[int] = None
-    guidance_scale: Optional[float] = None
-    negative_prompt: Optional[str] = None
-    priority: Optional[int] = None
-    step: Optional[int] = None  # denoising steps done
-    remixed_from_video_id: Optional[str] = None
+    id: str | None = None
+    object: str | None = None
+    status: str | None = None  # queued | in_progress | completed | failed | cancelled
+    progress: float | None = None  # 0-100; 100 only once the MP4 exists
+    created_at: int | None = None
+    completed_at: int | None = None
+    expires_at: int | None = None
+    error: VideoError | None = None
+    model: str | None = None
+    prompt: str | None = None
+    seconds: str | None = None
+    size: str | None = None
+    seed: int | None = None
+    num_frames: int | None = None
+    fps: int | None = None
+    num_inference_steps: int | None = None
+    guidance_scale: float | None = None
+    negative_prompt: str | None = None
+    priority: int | None = None
+    step: int | None = None  # denoising steps done
+    remixed_from_video_id: str | None = None
 
     @property
     def done(self) -> bool:
@@ -132,10 +132,10 @@ class VideoDeleted(APIObject):
     """The answer to deleting a video: a queued or running one is cancelled (`status="cancelled"`,
     the record stays for pollers), a finished one is removed (`status="deleted"`)."""
 
-    id: Optional[str] = None
-    object: Optional[str] = None
-    deleted: Optional[bool] = None
-    status: Optional[str] = None
+    id: str | None = None
+    object: str | None = None
+    deleted: bool | None = None
+    status: str | None = None
 
 
 @dataclass
@@ -145,10 +145,10 @@ class VideoEvent:
     `video` is the data parsed as a Video when the event carries one (status and progress).
     """
 
-    event: Optional[str]
+    event: str | None
     data: Any
-    id: Optional[str] = None
-    video: Optional[Video] = None
+    id: str | None = None
+    video: Video | None = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -159,25 +159,25 @@ class VideoEvent:
 class FileObject(APIObject):
     """An uploaded file (a fine-tuning dataset archive)."""
 
-    id: Optional[str] = None
-    object: Optional[str] = None
-    bytes: Optional[int] = None
-    created_at: Optional[int] = None
-    filename: Optional[str] = None
-    purpose: Optional[str] = None
-    status: Optional[str] = None
-    status_details: Optional[str] = None
-    expires_at: Optional[int] = None
-    clips: Optional[int] = None  # training clips found in the archive
+    id: str | None = None
+    object: str | None = None
+    bytes: int | None = None
+    created_at: int | None = None
+    filename: str | None = None
+    purpose: str | None = None
+    status: str | None = None
+    status_details: str | None = None
+    expires_at: int | None = None
+    clips: int | None = None  # training clips found in the archive
 
 
 @dataclass
 class FileDeleted(APIObject):
     """The answer to deleting a file."""
 
-    id: Optional[str] = None
-    object: Optional[str] = None
-    deleted: Optional[bool] = None
+    id: str | None = None
+    object: str | None = None
+    deleted: bool | None = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -197,38 +197,41 @@ class Hyperparameters(APIObject):
 class FineTuningJobError(APIObject):
     """Why a fine-tuning job failed."""
 
-    code: Optional[str] = None
-    message: Optional[str] = None
-    param: Optional[str] = None
+    code: str | None = None
+    message: str | None = None
+    param: str | None = None
 
 
 @dataclass
 class FineTuningJob(APIObject):
     """A fine-tuning job."""
 
-    _nested: ClassVar[Dict[str, type]] = {"hyperparameters": Hyperparameters, "error": FineTuningJobError}
+    _nested: ClassVar[dict[str, type]] = {
+        "hyperparameters": Hyperparameters,
+        "error": FineTuningJobError,
+    }
 
-    id: Optional[str] = None
-    object: Optional[str] = None
-    status: Optional[str] = None  # queued | running | succeeded | failed | cancelled
-    model: Optional[str] = None
-    fine_tuned_model: Optional[str] = None
-    training_file: Optional[str] = None
-    validation_file: Optional[str] = None
-    hyperparameters: Optional[Hyperparameters] = None
-    method: Optional[Dict[str, Any]] = None
-    seed: Optional[int] = None
-    suffix: Optional[str] = None
-    created_at: Optional[int] = None
-    finished_at: Optional[int] = None
-    estimated_finish: Optional[int] = None
-    result_files: Optional[List[str]] = None
-    error: Optional[FineTuningJobError] = None
-    organization_id: Optional[str] = None
-    trained_tokens: Optional[int] = None
-    integrations: Optional[List[Any]] = None
-    step: Optional[int] = None  # optimizer steps done
-    total_steps: Optional[int] = None
+    id: str | None = None
+    object: str | None = None
+    status: str | None = None  # queued | running | succeeded | failed | cancelled
+    model: str | None = None
+    fine_tuned_model: str | None = None
+    training_file: str | None = None
+    validation_file: str | None = None
+    hyperparameters: Hyperparameters | None = None
+    method: dict[str, Any] | None = None
+    seed: int | None = None
+    suffix: str | None = None
+    created_at: int | None = None
+    finished_at: int | None = None
+    estimated_finish: int | None = None
+    result_files: list[str] | None = None
+    error: FineTuningJobError | None = None
+    organization_id: str | None = None
+    trained_tokens: int | None = None
+    integrations: list[Any] | None = None
+    step: int | None = None  # optimizer steps done
+    total_steps: int | None = None
 
     @property
     def done(self) -> bool:
@@ -240,26 +243,26 @@ class FineTuningJob(APIObject):
 class FineTuningJobEvent(APIObject):
     """One event of a fine-tuning job: a message, or `type == "metrics"` with loss and lr in `data`."""
 
-    id: Optional[str] = None
-    object: Optional[str] = None
-    created_at: Optional[int] = None
-    level: Optional[str] = None
-    message: Optional[str] = None
-    type: Optional[str] = None
-    data: Optional[Dict[str, Any]] = None
+    id: str | None = None
+    object: str | None = None
+    created_at: int | None = None
+    level: str | None = None
+    message: str | None = None
+    type: str | None = None
+    data: dict[str, Any] | None = None
 
 
 @dataclass
 class FineTuningJobCheckpoint(APIObject):
     """A checkpoint saved during a fine-tune."""
 
-    id: Optional[str] = None
-    object: Optional[str] = None
-    created_at: Optional[int] = None
-    fine_tuned_model_checkpoint: Optional[str] = None
-    fine_tuning_job_id: Optional[str] = None
-    step_number: Optional[int] = None
-    metrics: Optional[Dict[str, Any]] = None
+    id: str | None = None
+    object: str | None = None
+    created_at: int | None = None
+    fine_tuned_model_checkpoint: str | None = None
+    fine_tuning_job_id: str | None = None
+    step_number: int | None = None
+    metrics: dict[str, Any] | None = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -270,11 +273,11 @@ class FineTuningJobCheckpoint(APIObject):
 class Model(APIObject):
     """A model the server can generate with: a base model or a fine-tuned `ft:` one."""
 
-    id: Optional[str] = None
-    object: Optional[str] = None
-    created: Optional[int] = None
-    owned_by: Optional[str] = None
-    kind: Optional[str] = None  # preset | model | fine-tune
-    parent: Optional[str] = None  # the base model of a fine-tune
-    defaults: Optional[Dict[str, Any]] = None  # what a request gets for an absent field
-    limits: Optional[Dict[str, Any]] = None  # max_frames, max_size, size_multiple, ...
+    id: str | None = None
+    object: str | None = None
+    created: int | None = None
+    owned_by: str | None = None
+    kind: str | None = None  # preset | model | fine-tune
+    parent: str | None = None  # the base model of a fine-tune
+    defaults: dict[str, Any] | None = None  # what a request gets for an absent field
+    limits: dict[str, Any] | None = None  # max_frames, max_size, size_multiple, ...

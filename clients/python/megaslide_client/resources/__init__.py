@@ -5,5 +5,15 @@ from .fine_tuning import AsyncFineTuning, AsyncJobs, FineTuning, Jobs
 from .models import AsyncModels, Models
 from .videos import AsyncVideos, Videos
 
-__all__ = ["Videos", "AsyncVideos", "Files", "AsyncFiles", "FineTuning", "AsyncFineTuning", "Jobs",
-           "AsyncJobs", "Models", "AsyncModels"]  # fmt: skip
+__all__ = [
+    "Videos",
+    "AsyncVideos",
+    "Files",
+    "AsyncFiles",
+    "FineTuning",
+    "AsyncFineTuning",
+    "Jobs",
+    "AsyncJobs",
+    "Models",
+    "AsyncModels",
+]

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import io
 import os
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any, Callable, Mapping, Optional, Tuple, Union
+from typing import IO, TYPE_CHECKING, Any, Union
 
 from .._pagination import AsyncCursorPage, AsyncPaginator, SyncCursorPage, list_params
 from ..types import FileDeleted, FileObject
@@ -14,7 +15,7 @@ if TYPE_CHECKING:
     from .._base_client import AsyncAPIClient, SyncAPIClient
 
 # A path, an open binary file, raw bytes, or (filename, bytes or binary file).
-FileInput = Union[str, "os.PathLike[str]", IO[bytes], bytes, Tuple[str, Union[bytes, IO[bytes]]]]
+FileInput = Union[str, "os.PathLike[str]", IO[bytes], bytes, tuple[str, bytes | IO[bytes]]]
 
 
 def upload_factory(file: FileInput) -> Callable[[], Mapping[str, Any]]:
@@ -67,11 +68,11 @@ def _close(factory: Callable[[], Mapping[str, Any]]) -> None:
 class Files:
     """Uploaded files."""
 
-    def __init__(self, client: "SyncAPIClient") -> None:
+    def __init__(self, client: SyncAPIClient) -> None:
         self._client = client
 
     def create(
-        self, *, file: FileInput, purpose: str = "fine-tune", idempotency_key: Optional[str] = None
+        self, *, file: FileInput, purpose: str = "fine-tune", idempotency_key: str | None = None
     ) -> FileObject:
         """Upload a file. For fine-tuning: a .zip or .tar(.gz) holding the dataset layout.
 
@@ -79,8 +80,12 @@ class Files:
         """
         factory = upload_factory(file)
         try:
-            response = self._client.post("/v1/files", data={"purpose": purpose}, files=factory,
-                                         idempotency_key=idempotency_key)  # fmt: skip
+            response = self._client.post(
+                "/v1/files",
+                data={"purpose": purpose},
+                files=factory,
+                idempotency_key=idempotency_key,
+            )
         finally:
             _close(factory)
         return FileObject.from_dict(response.json())
@@ -91,16 +96,18 @@ class Files:
     def list(
         self,
         *,
-        purpose: Optional[str] = None,
-        after: Optional[str] = None,
-        limit: Optional[int] = None,
-        order: Optional[str] = None,
+        purpose: str | None = None,
+        after: str | None = None,
+        limit: int | None = None,
+        order: str | None = None,
     ) -> SyncCursorPage[FileObject]:
         """A page of files; iterating over it walks every following page too."""
 
-        def fetch(cursor: Optional[str]) -> SyncCursorPage[FileObject]:
+        def fetch(cursor: str | None) -> SyncCursorPage[FileObject]:
             params = list_params(purpose=purpose, after=cursor, limit=limit, order=order)
-            return SyncCursorPage(self._client.get("/v1/files", params=params).json(), FileObject, fetch)
+            return SyncCursorPage(
+                self._client.get("/v1/files", params=params).json(), FileObject, fetch
+            )
 
         return fetch(after)
 
@@ -111,17 +118,21 @@ class Files:
 class AsyncFiles:
     """Async twin of Files."""
 
-    def __init__(self, client: "AsyncAPIClient") -> None:
+    def __init__(self, client: AsyncAPIClient) -> None:
         self._client = client
 
     async def create(
-        self, *, file: FileInput, purpose: str = "fine-tune", idempotency_key: Optional[str] = None
+        self, *, file: FileInput, purpose: str = "fine-tune", idempotency_key: str | None = None
     ) -> FileObject:
         """Upload a file (see `Files.create`)."""
         factory = upload_factory(file)
         try:
-            response = await self._client.post("/v1/files", data={"purpose": purpose}, files=factory,
-                                               idempotency_key=idempotency_key)  # fmt: skip
+            response = await self._client.post(
+                "/v1/files",
+                data={"purpose": purpose},
+                files=factory,
+                idempotency_key=idempotency_key,
+            )
         finally:
             _close(factory)
         return FileObject.from_dict(response.json())
@@ -132,14 +143,14 @@ class AsyncFiles:
     def list(
         self,
         *,
-        purpose: Optional[str] = None,
-        after: Optional[str] = None,
-        limit: Optional[int] = None,
-        order: Optional[str] = None,
+        purpose: str | None = None,
+        after: str | None = None,
+        limit: int | None = None,
+        order: str | None = None,
     ) -> AsyncPaginator[FileObject]:
         """`await` it for the first page, or `async for` over every file."""
 
-        async def fetch(cursor: Optional[str]) -> AsyncCursorPage[FileObject]:
+        async def fetch(cursor: str | None) -> AsyncCursorPage[FileObject]:
             params = list_params(purpose=purpose, after=cursor, limit=limit, order=order)
             body = (await self._client.get("/v1/files", params=params)).json()
             return AsyncCursorPage(body, FileObject, fetch)

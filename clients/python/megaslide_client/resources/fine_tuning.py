@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Tuple
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from .. import _base_client as base
 from .._constants import DEFAULT_POLL_INTERVAL_MS
@@ -21,14 +22,20 @@ def create_body(
     *,
     model: str,
     training_file: str,
-    hyperparameters: Optional[Mapping[str, Any]],
-    method: Optional[Mapping[str, Any]],
-    seed: Optional[int],
-    suffix: Optional[str],
-    extra_body: Optional[Mapping[str, Any]],
-) -> Dict[str, Any]:
-    body = {"model": model, "training_file": training_file, "hyperparameters": hyperparameters,
-            "method": method, "seed": seed, "suffix": suffix}  # fmt: skip
+    hyperparameters: Mapping[str, Any] | None,
+    method: Mapping[str, Any] | None,
+    seed: int | None,
+    suffix: str | None,
+    extra_body: Mapping[str, Any] | None,
+) -> dict[str, Any]:
+    body = {
+        "model": model,
+        "training_file": training_file,
+        "hyperparameters": hyperparameters,
+        "method": method,
+        "seed": seed,
+        "suffix": suffix,
+    }
     body = {k: v for k, v in body.items() if v is not None}
     body.update(extra_body or {})
     return body
@@ -47,9 +54,9 @@ class EventFollower:
 
     def __init__(self) -> None:
         self.seen: set = set()
-        self._fresh: List[FineTuningJobEvent] = []
+        self._fresh: list[FineTuningJobEvent] = []
 
-    def take(self, events: List[FineTuningJobEvent]) -> bool:
+    def take(self, events: list[FineTuningJobEvent]) -> bool:
         """Collect the unseen head of one page; True once an old event was reached (stop paging)."""
         for event in events:
             if event.id in self.seen:
@@ -57,13 +64,15 @@ class EventFollower:
             self._fresh.append(event)
         return False
 
-    def flush(self) -> List[FineTuningJobEvent]:
+    def flush(self) -> list[FineTuningJobEvent]:
         fresh, self._fresh = self._fresh[::-1], []
         self.seen.update(e.id for e in fresh)
         return fresh
 
 
-def progress_of(job: FineTuningJob, events: List[FineTuningJobEvent]) -> Tuple[Optional[float], Optional[float]]:
+def progress_of(
+    job: FineTuningJob, events: list[FineTuningJobEvent]
+) -> tuple[float | None, float | None]:
     """(steps done, total steps): from the job when it reports them, else its latest metrics event."""
     step, total = job.step, job.total_steps
     if step is not None:
@@ -78,7 +87,7 @@ def progress_of(job: FineTuningJob, events: List[FineTuningJobEvent]) -> Tuple[O
 class Jobs:
     """Fine-tuning jobs."""
 
-    def __init__(self, client: "SyncAPIClient") -> None:
+    def __init__(self, client: SyncAPIClient) -> None:
         self._client = client
 
     def create(
@@ -86,46 +95,61 @@ class Jobs:
         *,
         model: str,
         training_file: str,
-        hyperparameters: Optional[Mapping[str, Any]] = None,
-        method: Optional[Mapping[str, Any]] = None,
-        seed: Optional[int] = None,
-        suffix: Optional[str] = None,
-        extra_body: Optional[Mapping[str, Any]] = None,
-        idempotency_key: Optional[str] = None,
+        hyperparameters: Mapping[str, Any] | None = None,
+        method: Mapping[str, Any] | None = None,
+        seed: int | None = None,
+        suffix: str | None = None,
+        extra_body: Mapping[str, Any] | None = None,
+        idempotency_key: str | None = None,
     ) -> FineTuningJob:
         """Start fine-tuning `model` on an uploaded file (`client.files.create(...).id`).
 
         `hyperparameters`: `n_epochs`, `batch_size`, `learning_rate_multiplier` (or "auto").
         A job that succeeds registers the model `ft:<model>:<suffix>:<job id>`.
         """
-        body = create_body(model=model, training_file=training_file, hyperparameters=hyperparameters,
-                           method=method, seed=seed, suffix=suffix, extra_body=extra_body)  # fmt: skip
-        response = self._client.post("/v1/fine_tuning/jobs", json=body, idempotency_key=idempotency_key)
+        body = create_body(
+            model=model,
+            training_file=training_file,
+            hyperparameters=hyperparameters,
+            method=method,
+            seed=seed,
+            suffix=suffix,
+            extra_body=extra_body,
+        )
+        response = self._client.post(
+            "/v1/fine_tuning/jobs", json=body, idempotency_key=idempotency_key
+        )
         return FineTuningJob.from_dict(response.json())
 
     def retrieve(self, job_id: str) -> FineTuningJob:
         return FineTuningJob.from_dict(self._client.get(f"/v1/fine_tuning/jobs/{job_id}").json())
 
-    def list(self, *, after: Optional[str] = None, limit: Optional[int] = None) -> SyncCursorPage[FineTuningJob]:
+    def list(
+        self, *, after: str | None = None, limit: int | None = None
+    ) -> SyncCursorPage[FineTuningJob]:
         """A page of jobs; iterating over it walks every following page too."""
 
-        def fetch(cursor: Optional[str]) -> SyncCursorPage[FineTuningJob]:
-            body = self._client.get("/v1/fine_tuning/jobs", params=list_params(after=cursor, limit=limit)).json()
+        def fetch(cursor: str | None) -> SyncCursorPage[FineTuningJob]:
+            body = self._client.get(
+                "/v1/fine_tuning/jobs", params=list_params(after=cursor, limit=limit)
+            ).json()
             return SyncCursorPage(body, FineTuningJob, fetch)
 
         return fetch(after)
 
-    def cancel(self, job_id: str, *, idempotency_key: Optional[str] = None) -> FineTuningJob:
+    def cancel(self, job_id: str, *, idempotency_key: str | None = None) -> FineTuningJob:
         """Stop the job at its next step boundary."""
-        response = self._client.post(f"/v1/fine_tuning/jobs/{job_id}/cancel", idempotency_key=idempotency_key)
+        response = self._client.post(
+            f"/v1/fine_tuning/jobs/{job_id}/cancel", idempotency_key=idempotency_key
+        )
         return FineTuningJob.from_dict(response.json())
 
     def list_events(
-        self, job_id: str, *, after: Optional[str] = None, limit: Optional[int] = None
+        self, job_id: str, *, after: str | None = None, limit: int | None = None
     ) -> SyncCursorPage[FineTuningJobEvent]:
         """The job's events (messages, and `type == "metrics"` events with loss and lr)."""
 
-        def fetch(cursor: Optional[str]) -> SyncCursorPage[FineTuningJobEvent]:
+        def fetch(cursor: str | None) -> SyncCursorPage[FineTuningJobEvent]:
             params = list_params(after=cursor, limit=limit)
             body = self._client.get(f"/v1/fine_tuning/jobs/{job_id}/events", params=params).json()
             return SyncCursorPage(body, FineTuningJobEvent, fetch)
@@ -133,13 +157,15 @@ class Jobs:
         return fetch(after)
 
     def checkpoints(
-        self, job_id: str, *, after: Optional[str] = None, limit: Optional[int] = None
+        self, job_id: str, *, after: str | None = None, limit: int | None = None
     ) -> SyncCursorPage[FineTuningJobCheckpoint]:
         """The checkpoints the job has saved."""
 
-        def fetch(cursor: Optional[str]) -> SyncCursorPage[FineTuningJobCheckpoint]:
+        def fetch(cursor: str | None) -> SyncCursorPage[FineTuningJobCheckpoint]:
             params = list_params(after=cursor, limit=limit)
-            body = self._client.get(f"/v1/fine_tuning/jobs/{job_id}/checkpoints", params=params).json()
+            body = self._client.get(
+                f"/v1/fine_tuning/jobs/{job_id}/checkpoints", params=params
+            ).json()
             return SyncCursorPage(body, FineTuningJobCheckpoint, fetch)
 
         return fetch(after)
@@ -148,17 +174,19 @@ class Jobs:
         self,
         job_id: str,
         *,
-        poll_interval_ms: Optional[int] = None,
+        poll_interval_ms: int | None = None,
         progress: bool = False,
-        on_event: Optional[EventCallback] = None,
-        max_wait: Optional[float] = None,
+        on_event: EventCallback | None = None,
+        max_wait: float | None = None,
     ) -> FineTuningJob:
         """Wait until the job succeeded, failed or was cancelled, and return it.
 
         `on_event` is called once per new event, oldest first. `progress=True` draws a tqdm bar
         of optimizer steps (from the metrics events) when tqdm is installed.
         """
-        interval = (DEFAULT_POLL_INTERVAL_MS if poll_interval_ms is None else poll_interval_ms) / 1000.0
+        interval = (
+            DEFAULT_POLL_INTERVAL_MS if poll_interval_ms is None else poll_interval_ms
+        ) / 1000.0
         deadline = None if max_wait is None else time.monotonic() + max_wait
         follower = EventFollower()
         with ProgressBar(progress, total=0, desc=f"fine-tune {job_id}", unit="step") as bar:
@@ -178,14 +206,16 @@ class Jobs:
                 if job.done:
                     return job
                 if deadline is not None and time.monotonic() + interval > deadline:
-                    raise TimeoutError(f"fine-tuning job {job_id} still {job.status} after max_wait")
+                    raise TimeoutError(
+                        f"fine-tuning job {job_id} still {job.status} after max_wait"
+                    )
                 base._sleep(interval)
 
 
 class AsyncJobs:
     """Async twin of Jobs."""
 
-    def __init__(self, client: "AsyncAPIClient") -> None:
+    def __init__(self, client: AsyncAPIClient) -> None:
         self._client = client
 
     async def create(
@@ -193,50 +223,69 @@ class AsyncJobs:
         *,
         model: str,
         training_file: str,
-        hyperparameters: Optional[Mapping[str, Any]] = None,
-        method: Optional[Mapping[str, Any]] = None,
-        seed: Optional[int] = None,
-        suffix: Optional[str] = None,
-        extra_body: Optional[Mapping[str, Any]] = None,
-        idempotency_key: Optional[str] = None,
+        hyperparameters: Mapping[str, Any] | None = None,
+        method: Mapping[str, Any] | None = None,
+        seed: int | None = None,
+        suffix: str | None = None,
+        extra_body: Mapping[str, Any] | None = None,
+        idempotency_key: str | None = None,
     ) -> FineTuningJob:
         """Start fine-tuning (see `Jobs.create`)."""
-        body = create_body(model=model, training_file=training_file, hyperparameters=hyperparameters,
-                           method=method, seed=seed, suffix=suffix, extra_body=extra_body)  # fmt: skip
-        response = await self._client.post("/v1/fine_tuning/jobs", json=body, idempotency_key=idempotency_key)
+        body = create_body(
+            model=model,
+            training_file=training_file,
+            hyperparameters=hyperparameters,
+            method=method,
+            seed=seed,
+            suffix=suffix,
+            extra_body=extra_body,
+        )
+        response = await self._client.post(
+            "/v1/fine_tuning/jobs", json=body, idempotency_key=idempotency_key
+        )
         return FineTuningJob.from_dict(response.json())
 
     async def retrieve(self, job_id: str) -> FineTuningJob:
-        return FineTuningJob.from_dict((await self._client.get(f"/v1/fine_tuning/jobs/{job_id}")).json())
+        return FineTuningJob.from_dict(
+            (await self._client.get(f"/v1/fine_tuning/jobs/{job_id}")).json()
+        )
 
-    def list(self, *, after: Optional[str] = None, limit: Optional[int] = None) -> AsyncPaginator[FineTuningJob]:
-        async def fetch(cursor: Optional[str]) -> AsyncCursorPage[FineTuningJob]:
+    def list(
+        self, *, after: str | None = None, limit: int | None = None
+    ) -> AsyncPaginator[FineTuningJob]:
+        async def fetch(cursor: str | None) -> AsyncCursorPage[FineTuningJob]:
             params = list_params(after=cursor, limit=limit)
             body = (await self._client.get("/v1/fine_tuning/jobs", params=params)).json()
             return AsyncCursorPage(body, FineTuningJob, fetch)
 
         return AsyncPaginator(lambda: fetch(after))
 
-    async def cancel(self, job_id: str, *, idempotency_key: Optional[str] = None) -> FineTuningJob:
-        response = await self._client.post(f"/v1/fine_tuning/jobs/{job_id}/cancel", idempotency_key=idempotency_key)
+    async def cancel(self, job_id: str, *, idempotency_key: str | None = None) -> FineTuningJob:
+        response = await self._client.post(
+            f"/v1/fine_tuning/jobs/{job_id}/cancel", idempotency_key=idempotency_key
+        )
         return FineTuningJob.from_dict(response.json())
 
     def list_events(
-        self, job_id: str, *, after: Optional[str] = None, limit: Optional[int] = None
+        self, job_id: str, *, after: str | None = None, limit: int | None = None
     ) -> AsyncPaginator[FineTuningJobEvent]:
-        async def fetch(cursor: Optional[str]) -> AsyncCursorPage[FineTuningJobEvent]:
+        async def fetch(cursor: str | None) -> AsyncCursorPage[FineTuningJobEvent]:
             params = list_params(after=cursor, limit=limit)
-            body = (await self._client.get(f"/v1/fine_tuning/jobs/{job_id}/events", params=params)).json()
+            body = (
+                await self._client.get(f"/v1/fine_tuning/jobs/{job_id}/events", params=params)
+            ).json()
             return AsyncCursorPage(body, FineTuningJobEvent, fetch)
 
         return AsyncPaginator(lambda: fetch(after))
 
     def checkpoints(
-        self, job_id: str, *, after: Optional[str] = None, limit: Optional[int] = None
+        self, job_id: str, *, after: str | None = None, limit: int | None = None
     ) -> AsyncPaginator[FineTuningJobCheckpoint]:
-        async def fetch(cursor: Optional[str]) -> AsyncCursorPage[FineTuningJobCheckpoint]:
+        async def fetch(cursor: str | None) -> AsyncCursorPage[FineTuningJobCheckpoint]:
             params = list_params(after=cursor, limit=limit)
-            body = (await self._client.get(f"/v1/fine_tuning/jobs/{job_id}/checkpoints", params=params)).json()
+            body = (
+                await self._client.get(f"/v1/fine_tuning/jobs/{job_id}/checkpoints", params=params)
+            ).json()
             return AsyncCursorPage(body, FineTuningJobCheckpoint, fetch)
 
         return AsyncPaginator(lambda: fetch(after))
@@ -245,19 +294,23 @@ class AsyncJobs:
         self,
         job_id: str,
         *,
-        poll_interval_ms: Optional[int] = None,
+        poll_interval_ms: int | None = None,
         progress: bool = False,
-        on_event: Optional[EventCallback] = None,
-        max_wait: Optional[float] = None,
+        on_event: EventCallback | None = None,
+        max_wait: float | None = None,
     ) -> FineTuningJob:
         """Wait until the job ends (see `Jobs.wait`)."""
-        interval = (DEFAULT_POLL_INTERVAL_MS if poll_interval_ms is None else poll_interval_ms) / 1000.0
+        interval = (
+            DEFAULT_POLL_INTERVAL_MS if poll_interval_ms is None else poll_interval_ms
+        ) / 1000.0
         deadline = None if max_wait is None else time.monotonic() + max_wait
         follower = EventFollower()
         with ProgressBar(progress, total=0, desc=f"fine-tune {job_id}", unit="step") as bar:
             while True:
                 job = await self.retrieve(job_id)
-                async for page in (await self.list_events(job_id, limit=EVENTS_PAGE_SIZE)).iter_pages():
+                async for page in (
+                    await self.list_events(job_id, limit=EVENTS_PAGE_SIZE)
+                ).iter_pages():
                     if follower.take(page.data):
                         break
                 fresh = follower.flush()
@@ -271,19 +324,21 @@ class AsyncJobs:
                 if job.done:
                     return job
                 if deadline is not None and time.monotonic() + interval > deadline:
-                    raise TimeoutError(f"fine-tuning job {job_id} still {job.status} after max_wait")
+                    raise TimeoutError(
+                        f"fine-tuning job {job_id} still {job.status} after max_wait"
+                    )
                 await base._async_sleep(interval)
 
 
 class FineTuning:
     """`client.fine_tuning`: holds `jobs`."""
 
-    def __init__(self, client: "SyncAPIClient") -> None:
+    def __init__(self, client: SyncAPIClient) -> None:
         self.jobs = Jobs(client)
 
 
 class AsyncFineTuning:
     """`client.fine_tuning` of AsyncClient: holds `jobs`."""
 
-    def __init__(self, client: "AsyncAPIClient") -> None:
+    def __init__(self, client: AsyncAPIClient) -> None:
         self.jobs = AsyncJobs(client)

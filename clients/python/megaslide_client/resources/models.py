@@ -22,7 +22,7 @@ async def _no_next_page_async(cursor):
 class Models:
     """Models served."""
 
-    def __init__(self, client: "SyncAPIClient") -> None:
+    def __init__(self, client: SyncAPIClient) -> None:
         self._client = client
 
     def list(self) -> SyncCursorPage[Model]:
@@ -36,14 +36,16 @@ class Models:
 class AsyncModels:
     """Async twin of Models."""
 
-    def __init__(self, client: "AsyncAPIClient") -> None:
+    def __init__(self, client: AsyncAPIClient) -> None:
         self._client = client
 
     def list(self) -> AsyncPaginator[Model]:
         """Every model: `await` it for the page, or `async for` over the models."""
 
         async def fetch() -> AsyncCursorPage[Model]:
-            return AsyncCursorPage((await self._client.get("/v1/models")).json(), Model, _no_next_page_async)
+            return AsyncCursorPage(
+                (await self._client.get("/v1/models")).json(), Model, _no_next_page_async
+            )
 
         return AsyncPaginator(fetch)
 

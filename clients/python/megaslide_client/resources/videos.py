@@ -5,8 +5,14 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import AsyncIterator, Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, AsyncIterator, Dict, Iterator, Literal, Mapping, Optional, Union
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Literal,
+    Union,
+)
 
 import httpx
 
@@ -28,37 +34,48 @@ PathLike = Union[str, "os.PathLike[str]"]
 def create_body(
     *,
     prompt: str,
-    model: Optional[str],
-    seconds: Union[str, float, None],
-    size: Optional[str],
-    num_frames: Optional[int],
-    fps: Optional[int],
-    num_inference_steps: Optional[int],
-    guidance_scale: Optional[float],
-    negative_prompt: Optional[str],
-    seed: Optional[int],
-    priority: Optional[int],
-    extra_body: Optional[Mapping[str, Any]],
-) -> Dict[str, Any]:
+    model: str | None,
+    seconds: str | float | None,
+    size: str | None,
+    num_frames: int | None,
+    fps: int | None,
+    num_inference_steps: int | None,
+    guidance_scale: float | None,
+    negative_prompt: str | None,
+    seed: int | None,
+    priority: int | None,
+    extra_body: Mapping[str, Any] | None,
+) -> dict[str, Any]:
     """The JSON body of POST /v1/videos; unset fields are left for the server's defaults."""
     body = {
-        "prompt": prompt, "model": model, "seconds": None if seconds is None else str(seconds),
-        "size": size, "num_frames": num_frames, "fps": fps, "num_inference_steps": num_inference_steps,
-        "guidance_scale": guidance_scale, "negative_prompt": negative_prompt, "seed": seed,
+        "prompt": prompt,
+        "model": model,
+        "seconds": None if seconds is None else str(seconds),
+        "size": size,
+        "num_frames": num_frames,
+        "fps": fps,
+        "num_inference_steps": num_inference_steps,
+        "guidance_scale": guidance_scale,
+        "negative_prompt": negative_prompt,
+        "seed": seed,
         "priority": priority,
-    }  # fmt: skip
+    }
     body = {k: v for k, v in body.items() if v is not None}
     body.update(extra_body or {})
     return body
 
 
-def poll_interval_s(response: httpx.Response, poll_interval_ms: Optional[int]) -> float:
+def poll_interval_s(response: httpx.Response, poll_interval_ms: int | None) -> float:
     """Seconds until the next poll: the caller's interval, else the server's openai-poll-after-ms."""
     if poll_interval_ms is not None:
         return poll_interval_ms / 1000.0
     header = response.headers.get("openai-poll-after-ms")
     try:
-        return max(int(header), 0) / 1000.0 if header is not None else DEFAULT_POLL_INTERVAL_MS / 1000.0
+        return (
+            max(int(header), 0) / 1000.0
+            if header is not None
+            else DEFAULT_POLL_INTERVAL_MS / 1000.0
+        )
     except ValueError:
         return DEFAULT_POLL_INTERVAL_MS / 1000.0
 
@@ -79,12 +96,14 @@ def stream_timeout(client_timeout: httpx.Timeout) -> httpx.Timeout:
     """The client's timeout with the longer read timeout of a stream (silent between steps)."""
     read = client_timeout.read
     return httpx.Timeout(
-        connect=client_timeout.connect, read=None if read is None else max(read, STREAM_READ_TIMEOUT),
-        write=client_timeout.write, pool=client_timeout.pool,
-    )  # fmt: skip
+        connect=client_timeout.connect,
+        read=None if read is None else max(read, STREAM_READ_TIMEOUT),
+        write=client_timeout.write,
+        pool=client_timeout.pool,
+    )
 
 
-def sse_headers(last_event_id: Optional[str]) -> Dict[str, str]:
+def sse_headers(last_event_id: str | None) -> dict[str, str]:
     headers = {"Accept": "text/event-stream"}
     if last_event_id:
         headers["Last-Event-ID"] = last_event_id
@@ -98,7 +117,7 @@ def stream_error(e: httpx.TransportError, request: httpx.Request) -> APIConnecti
     return APIConnectionError(f"the stream broke: {e}", request)
 
 
-def _content_range_start(response: httpx.Response) -> Optional[int]:
+def _content_range_start(response: httpx.Response) -> int | None:
     """The first byte a 206 answer carries (`Content-Range: bytes START-END/TOTAL`)."""
     value = response.headers.get("content-range", "")
     try:
@@ -107,43 +126,55 @@ def _content_range_start(response: httpx.Response) -> Optional[int]:
         return None
 
 
-def _check_deadline(deadline: Optional[float], wait: float, video: Video) -> None:
+def _check_deadline(deadline: float | None, wait: float, video: Video) -> None:
     if deadline is not None and time.monotonic() + wait > deadline:
-        raise TimeoutError(f"video {video.id} still {video.status} ({video.progress}%) after max_wait")
+        raise TimeoutError(
+            f"video {video.id} still {video.status} ({video.progress}%) after max_wait"
+        )
 
 
 class Videos:
     """Video generation jobs."""
 
-    def __init__(self, client: "SyncAPIClient") -> None:
+    def __init__(self, client: SyncAPIClient) -> None:
         self._client = client
 
     def create(
         self,
         *,
         prompt: str,
-        model: Optional[str] = None,
-        seconds: Union[str, float, None] = None,
-        size: Optional[str] = None,
-        num_frames: Optional[int] = None,
-        fps: Optional[int] = None,
-        num_inference_steps: Optional[int] = None,
-        guidance_scale: Optional[float] = None,
-        negative_prompt: Optional[str] = None,
-        seed: Optional[int] = None,
-        priority: Optional[int] = None,
-        extra_body: Optional[Mapping[str, Any]] = None,
-        idempotency_key: Optional[str] = None,
+        model: str | None = None,
+        seconds: str | float | None = None,
+        size: str | None = None,
+        num_frames: int | None = None,
+        fps: int | None = None,
+        num_inference_steps: int | None = None,
+        guidance_scale: float | None = None,
+        negative_prompt: str | None = None,
+        seed: int | None = None,
+        priority: int | None = None,
+        extra_body: Mapping[str, Any] | None = None,
+        idempotency_key: str | None = None,
     ) -> Video:
         """Queue a video. Returns at once with `status="queued"`; see `poll` / `create_and_poll`.
 
         `size` is "WIDTHxHEIGHT"; `seconds` and `num_frames` are two ways to give the length.
         Every retry of this call carries the same Idempotency-Key, so it makes at most one job.
         """
-        body = create_body(prompt=prompt, model=model, seconds=seconds, size=size, num_frames=num_frames,
-                           fps=fps, num_inference_steps=num_inference_steps, guidance_scale=guidance_scale,
-                           negative_prompt=negative_prompt, seed=seed, priority=priority,
-                           extra_body=extra_body)  # fmt: skip
+        body = create_body(
+            prompt=prompt,
+            model=model,
+            seconds=seconds,
+            size=size,
+            num_frames=num_frames,
+            fps=fps,
+            num_inference_steps=num_inference_steps,
+            guidance_scale=guidance_scale,
+            negative_prompt=negative_prompt,
+            seed=seed,
+            priority=priority,
+            extra_body=extra_body,
+        )
         response = self._client.post("/v1/videos", json=body, idempotency_key=idempotency_key)
         return Video.from_dict(response.json())
 
@@ -152,13 +183,19 @@ class Videos:
         return Video.from_dict(self._client.get(f"/v1/videos/{video_id}").json())
 
     def list(
-        self, *, after: Optional[str] = None, limit: Optional[int] = None, order: Optional[str] = None
+        self,
+        *,
+        after: str | None = None,
+        limit: int | None = None,
+        order: str | None = None,
     ) -> SyncCursorPage[Video]:
         """A page of videos; iterating over it walks every following page too."""
 
-        def fetch(cursor: Optional[str]) -> SyncCursorPage[Video]:
+        def fetch(cursor: str | None) -> SyncCursorPage[Video]:
             params = list_params(after=cursor, limit=limit, order=order)
-            return SyncCursorPage(self._client.get("/v1/videos", params=params).json(), Video, fetch)
+            return SyncCursorPage(
+                self._client.get("/v1/videos", params=params).json(), Video, fetch
+            )
 
         return fetch(after)
 
@@ -170,9 +207,9 @@ class Videos:
         self,
         video_id: str,
         *,
-        poll_interval_ms: Optional[int] = None,
+        poll_interval_ms: int | None = None,
         progress: bool = False,
-        max_wait: Optional[float] = None,
+        max_wait: float | None = None,
     ) -> Video:
         """Wait until the video is completed, failed or cancelled, and return it.
 
@@ -196,18 +233,20 @@ class Videos:
         self,
         *,
         prompt: str,
-        poll_interval_ms: Optional[int] = None,
+        poll_interval_ms: int | None = None,
         progress: bool = False,
-        max_wait: Optional[float] = None,
+        max_wait: float | None = None,
         **create_kwargs: Any,
     ) -> Video:
         """`create` then `poll`: returns the finished (or failed, or cancelled) video."""
         video = self.create(prompt=prompt, **create_kwargs)
-        return self.poll(video.id, poll_interval_ms=poll_interval_ms, progress=progress, max_wait=max_wait)
+        return self.poll(
+            video.id, poll_interval_ms=poll_interval_ms, progress=progress, max_wait=max_wait
+        )
 
     def download_content(
-        self, video_id: str, *, variant: Variant = "video", path: Optional[PathLike] = None
-    ) -> Union[Path, bytes]:
+        self, video_id: str, *, variant: Variant = "video", path: PathLike | None = None
+    ) -> Path | bytes:
         """The MP4 (or the thumbnail image): streamed into `path` and that Path returned, or as bytes.
 
         The file appears complete or not at all: bytes go to `PATH.part`, renamed at the end. A
@@ -215,7 +254,9 @@ class Videos:
         """
         url, params = f"/v1/videos/{video_id}/content", {"variant": variant}
         if path is None:
-            return self._client.get(url, params=params, timeout=stream_timeout(self._client.timeout)).content
+            return self._client.get(
+                url, params=params, timeout=stream_timeout(self._client.timeout)
+            ).content
         path = Path(path)
         part = path.with_name(path.name + ".part")
         written, attempt = 0, 0
@@ -223,10 +264,17 @@ class Videos:
             with open(part, "wb") as f:
                 while True:
                     headers = {"Range": f"bytes={written}-"} if written else None
-                    response = self._client.get(url, params=params, headers=headers, stream=True,
-                                                timeout=stream_timeout(self._client.timeout))  # fmt: skip
+                    response = self._client.get(
+                        url,
+                        params=params,
+                        headers=headers,
+                        stream=True,
+                        timeout=stream_timeout(self._client.timeout),
+                    )
                     try:
-                        if written and (response.status_code != 206 or _content_range_start(response) != written):
+                        if written and (
+                            response.status_code != 206 or _content_range_start(response) != written
+                        ):
                             f.seek(0)  # the server sent the whole file again: start over
                             f.truncate()
                             written = 0
@@ -246,7 +294,7 @@ class Videos:
             part.unlink(missing_ok=True)
         return path
 
-    def events(self, video_id: str, *, last_event_id: Optional[str] = None) -> Iterator[VideoEvent]:
+    def events(self, video_id: str, *, last_event_id: str | None = None) -> Iterator[VideoEvent]:
         """The video's Server-Sent Events (status and progress) until it reaches a terminal state.
 
         The server replays the stream from the start, or after `last_event_id`. A connection that
@@ -254,9 +302,12 @@ class Videos:
         """
         attempt = 0
         while True:
-            response = self._client.get(f"/v1/videos/{video_id}/events", stream=True,
-                                        headers=sse_headers(last_event_id),
-                                        timeout=stream_timeout(self._client.timeout))  # fmt: skip
+            response = self._client.get(
+                f"/v1/videos/{video_id}/events",
+                stream=True,
+                headers=sse_headers(last_event_id),
+                timeout=stream_timeout(self._client.timeout),
+            )
             try:
                 for sse in iter_sse(response.iter_lines()):
                     last_event_id, attempt = sse.id or last_event_id, 0
@@ -274,31 +325,41 @@ class Videos:
 class AsyncVideos:
     """Async twin of Videos."""
 
-    def __init__(self, client: "AsyncAPIClient") -> None:
+    def __init__(self, client: AsyncAPIClient) -> None:
         self._client = client
 
     async def create(
         self,
         *,
         prompt: str,
-        model: Optional[str] = None,
-        seconds: Union[str, float, None] = None,
-        size: Optional[str] = None,
-        num_frames: Optional[int] = None,
-        fps: Optional[int] = None,
-        num_inference_steps: Optional[int] = None,
-        guidance_scale: Optional[float] = None,
-        negative_prompt: Optional[str] = None,
-        seed: Optional[int] = None,
-        priority: Optional[int] = None,
-        extra_body: Optional[Mapping[str, Any]] = None,
-        idempotency_key: Optional[str] = None,
+        model: str | None = None,
+        seconds: str | float | None = None,
+        size: str | None = None,
+        num_frames: int | None = None,
+        fps: int | None = None,
+        num_inference_steps: int | None = None,
+        guidance_scale: float | None = None,
+        negative_prompt: str | None = None,
+        seed: int | None = None,
+        priority: int | None = None,
+        extra_body: Mapping[str, Any] | None = None,
+        idempotency_key: str | None = None,
     ) -> Video:
         """Queue a video (see `Videos.create`)."""
-        body = create_body(prompt=prompt, model=model, seconds=seconds, size=size, num_frames=num_frames,
-                           fps=fps, num_inference_steps=num_inference_steps, guidance_scale=guidance_scale,
-                           negative_prompt=negative_prompt, seed=seed, priority=priority,
-                           extra_body=extra_body)  # fmt: skip
+        body = create_body(
+            prompt=prompt,
+            model=model,
+            seconds=seconds,
+            size=size,
+            num_frames=num_frames,
+            fps=fps,
+            num_inference_steps=num_inference_steps,
+            guidance_scale=guidance_scale,
+            negative_prompt=negative_prompt,
+            seed=seed,
+            priority=priority,
+            extra_body=extra_body,
+        )
         response = await self._client.post("/v1/videos", json=body, idempotency_key=idempotency_key)
         return Video.from_dict(response.json())
 
@@ -307,13 +368,19 @@ class AsyncVideos:
         return Video.from_dict((await self._client.get(f"/v1/videos/{video_id}")).json())
 
     def list(
-        self, *, after: Optional[str] = None, limit: Optional[int] = None, order: Optional[str] = None
+        self,
+        *,
+        after: str | None = None,
+        limit: int | None = None,
+        order: str | None = None,
     ) -> AsyncPaginator[Video]:
         """`await` it for the first page, or `async for` over every video of every page."""
 
-        async def fetch(cursor: Optional[str]) -> AsyncCursorPage[Video]:
+        async def fetch(cursor: str | None) -> AsyncCursorPage[Video]:
             params = list_params(after=cursor, limit=limit, order=order)
-            return AsyncCursorPage((await self._client.get("/v1/videos", params=params)).json(), Video, fetch)
+            return AsyncCursorPage(
+                (await self._client.get("/v1/videos", params=params)).json(), Video, fetch
+            )
 
         return AsyncPaginator(lambda: fetch(after))
 
@@ -325,9 +392,9 @@ class AsyncVideos:
         self,
         video_id: str,
         *,
-        poll_interval_ms: Optional[int] = None,
+        poll_interval_ms: int | None = None,
         progress: bool = False,
-        max_wait: Optional[float] = None,
+        max_wait: float | None = None,
     ) -> Video:
         """Wait until the video is completed, failed or cancelled (see `Videos.poll`)."""
         deadline = None if max_wait is None else time.monotonic() + max_wait
@@ -346,19 +413,20 @@ class AsyncVideos:
         self,
         *,
         prompt: str,
-        poll_interval_ms: Optional[int] = None,
+        poll_interval_ms: int | None = None,
         progress: bool = False,
-        max_wait: Optional[float] = None,
+        max_wait: float | None = None,
         **create_kwargs: Any,
     ) -> Video:
         """`create` then `poll`."""
         video = await self.create(prompt=prompt, **create_kwargs)
-        return await self.poll(video.id, poll_interval_ms=poll_interval_ms, progress=progress,
-                               max_wait=max_wait)  # fmt: skip
+        return await self.poll(
+            video.id, poll_interval_ms=poll_interval_ms, progress=progress, max_wait=max_wait
+        )
 
     async def download_content(
-        self, video_id: str, *, variant: Variant = "video", path: Optional[PathLike] = None
-    ) -> Union[Path, bytes]:
+        self, video_id: str, *, variant: Variant = "video", path: PathLike | None = None
+    ) -> Path | bytes:
         """The MP4 or thumbnail, into `path` (returned) or as bytes (see `Videos.download_content`)."""
         url, params = f"/v1/videos/{video_id}/content", {"variant": variant}
         timeout = stream_timeout(self._client.timeout)
@@ -372,10 +440,13 @@ class AsyncVideos:
             with open(part, "wb") as f:
                 while True:
                     headers = {"Range": f"bytes={written}-"} if written else None
-                    response = await self._client.get(url, params=params, headers=headers, stream=True,
-                                                      timeout=timeout)  # fmt: skip
+                    response = await self._client.get(
+                        url, params=params, headers=headers, stream=True, timeout=timeout
+                    )
                     try:
-                        if written and (response.status_code != 206 or _content_range_start(response) != written):
+                        if written and (
+                            response.status_code != 206 or _content_range_start(response) != written
+                        ):
                             f.seek(0)
                             f.truncate()
                             written = 0
@@ -395,13 +466,18 @@ class AsyncVideos:
             part.unlink(missing_ok=True)
         return path
 
-    async def events(self, video_id: str, *, last_event_id: Optional[str] = None) -> AsyncIterator[VideoEvent]:
+    async def events(
+        self, video_id: str, *, last_event_id: str | None = None
+    ) -> AsyncIterator[VideoEvent]:
         """The video's Server-Sent Events until it reaches a terminal state (see `Videos.events`)."""
         attempt = 0
         while True:
-            response = await self._client.get(f"/v1/videos/{video_id}/events", stream=True,
-                                              headers=sse_headers(last_event_id),
-                                              timeout=stream_timeout(self._client.timeout))  # fmt: skip
+            response = await self._client.get(
+                f"/v1/videos/{video_id}/events",
+                stream=True,
+                headers=sse_headers(last_event_id),
+                timeout=stream_timeout(self._client.timeout),
+            )
             try:
                 async for sse in aiter_sse(response.aiter_lines()):
                     last_event_id, attempt = sse.id or last_event_id, 0
