@@ -1,4 +1,11 @@
-"""x"""
+"""MegaSlide kernels: operators, each Triton kernel beside the PyTorch reference it must match.
+
+For now this is 3D Deformable Slide Attention: `dsa_attention` is the entry point (the Triton
+kernels for CUDA tensors, the reference otherwise), `dsa_triton` and `dsa_attention_reference` are
+the two backends, `dsa_geometry`, `window_tiles` and `invert_windows` compute the windows both of
+them read, and `dsa_dense_oracle` is the dense masked attention the tests hold them to. The
+package needs torch, with Triton optional, and imports nothing from `engine/` or `server/`.
+"""
 
 from .dsa import dsa_attention, dsa_triton
 from .dsa_reference import (

@@ -97,6 +97,94 @@ def _interpreting() -> bool:
 # ---------------------------------------------------------------------------------------------
 
 
+# What the kernels share. Each runs on a 2D grid: axis 1 is b * H + h, and axis 0 (except in the
+# delta kernel, which reads plain rows) numbers (tile, block of BLOCK tokens of that tile). Tile
+# tokens are not contiguous in natural order, so every block is gathered row by row: token s of
+# tile t is row ORIGIN[t] + TILE_OFFS[s], and a tile list (a query tile's window, a key tile's
+# query tiles) is walked as one token list through the first-token indices of its tiles.
+
+
+@triton.jit
+def _batch_head(H):
+    """(b, h, bh) of this program, with bh = b * H + h its axis-1 index.
+
+    b and h are int64, so the (batch, head) base offsets cannot overflow int32.
+    """
+    bh = tl.program_id(1)
+    return (bh // H).to(tl.int64), (bh % H).to(tl.int64), bh
+
+
+@triton.jit
+def _tile_block(BLOCK: tl.constexpr, TILE_TOKENS: tl.constexpr):
+    """(tile, start): this program owns within-tile positions [start, start + BLOCK) of `tile`.
+
+    Axis 0 is tile * ceil(TILE_TOKENS / BLOCK) + block; the launchers size the grid so.
+    """
+    BLOCKS: tl.constexpr = (TILE_TOKENS + BLOCK - 1) // BLOCK
+    return tl.program_id(0) // BLOCKS, (tl.program_id(0) % BLOCKS) * BLOCK
+
+
+@triton.jit
+def _tile_rows(ORIGIN, TILE_OFFS, tile, start, BLOCK: tl.constexpr, TILE_TOKENS: tl.constexpr):
+    """Rows (int32, natural order) of within-tile positions [start, start + BLOCK) of `tile`.
+
+    Returns (rows, valid); positions past the tile's end are masked and their rows point at the
+    tile's first token, so they stay in bounds.
+    """
+    pos = start + tl.arange(0, BLOCK)
+    valid = pos < TILE_TOKENS
+    rows = tl.load(ORIGIN + tile) + tl.load(TILE_OFFS + pos, mask=valid, other=0)
+    return rows, valid
+
+
+@triton.jit
+def _list_rows(FIRST, TILE_OFFS, start, end, BLOCK: tl.constexpr, TILE_TOKENS: tl.constexpr):
+    """Rows (int32, natural order) of positions [start, start + BLOCK) of a tile list.
+
+    FIRST points at the first-token indices of the list's tiles; the list is taken as one list
+    of tokens, position j being token j % TILE_TOKENS of list tile j // TILE_TOKENS, so a block
+    may straddle tiles. Returns (rows, valid); positions at or past `end` are masked and their
+    rows stay in bounds.
+    """
+    j = start + tl.arange(0, BLOCK)
+    valid = j < end
+    tile_first = tl.load(FIRST + j // TILE_TOKENS, mask=valid, other=0)
+    rows = tile_first + tl.load(TILE_OFFS + j % TILE_TOKENS)
+    return rows, valid
+
+
+@triton.jit
+def _load_rows(X, rows, valid, stride_n, offs_d):
+    """(BLOCK, HEAD_DIM): rows `rows` of the (N, HEAD_DIM) matrix at X; masked rows read 0."""
+    return tl.load(X + rows[:, None] * stride_n + offs_d[None, :], mask=valid[:, None], other=0.0)
+
+
+@triton.jit
+def _load_rows_t(X, rows, valid, stride_n, offs_d):
+    """(HEAD_DIM, BLOCK): the same rows loaded transposed, as the right operand of a dot."""
+    return tl.load(X + rows[None, :] * stride_n + offs_d[:, None], mask=valid[None, :], other=0.0)
+
+
+@triton.jit
+def _store_rows(X, rows, valid, stride_n, offs_d, x):
+    """Write x (BLOCK, HEAD_DIM) to rows `rows` of the matrix at X, cast to X's element type."""
+    tl.store(
+        X + rows[:, None] * stride_n + offs_d[None, :],
+        x.to(X.dtype.element_ty),
+        mask=valid[:, None],
+    )
+
+
+@triton.jit
+def _log2_scale(sm_scale):
+    """The softmax scale with log2(e) folded in, so that exp2 (the cheap instruction) applies.
+
+    It stays fp32 and multiplies the fp32 dot outputs: scores are never rounded to bf16/fp16
+    before the softmax.
+    """
+    return sm_scale * 1.4426950408889634
+
+
 @triton.jit
 def _dsa_fwd_kernel(
     Q,
@@ -140,39 +228,25 @@ def _dsa_fwd_kernel(
     a block may span several small tiles, so odd tile sizes waste no padding.
     """
     KEYS: tl.constexpr = WIN_TILES * TILE_TOKENS
-    M_BLOCKS: tl.constexpr = (TILE_TOKENS + BLOCK_M - 1) // BLOCK_M
-    q_tile = tl.program_id(0) // M_BLOCKS
-    m_start = (tl.program_id(0) % M_BLOCKS) * BLOCK_M
-    bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
+    q_tile, m_start = _tile_block(BLOCK_M, TILE_TOKENS)
+    b, h, bh = _batch_head(H)
     Q += b * stride_qb + h * stride_qh
     K += b * stride_kb + h * stride_kh
     V += b * stride_vb + h * stride_vh
     O += b * stride_ob + h * stride_oh
+    LSE += bh.to(tl.int64) * N
     win = WIN + b * stride_wb + h * stride_wh + q_tile * WIN_TILES
 
     offs_d = tl.arange(0, HEAD_DIM)
-    pos_m = m_start + tl.arange(0, BLOCK_M)
-    valid_m = pos_m < TILE_TOKENS
-    rows_m = tl.load(ORIGIN + q_tile) + tl.load(TILE_OFFS + pos_m, mask=valid_m, other=0)
-    q = tl.load(Q + rows_m[:, None] * stride_qn + offs_d[None, :], mask=valid_m[:, None], other=0.0)
-
-    # fp32 scale with log2(e) folded in (exp2 is the cheap instruction): scores are fp32 dot
-    # outputs scaled in fp32, never rounded to bf16 before the softmax.
-    qk_scale = sm_scale * 1.4426950408889634
+    rows_m, valid_m = _tile_rows(ORIGIN, TILE_OFFS, q_tile, m_start, BLOCK_M, TILE_TOKENS)
+    q = _load_rows(Q, rows_m, valid_m, stride_qn, offs_d)  # (BLOCK_M, HEAD_DIM)
+    qk_scale = _log2_scale(sm_scale)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     for n_start in range(0, KEYS, BLOCK_N):
-        j = n_start + tl.arange(0, BLOCK_N)  # position in the window's key list
-        valid_n = j < KEYS
-        rows_n = tl.load(win + j // TILE_TOKENS, mask=valid_n, other=0) + tl.load(
-            TILE_OFFS + j % TILE_TOKENS
-        )
-        kT = tl.load(
-            K + rows_n[None, :] * stride_kn + offs_d[:, None], mask=valid_n[None, :], other=0.0
-        )  # (HEAD_DIM, BLOCK_N)
+        rows_n, valid_n = _list_rows(win, TILE_OFFS, n_start, KEYS, BLOCK_N, TILE_TOKENS)
+        kT = _load_rows_t(K, rows_n, valid_n, stride_kn, offs_d)  # (HEAD_DIM, BLOCK_N)
         s = tl.dot(q, kT, input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N)
         if KEYS % BLOCK_N != 0:
             s = tl.where(valid_n[None, :], s, float("-inf"))
@@ -181,18 +255,12 @@ def _dsa_fwd_kernel(
         alpha = tl.math.exp2(m_i - m_new)
         p = tl.math.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            V + rows_n[:, None] * stride_vn + offs_d[None, :], mask=valid_n[:, None], other=0.0
-        )  # (BLOCK_N, HEAD_DIM)
+        v = _load_rows(V, rows_n, valid_n, stride_vn, offs_d)  # (BLOCK_N, HEAD_DIM)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
     acc = acc / l_i[:, None]
-    tl.store(
-        O + rows_m[:, None] * stride_on + offs_d[None, :],
-        acc.to(O.dtype.element_ty),
-        mask=valid_m[:, None],
-    )
-    tl.store(LSE + bh.to(tl.int64) * N + rows_m, m_i + tl.math.log2(l_i), mask=valid_m)
+    _store_rows(O, rows_m, valid_m, stride_on, offs_d, acc)
+    tl.store(LSE + rows_m, m_i + tl.math.log2(l_i), mask=valid_m)
 
 
 @triton.jit
@@ -212,22 +280,12 @@ def _dsa_bwd_delta_kernel(
     BLOCK: tl.constexpr,
 ):
     """delta = rowsum(dO * O) in fp32, the softmax-backward correction term, per token."""
-    bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
-    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    b, h, bh = _batch_head(H)
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # natural order: no tiles needed
     valid = rows < N
     offs_d = tl.arange(0, HEAD_DIM)
-    o = tl.load(
-        O + b * stride_ob + h * stride_oh + rows[:, None] * stride_on + offs_d[None, :],
-        mask=valid[:, None],
-        other=0.0,
-    )
-    do = tl.load(
-        DO + b * stride_db + h * stride_dh + rows[:, None] * stride_dn + offs_d[None, :],
-        mask=valid[:, None],
-        other=0.0,
-    )
+    o = _load_rows(O + b * stride_ob + h * stride_oh, rows, valid, stride_on, offs_d)
+    do = _load_rows(DO + b * stride_db + h * stride_dh, rows, valid, stride_dn, offs_d)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(DELTA + bh.to(tl.int64) * N + rows, delta, mask=valid)
 
@@ -273,12 +331,8 @@ def _dsa_bwd_dq_kernel(
 ):
     """dQ for BLOCK_M tokens of one query tile, over the tile's query->key list."""
     KEYS: tl.constexpr = WIN_TILES * TILE_TOKENS
-    M_BLOCKS: tl.constexpr = (TILE_TOKENS + BLOCK_M - 1) // BLOCK_M
-    q_tile = tl.program_id(0) // M_BLOCKS
-    m_start = (tl.program_id(0) % M_BLOCKS) * BLOCK_M
-    bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
+    q_tile, m_start = _tile_block(BLOCK_M, TILE_TOKENS)
+    b, h, bh = _batch_head(H)
     Q += b * stride_qb + h * stride_qh
     K += b * stride_kb + h * stride_kh
     V += b * stride_vb + h * stride_vh
@@ -287,30 +341,17 @@ def _dsa_bwd_dq_kernel(
     win = WIN + b * stride_wb + h * stride_wh + q_tile * WIN_TILES
 
     offs_d = tl.arange(0, HEAD_DIM)
-    pos_m = m_start + tl.arange(0, BLOCK_M)
-    valid_m = pos_m < TILE_TOKENS
-    rows_m = tl.load(ORIGIN + q_tile) + tl.load(TILE_OFFS + pos_m, mask=valid_m, other=0)
-    q = tl.load(Q + rows_m[:, None] * stride_qn + offs_d[None, :], mask=valid_m[:, None], other=0.0)
-    do = tl.load(
-        DO + rows_m[:, None] * stride_don + offs_d[None, :], mask=valid_m[:, None], other=0.0
-    )
+    rows_m, valid_m = _tile_rows(ORIGIN, TILE_OFFS, q_tile, m_start, BLOCK_M, TILE_TOKENS)
+    q = _load_rows(Q, rows_m, valid_m, stride_qn, offs_d)  # (BLOCK_M, HEAD_DIM)
+    do = _load_rows(DO, rows_m, valid_m, stride_don, offs_d)
     lse = tl.load(LSE + bh.to(tl.int64) * N + rows_m, mask=valid_m, other=0.0)
     delta = tl.load(DELTA + bh.to(tl.int64) * N + rows_m, mask=valid_m, other=0.0)
-
-    qk_scale = sm_scale * 1.4426950408889634
+    qk_scale = _log2_scale(sm_scale)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     for n_start in range(0, KEYS, BLOCK_N):
-        j = n_start + tl.arange(0, BLOCK_N)
-        valid_n = j < KEYS
-        rows_n = tl.load(win + j // TILE_TOKENS, mask=valid_n, other=0) + tl.load(
-            TILE_OFFS + j % TILE_TOKENS
-        )
-        k = tl.load(
-            K + rows_n[:, None] * stride_kn + offs_d[None, :], mask=valid_n[:, None], other=0.0
-        )  # (BLOCK_N, HEAD_DIM)
-        vT = tl.load(
-            V + rows_n[None, :] * stride_vn + offs_d[:, None], mask=valid_n[None, :], other=0.0
-        )  # (HEAD_DIM, BLOCK_N)
+        rows_n, valid_n = _list_rows(win, TILE_OFFS, n_start, KEYS, BLOCK_N, TILE_TOKENS)
+        k = _load_rows(K, rows_n, valid_n, stride_kn, offs_d)  # (BLOCK_N, HEAD_DIM)
+        vT = _load_rows_t(V, rows_n, valid_n, stride_vn, offs_d)  # (HEAD_DIM, BLOCK_N)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         p = tl.math.exp2(s - lse[:, None])  # (BLOCK_M, BLOCK_N): the forward's softmax
         if KEYS % BLOCK_N != 0:
@@ -319,11 +360,7 @@ def _dsa_bwd_dq_kernel(
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
     dq = dq * sm_scale  # d(scores)/d(q) carries the natural-log scale, applied once in fp32
-    tl.store(
-        DQ + rows_m[:, None] * stride_dqn + offs_d[None, :],
-        dq.to(DQ.dtype.element_ty),
-        mask=valid_m[:, None],
-    )
+    _store_rows(DQ, rows_m, valid_m, stride_dqn, offs_d, dq)
 
 
 @triton.jit
@@ -377,12 +414,8 @@ def _dsa_bwd_dkdv_kernel(
     the query tiles that attend to each key tile. Their tokens are walked as one list in BLOCK_M
     blocks, like the forward walks keys.
     """
-    N_BLOCKS: tl.constexpr = (TILE_TOKENS + BLOCK_N - 1) // BLOCK_N
-    k_tile = tl.program_id(0) // N_BLOCKS
-    n_start = (tl.program_id(0) % N_BLOCKS) * BLOCK_N
-    bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
+    k_tile, n_start = _tile_block(BLOCK_N, TILE_TOKENS)
+    b, h, bh = _batch_head(H)
     Q += b * stride_qb + h * stride_qh
     K += b * stride_kb + h * stride_kh
     V += b * stride_vb + h * stride_vh
@@ -395,29 +428,18 @@ def _dsa_bwd_dkdv_kernel(
     inv_q = INV_Q + b * stride_iqb + h * stride_iqh
 
     offs_d = tl.arange(0, HEAD_DIM)
-    pos_n = n_start + tl.arange(0, BLOCK_N)
-    valid_n = pos_n < TILE_TOKENS
-    rows_n = tl.load(ORIGIN + k_tile) + tl.load(TILE_OFFS + pos_n, mask=valid_n, other=0)
-    k = tl.load(K + rows_n[:, None] * stride_kn + offs_d[None, :], mask=valid_n[:, None], other=0.0)
-    v = tl.load(V + rows_n[:, None] * stride_vn + offs_d[None, :], mask=valid_n[:, None], other=0.0)
-
-    qk_scale = sm_scale * 1.4426950408889634
+    rows_n, valid_n = _tile_rows(ORIGIN, TILE_OFFS, k_tile, n_start, BLOCK_N, TILE_TOKENS)
+    k = _load_rows(K, rows_n, valid_n, stride_kn, offs_d)  # (BLOCK_N, HEAD_DIM)
+    v = _load_rows(V, rows_n, valid_n, stride_vn, offs_d)
+    qk_scale = _log2_scale(sm_scale)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     first = tl.load(inv_off + k_tile) * TILE_TOKENS
     last = tl.load(inv_off + k_tile + 1) * TILE_TOKENS
     for m_start in range(first, last, BLOCK_M):
-        j = m_start + tl.arange(0, BLOCK_M)  # position in the key tile's query list
-        valid_m = j < last
-        rows_m = tl.load(inv_q + j // TILE_TOKENS, mask=valid_m, other=0) + tl.load(
-            TILE_OFFS + j % TILE_TOKENS
-        )
-        q = tl.load(
-            Q + rows_m[:, None] * stride_qn + offs_d[None, :], mask=valid_m[:, None], other=0.0
-        )  # (BLOCK_M, HEAD_DIM)
-        do = tl.load(
-            DO + rows_m[:, None] * stride_don + offs_d[None, :], mask=valid_m[:, None], other=0.0
-        )
+        rows_m, valid_m = _list_rows(inv_q, TILE_OFFS, m_start, last, BLOCK_M, TILE_TOKENS)
+        q = _load_rows(Q, rows_m, valid_m, stride_qn, offs_d)  # (BLOCK_M, HEAD_DIM)
+        do = _load_rows(DO, rows_m, valid_m, stride_don, offs_d)
         lse = tl.load(LSE + rows_m, mask=valid_m, other=0.0)
         delta = tl.load(DELTA + rows_m, mask=valid_m, other=0.0)
         sT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale  # (BN, BM)
@@ -427,16 +449,8 @@ def _dsa_bwd_dkdv_kernel(
         dsT = pT * (dpT - delta[None, :])
         dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
     dk = dk * sm_scale
-    tl.store(
-        DK + rows_n[:, None] * stride_dkn + offs_d[None, :],
-        dk.to(DK.dtype.element_ty),
-        mask=valid_n[:, None],
-    )
-    tl.store(
-        DV + rows_n[:, None] * stride_dvn + offs_d[None, :],
-        dv.to(DV.dtype.element_ty),
-        mask=valid_n[:, None],
-    )
+    _store_rows(DK, rows_n, valid_n, stride_dkn, offs_d, dk)
+    _store_rows(DV, rows_n, valid_n, stride_dvn, offs_d, dv)
 
 
 # ---------------------------------------------------------------------------------------------
