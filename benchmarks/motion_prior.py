@@ -28,8 +28,9 @@ import sys
 import numpy as np
 import torch
 
-from megaslide.engine.models import DEFAULT_MODEL, resolve_model_path
-from megaslide.engine.pipeline import VideoPipeline
+from megaslide.engine.loader import open_pipeline
+from megaslide.engine.native import DiTPipeline
+from megaslide.engine.sources import DEFAULT_MODEL
 from megaslide.engine.video import frames_to_float
 from megaslide.engine.world import COLOURS, SHAPES, ClipSpec, caption_for, random_object, render
 
@@ -37,10 +38,11 @@ DIRECTIONS = ("left", "right", "up", "down")
 
 
 def mean_clip(
-    colour: str, shape: str, motion: str, samples: int, rng: random.Random, config
+    colour: str, shape: str, motion: str, samples: int, rng: random.Random, sampling
 ) -> torch.Tensor:
-    """The world's mean one-object clip `(3, F, H, W)` in [-1, 1] for a caption, on black."""
-    F, H, W = config.frames, config.height, config.width
+    """The world's mean one-object clip `(3, F, H, W)` in [-1, 1] for a caption, on black, at
+    the model's default clip shape (`sampling`)."""
+    F, H, W = sampling.frames, sampling.height, sampling.width
     clips = (
         render(ClipSpec((random_object(rng, F, H, W, colour, shape, motion),), "black", F, H, W))
         for _ in range(samples)
@@ -61,16 +63,15 @@ def centroid_drift(clip: torch.Tensor) -> tuple[float, float]:
 
 @torch.no_grad()
 def predicted_clean_clip(
-    pipe: VideoPipeline, prompt: str, t: float, noises: int, seed: int
+    pipe: DiTPipeline, prompt: str, t: float, noises: int, seed: int
 ) -> torch.Tensor:
     """The model's clean clip `(C, F, H, W)` from pure noise presented as flow time t (as the
     sampler's first steps see it), averaged over `noises` draws."""
-    c = pipe.config
+    c, s = pipe.config, pipe.info.sampling
     ctx, mask = pipe.text_encoder.encode([prompt] * noises)  # (n, L, text_dim)
     g = torch.Generator().manual_seed(seed)
-    noise = torch.randn(
-        noises, c.in_channels, c.frames, c.height, c.width, generator=g
-    )  # (n, C, F, H, W)
+    shape = (noises, c.in_channels, s.frames, s.height, s.width)
+    noise = torch.randn(shape, generator=g)  # (n, C, F, H, W)
     v = pipe.dit(noise, torch.full((noises,), t), ctx, mask).float()  # (n, C, F, H, W) velocity
     return (noise - t * v).mean(0)  # x_t - t * (noise - x0) = x0 when x_t is on the path
 
@@ -91,7 +92,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
 
-    pipe = VideoPipeline.from_pretrained(resolve_model_path(args.model), dtype=torch.float32)
+    pipe = open_pipeline(args.model)
     rng = random.Random(args.seed)
     result = {"model": args.model, "samples": args.samples, "noises": args.noises, "times": {}}
     prompts = [
@@ -100,7 +101,7 @@ def main(argv=None) -> int:
         for shape in SHAPES[: args.shapes]
     ]
     means = {
-        (c, s, d): mean_clip(c, s, d, args.samples, rng, pipe.config)
+        (c, s, d): mean_clip(c, s, d, args.samples, rng, pipe.info.sampling)
         for c, s in prompts
         for d in DIRECTIONS
     }

@@ -18,8 +18,9 @@ import time
 
 import torch
 
-from megaslide.engine.models import DEFAULT_MODEL, resolve_model_path
-from megaslide.engine.pipeline import GenerationRequest, VideoPipeline
+from megaslide.engine.loader import open_pipeline
+from megaslide.engine.request import VideoRequest
+from megaslide.engine.sources import DEFAULT_MODEL
 from megaslide.engine.world import analyse_clip, benchmark_prompts, held_out
 
 GOALS = {"colour": 0.95, "motion": 0.90, "shape": 0.80}
@@ -35,12 +36,10 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
 
-    pipe = VideoPipeline.from_pretrained(resolve_model_path(args.model), dtype=torch.float32)
+    pipe = open_pipeline(args.model)
     rows, seconds = [], []
     for i, (prompt, colour, shape, motion) in enumerate(benchmark_prompts(args.count)):
-        request = GenerationRequest(
-            prompt, steps=args.steps, guidance=args.guidance, seed=args.seed + i
-        )
+        request = VideoRequest(prompt, steps=args.steps, guidance=args.guidance, seed=args.seed + i)
         start = time.perf_counter()
         frames = pipe.generate(request)
         seconds.append(time.perf_counter() - start)
@@ -64,7 +63,7 @@ def main(argv=None) -> int:
         "model": args.model,
         "prompts": len(rows),
         "unseen_prompts": len(unseen),
-        "steps": pipe.resolve(GenerationRequest("x", steps=args.steps)).steps,
+        "steps": args.steps or pipe.info.limits.steps,
         "accuracy": {attr: accuracy(rows, attr) for attr in GOALS},
         "accuracy_unseen": {attr: accuracy(unseen, attr) for attr in GOALS},
         "goals": GOALS,

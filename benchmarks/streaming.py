@@ -21,8 +21,10 @@ import time
 
 import torch
 
-from megaslide.engine.pipeline import GenerationRequest, VideoPipeline
-from megaslide.engine.streaming import stream_module
+from megaslide.engine.loader import open_pipeline
+from megaslide.engine.pipeline import Pipeline
+from megaslide.engine.request import ResolvedVideo, VideoRequest
+from megaslide.engine.sources import describe, resolve_source
 
 
 def sync(device: str) -> None:
@@ -31,15 +33,15 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def time_steps(pipe: VideoPipeline, request: GenerationRequest, device: str) -> list[float]:
+def time_steps(pipe: Pipeline, request: ResolvedVideo, device: str) -> list[float]:
     """Seconds of each denoising step after the first (a warm-up); the CFG pair runs in one batch."""
     state = pipe.prepare(request)
-    pipe.denoise_step([state])
+    pipe.step([state])
     sync(device)
     times = []
     while not state.done:
         start = time.perf_counter()
-        pipe.denoise_step([state])
+        pipe.step([state])
         sync(device)
         times.append(time.perf_counter() - start)
     return times
@@ -60,7 +62,8 @@ def main(argv=None) -> int:
         args.preset, args.repeats = "tiny", 3
     dtype = getattr(torch, args.dtype or ("bfloat16" if args.device == "cuda" else "float32"))
     width, height = (int(v) for v in args.size.split("x"))
-    request = GenerationRequest(
+    info = describe(resolve_source(preset=args.preset))
+    request = VideoRequest(
         "a red circle moving right",
         frames=args.frames,
         height=height,
@@ -68,19 +71,21 @@ def main(argv=None) -> int:
         steps=args.repeats + 1,
         seed=0,
     )
-
-    pipe = VideoPipeline.from_preset(args.preset, device=args.device, dtype=dtype)
-    resident = time_steps(pipe, request, args.device)
-    handle = stream_module(
-        pipe.dit, blocks=pipe.dit.blocks, device=args.device, timing=args.device == "cuda"
+    pipe = open_pipeline(info, device=args.device, dtype=dtype)
+    video = pipe.resolve(request)
+    resident = time_steps(pipe, video, args.device)
+    del pipe  # one copy of the weights at a time
+    pipe = open_pipeline(
+        info, device=args.device, dtype=dtype, offload="stream", timing=args.device == "cuda"
     )
-    streamed = time_steps(pipe, request, args.device)
+    streamed = time_steps(pipe, video, args.device)
+    handle = pipe.handles["dit"]
     stats = handle.stats()
     result = {
         "preset": args.preset,
         "device": args.device,
         "dtype": str(dtype).removeprefix("torch."),
-        "tokens": math.prod(pipe.config.token_grid(args.frames, height, width)),
+        "tokens": math.prod(info.config.token_grid(args.frames, height, width)),
         "rows_per_step": 2,
         "steps_timed": args.repeats,
         "resident_s": statistics.median(resident),
@@ -98,7 +103,7 @@ def main(argv=None) -> int:
             # Per step: the slower of compute and transfer bounds the step; 1.0 is perfect overlap.
             step_over_bound=result["streamed_s"] / (max(compute, copy) / (args.repeats + 1)),
         )
-    handle.remove()
+    pipe.close()
     print(
         json.dumps(result, indent=2)
         if args.json

@@ -1,33 +1,52 @@
-"""MegaSlide engine: the video DiT, its sampler, weight streaming, fine-tuning and video I/O.
+"""MegaSlide's engine: the video DiT, its sampler, weight streaming, fine-tuning and video I/O.
 
-Importing this package needs torch, numpy and safetensors only; PyAV is imported where videos are
-read or written.
+The front door is `open_pipeline` (sampling) and `open_trainer` (fine-tuning); a request is a
+`VideoRequest`, checked once by `resolve` against a model's limits. Importing this package costs
+nothing: the names below load their modules (and torch) on first use, and the configs, sources and
+requests (config.py, sources.py, request.py) never need torch, so the server reads them without it.
 """
 
-from .checkpoint import load_model, save_model
-from .dit import PRESETS, DiTConfig, VideoDiT, count_parameters, get_preset
-from .flow import SampleState, denoise_step, flow_matching_loss, shifted_schedule
-from .pipeline import GenerationRequest, VideoPipeline
-from .streaming import StreamHandle, stream_module
-from .text import BuiltinTextEncoder, TextEncoder, TextEncoderConfig
+from __future__ import annotations
 
-__all__ = [
-    "PRESETS",
-    "BuiltinTextEncoder",
-    "DiTConfig",
-    "GenerationRequest",
-    "SampleState",
-    "TextEncoder",
-    "StreamHandle",
-    "TextEncoderConfig",
-    "VideoDiT",
-    "VideoPipeline",
-    "count_parameters",
-    "denoise_step",
-    "flow_matching_loss",
-    "get_preset",
-    "load_model",
-    "save_model",
-    "shifted_schedule",
-    "stream_module",
-]
+import importlib
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "open_pipeline": "loader",
+    "open_model": "loader",
+    "open_trainer": "finetune",
+    "FinetuneConfig": "finetune",
+    "Trainer": "finetune",
+    "Pipeline": "pipeline",
+    "ModelSource": "sources",
+    "ModelInfo": "sources",
+    "describe": "sources",
+    "resolve_source": "sources",
+    "packaged_models": "sources",
+    "VideoRequest": "request",
+    "ResolvedVideo": "request",
+    "RequestError": "request",
+    "ModelLimits": "request",
+    "resolve": "request",
+    "DiTConfig": "config",
+    "SamplingDefaults": "config",
+    "TextEncoderConfig": "config",
+    "PRESETS": "config",
+    "get_preset": "config",
+    "StreamHandle": "streaming",
+    "stream_module": "streaming",
+}
+
+__all__ = ["__version__", *_EXPORTS]
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{module}", __name__), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -31,8 +31,10 @@ import torch
 from torch import nn
 
 from .dit import VideoDiT, pop_aux_losses
-from .flow import sample_training_times
+from .flow import noisy_sample, sample_training_times, velocity_target
+from .host_store import pin_exact
 from .optim import CPUAdamW
+from .streaming import StreamHandle
 from .text import BuiltinTextEncoder
 
 NON_BLOCK = "non_block"  # optimizer block id of everything outside the DiT's blocks
@@ -67,7 +69,12 @@ class _ResidentBlocks:
 
 
 class BlockwiseStep:
-    """Owns the device copy of a model, its host fp32 masters and the CPU AdamW that updates them."""
+    """Owns the device copy of a model, its host fp32 masters and the CPU AdamW that updates them.
+
+    The model comes placed in fp32 by the loader (`loader.open_model`): with `offload="stream"`,
+    the DiT's blocks streamed (`handle`) and their host stores the masters; otherwise everything on
+    `device`, with host copies as masters (the parameters themselves on the CPU).
+    """
 
     def __init__(
         self,
@@ -75,52 +82,45 @@ class BlockwiseStep:
         text: BuiltinTextEncoder,
         device: str | torch.device,
         config: StepConfig,
+        handle: StreamHandle | None = None,
     ):
         if config.offload not in ("none", "stream"):
             raise ValueError(f"offload must be 'none' or 'stream', got {config.offload!r}")
+        if (config.offload == "stream") != (handle is not None):
+            raise ValueError(
+                "offload='stream' trains a streamed model: pass its handle (and only then)"
+            )
         self.dit, self.text, self.config = dit, text, config
         self.device = torch.device(device)
         for p in [*dit.parameters(), *text.parameters()]:
-            if p.dtype != torch.float32 or p.device.type != "cpu":
-                raise ValueError(
-                    "the model must come in fp32 on the CPU: it becomes the fp32 master"
-                )
-        # Host masters of the non-block parameters (and, unless streamed, of the blocks): the
-        # parameters themselves where they already live on the host, else host copies.
+            if p.dtype != torch.float32:
+                raise ValueError("the model must come in fp32: its host copy is the fp32 master")
+        # Host masters of the non-block parameters (and, unless streamed, of the blocks).
         named = {f"dit.{n}": p for n, p in trainable(dit) if not n.startswith("blocks.")}
         named |= {f"text.{n}": p for n, p in trainable(text)}
         self.non_block_params = named
-        non_block_master = self._host_master(named)  # before anything moves to the device
+        non_block_master = self._host_master(named)
         # Frozen parameters never change: a host copy of each is all checkpoints need.
         self.frozen = {
-            f"{prefix}.{n}": p.detach().clone()
+            f"{prefix}.{n}": p.detach().to("cpu", copy=True)
             for prefix, m in (("dit", dit), ("text", text))
             for n, p in m.named_parameters()
             if not p.requires_grad
         }
-        self.handle = None
-        if config.offload == "stream":
-            from .streaming import stream_module
-
-            self.handle = stream_module(
-                dit, blocks=dit.blocks, device=self.device, timing=config.timing
-            )
-            self.blocks_io = self.handle
+        self.handle = handle
+        if handle is not None:
+            self.blocks_io = handle
             # The streamer's host store of each block is its fp32 master: AdamW updates it in place
             # and the next load copies the new values.
             block_masters = {}
             for i, block in enumerate(dit.blocks):
                 names = {n for n, _ in trainable(block)}
-                block_masters[i] = {
-                    n: t for n, t in self.handle.host_tensors(i).items() if n in names
-                }
+                block_masters[i] = {n: t for n, t in handle.host_tensors(i).items() if n in names}
         else:
             self.blocks_io = _ResidentBlocks()
             block_masters = {
                 i: self._host_master(dict(trainable(b))) for i, b in enumerate(dit.blocks)
             }
-            dit.to(self.device)
-        text.to(self.device)
         # Block masters are keyed by names inside the block ("attn.qkv.weight").
         self.masters = {**block_masters, NON_BLOCK: non_block_master}
         self.optimizer = CPUAdamW(
@@ -139,11 +139,11 @@ class BlockwiseStep:
     def _host_master(self, named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if self.device.type == "cpu":
             return {n: p.data for n, p in named.items()}  # the parameters are the masters
-        return {n: p.detach().clone() for n, p in named.items()}
+        return {n: p.detach().to("cpu", copy=True) for n, p in named.items()}
 
     @property
     def h2d_bytes(self) -> int:
-        return self.handle.stats()["h2d_bytes"] if self.handle is not None else 0
+        return self.handle.h2d_bytes if self.handle is not None else 0
 
     def autocast(self):
         if self.config.autocast is None:
@@ -161,9 +161,8 @@ class BlockwiseStep:
         t = sample_training_times(B, generator, self.config.time_sampling)  # (B,)
         noise = torch.randn(x0.shape, generator=generator)  # (B, C, F, H, W)
         x0, noise, t = x0.to(self.device), noise.to(self.device), t.to(self.device)
-        t_ = t.view(-1, 1, 1, 1, 1)
-        x_t = (1 - t_) * x0 + t_ * noise  # (B, C, F, H, W)
-        target = noise - x0
+        x_t = noisy_sample(x0, noise, t)  # (B, C, F, H, W)
+        target = velocity_target(x0, noise)
         last = self.micro + 1 == self.config.grad_accum
 
         # 1. Prologue with autograd; blocks without, keeping each block's input.
@@ -298,12 +297,10 @@ class _GradientDrain:
         self.cuda = device.type == "cuda"
         self.bytes = 0
         if self.cuda:
-            from .host_store import _pin_exact
-
             self.stream = torch.cuda.Stream(device)
             self.buffers = [torch.empty(max_numel, dtype=torch.float32) for _ in range(2)]
             for b in self.buffers:
-                _pin_exact(b)  # exactly this size, not torch's power-of-two pinned cache
+                pin_exact(b)  # exactly this size, not torch's power-of-two pinned cache
             self.readers: list[Future | None] = [None, None]
             self.turn = 0
 

@@ -1,4 +1,4 @@
-"""The MegaSlide video Diffusion Transformer: configs, presets and the model, as plain math.
+"""The MegaSlide video Diffusion Transformer, as plain math (its config is in config.py).
 
 A clip `(B, C, F, H, W)` is cut into 3D patches `(pt, ph, pw)`, giving a token grid `(T, Y, X)`
 and `N = T * Y * X` tokens of width `dim`. Each block applies self-attention over all video tokens
@@ -7,183 +7,21 @@ and an MLP, modulated by the timestep through adaLN-Zero. The velocity for recti
 out of a zero-initialised final layer and is folded back into a clip of the input's shape.
 
 The model knows nothing of devices, streaming or I/O: those are transforms applied to a built
-model (see `streaming.py`).
+model (see `streaming.py`). A layer with an initialisation of its own says so in
+`reset_parameters`, which runs after its children's (as the constructor does), so a model built on
+the meta device can be given the same random weights part by part (see `initialization.py`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .text import TextEncoderConfig
-
-ATTENTION_BACKENDS = ("dense", "dsa")
-
-
-@dataclass(frozen=True)
-class DiTConfig:
-    """Shape of a video DiT and the defaults it samples with."""
-
-    in_channels: int = 3  # latent channels; 3 = pixel space (identity autoencoder)
-    patch: tuple[int, int, int] = (1, 4, 4)  # (pt, ph, pw) in latent frames and pixels
-    dim: int = 128
-    depth: int = 4
-    heads: int = 4
-    ffn_dim: int = 512
-    text: TextEncoderConfig = field(default_factory=TextEncoderConfig)
-    autoencoder: str = "identity"  # "identity" = pixel space; anything else needs that VAE
-    vae_stride: tuple[int, int, int] = (
-        1,
-        1,
-        1,
-    )  # pixels per latent on (t, y, x); Wan's VAE: (4, 8, 8)
-    max_frames: int = 32  # largest clip, in latent frames, that the positions are sized for
-    max_size: int = 256  # largest latent height or width (pixels, for the identity autoencoder)
-    rope_theta: float = 10000.0
-    # Also add fixed 3D sine-cosine positions to the tokens (as DiT and Latte do). RoPE is relative:
-    # in pure noise every token looks alike, so without these a token cannot tell the first frame
-    # from the tenth, nor the left edge from the right, when it starts to draw a clip.
-    absolute_positions: bool = False
-    attention: str = "dense"  # self-attention backend: "dense" (SDPA) or "dsa" (3D-DSA)
-    dsa_tile: tuple[int, int, int] = (1, 4, 4)  # 3D-DSA tile, in tokens (t, y, x)
-    dsa_window: tuple[int, int, int] = (3, 3, 3)  # 3D-DSA window, in tiles (odd)
-    # Sampling defaults: what `megaslide generate` uses when a flag is absent.
-    frames: int = 16
-    height: int = 32
-    width: int = 32
-    fps: int = 8
-    steps: int = 20
-    guidance: float = 4.0
-    shift: float = 3.0  # timestep shift of the Euler schedule (SD3 / Wan convention)
-    # What the network's last layer predicts: "velocity" (noise - data, as Wan and SD3) or "data"
-    # (the clean clip, turned into a velocity in the epilogue). Predicting data suits pixel space
-    # with patches wider than the model: a token cannot carry a patch's worth of noise through a
-    # narrower hidden state, but a clean patch is simple (Li & He 2025, "Back to Basics").
-    prediction: str = "velocity"
-
-    def __post_init__(self):
-        if self.dim % self.heads:
-            raise ValueError(f"dim {self.dim} is not divisible by heads {self.heads}")
-        if self.attention not in ATTENTION_BACKENDS:
-            raise ValueError(
-                f"attention must be one of {ATTENTION_BACKENDS}, got {self.attention!r}"
-            )
-        if (self.dim // self.heads) % 2:
-            raise ValueError("head dim must be even for rotary positions")
-        if self.prediction not in ("velocity", "data"):
-            raise ValueError(f"prediction must be 'velocity' or 'data', got {self.prediction!r}")
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.heads
-
-    def token_grid(self, frames: int, height: int, width: int) -> tuple[int, int, int]:
-        """Token grid `(T, Y, X)` of a clip given in pixels (a causal VAE keeps the first frame alone)."""
-        (st, sy, sx), (pt, ph, pw) = self.vae_stride, self.patch
-        latent_frames = 1 + (frames - 1) // st if st > 1 else frames
-        return latent_frames // pt, height // sy // ph, width // sx // pw
-
-    def replace(self, **changes) -> DiTConfig:
-        return dataclasses.replace(self, **changes)
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> DiTConfig:
-        d = dict(d)
-        d["text"] = TextEncoderConfig(**d.get("text", {}))
-        for key in ("patch", "vae_stride", "dsa_tile", "dsa_window"):
-            if key in d:
-                d[key] = tuple(d[key])
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"unknown model config keys: {unknown}")
-        return cls(**d)
-
-
-PRESETS: dict[str, DiTConfig] = {
-    # Seconds per clip on two CPU cores; used by tests and the embedded default model.
-    "tiny": DiTConfig(),
-    # The embedded default model: tiny with 8x8 patches (4x fewer tokens, so four times the training
-    # steps on a CPU), predicting clean patches (192 values per token against a width of 128), an
-    # unshifted schedule, which suits 32x32 pixel-space clips, hashed word tokens for its prompts,
-    # and absolute positions (RoPE alone cannot place an object in featureless noise).
-    "megaslide-tiny": DiTConfig(
-        patch=(1, 8, 8),
-        shift=1.0,
-        prediction="data",
-        text=TextEncoderConfig(max_len=64, tokenizer="words"),
-        # 32x32 clips are 4x4 tokens a frame: a 3D-DSA tile is 4 frames x 1 token.
-        absolute_positions=True,
-        dsa_tile=(4, 1, 1),
-    ),
-    # ~150M params: big enough that streaming its blocks costs real memory traffic on a CPU.
-    "small": DiTConfig(
-        dim=768,
-        depth=12,
-        heads=12,
-        ffn_dim=3072,
-        text=TextEncoderConfig(dim=512, layers=2, heads=8),
-    ),
-    # Wan2.1-14B's transformer dimensions (40 blocks of width 5120, FFN 13824, 40 heads, 16-channel
-    # latents from its VAE with 1x2x2 patches).
-    "wan-14b": DiTConfig(
-        in_channels=16,
-        patch=(1, 2, 2),
-        dim=5120,
-        depth=40,
-        heads=40,
-        ffn_dim=13824,
-        text=TextEncoderConfig(dim=4096, layers=2, heads=32),
-        autoencoder="wan-vae",
-        vae_stride=(4, 8, 8),
-        max_frames=21,
-        max_size=160,
-        frames=81,
-        height=720,
-        width=1280,
-        fps=16,
-        steps=50,
-        guidance=5.0,
-        shift=5.0,
-    ),
-    # The flagship: ~105B params, 210 GB in bf16, which only runs with its blocks streamed.
-    "megaslide-105b": DiTConfig(
-        in_channels=16,
-        patch=(1, 2, 2),
-        dim=12288,
-        depth=44,
-        heads=96,
-        ffn_dim=46080,
-        text=TextEncoderConfig(dim=4096, layers=2, heads=32),
-        autoencoder="wan-vae",
-        vae_stride=(4, 8, 8),
-        max_frames=32,
-        max_size=160,
-        frames=81,
-        height=720,
-        width=1280,
-        fps=16,
-        steps=50,
-        guidance=5.0,
-        shift=5.0,
-    ),
-}
-
-
-def get_preset(name: str) -> DiTConfig:
-    try:
-        return PRESETS[name]
-    except KeyError:
-        raise ValueError(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}") from None
-
+from .config import DiTConfig
 
 # ---------------------------------------------------------------------------------------------
 # Positions
@@ -267,12 +105,16 @@ class SelfAttention(nn.Module):
         # Per-tile velocity head for 3D-DSA; zero-initialised so a fresh layer is plain sliding-tile
         # attention. See `motion_field` for how it learns.
         self.motion = nn.Linear(config.dim, 2 * config.heads)
-        nn.init.zeros_(self.motion.weight)
-        nn.init.zeros_(self.motion.bias)
         # Dense attention never reads the head: freeze it there so training leaves it untouched
         # (no weight decay on a parameter the loss cannot see).
         self.motion.requires_grad_(config.attention == "dsa")
         self.aux_loss: torch.Tensor | None = None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """After the layers' own initialisation: the motion head starts at zero."""
+        nn.init.zeros_(self.motion.weight)
+        nn.init.zeros_(self.motion.bias)
 
     def forward(self, x: torch.Tensor, grid: tuple[int, int, int], angles: torch.Tensor):
         B, N, D = x.shape
@@ -384,7 +226,12 @@ class DiTBlock(nn.Module):
         # This block's share of the modulation: added to the shared timestep projection
         # (adaLN-single, as in PixArt-alpha and Wan), zero so the block starts as the identity.
         self.modulation = nn.Parameter(torch.zeros(6, config.dim))
-        # The cross-attention path has no gate, so its output projection starts at zero instead.
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """After the layers' own initialisation: zero modulation, and a zero cross-attention
+        output (that path has no gate, so its projection starts at zero instead)."""
+        nn.init.zeros_(self.modulation)
         nn.init.zeros_(self.cross.out.weight)
         nn.init.zeros_(self.cross.out.bias)
 
@@ -399,6 +246,18 @@ class DiTBlock(nn.Module):
         return x
 
 
+class ZeroProjection(nn.Sequential):
+    """SiLU and a linear map that starts at zero: the shared adaLN-Zero modulation."""
+
+    def __init__(self, dim: int, out_dim: int):
+        super().__init__(nn.SiLU(), nn.Linear(dim, out_dim))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.zeros_(self[1].weight)
+        nn.init.zeros_(self[1].bias)
+
+
 class FinalLayer(nn.Module):
     """adaLN-modulated norm and a zero-initialised projection back to patch pixels."""
 
@@ -407,6 +266,11 @@ class FinalLayer(nn.Module):
         self.norm = nn.LayerNorm(config.dim, elementwise_affine=False, eps=1e-6)
         self.modulation = nn.Parameter(torch.zeros(2, config.dim))
         self.linear = nn.Linear(config.dim, math.prod(config.patch) * config.in_channels)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Zero modulation and projection: a fresh model predicts zero."""
+        nn.init.zeros_(self.modulation)
         nn.init.zeros_(self.linear.weight)
         nn.init.zeros_(self.linear.bias)
 
@@ -424,9 +288,7 @@ class VideoDiT(nn.Module):
         C, D = config.in_channels, config.dim
         self.patch_embed = nn.Linear(C * math.prod(config.patch), D)
         self.time_embed = nn.Sequential(nn.Linear(256, D), nn.SiLU(), nn.Linear(D, D))
-        self.time_mod = nn.Sequential(nn.SiLU(), nn.Linear(D, 6 * D))
-        nn.init.zeros_(self.time_mod[1].weight)
-        nn.init.zeros_(self.time_mod[1].bias)
+        self.time_mod = ZeroProjection(D, 6 * D)
         self.text_proj = nn.Sequential(
             nn.Linear(config.text.dim, D), nn.GELU(approximate="tanh"), nn.Linear(D, D)
         )
@@ -436,29 +298,6 @@ class VideoDiT(nn.Module):
         self.text_pool = nn.Linear(D, D)
         self.blocks = nn.ModuleList(DiTBlock(config) for _ in range(config.depth))
         self.final = FinalLayer(config)
-
-    def check_shape(self, frames: int, height: int, width: int) -> None:
-        """Raise ValueError naming the problem if a clip of this shape cannot go through the model."""
-        c, (pt, ph, pw) = self.config, self.config.patch
-        if frames < 1 or frames > c.max_frames:
-            raise ValueError(
-                f"frames must be between 1 and {c.max_frames} for this model, got {frames}"
-            )
-        if max(height, width) > c.max_size or min(height, width) < 1:
-            raise ValueError(
-                f"height and width must be between 1 and {c.max_size}, got {width}x{height}"
-            )
-        for name, n, p in (("frames", frames, pt), ("height", height, ph), ("width", width, pw)):
-            if n % p:
-                raise ValueError(f"{name} ({n}) must be a multiple of the patch size {p}")
-        if c.attention == "dsa":
-            grid = (frames // pt, height // ph, width // pw)
-            for axis, n, t, w in zip("tyx", grid, c.dsa_tile, c.dsa_window):
-                if n % t or n // t < w:
-                    raise ValueError(
-                        f"3D-DSA needs the token grid's {axis} axis ({n}) to be a multiple of the tile ({t}) "
-                        f"with at least {w} tiles"
-                    )
 
     def patchify(self, x: torch.Tensor):
         """`(B, C, F, H, W)` -> tokens `(B, N, C*pt*ph*pw)` and the grid `(T, Y, X)`."""
@@ -539,15 +378,3 @@ def pop_aux_losses(module: nn.Module) -> list[torch.Tensor]:
             losses.append(m.aux_loss)
             m.aux_loss = None
     return losses
-
-
-def count_parameters(config: DiTConfig) -> dict[str, int]:
-    """Exact parameter counts of a config, built on the meta device (instant at any size)."""
-    from .text import BuiltinTextEncoder
-
-    with torch.device("meta"):
-        dit, text = VideoDiT(config), BuiltinTextEncoder(config.text)
-    n_dit = sum(p.numel() for p in dit.parameters())
-    n_block = sum(p.numel() for p in dit.blocks[0].parameters()) if config.depth else 0
-    n_text = sum(p.numel() for p in text.parameters())
-    return {"total": n_dit + n_text, "dit": n_dit, "per_block": n_block, "text_encoder": n_text}

@@ -1,8 +1,9 @@
 """Adaptation mode: full-parameter fine-tuning of a video DiT on a directory of captioned clips.
 
-`Trainer` owns the whole run: it validates the dataset before the first step, streams decoded clips
-from a background loader, runs `BlockwiseStep` (see blockwise.py), appends one JSON line of metrics
-per step to `<output>/metrics.jsonl`, and writes checkpoints atomically:
+`open_trainer(source, data, config)` opens a run; the `Trainer` owns it: it validates the dataset
+before the first step, opens the model through the loader (fp32, streamed or resident), streams
+decoded clips from a background loader, runs `BlockwiseStep` (see blockwise.py), appends one JSON
+line of metrics per step to `<output>/metrics.jsonl`, and writes checkpoints atomically:
 
     <output>/checkpoints/step-000050/
         model/            fp32 master weights, a servable model directory
@@ -20,18 +21,19 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
+from .atomic import atomic_directory, remove_stale
 from .blockwise import BlockwiseStep, StepConfig, master_state_dicts
-from .checkpoint import load_model, save_model
+from .checkpoint import save_model
 from .data import BackgroundLoader, VideoDataset, validate_dataset
-from .dit import VideoDiT, get_preset
-from .models import resolve_model_path
+from .dit import VideoDiT
+from .loader import as_source, open_model
+from .sources import ModelSource, describe
 from .text import BuiltinTextEncoder
 
 CHECKPOINTS = "checkpoints"
@@ -41,12 +43,12 @@ LR_SCHEDULES = ("constant", "cosine")
 
 @dataclass(frozen=True)
 class FinetuneConfig:
-    """A fine-tuning run. Exactly one of `model` and `preset`; `steps` or `epochs`."""
+    """How a fine-tuning run trains: `steps` or `epochs`, the optimizer, the clips, the device.
 
-    data: str
+    The model it starts from and the data it reads are arguments of `open_trainer`.
+    """
+
     output: str
-    model: str | None = None
-    preset: str | None = None
     steps: int | None = None
     epochs: float | None = None
     lr: float = 1e-4
@@ -73,8 +75,6 @@ class FinetuneConfig:
     until: int | None = None  # stop after this step of the schedule; a resumed run continues it
 
     def validate(self) -> None:
-        if (self.model is None) == (self.preset is None):
-            raise ValueError("give exactly one of model and preset")
         if (self.steps is None) == (self.epochs is None):
             raise ValueError("give exactly one of steps and epochs")
         for name in (
@@ -118,24 +118,6 @@ def learning_rate(config: FinetuneConfig, step: int, total_steps: int) -> float:
     return config.lr * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)  # makes the rename itself durable, not just the files' contents
-    finally:
-        os.close(fd)
-
-
-def _build_model(config: FinetuneConfig) -> tuple[VideoDiT, BuiltinTextEncoder]:
-    overrides = {"attention": config.attention} if config.attention else {}
-    if config.preset:
-        model_config = get_preset(config.preset).replace(**overrides)
-        torch.manual_seed(config.seed)  # a preset's random initial weights follow the run's seed
-        return VideoDiT(model_config), BuiltinTextEncoder(model_config.text)
-    dit, text, _ = load_model(resolve_model_path(config.model), dtype=torch.float32, **overrides)
-    return dit, text
-
-
 def list_checkpoints(output: str | os.PathLike) -> list[dict]:
     """Complete checkpoints of a run, oldest first: `{"step", "path", "created_at"}`."""
     root = Path(output) / CHECKPOINTS
@@ -143,36 +125,47 @@ def list_checkpoints(output: str | os.PathLike) -> list[dict]:
         return []
     found = []
     for d in root.iterdir():
-        if (
-            d.name.startswith("step-")
-            and not d.name.endswith(".tmp")
-            and (d / "state.pt").is_file()
-        ):
+        if d.name.startswith("step-") and (d / "state.pt").is_file():
             found.append(
                 {"step": int(d.name[5:]), "path": str(d), "created_at": int(d.stat().st_mtime)}
             )
     return sorted(found, key=lambda c: c["step"])
 
 
+def open_trainer(
+    source: ModelSource | str | Path | None,
+    data: str | os.PathLike,
+    config: FinetuneConfig,
+    *,
+    resume: bool = False,
+) -> Trainer:
+    """A fine-tuning run of the model at `source` (as for `open_pipeline`) on the dataset at
+    `data`; with `resume`, it continues from the newest checkpoint in `config.output`."""
+    return Trainer(as_source(source), data, config, resume=resume)
+
+
 class Trainer:
     """A fine-tuning run, one optimizer step per `train_step()`."""
 
-    def __init__(self, config: FinetuneConfig, *, resume: bool = False):
+    def __init__(
+        self, source: ModelSource, data: str | os.PathLike, config: FinetuneConfig, *, resume: bool
+    ):
         config.validate()
         self.config = config
         self.output = Path(config.output)
-        dit, text = _build_model(config)
-        mc = dit.config
+        overrides = {"attention": config.attention} if config.attention else {}
+        info = describe(source, **overrides)
+        s = info.sampling
         self.frames, self.height, self.width = (
-            config.frames or mc.frames,
-            config.height or mc.height,
-            config.width or mc.width,
+            config.frames or s.frames,
+            config.height or s.height,
+            config.width or s.width,
         )
-        dit.check_shape(self.frames, self.height, self.width)
+        info.limits.check_clip(self.frames, self.width, self.height)
         # The whole dataset is checked before anything else happens: a bad file fails the run now.
-        samples = validate_dataset(config.data, num_frames=self.frames)
+        samples = validate_dataset(data, num_frames=self.frames)
         self.dataset = VideoDataset(
-            config.data,
+            data,
             self.frames,
             (self.width, self.height),
             samples=samples,
@@ -186,16 +179,23 @@ class Trainer:
         self.generator = torch.Generator().manual_seed(config.seed)
         self.step = 0
         self.output.mkdir(parents=True, exist_ok=True)
+        remove_stale(self.output / CHECKPOINTS)  # what a killed run left half-written
 
-        latest = (
-            list_checkpoints(self.output)[-1] if resume and list_checkpoints(self.output) else None
+        checkpoints = list_checkpoints(self.output) if resume else []
+        if checkpoints:
+            latest = Path(checkpoints[-1]["path"])
+            source = ModelSource("directory", info.name, path=latest / "model")
+            info = describe(source, **overrides)
+        self.info = info
+        parts, handles = open_model(
+            info,
+            device=config.device,
+            dtype=torch.float32,
+            offload=config.offload,
+            timing=config.timing,
         )
-        if latest is not None:
-            dit, text, _ = load_model(
-                Path(latest["path"]) / "model",
-                dtype=torch.float32,
-                **({"attention": config.attention} if config.attention else {}),
-            )
+        for module in parts.values():
+            module.train()
         cuda = torch.device(config.device).type == "cuda"
         step_config = StepConfig(
             lr=config.lr,
@@ -207,9 +207,11 @@ class Trainer:
             timing=config.timing,
             time_sampling=config.time_sampling,
         )
-        self.engine = BlockwiseStep(dit, text, config.device, step_config)
-        if latest is not None:
-            self._restore(Path(latest["path"]))
+        self.blockwise = BlockwiseStep(
+            parts["dit"], parts["text_encoder"], config.device, step_config, handles.get("dit")
+        )
+        if checkpoints:
+            self._restore(latest)
         else:
             (self.output / METRICS).write_text("")  # a fresh run: no metrics from an earlier one
         self._metrics = open(self.output / METRICS, "a")
@@ -224,27 +226,27 @@ class Trainer:
     def train_step(self) -> dict:
         """One optimizer step (`grad_accum` micro-batches); checkpoints every `save_every` steps."""
         start = time.perf_counter()
-        h2d0, d2h0 = self.engine.h2d_bytes, self.engine.d2h_bytes
+        h2d0, d2h0 = self.blockwise.h2d_bytes, self.blockwise.d2h_bytes
         losses, norm = [], 0.0
-        self.engine.optimizer.lr = learning_rate(self.config, self.step, self.total_steps)
+        self.blockwise.optimizer.lr = learning_rate(self.config, self.step, self.total_steps)
         for _ in range(self.config.grad_accum):
             batch = next(self.loader)
             drop = (
                 torch.rand(len(batch.text), generator=self.generator) < self.config.caption_dropout
             )
             prompts = ["" if d else text for d, text in zip(drop.tolist(), batch.text)]
-            out = self.engine.micro_step(batch.video, prompts, self.generator)
+            out = self.blockwise.micro_step(batch.video, prompts, self.generator)
             losses.append(out["loss"])
             norm = out["grad_norm"]
         self.step += 1
         metrics = {
             "step": self.step,
             "loss": sum(losses) / len(losses),
-            "lr": self.engine.optimizer.lr,
+            "lr": self.blockwise.optimizer.lr,
             "grad_norm": norm,
             "step_time_s": time.perf_counter() - start,
-            "h2d_bytes": self.engine.h2d_bytes - h2d0,
-            "d2h_bytes": self.engine.d2h_bytes - d2h0,
+            "h2d_bytes": self.blockwise.h2d_bytes - h2d0,
+            "d2h_bytes": self.blockwise.d2h_bytes - d2h0,
             "epoch": self.loader.state_dict()["epoch"],
             "time": time.time(),
         }
@@ -266,34 +268,28 @@ class Trainer:
     # -- checkpoints -------------------------------------------------------------------------------
 
     def save_checkpoint(self) -> Path:
-        """Write `checkpoints/step-N` atomically: a temp directory, fsynced, renamed into place."""
-        root = self.output / CHECKPOINTS
-        final = root / f"step-{self.step:06d}"
-        tmp = root / f"step-{self.step:06d}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        self._save_model(tmp / "model")
-        torch.save(self.engine.optimizer.state_dict(), tmp / "optimizer.pt")
-        state = {
-            "step": self.step,
-            "loader": self.loader.state_dict(),
-            "generator": self.generator.get_state(),
-            "config": asdict(self.config),
-        }
-        torch.save(state, tmp / "state.pt")
-        for f in (tmp / "optimizer.pt", tmp / "state.pt"):
-            with open(f, "rb+") as fh:
-                os.fsync(fh.fileno())  # contents on disk before the rename publishes them
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        _fsync_dir(root)
+        """Write `checkpoints/step-N` atomically: the model, the optimizer's state and the run's
+        position (step, data order, noise generator), all or nothing."""
+        final = self.output / CHECKPOINTS / f"step-{self.step:06d}"
+        with atomic_directory(final) as tmp:
+            self._save_model(tmp / "model")
+            torch.save(self.blockwise.optimizer.state_dict(), tmp / "optimizer.pt")
+            state = {
+                "step": self.step,
+                "loader": self.loader.state_dict(),
+                "generator": self.generator.get_state(),
+                "config": asdict(self.config),
+            }
+            torch.save(state, tmp / "state.pt")
         return final
 
     def checkpoints(self) -> list[dict]:
         return list_checkpoints(self.output)
 
     def _restore(self, path: Path) -> None:
-        self.engine.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
+        self.blockwise.optimizer.load_state_dict(
+            torch.load(path / "optimizer.pt", weights_only=True)
+        )
         state = torch.load(path / "state.pt", weights_only=True)
         self.step = int(state["step"])
         self.loader.load_state_dict(state["loader"])
@@ -305,13 +301,13 @@ class Trainer:
         metrics.write_text("".join(line + "\n" for line in kept))
 
     def _save_model(self, path: Path) -> None:
-        dit_sd, text_sd = master_state_dicts(self.engine)
-        config = self.engine.dit.config
+        dit_sd, text_sd = master_state_dicts(self.blockwise)
+        config = self.blockwise.dit.config
         with torch.device("meta"):
             dit, text = VideoDiT(config), BuiltinTextEncoder(config.text)
         dit.load_state_dict(dit_sd, assign=True)
         text.load_state_dict(text_sd, assign=True)
-        save_model(path, dit, text)
+        save_model(path, dit, text, self.info.sampling, extra=self.info.extra)
 
     def export(self, path: str | os.PathLike | None = None) -> Path:
         """Write the current weights as a servable model directory (default `<output>/model`)."""
@@ -321,7 +317,7 @@ class Trainer:
 
     def close(self) -> None:
         self.loader.close()
-        self.engine.close()
+        self.blockwise.close()
         self._metrics.close()
 
     def __enter__(self) -> Trainer:

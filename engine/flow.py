@@ -14,7 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
+
+from .config import TIME_SAMPLING
 
 
 def shifted_schedule(steps: int, shift: float) -> torch.Tensor:
@@ -29,18 +30,17 @@ def shifted_schedule(steps: int, shift: float) -> torch.Tensor:
     return (shift * t / (1 + (shift - 1) * t)).float()
 
 
-def flow_matching_loss(
-    model, x0, ctx, ctx_mask, *, t: torch.Tensor, noise: torch.Tensor
-) -> torch.Tensor:
-    """Mean squared error between the predicted and the true velocity at flow times `t (B,)`."""
+def noisy_sample(x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """`x_t = (1 - t) * x0 + t * noise` for flow times `t (B,)`: a point on each straight path."""
     t_ = t.view(-1, *([1] * (x0.dim() - 1)))
-    x_t = (1 - t_) * x0 + t_ * noise  # (B, C, F, H, W)
-    v = model(x_t, t, ctx, ctx_mask)  # (B, C, F, H, W)
-    return F.mse_loss(v.float(), (noise - x0).float())
+    return (1 - t_) * x0 + t_ * noise  # (B, C, F, H, W)
 
 
-_SPREAD = ("logit-normal", "noisy", "shifted", "uniform")  # times spread over the whole path
-TIME_SAMPLING = (*_SPREAD, "prior", *(f"{kind}+prior" for kind in _SPREAD))
+def velocity_target(x0: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """What the model learns to predict: the velocity `noise - x0` of the straight path."""
+    return noise - x0
+
+
 TRAINING_SHIFT = 4.0  # the "shifted" time sampling's shift
 PRIOR_FLOOR = 0.99  # "prior" times lie in [PRIOR_FLOOR, 1)
 PRIOR_SHARE = 0.25  # share of "prior" times in "<kind>+prior"

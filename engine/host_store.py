@@ -69,7 +69,7 @@ class TensorEntry:
 
 
 @dataclasses.dataclass
-class _Bound:
+class BoundTensor:
     """One tensor object of a module (a Parameter or a buffer) and every name it goes by."""
 
     tensor: torch.Tensor  # the object itself: its identity never changes while streamed
@@ -79,10 +79,10 @@ class _Bound:
     device: torch.device  # where it lived before streaming; remove() puts it back there
 
 
-def _collect_tensors(module: nn.Module, stop: frozenset[int] = frozenset()) -> list[_Bound]:
+def collect_tensors(module: nn.Module, stop: frozenset[int] = frozenset()) -> list[BoundTensor]:
     """Every parameter and buffer reachable from `module` without entering a module whose id is in
     `stop`, deduplicated by identity (tied tensors get all their names), in module order."""
-    found: dict[int, _Bound] = {}
+    found: dict[int, BoundTensor] = {}
 
     def walk(sub: nn.Module, prefix: str) -> None:
         for kind, table in (("param", sub._parameters), ("buffer", sub._buffers)):
@@ -93,7 +93,7 @@ def _collect_tensors(module: nn.Module, stop: frozenset[int] = frozenset()) -> l
                 persistent = kind == "param" or attr not in sub._non_persistent_buffers_set
                 bound = found.get(id(t))
                 if bound is None:
-                    found[id(t)] = _Bound(t, [name], kind, persistent, t.device)
+                    found[id(t)] = BoundTensor(t, [name], kind, persistent, t.device)
                 elif name not in bound.names:
                     bound.names.append(name)
                     bound.persistent |= persistent
@@ -113,7 +113,7 @@ def _collect_tensors(module: nn.Module, stop: frozenset[int] = frozenset()) -> l
     return list(found.values())
 
 
-def _layout(tensors: Sequence[_Bound]) -> tuple[tuple[TensorEntry, ...], int]:
+def pack(tensors: Sequence[BoundTensor]) -> tuple[tuple[TensorEntry, ...], int]:
     """Pack `tensors` into one flat buffer: (entries, total bytes), every offset 64-byte aligned."""
     entries, cursor = [], 0
     for bound in tensors:
@@ -132,16 +132,16 @@ def _layout(tensors: Sequence[_Bound]) -> tuple[tuple[TensorEntry, ...], int]:
 
 def layout_nbytes(block: nn.Module) -> int:
     """Bytes of `block`'s flat buffer (its tensors, 64-byte aligned); works on meta blocks too."""
-    return _layout(_collect_tensors(block))[1]
+    return pack(collect_tensors(block))[1]
 
 
-def _pin_exact(buffer: torch.Tensor) -> None:
+def pin_exact(buffer: torch.Tensor) -> None:
     """Page-lock `buffer` where it lies, at exactly its size, so H2D copies from it run async (DMA).
 
     Not `Tensor.pin_memory()` / `torch.empty(..., pin_memory=True)`: those go through torch's
     caching host allocator, which rounds every request up to a power of two (a 2.1 GB block would
     lock 4 GB; pytorch#95823) and keeps freed blocks cached. `cudaHostRegister` on a plain
-    allocation locks the bytes we use and nothing more; `_unpin` undoes it.
+    allocation locks the bytes we use and nothing more; `unpin` undoes it.
     """
     if buffer.numel() == 0:
         return
@@ -151,7 +151,7 @@ def _pin_exact(buffer: torch.Tensor) -> None:
         raise RuntimeError(f"cudaHostRegister of {buffer.numel()} bytes failed (cudaError {err})")
 
 
-def _unpin(ptr: int, nbytes: int) -> None:
+def unpin(ptr: int, nbytes: int) -> None:
     if nbytes:
         err = int(torch.cuda.cudart().cudaHostUnregister(ptr))
         if err != 0:
@@ -164,30 +164,27 @@ class HostBlockStore:
     def __init__(self, entries: Sequence[TensorEntry], nbytes: int, pinned: bool = False):
         self.entries = tuple(entries)
         self.nbytes = nbytes
-        self.buffer = torch.empty(nbytes, dtype=torch.uint8)  # plain allocation, see _pin_exact
+        self.buffer = torch.empty(nbytes, dtype=torch.uint8)  # plain allocation, see pin_exact
         self.pinned = pinned
         self._finalizer = None
         if pinned:
-            _pin_exact(self.buffer)
+            pin_exact(self.buffer)
             # Unregister before the memory can be freed, even if close() is never called.
-            self._finalizer = weakref.finalize(self, _unpin, self.buffer.data_ptr(), nbytes)
+            self._finalizer = weakref.finalize(self, unpin, self.buffer.data_ptr(), nbytes)
             self._finalizer.atexit = False  # at exit the driver unpins; the context may be gone
         self.views = tuple(e.view(self.buffer) for e in self.entries)  # one per entry, host memory
 
     @classmethod
-    def from_module(cls, block: nn.Module, pinned: bool = False) -> HostBlockStore:
-        """Copy `block`'s tensors into a new store and point them at views of it.
+    def adopt(cls, tensors: Sequence[BoundTensor], pinned: bool = False) -> HostBlockStore:
+        """Copy `tensors` (a block's, from `collect_tensors`) into a new store and point them at
+        views of it.
 
-        The block's previous storage is freed unless referenced elsewhere, so the host never holds
-        two copies of a block for longer than this call. Meta-device tensors get uninitialised
-        bytes, to be filled by `fill()`.
+        Their previous storage is freed unless referenced elsewhere, so the host never holds two
+        copies of a block for longer than this call. Meta tensors get uninitialised bytes, to be
+        filled by `fill()`.
         """
-        return cls._adopt(_collect_tensors(block), pinned)
-
-    @classmethod
-    def _adopt(cls, tensors: Sequence[_Bound], pinned: bool) -> HostBlockStore:
-        store = cls(*_layout(tensors), pinned=pinned)
-        _move_into(tensors, store.views)
+        store = cls(*pack(tensors), pinned=pinned)
+        move_into(tensors, store.views)
         return store
 
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -201,7 +198,7 @@ class HostBlockStore:
         so a checkpoint streams from the page cache into the store without a second copy in RAM.
         Dtypes are cast by `copy_`; shapes must match. Returns the indices of the entries filled.
         """
-        return _fill_views(self.entries, self.views, source, prefix)
+        return fill_views(self.entries, self.views, source, prefix)
 
     def close(self) -> None:
         """Unpin the buffer (if pinned); views stay readable as ordinary host memory."""
@@ -209,15 +206,15 @@ class HostBlockStore:
             self._finalizer()
 
 
-def _move_into(tensors: Sequence[_Bound], views: Sequence[torch.Tensor]) -> None:
+def move_into(tensors: Sequence[BoundTensor], views: Sequence[torch.Tensor]) -> None:
     """Copy each tensor into its view and re-point it there (meta tensors: re-point only)."""
     for bound, view in zip(tensors, views):
         if not bound.tensor.is_meta:
             view.copy_(bound.tensor.detach())
-        _repoint(bound.tensor, view)
+        repoint(bound.tensor, view)
 
 
-def _fill_views(
+def fill_views(
     entries: Sequence[TensorEntry],
     views: Sequence[torch.Tensor],
     source: Mapping[str, torch.Tensor],
@@ -237,31 +234,43 @@ def _fill_views(
 
 
 class SafetensorsFile(Mapping):
-    """A read-only mapping over a .safetensors file; each lookup reads one tensor via its mmap."""
+    """A read-only mapping over one or more .safetensors files (the shards of one checkpoint).
 
-    def __init__(self, path: str | os.PathLike):
+    Each lookup opens the file, reads one tensor through its memory map and closes it again, so
+    filling a host store tensor by tensor keeps one tensor's pages mapped at a time: the process
+    holds about one copy of the weights (in the store), not a second in mapped file pages.
+    """
+
+    def __init__(self, paths: str | os.PathLike | Sequence[str | os.PathLike]):
         from safetensors import safe_open
 
-        self._file = safe_open(os.fspath(path), framework="pt", device="cpu")
-        self._keys = list(self._file.keys())
-        self._key_set = set(self._keys)
+        if isinstance(paths, (str, os.PathLike)):
+            paths = [paths]
+        self._files: dict[str, str] = {}  # tensor name -> file
+        for path in map(os.fspath, paths):
+            with safe_open(path, framework="pt", device="cpu") as f:
+                for key in f.keys():
+                    if key in self._files:
+                        raise ValueError(f"{key!r} is stored twice (again in {path})")
+                    self._files[key] = path
 
     def __getitem__(self, key: str) -> torch.Tensor:
-        if key not in self._key_set:
-            raise KeyError(key)
-        return self._file.get_tensor(key)
+        from safetensors import safe_open
+
+        with safe_open(self._files[key], framework="pt", device="cpu") as f:
+            return f.get_tensor(key)
 
     def __contains__(self, key: object) -> bool:
-        return key in self._key_set
+        return key in self._files
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._keys)
+        return iter(self._files)
 
     def __len__(self) -> int:
-        return len(self._keys)
+        return len(self._files)
 
 
-def _repoint(t: torch.Tensor, new: torch.Tensor) -> None:
+def repoint(t: torch.Tensor, new: torch.Tensor) -> None:
     """Make the tensor object `t` alias `new`, keeping its identity, leafness and requires_grad."""
     if t.is_meta:
         # set_data refuses meta -> real storage; swapping implementations keeps the Python object.

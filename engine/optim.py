@@ -94,27 +94,6 @@ def clipping_extra_bytes(num_params: int, *, accumulation_steps: int = 1) -> int
     return FP32_BYTES * num_params if accumulation_steps == 1 else 0
 
 
-def optimizer_host_bytes(
-    num_params: int,
-    *,
-    accumulation_steps: int = 1,
-    max_grad_norm: float | None = None,
-    threads: int | None = None,
-    chunk_numel: int = 1 << 19,
-) -> int:
-    """Host bytes the optimizer itself allocates: m and v (8 B/param), the gradient buffer if any,
-    and one fp32 chunk of scratch per worker (used only for non-fp32 gradients). The fp32 master
-    weights and the compute-dtype copies belong to the caller and are not counted."""
-    scratch = (threads or torch.get_num_threads()) * chunk_numel * FP32_BYTES
-    return (
-        2 * FP32_BYTES * num_params
-        + scratch
-        + grad_buffer_bytes(
-            num_params, accumulation_steps=accumulation_steps, max_grad_norm=max_grad_norm
-        )
-    )
-
-
 @dataclass
 class _Chunk:
     """At most `chunk_numel` elements of one block, as 1-D slices of one or more parameters,

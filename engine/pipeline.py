@@ -1,136 +1,79 @@
-"""Text-to-video generation: prompts in, uint8 frames out.
+"""Text-to-video sampling behind one interface, whatever the model family.
 
-`VideoPipeline` bundles the DiT, the text encoder and the autoencoder. It exposes the sampler
-step-wise (`prepare` -> `denoise_step` ... -> `finish`) so a scheduler can batch requests at
-denoising-step granularity, and `generate` for the simple case.
+A `Pipeline` is a model opened for sampling (see `loader.open_pipeline`). It exposes the sampler
+step-wise, `prepare` -> `denoise_step` ... -> `finish`, so a scheduler can batch requests at
+denoising-step granularity (requests at different steps share one pass of the weights), and
+`generate` for the simple case. Requests come in resolved (`request.ResolvedVideo`); `resolve`
+checks a `VideoRequest` against this model's limits.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
+from typing import Any
 
 import numpy as np
-import torch
 
-from .autoencoder import build_autoencoder
-from .checkpoint import load_model
-from .dit import DiTConfig, VideoDiT, get_preset
-from .flow import SampleState, denoise_step, shifted_schedule
-from .text import BuiltinTextEncoder
-from .video import float_to_frames
+from .request import ResolvedVideo, VideoRequest, resolve
+from .sources import ModelInfo
+from .streaming import StreamHandle
 
 
-@dataclass(frozen=True)
-class GenerationRequest:
-    """What to generate. `None` fields take the model's defaults."""
+class Pipeline(ABC):
+    """A loaded model ready to sample clips; `handles` are its streamed modules (may be empty)."""
 
-    prompt: str
-    negative_prompt: str = ""
-    frames: int | None = None
-    height: int | None = None
-    width: int | None = None
-    steps: int | None = None
-    guidance: float | None = None
-    seed: int = 0
-    fps: int | None = None
-
-
-class VideoPipeline:
-    """A loaded model ready to sample clips."""
-
-    def __init__(self, dit: VideoDiT, text_encoder: BuiltinTextEncoder, name: str = "model"):
-        self.dit, self.text_encoder, self.name = dit, text_encoder, name
-        self.config: DiTConfig = dit.config
-        self.autoencoder = build_autoencoder(self.config.autoencoder)
-
-    @classmethod
-    def from_preset(
-        cls, preset: str, *, seed: int = 0, device="cpu", dtype=torch.float32, **overrides
-    ):
-        """Random weights of a named preset (for tests and benchmarks), deterministic from `seed`."""
-        config = get_preset(preset).replace(**overrides)
-        torch.manual_seed(seed)
-        dit, text = VideoDiT(config), BuiltinTextEncoder(config.text)
-        return cls(dit.to(device, dtype).eval(), text.to(device, dtype).eval(), name=preset)
-
-    @classmethod
-    def from_pretrained(cls, path, *, device="cpu", dtype=None, **overrides):
-        dit, text, _ = load_model(path, device=device, dtype=dtype, **overrides)
-        return cls(dit, text, name=Path(path).name)
+    def __init__(self, info: ModelInfo, handles: dict[str, StreamHandle]):
+        self.info = info
+        self.handles = handles
 
     @property
-    def device(self) -> torch.device:
-        return self.text_encoder.embed.weight.device
+    def name(self) -> str:
+        return self.info.name
 
-    def resolve(self, request: GenerationRequest) -> GenerationRequest:
-        """Fill defaults and validate; raises ValueError naming the bad field."""
-        c = self.config
-        r = GenerationRequest(
-            prompt=request.prompt,
-            negative_prompt=request.negative_prompt,
-            frames=request.frames or c.frames,
-            height=request.height or c.height,
-            width=request.width or c.width,
-            steps=request.steps or c.steps,
-            guidance=c.guidance if request.guidance is None else request.guidance,
-            seed=request.seed,
-            fps=request.fps or c.fps,
-        )
-        if not r.prompt.strip():
-            raise ValueError("prompt must not be empty")
-        if r.height % 2 or r.width % 2:
-            raise ValueError(
-                f"size {r.width}x{r.height}: width and height must be even (H.264 yuv420p)"
-            )
-        if r.steps < 1:
-            raise ValueError(f"steps must be at least 1, got {r.steps}")
-        if r.fps < 1:
-            raise ValueError(f"fps must be at least 1, got {r.fps}")
-        _, frames, height, width = self.autoencoder.latent_shape(r.frames, r.height, r.width)
-        self.dit.check_shape(frames, height, width)
-        return r
+    def resolve(self, request: VideoRequest, **caps) -> ResolvedVideo:
+        """Fill defaults and check limits; RequestError names the bad field (see `request.resolve`)."""
+        return resolve(request, self.info.limits, model=self.name, **caps)
 
-    def prepare(self, request: GenerationRequest) -> SampleState:
-        """Encode the prompts and draw the starting noise for one request."""
-        r = self.resolve(request)
-        prompts = [r.prompt, r.negative_prompt] if r.guidance != 1.0 else [r.prompt]
-        with torch.no_grad():
-            ctx, mask = self.text_encoder.encode(prompts)  # (1 or 2, L, text_dim)
-        shape = (1, *self.autoencoder.latent_shape(r.frames, r.height, r.width))
-        # Noise is drawn on the CPU from the request's own generator: the same seed gives the same
-        # starting point on every device and whatever else is in the batch.
-        noise = torch.randn(
-            shape, generator=torch.Generator().manual_seed(r.seed), dtype=torch.float32
-        )
-        return SampleState(
-            noise.to(self.device),
-            ctx,
-            mask,
-            shifted_schedule(r.steps, self.config.shift),
-            r.guidance,
-        )
+    @abstractmethod
+    def prepare(self, video: ResolvedVideo) -> Any:
+        """Encode the prompts and draw the starting noise of one request: a sampling state with
+        `.step`, `.num_steps` and `.done`."""
 
-    def denoise_step(self, states: list[SampleState]) -> None:
-        """One Euler step for every state in one batched forward pass."""
-        denoise_step(self.dit, states)
+    @abstractmethod
+    def step(self, states: list) -> None:
+        """Advance every unfinished state by one step, in one batched pass of the weights."""
 
-    def finish(self, state: SampleState) -> np.ndarray:
+    @abstractmethod
+    def finish(self, state) -> np.ndarray:
         """Decode a finished state to uint8 frames `(F, H, W, 3)`."""
-        if not state.done:
-            raise RuntimeError(f"state is at step {state.step} of {state.num_steps}")
-        with torch.no_grad():
-            pixels = self.autoencoder.decode(state.latents.float())[0]  # (3, F, H, W) in [-1, 1]
-        return float_to_frames(pixels, layout="CFHW")  # (F, H, W, 3) uint8, round and clip
+
+    def denoise_step(self, states: list) -> dict[str, int]:
+        """`step`, returning the bytes the streamer moved to the device meanwhile (a counter: no
+        device sync)."""
+        before = self.h2d_bytes()
+        self.step(states)
+        return {"h2d_bytes": self.h2d_bytes() - before} if self.handles else {}
+
+    def h2d_bytes(self) -> int:
+        return sum(h.h2d_bytes for h in self.handles.values())
 
     def generate(
-        self, request: GenerationRequest, progress: Callable[[int, int], None] | None = None
+        self,
+        request: VideoRequest | ResolvedVideo,
+        progress: Callable[[int, int], None] | None = None,
     ) -> np.ndarray:
         """Sample one clip; `progress(step, total)` is called after every step."""
-        state = self.prepare(request)
-        for _ in range(state.num_steps):
-            self.denoise_step([state])
+        video = request if isinstance(request, ResolvedVideo) else self.resolve(request)
+        state = self.prepare(video)
+        while not state.done:
+            self.step([state])
             if progress is not None:
                 progress(state.step, state.num_steps)
         return self.finish(state)
+
+    def close(self) -> None:
+        """Stop streaming: the streamed modules' weights go back to ordinary host tensors."""
+        for handle in self.handles.values():
+            handle.remove()
+        self.handles = {}

@@ -21,8 +21,10 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from .dit import DiTConfig, count_parameters
+from .config import DiTConfig
+from .native import count_parameters
 from .optim import grad_buffer_bytes
+from .sources import ModelInfo
 
 GB = 1e9
 
@@ -57,11 +59,10 @@ class Workload:
     grad_accum: int = 1  # fine-tuning: micro-batches per optimizer step
 
 
-def tokens(config: DiTConfig, w: Workload) -> int:
+def tokens(info: ModelInfo, w: Workload) -> int:
     """Video tokens of one clip of the workload's shape (in pixels; the model's default when unset)."""
-    grid = config.token_grid(
-        w.frames or config.frames, w.height or config.height, w.width or config.width
-    )
+    s = info.sampling
+    grid = info.config.token_grid(w.frames or s.frames, w.height or s.height, w.width or s.width)
     return math.prod(grid)
 
 
@@ -72,8 +73,10 @@ def attention_keys(config: DiTConfig, n: int) -> int:
     return min(n, math.prod(config.dsa_window) * math.prod(config.dsa_tile))
 
 
-def plan(config: DiTConfig, machine: Machine = Machine(), w: Workload = Workload()) -> dict:
-    """The full accounting as a dict of named byte counts, times and a verdict."""
+def plan(info: ModelInfo, machine: Machine = Machine(), w: Workload = Workload()) -> dict:
+    """The full accounting of a described model (`sources.describe`) as a dict of named byte
+    counts, times and a verdict."""
+    config = info.config
     if w.mode not in ("infer", "finetune"):
         raise ValueError(f"mode must be 'infer' or 'finetune', got {w.mode!r}")
     finetune = w.mode == "finetune"
@@ -85,7 +88,7 @@ def plan(config: DiTConfig, machine: Machine = Machine(), w: Workload = Workload
     # casts to the compute dtype on the device (autocast), so no host copy in that dtype exists.
     wb = 4 if finetune else b
     block_bytes, nonblock_bytes = n_block * wb, n_nonblock * wb
-    n_tok = tokens(config, w)
+    n_tok = tokens(info, w)
     rows = w.batch * (2 if (w.guidance and not finetune) else 1)
     D, F, L = config.dim, config.ffn_dim, config.text.max_len
     keys = attention_keys(config, n_tok)
@@ -127,8 +130,8 @@ def plan(config: DiTConfig, machine: Machine = Machine(), w: Workload = Workload
             fp32_master=4 * n_params,  # pinned: the streamer's host store is the master
             adam_m=4 * n_params,
             adam_v=4 * n_params,
-            pinned_gradients=n_block
-            * 4,  # one block's fp32 gradients on their way to the optimizer
+            # One block's fp32 gradients on their way to the optimizer.
+            pinned_gradients=n_block * 4,
             # Accumulating micro-batches, or clipping by the global norm, holds every gradient.
             grad_accumulation=grad_buffer_bytes(
                 n_params,

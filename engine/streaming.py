@@ -52,30 +52,18 @@ import torch
 from torch import nn
 
 from .host_store import (
-    ALIGN_BYTES,
+    BoundTensor,
     HostBlockStore,
     SafetensorsFile,
     TensorEntry,
-    _Bound,
-    _collect_tensors,
-    _fill_views,
-    _layout,
-    _move_into,
-    _repoint,
-    layout_nbytes,
+    collect_tensors,
+    fill_views,
+    move_into,
+    pack,
+    repoint,
 )
 
-__all__ = [
-    "ALIGN_BYTES",
-    "HostBlockStore",
-    "ResidencyPlan",
-    "SafetensorsFile",
-    "StreamHandle",
-    "TensorEntry",
-    "layout_nbytes",
-    "plan_residency",
-    "stream_module",
-]
+__all__ = ["ResidencyPlan", "StreamHandle", "plan_residency", "stream_module"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -135,7 +123,7 @@ class _CudaOrdering:
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         with torch.cuda.stream(self.copy_stream):
-            dst.copy_(src, non_blocking=True)  # async only from page-locked src (see _pin_exact)
+            dst.copy_(src, non_blocking=True)  # async only from page-locked src (see pin_exact)
 
     def record_on_copy(self, event: torch.cuda.Event) -> None:
         event.record(self.copy_stream)
@@ -255,7 +243,7 @@ class _Block:
     index: int
     name: str  # qualified name inside the streamed module
     module: nn.Module
-    tensors: list[_Bound]
+    tensors: list[BoundTensor]
     entries: tuple[TensorEntry, ...]
     nbytes: int  # flat layout size
     resident: bool = False
@@ -325,7 +313,7 @@ class StreamHandle:
         self.host_pinned = pinned
         self.timing = timing
         self._blocks: list[_Block] = blocks
-        self._non_block: list[_Bound] = non_block
+        self._non_block: list[BoundTensor] = non_block
         self._non_block_missing = {k for k, t in enumerate(non_block) if t.device.type == "meta"}
         self._non_block_bytes = sum(b.tensor.numel() * b.tensor.element_size() for b in non_block)
         self._ord = ordering
@@ -488,7 +476,7 @@ class StreamHandle:
             prefix = f"{b.name}." if b.name else ""
             if b.resident:
                 views = tuple(e.view(b.device_flat) for e in b.entries)
-                filled = _fill_views(b.entries, views, source, prefix)
+                filled = fill_views(b.entries, views, source, prefix)
             else:
                 filled = b.store.fill(source, prefix)
                 self._forget_copy(b)
@@ -508,6 +496,11 @@ class StreamHandle:
         return [f"{block.name}.{n}" if block.name else n for n in names]
 
     # -- stats and traces ------------------------------------------------------------------------
+
+    @property
+    def h2d_bytes(self) -> int:
+        """Bytes copied to the device since `reset_stats` (a counter: reading it never syncs)."""
+        return self._h2d_bytes
 
     def reset_stats(self) -> None:
         """Zero the counters and drop timing records (these grow with blocks x forwards)."""
@@ -792,7 +785,7 @@ def stream_module(
         if any(id(m) in block_ids for m in b.modules() if m is not b):
             raise ValueError(f"blocks[{i}] contains another block: blocks must not nest")
 
-    per_block = [_collect_tensors(b) for b in blocks]
+    per_block = [collect_tensors(b) for b in blocks]
     owner: dict[int, int] = {}
     for i, tensors in enumerate(per_block):
         for t in tensors:
@@ -802,7 +795,7 @@ def stream_module(
             owner[id(t.tensor)] = i
     # Tensors reachable without entering a block; one also reachable through a block (tied weights,
     # a shared submodule) would be used while its block is not loaded, so it is refused.
-    non_block = _collect_tensors(module, stop=frozenset(block_ids))
+    non_block = collect_tensors(module, stop=frozenset(block_ids))
     for t in non_block:
         if id(t.tensor) in owner:
             raise ValueError(
@@ -813,7 +806,7 @@ def stream_module(
         if t.tensor.is_meta and not t.persistent:
             raise ValueError(f"non-persistent buffer {t.names[0]!r} is on meta: set it first")
 
-    layouts = [_layout(ts) for ts in per_block]
+    layouts = [pack(ts) for ts in per_block]
     non_block_bytes = sum(t.tensor.numel() * t.tensor.element_size() for t in non_block)
     plan = plan_residency(
         [nb for _, nb in layouts],
@@ -832,12 +825,12 @@ def stream_module(
         rec.missing = {k for k, t in enumerate(tensors) if t.tensor.is_meta}
         if rec.resident:  # one flat device buffer per resident block, exactly as planned
             rec.device_flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
-            _move_into(tensors, [e.view(rec.device_flat) for e in entries])
+            move_into(tensors, [e.view(rec.device_flat) for e in entries])
         else:  # block by block, so the host holds at most one block twice at a time
-            rec.store = HostBlockStore._adopt(tensors, pinned)
+            rec.store = HostBlockStore.adopt(tensors, pinned)
         records.append(rec)
     for t in non_block:
-        _repoint(
+        repoint(
             t.tensor,
             torch.empty_like(t.tensor, device=device)
             if t.tensor.is_meta

@@ -1,77 +1,19 @@
-"""Text encoders: the small interface the pipeline uses and the built-in encoder.
+"""The built-in text encoder: a small transformer over the tokens of `tokens.py`.
 
-The built-in encoder needs no vocabulary file. A prompt is cut into tokens by one of two rules:
-"bytes" (its UTF-8 bytes: any text, but the encoder must learn what a word is) or "words"
-(lower-cased words and punctuation, each hashed into one of `buckets` ids: a word is one
-embedding from the first step, which a small model trained from scratch learns far faster).
-Tokens are framed by BOS/EOS and padded to `max_len`. The encoder's weights are saved with the
-model, so a checkpoint is self-contained.
+A prompt is cut into text ids by the encoder's tokenizer ("bytes" or "words", see tokens.py),
+framed by BOS/EOS and padded to `max_len`. The encoder's weights are saved with the model, so a
+checkpoint is self-contained.
 """
 
 from __future__ import annotations
-
-import re
-import zlib
-from abc import ABC, abstractmethod
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-TOKENIZERS = ("bytes", "words")
-_WORD = re.compile(r"\w+|[^\w\s]")
-
-
-@dataclass(frozen=True)
-class TextEncoderConfig:
-    """Tokenizer, width and depth of the built-in text encoder."""
-
-    dim: int = 128
-    layers: int = 2
-    heads: int = 4
-    max_len: int = 128  # tokens, including BOS and EOS; longer prompts are rejected, not cut
-    tokenizer: str = "bytes"  # "bytes" or "words" (see the module docstring)
-    buckets: int = 4096  # hashed word ids ("words" only)
-
-    def __post_init__(self):
-        if self.tokenizer not in TOKENIZERS:
-            raise ValueError(f"tokenizer must be one of {TOKENIZERS}, got {self.tokenizer!r}")
-
-    @property
-    def base(self) -> int:
-        """Ids below this are text; PAD, BOS and EOS follow it."""
-        return 256 if self.tokenizer == "bytes" else self.buckets
-
-    @property
-    def vocab_size(self) -> int:
-        return self.base + 3
-
-
-TOKEN_UNITS = {"bytes": "bytes (UTF-8)", "words": "tokens (words and punctuation)"}
-
-
-def count_tokens(prompt: str, tokenizer: str = "bytes") -> int:
-    """How many text tokens a prompt takes (BOS and EOS not counted)."""
-    return len(token_ids(prompt, tokenizer))
-
-
-def token_ids(prompt: str, tokenizer: str = "bytes", buckets: int = 4096) -> list[int]:
-    """A prompt's text ids, without framing: UTF-8 bytes, or hashed lower-cased words."""
-    if tokenizer == "bytes":
-        return list(prompt.encode("utf-8"))
-    # crc32 is stable across processes and platforms, unlike hash() of a str.
-    return [zlib.crc32(w.encode("utf-8")) % buckets for w in _WORD.findall(prompt.lower())]
-
-
-class TextEncoder(ABC):
-    """Turns prompts into token embeddings `(B, L, dim)` and a validity mask `(B, L)`."""
-
-    dim: int
-    max_len: int
-
-    @abstractmethod
-    def encode(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]: ...
+from .config import TextEncoderConfig
+from .initialization import init_module
+from .tokens import TOKEN_UNITS, token_ids
 
 
 def tokenize(prompts: list[str], config: TextEncoderConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,9 +49,8 @@ class EncoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         B, L, D = x.shape
-        q, k, v = (
-            self.qkv(self.norm1(x)).view(B, L, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
-        )  # (B, h, L, d)
+        qkv = self.qkv(self.norm1(x)).view(B, L, 3, self.heads, -1)  # (B, L, 3, h, d)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4)  # (B, h, L, d) each
         o = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask[:, None, None, :]
         )  # (B, h, L, d)
@@ -117,7 +58,7 @@ class EncoderLayer(nn.Module):
         return x + self.mlp(self.norm2(x))  # (B, L, D)
 
 
-class BuiltinTextEncoder(nn.Module, TextEncoder):
+class BuiltinTextEncoder(nn.Module):
     """Token embeddings, learned positions and a few transformer layers."""
 
     def __init__(self, config: TextEncoderConfig):
@@ -128,6 +69,16 @@ class BuiltinTextEncoder(nn.Module, TextEncoder):
         self.pos = nn.Parameter(torch.randn(config.max_len, config.dim) * 0.02)
         self.layers = nn.ModuleList(EncoderLayer(config) for _ in range(config.layers))
         self.norm = nn.LayerNorm(config.dim)
+
+    def init_weights(self) -> None:
+        """Fresh random weights, drawn in the order the constructor draws them: the positions
+        come between the embedding and the layers, so this module initialises its whole tree."""
+        self.embed.reset_parameters()
+        with torch.no_grad():
+            self.pos.copy_(torch.randn(self.pos.shape) * 0.02)
+        for layer in self.layers:
+            init_module(layer)
+        self.norm.reset_parameters()
 
     def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         x = self.embed(ids) + self.pos[: ids.shape[1]]  # (B, L, D)

@@ -24,13 +24,15 @@ from __future__ import annotations
 
 import os
 import re
-import tempfile
 from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from .atomic import atomic_write
+from .request import check_even
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 SAMPLING_MODES = ("uniform", "first")
@@ -117,11 +119,7 @@ def write_mp4(
     n, h, w, _ = u8.shape
     if n == 0:
         raise ValueError("no frames to write")
-    if h % 2 or w % 2:
-        raise ValueError(
-            f"H.264 with yuv420p needs even width and height, got {w}x{h} (W x H); "
-            "crop or resize the frames to even dimensions"
-        )
+    check_even(w, h, param="frames")
     if not 0 <= crf <= 51:
         raise ValueError(f"crf must be in [0, 51], got {crf}")
     rate = Fraction(fps).limit_denominator(1001)
@@ -130,14 +128,10 @@ def write_mp4(
 
     import av
 
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
-    os.close(fd)
-    try:
+    def encode(tmp: Path) -> None:
         # A real file path, not a buffer: +faststart rewrites the file to move the index first.
-        with av.open(
-            tmp, mode="w", format="mp4", container_options={"movflags": "+faststart"}
-        ) as container:
+        options = {"movflags": "+faststart"}
+        with av.open(str(tmp), mode="w", format="mp4", container_options=options) as container:
             stream = container.add_stream("libx264", rate=rate)
             stream.width, stream.height, stream.pix_fmt = w, h, "yuv420p"
             stream.time_base = 1 / rate
@@ -147,61 +141,8 @@ def write_mp4(
                 frame.pts = i  # constant frame rate: frame i at i / fps seconds
                 container.mux(stream.encode(frame))
             container.mux(stream.encode(None))  # flush the encoder's delayed frames
-        _fsync(tmp)
-        _publish(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
 
-
-def first_frame_png(
-    video_path: str | os.PathLike, out_path: str | os.PathLike, *, max_side: int | None = None
-) -> Path:
-    """Write the first frame of a video (or frame folder) as a PNG thumbnail, atomically.
-
-    With `max_side`, the frame is scaled down (antialiased, aspect kept) so that its longer side
-    is at most `max_side` pixels.
-    """
-    frame = read_video(video_path, num_frames=1, sampling="first")[0]  # (H, W, 3)
-    if max_side is not None and max(frame.shape[:2]) > max_side:
-        h, w = frame.shape[:2]
-        s = max_side / max(h, w)
-        frame = _resize(frame[None], max(1, round(w * s)), max(1, round(h * s)))[0]
-
-    import av
-
-    codec = av.CodecContext.create("png", "w")
-    codec.width, codec.height, codec.pix_fmt = frame.shape[1], frame.shape[0], "rgb24"
-    vf = av.VideoFrame.from_ndarray(np.ascontiguousarray(frame), format="rgb24")
-    data = b"".join(bytes(p) for p in codec.encode(vf) + codec.encode(None))
-    out_path = Path(out_path)
-    fd, tmp = tempfile.mkstemp(dir=out_path.parent, prefix=f".{out_path.name}.", suffix=".part")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        _publish(tmp, out_path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return out_path
-
-
-def _publish(tmp: str, path: Path) -> None:
-    """Rename a finished temp file into place, readable like any other output file (mkstemp
-    creates it owner-only)."""
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
-
-
-def _fsync(path: str) -> None:
-    with open(path, "rb+") as f:
-        os.fsync(f.fileno())
-
-
-# ---------------------------------------------------------------------- reading
+    return atomic_write(path, encode)
 
 
 def read_video(

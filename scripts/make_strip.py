@@ -8,11 +8,10 @@ from __future__ import annotations
 import sys
 
 import numpy as np
-import torch
 from PIL import Image, ImageDraw
 
-from megaslide.engine.models import DEFAULT_MODEL, resolve_model_path
-from megaslide.engine.pipeline import GenerationRequest, VideoPipeline
+from megaslide.engine.loader import open_pipeline
+from megaslide.engine.request import VideoRequest
 
 PROMPTS = [
     "a red circle moving right on a black background",
@@ -26,10 +25,10 @@ LABEL_W = 330
 
 
 def main(out: str) -> int:
-    pipe = VideoPipeline.from_pretrained(resolve_model_path(DEFAULT_MODEL), dtype=torch.float32)
+    pipe = open_pipeline()  # the packaged default model
     rows = []
     for prompt in PROMPTS:
-        frames = pipe.generate(GenerationRequest(prompt, seed=0))  # (F, H, W, 3)
+        frames = pipe.generate(VideoRequest(prompt, seed=0))  # (F, H, W, 3)
         strip = np.concatenate(
             [
                 np.pad(f, ((2, 2), (2, 2), (0, 0)), constant_values=255)

@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import shlex
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -105,7 +104,7 @@ def main(argv=None) -> int:
         command = [
             sys.executable,
             "-m",
-            "megaslide",
+            "megaslide.cli",
             "finetune",
             *init,
             "--data",
@@ -147,8 +146,10 @@ def main(argv=None) -> int:
 
 def package(work: Path, commands: list[list[str]], args) -> int:
     """Copy the last phase's final fp32 weights into the package, with the run's record."""
-    from megaslide.engine.checkpoint import load_model, save_model
+    from megaslide.engine.atomic import atomic_directory
+    from megaslide.engine.checkpoint import save_model
     from megaslide.engine.finetune import list_checkpoints
+    from megaslide.engine.loader import open_pipeline
 
     parts = []
     for phase, command in zip(PHASES, commands):
@@ -173,13 +174,8 @@ def package(work: Path, commands: list[list[str]], args) -> int:
                 "train_seconds": round(sum(m["step_time_s"] for m in metrics), 1),
             }
         )
-    dit, text, _ = load_model(work / PHASES[len(commands) - 1]["name"] / "model")
-    dit.config = dit.config.replace(
-        guidance=GUIDANCE
-    )  # a sampling default: the weights are unchanged
-    tmp = PACKAGED.with_name(PACKAGED.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    save_model(tmp, dit, text)
+    pipe = open_pipeline(work / PHASES[len(commands) - 1]["name"] / "model")
+    sampling = pipe.info.sampling.replace(guidance=GUIDANCE)  # the weights are unchanged
     record = {
         "clips": args.clips,
         "world_seed": 0,
@@ -188,9 +184,9 @@ def package(work: Path, commands: list[list[str]], args) -> int:
         "train_seconds_total": round(sum(p["train_seconds"] for p in parts), 1),
         "guidance": GUIDANCE,
     }
-    (tmp / "training.json").write_text(json.dumps(record, indent=2) + "\n")
-    shutil.rmtree(PACKAGED, ignore_errors=True)
-    tmp.rename(PACKAGED)
+    with atomic_directory(PACKAGED) as tmp:
+        save_model(tmp, pipe.dit, pipe.text_encoder, sampling)
+        (tmp / "training.json").write_text(json.dumps(record, indent=2) + "\n")
     print(json.dumps(record, indent=2))
     return 0
 

@@ -1,9 +1,10 @@
 """MegaSlide's HTTP server: the OpenAI-shaped video and fine-tuning API over a durable job queue.
 
-`build_app(settings, engine)` makes the FastAPI app; `megaslide serve` runs it under uvicorn.
-Layout: `routers/` (one per resource) -> `store.py` (SQLite, WAL) -> `worker.py` (scheduler thread)
--> `runners.py` (the engine's pipeline and trainer). Routers reach the engine only through
-`client.EngineClient`, so this package imports torch only when a real engine starts.
+`build_app(settings, workers)` makes the FastAPI app; `megaslide serve` runs it under uvicorn.
+Data flows one way: `routers/` (one per resource) -> `store.py` (SQLite, WAL) -> `worker.py` (the
+scheduler thread) -> `backend.py`'s interfaces, implemented on the engine by `torch_backend.py`.
+Routers reach the workers only through `protocol.WorkerClient`, so this package imports torch only
+when `megaslide serve` builds the torch backend.
 """
 
 from .app import build_app

@@ -1,4 +1,5 @@
-"""Dependencies shared by the routers: the store, the engine, the settings, API keys, idempotency."""
+"""Dependencies shared by the routers: the store, the workers, the settings, the data directory,
+API keys, idempotency."""
 
 from __future__ import annotations
 
@@ -8,32 +9,38 @@ import hmac
 import json
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Annotated
 
 from fastapi import Depends, Request
 
-from .client import EngineClient
+from .datadir import DataDir
 from .errors import Conflict, EngineDead, QueueFull, Unauthorized
+from .protocol import WorkerClient
 from .settings import Settings
-from .store import JobStore
+from .store import AsyncStore
 
 
 def get_settings(request: Request) -> Settings:
     return request.app.state.settings
 
 
-def get_store(request: Request) -> JobStore:
+def get_store(request: Request) -> AsyncStore:
     return request.app.state.store
 
 
-def get_engine(request: Request) -> EngineClient:
-    return request.app.state.engine
+def get_workers(request: Request) -> WorkerClient:
+    return request.app.state.workers
+
+
+def get_data(request: Request) -> DataDir:
+    return request.app.state.data
 
 
 SettingsDep = Annotated[Settings, Depends(get_settings)]
-StoreDep = Annotated[JobStore, Depends(get_store)]
-EngineDep = Annotated[EngineClient, Depends(get_engine)]
+StoreDep = Annotated[AsyncStore, Depends(get_store)]
+WorkersDep = Annotated[WorkerClient, Depends(get_workers)]
+DataDep = Annotated[DataDir, Depends(get_data)]
 
 
 def require_api_key(request: Request, settings: SettingsDep) -> None:
@@ -62,7 +69,7 @@ def request_hash(payload) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def replayed(request: Request, store: JobStore, payload_hash: str) -> str | None:
+async def replayed(request: Request, store: AsyncStore, payload_hash: str) -> str | None:
     """The resource a retried POST created the first time (same `Idempotency-Key`), if any.
 
     Reusing a key with a different body is a client bug, answered 409 rather than guessed at.
@@ -70,7 +77,7 @@ def replayed(request: Request, store: JobStore, payload_hash: str) -> str | None
     key = idempotency(request, payload_hash)
     if key is None:
         return None
-    prior = store.idempotent(key[0], key[1])
+    prior = await store.idempotent(key[0], key[1])
     if prior is None:
         return None
     if prior["request_hash"] != payload_hash:
@@ -88,22 +95,24 @@ def idempotency(request: Request, payload_hash: str) -> tuple[str, str, str] | N
     return (getattr(request.state, "key_scope", "-"), f"{request.url.path}:{key}", payload_hash)
 
 
-def admit(store: JobStore, engine: EngineClient, settings: Settings) -> None:
+async def admit(store: AsyncStore, workers: WorkerClient, settings: Settings) -> None:
     """Refuse new work when the worker is dead or the queue is full."""
-    if engine.dead:
-        raise EngineDead(f"the engine stopped ({engine.dead}); restart the server")
-    depth = store.queue_depth()
+    if workers.dead:
+        raise EngineDead(f"the worker stopped ({workers.dead}); restart the server")
+    depth = await store.queue_depth()
     if depth >= settings.max_queue:
         raise QueueFull(
             f"the queue is full ({depth} jobs waiting); retry later",
-            retry_after=engine.retry_after(),
+            retry_after=workers.retry_after(),
         )
 
 
-async def wait_for(done: Callable[[], bool], timeout_s: float, interval_s: float = 0.05) -> bool:
-    """Poll `done` without blocking the event loop; True if it became true within the timeout."""
+async def wait_for(
+    done: Callable[[], Awaitable[bool]], timeout_s: float, interval_s: float = 0.05
+) -> bool:
+    """Poll `await done()` without blocking the event loop; True if it became true in time."""
     deadline = time.monotonic() + timeout_s
-    while not done():
+    while not await done():
         if time.monotonic() >= deadline:
             return False
         await asyncio.sleep(interval_s)

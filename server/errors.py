@@ -1,7 +1,8 @@
 """Domain errors and their one mapping to HTTP: the OpenAI error envelope on every 4xx and 5xx.
 
-Handlers raise these types; `install_error_handlers` turns them, request-validation errors, unknown
-routes and unexpected exceptions into `{"error": {"message", "type", "param", "code"}}`.
+Handlers raise these types; `install_error_handlers` turns them, the engine's `RequestError` (a
+request a model cannot take), request-validation errors, unknown routes and unexpected exceptions
+into `{"error": {"message", "type", "param", "code"}}`.
 A failed job is not an error here: it is a job whose status is `failed` (see `worker.py`).
 """
 
@@ -14,6 +15,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from megaslide.engine.request import RequestError
 
 log = logging.getLogger("megaslide.server")
 
@@ -72,7 +75,7 @@ class NotReady(APIError):
 
 
 class EngineDead(APIError):
-    """The worker thread is gone: no job can run until the server restarts."""
+    """The worker is gone: no job can run until the server restarts."""
 
     status, type, default_code = 503, "server_error", "engine_dead"
 
@@ -111,6 +114,11 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
         return envelope(exc.status, exc.message, exc.type, exc.param, exc.code, exc.headers)
+
+    @app.exception_handler(RequestError)
+    async def _request_error(request: Request, exc: RequestError):
+        code = exc.code or InvalidRequest.default_code
+        return envelope(400, str(exc), InvalidRequest.type, exc.param, code)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):

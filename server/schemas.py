@@ -12,11 +12,11 @@ from typing import Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from .client import ModelCard
+from megaslide.engine.request import SEED_LIMIT, RequestError, VideoRequest, parse_size
+
+from .protocol import ModelCard
 
 T = TypeVar("T")
-
-SEED_LIMIT = 2**63  # seeds are stored as SQLite integers (signed 64-bit)
 
 
 class Request(BaseModel):
@@ -72,6 +72,28 @@ class VideoCreate(Request):
             except ValueError:
                 raise ValueError(f"must be a number of seconds, got {value!r}") from None
         return value
+
+    def to_request(self) -> VideoRequest:
+        """The engine's request: what was asked, `None` where the model's default applies."""
+        if self.input_reference is not None:
+            raise RequestError(
+                "input_reference (image-to-video) is not supported by this server",
+                param="input_reference",
+                code="unsupported_parameter",
+            )
+        width, height = parse_size(self.size) if self.size else (None, None)
+        return VideoRequest(
+            prompt=self.prompt,
+            negative_prompt=self.negative_prompt,
+            frames=self.num_frames,
+            seconds=self.seconds,
+            width=width,
+            height=height,
+            fps=self.fps,
+            steps=self.num_inference_steps,
+            guidance=self.guidance_scale,
+            seed=self.seed,
+        )
 
 
 class VideoError(BaseModel):
@@ -140,7 +162,7 @@ def video_object(row: dict) -> Video:
         num_inference_steps=spec["steps"],
         guidance_scale=spec["guidance"],
         negative_prompt=spec["negative_prompt"],
-        priority=spec["priority"],
+        priority=row["priority"],
         step=row["step"],
     )
 
@@ -354,6 +376,7 @@ class Model(BaseModel):
 
 
 def model_object(card: ModelCard) -> Model:
+    limits = card.limits
     return Model(
         id=card.name,
         created=card.created,
@@ -361,18 +384,11 @@ def model_object(card: ModelCard) -> Model:
         kind=card.kind,
         parent=card.parent,
         defaults={
-            "num_frames": card.frames,
-            "size": f"{card.width}x{card.height}",
-            "fps": card.fps,
-            "num_inference_steps": card.steps,
-            "guidance_scale": card.guidance,
+            "num_frames": limits.frames,
+            "size": f"{limits.width}x{limits.height}",
+            "fps": limits.fps,
+            "num_inference_steps": limits.steps,
+            "guidance_scale": limits.guidance,
         },
-        limits={
-            "max_frames": card.max_frames,
-            "max_size": card.max_size,
-            "size_multiple": list(card.patch[1:]),
-            "frames_multiple": card.patch[0],
-            "max_prompt_tokens": card.max_prompt_tokens,
-            "prompt_unit": card.prompt_unit,
-        },
+        limits=limits.to_dict(),
     )

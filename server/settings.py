@@ -63,7 +63,3 @@ class Settings(BaseSettings):
         if isinstance(value, str):
             return [part.strip() for part in value.split(",") if part.strip()]
         return value
-
-    @property
-    def db_path(self) -> Path:
-        return self.data_dir / "megaslide.db"

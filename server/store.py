@@ -13,18 +13,22 @@ State machines (a transition is a conditional UPDATE, so the HTTP side and the w
 videos are queued again (they restart from noise) and running fine-tunes are queued to resume from
 their last checkpoint.
 
-One connection is shared by the event loop and the worker thread behind a lock; every call is a few
-indexed statements, so the loop never waits long.
+One connection is shared by the worker thread and the API behind a lock; every call is a few indexed
+statements. Async routes reach the store through `AsyncStore`, which runs each call in a worker
+thread: a slow disk (an fsync, a busy lock) never stalls the event loop.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import sqlite3
 import threading
 import time
 from pathlib import Path
+
+import anyio
 
 VIDEO_ACTIVE = ("queued", "in_progress")
 VIDEO_TERMINAL = ("completed", "failed", "cancelled")
@@ -276,11 +280,12 @@ class JobStore:
     # -----------------------------------------------------------------------------------------
     # videos
 
-    def insert_video(self, video_id: str, spec: dict, idempotency=None) -> dict:
+    def insert_video(self, video_id: str, spec: dict, priority: int = 0, idempotency=None) -> dict:
+        """Queue a resolved video request (`ResolvedVideo.to_dict()`)."""
         with self._tx() as c:
             c.execute(
                 "INSERT INTO videos (id, created_at, status, model, priority, spec) VALUES (?, ?, 'queued', ?, ?, ?)",
-                (video_id, now(), spec["model"], spec["priority"], json.dumps(spec)),
+                (video_id, now(), spec["model"], priority, json.dumps(spec)),
             )
             self._event(
                 c, video_id, "video.queued", data={"status": "queued", "progress": 0, "step": 0}
@@ -669,5 +674,18 @@ class JobStore:
     def models(self) -> list[dict]:
         return self._all("SELECT * FROM models ORDER BY seq")
 
-    def get_model(self, name: str) -> dict | None:
-        return self._one("SELECT * FROM models WHERE name = ?", (name,))
+
+class AsyncStore:
+    """The job store for async code: `await store.get_video(id)` runs `JobStore.get_video` in a
+    worker thread, so the event loop goes on serving other requests meanwhile."""
+
+    def __init__(self, store: JobStore):
+        self.sync = store
+
+    def __getattr__(self, name: str):
+        method = getattr(self.sync, name)
+
+        async def call(*args, **kwargs):
+            return await anyio.to_thread.run_sync(functools.partial(method, *args, **kwargs))
+
+        return call

@@ -15,26 +15,29 @@ Every job runs inside its own try/except: an exception (CUDA out of memory inclu
 with its message, and the next boundary proceeds as usual. Only an error outside any job kills the
 worker, which `/healthz` then reports.
 
-The models themselves sit behind `Backend` (see `runners.py` for the torch one), so this module, like
-the routers, never imports torch.
+The models sit behind the `Backend` it is given (backend.py), so this module, like the routers,
+never imports torch. A stored request (`engine.request.ResolvedVideo`) goes to the model as stored.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import logging
 import math
 import threading
 import time
-from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .client import EngineClient, ModelCard, VideoSpec
+from megaslide.engine.request import ResolvedVideo
+
+from .backend import Backend, FinetuneJob, TrainingRun, VideoModel
+from .datadir import DataDir
 from .metrics import Registry
+from .protocol import ModelCard, WorkerClient
 from .settings import Settings
 from .store import JobStore, now
 
@@ -50,103 +53,7 @@ HOUSEKEEPING_INTERVAL_S = 600.0  # how often an idle worker deletes expired outp
 
 
 # ---------------------------------------------------------------------------------------------
-# What the worker needs from the model side
-
-
-class VideoModel(ABC):
-    """A loaded video model, stepped one denoising step at a time."""
-
-    @abstractmethod
-    def prepare(self, spec: VideoSpec) -> Any:
-        """A sampling state for one request, with `.step`, `.num_steps` and `.done`."""
-
-    @abstractmethod
-    def step(self, states: list) -> dict:
-        """Advance every state one step in one batched pass; return transfer counters (may be empty)."""
-
-    @abstractmethod
-    def finish(self, state) -> Any:
-        """Decode a finished state to uint8 frames `(F, H, W, 3)`."""
-
-
-class Trainer(ABC):
-    """The fine-tuning loop as the worker drives it (see `megaslide.engine.finetune.Trainer`)."""
-
-    step: int
-    total_steps: int
-
-    @abstractmethod
-    def train_step(self) -> dict: ...
-
-    @abstractmethod
-    def save_checkpoint(self) -> Path: ...
-
-    @abstractmethod
-    def checkpoints(self) -> list[dict]: ...
-
-    @abstractmethod
-    def export(self, path: Path) -> Path: ...
-
-    @abstractmethod
-    def close(self) -> None: ...
-
-
-@dataclass(frozen=True)
-class FinetuneJob:
-    """A fine-tuning job resolved into what the trainer needs."""
-
-    base: ModelCard
-    data_dir: Path
-    output_dir: Path
-    epochs: int
-    batch_size: int
-    learning_rate: float
-    seed: int
-    save_every: int
-    resume: bool
-    num_frames: int | None = None
-    width: int | None = None
-    height: int | None = None
-
-
-class Backend(ABC):
-    """Builds and loads models and trainers; the only code that touches the tensor library."""
-
-    @abstractmethod
-    def cards(self) -> list[ModelCard]:
-        """The base models to serve, from their configs alone (cheap: no weights are read)."""
-
-    @abstractmethod
-    def fine_tuned_card(self, name: str, parent: ModelCard, path: Path) -> ModelCard: ...
-
-    @abstractmethod
-    def load(self, card: ModelCard) -> VideoModel: ...
-
-    @abstractmethod
-    def check_video(self, card: ModelCard, spec: VideoSpec) -> None:
-        """Raise ValueError if the model cannot take this request."""
-
-    @abstractmethod
-    def check_dataset(self, root: Path) -> int: ...
-
-    @abstractmethod
-    def trainer(self, job: FinetuneJob) -> Trainer: ...
-
-    @abstractmethod
-    def save_video(self, frames, fps: int, mp4_path: Path, thumbnail_path: Path) -> None:
-        """Write the MP4 (atomically) and a PNG of its first frame."""
-
-    def error_code(self, exc: BaseException) -> str | None:
-        """A specific error code for this exception (e.g. "out_of_memory"), or None for the generic one."""
-        return None
-
-    def release_memory(self) -> None:
-        """Called after a job fails, before the next one runs (e.g. to empty the CUDA cache)."""
-        return None
-
-
-# ---------------------------------------------------------------------------------------------
-# The engine client that owns the worker thread
+# The worker client that owns the worker thread
 
 
 @dataclass
@@ -154,7 +61,7 @@ class _Running:
     """A video in the running batch."""
 
     id: str
-    spec: VideoSpec
+    video: ResolvedVideo
     state: Any
     started: float
 
@@ -164,7 +71,7 @@ class _Tuning:
     """The fine-tune the worker is driving (kept in memory while it yields to videos)."""
 
     id: str
-    trainer: Trainer
+    trainer: TrainingRun
     parent: str
     suffix: str
     output_dir: Path
@@ -172,15 +79,13 @@ class _Tuning:
     known_checkpoints: set = field(default_factory=set)
 
 
-class LocalEngine(EngineClient):
+class EmbeddedWorker(WorkerClient):
     """Runs every job in one worker thread of this process, on the models `backend` provides."""
 
-    def __init__(
-        self, settings: Settings, backend: Backend | Callable[[Settings], Backend] | None = None
-    ):
+    def __init__(self, settings: Settings, backend: Backend):
         self.settings = settings
-        self._backend_arg = backend
-        self.backend: Backend | None = None
+        self.backend = backend
+        self.data = DataDir(settings.data_dir)
         self.store: JobStore | None = None
         self._metrics = Registry()
         self._cards: dict[str, ModelCard] = {}
@@ -197,16 +102,10 @@ class LocalEngine(EngineClient):
         self._tuning: _Tuning | None = None
         self._last_housekeeping = time.monotonic()  # start-up already cleaned (app.housekeeping)
 
-    # --- EngineClient ------------------------------------------------------------------------
+    # --- WorkerClient ------------------------------------------------------------------------
 
     async def start(self, store: JobStore) -> None:
         self.store = store
-        backend = self._backend_arg
-        if backend is None:
-            from .runners import TorchBackend  # imported here: building the app needs no torch
-
-            backend = TorchBackend
-        self.backend = backend(self.settings) if not isinstance(backend, Backend) else backend
         self._cards = {card.name: card for card in self.backend.cards()}
         # One encoder thread: MP4 writing overlaps the next denoising steps instead of delaying them.
         self._encoder = concurrent.futures.ThreadPoolExecutor(
@@ -249,12 +148,6 @@ class LocalEngine(EngineClient):
             if card is not None:
                 out.append(card)
         return out
-
-    def check_video(self, spec: VideoSpec) -> None:
-        card = self.model(spec.model)
-        if card is None:
-            raise ValueError(f"model {spec.model!r} not found")
-        self.backend.check_video(card, spec)
 
     def check_dataset(self, root: Path) -> int:
         return self.backend.check_dataset(root)
@@ -313,7 +206,7 @@ class LocalEngine(EngineClient):
             return
         self._last_housekeeping = time.monotonic()
         for video_id in self.store.expired_videos():
-            for path in video_paths(self.settings.data_dir, video_id):
+            for path in self.data.video(video_id):
                 path.unlink(missing_ok=True)
 
     def _park(self) -> None:
@@ -346,21 +239,21 @@ class LocalEngine(EngineClient):
         room = self.settings.max_batch - len(self._batch)
         if room <= 0:
             return
-        key = self._batch[0].spec.batch_key if self._batch else None
+        key = self._batch[0].video.batch_key if self._batch else None
         for row in self.store.queued_videos(limit=room):
-            spec = VideoSpec.from_dict(_json(row["spec"]))
+            video = ResolvedVideo.from_dict(json.loads(row["spec"]))
             if key is None:
-                key = spec.batch_key
-            elif spec.batch_key != key:
+                key = video.batch_key
+            elif video.batch_key != key:
                 break  # strict queue order: a later compatible job may not pass this one
             if not self.store.start_video(row["id"]):
                 continue  # cancelled between the read and now
             try:
-                state = self._video_model(spec.model).prepare(spec)
+                state = self._video_model(video.model).prepare(video)
             except Exception as exc:  # noqa: BLE001 - this job fails, the batch goes on
                 self._fail_video(row["id"], exc)
                 continue
-            self._batch.append(_Running(row["id"], spec, state, time.perf_counter()))
+            self._batch.append(_Running(row["id"], video, state, time.perf_counter()))
 
     def _video_model(self, name: str) -> VideoModel:
         if name in self._loaded:
@@ -378,10 +271,10 @@ class LocalEngine(EngineClient):
         return model
 
     def _step_videos(self) -> None:
-        model = self._video_model(self._batch[0].spec.model)
+        model = self._video_model(self._batch[0].video.model)
         start = time.perf_counter()
         try:
-            transfers = model.step([r.state for r in self._batch])
+            transfers = model.denoise_step([r.state for r in self._batch])
             advanced, passes = list(self._batch), 1
         except Exception as exc:  # noqa: BLE001
             # The batched pass raised before any state moved (the update follows the forward pass), so
@@ -393,7 +286,7 @@ class LocalEngine(EngineClient):
             transfers, advanced, passes = {}, [], len(self._batch)
             for run in list(self._batch):
                 try:
-                    model.step([run.state])
+                    model.denoise_step([run.state])
                     advanced.append(run)
                 except Exception as single_exc:  # noqa: BLE001
                     self.backend.release_memory()
@@ -432,9 +325,9 @@ class LocalEngine(EngineClient):
 
     def _encode(self, run: _Running, frames) -> None:
         """On the encoder thread: write the MP4 and thumbnail, then mark the job completed."""
-        mp4, png = video_paths(self.settings.data_dir, run.id)
+        mp4, png = self.data.video(run.id)
         try:
-            self.backend.save_video(frames, run.spec.fps, mp4, png)
+            self.backend.save_video(frames, run.video.fps, mp4, png)
         except Exception as exc:  # noqa: BLE001
             self._fail_video(run.id, exc)
             return
@@ -480,7 +373,7 @@ class LocalEngine(EngineClient):
                 self._record_checkpoints(t, metrics)
             if t.trainer.step >= t.trainer.total_steps:
                 name = f"ft:{t.parent}:{t.suffix}:{t.id.removeprefix('ftjob-')}"
-                path = t.trainer.export(Path(self.settings.data_dir) / "models" / t.id)
+                path = t.trainer.export(self.data.fine_tuned_model(t.id))
                 self._end_finetune(
                     "succeeded", model={"name": name, "parent": t.parent, "path": str(path)}
                 )
@@ -495,7 +388,7 @@ class LocalEngine(EngineClient):
         attempt = self.store.start_finetune(row["id"])
         if attempt is None:
             return
-        hyper = _json(row["hyperparameters"])
+        hyper = json.loads(row["hyperparameters"])
         try:
             base = self.model(row["model"])
             if base is None:
@@ -561,22 +454,9 @@ class LocalEngine(EngineClient):
             self._metrics.jobs_finished.inc(kind="fine_tune", status=status)
 
 
-def video_paths(data_dir: Path, video_id: str) -> tuple[Path, Path]:
-    """Where a video's MP4 and thumbnail live."""
-    folder = Path(data_dir) / "videos"
-    folder.mkdir(parents=True, exist_ok=True)
-    return folder / f"{video_id}.mp4", folder / f"{video_id}.png"
-
-
 def _message(exc: BaseException) -> str:
     text = str(exc).strip() or "no message"
     return f"{type(exc).__name__}: {text}"
-
-
-def _json(text: str) -> dict:
-    import json
-
-    return json.loads(text)
 
 
 def _plain(metrics: dict) -> dict:

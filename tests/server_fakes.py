@@ -1,7 +1,7 @@
 """A torch-free stand-in for the model side of the server, so API and scheduler tests run in milliseconds.
 
-`FakeBackend` plugs into the real `LocalEngine` (worker thread, scheduler, store): only the models are
-fake. It records every batched step as the list of job seeds it advanced, so tests can see which
+`FakeBackend` plugs into the real `EmbeddedWorker` (worker thread, scheduler, store): only the models
+are fake. It records every batched step as the list of job seeds it advanced, so tests can see which
 jobs shared a pass, in which order they ran, and that a cancelled job got no further steps.
 
 Prompts steer failures: "explode" raises in the denoising step, "nomem" raises an error with the type
@@ -17,14 +17,18 @@ from pathlib import Path
 
 import numpy as np
 
-from megaslide.server.client import ModelCard, VideoSpec
-from megaslide.server.worker import Backend, FinetuneJob, Trainer, VideoModel
+from megaslide.engine.request import ModelLimits, ResolvedVideo
+from megaslide.server.backend import Backend, FinetuneJob, TrainingRun
+from megaslide.server.protocol import ModelCard
 
-FAKE_CARD = ModelCard(
-    name="fake",
-    kind="preset",
-    created=1_700_000_000,
-    source="fake",
+
+def _no_three_frames(frames, height, width):
+    """The fake model's own shape rule beyond its limits, so tests can see it applied."""
+    if frames == 3:
+        raise ValueError("frames (3): this model's autoencoder needs another count")
+
+
+FAKE_LIMITS = ModelLimits(
     frames=4,
     height=32,
     width=32,
@@ -33,8 +37,13 @@ FAKE_CARD = ModelCard(
     guidance=1.0,
     max_frames=32,
     max_size=256,
-    patch=(1, 4, 4),
+    size_multiple=(4, 4),
+    frames_multiple=1,
     max_prompt_tokens=62,
+    check_shape=_no_three_frames,
+)
+FAKE_CARD = ModelCard(
+    name="fake", kind="preset", created=1_700_000_000, source="fake", limits=FAKE_LIMITS
 )
 
 
@@ -43,7 +52,7 @@ class OutOfMemoryError(RuntimeError):
 
 
 class FakeState:
-    def __init__(self, spec: VideoSpec):
+    def __init__(self, spec: ResolvedVideo):
         self.spec, self.step, self.num_steps = spec, 0, spec.steps
 
     @property
@@ -51,7 +60,7 @@ class FakeState:
         return self.step >= self.num_steps
 
 
-class FakeModel(VideoModel):
+class FakeModel:
     def __init__(self, backend: FakeBackend, name: str):
         self.backend, self.name = backend, name
 
@@ -60,7 +69,7 @@ class FakeModel(VideoModel):
             raise ValueError("cannot prepare this prompt")
         return FakeState(spec)
 
-    def step(self, states):
+    def denoise_step(self, states):
         b = self.backend
         b.gate.wait(30)  # tests close the gate to hold the worker inside a step
         time.sleep(b.step_s)
@@ -83,7 +92,7 @@ class FakeModel(VideoModel):
         return rng.integers(0, 256, size=(s.frames, s.height, s.width, 3), dtype=np.uint8)
 
 
-class FakeTrainer(Trainer):
+class FakeTrainer(TrainingRun):
     """Counts steps, checkpoints every `save_every`, resumes from the newest checkpoint file."""
 
     def __init__(self, backend: FakeBackend, job: FinetuneJob):
@@ -187,10 +196,6 @@ class FakeBackend(Backend):
             raise RuntimeError("weights are corrupt")
         return FakeModel(self, card.name)
 
-    def check_video(self, card, spec):
-        if spec.frames == 3:
-            raise ValueError("frames (3): this model's autoencoder needs another count")
-
     def check_dataset(self, root):
         meta = Path(root) / "metadata.jsonl"
         if not meta.is_file():
@@ -222,3 +227,12 @@ class FakeBackend(Backend):
 
     def release_memory(self):
         self.released += 1
+
+
+def torch_app(settings):
+    """The app as `megaslide serve` builds it: the embedded worker on the torch backend."""
+    from megaslide.server import build_app
+    from megaslide.server.torch_backend import TorchBackend
+    from megaslide.server.worker import EmbeddedWorker
+
+    return build_app(settings, EmbeddedWorker(settings, TorchBackend(settings)))

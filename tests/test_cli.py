@@ -7,8 +7,8 @@ import sys
 import numpy as np
 import pytest
 
-from megaslide import __version__
-from megaslide.cli import main
+from megaslide.cli.main import main
+from megaslide.engine import __version__
 
 GEN = [
     "generate",
@@ -48,7 +48,7 @@ def test_generate_writes_a_deterministic_mp4(tmp_path, capsys):
     "extra, message",
     [
         (["--size", "33x32"], "even"),
-        (["--frames", "999"], "frames must be between"),
+        (["--frames", "999"], "takes 1 to 32 frames"),
         (["--preset", "nope"], "unknown preset"),
         (["--steps", "0"], "--steps must be at least 1"),
         (["--size", "big"], "WIDTHxHEIGHT"),
@@ -65,7 +65,7 @@ def test_bad_generate_input_is_one_line_exit_2_and_no_file(tmp_path, capsys, ext
 def test_empty_prompt_and_missing_model_are_rejected(tmp_path, capsys):
     out = tmp_path / "out.mp4"
     code, _, err = run(["generate", "  ", "-o", str(out)], capsys)
-    assert code == 2 and "prompt is empty" in err
+    assert code == 2 and "prompt must not be empty" in err
     code, _, err = run(
         ["generate", "p", "-o", str(out), "--model", str(tmp_path / "missing")], capsys
     )
@@ -96,6 +96,6 @@ def test_plan_105b(capsys):
 
 def test_console_script_version():
     out = subprocess.run(
-        [sys.executable, "-m", "megaslide", "--version"], capture_output=True, text=True
+        [sys.executable, "-m", "megaslide.cli", "--version"], capture_output=True, text=True
     )
     assert out.returncode == 0 and out.stdout.strip() == f"megaslide {__version__}"

@@ -7,9 +7,9 @@ import tarfile
 
 import pytest
 
-from megaslide.cli import UsageError
-from megaslide.cli import main as cli_main
-from megaslide.remote import pack_dataset
+from megaslide.cli.args import UsageError
+from megaslide.cli.main import main as cli_main
+from megaslide.cli.remote import pack_dataset
 
 
 def test_pack_dataset_names_members_relative_and_follows_links(tmp_path):

@@ -11,28 +11,21 @@ import asyncio
 import contextlib
 import json
 import socket
-import sys
 import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
+import uvicorn
+
+import megaslide_client
+from megaslide.cli.main import main as cli_main
+from megaslide.cli.remote import pack_dataset
+from megaslide.server.settings import Settings
+from tests.server_fakes import torch_app
 
 ROOT = Path(__file__).resolve().parents[1]
-try:
-    import megaslide_client
-except ImportError:  # not installed: use the source tree
-    sys.path.insert(0, str(ROOT / "clients" / "python"))
-    import megaslide_client
-
-pytest.importorskip("fastapi")
-uvicorn = pytest.importorskip("uvicorn")
-
-from megaslide.cli import main as cli_main  # noqa: E402
-from megaslide.remote import pack_dataset  # noqa: E402
-from megaslide.server.app import build_app  # noqa: E402
-from megaslide.server.settings import Settings  # noqa: E402
 
 KEY = "sk-test-key"
 # Tiny clips: 32x32, 8 frames, 2 steps take well under a second on two CPU cores.
@@ -78,7 +71,7 @@ def live_server(app):
 
 @pytest.fixture(scope="module")
 def server_url(tmp_path_factory):
-    with live_server(build_app(settings(tmp_path_factory.mktemp("live")))) as url:
+    with live_server(torch_app(settings(tmp_path_factory.mktemp("live")))) as url:
         yield url
 
 
@@ -478,7 +471,7 @@ class AsyncLoseFirstPostAnswer(httpx.AsyncBaseTransport):
 
 
 def test_async_client(tmp_path):
-    app = build_app(settings(tmp_path / "store", max_queue=1))
+    app = torch_app(settings(tmp_path / "store", max_queue=1))
 
     async def main():
         async with app.router.lifespan_context(app):
@@ -486,7 +479,7 @@ def test_async_client(tmp_path):
             async with megaslide_client.AsyncClient(
                 base_url="http://app", api_key=KEY, transport=transport
             ) as c:
-                while not app.state.engine.ready:
+                while not app.state.workers.ready:
                     await asyncio.sleep(0.02)
                 # Retried create: the first answer is lost, the retry returns the same job.
                 video = await c.videos.create(

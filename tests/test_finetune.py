@@ -9,10 +9,15 @@ import pytest
 import torch
 
 from megaslide.engine.blockwise import BlockwiseStep, StepConfig, master_state_dicts
+from megaslide.engine.checkpoint import save_model
+from megaslide.engine.config import PRESETS
 from megaslide.engine.data import DatasetError
-from megaslide.engine.dit import PRESETS, VideoDiT
-from megaslide.engine.finetune import FinetuneConfig, Trainer, learning_rate
+from megaslide.engine.dit import VideoDiT
+from megaslide.engine.finetune import FinetuneConfig, learning_rate, open_trainer
 from megaslide.engine.flow import sample_training_times
+from megaslide.engine.loader import open_model, open_pipeline
+from megaslide.engine.request import VideoRequest
+from megaslide.engine.sources import describe, resolve_source
 from megaslide.engine.text import BuiltinTextEncoder
 from megaslide.engine.world import write_dataset
 from tests.test_model import randomise_zero_inits
@@ -49,16 +54,22 @@ def max_relative_difference(ours: dict, ref: dict) -> float:
 
 
 @pytest.mark.parametrize("preset, steps, lr", [("tiny", 3, 3e-4), ("small", 2, 3e-5)])
-def test_streamed_training_matches_torch_adamw(preset, steps, lr):
+def test_streamed_training_matches_torch_adamw(preset, steps, lr, tmp_path):
     torch.manual_seed(0)
     config = PRESETS[preset]
-    dit, text = VideoDiT(config), BuiltinTextEncoder(config.text)
+    dit, text = VideoDiT(config.model), BuiltinTextEncoder(config.model.text)
     randomise_zero_inits(dit)
     x0 = torch.randn(2, 3, 2, 16, 16)
     ref_dit, ref_text = copy.deepcopy(dit), copy.deepcopy(text)
     reference_training(ref_dit, ref_text, x0, steps, lr=lr, weight_decay=0.01, seed=0)
 
-    step = BlockwiseStep(dit, text, "cpu", StepConfig(lr=lr, weight_decay=0.01, offload="stream"))
+    # The same weights, opened for training as `open_trainer` opens them: fp32, blocks streamed.
+    save_model(tmp_path / "m", dit, text, config.sampling)
+    info = describe(resolve_source(tmp_path / "m"))
+    parts, handles = open_model(info, dtype=torch.float32, offload="stream")
+    dit, text = parts["dit"].train(), parts["text_encoder"].train()
+    step_config = StepConfig(lr=lr, weight_decay=0.01, offload="stream")
+    step = BlockwiseStep(dit, text, "cpu", step_config, handles["dit"])
     live_grads = []  # blocks holding gradients whenever a block's backward finishes
     for block in dit.blocks:
         block.register_full_backward_hook(
@@ -96,11 +107,13 @@ def world(tmp_path_factory):
     )
 
 
-def run_config(world, output, **kw):
+TINY = resolve_source(preset="tiny")
+
+
+def run(world, output, resume=False, **kw):
+    """A fine-tuning run of the tiny preset on `world`."""
     base = dict(
-        data=str(world),
         output=str(output),
-        preset="tiny",
         steps=4,
         lr=2e-3,
         batch_size=2,
@@ -110,11 +123,11 @@ def run_config(world, output, **kw):
         width=16,
         offload="stream",
     )
-    return FinetuneConfig(**{**base, **kw})
+    return open_trainer(TINY, world, FinetuneConfig(**{**base, **kw}), resume=resume)
 
 
 def final_masters(trainer):
-    dit_sd, text_sd = master_state_dicts(trainer.engine)
+    dit_sd, text_sd = master_state_dicts(trainer.blockwise)
     return {
         **{f"d.{k}": v.clone() for k, v in dit_sd.items()},
         **{f"t.{k}": v.clone() for k, v in text_sd.items()},
@@ -123,26 +136,26 @@ def final_masters(trainer):
 
 def test_kill_and_resume_equals_uninterrupted(world, tmp_path):
     schedule = dict(lr_schedule="cosine", warmup_steps=1)  # the resumed part must follow it too
-    with Trainer(run_config(world, tmp_path / "a", **schedule)) as t:
+    with run(world, tmp_path / "a", **schedule) as t:
         t.run()
         uninterrupted = final_masters(t)
     # The interrupted run dies after step 3: its last checkpoint is step 2, step 3 is lost.
-    t = Trainer(run_config(world, tmp_path / "b", **schedule))
+    t = run(world, tmp_path / "b", **schedule)
     for _ in range(3):
         t.train_step()
     t.loader.close()  # no close(): nothing is flushed or saved beyond what the run wrote itself
-    with Trainer(run_config(world, tmp_path / "b", **schedule), resume=True) as resumed:
+    with run(world, tmp_path / "b", resume=True, **schedule) as resumed:
         assert resumed.step == 2
         resumed.run()
         after = final_masters(resumed)
     assert after.keys() == uninterrupted.keys()
     assert all(torch.equal(after[k], uninterrupted[k]) for k in after)
     # A run in planned parts (--until) follows the same schedule to the same weights.
-    with Trainer(run_config(world, tmp_path / "c", until=3, **schedule)) as first:
+    with run(world, tmp_path / "c", until=3, **schedule) as first:
         first.run()
         assert first.step == 3 and first.total_steps == 4
         first.save_checkpoint()
-    with Trainer(run_config(world, tmp_path / "c", **schedule), resume=True) as second:
+    with run(world, tmp_path / "c", resume=True, **schedule) as second:
         second.run()
         parts = final_masters(second)
     assert all(torch.equal(parts[k], uninterrupted[k]) for k in parts)
@@ -154,7 +167,7 @@ def test_kill_and_resume_equals_uninterrupted(world, tmp_path):
 
 
 def test_learning_rate_schedules():
-    config = FinetuneConfig(data="d", output="o", preset="tiny", steps=10, lr=1.0, warmup_steps=2)
+    config = FinetuneConfig(output="o", steps=10, lr=1.0, warmup_steps=2)
     assert [learning_rate(config, s, 10) for s in (0, 1, 2, 9)] == [0.5, 1.0, 1.0, 1.0]
     cosine = FinetuneConfig(**{**asdict(config), "lr_schedule": "cosine"})
     lrs = [learning_rate(cosine, s, 10) for s in range(10)]
@@ -163,21 +176,17 @@ def test_learning_rate_schedules():
     )
     assert all(a > b for a, b in zip(lrs[2:], lrs[3:]))
     with pytest.raises(ValueError, match="lr_schedule must be one of"):
-        FinetuneConfig(data="d", output="o", preset="tiny", steps=1, lr_schedule="step").validate()
+        FinetuneConfig(output="o", steps=1, lr_schedule="step").validate()
 
 
 def test_loss_falls_and_export_serves(world, tmp_path):
-    from megaslide.engine.pipeline import GenerationRequest, VideoPipeline
-
-    with Trainer(
-        run_config(world, tmp_path, steps=30, lr=3e-3, save_every=100, offload="none")
-    ) as t:
+    with run(world, tmp_path, steps=30, lr=3e-3, save_every=100, offload="none") as t:
         losses = [t.train_step()["loss"] for _ in range(30)]
         path = t.export()
     assert sum(losses[-8:]) / 8 < 0.8 * sum(losses[:8]) / 8, losses
-    pipe = VideoPipeline.from_pretrained(path)
+    pipe = open_pipeline(path)
     frames = pipe.generate(
-        GenerationRequest("a red circle moving left", frames=4, height=16, width=16, steps=2)
+        VideoRequest("a red circle moving left", frames=4, height=16, width=16, steps=2, seed=0)
     )
     assert frames.shape == (4, 16, 16, 3)
 
@@ -187,5 +196,5 @@ def test_bad_dataset_fails_before_any_step(world, tmp_path):
     bad.mkdir()
     (bad / "metadata.jsonl").write_text('{"file": "missing.mp4", "text": "a clip"}\n')
     with pytest.raises(DatasetError, match="missing.mp4"):
-        Trainer(run_config(bad, tmp_path / "out"))
+        run(bad, tmp_path / "out")
     assert not (tmp_path / "out" / "metrics.jsonl").exists()

@@ -3,16 +3,19 @@
 import pytest
 import torch
 
+from megaslide.engine.config import TIME_SAMPLING
 from megaslide.engine.flow import (
-    TIME_SAMPLING,
     SampleState,
     cfg_combine,
     denoise_step,
-    flow_matching_loss,
+    noisy_sample,
     sample_training_times,
     shifted_schedule,
+    velocity_target,
 )
-from megaslide.engine.pipeline import GenerationRequest, VideoPipeline
+from megaslide.engine.loader import open_pipeline
+from megaslide.engine.request import VideoRequest
+from megaslide.engine.sources import resolve_source
 from tests.test_model import randomise_zero_inits
 
 REQ = dict(frames=4, height=16, width=16, steps=3)
@@ -67,16 +70,11 @@ class Oracle(torch.nn.Module):
         return (x - self.x0) / t.view(-1, 1, 1, 1, 1)
 
 
-def test_cli_offers_every_time_sampling():
-    from megaslide.commands import TIME_SAMPLING as CLI_TIME_SAMPLING
-
-    assert CLI_TIME_SAMPLING == TIME_SAMPLING
-
-
 def test_loss_is_zero_for_the_true_velocity_and_euler_lands_on_the_data():
     x0, noise = torch.randn(2, 3, 2, 4, 4), torch.randn(2, 3, 2, 4, 4)
     t = torch.tensor([0.3, 0.8])
-    assert flow_matching_loss(Oracle(x0), x0, None, None, t=t, noise=noise) < 1e-10
+    predicted = Oracle(x0)(noisy_sample(x0, noise, t), t, None, None)
+    torch.testing.assert_close(predicted, velocity_target(x0, noise))
     ctx, mask = torch.zeros(1, 1, 1), torch.ones(1, 1, dtype=torch.bool)
     state = SampleState(noise[:1].clone(), ctx, mask, shifted_schedule(5, 3.0), guidance=1.0)
     while not state.done:
@@ -117,15 +115,15 @@ def test_cfg_runs_both_passes_in_one_batch_and_combines_them():
 
 @pytest.fixture(scope="module")
 def pipe():
-    p = VideoPipeline.from_preset("tiny", seed=0)
+    p = open_pipeline(resolve_source(preset="tiny"))
     randomise_zero_inits(p.dit)
     return p
 
 
 def test_same_seed_is_bitwise_identical_and_seeds_differ(pipe):
-    a = pipe.generate(GenerationRequest("a red circle", seed=1, **REQ))
-    b = pipe.generate(GenerationRequest("a red circle", seed=1, **REQ))
-    c = pipe.generate(GenerationRequest("a red circle", seed=2, **REQ))
+    a = pipe.generate(VideoRequest("a red circle", seed=1, **REQ))
+    b = pipe.generate(VideoRequest("a red circle", seed=1, **REQ))
+    c = pipe.generate(VideoRequest("a red circle", seed=2, **REQ))
     assert a.shape == (4, 16, 16, 3) and a.dtype.name == "uint8"
     assert (a == b).all()
     assert (a != c).any()
@@ -133,11 +131,11 @@ def test_same_seed_is_bitwise_identical_and_seeds_differ(pipe):
 
 def test_batched_steps_equal_one_at_a_time(pipe):
     reqs = [
-        GenerationRequest("a red circle", seed=1, **REQ),
-        GenerationRequest("a blue square", seed=5, guidance=1.0, **REQ),
+        VideoRequest("a red circle", seed=1, **REQ),
+        VideoRequest("a blue square", seed=5, guidance=1.0, **REQ),
     ]
     alone = [pipe.generate(r) for r in reqs]
-    states = [pipe.prepare(r) for r in reqs]
+    states = [pipe.prepare(pipe.resolve(r)) for r in reqs]
     while not all(s.done for s in states):
         pipe.denoise_step(states)
     together = [pipe.finish(s) for s in states]
@@ -147,15 +145,15 @@ def test_batched_steps_equal_one_at_a_time(pipe):
 
 
 def test_negative_prompt_changes_the_guided_output(pipe):
-    a = pipe.generate(GenerationRequest("a red circle", seed=1, **REQ))
-    b = pipe.generate(GenerationRequest("a red circle", negative_prompt="blue", seed=1, **REQ))
+    a = pipe.generate(VideoRequest("a red circle", seed=1, **REQ))
+    b = pipe.generate(VideoRequest("a red circle", negative_prompt="blue", seed=1, **REQ))
     assert (a != b).any()
 
 
 def test_resolve_rejects_bad_requests(pipe):
     with pytest.raises(ValueError, match="prompt must not be empty"):
-        pipe.resolve(GenerationRequest("  "))
+        pipe.resolve(VideoRequest("  "))
     with pytest.raises(ValueError, match="even"):
-        pipe.resolve(GenerationRequest("p", height=15, width=16))
-    with pytest.raises(ValueError, match="frames must be between"):
-        pipe.resolve(GenerationRequest("p", frames=pipe.config.max_frames + 1))
+        pipe.resolve(VideoRequest("p", height=15, width=16))
+    with pytest.raises(ValueError, match="takes 1 to 32 frames"):
+        pipe.resolve(VideoRequest("p", frames=pipe.info.limits.max_frames + 1))

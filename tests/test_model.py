@@ -5,18 +5,12 @@ import math
 import pytest
 import torch
 
-from megaslide.engine.dit import (
-    PRESETS,
-    DiTConfig,
-    VideoDiT,
-    apply_rope,
-    count_parameters,
-    rope_frequencies,
-    sincos_positions,
-)
-from megaslide.engine.text import BuiltinTextEncoder, TextEncoderConfig, tokenize
+from megaslide.engine.config import PRESETS, DiTConfig, TextEncoderConfig
+from megaslide.engine.dit import VideoDiT, apply_rope, rope_frequencies, sincos_positions
+from megaslide.engine.native import count_parameters
+from megaslide.engine.text import BuiltinTextEncoder, tokenize
 
-TINY = PRESETS["tiny"]
+TINY = PRESETS["tiny"].model
 
 
 def make(config=TINY, seed=0):
@@ -105,15 +99,15 @@ def test_rope_is_a_rotation_that_encodes_relative_position():
 
 
 def test_presets_have_the_promised_sizes():
-    assert count_parameters(PRESETS["tiny"])["total"] <= 5_000_000
-    assert 100e6 <= count_parameters(PRESETS["small"])["total"] <= 300e6
-    assert 1.0e11 <= count_parameters(PRESETS["megaslide-105b"])["total"] <= 1.1e11
-    wan = count_parameters(PRESETS["wan-14b"])
+    assert count_parameters(PRESETS["tiny"].model)["total"] <= 5_000_000
+    assert 100e6 <= count_parameters(PRESETS["small"].model)["total"] <= 300e6
+    assert 1.0e11 <= count_parameters(PRESETS["megaslide-105b"].model)["total"] <= 1.1e11
+    wan = count_parameters(PRESETS["wan-14b"].model)
     assert 13e9 <= wan["dit"] <= 15.5e9
 
 
 def test_config_round_trips_and_rejects_bad_values():
-    c = PRESETS["small"].replace(attention="dsa")
+    c = PRESETS["small"].model.replace(attention="dsa")
     assert DiTConfig.from_dict(c.to_dict()) == c
     with pytest.raises(ValueError, match="divisible"):
         DiTConfig(dim=100, heads=3)
@@ -123,12 +117,13 @@ def test_config_round_trips_and_rejects_bad_values():
         DiTConfig.from_dict({**c.to_dict(), "bogus": 1})
 
 
-def test_check_shape_names_the_problem():
-    dit, _ = make()
+def test_check_latent_names_the_problem():
     with pytest.raises(ValueError, match="frames must be between"):
-        dit.check_shape(TINY.max_frames + 1, 64, 64)
+        TINY.check_latent(TINY.max_frames + 1, 64, 64)
     with pytest.raises(ValueError, match="multiple of the patch size"):
-        dit.check_shape(8, 62, 64)
+        TINY.check_latent(8, 62, 64)
+    with pytest.raises(ValueError, match="3D-DSA needs the token grid's y axis"):
+        TINY.replace(attention="dsa").check_latent(8, 32, 64)
 
 
 def test_tokenizer_rejects_long_prompts():

@@ -25,7 +25,7 @@ import pytest
 pytest.importorskip("uvicorn")
 pytest.importorskip("av")
 
-LAUNCH = "import sys; from megaslide.cli import main; sys.exit(main(sys.argv[1:]))"
+LAUNCH = "import sys; from megaslide.cli.main import main; sys.exit(main(sys.argv[1:]))"
 CLIP = {"num_frames": 4, "size": "32x32", "num_inference_steps": 2}
 TERMINAL = ("completed", "failed", "cancelled")
 START_TIMEOUT_S = 120
@@ -137,7 +137,9 @@ def sse_events(srv: Server, video_id: str) -> list[tuple[str, dict]]:
 
 
 def test_video_lifecycle_over_http(server, tmp_path):
-    from megaslide.engine.pipeline import GenerationRequest, VideoPipeline
+    from megaslide.engine.loader import open_pipeline
+    from megaslide.engine.request import VideoRequest
+    from megaslide.engine.sources import resolve_source
     from megaslide.engine.video import read_video, write_mp4
 
     r = server.http.post("/v1/videos", json={"prompt": "a red ball", "seed": 42, **CLIP})
@@ -164,9 +166,9 @@ def test_video_lifecycle_over_http(server, tmp_path):
     served = read_video(tmp_path / "served.mp4")
     assert served.shape == (4, 32, 32, 3)
     # The server's clip is the library's clip: same weights (preset, seed 0), same request.
-    pipe = VideoPipeline.from_preset("tiny")
+    pipe = open_pipeline(resolve_source(preset="tiny"))
     local = pipe.generate(
-        GenerationRequest(prompt="a red ball", frames=4, height=32, width=32, steps=2, seed=42)
+        VideoRequest(prompt="a red ball", frames=4, height=32, width=32, steps=2, seed=42)
     )
     write_mp4(tmp_path / "local.mp4", local, fps=8)
     assert np.array_equal(read_video(tmp_path / "local.mp4"), served)

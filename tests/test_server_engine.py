@@ -16,9 +16,13 @@ with warnings.catch_warnings():  # starlette's notice that its TestClient will m
     warnings.simplefilter("ignore")
     from fastapi.testclient import TestClient
 
-from megaslide.engine.pipeline import GenerationRequest, VideoPipeline
+from megaslide.engine.loader import open_pipeline
+from megaslide.engine.native import DiTPipeline
+from megaslide.engine.request import VideoRequest
+from megaslide.engine.sources import resolve_source
 from megaslide.engine.video import read_video
-from megaslide.server import Settings, build_app
+from megaslide.server import Settings
+from tests.server_fakes import torch_app
 
 CLIP = {"num_frames": 4, "size": "32x32", "num_inference_steps": 2}
 
@@ -27,7 +31,7 @@ def serve(tmp_path, **overrides):
     settings = Settings(
         data_dir=tmp_path / "data", preset="tiny", device="cpu", poll_after_ms=50, **overrides
     )
-    return TestClient(build_app(settings))
+    return TestClient(torch_app(settings))
 
 
 def wait(client, video_id, timeout=120.0):
@@ -53,12 +57,12 @@ def test_streamed_serving_equals_resident_and_counts_h2d_bytes(tmp_path):
             if line.startswith("megaslide_h2d_bytes_total")
         )
     )
-    pipe = VideoPipeline.from_preset("tiny")
+    pipe = open_pipeline(resolve_source(preset="tiny"))
     block_bytes = sum(p.numel() * p.element_size() for p in pipe.dit.blocks.parameters())
     # Two steps, each moving every block once (no budget: nothing stays resident).
     assert h2d >= 2 * block_bytes, (h2d, block_bytes)
     local = pipe.generate(
-        GenerationRequest(prompt="streamed", frames=4, height=32, width=32, steps=2, seed=3)
+        VideoRequest(prompt="streamed", frames=4, height=32, width=32, steps=2, seed=3)
     )
     from megaslide.engine.video import write_mp4
 
@@ -67,7 +71,7 @@ def test_streamed_serving_equals_resident_and_counts_h2d_bytes(tmp_path):
 
 
 def test_cuda_out_of_memory_fails_only_its_job(tmp_path, monkeypatch):
-    real_step = VideoPipeline.denoise_step
+    real_step = DiTPipeline.step
 
     def step(self, states):
         # A 64x64 clip stands for a request too big for the device.
@@ -75,7 +79,7 @@ def test_cuda_out_of_memory_fails_only_its_job(tmp_path, monkeypatch):
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 96.00 GiB")
         return real_step(self, states)
 
-    monkeypatch.setattr(VideoPipeline, "denoise_step", step)
+    monkeypatch.setattr(DiTPipeline, "step", step)
     with serve(tmp_path) as c:
         big = c.post("/v1/videos", json={"prompt": "big", **CLIP, "size": "64x64"}).json()
         small = c.post("/v1/videos", json={"prompt": "small", **CLIP}).json()

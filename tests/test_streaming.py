@@ -10,13 +10,8 @@ from safetensors.torch import save_file
 from torch import nn
 
 from megaslide.engine import streaming
-from megaslide.engine.streaming import (
-    ALIGN_BYTES,
-    HostBlockStore,
-    layout_nbytes,
-    plan_residency,
-    stream_module,
-)
+from megaslide.engine.host_store import ALIGN_BYTES, HostBlockStore, collect_tensors, layout_nbytes
+from megaslide.engine.streaming import plan_residency, stream_module
 
 # ------------------------------------------------------------------------------------------------
 # Two toy modules with different block structures
@@ -157,11 +152,11 @@ def test_block_tensors_live_in_the_host_store_and_keep_identity():
         assert blk.proj_t.stride() == (1, 12)  # the stored layout is kept
 
 
-def test_host_block_store_from_module_repoints_and_fills():
+def test_host_block_store_adopts_repoints_and_fills():
     torch.manual_seed(0)
     block = CondBlock(6, 10)
     before = snapshot(block)
-    store = HostBlockStore.from_module(block)
+    store = HostBlockStore.adopt(collect_tensors(block))
     assert all(e.offset % ALIGN_BYTES == 0 for e in store.entries)
     assert store.nbytes == layout_nbytes(block)
     for name, value in snapshot(block).items():

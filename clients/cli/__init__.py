@@ -1,3 +1,1 @@
-"""MegaSlide: serve and fine-tune very large video diffusion transformers on one workstation."""
-
-__version__ = "0.1.0"
+"""The `megaslide` command line (`main.py`); `remote.py` runs its commands on a server."""

@@ -8,26 +8,17 @@ import sys
 import time
 from pathlib import Path
 
-from .cli import UsageError, add_model_args, parse_bytes, parse_size, print_json
+from megaslide.engine.config import TIME_SAMPLING
 
-
-def load_pipeline(args, **overrides):
-    """The pipeline named by --model/--preset (default: the packaged model, else the tiny preset)."""
-    import torch
-
-    from megaslide.engine.models import default_model_source, resolve_model_path
-    from megaslide.engine.pipeline import VideoPipeline
-
-    device = getattr(args, "device", "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda: no CUDA device is available")
-    if args.preset:
-        return VideoPipeline.from_preset(args.preset, device=device, **overrides)
-    kind, source = ("model", args.model) if args.model else default_model_source()
-    if kind == "preset":
-        return VideoPipeline.from_preset(source, device=device, **overrides)
-    return VideoPipeline.from_pretrained(resolve_model_path(source), device=device, **overrides)
-
+from .args import (
+    UsageError,
+    add_model_args,
+    check_positive,
+    model_source,
+    parse_bytes,
+    print_json,
+    progress_bar,
+)
 
 # ---------------------------------------------------------------------------------------------
 # generate
@@ -71,102 +62,69 @@ def register_generate(sub) -> None:
 
 
 def run_generate(args) -> int:
-    if not args.prompt.strip():
-        raise UsageError("the prompt is empty")
-    width, height = parse_size(args.size) if args.size else (None, None)
-    for flag, value in (("--steps", args.steps), ("--frames", args.frames), ("--fps", args.fps)):
-        if value is not None and value < 1:
-            raise UsageError(f"{flag} must be at least 1, got {value}")
+    from megaslide.engine.request import VideoRequest, parse_size, resolve
+    from megaslide.engine.sources import describe
+
+    width, height = parse_size(args.size, "--size") if args.size else (None, None)
+    check_positive(steps=args.steps, frames=args.frames, fps=args.fps)
     if not args.output.lower().endswith(".mp4"):
         raise UsageError(f"--output must be an .mp4 file, got {args.output}")
     out_dir = Path(args.output).resolve().parent
     if not out_dir.is_dir():
         raise UsageError(f"--output: directory {out_dir} does not exist")
+    request = VideoRequest(
+        prompt=args.prompt,
+        negative_prompt=args.negative_prompt,
+        frames=args.frames,
+        width=width,
+        height=height,
+        fps=args.fps,
+        steps=args.steps,
+        guidance=args.guidance,
+        seed=args.seed,
+    )
     if args.server:
         from .remote import generate_remote
 
-        return generate_remote(args, width=width, height=height)
+        return generate_remote(args, request)
     if (args.gpu_budget or args.stats or args.trace) and args.offload != "stream":
         raise UsageError("--gpu-budget, --stats and --trace need --offload stream")
-    from megaslide.engine.pipeline import GenerationRequest
-
     overrides = {"attention": args.attention} if args.attention else {}
-    pipe = load_pipeline(args, **overrides)
-    request = pipe.resolve(
-        GenerationRequest(
-            prompt=args.prompt,
-            negative_prompt=args.negative_prompt,
-            frames=args.frames,
-            height=height,
-            width=width,
-            steps=args.steps,
-            guidance=args.guidance,
-            seed=args.seed,
-            fps=args.fps,
-        )
+    info = describe(model_source(args), **overrides)
+    video = resolve(request, info.limits, model=info.name)  # bad input fails before any load
+    from megaslide.engine.loader import open_pipeline
+
+    pipe = open_pipeline(
+        info,
+        device=args.device,
+        offload=args.offload,
+        gpu_budget_bytes=args.gpu_budget,
+        timing=bool(args.stats or args.trace),
     )
-    handle = stream_pipeline(pipe, args) if args.offload == "stream" else None
     step_times = []
-    with progress_bar(request.steps, "denoising", disable=args.no_progress) as bar:
-        state = pipe.prepare(request)
+    with progress_bar(video.steps, "denoising", disable=args.no_progress) as bar:
+        state = pipe.prepare(video)
         while not state.done:
             start = time.perf_counter()
-            pipe.denoise_step([state])
+            pipe.step([state])
             step_times.append(time.perf_counter() - start)
             bar.update(1)
     frames = pipe.finish(state)
 
     from megaslide.engine.video import write_mp4
 
-    write_mp4(args.output, frames, fps=request.fps)
-    if handle is not None:
-        write_stream_reports(handle, args, step_times)
-    print(
-        f"wrote {args.output} ({len(frames)} frames, {request.width}x{request.height}, {request.fps} fps)",
-        file=sys.stderr,
-    )
-    return 0
-
-
-def stream_pipeline(pipe, args):
-    """Stream the DiT's blocks from host RAM (the `--offload stream` mode)."""
-    from megaslide.engine.streaming import stream_module
-
-    return stream_module(
-        pipe.dit,
-        blocks=pipe.dit.blocks,
-        device=args.device,
-        gpu_budget_bytes=args.gpu_budget,
-        timing=bool(args.stats or args.trace),
-    )
-
-
-def write_stream_reports(handle, args, step_times) -> None:
+    write_mp4(args.output, frames, fps=video.fps)
+    handle = pipe.handles.get("dit")
     if args.stats:
         stats = dict(handle.stats(), step_times_s=step_times)
         Path(args.stats).write_text(json.dumps(stats, indent=2) + "\n")
     if args.trace:
         handle.write_trace(args.trace)
-
-
-class _NoBar:
-    def update(self, n=1):
-        pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-def progress_bar(total: int, desc: str, disable: bool = False):
-    """A tqdm bar on stderr, or a no-op when disabled."""
-    if disable:
-        return _NoBar()
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=desc, unit="step", file=sys.stderr, dynamic_ncols=True)
+    print(
+        f"wrote {args.output} ({len(frames)} frames, {video.width}x{video.height}, {video.fps} fps)",
+        file=sys.stderr,
+    )
+    return 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -181,23 +139,26 @@ def register_info(sub) -> None:
 
 
 def run_info(args) -> int:
-    from megaslide.engine.dit import count_parameters
+    from megaslide.engine.native import count_parameters
+    from megaslide.engine.sources import describe
 
-    config = model_config(args)
-    name = args.preset or args.model or "default"
-    counts = count_parameters(config)
-    info = {
-        "name": name,
+    info = describe(model_source(args))
+    config, counts = info.config, count_parameters(info.config)
+    out = {
+        "name": info.name,
         "parameters": counts["total"],
         "parameter_counts": counts,
         "config": config.to_dict(),
+        "sampling": info.sampling.to_dict(),
+        "limits": info.limits.to_dict(),
     }
     if args.json:
-        print_json(info)
+        print_json(out)
     else:
         print(
-            f"{name}: {counts['total']:,} parameters ({counts['total'] / 1e9:.3g}B); "
-            f"{config.depth} blocks of {counts['per_block']:,}; dim {config.dim}, heads {config.heads}"
+            f"{info.name}: {counts['total']:,} parameters ({counts['total'] / 1e9:.3g}B); "
+            f"{config.depth} blocks of {counts['per_block']:,}; dim {config.dim}, "
+            f"heads {config.heads}"
         )
     return 0
 
@@ -258,16 +219,11 @@ def register_plan(sub) -> None:
 
 def run_plan(args) -> int:
     from megaslide.engine.planner import Machine, Workload, format_plan, plan
+    from megaslide.engine.request import parse_size
+    from megaslide.engine.sources import describe
 
-    config = model_config(args)
-    width, height = parse_size(args.size) if args.size else (None, None)
-    for flag, value in (
-        ("--batch", args.batch),
-        ("--prefetch", args.prefetch),
-        ("--frames", args.frames),
-    ):
-        if value is not None and value < 1:
-            raise UsageError(f"{flag} must be at least 1, got {value}")
+    width, height = parse_size(args.size, "--size") if args.size else (None, None)
+    check_positive(batch=args.batch, prefetch=args.prefetch, frames=args.frames)
     machine = Machine(
         gpu_mem=args.gpu_mem,
         host_mem=args.host_mem,
@@ -289,31 +245,13 @@ def run_plan(args) -> int:
         max_grad_norm=args.max_grad_norm,
         grad_accum=args.grad_accum,
     )
-    result = plan(config, machine, workload)
+    result = plan(describe(model_source(args)), machine, workload)
     print_json(result) if args.json else print(format_plan(result))
     return 0
 
 
-def model_config(args):
-    """The DiTConfig named by --model/--preset, read without loading any weights."""
-    from megaslide.engine.checkpoint import read_config
-    from megaslide.engine.dit import get_preset
-    from megaslide.engine.models import default_model_source, resolve_model_path
-
-    if args.preset:
-        return get_preset(args.preset)
-    kind, source = ("model", args.model) if args.model else default_model_source()
-    return get_preset(source) if kind == "preset" else read_config(resolve_model_path(source))[0]
-
-
 # ---------------------------------------------------------------------------------------------
 # finetune
-
-
-# engine.flow.TIME_SAMPLING, spelled out so that building the parser does not import torch (a test
-# keeps the two equal).
-_SPREAD_TIMES = ("logit-normal", "noisy", "shifted", "uniform")
-TIME_SAMPLING = (*_SPREAD_TIMES, "prior", *(f"{kind}+prior" for kind in _SPREAD_TIMES))
 
 
 def register_finetune(sub) -> None:
@@ -398,24 +336,16 @@ def run_finetune(args) -> int:
         from .remote import finetune_remote
 
         return finetune_remote(args)
-    from megaslide.engine.finetune import FinetuneConfig, Trainer
+    from megaslide.engine.finetune import FinetuneConfig, open_trainer
+    from megaslide.engine.request import parse_size
 
     if not args.output:
         raise UsageError("--output is required for a local run")
     if args.gpu_budget is not None:
         raise UsageError("--gpu-budget: fine-tuning streams every block; omit it")
-    width, height = parse_size(args.size) if args.size else (None, None)
-    model, preset = args.model, args.preset
-    if not model and not preset:
-        from megaslide.engine.models import default_model_source
-
-        kind, source = default_model_source()
-        model, preset = (source, None) if kind == "model" else (None, source)
+    width, height = parse_size(args.size, "--size") if args.size else (None, None)
     config = FinetuneConfig(
-        data=args.data,
         output=args.output,
-        model=model,
-        preset=preset,
         steps=args.steps,
         epochs=None if args.steps else (args.epochs or 1.0),
         lr=args.lr,
@@ -439,7 +369,7 @@ def run_finetune(args) -> int:
         cache_mb=args.cache_mb,
         until=args.until,
     )
-    with Trainer(config, resume=args.resume) as trainer:
+    with open_trainer(model_source(args), args.data, config, resume=args.resume) as trainer:
         if trainer.done:
             print(f"already at step {trainer.step} of {trainer.total_steps}", file=sys.stderr)
         with progress_bar(trainer.total_steps, "fine-tuning", disable=args.no_progress) as bar:
@@ -453,10 +383,11 @@ def run_finetune(args) -> int:
             last = trainer.run(report)
         if last is not None and trainer.step % args.save_every:
             trainer.save_checkpoint()  # the end of the run is always a checkpoint
-        if args.stats and trainer.engine.handle is not None:
-            Path(args.stats).write_text(json.dumps(trainer.engine.handle.stats(), indent=2) + "\n")
-        if args.trace and trainer.engine.handle is not None:
-            trainer.engine.handle.write_trace(args.trace)
+        handle = trainer.blockwise.handle
+        if args.stats and handle is not None:
+            Path(args.stats).write_text(json.dumps(handle.stats(), indent=2) + "\n")
+        if args.trace and handle is not None:
+            handle.write_trace(args.trace)
         path = trainer.export()
         if trainer.step < trainer.total_steps:
             print(
@@ -467,11 +398,9 @@ def run_finetune(args) -> int:
     return 0
 
 
-def register_all(sub: argparse._SubParsersAction) -> None:
-    from . import serve_cmd
-
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add the local commands: generate, info, plan and finetune."""
     register_generate(sub)
     register_info(sub)
     register_plan(sub)
     register_finetune(sub)
-    serve_cmd.register(sub)

@@ -13,7 +13,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from .cli import UsageError
+from .args import UsageError
 
 # Options of local generation that mean nothing to a server, with their defaults: giving one
 # together with --server is a mistake we name rather than silently ignore.
@@ -85,12 +85,12 @@ def _check_local_only(args, options: dict) -> None:
             )
 
 
-def generate_remote(args, width: int | None, height: int | None) -> int:
-    """Generate on the server at `args.server` and write the MP4 to `args.output`.
+def generate_remote(args, request) -> int:
+    """Generate `request` (a `VideoRequest`) on the server at `args.server` and write the MP4 to
+    `args.output`; the server resolves the request against its model.
 
-    Reads from `args`: prompt, output, model / preset (the server's model name), steps, seed,
-    frames, fps, guidance, negative_prompt, server, api_key, no_progress. Ctrl-C cancels the job on
-    the server, since nobody is left to fetch its result.
+    Reads from `args`: output, model / preset (the server's model name), server, api_key,
+    no_progress. Ctrl-C cancels the job on the server, since nobody is left to fetch its result.
     """
     _check_local_only(args, LOCAL_ONLY_GENERATE)
     sdk = _sdk()
@@ -98,15 +98,15 @@ def generate_remote(args, width: int | None, height: int | None) -> int:
     with client:
         try:
             video = client.videos.create(
-                prompt=args.prompt,
+                prompt=request.prompt,
                 model=args.model or args.preset,
-                size=f"{width}x{height}" if width else None,
-                num_frames=args.frames,
-                fps=args.fps,
-                num_inference_steps=args.steps,
-                guidance_scale=args.guidance,
-                negative_prompt=args.negative_prompt or None,
-                seed=args.seed,
+                size=f"{request.width}x{request.height}" if request.width else None,
+                num_frames=request.frames,
+                fps=request.fps,
+                num_inference_steps=request.steps,
+                guidance_scale=request.guidance,
+                negative_prompt=request.negative_prompt or None,
+                seed=request.seed,
             )
             print(
                 f"video {video.id} queued on {client.base_url} (model {video.model}, {video.size}, "

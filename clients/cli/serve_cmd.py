@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from .cli import UsageError, parse_bytes
+from .args import UsageError, parse_bytes
 
 
 def register(sub) -> None:
@@ -66,7 +66,8 @@ def run_serve(args) -> int:
         from pydantic import ValidationError
 
         from megaslide.server import Settings, build_app
-        from megaslide.server.runners import TorchBackend
+        from megaslide.server.torch_backend import TorchBackend
+        from megaslide.server.worker import EmbeddedWorker
     except ImportError as e:
         raise UsageError(
             f"serve needs the server extras ({e.name} is missing): pip install 'megaslide[server]'"
@@ -105,8 +106,10 @@ def run_serve(args) -> int:
     if settings.gpu_budget is not None and settings.offload != "stream":
         raise UsageError("--gpu-budget needs --offload stream")
 
-    # Name a bad --model/--preset now, in one line, rather than as a traceback from the app's start-up.
-    names = [card.name for card in TorchBackend(settings).cards()]
+    # Built once, here: a bad --model/--preset or --device is named now, in one line, rather than
+    # as a traceback from the app's start-up.
+    backend = TorchBackend(settings)
+    names = [card.name for card in backend.cards()]
     auth = f"{len(settings.api_keys)} API key(s)" if settings.api_keys else "no authentication"
     print(
         f"megaslide serve: {', '.join(names)} on http://{settings.host}:{settings.port} "
@@ -114,6 +117,9 @@ def run_serve(args) -> int:
         file=sys.stderr,
     )
     uvicorn.run(
-        build_app(settings), host=settings.host, port=settings.port, log_level=args.log_level
+        build_app(settings, EmbeddedWorker(settings, backend)),
+        host=settings.host,
+        port=settings.port,
+        log_level=args.log_level,
     )
     return 0

@@ -12,9 +12,19 @@ from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 
 from ..archives import ArchiveError, extract_archive, remove_tree
-from ..deps import EngineDep, SettingsDep, StoreDep, idempotency, new_id, replayed, request_hash
+from ..deps import (
+    DataDep,
+    SettingsDep,
+    StoreDep,
+    WorkersDep,
+    idempotency,
+    new_id,
+    replayed,
+    request_hash,
+)
 from ..errors import Conflict, InvalidRequest, NotFound, PayloadTooLarge
 from ..schemas import FileDeleted, FileObject, ListPage, file_object, page
+from ..store import AsyncStore
 
 router = APIRouter(prefix="/v1/files", tags=["files"])
 
@@ -40,7 +50,9 @@ def save_upload(src, dst: Path, max_bytes: int) -> tuple[int, str]:
 
 
 @router.post("", response_model=FileObject)
-async def create_file(request: Request, store: StoreDep, engine: EngineDep, settings: SettingsDep):
+async def create_file(
+    request: Request, store: StoreDep, workers: WorkersDep, settings: SettingsDep, data: DataDep
+):
     """Multipart `file` + `purpose=fine-tune`: a .zip or .tar(.gz) in the fine-tuning dataset layout."""
     length = request.headers.get("content-length")
     if length and length.isdigit() and int(length) > settings.max_upload_bytes + MULTIPART_SLACK:
@@ -69,20 +81,20 @@ async def create_file(request: Request, store: StoreDep, engine: EngineDep, sett
         )
 
     file_id = new_id("file-")
-    folder = Path(settings.data_dir) / "files" / file_id
+    folder = data.upload(file_id)
     try:
         size, digest = await run_in_threadpool(
             save_upload, upload.file, folder / "upload", settings.max_upload_bytes
         )
         payload = request_hash({"sha256": digest, "purpose": purpose, "filename": upload.filename})
-        prior = replayed(request, store, payload)
-        if prior is not None and (row := store.get_file(prior)) is not None:
+        prior = await replayed(request, store, payload)
+        if prior is not None and (row := await store.get_file(prior)) is not None:
             remove_tree(folder)
             return file_object(row)
         root = await run_in_threadpool(
             extract_archive, folder / "upload", folder / "data", settings.max_extracted_bytes
         )
-        clips = await run_in_threadpool(engine.check_dataset, root)
+        clips = await run_in_threadpool(workers.check_dataset, root)
     except (ArchiveError, ValueError) as e:
         remove_tree(folder)
         raise InvalidRequest(f"{upload.filename}: {e}", param="file", code="invalid_file") from None
@@ -90,7 +102,7 @@ async def create_file(request: Request, store: StoreDep, engine: EngineDep, sett
         remove_tree(folder)
         raise
     (folder / "upload").unlink()  # the unpacked copy is what training reads
-    row = store.insert_file(
+    row = await store.insert_file(
         {
             "id": file_id,
             "filename": upload.filename or "upload",
@@ -112,12 +124,12 @@ async def list_files(
     limit: int = Query(100, ge=1, le=10000),
     order: Literal["asc", "desc"] = "desc",
 ):
-    rows, has_more = store.list_files(after, limit, order, purpose)
+    rows, has_more = await store.list_files(after, limit, order, purpose)
     return page([file_object(r) for r in rows], has_more)
 
 
-def find_file(store, file_id: str) -> dict:
-    row = store.get_file(file_id)
+async def find_file(store: AsyncStore, file_id: str) -> dict:
+    row = await store.get_file(file_id)
     if row is None:
         raise NotFound(f"No such File object: {file_id}", param="file_id")
     return row
@@ -125,13 +137,13 @@ def find_file(store, file_id: str) -> dict:
 
 @router.get("/{file_id}", response_model=FileObject)
 async def retrieve_file(file_id: str, store: StoreDep):
-    return file_object(find_file(store, file_id))
+    return file_object(await find_file(store, file_id))
 
 
 @router.delete("/{file_id}", response_model=FileDeleted)
-async def delete_file(file_id: str, store: StoreDep, settings: SettingsDep):
-    find_file(store, file_id)
-    outcome = store.delete_file(file_id)
+async def delete_file(file_id: str, store: StoreDep, data: DataDep):
+    await find_file(store, file_id)
+    outcome = await store.delete_file(file_id)
     if outcome == "in_use":
         raise Conflict(
             f"file {file_id} is the training file of a queued or running fine-tuning job; "
@@ -141,6 +153,5 @@ async def delete_file(file_id: str, store: StoreDep, settings: SettingsDep):
         )
     if outcome == "missing":
         raise NotFound(f"No such File object: {file_id}", param="file_id")
-    folder = Path(settings.data_dir) / "files" / file_id
-    await run_in_threadpool(shutil.rmtree, folder, True)
+    await run_in_threadpool(shutil.rmtree, data.upload(file_id), True)
     return FileDeleted(id=file_id, deleted=True)

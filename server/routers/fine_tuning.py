@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import secrets
-from pathlib import Path
 
 from fastapi import APIRouter, Query, Request
 
+from megaslide.engine.request import RANDOM_SEED_BITS, RequestError, parse_size
+
 from ..deps import (
-    EngineDep,
+    DataDep,
     SettingsDep,
     StoreDep,
+    WorkersDep,
     admit,
     idempotency,
     new_id,
@@ -19,6 +21,7 @@ from ..deps import (
     wait_for,
 )
 from ..errors import InvalidRequest, NotFound
+from ..protocol import ModelCard
 from ..schemas import (
     Checkpoint,
     FineTuningEvent,
@@ -31,16 +34,46 @@ from ..schemas import (
     finetune_object,
     page,
 )
-from ..validation import resolve_hyperparameters
+from ..settings import Settings
+from ..store import AsyncStore
 
 router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"])
 
 
-def find_job(store, job_id: str) -> dict:
-    row = store.get_finetune(job_id)
+async def find_job(store: AsyncStore, job_id: str) -> dict:
+    row = await store.get_finetune(job_id)
     if row is None:
         raise NotFound(f"No fine-tuning job found with id {job_id!r}", param="fine_tuning_job_id")
     return row
+
+
+def resolve_hyperparameters(h: Hyperparameters, card: ModelCard, settings: Settings) -> dict:
+    """'auto' becomes the server's default; a training clip shape is checked against the model's
+    limits like a video's."""
+    width = height = None
+    if h.size is not None:
+        width, height = parse_size(h.size, "hyperparameters.size")
+    limits = card.limits
+    try:
+        limits.check_clip(
+            h.num_frames or limits.frames,
+            width or limits.width,
+            height or limits.height,
+            param="hyperparameters.size",
+        )
+    except RequestError as e:
+        param = "hyperparameters.num_frames" if e.param == "num_frames" else e.param
+        raise RequestError(f"training clips: {e}", param=param) from None
+    return {
+        "n_epochs": settings.finetune_epochs if h.n_epochs == "auto" else h.n_epochs,
+        "batch_size": 1 if h.batch_size == "auto" else h.batch_size,
+        "learning_rate_multiplier": 1.0
+        if h.learning_rate_multiplier == "auto"
+        else h.learning_rate_multiplier,
+        "num_frames": h.num_frames,
+        "width": width,
+        "height": height,
+    }
 
 
 @router.post("", response_model=FineTuningJob)
@@ -48,16 +81,18 @@ async def create_job(
     body: FineTuningJobCreate,
     request: Request,
     store: StoreDep,
-    engine: EngineDep,
+    workers: WorkersDep,
     settings: SettingsDep,
+    data: DataDep,
 ):
-    if engine.model(body.model) is None:
+    card = workers.model(body.model)
+    if card is None:
         raise NotFound(
             f"The model {body.model!r} does not exist; see GET /v1/models",
             param="model",
             code="model_not_found",
         )
-    file_row = store.get_file(body.training_file)
+    file_row = await store.get_file(body.training_file)
     if file_row is None:
         raise NotFound(f"No such File object: {body.training_file}", param="training_file")
     if file_row["purpose"] != "fine-tune":
@@ -84,27 +119,28 @@ async def create_job(
     hyper_in = body.hyperparameters or (
         body.method.supervised.hyperparameters if body.method else Hyperparameters()
     )
-    hyper = resolve_hyperparameters(hyper_in, settings)
+    hyper = resolve_hyperparameters(hyper_in, card, settings)
 
     payload = request_hash(body.model_dump(exclude_none=True))
-    prior = replayed(request, store, payload)
-    if prior is not None and (row := store.get_finetune(prior)) is not None:
+    prior = await replayed(request, store, payload)
+    if prior is not None and (row := await store.get_finetune(prior)) is not None:
         return finetune_object(row)
-    admit(store, engine, settings)
+    await admit(store, workers, settings)
     job_id = new_id("ftjob-")
-    row = store.insert_finetune(
+    seed = body.seed if body.seed is not None else secrets.randbelow(2**RANDOM_SEED_BITS)
+    row = await store.insert_finetune(
         {
             "id": job_id,
             "model": body.model,
             "training_file": body.training_file,
             "hyperparameters": hyper,
-            "seed": body.seed if body.seed is not None else secrets.randbelow(2**31),
+            "seed": seed,
             "suffix": body.suffix,
-            "output_dir": str(Path(settings.data_dir) / "fine_tunes" / job_id),
+            "output_dir": str(data.fine_tune(job_id)),
         },
         idempotency=idempotency(request, payload),
     )
-    engine.wake()
+    workers.wake()
     return finetune_object(row)
 
 
@@ -112,31 +148,33 @@ async def create_job(
 async def list_jobs(
     store: StoreDep, after: str | None = None, limit: int = Query(20, ge=1, le=100)
 ):
-    rows, has_more = store.list_finetunes(after, limit)
+    rows, has_more = await store.list_finetunes(after, limit)
     return page([finetune_object(r) for r in rows], has_more)
 
 
 @router.get("/{job_id}", response_model=FineTuningJob)
 async def retrieve_job(job_id: str, store: StoreDep):
-    return finetune_object(find_job(store, job_id))
+    return finetune_object(await find_job(store, job_id))
 
 
 @router.post("/{job_id}/cancel", response_model=FineTuningJob)
-async def cancel_job(job_id: str, store: StoreDep, engine: EngineDep, settings: SettingsDep):
+async def cancel_job(job_id: str, store: StoreDep, workers: WorkersDep, settings: SettingsDep):
     """Cancel a queued job now, or a running one at its next optimizer step (the answer waits for it)."""
-    row = find_job(store, job_id)
+    row = await find_job(store, job_id)
     if row["status"] in ("succeeded", "failed", "cancelled"):
         raise InvalidRequest(
             f"fine-tuning job {job_id} already {row['status']}",
             param="fine_tuning_job_id",
             code="job_not_cancellable",
         )
-    if store.cancel_finetune(job_id) == "running":
-        engine.wake()
-        await wait_for(
-            lambda: store.get_finetune(job_id)["status"] == "cancelled", settings.cancel_wait_s
-        )
-    return finetune_object(store.get_finetune(job_id))
+
+    async def cancelled() -> bool:
+        return (await store.get_finetune(job_id))["status"] == "cancelled"
+
+    if await store.cancel_finetune(job_id) == "running":
+        workers.wake()
+        await wait_for(cancelled, settings.cancel_wait_s)
+    return finetune_object(await store.get_finetune(job_id))
 
 
 @router.get("/{job_id}/events", response_model=ListPage[FineTuningEvent])
@@ -144,10 +182,10 @@ async def list_events(
     job_id: str, store: StoreDep, after: str | None = None, limit: int = Query(20, ge=1, le=1000)
 ):
     """Newest first; `after` is the id of the last event of the previous page."""
-    find_job(store, job_id)
+    await find_job(store, job_id)
     if after is not None and not after.removeprefix("ftevent-").isdigit():
         raise InvalidRequest(f"after must be an event id (ftevent-N), got {after!r}", param="after")
-    rows, has_more = store.finetune_events(job_id, after, limit)
+    rows, has_more = await store.finetune_events(job_id, after, limit)
     return page([event_object(r) for r in rows], has_more)
 
 
@@ -155,6 +193,6 @@ async def list_events(
 async def list_checkpoints(
     job_id: str, store: StoreDep, after: str | None = None, limit: int = Query(10, ge=1, le=100)
 ):
-    job = find_job(store, job_id)
-    rows, has_more = store.checkpoints(job_id, after, limit)
+    job = await find_job(store, job_id)
+    rows, has_more = await store.checkpoints(job_id, after, limit)
     return page([checkpoint_object(r, job) for r in rows], has_more)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends
 from fastapi.responses import PlainTextResponse
 
-from ..deps import EngineDep, StoreDep, require_api_key
+from ..deps import StoreDep, WorkersDep, require_api_key
 from ..errors import EngineDead, NotReady
 from ..metrics import Gauge, render
 
@@ -15,30 +15,30 @@ PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 
 
 @router.get("/healthz")
-async def healthz(engine: EngineDep):
-    if engine.dead:
-        raise EngineDead(f"the engine stopped: {engine.dead}")
+async def healthz(workers: WorkersDep):
+    if workers.dead:
+        raise EngineDead(f"the worker stopped: {workers.dead}")
     return {"status": "ok"}
 
 
 @router.get("/readyz")
-async def readyz(engine: EngineDep):
-    if engine.dead:
-        raise EngineDead(f"the engine stopped: {engine.dead}")
-    if not engine.ready:
+async def readyz(workers: WorkersDep):
+    if workers.dead:
+        raise EngineDead(f"the worker stopped: {workers.dead}")
+    if not workers.ready:
         raise NotReady("the models are still loading")
-    return {"status": "ready", "models": [card.name for card in engine.models()]}
+    return {"status": "ready", "models": [card.name for card in workers.models()]}
 
 
 @router.get("/metrics", response_class=PlainTextResponse, dependencies=[Depends(require_api_key)])
-async def metrics(engine: EngineDep, store: StoreDep):
+async def metrics(workers: WorkersDep, store: StoreDep):
     # Gauges about jobs are read from the store at scrape time, so they always agree with the API.
     depth = Gauge("megaslide_queue_depth", "Jobs waiting for the worker (videos and fine-tunes)")
-    depth.set(store.queue_depth())
+    depth.set(await store.queue_depth())
     jobs = Gauge("megaslide_jobs", "Jobs in the store by kind and state")
-    for (kind, state), n in sorted(store.counts_by_state().items()):
+    for (kind, state), n in sorted((await store.counts_by_state()).items()):
         jobs.set(n, kind=kind, state=state)
     ready = Gauge("megaslide_ready", "1 once the models are loaded and the worker runs")
-    ready.set(1 if engine.ready else 0)
-    body = render([depth, jobs, ready, *engine.metrics.all()])
+    ready.set(1 if workers.ready else 0)
+    body = render([depth, jobs, ready, *workers.metrics.all()])
     return PlainTextResponse(body, media_type=PROMETHEUS_TEXT)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from ..deps import EngineDep
+from ..deps import WorkersDep
 from ..errors import NotFound
 from ..schemas import ListPage, Model, model_object
 
@@ -12,13 +12,13 @@ router = APIRouter(prefix="/v1/models", tags=["models"])
 
 
 @router.get("", response_model=ListPage[Model])
-async def list_models(engine: EngineDep):
-    return {"data": [model_object(card) for card in engine.models()]}
+async def list_models(workers: WorkersDep):
+    return {"data": [model_object(card) for card in workers.models()]}
 
 
 @router.get("/{model_id}", response_model=Model)
-async def retrieve_model(model_id: str, engine: EngineDep):
-    card = engine.model(model_id)
+async def retrieve_model(model_id: str, workers: WorkersDep):
+    card = workers.model(model_id)
     if card is None:
         raise NotFound(
             f"The model {model_id!r} does not exist", param="model", code="model_not_found"

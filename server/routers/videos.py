@@ -12,10 +12,13 @@ from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 from starlette.datastructures import UploadFile
 
+from megaslide.engine.request import resolve
+
 from ..deps import (
-    EngineDep,
+    DataDep,
     SettingsDep,
     StoreDep,
+    WorkersDep,
     admit,
     idempotency,
     new_id,
@@ -26,9 +29,7 @@ from ..deps import (
 from ..errors import InvalidRequest, NotFound, invalid_request
 from ..ranges import file_response
 from ..schemas import ListPage, Video, VideoCreate, VideoDeleted, page, video_object
-from ..store import VIDEO_TERMINAL, JobStore, now
-from ..validation import resolve_video
-from ..worker import video_paths
+from ..store import VIDEO_TERMINAL, AsyncStore, now
 
 router = APIRouter(prefix="/v1/videos", tags=["videos"])
 
@@ -62,8 +63,8 @@ async def read_create_body(request: Request) -> VideoCreate:
         raise invalid_request(e) from None
 
 
-def find_video(store: JobStore, video_id: str) -> dict:
-    row = store.get_video(video_id)
+async def find_video(store: AsyncStore, video_id: str) -> dict:
+    row = await store.get_video(video_id)
     if row is None:
         raise NotFound(f"No video found with id {video_id!r}", param="video_id")
     return row
@@ -88,32 +89,41 @@ CREATE_BODY_DOC = {
 
 @router.post("", response_model=Video, openapi_extra=CREATE_BODY_DOC)
 async def create_video(
-    request: Request, response: Response, store: StoreDep, engine: EngineDep, settings: SettingsDep
+    request: Request,
+    response: Response,
+    store: StoreDep,
+    workers: WorkersDep,
+    settings: SettingsDep,
 ):
     body = await read_create_body(request)
-    name = body.model or engine.models()[0].name
-    card = engine.model(name)
+    name = body.model or workers.models()[0].name
+    card = workers.model(name)
     if card is None:
         raise NotFound(
             f"The model {name!r} does not exist; see GET /v1/models",
             param="model",
             code="model_not_found",
         )
-    spec = resolve_video(body, card, settings)
-    try:
-        engine.check_video(spec)
-    except ValueError as e:
-        raise InvalidRequest(str(e)) from None
+    video = resolve(
+        body.to_request(),
+        card.limits,
+        model=card.name,
+        max_steps=settings.max_steps,
+        max_prompt_chars=settings.max_prompt_chars,
+    )
     payload = request_hash(body.model_dump(exclude_none=True))
-    prior = replayed(request, store, payload)
-    if prior is not None and (row := store.get_video(prior)) is not None:
+    prior = await replayed(request, store, payload)
+    if prior is not None and (row := await store.get_video(prior)) is not None:
         poll_hint(response, row, settings)
         return video_object(row)
-    admit(store, engine, settings)
-    row = store.insert_video(
-        new_id("video_"), spec.to_dict(), idempotency=idempotency(request, payload)
+    await admit(store, workers, settings)
+    row = await store.insert_video(
+        new_id("video_"),
+        video.to_dict(),
+        priority=body.priority,
+        idempotency=idempotency(request, payload),
     )
-    engine.wake()
+    workers.wake()
     poll_hint(response, row, settings)
     return video_object(row)
 
@@ -125,38 +135,42 @@ async def list_videos(
     limit: int = Query(20, ge=1, le=100),
     order: Literal["asc", "desc"] = "desc",
 ):
-    rows, has_more = store.list_videos(after, limit, order)
+    rows, has_more = await store.list_videos(after, limit, order)
     return page([video_object(r) for r in rows], has_more)
 
 
 @router.get("/{video_id}", response_model=Video)
 async def retrieve_video(video_id: str, response: Response, store: StoreDep, settings: SettingsDep):
-    row = find_video(store, video_id)
+    row = await find_video(store, video_id)
     poll_hint(response, row, settings)
     return video_object(row)
 
 
 @router.delete("/{video_id}", response_model=VideoDeleted)
-async def delete_video(video_id: str, store: StoreDep, engine: EngineDep, settings: SettingsDep):
+async def delete_video(
+    video_id: str, store: StoreDep, workers: WorkersDep, settings: SettingsDep, data: DataDep
+):
     """Cancel a queued or running video, or delete a finished one with its files.
 
     A running video stops at its next step boundary; the answer waits (up to `cancel_wait_s`) until
     the worker has stopped it, so `deleted: true` means no more steps run for it. The record stays,
     as `cancelled`, for pollers; a second DELETE removes it.
     """
-    row = find_video(store, video_id)
+    row = await find_video(store, video_id)
     if row["status"] in VIDEO_TERMINAL:
-        store.delete_video(video_id)
-        for path in video_paths(settings.data_dir, video_id):
+        await store.delete_video(video_id)
+        for path in data.video(video_id):
             path.unlink(missing_ok=True)
         return VideoDeleted(id=video_id, deleted=True, status="deleted")
-    status = store.cancel_video(video_id)
-    engine.wake()
+    status = await store.cancel_video(video_id)
+    workers.wake()
+
+    async def stopped() -> bool:
+        return (await store.get_video(video_id))["status"] != "in_progress"
+
     if status == "in_progress":
-        await wait_for(
-            lambda: store.get_video(video_id)["status"] != "in_progress", settings.cancel_wait_s
-        )
-    status = store.get_video(video_id)["status"]
+        await wait_for(stopped, settings.cancel_wait_s)
+    status = (await store.get_video(video_id))["status"]
     return VideoDeleted(id=video_id, deleted=status != "in_progress", status=status)
 
 
@@ -165,11 +179,11 @@ async def video_content(
     video_id: str,
     request: Request,
     store: StoreDep,
-    settings: SettingsDep,
+    data: DataDep,
     variant: Literal["video", "thumbnail"] = "video",
 ):
     """The MP4 (with Range support) or the first frame as a PNG."""
-    row = find_video(store, video_id)
+    row = await find_video(store, video_id)
     if row["status"] != "completed":
         raise InvalidRequest(
             f"video {video_id} is {row['status']}; its content exists once it is completed",
@@ -180,7 +194,7 @@ async def video_content(
         raise NotFound(
             f"the content of video {video_id} expired", param="video_id", code="video_expired"
         )
-    mp4, png = video_paths(settings.data_dir, video_id)
+    mp4, png = data.video(video_id)
     path, media_type = (mp4, "video/mp4") if variant == "video" else (png, "image/png")
     if not path.is_file():
         raise NotFound(f"the {variant} of video {video_id} is gone from disk", param="video_id")
@@ -191,7 +205,7 @@ async def video_content(
 async def video_events(video_id: str, request: Request, store: StoreDep, settings: SettingsDep):
     """Server-Sent Events of status and progress, replayed from the start (or `Last-Event-ID`),
     ending once the video is completed, failed or cancelled."""
-    find_video(store, video_id)
+    await find_video(store, video_id)
     try:
         last = int(request.headers.get("last-event-id") or 0)
     except ValueError:
@@ -203,27 +217,26 @@ async def video_events(video_id: str, request: Request, store: StoreDep, setting
     )
 
 
-async def _sse(store: JobStore, video_id: str, last: int, request: Request, interval_s: float):
+async def _sse(store: AsyncStore, video_id: str, last: int, request: Request, interval_s: float):
     quiet_since = time.monotonic()
     while True:
-        events = store.events_after(video_id, last)
+        events = await store.events_after(video_id, last)
         for event in events:
             last = event["seq"]
             data = json.loads(event["data"] or "{}")
             terminal = data.get("status") in VIDEO_TERMINAL
-            row = store.get_video(video_id) if terminal else None
-            body = (
-                video_object(row).model_dump()
-                if row
-                else {"id": video_id, "object": "video", **data}
-            )
+            row = await store.get_video(video_id) if terminal else None
+            if row is not None:
+                body = video_object(row).model_dump()
+            else:
+                body = {"id": video_id, "object": "video", **data}
             yield f"id: {last}\nevent: {event['type']}\ndata: {json.dumps(body)}\n\n"
             if terminal:
                 return
         if events:
             quiet_since = time.monotonic()
         else:
-            row = store.get_video(video_id)
+            row = await store.get_video(video_id)
             if row is None or row["status"] in VIDEO_TERMINAL:
                 return  # deleted, or the client resumed after the terminal event
             if time.monotonic() - quiet_since > SSE_KEEPALIVE_S:

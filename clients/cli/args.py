@@ -1,0 +1,74 @@
+"""What every `megaslide` command shares: the usage error, argument parsers, the model flags."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+class UsageError(Exception):
+    """Bad input from the user: printed as one line, exit status 2."""
+
+
+def parse_bytes(text: str) -> int:
+    """'20GB', '1.5TB', '512MiB' or a plain number of bytes -> bytes."""
+    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+    units |= {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+    s = text.strip().lower()
+    num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = s[len(num) :].strip()
+    try:
+        value = float(num)
+    except ValueError:
+        raise UsageError(f"cannot read a size from {text!r} (expected e.g. 20GB)") from None
+    if unit not in units or value < 0:
+        known = ", ".join(u for u in units if u)
+        raise UsageError(f"cannot read a size from {text!r} (units: {known})")
+    return int(value * units[unit])
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group()
+    src.add_argument(
+        "--model", help="model directory or packaged model name (default: the packaged model)"
+    )
+    src.add_argument("--preset", help="random weights of a named preset (for tests and benchmarks)")
+
+
+def model_source(args):
+    """The `ModelSource` that --model/--preset name (the packaged default when neither)."""
+    from megaslide.engine.sources import resolve_source
+
+    return resolve_source(args.model, preset=args.preset)
+
+
+def check_positive(**values: int | None) -> None:
+    """UsageError naming the first flag (given by its dest name) below 1."""
+    for dest, value in values.items():
+        if value is not None and value < 1:
+            raise UsageError(f"--{dest.replace('_', '-')} must be at least 1, got {value}")
+
+
+def print_json(obj) -> None:
+    print(json.dumps(obj, indent=2))
+
+
+class _NoBar:
+    def update(self, n=1):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def progress_bar(total: int, desc: str, disable: bool = False):
+    """A tqdm bar on stderr, or a no-op when disabled."""
+    if disable:
+        return _NoBar()
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="step", file=sys.stderr, dynamic_ncols=True)

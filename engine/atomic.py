@@ -1,0 +1,102 @@
+"""Write a file or a directory so that it appears whole or not at all, even across a power cut.
+
+Everything is written under a temporary name beside the target, flushed to disk (fsync), renamed
+into place (atomic on POSIX) and the rename itself made durable (fsync of the parent directory).
+A failure removes the temporary file or directory at once. Temporary names start with a dot and
+end in `.tmp`, so a reader listing the directory can tell them apart and a clean-up can find what
+a killed process left.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+TMP_SUFFIX = ".tmp"
+FILE_MODE = 0o644  # outputs are world-readable like any other file (mkstemp makes them 0600)
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Make a rename into (or out of) `path` durable, not just the files' contents."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    for folder, _, files in os.walk(root):
+        for name in files:
+            with open(os.path.join(folder, name), "rb") as f:
+                os.fsync(f.fileno())
+        fsync_dir(folder)
+
+
+def atomic_write(path: str | os.PathLike, write: Callable[[Path], object]) -> Path:
+    """Call `write(tmp)` to fill a temporary file, then publish it at `path`."""
+    path = Path(path)
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=TMP_SUFFIX)
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        write(tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())  # the data must be on disk before the rename makes it visible
+        os.chmod(tmp, FILE_MODE)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+    return path
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
+    return atomic_write(path, lambda tmp: tmp.write_bytes(data))
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
+    return atomic_write(path, lambda tmp: tmp.write_text(text))
+
+
+@contextlib.contextmanager
+def atomic_directory(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield an empty temporary directory; on a clean exit it replaces `path` whole."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=TMP_SUFFIX))
+    try:
+        yield tmp
+        _fsync_tree(tmp)
+        tmp.chmod(0o755)
+        if path.exists():
+            # Replacing a directory takes two renames; between them the old copy sits under a
+            # temporary name, so a crash there leaves no half-written directory at `path`.
+            old = path.with_name(f".{path.name}.old{TMP_SUFFIX}")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(path, old)
+            os.replace(tmp, path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def remove_stale(folder: str | os.PathLike) -> None:
+    """Delete the temporary files and directories a killed process left in `folder`."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return
+    for item in folder.glob(f".*{TMP_SUFFIX}"):
+        if item.is_dir():
+            shutil.rmtree(item, ignore_errors=True)
+        else:
+            item.unlink(missing_ok=True)

@@ -1,0 +1,207 @@
+"""The one way to open a model: build on the meta device, fill the weights once, place them once.
+
+`open_pipeline(source, device=..., offload=...)` is what the CLI, the server, the benchmarks and
+the scripts call (gpt-fast's `_load_model`, vLLM's one model loader). It
+
+1. resolves the source once (a `--model` value, a preset, or the packaged default; sources.py)
+   and reads its config;
+2. has the model's family build its modules on the meta device (no memory, any size);
+3. places and fills each module once, tensor by tensor:
+   - streamed (`offload="stream"`): the blocks' tensors go straight into the streamer's host store,
+     from the safetensors files (memory-mapped) or, for a preset, drawn block by block; only the
+     tensors outside the blocks are put on the device. Peak host RAM is about one copy of the
+     weights in the compute dtype;
+   - resident (`offload="none"`): the module gets device storage and is filled in place.
+
+A preset's random weights are drawn on the CPU in fp32, part by part in construction order
+(initialization.py), then cast: the same seed gives the same weights on every device, in every
+mode, as constructing the model eagerly would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .family import Component, family
+from .host_store import SafetensorsFile
+from .initialization import init_module, init_parts
+from .pipeline import Pipeline
+from .sources import ModelInfo, ModelSource, describe, resolve_source
+from .streaming import StreamHandle, stream_module
+
+OFFLOAD_MODES = ("none", "stream")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    """`"auto"`: CUDA when available, else the CPU. ValueError for a device that is not there."""
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device}: no CUDA device is available")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {device} is not supported: use cpu or cuda")
+    return device
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """`"auto"`: bfloat16 on CUDA, float32 on the CPU (where bf16 matmuls are slow)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    try:
+        return DTYPES[dtype]
+    except KeyError:
+        raise ValueError(
+            f"dtype must be auto or one of {', '.join(DTYPES)}, got {dtype!r}"
+        ) from None
+
+
+Source = ModelInfo | ModelSource | str | Path | None
+
+
+def as_source(source: Source) -> ModelSource:
+    """A `ModelSource` from any way of naming a model (see `sources.resolve_source`)."""
+    if isinstance(source, ModelInfo):
+        return source.source
+    return source if isinstance(source, ModelSource) else resolve_source(source)
+
+
+def open_pipeline(
+    source: Source = None,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: str | torch.dtype = "auto",
+    offload: str = "none",
+    gpu_budget_bytes: int | None = None,
+    prefetch: int = 2,
+    timing: bool = False,
+    **overrides,
+) -> Pipeline:
+    """A model opened for sampling.
+
+    `source`: a described model (`ModelInfo`), a `ModelSource`, a model directory or packaged
+    model name, or None for the packaged default. `offload="stream"` keeps block weights in host RAM and streams them each step
+    (`gpu_budget_bytes` keeps as many blocks resident as fit); `timing` records per-block copy
+    and compute times for the streamer's stats and trace. `overrides` replace architecture fields
+    that leave the weights alone (`attention="dsa"`).
+    """
+    if isinstance(source, ModelInfo) and not overrides:
+        info = source
+    else:
+        info = describe(as_source(source), **overrides)
+    parts, handles = open_model(
+        info,
+        device=device,
+        dtype=dtype,
+        offload=offload,
+        gpu_budget_bytes=gpu_budget_bytes,
+        prefetch=prefetch,
+        timing=timing,
+    )
+    for module in parts.values():
+        module.eval()
+    return family(info.family).pipeline(info, parts, handles)
+
+
+def open_model(
+    info: ModelInfo,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: str | torch.dtype = "auto",
+    offload: str = "none",
+    gpu_budget_bytes: int | None = None,
+    prefetch: int = 2,
+    timing: bool = False,
+) -> tuple[dict[str, nn.Module], dict[str, StreamHandle]]:
+    """The modules of a described model, built on meta, filled and placed: `(modules by name,
+    stream handles of the streamed ones)`. Fine-tuning opens its model here in fp32."""
+    if offload not in OFFLOAD_MODES:
+        raise ValueError(f"offload must be one of {OFFLOAD_MODES}, got {offload!r}")
+    if gpu_budget_bytes is not None and offload != "stream":
+        raise ValueError("gpu_budget_bytes needs offload='stream'")
+    device = resolve_device(device)
+    dtype = resolve_dtype(dtype, device)
+    components = family(info.family).components(info)
+    handles: dict[str, StreamHandle] = {}
+    seeded = any(not c.files for c in components)
+    with _seeded(info.source.seed) if seeded else contextlib.nullcontext():
+        for c in components:
+            # A meta twin to draw a preset's random weights in, one part at a time.
+            template = copy.deepcopy(c.module) if not c.files else None
+            _cast_floating(c.module, dtype)  # on meta: costs nothing
+            if offload == "stream" and c.blocks is not None:
+                handle = stream_module(
+                    c.module,
+                    c.blocks,
+                    device,
+                    gpu_budget_bytes=gpu_budget_bytes,
+                    prefetch=prefetch,
+                    timing=timing,
+                )
+                fill = handle.load_weights
+                handles[c.name] = handle
+            else:
+                c.module.to_empty(device=device)
+                fill = functools.partial(fill_module, c.module)
+            if c.files:
+                fill(SafetensorsFile(c.files))
+            else:
+                for state in _random_parts(template, c):
+                    fill(state, strict=False)
+    return {c.name: c.module for c in components}, handles
+
+
+@contextlib.contextmanager
+def _seeded(seed: int):
+    """The global CPU generator seeded for a preset's weights, and restored afterwards."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
+
+
+def _cast_floating(module: nn.Module, dtype: torch.dtype) -> None:
+    module.to(dtype=dtype)  # nn.Module.to casts floating tensors only
+
+
+def _random_parts(template: nn.Module, c: Component) -> Iterator[dict[str, torch.Tensor]]:
+    """A preset's random weights for component `c`, part by part in construction order: each part
+    gets CPU storage, is drawn in fp32, handed out as a state dict, and freed."""
+    blocks = None
+    if c.blocks is not None:
+        name = next(n for n, m in c.module.named_modules() if m is c.blocks)
+        blocks = template.get_submodule(name)
+    for prefix, part in init_parts(template, blocks):
+        part.to_empty(device="cpu")
+        init_module(part)
+        yield {(f"{prefix}.{k}" if prefix else k): v for k, v in part.state_dict().items()}
+        part.to_empty(device="meta")  # free the part before drawing the next
+
+
+def fill_module(module: nn.Module, source: Mapping[str, torch.Tensor], *, strict: bool = True):
+    """Copy tensors named as in `module.state_dict()` from `source` (a lazy mapping is read one
+    tensor at a time) into the module's own storage, casting dtypes. With `strict`, every
+    persistent tensor must be in `source` and every key of `source` must name one."""
+    targets = module.state_dict(keep_vars=True)
+    keys = set(source)
+    if strict:
+        missing, unexpected = sorted(targets.keys() - keys), sorted(keys - targets.keys())
+        if missing or unexpected:
+            raise KeyError(f"weights: missing {missing[:8]}, unexpected {unexpected[:8]}")
+    with torch.no_grad():
+        for name in targets.keys() & keys:
+            src, dst = source[name], targets[name]
+            if tuple(src.shape) != tuple(dst.shape):
+                raise ValueError(
+                    f"{name!r}: checkpoint shape {tuple(src.shape)} != {tuple(dst.shape)}"
+                )
+            dst.copy_(src)

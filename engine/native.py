@@ -1,0 +1,100 @@
+"""MegaSlide's own DiT as a model family: its modules, its weights' files, its sampling pipeline.
+
+A model is two modules, the DiT (`dit`, whose `blocks` stream) and the built-in text encoder
+(`text_encoder`), and an autoencoder between pixels and latents (identity: pixel space). A model
+directory holds their weights in `model.safetensors` and `text_encoder.safetensors` (see
+checkpoint.py); a preset's random weights are drawn as constructing `VideoDiT` and then
+`BuiltinTextEncoder` on the CPU after `torch.manual_seed(seed)` draws them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from .autoencoder import build_autoencoder
+from .checkpoint import MODEL_FILE, TEXT_FILE
+from .config import DiTConfig
+from .dit import VideoDiT
+from .family import Component, Family
+from .flow import SampleState, denoise_step, shifted_schedule
+from .pipeline import Pipeline
+from .request import ResolvedVideo
+from .sources import ModelInfo
+from .streaming import StreamHandle
+from .text import BuiltinTextEncoder
+from .video import float_to_frames
+
+
+class MegaSlideFamily(Family):
+    name = "megaslide"
+
+    def components(self, info: ModelInfo) -> list[Component]:
+        with torch.device("meta"):
+            dit, text = VideoDiT(info.config), BuiltinTextEncoder(info.config.text)
+        path = info.source.path
+        files = ((path / MODEL_FILE,), (path / TEXT_FILE,)) if path is not None else ((), ())
+        return [
+            Component("dit", dit, dit.blocks, files[0]),
+            Component("text_encoder", text, None, files[1]),
+        ]
+
+    def pipeline(self, info, parts, handles) -> DiTPipeline:
+        return DiTPipeline(info, parts["dit"], parts["text_encoder"], handles)
+
+
+class DiTPipeline(Pipeline):
+    """Rectified-flow sampling of a MegaSlide DiT with classifier-free guidance."""
+
+    def __init__(
+        self,
+        info: ModelInfo,
+        dit: VideoDiT,
+        text_encoder: BuiltinTextEncoder,
+        handles: dict[str, StreamHandle],
+    ):
+        super().__init__(info, handles)
+        self.dit, self.text_encoder = dit, text_encoder
+        self.config: DiTConfig = dit.config
+        self.autoencoder = build_autoencoder(self.config.autoencoder)
+
+    @property
+    def device(self) -> torch.device:
+        return self.text_encoder.embed.weight.device
+
+    def prepare(self, video: ResolvedVideo) -> SampleState:
+        prompts = [video.prompt, video.negative_prompt] if video.guidance != 1.0 else [video.prompt]
+        with torch.no_grad():
+            ctx, mask = self.text_encoder.encode(prompts)  # (1 or 2, L, text_dim)
+        shape = (1, *self.autoencoder.latent_shape(video.frames, video.height, video.width))
+        # Noise is drawn on the CPU from the request's own generator: the same seed gives the same
+        # starting point on every device and whatever else is in the batch.
+        generator = torch.Generator().manual_seed(video.seed)
+        noise = torch.randn(shape, generator=generator, dtype=torch.float32)
+        times = shifted_schedule(video.steps, self.info.sampling.shift)
+        return SampleState(noise.to(self.device), ctx, mask, times, video.guidance)
+
+    def step(self, states: list[SampleState]) -> None:
+        denoise_step(self.dit, states)
+
+    def finish(self, state: SampleState) -> np.ndarray:
+        if not state.done:
+            raise RuntimeError(f"state is at step {state.step} of {state.num_steps}")
+        with torch.no_grad():
+            pixels = self.autoencoder.decode(state.latents.float())[0]  # (3, F, H, W) in [-1, 1]
+        return float_to_frames(pixels, layout="CFHW")  # (F, H, W, 3) uint8, round and clip
+
+
+def count_parameters(config: DiTConfig) -> dict[str, int]:
+    """Exact parameter counts of a config, built on the meta device (instant at any size)."""
+    with torch.device("meta"):
+        dit, text = VideoDiT(config), BuiltinTextEncoder(config.text)
+    n_dit = _numel(dit)
+    n_block = _numel(dit.blocks[0]) if config.depth else 0
+    n_text = _numel(text)
+    return {"total": n_dit + n_text, "dit": n_dit, "per_block": n_block, "text_encoder": n_text}
+
+
+def _numel(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())

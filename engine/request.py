@@ -1,0 +1,284 @@
+"""One video request, resolved once: defaults filled from the model, every limit checked.
+
+The HTTP API, the CLI and the worker all speak `VideoRequest` (what was asked, `None` where the
+model's default should apply) and `ResolvedVideo` (every field concrete and valid for one model).
+`resolve(request, limits)` is the only place a video request is validated; its errors
+(`RequestError`) name the parameter at fault. A resolved request is stored as it is and handed to
+the model's pipeline unchanged.
+
+No torch here: a request is checked against the model's `ModelLimits`, which come from its config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass
+
+SEED_LIMIT = 2**63  # seeds are stored as signed 64-bit integers
+RANDOM_SEED_BITS = 31  # an unseeded request gets a seed below 2**31, echoed back
+
+
+class RequestError(ValueError):
+    """A request a model cannot take; `param` names the field as the request spells it."""
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.param, self.code = param, code
+
+
+def _utf8_bytes(prompt: str) -> int:
+    return len(prompt.encode("utf-8"))
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What a model accepts and what it fills in for an absent field, in pixel-space units."""
+
+    # Defaults.
+    frames: int
+    height: int
+    width: int
+    fps: int
+    steps: int
+    guidance: float
+    # Limits.
+    max_frames: int
+    max_size: int  # largest width or height
+    size_multiple: tuple[int, int]  # (height, width) must be multiples of these
+    frames_multiple: int  # frames - frames_offset must be a multiple of this
+    max_prompt_tokens: int  # in the model's own tokens
+    frames_offset: int = 0  # e.g. 1 for a causal video VAE (frames = 4k + 1)
+    prompt_unit: str = "bytes (UTF-8)"
+    count_tokens: Callable[[str], int] = _utf8_bytes
+    # The model's exact shape rule (ValueError naming the problem) beyond the fields above, e.g.
+    # 3D-DSA's tiling of the token grid.
+    check_shape: Callable[[int, int, int], None] | None = None
+
+    def to_dict(self) -> dict:
+        """The limits as the API lists them (defaults apart)."""
+        return {
+            "max_frames": self.max_frames,
+            "max_size": self.max_size,
+            "size_multiple": list(self.size_multiple),
+            "frames_multiple": self.frames_multiple,
+            "frames_offset": self.frames_offset,
+            "max_prompt_tokens": self.max_prompt_tokens,
+            "prompt_unit": self.prompt_unit,
+        }
+
+    def check_clip(self, frames: int, width: int, height: int, *, param: str = "size") -> None:
+        """Raise RequestError unless the model can make (or train on) a clip of this shape.
+
+        `param` names the field the size came from; frame errors name "num_frames".
+        """
+        mh, mw = self.size_multiple
+        if min(width, height) < 1 or max(width, height) > self.max_size:
+            raise RequestError(
+                f"size {width}x{height}: this model takes at most {self.max_size} pixels per side",
+                param=param,
+            )
+        if height % mh or width % mw:
+            raise RequestError(
+                f"size {width}x{height}: width must be a multiple of {mw} and height of {mh} "
+                "for this model",
+                param=param,
+            )
+        if not 1 <= frames <= self.max_frames:
+            raise RequestError(
+                f"num_frames ({frames}): this model takes 1 to {self.max_frames} frames",
+                param="num_frames",
+            )
+        if (frames - self.frames_offset) % self.frames_multiple:
+            rule = (
+                f"{self.frames_multiple}k + {self.frames_offset}"
+                if self.frames_offset
+                else (f"a multiple of {self.frames_multiple}")
+            )
+            raise RequestError(f"num_frames ({frames}) must be {rule}", param="num_frames")
+        if self.check_shape is not None:
+            try:
+                self.check_shape(frames, height, width)
+            except ValueError as e:
+                raise RequestError(str(e), param=param) from None
+
+    def check_prompt(self, text: str, param: str, max_chars: int | None = None) -> None:
+        if max_chars is not None and len(text) > max_chars:
+            raise RequestError(
+                f"{param} is {len(text)} characters; at most {max_chars} are accepted",
+                param=param,
+                code="prompt_too_long",
+            )
+        n = self.count_tokens(text)
+        if n > self.max_prompt_tokens:
+            raise RequestError(
+                f"{param} is {n} {self.prompt_unit}; this model takes at most "
+                f"{self.max_prompt_tokens}",
+                param=param,
+                code="prompt_too_long",
+            )
+
+
+@dataclass(frozen=True)
+class VideoRequest:
+    """A video as asked for; `None` takes the model's default (a random seed for `seed`)."""
+
+    prompt: str
+    negative_prompt: str | None = None
+    frames: int | None = None
+    seconds: float | None = None  # clip length: frames = round(seconds * fps)
+    width: int | None = None
+    height: int | None = None
+    fps: int | None = None
+    steps: int | None = None
+    guidance: float | None = None
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class ResolvedVideo:
+    """A video request with every field concrete and valid for the model it names."""
+
+    model: str
+    prompt: str
+    negative_prompt: str
+    frames: int
+    width: int
+    height: int
+    fps: int
+    steps: int
+    guidance: float
+    seed: int
+
+    @property
+    def batch_key(self) -> tuple:
+        """Requests with equal keys can share one denoising pass: same weights, latent shape and
+        schedule length."""
+        return (self.model, self.frames, self.height, self.width, self.steps)
+
+    @property
+    def seconds(self) -> float:
+        return self.frames / self.fps
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ResolvedVideo:
+        fields = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in fields})
+
+
+def parse_size(text: str, param: str = "size") -> tuple[int, int]:
+    """'WIDTHxHEIGHT' -> (width, height), both positive; RequestError naming `param` otherwise."""
+    try:
+        w, h = (int(v) for v in text.lower().strip().split("x"))
+    except ValueError:
+        raise RequestError(
+            f"{param} must look like WIDTHxHEIGHT (e.g. 64x64), got {text!r}", param=param
+        ) from None
+    if w < 1 or h < 1:
+        raise RequestError(f"{param} {text}: width and height must be positive", param=param)
+    return w, h
+
+
+def check_even(width: int, height: int, param: str = "size") -> None:
+    """H.264 in yuv420p keeps one chroma sample per 2x2 pixels: an MP4's sides must be even."""
+    if width % 2 or height % 2:
+        raise RequestError(
+            f"size {width}x{height}: width and height must be even (H.264 yuv420p)", param=param
+        )
+
+
+def _positive(value, name: str) -> None:
+    if value is not None and value < 1:
+        raise RequestError(f"{name} must be at least 1, got {value}", param=name)
+
+
+def resolve(
+    request: VideoRequest,
+    limits: ModelLimits,
+    *,
+    model: str,
+    max_steps: int | None = None,
+    max_prompt_chars: int | None = None,
+) -> ResolvedVideo:
+    """Fill `request`'s absent fields from the model's defaults and check every limit.
+
+    `max_steps` and `max_prompt_chars` are a server's own caps on top of the model's. Raises
+    RequestError naming the parameter at fault (as the HTTP API spells it).
+    """
+    if not request.prompt.strip():
+        raise RequestError("prompt must not be empty", param="prompt")
+    negative = request.negative_prompt or ""
+    limits.check_prompt(request.prompt, "prompt", max_prompt_chars)
+    limits.check_prompt(negative, "negative_prompt", max_prompt_chars)
+    for name, value in (("num_frames", request.frames), ("fps", request.fps)):
+        _positive(value, name)
+    _positive(request.steps, "num_inference_steps")
+
+    width = limits.width if request.width is None else request.width
+    height = limits.height if request.height is None else request.height
+    check_even(width, height)
+    fps = request.fps or limits.fps
+    frames = limits.frames if request.frames is None else request.frames
+    if request.seconds is not None:
+        seconds = request.seconds
+        if not math.isfinite(seconds) or seconds <= 0:
+            raise RequestError(
+                f"seconds must be a positive number, got {seconds!r}", param="seconds"
+            )
+        if seconds * fps > limits.max_frames + 0.5:  # also keeps huge values from overflowing
+            raise RequestError(
+                f"seconds ({seconds:g} s at {fps} fps = {seconds * fps:.0f} frames): this model "
+                f"takes 1 to {limits.max_frames} frames ({limits.max_frames / fps:g} s at {fps} fps)",
+                param="seconds",
+            )
+        from_seconds = round(request.seconds * fps)
+        if request.frames is not None and from_seconds != request.frames:
+            raise RequestError(
+                f"seconds ({request.seconds:g}) and num_frames ({request.frames}) disagree at "
+                f"{fps} fps; give one of them",
+                param="seconds",
+            )
+        frames = from_seconds
+    try:
+        limits.check_clip(frames, width, height)
+    except RequestError as e:
+        if e.param == "num_frames" and request.frames is None and request.seconds is not None:
+            raise RequestError(
+                f"seconds ({request.seconds:g} s at {fps} fps = {frames} frames): {e}",
+                param="seconds",
+            ) from None
+        raise
+
+    steps = request.steps or limits.steps
+    if max_steps is not None and steps > max_steps:
+        raise RequestError(
+            f"num_inference_steps ({steps}) exceeds this server's limit of {max_steps}",
+            param="num_inference_steps",
+        )
+    guidance = limits.guidance if request.guidance is None else request.guidance
+    if not math.isfinite(guidance) or guidance < 0:
+        raise RequestError(
+            f"guidance_scale must be a finite number >= 0, got {guidance}", param="guidance_scale"
+        )
+    seed = request.seed
+    if seed is None:
+        seed = secrets.randbelow(2**RANDOM_SEED_BITS)
+    elif not 0 <= seed < SEED_LIMIT:
+        raise RequestError(f"seed must be in [0, 2**63), got {seed}", param="seed")
+    return ResolvedVideo(
+        model=model,
+        prompt=request.prompt,
+        negative_prompt=negative,
+        frames=frames,
+        width=width,
+        height=height,
+        fps=fps,
+        steps=steps,
+        guidance=guidance,
+        seed=seed,
+    )

@@ -1,0 +1,103 @@
+"""What the worker needs from the model side: a `Backend` that describes, loads and trains models.
+
+The worker (worker.py) drives these interfaces and never imports torch; `TorchBackend`
+(torch_backend.py) implements them on the engine, and the tests plug in a fake. A loaded video
+model is anything with the engine pipeline's step-wise methods (`VideoModel`).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from megaslide.engine.request import ResolvedVideo
+
+from .protocol import ModelCard
+
+
+class VideoModel(Protocol):
+    """A loaded video model, stepped one denoising step at a time (`engine.pipeline.Pipeline`)."""
+
+    def prepare(self, video: ResolvedVideo) -> Any:
+        """A sampling state for one request, with `.step`, `.num_steps` and `.done`."""
+
+    def denoise_step(self, states: list) -> dict:
+        """Advance every state one step in one batched pass; return transfer counters."""
+
+    def finish(self, state) -> Any:
+        """Decode a finished state to uint8 frames `(F, H, W, 3)`."""
+
+
+class TrainingRun(ABC):
+    """A fine-tuning run as the worker drives it (see `megaslide.engine.finetune.Trainer`)."""
+
+    step: int
+    total_steps: int
+
+    @abstractmethod
+    def train_step(self) -> dict: ...
+
+    @abstractmethod
+    def save_checkpoint(self) -> Path: ...
+
+    @abstractmethod
+    def checkpoints(self) -> list[dict]: ...
+
+    @abstractmethod
+    def export(self, path: Path) -> Path: ...
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class FinetuneJob:
+    """A fine-tuning job resolved into what a training run needs."""
+
+    base: ModelCard
+    data_dir: Path
+    output_dir: Path
+    epochs: int
+    batch_size: int
+    learning_rate: float
+    seed: int
+    save_every: int
+    resume: bool
+    num_frames: int | None = None
+    width: int | None = None
+    height: int | None = None
+
+
+class Backend(ABC):
+    """Describes, loads and trains models; the only code that touches the tensor library."""
+
+    @abstractmethod
+    def cards(self) -> list[ModelCard]:
+        """The base models to serve, from their configs alone (cheap: no weights are read)."""
+
+    @abstractmethod
+    def fine_tuned_card(self, name: str, parent: ModelCard, path: Path) -> ModelCard: ...
+
+    @abstractmethod
+    def load(self, card: ModelCard) -> VideoModel: ...
+
+    @abstractmethod
+    def check_dataset(self, root: Path) -> int: ...
+
+    @abstractmethod
+    def trainer(self, job: FinetuneJob) -> TrainingRun: ...
+
+    @abstractmethod
+    def save_video(self, frames, fps: int, mp4_path: Path, thumbnail_path: Path) -> None:
+        """Write the MP4 (atomically) and a PNG of its first frame."""
+
+    def error_code(self, exc: BaseException) -> str | None:
+        """A specific error code for this exception (e.g. "out_of_memory"), or None for the
+        generic one."""
+        return None
+
+    def release_memory(self) -> None:
+        """Called after a job fails, before the next one runs (e.g. to empty the CUDA cache)."""
+        return None

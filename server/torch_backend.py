@@ -1,0 +1,132 @@
+"""The engine behind the worker: models opened by `open_pipeline`, fine-tunes by `open_trainer`.
+
+Only `megaslide serve` builds this backend (the worker never imports it), so the app, the routers
+and the scheduler run without torch.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from megaslide.engine.atomic import atomic_write_bytes
+from megaslide.engine.finetune import FinetuneConfig, open_trainer
+from megaslide.engine.loader import open_pipeline, resolve_device, resolve_dtype
+from megaslide.engine.sources import ModelInfo, ModelSource, describe, resolve_source
+
+from .backend import Backend, FinetuneJob, TrainingRun, VideoModel
+from .protocol import ModelCard
+from .settings import Settings
+
+
+class TorchBackend(Backend):
+    """Serves the models named in the settings on one device."""
+
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self.device = resolve_device(settings.device)
+        self.dtype = resolve_dtype(settings.dtype, self.device)
+        self._infos: dict[str, ModelInfo] = {}  # by served name: what `load` opens
+        started = int(time.time())
+        sources = [resolve_source(preset=settings.preset)] if settings.preset else []
+        sources += [resolve_source(model) for model in settings.models]
+        if not sources:
+            sources = [resolve_source()]  # the packaged default model
+        self._cards = [self._register(describe(s), started) for s in sources]
+        names = [c.name for c in self._cards]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(
+                f"two served models share the name {duplicates[0]!r}; rename one directory"
+            )
+
+    def _register(self, info: ModelInfo, created: int, kind=None, parent=None) -> ModelCard:
+        self._infos[info.name] = info
+        source = info.source
+        if kind is None:
+            kind = "preset" if source.kind == "preset" else "model"
+            if source.kind == "directory":
+                created = int(os.path.getmtime(source.path))
+        return ModelCard(
+            name=info.name,
+            kind=kind,
+            created=created,
+            source=source.preset if source.kind == "preset" else str(source.path),
+            limits=info.limits,
+            parent=parent,
+        )
+
+    # --- models ------------------------------------------------------------------------------
+
+    def cards(self) -> list[ModelCard]:
+        return list(self._cards)
+
+    def fine_tuned_card(self, name: str, parent: ModelCard, path: Path) -> ModelCard:
+        info = describe(ModelSource("directory", name, path=Path(path)))
+        return self._register(info, int(time.time()), kind="fine-tune", parent=parent.name)
+
+    def load(self, card: ModelCard) -> VideoModel:
+        s = self.settings
+        return open_pipeline(
+            self._infos[card.name],
+            device=self.device,
+            dtype=self.dtype,
+            offload=s.offload,
+            gpu_budget_bytes=s.gpu_budget,
+        )
+
+    # --- fine-tuning -------------------------------------------------------------------------
+
+    def check_dataset(self, root: Path) -> int:
+        from megaslide.engine.data import DatasetError, validate_dataset
+
+        try:
+            return len(validate_dataset(root))
+        except DatasetError as e:
+            raise ValueError(str(e)) from None
+
+    def trainer(self, job: FinetuneJob) -> TrainingRun:
+        config = FinetuneConfig(
+            output=str(job.output_dir),
+            epochs=job.epochs,
+            lr=job.learning_rate,
+            batch_size=job.batch_size,
+            save_every=job.save_every,
+            seed=job.seed,
+            device=str(self.device),
+            offload=self.settings.offload,
+            frames=job.num_frames,
+            height=job.height,
+            width=job.width,
+        )
+        # A fine-tune starts from the weights served under the base model's name: a preset's are
+        # drawn from its own seed, whatever the run's seed is.
+        return open_trainer(self._infos[job.base.name], job.data_dir, config, resume=job.resume)
+
+    # --- output ------------------------------------------------------------------------------
+
+    def save_video(self, frames, fps: int, mp4_path: Path, thumbnail_path: Path) -> None:
+        from PIL import Image
+
+        from megaslide.engine.video import write_mp4
+
+        # The thumbnail is the first frame exactly as sampled (no codec round trip). It is written
+        # before the MP4 so that once the MP4 exists both do.
+        png = io.BytesIO()
+        Image.fromarray(frames[0]).save(png, format="PNG")
+        atomic_write_bytes(thumbnail_path, png.getvalue())
+        write_mp4(mp4_path, frames, fps=fps)
+
+    def error_code(self, exc: BaseException) -> str | None:
+        if isinstance(exc, torch.cuda.OutOfMemoryError):
+            return "out_of_memory"
+        return None
+
+    def release_memory(self) -> None:
+        if self.device.type == "cuda":
+            # Cached blocks from the failed pass would otherwise look like a leak to the next job.
+            torch.cuda.empty_cache()
