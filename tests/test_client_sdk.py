@@ -1,6 +1,8 @@
 """The Python SDK against scripted HTTP answers (httpx.MockTransport): retries, backoff,
-idempotency keys, error types, pagination, SSE parsing, resumed downloads, polling, and that the
-package imports without torch. The tests against the real server are in test_client_server.py.
+idempotency keys, error types, pagination, SSE parsing, resumed downloads and event streams,
+polling, and that the package imports without torch. Resuming, reconnecting and polling run
+through both twins (`twin`), since each decision is shared and only the I/O differs. The tests
+against the real server are in test_client_server.py.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 import httpx
@@ -68,6 +71,53 @@ def scripted(answers):
 
 def client_for(transport, **kwargs):
     return megaslide_client.Client(base_url="http://test", transport=transport, **kwargs)
+
+
+@pytest.fixture(params=["sync", "async"])
+def twin(request):
+    """`twin(transport, use, **client_kwargs)` runs `use(client)` on a Client or an AsyncClient.
+
+    The async result is awaited, or drained into a list when it is an async iterator; the sync
+    result is drained into a list when it is an iterator or a page. Both twins give one value.
+    """
+
+    def run(transport, use, **kwargs):
+        if request.param == "sync":
+            with client_for(transport, **kwargs) as client:
+                result = use(client)
+                if isinstance(result, Iterable) and not isinstance(result, bytes):
+                    return list(result)
+                return result
+
+        async def main():
+            async with megaslide_client.AsyncClient(
+                base_url="http://test", transport=transport, **kwargs
+            ) as client:
+                result = use(client)
+                if hasattr(result, "__aiter__"):
+                    return [item async for item in result]
+                return await result
+
+        return asyncio.run(main())
+
+    return run
+
+
+class Breaking(httpx.SyncByteStream, httpx.AsyncByteStream):
+    """A body that sends `chunks`, then the connection breaks (for either client)."""
+
+    def __init__(self, *chunks: bytes, error: Exception | None = None) -> None:
+        self.chunks = chunks
+        self.error = error or httpx.ReadError("connection reset")
+
+    def __iter__(self):
+        yield from self.chunks
+        raise self.error
+
+    async def __aiter__(self):
+        for chunk in self.chunks:
+            yield chunk
+        raise self.error
 
 
 # ---------------------------------------------------------------------------------------------
@@ -235,6 +285,23 @@ def test_connection_errors_are_retried_then_typed(sleeps):
     assert len(seen) == 2
 
 
+def test_a_body_that_breaks_is_retried_then_typed(twin, sleeps):
+    """An answer whose body breaks off is no answer: retried like a refused connection."""
+    transport, seen = scripted(
+        [
+            httpx.Response(200, stream=Breaking(b'{"id": "vid')),
+            httpx.Response(200, json=video_json()),
+        ]
+    )
+    assert twin(transport, lambda c: c.videos.retrieve("video_1")).id == "video_1"
+    assert len(seen) == 2 and len(sleeps) == 1
+
+    transport, seen = scripted([httpx.Response(200, stream=Breaking(b"{")) for _ in range(2)])
+    with pytest.raises(megaslide_client.APIConnectionError) as info:
+        twin(transport, lambda c: c.videos.retrieve("video_1"), max_retries=1)
+    assert "connection reset" in str(info.value) and len(seen) == 2
+
+
 def test_upload_retry_resends_the_whole_file(tmp_path, sleeps):
     payload = os.urandom(5000)
     (tmp_path / "data.tar.gz").write_bytes(payload)
@@ -320,7 +387,7 @@ def test_list_walks_every_page():
     ]
 
 
-def test_poll_honours_poll_after_header(sleeps):
+def test_poll_honours_poll_after_header(twin, sleeps):
     answers = [
         httpx.Response(
             200, json=video_json(status="queued"), headers={"openai-poll-after-ms": "700"}
@@ -333,16 +400,19 @@ def test_poll_honours_poll_after_header(sleeps):
         httpx.Response(200, json=video_json(status="completed", progress=100)),
     ]
     transport, seen = scripted(answers)
-    with client_for(transport) as client:
-        video = client.videos.poll("video_1")
+    video = twin(transport, lambda c: c.videos.poll("video_1"))
     assert video.status == "completed" and sleeps == [0.7, 0.3] and len(seen) == 3
 
     slow = httpx.Response(
-        200, json=video_json(status="queued"), headers={"openai-poll-after-ms": "700"}
+        200,
+        json=video_json(status="in_progress", progress=20),
+        headers={"openai-poll-after-ms": "700"},
     )
-    transport, _ = scripted([slow] * 3)
-    with client_for(transport) as client, pytest.raises(TimeoutError):
-        client.videos.poll("video_1", max_wait=0.5)
+    transport, seen = scripted([slow])
+    with pytest.raises(TimeoutError, match=r"video_1 still in_progress \(20%\) after max_wait"):
+        twin(transport, lambda c: c.videos.poll("video_1", max_wait=0.5))
+    # The 0.7 s the server asks for would end past max_wait: no second look, no sleep.
+    assert len(seen) == 1 and sleeps == [0.7, 0.3]
 
 
 def test_sse_parser_follows_the_spec():
@@ -379,49 +449,79 @@ def test_events_yield_videos():
     assert seen[0].headers["accept"] == "text/event-stream"
 
 
-class BreakingStream(httpx.SyncByteStream):
-    """Sends `data` up to `cut`, then the connection breaks."""
+def ranged(data: bytes, request: httpx.Request) -> httpx.Response:
+    """A 206 answer to `Range: bytes=START-`."""
+    start = int(request.headers["range"].split("=")[1].rstrip("-"))
+    return httpx.Response(
+        206,
+        content=data[start:],
+        headers={"content-range": f"bytes {start}-{len(data) - 1}/{len(data)}"},
+    )
 
-    def __init__(self, data: bytes, cut: int) -> None:
-        self.data, self.cut = data, cut
 
-    def __iter__(self):
-        yield self.data[: self.cut]
-        raise httpx.ReadError("connection reset")
-
-
-def test_download_resumes_with_a_range_request(tmp_path, sleeps):
+@pytest.mark.parametrize("to_file", [True, False], ids=["file", "bytes"])
+def test_download_resumes_with_a_range_request(tmp_path, twin, sleeps, to_file):
     mp4 = os.urandom(10_000)
     seen = []
 
     def handler(request):
         seen.append(request.headers.get("range"))
         if len(seen) == 1:
-            return httpx.Response(200, stream=BreakingStream(mp4, 4096))
-        start = int(request.headers["range"].split("=")[1].rstrip("-"))
+            return httpx.Response(200, stream=Breaking(mp4[:4096]))
+        return ranged(mp4, request)
+
+    path = tmp_path / "out.mp4" if to_file else None
+    out = twin(
+        httpx.MockTransport(handler), lambda c: c.videos.download_content("video_1", path=path)
+    )
+    assert (out.read_bytes() if to_file else out) == mp4 and seen == [None, "bytes=4096-"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == (["out.mp4"] if to_file else [])
+    assert len(sleeps) == 1
+
+
+def test_download_starts_over_when_the_range_is_ignored(tmp_path, twin, sleeps):
+    """A server that answers the Range request with the whole file again: the file is rewritten,
+    not appended to."""
+    mp4 = os.urandom(10_000)
+    seen = []
+
+    def handler(request):
+        seen.append(request.headers.get("range"))
+        if len(seen) == 1:
+            return httpx.Response(200, stream=Breaking(mp4[:4096]))
+        return httpx.Response(200, content=mp4)
+
+    out = twin(
+        httpx.MockTransport(handler),
+        lambda c: c.videos.download_content("video_1", path=tmp_path / "out.mp4"),
+    )
+    assert out.read_bytes() == mp4 and seen == [None, "bytes=4096-"]
+
+
+def test_download_that_keeps_breaking_leaves_no_file(tmp_path, twin, sleeps):
+    """Each resumed part arrives, yet the download breaks every time: its breaks add up."""
+    mp4 = os.urandom(10_000)
+    seen = []
+
+    def handler(request):
+        seen.append(request.headers.get("range"))
+        if seen[-1] is None:
+            return httpx.Response(200, stream=Breaking(mp4[:100]))
+        start = int(seen[-1].split("=")[1].rstrip("-"))
         return httpx.Response(
             206,
-            content=mp4[start:],
             headers={"content-range": f"bytes {start}-{len(mp4) - 1}/{len(mp4)}"},
+            stream=Breaking(mp4[start : start + 100]),
         )
 
-    with client_for(httpx.MockTransport(handler)) as client:
-        out = client.videos.download_content("video_1", path=tmp_path / "out.mp4")
-    assert out.read_bytes() == mp4 and seen == [None, "bytes=4096-"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.mp4"]
-
-
-def test_download_that_keeps_breaking_leaves_no_file(tmp_path, sleeps):
-    mp4 = os.urandom(10_000)
-    transport = httpx.MockTransport(
-        lambda request: httpx.Response(200, stream=BreakingStream(mp4, 100))
-    )
-    with (
-        client_for(transport, max_retries=2) as client,
-        pytest.raises(megaslide_client.APIConnectionError),
-    ):
-        client.videos.download_content("video_1", path=tmp_path / "out.mp4")
+    with pytest.raises(megaslide_client.APIConnectionError, match="the stream broke"):
+        twin(
+            httpx.MockTransport(handler),
+            lambda c: c.videos.download_content("video_1", path=tmp_path / "out.mp4"),
+            max_retries=2,
+        )
     assert list(tmp_path.iterdir()) == [] and len(sleeps) == 2
+    assert seen == [None, "bytes=100-", "bytes=200-"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -474,7 +574,7 @@ def test_package_imports_without_torch():
     assert result.stdout.strip() == megaslide_client.__version__
 
 
-def test_wait_reports_each_event_once_oldest_first(sleeps):
+def test_wait_reports_each_event_once_oldest_first(twin, sleeps):
     """Events are listed newest first and may span pages; wait() hands each new one over once."""
     log = [
         {
@@ -516,10 +616,12 @@ def test_wait_reports_each_event_once_oldest_first(sleeps):
         )
 
     got = []
-    with client_for(httpx.MockTransport(handler)) as client:
-        job = client.fine_tuning.jobs.wait(
+    job = twin(
+        httpx.MockTransport(handler),
+        lambda c: c.fine_tuning.jobs.wait(
             "ftjob-1", on_event=lambda e: got.append(e.id), poll_interval_ms=5
-        )
+        ),
+    )
     assert job.status == "succeeded" and job.fine_tuned_model == "ft:tiny:x:ftjob-1"
     assert got == [e["id"] for e in log] and sleeps == [0.005, 0.005]
 
@@ -543,34 +645,59 @@ def test_permanent_conflict_is_not_retried(sleeps):
     assert len(seen) == 1
 
 
-class BreakingEvents(httpx.SyncByteStream):
-    def __iter__(self):
-        yield b'id: 1\nevent: video.queued\ndata: {"id": "v", "status": "queued", "progress": 0}\n\n'
-        yield b'id: 2\nevent: video.progress\ndata: {"id": "v", "status": "in_pro'
-        raise httpx.RemoteProtocolError("peer closed connection")
+def sse(event_id: int, status: str, progress: int) -> bytes:
+    data = json.dumps({"id": "v", "status": status, "progress": progress})
+    return f"id: {event_id}\nevent: video.{status}\ndata: {data}\n\n".encode()
 
 
-def test_events_resume_from_the_last_event_id(sleeps):
+def test_events_resume_from_the_last_event_id(twin, sleeps):
     seen = []
 
     def handler(request):
         seen.append(request.headers.get("last-event-id"))
-        if len(seen) == 1:
-            return httpx.Response(
-                200, stream=BreakingEvents(), headers={"content-type": "text/event-stream"}
-            )
+        if len(seen) == 1:  # event 2 arrives whole but for the blank line that ends it
+            cut = Breaking(sse(1, "queued", 0), sse(2, "in_progress", 45)[:-1])
+            cut.error = httpx.RemoteProtocolError("peer closed connection")
+            return httpx.Response(200, stream=cut, headers={"content-type": "text/event-stream"})
         return httpx.Response(
             200,
             headers={"content-type": "text/event-stream"},
-            text=(
-                'id: 2\nevent: video.progress\ndata: {"id": "v", "status": "in_progress", "progress": 45}\n\n'
-                'id: 3\nevent: video.completed\ndata: {"id": "v", "status": "completed", "progress": 100}\n\n'
-            ),
+            content=sse(2, "in_progress", 45) + sse(3, "completed", 100),
         )
 
-    with client_for(httpx.MockTransport(handler)) as client:
-        events = [(e.id, e.video.status) for e in client.videos.events("v")]
-    assert events == [("1", "queued"), ("2", "in_progress"), ("3", "completed")]
+    events = twin(httpx.MockTransport(handler), lambda c: c.videos.events("v"))
+    assert [(e.id, e.video.status) for e in events] == [
+        ("1", "queued"),
+        ("2", "in_progress"),
+        ("3", "completed"),
+    ]
+    assert seen == [None, "1"] and len(sleeps) == 1
+
+
+def test_event_stream_counts_only_breaks_in_a_row(twin, sleeps):
+    """Each reconnection that delivers an event starts the count of breaks again."""
+    seen = []
+
+    def handler(request):
+        seen.append(request.headers.get("last-event-id"))
+        n = len(seen)
+        if n < 4:  # three connections, each one event, each then broken
+            return httpx.Response(200, stream=Breaking(sse(n, "in_progress", 10 * n)))
+        return httpx.Response(200, content=sse(4, "completed", 100))
+
+    events = twin(httpx.MockTransport(handler), lambda c: c.videos.events("v"), max_retries=1)
+    assert [e.id for e in events] == ["1", "2", "3", "4"]
+    assert seen == [None, "1", "2", "3"] and len(sleeps) == 3
+
+    seen.clear()
+    sleeps.clear()
+
+    def silent_after_one(request):
+        seen.append(request.headers.get("last-event-id"))
+        return httpx.Response(200, stream=Breaking(*[sse(1, "queued", 0)][: len(seen) == 1]))
+
+    with pytest.raises(megaslide_client.APIConnectionError, match="the stream broke"):
+        twin(httpx.MockTransport(silent_after_one), lambda c: c.videos.events("v"), max_retries=1)
     assert seen == [None, "1"] and len(sleeps) == 1
 
 

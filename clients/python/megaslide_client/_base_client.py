@@ -1,7 +1,9 @@
-"""The HTTP core shared by every resource: auth, retries with backoff, idempotency keys, errors.
+"""The HTTP core shared by every resource: auth, retries with backoff, idempotency keys, errors,
+and the loops that walk list pages, resume broken streams and downloads, and poll jobs.
 
 `SyncAPIClient` and `AsyncAPIClient` are twins: the same decisions (what to retry, how long to
-wait, which error to raise) live in module functions both call, and only the I/O differs.
+wait, which error to raise, where a stream resumes, when a poll stops) live in module functions
+and in the I/O-free `Attempts`, `Resume` and `Watch` objects both call; only the I/O differs.
 """
 
 from __future__ import annotations
@@ -12,14 +14,18 @@ import os
 import random
 import time
 import uuid
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any, Generic, TypeVar
 
 import anyio
 import httpx
 
 from . import _constants as C
-from ._exceptions import APIConnectionError, APITimeoutError, status_error
+from ._exceptions import APIConnectionError, APIError, APITimeoutError, status_error
+from ._pagination import AsyncCursorPage, AsyncPaginator, SyncCursorPage
+from ._polling import Watch
+from ._streaming import Download, PathLike, Resume, stream_timeout
 from ._version import __version__
 
 # Statuses worth another attempt: the request timed out (408), a conflict that may clear (409: a
@@ -34,11 +40,22 @@ _sleep = time.sleep
 _async_sleep = anyio.sleep
 
 FilesFactory = Callable[[], Mapping[str, Any]]
+T = TypeVar("T")
+HttpClientT = TypeVar("HttpClientT", httpx.Client, httpx.AsyncClient)
+TransportT = TypeVar("TransportT", httpx.BaseTransport, httpx.AsyncBaseTransport)
+ClientT = TypeVar("ClientT", bound="_BaseClient")
 
 
 def new_idempotency_key() -> str:
     """A fresh key for one logical POST; all retries of that call send the same key."""
     return f"megaslide-{uuid.uuid4().hex}"
+
+
+def idempotency_key_for(method: str, given: str | None) -> str | None:
+    """The key one call sends: the caller's, else a fresh one for a POST, else none."""
+    if method.upper() == "POST" and given is None:
+        return new_idempotency_key()
+    return given
 
 
 def should_retry(response: httpx.Response, body: Any = None) -> bool:
@@ -109,26 +126,107 @@ def root_url(base_url: str) -> str:
     return url
 
 
-class _BaseClient:
+class Attempts:
+    """The retries of one logical call: after a failure, how long to wait, or the error to raise.
+
+    A request counts every failure. A stream calls `reset` each time it delivers something, so
+    that only breaks in a row count against `max_retries`.
+    """
+
+    def __init__(self, max_retries: int) -> None:
+        self.max_retries = max_retries
+        self.retries = 0
+
+    def reset(self) -> None:
+        self.retries = 0
+
+    def after_break(
+        self, e: httpx.TransportError, request: httpx.Request, what: str = "Connection error"
+    ) -> float:
+        """Seconds to wait after the connection failed; once retries are spent, raises
+        APITimeoutError for a timeout and APIConnectionError for anything else."""
+        if isinstance(e, httpx.TimeoutException):
+            return self._again(APITimeoutError(request), cause=e)
+        return self._again(APIConnectionError(f"{what}: {e}", request), cause=e)
+
+    def after_status(self, response: httpx.Response) -> float:
+        """Seconds to wait after an error answer (its body read); raises the typed status error
+        when the answer is not transient or retries are spent."""
+        body = response_body(response)
+        if not should_retry(response, body):
+            raise status_error(response, body)
+        return self._again(status_error(response, body), headers=response.headers)
+
+    def _again(
+        self,
+        error: APIError,
+        cause: BaseException | None = None,
+        headers: httpx.Headers | None = None,
+    ) -> float:
+        if self.retries >= self.max_retries:
+            raise error from cause
+        delay = retry_delay(self.retries, headers)
+        self.retries += 1
+        return delay
+
+
+class _Unset:
+    """Marks an option not given (None is a meaningful timeout: wait forever)."""
+
+
+_UNSET = _Unset()
+
+
+class _BaseClient(Generic[HttpClientT, TransportT]):
     """Configuration shared by the sync and async clients."""
+
+    _http_class: type[HttpClientT]
 
     def __init__(
         self,
         *,
-        base_url: str | None,
-        api_key: str | None,
-        timeout: float | httpx.Timeout | None,
-        max_retries: int,
-        default_headers: Mapping[str, str] | None,
+        base_url: str | None = None,
+        api_key: str | None = None,
+        timeout: float | httpx.Timeout | None = C.DEFAULT_TIMEOUT,
+        max_retries: int = C.DEFAULT_MAX_RETRIES,
+        default_headers: Mapping[str, str] | None = None,
+        http_client: HttpClientT | None = None,
+        transport: TransportT | None = None,
     ) -> None:
         if max_retries < 0:
             raise ValueError(f"max_retries must be >= 0, got {max_retries}")
+        if http_client is not None and transport is not None:
+            raise ValueError("give http_client or transport, not both")
         base_url = base_url or os.environ.get(C.BASE_URL_ENV) or C.DEFAULT_BASE_URL
         self.base_url = root_url(base_url)
         self.api_key = api_key if api_key is not None else os.environ.get(C.API_KEY_ENV)
         self.timeout = timeout if isinstance(timeout, httpx.Timeout) else httpx.Timeout(timeout)
         self.max_retries = max_retries
         self._default_headers = dict(default_headers or {})
+        self._owns_http = http_client is None
+        self._http: HttpClientT = http_client or self._http_class(
+            transport=transport, timeout=self.timeout
+        )
+
+    def with_options(
+        self: ClientT,
+        *,
+        timeout: float | httpx.Timeout | None | _Unset = _UNSET,
+        max_retries: int | None = None,
+    ) -> ClientT:
+        """A client like this one (same server, key and connection pool) with other limits:
+        `client.with_options(max_retries=0).videos.create(...)`."""
+        return type(self)(
+            base_url=self.base_url,
+            api_key=self.api_key,
+            timeout=self.timeout if isinstance(timeout, _Unset) else timeout,
+            max_retries=self.max_retries if max_retries is None else max_retries,
+            default_headers=self._default_headers,
+            http_client=self._http,
+        )
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(base_url={self.base_url!r})"
 
     def _headers(
         self, extra: Mapping[str, str] | None, idempotency_key: str | None
@@ -144,7 +242,6 @@ class _BaseClient:
 
     def _build_request(
         self,
-        http: httpx.Client | httpx.AsyncClient,
         method: str,
         path: str,
         *,
@@ -157,7 +254,7 @@ class _BaseClient:
         idempotency_key: str | None,
     ) -> httpx.Request:
         params = {k: v for k, v in (params or {}).items() if v is not None}
-        return http.build_request(
+        return self._http.build_request(
             method,
             self.base_url + path,
             params=params or None,
@@ -170,31 +267,10 @@ class _BaseClient:
         )
 
 
-class SyncAPIClient(_BaseClient):
+class SyncAPIClient(_BaseClient[httpx.Client, httpx.BaseTransport]):
     """Sends requests with retries over an `httpx.Client`."""
 
-    def __init__(
-        self,
-        *,
-        base_url: str | None,
-        api_key: str | None,
-        timeout: float | httpx.Timeout | None,
-        max_retries: int,
-        default_headers: Mapping[str, str] | None,
-        http_client: httpx.Client | None,
-        transport: httpx.BaseTransport | None,
-    ) -> None:
-        super().__init__(
-            base_url=base_url,
-            api_key=api_key,
-            timeout=timeout,
-            max_retries=max_retries,
-            default_headers=default_headers,
-        )
-        if http_client is not None and transport is not None:
-            raise ValueError("give http_client or transport, not both")
-        self._owns_http = http_client is None
-        self._http = http_client or httpx.Client(transport=transport, timeout=self.timeout)
+    _http_class = httpx.Client
 
     def request(
         self,
@@ -217,13 +293,10 @@ class SyncAPIClient(_BaseClient):
         create whose answer was lost is answered by the server with the first job, not a new one.
         With `stream=True` the response comes back unread and open; the caller closes it.
         """
-        retries = self.max_retries if max_retries is None else max_retries
-        if method.upper() == "POST" and idempotency_key is None:
-            idempotency_key = new_idempotency_key()
-        attempt = 0
+        attempts = Attempts(self.max_retries if max_retries is None else max_retries)
+        idempotency_key = idempotency_key_for(method, idempotency_key)
         while True:
             request = self._build_request(
-                self._http,
                 method,
                 path,
                 params=params,
@@ -236,35 +309,17 @@ class SyncAPIClient(_BaseClient):
             )
             try:
                 response = self._http.send(request, stream=True)
-            except httpx.TimeoutException as e:
-                if attempt < retries:
-                    _sleep(retry_delay(attempt))
-                    attempt += 1
-                    continue
-                raise APITimeoutError(request) from e
+                if response.is_error or not stream:
+                    try:
+                        response.read()
+                    finally:
+                        response.close()
             except httpx.TransportError as e:
-                if attempt < retries:
-                    _sleep(retry_delay(attempt))
-                    attempt += 1
-                    continue
-                raise APIConnectionError(f"Connection error: {e}", request) from e
-            if response.is_error:
-                try:
-                    response.read()
-                finally:
-                    response.close()
-                body = response_body(response)
-                if attempt < retries and should_retry(response, body):
-                    _sleep(retry_delay(attempt, response.headers))
-                    attempt += 1
-                    continue
-                raise status_error(response, body)
-            if not stream:
-                try:
-                    response.read()
-                finally:
-                    response.close()
-            return response
+                _sleep(attempts.after_break(e, request))
+                continue
+            if not response.is_error:
+                return response
+            _sleep(attempts.after_status(response))
 
     def get(self, path: str, **kwargs: Any) -> httpx.Response:
         return self.request("GET", path, **kwargs)
@@ -274,6 +329,58 @@ class SyncAPIClient(_BaseClient):
 
     def delete(self, path: str, **kwargs: Any) -> httpx.Response:
         return self.request("DELETE", path, **kwargs)
+
+    def get_page(
+        self, path: str, item_type: type[T], *, after: str | None = None, **params: Any
+    ) -> SyncCursorPage[T]:
+        """The first page of the list at `path` (from `after`); it fetches the next ones itself."""
+
+        def fetch(cursor: str | None) -> SyncCursorPage[T]:
+            body = self.get(path, params={**params, "after": cursor}).json()
+            return SyncCursorPage(body, item_type, fetch)
+
+        return fetch(after)
+
+    def get_stream(
+        self, path: str, resume: Resume, *, params: Mapping[str, Any] | None = None
+    ) -> Iterator[Any]:
+        """GET a streamed body, reopening it where it broke as `resume` decides; yields what
+        `resume` makes of it. Breaks in a row beyond max_retries raise APIConnectionError."""
+        attempts = Attempts(self.max_retries)
+        timeout = stream_timeout(self.timeout)
+        while True:
+            response = self.get(
+                path, params=params, headers=resume.headers(), stream=True, timeout=timeout
+            )
+            try:
+                resume.begin(response)
+                for piece in response.iter_lines() if resume.lines else response.iter_bytes():
+                    for item in resume.feed(piece):
+                        attempts.reset()
+                        yield item
+                yield from resume.end()
+                return
+            except httpx.TransportError as e:
+                wait = attempts.after_break(e, response.request, "the stream broke")
+            finally:
+                response.close()
+            _sleep(wait)
+
+    def download(
+        self, path: str, *, params: Mapping[str, Any] | None = None, to: PathLike | None = None
+    ) -> Path | bytes:
+        """GET a file into the path `to` (returned) or into memory (the bytes returned), resuming
+        with Range requests where the connection broke."""
+        with Download(to) as download:
+            for _ in self.get_stream(path, download, params=params):
+                pass
+        return download.result()
+
+    def poll(self, fetch: Callable[[], Any], watch: Watch[T]) -> T:
+        """Call `fetch` until `watch` finds the job over, sleeping between calls as it says."""
+        while (wait := watch.see(fetch())) is not None:
+            _sleep(wait)
+        return watch.result
 
     def close(self) -> None:
         """Close the connection pool (not an `http_client` you passed in)."""
@@ -287,31 +394,10 @@ class SyncAPIClient(_BaseClient):
         self.close()
 
 
-class AsyncAPIClient(_BaseClient):
+class AsyncAPIClient(_BaseClient[httpx.AsyncClient, httpx.AsyncBaseTransport]):
     """Sends requests with retries over an `httpx.AsyncClient`."""
 
-    def __init__(
-        self,
-        *,
-        base_url: str | None,
-        api_key: str | None,
-        timeout: float | httpx.Timeout | None,
-        max_retries: int,
-        default_headers: Mapping[str, str] | None,
-        http_client: httpx.AsyncClient | None,
-        transport: httpx.AsyncBaseTransport | None,
-    ) -> None:
-        super().__init__(
-            base_url=base_url,
-            api_key=api_key,
-            timeout=timeout,
-            max_retries=max_retries,
-            default_headers=default_headers,
-        )
-        if http_client is not None and transport is not None:
-            raise ValueError("give http_client or transport, not both")
-        self._owns_http = http_client is None
-        self._http = http_client or httpx.AsyncClient(transport=transport, timeout=self.timeout)
+    _http_class = httpx.AsyncClient
 
     async def request(
         self,
@@ -329,13 +415,10 @@ class AsyncAPIClient(_BaseClient):
         max_retries: int | None = None,
     ) -> httpx.Response:
         """Async twin of `SyncAPIClient.request`."""
-        retries = self.max_retries if max_retries is None else max_retries
-        if method.upper() == "POST" and idempotency_key is None:
-            idempotency_key = new_idempotency_key()
-        attempt = 0
+        attempts = Attempts(self.max_retries if max_retries is None else max_retries)
+        idempotency_key = idempotency_key_for(method, idempotency_key)
         while True:
             request = self._build_request(
-                self._http,
                 method,
                 path,
                 params=params,
@@ -348,35 +431,17 @@ class AsyncAPIClient(_BaseClient):
             )
             try:
                 response = await self._http.send(request, stream=True)
-            except httpx.TimeoutException as e:
-                if attempt < retries:
-                    await _async_sleep(retry_delay(attempt))
-                    attempt += 1
-                    continue
-                raise APITimeoutError(request) from e
+                if response.is_error or not stream:
+                    try:
+                        await response.aread()
+                    finally:
+                        await response.aclose()
             except httpx.TransportError as e:
-                if attempt < retries:
-                    await _async_sleep(retry_delay(attempt))
-                    attempt += 1
-                    continue
-                raise APIConnectionError(f"Connection error: {e}", request) from e
-            if response.is_error:
-                try:
-                    await response.aread()
-                finally:
-                    await response.aclose()
-                body = response_body(response)
-                if attempt < retries and should_retry(response, body):
-                    await _async_sleep(retry_delay(attempt, response.headers))
-                    attempt += 1
-                    continue
-                raise status_error(response, body)
-            if not stream:
-                try:
-                    await response.aread()
-                finally:
-                    await response.aclose()
-            return response
+                await _async_sleep(attempts.after_break(e, request))
+                continue
+            if not response.is_error:
+                return response
+            await _async_sleep(attempts.after_status(response))
 
     async def get(self, path: str, **kwargs: Any) -> httpx.Response:
         return await self.request("GET", path, **kwargs)
@@ -386,6 +451,59 @@ class AsyncAPIClient(_BaseClient):
 
     async def delete(self, path: str, **kwargs: Any) -> httpx.Response:
         return await self.request("DELETE", path, **kwargs)
+
+    def get_page(
+        self, path: str, item_type: type[T], *, after: str | None = None, **params: Any
+    ) -> AsyncPaginator[T]:
+        """`await` it for the first page of the list at `path`, or `async for` over every item."""
+
+        async def fetch(cursor: str | None) -> AsyncCursorPage[T]:
+            body = (await self.get(path, params={**params, "after": cursor})).json()
+            return AsyncCursorPage(body, item_type, fetch)
+
+        return AsyncPaginator(lambda: fetch(after))
+
+    async def get_stream(
+        self, path: str, resume: Resume, *, params: Mapping[str, Any] | None = None
+    ) -> AsyncIterator[Any]:
+        """Async twin of `SyncAPIClient.get_stream`."""
+        attempts = Attempts(self.max_retries)
+        timeout = stream_timeout(self.timeout)
+        while True:
+            response = await self.get(
+                path, params=params, headers=resume.headers(), stream=True, timeout=timeout
+            )
+            try:
+                resume.begin(response)
+                async for piece in (
+                    response.aiter_lines() if resume.lines else response.aiter_bytes()
+                ):
+                    for item in resume.feed(piece):
+                        attempts.reset()
+                        yield item
+                for item in resume.end():
+                    yield item
+                return
+            except httpx.TransportError as e:
+                wait = attempts.after_break(e, response.request, "the stream broke")
+            finally:
+                await response.aclose()
+            await _async_sleep(wait)
+
+    async def download(
+        self, path: str, *, params: Mapping[str, Any] | None = None, to: PathLike | None = None
+    ) -> Path | bytes:
+        """Async twin of `SyncAPIClient.download`."""
+        with Download(to) as download:
+            async for _ in self.get_stream(path, download, params=params):
+                pass
+        return download.result()
+
+    async def poll(self, fetch: Callable[[], Any], watch: Watch[T]) -> T:
+        """Await `fetch()` until `watch` finds the job over, sleeping between calls as it says."""
+        while (wait := watch.see(await fetch())) is not None:
+            await _async_sleep(wait)
+        return watch.result
 
     async def close(self) -> None:
         """Close the connection pool (not an `http_client` you passed in)."""

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
-import httpx
+from functools import cached_property
 
 from ._base_client import AsyncAPIClient, SyncAPIClient
-from ._constants import DEFAULT_MAX_RETRIES, DEFAULT_TIMEOUT
 from .resources import (
     AsyncFiles,
     AsyncFineTuning,
@@ -18,13 +15,6 @@ from .resources import (
     Models,
     Videos,
 )
-
-
-class _Unset:
-    """Marks an option not given (None is a meaningful timeout: wait forever)."""
-
-
-_UNSET = _Unset()
 
 
 class Client(SyncAPIClient):
@@ -40,55 +30,10 @@ class Client(SyncAPIClient):
     `http_client` replaces the network, for tests and custom proxies.
     """
 
-    videos: Videos
-    files: Files
-    fine_tuning: FineTuning
-    models: Models
-
-    def __init__(
-        self,
-        *,
-        base_url: str | None = None,
-        api_key: str | None = None,
-        timeout: float | httpx.Timeout | None = DEFAULT_TIMEOUT,
-        max_retries: int = DEFAULT_MAX_RETRIES,
-        default_headers: Mapping[str, str] | None = None,
-        http_client: httpx.Client | None = None,
-        transport: httpx.BaseTransport | None = None,
-    ) -> None:
-        super().__init__(
-            base_url=base_url,
-            api_key=api_key,
-            timeout=timeout,
-            max_retries=max_retries,
-            default_headers=default_headers,
-            http_client=http_client,
-            transport=transport,
-        )
-        self.videos = Videos(self)
-        self.files = Files(self)
-        self.fine_tuning = FineTuning(self)
-        self.models = Models(self)
-
-    def with_options(
-        self,
-        *,
-        timeout: float | httpx.Timeout | None | _Unset = _UNSET,
-        max_retries: int | None = None,
-    ) -> Client:
-        """A client like this one (same server, key and connection pool) with other limits:
-        `client.with_options(max_retries=0).videos.create(...)`."""
-        return Client(
-            base_url=self.base_url,
-            api_key=self.api_key,
-            timeout=self.timeout if timeout is _UNSET else timeout,
-            max_retries=self.max_retries if max_retries is None else max_retries,
-            default_headers=self._default_headers,
-            http_client=self._http,
-        )
-
-    def __repr__(self) -> str:
-        return f"Client(base_url={self.base_url!r})"
+    videos = cached_property(Videos)
+    files = cached_property(Files)
+    fine_tuning = cached_property(FineTuning)
+    models = cached_property(Models)
 
 
 class AsyncClient(AsyncAPIClient):
@@ -100,51 +45,7 @@ class AsyncClient(AsyncAPIClient):
             ...
     """
 
-    videos: AsyncVideos
-    files: AsyncFiles
-    fine_tuning: AsyncFineTuning
-    models: AsyncModels
-
-    def __init__(
-        self,
-        *,
-        base_url: str | None = None,
-        api_key: str | None = None,
-        timeout: float | httpx.Timeout | None = DEFAULT_TIMEOUT,
-        max_retries: int = DEFAULT_MAX_RETRIES,
-        default_headers: Mapping[str, str] | None = None,
-        http_client: httpx.AsyncClient | None = None,
-        transport: httpx.AsyncBaseTransport | None = None,
-    ) -> None:
-        super().__init__(
-            base_url=base_url,
-            api_key=api_key,
-            timeout=timeout,
-            max_retries=max_retries,
-            default_headers=default_headers,
-            http_client=http_client,
-            transport=transport,
-        )
-        self.videos = AsyncVideos(self)
-        self.files = AsyncFiles(self)
-        self.fine_tuning = AsyncFineTuning(self)
-        self.models = AsyncModels(self)
-
-    def with_options(
-        self,
-        *,
-        timeout: float | httpx.Timeout | None | _Unset = _UNSET,
-        max_retries: int | None = None,
-    ) -> AsyncClient:
-        """An AsyncClient like this one (same server, key and connection pool) with other limits."""
-        return AsyncClient(
-            base_url=self.base_url,
-            api_key=self.api_key,
-            timeout=self.timeout if timeout is _UNSET else timeout,
-            max_retries=self.max_retries if max_retries is None else max_retries,
-            default_headers=self._default_headers,
-            http_client=self._http,
-        )
-
-    def __repr__(self) -> str:
-        return f"AsyncClient(base_url={self.base_url!r})"
+    videos = cached_property(AsyncVideos)
+    files = cached_property(AsyncFiles)
+    fine_tuning = cached_property(AsyncFineTuning)
+    models = cached_property(AsyncModels)

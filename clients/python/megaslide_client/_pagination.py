@@ -2,17 +2,14 @@
 
 The server's list shape is `{"object": "list", "data": [...], "first_id", "last_id", "has_more"}`
 and the next page is requested with `after=<last id>`. Lists without `has_more` (models) are a
-single page.
+single page. Which page comes next is decided here once; the sync and async pages only differ in
+how they fetch it.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from typing import (
-    Any,
-    Generic,
-    TypeVar,
-)
+from typing import Generic, TypeVar
 
 from .types import APIObject
 
@@ -35,6 +32,15 @@ class CursorPage(Generic[T]):
             return None
         return self.last_id or getattr(self.data[-1], "id", None)
 
+    def has_next_page(self) -> bool:
+        return self.next_cursor() is not None
+
+    def _require_next_cursor(self) -> str:
+        cursor = self.next_cursor()
+        if cursor is None:
+            raise RuntimeError("no next page; check has_next_page() first")
+        return cursor
+
     def __len__(self) -> int:
         return len(self.data)
 
@@ -51,14 +57,8 @@ class SyncCursorPage(CursorPage[T]):
         super().__init__(body, item_type)
         self._fetch = fetch
 
-    def has_next_page(self) -> bool:
-        return self.next_cursor() is not None
-
     def next_page(self) -> SyncCursorPage[T]:
-        cursor = self.next_cursor()
-        if cursor is None:
-            raise RuntimeError("no next page; check has_next_page() first")
-        return self._fetch(cursor)
+        return self._fetch(self._require_next_cursor())
 
     def iter_pages(self) -> Iterator[SyncCursorPage[T]]:
         page: SyncCursorPage[T] = self
@@ -85,14 +85,8 @@ class AsyncCursorPage(CursorPage[T]):
         super().__init__(body, item_type)
         self._fetch = fetch
 
-    def has_next_page(self) -> bool:
-        return self.next_cursor() is not None
-
     async def next_page(self) -> AsyncCursorPage[T]:
-        cursor = self.next_cursor()
-        if cursor is None:
-            raise RuntimeError("no next page; check has_next_page() first")
-        return await self._fetch(cursor)
+        return await self._fetch(self._require_next_cursor())
 
     async def iter_pages(self) -> AsyncIterator[AsyncCursorPage[T]]:
         page: AsyncCursorPage[T] = self
@@ -121,8 +115,3 @@ class AsyncPaginator(Generic[T]):
         page = await self._first()
         async for item in page:
             yield item
-
-
-def list_params(**params: Any) -> dict:
-    """Query parameters with the unset ones dropped."""
-    return {k: v for k, v in params.items() if v is not None}

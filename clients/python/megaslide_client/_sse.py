@@ -6,7 +6,7 @@ a blank line dispatches it; lines starting with `:` are comments (keep-alives) a
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 
@@ -62,19 +62,9 @@ class SSEDecoder:
 
 
 def iter_sse(lines: Iterable[str]) -> Iterator[ServerSentEvent]:
+    """The events in a whole sequence of lines (a stream read incrementally feeds SSEDecoder)."""
     decoder = SSEDecoder()
     for line in lines:
-        event = decoder.feed(line)
-        if event is not None:
-            yield event
-    event = decoder.flush()
-    if event is not None:
-        yield event
-
-
-async def aiter_sse(lines: AsyncIterator[str]) -> AsyncIterator[ServerSentEvent]:
-    decoder = SSEDecoder()
-    async for line in lines:
         event = decoder.feed(line)
         if event is not None:
             yield event

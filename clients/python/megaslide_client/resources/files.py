@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import io
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Union
 
-from .._pagination import AsyncCursorPage, AsyncPaginator, SyncCursorPage, list_params
+from .._pagination import AsyncPaginator, SyncCursorPage
 from ..types import FileDeleted, FileObject
 
 if TYPE_CHECKING:
@@ -18,51 +18,60 @@ if TYPE_CHECKING:
 FileInput = Union[str, "os.PathLike[str]", IO[bytes], bytes, tuple[str, bytes | IO[bytes]]]
 
 
-def upload_factory(file: FileInput) -> Callable[[], Mapping[str, Any]]:
-    """A function returning the multipart `files` mapping afresh for each attempt.
+class Upload:
+    """The multipart `files` mapping of an upload, made afresh by each call, one per attempt.
 
     A retry must send the whole file again: a path is reopened, a seekable file is rewound to
-    where it stood at the call, and anything else is read into memory once.
+    where it stood at the call, and anything else is read into memory once. Used as a context
+    manager, so that a file it opened is closed.
     """
-    if isinstance(file, (str, os.PathLike)):
-        path = Path(file)
-        if not path.is_file():
-            raise FileNotFoundError(f"no such file: {path}")
-        opened: list = []
 
-        def from_path() -> Mapping[str, Any]:
-            for f in opened:  # the previous attempt's handle
-                f.close()
-            opened[:] = [open(path, "rb")]
-            return {"file": (path.name, opened[0], "application/octet-stream")}
+    def __init__(self, file: FileInput) -> None:
+        self._opened: IO[bytes] | None = None
+        self._path: Path | None = None
+        self._data: bytes | None = None
+        self._stream: IO[bytes] | None = None
+        if isinstance(file, (str, os.PathLike)):
+            self._path = Path(file)
+            if not self._path.is_file():
+                raise FileNotFoundError(f"no such file: {self._path}")
+            self.name = self._path.name
+            return
+        if isinstance(file, tuple):
+            self.name, content = file
+        elif isinstance(file, (bytes, bytearray)):
+            self.name, content = "upload.bin", bytes(file)
+        else:
+            self.name = os.path.basename(getattr(file, "name", "") or "upload.bin")
+            content = file
+        if isinstance(content, (bytes, bytearray)):
+            self._data = bytes(content)
+        elif content.seekable():
+            self._stream, self._start = content, content.tell()
+        else:
+            self._data = content.read()
 
-        from_path.close = lambda: [f.close() for f in opened]  # type: ignore[attr-defined]
-        return from_path
-    if isinstance(file, tuple):
-        name, content = file
-    elif isinstance(file, (bytes, bytearray)):
-        name, content = "upload.bin", bytes(file)
-    else:
-        name, content = os.path.basename(getattr(file, "name", "") or "upload.bin"), file
-    if isinstance(content, (bytes, bytearray)):
-        data = bytes(content)
-        return lambda: {"file": (name, io.BytesIO(data), "application/octet-stream")}
-    if content.seekable():
-        start = content.tell()
+    def __call__(self) -> Mapping[str, Any]:
+        self.close()  # the previous attempt's handle
+        if self._path is not None:
+            stream = self._opened = open(self._path, "rb")
+        elif self._stream is not None:
+            stream = self._stream
+            stream.seek(self._start)
+        else:
+            stream = io.BytesIO(self._data or b"")
+        return {"file": (self.name, stream, "application/octet-stream")}
 
-        def rewound() -> Mapping[str, Any]:
-            content.seek(start)
-            return {"file": (name, content, "application/octet-stream")}
+    def close(self) -> None:
+        if self._opened is not None:
+            self._opened.close()
+            self._opened = None
 
-        return rewound
-    data = content.read()
-    return lambda: {"file": (name, io.BytesIO(data), "application/octet-stream")}
+    def __enter__(self) -> Upload:
+        return self
 
-
-def _close(factory: Callable[[], Mapping[str, Any]]) -> None:
-    close = getattr(factory, "close", None)
-    if close is not None:
-        close()
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
 
 class Files:
@@ -78,16 +87,13 @@ class Files:
 
         The server checks the archive on upload; a bad member is a BadRequestError naming it.
         """
-        factory = upload_factory(file)
-        try:
+        with Upload(file) as upload:
             response = self._client.post(
                 "/v1/files",
                 data={"purpose": purpose},
-                files=factory,
+                files=upload,
                 idempotency_key=idempotency_key,
             )
-        finally:
-            _close(factory)
         return FileObject.from_dict(response.json())
 
     def retrieve(self, file_id: str) -> FileObject:
@@ -102,14 +108,9 @@ class Files:
         order: str | None = None,
     ) -> SyncCursorPage[FileObject]:
         """A page of files; iterating over it walks every following page too."""
-
-        def fetch(cursor: str | None) -> SyncCursorPage[FileObject]:
-            params = list_params(purpose=purpose, after=cursor, limit=limit, order=order)
-            return SyncCursorPage(
-                self._client.get("/v1/files", params=params).json(), FileObject, fetch
-            )
-
-        return fetch(after)
+        return self._client.get_page(
+            "/v1/files", FileObject, purpose=purpose, after=after, limit=limit, order=order
+        )
 
     def delete(self, file_id: str) -> FileDeleted:
         return FileDeleted.from_dict(self._client.delete(f"/v1/files/{file_id}").json())
@@ -125,16 +126,13 @@ class AsyncFiles:
         self, *, file: FileInput, purpose: str = "fine-tune", idempotency_key: str | None = None
     ) -> FileObject:
         """Upload a file (see `Files.create`)."""
-        factory = upload_factory(file)
-        try:
+        with Upload(file) as upload:
             response = await self._client.post(
                 "/v1/files",
                 data={"purpose": purpose},
-                files=factory,
+                files=upload,
                 idempotency_key=idempotency_key,
             )
-        finally:
-            _close(factory)
         return FileObject.from_dict(response.json())
 
     async def retrieve(self, file_id: str) -> FileObject:
@@ -149,13 +147,9 @@ class AsyncFiles:
         order: str | None = None,
     ) -> AsyncPaginator[FileObject]:
         """`await` it for the first page, or `async for` over every file."""
-
-        async def fetch(cursor: str | None) -> AsyncCursorPage[FileObject]:
-            params = list_params(purpose=purpose, after=cursor, limit=limit, order=order)
-            body = (await self._client.get("/v1/files", params=params)).json()
-            return AsyncCursorPage(body, FileObject, fetch)
-
-        return AsyncPaginator(lambda: fetch(after))
+        return self._client.get_page(
+            "/v1/files", FileObject, purpose=purpose, after=after, limit=limit, order=order
+        )
 
     async def delete(self, file_id: str) -> FileDeleted:
         return FileDeleted.from_dict((await self._client.delete(f"/v1/files/{file_id}")).json())

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from .. import _base_client as base
-from .._constants import DEFAULT_POLL_INTERVAL_MS
-from .._pagination import AsyncCursorPage, AsyncPaginator, SyncCursorPage, list_params
+from .._pagination import AsyncPaginator, SyncCursorPage
+from .._polling import Watch
 from .._progress import ProgressBar
 from ..types import FineTuningJob, FineTuningJobCheckpoint, FineTuningJobEvent
 
@@ -84,6 +82,42 @@ def progress_of(
     return None, None
 
 
+class JobWatch(Watch[FineTuningJob]):
+    """Polls a fine-tuning job: hands each new event to `on_event` once, oldest first, and draws
+    a bar of optimizer steps. The caller's interval sets the pace (the default when not given)."""
+
+    def __init__(
+        self,
+        job_id: str,
+        *,
+        on_event: EventCallback | None,
+        progress: bool,
+        poll_interval_ms: int | None,
+        max_wait: float | None,
+    ) -> None:
+        bar = ProgressBar(progress, total=0, desc=f"fine-tune {job_id}", unit="step")
+        super().__init__(bar, poll_interval_ms=poll_interval_ms, max_wait=max_wait)
+        self.job_id = job_id
+        self.on_event = on_event
+        self.events = EventFollower()
+
+    def observe(self, job: FineTuningJob) -> bool:
+        """Take in the job, after its new event pages went to `self.events.take`."""
+        self.result = job
+        fresh = self.events.flush()
+        for event in fresh:
+            if self.on_event is not None:
+                self.on_event(event)
+        step, total = progress_of(job, fresh)
+        if total:
+            self.bar.set_total(total)
+        self.bar.update_to(step, job.status)
+        return job.done
+
+    def still(self) -> str:
+        return f"fine-tuning job {self.job_id} still {self.result.status}"
+
+
 class Jobs:
     """Fine-tuning jobs."""
 
@@ -128,14 +162,9 @@ class Jobs:
         self, *, after: str | None = None, limit: int | None = None
     ) -> SyncCursorPage[FineTuningJob]:
         """A page of jobs; iterating over it walks every following page too."""
-
-        def fetch(cursor: str | None) -> SyncCursorPage[FineTuningJob]:
-            body = self._client.get(
-                "/v1/fine_tuning/jobs", params=list_params(after=cursor, limit=limit)
-            ).json()
-            return SyncCursorPage(body, FineTuningJob, fetch)
-
-        return fetch(after)
+        return self._client.get_page(
+            "/v1/fine_tuning/jobs", FineTuningJob, after=after, limit=limit
+        )
 
     def cancel(self, job_id: str, *, idempotency_key: str | None = None) -> FineTuningJob:
         """Stop the job at its next step boundary."""
@@ -148,27 +177,15 @@ class Jobs:
         self, job_id: str, *, after: str | None = None, limit: int | None = None
     ) -> SyncCursorPage[FineTuningJobEvent]:
         """The job's events (messages, and `type == "metrics"` events with loss and lr)."""
-
-        def fetch(cursor: str | None) -> SyncCursorPage[FineTuningJobEvent]:
-            params = list_params(after=cursor, limit=limit)
-            body = self._client.get(f"/v1/fine_tuning/jobs/{job_id}/events", params=params).json()
-            return SyncCursorPage(body, FineTuningJobEvent, fetch)
-
-        return fetch(after)
+        path = f"/v1/fine_tuning/jobs/{job_id}/events"
+        return self._client.get_page(path, FineTuningJobEvent, after=after, limit=limit)
 
     def checkpoints(
         self, job_id: str, *, after: str | None = None, limit: int | None = None
     ) -> SyncCursorPage[FineTuningJobCheckpoint]:
         """The checkpoints the job has saved."""
-
-        def fetch(cursor: str | None) -> SyncCursorPage[FineTuningJobCheckpoint]:
-            params = list_params(after=cursor, limit=limit)
-            body = self._client.get(
-                f"/v1/fine_tuning/jobs/{job_id}/checkpoints", params=params
-            ).json()
-            return SyncCursorPage(body, FineTuningJobCheckpoint, fetch)
-
-        return fetch(after)
+        path = f"/v1/fine_tuning/jobs/{job_id}/checkpoints"
+        return self._client.get_page(path, FineTuningJobCheckpoint, after=after, limit=limit)
 
     def wait(
         self,
@@ -184,32 +201,22 @@ class Jobs:
         `on_event` is called once per new event, oldest first. `progress=True` draws a tqdm bar
         of optimizer steps (from the metrics events) when tqdm is installed.
         """
-        interval = (
-            DEFAULT_POLL_INTERVAL_MS if poll_interval_ms is None else poll_interval_ms
-        ) / 1000.0
-        deadline = None if max_wait is None else time.monotonic() + max_wait
-        follower = EventFollower()
-        with ProgressBar(progress, total=0, desc=f"fine-tune {job_id}", unit="step") as bar:
-            while True:
-                job = self.retrieve(job_id)
-                for page in self.list_events(job_id, limit=EVENTS_PAGE_SIZE).iter_pages():
-                    if follower.take(page.data):
-                        break
-                fresh = follower.flush()
-                for event in fresh:
-                    if on_event is not None:
-                        on_event(event)
-                step, total = progress_of(job, fresh)
-                if total:
-                    bar.set_total(total)
-                bar.update_to(step, job.status)
-                if job.done:
-                    return job
-                if deadline is not None and time.monotonic() + interval > deadline:
-                    raise TimeoutError(
-                        f"fine-tuning job {job_id} still {job.status} after max_wait"
-                    )
-                base._sleep(interval)
+        with JobWatch(
+            job_id,
+            on_event=on_event,
+            progress=progress,
+            poll_interval_ms=poll_interval_ms,
+            max_wait=max_wait,
+        ) as watch:
+            return self._client.poll(lambda: self._look(job_id, watch.events), watch)
+
+    def _look(self, job_id: str, events: EventFollower) -> FineTuningJob:
+        """The job, after handing the pages of events it logged since the last look to `events`."""
+        job = self.retrieve(job_id)
+        for page in self.list_events(job_id, limit=EVENTS_PAGE_SIZE).iter_pages():
+            if events.take(page.data):
+                break
+        return job
 
 
 class AsyncJobs:
@@ -253,12 +260,9 @@ class AsyncJobs:
     def list(
         self, *, after: str | None = None, limit: int | None = None
     ) -> AsyncPaginator[FineTuningJob]:
-        async def fetch(cursor: str | None) -> AsyncCursorPage[FineTuningJob]:
-            params = list_params(after=cursor, limit=limit)
-            body = (await self._client.get("/v1/fine_tuning/jobs", params=params)).json()
-            return AsyncCursorPage(body, FineTuningJob, fetch)
-
-        return AsyncPaginator(lambda: fetch(after))
+        return self._client.get_page(
+            "/v1/fine_tuning/jobs", FineTuningJob, after=after, limit=limit
+        )
 
     async def cancel(self, job_id: str, *, idempotency_key: str | None = None) -> FineTuningJob:
         response = await self._client.post(
@@ -269,26 +273,14 @@ class AsyncJobs:
     def list_events(
         self, job_id: str, *, after: str | None = None, limit: int | None = None
     ) -> AsyncPaginator[FineTuningJobEvent]:
-        async def fetch(cursor: str | None) -> AsyncCursorPage[FineTuningJobEvent]:
-            params = list_params(after=cursor, limit=limit)
-            body = (
-                await self._client.get(f"/v1/fine_tuning/jobs/{job_id}/events", params=params)
-            ).json()
-            return AsyncCursorPage(body, FineTuningJobEvent, fetch)
-
-        return AsyncPaginator(lambda: fetch(after))
+        path = f"/v1/fine_tuning/jobs/{job_id}/events"
+        return self._client.get_page(path, FineTuningJobEvent, after=after, limit=limit)
 
     def checkpoints(
         self, job_id: str, *, after: str | None = None, limit: int | None = None
     ) -> AsyncPaginator[FineTuningJobCheckpoint]:
-        async def fetch(cursor: str | None) -> AsyncCursorPage[FineTuningJobCheckpoint]:
-            params = list_params(after=cursor, limit=limit)
-            body = (
-                await self._client.get(f"/v1/fine_tuning/jobs/{job_id}/checkpoints", params=params)
-            ).json()
-            return AsyncCursorPage(body, FineTuningJobCheckpoint, fetch)
-
-        return AsyncPaginator(lambda: fetch(after))
+        path = f"/v1/fine_tuning/jobs/{job_id}/checkpoints"
+        return self._client.get_page(path, FineTuningJobCheckpoint, after=after, limit=limit)
 
     async def wait(
         self,
@@ -300,34 +292,22 @@ class AsyncJobs:
         max_wait: float | None = None,
     ) -> FineTuningJob:
         """Wait until the job ends (see `Jobs.wait`)."""
-        interval = (
-            DEFAULT_POLL_INTERVAL_MS if poll_interval_ms is None else poll_interval_ms
-        ) / 1000.0
-        deadline = None if max_wait is None else time.monotonic() + max_wait
-        follower = EventFollower()
-        with ProgressBar(progress, total=0, desc=f"fine-tune {job_id}", unit="step") as bar:
-            while True:
-                job = await self.retrieve(job_id)
-                async for page in (
-                    await self.list_events(job_id, limit=EVENTS_PAGE_SIZE)
-                ).iter_pages():
-                    if follower.take(page.data):
-                        break
-                fresh = follower.flush()
-                for event in fresh:
-                    if on_event is not None:
-                        on_event(event)
-                step, total = progress_of(job, fresh)
-                if total:
-                    bar.set_total(total)
-                bar.update_to(step, job.status)
-                if job.done:
-                    return job
-                if deadline is not None and time.monotonic() + interval > deadline:
-                    raise TimeoutError(
-                        f"fine-tuning job {job_id} still {job.status} after max_wait"
-                    )
-                await base._async_sleep(interval)
+        with JobWatch(
+            job_id,
+            on_event=on_event,
+            progress=progress,
+            poll_interval_ms=poll_interval_ms,
+            max_wait=max_wait,
+        ) as watch:
+            return await self._client.poll(lambda: self._look(job_id, watch.events), watch)
+
+    async def _look(self, job_id: str, events: EventFollower) -> FineTuningJob:
+        """The job, after handing the pages of events it logged since the last look to `events`."""
+        job = await self.retrieve(job_id)
+        async for page in (await self.list_events(job_id, limit=EVENTS_PAGE_SIZE)).iter_pages():
+            if events.take(page.data):
+                break
+        return job
 
 
 class FineTuning:

@@ -3,32 +3,23 @@
 from __future__ import annotations
 
 import json
-import os
-import time
 from collections.abc import AsyncIterator, Iterator, Mapping
 from pathlib import Path
-from typing import (
-    TYPE_CHECKING,
-    Any,
-    Literal,
-    Union,
-)
+from typing import TYPE_CHECKING, Any, Literal
 
 import httpx
 
-from .. import _base_client as base
-from .._constants import DEFAULT_POLL_INTERVAL_MS, STREAM_READ_TIMEOUT
-from .._exceptions import APIConnectionError, APITimeoutError
-from .._pagination import AsyncCursorPage, AsyncPaginator, SyncCursorPage, list_params
+from .._pagination import AsyncPaginator, SyncCursorPage
+from .._polling import Watch
 from .._progress import ProgressBar
-from .._sse import ServerSentEvent, aiter_sse, iter_sse
+from .._sse import ServerSentEvent
+from .._streaming import EventStream, PathLike
 from ..types import Video, VideoDeleted, VideoEvent
 
 if TYPE_CHECKING:
     from .._base_client import AsyncAPIClient, SyncAPIClient
 
 Variant = Literal["video", "thumbnail"]
-PathLike = Union[str, "os.PathLike[str]"]
 
 
 def create_body(
@@ -65,21 +56,6 @@ def create_body(
     return body
 
 
-def poll_interval_s(response: httpx.Response, poll_interval_ms: int | None) -> float:
-    """Seconds until the next poll: the caller's interval, else the server's openai-poll-after-ms."""
-    if poll_interval_ms is not None:
-        return poll_interval_ms / 1000.0
-    header = response.headers.get("openai-poll-after-ms")
-    try:
-        return (
-            max(int(header), 0) / 1000.0
-            if header is not None
-            else DEFAULT_POLL_INTERVAL_MS / 1000.0
-        )
-    except ValueError:
-        return DEFAULT_POLL_INTERVAL_MS / 1000.0
-
-
 def to_video_event(sse: ServerSentEvent) -> VideoEvent:
     """Parse an SSE event's data as JSON, and as a Video when it carries one."""
     try:
@@ -92,45 +68,31 @@ def to_video_event(sse: ServerSentEvent) -> VideoEvent:
     return VideoEvent(event=sse.event, data=data, id=sse.id, video=video)
 
 
-def stream_timeout(client_timeout: httpx.Timeout) -> httpx.Timeout:
-    """The client's timeout with the longer read timeout of a stream (silent between steps)."""
-    read = client_timeout.read
-    return httpx.Timeout(
-        connect=client_timeout.connect,
-        read=None if read is None else max(read, STREAM_READ_TIMEOUT),
-        write=client_timeout.write,
-        pool=client_timeout.pool,
-    )
+class VideoWatch(Watch[Video]):
+    """Polls GET /v1/videos/{id}: the bar shows its progress in %, the server sets the pace."""
 
+    def __init__(
+        self,
+        video_id: str,
+        *,
+        progress: bool,
+        poll_interval_ms: int | None,
+        max_wait: float | None,
+    ) -> None:
+        bar = ProgressBar(progress, total=100, desc=f"video {video_id}")
+        super().__init__(bar, poll_interval_ms=poll_interval_ms, max_wait=max_wait)
 
-def sse_headers(last_event_id: str | None) -> dict[str, str]:
-    headers = {"Accept": "text/event-stream"}
-    if last_event_id:
-        headers["Last-Event-ID"] = last_event_id
-    return headers
+    def observe(self, response: httpx.Response) -> bool:
+        self.result = video = Video.from_dict(response.json())
+        self.bar.update_to(video.progress, video.status)
+        return video.done
 
+    def server_poll_ms(self, response: httpx.Response) -> str | None:
+        return response.headers.get("openai-poll-after-ms")
 
-def stream_error(e: httpx.TransportError, request: httpx.Request) -> APIConnectionError:
-    """The typed error for a stream that broke and could not be resumed."""
-    if isinstance(e, httpx.TimeoutException):
-        return APITimeoutError(request)
-    return APIConnectionError(f"the stream broke: {e}", request)
-
-
-def _content_range_start(response: httpx.Response) -> int | None:
-    """The first byte a 206 answer carries (`Content-Range: bytes START-END/TOTAL`)."""
-    value = response.headers.get("content-range", "")
-    try:
-        return int(value.split()[1].split("-")[0])
-    except (IndexError, ValueError):
-        return None
-
-
-def _check_deadline(deadline: float | None, wait: float, video: Video) -> None:
-    if deadline is not None and time.monotonic() + wait > deadline:
-        raise TimeoutError(
-            f"video {video.id} still {video.status} ({video.progress}%) after max_wait"
-        )
+    def still(self) -> str:
+        video = self.result
+        return f"video {video.id} still {video.status} ({video.progress}%)"
 
 
 class Videos:
@@ -190,14 +152,7 @@ class Videos:
         order: str | None = None,
     ) -> SyncCursorPage[Video]:
         """A page of videos; iterating over it walks every following page too."""
-
-        def fetch(cursor: str | None) -> SyncCursorPage[Video]:
-            params = list_params(after=cursor, limit=limit, order=order)
-            return SyncCursorPage(
-                self._client.get("/v1/videos", params=params).json(), Video, fetch
-            )
-
-        return fetch(after)
+        return self._client.get_page("/v1/videos", Video, after=after, limit=limit, order=order)
 
     def delete(self, video_id: str) -> VideoDeleted:
         """Cancel the video if it is queued or running (the server stops at its next step) and delete it."""
@@ -217,17 +172,10 @@ class Videos:
         `openai-poll-after-ms`. `progress=True` draws a tqdm bar when tqdm is installed.
         `max_wait` (seconds) raises TimeoutError instead of waiting forever.
         """
-        deadline = None if max_wait is None else time.monotonic() + max_wait
-        with ProgressBar(progress, total=100, desc=f"video {video_id}") as bar:
-            while True:
-                response = self._client.get(f"/v1/videos/{video_id}")
-                video = Video.from_dict(response.json())
-                bar.update_to(video.progress, video.status)
-                if video.done:
-                    return video
-                wait = poll_interval_s(response, poll_interval_ms)
-                _check_deadline(deadline, wait, video)
-                base._sleep(wait)
+        with VideoWatch(
+            video_id, progress=progress, poll_interval_ms=poll_interval_ms, max_wait=max_wait
+        ) as watch:
+            return self._client.poll(lambda: self._client.get(f"/v1/videos/{video_id}"), watch)
 
     def create_and_poll(
         self,
@@ -252,47 +200,8 @@ class Videos:
         The file appears complete or not at all: bytes go to `PATH.part`, renamed at the end. A
         connection that breaks mid-download resumes with an HTTP Range request where it stopped.
         """
-        url, params = f"/v1/videos/{video_id}/content", {"variant": variant}
-        if path is None:
-            return self._client.get(
-                url, params=params, timeout=stream_timeout(self._client.timeout)
-            ).content
-        path = Path(path)
-        part = path.with_name(path.name + ".part")
-        written, attempt = 0, 0
-        try:
-            with open(part, "wb") as f:
-                while True:
-                    headers = {"Range": f"bytes={written}-"} if written else None
-                    response = self._client.get(
-                        url,
-                        params=params,
-                        headers=headers,
-                        stream=True,
-                        timeout=stream_timeout(self._client.timeout),
-                    )
-                    try:
-                        if written and (
-                            response.status_code != 206 or _content_range_start(response) != written
-                        ):
-                            f.seek(0)  # the server sent the whole file again: start over
-                            f.truncate()
-                            written = 0
-                        for chunk in response.iter_bytes():
-                            f.write(chunk)
-                            written += len(chunk)
-                        break
-                    except httpx.TransportError as e:
-                        if attempt >= self._client.max_retries:
-                            raise stream_error(e, response.request) from e
-                        base._sleep(base.retry_delay(attempt))
-                        attempt += 1
-                    finally:
-                        response.close()
-            os.replace(part, path)
-        finally:
-            part.unlink(missing_ok=True)
-        return path
+        url = f"/v1/videos/{video_id}/content"
+        return self._client.download(url, params={"variant": variant}, to=path)
 
     def events(self, video_id: str, *, last_event_id: str | None = None) -> Iterator[VideoEvent]:
         """The video's Server-Sent Events (status and progress) until it reaches a terminal state.
@@ -300,26 +209,8 @@ class Videos:
         The server replays the stream from the start, or after `last_event_id`. A connection that
         breaks is reopened (up to max_retries times in a row) from the last event received.
         """
-        attempt = 0
-        while True:
-            response = self._client.get(
-                f"/v1/videos/{video_id}/events",
-                stream=True,
-                headers=sse_headers(last_event_id),
-                timeout=stream_timeout(self._client.timeout),
-            )
-            try:
-                for sse in iter_sse(response.iter_lines()):
-                    last_event_id, attempt = sse.id or last_event_id, 0
-                    yield to_video_event(sse)
-                return
-            except httpx.TransportError as e:
-                if attempt >= self._client.max_retries:
-                    raise stream_error(e, response.request) from e
-                base._sleep(base.retry_delay(attempt))
-                attempt += 1
-            finally:
-                response.close()
+        stream = EventStream(last_event_id, parse=to_video_event)
+        return self._client.get_stream(f"/v1/videos/{video_id}/events", stream)
 
 
 class AsyncVideos:
@@ -375,14 +266,7 @@ class AsyncVideos:
         order: str | None = None,
     ) -> AsyncPaginator[Video]:
         """`await` it for the first page, or `async for` over every video of every page."""
-
-        async def fetch(cursor: str | None) -> AsyncCursorPage[Video]:
-            params = list_params(after=cursor, limit=limit, order=order)
-            return AsyncCursorPage(
-                (await self._client.get("/v1/videos", params=params)).json(), Video, fetch
-            )
-
-        return AsyncPaginator(lambda: fetch(after))
+        return self._client.get_page("/v1/videos", Video, after=after, limit=limit, order=order)
 
     async def delete(self, video_id: str) -> VideoDeleted:
         """Cancel the video if it is queued or running and delete it."""
@@ -397,17 +281,12 @@ class AsyncVideos:
         max_wait: float | None = None,
     ) -> Video:
         """Wait until the video is completed, failed or cancelled (see `Videos.poll`)."""
-        deadline = None if max_wait is None else time.monotonic() + max_wait
-        with ProgressBar(progress, total=100, desc=f"video {video_id}") as bar:
-            while True:
-                response = await self._client.get(f"/v1/videos/{video_id}")
-                video = Video.from_dict(response.json())
-                bar.update_to(video.progress, video.status)
-                if video.done:
-                    return video
-                wait = poll_interval_s(response, poll_interval_ms)
-                _check_deadline(deadline, wait, video)
-                await base._async_sleep(wait)
+        with VideoWatch(
+            video_id, progress=progress, poll_interval_ms=poll_interval_ms, max_wait=max_wait
+        ) as watch:
+            return await self._client.poll(
+                lambda: self._client.get(f"/v1/videos/{video_id}"), watch
+            )
 
     async def create_and_poll(
         self,
@@ -428,65 +307,12 @@ class AsyncVideos:
         self, video_id: str, *, variant: Variant = "video", path: PathLike | None = None
     ) -> Path | bytes:
         """The MP4 or thumbnail, into `path` (returned) or as bytes (see `Videos.download_content`)."""
-        url, params = f"/v1/videos/{video_id}/content", {"variant": variant}
-        timeout = stream_timeout(self._client.timeout)
-        if path is None:
-            return (await self._client.get(url, params=params, timeout=timeout)).content
-        path = Path(path)
-        part = path.with_name(path.name + ".part")
-        written, attempt = 0, 0
-        try:
-            # Plain file writes: chunks are small and local disks fast, so they do not stall the loop.
-            with open(part, "wb") as f:
-                while True:
-                    headers = {"Range": f"bytes={written}-"} if written else None
-                    response = await self._client.get(
-                        url, params=params, headers=headers, stream=True, timeout=timeout
-                    )
-                    try:
-                        if written and (
-                            response.status_code != 206 or _content_range_start(response) != written
-                        ):
-                            f.seek(0)
-                            f.truncate()
-                            written = 0
-                        async for chunk in response.aiter_bytes():
-                            f.write(chunk)
-                            written += len(chunk)
-                        break
-                    except httpx.TransportError as e:
-                        if attempt >= self._client.max_retries:
-                            raise stream_error(e, response.request) from e
-                        await base._async_sleep(base.retry_delay(attempt))
-                        attempt += 1
-                    finally:
-                        await response.aclose()
-            os.replace(part, path)
-        finally:
-            part.unlink(missing_ok=True)
-        return path
+        url = f"/v1/videos/{video_id}/content"
+        return await self._client.download(url, params={"variant": variant}, to=path)
 
-    async def events(
+    def events(
         self, video_id: str, *, last_event_id: str | None = None
     ) -> AsyncIterator[VideoEvent]:
         """The video's Server-Sent Events until it reaches a terminal state (see `Videos.events`)."""
-        attempt = 0
-        while True:
-            response = await self._client.get(
-                f"/v1/videos/{video_id}/events",
-                stream=True,
-                headers=sse_headers(last_event_id),
-                timeout=stream_timeout(self._client.timeout),
-            )
-            try:
-                async for sse in aiter_sse(response.aiter_lines()):
-                    last_event_id, attempt = sse.id or last_event_id, 0
-                    yield to_video_event(sse)
-                return
-            except httpx.TransportError as e:
-                if attempt >= self._client.max_retries:
-                    raise stream_error(e, response.request) from e
-                await base._async_sleep(base.retry_delay(attempt))
-                attempt += 1
-            finally:
-                await response.aclose()
+        stream = EventStream(last_event_id, parse=to_video_event)
+        return self._client.get_stream(f"/v1/videos/{video_id}/events", stream)
