@@ -25,6 +25,11 @@ run() {  # run NAME TIMEOUT_S CMD...: keep going after a failure, remember it, s
 
 python3 -m pip install --no-index --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || {
   echo "install failed"; tail -n 20 "$OUT/install.log"; exit 1; }
+# diffusers, for the Wan comparison, when its wheels were carried along (scripts/gpu_wheels.sh).
+if [ -d wheels ]; then
+  python3 -m pip install --no-index --find-links wheels diffusers >>"$OUT/install.log" 2>&1 ||
+    echo "diffusers wheels did not install; the Wan comparison is skipped"
+fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >"$OUT/gpu.csv" 2>&1
 
 # Correctness first: 3D-DSA kernels (bf16, fp16) against the reference, then streaming and training.
@@ -33,5 +38,8 @@ run cuda_checks 120 python3 benchmarks/cuda_checks.py --preset small --json
 # Benchmarks.
 run streaming_small 60 python3 benchmarks/streaming.py --device cuda --preset small --frames 16 --size 256x256 --json
 run attention 180 python3 benchmarks/attention.py --json --quick
+if python3 -c "import diffusers" 2>/dev/null; then
+  run wan_streaming 90 python3 benchmarks/wan_streaming.py --json
+fi
 echo "results in $OUT"
 exit $status

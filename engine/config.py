@@ -98,6 +98,11 @@ class DiTConfig:
     def head_dim(self) -> int:
         return self.dim // self.heads
 
+    @property
+    def text_tokens(self) -> int:
+        """Text tokens every block's cross-attention reads."""
+        return self.text.max_len
+
     def latent_shape(self, frames: int, height: int, width: int) -> tuple[int, int, int, int]:
         """`(C, F', H', W')` of the latent of a clip given in pixels (a causal VAE keeps the
         first frame alone)."""

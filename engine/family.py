@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
-from pathlib import Path
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import torch
 from torch import nn
 
 if TYPE_CHECKING:
@@ -23,19 +24,24 @@ if TYPE_CHECKING:
     from .streaming import StreamHandle
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: `weights` may be a lazy mapping of a whole file
 class Component:
     """One module of a model as the loader sees it.
 
-    `module` is built on the meta device; `blocks` (a ModuleList inside it) are the repeated
-    blocks that streaming moves; `files` are the safetensors files holding its weights under the
-    module's own state-dict names (none: a preset's random initial weights).
+    `module` is built on the meta device (tensors it computes rather than stores, such as rotary
+    tables, may be real already); `blocks` (submodules of it, in the order they run) are what
+    streaming moves; `weights` maps the module's own state-dict names to tensors, read lazily
+    (`host_store.SafetensorsFile`; None: a preset's random initial weights). Floating tensors take
+    the compute dtype, or `dtype` when the component fixes its own (a VAE in fp32); tensors under a
+    submodule named in `keep_fp32` stay fp32 (diffusers' `_keep_in_fp32_modules`).
     """
 
     name: str
     module: nn.Module
-    blocks: nn.ModuleList | None = None
-    files: tuple[Path, ...] = field(default_factory=tuple)
+    blocks: Sequence[nn.Module] | None = None
+    weights: Mapping[str, torch.Tensor] | None = None
+    dtype: torch.dtype | None = None
+    keep_fp32: tuple[str, ...] = ()
 
 
 class Family(ABC):
@@ -50,13 +56,29 @@ class Family(ABC):
 
     @abstractmethod
     def pipeline(
-        self, info: ModelInfo, parts: dict[str, nn.Module], handles: dict[str, StreamHandle]
+        self,
+        info: ModelInfo,
+        parts: dict[str, nn.Module],
+        handles: dict[str, StreamHandle],
+        *,
+        batched: bool = True,
     ) -> Pipeline:
-        """A sampling pipeline over the placed modules (`handles`: the streamed ones)."""
+        """A sampling pipeline over the placed modules (`handles`: the streamed ones). `batched`
+        runs every request of a step, both halves of each guidance pair, in one forward pass;
+        False runs each row alone (a reference mode, as a one-request-at-a-time sampler does)."""
+
+    @abstractmethod
+    def count_parameters(self, info: ModelInfo) -> dict[str, int]:
+        """Exact parameter counts, built on the meta device: `total`, `per_block` (of one streamed
+        denoiser block), `blocks` (denoiser blocks in all), `denoiser` (what one step runs),
+        `text_encoder`."""
 
 
 # Families by the name `sources.describe` gives them, imported only when a model of theirs opens.
-FAMILIES = {"megaslide": "megaslide.engine.native:MegaSlideFamily"}
+FAMILIES = {
+    "megaslide": "megaslide.engine.native:MegaSlideFamily",
+    "wan": "megaslide.engine.wan.family:WanFamily",
+}
 
 
 def family(name: str) -> Family:

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from .family import Component, family
-from .host_store import SafetensorsFile
+from .host_store import BoundTensor, collect_tensors, layout_nbytes, repoint
 from .initialization import init_module, init_parts
 from .pipeline import Pipeline
 from .sources import ModelInfo, ModelSource, describe, resolve_source
@@ -85,15 +85,17 @@ def open_pipeline(
     gpu_budget_bytes: int | None = None,
     prefetch: int = 2,
     timing: bool = False,
+    batched: bool = True,
     **overrides,
 ) -> Pipeline:
     """A model opened for sampling.
 
     `source`: a described model (`ModelInfo`), a `ModelSource`, a model directory or packaged
-    model name, or None for the packaged default. `offload="stream"` keeps block weights in host RAM and streams them each step
-    (`gpu_budget_bytes` keeps as many blocks resident as fit); `timing` records per-block copy
-    and compute times for the streamer's stats and trace. `overrides` replace architecture fields
-    that leave the weights alone (`attention="dsa"`).
+    model name, or None for the packaged default. `offload="stream"` keeps block weights in host
+    RAM and streams them each step (`gpu_budget_bytes` keeps as many blocks resident as fit);
+    `timing` records per-block copy and compute times for the streamer's stats and trace.
+    `batched=False` runs each request's rows in passes of their own (a reference mode).
+    `overrides` replace architecture fields that leave the weights alone (`attention="dsa"`).
     """
     if isinstance(source, ModelInfo) and not overrides:
         info = source
@@ -110,7 +112,7 @@ def open_pipeline(
     )
     for module in parts.values():
         module.eval()
-    return family(info.family).pipeline(info, parts, handles)
+    return family(info.family).pipeline(info, parts, handles, batched=batched)
 
 
 def open_model(
@@ -124,7 +126,11 @@ def open_model(
     timing: bool = False,
 ) -> tuple[dict[str, nn.Module], dict[str, StreamHandle]]:
     """The modules of a described model, built on meta, filled and placed: `(modules by name,
-    stream handles of the streamed ones)`. Fine-tuning opens its model here in fp32."""
+    stream handles of the streamed ones)`. Fine-tuning opens its model here in fp32.
+
+    With several streamed components (a text encoder and two denoising experts, say), the
+    budget is shared in proportion to their block bytes.
+    """
     if offload not in OFFLOAD_MODES:
         raise ValueError(f"offload must be one of {OFFLOAD_MODES}, got {offload!r}")
     if gpu_budget_bytes is not None and offload != "stream":
@@ -132,29 +138,34 @@ def open_model(
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     components = family(info.family).components(info)
+    streamed = [c for c in components if offload == "stream" and c.blocks]
+    block_bytes = {c.name: sum(layout_nbytes(b) for b in c.blocks) for c in streamed}
     handles: dict[str, StreamHandle] = {}
-    seeded = any(not c.files for c in components)
+    seeded = any(c.weights is None for c in components)
     with _seeded(info.source.seed) if seeded else contextlib.nullcontext():
         for c in components:
             # A meta twin to draw a preset's random weights in, one part at a time.
-            template = copy.deepcopy(c.module) if not c.files else None
-            _cast_floating(c.module, dtype)  # on meta: costs nothing
-            if offload == "stream" and c.blocks is not None:
+            template = copy.deepcopy(c.module) if c.weights is None else None
+            _cast_floating(c.module, c.dtype or dtype, c.keep_fp32)  # on meta: costs nothing
+            if c in streamed:
+                budget = gpu_budget_bytes
+                if budget is not None:
+                    budget = budget * block_bytes[c.name] // sum(block_bytes.values())
                 handle = stream_module(
                     c.module,
                     c.blocks,
                     device,
-                    gpu_budget_bytes=gpu_budget_bytes,
+                    gpu_budget_bytes=budget,
                     prefetch=prefetch,
                     timing=timing,
                 )
                 fill = handle.load_weights
                 handles[c.name] = handle
             else:
-                c.module.to_empty(device=device)
+                _place(c.module, device)
                 fill = functools.partial(fill_module, c.module)
-            if c.files:
-                fill(SafetensorsFile(c.files))
+            if c.weights is not None:
+                fill(c.weights)
             else:
                 for state in _random_parts(template, c):
                     fill(state, strict=False)
@@ -169,8 +180,27 @@ def _seeded(seed: int):
         yield
 
 
-def _cast_floating(module: nn.Module, dtype: torch.dtype) -> None:
-    module.to(dtype=dtype)  # nn.Module.to casts floating tensors only
+def _kept_fp32(bound: BoundTensor, keep: tuple[str, ...]) -> bool:
+    return any(part in keep for name in bound.names for part in name.split("."))
+
+
+def _cast_floating(module: nn.Module, dtype: torch.dtype, keep: tuple[str, ...] = ()) -> None:
+    """Floating parameters and persistent buffers to `dtype`, but those under a submodule named
+    in `keep` (kept fp32) and non-persistent buffers, which the module computed for itself."""
+    for bound in collect_tensors(module):
+        t = bound.tensor
+        if not t.is_floating_point() or not bound.persistent:
+            continue
+        target = torch.float32 if _kept_fp32(bound, keep) else dtype
+        if t.dtype != target:
+            t.data = t.data.to(target)
+
+
+def _place(module: nn.Module, device: torch.device) -> None:
+    """Give every tensor storage on `device`: meta ones empty (filled next), real ones moved."""
+    for bound in collect_tensors(module):
+        t = bound.tensor
+        repoint(t, torch.empty_like(t, device=device) if t.is_meta else t.detach().to(device))
 
 
 def _random_parts(template: nn.Module, c: Component) -> Iterator[dict[str, torch.Tensor]]:
@@ -189,19 +219,24 @@ def _random_parts(template: nn.Module, c: Component) -> Iterator[dict[str, torch
 
 def fill_module(module: nn.Module, source: Mapping[str, torch.Tensor], *, strict: bool = True):
     """Copy tensors named as in `module.state_dict()` from `source` (a lazy mapping is read one
-    tensor at a time) into the module's own storage, casting dtypes. With `strict`, every
-    persistent tensor must be in `source` and every key of `source` must name one."""
-    targets = module.state_dict(keep_vars=True)
+    tensor at a time) into the module's own storage, casting dtypes. A tensor known by several
+    names (tied weights) is filled from whichever `source` holds. With `strict`, every persistent
+    tensor must be in `source` and every key of `source` must name one."""
+    groups = collect_tensors(module)
     keys = set(source)
     if strict:
-        missing, unexpected = sorted(targets.keys() - keys), sorted(keys - targets.keys())
+        known = {n for g in groups for n in g.names}
+        missing = [g.names[0] for g in groups if g.persistent and not keys.intersection(g.names)]
+        unexpected = sorted(keys - known)
         if missing or unexpected:
             raise KeyError(f"weights: missing {missing[:8]}, unexpected {unexpected[:8]}")
     with torch.no_grad():
-        for name in targets.keys() & keys:
-            src, dst = source[name], targets[name]
-            if tuple(src.shape) != tuple(dst.shape):
-                raise ValueError(
-                    f"{name!r}: checkpoint shape {tuple(src.shape)} != {tuple(dst.shape)}"
-                )
-            dst.copy_(src)
+        for g in groups:
+            key = next((n for n in g.names if n in keys), None)
+            if key is None:
+                continue
+            src = source[key]
+            if tuple(src.shape) != tuple(g.tensor.shape):
+                shapes = f"{tuple(src.shape)} != {tuple(g.tensor.shape)}"
+                raise ValueError(f"{key!r}: checkpoint shape {shapes}")
+            g.tensor.copy_(src)

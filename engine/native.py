@@ -19,6 +19,7 @@ from .config import DiTConfig
 from .dit import VideoDiT
 from .family import Component, Family
 from .flow import SampleState, denoise_step, shifted_schedule
+from .host_store import SafetensorsFile
 from .pipeline import Pipeline
 from .request import ResolvedVideo
 from .sources import ModelInfo
@@ -31,17 +32,33 @@ class MegaSlideFamily(Family):
     name = "megaslide"
 
     def components(self, info: ModelInfo) -> list[Component]:
+        build_autoencoder(info.config.autoencoder)  # a model whose VAE is not bundled fails now
         with torch.device("meta"):
             dit, text = VideoDiT(info.config), BuiltinTextEncoder(info.config.text)
         path = info.source.path
-        files = ((path / MODEL_FILE,), (path / TEXT_FILE,)) if path is not None else ((), ())
+        if path is None:  # a preset: random weights
+            return [Component("dit", dit, dit.blocks), Component("text_encoder", text)]
         return [
-            Component("dit", dit, dit.blocks, files[0]),
-            Component("text_encoder", text, None, files[1]),
+            Component("dit", dit, dit.blocks, SafetensorsFile(path / MODEL_FILE)),
+            Component("text_encoder", text, None, SafetensorsFile(path / TEXT_FILE)),
         ]
 
-    def pipeline(self, info, parts, handles) -> DiTPipeline:
-        return DiTPipeline(info, parts["dit"], parts["text_encoder"], handles)
+    def pipeline(self, info, parts, handles, *, batched: bool = True) -> DiTPipeline:
+        return DiTPipeline(info, parts["dit"], parts["text_encoder"], handles, batched=batched)
+
+    def count_parameters(self, info: ModelInfo) -> dict[str, int]:
+        counts = count_parameters(info.config)
+        depth = info.config.depth
+        return {
+            **counts,
+            "blocks": depth,
+            "experts": 1,
+            "denoiser_non_block": counts["dit"] - depth * counts["per_block"],
+            "text_per_block": 0,  # the built-in text encoder stays resident
+            "text_blocks": 0,
+            "vae": 0,  # pixel space
+            "trainable": counts["total"],  # the text encoder trains too
+        }
 
 
 class DiTPipeline(Pipeline):
@@ -53,9 +70,12 @@ class DiTPipeline(Pipeline):
         dit: VideoDiT,
         text_encoder: BuiltinTextEncoder,
         handles: dict[str, StreamHandle],
+        *,
+        batched: bool = True,
     ):
         super().__init__(info, handles)
         self.dit, self.text_encoder = dit, text_encoder
+        self.batched = batched
         self.config: DiTConfig = dit.config
         self.autoencoder = build_autoencoder(self.config.autoencoder)
 
@@ -76,7 +96,11 @@ class DiTPipeline(Pipeline):
         return SampleState(noise.to(self.device), ctx, mask, times, video.guidance)
 
     def step(self, states: list[SampleState]) -> None:
-        denoise_step(self.dit, states)
+        if self.batched:
+            denoise_step(self.dit, states)
+            return
+        for state in states:
+            denoise_step(self.dit, [state])
 
     def finish(self, state: SampleState) -> np.ndarray:
         if not state.done:

@@ -9,6 +9,7 @@ checks a `VideoRequest` against this model's limits.
 
 from __future__ import annotations
 
+import json
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
@@ -57,6 +58,18 @@ class Pipeline(ABC):
 
     def h2d_bytes(self) -> int:
         return sum(h.h2d_bytes for h in self.handles.values())
+
+    def stats(self) -> dict[str, dict]:
+        """The streamer's accounting of each streamed module, by name."""
+        return {name: handle.stats() for name, handle in self.handles.items()}
+
+    def write_trace(self, path) -> None:
+        """One Chrome trace (Perfetto) of every streamed module's block copies and computes."""
+        events = []
+        for k, (name, handle) in enumerate(self.handles.items()):
+            events += handle.trace_events(label=name, track=10 * k)
+        with open(path, "w") as f:
+            json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
 
     def generate(
         self,

@@ -1,7 +1,7 @@
 """Memory and time planner: will a model run, in which mode, on which machine, and how fast?
 
-Every figure is derived from the model config (built on the meta device) and a few machine
-numbers, and named, so the accounting can be read and checked line by line:
+Every figure is derived from the model's config (its family counts parameters on the meta device)
+and a few machine numbers, and named, so the accounting can be read and checked line by line:
 
 - Inference keeps the compute-dtype weights in host RAM (pinned once, at the exact size) and
   streams each block into one of `prefetch` device slots; resident blocks and the non-block
@@ -21,8 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from .config import DiTConfig
-from .native import count_parameters
+from .family import family
 from .optim import grad_buffer_bytes
 from .sources import ModelInfo
 
@@ -66,7 +65,7 @@ def tokens(info: ModelInfo, w: Workload) -> int:
     return math.prod(grid)
 
 
-def attention_keys(config: DiTConfig, n: int) -> int:
+def attention_keys(config, n: int) -> int:
     """Keys each query attends to: all tokens (dense) or the 3D-DSA window."""
     if config.attention == "dense":
         return n
@@ -75,33 +74,47 @@ def attention_keys(config: DiTConfig, n: int) -> int:
 
 def plan(info: ModelInfo, machine: Machine = Machine(), w: Workload = Workload()) -> dict:
     """The full accounting of a described model (`sources.describe`) as a dict of named byte
-    counts, times and a verdict."""
+    counts, times and a verdict.
+
+    A model is its denoiser (one or more experts of `blocks` blocks each; one expert runs per
+    step), a text encoder (streamed block by block too when it has blocks, else resident) and a
+    VAE (resident, fp32). Fine-tuning trains the parameters the family names trainable (one
+    expert of a multi-expert model).
+    """
     config = info.config
     if w.mode not in ("infer", "finetune"):
         raise ValueError(f"mode must be 'infer' or 'finetune', got {w.mode!r}")
     finetune = w.mode == "finetune"
-    counts = count_parameters(config)
-    n_params, n_block = counts["total"], counts["per_block"]
-    n_nonblock = n_params - n_block * config.depth
+    counts = family(info.family).count_parameters(info)
+    n_params, n_block, depth = counts["total"], counts["per_block"], counts["blocks"]
+    experts = 1 if finetune else counts["experts"]  # fine-tuning holds one expert's blocks
     b = w.dtype_bytes
     # Inference streams compute-dtype weights; fine-tuning streams the fp32 masters themselves and
     # casts to the compute dtype on the device (autocast), so no host copy in that dtype exists.
     wb = 4 if finetune else b
-    block_bytes, nonblock_bytes = n_block * wb, n_nonblock * wb
+    block_bytes = n_block * wb
+    # Resident outside the streamed blocks: each expert's embeddings and head, the text encoder's
+    # embedding (its blocks stream like the denoiser's) or all of it, and the fp32 VAE.
+    text_blocks = counts["text_blocks"]
+    text_resident = counts["text_encoder"] - counts["text_per_block"] * text_blocks
+    nonblock_bytes = (
+        experts * counts["denoiser_non_block"] * wb + text_resident * wb + counts["vae"] * 4
+    )
     n_tok = tokens(info, w)
     rows = w.batch * (2 if (w.guidance and not finetune) else 1)
-    D, F, L = config.dim, config.ffn_dim, config.text.max_len
+    D, F, L = config.dim, config.ffn_dim, config.text_tokens
     keys = attention_keys(config, n_tok)
 
-    # Device: weights. Slots hold streamed blocks; the rest of the budget keeps blocks resident.
-    slots = w.prefetch * block_bytes
+    # Device: weights. Slots hold streamed blocks (one ring per expert, and one for the text
+    # encoder's blocks); the rest of the budget keeps denoiser blocks resident.
+    slots = experts * w.prefetch * block_bytes + (w.prefetch * counts["text_per_block"] * wb)
     if w.gpu_budget is None or finetune:  # fine-tuning streams every block
         resident = 0
     else:
-        resident = int(max(0, w.gpu_budget - nonblock_bytes - slots) // block_bytes)
-        resident = min(resident, config.depth)
-    streamed = config.depth - resident
-    weights_dev = nonblock_bytes + slots + resident * block_bytes
+        resident = int(max(0, w.gpu_budget - nonblock_bytes - slots) // (experts * block_bytes))
+        resident = min(resident, depth)
+    streamed = depth - resident
+    weights_dev = nonblock_bytes + slots + experts * resident * block_bytes
 
     # Device: activations of one block's forward, the largest live set (hidden state, qkv, attention
     # output, MLP hidden), and the attention workspace (flash-style kernels keep O(N) per row).
@@ -110,9 +123,10 @@ def plan(info: ModelInfo, machine: Machine = Machine(), w: Workload = Workload()
     device = {
         "non_block_weights": nonblock_bytes,
         "slots": slots,
-        "resident_blocks": resident * block_bytes,
+        "resident_blocks": experts * resident * block_bytes,
     }
     host = {}
+    trainable = counts["trainable"]
     if not finetune:
         device.update(activations=act_block, attention_workspace=attn_ws)
         host["compute_dtype_weights"] = n_params * b  # pinned once at the exact size
@@ -124,17 +138,18 @@ def plan(info: ModelInfo, machine: Machine = Machine(), w: Workload = Workload()
             attention_workspace=attn_ws,
             block_cast=n_block * b,
             block_gradients=n_block * 4,
-            boundary_activations=rows * n_tok * D * b * config.depth,
+            boundary_activations=rows * n_tok * D * b * depth,
         )
         host.update(
-            fp32_master=4 * n_params,  # pinned: the streamer's host store is the master
-            adam_m=4 * n_params,
-            adam_v=4 * n_params,
+            fp32_master=4 * trainable,  # pinned: the streamer's host store is the master
+            adam_m=4 * trainable,
+            adam_v=4 * trainable,
+            frozen_weights=(n_params - trainable) * b,  # the frozen text encoder, VAE, experts
             # One block's fp32 gradients on their way to the optimizer.
             pinned_gradients=n_block * 4,
             # Accumulating micro-batches, or clipping by the global norm, holds every gradient.
             grad_accumulation=grad_buffer_bytes(
-                n_params,
+                trainable,
                 accumulation_steps=w.grad_accum,
                 max_grad_norm=1.0 if w.max_grad_norm else None,
             ),
@@ -148,13 +163,11 @@ def plan(info: ModelInfo, machine: Machine = Machine(), w: Workload = Workload()
     host_total = sum(host.values())
 
     # Time: FLOPs of one forward over the batch (matmuls 2*params*tokens, attention 4*N*keys*D).
-    matmul_params = (
-        n_block - 6 * D
-    )  # everything in a block but its modulation table is a matmul weight
+    matmul_params = n_block - 6 * D  # everything in a block but its modulation table is a matmul
     fwd_flops = (
-        config.depth * rows * (2 * matmul_params * n_tok + 4 * n_tok * keys * D + 4 * n_tok * L * D)
+        depth * rows * (2 * matmul_params * n_tok + 4 * n_tok * keys * D + 4 * n_tok * L * D)
     )
-    streamed_bytes = streamed * block_bytes
+    streamed_bytes = streamed * block_bytes  # one expert runs per step
     if not finetune:
         compute_s = fwd_flops / (machine.tflops * 1e12)
         h2d_bytes = streamed_bytes
@@ -162,15 +175,13 @@ def plan(info: ModelInfo, machine: Machine = Machine(), w: Workload = Workload()
         optimizer_s = 0.0
     else:
         compute_s = 4 * fwd_flops / (machine.tflops * 1e12)  # forward, recompute, backward (2x)
-        offloaded = host.get(
-            "boundary_activations", 0
-        )  # down in the forward, back up in the backward
+        offloaded = host.get("boundary_activations", 0)  # down in the forward, up in the backward
         # Every block crosses in the forward and again in the backward, except those still in their
         # slots when the backward turns around.
         h2d_bytes = (2 * streamed - min(w.prefetch, streamed)) * block_bytes + offloaded
-        d2h_bytes = config.depth * n_block * 4 + offloaded  # every block's fp32 gradients
+        d2h_bytes = depth * n_block * 4 + offloaded  # every block's fp32 gradients
         transfer_s = h2d_bytes / (machine.h2d_gbps * GB) + d2h_bytes / (machine.d2h_gbps * GB)
-        optimizer_s = 30 * n_params / (machine.host_gbps * GB)  # ~30 B/param through host memory
+        optimizer_s = 30 * trainable / (machine.host_gbps * GB)  # ~30 B/param through host memory
     bounds = {"compute": compute_s, "transfer": transfer_s, "optimizer": optimizer_s}
     bound = max(bounds, key=bounds.get)
 
@@ -189,10 +200,13 @@ def plan(info: ModelInfo, machine: Machine = Machine(), w: Workload = Workload()
             f"({(nonblock_bytes + slots) / GB:.2f} GB)"
         )
     return {
+        "model": info.name,
         "mode": w.mode,
         "parameters": n_params,
+        "trainable_parameters": trainable,
         "per_block_parameters": n_block,
-        "blocks": config.depth,
+        "blocks": depth,
+        "experts": counts["experts"],
         "resident_blocks": resident,
         "streamed_blocks": streamed,
         "tokens": n_tok,
@@ -215,8 +229,10 @@ def format_plan(p: dict) -> str:
         return f"{x / GB:10.2f} GB"
 
     lines = [
-        f"{p['mode']}: {p['parameters']:,} parameters, {p['blocks']} blocks "
-        f"({p['resident_blocks']} resident, {p['streamed_blocks']} streamed), {p['tokens']:,} tokens x {p['batch_rows']} rows"
+        f"{p['model']} {p['mode']}: {p['parameters']:,} parameters, "
+        f"{p['experts']} x {p['blocks']} blocks "
+        f"({p['resident_blocks']} resident, {p['streamed_blocks']} streamed), "
+        f"{p['tokens']:,} tokens x {p['batch_rows']} rows"
     ]
     for side in ("host", "device"):
         lines.append(f"{side}:")

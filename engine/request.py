@@ -16,6 +16,7 @@ import math
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 SEED_LIMIT = 2**63  # seeds are stored as signed 64-bit integers
 RANDOM_SEED_BITS = 31  # an unseeded request gets a seed below 2**31, echoed back
@@ -51,6 +52,7 @@ class ModelLimits:
     frames_multiple: int  # frames - frames_offset must be a multiple of this
     max_prompt_tokens: int  # in the model's own tokens
     frames_offset: int = 0  # e.g. 1 for a causal video VAE (frames = 4k + 1)
+    image_input: bool = False  # takes a first-frame image (image-to-video)
     prompt_unit: str = "bytes (UTF-8)"
     count_tokens: Callable[[str], int] = _utf8_bytes
     # The model's exact shape rule (ValueError naming the problem) beyond the fields above, e.g.
@@ -67,6 +69,7 @@ class ModelLimits:
             "frames_offset": self.frames_offset,
             "max_prompt_tokens": self.max_prompt_tokens,
             "prompt_unit": self.prompt_unit,
+            "image_input": self.image_input,
         }
 
     def check_clip(self, frames: int, width: int, height: int, *, param: str = "size") -> None:
@@ -135,6 +138,7 @@ class VideoRequest:
     steps: int | None = None
     guidance: float | None = None
     seed: int | None = None
+    image: str | None = None  # a first-frame image file, for a model that takes one
 
 
 @dataclass(frozen=True)
@@ -151,6 +155,7 @@ class ResolvedVideo:
     steps: int
     guidance: float
     seed: int
+    image: str | None = None
 
     @property
     def batch_key(self) -> tuple:
@@ -265,6 +270,15 @@ def resolve(
         raise RequestError(
             f"guidance_scale must be a finite number >= 0, got {guidance}", param="guidance_scale"
         )
+    if request.image is not None:
+        if not limits.image_input:
+            raise RequestError(
+                "this model does not take a first-frame image (input_reference)",
+                param="input_reference",
+                code="unsupported_parameter",
+            )
+        if not Path(request.image).is_file():
+            raise RequestError(f"image {request.image} not found", param="input_reference")
     seed = request.seed
     if seed is None:
         seed = secrets.randbelow(2**RANDOM_SEED_BITS)
@@ -281,4 +295,5 @@ def resolve(
         steps=steps,
         guidance=guidance,
         seed=seed,
+        image=request.image,
     )

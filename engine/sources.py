@@ -2,21 +2,28 @@
 model shipped inside the package, and what that model is (`describe`), without torch.
 
 `resolve_source(model, preset=...)` is the one place that turns what a user typed (`--model DIR`,
-`--model NAME`, `--preset NAME`, or nothing: the packaged default model) into a `ModelSource`.
-`describe(source)` reads the model's config (never its weights) into a `ModelInfo`: its family,
-architecture, sampling defaults and the limits a request is checked against.
+`--model NAME`, `--model NAME=DIR`, `--preset NAME`, or nothing: the packaged default model) into
+a `ModelSource`. `describe(source)` reads the model's config (never its weights) into a
+`ModelInfo`: its family, architecture, sampling defaults and the limits a request is checked
+against. Two families read directories: MegaSlide's own (`config.json`) and diffusers-format Wan
+pipelines (`model_index.json`, wan/config.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .config import DiTConfig, SamplingDefaults, get_preset
 from .request import ModelLimits
 from .tokens import TOKEN_UNITS, count_tokens
+
+if TYPE_CHECKING:
+    from .wan.config import WanConfig
 
 PACKAGED_DIR = Path(__file__).parent / "assets" / "models"
 DEFAULT_MODEL = "megaslide-tiny"
@@ -51,11 +58,16 @@ def packaged_models() -> dict[str, Path]:
 def resolve_source(
     model: str | Path | None = None, *, preset: str | None = None, seed: int = 0
 ) -> ModelSource:
-    """The model named by a `--model` value (directory or packaged name) or a `--preset`; with
-    neither, the packaged default model (or the tiny preset when none ships). ValueError names
-    what is wrong."""
+    """The model named by a `--model` value (directory or packaged name, optionally `NAME=DIR` to
+    serve it under another name) or a `--preset`; with neither, the packaged default model (or
+    the tiny preset when none ships). ValueError names what is wrong."""
     if model is not None and preset is not None:
         raise ValueError("give a model or a preset, not both")
+    name, sep, rest = str(model).partition("=") if isinstance(model, str) else ("", "", "")
+    if sep and name and "/" not in name and not Path(model).exists():
+        if not rest:
+            raise ValueError(f"--model {model}: give a directory after {name}=")
+        return dataclasses.replace(resolve_source(rest, seed=seed), name=name)
     if preset is not None:
         get_preset(preset)  # an unknown name fails here, listing the presets
         return ModelSource("preset", preset, preset=preset, seed=seed)
@@ -70,7 +82,10 @@ def resolve_source(
     path = Path(model)
     if path.is_dir():
         if family_of(path) is None:
-            raise ValueError(f"{path} is not a model directory (no {CONFIG_FILE})")
+            raise ValueError(
+                f"{path} is not a model directory (no {CONFIG_FILE}, nor a diffusers "
+                "model_index.json)"
+            )
         return ModelSource("directory", path.resolve().name, path=path)
     if path.exists():
         raise ValueError(f"{path} is not a model directory")
@@ -84,6 +99,8 @@ def family_of(path: Path) -> str | None:
     """The family of a model directory, from the files that describe it; None if not a model."""
     if (path / CONFIG_FILE).is_file():
         return "megaslide"
+    if (path / "model_index.json").is_file():
+        return "wan"
     return None
 
 
@@ -93,7 +110,7 @@ class ModelInfo:
 
     source: ModelSource
     family: str
-    config: DiTConfig
+    config: DiTConfig | WanConfig  # the family's own architecture config
     sampling: SamplingDefaults
     limits: ModelLimits
     extra: dict = field(default_factory=dict)  # other keys of the model's config.json
@@ -153,6 +170,13 @@ def native_limits(config: DiTConfig, sampling: SamplingDefaults) -> ModelLimits:
 def describe(source: ModelSource, **overrides) -> ModelInfo:
     """Read a model's config (never its weights). `overrides` replace architecture fields that
     leave the weights' shapes alone, e.g. `attention="dsa"`."""
+    if source.kind == "directory" and family_of(source.path) == "wan":
+        from .wan.config import default_sampling, read_wan_config, wan_limits
+
+        config = read_wan_config(source.path)
+        config = config.replace(**overrides) if overrides else config
+        sampling = default_sampling(config, source.path)
+        return ModelInfo(source, "wan", config, sampling, wan_limits(config, sampling, source.path))
     if source.kind == "preset":
         preset = get_preset(source.preset)
         config, sampling, extra = preset.model, preset.sampling, {}

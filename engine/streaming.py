@@ -569,12 +569,15 @@ class StreamHandle:
             "copy_hidden_fraction": hidden / total_copy if total_copy > 0 else None,
         }
 
-    def trace_events(self) -> list[dict[str, Any]]:
+    def trace_events(self, label: str = "", track: int = 0) -> list[dict[str, Any]]:
         """Chrome trace events: one "X" event per block copy (copy stream) and per block compute
-        (compute stream), times in microseconds since `reset_stats`, plus thread-name metadata."""
+        (compute stream), times in microseconds since `reset_stats`, plus thread-name metadata.
+        `label` names the module and `track` offsets the thread ids, so the traces of several
+        streamed modules share one file."""
         if not self.timing:
             raise RuntimeError("trace_events needs stream_module(..., timing=True)")
-        pid, tids = os.getpid(), {"compute": 1, "copy": 2}
+        pid, tids = os.getpid(), {"compute": track + 1, "copy": track + 2}
+        prefix = f"{label}: " if label else ""
         events: list[dict[str, Any]] = [
             {
                 "ph": "M",
@@ -588,14 +591,14 @@ class StreamHandle:
                 "name": "thread_name",
                 "pid": pid,
                 "tid": tids["compute"],
-                "args": {"name": "compute stream"},
+                "args": {"name": f"{prefix}compute stream"},
             },
             {
                 "ph": "M",
                 "name": "thread_name",
                 "pid": pid,
                 "tid": tids["copy"],
-                "args": {"name": "copy stream (host to device)"},
+                "args": {"name": f"{prefix}copy stream (host to device)"},
             },
         ]
         for span, a, b in self._intervals():

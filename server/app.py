@@ -52,7 +52,7 @@ def housekeeping(store: JobStore, data: DataDir) -> None:
     """Start-up cleaning, while no worker runs: expired videos' files, and what a killed process left
     half-written (temporary MP4/PNG files, uploads that never got a row)."""
     for video_id in store.expired_videos():
-        for path in data.video(video_id):
+        for path in data.video_files(video_id):
             path.unlink(missing_ok=True)
     data.remove_stale()
     known = store.file_ids()

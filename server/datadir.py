@@ -49,6 +49,14 @@ class DataDir:
         folder = self.videos
         return folder / f"{video_id}.mp4", folder / f"{video_id}.png"
 
+    def reference(self, video_id: str) -> Path:
+        """Where an image-to-video request's first-frame image lives."""
+        return self.videos / f"{video_id}.input.png"
+
+    def video_files(self, video_id: str) -> tuple[Path, ...]:
+        """Every file of a video, for deleting it."""
+        return (*self.video(video_id), self.reference(video_id))
+
     def upload(self, file_id: str) -> Path:
         """The folder of one uploaded file: `upload` (the archive), then `data/` (unpacked)."""
         return self.files / file_id

@@ -60,7 +60,8 @@ class VideoCreate(Request):
     negative_prompt: str | None = None
     seed: int | None = Field(None, ge=0, lt=SEED_LIMIT)
     priority: int = Field(0, ge=-100, le=100, description="higher runs first")
-    input_reference: Any = None  # image-to-video: accepted as a field only to be refused by name
+    # Image-to-video: a first-frame image, uploaded as a multipart file (see the videos router).
+    input_reference: Any = None
 
     @field_validator("seconds", mode="before")
     @classmethod
@@ -73,13 +74,13 @@ class VideoCreate(Request):
                 raise ValueError(f"must be a number of seconds, got {value!r}") from None
         return value
 
-    def to_request(self) -> VideoRequest:
-        """The engine's request: what was asked, `None` where the model's default applies."""
+    def to_request(self, image: str | None = None) -> VideoRequest:
+        """The engine's request: what was asked, `None` where the model's default applies;
+        `image` is where an uploaded first-frame image was stored."""
         if self.input_reference is not None:
             raise RequestError(
-                "input_reference (image-to-video) is not supported by this server",
+                "input_reference must be an image file uploaded as multipart/form-data",
                 param="input_reference",
-                code="unsupported_parameter",
             )
         width, height = parse_size(self.size) if self.size else (None, None)
         return VideoRequest(
@@ -93,6 +94,7 @@ class VideoCreate(Request):
             steps=self.num_inference_steps,
             guidance=self.guidance_scale,
             seed=self.seed,
+            image=image,
         )
 
 

@@ -39,6 +39,9 @@ class Settings(BaseSettings):
     max_batch: int = Field(8, ge=1, description="video jobs sharing one denoising pass")
     max_steps: int = Field(200, ge=1, description="largest num_inference_steps accepted")
     max_prompt_chars: int = Field(4000, ge=1, description="hard cap before the model's own limit")
+    max_image_pixels: int = Field(
+        4096 * 4096, ge=1, description="largest first-frame image (input_reference), in pixels"
+    )
     poll_after_ms: int = Field(1000, ge=0, description="openai-poll-after-ms hint for active jobs")
     cancel_wait_s: float = Field(
         10.0, ge=0, description="how long DELETE waits for the worker to stop"

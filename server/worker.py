@@ -106,6 +106,10 @@ class EmbeddedWorker(WorkerClient):
 
     async def start(self, store: JobStore) -> None:
         self.store = store
+        # A worker can start again after a shutdown (an app's lifespan run twice): fresh signals,
+        # and not ready until its thread has loaded the models again.
+        self._stop, self._wake = threading.Event(), threading.Event()
+        self._ready, self._dead = False, None
         self._cards = {card.name: card for card in self.backend.cards()}
         # One encoder thread: MP4 writing overlaps the next denoising steps instead of delaying them.
         self._encoder = concurrent.futures.ThreadPoolExecutor(
@@ -206,7 +210,7 @@ class EmbeddedWorker(WorkerClient):
             return
         self._last_housekeeping = time.monotonic()
         for video_id in self.store.expired_videos():
-            for path in self.data.video(video_id):
+            for path in self.data.video_files(video_id):
                 path.unlink(missing_ok=True)
 
     def _park(self) -> None:

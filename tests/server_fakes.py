@@ -10,11 +10,14 @@ name CUDA uses, "badprep" raises while preparing.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
 import threading
 import time
 from pathlib import Path
 
+import httpx
 import numpy as np
 
 from megaslide.engine.request import ModelLimits, ResolvedVideo
@@ -236,3 +239,29 @@ def torch_app(settings):
     from megaslide.server.worker import EmbeddedWorker
 
     return build_app(settings, EmbeddedWorker(settings, TorchBackend(settings)))
+
+
+@contextlib.contextmanager
+def live_server(app):
+    """Serve `app` with uvicorn on a free loopback port in a thread; yields its base URL."""
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    deadline = time.monotonic() + 60
+    while True:  # /readyz: 503 while the model loads, 200 once it can run jobs
+        with contextlib.suppress(httpx.TransportError):
+            if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
+                break
+        assert time.monotonic() < deadline, "the server did not become ready"
+        time.sleep(0.05)
+    try:
+        yield url
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()

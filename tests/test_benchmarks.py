@@ -53,3 +53,30 @@ def test_motion_prior_benchmark_quick():
     scores = r["times"]["1.0"]["score_by_direction"]
     assert set(scores) == {"left", "right", "up", "down"}
     assert abs(r["times"]["1.0"]["score"] - sum(scores.values()) / 4) < 1e-9
+
+
+def test_cuda_checks_run_their_code_paths_on_the_cpu():
+    r = run_json("benchmarks/cuda_checks.py", "--device", "cpu", "--preset", "tiny", "--json")
+    assert r["ok"] and r["streamed_equals_resident"]["max_uint8_diff"] == 0
+    assert r["training_step"]["max_relative_difference_stream_vs_resident"] <= 1e-6
+
+
+def test_wan_streaming_benchmark_quick():
+    r = run_json("benchmarks/wan_streaming.py", "--device", "cpu", "--quick", "--json")
+    assert r["ok"] and r["blocks"] == 4
+    # Every block crosses once per step: the CFG pair shares the pass.
+    assert r["megaslide_h2d_bytes_per_step"] == r["blocks"] * r["block_bytes"]
+    assert abs(r["megaslide_over_resident"] - r["megaslide_streamed_s"] / r["resident_s"]) < 1e-9
+
+
+def test_wan_plan_answers_the_machines_people_have():
+    plans = {
+        (r["model"], r["mode"], r["machine"]): r["plan"]
+        for r in run_json("benchmarks/wan_plan.py", "--json")
+    }
+    on_24gb = plans["wan2.1-t2v-14b", "infer", "24 GB GPU (PCIe 4), 64 GB RAM"]
+    assert on_24gb["fits"] and on_24gb["device"]["total"] <= 24e9
+    a14b = plans["wan2.2-t2v-a14b", "infer", "H200, 1.5 TB RAM"]
+    assert a14b["fits"] and a14b["experts"] == 2
+    too_little_ram = plans["wan2.2-t2v-a14b", "infer", "24 GB GPU (PCIe 4), 64 GB RAM"]
+    assert not too_little_ram["fits"] and "host memory" in too_little_ram["problems"][0]

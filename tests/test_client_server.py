@@ -8,22 +8,19 @@ the server can produce, the idempotent retry of a POST whose answer was lost, an
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import socket
-import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
 
 import megaslide_client
 from megaslide.cli.main import main as cli_main
 from megaslide.cli.remote import pack_dataset
 from megaslide.server.settings import Settings
-from tests.server_fakes import torch_app
+from tests.server_fakes import live_server, torch_app
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -43,30 +40,6 @@ def settings(data_dir: Path, **changes) -> Settings:
         finetune_save_every=1,
     )
     return Settings(**{**base, **changes})
-
-
-@contextlib.contextmanager
-def live_server(app):
-    """Serve `app` with uvicorn on a free loopback port in a thread; yields its base URL."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    deadline = time.monotonic() + 60
-    while True:  # /readyz: 503 while the model loads, 200 once it can run jobs
-        with contextlib.suppress(httpx.TransportError):
-            if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
-                break
-        assert time.monotonic() < deadline, "the server did not become ready"
-        time.sleep(0.05)
-    try:
-        yield url
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        sock.close()
 
 
 @pytest.fixture(scope="module")

@@ -392,7 +392,7 @@ def test_validation_errors_name_the_field(make_client):
         ({"num_frames": 3}, 400, None, "autoencoder"),  # the engine's own check, mapped to 400
         ({"model": "nope"}, 404, "model", "does not exist"),
         ({"colour": "red"}, 400, "colour", "Unrecognized request argument"),
-        ({"input_reference": "img.png"}, 400, "input_reference", "not supported"),
+        ({"input_reference": "img.png"}, 400, "input_reference", "uploaded as multipart"),
     ]
     for fields, status, param, fragment in cases:
         body = {"prompt": "ok", **SMALL, **fields}

@@ -36,6 +36,7 @@ def register_generate(sub) -> None:
     p.add_argument("--fps", type=int, help="frames per second of the MP4 (default: the model's)")
     p.add_argument("--guidance", type=float, help="classifier-free guidance scale (1 = off)")
     p.add_argument("--negative-prompt", default="", help="what to steer away from")
+    p.add_argument("--image", help="first-frame image, for a model that takes one (Wan2.2-TI2V)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument(
         "--attention",
@@ -82,6 +83,7 @@ def run_generate(args) -> int:
         steps=args.steps,
         guidance=args.guidance,
         seed=args.seed,
+        image=args.image,
     )
     if args.server:
         from .remote import generate_remote
@@ -114,12 +116,11 @@ def run_generate(args) -> int:
     from megaslide.engine.video import write_mp4
 
     write_mp4(args.output, frames, fps=video.fps)
-    handle = pipe.handles.get("dit")
     if args.stats:
-        stats = dict(handle.stats(), step_times_s=step_times)
+        stats = {"step_times_s": step_times, "components": pipe.stats()}
         Path(args.stats).write_text(json.dumps(stats, indent=2) + "\n")
     if args.trace:
-        handle.write_trace(args.trace)
+        pipe.write_trace(args.trace)
     print(
         f"wrote {args.output} ({len(frames)} frames, {video.width}x{video.height}, {video.fps} fps)",
         file=sys.stderr,
@@ -139,13 +140,14 @@ def register_info(sub) -> None:
 
 
 def run_info(args) -> int:
-    from megaslide.engine.native import count_parameters
+    from megaslide.engine.family import family
     from megaslide.engine.sources import describe
 
     info = describe(model_source(args))
-    config, counts = info.config, count_parameters(info.config)
+    config, counts = info.config, family(info.family).count_parameters(info)
     out = {
         "name": info.name,
+        "family": info.family,
         "parameters": counts["total"],
         "parameter_counts": counts,
         "config": config.to_dict(),
@@ -155,10 +157,11 @@ def run_info(args) -> int:
     if args.json:
         print_json(out)
     else:
+        experts = f"{counts['experts']} experts x " if counts["experts"] > 1 else ""
         print(
-            f"{info.name}: {counts['total']:,} parameters ({counts['total'] / 1e9:.3g}B); "
-            f"{config.depth} blocks of {counts['per_block']:,}; dim {config.dim}, "
-            f"heads {config.heads}"
+            f"{info.name} ({info.family}): {counts['total']:,} parameters "
+            f"({counts['total'] / 1e9:.3g}B); {experts}{counts['blocks']} blocks of "
+            f"{counts['per_block']:,}; dim {config.dim}, heads {config.heads}"
         )
     return 0
 

@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import io
 import json
 import time
+from pathlib import Path
 from typing import Literal
 
 from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
+from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 
-from megaslide.engine.request import resolve
+from megaslide.engine.atomic import atomic_write_bytes
+from megaslide.engine.request import RequestError, resolve
 
 from ..deps import (
     DataDep,
@@ -37,15 +42,19 @@ SSE_KEEPALIVE_S = 15.0  # a comment line this often keeps proxies from closing a
 TEXT_FIELDS = ("prompt", "negative_prompt")  # an empty form value is meaningful for these only
 
 
-async def read_create_body(request: Request) -> VideoCreate:
-    """The create parameters from a JSON body or form fields (the openai SDK sends multipart)."""
+async def read_create_body(request: Request) -> tuple[VideoCreate, UploadFile | None]:
+    """The create parameters from a JSON body or form fields (the openai SDK sends multipart),
+    and the first-frame image (`input_reference`) when one was uploaded."""
     content_type = request.headers.get("content-type", "")
+    image = None
     if content_type.startswith(("multipart/form-data", "application/x-www-form-urlencoded")):
-        form = await request.form()
+        form = await request.form(max_files=1)
         data = {}
         for key, value in form.multi_items():
             if isinstance(value, UploadFile):
-                data[key] = value.filename or "upload"
+                if key != "input_reference":
+                    raise InvalidRequest(f"{key} cannot be a file", param=key)
+                image = value
             elif value != "" or key in TEXT_FIELDS:
                 data[key] = value
     else:
@@ -58,7 +67,7 @@ async def read_create_body(request: Request) -> VideoCreate:
                 "the request body must be a JSON object (or multipart form fields)"
             )
     try:
-        return VideoCreate.model_validate(data)
+        return VideoCreate.model_validate(data), image
     except ValidationError as e:
         raise invalid_request(e) from None
 
@@ -94,8 +103,9 @@ async def create_video(
     store: StoreDep,
     workers: WorkersDep,
     settings: SettingsDep,
+    data: DataDep,
 ):
-    body = await read_create_body(request)
+    body, upload = await read_create_body(request)
     name = body.model or workers.models()[0].name
     card = workers.model(name)
     if card is None:
@@ -104,28 +114,79 @@ async def create_video(
             param="model",
             code="model_not_found",
         )
-    video = resolve(
-        body.to_request(),
-        card.limits,
-        model=card.name,
-        max_steps=settings.max_steps,
-        max_prompt_chars=settings.max_prompt_chars,
-    )
-    payload = request_hash(body.model_dump(exclude_none=True))
-    prior = await replayed(request, store, payload)
-    if prior is not None and (row := await store.get_video(prior)) is not None:
-        poll_hint(response, row, settings)
-        return video_object(row)
-    await admit(store, workers, settings)
-    row = await store.insert_video(
-        new_id("video_"),
-        video.to_dict(),
-        priority=body.priority,
-        idempotency=idempotency(request, payload),
-    )
+    video_id = new_id("video_")
+    image = None
+    if upload is not None:
+        if not card.limits.image_input:
+            raise RequestError(
+                f"model {card.name} does not take a first-frame image (input_reference)",
+                param="input_reference",
+                code="unsupported_parameter",
+            )
+        image = data.reference(video_id)
+        await run_in_threadpool(save_image, upload.file, image, settings.max_image_pixels)
+    try:
+        video = resolve(
+            body.to_request(image=str(image) if image else None),
+            card.limits,
+            model=card.name,
+            max_steps=settings.max_steps,
+            max_prompt_chars=settings.max_prompt_chars,
+        )
+        payload = request_hash({**body.model_dump(exclude_none=True), "image": _digest(image)})
+        prior = await replayed(request, store, payload)
+        if prior is not None and (row := await store.get_video(prior)) is not None:
+            _discard(image)
+            poll_hint(response, row, settings)
+            return video_object(row)
+        await admit(store, workers, settings)
+        row = await store.insert_video(
+            video_id,
+            video.to_dict(),
+            priority=body.priority,
+            idempotency=idempotency(request, payload),
+        )
+    except BaseException:
+        _discard(image)
+        raise
     workers.wake()
     poll_hint(response, row, settings)
     return video_object(row)
+
+
+def save_image(src, dst: Path, max_pixels: int) -> None:
+    """Check an uploaded first-frame image and store it as PNG; RequestError if it is not one.
+
+    The pixel count is read from the header and bounded before anything is decoded, so a small
+    file that would inflate to gigabytes is refused cheaply.
+    """
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(src) as image:
+            width, height = image.size
+            if width * height > max_pixels:
+                raise RequestError(
+                    f"input_reference is {width}x{height} pixels; at most {max_pixels} are accepted",
+                    param="input_reference",
+                )
+            image = image.convert("RGB")
+    except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as e:
+        raise RequestError(
+            f"input_reference is not a readable image ({e})", param="input_reference"
+        ) from None
+    png = io.BytesIO()
+    image.save(png, format="PNG")
+    atomic_write_bytes(dst, png.getvalue())
+
+
+def _digest(path: Path | None) -> str | None:
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path is not None else None
+
+
+def _discard(path: Path | None) -> None:
+    if path is not None:
+        path.unlink(missing_ok=True)
 
 
 @router.get("", response_model=ListPage[Video])
@@ -159,7 +220,7 @@ async def delete_video(
     row = await find_video(store, video_id)
     if row["status"] in VIDEO_TERMINAL:
         await store.delete_video(video_id)
-        for path in data.video(video_id):
+        for path in data.video_files(video_id):
             path.unlink(missing_ok=True)
         return VideoDeleted(id=video_id, deleted=True, status="deleted")
     status = await store.cancel_video(video_id)

@@ -1,0 +1,258 @@
+"""A diffusers-format Wan pipeline directory, read without torch.
+
+    <dir>/model_index.json            the pipeline class and its components (boundary_ratio,
+                                      expand_timesteps for Wan2.2)
+    <dir>/transformer/config.json     WanTransformer3DModel (and transformer_2/ for Wan2.2-A14B)
+    <dir>/vae/config.json             AutoencoderKLWan: strides, latent channels, normalisation
+    <dir>/text_encoder/config.json    UMT5EncoderModel
+    <dir>/tokenizer/                  its SentencePiece tokenizer (tokenizer.json)
+    <dir>/scheduler/scheduler_config.json
+    <dir>/megaslide.json              optional: sampling defaults for this model
+
+Weights are `*.safetensors` in each component folder, sharded or not. A missing file is named in
+the error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import html
+import json
+import re
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+from ..config import ATTENTION_BACKENDS, SamplingDefaults
+from ..request import ModelLimits
+
+PIPELINES = ("WanPipeline",)
+EXPERTS = ("transformer", "transformer_2")  # high-noise expert, then low-noise (Wan2.2-A14B)
+TEXT_TOKENS = 512  # Wan's pipelines pad (and cut) every prompt to 512 UMT5 tokens
+SAMPLING_FILE = "megaslide.json"
+
+
+class WanFormatError(ValueError):
+    """A Wan directory that cannot be read; the message names the file."""
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        raise WanFormatError(f"{path} is missing")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise WanFormatError(f"{path}: not valid JSON ({e})") from None
+
+
+def weight_files(folder: Path) -> tuple[Path, ...]:
+    """The safetensors files of one component: the shards an `*.index.json` names, else every
+    `*.safetensors` in the folder."""
+    indexes = sorted(folder.glob("*.safetensors.index.json"))
+    if indexes:
+        shards = sorted(set(_read_json(indexes[0])["weight_map"].values()))
+        files = tuple(folder / s for s in shards)
+        for f in files:
+            if not f.is_file():
+                raise WanFormatError(f"{f} is missing (named in {indexes[0].name})")
+        return files
+    files = tuple(sorted(folder.glob("*.safetensors")))
+    if not files:
+        raise WanFormatError(f"{folder} holds no *.safetensors weights")
+    return files
+
+
+@dataclass(frozen=True)
+class WanConfig:
+    """What MegaSlide needs to know of a Wan pipeline, from its JSON files."""
+
+    experts: tuple[str, ...]  # component folders of the denoisers, high noise first
+    boundary_ratio: float | None  # Wan2.2-A14B: switch experts below this fraction of 1000 steps
+    expand_timesteps: bool  # Wan2.2-TI2V: one timestep per token (the first frame can be clean)
+    patch: tuple[int, int, int]
+    in_channels: int
+    dim: int
+    heads: int
+    ffn_dim: int
+    depth: int  # blocks per expert
+    text_dim: int
+    rope_max_seq_len: int
+    vae_temporal: int
+    vae_spatial: int
+    z_dim: int
+    text_depth: int
+    text_width: int
+    scheduler: str
+    flow_shift: float
+    num_train_timesteps: int
+    # Self-attention backend; "dsa" swaps Wan's processor for 3D-DSA (attention.py).
+    attention: str = "dense"
+    dsa_tile: tuple[int, int, int] = (1, 2, 2)
+    dsa_window: tuple[int, int, int] = (3, 3, 3)
+
+    def __post_init__(self):
+        if self.attention not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention must be one of {ATTENTION_BACKENDS}, got {self.attention!r}"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.heads
+
+    @property
+    def text_tokens(self) -> int:
+        return TEXT_TOKENS
+
+    def latent_shape(self, frames: int, height: int, width: int) -> tuple[int, int, int, int]:
+        """`(C, F', H', W')` of the latent of a clip in pixels (the causal VAE keeps frame 0 alone)."""
+        s = self.vae_spatial
+        return self.z_dim, (frames - 1) // self.vae_temporal + 1, height // s, width // s
+
+    def token_grid(self, frames: int, height: int, width: int) -> tuple[int, int, int]:
+        _, f, h, w = self.latent_shape(frames, height, width)
+        pt, ph, pw = self.patch
+        return f // pt, h // ph, w // pw
+
+    def check_grid(self, frames: int, height: int, width: int) -> None:
+        """ValueError unless 3D-DSA can tile this clip's token grid (dense takes any)."""
+        if self.attention != "dsa":
+            return
+        grid = self.token_grid(frames, height, width)
+        for axis, n, t, w in zip("tyx", grid, self.dsa_tile, self.dsa_window):
+            if n % t or n // t < w:
+                raise ValueError(
+                    f"3D-DSA needs the token grid's {axis} axis ({n}) to be a multiple of the tile "
+                    f"({t}) with at least {w} tiles"
+                )
+
+    def replace(self, **changes) -> WanConfig:
+        for key in ("dsa_tile", "dsa_window"):
+            if key in changes:
+                changes[key] = tuple(changes[key])
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def read_wan_config(path: Path) -> WanConfig:
+    index = _read_json(path / "model_index.json")
+    if index.get("_class_name") not in PIPELINES:
+        raise WanFormatError(
+            f"{path / 'model_index.json'}: pipeline {index.get('_class_name')!r} is not supported "
+            f"(supported: {', '.join(PIPELINES)})"
+        )
+    experts = tuple(e for e in EXPERTS if (index.get(e) or [None])[0] is not None)
+    if not experts:
+        raise WanFormatError(f"{path / 'model_index.json'} names no transformer")
+    for component in ("text_encoder", "tokenizer", "vae", "scheduler"):
+        if (index.get(component) or [None])[0] is None:
+            raise WanFormatError(f"{path / 'model_index.json'} names no {component}")
+    t = _read_json(path / experts[0] / "config.json")
+    for other in experts[1:]:
+        o = _read_json(path / other / "config.json")
+        shared = (
+            "patch_size",
+            "in_channels",
+            "num_attention_heads",
+            "attention_head_dim",
+            "text_dim",
+        )
+        if any(o.get(k) != t.get(k) for k in shared):
+            raise WanFormatError(f"{path / other / 'config.json'} does not match {experts[0]}")
+    vae = _read_json(path / "vae" / "config.json")
+    text = _read_json(path / "text_encoder" / "config.json")
+    scheduler = _read_json(path / "scheduler" / "scheduler_config.json")
+    if not (path / "tokenizer").is_dir():
+        raise WanFormatError(f"{path / 'tokenizer'} is missing")
+    heads, head_dim = t.get("num_attention_heads", 40), t.get("attention_head_dim", 128)
+    return WanConfig(
+        experts=experts,
+        boundary_ratio=index.get("boundary_ratio"),
+        expand_timesteps=bool(index.get("expand_timesteps", False)),
+        patch=tuple(t.get("patch_size", (1, 2, 2))),
+        in_channels=t.get("in_channels", 16),
+        dim=heads * head_dim,
+        heads=heads,
+        ffn_dim=t.get("ffn_dim", 13824),
+        depth=t.get("num_layers", 40),
+        text_dim=t.get("text_dim", 4096),
+        rope_max_seq_len=t.get("rope_max_seq_len", 1024),
+        vae_temporal=vae.get("scale_factor_temporal", 4),
+        vae_spatial=vae.get("scale_factor_spatial", 8),
+        z_dim=vae.get("z_dim", 16),
+        text_depth=text.get("num_layers", 24),
+        text_width=text.get("d_model", 4096),
+        scheduler=scheduler.get("_class_name", "UniPCMultistepScheduler"),
+        flow_shift=float(scheduler.get("flow_shift") or scheduler.get("shift") or 1.0),
+        num_train_timesteps=scheduler.get("num_train_timesteps", 1000),
+    )
+
+
+def default_sampling(config: WanConfig, path: Path) -> SamplingDefaults:
+    """Wan's published defaults (480x832, 81 frames at 16 fps; TI2V-5B: 704x1280, 121 at 24),
+    overridden by `megaslide.json` in the directory when it has a "sampling" entry."""
+    if config.vae_spatial == 16:  # Wan2.2-TI2V-5B's VAE
+        base = SamplingDefaults(frames=121, height=704, width=1280, fps=24, steps=50, guidance=5.0)
+    else:
+        guidance = 4.0 if len(config.experts) > 1 else 5.0
+        base = SamplingDefaults(
+            frames=81, height=480, width=832, fps=16, steps=50, guidance=guidance
+        )
+    base = base.replace(shift=config.flow_shift)
+    own = path / SAMPLING_FILE
+    if own.is_file():
+        base = base.replace(**_read_json(own).get("sampling", {}))
+    return base
+
+
+def clean_prompt(text: str) -> str:
+    """The cleaning Wan's pipelines apply before tokenizing (mojibake fixed by ftfy when it is
+    installed, HTML entities, runs of whitespace), for counting a prompt's tokens; sampling uses
+    diffusers' own function."""
+    try:
+        import ftfy
+    except ImportError:
+        pass
+    else:
+        text = ftfy.fix_text(text)
+    return re.sub(r"\s+", " ", html.unescape(html.unescape(text)).strip()).strip()
+
+
+@cache
+def _tokenizer(folder: str):
+    from tokenizers import Tokenizer
+
+    file = Path(folder) / "tokenizer.json"
+    if not file.is_file():
+        raise WanFormatError(f"{file} is missing (needed to count a prompt's tokens)")
+    return Tokenizer.from_file(str(file))
+
+
+def count_tokens(prompt: str, folder: str) -> int:
+    """UMT5 tokens of a prompt, without the end-of-sequence token."""
+    return len(_tokenizer(folder).encode(clean_prompt(prompt), add_special_tokens=False).ids)
+
+
+def wan_limits(config: WanConfig, sampling: SamplingDefaults, path: Path) -> ModelLimits:
+    pt, ph, pw = config.patch
+    return ModelLimits(
+        frames=sampling.frames,
+        height=sampling.height,
+        width=sampling.width,
+        fps=sampling.fps,
+        steps=sampling.steps,
+        guidance=sampling.guidance,
+        max_frames=config.vae_temporal * (config.rope_max_seq_len * pt - 1) + 1,
+        max_size=config.rope_max_seq_len * max(ph, pw) * config.vae_spatial,
+        size_multiple=(ph * config.vae_spatial, pw * config.vae_spatial),
+        frames_multiple=config.vae_temporal * pt,
+        frames_offset=1,
+        # Wan2.2-TI2V takes a first frame: its clean latent replaces the first latent frame.
+        image_input=config.expand_timesteps,
+        max_prompt_tokens=TEXT_TOKENS - 1,  # and the end-of-sequence token
+        prompt_unit="tokens (UMT5)",
+        count_tokens=lambda prompt: count_tokens(prompt, str(path / "tokenizer")),
+        check_shape=config.check_grid,
+    )

@@ -1,0 +1,362 @@
+"""Wan as a MegaSlide model family: diffusers' and transformers' own modules, MegaSlide's sampler.
+
+The modules are the libraries' classes (`WanTransformer3DModel`, `AutoencoderKLWan`,
+`UMT5EncoderModel`), built on the meta device from their configs and filled by the loader from the
+directory's safetensors, so the streamer can keep their blocks in host RAM. Sampling follows
+`diffusers.WanPipeline` step for step, so a seed gives the same video:
+
+- prompts are cleaned, tokenized to 512 tokens and encoded by UMT5; positions past a prompt's end
+  are zeroed, as the pipeline does;
+- the starting latents are drawn on the CPU from the request's own generator, in the pipeline's
+  shape and dtype;
+- each request keeps its own scheduler (UniPC keeps a history of model outputs);
+- each step runs the expert that owns the current timestep (Wan2.2-A14B: the high-noise expert
+  while `t >= boundary_ratio * 1000`, then the low-noise one), guidance combined in the model's
+  output dtype: `uncond + g * (cond - uncond)`;
+- Wan2.2-TI2V with a first-frame image (`WanImageToVideoPipeline`'s way): the image's normalised
+  VAE latent stands in for the first latent frame of every input, whose tokens get timestep 0;
+- latents are de-normalised with the VAE's `latents_mean` / `latents_std` and decoded (tiled
+  above 256 pixels, so decoding memory does not grow with the frame size).
+
+With `batched` (the default) one forward pass per step and expert carries every request and both
+halves of every guidance pair, so a streamed model moves its weights once per step for all of
+them; the reference mode runs each row alone, as WanPipeline does, and equals it bitwise.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..family import Component, Family
+from ..host_store import SafetensorsFile
+from ..pipeline import Pipeline
+from ..request import ResolvedVideo
+from ..sources import ModelInfo
+from .config import TEXT_TOKENS, WanConfig, weight_files
+
+
+def _libraries():
+    try:
+        import diffusers
+        import transformers
+    except ImportError as e:
+        raise ImportError(
+            f"Wan models need the wan extra ({e.name} is missing): pip install 'megaslide[wan]'"
+        ) from None
+    return diffusers, transformers
+
+
+class WanFamily(Family):
+    name = "wan"
+
+    def components(self, info: ModelInfo) -> list[Component]:
+        diffusers, transformers = _libraries()
+        path, config = info.source.path, info.config
+        text_config = transformers.UMT5Config.from_pretrained(
+            path / "text_encoder", local_files_only=True
+        )
+        with torch.device("meta"):
+            text = transformers.UMT5EncoderModel(text_config)
+            experts = [_meta_transformer(diffusers, path / name) for name in config.experts]
+            vae = diffusers.AutoencoderKLWan.from_config(
+                diffusers.AutoencoderKLWan.load_config(path / "vae", local_files_only=True)
+            )
+        if config.attention == "dsa":
+            from .attention import use_slide_attention
+
+            for expert in experts:
+                use_slide_attention(expert, config.dsa_tile, config.dsa_window)
+        keep = tuple(diffusers.WanTransformer3DModel._keep_in_fp32_modules)
+        text_keep = tuple(
+            getattr(transformers.UMT5EncoderModel, "_keep_in_fp32_modules", None) or ()
+        )
+
+        def weights(folder: str) -> SafetensorsFile:
+            return SafetensorsFile(weight_files(path / folder))
+
+        return [
+            Component(
+                "text_encoder",
+                text,
+                text.encoder.block,
+                weights("text_encoder"),
+                keep_fp32=text_keep,
+            ),
+            *(
+                Component(name, expert, expert.blocks, weights(name), keep_fp32=keep)
+                for name, expert in zip(config.experts, experts)
+            ),
+            # The VAE decodes in fp32, as Wan's pipelines are run.
+            Component("vae", vae, None, weights("vae"), dtype=torch.float32),
+        ]
+
+    def pipeline(self, info, parts, handles, *, batched: bool = True) -> WanVideoPipeline:
+        return WanVideoPipeline(info, parts, handles, batched=batched)
+
+    def count_parameters(self, info: ModelInfo) -> dict[str, int]:
+        diffusers, transformers = _libraries()
+        path, config = info.source.path, info.config
+        with torch.device("meta"):
+            text = transformers.UMT5EncoderModel(
+                transformers.UMT5Config.from_pretrained(
+                    path / "text_encoder", local_files_only=True
+                )
+            )
+            expert = _meta_transformer(diffusers, path / config.experts[0])
+            vae = diffusers.AutoencoderKLWan.from_config(
+                diffusers.AutoencoderKLWan.load_config(path / "vae", local_files_only=True)
+            )
+        n_expert, per_block = _numel(expert), _numel(expert.blocks[0])
+        n_text, experts = _numel(text), len(config.experts)
+        return {
+            "total": experts * n_expert + n_text + _numel(vae),
+            "per_block": per_block,
+            "blocks": config.depth,
+            "experts": experts,
+            "denoiser": n_expert,
+            "denoiser_non_block": n_expert - config.depth * per_block,
+            "text_encoder": n_text,
+            "text_per_block": _numel(text.encoder.block[0]),
+            "text_blocks": len(text.encoder.block),
+            "vae": _numel(vae),
+            "trainable": n_expert,  # one expert at a time; the text encoder and VAE stay frozen
+        }
+
+
+def _meta_transformer(diffusers, folder: Path) -> nn.Module:
+    """A WanTransformer3DModel on the meta device (call inside `torch.device("meta")`), with its
+    rotary tables, which it computes rather than stores, built for real on the CPU."""
+    cls = diffusers.WanTransformer3DModel
+    model = cls.from_config(cls.load_config(folder, local_files_only=True))
+    rope = type(model.rope)
+    with torch.device("cpu"):
+        model.rope = rope(
+            model.rope.attention_head_dim, model.rope.patch_size, model.rope.max_seq_len
+        )
+    return model
+
+
+def _numel(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+@dataclass
+class WanState:
+    """One request on its way from noise to a clip."""
+
+    video: ResolvedVideo
+    latents: torch.Tensor  # (1, C, F', H', W') fp32, as the scheduler keeps them
+    context: torch.Tensor  # (1 or 2, 512, text_dim): the prompt, then the negative when guided
+    scheduler: object  # this request's own scheduler (UniPC keeps a history)
+    grid: tuple[int, int, int]  # token grid of the latents
+    # With a first-frame image: its normalised latent `(1, C, 1, H', W')`, and the mask `(1, 1, F',
+    # H', W')` that is 0 on the first latent frame (taken from the image) and 1 elsewhere.
+    condition: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+    step: int = 0
+    num_steps: int = field(init=False)
+
+    def __post_init__(self):
+        self.num_steps = len(self.scheduler.timesteps)
+
+    @property
+    def done(self) -> bool:
+        return self.step >= self.num_steps
+
+    @property
+    def guided(self) -> bool:
+        return self.video.guidance > 1.0  # WanPipeline's rule for classifier-free guidance
+
+    @property
+    def timestep(self) -> torch.Tensor:
+        return self.scheduler.timesteps[self.step]
+
+    def model_input(self) -> torch.Tensor:
+        """The latents as the model sees them: the first frame from the image, when there is one."""
+        if self.condition is None:
+            return self.latents
+        return (1 - self.mask) * self.condition + self.mask * self.latents
+
+
+class WanVideoPipeline(Pipeline):
+    """Text-to-video sampling of a Wan model, batched at denoising-step granularity."""
+
+    def __init__(self, info: ModelInfo, parts: dict[str, nn.Module], handles, *, batched: bool):
+        super().__init__(info, handles)
+        diffusers, transformers = _libraries()
+        config: WanConfig = info.config
+        path = info.source.path
+        self.config = config
+        self.batched = batched
+        self.text_encoder, self.vae = parts["text_encoder"], parts["vae"]
+        self.experts = [parts[name] for name in config.experts]
+        self.tokenizer = transformers.AutoTokenizer.from_pretrained(
+            path / "tokenizer", local_files_only=True
+        )
+        scheduler_class = getattr(diffusers, config.scheduler)
+        self.scheduler = scheduler_class.from_pretrained(
+            path, subfolder="scheduler", local_files_only=True
+        )
+        self.boundary = (
+            config.boundary_ratio * config.num_train_timesteps
+            if config.boundary_ratio is not None and len(self.experts) > 1
+            else None
+        )
+        # Tiles only above 256 pixels a side, so a smaller clip decodes exactly as without.
+        self.vae.enable_tiling()
+        mean = torch.tensor(self.vae.config.latents_mean).view(1, -1, 1, 1, 1)
+        std = torch.tensor(self.vae.config.latents_std).view(1, -1, 1, 1, 1)
+        self._latents_mean, self._latents_std_inv = mean, 1.0 / std
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.vae.parameters()).device  # the VAE is resident: never streamed
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.experts[0].proj_out.weight.dtype
+
+    # -- prompts -------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def encode(self, prompts: list[str]) -> torch.Tensor:
+        """UMT5 embeddings `(B, 512, text_dim)` in the denoiser's dtype, zero past each prompt."""
+        from diffusers.pipelines.wan.pipeline_wan import prompt_clean  # the pipeline's own cleaning
+
+        tokens = self.tokenizer(
+            [prompt_clean(p) for p in prompts],
+            padding="max_length",
+            max_length=TEXT_TOKENS,
+            truncation=True,
+            add_special_tokens=True,
+            return_attention_mask=True,
+            return_tensors="pt",
+        )
+        device = self.text_encoder.shared.weight.device
+        ids, mask = tokens.input_ids.to(device), tokens.attention_mask.to(device)
+        hidden = self.text_encoder(ids, mask).last_hidden_state  # (B, 512, text_dim)
+        lengths = mask.gt(0).sum(dim=1)
+        keep = torch.arange(TEXT_TOKENS, device=device)[None, :] < lengths[:, None]  # (B, 512)
+        hidden = torch.where(keep[..., None], hidden, torch.zeros((), dtype=hidden.dtype))
+        return hidden.to(self.device, self.dtype)
+
+    # -- sampling ------------------------------------------------------------------------------
+
+    def prepare(self, video: ResolvedVideo) -> WanState:
+        guided = video.guidance > 1.0
+        if self.batched or not guided:
+            context = self.encode([video.prompt, video.negative_prompt][: 1 + guided])
+        else:  # as WanPipeline does: the prompt, then the negative prompt, one batch each
+            context = torch.cat([self.encode([video.prompt]), self.encode([video.negative_prompt])])
+        shape = (1, *self.config.latent_shape(video.frames, video.height, video.width))
+        # Drawn on the CPU from the request's own generator: the same seed gives the same start on
+        # every device and whatever else is in the batch (WanPipeline with a CPU generator).
+        generator = torch.Generator().manual_seed(video.seed)
+        latents = torch.randn(shape, generator=generator, dtype=torch.float32).to(self.device)
+        scheduler = copy.deepcopy(self.scheduler)
+        scheduler.set_timesteps(video.steps, device=self.device)
+        scheduler.set_begin_index(0)
+        grid = self.config.token_grid(video.frames, video.height, video.width)
+        state = WanState(video, latents, context, scheduler, grid)
+        if video.image is not None:
+            state.condition = self._image_latent(video)
+            state.mask = torch.ones((1, 1, *shape[2:]), dtype=torch.float32, device=self.device)
+            state.mask[:, :, 0] = 0
+        return state
+
+    @torch.no_grad()
+    def _image_latent(self, video: ResolvedVideo) -> torch.Tensor:
+        """The first-frame image's normalised latent `(1, C, 1, H', W')`, as WanImageToVideoPipeline
+        makes it: resized to the clip, the VAE's mode, `(latent - mean) / std`."""
+        from diffusers.video_processor import VideoProcessor
+        from PIL import Image
+
+        processor = VideoProcessor(vae_scale_factor=self.config.vae_spatial)
+        with Image.open(video.image) as image:
+            pixels = processor.preprocess(
+                image.convert("RGB"), height=video.height, width=video.width
+            )
+        pixels = pixels.to(self.device, torch.float32).unsqueeze(2)  # (1, 3, 1, H, W)
+        latent = self.vae.encode(pixels.to(self.vae.dtype)).latent_dist.mode()
+        latent = latent.to(self.device, torch.float32)
+        mean = self._latents_mean.to(latent.device, latent.dtype)
+        std_inv = self._latents_std_inv.to(latent.device, latent.dtype)
+        return (latent - mean) * std_inv
+
+    def _expert(self, state: WanState) -> int:
+        return 0 if self.boundary is None or state.timestep >= self.boundary else 1
+
+    def step(self, states: list[WanState]) -> None:
+        states = [s for s in states if not s.done]
+        for e in sorted({self._expert(s) for s in states}):
+            group = [s for s in states if self._expert(s) == e]
+            if self.batched:
+                outputs = self._forward(self.experts[e], group, (0, 1))
+            else:  # as WanPipeline does: each request alone, its conditional pass first
+                halves = [(s, half) for s in group for half in (0, 1)[: 1 + s.guided]]
+                outputs = torch.cat([self._forward(self.experts[e], [s], (h,)) for s, h in halves])
+            offset = 0
+            for s in group:
+                rows = 2 if s.guided else 1
+                noise = outputs[offset : offset + rows]
+                offset += rows
+                if s.guided:
+                    cond, uncond = noise[:1], noise[1:]
+                    noise = uncond + s.video.guidance * (cond - uncond)
+                s.latents = s.scheduler.step(noise, s.timestep, s.latents, return_dict=False)[0]
+                s.step += 1
+
+    def _forward(self, model: nn.Module, group: list[WanState], halves) -> torch.Tensor:
+        """One pass of `model` over the rows of `group`: each request's conditional row and (when
+        guided) its unconditional row, for the halves asked for; `(rows, C, F', H', W')`."""
+        latents, timesteps, context = [], [], []
+        for s in group:
+            for half in halves:
+                if half == 1 and not s.guided:
+                    continue
+                latents.append(s.model_input())
+                timesteps.append(self._timestep(s))
+                context.append(s.context[half : half + 1])
+        if self.config.attention == "dsa":
+            from .attention import set_grid
+
+            set_grid(model, group[0].grid)  # a batch shares one latent shape
+        with torch.no_grad():
+            return model(
+                hidden_states=torch.cat(latents).to(self.dtype),
+                timestep=torch.cat(timesteps),
+                encoder_hidden_states=torch.cat(context),
+                return_dict=False,
+            )[0]
+
+    def _timestep(self, s: WanState) -> torch.Tensor:
+        """The timestep input of one row: `(1,)`, or one per token with `expand_timesteps`."""
+        t = s.timestep
+        if not self.config.expand_timesteps:
+            return t.expand(1)
+        _, ph, pw = self.config.patch
+        if s.mask is not None:  # the image's tokens are clean: timestep 0
+            mask = s.mask[0, 0]
+        else:
+            mask = torch.ones(s.latents.shape[2:], dtype=torch.float32, device=s.latents.device)
+        return (mask[:, ::ph, ::pw] * t).flatten().unsqueeze(0)  # (1, tokens)
+
+    def finish(self, state: WanState) -> np.ndarray:
+        if not state.done:
+            raise RuntimeError(f"state is at step {state.step} of {state.num_steps}")
+        with torch.no_grad():
+            latents = state.model_input().to(self.device, self.vae.dtype)
+            mean = self._latents_mean.to(latents.device, latents.dtype)
+            std_inv = self._latents_std_inv.to(latents.device, latents.dtype)
+            video = self.vae.decode(latents / std_inv + mean, return_dict=False)[
+                0
+            ]  # (1, 3, F, H, W)
+            video = (video / 2 + 0.5).clamp(0, 1)  # diffusers' denormalisation
+            frames = video[0].permute(1, 2, 3, 0).float()  # (F, H, W, 3) in [0, 1]
+        return (frames * 255).round().to(torch.uint8).cpu().numpy()

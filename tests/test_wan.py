@@ -1,0 +1,225 @@
+"""Wan models in the diffusers layout: loading, the same video as diffusers for the same seed,
+streaming, batching, 3D-DSA, image-to-video, and the command line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from megaslide.engine.loader import open_model, open_pipeline
+from megaslide.engine.request import RequestError, VideoRequest
+from megaslide.engine.sources import describe, resolve_source
+from tests.wan_fixtures import CLIP, build_tiny_wan
+
+diffusers = pytest.importorskip("diffusers")
+
+PROMPT, NEGATIVE = "a red circle moving left", "blurry"
+
+
+@pytest.fixture(scope="module")
+def wan(tmp_path_factory):
+    """Tiny random Wan pipelines, one per variant."""
+    root = tmp_path_factory.mktemp("wan")
+    return {
+        "unipc": build_tiny_wan(root / "unipc", shard="20KB"),  # sharded weights
+        "euler": build_tiny_wan(root / "euler", scheduler="euler"),
+        "experts": build_tiny_wan(root / "experts", experts=2),
+        "ti2v": build_tiny_wan(root / "ti2v", ti2v=True),
+        "deep": build_tiny_wan(root / "deep", layers=4),
+    }
+
+
+def request(size: int = 32, **changes) -> VideoRequest:
+    fields = dict(
+        prompt=PROMPT,
+        negative_prompt=NEGATIVE,
+        height=size,
+        width=size,
+        frames=CLIP["num_frames"],
+        steps=CLIP["num_inference_steps"],
+        guidance=CLIP["guidance_scale"],
+        seed=3,
+    )
+    return VideoRequest(**{**fields, **changes})
+
+
+def diffusers_frames(path, size: int = 32, image=None, seed: int = 3) -> np.ndarray:
+    """What diffusers' own pipeline makes of the same request, as uint8 frames (rounded as
+    MegaSlide rounds)."""
+    if image is None:
+        pipe = diffusers.WanPipeline.from_pretrained(path)
+        extra = {}
+    else:
+        from PIL import Image
+
+        pipe = diffusers.WanImageToVideoPipeline.from_pretrained(path)
+        extra = {"image": Image.open(image)}
+    pipe.set_progress_bar_config(disable=True)
+    out = pipe(
+        prompt=PROMPT,
+        negative_prompt=NEGATIVE,
+        **{**CLIP, "height": size, "width": size},
+        generator=torch.Generator().manual_seed(seed),
+        output_type="np",
+        **extra,
+    ).frames[0]
+    return np.round(out * 255).astype(np.uint8)
+
+
+def level_diff(a: np.ndarray, b: np.ndarray) -> int:
+    return int(np.abs(a.astype(int) - b.astype(int)).max())
+
+
+@pytest.mark.parametrize("variant", ["unipc", "euler", "experts", "ti2v"])
+def test_same_seed_same_video_as_diffusers(wan, variant):
+    """Bitwise in the reference mode (each row alone, as WanPipeline runs them), within one
+    uint8 level with the guidance pair batched; streamed and resident alike."""
+    size = 64 if variant == "ti2v" else 32  # TI2V's VAE takes 16 pixels per latent
+    reference = diffusers_frames(wan[variant], size)
+    assert reference.std() > 1  # a random model draws something, not a constant
+    for offload in ("none", "stream"):
+        exact = open_pipeline(wan[variant], batched=False, offload=offload)
+        assert np.array_equal(exact.generate(request(size)), reference), (variant, offload)
+        batched = open_pipeline(wan[variant], offload=offload)
+        assert level_diff(batched.generate(request(size)), reference) <= 1, (variant, offload)
+
+
+def test_image_to_video_first_frame_matches_diffusers(wan, tmp_path):
+    from PIL import Image
+
+    pixels = (np.random.default_rng(0).random((40, 48, 3)) * 255).astype(np.uint8)
+    Image.fromarray(pixels).save(tmp_path / "first.png")
+    reference = diffusers_frames(wan["ti2v"], 64, image=tmp_path / "first.png")
+    image_request = request(64, image=str(tmp_path / "first.png"))
+    exact = open_pipeline(wan["ti2v"], batched=False)
+    assert np.array_equal(exact.generate(image_request), reference)
+    without = exact.generate(request(64))
+    assert level_diff(without, reference) > 8  # the image changes the clip
+    with pytest.raises(RequestError, match="does not take a first-frame image"):
+        open_pipeline(wan["unipc"]).resolve(image_request)
+
+
+def test_requests_share_one_pass_and_one_weight_crossing_per_step(wan):
+    """Three requests (two guided pairs and one unguided row) in one batch: one forward per step,
+    each streamed block copied to the device once per step, and each clip within one level of
+    its run alone."""
+    pipe = open_pipeline(wan["deep"], offload="stream")
+    handle = pipe.handles["transformer"]
+    plan = handle.plan
+    assert plan.num_slots < len(pipe.experts[0].blocks)  # blocks must really stream
+    requests = [
+        request(seed=1),
+        request(seed=2, prompt="a blue square"),
+        request(seed=5, guidance=1.0),
+    ]
+    alone = [pipe.generate(r) for r in requests]
+    states = [pipe.prepare(pipe.resolve(r)) for r in requests]
+    passes = []
+
+    def count_rows(_module, _args, kwargs):
+        passes.append(kwargs["hidden_states"].shape[0])
+
+    hook = pipe.experts[0].register_forward_pre_hook(count_rows, with_kwargs=True)
+    before = handle.h2d_bytes
+    steps = states[0].num_steps
+    for _ in range(steps):
+        pipe.denoise_step(states)
+    hook.remove()
+    assert passes == [5] * steps  # 2 + 2 + 1 rows in one pass per step
+    block_bytes = handle.stats()["streamed_block_bytes"]
+    assert handle.h2d_bytes - before == steps * block_bytes
+    together = [pipe.finish(s) for s in states]
+    for a, b in zip(alone, together):
+        assert level_diff(a, b) <= 1
+    stats = handle.stats()
+    assert stats["peak_device_weight_bytes"] <= stats["non_block_bytes"] + 2 * plan.slot_bytes
+
+
+def test_two_experts_switch_at_the_boundary_and_stream_apart(wan):
+    pipe = open_pipeline(wan["experts"], offload="stream")
+    assert set(pipe.handles) == {"text_encoder", "transformer", "transformer_2"}
+    state = pipe.prepare(pipe.resolve(request()))
+    used = []
+    hooks = [
+        m.register_forward_pre_hook(lambda _m, _a, e=e: used.append(e))
+        for e, m in enumerate(pipe.experts)
+    ]
+    while not state.done:
+        pipe.denoise_step([state])
+    for h in hooks:
+        h.remove()
+    times = [float(t) for t in state.scheduler.timesteps]
+    assert used == [0 if t >= 900 else 1 for t in times]  # boundary_ratio 0.9 of 1000
+    assert 0 in used and 1 in used
+    # Each expert streams through slots of its own: neither set of blocks sits on the device.
+    for name in ("transformer", "transformer_2"):
+        assert pipe.handles[name].stats()["resident_blocks"] == 0
+
+
+def test_meta_build_and_fill_equal_from_pretrained(wan):
+    for variant in ("unipc", "experts"):
+        reference = diffusers.WanPipeline.from_pretrained(wan[variant])
+        parts, _ = open_model(describe(resolve_source(wan[variant])), dtype=torch.float32)
+        for name, module in parts.items():
+            ours, theirs = module.state_dict(), getattr(reference, name).state_dict()
+            assert ours.keys() == theirs.keys(), name
+            assert all(torch.equal(ours[k], theirs[k]) for k in ours), name
+            # Rotary tables are computed, not stored: rebuilt for real, equal to diffusers'.
+            for key, buf in module.named_buffers():
+                assert torch.equal(buf, dict(getattr(reference, name).named_buffers())[key])
+
+
+def test_slide_attention_runs_and_one_window_over_the_grid_is_dense(wan):
+    """3D-DSA swapped into Wan's self-attention. A 64x64, 13-frame clip is a (4, 4, 4) token
+    grid: one tile over all of it is dense attention (equal within a level); a sliding window of
+    3 time tiles of 2x2 tokens runs and moves the clip (how far, on trained and untrained
+    weights, is measured by benchmarks/wan_dsa.py)."""
+    path = wan["unipc"]
+    clip = request(64, frames=13)
+    dense = open_pipeline(path).generate(clip)
+    one_tile = open_pipeline(path, attention="dsa", dsa_tile=(4, 4, 4), dsa_window=(1, 1, 1))
+    assert level_diff(one_tile.generate(clip), dense) <= 1
+    sliding = open_pipeline(path, attention="dsa", dsa_tile=(1, 2, 2), dsa_window=(3, 1, 1))
+    assert sliding.generate(clip).shape == dense.shape
+    with pytest.raises(RequestError, match="3D-DSA needs the token grid's t axis"):
+        sliding.resolve(request(64, frames=5))  # 2 latent frames: fewer than the window's 3
+
+
+def test_a_broken_directory_is_named(wan, tmp_path, capsys):
+    from megaslide.cli.main import main
+
+    broken = tmp_path / "broken"
+    shutil.copytree(wan["euler"], broken)
+    shutil.rmtree(broken / "vae")
+    code = main(["generate", "x", "--model", str(broken), "-o", str(tmp_path / "a.mp4")])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "vae/config.json is missing" in err
+    (broken / "model_index.json").write_text(json.dumps({"_class_name": "WanVACEPipeline"}))
+    assert main(["info", "--model", str(broken)]) == 2
+    assert "not supported" in capsys.readouterr().err
+
+
+def test_command_line_generates_and_describes_a_wan_model(wan, tmp_path, capsys):
+    from megaslide.cli.main import main
+
+    out = tmp_path / "wan.mp4"
+    args = ["--size", "32x32", "--frames", "9", "--steps", "2", "--no-progress"]
+    assert main(["generate", PROMPT, "--model", str(wan["experts"]), "-o", str(out), *args]) == 0
+    assert out.stat().st_size > 0
+    capsys.readouterr()
+    assert main(["info", "--model", str(wan["experts"]), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["family"] == "wan" and info["parameter_counts"]["experts"] == 2
+    assert info["limits"]["frames_multiple"] == 4 and info["limits"]["size_multiple"] == [16, 16]
+    assert main(["plan", "--model", str(wan["experts"]), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["experts"] == 2
+    assert (
+        main(["generate", PROMPT, "--model", str(wan["unipc"]), "-o", str(out), "--frames", "8"])
+        == 2
+    )
+    assert "4k + 1" in capsys.readouterr().err

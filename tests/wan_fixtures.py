@@ -1,0 +1,162 @@
+"""Tiny random Wan pipelines in the real diffusers layout, built offline in about a second.
+
+A SentencePiece tokenizer is trained on the fly on a few captions and wrapped by transformers'
+`T5Tokenizer`; UMT5, the Wan transformer(s) and the Wan VAE get dims of a few dozen. Variants:
+Wan2.1-style (one transformer, UniPC or flow-matching Euler), Wan2.2-A14B-style (two experts and
+a boundary), Wan2.2-TI2V-style (per-token timesteps, a residual VAE with 2x2 patches), and
+sharded weights.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import torch
+
+WORDS = (
+    "a red green blue yellow white black circle square triangle moving left right up down "
+    "not on background cat dog running jumping slowly quickly the sky river"
+).split()
+
+
+def tokenizer():
+    import sentencepiece as spm
+    from transformers import T5Tokenizer
+
+    corpus = [" ".join(WORDS[(i * 7 + j) % len(WORDS)] for j in range(9)) for i in range(300)]
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(corpus),
+        model_writer=model,
+        vocab_size=48,
+        model_type="unigram",
+        pad_id=0,
+        eos_id=1,
+        unk_id=2,
+        bos_id=-1,
+        minloglevel=2,
+    )
+    sp = spm.SentencePieceProcessor(model_proto=model.getvalue())
+    vocab = [(sp.id_to_piece(i), sp.get_score(i)) for i in range(sp.get_piece_size())]
+    return T5Tokenizer(vocab=vocab, extra_ids=0)
+
+
+def transformer(in_channels: int = 4, layers: int = 2):
+    from diffusers import WanTransformer3DModel
+
+    return WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=12,
+        in_channels=in_channels,
+        out_channels=in_channels,
+        text_dim=32,
+        freq_dim=16,
+        ffn_dim=32,
+        num_layers=layers,
+        rope_max_seq_len=32,
+    )
+
+
+def build_tiny_wan(
+    path: Path,
+    *,
+    experts: int = 1,
+    scheduler: str = "unipc",
+    ti2v: bool = False,
+    shard: str | None = None,
+    layers: int = 2,
+    seed: int = 0,
+    sampling: dict | None = None,
+) -> Path:
+    """Write a tiny random Wan pipeline directory at `path` (as `save_pretrained` writes it), with
+    sampling defaults a tiny model can take in `megaslide.json` (Wan's own are 480x832)."""
+    from diffusers import (
+        AutoencoderKLWan,
+        FlowMatchEulerDiscreteScheduler,
+        UniPCMultistepScheduler,
+        WanPipeline,
+    )
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    torch.manual_seed(seed)
+    tok = tokenizer()
+    text = UMT5EncoderModel(
+        UMT5Config(
+            vocab_size=len(tok),
+            d_model=32,
+            d_kv=8,
+            d_ff=64,
+            num_layers=2,
+            num_heads=4,
+            relative_attention_num_buckets=8,
+            relative_attention_max_distance=16,
+        )
+    )
+    if ti2v:  # Wan2.2-TI2V: a residual VAE that patchifies 2x2, 16 pixels per latent
+        channels = 8
+        vae = AutoencoderKLWan(
+            base_dim=8,
+            decoder_base_dim=8,
+            z_dim=channels,
+            dim_mult=[1, 1, 1, 1],
+            num_res_blocks=1,
+            temperal_downsample=[False, True, True],
+            is_residual=True,
+            patch_size=2,
+            in_channels=12,  # 3 colours x a 2x2 patch
+            out_channels=12,
+            scale_factor_spatial=16,
+            latents_mean=[0.05 * i for i in range(channels)],
+            latents_std=[1.0 + 0.1 * i for i in range(channels)],
+        )
+    else:
+        channels = 4
+        vae = AutoencoderKLWan(
+            base_dim=8,
+            z_dim=channels,
+            dim_mult=[1, 1, 1, 1],
+            num_res_blocks=1,
+            temperal_downsample=[False, True, True],
+            latents_mean=[0.1, -0.2, 0.3, 0.0],
+            latents_std=[1.5, 0.8, 1.2, 1.0],
+        )
+    if scheduler == "unipc":
+        sched = UniPCMultistepScheduler(
+            prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0
+        )
+    else:
+        sched = FlowMatchEulerDiscreteScheduler(shift=3.0)
+    models = [transformer(channels, layers) for _ in range(experts)]
+    with torch.no_grad():  # Wan's output projection starts random here, so outputs are not zero
+        for m in models:
+            m.proj_out.weight.normal_(0, 0.5)
+    pipe = WanPipeline(
+        tokenizer=tok,
+        text_encoder=text,
+        vae=vae,
+        scheduler=sched,
+        transformer=models[0],
+        transformer_2=models[1] if experts > 1 else None,
+        boundary_ratio=0.9 if experts > 1 else None,
+        expand_timesteps=ti2v,
+    )
+    options = {"max_shard_size": shard} if shard else {}
+    pipe.save_pretrained(path, **options)
+    size = 64 if ti2v else 32
+    defaults = {
+        "frames": 9,
+        "height": size,
+        "width": size,
+        "fps": 8,
+        "steps": 4,
+        **(sampling or {}),
+    }
+    (Path(path) / "megaslide.json").write_text(json.dumps({"sampling": defaults}))
+    return Path(path)
+
+
+# Small clips: 9 frames (3 latent frames) of 32x32 (a 2x2 token grid a frame).
+CLIP = dict(height=32, width=32, num_frames=9, num_inference_steps=4, guidance_scale=4.0)
