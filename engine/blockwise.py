@@ -4,7 +4,8 @@ The step never holds the whole model's gradients, or (when streamed) its weights
 
 1. Forward, no autograd inside the blocks: the prologue (text encoder, embeddings) runs with
    autograd; each block is loaded, run, and released, and only its input is kept (block-boundary
-   activation checkpointing).
+   activation checkpointing). What the model is comes from its family, as a `TrainingModel`
+   (training.py): the step knows prologue, blocks and epilogue, never the maths inside.
 2. The epilogue and the loss run with autograd, giving the gradient at the last block's output.
 3. Backward, blocks in reverse: load block i, recompute its forward from the saved input with
    autograd, backpropagate the incoming gradient, and hand block i's parameter gradients to the
@@ -25,19 +26,19 @@ from __future__ import annotations
 import contextlib
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
-from .dit import VideoDiT, pop_aux_losses
 from .flow import noisy_sample, sample_training_times, velocity_target
 from .host_store import pin_exact
 from .optim import CPUAdamW
 from .streaming import StreamHandle
-from .text import BuiltinTextEncoder
+from .training import TrainingModel
 
-NON_BLOCK = "non_block"  # optimizer block id of everything outside the DiT's blocks
+NON_BLOCK = "non_block"  # optimizer block id of everything outside the blocks
 
 
 @dataclass(frozen=True)
@@ -71,15 +72,15 @@ class _ResidentBlocks:
 class BlockwiseStep:
     """Owns the device copy of a model, its host fp32 masters and the CPU AdamW that updates them.
 
-    The model comes placed in fp32 by the loader (`loader.open_model`): with `offload="stream"`,
-    the DiT's blocks streamed (`handle`) and their host stores the masters; otherwise everything on
-    `device`, with host copies as masters (the parameters themselves on the CPU).
+    The model comes placed in fp32 by the loader (`loader.open_model`), as its family's
+    `TrainingModel`: with `offload="stream"`, its blocks streamed (`handle`) and their host stores
+    the masters; otherwise everything on `device`, with host copies as masters (the parameters
+    themselves on the CPU). Every parameter of the model's modules that requires grad trains.
     """
 
     def __init__(
         self,
-        dit: VideoDiT,
-        text: BuiltinTextEncoder,
+        model: TrainingModel,
         device: str | torch.device,
         config: StepConfig,
         handle: StreamHandle | None = None,
@@ -90,37 +91,43 @@ class BlockwiseStep:
             raise ValueError(
                 "offload='stream' trains a streamed model: pass its handle (and only then)"
             )
-        self.dit, self.text, self.config = dit, text, config
+        self.model, self.config = model, config
         self.device = torch.device(device)
-        for p in [*dit.parameters(), *text.parameters()]:
-            if p.dtype != torch.float32:
-                raise ValueError("the model must come in fp32: its host copy is the fp32 master")
-        # Host masters of the non-block parameters (and, unless streamed, of the blocks).
-        named = {f"dit.{n}": p for n, p in trainable(dit) if not n.startswith("blocks.")}
-        named |= {f"text.{n}": p for n, p in trainable(text)}
+        owner, prefix = model.blocks_owner, model.blocks_prefix
+        for name, module in model.modules.items():
+            for p in module.parameters():
+                if p.dtype != torch.float32:
+                    raise ValueError(f"{name} must come in fp32: its host copy is the fp32 master")
+        # Host masters of the non-block parameters (and, unless streamed, of the blocks), named
+        # "<module>.<parameter>".
+        named = {
+            f"{name}.{n}": p
+            for name, module in model.modules.items()
+            for n, p in trainable(module)
+            if not (name == owner and n.startswith(prefix))
+        }
         self.non_block_params = named
         non_block_master = self._host_master(named)
         # Frozen parameters never change: a host copy of each is all checkpoints need.
         self.frozen = {
-            f"{prefix}.{n}": p.detach().to("cpu", copy=True)
-            for prefix, m in (("dit", dit), ("text", text))
-            for n, p in m.named_parameters()
+            f"{name}.{n}": p.detach().to("cpu", copy=True)
+            for name, module in model.modules.items()
+            for n, p in module.named_parameters()
             if not p.requires_grad
         }
+        blocks = model.blocks
         self.handle = handle
         if handle is not None:
             self.blocks_io = handle
             # The streamer's host store of each block is its fp32 master: AdamW updates it in place
             # and the next load copies the new values.
             block_masters = {}
-            for i, block in enumerate(dit.blocks):
+            for i, block in enumerate(blocks):
                 names = {n for n, _ in trainable(block)}
                 block_masters[i] = {n: t for n, t in handle.host_tensors(i).items() if n in names}
         else:
             self.blocks_io = _ResidentBlocks()
-            block_masters = {
-                i: self._host_master(dict(trainable(b))) for i, b in enumerate(dit.blocks)
-            }
+            block_masters = {i: self._host_master(dict(trainable(b))) for i, b in enumerate(blocks)}
         # Block masters are keyed by names inside the block ("attn.qkv.weight").
         self.masters = {**block_masters, NON_BLOCK: non_block_master}
         self.optimizer = CPUAdamW(
@@ -150,15 +157,21 @@ class BlockwiseStep:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.config.autocast)
 
-    def micro_step(self, x0: torch.Tensor, prompts: list[str], generator: torch.Generator) -> dict:
+    def micro_step(self, x0: torch.Tensor, condition: Any, generator: torch.Generator) -> dict:
         """Forward and backward of one micro-batch; the optimizer steps after `grad_accum` of them.
 
-        `x0` `(B, C, F, H, W)` clips in latent space; noise and flow times come from `generator`.
+        `x0` `(B, C, F, H, W)` clean clips as the model takes them (pixels, or VAE latents);
+        `condition` what the model's prologue conditions on (prompts, or text embeddings); noise
+        and flow times come from `generator`, the times mapped into the model's `time_range`.
         """
         start = time.perf_counter()
-        dit, io = self.dit, self.blocks_io
+        model, io = self.model, self.blocks_io
+        blocks = model.blocks
         B = x0.shape[0]
         t = sample_training_times(B, generator, self.config.time_sampling)  # (B,)
+        lo, hi = model.time_range
+        if (lo, hi) != (0.0, 1.0):
+            t = lo + (hi - lo) * t
         noise = torch.randn(x0.shape, generator=generator)  # (B, C, F, H, W)
         x0, noise, t = x0.to(self.device), noise.to(self.device), t.to(self.device)
         x_t = noisy_sample(x0, noise, t)  # (B, C, F, H, W)
@@ -167,26 +180,22 @@ class BlockwiseStep:
 
         # 1. Prologue with autograd; blocks without, keeping each block's input.
         with self.autocast():
-            ids_ctx, ids_mask = self.text.encode(prompts)  # (B, L, text_dim)
-            h, c = dit.prologue(x_t, t, ids_ctx, ids_mask)  # (B, N, D)
+            h, carried, static = model.prologue(x_t, t, condition)  # (B, N, D)
         # Leaves for what every block reads: blocks' gradients accumulate on them.
-        c_leaf = replace(
-            c, t_mod=c.t_mod.detach().requires_grad_(), ctx=c.ctx.detach().requires_grad_()
-        )
+        leaves = {k: v.detach().requires_grad_() for k, v in carried.items()}
         inputs = []
         x = h.detach()
         with torch.no_grad(), io.manual(order="forward"), self.autocast():
-            for i, block in enumerate(dit.blocks):
+            for i in range(len(blocks)):
                 io.load(i)
                 inputs.append(x)
-                x = block(x, c_leaf)  # (B, N, D)
+                x = model.block(i, x, leaves, static)  # (B, N, D)
                 io.release(i)
 
         # 2. Epilogue and loss with autograd.
         x = x.detach().requires_grad_()
-        t_emb_leaf = c.t_emb.detach().requires_grad_()
         with self.autocast():
-            v = dit.epilogue(x, replace(c_leaf, t_emb=t_emb_leaf))  # (B, C, F, H, W)
+            v = model.epilogue(x, leaves, static)  # (B, C, F, H, W)
             loss = torch.nn.functional.mse_loss(v.float(), target.float())
         (loss / self.config.grad_accum).backward()
         grad = x.grad
@@ -194,22 +203,20 @@ class BlockwiseStep:
         # 3. Blocks in reverse: recompute, backpropagate, hand gradients to the CPU optimizer.
         pending: list[Future] = []
         sq_norm = torch.zeros((), device=self.device)
+        weight = torch.tensor(
+            self.config.aux_loss_weight / self.config.grad_accum, device=self.device
+        )
         with io.manual(order="reverse"):
-            for i in reversed(range(len(dit.blocks))):
+            for i in reversed(range(len(blocks))):
                 io.load(i)
                 xi = inputs[i].requires_grad_()
                 with self.autocast():
-                    out = dit.blocks[i](xi, c_leaf)  # (B, N, D)
-                aux = pop_aux_losses(
-                    dit.blocks[i]
-                )  # e.g. the 3D-DSA motion heads' consistency loss
-                weight = torch.tensor(
-                    self.config.aux_loss_weight / self.config.grad_accum, device=self.device
-                )
+                    out = model.block(i, xi, leaves, static)  # (B, N, D)
+                aux = model.aux_losses(i)  # e.g. the 3D-DSA motion heads' consistency loss
                 torch.autograd.backward([out, *aux], [grad, *([weight] * len(aux))])
                 grad = xi.grad
                 inputs[i] = None  # this boundary activation is no longer needed
-                params = dict(trainable(dit.blocks[i]))
+                params = dict(trainable(blocks[i]))
                 grads = _grads_or_zeros(params)
                 sq_norm += sum(g.float().square().sum() for g in grads.values())
                 host_grads, landed = self.drain.send(grads)
@@ -220,24 +227,23 @@ class BlockwiseStep:
                     # Re-fetch the host views: this also tells the streamer that block i's host copy
                     # is about to change, so a stale slot copy is never reused.
                     self.handle.host_tensors(i)
-                pending.append(
-                    self.drain.attach(self.worker.submit(self._update, i, host_grads, landed, last))
-                )
+                future = self.worker.submit(self._update, i, host_grads, landed, last)
+                pending.append(self.drain.attach(future))
 
         # 4. Through the prologue with everything the blocks and the epilogue sent back.
-        torch.autograd.backward(
-            [h, c.t_mod, c.ctx, c.t_emb],
-            [grad, c_leaf.t_mod.grad, c_leaf.ctx.grad, t_emb_leaf.grad],
-        )
+        sent_back = [
+            leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+            for leaf in leaves.values()
+        ]
+        torch.autograd.backward([h, *carried.values()], [grad, *sent_back])
         named = self.non_block_params
         grads = _grads_or_zeros(named)
         sq_norm += sum(g.float().square().sum() for g in grads.values())
         host_grads, landed = self.drain.send(grads)
         for p in named.values():
             p.grad = None
-        pending.append(
-            self.drain.attach(self.worker.submit(self._update, NON_BLOCK, host_grads, landed, last))
-        )
+        future = self.worker.submit(self._update, NON_BLOCK, host_grads, landed, last)
+        pending.append(self.drain.attach(future))
         for f in pending:
             # The next forward reads the masters these updates write: wait for every one of them.
             f.result()
@@ -277,7 +283,7 @@ class BlockwiseStep:
             for n, p in self.non_block_params.items():
                 p.copy_(self.masters[NON_BLOCK][n])
             if self.handle is None:
-                for i, block in enumerate(self.dit.blocks):
+                for i, block in enumerate(self.model.blocks):
                     for n, p in trainable(block):
                         p.copy_(self.masters[i][n])
 
@@ -350,15 +356,22 @@ def _grads_or_zeros(params: dict[str, nn.Parameter]) -> dict[str, torch.Tensor]:
     return {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in params.items()}
 
 
-def master_state_dicts(step: BlockwiseStep) -> tuple[dict, dict]:
-    """Every parameter on the host, fp32 masters and frozen ones: `(dit_state_dict, text_state_dict)`."""
+def master_state_dicts(step: BlockwiseStep) -> dict[str, dict[str, torch.Tensor]]:
+    """Every parameter of the trained modules on the host, fp32 masters and frozen ones:
+    `{module name: state dict}`."""
+    model = step.model
     flat = dict(step.frozen)
     for block_id, named in step.masters.items():
-        prefix = "" if block_id == NON_BLOCK else f"dit.blocks.{block_id}."
-        flat |= {prefix + n: t for n, t in named.items()}
-    dit_sd = {n[4:]: t for n, t in flat.items() if n.startswith("dit.")}
-    text_sd = {n[5:]: t for n, t in flat.items() if n.startswith("text.")}
-    return dit_sd, text_sd
+        if block_id == NON_BLOCK:
+            flat |= named
+        else:
+            prefix = f"{model.blocks_owner}.{model.blocks_prefix}{block_id}."
+            flat |= {prefix + n: t for n, t in named.items()}
+    states: dict[str, dict[str, torch.Tensor]] = {name: {} for name in model.modules}
+    for key, tensor in flat.items():
+        name, _, rest = key.partition(".")
+        states[name][rest] = tensor
+    return states
 
 
 __all__ = ["BlockwiseStep", "StepConfig", "NON_BLOCK", "master_state_dicts"]

@@ -13,6 +13,7 @@ import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -22,6 +23,20 @@ if TYPE_CHECKING:
     from .pipeline import Pipeline
     from .sources import ModelInfo
     from .streaming import StreamHandle
+    from .training import TrainingData, TrainingModel
+
+
+@dataclass(frozen=True)
+class TrainingShape:
+    """The clips a fine-tuning run trains on and how its loader serves them."""
+
+    frames: int
+    width: int
+    height: int
+    batch_size: int = 1
+    seed: int = 0
+    cache_mb: int = 1024  # decoded clips kept in RAM
+    device: str = "cpu"  # where frozen encoders run, when the data is encoded ahead
 
 
 @dataclass(eq=False)  # compared by identity: `weights` may be a lazy mapping of a whole file
@@ -66,6 +81,30 @@ class Family(ABC):
         """A sampling pipeline over the placed modules (`handles`: the streamed ones). `batched`
         runs every request of a step, both halves of each guidance pair, in one forward pass;
         False runs each row alone (a reference mode, as a one-request-at-a-time sampler does)."""
+
+    # -- fine-tuning ------------------------------------------------------------------------------
+
+    def training_components(self, info: ModelInfo, expert: str | None) -> set[str] | None:
+        """The components a fine-tuning run opens (None: all of them)."""
+        return None
+
+    @abstractmethod
+    def training_model(
+        self, info: ModelInfo, parts: dict[str, nn.Module], expert: str | None = None
+    ) -> TrainingModel:
+        """The opened model as the block-wise step trains it (`expert`: which denoiser of a
+        multi-expert model)."""
+
+    @abstractmethod
+    def training_data(
+        self, info: ModelInfo, data: Path, run: Path, shape: TrainingShape
+    ) -> TrainingData:
+        """The dataset at `data`, validated and made ready for training (a family whose frozen
+        encoders can be run ahead encodes it once into `run`)."""
+
+    @abstractmethod
+    def save_trained(self, info: ModelInfo, states: dict[str, dict], path: Path) -> None:
+        """Write a servable model directory at `path` from the trained modules' states."""
 
     @abstractmethod
     def count_parameters(self, info: ModelInfo) -> dict[str, int]:

@@ -29,12 +29,9 @@ import torch
 
 from .atomic import atomic_directory, remove_stale
 from .blockwise import BlockwiseStep, StepConfig, master_state_dicts
-from .checkpoint import save_model
-from .data import BackgroundLoader, VideoDataset, validate_dataset
-from .dit import VideoDiT
+from .family import TrainingShape, family
 from .loader import as_source, open_model
 from .sources import ModelSource, describe
-from .text import BuiltinTextEncoder
 
 CHECKPOINTS = "checkpoints"
 METRICS = "metrics.jsonl"
@@ -73,6 +70,7 @@ class FinetuneConfig:
     warmup_steps: int = 0  # linear warm-up from lr / warmup_steps to lr
     cache_mb: int = 1024  # decoded training clips kept in RAM (a small dataset is decoded once)
     until: int | None = None  # stop after this step of the schedule; a resumed run continues it
+    expert: str | None = None  # a multi-expert model (Wan2.2-A14B): "high" or "low" noise
 
     def validate(self) -> None:
         if (self.steps is None) == (self.epochs is None):
@@ -162,24 +160,28 @@ class Trainer:
             config.width or s.width,
         )
         info.limits.check_clip(self.frames, self.width, self.height)
-        # The whole dataset is checked before anything else happens: a bad file fails the run now.
-        samples = validate_dataset(data, num_frames=self.frames)
-        self.dataset = VideoDataset(
-            data,
-            self.frames,
-            (self.width, self.height),
-            samples=samples,
-            cache_bytes=config.cache_mb << 20,
-        )
-        per_step = config.batch_size * config.grad_accum
-        self.total_steps = config.steps or max(
-            1, math.ceil(config.epochs * len(self.dataset) / per_step)
-        )
-        self.loader = BackgroundLoader(self.dataset, batch_size=config.batch_size, seed=config.seed)
-        self.generator = torch.Generator().manual_seed(config.seed)
-        self.step = 0
+        self.family = family(info.family)
         self.output.mkdir(parents=True, exist_ok=True)
         remove_stale(self.output / CHECKPOINTS)  # what a killed run left half-written
+        shape = TrainingShape(
+            frames=self.frames,
+            width=self.width,
+            height=self.height,
+            batch_size=config.batch_size,
+            seed=config.seed,
+            cache_mb=config.cache_mb,
+            device=config.device,
+        )
+        # The dataset is checked (and, for a family with frozen encoders, encoded) before anything
+        # else happens: a bad file fails the run now.
+        self.data = self.family.training_data(info, Path(data), self.output, shape)
+        self.loader = self.data.loader
+        per_step = config.batch_size * config.grad_accum
+        self.total_steps = config.steps or max(
+            1, math.ceil(config.epochs * len(self.data) / per_step)
+        )
+        self.generator = torch.Generator().manual_seed(config.seed)
+        self.step = 0
 
         checkpoints = list_checkpoints(self.output) if resume else []
         if checkpoints:
@@ -193,9 +195,11 @@ class Trainer:
             dtype=torch.float32,
             offload=config.offload,
             timing=config.timing,
+            only=self.family.training_components(info, config.expert),
         )
         for module in parts.values():
             module.train()
+        model = self.family.training_model(info, parts, config.expert)
         cuda = torch.device(config.device).type == "cuda"
         step_config = StepConfig(
             lr=config.lr,
@@ -207,9 +211,8 @@ class Trainer:
             timing=config.timing,
             time_sampling=config.time_sampling,
         )
-        self.blockwise = BlockwiseStep(
-            parts["dit"], parts["text_encoder"], config.device, step_config, handles.get("dit")
-        )
+        handle = handles.get(model.blocks_owner)
+        self.blockwise = BlockwiseStep(model, config.device, step_config, handle)
         if checkpoints:
             self._restore(latest)
         else:
@@ -231,11 +234,12 @@ class Trainer:
         self.blockwise.optimizer.lr = learning_rate(self.config, self.step, self.total_steps)
         for _ in range(self.config.grad_accum):
             batch = next(self.loader)
+            # Dropped captions teach the model the unconditional velocity guidance extrapolates from.
             drop = (
                 torch.rand(len(batch.text), generator=self.generator) < self.config.caption_dropout
             )
-            prompts = ["" if d else text for d, text in zip(drop.tolist(), batch.text)]
-            out = self.blockwise.micro_step(batch.video, prompts, self.generator)
+            condition = self.data.condition(batch, drop.tolist())
+            out = self.blockwise.micro_step(self.data.x0(batch), condition, self.generator)
             losses.append(out["loss"])
             norm = out["grad_norm"]
         self.step += 1
@@ -301,22 +305,18 @@ class Trainer:
         metrics.write_text("".join(line + "\n" for line in kept))
 
     def _save_model(self, path: Path) -> None:
-        dit_sd, text_sd = master_state_dicts(self.blockwise)
-        config = self.blockwise.dit.config
-        with torch.device("meta"):
-            dit, text = VideoDiT(config), BuiltinTextEncoder(config.text)
-        dit.load_state_dict(dit_sd, assign=True)
-        text.load_state_dict(text_sd, assign=True)
-        save_model(path, dit, text, self.info.sampling, extra=self.info.extra)
+        self.family.save_trained(self.info, master_state_dicts(self.blockwise), path)
 
     def export(self, path: str | os.PathLike | None = None) -> Path:
-        """Write the current weights as a servable model directory (default `<output>/model`)."""
+        """Write the current weights as a servable model directory (default `<output>/model`),
+        atomically: a server may pick it up the moment it appears."""
         path = Path(path) if path is not None else self.output / "model"
-        self._save_model(path)
+        with atomic_directory(path) as tmp:
+            self._save_model(tmp)
         return path
 
     def close(self) -> None:
-        self.loader.close()
+        self.data.close()
         self.blockwise.close()
         self._metrics.close()
 

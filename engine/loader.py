@@ -124,9 +124,11 @@ def open_model(
     gpu_budget_bytes: int | None = None,
     prefetch: int = 2,
     timing: bool = False,
+    only: set[str] | None = None,
 ) -> tuple[dict[str, nn.Module], dict[str, StreamHandle]]:
     """The modules of a described model, built on meta, filled and placed: `(modules by name,
-    stream handles of the streamed ones)`. Fine-tuning opens its model here in fp32.
+    stream handles of the streamed ones)`; `only` names the components to open (default: all).
+    Fine-tuning opens its model here in fp32.
 
     With several streamed components (a text encoder and two denoising experts, say), the
     budget is shared in proportion to their block bytes.
@@ -138,6 +140,11 @@ def open_model(
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     components = family(info.family).components(info)
+    if only is not None:
+        unknown = only - {c.name for c in components}
+        if unknown:
+            raise ValueError(f"{info.name} has no component {sorted(unknown)[0]!r}")
+        components = [c for c in components if c.name in only]
     streamed = [c for c in components if offload == "stream" and c.blocks]
     block_bytes = {c.name: sum(layout_nbytes(b) for b in c.blocks) for c in streamed}
     handles: dict[str, StreamHandle] = {}

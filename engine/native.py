@@ -9,15 +9,19 @@ checkpoint.py); a preset's random weights are drawn as constructing `VideoDiT` a
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
+
 import numpy as np
 import torch
 from torch import nn
 
 from .autoencoder import build_autoencoder
-from .checkpoint import MODEL_FILE, TEXT_FILE
+from .checkpoint import MODEL_FILE, TEXT_FILE, save_model
 from .config import DiTConfig
-from .dit import VideoDiT
-from .family import Component, Family
+from .data import BackgroundLoader, Batch, VideoDataset, validate_dataset
+from .dit import BlockInputs, VideoDiT, pop_aux_losses
+from .family import Component, Family, TrainingShape
 from .flow import SampleState, denoise_step, shifted_schedule
 from .host_store import SafetensorsFile
 from .pipeline import Pipeline
@@ -25,6 +29,7 @@ from .request import ResolvedVideo
 from .sources import ModelInfo
 from .streaming import StreamHandle
 from .text import BuiltinTextEncoder
+from .training import TrainingData, TrainingModel
 from .video import float_to_frames
 
 
@@ -59,6 +64,29 @@ class MegaSlideFamily(Family):
             "vae": 0,  # pixel space
             "trainable": counts["total"],  # the text encoder trains too
         }
+
+    # -- fine-tuning: every parameter of the DiT and the text encoder trains ---------------------
+
+    def training_model(self, info, parts, expert=None) -> DiTTrainingModel:
+        if expert is not None:
+            raise ValueError(f"{info.name} has one denoiser: --expert does not apply")
+        return DiTTrainingModel(parts["dit"], parts["text_encoder"])
+
+    def training_data(self, info, data, run, shape: TrainingShape) -> ClipData:
+        # The whole dataset is checked before anything else happens: a bad file fails the run now.
+        samples = validate_dataset(data, num_frames=shape.frames)
+        size = (shape.width, shape.height)
+        dataset = VideoDataset(
+            data, shape.frames, size, samples=samples, cache_bytes=shape.cache_mb << 20
+        )
+        return ClipData(BackgroundLoader(dataset, batch_size=shape.batch_size, seed=shape.seed))
+
+    def save_trained(self, info, states, path: Path) -> None:
+        with torch.device("meta"):
+            dit, text = VideoDiT(info.config), BuiltinTextEncoder(info.config.text)
+        dit.load_state_dict(states["dit"], assign=True)
+        text.load_state_dict(states["text_encoder"], assign=True)
+        save_model(path, dit, text, info.sampling, extra=info.extra)
 
 
 class DiTPipeline(Pipeline):
@@ -122,3 +150,39 @@ def count_parameters(config: DiTConfig) -> dict[str, int]:
 
 def _numel(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
+
+
+class DiTTrainingModel(TrainingModel):
+    """The DiT and its text encoder, trained together from prompts."""
+
+    blocks_owner = "dit"
+
+    def __init__(self, dit: VideoDiT, text_encoder: BuiltinTextEncoder):
+        self.dit, self.text_encoder = dit, text_encoder
+        self.modules = {"dit": dit, "text_encoder": text_encoder}
+
+    def prologue(self, x_t, t, prompts: list[str]):
+        ctx, mask = self.text_encoder.encode(prompts)  # (B, L, text_dim), with autograd
+        h, c = self.dit.prologue(x_t, t, ctx, mask)  # (B, N, D)
+        # What the blocks and the epilogue read, and gradients must reach.
+        carried = {"t_mod": c.t_mod, "ctx": c.ctx, "t_emb": c.t_emb}
+        return h, carried, c
+
+    def block(self, i: int, h, carried, static: BlockInputs):
+        return self.dit.blocks[i](h, dataclasses.replace(static, **carried))
+
+    def epilogue(self, h, carried, static: BlockInputs):
+        return self.dit.epilogue(h, dataclasses.replace(static, **carried))
+
+    def aux_losses(self, i: int) -> list[torch.Tensor]:
+        return pop_aux_losses(self.dit.blocks[i])
+
+
+class ClipData(TrainingData):
+    """Decoded clips in pixel space, conditioned on their captions (dropped: the empty prompt)."""
+
+    def __init__(self, loader: BackgroundLoader):
+        self.loader = loader
+
+    def condition(self, batch: Batch, drop: list[bool]) -> list[str]:
+        return ["" if d else text for d, text in zip(drop, batch.text)]

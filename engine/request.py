@@ -53,6 +53,7 @@ class ModelLimits:
     max_prompt_tokens: int  # in the model's own tokens
     frames_offset: int = 0  # e.g. 1 for a causal video VAE (frames = 4k + 1)
     image_input: bool = False  # takes a first-frame image (image-to-video)
+    experts: int = 1  # denoisers that split the noise levels (fine-tuning trains one at a time)
     prompt_unit: str = "bytes (UTF-8)"
     count_tokens: Callable[[str], int] = _utf8_bytes
     # The model's exact shape rule (ValueError naming the problem) beyond the fields above, e.g.
@@ -70,6 +71,7 @@ class ModelLimits:
             "max_prompt_tokens": self.max_prompt_tokens,
             "prompt_unit": self.prompt_unit,
             "image_input": self.image_input,
+            "experts": self.experts,
         }
 
     def check_clip(self, frames: int, width: int, height: int, *, param: str = "size") -> None:

@@ -68,6 +68,7 @@ class FinetuneJob:
     num_frames: int | None = None
     width: int | None = None
     height: int | None = None
+    expert: str | None = None  # which expert of a two-expert base trains
 
 
 class Backend(ABC):

@@ -219,6 +219,9 @@ class Hyperparameters(Request):
     size: str | None = Field(
         None, description="WIDTHxHEIGHT of training clips (default: the trainer's)"
     )
+    expert: Literal["high", "low"] | None = Field(
+        None, description="a two-expert base (Wan2.2-A14B): which expert trains"
+    )
 
     @field_validator("n_epochs")
     @classmethod

@@ -102,6 +102,7 @@ class TorchBackend(Backend):
             frames=job.num_frames,
             height=job.height,
             width=job.width,
+            expert=job.expert,
         )
         # A fine-tune starts from the weights served under the base model's name: a preset's are
         # drawn from its own seed, whatever the run's seed is.

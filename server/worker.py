@@ -413,6 +413,7 @@ class EmbeddedWorker(WorkerClient):
                 num_frames=hyper.get("num_frames"),
                 width=hyper.get("width"),
                 height=hyper.get("height"),
+                expert=hyper.get("expert"),
             )
             trainer = self.backend.trainer(job)
         except Exception as exc:  # noqa: BLE001

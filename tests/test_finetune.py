@@ -16,6 +16,7 @@ from megaslide.engine.dit import VideoDiT
 from megaslide.engine.finetune import FinetuneConfig, learning_rate, open_trainer
 from megaslide.engine.flow import sample_training_times
 from megaslide.engine.loader import open_model, open_pipeline
+from megaslide.engine.native import DiTTrainingModel
 from megaslide.engine.request import VideoRequest
 from megaslide.engine.sources import describe, resolve_source
 from megaslide.engine.text import BuiltinTextEncoder
@@ -69,7 +70,7 @@ def test_streamed_training_matches_torch_adamw(preset, steps, lr, tmp_path):
     parts, handles = open_model(info, dtype=torch.float32, offload="stream")
     dit, text = parts["dit"].train(), parts["text_encoder"].train()
     step_config = StepConfig(lr=lr, weight_decay=0.01, offload="stream")
-    step = BlockwiseStep(dit, text, "cpu", step_config, handles["dit"])
+    step = BlockwiseStep(DiTTrainingModel(dit, text), "cpu", step_config, handles["dit"])
     live_grads = []  # blocks holding gradients whenever a block's backward finishes
     for block in dit.blocks:
         block.register_full_backward_hook(
@@ -80,7 +81,8 @@ def test_streamed_training_matches_torch_adamw(preset, steps, lr, tmp_path):
     g = torch.Generator().manual_seed(0)
     for _ in range(steps):
         step.micro_step(x0, PROMPTS, g)
-    dit_sd, text_sd = master_state_dicts(step)
+    states = master_state_dicts(step)
+    dit_sd, text_sd = states["dit"], states["text_encoder"]
     stats = step.handle.stats()
     step.close()
 
@@ -127,7 +129,8 @@ def run(world, output, resume=False, **kw):
 
 
 def final_masters(trainer):
-    dit_sd, text_sd = master_state_dicts(trainer.blockwise)
+    states = master_state_dicts(trainer.blockwise)
+    dit_sd, text_sd = states["dit"], states["text_encoder"]
     return {
         **{f"d.{k}": v.clone() for k, v in dit_sd.items()},
         **{f"t.{k}": v.clone() for k, v in text_sd.items()},

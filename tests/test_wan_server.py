@@ -114,3 +114,42 @@ def test_the_openai_sdk_creates_and_polls(app):
         assert video.status == "completed", video
         content = client.videos.download_content(video.id)
         assert content.read()[4:8] == b"ftyp"  # an MP4
+
+
+def test_a_fine_tuning_job_on_a_wan_base_is_served_at_once(app, tmp_path):
+    import tarfile
+
+    from megaslide.engine.world import write_dataset
+
+    data = write_dataset(tmp_path / "world", 4, seed=1, frames=9, height=32, width=32)
+    archive = tmp_path / "world.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        for path in sorted(data.rglob("*")):
+            tar.add(path, arcname=path.relative_to(data).as_posix(), recursive=False)
+    with TestClient(app) as c:
+        with open(archive, "rb") as f:
+            uploaded = c.post("/v1/files", data={"purpose": "fine-tune"}, files={"file": f})
+        assert uploaded.status_code == 200, uploaded.text
+        body = {"model": "wan-t2v", "training_file": uploaded.json()["id"]}
+        refused = c.post("/v1/fine_tuning/jobs", json=body)  # two experts: which one?
+        assert refused.status_code == 400
+        assert refused.json()["error"]["param"] == "hyperparameters.expert"
+        job = c.post(
+            "/v1/fine_tuning/jobs",
+            json={**body, "hyperparameters": {"expert": "low", "batch_size": 2}},
+        )
+        assert job.status_code == 200, job.text
+        deadline = time.monotonic() + 120
+        job_url = f"/v1/fine_tuning/jobs/{job.json()['id']}"
+        while (status := c.get(job_url).json())["status"] not in (
+            "succeeded",
+            "failed",
+            "cancelled",
+        ):
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert status["status"] == "succeeded", status
+        name = status["fine_tuned_model"]
+        assert name in {m["id"] for m in c.get("/v1/models").json()["data"]}
+        v = c.post("/v1/videos", json={"model": name, "prompt": "a red circle", "seed": 5})
+        assert wait(c, v.json()["id"])["status"] == "completed"

@@ -317,6 +317,11 @@ def register_finetune(sub) -> None:
     p.add_argument(
         "--attention", choices=("dense", "dsa"), help="self-attention backend to train with"
     )
+    p.add_argument(
+        "--expert",
+        choices=("high", "low"),
+        help="which expert of a two-expert model (Wan2.2-A14B) to train: high or low noise",
+    )
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--offload", choices=("none", "stream"), default="none")
     p.add_argument(
@@ -371,6 +376,7 @@ def run_finetune(args) -> int:
         warmup_steps=args.warmup_steps,
         cache_mb=args.cache_mb,
         until=args.until,
+        expert=args.expert,
     )
     with open_trainer(model_source(args), args.data, config, resume=args.resume) as trainer:
         if trainer.done:

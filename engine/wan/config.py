@@ -251,6 +251,7 @@ def wan_limits(config: WanConfig, sampling: SamplingDefaults, path: Path) -> Mod
         frames_offset=1,
         # Wan2.2-TI2V takes a first frame: its clean latent replaces the first latent frame.
         image_input=config.expand_timesteps,
+        experts=len(config.experts),
         max_prompt_tokens=TEXT_TOKENS - 1,  # and the end-of-sequence token
         prompt_unit="tokens (UMT5)",
         count_tokens=lambda prompt: count_tokens(prompt, str(path / "tokenizer")),

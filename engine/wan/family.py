@@ -99,6 +99,29 @@ class WanFamily(Family):
     def pipeline(self, info, parts, handles, *, batched: bool = True) -> WanVideoPipeline:
         return WanVideoPipeline(info, parts, handles, batched=batched)
 
+    # -- fine-tuning: one expert trains; UMT5 and the VAE encode the data once, ahead ---------------
+
+    def training_components(self, info: ModelInfo, expert: str | None) -> set[str]:
+        from .training import expert_for
+
+        return {expert_for(info.config, expert)[0]}
+
+    def training_model(self, info, parts, expert=None):
+        from .training import WanTrainingModel, expert_for
+
+        name, time_range = expert_for(info.config, expert)
+        return WanTrainingModel(name, parts[name], info.config, time_range)
+
+    def training_data(self, info, data, run, shape):
+        from .training import latent_cache
+
+        return latent_cache(info, data, run, shape)
+
+    def save_trained(self, info, states, path) -> None:
+        from .training import save_diffusers
+
+        save_diffusers(info, states, path)
+
     def count_parameters(self, info: ModelInfo) -> dict[str, int]:
         diffusers, transformers = _libraries()
         path, config = info.source.path, info.config
@@ -184,29 +207,15 @@ class WanState:
         return (1 - self.mask) * self.condition + self.mask * self.latents
 
 
-class WanVideoPipeline(Pipeline):
-    """Text-to-video sampling of a Wan model, batched at denoising-step granularity."""
+class WanEncoders:
+    """The frozen ends of a Wan pipeline: UMT5 with its tokenizer, and the VAE. Sampling and the
+    fine-tuning cache (training.py) encode through the same code."""
 
-    def __init__(self, info: ModelInfo, parts: dict[str, nn.Module], handles, *, batched: bool):
-        super().__init__(info, handles)
-        diffusers, transformers = _libraries()
-        config: WanConfig = info.config
-        path = info.source.path
-        self.config = config
-        self.batched = batched
-        self.text_encoder, self.vae = parts["text_encoder"], parts["vae"]
-        self.experts = [parts[name] for name in config.experts]
+    def __init__(self, path: Path, config: WanConfig, text_encoder: nn.Module, vae: nn.Module):
+        _, transformers = _libraries()
+        self.config, self.text_encoder, self.vae = config, text_encoder, vae
         self.tokenizer = transformers.AutoTokenizer.from_pretrained(
             path / "tokenizer", local_files_only=True
-        )
-        scheduler_class = getattr(diffusers, config.scheduler)
-        self.scheduler = scheduler_class.from_pretrained(
-            path, subfolder="scheduler", local_files_only=True
-        )
-        self.boundary = (
-            config.boundary_ratio * config.num_train_timesteps
-            if config.boundary_ratio is not None and len(self.experts) > 1
-            else None
         )
         # Tiles only above 256 pixels a side, so a smaller clip decodes exactly as without.
         self.vae.enable_tiling()
@@ -218,15 +227,10 @@ class WanVideoPipeline(Pipeline):
     def device(self) -> torch.device:
         return next(self.vae.parameters()).device  # the VAE is resident: never streamed
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.experts[0].proj_out.weight.dtype
-
-    # -- prompts -------------------------------------------------------------------------------
-
     @torch.no_grad()
-    def encode(self, prompts: list[str]) -> torch.Tensor:
-        """UMT5 embeddings `(B, 512, text_dim)` in the denoiser's dtype, zero past each prompt."""
+    def prompts(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """UMT5 embeddings `(B, 512, text_dim)` on the text encoder's device, zero past each
+        prompt's end, and the prompts' lengths in tokens `(B,)`."""
         from diffusers.pipelines.wan.pipeline_wan import prompt_clean  # the pipeline's own cleaning
 
         tokens = self.tokenizer(
@@ -243,8 +247,67 @@ class WanVideoPipeline(Pipeline):
         hidden = self.text_encoder(ids, mask).last_hidden_state  # (B, 512, text_dim)
         lengths = mask.gt(0).sum(dim=1)
         keep = torch.arange(TEXT_TOKENS, device=device)[None, :] < lengths[:, None]  # (B, 512)
-        hidden = torch.where(keep[..., None], hidden, torch.zeros((), dtype=hidden.dtype))
-        return hidden.to(self.device, self.dtype)
+        return torch.where(keep[..., None], hidden, torch.zeros((), dtype=hidden.dtype)), lengths
+
+    def _normalisation(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return (
+            self._latents_mean.to(like.device, like.dtype),
+            self._latents_std_inv.to(like.device, like.dtype),
+        )
+
+    @torch.no_grad()
+    def clip(self, pixels: torch.Tensor) -> torch.Tensor:
+        """Pixels `(B, 3, F, H, W)` in [-1, 1] -> normalised latents `(B, C, F', H', W')` fp32: the
+        VAE's mode, `(latent - mean) / std`, as Wan's pipelines condition on an image."""
+        latent = self.vae.encode(pixels.to(self.device, self.vae.dtype)).latent_dist.mode()
+        latent = latent.to(self.device, torch.float32)
+        mean, std_inv = self._normalisation(latent)
+        return (latent - mean) * std_inv
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor) -> np.ndarray:
+        """Normalised latents `(1, C, F', H', W')` -> uint8 frames `(F, H, W, 3)`."""
+        latents = latents.to(self.device, self.vae.dtype)
+        mean, std_inv = self._normalisation(latents)
+        video = self.vae.decode(latents / std_inv + mean, return_dict=False)[0]  # (1, 3, F, H, W)
+        video = (video / 2 + 0.5).clamp(0, 1)  # diffusers' denormalisation
+        frames = video[0].permute(1, 2, 3, 0).float()  # (F, H, W, 3) in [0, 1]
+        return (frames * 255).round().to(torch.uint8).cpu().numpy()
+
+
+class WanVideoPipeline(Pipeline):
+    """Text-to-video sampling of a Wan model, batched at denoising-step granularity."""
+
+    def __init__(self, info: ModelInfo, parts: dict[str, nn.Module], handles, *, batched: bool):
+        super().__init__(info, handles)
+        diffusers, _ = _libraries()
+        config: WanConfig = info.config
+        path = info.source.path
+        self.config = config
+        self.batched = batched
+        self.encoders = WanEncoders(path, config, parts["text_encoder"], parts["vae"])
+        self.experts = [parts[name] for name in config.experts]
+        scheduler_class = getattr(diffusers, config.scheduler)
+        self.scheduler = scheduler_class.from_pretrained(
+            path, subfolder="scheduler", local_files_only=True
+        )
+        self.boundary = (
+            config.boundary_ratio * config.num_train_timesteps
+            if config.boundary_ratio is not None and len(self.experts) > 1
+            else None
+        )
+
+    @property
+    def device(self) -> torch.device:
+        return self.encoders.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.experts[0].proj_out.weight.dtype
+
+    def encode(self, prompts: list[str]) -> torch.Tensor:
+        """UMT5 embeddings `(B, 512, text_dim)` in the denoiser's dtype, zero past each prompt."""
+        return self.encoders.prompts(prompts)[0].to(self.device, self.dtype)
 
     # -- sampling ------------------------------------------------------------------------------
 
@@ -273,7 +336,7 @@ class WanVideoPipeline(Pipeline):
     @torch.no_grad()
     def _image_latent(self, video: ResolvedVideo) -> torch.Tensor:
         """The first-frame image's normalised latent `(1, C, 1, H', W')`, as WanImageToVideoPipeline
-        makes it: resized to the clip, the VAE's mode, `(latent - mean) / std`."""
+        makes it: resized to the clip by diffusers' own video processor, then encoded."""
         from diffusers.video_processor import VideoProcessor
         from PIL import Image
 
@@ -282,12 +345,7 @@ class WanVideoPipeline(Pipeline):
             pixels = processor.preprocess(
                 image.convert("RGB"), height=video.height, width=video.width
             )
-        pixels = pixels.to(self.device, torch.float32).unsqueeze(2)  # (1, 3, 1, H, W)
-        latent = self.vae.encode(pixels.to(self.vae.dtype)).latent_dist.mode()
-        latent = latent.to(self.device, torch.float32)
-        mean = self._latents_mean.to(latent.device, latent.dtype)
-        std_inv = self._latents_std_inv.to(latent.device, latent.dtype)
-        return (latent - mean) * std_inv
+        return self.encoders.clip(pixels.to(torch.float32).unsqueeze(2))  # from (1, 3, 1, H, W)
 
     def _expert(self, state: WanState) -> int:
         return 0 if self.boundary is None or state.timestep >= self.boundary else 1
@@ -350,13 +408,4 @@ class WanVideoPipeline(Pipeline):
     def finish(self, state: WanState) -> np.ndarray:
         if not state.done:
             raise RuntimeError(f"state is at step {state.step} of {state.num_steps}")
-        with torch.no_grad():
-            latents = state.model_input().to(self.device, self.vae.dtype)
-            mean = self._latents_mean.to(latents.device, latents.dtype)
-            std_inv = self._latents_std_inv.to(latents.device, latents.dtype)
-            video = self.vae.decode(latents / std_inv + mean, return_dict=False)[
-                0
-            ]  # (1, 3, F, H, W)
-            video = (video / 2 + 0.5).clamp(0, 1)  # diffusers' denormalisation
-            frames = video[0].permute(1, 2, 3, 0).float()  # (F, H, W, 3) in [0, 1]
-        return (frames * 255).round().to(torch.uint8).cpu().numpy()
+        return self.encoders.decode(state.model_input())

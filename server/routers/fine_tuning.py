@@ -64,6 +64,11 @@ def resolve_hyperparameters(h: Hyperparameters, card: ModelCard, settings: Setti
     except RequestError as e:
         param = "hyperparameters.num_frames" if e.param == "num_frames" else e.param
         raise RequestError(f"training clips: {e}", param=param) from None
+    if (limits.experts > 1) != (h.expert is not None):
+        need = (
+            "choose which expert trains: high or low" if limits.experts > 1 else "has one denoiser"
+        )
+        raise RequestError(f"model {card.name} {need}", param="hyperparameters.expert")
     return {
         "n_epochs": settings.finetune_epochs if h.n_epochs == "auto" else h.n_epochs,
         "batch_size": 1 if h.batch_size == "auto" else h.batch_size,
@@ -73,6 +78,7 @@ def resolve_hyperparameters(h: Hyperparameters, card: ModelCard, settings: Setti
         "num_frames": h.num_frames,
         "width": width,
         "height": height,
+        "expert": h.expert,
     }
 
 

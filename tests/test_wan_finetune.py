@@ -1,0 +1,205 @@
+"""Full fine-tuning of Wan models: block-wise streamed training equals torch's AdamW, the data is
+encoded once, a killed run resumes bitwise, the export is a diffusers pipeline, the server runs
+a job and serves its model."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from megaslide.engine.blockwise import BlockwiseStep, StepConfig, master_state_dicts
+from megaslide.engine.finetune import FinetuneConfig, open_trainer
+from megaslide.engine.flow import sample_training_times
+from megaslide.engine.loader import open_model, open_pipeline
+from megaslide.engine.request import VideoRequest
+from megaslide.engine.sources import describe, resolve_source
+from megaslide.engine.wan.training import WanTrainingModel
+from megaslide.engine.world import write_dataset
+from tests.wan_fixtures import build_tiny_wan
+
+diffusers = pytest.importorskip("diffusers")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def wan(tmp_path_factory):
+    root = tmp_path_factory.mktemp("wan-ft")
+    return {
+        "one": build_tiny_wan(root / "one", layers=3),
+        "experts": build_tiny_wan(root / "experts", experts=2),
+        "world": write_dataset(root / "world", 8, seed=0, frames=9, height=32, width=32),
+    }
+
+
+def config(output, **changes) -> FinetuneConfig:
+    base = dict(output=str(output), steps=4, lr=1e-3, batch_size=2, save_every=2, offload="stream")
+    return FinetuneConfig(**{**base, **changes})
+
+
+def test_streamed_training_matches_torch_adamw():
+    """Three steps of the block-wise step (blocks streamed, CPU AdamW) against whole-model
+    autograd and torch.optim.AdamW on the same transformer, times and noise."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = build_tiny_wan(Path(tmp) / "wan", layers=3)
+        info = describe(resolve_source(path))
+        reference = diffusers.WanTransformer3DModel.from_pretrained(path / "transformer").train()
+        parts, handles = open_model(
+            info, dtype=torch.float32, offload="stream", only={"transformer"}
+        )
+    model = WanTrainingModel("transformer", parts["transformer"].train(), info.config, (0.0, 1.0))
+    lr, wd, steps = 3e-4, 0.01, 3
+    step = BlockwiseStep(
+        model, "cpu", StepConfig(lr=lr, weight_decay=wd, offload="stream"), handles["transformer"]
+    )
+    g = torch.Generator().manual_seed(0)
+    x0, emb = torch.randn(2, 4, 3, 4, 4, generator=g), torch.randn(2, 512, 32, generator=g)
+
+    params = [p for p in reference.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(
+        [
+            {"params": [p for p in params if p.ndim >= 2], "weight_decay": wd},
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+        ],
+        lr=lr,
+    )
+    ours, theirs = torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        step.micro_step(x0, emb, ours)
+        t = sample_training_times(2, theirs)
+        noise = torch.randn(x0.shape, generator=theirs)
+        x_t = (1 - t.view(-1, 1, 1, 1, 1)) * x0 + t.view(-1, 1, 1, 1, 1) * noise
+        v = reference(
+            hidden_states=x_t, timestep=t * 1000, encoder_hidden_states=emb, return_dict=False
+        )[0]
+        loss = torch.nn.functional.mse_loss(v, noise - x0)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    trained = master_state_dicts(step)["transformer"]
+    step.close()
+    expected = reference.state_dict()
+    assert trained.keys() == expected.keys()
+    worst = max(
+        ((trained[k] - expected[k]).norm() / expected[k].norm().clamp_min(1e-30)).item()
+        for k in expected
+    )
+    assert worst <= 1e-6, worst
+
+
+def test_loss_falls_export_is_diffusers_and_generates_alike(wan, tmp_path):
+    with open_trainer(
+        wan["one"], wan["world"], config(tmp_path / "run", steps=25, save_every=100)
+    ) as t:
+        losses = [t.train_step()["loss"] for _ in range(25)]
+        cache = sorted(p.name for p in (tmp_path / "run" / "cache").iterdir())
+        t.save_checkpoint()
+        path = t.export()
+    assert sum(losses[-5:]) < 0.7 * sum(losses[:5]), losses
+    assert "manifest.json" in cache and "text.safetensors" in cache
+    # A complete diffusers pipeline: the trained transformer, the rest linked from the base.
+    reference = diffusers.WanPipeline.from_pretrained(path)
+    reference.set_progress_bar_config(disable=True)
+    base_vae = wan["one"] / "vae" / "diffusion_pytorch_model.safetensors"
+    assert os.path.samefile(path / "vae" / "diffusion_pytorch_model.safetensors", base_vae)
+    frames = reference(
+        prompt="a red circle moving left",
+        negative_prompt="",
+        height=32,
+        width=32,
+        num_frames=9,
+        num_inference_steps=3,
+        guidance_scale=4.0,
+        generator=torch.Generator().manual_seed(2),
+        output_type="np",
+    ).frames[0]
+    expected = np.round(frames * 255).astype(np.uint8)
+    ours = open_pipeline(path).generate(
+        VideoRequest(
+            "a red circle moving left", height=32, width=32, frames=9, steps=3, guidance=4.0, seed=2
+        )
+    )
+    assert np.abs(ours.astype(int) - expected.astype(int)).max() <= 1
+    # A second run on the same data and model reuses the encoded data.
+    before = (tmp_path / "run" / "cache" / "manifest.json").stat().st_mtime_ns
+    with open_trainer(
+        wan["one"], wan["world"], config(tmp_path / "run", steps=30), resume=True
+    ) as t:
+        assert t.step == 25
+    assert (tmp_path / "run" / "cache" / "manifest.json").stat().st_mtime_ns == before
+
+
+def test_two_experts_train_one_at_a_time(wan, tmp_path):
+    with pytest.raises(ValueError, match="choose --expert high or low"):
+        open_trainer(wan["experts"], wan["world"], config(tmp_path / "a"))
+    with open_trainer(wan["experts"], wan["world"], config(tmp_path / "b", expert="low")) as t:
+        assert set(t.blockwise.model.modules) == {"transformer_2"}
+        assert t.blockwise.model.time_range == (0.0, 0.9)
+        t.run()
+        path = t.export()
+    base, trained = wan["experts"], path
+    same = (base / "transformer" / "diffusion_pytorch_model.safetensors").read_bytes()
+    assert (trained / "transformer" / "diffusion_pytorch_model.safetensors").read_bytes() == same
+    assert describe(resolve_source(trained)).config.experts == ("transformer", "transformer_2")
+
+
+def run_cli(*args: str) -> subprocess.Popen:
+    code = "import sys; from megaslide.cli.main import main; sys.exit(main(sys.argv[1:]))"
+    return subprocess.Popen(
+        [sys.executable, "-c", code, *args],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+
+
+def test_kill_9_and_resume_equal_an_uninterrupted_run(wan, tmp_path):
+    args = [
+        "finetune",
+        "--model",
+        str(wan["one"]),
+        "--data",
+        str(wan["world"]),
+        "--steps",
+        "6",
+        "--save-every",
+        "2",
+        "--batch-size",
+        "2",
+        "--lr",
+        "1e-3",
+        "--offload",
+        "stream",
+        "--no-progress",
+    ]
+    whole = run_cli(*args, "--output", str(tmp_path / "whole"))
+    killed = run_cli(*args, "--output", str(tmp_path / "killed"))
+    checkpoint = tmp_path / "killed" / "checkpoints" / "step-000004"
+    deadline = time.monotonic() + 240
+    while not checkpoint.exists() and killed.poll() is None:
+        assert time.monotonic() < deadline, "no checkpoint appeared"
+        time.sleep(0.05)
+    killed.send_signal(signal.SIGKILL)
+    killed.wait()
+    assert whole.wait(timeout=300) == 0, whole.stderr.read()
+    resumed = run_cli(*args, "--output", str(tmp_path / "killed"), "--resume")
+    assert resumed.wait(timeout=300) == 0, resumed.stderr.read()
+    name = "transformer/diffusion_pytorch_model.safetensors"
+    a = (tmp_path / "whole" / "model" / name).read_bytes()
+    b = (tmp_path / "killed" / "model" / name).read_bytes()
+    assert a == b
+    metrics = [
+        json.loads(line)
+        for line in (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5, 6]
