@@ -31,6 +31,9 @@ class ModelCard:
     source: str  # preset name, or model directory
     limits: ModelLimits
     parent: str | None = None  # the base model of a fine-tune
+    # What a request may condition on: "text" (prompt, negative prompt); a model that also takes
+    # a first frame (`input_reference`) adds "image". The playground shows fields from this.
+    inputs: tuple[str, ...] = ("text",)
 
     def replace(self, **changes) -> ModelCard:
         return dataclasses.replace(self, **changes)
