@@ -54,6 +54,7 @@ def client(tmp_path):
 def test_the_page_and_every_module_it_imports_are_served(client):
     page = client.get("/")
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert page.headers["cache-control"] == "no-cache"
     assert client.head("/").status_code == 200
     linked = set(re.findall(r'(?:src|href)="(assets/[^"]+)"', page.text))
     assert {"assets/main.js", "assets/style.css", "assets/icon.svg"} <= linked
@@ -65,7 +66,7 @@ def test_the_page_and_every_module_it_imports_are_served(client):
             continue
         served.add(path)
         r = client.get(f"/{path}")
-        assert r.status_code == 200, path
+        assert r.status_code == 200 and r.headers["cache-control"] == "no-cache", path
         if path.endswith(".js"):
             assert "javascript" in r.headers["content-type"], r.headers["content-type"]
             todo += [f"assets/{name}" for name in re.findall(r'from "\./([\w.-]+)"', r.text)]

@@ -149,13 +149,14 @@ def browser():
 
 @contextlib.contextmanager
 def open_page(browser, base_url: str):
-    """A page in a fresh context; on the way out, fails if the page threw or asked anything of
-    another origin."""
+    """A page in a fresh context; on the way out, fails if the page threw, broke its own content
+    security policy, or asked anything of another origin."""
     context = browser.new_context(viewport=VIEWPORT, base_url=base_url, accept_downloads=True)
     context.set_default_timeout(WAIT_MS)
     page = context.new_page()
     errors, urls = [], []
     page.on("pageerror", lambda e: errors.append(str(e)))
+    page.on("console", lambda m: "Content Security Policy" in m.text and errors.append(m.text))
     page.on("request", lambda r: urls.append(r.url))
     try:
         yield page
@@ -257,7 +258,7 @@ def test_create_watch_and_play(page, server):
 
     page.route(re.compile(r".*/v1/videos/[^/]+/events$"), flaky_events)
     page.evaluate(WATCH_QUEUE)
-    card = submit(page, "a red circle moving left", steps=150)  # about 2 s of denoising
+    card = submit(page, "a red circle moving left", steps=100)  # a few seconds of denoising
     video_id = card.get_attribute("data-id")
     expect(card).to_have_attribute("data-status", "completed")
     expect_playing(card.locator("video"))
@@ -269,7 +270,7 @@ def test_create_watch_and_play(page, server):
     assert progress == sorted(progress), progress
     assert any(0 < p < 90 for p in progress), progress  # denoising steps, not just the ends
     assert seen["media"][video_id][-2:] == ["IMG", "VIDEO"]  # thumbnail first, then the clip
-    assert server.http.get(f"/v1/videos/{video_id}").json()["num_inference_steps"] == 150
+    assert server.http.get(f"/v1/videos/{video_id}").json()["num_inference_steps"] == 100
 
 
 def test_queue_positions_and_cancel(page, server):
@@ -278,8 +279,9 @@ def test_queue_positions_and_cancel(page, server):
     expect(done).to_have_attribute("data-status", "completed")
     expect_playing(done.locator("video"))
 
-    # A long clip occupies the worker; two short ones of another shape cannot join its batch.
-    running = submit(page, "a blue square moving up", size="64x64", frames=8, steps=200)
+    # A long clip occupies the worker (tens of seconds); two short ones of another shape cannot
+    # join its batch.
+    running = submit(page, "a blue square moving up", frames=8, steps=200)
     expect(running.locator(".state")).to_contain_text(re.compile(r"step \d{2,} of 200"))
     first = submit(page, "a green triangle moving right")
     expect(first.locator(".state")).to_have_text("queued · #1 in line")
@@ -387,6 +389,9 @@ def test_fine_tune_then_generate_with_it(page, server, tmp_path):
     expect(page.locator("#upload-status")).to_contain_text("4 clips")
     expect(page.locator("#upload-progress")).to_have_attribute("aria-valuenow", "100")
 
+    page.fill("#ft-width", "33")  # the server's error shows beside the field it names
+    page.click("#start-finetune")
+    expect(page.locator("[data-param='hyperparameters.size'] .error")).to_contain_text("33x")
     page.fill("#ft-epochs", "2")
     page.fill("#ft-batch", "1")
     page.fill("#ft-frames", "4")

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from fastapi import APIRouter
-from fastapi.responses import FileResponse
+from fastapi.responses import FileResponse, Response
 from fastapi.staticfiles import StaticFiles
 
 PLAYGROUND = Path(__file__).resolve().parents[1] / "playground"
@@ -24,6 +24,16 @@ async def index():
     return FileResponse(PLAYGROUND / "index.html", headers={"Cache-Control": "no-cache"})
 
 
+class Revalidated(StaticFiles):
+    """Static files the browser revalidates (ETag) before each use, so that after an upgrade a page
+    never runs old modules beside new ones."""
+
+    def file_response(self, *args, **kwargs) -> Response:
+        response = super().file_response(*args, **kwargs)
+        response.headers["Cache-Control"] = "no-cache"
+        return response
+
+
 def assets() -> StaticFiles:
     """The page's scripts, styles and icon, for `app.mount("/assets", ...)`."""
-    return StaticFiles(directory=PLAYGROUND / "assets")
+    return Revalidated(directory=PLAYGROUND / "assets")
