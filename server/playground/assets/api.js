@@ -1,6 +1,7 @@
 // The page's one way to the API: every call carries the API key (when one is set), and every
 // failure becomes an APIError read from the server's error envelope
-// ({"error": {"message", "type", "param", "code"}}), so a form can show it beside the field it names.
+// ({"error": {"message", "type", "param", "code"}}), so that a form can show it beside the field
+// it names.
 
 const KEY_STORAGE = "megaslide.apiKey";
 
@@ -116,7 +117,10 @@ export function forget(pathPrefix) {
   for (const [key, made] of blobs) {
     if (!key.startsWith(prefix)) continue;
     blobs.delete(key);
-    made.then((blobUrl) => URL.revokeObjectURL(blobUrl), () => {});
+    made.then(
+      (blobUrl) => URL.revokeObjectURL(blobUrl),
+      () => {},
+    );
   }
 }
 

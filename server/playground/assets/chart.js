@@ -35,7 +35,11 @@ export function lossChart(points) {
   });
   if (!points.length) {
     chart.append(
-      svg("text", { x: WIDTH / 2, y: HEIGHT / 2, "text-anchor": "middle", class: "empty" }, "no steps yet"),
+      svg(
+        "text",
+        { x: WIDTH / 2, y: HEIGHT / 2, "text-anchor": "middle", class: "empty" },
+        "no steps yet",
+      ),
     );
     return chart;
   }
@@ -45,24 +49,48 @@ export function lossChart(points) {
   const margin = (y1 - y0) * 0.08 || Math.abs(y1) * 0.1 || 1;
   [y0, y1] = [y0 - margin, y1 + margin];
   const x = (step) => PAD.left + ((step - x0) / (x1 - x0)) * (WIDTH - PAD.left - PAD.right);
-  const y = (loss) => HEIGHT - PAD.bottom - ((loss - y0) / (y1 - y0)) * (HEIGHT - PAD.top - PAD.bottom);
+  const y = (loss) =>
+    HEIGHT - PAD.bottom - ((loss - y0) / (y1 - y0)) * (HEIGHT - PAD.top - PAD.bottom);
 
   for (let i = 0; i <= Y_TICKS; i += 1) {
     const value = y0 + ((y1 - y0) * i) / Y_TICKS;
     chart.append(
-      svg("line", { class: "grid", x1: PAD.left, x2: WIDTH - PAD.right, y1: y(value), y2: y(value) }),
-      svg("text", { class: "tick", x: PAD.left - 6, y: y(value) + 4, "text-anchor": "end" }, label(value)),
+      svg("line", {
+        class: "grid",
+        x1: PAD.left,
+        x2: WIDTH - PAD.right,
+        y1: y(value),
+        y2: y(value),
+      }),
+      svg(
+        "text",
+        { class: "tick", x: PAD.left - 6, y: y(value) + 4, "text-anchor": "end" },
+        label(value),
+      ),
     );
   }
   const first = points[0].step;
   const last = points.at(-1).step;
   for (const step of first === last ? [first] : [first, last]) {
     chart.append(
-      svg("text", { class: "tick", x: x(step), y: HEIGHT - PAD.bottom + 16, "text-anchor": "middle" }, step),
+      svg(
+        "text",
+        { class: "tick", x: x(step), y: HEIGHT - PAD.bottom + 16, "text-anchor": "middle" },
+        step,
+      ),
     );
   }
   chart.append(
-    svg("text", { class: "axis", x: (PAD.left + WIDTH - PAD.right) / 2, y: HEIGHT - 2, "text-anchor": "middle" }, "step"),
+    svg(
+      "text",
+      {
+        class: "axis",
+        x: (PAD.left + WIDTH - PAD.right) / 2,
+        y: HEIGHT - 2,
+        "text-anchor": "middle",
+      },
+      "step",
+    ),
     svg("text", { class: "axis", x: 8, y: 14 }, "loss"),
     svg("polyline", {
       class: "loss-line",

@@ -78,7 +78,7 @@ export class CreateForm {
     return true;
   }
 
-  // Show the model's limits and the fields it takes; with `defaults`, reset the form to its defaults.
+  // Show the model's limits and the fields it takes; with `defaults`, fill in its defaults.
   applyModel({ defaults }) {
     const model = this.model;
     const limits = this.form.querySelector("#model-limits");
@@ -148,7 +148,8 @@ export class CreateForm {
     this.fields.prompt.focus();
   }
 
-  // The request body; a number the browser could not read is refused here, named like the API would.
+  // The request body; a number the browser could not read is refused here, named as the API
+  // would name it.
   body() {
     const f = this.fields;
     const number = (input, param) => {

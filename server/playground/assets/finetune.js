@@ -6,7 +6,16 @@
 import { APIError, get, request, upload } from "./api.js";
 import { lossChart } from "./chart.js";
 import { fillModelSelect } from "./create.js";
-import { clearErrors, formatBytes, formatTime, h, numberIn, progressBar, setProgress, showError } from "./dom.js";
+import {
+  clearErrors,
+  formatBytes,
+  formatTime,
+  h,
+  numberIn,
+  progressBar,
+  setProgress,
+  showError,
+} from "./dom.js";
 
 const POLL_MS = 1000; // how often a running job is looked at
 const EVENTS_PAGE = 200;
@@ -54,10 +63,9 @@ export class FineTune {
   async loadFiles(selected = this.form.elements.training_file.value) {
     const page = await get("v1/files", { purpose: "fine-tune", limit: 100 });
     const select = this.form.elements.training_file;
+    const label = (f) => `${f.filename} · ${f.clips} clips · ${f.id}`;
     select.replaceChildren(
-      ...page.data.map(
-        (f) => new Option(`${f.filename} · ${f.clips} clips · ${f.id}`, f.id, false, f.id === selected),
-      ),
+      ...page.data.map((f) => new Option(label(f), f.id, false, f.id === selected)),
     );
   }
 
@@ -89,7 +97,9 @@ export class FineTune {
             : `uploading ${file.name}: ${formatBytes(sent)} of ${formatBytes(size)}`;
       });
       setProgress(bar, 100);
-      status.textContent = `${uploaded.filename}: ${uploaded.clips} clips, ${formatBytes(uploaded.bytes)} (${uploaded.id})`;
+      const size = formatBytes(uploaded.bytes);
+      const { filename, clips, id } = uploaded;
+      status.textContent = `${filename}: ${clips} clips, ${size} (${id})`;
       form.elements.file.value = "";
       await this.loadFiles(uploaded.id);
     } catch (err) {
@@ -114,7 +124,10 @@ export class FineTune {
     const hyper = {
       n_epochs: number(f.n_epochs, "hyperparameters.n_epochs"),
       batch_size: number(f.batch_size, "hyperparameters.batch_size"),
-      learning_rate_multiplier: number(f.learning_rate_multiplier, "hyperparameters.learning_rate_multiplier"),
+      learning_rate_multiplier: number(
+        f.learning_rate_multiplier,
+        "hyperparameters.learning_rate_multiplier",
+      ),
       num_frames: number(f.num_frames, "hyperparameters.num_frames"),
     };
     const width = number(f.width, "hyperparameters.size");
@@ -195,8 +208,17 @@ export class FineTune {
       checkpoints: h("tbody"),
       log: h("ol", { class: "log" }),
       error: h("p", { class: "error" }),
-      cancel: h("button", { type: "button", class: "danger", onclick: () => this.cancel() }, "Cancel job"),
-      use: h("button", { type: "button", class: "primary use-model", hidden: true, onclick: () => this.use() }),
+      cancel: h(
+        "button",
+        { type: "button", class: "danger", onclick: () => this.cancel() },
+        "Cancel job",
+      ),
+      use: h("button", {
+        type: "button",
+        class: "primary use-model",
+        hidden: true,
+        onclick: () => this.use(),
+      }),
     };
     this.detail = { id: job.id, job, els, lastSeq: 0, log: [], losses: new Map(), timer: null };
     this.detailBox.replaceChildren(
@@ -206,16 +228,24 @@ export class FineTune {
       els.step,
       els.chart,
       h("h4", {}, "Checkpoints"),
-      h("table", { class: "checkpoints" },
-        h("thead", {}, h("tr", {}, h("th", {}, "step"), h("th", {}, "loss"), h("th", {}, "checkpoint"))),
-        els.checkpoints),
+      h(
+        "table",
+        { class: "checkpoints" },
+        h(
+          "thead",
+          {},
+          h("tr", {}, h("th", {}, "step"), h("th", {}, "loss"), h("th", {}, "checkpoint")),
+        ),
+        els.checkpoints,
+      ),
       h("h4", {}, "Events"),
       els.log,
       els.error,
       h("div", { class: "actions" }, els.cancel, els.use),
     );
     this.detailBox.hidden = false;
-    for (const row of this.jobsList.children) row.classList.toggle("selected", row.dataset.id === job.id);
+    for (const row of this.jobsList.children)
+      row.classList.toggle("selected", row.dataset.id === job.id);
     this.render();
     this.refresh();
   }
@@ -224,7 +254,10 @@ export class FineTune {
     const d = this.detail;
     const path = `v1/fine_tuning/jobs/${encodeURIComponent(d.id)}`;
     try {
-      const [job, checkpoints] = await Promise.all([get(path), get(`${path}/checkpoints`, { limit: 100 })]);
+      const [job, checkpoints] = await Promise.all([
+        get(path),
+        get(`${path}/checkpoints`, { limit: 100 }),
+      ]);
       await this.readEvents(d, `${path}/events`);
       if (this.detail !== d) return; // another job was chosen meanwhile
       const succeededNow = job.status === "succeeded" && d.job.status !== "succeeded";
@@ -267,12 +300,15 @@ export class FineTune {
     const target = job.fine_tuned_model ? ` → ${job.fine_tuned_model}` : "";
     const hp = job.hyperparameters;
     els.summary.textContent =
-      `${job.model}${target} · ${job.training_file} · ${hp.n_epochs} epochs, batch ${hp.batch_size}, ` +
+      `${job.model}${target} · ${job.training_file} · ` +
+      `${hp.n_epochs} epochs, batch ${hp.batch_size}, ` +
       `lr × ${hp.learning_rate_multiplier} · seed ${job.seed} · ${formatTime(job.created_at)}`;
     const total = job.total_steps || 0;
     setProgress(els.bar, total ? (100 * job.step) / total : job.status === "succeeded" ? 100 : 0);
     els.step.textContent = total ? `step ${job.step} of ${total}` : job.status;
-    const points = [...losses].map(([step, loss]) => ({ step, loss })).sort((a, b) => a.step - b.step);
+    const points = [...losses]
+      .map(([step, loss]) => ({ step, loss }))
+      .sort((a, b) => a.step - b.step);
     els.chart.replaceChildren(lossChart(points));
     els.checkpoints.replaceChildren(
       ...checkpoints.map((c) =>
@@ -289,7 +325,15 @@ export class FineTune {
       ...log
         .slice(-LOG_LINES)
         .reverse()
-        .map((e) => h("li", { dataset: { level: e.level } }, h("time", {}, new Date(e.created_at * 1000).toLocaleTimeString()), " ", e.message)),
+        .map((e) =>
+          h(
+            "li",
+            { dataset: { level: e.level } },
+            h("time", {}, new Date(e.created_at * 1000).toLocaleTimeString()),
+            " ",
+            e.message,
+          ),
+        ),
     );
     els.cancel.hidden = !ACTIVE.has(job.status);
     els.use.hidden = !job.fine_tuned_model;

@@ -96,9 +96,15 @@ export class Gallery {
         "div",
         { class: "body" },
         h("p", { class: "prompt", title: video.prompt }, video.prompt),
-        video.negative_prompt ? h("p", { class: "negative" }, `not: ${video.negative_prompt}`) : null,
+        video.negative_prompt
+          ? h("p", { class: "negative" }, `not: ${video.negative_prompt}`)
+          : null,
         h("p", { class: "params" }, describeVideo(video)),
-        h("p", { class: "meta" }, `${video.status.replace("_", " ")} · ${formatTime(video.created_at)}`),
+        h(
+          "p",
+          { class: "meta" },
+          `${video.status.replace("_", " ")} · ${formatTime(video.created_at)}`,
+        ),
         error,
         h(
           "div",

@@ -11,6 +11,8 @@ const TABS = ["create", "gallery", "finetune"];
 const OFFLINE_RETRY_MS = 2000;
 
 const $ = (id) => document.getElementById(id);
+// What fails outside any form (the connection indicator already shows a lost server).
+const report = (err) => console.error(err);
 
 const queue = new Queue($("panel-create"), { onFinished: () => gallery.changed() });
 const create = new CreateForm($("create-form"), { onCreated: (video) => queue.add(video) });
@@ -21,12 +23,14 @@ const gallery = new Gallery($("panel-gallery"), {
   },
 });
 const fineTune = new FineTune($("panel-finetune"), {
-  onModelsChanged: () => refreshModels(),
-  onUseModel: async (modelId) => {
-    await refreshModels();
-    create.select(modelId);
-    location.hash = "#create";
-  },
+  onModelsChanged: () => refreshModels().catch(report),
+  onUseModel: (modelId) =>
+    refreshModels()
+      .then(() => create.select(modelId))
+      .catch(report)
+      .finally(() => {
+        location.hash = "#create";
+      }),
 });
 
 let started = false;
@@ -46,7 +50,6 @@ function showTab() {
 }
 
 function loadTab(name) {
-  const report = (err) => console.error(err);
   if (name === "gallery") gallery.load().catch(report);
   if (name === "finetune") fineTune.load().catch(report);
 }
@@ -120,7 +123,7 @@ async function start() {
 bus.addEventListener("unauthorized", (e) => {
   if (!started || asking) return;
   started = false;
-  askForKey(e.detail.message).then(() => start().catch((err) => console.error(err)));
+  askForKey(e.detail.message).then(() => start().catch(report));
 });
 
 $("forget-key").addEventListener("click", () => {

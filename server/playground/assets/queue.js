@@ -55,7 +55,11 @@ export class Queue {
       bar: progressBar(`progress of ${video.id}`),
       state: h("p", { class: "state" }),
       error: h("p", { class: "error" }),
-      cancel: h("button", { type: "button", class: "cancel", onclick: () => this.cancel(job) }, "Cancel"),
+      cancel: h(
+        "button",
+        { type: "button", class: "cancel", onclick: () => this.cancel(job) },
+        "Cancel",
+      ),
       dismiss: h(
         "button",
         { type: "button", class: "quiet dismiss", onclick: () => this.dismiss(job) },

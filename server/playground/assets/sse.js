@@ -34,7 +34,8 @@ export async function* parseEvents(body) {
     for (let line of lines) {
       if (line.endsWith("\r")) line = line.slice(0, -1);
       if (line === "") {
-        if (event.data.length) yield { type: event.type, data: event.data.join("\n"), id: event.id };
+        if (event.data.length)
+          yield { type: event.type, data: event.data.join("\n"), id: event.id };
         event = { type: "message", data: [], id: null };
         continue;
       }
