@@ -20,7 +20,7 @@ from .datadir import DataDir
 from .deps import require_api_key
 from .errors import install_error_handlers
 from .protocol import WorkerClient
-from .routers import files, fine_tuning, health, models, videos
+from .routers import files, fine_tuning, health, models, videos, web
 from .settings import Settings
 from .store import AsyncStore, JobStore
 
@@ -95,6 +95,8 @@ def build_app(settings: Settings, workers: WorkerClient) -> FastAPI:
     app.state.data = data
     install_error_handlers(app)
     app.include_router(health.router)
+    app.include_router(web.router)
+    app.mount("/assets", web.assets(), name="assets")
     for router in (videos.router, files.router, fine_tuning.router, models.router):
         app.include_router(router, dependencies=[Depends(require_api_key)])
     return app

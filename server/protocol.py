@@ -32,6 +32,12 @@ class ModelCard:
     limits: ModelLimits
     parent: str | None = None  # the base model of a fine-tune
 
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        """What a request may condition on: "text" (prompt, negative prompt), and "image" for a
+        model that takes a first frame (`input_reference`). The playground shows fields from it."""
+        return ("text", "image") if self.limits.image_input else ("text",)
+
     def replace(self, **changes) -> ModelCard:
         return dataclasses.replace(self, **changes)
 

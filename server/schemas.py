@@ -376,6 +376,7 @@ class Model(BaseModel):
     owned_by: str
     kind: str
     parent: str | None
+    inputs: list[str]
     defaults: dict
     limits: dict
 
@@ -388,6 +389,7 @@ def model_object(card: ModelCard) -> Model:
         owned_by="user" if card.kind == "fine-tune" else "megaslide",
         kind=card.kind,
         parent=card.parent,
+        inputs=list(card.inputs),
         defaults={
             "num_frames": limits.frames,
             "size": f"{limits.width}x{limits.height}",

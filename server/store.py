@@ -320,6 +320,16 @@ class JobStore:
             (limit,),
         )
 
+    def queue_position(self, video_id: str) -> int | None:
+        """Where a queued video stands in `queued_videos`' order (1 = next), None unless queued."""
+        row = self._one(
+            "SELECT 1 + (SELECT COUNT(*) FROM videos o WHERE o.status = 'queued' AND "
+            "(o.priority > v.priority OR (o.priority = v.priority AND o.seq < v.seq))) AS position "
+            "FROM videos v WHERE v.id = ? AND v.status = 'queued'",
+            (video_id,),
+        )
+        return row["position"] if row is not None else None
+
     def start_video(self, video_id: str) -> bool:
         """queued -> in_progress; False if it was cancelled meanwhile."""
         with self._tx() as c:

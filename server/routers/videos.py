@@ -265,7 +265,11 @@ async def video_content(
 @router.get("/{video_id}/events")
 async def video_events(video_id: str, request: Request, store: StoreDep, settings: SettingsDep):
     """Server-Sent Events of status and progress, replayed from the start (or `Last-Event-ID`),
-    ending once the video is completed, failed or cancelled."""
+    ending once the video is completed, failed or cancelled.
+
+    While the video waits, its data carries `queue_position` (1 = next to run): on the latest
+    `video.queued` event, then in a `video.queue_position` event, without an id, each time the
+    position changes (jobs ahead start or are cancelled, a higher priority one arrives)."""
     await find_video(store, video_id)
     try:
         last = int(request.headers.get("last-event-id") or 0)
@@ -280,6 +284,7 @@ async def video_events(video_id: str, request: Request, store: StoreDep, setting
 
 async def _sse(store: AsyncStore, video_id: str, last: int, request: Request, interval_s: float):
     quiet_since = time.monotonic()
+    position = None  # the queue position this stream last told
     while True:
         events = await store.events_after(video_id, last)
         for event in events:
@@ -291,6 +296,10 @@ async def _sse(store: AsyncStore, video_id: str, last: int, request: Request, in
                 body = video_object(row).model_dump()
             else:
                 body = {"id": video_id, "object": "video", **data}
+                if data.get("status") == "queued" and event is events[-1]:
+                    position = await store.queue_position(video_id)
+                    if position is not None:
+                        body["queue_position"] = position
             yield f"id: {last}\nevent: {event['type']}\ndata: {json.dumps(body)}\n\n"
             if terminal:
                 return
@@ -300,6 +309,19 @@ async def _sse(store: AsyncStore, video_id: str, last: int, request: Request, in
             row = await store.get_video(video_id)
             if row is None or row["status"] in VIDEO_TERMINAL:
                 return  # deleted, or the client resumed after the terminal event
+            moved = await store.queue_position(video_id) if row["status"] == "queued" else None
+            if moved is not None and moved != position:
+                position = moved
+                body = {
+                    "id": video_id,
+                    "object": "video",
+                    "status": "queued",
+                    "progress": row["progress"],
+                    "step": row["step"],
+                    "queue_position": position,
+                }
+                # No id: the position is news of the moment, not a stored event to resume after.
+                yield f"event: video.queue_position\ndata: {json.dumps(body)}\n\n"
             if time.monotonic() - quiet_since > SSE_KEEPALIVE_S:
                 quiet_since = time.monotonic()
                 yield ": keep-alive\n\n"

@@ -1,0 +1,203 @@
+// The Create form: a model from GET /v1/models (its defaults fill the form, its limits show under
+// it), a prompt and the sampling parameters. POST /v1/videos queues the video; the server checks
+// every value (one rule, in one place) and its error shows beside the field it names.
+
+import { APIError, request } from "./api.js";
+import { clearErrors, numberIn, showError } from "./dom.js";
+
+// A rolled seed is below 2**31, like the seeds the server draws for requests without one.
+function rollSeed() {
+  return crypto.getRandomValues(new Uint32Array(1))[0] >>> 1;
+}
+
+export function modelLabel(model) {
+  return model.kind === "fine-tune" && model.parent
+    ? `${model.id} (fine-tune of ${model.parent})`
+    : model.id;
+}
+
+export function describeLimits(model) {
+  const { defaults: d, limits: l } = model;
+  const [multipleH, multipleW] = l.size_multiple;
+  let frames = `1 to ${l.max_frames} frames`;
+  if (l.frames_multiple > 1) {
+    const offset = l.frames_offset ? ` + ${l.frames_offset}` : "";
+    frames += ` (${l.frames_multiple}k${offset})`;
+  }
+  return (
+    `Takes ${frames}, sides up to ${l.max_size} px in multiples of ${multipleW}×${multipleH}, ` +
+    `prompts up to ${l.max_prompt_tokens} ${l.prompt_unit}. ` +
+    `Defaults: ${d.size.replace("x", "×")}, ${d.num_frames} frames at ${d.fps} fps, ` +
+    `${d.num_inference_steps} steps, guidance ${d.guidance_scale}.`
+  );
+}
+
+// Fill a <select> with models, keeping the chosen one when it is still served.
+export function fillModelSelect(select, models, wanted = select.value) {
+  select.replaceChildren(
+    ...models.map((m) => new Option(modelLabel(m), m.id, false, m.id === wanted)),
+  );
+  if (!models.some((m) => m.id === wanted) && models.length) select.value = models[0].id;
+}
+
+export class CreateForm {
+  constructor(form, { onCreated }) {
+    this.form = form;
+    this.onCreated = onCreated;
+    this.models = [];
+    this.fields = form.elements;
+    this.note = form.querySelector("#remix-note");
+    this.fields.model.addEventListener("change", () => this.applyModel({ defaults: true }));
+    for (const radio of form.querySelectorAll("input[name=length]")) {
+      radio.addEventListener("change", () => this.setLength(radio.value));
+    }
+    form.querySelector("#dice").addEventListener("click", () => {
+      this.fields.seed.value = rollSeed();
+    });
+    form.addEventListener("submit", (e) => {
+      e.preventDefault();
+      this.submit();
+    });
+  }
+
+  get model() {
+    return this.models.find((m) => m.id === this.fields.model.value) || null;
+  }
+
+  setModels(models) {
+    const before = this.fields.model.value;
+    this.models = models;
+    fillModelSelect(this.fields.model, models);
+    this.applyModel({ defaults: this.fields.model.value !== before });
+  }
+
+  select(modelId) {
+    if (!this.models.some((m) => m.id === modelId)) return false;
+    this.fields.model.value = modelId;
+    this.applyModel({ defaults: true });
+    return true;
+  }
+
+  // Show the model's limits and the fields it takes; with `defaults`, fill in its defaults.
+  applyModel({ defaults }) {
+    const model = this.model;
+    const limits = this.form.querySelector("#model-limits");
+    limits.textContent = model ? describeLimits(model) : "No model is served.";
+    // A model announces a first-frame input by listing "image" among its inputs.
+    const image = this.form.querySelector("#image-field");
+    image.hidden = !model?.inputs?.includes("image");
+    if (image.hidden) this.fields.input_reference.value = "";
+    if (!model) return;
+    const [multipleH, multipleW] = model.limits.size_multiple;
+    Object.assign(this.fields.width, { step: multipleW, max: model.limits.max_size });
+    Object.assign(this.fields.height, { step: multipleH, max: model.limits.max_size });
+    this.fields.num_frames.max = model.limits.max_frames;
+    if (!defaults) return;
+    const d = model.defaults;
+    const [width, height] = d.size.split("x");
+    this.setLength("frames");
+    this.set({
+      width,
+      height,
+      num_frames: d.num_frames,
+      fps: d.fps,
+      num_inference_steps: d.num_inference_steps,
+      guidance_scale: d.guidance_scale,
+    });
+    this.note.hidden = true;
+  }
+
+  set(values) {
+    for (const [name, value] of Object.entries(values)) this.fields[name].value = value ?? "";
+  }
+
+  setLength(mode) {
+    const frames = mode === "frames";
+    this.form.querySelector(`input[name=length][value=${mode}]`).checked = true;
+    const fps = numberIn(this.fields.fps) || this.model?.defaults.fps;
+    if (frames && this.fields.num_frames.hidden && this.fields.seconds.value) {
+      this.fields.num_frames.value = Math.round(Number(this.fields.seconds.value) * fps);
+    } else if (!frames && this.fields.seconds.hidden && this.fields.num_frames.value) {
+      this.fields.seconds.value = Number(this.fields.num_frames.value) / fps;
+    }
+    this.fields.num_frames.hidden = !frames;
+    this.fields.seconds.hidden = frames;
+  }
+
+  // Put a video's parameters back into the form ("remix").
+  fill(video) {
+    clearErrors(this.form);
+    const served = this.select(video.model);
+    const [width, height] = video.size.split("x");
+    this.setLength("frames");
+    this.set({
+      prompt: video.prompt,
+      negative_prompt: video.negative_prompt,
+      width,
+      height,
+      num_frames: video.num_frames,
+      fps: video.fps,
+      num_inference_steps: video.num_inference_steps,
+      guidance_scale: video.guidance_scale,
+      seed: video.seed,
+    });
+    this.note.textContent = served
+      ? `Parameters of ${video.id}.`
+      : `Parameters of ${video.id}; its model ${video.model} is no longer served.`;
+    this.note.hidden = false;
+    this.fields.prompt.focus();
+  }
+
+  // The request body; a number the browser could not read is refused here, named as the API
+  // would name it.
+  body() {
+    const f = this.fields;
+    const number = (input, param) => {
+      const value = numberIn(input);
+      if (Number.isNaN(value)) throw new APIError(`${param}: not a number`, { param });
+      return value;
+    };
+    const body = { prompt: f.prompt.value };
+    if (f.model.value) body.model = f.model.value;
+    if (f.negative_prompt.value.trim()) body.negative_prompt = f.negative_prompt.value;
+    const width = number(f.width, "size");
+    const height = number(f.height, "size");
+    if (width !== undefined || height !== undefined) body.size = `${width ?? ""}x${height ?? ""}`;
+    if (f.num_frames.hidden) body.seconds = number(f.seconds, "seconds");
+    else body.num_frames = number(f.num_frames, "num_frames");
+    body.fps = number(f.fps, "fps");
+    body.num_inference_steps = number(f.num_inference_steps, "num_inference_steps");
+    body.guidance_scale = number(f.guidance_scale, "guidance_scale");
+    body.seed = number(f.seed, "seed");
+    for (const name of Object.keys(body)) if (body[name] === undefined) delete body[name];
+    return body;
+  }
+
+  async submit() {
+    const button = this.form.querySelector("#generate");
+    clearErrors(this.form);
+    button.disabled = true;
+    try {
+      const body = this.body();
+      const image = this.form.querySelector("#image-field").hidden
+        ? null
+        : this.fields.input_reference.files[0];
+      let video;
+      if (image) {
+        // A first frame goes as multipart, the other fields as form values beside it.
+        const form = new FormData();
+        for (const [name, value] of Object.entries(body)) form.append(name, String(value));
+        form.append("input_reference", image);
+        video = await request("POST", "v1/videos", { form });
+      } else {
+        video = await request("POST", "v1/videos", { json: body });
+      }
+      this.onCreated(video);
+    } catch (err) {
+      if (!(err instanceof APIError)) throw err;
+      showError(this.form, err);
+    } finally {
+      button.disabled = false;
+    }
+  }
+}
