@@ -14,7 +14,9 @@ blocks into one that runs with only a few blocks on the device at a time:
 
 The streamer knows only "an ordered list of blocks with tensors", never the model's math: forward
 pre-hooks load a block (and prefetch the next ones in the current order), forward hooks release it.
-On `device="cpu"` the same logic runs with synchronous memcpy, so all of it is tested without a GPU.
+On `device="cpu"` the same logic runs with synchronous memcpy, so all of it is tested without a GPU;
+the CUDA protocol of events is tested on a simulated device (`stream_module(ordering=...)`) whose
+copies land as late as the recorded waits allow.
 
 Training (backward through streamed blocks). Hooks release a block when its forward returns, and a
 released block's tensors point back at the host store, so backward through a graph built by a hooked

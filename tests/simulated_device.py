@@ -303,10 +303,12 @@ class SimulatedDevice:
 
     # -- what the engine does outside the ordering calls (declared by the harness) ---------------
 
-    def name(self, t: torch.Tensor, name: str, block: int | None = None) -> None:
-        """Name `t`'s allocation in reports (and say which block's bytes a host store holds)."""
+    def name(self, t: torch.Tensor, name: str, block: int | None = None, device=False) -> None:
+        """Name `t`'s allocation in reports; say whether it is device memory, and which block's
+        bytes it holds (a host store)."""
         with self._lock:
-            self._buffer(t, name).block = block
+            buffer = self._buffer(t, name)
+            buffer.block, buffer.device = block, device
 
     def compute_begins(self, t: torch.Tensor, block: int) -> None:
         """Block `block` starts computing with its slot, the allocation `t` lives in."""
@@ -642,7 +644,7 @@ def watch_training(sim: SimulatedDevice, step) -> None:
             if p.grad is not None
         }
         for name, g in grads.items():
-            sim.name(g, f"gradient of {owners.get(id(g), name)}")
+            sim.name(g, f"gradient of {owners.get(id(g), name)}", device=True)
         sim.compute_writes(grads.values(), "backward")
         return send(grads)
 
