@@ -30,7 +30,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >"$OUT/gpu.
 # Correctness first. The streaming protocol with real streams (every scenario the simulated device
 # checks in CI, streamed against resident), then 3D-DSA kernels (bf16, fp16) against the
 # reference, then streaming and training.
-run stream_protocol 150 python3 benchmarks/stream_protocol.py --json
+run stream_protocol 180 python3 benchmarks/stream_protocol.py --json
 run dsa_cuda_check 90 python3 benchmarks/dsa_cuda_check.py
 run cuda_checks 120 python3 benchmarks/cuda_checks.py --preset small --json
 # Benchmarks.

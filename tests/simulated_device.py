@@ -59,8 +59,7 @@ from typing import Any
 import torch
 
 COMPUTE = "compute"
-# Actors whose work the host cannot see finish without a wait: compute and copy streams.
-Clock = dict[str, int]
+Clock = dict[str, int]  # actor -> how many of its operations happen before (a vector clock)
 
 
 def _join(into: Clock, other: Clock) -> None:
@@ -410,7 +409,8 @@ class SimOrdering:
     def _deleted(self, method: str) -> bool:
         """Count this call site; True when a test deleted it."""
         site = (method, sys._getframe(2).f_code.co_qualname)
-        self.sim.calls[site] += 1
+        with self.sim._lock:
+            self.sim.calls[site] += 1
         return site in self.sim.deleted
 
     def sibling(self) -> SimOrdering:
@@ -549,6 +549,7 @@ class _Executor:
 
     def __init__(self, sim: SimulatedDevice, inner):
         self.sim, self.inner = sim, inner
+        self.finished: list[Clock] = []  # the end of every task, for shutdown(wait=True)
 
     def submit(self, fn: Callable, *args, **kwargs) -> _Future:
         parent = self.sim._snapshot()
@@ -560,11 +561,15 @@ class _Executor:
                 return fn(*args, **kwargs)
             finally:
                 done.append(self.sim._snapshot())
+                self.finished.append(done[0])
 
         return _Future(self.sim, self.inner.submit(task), done)
 
     def shutdown(self, wait: bool = True, **kwargs) -> None:
         self.inner.shutdown(wait=wait, **kwargs)
+        if wait:  # every task has finished: the caller happens after all of them
+            for clock in self.finished:
+                self.sim._adopt(clock)
 
 
 class _Future:
@@ -574,7 +579,8 @@ class _Future:
     def result(self, timeout: float | None = None):
         value = self.inner.result(timeout)  # outside the lock: the task may need it
         site = ("result", sys._getframe(1).f_code.co_qualname)
-        self.sim.calls[site] += 1
+        with self.sim._lock:
+            self.sim.calls[site] += 1
         if site not in self.sim.deleted:
             self.sim._adopt(self.done[0])
         return value
