@@ -148,6 +148,7 @@ class SimulatedDevice:
         self.calls: collections.Counter[tuple[str, str]] = collections.Counter()
         self.context = ""
         self.ops = 0
+        self.landed: collections.Counter[str] = collections.Counter()  # copies by why they landed
         self._freed: list[tuple[Buffer, Clock, str]] = []
         self._using: dict[tuple[int, int], int] = {}  # (slot, block) -> slot version at load
         self._copy_streams = 0
@@ -166,7 +167,7 @@ class SimulatedDevice:
         with self._lock:
             for stream, queue in self.queues.items():
                 while queue:
-                    self._land(stream)
+                    self._land(stream, "at the end")
             self._process_frees()
 
     def check(self) -> None:
@@ -183,14 +184,15 @@ class SimulatedDevice:
         for stream in streams:
             queue = self.queues[stream]
             while queue and self.rng.random() < self.eagerness:
-                self._land(stream)
+                self._land(stream, "early")
 
-    def _land(self, stream: str) -> None:
+    def _land(self, stream: str, why: str) -> None:
         """Land the head of a copy stream's queue, after what it waits for on other streams."""
         op = self.queues[stream][0]
         self._land_through({s: t for s, t in op.clock.items() if s != stream})
         self.queues[stream].popleft()
         if op.dst is not None:
+            self.landed[why] += 1
             dst, src = op.dst.get(), op.src.get()
             if dst is not None:
                 if src is None:  # read memory that was freed (and may be in use again)
@@ -202,7 +204,7 @@ class SimulatedDevice:
         """Land every queued copy that happens before `clock`."""
         for stream, queue in self.queues.items():
             while queue and queue[0].tick <= clock.get(stream, 0):
-                self._land(stream)
+                self._land(stream, "waited for")
 
     # -- clocks and accesses ---------------------------------------------------------------------
 
