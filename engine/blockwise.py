@@ -33,8 +33,8 @@ import torch
 from torch import nn
 
 from .flow import noisy_sample, sample_training_times, velocity_target
-from .host_store import pin_exact
 from .optim import CPUAdamW
+from .ordering import Ordering, make_ordering
 from .streaming import StreamHandle
 from .training import TrainingModel
 
@@ -140,7 +140,10 @@ class BlockwiseStep:
         )
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megaslide-adamw")
         largest = max(sum(t.numel() for t in named.values()) for named in self.masters.values())
-        self.drain = _GradientDrain(self.device, largest)
+        # Gradients leave on a copy stream of their own, on the device (or simulated device) the
+        # streamer orders its copies with.
+        ordering = handle.ordering.sibling() if handle is not None else make_ordering(self.device)
+        self.drain = _GradientDrain(ordering, largest)
         self.micro = 0
 
     def _host_master(self, named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -266,10 +269,9 @@ class BlockwiseStep:
         return self.drain.bytes
 
     def _update(self, block_id, grads: dict[str, torch.Tensor], landed, last: bool) -> None:
-        if landed is not None:
-            # The optimizer reads the pinned buffers the D2H copy is filling: wait for that copy
-            # (this worker thread only; the GPU and the thread driving it go on).
-            landed.synchronize()
+        # The optimizer reads the pinned buffers the D2H copy is filling: wait for that copy
+        # (this worker thread only; the GPU and the thread driving it go on).
+        self.drain.wait(landed)
         if not last or self.config.max_grad_norm is not None:
             self.optimizer.accumulate(block_id, grads)
         else:
@@ -296,51 +298,58 @@ class BlockwiseStep:
 
 
 class _GradientDrain:
-    """Moves one block's fp32 gradients to the host on a dedicated stream, into a ring of two pinned
-    buffers, so the copy overlaps the next block's backward. On the CPU it hands them over as they are."""
+    """Moves one block's fp32 gradients to the host on a copy stream of its own, into a ring of two
+    pinned buffers, so the copy overlaps the next block's backward. Where device memory is host
+    memory (the CPU) it hands them over as they are."""
 
-    def __init__(self, device: torch.device, max_numel: int):
-        self.cuda = device.type == "cuda"
+    def __init__(self, ordering: Ordering, max_numel: int):
+        self.ordering = ordering
         self.bytes = 0
-        if self.cuda:
-            self.stream = torch.cuda.Stream(device)
-            self.buffers = [torch.empty(max_numel, dtype=torch.float32) for _ in range(2)]
-            for b in self.buffers:
-                pin_exact(b)  # exactly this size, not torch's power-of-two pinned cache
+        self.direct = ordering.device_is_host
+        if not self.direct:
+            self.buffers = [ordering.host_buffer(max_numel) for _ in range(2)]
             self.readers: list[Future | None] = [None, None]
             self.turn = 0
 
     def send(self, grads: dict[str, torch.Tensor]):
-        """Start copying; returns host tensors and an event to wait on before reading them (or None)."""
-        if not self.cuda:
+        """Start copying; returns host tensors and an event to `wait` on before reading them."""
+        if self.direct:
             return grads, None  # already on the host: nothing crosses a bus
         self.bytes += sum(g.numel() * 4 for g in grads.values())
         j = self.turn
         if self.readers[j] is not None:
-            self.readers[
-                j
-            ].result()  # the optimizer must be done with buffer j before it is overwritten
-        backward_done = torch.cuda.Event()
-        backward_done.record()  # on the compute stream, after this block's backward
+            # The optimizer task that reads buffer j must be done before the copies below overwrite
+            # it; without this join it could step with this block's gradients, or half of them.
+            self.readers[j].result()
+        backward_done = self.ordering.new_event()
+        # Marks the end of this block's backward on the compute stream, for the wait below.
+        self.ordering.record_on_compute(backward_done)
         # The copies must not read gradients the backward kernels are still writing.
-        self.stream.wait_event(backward_done)
+        self.ordering.copy_wait(backward_done)
         out, offset = {}, 0
-        with torch.cuda.stream(self.stream):
-            for name, g in grads.items():
-                view = self.buffers[j][offset : offset + g.numel()].view(g.shape)
-                offset += g.numel()
-                view.copy_(g, non_blocking=True)
-                # The caller drops its references next; without this the allocator could hand g's
-                # memory to the next block's backward while the copy is still reading it.
-                g.record_stream(self.stream)
-                out[name] = view
-        landed = torch.cuda.Event()
-        landed.record(self.stream)
+        for name, g in grads.items():
+            view = self.buffers[j][offset : offset + g.numel()].view(g.shape)
+            offset += g.numel()
+            self.ordering.copy(view, g)
+            # The caller drops its references next; without this the allocator could hand g's
+            # memory to the next block's backward while the copy is still reading it.
+            self.ordering.keep_alive(g)
+            out[name] = view
+        landed = self.ordering.new_event()
+        # Marks the end of these copies on the drain stream: what the optimizer waits for.
+        self.ordering.record_on_copy(landed)
         return out, landed
+
+    def wait(self, landed) -> None:
+        """Block the calling thread until the copies `send` returned `landed` with have finished."""
+        if landed is not None:
+            # Host sync of the optimizer's thread: it reads the buffers these copies fill; without
+            # it AdamW could step with what the buffer held before (two sends ago), or a mix.
+            self.ordering.host_wait(landed)
 
     def attach(self, reader: Future) -> Future:
         """Record the optimizer task that reads the buffer `send` just filled."""
-        if self.cuda:
+        if not self.direct:
             self.readers[self.turn] = reader
             self.turn ^= 1
         return reader

@@ -32,6 +32,7 @@ from torch import nn
 from .family import Component, family
 from .host_store import BoundTensor, collect_tensors, layout_nbytes, repoint
 from .initialization import init_module, init_parts
+from .ordering import Ordering
 from .pipeline import Pipeline
 from .sources import ModelInfo, ModelSource, describe, resolve_source
 from .streaming import StreamHandle, stream_module
@@ -86,6 +87,7 @@ def open_pipeline(
     prefetch: int = 2,
     timing: bool = False,
     batched: bool = True,
+    ordering: Ordering | None = None,
     **overrides,
 ) -> Pipeline:
     """A model opened for sampling.
@@ -95,7 +97,8 @@ def open_pipeline(
     RAM and streams them each step (`gpu_budget_bytes` keeps as many blocks resident as fit);
     `timing` records per-block copy and compute times for the streamer's stats and trace.
     `batched=False` runs each request's rows in passes of their own (a reference mode).
-    `overrides` replace architecture fields that leave the weights alone (`attention="dsa"`).
+    `ordering` replaces the device's own streams and events for the streamed modules (see
+    `stream_module`; tests run on a simulated device this way). `overrides` replace architecture fields that leave the weights alone (`attention="dsa"`).
     """
     if isinstance(source, ModelInfo) and not overrides:
         info = source
@@ -109,6 +112,7 @@ def open_pipeline(
         gpu_budget_bytes=gpu_budget_bytes,
         prefetch=prefetch,
         timing=timing,
+        ordering=ordering,
     )
     for module in parts.values():
         module.eval()
@@ -125,6 +129,7 @@ def open_model(
     prefetch: int = 2,
     timing: bool = False,
     only: set[str] | None = None,
+    ordering: Ordering | None = None,
 ) -> tuple[dict[str, nn.Module], dict[str, StreamHandle]]:
     """The modules of a described model, built on meta, filled and placed: `(modules by name,
     stream handles of the streamed ones)`; `only` names the components to open (default: all).
@@ -137,6 +142,8 @@ def open_model(
         raise ValueError(f"offload must be one of {OFFLOAD_MODES}, got {offload!r}")
     if gpu_budget_bytes is not None and offload != "stream":
         raise ValueError("gpu_budget_bytes needs offload='stream'")
+    if ordering is not None and offload != "stream":
+        raise ValueError("ordering needs offload='stream'")
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     components = family(info.family).components(info)
@@ -165,6 +172,7 @@ def open_model(
                     gpu_budget_bytes=budget,
                     prefetch=prefetch,
                     timing=timing,
+                    ordering=ordering,
                 )
                 fill = handle.load_weights
                 handles[c.name] = handle

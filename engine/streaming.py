@@ -14,7 +14,9 @@ blocks into one that runs with only a few blocks on the device at a time:
 
 The streamer knows only "an ordered list of blocks with tensors", never the model's math: forward
 pre-hooks load a block (and prefetch the next ones in the current order), forward hooks release it.
-On `device="cpu"` the same logic runs with synchronous memcpy, so all of it is tested without a GPU.
+On `device="cpu"` the same logic runs with synchronous memcpy, so all of it is tested without a GPU;
+the CUDA protocol of events is tested on a simulated device (`stream_module(ordering=...)`) whose
+copies land as late as the recorded waits allow.
 
 Training (backward through streamed blocks). Hooks release a block when its forward returns, and a
 released block's tensors point back at the host store, so backward through a graph built by a hooked
@@ -44,7 +46,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -62,109 +63,9 @@ from .host_store import (
     pack,
     repoint,
 )
+from .ordering import Ordering, make_ordering
 
 __all__ = ["ResidencyPlan", "StreamHandle", "plan_residency", "stream_module"]
-
-
-# ----------------------------------------------------------------------------------------------
-# Ordering primitives: CUDA streams and events, or their synchronous CPU stand-ins
-
-
-class _HostOrdering:
-    """device="cpu": copies are synchronous memcpy, so a copy has landed when `copy` returns and no
-    compute can overlap it. Every event and wait is therefore a no-op; stamps are perf_counter.
-
-    This class and `_CudaOrdering` share one interface, the only ordering calls the streamer makes.
-    """
-
-    def new_event(self) -> Any:
-        return None
-
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        dst.copy_(src)
-
-    def record_on_copy(self, event: Any) -> None:
-        pass
-
-    def record_on_compute(self, event: Any) -> None:
-        pass
-
-    def compute_wait(self, event: Any) -> None:
-        pass
-
-    def copy_wait(self, event: Any) -> None:
-        pass
-
-    def drain_copies(self) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        pass
-
-    def stamp(self, on_copy: bool) -> Any:
-        return time.perf_counter()
-
-    def seconds(self, origin: Any, stamp: Any) -> float:
-        return stamp - origin
-
-
-class _CudaOrdering:
-    """A dedicated copy stream beside whatever stream is current for compute, ordered by events."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.copy_stream = torch.cuda.Stream(device)
-
-    def _compute_stream(self) -> torch.cuda.Stream:
-        return torch.cuda.current_stream(self.device)
-
-    def new_event(self) -> torch.cuda.Event:
-        return torch.cuda.Event()
-
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        with torch.cuda.stream(self.copy_stream):
-            dst.copy_(src, non_blocking=True)  # async only from page-locked src (see pin_exact)
-
-    def record_on_copy(self, event: torch.cuda.Event) -> None:
-        event.record(self.copy_stream)
-
-    def record_on_compute(self, event: torch.cuda.Event) -> None:
-        event.record(self._compute_stream())
-
-    def compute_wait(self, event: torch.cuda.Event) -> None:
-        self._compute_stream().wait_event(event)
-
-    def copy_wait(self, event: torch.cuda.Event) -> None:
-        self.copy_stream.wait_event(event)
-
-    def drain_copies(self) -> None:
-        # Host sync, never in the block loop: callers are about to write host memory that a queued
-        # DMA may still be reading; without it the device could receive half-updated weights.
-        self.copy_stream.synchronize()
-
-    def synchronize(self) -> None:
-        # Host sync, only in remove(): slots are freed and host stores unpinned next; without it a
-        # queued copy or kernel could touch memory that is no longer ours.
-        torch.cuda.synchronize(self.device)
-
-    def stamp(self, on_copy: bool) -> torch.cuda.Event:
-        event = torch.cuda.Event(enable_timing=True)
-        event.record(self.copy_stream if on_copy else self._compute_stream())
-        return event
-
-    def seconds(self, origin: torch.cuda.Event, stamp: torch.cuda.Event) -> float:
-        # Host sync, only when stats or a trace are read: elapsed_time needs both events completed.
-        origin.synchronize()
-        stamp.synchronize()
-        return origin.elapsed_time(stamp) / 1e3
-
-
-def _make_ordering(device: torch.device) -> _HostOrdering | _CudaOrdering:
-    if device.type == "cpu":
-        return _HostOrdering()
-    if device.type == "cuda":
-        return _CudaOrdering(device)
-    raise ValueError(f"device {device} is not supported: use 'cpu' or 'cuda'")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -203,10 +104,12 @@ def plan_residency(
     `block_bytes[i]` is block i's flat size (`layout_nbytes`); resident blocks are charged the same,
     as they live in one flat device buffer each. The ring has min(prefetch, #streamed) slots of the
     largest streamed block. Resident blocks are spread evenly, so copies hide under their compute.
+    `prefetch=1` is one slot: each copy waits for the previous block's compute and nothing
+    overlaps, the least device memory; 2 or more copy ahead while a block computes.
     """
     n = len(block_bytes)
-    if prefetch < 2:
-        raise ValueError(f"prefetch={prefetch}: need >= 2 slots, one copying while one computes")
+    if prefetch < 1:
+        raise ValueError(f"prefetch={prefetch}: need >= 1 slot")
 
     def plan(resident: list[int]) -> ResidencyPlan:
         chosen = set(resident)
@@ -306,6 +209,7 @@ class StreamHandle:
     """
 
     def __init__(self, module, blocks, device, plan, pinned, prefetch, timing, non_block, ordering):
+        self.ordering: Ordering = ordering  # the copy stream and events this handle orders with
         self.module = module
         self.device = device
         self.plan = plan
@@ -316,7 +220,6 @@ class StreamHandle:
         self._non_block: list[BoundTensor] = non_block
         self._non_block_missing = {k for k, t in enumerate(non_block) if t.device.type == "meta"}
         self._non_block_bytes = sum(b.tensor.numel() * b.tensor.element_size() for b in non_block)
-        self._ord = ordering
         self._slots: list[_Slot] = []
         self._hooks: list[Any] = []
         self._hooks_on = True
@@ -392,14 +295,14 @@ class StreamHandle:
             s = self._slots[slot]
             # The compute stream must not read the slot before block i's bytes have landed; without
             # this wait the block computes with the previous occupant's (or uninitialised) weights.
-            self._ord.compute_wait(s.ready)
+            self.ordering.compute_wait(s.ready)
             for bound, view in zip(block.tensors, block.slot_views[slot]):
                 bound.tensor.data = view
             self._tick += 1
             s.last_use = self._tick
         block.loaded = True
         if self.timing:
-            start = self._ord.stamp(False)
+            start = self.ordering.stamp(False)
             block.open_span = _Span("compute", i, block.slot, self._forwards, start)
 
     def release(self, i: int) -> None:
@@ -413,14 +316,14 @@ class StreamHandle:
             return
         block.loaded = False
         if self.timing and block.open_span is not None:
-            block.open_span.end = self._ord.stamp(False)
+            block.open_span.end = self.ordering.stamp(False)
             self._spans.append(block.open_span)
             block.open_span = None
         if block.resident:
             return
         # The next copy into this slot waits on this event; without it the copy stream could
         # overwrite weights that kernels queued for this block are still reading.
-        self._ord.record_on_compute(self._slots[block.slot].free)
+        self.ordering.record_on_compute(self._slots[block.slot].free)
         for bound, view in zip(block.tensors, block.store.views):
             bound.tensor.data = view
 
@@ -443,7 +346,7 @@ class StreamHandle:
             raise ValueError(f"block {i} is resident: update its device parameters in place")
         if block.loaded:
             raise RuntimeError(f"block {i} is loaded: release it before writing its host copy")
-        self._ord.drain_copies()  # a queued DMA may still read this store (see drain_copies)
+        self.ordering.drain_copies()  # a queued DMA may still read this store (see drain_copies)
         self._forget_copy(block)
         return block.store.tensors()
 
@@ -471,7 +374,7 @@ class StreamHandle:
         loaded = [b.index for b in self._blocks if b.loaded]
         if loaded:
             raise RuntimeError(f"blocks {loaded} are loaded: release them before load_weights")
-        self._ord.drain_copies()  # host stores are about to change under queued DMAs
+        self.ordering.drain_copies()  # host stores are about to change under queued DMAs
         for b in self._blocks:
             prefix = f"{b.name}." if b.name else ""
             if b.resident:
@@ -508,7 +411,7 @@ class StreamHandle:
         self._copies = 0
         self._forwards = 0
         self._spans: list[_Span] = []
-        self._origin = self._ord.stamp(False) if self.timing else None
+        self._origin = self.ordering.stamp(False) if self.timing else None
 
     def stats(self) -> dict[str, Any]:
         """The streamer's accounting. Timing figures (when `timing=True`) read CUDA events, which
@@ -541,7 +444,7 @@ class StreamHandle:
         return out
 
     def _intervals(self) -> list[tuple[_Span, float, float]]:
-        seconds = self._ord.seconds
+        seconds = self.ordering.seconds
         origin = self._origin
         return [(s, seconds(origin, s.start), seconds(origin, s.end)) for s in self._spans]
 
@@ -630,7 +533,7 @@ class StreamHandle:
         """Undo streaming: hooks removed, every tensor back on its original device as an ordinary
         tensor with the same values (bitwise) and strides (meta-built tensors come back on CPU)."""
         self._check_open()
-        self._ord.synchronize()  # see _CudaOrdering.synchronize
+        self.ordering.synchronize()  # see _CudaOrdering.synchronize
         for hook in self._hooks:
             hook.remove()
         home = lambda d: torch.device("cpu") if d.type == "meta" else d  # noqa: E731
@@ -684,13 +587,15 @@ class StreamHandle:
         # The copy stream must not overwrite the slot before the compute stream is done with the
         # block that last used it (its release event); without this wait kernels still queued for
         # that block would read the new block's weights (diffusers#12673: garbage output).
-        self._ord.copy_wait(slot.free)
-        span = _Span("copy", i, k, self._forwards, self._ord.stamp(True)) if self.timing else None
-        self._ord.copy(slot.buffer[: block.nbytes], block.store.buffer)
+        self.ordering.copy_wait(slot.free)
+        span = (
+            _Span("copy", i, k, self._forwards, self.ordering.stamp(True)) if self.timing else None
+        )
+        self.ordering.copy(slot.buffer[: block.nbytes], block.store.buffer)
         # Recorded after the copy so load() can make compute wait for exactly this copy.
-        self._ord.record_on_copy(slot.ready)
+        self.ordering.record_on_copy(slot.ready)
         if span is not None:
-            span.end, span.nbytes = self._ord.stamp(True), block.nbytes
+            span.end, span.nbytes = self.ordering.stamp(True), block.nbytes
             self._spans.append(span)
         slot.block, block.slot = i, k
         self._tick += 1
@@ -756,6 +661,7 @@ def stream_module(
     timing: bool = False,
     host_pinned: bool | None = None,
     activation_reserve_bytes: int = 0,
+    ordering: Ordering | None = None,
 ) -> StreamHandle:
     """Stream `blocks` (submodules of `module`, in the order they run) from host RAM to `device`.
 
@@ -764,6 +670,8 @@ def stream_module(
     tensors and `activation_reserve_bytes` stay resident (see `plan_residency`); `None` streams all.
     A block called several times in one forward is correct: each call loads it (a copy only if its
     slot was reused meanwhile). Tensors may be on the meta device: fill them with `load_weights`.
+    `ordering` replaces the device's own streams and events (`make_ordering(device)`): tests run
+    the streamer on a simulated device this way; the module never knows.
     """
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
@@ -819,7 +727,8 @@ def stream_module(
         activation_reserve_bytes=activation_reserve_bytes,
     )
     pinned = _resolve_pinning(device, host_pinned)
-    ordering = _make_ordering(device)
+    if ordering is None:
+        ordering = make_ordering(device)
 
     records = []
     resident = set(plan.resident)
@@ -845,9 +754,7 @@ def stream_module(
     )
     for _ in range(plan.num_slots):
         slot = _Slot(
-            torch.empty(plan.slot_bytes, dtype=torch.uint8, device=device),
-            ordering.new_event(),
-            ordering.new_event(),
+            ordering.device_buffer(plan.slot_bytes), ordering.new_event(), ordering.new_event()
         )
         # The allocator may hand us memory whose previous owner still has kernels queued on the
         # compute stream; the first copy into the slot waits for them through this event.

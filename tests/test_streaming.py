@@ -1,5 +1,6 @@
 """Weight streaming on the CPU path: streamed equals resident bitwise, the accounting is exact, the
-event logic is right (copies that land only when waited for) and `remove()` undoes everything."""
+event logic is right (on a simulated device whose copies land late) and `remove()` undoes
+everything."""
 
 import copy
 import json
@@ -9,9 +10,9 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from megaslide.engine import streaming
 from megaslide.engine.host_store import ALIGN_BYTES, HostBlockStore, collect_tensors, layout_nbytes
 from megaslide.engine.streaming import plan_residency, stream_module
+from tests.simulated_device import SimulatedDevice, watch_handle
 
 # ------------------------------------------------------------------------------------------------
 # Two toy modules with different block structures
@@ -116,7 +117,7 @@ def non_block_bytes(model, blocks):
 
 
 @pytest.mark.parametrize("kind", ["stack", "cond"])
-@pytest.mark.parametrize("prefetch,budget_blocks", [(2, None), (3, None), (2, 2)])
+@pytest.mark.parametrize("prefetch,budget_blocks", [(1, None), (2, None), (3, None), (2, 2)])
 def test_streamed_equals_resident_bitwise(kind, prefetch, budget_blocks):
     model, blocks, inputs = make(kind)
     ref = copy.deepcopy(model)
@@ -174,7 +175,7 @@ def test_host_block_store_adopts_repoints_and_fills():
 
 
 @pytest.mark.parametrize("kind", ["stack", "cond"])
-@pytest.mark.parametrize("prefetch", [2, 3])
+@pytest.mark.parametrize("prefetch", [1, 2, 3])
 def test_peak_device_bytes_when_everything_streams(kind, prefetch):
     model, blocks, _ = make(kind)
     sizes, fixed = block_bytes(blocks), non_block_bytes(model, blocks)
@@ -256,61 +257,38 @@ def test_prefetch_across_forwards_and_small_rings_cache():
 
 
 # ------------------------------------------------------------------------------------------------
-# Ordering: copies that land only when compute waits for them, as on a GPU with a slow copy engine
-
-
-class _Event:
-    upto = 0
-
-
-class LazyCopies(streaming._HostOrdering):
-    """Queues copies and runs them only when compute waits for their event: a missing wait leaves
-    stale slot contents in use."""
-
-    def __init__(self, honour_waits=True):
-        self.queue, self.done, self.honour_waits = [], 0, honour_waits
-
-    def new_event(self):
-        return _Event()
-
-    def copy(self, dst, src):
-        self.queue.append((dst, src))
-
-    def record_on_copy(self, event):
-        event.upto = len(self.queue)
-
-    def _run(self, upto):
-        while self.done < upto:
-            dst, src = self.queue[self.done]
-            dst.copy_(src)
-            self.done += 1
-
-    def compute_wait(self, event):
-        if self.honour_waits:
-            self._run(event.upto)
-
-    def drain_copies(self):
-        self._run(len(self.queue))
-
-    synchronize = drain_copies
+# Ordering: the streamer on a simulated device whose copies land late (tests/simulated_device.py)
 
 
 @pytest.mark.parametrize("kind", ["stack", "cond"])
-def test_compute_waits_for_the_copy_it_uses(kind, monkeypatch):
+@pytest.mark.parametrize("prefetch", [1, 2, 3])
+def test_streamer_is_race_free_on_a_simulated_device(kind, prefetch):
     model, blocks, inputs = make(kind)
     ref = copy.deepcopy(model)
-    monkeypatch.setattr(streaming, "_make_ordering", lambda device: LazyCopies())
-    stream_module(model, blocks, "cpu", prefetch=3)
-    for batch in (2, 3):
-        args = inputs(batch)
-        assert torch.equal(model(*args), ref(*args))
+    sim = SimulatedDevice()
+    handle = stream_module(model, blocks, "cpu", prefetch=prefetch, ordering=sim.ordering())
+    watch_handle(sim, handle, blocks)
+    for seed in range(8):  # some seeds land copies only when waited for, others at random
+        sim.reseed(seed)
+        sim.context = f"forward {seed}"
+        args = inputs(1 + seed % 3)
+        assert torch.equal(model(*args), ref(*args)), seed
+    handle.remove()
+    sim.finish()
+    sim.check()
 
-    # The same test fails when the compute stream does not wait: it must be able to catch a race.
-    broken = copy.deepcopy(ref)
-    monkeypatch.setattr(streaming, "_make_ordering", lambda device: LazyCopies(honour_waits=False))
-    stream_module(broken, broken.blocks if kind == "stack" else broken.layers, "cpu")
+
+@pytest.mark.parametrize("kind", ["stack", "cond"])
+def test_a_compute_that_does_not_wait_for_its_copy_is_caught(kind):
+    model, blocks, inputs = make(kind)
+    ref = copy.deepcopy(model)
+    sim = SimulatedDevice(seed=0)  # copies land only when something waits for them
+    sim.deleted = {("compute_wait", "StreamHandle.load")}
+    handle = stream_module(model, blocks, "cpu", ordering=sim.ordering())
+    watch_handle(sim, handle, blocks)
     args = inputs(2)
-    assert not torch.equal(broken(*args), ref(*args))
+    assert not torch.equal(model(*args), ref(*args))  # it computed with NaN bytes
+    assert "compute of block 0" in sim.races[0] and "reads slot 0 before copy" in sim.races[0]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -441,7 +419,7 @@ def test_remove_restores_the_module_bitwise(budget_blocks):
 def test_clear_errors_for_bad_arguments():
     model, blocks, _ = make("stack")
     with pytest.raises(ValueError, match="prefetch"):
-        stream_module(model, blocks, "cpu", prefetch=1)
+        stream_module(model, blocks, "cpu", prefetch=0)
     with pytest.raises(ValueError, match="below the minimum"):
         stream_module(model, blocks, "cpu", gpu_budget_bytes=2 * max(block_bytes(blocks)))
     with pytest.raises(ValueError, match="not a submodule"):

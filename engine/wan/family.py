@@ -38,25 +38,15 @@ from ..host_store import SafetensorsFile
 from ..pipeline import Pipeline
 from ..request import ResolvedVideo
 from ..sources import ModelInfo
-from .config import TEXT_TOKENS, WanConfig, weight_files
-
-
-def _libraries():
-    try:
-        import diffusers
-        import transformers
-    except ImportError as e:
-        raise ImportError(
-            f"Wan models need the wan extra ({e.name} is missing): pip install 'megaslide[wan]'"
-        ) from None
-    return diffusers, transformers
+from .config import WanConfig, weight_files
+from .encoders import WanEncoders, libraries
 
 
 class WanFamily(Family):
     name = "wan"
 
     def components(self, info: ModelInfo) -> list[Component]:
-        diffusers, transformers = _libraries()
+        diffusers, transformers = libraries()
         path, config = info.source.path, info.config
         text_config = transformers.UMT5Config.from_pretrained(
             path / "text_encoder", local_files_only=True
@@ -123,7 +113,7 @@ class WanFamily(Family):
         save_diffusers(info, states, path)
 
     def count_parameters(self, info: ModelInfo) -> dict[str, int]:
-        diffusers, transformers = _libraries()
+        diffusers, transformers = libraries()
         path, config = info.source.path, info.config
         with torch.device("meta"):
             text = transformers.UMT5EncoderModel(
@@ -207,80 +197,12 @@ class WanState:
         return (1 - self.mask) * self.condition + self.mask * self.latents
 
 
-class WanEncoders:
-    """The frozen ends of a Wan pipeline: UMT5 with its tokenizer, and the VAE. Sampling and the
-    fine-tuning cache (training.py) encode through the same code."""
-
-    def __init__(self, path: Path, config: WanConfig, text_encoder: nn.Module, vae: nn.Module):
-        _, transformers = _libraries()
-        self.config, self.text_encoder, self.vae = config, text_encoder, vae
-        self.tokenizer = transformers.AutoTokenizer.from_pretrained(
-            path / "tokenizer", local_files_only=True
-        )
-        # Tiles only above 256 pixels a side, so a smaller clip decodes exactly as without.
-        self.vae.enable_tiling()
-        mean = torch.tensor(self.vae.config.latents_mean).view(1, -1, 1, 1, 1)
-        std = torch.tensor(self.vae.config.latents_std).view(1, -1, 1, 1, 1)
-        self._latents_mean, self._latents_std_inv = mean, 1.0 / std
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.vae.parameters()).device  # the VAE is resident: never streamed
-
-    @torch.no_grad()
-    def prompts(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        """UMT5 embeddings `(B, 512, text_dim)` on the text encoder's device, zero past each
-        prompt's end, and the prompts' lengths in tokens `(B,)`."""
-        from diffusers.pipelines.wan.pipeline_wan import prompt_clean  # the pipeline's own cleaning
-
-        tokens = self.tokenizer(
-            [prompt_clean(p) for p in prompts],
-            padding="max_length",
-            max_length=TEXT_TOKENS,
-            truncation=True,
-            add_special_tokens=True,
-            return_attention_mask=True,
-            return_tensors="pt",
-        )
-        device = self.text_encoder.shared.weight.device
-        ids, mask = tokens.input_ids.to(device), tokens.attention_mask.to(device)
-        hidden = self.text_encoder(ids, mask).last_hidden_state  # (B, 512, text_dim)
-        lengths = mask.gt(0).sum(dim=1)
-        keep = torch.arange(TEXT_TOKENS, device=device)[None, :] < lengths[:, None]  # (B, 512)
-        return torch.where(keep[..., None], hidden, torch.zeros((), dtype=hidden.dtype)), lengths
-
-    def _normalisation(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return (
-            self._latents_mean.to(like.device, like.dtype),
-            self._latents_std_inv.to(like.device, like.dtype),
-        )
-
-    @torch.no_grad()
-    def clip(self, pixels: torch.Tensor) -> torch.Tensor:
-        """Pixels `(B, 3, F, H, W)` in [-1, 1] -> normalised latents `(B, C, F', H', W')` fp32: the
-        VAE's mode, `(latent - mean) / std`, as Wan's pipelines condition on an image."""
-        latent = self.vae.encode(pixels.to(self.device, self.vae.dtype)).latent_dist.mode()
-        latent = latent.to(self.device, torch.float32)
-        mean, std_inv = self._normalisation(latent)
-        return (latent - mean) * std_inv
-
-    @torch.no_grad()
-    def decode(self, latents: torch.Tensor) -> np.ndarray:
-        """Normalised latents `(1, C, F', H', W')` -> uint8 frames `(F, H, W, 3)`."""
-        latents = latents.to(self.device, self.vae.dtype)
-        mean, std_inv = self._normalisation(latents)
-        video = self.vae.decode(latents / std_inv + mean, return_dict=False)[0]  # (1, 3, F, H, W)
-        video = (video / 2 + 0.5).clamp(0, 1)  # diffusers' denormalisation
-        frames = video[0].permute(1, 2, 3, 0).float()  # (F, H, W, 3) in [0, 1]
-        return (frames * 255).round().to(torch.uint8).cpu().numpy()
-
-
 class WanVideoPipeline(Pipeline):
     """Text-to-video sampling of a Wan model, batched at denoising-step granularity."""
 
     def __init__(self, info: ModelInfo, parts: dict[str, nn.Module], handles, *, batched: bool):
         super().__init__(info, handles)
-        diffusers, _ = _libraries()
+        diffusers, _ = libraries()
         config: WanConfig = info.config
         path = info.source.path
         self.config = config

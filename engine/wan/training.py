@@ -191,7 +191,7 @@ def _encode(info, data: Path, samples, shape: TrainingShape, root: Path) -> None
     from safetensors.torch import save_file
 
     from ..loader import open_model
-    from .family import WanEncoders
+    from .encoders import WanEncoders
 
     # Only the frozen ends are opened; the same code encodes prompts and images for sampling.
     parts, _ = open_model(info, device=shape.device, only={"text_encoder", "vae"})
