@@ -13,6 +13,7 @@ import contextlib
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -90,12 +91,17 @@ def atomic_directory(path: str | os.PathLike) -> Iterator[Path]:
     fsync_dir(path.parent)
 
 
-def remove_stale(folder: str | os.PathLike) -> None:
-    """Delete the temporary files and directories a killed process left in `folder`."""
+def remove_stale(folder: str | os.PathLike, min_age_s: float = 0.0) -> None:
+    """Delete the temporary files and directories a killed process left in `folder`, those last
+    modified at least `min_age_s` ago (a live writer elsewhere may own the newer ones)."""
     folder = Path(folder)
     if not folder.is_dir():
         return
+    cutoff = time.time() - min_age_s
     for item in folder.glob(f".*{TMP_SUFFIX}"):
+        with contextlib.suppress(FileNotFoundError):
+            if item.lstat().st_mtime > cutoff:
+                continue
         if item.is_dir():
             shutil.rmtree(item, ignore_errors=True)
         else:

@@ -30,7 +30,7 @@ class RequestError(ValueError):
         self.param, self.code = param, code
 
 
-def _utf8_bytes(prompt: str) -> int:
+def count_utf8_bytes(prompt: str) -> int:
     return len(prompt.encode("utf-8"))
 
 
@@ -55,7 +55,7 @@ class ModelLimits:
     image_input: bool = False  # takes a first-frame image (image-to-video)
     experts: int = 1  # denoisers that split the noise levels (fine-tuning trains one at a time)
     prompt_unit: str = "bytes (UTF-8)"
-    count_tokens: Callable[[str], int] = _utf8_bytes
+    count_tokens: Callable[[str], int] = count_utf8_bytes
     # The model's exact shape rule (ValueError naming the problem) beyond the fields above, e.g.
     # 3D-DSA's tiling of the token grid.
     check_shape: Callable[[int, int, int], None] | None = None

@@ -1,16 +1,17 @@
 """`build_app(settings, workers)`: the FastAPI application, its lifespan and its routers.
 
-Nothing heavy happens at import or in `build_app`: the lifespan opens the job store, reconciles it
-with reality (nothing can be running before the worker starts) and starts the workers, whose
-thread loads the models while `/healthz` already answers and `/readyz` says 503.
+Nothing heavy happens at import or in `build_app`: the lifespan opens the job store (migrating
+its schema when an older server made it) and starts the workers, whose thread loads the models
+while `/healthz` already answers and `/readyz` says 503. Jobs a killed process left running come
+back when its worker restarts under the same name, or when their leases expire (store.py).
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import logging
 import shutil
+import time
 
 from fastapi import Depends, FastAPI
 
@@ -27,62 +28,42 @@ from .store import AsyncStore, JobStore
 log = logging.getLogger("megaslide.server")
 
 
-@contextlib.contextmanager
-def data_dir_lock(data: DataDir):
-    """Hold an exclusive lock on the data directory: two servers on one store would run jobs twice.
-
-    The kernel drops the lock when the process dies, kill -9 included, so a restart never finds a
-    stale one.
-    """
-    data.root.mkdir(parents=True, exist_ok=True)
-    with open(data.lock, "w") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise RuntimeError(
-                f"another megaslide server is using the data directory {data.root}"
-            ) from None
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+STALE_AFTER_S = 3600.0  # a temporary file untouched this long was left by a killed process
 
 
 def housekeeping(store: JobStore, data: DataDir) -> None:
-    """Start-up cleaning, while no worker runs: expired videos' files, and what a killed process left
-    half-written (temporary MP4/PNG files, uploads that never got a row)."""
+    """Start-up cleaning: expired videos' files, and what a killed process left half-written
+    (temporary MP4/PNG files, uploads that never got a row). Other hosts may be writing at this
+    moment, so only what has been left alone for `STALE_AFTER_S` goes."""
     for video_id in store.expired_videos():
         for path in data.video_files(video_id):
             path.unlink(missing_ok=True)
-    data.remove_stale()
+    data.remove_stale(min_age_s=STALE_AFTER_S)
     known = store.file_ids()
+    cutoff = time.time() - STALE_AFTER_S
     for folder in data.files.iterdir():
-        if folder.name not in known:
+        if folder.name not in known and folder.stat().st_mtime < cutoff:
             shutil.rmtree(folder, ignore_errors=True)
 
 
 def build_app(settings: Settings, workers: WorkerClient) -> FastAPI:
-    """The API for `settings`, its jobs run by `workers` (`EmbeddedWorker` on a `TorchBackend`
-    for `megaslide serve`)."""
-    data = DataDir(settings.data_dir)
+    """The API for `settings`, its jobs run by `workers`: `EmbeddedWorker` on a `TorchBackend`
+    for `megaslide serve`, a `Fleet` of workers elsewhere for `megaslide serve --no-worker`."""
+    data = DataDir(settings.storage_dir)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        with data_dir_lock(data):
-            store = JobStore(data.db)
+        store = JobStore(settings.database_url)
+        try:
+            housekeeping(store, data)
+            app.state.store = AsyncStore(store)
+            await workers.start(store)
             try:
-                counts = store.reconcile()
-                if any(counts.values()):
-                    log.warning("reconciled after an unclean stop: %s", counts)
-                housekeeping(store, data)
-                app.state.store = AsyncStore(store)
-                await workers.start(store)
-                try:
-                    yield
-                finally:
-                    await workers.shutdown()
+                yield
             finally:
-                store.close()
+                await workers.shutdown()
+        finally:
+            store.close()
 
     app = FastAPI(
         title="MegaSlide",

@@ -74,6 +74,11 @@ class FinetuneJob:
 class Backend(ABC):
     """Describes, loads and trains models; the only code that touches the tensor library."""
 
+    @property
+    def device_name(self) -> str:
+        """The device the models run on, as the worker registers it ("cuda:0", "cpu")."""
+        return "cpu"
+
     @abstractmethod
     def cards(self) -> list[ModelCard]:
         """The base models to serve, from their configs alone (cheap: no weights are read)."""

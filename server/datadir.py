@@ -1,12 +1,14 @@
-"""The server's data directory: every path of its on-disk layout, written down once.
+"""The server's storage: every path of its on-disk layout, written down once.
 
-<data-dir>/
-  megaslide.db            the job store (SQLite, WAL)
-  server.lock             held by the one server using this directory
+<storage>/                (the data directory, unless --storage names a shared one)
+  megaslide.db            the job store, when it is SQLite (the default)
   videos/<id>.mp4         finished videos, and <id>.png their first frame
   files/<id>/data/        an uploaded training set, unpacked (upload: the archive meanwhile)
   fine_tunes/<id>/        a fine-tuning run: metrics, checkpoints
   models/<id>/            the model a fine-tuning job exported, served as `ft:...`
+
+With several hosts every one mounts the storage, perhaps at different paths: the job store keeps
+paths relative to it (`relative`), and each host resolves them under its own mount (`resolve`).
 """
 
 from __future__ import annotations
@@ -23,13 +25,19 @@ class DataDir:
 
     root: Path
 
-    @property
-    def db(self) -> Path:
-        return self.root / "megaslide.db"
+    def __post_init__(self):
+        # Absolute, so paths under it (a trainer's checkpoints, say) compare with it as written.
+        object.__setattr__(self, "root", Path(self.root).absolute())
 
-    @property
-    def lock(self) -> Path:
-        return self.root / "server.lock"
+    def relative(self, path: Path) -> str:
+        """How the job store records a path under the storage (one elsewhere stays absolute)."""
+        path = Path(path).absolute()
+        return str(path.relative_to(self.root)) if path.is_relative_to(self.root) else str(path)
+
+    def resolve(self, stored: str) -> Path:
+        """A path the job store recorded, on this host (absolute ones, from data directories
+        of earlier versions, stay as they are)."""
+        return self.root / stored
 
     def _folder(self, name: str) -> Path:
         folder = self.root / name
@@ -67,6 +75,7 @@ class DataDir:
     def fine_tuned_model(self, job_id: str) -> Path:
         return self._folder("models") / job_id
 
-    def remove_stale(self) -> None:
-        """Delete the temporary files a killed process left half-written."""
-        remove_stale(self.videos)
+    def remove_stale(self, min_age_s: float) -> None:
+        """Delete the temporary files a killed process left half-written, once older than
+        `min_age_s` (another host may be writing the newer ones)."""
+        remove_stale(self.videos, min_age_s=min_age_s)

@@ -1,7 +1,9 @@
 """Counters, gauges and histograms rendered in the Prometheus text format (version 0.0.4).
 
-Small on purpose: the worker thread updates them, `/metrics` renders them together with gauges read
-from the job store at scrape time (queue depth, jobs by state), so they can never disagree with it.
+Small on purpose: each worker updates its own `Registry` and publishes a snapshot of it with every
+heartbeat; an API host's `/metrics` adds up the snapshots of the live workers and renders them
+together with gauges read from the job store at scrape time (queue depth, jobs by state, live
+workers), so those can never disagree with it.
 """
 
 from __future__ import annotations
@@ -58,6 +60,15 @@ class Counter(Metric):
     def value(self, **labels) -> float:
         return self._values.get(tuple(sorted(labels.items())), 0.0)
 
+    def snapshot(self) -> list:
+        with self._lock:
+            return [[dict(k), v] for k, v in self._values.items()]
+
+    def merge(self, snapshot: list) -> None:
+        """Add another worker's values (a `snapshot()`)."""
+        for labels, value in snapshot:
+            self.inc(value, **labels)
+
     def render(self) -> list[str]:
         with self._lock:
             items = sorted(self._values.items()) or [((), 0.0)]
@@ -94,6 +105,18 @@ class Histogram(Metric):
     @property
     def count(self) -> int:
         return self._count
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return {"counts": list(self._counts), "sum": self._sum, "count": self._count}
+
+    def merge(self, snapshot: dict) -> None:
+        """Add another worker's observations (a `snapshot()` with the same buckets)."""
+        with self._lock:
+            for i, n in enumerate(snapshot["counts"]):
+                self._counts[i] += n
+            self._sum += snapshot["sum"]
+            self._count += snapshot["count"]
 
     @property
     def mean(self) -> float:
@@ -143,6 +166,16 @@ class Registry:
         self.d2h_bytes = Counter(
             "megaslide_d2h_bytes_total", "Bytes copied device to host by weight streaming"
         )
+
+    def snapshot(self) -> dict:
+        """Every metric's values, JSON-ready, for the worker's heartbeat."""
+        return {m.name: m.snapshot() for m in self.all()}
+
+    def merge(self, snapshot: dict) -> None:
+        """Add a worker's `snapshot()`; metrics this version does not know are skipped."""
+        for metric in self.all():
+            if metric.name in snapshot:
+                metric.merge(snapshot[metric.name])
 
     def all(self) -> list[Metric]:
         return [

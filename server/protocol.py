@@ -3,7 +3,8 @@
 Routers see only `WorkerClient` and `ModelCard`: plain Python, no torch. Work reaches the workers
 through the job store (request -> store -> worker), so this interface is small: which models are
 served, whether the workers live, their metrics, a dataset check, and a nudge that the store has
-new work.
+new work. Workers in other processes publish their model cards in the store's registry, as
+`card_to_dict` writes them.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from megaslide.engine.request import ModelLimits
+from megaslide.engine.request import ModelLimits, count_utf8_bytes
 
 if TYPE_CHECKING:
     from .metrics import Registry
@@ -42,8 +43,64 @@ class ModelCard:
         return dataclasses.replace(self, **changes)
 
 
+def card_to_dict(card: ModelCard) -> dict:
+    """A card as a worker publishes it: its limits as data (a model's own shape rule and token
+    counter stay behind; `card_from_dict` finds them again where it can)."""
+    lim = card.limits
+    defaults = dict(
+        frames=lim.frames,
+        height=lim.height,
+        width=lim.width,
+        fps=lim.fps,
+        steps=lim.steps,
+        guidance=lim.guidance,
+    )
+    fields = ("name", "kind", "created", "source", "parent")
+    return {**{f: getattr(card, f) for f in fields}, "limits": {**lim.to_dict(), **defaults}}
+
+
+def card_from_dict(d: dict) -> ModelCard:
+    """A published card. Its exact limits come from the model's own config when this host can
+    read it (a preset, or a model directory on shared storage); otherwise from the published
+    numbers alone, without the model's shape rule, and with prompts counted here only when the
+    model counts them in bytes. The worker checks every request again with the model's own
+    rules, so nothing it cannot make is run."""
+    limits = _described_limits(d) or _plain_limits(d["limits"])
+    fields = ("name", "kind", "created", "source", "parent")
+    return ModelCard(**{f: d.get(f) for f in fields}, limits=limits)
+
+
+def _described_limits(d: dict) -> ModelLimits | None:
+    from megaslide.engine.sources import ModelSource, describe, resolve_source
+
+    try:
+        if d["kind"] == "preset":
+            return describe(resolve_source(preset=d["source"])).limits
+        path = Path(d["source"])
+        if path.is_dir():
+            return describe(ModelSource("directory", d["name"], path=path)).limits
+    except (ValueError, OSError, KeyError):
+        pass  # not a preset this version knows, or a directory it cannot read
+    return None
+
+
+def _plain_limits(d: dict) -> ModelLimits:
+    counted_here = d["prompt_unit"] == ModelLimits.prompt_unit
+    return ModelLimits(
+        **{k: v for k, v in d.items() if k not in ("size_multiple", "prompt_unit")},
+        size_multiple=tuple(d["size_multiple"]),
+        prompt_unit=d["prompt_unit"],
+        count_tokens=count_utf8_bytes if counted_here else _not_counted,
+    )
+
+
+def _not_counted(text: str) -> int:
+    return 0  # the worker's tokenizer counts (see card_from_dict)
+
+
 class WorkerClient(ABC):
-    """What the HTTP layer may ask of the workers that run its jobs."""
+    """What the HTTP layer may ask of the workers that run its jobs: those in this process, and
+    those elsewhere that the store's registry lists as alive."""
 
     @abstractmethod
     async def start(self, store: JobStore) -> None:
@@ -56,21 +113,26 @@ class WorkerClient(ABC):
     @property
     @abstractmethod
     def ready(self) -> bool:
-        """True once the served models are loaded."""
+        """True once some live worker has its models loaded and can run jobs."""
 
     @property
     @abstractmethod
     def dead(self) -> str | None:
-        """Why the worker died, or None while it lives. A failed job does not kill it."""
+        """Why this process's worker died, or None while it lives (or none runs here). A
+        failed job does not kill it."""
 
     @property
     @abstractmethod
     def metrics(self) -> Registry:
-        """Counters and histograms the worker keeps (step latency, H2D bytes, ...)."""
+        """Counters and histograms of the live workers, added up (step latency, H2D bytes...)."""
+
+    @abstractmethod
+    def live_workers(self) -> list[dict]:
+        """The workers heard from lately: name, host, device, ready, and the models served."""
 
     @abstractmethod
     def models(self) -> list[ModelCard]:
-        """Base models, then fine-tuned ones, in registration order."""
+        """Base models the live workers serve, then fine-tuned ones of those, in order."""
 
     def model(self, name: str) -> ModelCard | None:
         return next((m for m in self.models() if m.name == name), None)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
@@ -25,6 +25,21 @@ class Settings(BaseSettings):
     models: Annotated[list[str], NoDecode] = Field(default_factory=list)
     preset: str | None = None
     data_dir: Path = Path("megaslide-data")
+    # The job store: SQLite in the data directory by default; postgresql://... for many hosts.
+    database: str | None = None
+    # Where videos, uploads, checkpoints and fine-tuned models live (default: the data
+    # directory). With several hosts, a directory every host mounts at the same path.
+    storage: Path | None = None
+    # `megaslide serve` runs a worker in its own process unless this is off (an API-only host).
+    worker: bool = True
+    worker_name: str | None = None  # default: "<hostname>/<device>", one per device slot
+    lease_s: float = Field(
+        30.0,
+        gt=0,
+        description="a running job returns to the queue this long after its worker "
+        "was last heard from (also how long a silent worker still counts as live)",
+    )
+    heartbeat_s: float = Field(2.0, gt=0, description="how often a worker proves it is alive")
     # Bearer keys; comma-separated in MEGASLIDE_API_KEYS. Empty = no authentication.
     api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list)
     device: str = "auto"  # "auto" = cuda when available, else cpu
@@ -59,6 +74,23 @@ class Settings(BaseSettings):
     )
     finetune_epochs: int = Field(1, ge=1, description="n_epochs when the request says 'auto'")
     finetune_save_every: int = Field(50, ge=1, description="checkpoint interval in optimizer steps")
+
+    @property
+    def database_url(self) -> str:
+        return self.database or f"sqlite:///{self.data_dir / 'megaslide.db'}"
+
+    @property
+    def storage_dir(self) -> Path:
+        return self.storage or self.data_dir
+
+    @model_validator(mode="after")
+    def _heartbeat_within_lease(self):
+        if self.heartbeat_s >= self.lease_s:
+            raise ValueError(
+                f"heartbeat_s ({self.heartbeat_s}) must be shorter than lease_s ({self.lease_s}): "
+                "a worker must renew its leases before they expire"
+            )
+        return self
 
     @field_validator("models", "api_keys", mode="before")
     @classmethod

@@ -1,21 +1,32 @@
-"""The durable job store: one SQLite database (WAL) holding jobs, files, events and idempotency keys.
+"""The durable job store: jobs, files, events, idempotency keys and the worker registry, in SQLite
+(the embedded default: a file in the data directory) or PostgreSQL (many hosts), through one
+SQLAlchemy Core description of the tables (schema.py) and Alembic migrations.
 
-Every state change is one transaction, committed with `synchronous=FULL`, so a `kill -9` (or a power
-cut) loses nothing that was acknowledged to a client. Outputs live on disk beside the database; rows
-only point at them.
+Every state change is one transaction. SQLite commits with `synchronous=FULL` in WAL mode and takes
+its write lock at BEGIN (IMMEDIATE), so writers queue instead of deadlocking; PostgreSQL locks the
+rows a transition reads (`FOR UPDATE`), and workers claim queued jobs with `FOR UPDATE SKIP
+LOCKED`, so two workers never take the same job and never wait on each other's claims.
 
-State machines (a transition is a conditional UPDATE, so the HTTP side and the worker cannot both win):
+State machines (a transition is a conditional UPDATE, so the API and the workers cannot both win):
 
     video:     queued -> in_progress -> completed | failed | cancelled;  queued -> cancelled
     fine-tune: queued -> running -> succeeded | failed | cancelled;      queued -> cancelled
 
-`reconcile()` runs once at start-up, before the worker: nothing can be running then, so in-progress
-videos are queued again (they restart from noise) and running fine-tunes are queued to resume from
-their last checkpoint.
+Leases. A worker that claims a job writes its name, a fresh `lease_token` and an expiry into the
+row; every write it makes afterwards (progress, events, the outcome) names that token and is
+refused once the token changed. Its heartbeat and every denoising step extend the expiry. A worker
+that dies stops extending it: once it passes, `recover_expired` (any worker runs it) puts the job
+back in the queue with a new claim to come, so a video re-runs and a fine-tune resumes from its
+last checkpoint, and a late write from the presumed-dead worker finds a token that is no longer
+there. Each job thus completes exactly once. Lease times come from the database's clock, so hosts
+with skewed clocks agree on them.
 
-One connection is shared by the worker thread and the API behind a lock; every call is a few indexed
-statements. Async routes reach the store through `AsyncStore`, which runs each call in a worker
-thread: a slow disk (an fsync, a busy lock) never stalls the event loop.
+Events of one job keep their order across hosts: every transaction that appends one first writes
+(and so locks) the job's row, so two writers to one job commit one after the other and its event
+numbers grow in commit order, which is what a reader resuming "after event N" relies on.
+
+Async routes reach the store through `AsyncStore`, which runs each call in a worker thread: a slow
+disk or a busy lock never stalls the event loop.
 """
 
 from __future__ import annotations
@@ -23,666 +34,885 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
-import sqlite3
-import threading
+import secrets
 import time
+from collections.abc import Callable, Hashable, Iterator
 from pathlib import Path
 
 import anyio
+import sqlalchemy as sa
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from sqlalchemy.dialects import postgresql, sqlite
+
+from .schema import checkpoints, events, files, fine_tunes, idempotency, models, videos, workers
 
 VIDEO_ACTIVE = ("queued", "in_progress")
 VIDEO_TERMINAL = ("completed", "failed", "cancelled")
 FINETUNE_ACTIVE = ("queued", "running")
 IDEMPOTENCY_TTL_S = 24 * 3600
-
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS videos (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT,
-    id TEXT NOT NULL UNIQUE,
-    created_at INTEGER NOT NULL,
-    status TEXT NOT NULL,
-    progress INTEGER NOT NULL DEFAULT 0,
-    step INTEGER NOT NULL DEFAULT 0,
-    model TEXT NOT NULL,
-    priority INTEGER NOT NULL DEFAULT 0,
-    spec TEXT NOT NULL,
-    cancel_requested INTEGER NOT NULL DEFAULT 0,
-    attempts INTEGER NOT NULL DEFAULT 0,
-    started_at INTEGER,
-    completed_at INTEGER,
-    expires_at INTEGER,
-    error_code TEXT,
-    error_message TEXT
-);
-CREATE INDEX IF NOT EXISTS videos_by_status ON videos (status, priority DESC, seq);
-CREATE TABLE IF NOT EXISTS files (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT,
-    id TEXT NOT NULL UNIQUE,
-    created_at INTEGER NOT NULL,
-    filename TEXT NOT NULL,
-    purpose TEXT NOT NULL,
-    bytes INTEGER NOT NULL,
-    path TEXT NOT NULL,
-    clips INTEGER NOT NULL
-);
-CREATE TABLE IF NOT EXISTS fine_tunes (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT,
-    id TEXT NOT NULL UNIQUE,
-    created_at INTEGER NOT NULL,
-    status TEXT NOT NULL,
-    model TEXT NOT NULL,
-    training_file TEXT NOT NULL,
-    hyperparameters TEXT NOT NULL,
-    seed INTEGER NOT NULL,
-    suffix TEXT,
-    output_dir TEXT NOT NULL,
-    fine_tuned_model TEXT,
-    step INTEGER NOT NULL DEFAULT 0,
-    total_steps INTEGER,
-    cancel_requested INTEGER NOT NULL DEFAULT 0,
-    attempts INTEGER NOT NULL DEFAULT 0,
-    finished_at INTEGER,
-    error_code TEXT,
-    error_message TEXT
-);
-CREATE INDEX IF NOT EXISTS fine_tunes_by_status ON fine_tunes (status, seq);
-CREATE TABLE IF NOT EXISTS events (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT,
-    job_id TEXT NOT NULL,
-    created_at INTEGER NOT NULL,
-    type TEXT NOT NULL,
-    level TEXT NOT NULL DEFAULT 'info',
-    message TEXT NOT NULL DEFAULT '',
-    data TEXT
-);
-CREATE INDEX IF NOT EXISTS events_by_job ON events (job_id, seq);
-CREATE TABLE IF NOT EXISTS checkpoints (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT,
-    id TEXT NOT NULL UNIQUE,
-    job_id TEXT NOT NULL,
-    created_at INTEGER NOT NULL,
-    step INTEGER NOT NULL,
-    path TEXT NOT NULL,
-    metrics TEXT
-);
-CREATE TABLE IF NOT EXISTS models (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT,
-    name TEXT NOT NULL UNIQUE,
-    parent TEXT NOT NULL,
-    path TEXT NOT NULL,
-    job_id TEXT NOT NULL,
-    created_at INTEGER NOT NULL
-);
-CREATE TABLE IF NOT EXISTS idempotency (
-    scope TEXT NOT NULL,
-    key TEXT NOT NULL,
-    request_hash TEXT NOT NULL,
-    resource_id TEXT NOT NULL,
-    created_at INTEGER NOT NULL,
-    PRIMARY KEY (scope, key)
-);
-"""
+MIGRATIONS = Path(__file__).parent / "migrations"
+BASELINE = "0001"  # the schema data directories had before migrations existed
+MIGRATION_LOCK = 0x6D6567615F6462  # PostgreSQL advisory lock: one migrating process at a time
 
 
 def now() -> int:
     return int(time.time())
 
 
-class JobStore:
-    """Jobs, files, events, checkpoints, fine-tuned models and idempotency keys in one database."""
+def new_token() -> str:
+    return secrets.token_hex(8)
 
-    def __init__(self, path: str | Path):
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        # isolation_level=None: we issue BEGIN/COMMIT ourselves, one transaction per state change.
-        self._conn = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
-        self._conn.row_factory = sqlite3.Row
-        self._lock = threading.RLock()
-        with self._lock:
-            self._conn.execute("PRAGMA journal_mode=WAL")
-            # FULL: a COMMIT returns only once the WAL is on disk, so an acknowledged job survives
-            # a power cut as well as a kill -9.
-            self._conn.execute("PRAGMA synchronous=FULL")
-            self._conn.execute("PRAGMA busy_timeout=5000")
-            self._conn.executescript(SCHEMA)
+
+class WorkerNameInUse(RuntimeError):
+    """Another live worker registered under this name."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Opening and migrating
+
+
+def database_url(url: str) -> sa.URL:
+    """`sqlite:///path` or `postgresql://...` (psycopg 3 is the driver PostgreSQL gets)."""
+    parsed = sa.make_url(url)
+    if parsed.drivername in ("postgresql", "postgres"):
+        parsed = parsed.set(drivername="postgresql+psycopg")
+    if parsed.get_backend_name() not in ("sqlite", "postgresql"):
+        raise ValueError(f"unsupported database {url!r}: use sqlite:///PATH or postgresql://...")
+    return parsed
+
+
+def open_engine(url: str) -> sa.Engine:
+    """An engine for the store's database, with SQLite set up for durability and concurrency."""
+    parsed = database_url(url)
+    if parsed.get_backend_name() == "postgresql":
+        return sa.create_engine(parsed, pool_pre_ping=True, pool_size=8, max_overflow=32)
+    if not parsed.database or parsed.database == ":memory:":
+        raise ValueError("the SQLite store must be a file: sqlite:///PATH")
+    Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+    engine = sa.create_engine(
+        parsed, connect_args={"check_same_thread": False}, pool_size=8, max_overflow=32
+    )
+
+    @sa.event.listens_for(engine, "connect")
+    def _configure(dbapi_conn, _record):
+        # Transactions are ours (the "begin" hook below), not the driver's implicit ones.
+        dbapi_conn.isolation_level = None
+        for pragma in (
+            "journal_mode=WAL",  # readers never block the writer, nor it them
+            # FULL: a COMMIT returns only once the WAL is on disk, so an acknowledged job
+            # survives a power cut as well as a kill -9.
+            "synchronous=FULL",
+            "busy_timeout=30000",
+        ):
+            dbapi_conn.execute(f"PRAGMA {pragma}")
+
+    @sa.event.listens_for(engine, "begin")
+    def _begin(conn):
+        # IMMEDIATE takes the write lock at once: a read-then-write transaction that had to
+        # upgrade its lock later could deadlock against another one doing the same.
+        read_only = conn.get_execution_options().get("read_only", False)
+        conn.exec_driver_sql("BEGIN" if read_only else "BEGIN IMMEDIATE")
+
+    return engine
+
+
+def _alembic(connection: sa.Connection) -> Config:
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS))
+    config.attributes["connection"] = connection
+    return config
+
+
+def migrate(engine: sa.Engine) -> None:
+    """Bring the database to the newest schema: create it, or upgrade what an older server left
+    (a data directory from before migrations is stamped at the baseline first)."""
+    with engine.begin() as conn:
+        if conn.dialect.name == "postgresql":
+            # Several hosts starting at once: the first migrates, the others wait and find it done.
+            conn.execute(sa.select(sa.func.pg_advisory_xact_lock(MIGRATION_LOCK)))
+        current = MigrationContext.configure(conn).get_current_revision()
+        config = _alembic(conn)
+        if current is None and sa.inspect(conn).has_table("videos"):
+            command.stamp(config, BASELINE)
+        command.upgrade(config, "head")
+
+
+def schema_revision(engine: sa.Engine) -> str | None:
+    with engine.connect() as conn:
+        return MigrationContext.configure(conn).get_current_revision()
+
+
+# ---------------------------------------------------------------------------------------------
+# The store
+
+
+class JobStore:
+    """Jobs, files, events, checkpoints, fine-tuned models, idempotency keys and workers."""
+
+    def __init__(self, url: str):
+        self.url = url
+        self.engine = open_engine(url)
+        self._reader = self.engine.execution_options(read_only=True)
+        self.dialect = self.engine.dialect.name
+        migrate(self.engine)
+        self._insert = postgresql.insert if self.dialect == "postgresql" else sqlite.insert
 
     def close(self) -> None:
-        with self._lock:
-            self._conn.close()
+        self.engine.dispose()
+
+    # --- plumbing ----------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def _tx(self):
-        with self._lock:
-            self._conn.execute("BEGIN IMMEDIATE")
-            try:
-                yield self._conn
-            except BaseException:
-                self._conn.execute("ROLLBACK")
-                raise
-            self._conn.execute("COMMIT")
+    def _tx(self) -> Iterator[sa.Connection]:
+        with self.engine.begin() as conn:
+            yield conn
 
-    def _one(self, sql: str, args=()) -> dict | None:
-        with self._lock:
-            row = self._conn.execute(sql, args).fetchone()
+    def _one(self, stmt) -> dict | None:
+        with self._reader.connect() as conn:
+            row = conn.execute(stmt).mappings().first()
         return dict(row) if row is not None else None
 
-    def _all(self, sql: str, args=()) -> list[dict]:
-        with self._lock:
-            return [dict(r) for r in self._conn.execute(sql, args).fetchall()]
+    def _all(self, stmt) -> list[dict]:
+        with self._reader.connect() as conn:
+            return [dict(r) for r in conn.execute(stmt).mappings()]
+
+    def db_now(self) -> sa.ColumnElement:
+        """The database's clock in seconds since the epoch: the one clock every host shares."""
+        if self.dialect == "postgresql":
+            return sa.func.extract("epoch", sa.func.clock_timestamp())
+        return (sa.func.julianday("now") - 2440587.5) * 86400.0
+
+    def _locked(self, conn: sa.Connection, table: sa.Table, key) -> dict | None:
+        """A row read for a transition: locked until the transaction ends (SQLite locks the
+        whole database at BEGIN IMMEDIATE already)."""
+        column = table.c.name if table is workers else table.c.id
+        stmt = sa.select(table).where(column == key).with_for_update()
+        row = conn.execute(stmt).mappings().first()
+        return dict(row) if row is not None else None
 
     @staticmethod
     def _event(
-        conn, job_id: str, type_: str, message: str = "", data: dict | None = None, level="info"
-    ):
+        conn: sa.Connection,
+        job_id: str,
+        type_: str,
+        message: str = "",
+        data: dict | None = None,
+        level: str = "info",
+    ) -> None:
+        """Append an event; the caller has written or locked the job's row in this transaction."""
         conn.execute(
-            "INSERT INTO events (job_id, created_at, type, level, message, data) VALUES (?, ?, ?, ?, ?, ?)",
-            (job_id, now(), type_, level, message, json.dumps(data) if data is not None else None),
+            events.insert().values(
+                job_id=job_id,
+                created_at=now(),
+                type=type_,
+                level=level,
+                message=message,
+                data=json.dumps(data) if data is not None else None,
+            )
         )
 
-    # -----------------------------------------------------------------------------------------
-    # start-up
+    def _insert_ignore(self, conn: sa.Connection, table: sa.Table, **values) -> None:
+        conn.execute(self._insert(table).values(**values).on_conflict_do_nothing())
 
-    def reconcile(self) -> dict[str, int]:
-        """Put work that was running when the last process died back in the queue.
+    # --- workers -----------------------------------------------------------------------------
 
-        A cancellation that was asked for but not yet honoured is honoured now instead.
+    def worker(self, name: str) -> dict | None:
+        """A worker's registration, with `age_s`: seconds since its last heartbeat."""
+        age = (self.db_now() - workers.c.heartbeat_at).label("age_s")
+        return self._one(sa.select(workers, age).where(workers.c.name == name))
+
+    def register_worker(
+        self,
+        name: str,
+        token: str,
+        *,
+        host: str,
+        pid: int,
+        device: str,
+        capacity: int,
+        cards: list[dict],
+    ) -> dict[str, int]:
+        """Register (or re-register) the worker `name` as incarnation `token`.
+
+        Jobs still held under this name belong to a previous incarnation of the same worker,
+        which is gone (the caller checked, see `Worker.start`): they return to the queue now
+        rather than when their leases expire. Returns how many did.
         """
-        with self._tx() as c:
-            cancelled = [
-                r["id"]
-                for r in c.execute(
-                    "SELECT id FROM videos WHERE status = 'in_progress' AND cancel_requested = 1"
-                )
-            ]
-            for vid in cancelled:
-                c.execute(
-                    "UPDATE videos SET status = 'cancelled', completed_at = ? WHERE id = ?",
-                    (now(), vid),
-                )
-                self._event(
-                    c,
-                    vid,
-                    "video.cancelled",
-                    data={"status": "cancelled", "progress": 0, "step": 0},
-                )
-            videos = [
-                r["id"] for r in c.execute("SELECT id FROM videos WHERE status = 'in_progress'")
-            ]
-            for vid in videos:
-                c.execute(
-                    "UPDATE videos SET status = 'queued', progress = 0, step = 0 WHERE id = ?",
-                    (vid,),
-                )
-                self._event(
-                    c,
-                    vid,
-                    "video.queued",
-                    "requeued: the server restarted while it ran",
-                    {"status": "queued", "progress": 0, "step": 0},
-                )
-            c.execute(
-                "UPDATE fine_tunes SET status = 'cancelled', finished_at = ? "
-                "WHERE status = 'running' AND cancel_requested = 1",
-                (now(),),
+        with self._tx() as conn:
+            row = dict(
+                token=token,
+                host=host,
+                pid=pid,
+                device=device,
+                capacity=capacity,
+                models=json.dumps(cards),
+                started_at=self.db_now(),
+                heartbeat_at=self.db_now(),
+                ready=0,
+                dead=None,
+                metrics=None,
             )
-            tunes = [
-                r["id"] for r in c.execute("SELECT id FROM fine_tunes WHERE status = 'running'")
-            ]
-            for job in tunes:
-                c.execute("UPDATE fine_tunes SET status = 'queued' WHERE id = ?", (job,))
-                self._event(
-                    c,
-                    job,
-                    "message",
-                    "requeued: the server restarted; resuming from the last checkpoint",
-                )
-            c.execute("DELETE FROM idempotency WHERE created_at < ?", (now() - IDEMPOTENCY_TTL_S,))
-        return {
-            "videos_requeued": len(videos),
-            "videos_cancelled": len(cancelled),
-            "fine_tunes_requeued": len(tunes),
-        }
+            stmt = self._insert(workers).values(name=name, **row)
+            conn.execute(stmt.on_conflict_do_update(index_elements=["name"], set_=row))
+            reason = f"requeued: worker {name} restarted while it ran"
+            videos_back = self._requeue_videos(conn, videos.c.worker_id == name, reason)
+            tunes_back = self._requeue_finetunes(conn, fine_tunes.c.worker_id == name, reason)
+        return {"videos_requeued": videos_back, "fine_tunes_requeued": tunes_back}
 
-    # -----------------------------------------------------------------------------------------
-    # idempotency
+    def heartbeat(
+        self,
+        name: str,
+        token: str,
+        *,
+        lease_s: float,
+        ready: bool,
+        dead: str | None = None,
+        metrics: dict | None = None,
+    ) -> bool:
+        """Prove `name` alive and extend the leases of every job it holds; False when another
+        incarnation registered under the name since (this one must stop)."""
+        with self._tx() as conn:
+            n = conn.execute(
+                workers.update()
+                .where(workers.c.name == name, workers.c.token == token)
+                .values(
+                    heartbeat_at=self.db_now(),
+                    ready=int(ready),
+                    dead=dead,
+                    metrics=json.dumps(metrics) if metrics is not None else None,
+                )
+            ).rowcount
+            if not n:
+                return False
+            expiry = self.db_now() + lease_s
+            for table, running in ((videos, "in_progress"), (fine_tunes, "running")):
+                conn.execute(
+                    table.update()
+                    .where(table.c.worker_id == name, table.c.status == running)
+                    .values(lease_expires_at=expiry)
+                )
+        return True
+
+    def deregister_worker(self, name: str, token: str) -> None:
+        with self._tx() as conn:
+            conn.execute(workers.delete().where(workers.c.name == name, workers.c.token == token))
+
+    def live_workers(self, ttl_s: float) -> list[dict]:
+        """Workers heard from within `ttl_s` seconds, oldest registration first."""
+        fresh = workers.c.heartbeat_at >= self.db_now() - ttl_s
+        rows = self._all(sa.select(workers).where(fresh).order_by(workers.c.started_at))
+        for row in rows:
+            row["models"] = json.loads(row["models"])
+            row["metrics"] = json.loads(row["metrics"]) if row["metrics"] else None
+        return rows
+
+    def recover_expired(self) -> dict[str, int]:
+        """Requeue running jobs whose lease expired (their worker stopped renewing it); a job
+        whose cancellation was pending is cancelled instead."""
+        expired = sa.or_(
+            videos.c.lease_expires_at.is_(None), videos.c.lease_expires_at < self.db_now()
+        )
+        reason = "requeued: its worker stopped renewing its lease"
+        with self._tx() as conn:
+            videos_back = self._requeue_videos(conn, expired, reason, skip_locked=True)
+            expired = sa.or_(
+                fine_tunes.c.lease_expires_at.is_(None),
+                fine_tunes.c.lease_expires_at < self.db_now(),
+            )
+            tunes_back = self._requeue_finetunes(conn, expired, reason, skip_locked=True)
+        return {"videos_requeued": videos_back, "fine_tunes_requeued": tunes_back}
+
+    def _requeue_videos(
+        self, conn: sa.Connection, where, reason: str, *, skip_locked: bool = False
+    ) -> int:
+        """Running videos matching `where` back to the queue (from noise), or to cancelled.
+        `skip_locked`: leave rows another transaction holds (a recovery pass racing another)."""
+        stmt = (
+            sa.select(videos.c.id, videos.c.cancel_requested)
+            .where(videos.c.status == "in_progress", where)
+            .with_for_update(skip_locked=skip_locked)
+        )
+        requeued = 0
+        for row in conn.execute(stmt).mappings().all():
+            released = dict(worker_id=None, lease_token=None, lease_expires_at=None)
+            if row["cancel_requested"]:
+                status, message = "cancelled", ""
+                changes = dict(status=status, completed_at=now(), **released)
+            else:
+                status, message = "queued", reason
+                changes = dict(status=status, progress=0, step=0, **released)
+                requeued += 1
+            conn.execute(videos.update().where(videos.c.id == row["id"]).values(**changes))
+            data = {"status": status, "progress": 0, "step": 0}
+            self._event(conn, row["id"], f"video.{status}", message, data)
+        return requeued
+
+    def _requeue_finetunes(
+        self, conn: sa.Connection, where, reason: str, *, skip_locked: bool = False
+    ) -> int:
+        """Running fine-tunes matching `where` back to the queue, to resume from their last
+        checkpoint; or to cancelled when that was pending."""
+        stmt = (
+            sa.select(fine_tunes.c.id, fine_tunes.c.cancel_requested)
+            .where(fine_tunes.c.status == "running", where)
+            .with_for_update(skip_locked=skip_locked)
+        )
+        requeued = 0
+        for row in conn.execute(stmt).mappings().all():
+            released = dict(worker_id=None, lease_token=None, lease_expires_at=None)
+            if row["cancel_requested"]:
+                changes = dict(status="cancelled", finished_at=now(), **released)
+                message = "The job was cancelled"
+            else:
+                changes = dict(status="queued", **released)
+                message = f"{reason}; resuming from the last checkpoint"
+                requeued += 1
+            conn.execute(fine_tunes.update().where(fine_tunes.c.id == row["id"]).values(**changes))
+            self._event(conn, row["id"], "message", message)
+        return requeued
+
+    # --- idempotency and housekeeping ----------------------------------------------------------
 
     def idempotent(self, scope: str, key: str) -> dict | None:
         """The `(request_hash, resource_id)` a key was first used with, if within its lifetime."""
+        t = idempotency
         return self._one(
-            "SELECT request_hash, resource_id FROM idempotency WHERE scope = ? AND key = ? AND created_at >= ?",
-            (scope, key, now() - IDEMPOTENCY_TTL_S),
+            sa.select(t.c.request_hash, t.c.resource_id).where(
+                t.c.scope == scope, t.c.key == key, t.c.created_at >= now() - IDEMPOTENCY_TTL_S
+            )
         )
 
-    @staticmethod
-    def _remember(c, idempotency: tuple[str, str, str] | None, resource_id: str) -> None:
-        if idempotency is not None:
-            scope, key, request_hash = idempotency
-            c.execute(
-                "INSERT OR REPLACE INTO idempotency VALUES (?, ?, ?, ?, ?)",
-                (scope, key, request_hash, resource_id, now()),
-            )
+    def _remember(
+        self, conn: sa.Connection, key: tuple[str, str, str] | None, resource_id: str
+    ) -> None:
+        if key is None:
+            return
+        scope, name, request_hash = key
+        row = dict(request_hash=request_hash, resource_id=resource_id, created_at=now())
+        stmt = self._insert(idempotency).values(scope=scope, key=name, **row)
+        conn.execute(stmt.on_conflict_do_update(index_elements=["scope", "key"], set_=row))
+
+    def forget_idempotency_keys(self) -> int:
+        """Delete keys past their lifetime."""
+        with self._tx() as conn:
+            stale = idempotency.c.created_at < now() - IDEMPOTENCY_TTL_S
+            return conn.execute(idempotency.delete().where(stale)).rowcount
 
     def queue_depth(self) -> int:
-        """Jobs waiting for the worker: queued videos and queued fine-tunes."""
-        row = self._one(
-            "SELECT (SELECT COUNT(*) FROM videos WHERE status = 'queued') + "
-            "(SELECT COUNT(*) FROM fine_tunes WHERE status = 'queued') AS n"
-        )
-        return row["n"]
+        """Jobs waiting for a worker: queued videos and queued fine-tunes."""
+        return sum(self.queue_depth_by_model().values())
+
+    def queue_depth_by_model(self) -> dict[str, int]:
+        """Queued jobs (videos and fine-tunes) per model they need."""
+        out: dict[str, int] = {}
+        for table in (videos, fine_tunes):
+            stmt = (
+                sa.select(table.c.model, sa.func.count().label("n"))
+                .where(table.c.status == "queued")
+                .group_by(table.c.model)
+            )
+            for row in self._all(stmt):
+                out[row["model"]] = out.get(row["model"], 0) + row["n"]
+        return out
 
     def counts_by_state(self) -> dict[tuple[str, str], int]:
         out = {}
-        for kind, table in (("video", "videos"), ("fine_tune", "fine_tunes")):
-            for r in self._all(f"SELECT status, COUNT(*) AS n FROM {table} GROUP BY status"):
-                out[(kind, r["status"])] = r["n"]
+        for kind, table in (("video", videos), ("fine_tune", fine_tunes)):
+            stmt = sa.select(table.c.status, sa.func.count().label("n")).group_by(table.c.status)
+            for row in self._all(stmt):
+                out[(kind, row["status"])] = row["n"]
         return out
 
-    # -----------------------------------------------------------------------------------------
-    # videos
+    def _page(
+        self, table: sa.Table, after: str | None, limit: int, order: str, *where
+    ) -> tuple[list[dict], bool]:
+        """A page of `table` in creation order and whether more follow; `after` is an id."""
+        descending = order == "desc"
+        stmt = sa.select(table).where(*where)
+        if after is not None:
+            cursor = sa.select(table.c.seq).where(table.c.id == after).scalar_subquery()
+            stmt = stmt.where(table.c.seq < cursor if descending else table.c.seq > cursor)
+        stmt = stmt.order_by(table.c.seq.desc() if descending else table.c.seq).limit(limit + 1)
+        rows = self._all(stmt)
+        return rows[:limit], len(rows) > limit
+
+    # --- videos: the API's side --------------------------------------------------------------
 
     def insert_video(self, video_id: str, spec: dict, priority: int = 0, idempotency=None) -> dict:
         """Queue a resolved video request (`ResolvedVideo.to_dict()`)."""
-        with self._tx() as c:
-            c.execute(
-                "INSERT INTO videos (id, created_at, status, model, priority, spec) VALUES (?, ?, 'queued', ?, ?, ?)",
-                (video_id, now(), spec["model"], priority, json.dumps(spec)),
+        with self._tx() as conn:
+            conn.execute(
+                videos.insert().values(
+                    id=video_id,
+                    created_at=now(),
+                    status="queued",
+                    model=spec["model"],
+                    priority=priority,
+                    spec=json.dumps(spec),
+                )
             )
-            self._event(
-                c, video_id, "video.queued", data={"status": "queued", "progress": 0, "step": 0}
-            )
-            self._remember(c, idempotency, video_id)
+            data = {"status": "queued", "progress": 0, "step": 0}
+            self._event(conn, video_id, "video.queued", data=data)
+            self._remember(conn, idempotency, video_id)
         return self.get_video(video_id)
 
     def get_video(self, video_id: str) -> dict | None:
-        return self._one("SELECT * FROM videos WHERE id = ?", (video_id,))
+        return self._one(sa.select(videos).where(videos.c.id == video_id))
 
     def list_videos(self, after: str | None, limit: int, order: str) -> tuple[list[dict], bool]:
-        """A page of videos in creation order and whether more follow; `after` is an id cursor."""
-        return self._page("videos", after, limit, order)
-
-    def _page(
-        self, table: str, after, limit, order, where: str = "1", args=()
-    ) -> tuple[list[dict], bool]:
-        op, direction = ("<", "DESC") if order == "desc" else (">", "ASC")
-        if after is not None:
-            where += f" AND seq {op} (SELECT seq FROM {table} WHERE id = ?)"
-            args = (*args, after)
-        rows = self._all(
-            f"SELECT * FROM {table} WHERE {where} ORDER BY seq {direction} LIMIT ?",
-            (*args, limit + 1),
-        )
-        return rows[:limit], len(rows) > limit
+        return self._page(videos, after, limit, order)
 
     def queued_videos(self, limit: int) -> list[dict]:
         """Queued videos in the order they should run: higher priority first, then first come."""
-        return self._all(
-            "SELECT * FROM videos WHERE status = 'queued' ORDER BY priority DESC, seq ASC LIMIT ?",
-            (limit,),
-        )
+        return self._all(self._queue_order(sa.select(videos)).limit(limit))
+
+    @staticmethod
+    def _queue_order(stmt: sa.Select) -> sa.Select:
+        stmt = stmt.where(videos.c.status == "queued")
+        return stmt.order_by(videos.c.priority.desc(), videos.c.seq)
 
     def queue_position(self, video_id: str) -> int | None:
-        """Where a queued video stands in `queued_videos`' order (1 = next), None unless queued."""
-        row = self._one(
-            "SELECT 1 + (SELECT COUNT(*) FROM videos o WHERE o.status = 'queued' AND "
-            "(o.priority > v.priority OR (o.priority = v.priority AND o.seq < v.seq))) AS position "
-            "FROM videos v WHERE v.id = ? AND v.status = 'queued'",
-            (video_id,),
+        """Where a queued video stands in the queue's order (1 = next), None unless queued."""
+        v, o = videos.alias("v"), videos.alias("o")
+        ahead = (
+            sa.select(sa.func.count())
+            .where(
+                o.c.status == "queued",
+                sa.or_(
+                    o.c.priority > v.c.priority,
+                    sa.and_(o.c.priority == v.c.priority, o.c.seq < v.c.seq),
+                ),
+            )
+            .scalar_subquery()
         )
+        stmt = sa.select((ahead + 1).label("position")).where(
+            v.c.id == video_id, v.c.status == "queued"
+        )
+        row = self._one(stmt)
         return row["position"] if row is not None else None
 
-    def start_video(self, video_id: str) -> bool:
-        """queued -> in_progress; False if it was cancelled meanwhile."""
-        with self._tx() as c:
-            n = c.execute(
-                "UPDATE videos SET status = 'in_progress', progress = 0, step = 0, started_at = ?, "
-                "attempts = attempts + 1 WHERE id = ? AND status = 'queued'",
-                (now(), video_id),
-            ).rowcount
+    def cancel_video(self, video_id: str) -> str | None:
+        """Cancel a queued video now, or flag a running one for its worker. Returns the status
+        after, None if there is no such video."""
+        with self._tx() as conn:
+            row = self._locked(conn, videos, video_id)
+            if row is None:
+                return None
+            if row["status"] == "queued":
+                conn.execute(
+                    videos.update()
+                    .where(videos.c.id == video_id)
+                    .values(status="cancelled", completed_at=now())
+                )
+                data = {"status": "cancelled", "progress": 0, "step": 0}
+                self._event(conn, video_id, "video.cancelled", data=data)
+                return "cancelled"
+            if row["status"] == "in_progress":
+                conn.execute(
+                    videos.update().where(videos.c.id == video_id).values(cancel_requested=1)
+                )
+            return row["status"]
+
+    def delete_video(self, video_id: str) -> bool:
+        with self._tx() as conn:
+            finished = sa.and_(videos.c.id == video_id, videos.c.status.in_(VIDEO_TERMINAL))
+            n = conn.execute(videos.delete().where(finished)).rowcount
             if n:
-                self._event(
-                    c,
-                    video_id,
-                    "video.in_progress",
-                    data={"status": "in_progress", "progress": 0, "step": 0},
-                )
-        return bool(n)
+                conn.execute(events.delete().where(events.c.job_id == video_id))
+        return n > 0
 
-    def set_video_progress(self, updates: list[tuple[str, int, int]]) -> None:
-        """`(id, step, progress)` for each running video, in one transaction."""
-        with self._tx() as c:
-            for video_id, step, progress in updates:
-                c.execute(
-                    "UPDATE videos SET step = ?, progress = ? WHERE id = ? AND status = 'in_progress'",
-                    (step, progress, video_id),
-                )
-                self._event(
-                    c,
-                    video_id,
-                    "video.progress",
-                    data={"status": "in_progress", "progress": progress, "step": step},
-                )
+    def expired_videos(self) -> list[str]:
+        stmt = sa.select(videos.c.id).where(
+            videos.c.expires_at.is_not(None), videos.c.expires_at < now()
+        )
+        return [r["id"] for r in self._all(stmt)]
 
-    def finish_video(self, video_id: str, status: str, *, expires_at=None, error=None) -> bool:
-        """in_progress -> completed | failed | cancelled. A pending cancel wins over completion."""
+    def events_after(self, job_id: str, after_seq: int, limit: int = 100) -> list[dict]:
+        """A job's events in order, starting after `after_seq` (for SSE and its Last-Event-ID)."""
+        stmt = (
+            sa.select(events)
+            .where(events.c.job_id == job_id, events.c.seq > after_seq)
+            .order_by(events.c.seq)
+            .limit(limit)
+        )
+        return self._all(stmt)
+
+    # --- videos: a worker's side -------------------------------------------------------------
+
+    def claim_videos(
+        self,
+        worker: str,
+        served: list[str],
+        room: int,
+        batch_key: Callable[[dict], Hashable],
+        running_key: Hashable | None = None,
+        *,
+        lease_s: float,
+    ) -> list[dict]:
+        """Claim up to `room` queued videos of the `served` models, in queue order, that can
+        share a pass with the running batch (`batch_key(row) == running_key`, or with the first
+        claimed when nothing runs). Stops at the first that cannot: a later compatible job never
+        overtakes an earlier one. Each row comes back in progress, with its `lease_token`."""
+        if room <= 0 or not served:
+            return []
+        stmt = self._queue_order(sa.select(videos).where(videos.c.model.in_(served)))
+        stmt = stmt.limit(room).with_for_update(skip_locked=True)
+        claimed = []
+        with self._tx() as conn:
+            for row in conn.execute(stmt).mappings().all():
+                key = batch_key(dict(row))
+                if running_key is None:
+                    running_key = key
+                elif key != running_key:
+                    break
+                token = new_token()
+                conn.execute(
+                    videos.update()
+                    .where(videos.c.id == row["id"])
+                    .values(
+                        status="in_progress",
+                        progress=0,
+                        step=0,
+                        started_at=now(),
+                        attempts=videos.c.attempts + 1,
+                        worker_id=worker,
+                        lease_token=token,
+                        lease_expires_at=self.db_now() + lease_s,
+                    )
+                )
+                data = {"status": "in_progress", "progress": 0, "step": 0}
+                self._event(conn, row["id"], "video.in_progress", data=data)
+                claimed.append({**row, "status": "in_progress", "lease_token": token})
+        return claimed
+
+    def set_video_progress(
+        self, updates: list[tuple[str, str, int, int]], *, lease_s: float
+    ) -> set[str]:
+        """`(id, lease_token, step, progress)` for running videos, in one transaction; extends
+        their leases. Returns the ids whose lease is no longer this claim's (stop working on
+        them: another worker has them, or they ended)."""
+        lost = set()
+        with self._tx() as conn:
+            for video_id, token, step, progress in updates:
+                n = conn.execute(
+                    videos.update()
+                    .where(
+                        videos.c.id == video_id,
+                        videos.c.lease_token == token,
+                        videos.c.status == "in_progress",
+                    )
+                    .values(step=step, progress=progress, lease_expires_at=self.db_now() + lease_s)
+                ).rowcount
+                if not n:
+                    lost.add(video_id)
+                    continue
+                data = {"status": "in_progress", "progress": progress, "step": step}
+                self._event(conn, video_id, "video.progress", data=data)
+        return lost
+
+    def finish_video(
+        self, video_id: str, token: str, status: str, *, expires_at=None, error=None
+    ) -> str | None:
+        """in_progress -> completed | failed | cancelled under claim `token`. A pending cancel
+        wins over completion. Returns the status written, or None when the claim is no longer
+        this one (the outcome belongs to whoever holds the job now)."""
         code, message = error if error else (None, None)
-        with self._tx() as c:
-            row = c.execute(
-                "SELECT status, cancel_requested, progress, step FROM videos WHERE id = ?",
-                (video_id,),
-            ).fetchone()
-            if row is None or row["status"] != "in_progress":
-                return False
+        with self._tx() as conn:
+            row = self._locked(conn, videos, video_id)
+            if row is None or row["status"] != "in_progress" or row["lease_token"] != token:
+                return None
             if row["cancel_requested"] and status == "completed":
                 status, expires_at = "cancelled", None
             progress = 100 if status == "completed" else row["progress"]
-            c.execute(
-                "UPDATE videos SET status = ?, progress = ?, completed_at = ?, expires_at = ?, error_code = ?, "
-                "error_message = ? WHERE id = ?",
-                (status, progress, now(), expires_at, code, message, video_id),
+            conn.execute(
+                videos.update()
+                .where(videos.c.id == video_id)
+                .values(
+                    status=status,
+                    progress=progress,
+                    completed_at=now(),
+                    expires_at=expires_at,
+                    error_code=code,
+                    error_message=message,
+                    lease_expires_at=None,
+                )
             )
             data = {"status": status, "progress": progress, "step": row["step"]}
             if error:
                 data["error"] = {"code": code, "message": message}
-            self._event(
-                c,
-                video_id,
-                f"video.{status}",
-                message or "",
-                data,
-                level="error" if error else "info",
-            )
-        return status == "completed"
-
-    def cancel_video(self, video_id: str) -> str | None:
-        """Cancel a queued video now, or flag a running one for the worker. Returns the status after."""
-        with self._tx() as c:
-            row = c.execute("SELECT status FROM videos WHERE id = ?", (video_id,)).fetchone()
-            if row is None:
-                return None
-            if row["status"] == "queued":
-                c.execute(
-                    "UPDATE videos SET status = 'cancelled', completed_at = ? WHERE id = ?",
-                    (now(), video_id),
-                )
-                self._event(
-                    c,
-                    video_id,
-                    "video.cancelled",
-                    data={"status": "cancelled", "progress": 0, "step": 0},
-                )
-                return "cancelled"
-            if row["status"] == "in_progress":
-                c.execute("UPDATE videos SET cancel_requested = 1 WHERE id = ?", (video_id,))
-            return row["status"]
+            level = "error" if error else "info"
+            self._event(conn, video_id, f"video.{status}", message or "", data, level=level)
+        return status
 
     def cancel_requested_videos(self, ids: list[str]) -> set[str]:
         if not ids:
             return set()
-        marks = ",".join("?" * len(ids))
-        return {
-            r["id"]
-            for r in self._all(
-                f"SELECT id FROM videos WHERE cancel_requested = 1 AND id IN ({marks})", tuple(ids)
+        stmt = sa.select(videos.c.id).where(videos.c.cancel_requested == 1, videos.c.id.in_(ids))
+        return {r["id"] for r in self._all(stmt)}
+
+    def requeue_videos(self, claims: list[tuple[str, str]], reason: str) -> None:
+        """`(id, lease_token)` claims back to the queue (a graceful stop): each runs again from
+        noise, on whichever worker claims it next."""
+        if not claims:
+            return
+        with self._tx() as conn:
+            held = sa.or_(
+                *(sa.and_(videos.c.id == i, videos.c.lease_token == t) for i, t in claims)
             )
-        }
+            self._requeue_videos(conn, held, reason)
 
-    def requeue_videos(self, ids: list[str], reason: str) -> None:
-        """in_progress -> queued (a graceful shutdown): the job runs again from noise next time."""
-        with self._tx() as c:
-            for video_id in ids:
-                n = c.execute(
-                    "UPDATE videos SET status = 'queued', progress = 0, step = 0 "
-                    "WHERE id = ? AND status = 'in_progress'",
-                    (video_id,),
-                ).rowcount
-                if n:
-                    self._event(
-                        c,
-                        video_id,
-                        "video.queued",
-                        reason,
-                        {"status": "queued", "progress": 0, "step": 0},
-                    )
-
-    def delete_video(self, video_id: str) -> bool:
-        with self._tx() as c:
-            n = c.execute(
-                "DELETE FROM videos WHERE id = ? AND status IN ('completed', 'failed', 'cancelled')",
-                (video_id,),
-            ).rowcount
-            if n:
-                c.execute("DELETE FROM events WHERE job_id = ?", (video_id,))
-        return n > 0
-
-    def expired_videos(self) -> list[str]:
-        return [
-            r["id"]
-            for r in self._all(
-                "SELECT id FROM videos WHERE expires_at IS NOT NULL AND expires_at < ?", (now(),)
-            )
-        ]
-
-    def file_ids(self) -> set[str]:
-        return {r["id"] for r in self._all("SELECT id FROM files")}
-
-    def events_after(self, job_id: str, after_seq: int, limit: int = 100) -> list[dict]:
-        """A job's events in order, starting after `after_seq` (for SSE and its Last-Event-ID)."""
-        return self._all(
-            "SELECT * FROM events WHERE job_id = ? AND seq > ? ORDER BY seq LIMIT ?",
-            (job_id, after_seq, limit),
-        )
-
-    # -----------------------------------------------------------------------------------------
-    # files
+    # --- files -------------------------------------------------------------------------------
 
     def insert_file(self, row: dict, idempotency=None) -> dict:
-        with self._tx() as c:
-            c.execute(
-                "INSERT INTO files (id, created_at, filename, purpose, bytes, path, clips) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (
-                    row["id"],
-                    now(),
-                    row["filename"],
-                    row["purpose"],
-                    row["bytes"],
-                    row["path"],
-                    row["clips"],
-                ),
-            )
-            self._remember(c, idempotency, row["id"])
+        keys = ("id", "filename", "purpose", "bytes", "path", "clips")
+        with self._tx() as conn:
+            conn.execute(files.insert().values(created_at=now(), **{k: row[k] for k in keys}))
+            self._remember(conn, idempotency, row["id"])
         return self.get_file(row["id"])
 
     def get_file(self, file_id: str) -> dict | None:
-        return self._one("SELECT * FROM files WHERE id = ?", (file_id,))
+        return self._one(sa.select(files).where(files.c.id == file_id))
+
+    def file_ids(self) -> set[str]:
+        return {r["id"] for r in self._all(sa.select(files.c.id))}
 
     def list_files(self, after, limit, order, purpose=None) -> tuple[list[dict], bool]:
-        if purpose:
-            return self._page("files", after, limit, order, "purpose = ?", (purpose,))
-        return self._page("files", after, limit, order)
+        where = [files.c.purpose == purpose] if purpose else []
+        return self._page(files, after, limit, order, *where)
 
     def delete_file(self, file_id: str) -> str:
         """'deleted', 'missing', or 'in_use' when an active fine-tune still reads it."""
-        with self._tx() as c:
-            placeholders = ",".join("?" * len(FINETUNE_ACTIVE))
-            busy = c.execute(
-                f"SELECT 1 FROM fine_tunes WHERE training_file = ? AND status IN ({placeholders})",
-                (file_id, *FINETUNE_ACTIVE),
-            ).fetchone()
+        with self._tx() as conn:
+            busy = conn.execute(
+                sa.select(fine_tunes.c.id)
+                .where(
+                    fine_tunes.c.training_file == file_id,
+                    fine_tunes.c.status.in_(FINETUNE_ACTIVE),
+                )
+                .limit(1)
+            ).first()
             if busy:
                 return "in_use"
-            return (
-                "deleted"
-                if c.execute("DELETE FROM files WHERE id = ?", (file_id,)).rowcount
-                else "missing"
-            )
+            n = conn.execute(files.delete().where(files.c.id == file_id)).rowcount
+            return "deleted" if n else "missing"
 
-    # -----------------------------------------------------------------------------------------
-    # fine-tunes
+    # --- fine-tunes: the API's side ----------------------------------------------------------
 
     def insert_finetune(self, row: dict, idempotency=None) -> dict:
-        with self._tx() as c:
-            c.execute(
-                "INSERT INTO fine_tunes (id, created_at, status, model, training_file, hyperparameters, seed, "
-                "suffix, output_dir) VALUES (?, ?, 'queued', ?, ?, ?, ?, ?, ?)",
-                (
-                    row["id"],
-                    now(),
-                    row["model"],
-                    row["training_file"],
-                    json.dumps(row["hyperparameters"]),
-                    row["seed"],
-                    row["suffix"],
-                    row["output_dir"],
-                ),
+        keys = ("id", "model", "training_file", "seed", "suffix", "output_dir")
+        with self._tx() as conn:
+            conn.execute(
+                fine_tunes.insert().values(
+                    created_at=now(),
+                    status="queued",
+                    hyperparameters=json.dumps(row["hyperparameters"]),
+                    **{k: row[k] for k in keys},
+                )
             )
-            self._event(c, row["id"], "message", f"Created fine-tuning job: {row['id']}")
-            self._remember(c, idempotency, row["id"])
+            self._event(conn, row["id"], "message", f"Created fine-tuning job: {row['id']}")
+            self._remember(conn, idempotency, row["id"])
         return self.get_finetune(row["id"])
 
     def get_finetune(self, job_id: str) -> dict | None:
-        return self._one("SELECT * FROM fine_tunes WHERE id = ?", (job_id,))
+        return self._one(sa.select(fine_tunes).where(fine_tunes.c.id == job_id))
 
     def list_finetunes(self, after, limit, order="desc") -> tuple[list[dict], bool]:
-        return self._page("fine_tunes", after, limit, order)
+        return self._page(fine_tunes, after, limit, order)
 
-    def next_finetune(self) -> dict | None:
-        return self._one("SELECT * FROM fine_tunes WHERE status = 'queued' ORDER BY seq LIMIT 1")
-
-    def start_finetune(self, job_id: str) -> int | None:
-        """queued -> running; returns the attempt number (1 = first run), None if cancelled meanwhile."""
-        with self._tx() as c:
-            n = c.execute(
-                "UPDATE fine_tunes SET status = 'running', attempts = attempts + 1 "
-                "WHERE id = ? AND status = 'queued'",
-                (job_id,),
-            ).rowcount
-            if not n:
+    def cancel_finetune(self, job_id: str) -> str | None:
+        """Cancel a queued job now or flag a running one; returns the status after."""
+        with self._tx() as conn:
+            row = self._locked(conn, fine_tunes, job_id)
+            if row is None:
                 return None
-            return c.execute("SELECT attempts FROM fine_tunes WHERE id = ?", (job_id,)).fetchone()[
-                "attempts"
-            ]
-
-    def finetune_progress(
-        self, job_id: str, step: int, total_steps: int, metrics: dict | None
-    ) -> None:
-        with self._tx() as c:
-            c.execute(
-                "UPDATE fine_tunes SET step = ?, total_steps = ? WHERE id = ?",
-                (step, total_steps, job_id),
-            )
-            if metrics is not None:
-                self._event(
-                    c,
-                    job_id,
-                    "metrics",
-                    f"Step {step}/{total_steps}: training loss={metrics['loss']:.4f}",
-                    metrics,
+            if row["status"] == "queued":
+                conn.execute(
+                    fine_tunes.update()
+                    .where(fine_tunes.c.id == job_id)
+                    .values(status="cancelled", finished_at=now())
                 )
-
-    def add_event(
-        self, job_id: str, message: str, type_: str = "message", data=None, level="info"
-    ) -> None:
-        with self._tx() as c:
-            self._event(c, job_id, type_, message, data, level)
+                self._event(conn, job_id, "message", "The job was cancelled")
+                return "cancelled"
+            if row["status"] == "running":
+                conn.execute(
+                    fine_tunes.update().where(fine_tunes.c.id == job_id).values(cancel_requested=1)
+                )
+            return row["status"]
 
     def finetune_events(
         self, job_id: str, after: str | None, limit: int
     ) -> tuple[list[dict], bool]:
         """Newest first, as the OpenAI API pages them; `after` is an event id (`ftevent-<seq>`)."""
-        where, args = "job_id = ?", (job_id,)
+        stmt = sa.select(events).where(events.c.job_id == job_id)
         if after is not None:
-            where += " AND seq < ?"
-            args = (*args, int(after.removeprefix("ftevent-")))
-        rows = self._all(
-            f"SELECT * FROM events WHERE {where} ORDER BY seq DESC LIMIT ?", (*args, limit + 1)
-        )
+            stmt = stmt.where(events.c.seq < int(after.removeprefix("ftevent-")))
+        rows = self._all(stmt.order_by(events.c.seq.desc()).limit(limit + 1))
         return rows[:limit], len(rows) > limit
 
-    def finish_finetune(
-        self, job_id: str, status: str, *, error=None, model: dict | None = None
+    def checkpoints(self, job_id: str, after: str | None, limit: int) -> tuple[list[dict], bool]:
+        return self._page(checkpoints, after, limit, "desc", checkpoints.c.job_id == job_id)
+
+    def models(self) -> list[dict]:
+        """Fine-tuned models, in the order they were made."""
+        return self._all(sa.select(models).order_by(models.c.seq))
+
+    # --- fine-tunes: a worker's side ---------------------------------------------------------
+
+    def claim_finetune(self, worker: str, served: list[str], *, lease_s: float) -> dict | None:
+        """Claim the oldest queued fine-tune of a `served` model: the row, running, with its
+        `lease_token` and `attempts` (1 = a first run, more = resume from a checkpoint)."""
+        if not served:
+            return None
+        stmt = (
+            sa.select(fine_tunes)
+            .where(fine_tunes.c.status == "queued", fine_tunes.c.model.in_(served))
+            .order_by(fine_tunes.c.seq)
+            .limit(1)
+            .with_for_update(skip_locked=True)
+        )
+        with self._tx() as conn:
+            row = conn.execute(stmt).mappings().first()
+            if row is None:
+                return None
+            token = new_token()
+            conn.execute(
+                fine_tunes.update()
+                .where(fine_tunes.c.id == row["id"])
+                .values(
+                    status="running",
+                    attempts=fine_tunes.c.attempts + 1,
+                    worker_id=worker,
+                    lease_token=token,
+                    lease_expires_at=self.db_now() + lease_s,
+                )
+            )
+        return {**row, "status": "running", "attempts": row["attempts"] + 1, "lease_token": token}
+
+    def _holds_finetune(self, conn: sa.Connection, job_id: str, token: str) -> bool:
+        """Whether claim `token` still runs `job_id`; locks the row for this transaction."""
+        row = self._locked(conn, fine_tunes, job_id)
+        return row is not None and row["status"] == "running" and row["lease_token"] == token
+
+    def finetune_progress(
+        self,
+        job_id: str,
+        token: str,
+        step: int,
+        total_steps: int,
+        metrics: dict | None,
+        *,
+        lease_s: float,
     ) -> bool:
-        """running -> succeeded | failed | cancelled; a success registers its model in the same transaction."""
-        code, message = error if error else (None, None)
-        with self._tx() as c:
-            n = c.execute(
-                "UPDATE fine_tunes SET status = ?, finished_at = ?, error_code = ?, error_message = ?, "
-                "fine_tuned_model = ? WHERE id = ? AND status IN ('queued', 'running')",
-                (status, now(), code, message, model["name"] if model else None, job_id),
-            ).rowcount
-            if not n:
+        """Record a fine-tune's step (and its metrics as an event); extends the lease. False
+        when the claim is no longer this one."""
+        with self._tx() as conn:
+            if not self._holds_finetune(conn, job_id, token):
                 return False
+            conn.execute(
+                fine_tunes.update()
+                .where(fine_tunes.c.id == job_id)
+                .values(
+                    step=step, total_steps=total_steps, lease_expires_at=self.db_now() + lease_s
+                )
+            )
+            if metrics is not None:
+                message = f"Step {step}/{total_steps}: training loss={metrics['loss']:.4f}"
+                self._event(conn, job_id, "metrics", message, metrics)
+        return True
+
+    def add_event(
+        self,
+        job_id: str,
+        message: str,
+        type_: str = "message",
+        data=None,
+        level="info",
+        *,
+        token: str | None = None,
+    ) -> bool:
+        """Append an event to a fine-tune; with `token`, only while that claim runs it."""
+        with self._tx() as conn:
+            if token is not None and not self._holds_finetune(conn, job_id, token):
+                return False
+            if token is None:
+                self._locked(conn, fine_tunes, job_id)  # orders it after the job's other events
+            self._event(conn, job_id, type_, message, data, level)
+        return True
+
+    def add_checkpoint(
+        self,
+        checkpoint_id: str,
+        job_id: str,
+        token: str,
+        step: int,
+        path: str,
+        metrics: dict | None,
+    ) -> bool:
+        with self._tx() as conn:
+            if not self._holds_finetune(conn, job_id, token):
+                return False
+            self._insert_ignore(
+                conn,
+                checkpoints,
+                id=checkpoint_id,
+                job_id=job_id,
+                created_at=now(),
+                step=step,
+                path=path,
+                metrics=json.dumps(metrics) if metrics else None,
+            )
+        return True
+
+    def finetune_cancel_requested(self, job_id: str) -> bool:
+        row = self._one(sa.select(fine_tunes.c.cancel_requested).where(fine_tunes.c.id == job_id))
+        return bool(row and row["cancel_requested"])
+
+    def finish_finetune(
+        self, job_id: str, token: str, status: str, *, error=None, model: dict | None = None
+    ) -> bool:
+        """running -> succeeded | failed | cancelled under claim `token`; a success registers
+        its model in the same transaction. False when the claim is no longer this one."""
+        code, message = error if error else (None, None)
+        with self._tx() as conn:
+            if not self._holds_finetune(conn, job_id, token):
+                return False
+            conn.execute(
+                fine_tunes.update()
+                .where(fine_tunes.c.id == job_id)
+                .values(
+                    status=status,
+                    finished_at=now(),
+                    error_code=code,
+                    error_message=message,
+                    fine_tuned_model=model["name"] if model else None,
+                    lease_expires_at=None,
+                )
+            )
             if model is not None:
-                c.execute(
-                    "INSERT INTO models (name, parent, path, job_id, created_at) VALUES (?, ?, ?, ?, ?)",
-                    (model["name"], model["parent"], model["path"], job_id, now()),
+                conn.execute(
+                    models.insert().values(
+                        name=model["name"],
+                        parent=model["parent"],
+                        path=model["path"],
+                        job_id=job_id,
+                        created_at=now(),
+                    )
                 )
             text = {
                 "succeeded": "The job has successfully completed",
                 "cancelled": "The job was cancelled",
             }
-            self._event(
-                c,
-                job_id,
-                "message",
-                message or text.get(status, status),
-                level="error" if error else "info",
-            )
+            level = "error" if error else "info"
+            self._event(conn, job_id, "message", message or text.get(status, status), level=level)
         return True
 
-    def cancel_finetune(self, job_id: str) -> str | None:
-        """Cancel a queued job now or flag a running one; returns the status after."""
-        with self._tx() as c:
-            row = c.execute("SELECT status FROM fine_tunes WHERE id = ?", (job_id,)).fetchone()
-            if row is None:
-                return None
-            if row["status"] == "queued":
-                c.execute(
-                    "UPDATE fine_tunes SET status = 'cancelled', finished_at = ? WHERE id = ?",
-                    (now(), job_id),
-                )
-                self._event(c, job_id, "message", "The job was cancelled")
-                return "cancelled"
-            if row["status"] == "running":
-                c.execute("UPDATE fine_tunes SET cancel_requested = 1 WHERE id = ?", (job_id,))
-            return row["status"]
-
-    def finetune_cancel_requested(self, job_id: str) -> bool:
-        row = self._one("SELECT cancel_requested FROM fine_tunes WHERE id = ?", (job_id,))
-        return bool(row and row["cancel_requested"])
-
-    def requeue_finetune(self, job_id: str, reason: str) -> None:
-        with self._tx() as c:
-            if c.execute(
-                "UPDATE fine_tunes SET status = 'queued' WHERE id = ? AND status = 'running'",
-                (job_id,),
-            ).rowcount:
-                self._event(c, job_id, "message", reason)
-
-    def add_checkpoint(
-        self, checkpoint_id: str, job_id: str, step: int, path: str, metrics: dict | None
-    ) -> None:
-        with self._tx() as c:
-            c.execute(
-                "INSERT OR IGNORE INTO checkpoints (id, job_id, created_at, step, path, metrics) "
-                "VALUES (?, ?, ?, ?, ?, ?)",
-                (
-                    checkpoint_id,
-                    job_id,
-                    now(),
-                    step,
-                    path,
-                    json.dumps(metrics) if metrics else None,
-                ),
-            )
-
-    def checkpoints(self, job_id: str, after: str | None, limit: int) -> tuple[list[dict], bool]:
-        return self._page("checkpoints", after, limit, "desc", "job_id = ?", (job_id,))
-
-    # -----------------------------------------------------------------------------------------
-    # fine-tuned models
-
-    def models(self) -> list[dict]:
-        return self._all("SELECT * FROM models ORDER BY seq")
+    def requeue_finetune(self, job_id: str, token: str, reason: str) -> None:
+        """A graceful stop: the fine-tune returns to the queue, to resume from its checkpoint."""
+        with self._tx() as conn:
+            held = sa.and_(fine_tunes.c.id == job_id, fine_tunes.c.lease_token == token)
+            self._requeue_finetunes(conn, held, reason)
 
 
 class AsyncStore:
@@ -699,3 +929,14 @@ class AsyncStore:
             return await anyio.to_thread.run_sync(functools.partial(method, *args, **kwargs))
 
         return call
+
+
+__all__ = [
+    "AsyncStore",
+    "JobStore",
+    "WorkerNameInUse",
+    "database_url",
+    "migrate",
+    "new_token",
+    "now",
+]

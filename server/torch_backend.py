@@ -60,6 +60,10 @@ class TorchBackend(Backend):
             parent=parent,
         )
 
+    @property
+    def device_name(self) -> str:
+        return str(self.device)
+
     # --- models ------------------------------------------------------------------------------
 
     def cards(self) -> list[ModelCard]:
@@ -82,12 +86,7 @@ class TorchBackend(Backend):
     # --- fine-tuning -------------------------------------------------------------------------
 
     def check_dataset(self, root: Path) -> int:
-        from megaslide.engine.data import DatasetError, validate_dataset
-
-        try:
-            return len(validate_dataset(root))
-        except DatasetError as e:
-            raise ValueError(str(e)) from None
+        return check_dataset(root)
 
     def trainer(self, job: FinetuneJob) -> TrainingRun:
         config = FinetuneConfig(
@@ -131,3 +130,13 @@ class TorchBackend(Backend):
         if self.device.type == "cuda":
             # Cached blocks from the failed pass would otherwise look like a leak to the next job.
             torch.cuda.empty_cache()
+
+
+def check_dataset(root: Path) -> int:
+    """An unpacked training set's clip count, or ValueError naming what is wrong with it."""
+    from megaslide.engine.data import DatasetError, validate_dataset
+
+    try:
+        return len(validate_dataset(root))
+    except DatasetError as e:
+        raise ValueError(str(e)) from None

@@ -1,19 +1,30 @@
-"""The worker: one thread that owns the models, pulls jobs from the store and runs them step by step.
+"""A worker: one thread that owns one device's models, claims jobs from the store and runs them step
+by step. `megaslide serve` runs one inside the API's process (`EmbeddedWorker`); `megaslide worker`
+runs one per device on any host that reaches the store (`run_worker`).
 
 Scheduling happens at denoising-step boundaries. At each boundary the worker
 
-1. drops running videos whose cancellation was requested (the model never runs another step for them);
-2. admits queued videos into the running batch: jobs with the same batch key (model, frames, size,
+1. drops running videos whose cancellation was requested (the model never runs another step for
+   them), wherever the DELETE arrived;
+2. claims queued videos into the running batch: jobs with the same batch key (model, frames, size,
    steps) share one forward pass per step, so a new request joins a running batch at the next step
-   instead of waiting for it to finish. Admission follows the queue order (priority, then arrival) and
-   stops at the first job that cannot join, so batching never lets a job overtake an earlier one;
-3. runs one batched denoising step, records progress, and hands finished clips to the encoder thread;
+   instead of waiting for it to finish. Claims follow the queue order (priority, then arrival) and
+   stop at the first job that cannot join, so batching never lets a job overtake an earlier one;
+3. runs one batched denoising step, records progress (which renews the jobs' leases), and hands
+   finished clips to the encoder thread;
 4. only when no video is queued or running, runs one fine-tuning step. A running fine-tune thus
    yields to videos at its next step boundary and continues where it stopped once they are done.
+
+Only jobs for models this worker serves are claimed: its base models and the fine-tunes of them.
 
 Every job runs inside its own try/except: an exception (CUDA out of memory included) fails that job
 with its message, and the next boundary proceeds as usual. Only an error outside any job kills the
 worker, which `/healthz` then reports.
+
+A second thread sends the heartbeat: it proves the worker alive in the registry, publishes its
+metrics, and extends the leases of the jobs it holds. When a write comes back refused (the lease
+went to another worker while this one was silent), the job is dropped here without a trace: its
+outcome belongs to the new holder.
 
 The models sit behind the `Backend` it is given (backend.py), so this module, like the routers,
 never imports torch. A stored request (`engine.request.ResolvedVideo`) goes to the model as stored.
@@ -22,9 +33,11 @@ never imports torch. A stored request (`engine.request.ResolvedVideo`) goes to t
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import json
 import logging
-import math
+import os
+import socket
 import threading
 import time
 from collections import OrderedDict
@@ -32,35 +45,32 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from megaslide.engine.request import ResolvedVideo
+from megaslide.engine.request import RequestError, ResolvedVideo
 
 from .backend import Backend, FinetuneJob, TrainingRun, VideoModel
 from .datadir import DataDir
 from .metrics import Registry
-from .protocol import ModelCard, WorkerClient
+from .protocol import ModelCard, card_to_dict
 from .settings import Settings
-from .store import JobStore, now
+from .store import JobStore, WorkerNameInUse, new_token, now
+from .workers import Fleet, fine_tuned_card
 
 log = logging.getLogger("megaslide.server")
 
 IDLE_WAIT_S = 0.5  # how long an idle worker sleeps before looking at the store again if not woken
-MAX_LOADED_FINE_TUNES = (
-    2  # fine-tuned models kept loaded beside the base models (least recently used go)
-)
+MAX_LOADED_FINE_TUNES = 2  # fine-tuned models kept loaded beside the base ones (LRU)
 DENOISE_SHARE = 90  # progress points for denoising; decoding and encoding the MP4 take the rest
 DECODED_PROGRESS = 95  # clip decoded, MP4 being written; 100 only once the file is in place
 HOUSEKEEPING_INTERVAL_S = 600.0  # how often an idle worker deletes expired outputs
-
-
-# ---------------------------------------------------------------------------------------------
-# The worker client that owns the worker thread
+RECOVERY_INTERVAL_S = 1.0  # how often a worker requeues jobs whose leases expired
 
 
 @dataclass
 class _Running:
-    """A video in the running batch."""
+    """A video in the running batch, under the claim `token`."""
 
     id: str
+    token: str
     video: ResolvedVideo
     state: Any
     started: float
@@ -71,138 +81,186 @@ class _Tuning:
     """The fine-tune the worker is driving (kept in memory while it yields to videos)."""
 
     id: str
+    token: str
     trainer: TrainingRun
     parent: str
     suffix: str
-    output_dir: Path
     paused: bool = False
     known_checkpoints: set = field(default_factory=set)
 
 
-class EmbeddedWorker(WorkerClient):
-    """Runs every job in one worker thread of this process, on the models `backend` provides."""
+class LostLease(Exception):
+    """The store refused a write: another worker holds the job now."""
 
-    def __init__(self, settings: Settings, backend: Backend):
-        self.settings = settings
-        self.backend = backend
-        self.data = DataDir(settings.data_dir)
-        self.store: JobStore | None = None
-        self._metrics = Registry()
-        self._cards: dict[str, ModelCard] = {}
-        self._ft_cards: dict[str, ModelCard] = {}
+
+def default_name(device: str) -> str:
+    """One worker per device slot of a host: a restart under the same name takes its jobs back."""
+    return f"{socket.gethostname()}/{device}"
+
+
+# (database, name) of the workers running in this process: a second one of a name on one store is
+# refused here, whatever the registry's heartbeat says.
+_RUNNING_HERE: set[tuple[str, str]] = set()
+_RUNNING_LOCK = threading.Lock()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process: alive
+    return True
+
+
+class Worker:
+    """Runs the jobs of one job store on the models of one backend (one device)."""
+
+    def __init__(self, settings: Settings, backend: Backend, store: JobStore, name: str):
+        self.settings, self.backend, self.store, self.name = settings, backend, store, name
+        self.data = DataDir(settings.storage_dir)
+        self.token = new_token()
+        self.metrics = Registry()
+        self.cards = {card.name: card for card in backend.cards()}
+        self.ready = False
+        self.dead: str | None = None
+        self.stop = threading.Event()
+        self.wake = threading.Event()
         self._loaded: dict[str, VideoModel] = {}
         self._loaded_ft: OrderedDict[str, VideoModel] = OrderedDict()
-        self._ready = False
-        self._dead: str | None = None
-        self._stop = threading.Event()
-        self._wake = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._encoder: concurrent.futures.ThreadPoolExecutor | None = None
-        self._batch: list[_Running] = []
-        self._tuning: _Tuning | None = None
-        self._last_housekeeping = time.monotonic()  # start-up already cleaned (app.housekeeping)
-
-    # --- WorkerClient ------------------------------------------------------------------------
-
-    async def start(self, store: JobStore) -> None:
-        self.store = store
-        # A worker can start again after a shutdown (an app's lifespan run twice): fresh signals,
-        # and not ready until its thread has loaded the models again.
-        self._stop, self._wake = threading.Event(), threading.Event()
-        self._ready, self._dead = False, None
-        self._cards = {card.name: card for card in self.backend.cards()}
-        # One encoder thread: MP4 writing overlaps the next denoising steps instead of delaying them.
+        self._ft_cards: dict[str, ModelCard] = {}
         self._encoder = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="megaslide-encode"
+        )  # MP4 writing overlaps the next denoising steps instead of delaying them
+        self._heartbeat: threading.Thread | None = None
+        self._batch: list[_Running] = []
+        self._tuning: _Tuning | None = None
+        self._last_housekeeping = time.monotonic()
+        self._last_recovery = -RECOVERY_INTERVAL_S
+
+    # --- life cycle --------------------------------------------------------------------------
+
+    def register(self) -> None:
+        """Enter the registry; jobs a previous incarnation of this name held come back now.
+
+        A live worker of the same name is refused (`WorkerNameInUse`): one on another host that
+        was heard from within the lease, or a process of this host that still runs.
+        """
+        row = self.store.worker(self.name)
+        if row is not None and row["age_s"] < self.settings.lease_s:
+            if row["host"] != socket.gethostname() or (
+                row["pid"] != os.getpid() and _alive(row["pid"])
+            ):
+                raise WorkerNameInUse(
+                    f"a worker named {self.name!r} is already running (pid {row['pid']} on "
+                    f"{row['host']}); give this one another name"
+                )
+        with _RUNNING_LOCK:
+            if (self.store.url, self.name) in _RUNNING_HERE:
+                raise WorkerNameInUse(f"a worker named {self.name!r} already runs in this process")
+            _RUNNING_HERE.add((self.store.url, self.name))
+        requeued = self.store.register_worker(
+            self.name,
+            self.token,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            device=self.backend.device_name,
+            capacity=self.settings.max_batch,
+            cards=[card_to_dict(c) for c in self.cards.values()],
         )
-        self._thread = threading.Thread(target=self._main, name="megaslide-worker", daemon=True)
-        self._thread.start()
+        if any(requeued.values()):
+            log.warning("worker %s took back what its last run held: %s", self.name, requeued)
+        self._heartbeat = threading.Thread(
+            target=self._beat, name="megaslide-heartbeat", daemon=True
+        )
+        self._heartbeat.start()
 
-    async def shutdown(self) -> None:
-        import anyio
-
-        self._stop.set()
-        self._wake.set()
-        if self._thread is not None:
-            await anyio.to_thread.run_sync(self._thread.join)
-        if self._encoder is not None:
-            await anyio.to_thread.run_sync(lambda: self._encoder.shutdown(wait=True))
-
-    @property
-    def ready(self) -> bool:
-        return self._ready and self._dead is None
-
-    @property
-    def dead(self) -> str | None:
-        return self._dead
-
-    @property
-    def metrics(self) -> Registry:
-        return self._metrics
-
-    def models(self) -> list[ModelCard]:
-        out = list(self._cards.values())
-        for row in self.store.models() if self.store is not None else []:
-            card = self._ft_cards.get(row["name"])
-            parent = self._cards.get(row["parent"]) or self._ft_cards.get(row["parent"])
-            if card is None and parent is not None:
-                card = self.backend.fine_tuned_card(row["name"], parent, Path(row["path"]))
-                card = card.replace(created=row["created_at"])
-                self._ft_cards[row["name"]] = card
-            if card is not None:
-                out.append(card)
-        return out
-
-    def check_dataset(self, root: Path) -> int:
-        return self.backend.check_dataset(root)
-
-    def wake(self) -> None:
-        self._wake.set()
-
-    def retry_after(self) -> int:
-        # One video's wall time is how long the head of the queue waits for a slot at worst-typical.
-        mean = self._metrics.video_seconds.mean
-        return max(1, math.ceil(mean)) if mean else 5
-
-    # --- the worker thread -------------------------------------------------------------------
-
-    def _main(self) -> None:
+    def run(self) -> None:
+        """Load the models, then run jobs until `stop` is set; parks unfinished work on the way
+        out. Errors outside any job end the loop and are kept in `dead`."""
         try:
-            for name, card in self._cards.items():
+            for name, card in self.cards.items():
                 log.info("loading model %s (%s)", name, card.source)
                 self._loaded[name] = self.backend.load(card)
-            self._ready = True
-            log.info("worker ready: %s", ", ".join(self._cards))
-            while not self._stop.is_set():
+            self.ready = True
+            self._send_heartbeat()
+            log.info("worker %s ready: %s", self.name, ", ".join(self.cards))
+            while not self.stop.is_set():
                 if not self._tick():
                     self._housekeeping()
-                    self._wake.wait(IDLE_WAIT_S)
-                    self._wake.clear()
+                    self.wake.wait(IDLE_WAIT_S)
+                    self.wake.clear()
             self._park()
         except BaseException as exc:  # noqa: BLE001 - anything here is outside a job: the worker is dead
-            self._dead = f"{type(exc).__name__}: {exc}"
+            self.dead = f"{type(exc).__name__}: {exc}"
             log.exception("worker died")
-            try:  # nothing may show as running without a live worker: back to the queue for a restart
+            try:  # nothing may show as running without a live worker: back to the queue
                 self._park()
-            except Exception:  # noqa: BLE001 - the start-up reconciliation will do it instead
+            except Exception:  # noqa: BLE001 - their leases expire instead
                 log.exception("could not requeue the running jobs")
+            self._send_heartbeat()
+
+    def close(self) -> None:
+        """Leave the registry (after `run` returned)."""
+        self.stop.set()
+        self._encoder.shutdown(wait=True)
+        if self._heartbeat is not None:
+            self._heartbeat.join()
+        self.store.deregister_worker(self.name, self.token)
+        with _RUNNING_LOCK:
+            _RUNNING_HERE.discard((self.store.url, self.name))
+
+    def _beat(self) -> None:
+        while not self.stop.wait(self.settings.heartbeat_s):
+            try:
+                self._send_heartbeat()
+            except Exception:  # noqa: BLE001 - the store may be back at the next beat
+                log.exception("heartbeat failed")
+
+    def _send_heartbeat(self) -> None:
+        alive = self.store.heartbeat(
+            self.name,
+            self.token,
+            lease_s=self.settings.lease_s,
+            ready=self.ready,
+            dead=self.dead,
+            metrics=self.metrics.snapshot(),
+        )
+        if not alive:
+            log.error("worker %s was registered again elsewhere; stopping", self.name)
+            self.stop.set()
+            self.wake.set()
+
+    # --- the loop ----------------------------------------------------------------------------
 
     def _tick(self) -> bool:
         """One scheduling decision at a step boundary; False when there was nothing to do."""
+        if time.monotonic() - self._last_recovery >= RECOVERY_INTERVAL_S:
+            self._last_recovery = time.monotonic()
+            recovered = self.store.recover_expired()
+            if any(recovered.values()):
+                log.warning("requeued jobs whose workers went silent: %s", recovered)
         self._drop_cancelled()
         # Checked here, not only when it trains: a fine-tune paused for videos is cancelled at once.
         if self._tuning is not None and self.store.finetune_cancel_requested(self._tuning.id):
             self._end_finetune("cancelled")
-        self._admit()
+        self._claim_videos()
         if self._batch:
             if self._tuning is not None and not self._tuning.paused:
                 self._tuning.paused = True
-                self.store.add_event(
-                    self._tuning.id, "Paused at a step boundary: video jobs are waiting"
-                )
+                self._finetune_event("Paused at a step boundary: video jobs are waiting")
             self._step_videos()
             return True
         return self._step_finetune()
+
+    def served(self) -> list[str]:
+        """The model names this worker runs jobs for: its own, and fine-tunes made from them."""
+        names = list(self.cards)
+        for row in self.store.models():
+            if row["parent"] in names:
+                names.append(row["name"])
+        return names
 
     def _housekeeping(self) -> None:
         """When idle, now and then: delete the files of videos whose `expires_at` has passed."""
@@ -212,23 +270,24 @@ class EmbeddedWorker(WorkerClient):
         for video_id in self.store.expired_videos():
             for path in self.data.video_files(video_id):
                 path.unlink(missing_ok=True)
+        self.store.forget_idempotency_keys()
 
     def _park(self) -> None:
-        """Graceful stop: running videos go back to the queue, a running fine-tune checkpoints first."""
-        self.store.requeue_videos(
-            [r.id for r in self._batch], "requeued: the server shut down while it ran"
-        )
+        """Graceful stop: running videos go back to the queue, a running fine-tune checkpoints
+        first. Whichever worker claims them next carries on."""
+        claims = [(r.id, r.token) for r in self._batch]
+        self.store.requeue_videos(claims, f"requeued: worker {self.name} stopped while it ran")
         self._batch = []
         if self._tuning is not None:
             t, self._tuning = self._tuning, None
             try:
                 path = t.trainer.save_checkpoint()
                 self._record_checkpoints(t)
-                reason = f"requeued: the server shut down; will resume from {Path(path).name}"
+                reason = f"requeued: worker {self.name} stopped; will resume from {Path(path).name}"
             except Exception as exc:  # noqa: BLE001 - the last automatic checkpoint still stands
-                reason = f"requeued: the server shut down; checkpoint on shutdown failed ({exc})"
+                reason = f"requeued: worker {self.name} stopped; checkpoint on stop failed ({exc})"
             t.trainer.close()
-            self.store.requeue_finetune(t.id, reason)
+            self.store.requeue_finetune(t.id, t.token, reason)
 
     # --- videos ------------------------------------------------------------------------------
 
@@ -236,28 +295,53 @@ class EmbeddedWorker(WorkerClient):
         cancelled = self.store.cancel_requested_videos([r.id for r in self._batch])
         for run in [r for r in self._batch if r.id in cancelled]:
             self._batch.remove(run)
-            self.store.finish_video(run.id, "cancelled")
-            self._metrics.jobs_finished.inc(kind="video", status="cancelled")
+            if self.store.finish_video(run.id, run.token, "cancelled"):
+                self.metrics.jobs_finished.inc(kind="video", status="cancelled")
 
-    def _admit(self) -> None:
+    def _claim_videos(self) -> None:
         room = self.settings.max_batch - len(self._batch)
-        if room <= 0:
-            return
-        key = self._batch[0].video.batch_key if self._batch else None
-        for row in self.store.queued_videos(limit=room):
+        running = self._batch[0].video.batch_key if self._batch else None
+        rows = self.store.claim_videos(
+            self.name,
+            self.served(),
+            room,
+            lambda row: ResolvedVideo.from_dict(json.loads(row["spec"])).batch_key,
+            running,
+            lease_s=self.settings.lease_s,
+        )
+        for row in rows:
             video = ResolvedVideo.from_dict(json.loads(row["spec"]))
-            if key is None:
-                key = video.batch_key
-            elif video.batch_key != key:
-                break  # strict queue order: a later compatible job may not pass this one
-            if not self.store.start_video(row["id"]):
-                continue  # cancelled between the read and now
+            if video.image is not None:  # stored relative to the storage (see the videos router)
+                video = dataclasses.replace(video, image=str(self.data.resolve(video.image)))
             try:
-                state = self._video_model(video.model).prepare(video)
+                model = self._video_model(video.model)
+                self._check(video)
+                state = model.prepare(video)
             except Exception as exc:  # noqa: BLE001 - this job fails, the batch goes on
-                self._fail_video(row["id"], exc)
+                self._fail_video(row["id"], row["lease_token"], exc)
                 continue
-            self._batch.append(_Running(row["id"], video, state, time.perf_counter()))
+            run = _Running(row["id"], row["lease_token"], video, state, time.perf_counter())
+            self._batch.append(run)
+
+    def _check(self, video: ResolvedVideo) -> None:
+        """The model's own rules, once more: an API host may have checked the request against
+        published numbers only (see `protocol.card_from_dict`)."""
+        limits = self._card(video.model).limits
+        limits.check_clip(video.frames, video.width, video.height)
+        limits.check_prompt(video.prompt, "prompt")
+        limits.check_prompt(video.negative_prompt, "negative_prompt")
+
+    def _card(self, name: str) -> ModelCard:
+        if name in self.cards:
+            return self.cards[name]
+        if name not in self._ft_cards:
+            row = next((r for r in self.store.models() if r["name"] == name), None)
+            if row is None or row["parent"] not in self.cards:
+                raise ValueError(f"model {name!r} is not served by worker {self.name}")
+            parent = self.cards[row["parent"]]
+            card = fine_tuned_card({**row, "path": str(self.data.resolve(row["path"]))}, parent)
+            self._ft_cards[name] = self.backend.fine_tuned_card(name, parent, Path(card.source))
+        return self._ft_cards[name]
 
     def _video_model(self, name: str) -> VideoModel:
         if name in self._loaded:
@@ -265,10 +349,7 @@ class EmbeddedWorker(WorkerClient):
         if name in self._loaded_ft:
             self._loaded_ft.move_to_end(name)
             return self._loaded_ft[name]
-        card = self.model(name)
-        if card is None:
-            raise ValueError(f"model {name!r} is no longer served")
-        model = self.backend.load(card)
+        model = self.backend.load(self._card(name))
         self._loaded_ft[name] = model
         while len(self._loaded_ft) > MAX_LOADED_FINE_TUNES:
             self._loaded_ft.popitem(last=False)
@@ -281,11 +362,13 @@ class EmbeddedWorker(WorkerClient):
             transfers = model.denoise_step([r.state for r in self._batch])
             advanced, passes = list(self._batch), 1
         except Exception as exc:  # noqa: BLE001
-            # The batched pass raised before any state moved (the update follows the forward pass), so
-            # each job is retried alone: one bad or oversized job fails without taking the others along.
+            # The batched pass raised before any state moved (the update follows the forward
+            # pass), so each job is retried alone: one bad or oversized job fails without taking
+            # the others along.
             self.backend.release_memory()
             if len(self._batch) == 1:
-                self._fail_video(self._batch.pop().id, exc)
+                run = self._batch.pop()
+                self._fail_video(run.id, run.token, exc)
                 return
             transfers, advanced, passes = {}, [], len(self._batch)
             for run in list(self._batch):
@@ -295,37 +378,38 @@ class EmbeddedWorker(WorkerClient):
                 except Exception as single_exc:  # noqa: BLE001
                     self.backend.release_memory()
                     self._batch.remove(run)
-                    self._fail_video(run.id, single_exc)
+                    self._fail_video(run.id, run.token, single_exc)
         if not advanced:
             return
         elapsed = time.perf_counter() - start
-        self._metrics.passes.inc(passes)
-        self._metrics.steps.inc(len(advanced))
-        self._metrics.step_seconds.observe(elapsed)
-        self._metrics.batch_size.observe(len(advanced))
-        self._metrics.h2d_bytes.inc(transfers.get("h2d_bytes", 0))
-        self._metrics.d2h_bytes.inc(transfers.get("d2h_bytes", 0))
-        self.store.set_video_progress(
+        self.metrics.passes.inc(passes)
+        self.metrics.steps.inc(len(advanced))
+        self.metrics.step_seconds.observe(elapsed)
+        self.metrics.batch_size.observe(len(advanced))
+        self.metrics.h2d_bytes.inc(transfers.get("h2d_bytes", 0))
+        self.metrics.d2h_bytes.inc(transfers.get("d2h_bytes", 0))
+        lost = self.store.set_video_progress(
             [
-                (r.id, r.state.step, DENOISE_SHARE * r.state.step // r.state.num_steps)
+                (r.id, r.token, r.state.step, DENOISE_SHARE * r.state.step // r.state.num_steps)
                 for r in advanced
-            ]
+            ],
+            lease_s=self.settings.lease_s,
         )
-        for run in [r for r in self._batch if r.state.done]:
+        for run in [r for r in self._batch if r.id in lost or r.state.done]:
             self._batch.remove(run)
-            self._finish_video(model, run)
+            if run.id not in lost:
+                self._finish_video(model, run)
 
     def _finish_video(self, model: VideoModel, run: _Running) -> None:
         try:
-            frames = model.finish(
-                run.state
-            )  # decoding needs the device, so it stays on this thread
+            frames = model.finish(run.state)  # decoding needs the device: it stays on this thread
         except Exception as exc:  # noqa: BLE001
             self.backend.release_memory()
-            self._fail_video(run.id, exc)
+            self._fail_video(run.id, run.token, exc)
             return
-        self.store.set_video_progress([(run.id, run.state.step, DECODED_PROGRESS)])
-        self._encoder.submit(self._encode, run, frames)
+        update = [(run.id, run.token, run.state.step, DECODED_PROGRESS)]
+        if not self.store.set_video_progress(update, lease_s=self.settings.lease_s):
+            self._encoder.submit(self._encode, run, frames)
 
     def _encode(self, run: _Running, frames) -> None:
         """On the encoder thread: write the MP4 and thumbnail, then mark the job completed."""
@@ -333,77 +417,87 @@ class EmbeddedWorker(WorkerClient):
         try:
             self.backend.save_video(frames, run.video.fps, mp4, png)
         except Exception as exc:  # noqa: BLE001
-            self._fail_video(run.id, exc)
+            self._fail_video(run.id, run.token, exc)
             return
         expires_at = now() + self.settings.video_ttl_s
-        if self.store.finish_video(run.id, "completed", expires_at=expires_at):
-            self._metrics.video_seconds.observe(time.perf_counter() - run.started)
-            self._metrics.jobs_finished.inc(kind="video", status="completed")
-        else:  # cancelled while it was being encoded: nobody will fetch the file
-            self._metrics.jobs_finished.inc(kind="video", status="cancelled")
+        status = self.store.finish_video(run.id, run.token, "completed", expires_at=expires_at)
+        if status == "completed":
+            self.metrics.video_seconds.observe(time.perf_counter() - run.started)
+        if status is not None:
+            self.metrics.jobs_finished.inc(kind="video", status=status)
+        if status == "cancelled":  # cancelled while it was being encoded: nobody will fetch it
             for path in (mp4, png):
                 path.unlink(missing_ok=True)
 
-    def _fail_video(self, video_id: str, exc: BaseException) -> None:
+    def _fail_video(self, video_id: str, token: str, exc: BaseException) -> None:
         log.warning("video %s failed: %s: %s", video_id, type(exc).__name__, exc)
-        code = self.backend.error_code(exc) or "generation_failed"
-        self.store.finish_video(video_id, "failed", error=(code, _message(exc)))
-        self._metrics.jobs_finished.inc(kind="video", status="failed")
+        code = _request_code(exc) or self.backend.error_code(exc) or "generation_failed"
+        if self.store.finish_video(video_id, token, "failed", error=(code, _message(exc))):
+            self.metrics.jobs_finished.inc(kind="video", status="failed")
 
     # --- fine-tunes --------------------------------------------------------------------------
 
+    def _finetune_event(self, message: str) -> None:
+        t = self._tuning
+        if not self.store.add_event(t.id, message, token=t.token):
+            raise LostLease(t.id)
+
     def _step_finetune(self) -> bool:
         if self._tuning is None:
-            row = self.store.next_finetune()
+            row = self.store.claim_finetune(self.name, self.served(), lease_s=self.settings.lease_s)
             if row is None:
                 return False
             self._start_finetune(row)
             return True
         t = self._tuning
-        if t.paused:
-            t.paused = False
-            self.store.add_event(t.id, f"Resumed at step {t.trainer.step}")
         try:
+            if t.paused:
+                t.paused = False
+                self._finetune_event(f"Resumed at step {t.trainer.step}")
             # A run resumed from its final checkpoint has no step left to take.
             if t.trainer.step < t.trainer.total_steps:
                 metrics = _plain(t.trainer.train_step())
-                self._metrics.train_steps.inc()
-                self._metrics.h2d_bytes.inc(metrics.get("h2d_bytes") or 0)
-                self._metrics.d2h_bytes.inc(metrics.get("d2h_bytes") or 0)
+                self.metrics.train_steps.inc()
+                self.metrics.h2d_bytes.inc(metrics.get("h2d_bytes") or 0)
+                self.metrics.d2h_bytes.inc(metrics.get("d2h_bytes") or 0)
                 total = t.trainer.total_steps
-                self.store.finetune_progress(
-                    t.id, t.trainer.step, total, {**metrics, "total_steps": total}
-                )
+                if not self.store.finetune_progress(
+                    t.id,
+                    t.token,
+                    t.trainer.step,
+                    total,
+                    {**metrics, "total_steps": total},
+                    lease_s=self.settings.lease_s,
+                ):
+                    raise LostLease(t.id)
                 self._record_checkpoints(t, metrics)
             if t.trainer.step >= t.trainer.total_steps:
                 name = f"ft:{t.parent}:{t.suffix}:{t.id.removeprefix('ftjob-')}"
                 path = t.trainer.export(self.data.fine_tuned_model(t.id))
-                self._end_finetune(
-                    "succeeded", model={"name": name, "parent": t.parent, "path": str(path)}
-                )
+                model = {"name": name, "parent": t.parent, "path": self.data.relative(path)}
+                self._end_finetune("succeeded", model=model)
+        except LostLease:
+            log.warning("fine-tune %s: another worker holds it now; dropping it here", t.id)
+            self._tuning = None
+            t.trainer.close()
         except Exception as exc:  # noqa: BLE001 - the job fails; videos and later jobs go on
             self.backend.release_memory()
-            self._end_finetune(
-                "failed", error=(self.backend.error_code(exc) or "training_failed", _message(exc))
-            )
+            code = self.backend.error_code(exc) or "training_failed"
+            self._end_finetune("failed", error=(code, _message(exc)))
         return True
 
     def _start_finetune(self, row: dict) -> None:
-        attempt = self.store.start_finetune(row["id"])
-        if attempt is None:
-            return
+        token, attempt = row["lease_token"], row["attempts"]
         hyper = json.loads(row["hyperparameters"])
         try:
-            base = self.model(row["model"])
-            if base is None:
-                raise ValueError(f"model {row['model']!r} is no longer served")
+            base = self._card(row["model"])
             file_row = self.store.get_file(row["training_file"])
             if file_row is None:
                 raise ValueError(f"training file {row['training_file']} was deleted")
             job = FinetuneJob(
                 base=base,
-                data_dir=Path(file_row["path"]),
-                output_dir=Path(row["output_dir"]),
+                data_dir=self.data.resolve(file_row["path"]),
+                output_dir=self.data.resolve(row["output_dir"]),
                 epochs=hyper["n_epochs"],
                 batch_size=hyper["batch_size"],
                 learning_rate=self.settings.finetune_lr * hyper["learning_rate_multiplier"],
@@ -418,45 +512,125 @@ class EmbeddedWorker(WorkerClient):
             trainer = self.backend.trainer(job)
         except Exception as exc:  # noqa: BLE001
             code = self.backend.error_code(exc) or "training_failed"
-            self.store.finish_finetune(row["id"], "failed", error=(code, _message(exc)))
-            self._metrics.jobs_finished.inc(kind="fine_tune", status="failed")
+            failed = (code, _message(exc))
+            if self.store.finish_finetune(row["id"], token, "failed", error=failed):
+                self.metrics.jobs_finished.inc(kind="fine_tune", status="failed")
             return
-        self._tuning = _Tuning(
-            row["id"], trainer, row["model"], row["suffix"] or "", Path(row["output_dir"])
-        )
-        self._record_checkpoints(self._tuning)  # those of an earlier attempt, without events
-        verb = f"Resumed at step {trainer.step}" if attempt > 1 else "Fine-tuning job started"
-        self.store.add_event(row["id"], f"{verb} ({trainer.total_steps} steps)")
-        self.store.finetune_progress(row["id"], trainer.step, trainer.total_steps, None)
+        t = _Tuning(row["id"], token, trainer, row["model"], row["suffix"] or "")
+        self._tuning = t
+        try:
+            self._record_checkpoints(t)  # those of an earlier attempt, without events
+            verb = f"Resumed at step {trainer.step}" if attempt > 1 else "Fine-tuning job started"
+            self._finetune_event(f"{verb} ({trainer.total_steps} steps)")
+            if not self.store.finetune_progress(
+                t.id, token, trainer.step, trainer.total_steps, None, lease_s=self.settings.lease_s
+            ):
+                raise LostLease(t.id)
+        except LostLease:
+            self._tuning = None
+            trainer.close()
 
     def _record_checkpoints(self, t: _Tuning, metrics: dict | None = None) -> None:
-        """Store checkpoints the trainer wrote since the last look (with the metrics of their step)."""
+        """Store checkpoints the trainer wrote since the last look (with the metrics of their
+        step)."""
         for ckpt in t.trainer.checkpoints():
-            path = str(ckpt["path"])
+            path = self.data.relative(ckpt["path"])
             if path in t.known_checkpoints:
                 continue
             t.known_checkpoints.add(path)
             summary = {"step": ckpt["step"]}
             if metrics is not None and metrics.get("step") == ckpt["step"]:
                 summary.update(loss=metrics.get("loss"), lr=metrics.get("lr"))
-            self.store.add_checkpoint(
-                f"ftckpt-{t.id.removeprefix('ftjob-')}-{ckpt['step']}",
-                t.id,
-                ckpt["step"],
-                path,
-                summary,
-            )
+            checkpoint_id = f"ftckpt-{t.id.removeprefix('ftjob-')}-{ckpt['step']}"
+            if not self.store.add_checkpoint(
+                checkpoint_id, t.id, t.token, ckpt["step"], path, summary
+            ):
+                raise LostLease(t.id)
             if metrics is not None:
-                self.store.add_event(t.id, f"Checkpoint saved at step {ckpt['step']}")
+                self._finetune_event(f"Checkpoint saved at step {ckpt['step']}")
 
     def _end_finetune(self, status: str, error=None, model: dict | None = None) -> None:
-        """Close the trainer and record the outcome; a success registers its model in the same write."""
+        """Close the trainer and record the outcome; a success registers its model in the same
+        write."""
         t, self._tuning = self._tuning, None
         try:
             t.trainer.close()
         finally:
-            self.store.finish_finetune(t.id, status, error=error, model=model)
-            self._metrics.jobs_finished.inc(kind="fine_tune", status=status)
+            if self.store.finish_finetune(t.id, t.token, status, error=error, model=model):
+                self.metrics.jobs_finished.inc(kind="fine_tune", status=status)
+
+
+# ---------------------------------------------------------------------------------------------
+# In the API's process
+
+
+class EmbeddedWorker(Fleet):
+    """`megaslide serve`: a worker in a thread of the API's process, on the models `backend`
+    provides, beside any other workers of the same store."""
+
+    def __init__(self, settings: Settings, backend: Backend):
+        super().__init__(settings, backend.check_dataset)
+        self.backend = backend
+        self.worker: Worker | None = None
+        self._thread: threading.Thread | None = None
+
+    async def start(self, store: JobStore) -> None:
+        await super().start(store)
+        # A worker can start again after a shutdown (an app's lifespan run twice): a new one.
+        name = self.settings.worker_name or default_name(self.backend.device_name)
+        self.worker = Worker(self.settings, self.backend, store, name)
+        self.worker.register()
+        self._thread = threading.Thread(
+            target=self.worker.run, name="megaslide-worker", daemon=True
+        )
+        self._thread.start()
+
+    async def shutdown(self) -> None:
+        import anyio
+
+        if self.worker is None:
+            return
+        self.worker.stop.set()
+        self.worker.wake.set()
+        await anyio.to_thread.run_sync(self._thread.join)
+        await anyio.to_thread.run_sync(self.worker.close)
+
+    @property
+    def ready(self) -> bool:
+        return self.worker is not None and self.worker.ready and self.worker.dead is None
+
+    @property
+    def dead(self) -> str | None:
+        return self.worker.dead if self.worker is not None else None
+
+    @property
+    def metrics(self) -> Registry:
+        """This process's worker live, plus the others' last heartbeats."""
+        total = Registry()
+        for row in self._view():
+            if row["metrics"] and row["name"] != self.worker.name:
+                total.merge(row["metrics"])
+        total.merge(self.worker.metrics.snapshot())
+        return total
+
+    def base_cards(self, fresh: bool = False) -> list[ModelCard]:
+        # This process's own cards first, exact (with the model's own rules), even before the
+        # first heartbeat says they are ready.
+        own = list(self.worker.cards.values()) if self.worker is not None else []
+        names = {c.name for c in own}
+        return [*own, *(c for c in super().base_cards(fresh) if c.name not in names)]
+
+    def wake(self) -> None:
+        if self.worker is not None:
+            self.worker.wake.set()
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+
+
+def _request_code(exc: BaseException) -> str | None:
+    return "invalid_request" if isinstance(exc, RequestError) else None
 
 
 def _message(exc: BaseException) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import json
 import re
+import socket
 import subprocess
 import sys
 import tarfile
@@ -25,8 +26,8 @@ with warnings.catch_warnings():  # starlette's notice that its TestClient will m
 
 from megaslide.engine.request import ResolvedVideo
 from megaslide.server import Settings, build_app
-from megaslide.server.store import JobStore
-from megaslide.server.worker import EmbeddedWorker
+from megaslide.server.store import JobStore, WorkerNameInUse
+from megaslide.server.worker import EmbeddedWorker, default_name
 
 from .server_fakes import FakeBackend
 
@@ -188,7 +189,7 @@ def test_expired_content_is_gone(make_client):
     v = create(c)
     wait_status(c, v["id"])
     with c.app.state.store.sync._tx() as conn:  # fast-forward past the video's lifetime
-        conn.execute("UPDATE videos SET expires_at = 1 WHERE id = ?", (v["id"],))
+        conn.exec_driver_sql("UPDATE videos SET expires_at = 1 WHERE id = ?", (v["id"],))
     assert_error(c.get(f"/v1/videos/{v['id']}/content"), 404, fragment="expired")
     assert c.get(f"/v1/videos/{v['id']}").json()["status"] == "completed"
 
@@ -748,9 +749,23 @@ def test_running_finetune_yields_to_videos_and_can_be_cancelled(make_client):
 
 
 def test_restart_requeues_interrupted_work_and_resumes_finetunes(make_client, tmp_path):
-    # The database and output folder as a kill -9 leaves them: a video and a fine-tune marked running.
+    # The database and output folder as a kill -9 leaves them: the server's worker (its pid gone,
+    # its heartbeat still fresh) holds a running video and fine-tune.
     data = tmp_path / "data"
-    store = JobStore(data / "megaslide.db")
+    store = JobStore(f"sqlite:///{data / 'megaslide.db'}")
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, check=True
+    )
+    name = default_name("cpu")
+    store.register_worker(
+        name,
+        "killed",
+        host=socket.gethostname(),
+        pid=int(gone.stdout),
+        device="cpu",
+        capacity=8,
+        cards=[],
+    )
     spec = ResolvedVideo(
         model="fake",
         prompt="p",
@@ -764,11 +779,13 @@ def test_restart_requeues_interrupted_work_and_resumes_finetunes(make_client, tm
         seed=8,
     ).to_dict()
     store.insert_video("video_interrupted", spec)
-    store.start_video("video_interrupted")
-    store.set_video_progress([("video_interrupted", 2, 60)])
-    store.insert_video("video_waiting", {**spec, "seed": 9})
     store.insert_video("video_cancelling", {**spec, "seed": 10})
-    store.start_video("video_cancelling")
+    claims = store.claim_videos(name, ["fake"], 2, lambda row: 0, lease_s=3600)
+    token = {c["id"]: c["lease_token"] for c in claims}
+    store.set_video_progress(
+        [("video_interrupted", token["video_interrupted"], 2, 60)], lease_s=3600
+    )
+    store.insert_video("video_waiting", {**spec, "seed": 9})
     # Asked, not yet honoured at the kill.
     assert store.cancel_video("video_cancelling") == "in_progress"
     root = data / "files" / "file-1" / "data"
@@ -782,7 +799,7 @@ def test_restart_requeues_interrupted_work_and_resumes_finetunes(make_client, tm
             "filename": "d.zip",
             "purpose": "fine-tune",
             "bytes": 1,
-            "path": str(root),
+            "path": "files/file-1/data",
             "clips": 40,
         }
     )
@@ -794,12 +811,14 @@ def test_restart_requeues_interrupted_work_and_resumes_finetunes(make_client, tm
             "training_file": "file-1",
             "seed": 0,
             "suffix": "s",
-            "output_dir": str(out),
+            "output_dir": "fine_tunes/ftjob-1",
             "hyperparameters": {"n_epochs": 1, "batch_size": 1, "learning_rate_multiplier": 1.0},
         }
     )
-    store.start_finetune("ftjob-1")
-    store.finetune_progress("ftjob-1", 13, 40, {"step": 13, "loss": 0.1})
+    tune = store.claim_finetune(name, ["fake"], lease_s=3600)
+    store.finetune_progress(
+        "ftjob-1", tune["lease_token"], 13, 40, {"step": 13, "loss": 0.1}, lease_s=3600
+    )
     out.mkdir(parents=True)
     for step in (5, 10):  # the last checkpoints the killed run saved; steps 11-13 were lost with it
         (out / f"step-{step}.ckpt").write_text("{}")
@@ -830,7 +849,7 @@ def test_restart_requeues_interrupted_work_and_resumes_finetunes(make_client, tm
         e["message"]
         for e in c.get("/v1/fine_tuning/jobs/ftjob-1/events", params={"limit": 1000}).json()["data"]
     ]
-    assert any("requeued: the server restarted" in m for m in messages)
+    assert any(f"requeued: worker {name} restarted" in m for m in messages)
     assert any(m.startswith("Resumed at step 10") for m in messages)
 
 
@@ -848,10 +867,10 @@ def test_routers_never_import_torch():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60, cwd=root)
 
 
-def test_a_second_server_on_the_same_data_dir_is_refused(make_client):
+def test_a_second_worker_of_the_same_name_is_refused(make_client):
     c = make_client()
     settings = c.app.state.settings
     other = TestClient(build_app(settings, EmbeddedWorker(settings, FakeBackend())))
-    with pytest.raises(RuntimeError, match="another megaslide server"):
+    with pytest.raises(WorkerNameInUse, match="already runs"):
         other.__enter__()
     assert c.get("/readyz").status_code == 200  # the first one is unaffected

@@ -1,49 +1,94 @@
-"""`megaslide serve`: the HTTP API under uvicorn (the server extras: fastapi, uvicorn, ...)."""
+"""`megaslide serve` (the HTTP API, with a worker in its process unless `--no-worker`) and
+`megaslide worker` (a worker alone, one per device, on any host that reaches the job store).
+
+Both need the server extras (fastapi, uvicorn, SQLAlchemy, ...).
+"""
 
 from __future__ import annotations
 
+import signal
 import sys
 
 from .args import UsageError, parse_bytes
 
+SETTINGS_HELP = (
+    "Settings also come from MEGASLIDE_* variables (MEGASLIDE_API_KEYS=key1,key2, "
+    "MEGASLIDE_MODELS, MEGASLIDE_DATABASE, MEGASLIDE_STORAGE, MEGASLIDE_PORT, ...); flags win."
+)
+
 
 def register(sub) -> None:
-    p = sub.add_parser(
+    serve = sub.add_parser(
         "serve",
         help="serve the OpenAI-compatible video and fine-tuning API over HTTP",
-        description="Serve models over HTTP. Settings also come from MEGASLIDE_* variables "
-        "(MEGASLIDE_API_KEYS=key1,key2, MEGASLIDE_MODELS, MEGASLIDE_PRESET, "
-        "MEGASLIDE_DATA_DIR, MEGASLIDE_PORT, ...); flags win.",
+        description=f"Serve models over HTTP. {SETTINGS_HELP}",
     )
-    p.add_argument("--host", help="address to listen on (default: 127.0.0.1)")
-    p.add_argument("--port", type=int, help="port to listen on (default: 8000)")
-    p.add_argument(
-        "--model",
-        action="append",
-        default=[],
-        metavar="DIR|NAME",
-        help="model directory or packaged model name to serve (repeatable)",
-    )
-    p.add_argument(
-        "--preset", help="serve random weights of a named preset (for tests and benchmarks)"
-    )
-    p.add_argument(
-        "--data-dir", help="where the job database and outputs live (default: ./megaslide-data)"
-    )
-    p.add_argument(
+    serve.add_argument("--host", help="address to listen on (default: 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="port to listen on (default: 8000)")
+    serve.add_argument(
         "--api-key",
         action="append",
         default=[],
         metavar="KEY",
         help="require this Bearer key (repeatable; added to MEGASLIDE_API_KEYS)",
     )
-    p.add_argument(
+    serve.add_argument(
         "--max-queue", type=int, help="queued jobs before new ones get 429 (default: 64)"
+    )
+    serve.add_argument(
+        "--no-worker",
+        dest="worker",
+        action="store_false",
+        default=None,
+        help="serve the API only: jobs run on `megaslide worker` processes of the same database",
+    )
+    _store_args(serve)
+    _worker_args(serve)
+    serve.set_defaults(run=run_serve)
+
+    worker = sub.add_parser(
+        "worker",
+        help="run jobs from a job store on one device (many hosts, one PostgreSQL)",
+        description="Run the jobs of a job store on this host's device: load the models, claim "
+        f"queued jobs for them, run them, repeat. One per device. {SETTINGS_HELP}",
+    )
+    _store_args(worker)
+    _worker_args(worker)
+    worker.set_defaults(run=run_worker)
+
+
+def _store_args(p) -> None:
+    p.add_argument(
+        "--data-dir", help="where the job database and outputs live (default: ./megaslide-data)"
+    )
+    p.add_argument(
+        "--database",
+        metavar="URL",
+        help="the job store: sqlite:///PATH (default: in --data-dir) or postgresql://USER@HOST/DB",
+    )
+    p.add_argument(
+        "--storage",
+        metavar="DIR",
+        help="where videos, uploads and fine-tunes live (default: --data-dir); with several "
+        "hosts, a directory all of them mount",
+    )
+
+
+def _worker_args(p) -> None:
+    p.add_argument(
+        "--model",
+        action="append",
+        default=[],
+        metavar="DIR|NAME|NAME=DIR",
+        help="model directory or packaged model name to serve (repeatable)",
+    )
+    p.add_argument(
+        "--preset", help="serve random weights of a named preset (for tests and benchmarks)"
     )
     p.add_argument(
         "--max-batch", type=int, help="video jobs sharing one denoising pass (default: 8)"
     )
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), help="default: cuda when available")
+    p.add_argument("--device", help="auto (default: cuda when available), cpu, cuda or cuda:N")
     p.add_argument(
         "--offload",
         choices=("none", "stream"),
@@ -55,49 +100,61 @@ def register(sub) -> None:
         help="with --offload stream: device bytes for weights, e.g. 20GB",
     )
     p.add_argument(
+        "--name",
+        dest="worker_name",
+        help="this worker's name in the registry, one per device slot (default: HOST/DEVICE); "
+        "a restart under the same name takes back the jobs the last run held",
+    )
+    p.add_argument(
         "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
     )
-    p.set_defaults(run=run_serve)
 
 
-def run_serve(args) -> int:
+def _server_modules():
     try:
-        import uvicorn
-        from pydantic import ValidationError
+        import uvicorn  # noqa: F401 - checked here, used by serve
 
-        from megaslide.server import Settings, build_app
-        from megaslide.server.torch_backend import TorchBackend
-        from megaslide.server.worker import EmbeddedWorker
+        from megaslide.server import Settings
     except ImportError as e:
         raise UsageError(
-            f"serve needs the server extras ({e.name} is missing): pip install 'megaslide[server]'"
+            f"{e.name} is missing: pip install 'megaslide[server]' for serve and worker"
         ) from None
+    return Settings
 
-    for flag, value in (
-        ("--port", args.port),
-        ("--max-queue", args.max_queue),
-        ("--max-batch", args.max_batch),
-    ):
-        if value is not None and value < (0 if flag == "--port" else 1):
-            raise UsageError(
-                f"{flag} must be {'non-negative' if flag == '--port' else 'at least 1'}, got {value}"
-            )
-    overrides = {
-        "host": args.host,
-        "port": args.port,
-        "preset": args.preset,
-        "data_dir": args.data_dir,
-        "max_queue": args.max_queue,
-        "max_batch": args.max_batch,
-        "device": args.device,
-        "offload": args.offload,
-        "gpu_budget": args.gpu_budget,
-    }
+
+def _settings(args):
+    """The Settings the flags ask for, on top of the environment; UsageError naming a bad one."""
+    from pydantic import ValidationError
+
+    Settings = _server_modules()
+    names = (
+        "host",
+        "port",
+        "preset",
+        "data_dir",
+        "database",
+        "storage",
+        "worker",
+        "worker_name",
+        "max_queue",
+        "max_batch",
+        "device",
+        "offload",
+        "gpu_budget",
+    )
+    overrides = {k: getattr(args, k, None) for k in names}
     overrides = {k: v for k, v in overrides.items() if v is not None}
+    for flag in ("max_queue", "max_batch"):
+        if overrides.get(flag, 1) < 1:
+            raise UsageError(
+                f"--{flag.replace('_', '-')} must be at least 1, got {overrides[flag]}"
+            )
+    if overrides.get("port", 0) < 0:
+        raise UsageError(f"--port must be non-negative, got {overrides['port']}")
     if args.model:
         overrides["models"] = args.model
     try:
-        if args.api_key:
+        if getattr(args, "api_key", None):
             overrides["api_keys"] = [*Settings().api_keys, *args.api_key]
         settings = Settings(**overrides)
     except ValidationError as e:
@@ -105,21 +162,98 @@ def run_serve(args) -> int:
         raise UsageError(f"{'.'.join(map(str, err['loc']))}: {err['msg']}") from None
     if settings.gpu_budget is not None and settings.offload != "stream":
         raise UsageError("--gpu-budget needs --offload stream")
+    return settings
 
+
+def _backend(settings):
     # Built once, here: a bad --model/--preset or --device is named now, in one line, rather than
-    # as a traceback from the app's start-up.
-    backend = TorchBackend(settings)
-    names = [card.name for card in backend.cards()]
+    # as a traceback from a start-up.
+    from megaslide.server.torch_backend import TorchBackend
+
+    return TorchBackend(settings)
+
+
+def run_serve(args) -> int:
+    import uvicorn
+
+    from megaslide.server import build_app
+    from megaslide.server.torch_backend import check_dataset
+    from megaslide.server.worker import EmbeddedWorker
+    from megaslide.server.workers import Fleet
+
+    settings = _settings(args)
+    if not settings.worker and (args.model or args.preset):
+        raise UsageError("--model and --preset say what a worker serves; --no-worker runs none")
+    if settings.worker:
+        backend = _backend(settings)
+        workers = EmbeddedWorker(settings, backend)
+        what = ", ".join(card.name for card in backend.cards())
+    else:
+        workers = Fleet(settings, check_dataset)
+        what = "the API for the workers of the job store"
     auth = f"{len(settings.api_keys)} API key(s)" if settings.api_keys else "no authentication"
     print(
-        f"megaslide serve: {', '.join(names)} on http://{settings.host}:{settings.port} "
-        f"(data in {settings.data_dir}, {auth})",
+        f"megaslide serve: {what} on http://{settings.host}:{settings.port} "
+        f"(store {_shown(settings.database_url)}, storage {settings.storage_dir}, {auth})",
         file=sys.stderr,
     )
     uvicorn.run(
-        build_app(settings, EmbeddedWorker(settings, backend)),
+        build_app(settings, workers),
         host=settings.host,
         port=settings.port,
         log_level=args.log_level,
     )
     return 0
+
+
+def run_worker(args) -> int:
+    import logging
+
+    from megaslide.server.store import JobStore, WorkerNameInUse
+    from megaslide.server.worker import Worker, default_name
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    settings = _settings(args)
+    backend = _backend(settings)
+    store = JobStore(settings.database_url)
+    worker = Worker(
+        settings, backend, store, settings.worker_name or default_name(backend.device_name)
+    )
+    try:
+        worker.register()
+    except WorkerNameInUse as e:
+        store.close()
+        raise UsageError(str(e)) from None
+
+    def stop(signum, _frame):
+        # At the next step boundary: running videos go back to the queue, a fine-tune
+        # checkpoints first, and the worker leaves the registry.
+        worker.stop.set()
+        worker.wake.set()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    names = ", ".join(worker.cards)
+    print(
+        f"megaslide worker {worker.name}: {names} on {backend.device_name} "
+        f"(store {_shown(settings.database_url)}, storage {settings.storage_dir})",
+        file=sys.stderr,
+    )
+    try:
+        worker.run()
+    finally:
+        worker.close()
+        store.close()
+    if worker.dead:
+        print(f"megaslide worker: stopped: {worker.dead}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _shown(url: str) -> str:
+    """A database URL without its password, for logs."""
+    from sqlalchemy import make_url
+
+    return make_url(url).render_as_string(hide_password=True)

@@ -108,7 +108,7 @@ async def create_file(
             "filename": upload.filename or "upload",
             "purpose": purpose,
             "bytes": size,
-            "path": str(root),
+            "path": data.relative(root),
             "clips": clips,
         },
         idempotency=idempotency(request, payload),

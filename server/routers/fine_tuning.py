@@ -142,7 +142,7 @@ async def create_job(
             "hyperparameters": hyper,
             "seed": seed,
             "suffix": body.suffix,
-            "output_dir": str(data.fine_tune(job_id)),
+            "output_dir": data.relative(data.fine_tune(job_id)),
         },
         idempotency=idempotency(request, payload),
     )

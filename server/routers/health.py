@@ -1,4 +1,5 @@
-"""`/healthz` (the process and its worker live), `/readyz` (models loaded) and `/metrics` (Prometheus)."""
+"""`/healthz` (this process and its worker live), `/readyz` (some worker can run jobs) and
+`/metrics` (Prometheus)."""
 
 from __future__ import annotations
 
@@ -26,19 +27,38 @@ async def readyz(workers: WorkersDep):
     if workers.dead:
         raise EngineDead(f"the worker stopped: {workers.dead}")
     if not workers.ready:
-        raise NotReady("the models are still loading")
-    return {"status": "ready", "models": [card.name for card in workers.models()]}
+        raise NotReady("the models are still loading, or no worker is live")
+    live = workers.live_workers()
+    return {
+        "status": "ready",
+        "models": [card.name for card in workers.models()],
+        "workers": {"live": len(live), "ready": sum(1 for w in live if worker_state(w) == "ready")},
+    }
 
 
 @router.get("/metrics", response_class=PlainTextResponse, dependencies=[Depends(require_api_key)])
 async def metrics(workers: WorkersDep, store: StoreDep):
     # Gauges about jobs are read from the store at scrape time, so they always agree with the API.
-    depth = Gauge("megaslide_queue_depth", "Jobs waiting for the worker (videos and fine-tunes)")
-    depth.set(await store.queue_depth())
+    depth = Gauge("megaslide_queue_depth", "Jobs waiting for a worker (videos and fine-tunes)")
+    by_model = await store.queue_depth_by_model()
+    depth.set(sum(by_model.values()))
+    queued = Gauge("megaslide_queued_jobs", "Jobs waiting for a worker, by the model they need")
+    for model, n in sorted(by_model.items()):
+        queued.set(n, model=model)
+    live = workers.live_workers()
+    counted = Gauge("megaslide_workers", "Workers heard from within the lease, by state")
+    for state in ("ready", "loading", "dead"):
+        counted.set(sum(1 for w in live if worker_state(w) == state), state=state)
     jobs = Gauge("megaslide_jobs", "Jobs in the store by kind and state")
     for (kind, state), n in sorted((await store.counts_by_state()).items()):
         jobs.set(n, kind=kind, state=state)
-    ready = Gauge("megaslide_ready", "1 once the models are loaded and the worker runs")
+    ready = Gauge("megaslide_ready", "1 once some worker has its models loaded and runs jobs")
     ready.set(1 if workers.ready else 0)
-    body = render([depth, jobs, ready, *workers.metrics.all()])
+    body = render([depth, queued, counted, jobs, ready, *workers.metrics.all()])
     return PlainTextResponse(body, media_type=PROMETHEUS_TEXT)
+
+
+def worker_state(worker: dict) -> str:
+    if worker["dead"]:
+        return "dead"
+    return "ready" if worker["ready"] else "loading"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import io
 import json
@@ -31,7 +32,7 @@ from ..deps import (
     request_hash,
     wait_for,
 )
-from ..errors import InvalidRequest, NotFound, invalid_request
+from ..errors import InvalidRequest, NotFound, NotReady, invalid_request
 from ..ranges import file_response
 from ..schemas import ListPage, Video, VideoCreate, VideoDeleted, page, video_object
 from ..store import VIDEO_TERMINAL, AsyncStore, now
@@ -106,7 +107,10 @@ async def create_video(
     data: DataDep,
 ):
     body, upload = await read_create_body(request)
-    name = body.model or workers.models()[0].name
+    served = workers.models()
+    if not served:
+        raise NotReady("no live worker serves a model yet; retry shortly")
+    name = body.model or served[0].name
     card = workers.model(name)
     if card is None:
         raise NotFound(
@@ -133,6 +137,8 @@ async def create_video(
             max_steps=settings.max_steps,
             max_prompt_chars=settings.max_prompt_chars,
         )
+        if image is not None:  # stored relative to the storage, which hosts mount where they like
+            video = dataclasses.replace(video, image=data.relative(image))
         payload = request_hash({**body.model_dump(exclude_none=True), "image": _digest(image)})
         prior = await replayed(request, store, payload)
         if prior is not None and (row := await store.get_video(prior)) is not None:

@@ -1,0 +1,165 @@
+"""The job store's tables, as SQLAlchemy Core metadata: one description for SQLite and PostgreSQL.
+
+This is the schema at the newest migration (migrations/versions/): the store's queries are written
+against it, and a test checks that running every migration yields exactly these tables.
+
+Times are seconds since the epoch: whole seconds (`INTEGER`) where the API shows them, fractional
+(`lease_expires_at`, `heartbeat_at`) where workers compare them. JSON documents (a video's resolved
+request, hyperparameters, event data) are stored as text.
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+
+# A 64-bit key on PostgreSQL; on SQLite an INTEGER PRIMARY KEY is the rowid (64-bit already), and
+# only that exact type name makes it one.
+Seq = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
+
+metadata = sa.MetaData()
+
+
+def _seq() -> sa.Column:
+    """The creation-order key every table pages by."""
+    return sa.Column("seq", Seq, primary_key=True, autoincrement=True)
+
+
+def _lease() -> list[sa.Column]:
+    """Which worker holds a running job, under which claim, and until when (see store.py)."""
+    return [
+        sa.Column("worker_id", sa.Text),
+        sa.Column("lease_token", sa.Text),
+        sa.Column("lease_expires_at", sa.Float),
+    ]
+
+
+videos = sa.Table(
+    "videos",
+    metadata,
+    _seq(),
+    sa.Column("id", sa.Text, nullable=False, unique=True),
+    sa.Column("created_at", sa.Integer, nullable=False),
+    sa.Column("status", sa.Text, nullable=False),
+    sa.Column("progress", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("step", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("model", sa.Text, nullable=False),
+    sa.Column("priority", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("spec", sa.Text, nullable=False),
+    sa.Column("cancel_requested", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("attempts", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("started_at", sa.Integer),
+    sa.Column("completed_at", sa.Integer),
+    sa.Column("expires_at", sa.Integer),
+    sa.Column("error_code", sa.Text),
+    sa.Column("error_message", sa.Text),
+    *_lease(),
+    sa.Index("videos_by_status", "status", sa.desc("priority"), "seq"),
+    sqlite_autoincrement=True,
+)
+
+files = sa.Table(
+    "files",
+    metadata,
+    _seq(),
+    sa.Column("id", sa.Text, nullable=False, unique=True),
+    sa.Column("created_at", sa.Integer, nullable=False),
+    sa.Column("filename", sa.Text, nullable=False),
+    sa.Column("purpose", sa.Text, nullable=False),
+    sa.Column("bytes", sa.Integer, nullable=False),
+    sa.Column("path", sa.Text, nullable=False),
+    sa.Column("clips", sa.Integer, nullable=False),
+    sqlite_autoincrement=True,
+)
+
+fine_tunes = sa.Table(
+    "fine_tunes",
+    metadata,
+    _seq(),
+    sa.Column("id", sa.Text, nullable=False, unique=True),
+    sa.Column("created_at", sa.Integer, nullable=False),
+    sa.Column("status", sa.Text, nullable=False),
+    sa.Column("model", sa.Text, nullable=False),
+    sa.Column("training_file", sa.Text, nullable=False),
+    sa.Column("hyperparameters", sa.Text, nullable=False),
+    sa.Column("seed", sa.Integer, nullable=False),
+    sa.Column("suffix", sa.Text),
+    sa.Column("output_dir", sa.Text, nullable=False),
+    sa.Column("fine_tuned_model", sa.Text),
+    sa.Column("step", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("total_steps", sa.Integer),
+    sa.Column("cancel_requested", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("attempts", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("finished_at", sa.Integer),
+    sa.Column("error_code", sa.Text),
+    sa.Column("error_message", sa.Text),
+    *_lease(),
+    sa.Index("fine_tunes_by_status", "status", "seq"),
+    sqlite_autoincrement=True,
+)
+
+events = sa.Table(
+    "events",
+    metadata,
+    _seq(),
+    sa.Column("job_id", sa.Text, nullable=False),
+    sa.Column("created_at", sa.Integer, nullable=False),
+    sa.Column("type", sa.Text, nullable=False),
+    sa.Column("level", sa.Text, nullable=False, server_default="info"),
+    sa.Column("message", sa.Text, nullable=False, server_default=""),
+    sa.Column("data", sa.Text),
+    sa.Index("events_by_job", "job_id", "seq"),
+    sqlite_autoincrement=True,
+)
+
+checkpoints = sa.Table(
+    "checkpoints",
+    metadata,
+    _seq(),
+    sa.Column("id", sa.Text, nullable=False, unique=True),
+    sa.Column("job_id", sa.Text, nullable=False),
+    sa.Column("created_at", sa.Integer, nullable=False),
+    sa.Column("step", sa.Integer, nullable=False),
+    sa.Column("path", sa.Text, nullable=False),
+    sa.Column("metrics", sa.Text),
+    sqlite_autoincrement=True,
+)
+
+models = sa.Table(
+    "models",
+    metadata,
+    _seq(),
+    sa.Column("name", sa.Text, nullable=False, unique=True),
+    sa.Column("parent", sa.Text, nullable=False),
+    sa.Column("path", sa.Text, nullable=False),
+    sa.Column("job_id", sa.Text, nullable=False),
+    sa.Column("created_at", sa.Integer, nullable=False),
+    sqlite_autoincrement=True,
+)
+
+idempotency = sa.Table(
+    "idempotency",
+    metadata,
+    sa.Column("scope", sa.Text, primary_key=True),
+    sa.Column("key", sa.Text, primary_key=True),
+    sa.Column("request_hash", sa.Text, nullable=False),
+    sa.Column("resource_id", sa.Text, nullable=False),
+    sa.Column("created_at", sa.Integer, nullable=False),
+)
+
+# One row per worker process: who it is, what it serves, and when it last proved alive.
+workers = sa.Table(
+    "workers",
+    metadata,
+    sa.Column("name", sa.Text, primary_key=True),  # one per device slot, e.g. "gpu-3/cuda:0"
+    sa.Column("token", sa.Text, nullable=False),  # this incarnation (a restart registers anew)
+    sa.Column("host", sa.Text, nullable=False),
+    sa.Column("pid", sa.Integer, nullable=False),
+    sa.Column("device", sa.Text, nullable=False),
+    sa.Column("capacity", sa.Integer, nullable=False),  # video jobs per denoising pass
+    sa.Column("models", sa.Text, nullable=False),  # JSON: the model cards it serves
+    sa.Column("started_at", sa.Float, nullable=False),
+    sa.Column("heartbeat_at", sa.Float, nullable=False),
+    sa.Column("ready", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("dead", sa.Text),  # why its job loop stopped, while the process still lives
+    sa.Column("metrics", sa.Text),  # JSON snapshot of its counters and histograms
+)

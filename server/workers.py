@@ -1,0 +1,131 @@
+"""The workers as an API host sees them: whatever the store's registry lists as alive.
+
+A worker (worker.py) registers itself, its device and the model cards it serves, and renews that
+with a heartbeat; an API host reads the registry to list models, answer `/readyz`, and add up the
+workers' metrics. `Fleet` is that view for an API-only host (`megaslide serve --no-worker`);
+`EmbeddedWorker` extends it with a worker in the API's own process (`megaslide serve`).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from .metrics import Registry
+from .protocol import ModelCard, WorkerClient, card_from_dict
+from .settings import Settings
+from .store import JobStore
+
+VIEW_TTL_S = 0.5  # how long a read of the registry serves before the next one
+
+
+class Fleet(WorkerClient):
+    """The live workers of a job store, read from its registry (cached for `VIEW_TTL_S`)."""
+
+    def __init__(self, settings: Settings, check_dataset: Callable[[Path], int]):
+        self.settings = settings
+        self.store: JobStore | None = None
+        self._check_dataset = check_dataset
+        self._lock = threading.Lock()
+        self._read_at = -math.inf
+        self._workers: list[dict] = []
+        self._cards: dict[str, ModelCard] = {}  # by (name, json) of the published card
+
+    async def start(self, store: JobStore) -> None:
+        self.store = store
+
+    async def shutdown(self) -> None:
+        pass
+
+    # --- the registry ------------------------------------------------------------------------
+
+    def _view(self, fresh: bool = False) -> list[dict]:
+        """The live workers' rows, re-read when older than `VIEW_TTL_S` (or `fresh`)."""
+        with self._lock:
+            if fresh or time.monotonic() - self._read_at > VIEW_TTL_S:
+                self._workers = self.store.live_workers(self.settings.lease_s)
+                self._read_at = time.monotonic()
+            return self._workers
+
+    def live_workers(self) -> list[dict]:
+        keys = ("name", "host", "device", "capacity", "ready", "dead")
+        return [
+            {**{k: row[k] for k in keys}, "models": [c["name"] for c in row["models"]]}
+            for row in self._view()
+        ]
+
+    def _card(self, published: dict) -> ModelCard:
+        key = repr(sorted(published.items()))
+        if key not in self._cards:
+            self._cards[key] = card_from_dict(published)
+        return self._cards[key]
+
+    def base_cards(self, fresh: bool = False) -> list[ModelCard]:
+        """The base models live workers serve (or load), each name once (the first
+        registered). Jobs for a model whose worker is still loading wait in the queue."""
+        cards: dict[str, ModelCard] = {}
+        for row in self._view(fresh):
+            if not row["dead"]:
+                for published in row["models"]:
+                    cards.setdefault(published["name"], self._card(published))
+        return list(cards.values())
+
+    def models(self, fresh: bool = False) -> list[ModelCard]:
+        bases = {card.name: card for card in self.base_cards(fresh)}
+        fine_tuned = []
+        for row in self.store.models() if self.store is not None else []:
+            parent = bases.get(row["parent"]) or next(
+                (c for c in fine_tuned if c.name == row["parent"]), None
+            )
+            if parent is not None:
+                fine_tuned.append(fine_tuned_card(row, parent))
+        return [*bases.values(), *fine_tuned]
+
+    def model(self, name: str) -> ModelCard | None:
+        card = super().model(name)
+        if card is None:  # made or registered since the last read, perhaps
+            card = next((m for m in self.models(fresh=True) if m.name == name), None)
+        return card
+
+    @property
+    def ready(self) -> bool:
+        return any(row["ready"] and not row["dead"] for row in self._view())
+
+    @property
+    def dead(self) -> str | None:
+        return None  # no worker runs in this process
+
+    @property
+    def metrics(self) -> Registry:
+        total = Registry()
+        for row in self._view():
+            if row["metrics"]:
+                total.merge(row["metrics"])
+        return total
+
+    def check_dataset(self, root: Path) -> int:
+        return self._check_dataset(root)
+
+    def wake(self) -> None:
+        pass  # workers elsewhere poll the store
+
+    def retry_after(self) -> int:
+        mean = self.metrics.video_seconds.mean
+        return max(1, math.ceil(mean)) if mean else 5
+
+
+def fine_tuned_card(row: dict, parent: ModelCard) -> ModelCard:
+    """The card of a fine-tuned model (a `models` row): its parent's limits under its own name."""
+    return parent.replace(
+        name=row["name"],
+        kind="fine-tune",
+        parent=parent.name,
+        source=row["path"],
+        created=row["created_at"],
+    )
+
+
+__all__ = ["Fleet", "fine_tuned_card"]
