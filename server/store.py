@@ -584,7 +584,15 @@ class JobStore:
                 )
                 data = {"status": "in_progress", "progress": 0, "step": 0}
                 self._event(conn, row["id"], "video.in_progress", data=data)
-                claimed.append({**row, "status": "in_progress", "lease_token": token})
+                claimed.append(
+                    {
+                        **row,
+                        "status": "in_progress",
+                        "attempts": row["attempts"] + 1,
+                        "worker_id": worker,
+                        "lease_token": token,
+                    }
+                )
         return claimed
 
     def set_video_progress(
@@ -788,7 +796,14 @@ class JobStore:
                     lease_expires_at=self.db_now() + lease_s,
                 )
             )
-        return {**row, "status": "running", "attempts": row["attempts"] + 1, "lease_token": token}
+        attempts = row["attempts"] + 1
+        return {
+            **row,
+            "status": "running",
+            "attempts": attempts,
+            "worker_id": worker,
+            "lease_token": token,
+        }
 
     def _holds_finetune(self, conn: sa.Connection, job_id: str, token: str) -> bool:
         """Whether claim `token` still runs `job_id`; locks the row for this transaction."""
