@@ -8,120 +8,32 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import re
-import signal
-import socket
-import subprocess
-import sys
 import tarfile
 import time
 from pathlib import Path
 
-import httpx
 import numpy as np
 import pytest
+
+from tests.processes import JOB_TIMEOUT_S, TERMINAL, Server
 
 pytest.importorskip("uvicorn")
 pytest.importorskip("av")
 
-LAUNCH = "import sys; from megaslide.cli.main import main; sys.exit(main(sys.argv[1:]))"
 CLIP = {"num_frames": 4, "size": "32x32", "num_inference_steps": 2}
-TERMINAL = ("completed", "failed", "cancelled")
-START_TIMEOUT_S = 120
-JOB_TIMEOUT_S = 120
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """A `megaslide serve` child process and an HTTP client for it."""
-
-    def __init__(self, data_dir: Path, *extra: str):
-        self.data_dir, self.port = data_dir, free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.log = data_dir.parent / f"{data_dir.name}-{self.port}.log"
-        args = [
-            "serve",
-            "--preset",
-            "tiny",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--data-dir",
-            str(data_dir),
-            "--log-level",
-            "warning",
-            *extra,
-        ]
-        # Two intra-op threads, as the test process uses (conftest), so both compute in the same order.
-        env = {**os.environ, "OMP_NUM_THREADS": "2", "MEGASLIDE_POLL_AFTER_MS": "100"}
-        for var in ("MEGASLIDE_API_KEYS", "MEGASLIDE_MODELS", "MEGASLIDE_PRESET"):
-            env.pop(var, None)
-        with open(self.log, "w") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-c", LAUNCH, *args], stdout=log, stderr=subprocess.STDOUT, env=env
-            )
-        self.http = httpx.Client(base_url=self.base, timeout=30)
-        self.wait_ready()
-
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(
-                    f"server exited with {self.proc.returncode}:\n{self.log.read_text()}"
-                )
-            try:
-                if self.http.get("/readyz").status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        raise AssertionError(f"server not ready after {START_TIMEOUT_S}s:\n{self.log.read_text()}")
-
-    def kill9(self) -> None:
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(timeout=30)
-        self.http.close()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.http.close()
-
-    def video(self, video_id: str) -> dict:
-        return self.http.get(f"/v1/videos/{video_id}").json()
-
-    def wait(self, video_id: str, statuses=TERMINAL, timeout: float = JOB_TIMEOUT_S) -> dict:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            v = self.video(video_id)
-            if v["status"] in statuses:
-                return v
-            time.sleep(0.1)
-        raise AssertionError(
-            f"{video_id} still {v['status']} after {timeout}s:\n{self.log.read_text()[-3000:]}"
-        )
-
-    def metric(self, name: str) -> float:
-        text = self.http.get("/metrics").text
-        return float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))
+def serve(data_dir: Path) -> Server:
+    """`megaslide serve --preset tiny` on `data_dir`."""
+    log = data_dir.parent / f"{data_dir.name}-{time.monotonic_ns()}.log"
+    args = ["--preset", "tiny", "--data-dir", str(data_dir)]
+    return Server(args, log, env={"MEGASLIDE_POLL_AFTER_MS": "100"})
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    srv = Server(tmp_path_factory.mktemp("serve") / "data")
+    srv = serve(tmp_path_factory.mktemp("serve") / "data")
     yield srv
     srv.stop()
 
@@ -289,7 +201,7 @@ def test_finetune_through_the_files_api_yields_a_servable_model(server, tmp_path
 
 def test_kill_9_then_restart_completes_every_job_exactly_once(tmp_path):
     data = tmp_path / "data"
-    first = Server(data)
+    first = serve(data)
     ids = []
     for seed in range(5):
         r = first.http.post(
@@ -300,7 +212,7 @@ def test_kill_9_then_restart_completes_every_job_exactly_once(tmp_path):
     first.wait(ids[0], statuses=("in_progress",) + TERMINAL)
     first.kill9()
 
-    second = Server(data)
+    second = serve(data)
     try:
         for video_id in ids:
             v = second.wait(video_id)
