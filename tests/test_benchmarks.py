@@ -80,3 +80,15 @@ def test_wan_plan_answers_the_machines_people_have():
     assert a14b["fits"] and a14b["experts"] == 2
     too_little_ram = plans["wan2.2-t2v-a14b", "infer", "24 GB GPU (PCIe 4), 64 GB RAM"]
     assert not too_little_ram["fits"] and "host memory" in too_little_ram["problems"][0]
+
+
+def test_queue_benchmark_runs_every_job_once_on_both_stores():
+    r = run_json("benchmarks/queue.py", "--jobs", "24", "--json")
+    runs = {(run["database"], run["workers"]): run for run in r["runs"]}
+    assert set(runs) == {(db, n) for db in ("sqlite", "postgresql") for n in (1, 2)}
+    for run in runs.values():
+        assert run["completed_once"] and run["jobs"] == 24
+        assert abs(run["jobs_per_s"] - run["jobs"] / run["seconds"]) < 1e-6
+        assert run["event_latency_ms"]["n"] == 24 and run["claim_latency_ms"]["n"] >= 1
+        lat = run["event_latency_ms"]
+        assert 0 < lat["p50"] <= lat["p99"]
