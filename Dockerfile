@@ -1,4 +1,5 @@
-# A CUDA image that serves MegaSlide: `docker run --gpus all -p 8000:8000 megaslide`.
+# A CUDA image that serves MegaSlide: `docker run --gpus all -p 8000:8000 megaslide`; a worker
+# of a shared store: `docker run --gpus all megaslide megaslide worker --database URL --storage DIR`.
 FROM nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04
 
 ENV DEBIAN_FRONTEND=noninteractive PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1

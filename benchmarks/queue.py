@@ -116,7 +116,7 @@ def watch(url: str, interval: float, expected: int, results) -> None:
     re-reads every completion rather than resuming after the highest number it saw."""
     import sqlalchemy as sa
 
-    from megaslide.server.schema import events
+    from megaslide.server.tables import events
 
     store = JobStore(url)
     seen: dict[str, float] = {}
@@ -245,7 +245,7 @@ def main(argv=None) -> int:
 
 def _empty(url: str) -> None:
     """Drop every table of a user-given database, so the next run starts from nothing."""
-    from megaslide.server.schema import metadata
+    from megaslide.server.tables import metadata
 
     store = JobStore(url)
     metadata.drop_all(store.engine)

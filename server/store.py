@@ -1,6 +1,6 @@
 """The durable job store: jobs, files, events, idempotency keys and the worker registry, in SQLite
 (the embedded default: a file in the data directory) or PostgreSQL (many hosts), through one
-SQLAlchemy Core description of the tables (schema.py) and Alembic migrations.
+SQLAlchemy Core description of the tables (tables.py) and Alembic migrations.
 
 Every state change is one transaction. SQLite commits with `synchronous=FULL` in WAL mode and takes
 its write lock at BEGIN (IMMEDIATE), so writers queue instead of deadlocking; PostgreSQL locks the
@@ -46,7 +46,7 @@ from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy.dialects import postgresql, sqlite
 
-from .schema import checkpoints, events, files, fine_tunes, idempotency, models, videos, workers
+from .tables import checkpoints, events, files, fine_tunes, idempotency, models, videos, workers
 
 VIDEO_ACTIVE = ("queued", "in_progress")
 VIDEO_TERMINAL = ("completed", "failed", "cancelled")

@@ -13,8 +13,8 @@ import sqlalchemy as sa
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 
-from megaslide.server.schema import metadata
 from megaslide.server.store import JobStore, database_url, schema_revision
+from megaslide.server.tables import metadata
 
 LEASE = 60.0
 
@@ -55,7 +55,7 @@ def event_types(store, job_id) -> list[str]:
 
 
 def schema_differences(engine: sa.Engine) -> list:
-    """What differs between the database and schema.py; the one index on an expression (priority
+    """What differs between the database and tables.py; the one index on an expression (priority
     DESC), which the comparison cannot read back, is checked by name instead."""
     expression_index = "videos_by_status"
 

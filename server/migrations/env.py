@@ -3,7 +3,7 @@ inside the store's own transaction, so no alembic.ini or URL is needed."""
 
 from alembic import context
 
-from megaslide.server.schema import metadata
+from megaslide.server.tables import metadata
 
 connection = context.config.attributes["connection"]
 # Batch mode: SQLite alters a table by copying it, which alembic does for us when asked.
