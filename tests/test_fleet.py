@@ -1,0 +1,113 @@
+"""An API-only app (`Fleet`, as `megaslide serve --no-worker` builds it) beside workers that run
+in threads of this process on the same SQLite store: what the API knows of workers it only sees
+through the registry."""
+
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+
+import pytest
+
+with warnings.catch_warnings():  # starlette's notice that its TestClient will move to httpx2
+    warnings.simplefilter("ignore")
+    from fastapi.testclient import TestClient
+
+from megaslide.server import Settings, build_app
+from megaslide.server.protocol import card_from_dict, card_to_dict
+from megaslide.server.store import JobStore
+from megaslide.server.worker import Worker
+from megaslide.server.workers import Fleet
+
+from .server_fakes import FAKE_CARD, FakeBackend
+from .test_server_api import SMALL, assert_error, until, wait_status
+
+
+@pytest.fixture
+def settings(tmp_path, monkeypatch):
+    for var in ("MEGASLIDE_API_KEYS", "MEGASLIDE_MODELS", "MEGASLIDE_PRESET"):
+        monkeypatch.delenv(var, raising=False)
+    return Settings(data_dir=tmp_path / "data", heartbeat_s=0.1, lease_s=1.0, sse_interval_s=0.02)
+
+
+class Running:
+    """A worker in a thread of this process, as `megaslide worker` runs one."""
+
+    def __init__(self, settings: Settings, name: str):
+        self.store = JobStore(settings.database_url)
+        self.worker = Worker(settings, FakeBackend(), self.store, name)
+        self.worker.register()
+        self.thread = threading.Thread(target=self.worker.run, daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.worker.stop.set()
+        self.worker.wake.set()
+        self.thread.join(30)
+        self.worker.close()
+        self.store.close()
+
+
+@pytest.fixture
+def api(settings):
+    with TestClient(build_app(settings, Fleet(settings, FakeBackend().check_dataset))) as c:
+        yield c
+
+
+def test_the_api_knows_models_only_from_live_workers(api, settings):
+    assert_error(api.get("/readyz"), 503, fragment="no worker is live")
+    assert api.get("/v1/models").json()["data"] == []
+    assert_error(api.post("/v1/videos", json={"prompt": "p"}), 503, fragment="no live worker")
+    worker = Running(settings, "w1")
+    until(lambda: api.get("/readyz").status_code == 200, what="the worker's heartbeat")
+    ready = api.get("/readyz").json()
+    assert ready["models"] == ["fake"] and ready["workers"] == {"live": 1, "ready": 1}
+    video = api.post("/v1/videos", json={"prompt": "p", **SMALL}).json()
+    assert wait_status(api, video["id"])["status"] == "completed"
+    until(lambda: "megaslide_denoise_steps_total 2" in api.get("/metrics").text, what="metrics")
+    worker.stop()  # leaves the registry: its models go with it
+    until(lambda: api.get("/readyz").status_code == 503, what="the worker to leave")
+    assert api.get("/v1/models").json()["data"] == []
+
+
+def test_a_request_the_model_refuses_fails_on_the_worker_not_silently(api, settings):
+    worker = Running(settings, "w1")
+    until(lambda: api.get("/readyz").status_code == 200, what="ready")
+    # The fake model's own shape rule (no 3-frame clips) does not travel with its published
+    # card: the API accepts, the worker checks again and fails the job, naming the field.
+    video = api.post("/v1/videos", json={"prompt": "p", **SMALL, "num_frames": 3}).json()
+    failed = wait_status(api, video["id"])
+    assert failed["status"] == "failed" and failed["error"]["code"] == "invalid_request"
+    assert "frames (3): this model's autoencoder" in failed["error"]["message"]
+    worker.stop()
+
+
+def test_a_published_card_keeps_its_numbers():
+    card = card_from_dict(card_to_dict(FAKE_CARD))
+    assert card.name == FAKE_CARD.name and card.limits.to_dict() == FAKE_CARD.limits.to_dict()
+    assert (card.limits.frames, card.limits.steps) == (FAKE_CARD.limits.frames, 2)
+    assert card.limits.check_shape is None  # the model's own rule stays with the model
+    preset = card_from_dict({**card_to_dict(FAKE_CARD), "source": "tiny", "name": "tiny"})
+    assert preset.limits.check_shape is not None  # a preset this host knows: exact limits
+
+
+def test_a_silent_worker_drops_out_and_its_job_moves_to_another(api, settings):
+    first = Running(settings, "w1")
+    until(lambda: api.get("/readyz").status_code == 200, what="ready")
+    first.worker.backend.gate.clear()  # hold the first worker inside a step
+    video = api.post("/v1/videos", json={"prompt": "p", **SMALL}).json()
+    until(lambda: first.store.get_video(video["id"])["worker_id"] == "w1", what="the claim")
+    first.worker.stop.set()  # its heartbeat stops too: it is silent from now on
+    second = Running(settings, "w2")
+    assert wait_status(api, video["id"], timeout=15)["status"] == "completed"
+    assert first.store.get_video(video["id"])["worker_id"] == "w2"
+    first.worker.backend.gate.set()  # the first one wakes: its late outcome is refused
+    first.thread.join(30)
+    time.sleep(0.2)
+    assert api.get(f"/v1/videos/{video['id']}").json()["status"] == "completed"
+    events = api.get(f"/v1/videos/{video['id']}/events")
+    assert events.text.count("event: video.completed") == 1
+    first.worker.close()
+    first.store.close()
+    second.stop()
