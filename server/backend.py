@@ -107,3 +107,9 @@ class Backend(ABC):
     def release_memory(self) -> None:
         """Called after a job fails, before the next one runs (e.g. to empty the CUDA cache)."""
         return None
+
+    def is_fatal(self, exc: BaseException) -> bool:
+        """Whether an error inside a job left the device unusable for any other (a CUDA context
+        poisoned by an illegal memory access, say): the worker then stops. Out of memory is not:
+        that job fails and the next one runs."""
+        return False

@@ -122,6 +122,12 @@ class WorkerClient(ABC):
         failed job does not kill it."""
 
     @property
+    def trouble(self) -> str | None:
+        """Why this process's worker cannot record its work (the job store fails), while that
+        lasts; it retries meanwhile."""
+        return None
+
+    @property
     @abstractmethod
     def metrics(self) -> Registry:
         """Counters and histograms of the live workers, added up (step latency, H2D bytes...)."""

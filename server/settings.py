@@ -63,6 +63,9 @@ class Settings(BaseSettings):
     )
     video_ttl_s: int = Field(7 * 24 * 3600, ge=60, description="how long a finished MP4 is kept")
     sse_interval_s: float = Field(0.2, gt=0, description="how often an SSE stream checks for news")
+    event_ttl_s: int = Field(
+        30 * 24 * 3600, ge=60, description="how long the events of a finished job are kept"
+    )
 
     # Files and fine-tuning.
     max_upload_bytes: int = Field(

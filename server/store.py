@@ -14,8 +14,8 @@ State machines (a transition is a conditional UPDATE, so the API and the workers
 
 Leases. A worker that claims a job writes its name, a fresh `lease_token` and an expiry into the
 row; every write it makes afterwards (progress, events, the outcome) names that token and is
-refused once the token changed. Its heartbeat and every denoising step extend the expiry. A worker
-that dies stops extending it: once it passes, `recover_expired` (any worker runs it) puts the job
+refused once the token changed. Its heartbeat (for the claims it still works on) and every
+denoising step extend the expiry. A worker that dies stops extending it: once it passes, `recover_expired` (any worker runs it) puts the job
 back in the queue with a new claim to come, so a video re-runs and a fine-tune resumes from its
 last checkpoint, and a late write from the presumed-dead worker finds a token that is no longer
 there. Each job thus completes exactly once. Lease times come from the database's clock, so hosts
@@ -32,6 +32,7 @@ disk or a busy lock never stalls the event loop.
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import json
 import secrets
@@ -67,6 +68,21 @@ def new_token() -> str:
 
 class WorkerNameInUse(RuntimeError):
     """Another live worker registered under this name."""
+
+
+# What a store call raises when the database cannot be reached or written (a full disk, a lock
+# held too long, a dropped connection): conditions that pass, unlike a bug in a query.
+UNAVAILABLE = (sa.exc.OperationalError, sa.exc.InterfaceError)
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """Whether a store error (or a file write) failed for want of space."""
+    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+        return True
+    orig = getattr(exc, "orig", None)
+    if orig is not None and getattr(orig, "sqlstate", None) == "53100":  # PostgreSQL disk_full
+        return True
+    return "database or disk is full" in str(orig or exc)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -266,13 +282,15 @@ class JobStore:
         name: str,
         token: str,
         *,
+        leases: list[str],
         lease_s: float,
         ready: bool,
         dead: str | None = None,
         metrics: dict | None = None,
     ) -> bool:
-        """Prove `name` alive and extend the leases of every job it holds; False when another
-        incarnation registered under the name since (this one must stop)."""
+        """Prove `name` alive and extend the `leases` (claim tokens) it still works on; False
+        when another incarnation registered under the name since (this one must stop). A job
+        the worker no longer names, whatever the reason, is left to expire and run again."""
         with self._tx() as conn:
             n = conn.execute(
                 workers.update()
@@ -286,13 +304,14 @@ class JobStore:
             ).rowcount
             if not n:
                 return False
-            expiry = self.db_now() + lease_s
-            for table, running in ((videos, "in_progress"), (fine_tunes, "running")):
-                conn.execute(
-                    table.update()
-                    .where(table.c.worker_id == name, table.c.status == running)
-                    .values(lease_expires_at=expiry)
-                )
+            if leases:
+                expiry = self.db_now() + lease_s
+                for table in (videos, fine_tunes):
+                    conn.execute(
+                        table.update()
+                        .where(table.c.lease_token.in_(leases), table.c.worker_id == name)
+                        .values(lease_expires_at=expiry)
+                    )
         return True
 
     def deregister_worker(self, name: str, token: str) -> None:
@@ -393,6 +412,17 @@ class JobStore:
         row = dict(request_hash=request_hash, resource_id=resource_id, created_at=now())
         stmt = self._insert(idempotency).values(scope=scope, key=name, **row)
         conn.execute(stmt.on_conflict_do_update(index_elements=["scope", "key"], set_=row))
+
+    def prune_events(self, older_than_s: float) -> int:
+        """Delete events older than `older_than_s` of jobs that are over (or gone); returns how
+        many. The events of queued and running jobs stay, however old."""
+        active = sa.union_all(
+            sa.select(videos.c.id).where(videos.c.status.in_(VIDEO_ACTIVE)),
+            sa.select(fine_tunes.c.id).where(fine_tunes.c.status.in_(FINETUNE_ACTIVE)),
+        )
+        stale = sa.and_(events.c.created_at < now() - older_than_s, events.c.job_id.not_in(active))
+        with self._tx() as conn:
+            return conn.execute(events.delete().where(stale)).rowcount
 
     def forget_idempotency_keys(self) -> int:
         """Delete keys past their lifetime."""
@@ -837,6 +867,21 @@ class JobStore:
                 self._event(conn, job_id, "metrics", message, metrics)
         return True
 
+    def rewind_finetune(self, job_id: str, token: str, step: int) -> bool:
+        """A fine-tune resumed at `step`: the metrics its lost run recorded past that step are
+        deleted, so the steps it runs again are reported once."""
+        with self._tx() as conn:
+            if not self._holds_finetune(conn, job_id, token):
+                return False
+            stmt = sa.select(events.c.seq, events.c.data).where(
+                events.c.job_id == job_id, events.c.type == "metrics"
+            )
+            lost = [r.seq for r in conn.execute(stmt) if json.loads(r.data)["step"] > step]
+            if lost:
+                conn.execute(events.delete().where(events.c.seq.in_(lost)))
+            conn.execute(fine_tunes.update().where(fine_tunes.c.id == job_id).values(step=step))
+        return True
+
     def add_event(
         self,
         job_id: str,
@@ -947,10 +992,12 @@ class AsyncStore:
 
 
 __all__ = [
+    "UNAVAILABLE",
     "AsyncStore",
     "JobStore",
     "WorkerNameInUse",
     "database_url",
+    "is_disk_full",
     "migrate",
     "new_token",
     "now",

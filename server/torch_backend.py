@@ -126,6 +126,15 @@ class TorchBackend(Backend):
             return "out_of_memory"
         return None
 
+    def is_fatal(self, exc: BaseException) -> bool:
+        if isinstance(exc, torch.cuda.OutOfMemoryError):
+            return False
+        accelerator_error = getattr(torch, "AcceleratorError", ())  # torch >= 2.8
+        # Any other CUDA runtime error is sticky: the context answers every later call with it.
+        return isinstance(exc, accelerator_error) or (
+            isinstance(exc, RuntimeError) and "CUDA error" in str(exc)
+        )
+
     def release_memory(self) -> None:
         if self.device.type == "cuda":
             # Cached blocks from the failed pass would otherwise look like a leak to the next job.

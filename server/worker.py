@@ -18,8 +18,11 @@ Scheduling happens at denoising-step boundaries. At each boundary the worker
 Only jobs for models this worker serves are claimed: its base models and the fine-tunes of them.
 
 Every job runs inside its own try/except: an exception (CUDA out of memory included) fails that job
-with its message, and the next boundary proceeds as usual. Only an error outside any job kills the
-worker, which `/healthz` then reports.
+with its message, and the next boundary proceeds as usual. Only an error that leaves the device
+unusable for any job (`Backend.is_fatal`), or one outside any job, kills the worker, which
+`/healthz` and `/metrics` then report. When the job store itself fails (a full disk, a database
+restarting), the worker keeps its jobs in memory and retries with back-off: nothing is lost, and
+whatever it could not record before its leases ran out runs again elsewhere.
 
 A second thread sends the heartbeat: it proves the worker alive in the registry, publishes its
 metrics, and extends the leases of the jobs it holds. When a write comes back refused (the lease
@@ -52,7 +55,7 @@ from .datadir import DataDir
 from .metrics import Registry
 from .protocol import ModelCard, card_to_dict
 from .settings import Settings
-from .store import JobStore, WorkerNameInUse, new_token, now
+from .store import UNAVAILABLE, JobStore, WorkerNameInUse, new_token, now
 from .workers import Fleet, fine_tuned_card
 
 log = logging.getLogger("megaslide.server")
@@ -63,6 +66,7 @@ DENOISE_SHARE = 90  # progress points for denoising; decoding and encoding the M
 DECODED_PROGRESS = 95  # clip decoded, MP4 being written; 100 only once the file is in place
 HOUSEKEEPING_INTERVAL_S = 600.0  # how often an idle worker deletes expired outputs
 RECOVERY_INTERVAL_S = 1.0  # how often a worker requeues jobs whose leases expired
+STORE_RETRY_S = (0.2, 5.0)  # back-off while the job store fails: first wait, longest wait
 
 
 @dataclass
@@ -91,6 +95,10 @@ class _Tuning:
 
 class LostLease(Exception):
     """The store refused a write: another worker holds the job now."""
+
+
+class DeviceLost(Exception):
+    """An error inside a job left the device unusable (`Backend.is_fatal`): the worker stops."""
 
 
 def default_name(device: str) -> str:
@@ -125,6 +133,7 @@ class Worker:
         self.cards = {card.name: card for card in backend.cards()}
         self.ready = False
         self.dead: str | None = None
+        self.trouble: str | None = None  # why the job store fails, while it does
         self.stop = threading.Event()
         self.wake = threading.Event()
         self._loaded: dict[str, VideoModel] = {}
@@ -135,6 +144,7 @@ class Worker:
         )  # MP4 writing overlaps the next denoising steps instead of delaying them
         self._heartbeat: threading.Thread | None = None
         self._batch: list[_Running] = []
+        self._encoding: dict[str, str] = {}  # video id -> claim token, while its MP4 is written
         self._tuning: _Tuning | None = None
         self._last_housekeeping = time.monotonic()
         self._last_recovery = -RECOVERY_INTERVAL_S
@@ -186,13 +196,21 @@ class Worker:
             self.ready = True
             self._send_heartbeat()
             log.info("worker %s ready: %s", self.name, ", ".join(self.cards))
+            retries = _backoff()
             while not self.stop.is_set():
-                if not self._tick():
-                    self._housekeeping()
+                try:
+                    busy = self._tick() or self._housekeeping()
+                except UNAVAILABLE as exc:
+                    self._store_failed(exc, next(retries))
+                    continue
+                if self.trouble is not None:
+                    log.warning("the job store works again")
+                    self.trouble, retries = None, _backoff()
+                if not busy:
                     self.wake.wait(IDLE_WAIT_S)
                     self.wake.clear()
             self._park()
-        except BaseException as exc:  # noqa: BLE001 - anything here is outside a job: the worker is dead
+        except BaseException as exc:  # noqa: BLE001 - outside any job, or the device is lost: the worker is dead
             self.dead = f"{type(exc).__name__}: {exc}"
             log.exception("worker died")
             try:  # nothing may show as running without a live worker: back to the queue
@@ -200,6 +218,26 @@ class Worker:
             except Exception:  # noqa: BLE001 - their leases expire instead
                 log.exception("could not requeue the running jobs")
             self._send_heartbeat()
+
+    def _store_failed(self, exc: BaseException, wait_s: float) -> None:
+        """A tick failed on the store: keep the jobs in memory and try again in `wait_s`."""
+        reason = f"the job store fails: {_message(exc)}"
+        if self.trouble is None:
+            log.error("%s; retrying with back-off", reason)
+        self.trouble = reason
+        self.stop.wait(wait_s)
+
+    def _retrying(self, call, *args, **kwargs):
+        """`call(*args, **kwargs)`, retried with back-off while the store fails; None if the
+        worker stops first (the job's lease then runs out and it runs again elsewhere)."""
+        for wait_s in _backoff():
+            try:
+                return call(*args, **kwargs)
+            except UNAVAILABLE as exc:
+                log.warning("job store write failed, retrying in %.1f s: %s", wait_s, exc)
+                if self.stop.wait(wait_s):
+                    return None
+        return None
 
     def close(self) -> None:
         """Leave the registry (after `run` returned)."""
@@ -218,10 +256,17 @@ class Worker:
             except Exception:  # noqa: BLE001 - the store may be back at the next beat
                 log.exception("heartbeat failed")
 
+    def _leases(self) -> list[str]:
+        """The claims this worker still works on (read from the heartbeat thread)."""
+        tokens = [r.token for r in list(self._batch)] + list(self._encoding.values())
+        tuning = self._tuning
+        return tokens + ([tuning.token] if tuning is not None else [])
+
     def _send_heartbeat(self) -> None:
         alive = self.store.heartbeat(
             self.name,
             self.token,
+            leases=self._leases(),
             lease_s=self.settings.lease_s,
             ready=self.ready,
             dead=self.dead,
@@ -262,22 +307,29 @@ class Worker:
                 names.append(row["name"])
         return names
 
-    def _housekeeping(self) -> None:
-        """When idle, now and then: delete the files of videos whose `expires_at` has passed."""
+    def _housekeeping(self) -> bool:
+        """When idle, now and then: delete the files of videos whose `expires_at` has passed,
+        old events of finished jobs and expired idempotency keys. Never counts as work done."""
         if time.monotonic() - self._last_housekeeping < HOUSEKEEPING_INTERVAL_S:
-            return
+            return False
         self._last_housekeeping = time.monotonic()
         for video_id in self.store.expired_videos():
             for path in self.data.video_files(video_id):
                 path.unlink(missing_ok=True)
+        self.store.prune_events(self.settings.event_ttl_s)
         self.store.forget_idempotency_keys()
+        return False
 
     def _park(self) -> None:
         """Graceful stop: running videos go back to the queue, a running fine-tune checkpoints
-        first. Whichever worker claims them next carries on."""
+        first. Whichever worker claims them next carries on. (With the store failing, their
+        leases run out instead: the same outcome, later.)"""
         claims = [(r.id, r.token) for r in self._batch]
-        self.store.requeue_videos(claims, f"requeued: worker {self.name} stopped while it ran")
         self._batch = []
+        try:
+            self.store.requeue_videos(claims, f"requeued: worker {self.name} stopped while it ran")
+        except UNAVAILABLE:
+            log.exception("could not requeue the running videos; their leases will expire")
         if self._tuning is not None:
             t, self._tuning = self._tuning, None
             try:
@@ -287,7 +339,10 @@ class Worker:
             except Exception as exc:  # noqa: BLE001 - the last automatic checkpoint still stands
                 reason = f"requeued: worker {self.name} stopped; checkpoint on stop failed ({exc})"
             t.trainer.close()
-            self.store.requeue_finetune(t.id, t.token, reason)
+            try:
+                self.store.requeue_finetune(t.id, t.token, reason)
+            except UNAVAILABLE:
+                log.exception("could not requeue fine-tune %s; its lease will expire", t.id)
 
     # --- videos ------------------------------------------------------------------------------
 
@@ -409,10 +464,17 @@ class Worker:
             return
         update = [(run.id, run.token, run.state.step, DECODED_PROGRESS)]
         if not self.store.set_video_progress(update, lease_s=self.settings.lease_s):
+            self._encoding[run.id] = run.token
             self._encoder.submit(self._encode, run, frames)
 
     def _encode(self, run: _Running, frames) -> None:
         """On the encoder thread: write the MP4 and thumbnail, then mark the job completed."""
+        try:
+            self._write_video(run, frames)
+        finally:
+            self._encoding.pop(run.id, None)
+
+    def _write_video(self, run: _Running, frames) -> None:
         mp4, png = self.data.video(run.id)
         try:
             self.backend.save_video(frames, run.video.fps, mp4, png)
@@ -420,7 +482,9 @@ class Worker:
             self._fail_video(run.id, run.token, exc)
             return
         expires_at = now() + self.settings.video_ttl_s
-        status = self.store.finish_video(run.id, run.token, "completed", expires_at=expires_at)
+        status = self._retrying(
+            self.store.finish_video, run.id, run.token, "completed", expires_at=expires_at
+        )
         if status == "completed":
             self.metrics.video_seconds.observe(time.perf_counter() - run.started)
         if status is not None:
@@ -430,10 +494,17 @@ class Worker:
                 path.unlink(missing_ok=True)
 
     def _fail_video(self, video_id: str, token: str, exc: BaseException) -> None:
+        """Record a failed video; stop the worker when the failure took the device with it."""
         log.warning("video %s failed: %s: %s", video_id, type(exc).__name__, exc)
         code = _request_code(exc) or self.backend.error_code(exc) or "generation_failed"
-        if self.store.finish_video(video_id, token, "failed", error=(code, _message(exc))):
+        failed = (code, _message(exc))
+        if self._retrying(self.store.finish_video, video_id, token, "failed", error=failed):
             self.metrics.jobs_finished.inc(kind="video", status="failed")
+        self._check_device(exc)
+
+    def _check_device(self, exc: BaseException) -> None:
+        if self.backend.is_fatal(exc):
+            raise DeviceLost(f"the device is unusable after {_message(exc)}") from exc
 
     # --- fine-tunes --------------------------------------------------------------------------
 
@@ -480,10 +551,13 @@ class Worker:
             log.warning("fine-tune %s: another worker holds it now; dropping it here", t.id)
             self._tuning = None
             t.trainer.close()
+        except UNAVAILABLE:
+            raise  # the store, not the job: the run loop retries
         except Exception as exc:  # noqa: BLE001 - the job fails; videos and later jobs go on
             self.backend.release_memory()
             code = self.backend.error_code(exc) or "training_failed"
             self._end_finetune("failed", error=(code, _message(exc)))
+            self._check_device(exc)
         return True
 
     def _start_finetune(self, row: dict) -> None:
@@ -510,16 +584,21 @@ class Worker:
                 expert=hyper.get("expert"),
             )
             trainer = self.backend.trainer(job)
+        except UNAVAILABLE:
+            raise
         except Exception as exc:  # noqa: BLE001
             code = self.backend.error_code(exc) or "training_failed"
             failed = (code, _message(exc))
             if self.store.finish_finetune(row["id"], token, "failed", error=failed):
                 self.metrics.jobs_finished.inc(kind="fine_tune", status="failed")
+            self._check_device(exc)
             return
         t = _Tuning(row["id"], token, trainer, row["model"], row["suffix"] or "")
         self._tuning = t
         try:
             self._record_checkpoints(t)  # those of an earlier attempt, without events
+            if attempt > 1 and not self.store.rewind_finetune(t.id, token, trainer.step):
+                raise LostLease(t.id)
             verb = f"Resumed at step {trainer.step}" if attempt > 1 else "Fine-tuning job started"
             self._finetune_event(f"{verb} ({trainer.total_steps} steps)")
             if not self.store.finetune_progress(
@@ -556,7 +635,10 @@ class Worker:
         try:
             t.trainer.close()
         finally:
-            if self.store.finish_finetune(t.id, t.token, status, error=error, model=model):
+            recorded = self._retrying(
+                self.store.finish_finetune, t.id, t.token, status, error=error, model=model
+            )
+            if recorded:
                 self.metrics.jobs_finished.inc(kind="fine_tune", status=status)
 
 
@@ -597,11 +679,16 @@ class EmbeddedWorker(Fleet):
 
     @property
     def ready(self) -> bool:
-        return self.worker is not None and self.worker.ready and self.worker.dead is None
+        w = self.worker
+        return w is not None and w.ready and w.dead is None and w.trouble is None
 
     @property
     def dead(self) -> str | None:
         return self.worker.dead if self.worker is not None else None
+
+    @property
+    def trouble(self) -> str | None:
+        return self.worker.trouble if self.worker is not None else None
 
     @property
     def metrics(self) -> Registry:
@@ -627,6 +714,14 @@ class EmbeddedWorker(Fleet):
 
 # ---------------------------------------------------------------------------------------------
 # helpers
+
+
+def _backoff():
+    """Waits in seconds: doubling from STORE_RETRY_S[0] up to STORE_RETRY_S[1], for ever."""
+    wait_s, longest = STORE_RETRY_S
+    while True:
+        yield wait_s
+        wait_s = min(2 * wait_s, longest)
 
 
 def _request_code(exc: BaseException) -> str | None:

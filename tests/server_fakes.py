@@ -5,7 +5,8 @@ are fake. It records every batched step as the list of job seeds it advanced, so
 jobs shared a pass, in which order they ran, and that a cancelled job got no further steps.
 
 Prompts steer failures: "explode" raises in the denoising step, "nomem" raises an error with the type
-name CUDA uses, "badprep" raises while preparing.
+name CUDA uses, "badprep" raises while preparing, "baddecode" while decoding, and "poison" raises
+an error that leaves the (pretend) device unusable.
 """
 
 from __future__ import annotations
@@ -54,6 +55,10 @@ class OutOfMemoryError(RuntimeError):
     """Named like torch.cuda.OutOfMemoryError, raised by the 'nomem' prompt."""
 
 
+class DeviceError(RuntimeError):
+    """What a poisoned CUDA context raises, by the 'poison' prompt: fatal to the worker."""
+
+
 class FakeState:
     def __init__(self, spec: ResolvedVideo):
         self.spec, self.step, self.num_steps = spec, 0, spec.steps
@@ -81,6 +86,8 @@ class FakeModel:
             raise OutOfMemoryError("CUDA out of memory. Tried to allocate 80.00 GiB")
         if any("explode" in p for p in prompts):
             raise RuntimeError("the denoiser exploded")
+        if any("poison" in p for p in prompts):
+            raise DeviceError("CUDA error: an illegal memory access was encountered")
         with b.lock:
             b.passes.append((self.name, [s.spec.seed for s in states]))
             b.timeline.append(("video", [s.spec.seed for s in states]))
@@ -90,6 +97,8 @@ class FakeModel:
 
     def finish(self, state):
         s = state.spec
+        if "baddecode" in s.prompt:
+            raise ValueError("the decoder met a NaN")
         # A clip whose bytes depend on the seed, so content tests can tell videos apart.
         rng = np.random.default_rng(s.seed)
         return rng.integers(0, 256, size=(s.frames, s.height, s.width, 3), dtype=np.uint8)
@@ -230,6 +239,9 @@ class FakeBackend(Backend):
 
     def release_memory(self):
         self.released += 1
+
+    def is_fatal(self, exc):
+        return isinstance(exc, DeviceError)
 
 
 def torch_app(settings):

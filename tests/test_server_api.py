@@ -10,15 +10,18 @@ import io
 import json
 import re
 import socket
+import sqlite3
 import subprocess
 import sys
 import tarfile
+import threading
 import time
 import warnings
 import zipfile
 from pathlib import Path
 
 import pytest
+import sqlalchemy as sa
 
 with warnings.catch_warnings():  # starlette's notice that its TestClient will move to httpx2
     warnings.simplefilter("ignore")
@@ -339,6 +342,65 @@ def test_a_failed_job_is_isolated(make_client):
     assert backend.released >= 2
     assert c.get("/healthz").json() == {"status": "ok"}
     assert wait_status(c, create(c, seed=5)["id"])["status"] == "completed"
+    # A decode that fails after every step ran: that job only.
+    decode = wait_status(c, create(c, prompt="baddecode", seed=6)["id"])
+    assert decode["error"]["message"] == "ValueError: the decoder met a NaN"
+    assert wait_status(c, create(c, seed=7)["id"])["status"] == "completed"
+
+
+def test_an_error_that_loses_the_device_stops_the_worker_and_says_so(make_client):
+    backend = FakeBackend()
+    c = make_client(backend)
+    backend.gate.clear()  # hold the worker on another job while both queue, so they share a pass
+    first = create(c, seed=0, num_frames=8)
+    until(lambda: c.get(f"/v1/videos/{first['id']}").json()["status"] == "in_progress")
+    poisoned = create(c, prompt="poison", seed=1)
+    bystander = create(c, seed=2)
+    backend.gate.set()
+    assert wait_status(c, first["id"])["status"] == "completed"
+    err = wait_status(c, poisoned["id"])["error"]
+    assert err["code"] == "generation_failed" and "illegal memory access" in err["message"]
+    until(lambda: c.get("/healthz").status_code == 503, what="healthz to report the lost device")
+    assert_error(c.get("/healthz"), 503, fragment="the device is unusable")
+    # The job that shared the pass was not failed with it: it waits for a working device.
+    wait_status(c, bystander["id"], statuses=("queued",))
+    until(lambda: 'megaslide_workers{state="dead"} 1' in c.get("/metrics").text, what="metrics")
+
+
+def fail_writes(store: JobStore, failing: threading.Event) -> None:
+    """While `failing` is set, every write to `store` fails as on a full disk."""
+
+    @sa.event.listens_for(store.engine, "before_cursor_execute")
+    def _full(conn, cursor, statement, params, context, executemany):
+        if failing.is_set() and statement.lstrip().upper().startswith(WRITES):
+            orig = sqlite3.OperationalError("database or disk is full")
+            raise sa.exc.OperationalError(statement, params, orig)
+
+
+WRITES = ("INSERT", "UPDATE", "DELETE")
+
+
+def test_a_failing_store_holds_the_worker_back_without_losing_a_job(make_client):
+    backend = FakeBackend()
+    c = make_client(backend)
+    failing = threading.Event()
+    fail_writes(c.app.state.store.sync, failing)
+    backend.gate.clear()
+    video = create(c, seed=1)
+    until(lambda: c.get(f"/v1/videos/{video['id']}").json()["status"] == "in_progress")
+    failing.set()
+    backend.gate.set()  # the step ends; recording it fails, and so does every write after
+    until(lambda: c.get("/readyz").status_code == 503, what="readyz to report the failing store")
+    assert_error(c.get("/readyz"), 503, fragment="database or disk is full")
+    assert c.get("/healthz").status_code == 200  # a full disk is not a dead worker
+    time.sleep(0.5)
+    failing.clear()  # space again
+    done = wait_status(c, video["id"])
+    assert done["status"] == "completed" and done["progress"] == 100
+    with c.stream("GET", f"/v1/videos/{video['id']}/events") as r:
+        assert "".join(r.iter_text()).count("event: video.completed") == 1
+    until(lambda: c.get("/readyz").status_code == 200, what="readyz to recover")
+    assert wait_status(c, create(c, seed=2)["id"])["status"] == "completed"
 
 
 def test_sse_events(make_client):
@@ -845,11 +907,12 @@ def test_restart_requeues_interrupted_work_and_resumes_finetunes(make_client, tm
     train_steps = [step for kind, step in backend.timeline if kind == "train"]
     assert train_steps == list(range(11, 41)), "did not resume right after the last checkpoint"
     assert done["step"] == 40 and done["fine_tuned_model"] == "ft:fake:s:1"
-    messages = [
-        e["message"]
-        for e in c.get("/v1/fine_tuning/jobs/ftjob-1/events", params={"limit": 1000}).json()["data"]
-    ]
+    events = c.get("/v1/fine_tuning/jobs/ftjob-1/events", params={"limit": 1000}).json()["data"]
+    messages = [e["message"] for e in events]
     assert any(f"requeued: worker {name} restarted" in m for m in messages)
+    # Step 13's metrics from the killed run went with the rewind: each step is reported once.
+    steps = [e["data"]["step"] for e in events if e["type"] == "metrics"]
+    assert sorted(steps) == list(range(11, 41))
     assert any(m.startswith("Resumed at step 10") for m in messages)
 
 

@@ -293,7 +293,8 @@ def test_heartbeats_keep_a_worker_live_and_its_leases_fresh(store):
     [row] = claim(store, worker="w1", lease_s=0.4)
     for _ in range(4):
         time.sleep(0.2)
-        assert store.heartbeat("w1", "t1", lease_s=0.4, ready=True, metrics={"x": 1})
+        beat = dict(leases=[row["lease_token"]], lease_s=0.4, ready=True, metrics={"x": 1})
+        assert store.heartbeat("w1", "t1", **beat)
         assert store.recover_expired()["videos_requeued"] == 0
     [live] = store.live_workers(ttl_s=5)
     assert live["name"] == "w1" and live["ready"] and live["models"] == [{"name": "m"}]
@@ -305,6 +306,51 @@ def test_heartbeats_keep_a_worker_live_and_its_leases_fresh(store):
     assert row["worker_id"] == "w1" and (after["status"], after["worker_id"]) == ("queued", None)
 
 
+def test_a_heartbeat_extends_only_the_claims_it_names(store):
+    register(store)
+    kept, forgotten = queue(store, 2)
+    rows = {r["id"]: r for r in claim(store, worker="w1", lease_s=0.4)}
+    for _ in range(3):
+        time.sleep(0.2)
+        beat = dict(leases=[rows[kept]["lease_token"]], lease_s=0.4, ready=True)
+        assert store.heartbeat("w1", "t1", **beat)
+    # A job the worker no longer names (it lost track of it) expires and runs again.
+    assert store.recover_expired()["videos_requeued"] == 1
+    assert store.get_video(forgotten)["status"] == "queued"
+    assert store.get_video(kept)["status"] == "in_progress"
+
+
+def test_old_events_of_finished_jobs_are_pruned(store):
+    done, running = queue(store, 2)
+    rows = {r["id"]: r for r in claim(store)}
+    store.finish_video(done, rows[done]["lease_token"], "completed")
+    with store._tx() as conn:
+        conn.execute(sa.text("UPDATE events SET created_at = created_at - 1000"))
+    assert store.prune_events(older_than_s=3600) == 0
+    assert store.prune_events(older_than_s=500) == 3  # queued, in progress, completed
+    assert store.events_after(done, 0) == [] and len(store.events_after(running, 0)) == 2
+
+
+def test_a_resumed_finetune_reports_each_step_once(store):
+    store.insert_finetune(finetune_row("ftjob-1"))
+    first = store.claim_finetune("w1", ["m"], lease_s=LEASE)
+    for step in (1, 2, 3):  # step 2 was checkpointed; step 3 is lost with the worker
+        metrics = {"step": step, "loss": 1.0}
+        assert store.finetune_progress(
+            "ftjob-1", first["lease_token"], step, 4, metrics, lease_s=LEASE
+        )
+    store.register_worker("w1", "restarted", host="h", pid=2, device="cpu", capacity=1, cards=[])
+    again = store.claim_finetune("w1", ["m"], lease_s=LEASE)
+    assert store.rewind_finetune("ftjob-1", again["lease_token"], 2)
+    for step in (3, 4):
+        metrics = {"step": step, "loss": 0.5}
+        store.finetune_progress("ftjob-1", again["lease_token"], step, 4, metrics, lease_s=LEASE)
+    events, _ = store.finetune_events("ftjob-1", None, 100)
+    steps = [json.loads(e["data"])["step"] for e in events if e["type"] == "metrics"]
+    assert steps == [4, 3, 2, 1]
+    assert not store.rewind_finetune("ftjob-1", first["lease_token"], 0)
+
+
 def test_a_restart_under_the_same_name_takes_back_its_jobs_and_retires_the_old_run(store):
     register(store, token="old")
     queue(store, 1)
@@ -312,8 +358,9 @@ def test_a_restart_under_the_same_name_takes_back_its_jobs_and_retires_the_old_r
     store.insert_finetune(finetune_row("ftjob-1"))
     store.claim_finetune("w1", ["m"], lease_s=LEASE)
     assert register(store, token="new") == {"videos_requeued": 1, "fine_tunes_requeued": 1}
-    assert not store.heartbeat("w1", "old", lease_s=LEASE, ready=True)  # the old run must stop
-    assert store.heartbeat("w1", "new", lease_s=LEASE, ready=True)
+    beat = dict(leases=[], lease_s=LEASE, ready=True)
+    assert not store.heartbeat("w1", "old", **beat)  # the old run must stop
+    assert store.heartbeat("w1", "new", **beat)
     store.deregister_worker("w1", "new")
     assert store.worker("w1") is None
 

@@ -236,3 +236,25 @@ def test_undecodable_file(tmp_path):
     bad.write_bytes(b"this is not a video" * 10)
     with pytest.raises(ValueError, match="bad.mp4"):
         read_video(bad)
+
+
+def test_a_write_that_fails_for_want_of_space_leaves_no_temporary_file(tmp_path):
+    import errno
+
+    from megaslide.engine.atomic import atomic_directory, atomic_write, remove_stale
+
+    def full(_tmp):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(OSError, match="No space"):
+        atomic_write(tmp_path / "clip.png", full)
+    with pytest.raises(OSError, match="No space"), atomic_directory(tmp_path / "step-3") as tmp:
+        (tmp / "model.safetensors").write_bytes(b"half")
+        full(tmp)
+    assert list(tmp_path.iterdir()) == []  # removed at once, not at the next start
+    # What a killed writer leaves is removed only once it has been left alone long enough.
+    (tmp_path / ".clip.mp4.abc.tmp").write_bytes(b"x")
+    remove_stale(tmp_path, min_age_s=3600)
+    assert (tmp_path / ".clip.mp4.abc.tmp").exists()
+    remove_stale(tmp_path)
+    assert list(tmp_path.iterdir()) == []

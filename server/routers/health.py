@@ -26,6 +26,8 @@ async def healthz(workers: WorkersDep):
 async def readyz(workers: WorkersDep):
     if workers.dead:
         raise EngineDead(f"the worker stopped: {workers.dead}")
+    if workers.trouble:
+        raise NotReady(workers.trouble)
     if not workers.ready:
         raise NotReady("the models are still loading, or no worker is live")
     live = workers.live_workers()
