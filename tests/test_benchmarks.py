@@ -83,7 +83,7 @@ def test_wan_plan_answers_the_machines_people_have():
 
 
 def test_queue_benchmark_runs_every_job_once_on_both_stores():
-    r = run_json("benchmarks/queue.py", "--jobs", "24", "--json")
+    r = run_json("benchmarks/job_queue.py", "--jobs", "24", "--json")
     runs = {(run["database"], run["workers"]): run for run in r["runs"]}
     assert set(runs) == {(db, n) for db in ("sqlite", "postgresql") for n in (1, 2)}
     for run in runs.values():

@@ -1,7 +1,7 @@
 """The job store under load: no-op video jobs through 1 and 2 worker processes, on SQLite and on
 PostgreSQL.
 
-    python benchmarks/queue.py --json [--jobs 1000] [--postgres URL]
+    python benchmarks/job_queue.py --json [--jobs 1000] [--postgres URL]
 
 Each run fills a fresh database with `--jobs` queued videos (one denoising step each), then starts
 the worker processes: the real `Worker` (claims, leases, progress, outcomes, heartbeats) on a
@@ -22,22 +22,17 @@ first), or a throwaway server started here from the system's PostgreSQL binaries
 
 from __future__ import annotations
 
+import argparse
+import json
+import multiprocessing
+import platform
 import sys
+import tempfile
+import threading
+import time
 from pathlib import Path
 
-# This file is named like the standard library's `queue`, which multiprocessing imports: keep its
-# folder off the import path, and the repository on it (for tests.postgres and the fake backend).
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
-sys.path.insert(0, str(_HERE.parent))
-
-import argparse  # noqa: E402
-import json  # noqa: E402
-import multiprocessing  # noqa: E402
-import platform  # noqa: E402
-import tempfile  # noqa: E402
-import threading  # noqa: E402
-import time  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests.postgres and the fakes
 
 import numpy as np  # noqa: E402
 
