@@ -53,6 +53,7 @@ VIDEO_ACTIVE = ("queued", "in_progress")
 VIDEO_TERMINAL = ("completed", "failed", "cancelled")
 FINETUNE_ACTIVE = ("queued", "running")
 IDEMPOTENCY_TTL_S = 24 * 3600
+ABANDONED_KEY_S = 600  # a reserved key whose request did not finish in this long was abandoned
 MIGRATIONS = Path(__file__).parent / "migrations"
 BASELINE = "0001"  # the schema data directories had before migrations existed
 MIGRATION_LOCK = 0x6D6567615F6462  # PostgreSQL advisory lock: one migrating process at a time
@@ -394,24 +395,57 @@ class JobStore:
 
     # --- idempotency and housekeeping ----------------------------------------------------------
 
-    def idempotent(self, scope: str, key: str) -> dict | None:
-        """The `(request_hash, resource_id)` a key was first used with, if within its lifetime."""
+    def reserve_key(self, scope: str, key: str, request_hash: str) -> dict | None:
+        """Reserve an Idempotency-Key for a request about to do its work: None when this call
+        reserved it (the work then records its outcome under it, or `release_key` frees it);
+        otherwise what the key holds: `request_hash`, `resource_id` (None while the first
+        request is still at work) and `response`. A key past its lifetime, or one whose first
+        request never finished (its process died), is reserved afresh."""
         t = idempotency
-        return self._one(
-            sa.select(t.c.request_hash, t.c.resource_id).where(
-                t.c.scope == scope, t.c.key == key, t.c.created_at >= now() - IDEMPOTENCY_TTL_S
-            )
-        )
+        mine = dict(request_hash=request_hash, resource_id=None, response=None, created_at=now())
+        with self._tx() as conn:
+            stmt = self._insert(t).values(scope=scope, key=key, **mine).on_conflict_do_nothing()
+            if conn.execute(stmt.returning(t.c.key)).first() is not None:  # inserted: ours
+                return None
+            held = sa.and_(t.c.scope == scope, t.c.key == key)
+            row = dict(conn.execute(sa.select(t).where(held).with_for_update()).mappings().one())
+            expired = row["created_at"] < now() - IDEMPOTENCY_TTL_S
+            abandoned = row["resource_id"] is None and row["response"] is None
+            abandoned = abandoned and row["created_at"] < now() - ABANDONED_KEY_S
+            if expired or abandoned:
+                conn.execute(t.update().where(held).values(**mine))
+                return None
+            return row
 
-    def _remember(
-        self, conn: sa.Connection, key: tuple[str, str, str] | None, resource_id: str
-    ) -> None:
+    def release_key(self, scope: str, key: str) -> None:
+        """Free a reservation whose request failed, so a retry does the work anew."""
+        t = idempotency
+        pending = sa.and_(
+            t.c.scope == scope, t.c.key == key, t.c.resource_id.is_(None), t.c.response.is_(None)
+        )
+        with self._tx() as conn:
+            conn.execute(t.delete().where(pending))
+
+    def record_response(self, scope: str, key: str, response: dict) -> None:
+        """Keep the first answer of a request (a DELETE, a cancel) for its retries."""
+        t = idempotency
+        with self._tx() as conn:
+            conn.execute(
+                t.update()
+                .where(t.c.scope == scope, t.c.key == key)
+                .values(response=json.dumps(response))
+            )
+
+    @staticmethod
+    def _remember(conn: sa.Connection, key: tuple[str, str, str] | None, resource_id: str) -> None:
+        """Record the resource a reserved key's request created, in the transaction creating it."""
         if key is None:
             return
-        scope, name, request_hash = key
-        row = dict(request_hash=request_hash, resource_id=resource_id, created_at=now())
-        stmt = self._insert(idempotency).values(scope=scope, key=name, **row)
-        conn.execute(stmt.on_conflict_do_update(index_elements=["scope", "key"], set_=row))
+        scope, name, _ = key
+        t = idempotency
+        conn.execute(
+            t.update().where(t.c.scope == scope, t.c.key == name).values(resource_id=resource_id)
+        )
 
     def prune_events(self, older_than_s: float) -> int:
         """Delete events older than `older_than_s` of jobs that are over (or gone); returns how
@@ -470,8 +504,15 @@ class JobStore:
 
     # --- videos: the API's side --------------------------------------------------------------
 
-    def insert_video(self, video_id: str, spec: dict, priority: int = 0, idempotency=None) -> dict:
-        """Queue a resolved video request (`ResolvedVideo.to_dict()`)."""
+    def insert_video(
+        self,
+        video_id: str,
+        spec: dict,
+        priority: int = 0,
+        idempotency=None,
+        owner: str | None = None,
+    ) -> dict:
+        """Queue a resolved video request (`ResolvedVideo.to_dict()`) for `owner`."""
         with self._tx() as conn:
             conn.execute(
                 videos.insert().values(
@@ -481,6 +522,7 @@ class JobStore:
                     model=spec["model"],
                     priority=priority,
                     spec=json.dumps(spec),
+                    owner=owner,
                 )
             )
             data = {"status": "queued", "progress": 0, "step": 0}
@@ -491,8 +533,10 @@ class JobStore:
     def get_video(self, video_id: str) -> dict | None:
         return self._one(sa.select(videos).where(videos.c.id == video_id))
 
-    def list_videos(self, after: str | None, limit: int, order: str) -> tuple[list[dict], bool]:
-        return self._page(videos, after, limit, order)
+    def list_videos(
+        self, after: str | None, limit: int, order: str, owner: str | None = None
+    ) -> tuple[list[dict], bool]:
+        return self._page(videos, after, limit, order, *_visible_to(videos, owner))
 
     def queued_videos(self, limit: int) -> list[dict]:
         """Queued videos in the order they should run: higher priority first, then first come."""
@@ -704,11 +748,63 @@ class JobStore:
     # --- files -------------------------------------------------------------------------------
 
     def insert_file(self, row: dict, idempotency=None) -> dict:
-        keys = ("id", "filename", "purpose", "bytes", "path", "clips")
+        """An upload, `uploaded` until validated (`claim_file_validation`)."""
+        keys = ("id", "filename", "purpose", "bytes", "path")
         with self._tx() as conn:
-            conn.execute(files.insert().values(created_at=now(), **{k: row[k] for k in keys}))
+            conn.execute(
+                files.insert().values(
+                    created_at=now(),
+                    clips=0,
+                    status="uploaded",
+                    owner=row.get("owner"),
+                    **{k: row[k] for k in keys},
+                )
+            )
             self._remember(conn, idempotency, row["id"])
         return self.get_file(row["id"])
+
+    def claim_file_validation(self, lease_s: float) -> dict | None:
+        """An upload waiting for validation, now this caller's for `lease_s` seconds (an API
+        host that dies meanwhile leaves it to another, or to its own restart)."""
+        free = sa.or_(
+            files.c.validating_until.is_(None), files.c.validating_until < self.db_now()
+        )
+        stmt = (
+            sa.select(files)
+            .where(files.c.status == "uploaded", free)
+            .order_by(files.c.seq)
+            .limit(1)
+            .with_for_update(skip_locked=True)
+        )
+        with self._tx() as conn:
+            row = conn.execute(stmt).mappings().first()
+            if row is None:
+                return None
+            conn.execute(
+                files.update()
+                .where(files.c.id == row["id"])
+                .values(validating_until=self.db_now() + lease_s)
+            )
+        return dict(row)
+
+    def finish_file_validation(
+        self, file_id: str, *, clips: int | None = None, error: str | None = None
+    ) -> bool:
+        """uploaded -> processed (with its clip count) | error (with why)."""
+        status = "error" if error is not None else "processed"
+        with self._tx() as conn:
+            return bool(
+                conn.execute(
+                    files.update()
+                    .where(files.c.id == file_id, files.c.status == "uploaded")
+                    .values(
+                        status=status,
+                        clips=clips or 0,
+                        status_details=error,
+                        validating_until=None,
+                    )
+                ).rowcount
+            )
 
     def get_file(self, file_id: str) -> dict | None:
         return self._one(sa.select(files).where(files.c.id == file_id))
@@ -716,9 +812,11 @@ class JobStore:
     def file_ids(self) -> set[str]:
         return {r["id"] for r in self._all(sa.select(files.c.id))}
 
-    def list_files(self, after, limit, order, purpose=None) -> tuple[list[dict], bool]:
+    def list_files(
+        self, after, limit, order, purpose=None, owner: str | None = None
+    ) -> tuple[list[dict], bool]:
         where = [files.c.purpose == purpose] if purpose else []
-        return self._page(files, after, limit, order, *where)
+        return self._page(files, after, limit, order, *where, *_visible_to(files, owner))
 
     def delete_file(self, file_id: str) -> str:
         """'deleted', 'missing', or 'in_use' when an active fine-tune still reads it."""
@@ -746,6 +844,7 @@ class JobStore:
                     created_at=now(),
                     status="queued",
                     hyperparameters=json.dumps(row["hyperparameters"]),
+                    owner=row.get("owner"),
                     **{k: row[k] for k in keys},
                 )
             )
@@ -756,8 +855,10 @@ class JobStore:
     def get_finetune(self, job_id: str) -> dict | None:
         return self._one(sa.select(fine_tunes).where(fine_tunes.c.id == job_id))
 
-    def list_finetunes(self, after, limit, order="desc") -> tuple[list[dict], bool]:
-        return self._page(fine_tunes, after, limit, order)
+    def list_finetunes(
+        self, after, limit, order="desc", owner: str | None = None
+    ) -> tuple[list[dict], bool]:
+        return self._page(fine_tunes, after, limit, order, *_visible_to(fine_tunes, owner))
 
     def cancel_finetune(self, job_id: str) -> str | None:
         """Cancel a queued job now or flag a running one; returns the status after."""
@@ -835,10 +936,12 @@ class JobStore:
             "lease_token": token,
         }
 
-    def _holds_finetune(self, conn: sa.Connection, job_id: str, token: str) -> bool:
-        """Whether claim `token` still runs `job_id`; locks the row for this transaction."""
+    def _holds_finetune(self, conn: sa.Connection, job_id: str, token: str) -> dict | None:
+        """The job's row while claim `token` still runs it (else None); locked for this
+        transaction."""
         row = self._locked(conn, fine_tunes, job_id)
-        return row is not None and row["status"] == "running" and row["lease_token"] == token
+        held = row is not None and row["status"] == "running" and row["lease_token"] == token
+        return row if held else None
 
     def finetune_progress(
         self,
@@ -936,7 +1039,8 @@ class JobStore:
         its model in the same transaction. False when the claim is no longer this one."""
         code, message = error if error else (None, None)
         with self._tx() as conn:
-            if not self._holds_finetune(conn, job_id, token):
+            job = self._holds_finetune(conn, job_id, token)
+            if job is None:
                 return False
             conn.execute(
                 fine_tunes.update()
@@ -958,6 +1062,7 @@ class JobStore:
                         path=model["path"],
                         job_id=job_id,
                         created_at=now(),
+                        owner=job["owner"],  # a fine-tuned model is its job owner's
                     )
                 )
             text = {
@@ -973,6 +1078,13 @@ class JobStore:
         with self._tx() as conn:
             held = sa.and_(fine_tunes.c.id == job_id, fine_tunes.c.lease_token == token)
             self._requeue_finetunes(conn, held, reason)
+
+
+def _visible_to(table: sa.Table, owner: str | None) -> list:
+    """Rows `owner` may see: its own, and those made before keys were owners. None: all."""
+    if owner is None:
+        return []
+    return [sa.or_(table.c.owner == owner, table.c.owner.is_(None))]
 
 
 class AsyncStore:

@@ -53,6 +53,7 @@ videos = sa.Table(
     sa.Column("error_code", sa.Text),
     sa.Column("error_message", sa.Text),
     *_lease(),
+    sa.Column("owner", sa.Text),  # the principal that made it (auth.py); NULL: made before keys
     sa.Index("videos_by_status", "status", sa.desc("priority"), "seq"),
     sqlite_autoincrement=True,
 )
@@ -68,6 +69,12 @@ files = sa.Table(
     sa.Column("bytes", sa.Integer, nullable=False),
     sa.Column("path", sa.Text, nullable=False),
     sa.Column("clips", sa.Integer, nullable=False),
+    sa.Column("owner", sa.Text),
+    # uploaded -> processed | error: an archive is validated after its upload returns, by the API
+    # host that holds `validating_until`.
+    sa.Column("status", sa.Text, nullable=False, server_default="processed"),
+    sa.Column("status_details", sa.Text),
+    sa.Column("validating_until", sa.Float),
     sqlite_autoincrement=True,
 )
 
@@ -93,6 +100,7 @@ fine_tunes = sa.Table(
     sa.Column("error_code", sa.Text),
     sa.Column("error_message", sa.Text),
     *_lease(),
+    sa.Column("owner", sa.Text),
     sa.Index("fine_tunes_by_status", "status", "seq"),
     sqlite_autoincrement=True,
 )
@@ -133,17 +141,22 @@ models = sa.Table(
     sa.Column("path", sa.Text, nullable=False),
     sa.Column("job_id", sa.Text, nullable=False),
     sa.Column("created_at", sa.Integer, nullable=False),
+    sa.Column("owner", sa.Text),
     sqlite_autoincrement=True,
 )
 
+# An Idempotency-Key, reserved when its first request starts: `resource_id` is set in the
+# transaction that creates the resource (NULL while that request runs); `response` keeps the
+# first answer of a DELETE or cancel.
 idempotency = sa.Table(
     "idempotency",
     metadata,
     sa.Column("scope", sa.Text, primary_key=True),
     sa.Column("key", sa.Text, primary_key=True),
     sa.Column("request_hash", sa.Text, nullable=False),
-    sa.Column("resource_id", sa.Text, nullable=False),
+    sa.Column("resource_id", sa.Text),
     sa.Column("created_at", sa.Integer, nullable=False),
+    sa.Column("response", sa.Text),
 )
 
 # One row per worker process: who it is, what it serves, and when it last proved alive.

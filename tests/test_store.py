@@ -383,7 +383,7 @@ def finetune_row(job_id: str, training_file: str = "file-1") -> dict:
 
 def test_finetune_lifecycle_registers_its_model_once(store):
     upload = {"id": "file-1", "filename": "d.zip", "purpose": "fine-tune", "bytes": 3}
-    store.insert_file({**upload, "path": "files/file-1/data", "clips": 2})
+    store.insert_file({**upload, "path": "files/file-1/data"})
     store.insert_finetune(finetune_row("ftjob-1"))
     assert store.delete_file("file-1") == "in_use"
     job = store.claim_finetune("w1", ["m"], lease_s=LEASE)
@@ -415,17 +415,67 @@ def test_finetune_cancel(store):
     assert store.finish_finetune("queued", running["lease_token"], "cancelled")
 
 
-def test_idempotency_keys_remember_the_first_resource(store):
-    store.insert_video("video_a", spec(0), idempotency=("k", "/v1/videos:1", "hash-a"))
-    assert store.idempotent("k", "/v1/videos:1") == {
-        "request_hash": "hash-a",
-        "resource_id": "video_a",
+def test_an_idempotency_key_is_reserved_before_the_work_and_answers_its_retries(store):
+    key = ("k", "/v1/videos:1", "hash-a")
+    assert store.reserve_key(*key) is None  # ours: do the work
+    pending = store.reserve_key(*key)  # a retry meanwhile: the first request is still at work
+    assert pending["resource_id"] is None and pending["request_hash"] == "hash-a"
+    store.insert_video("video_a", spec(0), idempotency=key)
+    assert store.reserve_key(*key)["resource_id"] == "video_a"
+    assert store.reserve_key("other-scope", "/v1/videos:1", "hash-a") is None
+
+
+def test_a_failed_request_frees_its_key_and_a_stale_one_expires(store):
+    assert store.reserve_key("k", "DELETE /v1/videos/v:1", "h") is None
+    store.release_key("k", "DELETE /v1/videos/v:1")  # the request failed: a retry starts over
+    assert store.reserve_key("k", "DELETE /v1/videos/v:1", "h") is None
+    store.record_response("k", "DELETE /v1/videos/v:1", {"deleted": True})
+    store.release_key("k", "DELETE /v1/videos/v:1")  # answered keys are never freed
+    assert json.loads(store.reserve_key("k", "DELETE /v1/videos/v:1", "h")["response"]) == {
+        "deleted": True
     }
-    assert store.idempotent("other-key", "/v1/videos:1") is None
+    assert store.reserve_key("k", "abandoned", "h") is None
+    with store._tx() as conn:
+        conn.execute(sa.text("UPDATE idempotency SET created_at = created_at - 3600"))
+    assert store.reserve_key("k", "abandoned", "h") is None  # its request never finished
     with store._tx() as conn:
         conn.execute(sa.text("UPDATE idempotency SET created_at = 0"))
-    assert store.idempotent("k", "/v1/videos:1") is None
+    assert store.reserve_key("k", "DELETE /v1/videos/v:1", "h") is None  # past its lifetime
     assert store.forget_idempotency_keys() == 1
+
+
+def test_lists_show_an_owner_its_own_rows_and_the_unowned_ones(store):
+    store.insert_video("video_a", spec(0), owner="alice")
+    store.insert_video("video_b", spec(1), owner="bob")
+    store.insert_video("video_old", spec(2))  # made before keys were owners
+    ids = lambda page: [r["id"] for r in page[0]]  # noqa: E731
+    assert ids(store.list_videos(None, 10, "asc", owner="alice")) == ["video_a", "video_old"]
+    assert ids(store.list_videos(None, 10, "asc")) == ["video_a", "video_b", "video_old"]
+    store.insert_finetune({**finetune_row("ftjob-1"), "owner": "bob"})
+    assert ids(store.list_finetunes(None, 10, owner="alice")) == []
+    job = store.claim_finetune("w1", ["m"], lease_s=LEASE)
+    model = {"name": "ft:m:s:1", "parent": "m", "path": "models/ftjob-1"}
+    store.finish_finetune("ftjob-1", job["lease_token"], "succeeded", model=model)
+    assert store.models()[0]["owner"] == "bob"  # the model is its job owner's
+
+
+def test_an_upload_is_validated_after_it_returns_by_one_host_at_a_time(store):
+    upload = {"filename": "d.zip", "purpose": "fine-tune", "bytes": 3, "owner": "alice"}
+    store.insert_file({**upload, "id": "file-1", "path": "files/file-1/upload"})
+    store.insert_file({**upload, "id": "file-2", "path": "files/file-2/upload"})
+    assert store.get_file("file-1")["status"] == "uploaded"
+    first = store.claim_file_validation(lease_s=0.3)
+    second = store.claim_file_validation(lease_s=0.3)
+    assert (first["id"], second["id"]) == ("file-1", "file-2")
+    assert store.claim_file_validation(lease_s=0.3) is None  # both held
+    assert store.finish_file_validation("file-1", clips=7)
+    time.sleep(0.5)  # the host validating file-2 died: another takes it
+    assert store.claim_file_validation(lease_s=60)["id"] == "file-2"
+    assert store.finish_file_validation("file-2", error="metadata.jsonl line 3: no file")
+    assert not store.finish_file_validation("file-2", clips=1)  # validated once
+    one, two = store.get_file("file-1"), store.get_file("file-2")
+    assert (one["status"], one["clips"]) == ("processed", 7)
+    assert (two["status"], two["status_details"]) == ("error", "metadata.jsonl line 3: no file")
 
 
 def test_pages_in_both_orders(store):

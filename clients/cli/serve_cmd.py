@@ -56,6 +56,17 @@ def register(sub) -> None:
     _worker_args(worker)
     worker.set_defaults(run=run_worker)
 
+    keys = sub.add_parser(
+        "keys",
+        help="make an API key for a keys file (MEGASLIDE_API_KEYS_FILE)",
+        description="Print a new random API key for NAME, and the line that grants it in a keys "
+        "file (which stores only the key's SHA-256). Add the line, give the key to its user; "
+        "a second line for the same NAME rotates keys without orphaning what NAME made.",
+    )
+    keys.add_argument("name", metavar="NAME", help="the principal the key stands for")
+    keys.add_argument("--admin", action="store_true", help="a key that sees every principal's")
+    keys.set_defaults(run=run_keys)
+
 
 def _store_args(p) -> None:
     p.add_argument(
@@ -257,3 +268,15 @@ def _shown(url: str) -> str:
     from sqlalchemy import make_url
 
     return make_url(url).render_as_string(hide_password=True)
+
+
+def run_keys(args) -> int:
+    from megaslide.server.auth import NAME, digest, new_key
+
+    if not NAME.fullmatch(args.name):
+        raise UsageError(f"{args.name!r} is not a name (letters, digits, _.@-; up to 64)")
+    key = new_key()
+    role = "  admin" if args.admin else ""
+    print(f"key (give it to {args.name}; it is not stored anywhere): {key}", file=sys.stderr)
+    print(f"{args.name}  {digest(key)}{role}")
+    return 0
