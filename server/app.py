@@ -16,11 +16,13 @@ from fastapi import Depends, FastAPI
 
 from megaslide.engine import __version__
 
+from .body_limit import BodyLimit, Upload
 from .datadir import DataDir
 from .deps import require_api_key
-from .errors import install_error_handlers
+from .errors import UnexpectedErrors, install_error_handlers
 from .protocol import WorkerClient
 from .routers import files, fine_tuning, health, models, videos, web
+from .schemas import error_responses
 from .settings import Settings
 from .store import AsyncStore, JobStore
 
@@ -94,9 +96,19 @@ def build_app(settings: Settings, workers: WorkerClient) -> FastAPI:
     app.state.workers = workers
     app.state.data = data
     install_error_handlers(app)
+    uploads = [
+        Upload("POST", "/v1/files", settings.max_upload_bytes, "file"),
+        Upload("POST", "/v1/videos", settings.max_image_bytes, "input_reference"),
+    ]
+    app.add_middleware(BodyLimit, max_body_bytes=settings.max_body_bytes, uploads=uploads)
+    app.add_middleware(UnexpectedErrors)  # added last, so outermost: it sees every failure
     app.include_router(health.router)
     app.include_router(web.router)
     app.mount("/assets", web.assets(), name="assets")
     for router in (videos.router, files.router, fine_tuning.router, models.router):
-        app.include_router(router, dependencies=[Depends(require_api_key)])
+        app.include_router(
+            router,
+            dependencies=[Depends(require_api_key)],
+            responses=error_responses(401, 413, 500),
+        )
     return app

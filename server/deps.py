@@ -15,7 +15,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from .datadir import DataDir
-from .errors import Conflict, EngineDead, QueueFull, Unauthorized
+from .errors import Conflict, EngineDead, InvalidRequest, QueueFull, Unauthorized
 from .protocol import WorkerClient
 from .settings import Settings
 from .store import AsyncStore
@@ -59,6 +59,20 @@ def require_api_key(request: Request, settings: SettingsDep) -> None:
         raise Unauthorized("Incorrect API key provided")
     # Idempotency keys are scoped per API key, so one client cannot replay another's job.
     request.state.key_scope = hashlib.sha256(token).hexdigest()[:16]
+
+
+EVENT_SEQ_LIMIT = 2**63  # event numbers are stored as signed 64-bit integers
+
+
+def event_seq(text: str, param: str) -> int:
+    """An event number a client sends back (SSE's `Last-Event-ID`, a page cursor): plain decimal
+    digits below 2**63, else a 400 naming `param`."""
+    # isdigit() alone would take other scripts' digits ("٣", "²"); 19 digits hold any valid one.
+    if not (text.isascii() and text.isdigit() and len(text) <= 19) or int(text) >= EVENT_SEQ_LIMIT:
+        raise InvalidRequest(
+            f"{param} must be an event number below 2**63, got {text[:40]!r}", param=param
+        )
+    return int(text)
 
 
 def new_id(prefix: str) -> str:

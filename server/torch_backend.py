@@ -82,12 +82,19 @@ class TorchBackend(Backend):
     # --- fine-tuning -------------------------------------------------------------------------
 
     def check_dataset(self, root: Path) -> int:
-        from megaslide.engine.data import DatasetError, validate_dataset
+        from megaslide.engine.data import DatasetError, DatasetLimits, validate_dataset
 
+        s = self.settings
+        limits = DatasetLimits(
+            max_clips=s.max_dataset_clips,
+            max_line_bytes=s.max_metadata_line_bytes,
+            max_frames=s.max_dataset_frames,
+            max_pixels=s.max_image_pixels,
+        )
         try:
-            return len(validate_dataset(root))
+            return len(validate_dataset(root, limits=limits))
         except DatasetError as e:
-            raise ValueError(str(e)) from None
+            raise ValueError(e.summary()) from None
 
     def trainer(self, job: FinetuneJob) -> TrainingRun:
         config = FinetuneConfig(

@@ -28,48 +28,10 @@ from megaslide.server import Settings, build_app
 from megaslide.server.store import JobStore
 from megaslide.server.worker import EmbeddedWorker
 
-from .server_fakes import FakeBackend
+from .server_fakes import FakeBackend, until
 
 TERMINAL = ("completed", "failed", "cancelled")
 SMALL = {"num_frames": 4, "size": "32x32", "num_inference_steps": 2}
-
-
-@pytest.fixture
-def make_client(tmp_path, monkeypatch):
-    for var in ("MEGASLIDE_API_KEYS", "MEGASLIDE_MODELS", "MEGASLIDE_PRESET"):
-        monkeypatch.delenv(var, raising=False)
-    opened = []
-
-    def make(
-        backend: FakeBackend | None = None, wait_ready: bool = True, **overrides
-    ) -> TestClient:
-        backend = backend or FakeBackend()
-        options = dict(
-            data_dir=tmp_path / "data", poll_after_ms=50, cancel_wait_s=5.0, sse_interval_s=0.02
-        )
-        settings = Settings(**{**options, **overrides})
-        client = TestClient(build_app(settings, EmbeddedWorker(settings, backend)))
-        client.__enter__()
-        opened.append(client)
-        client.backend = backend
-        if wait_ready:
-            until(lambda: client.get("/readyz").status_code == 200, what="readyz")
-        return client
-
-    yield make
-    for client in reversed(opened):
-        client.backend.gate.set()
-        client.__exit__(None, None, None)
-
-
-def until(predicate, timeout=10.0, what="condition", interval=0.01):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def create(client, **fields):

@@ -14,6 +14,7 @@ from ..deps import (
     StoreDep,
     WorkersDep,
     admit,
+    event_seq,
     idempotency,
     new_id,
     replayed,
@@ -30,6 +31,7 @@ from ..schemas import (
     Hyperparameters,
     ListPage,
     checkpoint_object,
+    error_responses,
     event_object,
     finetune_object,
     page,
@@ -82,7 +84,7 @@ def resolve_hyperparameters(h: Hyperparameters, card: ModelCard, settings: Setti
     }
 
 
-@router.post("", response_model=FineTuningJob)
+@router.post("", response_model=FineTuningJob, responses=error_responses(400, 404, 409, 429, 503))
 async def create_job(
     body: FineTuningJobCreate,
     request: Request,
@@ -150,7 +152,7 @@ async def create_job(
     return finetune_object(row)
 
 
-@router.get("", response_model=ListPage[FineTuningJob])
+@router.get("", response_model=ListPage[FineTuningJob], responses=error_responses(400))
 async def list_jobs(
     store: StoreDep, after: str | None = None, limit: int = Query(20, ge=1, le=100)
 ):
@@ -158,12 +160,12 @@ async def list_jobs(
     return page([finetune_object(r) for r in rows], has_more)
 
 
-@router.get("/{job_id}", response_model=FineTuningJob)
+@router.get("/{job_id}", response_model=FineTuningJob, responses=error_responses(404))
 async def retrieve_job(job_id: str, store: StoreDep):
     return finetune_object(await find_job(store, job_id))
 
 
-@router.post("/{job_id}/cancel", response_model=FineTuningJob)
+@router.post("/{job_id}/cancel", response_model=FineTuningJob, responses=error_responses(400, 404))
 async def cancel_job(job_id: str, store: StoreDep, workers: WorkersDep, settings: SettingsDep):
     """Cancel a queued job now, or a running one at its next optimizer step (the answer waits for it)."""
     row = await find_job(store, job_id)
@@ -183,19 +185,31 @@ async def cancel_job(job_id: str, store: StoreDep, workers: WorkersDep, settings
     return finetune_object(await store.get_finetune(job_id))
 
 
-@router.get("/{job_id}/events", response_model=ListPage[FineTuningEvent])
+@router.get(
+    "/{job_id}/events",
+    response_model=ListPage[FineTuningEvent],
+    responses=error_responses(400, 404),
+)
 async def list_events(
     job_id: str, store: StoreDep, after: str | None = None, limit: int = Query(20, ge=1, le=1000)
 ):
     """Newest first; `after` is the id of the last event of the previous page."""
     await find_job(store, job_id)
-    if after is not None and not after.removeprefix("ftevent-").isdigit():
-        raise InvalidRequest(f"after must be an event id (ftevent-N), got {after!r}", param="after")
+    if after is not None:
+        if not after.startswith("ftevent-"):
+            raise InvalidRequest(
+                f"after must be an event id (ftevent-N), got {after[:40]!r}", param="after"
+            )
+        event_seq(after.removeprefix("ftevent-"), "after")
     rows, has_more = await store.finetune_events(job_id, after, limit)
     return page([event_object(r) for r in rows], has_more)
 
 
-@router.get("/{job_id}/checkpoints", response_model=ListPage[Checkpoint])
+@router.get(
+    "/{job_id}/checkpoints",
+    response_model=ListPage[Checkpoint],
+    responses=error_responses(400, 404),
+)
 async def list_checkpoints(
     job_id: str, store: StoreDep, after: str | None = None, limit: int = Query(10, ge=1, le=100)
 ):

@@ -6,7 +6,7 @@ from fastapi import APIRouter
 
 from ..deps import WorkersDep
 from ..errors import NotFound
-from ..schemas import ListPage, Model, model_object
+from ..schemas import ListPage, Model, error_responses, model_object
 
 router = APIRouter(prefix="/v1/models", tags=["models"])
 
@@ -16,7 +16,7 @@ async def list_models(workers: WorkersDep):
     return {"data": [model_object(card) for card in workers.models()]}
 
 
-@router.get("/{model_id}", response_model=Model)
+@router.get("/{model_id}", response_model=Model, responses=error_responses(404))
 async def retrieve_model(model_id: str, workers: WorkersDep):
     card = workers.model(model_id)
     if card is None:

@@ -25,6 +25,7 @@ from ..deps import (
     StoreDep,
     WorkersDep,
     admit,
+    event_seq,
     idempotency,
     new_id,
     replayed,
@@ -33,13 +34,22 @@ from ..deps import (
 )
 from ..errors import InvalidRequest, NotFound, invalid_request
 from ..ranges import file_response
-from ..schemas import ListPage, Video, VideoCreate, VideoDeleted, page, video_object
+from ..schemas import (
+    ListPage,
+    Video,
+    VideoCreate,
+    VideoDeleted,
+    error_responses,
+    page,
+    video_object,
+)
 from ..store import VIDEO_TERMINAL, AsyncStore, now
 
 router = APIRouter(prefix="/v1/videos", tags=["videos"])
 
 SSE_KEEPALIVE_S = 15.0  # a comment line this often keeps proxies from closing a quiet stream
 TEXT_FIELDS = ("prompt", "negative_prompt")  # an empty form value is meaningful for these only
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP")  # what a first-frame image may be uploaded as
 
 
 async def read_create_body(request: Request) -> tuple[VideoCreate, UploadFile | None]:
@@ -58,10 +68,7 @@ async def read_create_body(request: Request) -> tuple[VideoCreate, UploadFile | 
             elif value != "" or key in TEXT_FIELDS:
                 data[key] = value
     else:
-        try:
-            data = json.loads(await request.body() or b"null")
-        except json.JSONDecodeError as e:
-            raise InvalidRequest(f"the request body is not valid JSON: {e}") from None
+        data = parse_json(await request.body())
         if not isinstance(data, dict):
             raise InvalidRequest(
                 "the request body must be a JSON object (or multipart form fields)"
@@ -70,6 +77,20 @@ async def read_create_body(request: Request) -> tuple[VideoCreate, UploadFile | 
         return VideoCreate.model_validate(data), image
     except ValidationError as e:
         raise invalid_request(e) from None
+
+
+def parse_json(body: bytes):
+    """A JSON body (RFC 8259: UTF-8) as Python values, or a 400 that says what is wrong with it."""
+    try:
+        return json.loads(body.decode("utf-8") or "null")
+    except UnicodeDecodeError as e:
+        raise InvalidRequest(
+            f"the request body is not UTF-8 text: {e.reason} at byte {e.start}"
+        ) from None
+    except json.JSONDecodeError as e:
+        raise InvalidRequest(f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise InvalidRequest("the request body nests lists or objects too deeply") from None
 
 
 async def find_video(store: AsyncStore, video_id: str) -> dict:
@@ -96,7 +117,12 @@ CREATE_BODY_DOC = {
 }
 
 
-@router.post("", response_model=Video, openapi_extra=CREATE_BODY_DOC)
+@router.post(
+    "",
+    response_model=Video,
+    openapi_extra=CREATE_BODY_DOC,
+    responses=error_responses(400, 404, 409, 429, 503),
+)
 async def create_video(
     request: Request,
     response: Response,
@@ -158,12 +184,13 @@ def save_image(src, dst: Path, max_pixels: int) -> None:
     """Check an uploaded first-frame image and store it as PNG; RequestError if it is not one.
 
     The pixel count is read from the header and bounded before anything is decoded, so a small
-    file that would inflate to gigabytes is refused cheaply.
+    file that would inflate to gigabytes is refused cheaply. Only the formats a first frame comes
+    in are opened: PIL's other decoders (TIFF, PSD, EPS, ...) are more ways in for a crafted file.
     """
     from PIL import Image, UnidentifiedImageError
 
     try:
-        with Image.open(src) as image:
+        with Image.open(src, formats=IMAGE_FORMATS) as image:
             width, height = image.size
             if width * height > max_pixels:
                 raise RequestError(
@@ -171,7 +198,17 @@ def save_image(src, dst: Path, max_pixels: int) -> None:
                     param="input_reference",
                 )
             image = image.convert("RGB")
-    except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as e:
+    except RequestError:
+        raise
+    except UnidentifiedImageError:
+        formats = f"{', '.join(IMAGE_FORMATS[:-1])} or {IMAGE_FORMATS[-1]}"
+        raise RequestError(
+            f"input_reference is not a readable image: not a {formats} file",
+            param="input_reference",
+        ) from None
+    # PIL reports a damaged file as SyntaxError ("broken PNG file") or ValueError as well as
+    # OSError.
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
         raise RequestError(
             f"input_reference is not a readable image ({e})", param="input_reference"
         ) from None
@@ -189,7 +226,7 @@ def _discard(path: Path | None) -> None:
         path.unlink(missing_ok=True)
 
 
-@router.get("", response_model=ListPage[Video])
+@router.get("", response_model=ListPage[Video], responses=error_responses(400))
 async def list_videos(
     store: StoreDep,
     after: str | None = None,
@@ -200,14 +237,14 @@ async def list_videos(
     return page([video_object(r) for r in rows], has_more)
 
 
-@router.get("/{video_id}", response_model=Video)
+@router.get("/{video_id}", response_model=Video, responses=error_responses(404))
 async def retrieve_video(video_id: str, response: Response, store: StoreDep, settings: SettingsDep):
     row = await find_video(store, video_id)
     poll_hint(response, row, settings)
     return video_object(row)
 
 
-@router.delete("/{video_id}", response_model=VideoDeleted)
+@router.delete("/{video_id}", response_model=VideoDeleted, responses=error_responses(404))
 async def delete_video(
     video_id: str, store: StoreDep, workers: WorkersDep, settings: SettingsDep, data: DataDep
 ):
@@ -235,7 +272,15 @@ async def delete_video(
     return VideoDeleted(id=video_id, deleted=status != "in_progress", status=status)
 
 
-@router.get("/{video_id}/content")
+@router.get(
+    "/{video_id}/content",
+    response_class=Response,
+    responses={
+        200: {"content": {"video/mp4": {}, "image/png": {}}, "description": "The whole file"},
+        206: {"content": {"video/mp4": {}, "image/png": {}}, "description": "The range asked for"},
+        **error_responses(400, 404, 416),
+    },
+)
 async def video_content(
     video_id: str,
     request: Request,
@@ -262,7 +307,14 @@ async def video_content(
     return file_response(path, request.headers.get("range"), media_type, f"{video_id}{path.suffix}")
 
 
-@router.get("/{video_id}/events")
+@router.get(
+    "/{video_id}/events",
+    response_class=StreamingResponse,
+    responses={
+        200: {"content": {"text/event-stream": {}}, "description": "Server-Sent Events"},
+        **error_responses(400, 404),
+    },
+)
 async def video_events(video_id: str, request: Request, store: StoreDep, settings: SettingsDep):
     """Server-Sent Events of status and progress, replayed from the start (or `Last-Event-ID`),
     ending once the video is completed, failed or cancelled.
@@ -271,10 +323,7 @@ async def video_events(video_id: str, request: Request, store: StoreDep, setting
     `video.queued` event, then in a `video.queue_position` event, without an id, each time the
     position changes (jobs ahead start or are cancelled, a higher priority one arrives)."""
     await find_video(store, video_id)
-    try:
-        last = int(request.headers.get("last-event-id") or 0)
-    except ValueError:
-        last = 0
+    last = event_seq(request.headers.get("last-event-id") or "0", "Last-Event-ID")
     return StreamingResponse(
         _sse(store, video_id, last, request, settings.sse_interval_s),
         media_type="text/event-stream",
