@@ -13,8 +13,10 @@ Layout (the convention of Hugging Face `datasets` "videofolder" and the diffuser
 object, missing or non-string keys, an empty caption, a path that is absolute or uses ``..``, a
 missing file, a video that does not decode or holds no frames, and a clip shorter than the frame
 count training needs. All problems (up to `max_problems`) are reported in one `DatasetError`, each
-naming the line of metadata.jsonl and the file. Symlinks are followed (the Hugging Face cache stores
-files as symlinks), so only the written path is checked for escaping the root.
+naming the line of metadata.jsonl and the file as the dataset spells it, never where the dataset
+lies. Symlinks are followed (the Hugging Face cache stores files as symlinks), so only the written
+path is checked for escaping the root. A server checking an upload also bounds what the check may
+cost (`DatasetLimits`): lines, clips, frames decoded, and pixels per frame.
 
 Order: the sample stream is epoch 0's permutation, then epoch 1's, and so on; the permutation of
 epoch e depends only on (seed, e, dataset size). A batch is the next `batch_size` samples of that
@@ -29,6 +31,7 @@ import json
 import os
 import queue
 import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath, PureWindowsPath
@@ -36,9 +39,10 @@ from pathlib import Path, PurePosixPath, PureWindowsPath
 import numpy as np
 import torch
 
-from .video import count_frames, frames_to_float, read_video
+from .video import decode_frames, frames_to_float, read_video
 
 METADATA = "metadata.jsonl"
+COPY_CHUNK = 1 << 20  # how much of an overlong metadata line is read at a time, to skip it
 
 
 class DatasetError(ValueError):
@@ -47,11 +51,25 @@ class DatasetError(ValueError):
     def __init__(self, root: str | os.PathLike, problems: list[str], total: int | None = None):
         self.root = Path(root)
         self.problems = problems
-        total = len(problems) if total is None else total
-        more = f"\n  ... and {total - len(problems)} more" if total > len(problems) else ""
-        super().__init__(
-            f"dataset {root} has {total} problem(s):\n  " + "\n  ".join(problems) + more
-        )
+        self.total = len(problems) if total is None else total
+        super().__init__(f"dataset {root} has {self.summary()}")
+
+    def summary(self) -> str:
+        """The problems, without the dataset's location: what a server tells the uploader, who
+        knows the dataset by its own names and has no business learning the server's paths."""
+        more = f"\n  ... and {self.total - len(self.problems)} more"
+        more = more if self.total > len(self.problems) else ""
+        return f"{self.total} problem(s):\n  " + "\n  ".join(self.problems) + more
+
+
+@dataclass(frozen=True)
+class DatasetLimits:
+    """What checking one dataset may cost; None leaves a bound off (a local dataset is trusted)."""
+
+    max_clips: int | None = None  # lines of metadata.jsonl that are not blank
+    max_line_bytes: int | None = None  # one line of metadata.jsonl
+    max_frames: int | None = None  # frames decoded, all clips together
+    max_pixels: int | None = None  # one frame, from its header, before it is decoded
 
 
 @dataclass(frozen=True)
@@ -70,34 +88,50 @@ def validate_dataset(
     num_frames: int | None = None,
     max_problems: int = 20,
     workers: int | None = None,
+    limits: DatasetLimits = DatasetLimits(),
 ) -> list[Sample]:
     """Check a whole dataset directory and return its samples, or raise `DatasetError`.
 
     num_frames: frames each clip must have at least (the training clip length); None accepts any
     clip with one frame or more. Every video is decoded in full (on `workers` threads), so an
-    undecodable file is found now rather than halfway through training.
+    undecodable file is found now rather than halfway through training. `limits` bounds the work:
+    a dataset past one of them is refused as soon as that is known.
     """
     root = Path(root)
     meta = root / METADATA
     if not root.is_dir():
-        raise DatasetError(root, [f"{root}: not a directory"])
+        raise DatasetError(root, ["not a directory"])
     if not meta.is_file():
-        raise DatasetError(root, [f'{meta}: missing (one {{"file": ..., "text": ...}} per line)'])
+        raise DatasetError(
+            root, [f'{METADATA}: missing (one {{"file": ..., "text": ...}} per line)']
+        )
 
     problems: list[tuple[int, str]] = []  # (line, message), sorted by line at the end
     entries: list[tuple[int, str, str, Path]] = []  # (line, file as written, caption, path)
-    try:
-        lines = meta.read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError as e:
-        raise DatasetError(root, [f"{METADATA}: not UTF-8 text ({e})"]) from e
-    for lineno, raw in enumerate(lines, start=1):
-        if not raw.strip():
+    clips = 0  # lines that are not blank, good or bad
+    for lineno, raw in _metadata_lines(meta, limits.max_line_bytes):
+        if raw is not None and not raw.strip():
             continue
+        clips += 1
+        if limits.max_clips is not None and clips > limits.max_clips:
+            raise DatasetError(
+                root,
+                [f"{METADATA}: more than {limits.max_clips} clips; at most that many are accepted"],
+            )
         where = f"{METADATA} line {lineno}"
+        if raw is None:
+            problems.append((lineno, f"{where}: longer than {limits.max_line_bytes} bytes"))
+            continue
         try:
-            row = json.loads(raw)
+            row = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            problems.append((lineno, f"{where}: not UTF-8 text ({e.reason} at byte {e.start})"))
+            continue
         except json.JSONDecodeError as e:
             problems.append((lineno, f"{where}: malformed JSON ({e.msg} at column {e.colno})"))
+            continue
+        except RecursionError:
+            problems.append((lineno, f"{where}: JSON nested too deeply"))
             continue
         if not isinstance(row, dict):
             problems.append((lineno, f"{where}: expected a JSON object, got {type(row).__name__}"))
@@ -132,13 +166,21 @@ def validate_dataset(
             continue
         entries.append((lineno, file, text, path.absolute()))
 
-    def check(entry) -> tuple[int, str | int]:
+    budget = _FrameBudget(limits.max_frames)
+
+    def check(entry) -> tuple[int, str | int | None]:
+        """The clip's frame count, or a problem, or None when the frame budget ran out."""
         lineno, file, _, path = entry
         where = f"{METADATA} line {lineno} ({file})"
+        n = 0
         try:
-            n = count_frames(path)
+            for _ in decode_frames(path, max_pixels=limits.max_pixels):
+                if not budget.take():
+                    return lineno, None
+                n += 1
         except ValueError as e:
-            return lineno, f"{where}: cannot decode video: {e}"
+            # The decoders name the path they opened; the uploader knows the file as written.
+            return lineno, f"{where}: cannot decode video: {str(e).replace(str(path), file)}"
         if n == 0:
             return lineno, f"{where}: video has no frames"
         if num_frames is not None and n < num_frames:
@@ -149,6 +191,11 @@ def validate_dataset(
     n_workers = workers or min(8, os.cpu_count() or 1)
     with ThreadPoolExecutor(n_workers, thread_name_prefix="validate") as pool:
         results = list(pool.map(check, entries))
+    if any(res is None for _, res in results):
+        raise DatasetError(
+            root,
+            [f"the clips hold more than {limits.max_frames} frames in all; no more are accepted"],
+        )
     samples = []
     for (lineno, _, text, path), (_, res) in zip(entries, results):
         if isinstance(res, str):
@@ -162,6 +209,41 @@ def validate_dataset(
     if not samples:
         raise DatasetError(root, [f"{METADATA}: no samples"])
     return samples
+
+
+def _metadata_lines(meta: Path, max_bytes: int | None) -> Iterator[tuple[int, bytes | None]]:
+    """(line number from 1, the line without its end), or None in place of a line longer than
+    `max_bytes`, whose rest is skipped without being held in memory."""
+    chunk = max_bytes + 2 if max_bytes is not None else -1  # room for "\r\n"
+    with open(meta, "rb") as f:
+        lineno = 0
+        while line := f.readline(chunk):
+            lineno += 1
+            complete = line.endswith(b"\n") or len(line) != chunk  # the last line may lack "\n"
+            text = line.rstrip(b"\r\n")
+            if complete and (max_bytes is None or len(text) <= max_bytes):
+                yield lineno, text
+                continue
+            while not complete:
+                line = f.readline(COPY_CHUNK)
+                complete = not line or line.endswith(b"\n")
+            yield lineno, None
+
+
+class _FrameBudget:
+    """Frames all the decoding threads may still decode together; None is no bound."""
+
+    def __init__(self, frames: int | None):
+        self.left = frames
+        self.lock = threading.Lock()
+
+    def take(self) -> bool:
+        """Count one decoded frame; False once the budget is spent."""
+        if self.left is None:
+            return True
+        with self.lock:
+            self.left -= 1
+            return self.left >= 0
 
 
 def _escapes(file: str) -> bool:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterator
 from fractions import Fraction
 from pathlib import Path
 
@@ -181,19 +182,28 @@ def read_video(
     return frames
 
 
-def count_frames(path: str | os.PathLike) -> int:
+def count_frames(path: str | os.PathLike, *, max_pixels: int | None = None) -> int:
     """Number of frames in a video file or frame folder, by decoding it all (so a corrupt stream
-    is found here, not halfway through training). Raises ValueError if undecodable."""
+    is found here, not halfway through training). Raises ValueError if undecodable, or if a frame
+    has more than `max_pixels` pixels."""
+    return sum(1 for _ in decode_frames(path, max_pixels=max_pixels))
+
+
+def decode_frames(path: str | os.PathLike, *, max_pixels: int | None = None) -> Iterator[None]:
+    """Decode every frame of a video file or frame folder, yielding once per frame and keeping
+    none: a caller can count, or stop, as it goes. Raises ValueError like `count_frames`.
+
+    The frame size is read from the stream's header and checked against `max_pixels` before
+    anything is decoded: a PNG of a few kilobytes can declare a frame of gigabytes.
+    """
     path = Path(path)
     if path.is_dir():
-        files = list_frame_files(path)
-        for f in files:
-            _decode_image(f)
-        return len(files)
-    n = 0
-    for _ in _iter_frames(path):
-        n += 1
-    return n
+        for f in list_frame_files(path):
+            _decode_image(f, max_pixels)
+            yield
+    else:
+        for _ in _iter_frames(path, max_pixels):
+            yield
 
 
 def sample_indices(total: int, num_frames: int | None, sampling: str) -> list[int]:
@@ -228,17 +238,18 @@ def _read_folder(folder: Path, num_frames: int | None, sampling: str) -> np.ndar
     return np.stack(frames)  # (F, H, W, 3)
 
 
-def _decode_image(path: Path) -> np.ndarray:
+def _decode_image(path: Path, max_pixels: int | None = None) -> np.ndarray:
     """One image file -> uint8 (H, W, 3), with PyAV (FFmpeg's image decoders)."""
-    for frame in _iter_frames(path):
+    for frame in _iter_frames(path, max_pixels):
         return _rgb(frame, path)
     raise ValueError(f"{path}: no image could be decoded")
 
 
-def _iter_frames(path: Path):
+def _iter_frames(path: Path, max_pixels: int | None = None):
     """Yield the decoded av.VideoFrame objects of a file; FFmpeg errors become ValueError.
 
     Frames stay in their decoded pixel format: only the ones kept are converted to RGB (`_rgb`).
+    With `max_pixels`, a stream whose header declares larger frames is refused before decoding.
     """
     import av
 
@@ -247,6 +258,12 @@ def _iter_frames(path: Path):
             if not container.streams.video:
                 raise ValueError(f"{path}: no video stream")
             stream = container.streams.video[0]
+            width, height = stream.codec_context.width, stream.codec_context.height
+            if max_pixels is not None and width * height > max_pixels:
+                raise ValueError(
+                    f"{path}: frames of {width}x{height} pixels; at most {max_pixels} pixels "
+                    "are accepted"
+                )
             stream.thread_type = "AUTO"  # frame + slice threads inside FFmpeg
             yield from container.decode(stream)
     except av.FFmpegError as e:

@@ -8,6 +8,7 @@ back when its worker restarts under the same name, or when their leases expire (
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import shutil
@@ -17,13 +18,17 @@ from fastapi import Depends, FastAPI
 
 from megaslide.engine import __version__
 
+from .auth import Keyring
+from .body_limit import BodyLimit, Upload
 from .datadir import DataDir
 from .deps import require_api_key
-from .errors import install_error_handlers
+from .errors import UnexpectedErrors, install_error_handlers
 from .protocol import WorkerClient
 from .routers import files, fine_tuning, health, models, videos, web
+from .schemas import error_responses
 from .settings import Settings
 from .store import AsyncStore, JobStore
+from .uploads import Validator
 
 log = logging.getLogger("megaslide.server")
 
@@ -57,11 +62,16 @@ def build_app(settings: Settings, workers: WorkerClient) -> FastAPI:
         try:
             housekeeping(store, data)
             app.state.store = AsyncStore(store)
+            app.state.validator = Validator(settings, store, data, workers.check_dataset)
+            validating = asyncio.create_task(app.state.validator.run())
             await workers.start(store)
             try:
                 yield
             finally:
+                validating.cancel()
                 await workers.shutdown()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await validating
         finally:
             store.close()
 
@@ -72,12 +82,24 @@ def build_app(settings: Settings, workers: WorkerClient) -> FastAPI:
         description="OpenAI-compatible video generation and fine-tuning",
     )
     app.state.settings = settings
+    app.state.keyring = Keyring(settings.api_keys, settings.api_keys_file)
     app.state.workers = workers
     app.state.data = data
     install_error_handlers(app)
+    uploads = [
+        Upload("POST", "/v1/files", settings.max_upload_bytes, "file"),
+        Upload("POST", "/v1/videos", settings.max_image_bytes, "input_reference"),
+    ]
+    app.add_middleware(BodyLimit, max_body_bytes=settings.max_body_bytes, uploads=uploads)
+    app.add_middleware(UnexpectedErrors)  # added last, so outermost: it sees every failure
     app.include_router(health.router)
     app.include_router(web.router)
     app.mount("/assets", web.assets(), name="assets")
     for router in (videos.router, files.router, fine_tuning.router, models.router):
-        app.include_router(router, dependencies=[Depends(require_api_key)])
+        app.include_router(
+            router,
+            dependencies=[Depends(require_api_key)],
+            # Any route may meet a store that is briefly unavailable, or a full disk.
+            responses=error_responses(401, 413, 500, 503, 507),
+        )
     return app

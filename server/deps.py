@@ -1,22 +1,24 @@
 """Dependencies shared by the routers: the store, the workers, the settings, the data directory,
-API keys, idempotency."""
+the principal an API key stands for, idempotency."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
-import hmac
 import json
 import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Annotated
 
 from fastapi import Depends, Request
 
+from .auth import ANONYMOUS, Keyring, Principal
 from .datadir import DataDir
-from .errors import Conflict, EngineDead, QueueFull, Unauthorized
-from .protocol import WorkerClient
+from .errors import Conflict, EngineDead, InvalidRequest, NotFound, QueueFull, Unauthorized
+from .protocol import ModelCard, WorkerClient
 from .settings import Settings
 from .store import AsyncStore
 
@@ -43,22 +45,41 @@ WorkersDep = Annotated[WorkerClient, Depends(get_workers)]
 DataDep = Annotated[DataDir, Depends(get_data)]
 
 
-def require_api_key(request: Request, settings: SettingsDep) -> None:
-    """With keys configured, every request must carry `Authorization: Bearer <one of them>`."""
-    request.state.key_scope = "-"
-    if not settings.api_keys:
+def require_api_key(request: Request) -> None:
+    """With keys configured, every request must carry `Authorization: Bearer <key>`; the key's
+    principal (auth.py) is what the request acts for."""
+    keyring: Keyring = request.app.state.keyring
+    request.state.principal = ANONYMOUS
+    if not keyring.enabled:
         return
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
         raise Unauthorized("Missing bearer authentication in header (Authorization: Bearer <key>)")
-    token = token.strip().encode()
-    # compare_digest against every key, without stopping at a match: the time taken says nothing
-    # about how much of a guess was right, nor which key matched.
-    matched = [hmac.compare_digest(token, key.encode()) for key in settings.api_keys]
-    if not any(matched):
+    principal = keyring.principal(token.strip())
+    if principal is None:
         raise Unauthorized("Incorrect API key provided")
-    # Idempotency keys are scoped per API key, so one client cannot replay another's job.
-    request.state.key_scope = hashlib.sha256(token).hexdigest()[:16]
+    request.state.principal = principal
+
+
+def get_principal(request: Request) -> Principal:
+    return getattr(request.state, "principal", ANONYMOUS)
+
+
+PrincipalDep = Annotated[Principal, Depends(get_principal)]
+
+
+EVENT_SEQ_LIMIT = 2**63  # event numbers are stored as signed 64-bit integers
+
+
+def event_seq(text: str, param: str) -> int:
+    """An event number a client sends back (SSE's `Last-Event-ID`, a page cursor): plain decimal
+    digits below 2**63, else a 400 naming `param`."""
+    # isdigit() alone would take other scripts' digits ("٣", "²"); 19 digits hold any valid one.
+    if not (text.isascii() and text.isdigit() and len(text) <= 19) or int(text) >= EVENT_SEQ_LIMIT:
+        raise InvalidRequest(
+            f"{param} must be an event number below 2**63, got {text[:40]!r}", param=param
+        )
+    return int(text)
 
 
 def new_id(prefix: str) -> str:
@@ -69,30 +90,76 @@ def request_hash(payload) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
 
 
-async def replayed(request: Request, store: AsyncStore, payload_hash: str) -> str | None:
-    """The resource a retried POST created the first time (same `Idempotency-Key`), if any.
+IDEMPOTENCY_WAIT_S = 30.0  # how long a retry waits for its first request to finish
 
-    Reusing a key with a different body is a client bug, answered 409 rather than guessed at.
+
+@dataclass(frozen=True)
+class Replay:
+    """What an Idempotency-Key says of a request: the work is this request's to do (`key`, to
+    record its outcome under), or was done by an earlier one (`resource_id`, or `response`)."""
+
+    key: tuple[str, str, str] | None = None
+    resource_id: str | None = None
+    response: dict | None = None
+
+    @property
+    def replayed(self) -> bool:
+        return self.resource_id is not None or self.response is not None
+
+
+@contextlib.asynccontextmanager
+async def idempotent(
+    request: Request, store: AsyncStore, payload_hash: str
+) -> AsyncIterator[Replay]:
+    """Run a request once per `Idempotency-Key`.
+
+    The key is reserved before the work starts, so a retry that arrives while the first request
+    is still at work (a slow upload, a client that timed out) waits for its outcome instead of
+    doing the work twice. The request records its resource (`store.insert_*(idempotency=key)`)
+    or its answer (`store.record_response`) under the key; if it fails instead, the key is freed
+    for the next retry. Reusing a key with a different body is a client bug: 409.
     """
-    key = idempotency(request, payload_hash)
-    if key is None:
-        return None
-    prior = await store.idempotent(key[0], key[1])
-    if prior is None:
-        return None
-    if prior["request_hash"] != payload_hash:
-        raise Conflict(
-            "Idempotency-Key was already used with a different request body",
-            code="idempotency_key_reused",
-        )
-    return prior["resource_id"]
-
-
-def idempotency(request: Request, payload_hash: str) -> tuple[str, str, str] | None:
     key = request.headers.get("idempotency-key")
     if not key:
-        return None
-    return (getattr(request.state, "key_scope", "-"), f"{request.url.path}:{key}", payload_hash)
+        yield Replay()
+        return
+    principal = get_principal(request)
+    reservation = (principal.scope, f"{request.method} {request.url.path}:{key}", payload_hash)
+    deadline = time.monotonic() + IDEMPOTENCY_WAIT_S
+    while (prior := await store.reserve_key(*reservation)) is not None:
+        if prior["request_hash"] != payload_hash:
+            raise Conflict(
+                "Idempotency-Key was already used with a different request body",
+                code="idempotency_key_reused",
+            )
+        if prior["resource_id"] is not None or prior["response"] is not None:
+            response = json.loads(prior["response"]) if prior["response"] else None
+            yield Replay(resource_id=prior["resource_id"], response=response)
+            return
+        if time.monotonic() > deadline:
+            raise Conflict(
+                "a request with this Idempotency-Key is still being handled; retry shortly",
+                code="idempotency_key_in_use",
+            )
+        await asyncio.sleep(0.1)
+    try:
+        yield Replay(key=reservation)
+    finally:
+        # A no-op once the outcome is recorded; otherwise the request failed: free the key.
+        await store.release_key(*reservation[:2])
+
+
+def find_model(workers: WorkerClient, name: str, principal: Principal) -> ModelCard:
+    """A served model `principal` may use: any base model, its own fine-tunes (and those made
+    before keys were owners); another key's fine-tune answers 404 as if absent."""
+    card = workers.model(name)
+    if card is None or not principal.may_see(card.owner):
+        raise NotFound(
+            f"The model {name!r} does not exist; see GET /v1/models",
+            param="model",
+            code="model_not_found",
+        )
+    return card
 
 
 async def admit(store: AsyncStore, workers: WorkerClient, settings: Settings) -> None:

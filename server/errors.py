@@ -1,8 +1,9 @@
 """Domain errors and their one mapping to HTTP: the OpenAI error envelope on every 4xx and 5xx.
 
 Handlers raise these types; `install_error_handlers` turns them, the engine's `RequestError` (a
-request a model cannot take), request-validation errors, unknown routes and unexpected exceptions
-into `{"error": {"message", "type", "param", "code"}}`.
+request a model cannot take), request-validation errors and unknown routes into
+`{"error": {"message", "type", "param", "code"}}`, and `UnexpectedErrors` does the same for any
+other exception, as a 500.
 A failed job is not an error here: it is a job whose status is `failed` (see `worker.py`).
 """
 
@@ -15,8 +16,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from megaslide.engine.request import RequestError
+
+from .store import UNAVAILABLE, is_disk_full
 
 log = logging.getLogger("megaslide.server")
 
@@ -74,6 +78,19 @@ class NotReady(APIError):
     status, type, default_code = 503, "server_error", "not_ready"
 
 
+class StoreUnavailable(APIError):
+    """The job store cannot be reached or written right now (a lock held too long, a database
+    restarting): retry later."""
+
+    status, type, default_code = 503, "server_error", "store_unavailable"
+
+
+class InsufficientStorage(APIError):
+    """The disk holding the job store or the storage is full: nothing new can be kept."""
+
+    status, type, default_code = 507, "server_error", "insufficient_storage"
+
+
 class EngineDead(APIError):
     """The worker is gone: no job can run until the server restarts."""
 
@@ -104,8 +121,18 @@ def invalid_request(exc: ValidationError | RequestValidationError) -> InvalidReq
         return InvalidRequest(
             f"Missing required parameter: {field}", param=field, code="missing_required_parameter"
         )
-    message = err.get("msg", "invalid value")
+    if err.get("type") == "value_error":  # our own validators: their words, without a prefix
+        message = str(err["ctx"]["error"])
+    else:
+        message = err.get("msg", "invalid value")
     return InvalidRequest(f"{field}: {message}" if field else message, param=field)
+
+
+DISK_FULL = "the server's disk is full; nothing new can be stored until space is freed"
+
+
+def _api_error_response(exc: APIError) -> JSONResponse:
+    return envelope(exc.status, exc.message, exc.type, exc.param, exc.code, exc.headers)
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -113,7 +140,24 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
-        return envelope(exc.status, exc.message, exc.type, exc.param, exc.code, exc.headers)
+        return _api_error_response(exc)
+
+    @app.exception_handler(OSError)
+    async def _os_error(request: Request, exc: OSError):
+        if not is_disk_full(exc):
+            raise exc  # not ours to explain: UnexpectedErrors answers it
+        return _api_error_response(InsufficientStorage(DISK_FULL))
+
+    for unavailable in UNAVAILABLE:
+
+        @app.exception_handler(unavailable)
+        async def _store_error(request: Request, exc: Exception):
+            if is_disk_full(exc):
+                return _api_error_response(InsufficientStorage(DISK_FULL))
+            log.warning("job store unavailable on %s %s: %s", request.method, request.url, exc)
+            return _api_error_response(
+                StoreUnavailable("the job store is unavailable right now; retry shortly")
+            )
 
     @app.exception_handler(RequestError)
     async def _request_error(request: Request, exc: RequestError):
@@ -125,6 +169,20 @@ def install_error_handlers(app: FastAPI) -> None:
         err = invalid_request(exc)
         return envelope(err.status, err.message, err.type, err.param, err.code)
 
+    # Validation errors are answered 400 above: FastAPI's generated 422 would misinform the schema.
+    generate_openapi = app.openapi
+
+    def openapi() -> dict:
+        schema = generate_openapi()  # built once, then cached by FastAPI; this edit is idempotent
+        for operations in schema["paths"].values():
+            for operation in operations.values():
+                operation.get("responses", {}).pop("422", None)
+        for name in ("HTTPValidationError", "ValidationError"):
+            schema.get("components", {}).get("schemas", {}).pop(name, None)
+        return schema
+
+    app.openapi = openapi
+
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
         if exc.status_code == 404:
@@ -134,13 +192,43 @@ def install_error_handlers(app: FastAPI) -> None:
         type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
         return envelope(exc.status_code, message, type_, None, code, getattr(exc, "headers", None))
 
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception):
-        log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return envelope(
-            500,
-            f"internal server error: {type(exc).__name__}",
-            "server_error",
-            None,
-            "internal_error",
-        )
+
+class UnexpectedErrors:
+    """Pure ASGI middleware: an exception no handler took is answered with the envelope 500, and
+    the connection stays open.
+
+    Starlette's own last resort answers and then re-raises, for the server to log; uvicorn then
+    closes the connection, so one bad request would cost a keep-alive client its connection (and
+    every request queued behind it on that connection). Here the exception is logged and ends with
+    the answer. A response that had already started cannot be replaced: that exception goes on to
+    the server, whose cutting of the connection is how the client learns its body is incomplete.
+    """
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def watched_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched_send)
+        except Exception as exc:
+            if started:
+                raise
+            log.exception("unhandled error on %s %s", scope["method"], scope["path"])
+            response = envelope(
+                500,
+                f"internal server error: {type(exc).__name__}",
+                "server_error",
+                None,
+                "internal_error",
+            )
+            await response(scope, receive, send)

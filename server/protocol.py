@@ -32,6 +32,7 @@ class ModelCard:
     source: str  # preset name, or model directory
     limits: ModelLimits
     parent: str | None = None  # the base model of a fine-tune
+    owner: str | None = None  # the principal a fine-tune belongs to (base models: everyone's)
 
     @property
     def inputs(self) -> tuple[str, ...]:

@@ -19,8 +19,38 @@ from .protocol import ModelCard
 T = TypeVar("T")
 
 
+MAX_NESTING = 32  # levels of lists and objects inside one request field
+
+
 class Request(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+    @field_validator("*")
+    @classmethod
+    def _plain_text(cls, value):
+        """Every string must have a UTF-8 form, and nothing may nest deeper than `MAX_NESTING`.
+
+        JSON can escape half of a UTF-16 surrogate pair alone ("\\ud800"); such a string cannot be
+        encoded, so the tokenizer, the store and the logs would each fail on it later. A structure
+        nested hundreds deep would exhaust the recursion limit of whatever walks it next (hashing
+        the request, storing it).
+        """
+        pending = [(value, 0)]
+        while pending:
+            item, depth = pending.pop()
+            if isinstance(item, str):
+                try:
+                    item.encode("utf-8")
+                except UnicodeEncodeError:
+                    raise ValueError(
+                        "must be Unicode text: a lone surrogate (such as \\ud800) is not"
+                    ) from None
+            elif isinstance(item, dict | list | tuple):
+                if depth == MAX_NESTING:
+                    raise ValueError(f"is nested more than {MAX_NESTING} levels deep")
+                items = [*item.keys(), *item.values()] if isinstance(item, dict) else item
+                pending.extend((child, depth + 1) for child in items)
+        return value
 
 
 class ListPage(BaseModel, Generic[T]):
@@ -29,6 +59,41 @@ class ListPage(BaseModel, Generic[T]):
     first_id: str | None = None
     last_id: str | None = None
     has_more: bool = False
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """The OpenAI error envelope that every 4xx and 5xx answer carries."""
+
+    error: ErrorDetail
+
+
+ERROR_STATUSES = {
+    400: "Invalid request: the message says what is wrong and `param` names the field",
+    401: "Missing or unknown API key",
+    404: "No such object",
+    409: "Conflicts with the object's state, or an Idempotency-Key reused with another body",
+    413: "The request body, or the file in it, is over this server's limit",
+    416: "The range starts past the end of the file",
+    429: "The queue is full; retry after Retry-After seconds",
+    500: "An unexpected server error",
+    503: "The models are still loading, the worker stopped, or the job store is unavailable",
+    507: "The server's disk is full",
+}
+
+
+def error_responses(*statuses: int) -> dict:
+    """OpenAPI `responses=` for the error statuses a route can answer, each with the envelope."""
+    return {
+        status: {"model": ErrorResponse, "description": ERROR_STATUSES[status]}
+        for status in statuses
+    }
 
 
 def page(items: list, has_more: bool) -> dict:
@@ -180,10 +245,12 @@ class FileObject(BaseModel):
     created_at: int
     filename: str
     purpose: str
-    status: str = "processed"
-    status_details: str | None = None
+    status: Literal["uploaded", "processed", "error"] = Field(
+        "processed", description="uploaded: being validated; processed: ready to train on"
+    )
+    status_details: str | None = Field(None, description="why validation failed")
     expires_at: int | None = None
-    clips: int
+    clips: int = Field(description="clips in the dataset, once processed")
 
 
 class FileDeleted(BaseModel):
@@ -199,6 +266,8 @@ def file_object(row: dict) -> FileObject:
         created_at=row["created_at"],
         filename=row["filename"],
         purpose=row["purpose"],
+        status=row["status"],
+        status_details=row["status_details"],
         clips=row["clips"],
     )
 

@@ -40,14 +40,20 @@ class Settings(BaseSettings):
         "was last heard from (also how long a silent worker still counts as live)",
     )
     heartbeat_s: float = Field(2.0, gt=0, description="how often a worker proves it is alive")
-    # Bearer keys; comma-separated in MEGASLIDE_API_KEYS. Empty = no authentication.
+    # Bearer keys; comma-separated in MEGASLIDE_API_KEYS. Each is a principal that owns what it
+    # makes (auth.py). With neither these nor a keys file: no authentication.
     api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    # Named keys, stored as SHA-256 digests, one `NAME DIGEST [admin]` per line (`megaslide keys`).
+    api_keys_file: Path | None = None
     device: str = "auto"  # "auto" = cuda when available, else cpu
     dtype: str = "auto"  # "auto" = bfloat16 on cuda, float32 on cpu
     # "stream": keep the DiT's blocks in host RAM and stream them to the device each step, so a
     # model larger than the device serves; gpu_budget (bytes) keeps as many blocks resident as fit.
     offload: Literal["none", "stream"] = "none"
     gpu_budget: int | None = Field(None, ge=0)
+    engine_threads: int | None = Field(
+        None, ge=1, description="CPU threads for the engine's tensor math (None: torch's default)"
+    )
 
     # Queue and scheduler.
     max_queue: int = Field(64, ge=1, description="queued jobs (videos + fine-tunes) before 429")
@@ -55,7 +61,10 @@ class Settings(BaseSettings):
     max_steps: int = Field(200, ge=1, description="largest num_inference_steps accepted")
     max_prompt_chars: int = Field(4000, ge=1, description="hard cap before the model's own limit")
     max_image_pixels: int = Field(
-        4096 * 4096, ge=1, description="largest first-frame image (input_reference), in pixels"
+        4096 * 4096,
+        ge=1,
+        description="largest image or video frame decoded (input_reference, training clips), "
+        "in pixels; checked from the header, before decoding",
     )
     poll_after_ms: int = Field(1000, ge=0, description="openai-poll-after-ms hint for active jobs")
     cancel_wait_s: float = Field(
@@ -67,11 +76,31 @@ class Settings(BaseSettings):
         30 * 24 * 3600, ge=60, description="how long the events of a finished job are kept"
     )
 
+    # Request bodies, counted as they arrive (413 above).
+    max_body_bytes: int = Field(
+        1024**2, ge=1, description="largest request body on routes that take no file"
+    )
+    max_image_bytes: int = Field(
+        64 * 1024**2, ge=1, description="largest first-frame image upload (input_reference)"
+    )
+
     # Files and fine-tuning.
     max_upload_bytes: int = Field(
         2 * 1024**3, ge=1, description="largest training archive (413 above)"
     )
     max_extracted_bytes: int = Field(8 * 1024**3, ge=1, description="largest unpacked archive")
+    max_dataset_clips: int = Field(
+        10_000, ge=1, description="clips (lines of metadata.jsonl) in one training file"
+    )
+    max_metadata_line_bytes: int = Field(
+        64 * 1024, ge=1, description="longest line of a training file's metadata.jsonl"
+    )
+    max_dataset_frames: int = Field(
+        1_000_000,
+        ge=1,
+        description="frames decoded to check one training file, all clips together: "
+        "the work one upload may cost",
+    )
     finetune_lr: float = Field(
         1e-4, gt=0, description="learning rate at learning_rate_multiplier=1"
     )

@@ -766,9 +766,7 @@ class JobStore:
     def claim_file_validation(self, lease_s: float) -> dict | None:
         """An upload waiting for validation, now this caller's for `lease_s` seconds (an API
         host that dies meanwhile leaves it to another, or to its own restart)."""
-        free = sa.or_(
-            files.c.validating_until.is_(None), files.c.validating_until < self.db_now()
-        )
+        free = sa.or_(files.c.validating_until.is_(None), files.c.validating_until < self.db_now())
         stmt = (
             sa.select(files)
             .where(files.c.status == "uploaded", free)
@@ -788,23 +786,23 @@ class JobStore:
         return dict(row)
 
     def finish_file_validation(
-        self, file_id: str, *, clips: int | None = None, error: str | None = None
+        self,
+        file_id: str,
+        *,
+        clips: int | None = None,
+        path: str | None = None,
+        error: str | None = None,
     ) -> bool:
-        """uploaded -> processed (with its clip count) | error (with why)."""
-        status = "error" if error is not None else "processed"
+        """uploaded -> processed (its clip count, and the dataset's `path` once unpacked) |
+        error (with why)."""
+        changes = dict(status="processed", clips=clips or 0, validating_until=None)
+        if error is not None:
+            changes.update(status="error", status_details=error)
+        if path is not None:
+            changes.update(path=path)
         with self._tx() as conn:
-            return bool(
-                conn.execute(
-                    files.update()
-                    .where(files.c.id == file_id, files.c.status == "uploaded")
-                    .values(
-                        status=status,
-                        clips=clips or 0,
-                        status_details=error,
-                        validating_until=None,
-                    )
-                ).rowcount
-            )
+            pending = sa.and_(files.c.id == file_id, files.c.status == "uploaded")
+            return bool(conn.execute(files.update().where(pending).values(**changes)).rowcount)
 
     def get_file(self, file_id: str) -> dict | None:
         return self._one(sa.select(files).where(files.c.id == file_id))

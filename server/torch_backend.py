@@ -86,7 +86,7 @@ class TorchBackend(Backend):
     # --- fine-tuning -------------------------------------------------------------------------
 
     def check_dataset(self, root: Path) -> int:
-        return check_dataset(root)
+        return check_dataset(root, self.settings)
 
     def trainer(self, job: FinetuneJob) -> TrainingRun:
         config = FinetuneConfig(
@@ -141,11 +141,18 @@ class TorchBackend(Backend):
             torch.cuda.empty_cache()
 
 
-def check_dataset(root: Path) -> int:
-    """An unpacked training set's clip count, or ValueError naming what is wrong with it."""
-    from megaslide.engine.data import DatasetError, validate_dataset
+def check_dataset(root: Path, settings: Settings) -> int:
+    """An unpacked training set's clip count, or ValueError naming what is wrong with it, within
+    the settings' bounds on what one upload may cost."""
+    from megaslide.engine.data import DatasetError, DatasetLimits, validate_dataset
 
+    limits = DatasetLimits(
+        max_clips=settings.max_dataset_clips,
+        max_line_bytes=settings.max_metadata_line_bytes,
+        max_frames=settings.max_dataset_frames,
+        max_pixels=settings.max_image_pixels,
+    )
     try:
-        return len(validate_dataset(root))
+        return len(validate_dataset(root, limits=limits))
     except DatasetError as e:
-        raise ValueError(str(e)) from None
+        raise ValueError(e.summary()) from None

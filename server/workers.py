@@ -125,6 +125,7 @@ def fine_tuned_card(row: dict, parent: ModelCard) -> ModelCard:
         parent=parent.name,
         source=row["path"],
         created=row["created_at"],
+        owner=row.get("owner"),
     )
 
 

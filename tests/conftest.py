@@ -1,5 +1,16 @@
+import warnings
+
 import pytest
 import torch
+
+with warnings.catch_warnings():  # starlette's notice that its TestClient will move to httpx2
+    warnings.simplefilter("ignore")
+    from fastapi.testclient import TestClient
+
+from megaslide.server import Settings, build_app
+from megaslide.server.worker import EmbeddedWorker
+
+from .server_fakes import FakeBackend, until
 
 
 @pytest.fixture(autouse=True)
@@ -25,3 +36,33 @@ def database_url(request, tmp_path):
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path / 'megaslide.db'}"
     return request.getfixturevalue("postgres_server").database()
+
+
+@pytest.fixture
+def make_client(tmp_path, monkeypatch):
+    """Builds in-process API clients on the real worker and store with fake models; `**overrides`
+    are settings. Every client is closed (its worker stopped) at the end of the test."""
+    for var in ("MEGASLIDE_API_KEYS", "MEGASLIDE_MODELS", "MEGASLIDE_PRESET"):
+        monkeypatch.delenv(var, raising=False)
+    opened = []
+
+    def make(
+        backend: FakeBackend | None = None, wait_ready: bool = True, **overrides
+    ) -> TestClient:
+        backend = backend or FakeBackend()
+        options = dict(
+            data_dir=tmp_path / "data", poll_after_ms=50, cancel_wait_s=5.0, sse_interval_s=0.02
+        )
+        settings = Settings(**{**options, **overrides})
+        client = TestClient(build_app(settings, EmbeddedWorker(settings, backend)))
+        client.__enter__()
+        opened.append(client)
+        client.backend = backend
+        if wait_ready:
+            until(lambda: client.get("/readyz").status_code == 200, what="readyz")
+        return client
+
+    yield make
+    for client in reversed(opened):
+        client.backend.gate.set()
+        client.__exit__(None, None, None)

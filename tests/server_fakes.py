@@ -244,6 +244,17 @@ class FakeBackend(Backend):
         return isinstance(exc, DeviceError)
 
 
+def until(predicate, timeout=10.0, what="condition", interval=0.01):
+    """Poll `predicate()` until it returns something true, and return that; fail after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
 def torch_app(settings):
     """The app as `megaslide serve` builds it: the embedded worker on the torch backend."""
     from megaslide.server import build_app

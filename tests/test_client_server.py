@@ -133,7 +133,7 @@ def test_list_walks_pages(client):
     cancel_all(client, made)
 
 
-def test_delete_cancels_a_running_video(client):
+def test_cancel_stops_a_running_video(client):
     video = client.videos.create(
         prompt="a long one", size="32x32", num_frames=8, num_inference_steps=200
     )
@@ -141,8 +141,7 @@ def test_delete_cancels_a_running_video(client):
     while client.videos.retrieve(video.id).status != "in_progress":
         assert time.monotonic() < deadline
         time.sleep(0.02)
-    deleted = client.videos.delete(video.id)
-    assert deleted.deleted and deleted.status == "cancelled"
+    assert client.videos.cancel(video.id).status == "cancelled"
     stopped = client.videos.poll(video.id, max_wait=5)
     assert stopped.status == "cancelled" and stopped.step < 200
     time.sleep(0.3)
@@ -269,10 +268,12 @@ def test_files(client, server_url, tmp_path):
     archive = tmp_path / "data.tar.gz"
     pack_dataset(make_dataset(tmp_path / "data"), archive)
     uploaded = client.files.create(file=archive, purpose="fine-tune")
+    assert uploaded.status == "uploaded"  # answered before it is unpacked and checked
+    uploaded = client.files.wait_for_processing(uploaded.id, max_wait=30)
     assert (
         uploaded.purpose == "fine-tune"
         and uploaded.bytes == archive.stat().st_size
-        and uploaded.clips == 1
+        and (uploaded.status, uploaded.clips) == ("processed", 1)
     )
     assert client.files.retrieve(uploaded.id).filename == "data.tar.gz"
     with open(archive, "rb") as f:
@@ -281,9 +282,9 @@ def test_files(client, server_url, tmp_path):
     assert client.files.delete(second.id).deleted
     with pytest.raises(megaslide_client.NotFoundError):
         client.files.retrieve(second.id)
-    with pytest.raises(megaslide_client.BadRequestError) as info:
-        client.files.create(file=("notes.txt", b"not an archive"))
-    assert info.value.param == "file"
+    refused = client.files.create(file=("notes.txt", b"not an archive"))
+    refused = client.files.wait_for_processing(refused.id, max_wait=30)
+    assert refused.status == "error" and "notes.txt" in refused.status_details
 
     # An upload whose answer is lost is sent again whole, and still makes one file.
     transport = LoseFirstPostAnswer(httpx.HTTPTransport())
@@ -297,6 +298,7 @@ def test_fine_tuning_jobs(client, tmp_path):
     archive = tmp_path / "data.tar.gz"
     pack_dataset(make_dataset(tmp_path / "data"), archive)
     training_file = client.files.create(file=archive).id
+    client.files.wait_for_processing(training_file, max_wait=30)
     job = client.fine_tuning.jobs.create(
         model="tiny",
         training_file=training_file,
@@ -337,6 +339,7 @@ def test_fine_tuning_cancel(client, tmp_path):
     archive = tmp_path / "data.tar.gz"
     pack_dataset(make_dataset(tmp_path / "data"), archive)
     training_file = client.files.create(file=archive).id
+    client.files.wait_for_processing(training_file, max_wait=30)
     # Videos come before fine-tunes, so with one running the job stays queued until cancelled.
     blocker = client.videos.create(
         prompt="keep the worker busy", size="32x32", num_frames=8, num_inference_steps=200
@@ -481,6 +484,7 @@ def test_async_client(tmp_path):
                 archive = tmp_path / "data.tar.gz"
                 pack_dataset(make_dataset(tmp_path / "data"), archive)
                 uploaded = await c.files.create(file=archive)
+                uploaded = await c.files.wait_for_processing(uploaded.id, max_wait=30)
                 assert (await c.files.retrieve(uploaded.id)).clips == 1
                 assert [f.id async for f in c.files.list()] == [uploaded.id]
                 assert [m.id async for m in c.models.list()] == ["tiny"]
@@ -503,8 +507,8 @@ def test_async_client(tmp_path):
                 )
                 with pytest.raises(megaslide_client.RateLimitError):
                     await no_retry.fine_tuning.jobs.create(model="tiny", training_file=uploaded.id)
-                assert (await c.videos.delete(queued.id)).status == "cancelled"
-                assert (await c.videos.delete(long.id)).status == "cancelled"
+                assert (await c.videos.cancel(queued.id)).status == "cancelled"
+                assert (await c.videos.delete(long.id)).status == "deleted"
 
                 job = await c.fine_tuning.jobs.create(
                     model="tiny",

@@ -16,6 +16,7 @@ import megaslide.engine.data as data_mod  # noqa: E402
 from megaslide.engine.data import (  # noqa: E402
     BackgroundLoader,
     DatasetError,
+    DatasetLimits,
     VideoDataset,
     epoch_permutation,
     validate_dataset,
@@ -278,3 +279,33 @@ def test_cache_keeps_decoded_clips_up_to_its_budget(good_root, monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(first, again))
     assert len(reads) == 3  # clips 0 and 1 fit the budget and are never decoded again
     assert all(torch.equal(cached[i][0], plain[i][0]) for i in range(5))
+
+
+def test_limits_bound_what_checking_a_dataset_costs(tmp_path):
+    from .test_server_limits import png_of_zeros
+
+    root = tmp_path / "upload"
+    (root / "frames").mkdir(parents=True)
+    (root / "frames" / "0.png").write_bytes(png_of_zeros(8192, 8192))  # 67 Mpixels in ~10 KB
+    for i in range(3):
+        write_mp4(root / f"c{i}.mp4", clip(i), fps=8)  # 6 frames each
+    rows = [{"file": f"c{i}.mp4", "text": "x"} for i in range(3)]
+    write_metadata(
+        root, [*rows, {"file": "frames", "text": "bomb"}, {"file": "c0.mp4", "text": "y" * 300}]
+    )
+
+    with pytest.raises(DatasetError) as info:
+        validate_dataset(root, limits=DatasetLimits(max_pixels=1_000_000, max_line_bytes=200))
+    assert info.value.problems == [
+        "metadata.jsonl line 4 (frames): cannot decode video: frames/0.png: frames of 8192x8192 "
+        "pixels; at most 1000000 pixels are accepted",
+        "metadata.jsonl line 5: longer than 200 bytes",
+    ]
+    assert str(tmp_path) not in info.value.summary()
+
+    with pytest.raises(DatasetError, match="more than 4 clips"):
+        validate_dataset(root, limits=DatasetLimits(max_clips=4))
+    write_metadata(root, rows)
+    with pytest.raises(DatasetError, match="more than 17 frames in all"):
+        validate_dataset(root, limits=DatasetLimits(max_frames=17))
+    assert len(validate_dataset(root, limits=DatasetLimits(max_frames=18, max_clips=3))) == 3

@@ -182,7 +182,7 @@ def test_events_tell_a_queued_video_its_place(tmp_path):
             assert queued["event"] == "video.queued" and queued["id"].isdigit()
             assert queued["data"]["queue_position"] == 2
 
-            assert http.delete(f"/v1/videos/{first}").json()["status"] == "cancelled"
+            assert http.post(f"/v1/videos/{first}/cancel").json()["status"] == "cancelled"
             moved = read_event(lines)
             assert moved["event"] == "video.queue_position" and "id" not in moved
             assert moved["data"] == {
@@ -200,7 +200,7 @@ def test_events_tell_a_queued_video_its_place(tmp_path):
             ).json()["id"]
             assert read_event(lines)["data"]["queue_position"] == 2
 
-            http.delete(f"/v1/videos/{second}")
+            http.post(f"/v1/videos/{second}/cancel")
             assert read_event(lines)["event"] == "video.cancelled"
         backend.gate.set()
         for video_id in (ahead, running):

@@ -131,11 +131,11 @@ def test_a_cancel_sent_to_the_api_stops_the_job_on_its_worker_within_a_step(clus
     video_id = create(cluster, seed=2, **LONG_CLIP)
     cluster.holder(video_id)
     before = cluster.api.video(video_id)["step"]
-    r = cluster.api.http.delete(f"/v1/videos/{video_id}")
+    r = cluster.api.http.post(f"/v1/videos/{video_id}/cancel")
     assert r.status_code == 200 and r.json()["status"] == "cancelled"
     after = cluster.store.get_video(video_id)
     # One step may have been running when the flag landed, and one more between our read of
-    # the step and the DELETE.
+    # the step and the cancel.
     assert after["status"] == "cancelled" and after["step"] <= before + 2
     time.sleep(1)
     assert cluster.store.get_video(video_id)["step"] == after["step"]
@@ -204,6 +204,10 @@ def test_a_worker_killed_mid_finetune_is_resumed_by_the_other_to_the_same_weight
         "/v1/files", data={"purpose": "fine-tune"}, files={"file": ("d.tgz", dataset(tmp_path))}
     )
     assert f.status_code == 200, f.text
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while cluster.store.get_file(f.json()["id"])["status"] == "uploaded":  # the API validates it
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
     killed = finetune(cluster, f.json()["id"])
     victim = cluster.holder(killed, table="fine_tune")
     cluster.workers[victim].kill9()

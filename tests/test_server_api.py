@@ -6,6 +6,8 @@ cancellation, encoder thread. `FakeBackend` (tests/server_fakes.py) records ever
 
 from __future__ import annotations
 
+import concurrent.futures
+import errno
 import io
 import json
 import re
@@ -29,51 +31,14 @@ with warnings.catch_warnings():  # starlette's notice that its TestClient will m
 
 from megaslide.engine.request import ResolvedVideo
 from megaslide.server import Settings, build_app
+from megaslide.server.auth import digest
 from megaslide.server.store import JobStore, WorkerNameInUse
 from megaslide.server.worker import EmbeddedWorker, default_name
 
-from .server_fakes import FakeBackend
+from .server_fakes import FakeBackend, until
 
 TERMINAL = ("completed", "failed", "cancelled")
 SMALL = {"num_frames": 4, "size": "32x32", "num_inference_steps": 2}
-
-
-@pytest.fixture
-def make_client(tmp_path, monkeypatch):
-    for var in ("MEGASLIDE_API_KEYS", "MEGASLIDE_MODELS", "MEGASLIDE_PRESET"):
-        monkeypatch.delenv(var, raising=False)
-    opened = []
-
-    def make(
-        backend: FakeBackend | None = None, wait_ready: bool = True, **overrides
-    ) -> TestClient:
-        backend = backend or FakeBackend()
-        options = dict(
-            data_dir=tmp_path / "data", poll_after_ms=50, cancel_wait_s=5.0, sse_interval_s=0.02
-        )
-        settings = Settings(**{**options, **overrides})
-        client = TestClient(build_app(settings, EmbeddedWorker(settings, backend)))
-        client.__enter__()
-        opened.append(client)
-        client.backend = backend
-        if wait_ready:
-            until(lambda: client.get("/readyz").status_code == 200, what="readyz")
-        return client
-
-    yield make
-    for client in reversed(opened):
-        client.backend.gate.set()
-        client.__exit__(None, None, None)
-
-
-def until(predicate, timeout=10.0, what="condition", interval=0.01):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def create(client, **fields):
@@ -222,42 +187,50 @@ def test_pagination(make_client):
 def test_cancelling_a_running_job_stops_its_steps(make_client):
     c = make_client(FakeBackend(step_s=0.02))
     long = create(c, num_inference_steps=150, seed=11)
-    after = create(
-        c, num_inference_steps=2, seed=12, size="64x64"
-    )  # incompatible: waits for the first
+    after = create(c, num_inference_steps=2, seed=12, size="64x64")  # waits for the first
     until(lambda: c.get(f"/v1/videos/{long['id']}").json()["step"] >= 3, what="a few steps")
-    r = c.delete(f"/v1/videos/{long['id']}")
-    assert r.status_code == 200 and r.json() == {
-        "id": long["id"],
-        "object": "video.deleted",
-        "deleted": True,
-        "status": "cancelled",
-    }
+    r = c.post(f"/v1/videos/{long['id']}/cancel")
+    assert r.status_code == 200 and r.json()["status"] == "cancelled", r.text
     steps_at_cancel = c.backend.seeds_run().count(11)
     v = c.get(f"/v1/videos/{long['id']}").json()
     assert v["status"] == "cancelled" and v["progress"] < 100 and v["step"] == steps_at_cancel
-    assert (
-        wait_status(c, after["id"])["status"] == "completed"
-    )  # the worker went on to the next job
+    assert wait_status(c, after["id"])["status"] == "completed"  # the worker went on
     time.sleep(0.1)
-    assert c.backend.seeds_run().count(11) == steps_at_cancel < 150, (
-        "the cancelled job kept stepping"
-    )
+    assert c.backend.seeds_run().count(11) == steps_at_cancel < 150, "it kept stepping"
     assert_error(c.get(f"/v1/videos/{long['id']}/content"), 400, fragment="cancelled")
-    # A second DELETE removes the record.
-    assert c.delete(f"/v1/videos/{long['id']}").json()["deleted"] is True
-    assert_error(c.get(f"/v1/videos/{long['id']}"), 404)
+    # Cancelling again answers the video as it is; it never deletes it.
+    assert c.post(f"/v1/videos/{long['id']}/cancel").json()["status"] == "cancelled"
+    assert c.get(f"/v1/videos/{long['id']}").json()["status"] == "cancelled"
+    done = wait_status(c, after["id"])
+    assert_error(c.post(f"/v1/videos/{done['id']}/cancel"), 400, fragment="already completed")
 
 
 def test_cancelling_a_queued_job_runs_none_of_it(make_client):
     c = make_client(FakeBackend(step_s=0.02))
     first = create(c, num_inference_steps=20, seed=1)
     queued = create(c, seed=2, size="64x64")
-    r = c.delete(f"/v1/videos/{queued['id']}")
-    assert r.json()["deleted"] is True and r.json()["status"] == "cancelled"
+    r = c.post(f"/v1/videos/{queued['id']}/cancel")
+    assert r.json()["status"] == "cancelled"
     wait_status(c, first["id"])
     time.sleep(0.05)
     assert 2 not in c.backend.seeds_run()
+
+
+def test_deleting_a_video_stops_it_and_removes_it(make_client):
+    c = make_client(FakeBackend(step_s=0.02))
+    running = create(c, num_inference_steps=150, seed=1)
+    until(lambda: c.get(f"/v1/videos/{running['id']}").json()["step"] >= 2, what="a few steps")
+    r = c.delete(f"/v1/videos/{running['id']}")
+    assert r.json() == {
+        "id": running["id"],
+        "object": "video.deleted",
+        "deleted": True,
+        "status": "deleted",
+    }
+    assert_error(c.get(f"/v1/videos/{running['id']}"), 404)
+    steps = c.backend.seeds_run().count(1)
+    time.sleep(0.1)
+    assert c.backend.seeds_run().count(1) == steps < 150
 
 
 def test_deleting_a_finished_video_removes_its_files(make_client):
@@ -275,6 +248,35 @@ def test_deleting_a_finished_video_removes_its_files(make_client):
     assert not mp4.exists()
     assert_error(c.get(f"/v1/videos/{v['id']}"), 404)
     assert_error(c.delete(f"/v1/videos/{v['id']}"), 404)
+
+
+def test_a_retried_delete_or_cancel_gets_the_first_answer(make_client):
+    c = make_client()
+    done = wait_status(c, create(c, seed=1)["id"])
+    # The answer to the first DELETE was lost; the SDK retries with the same key.
+    key = {"Idempotency-Key": "delete-1"}
+    first = c.delete(f"/v1/videos/{done['id']}", headers=key).json()
+    assert first["deleted"] is True
+    assert c.delete(f"/v1/videos/{done['id']}", headers=key).json() == first  # not a 404
+    c.backend.gate.clear()  # the worker holds one video inside a step; the next one waits
+    held = create(c, seed=2)
+    until(lambda: c.get(f"/v1/videos/{held['id']}").json()["status"] == "in_progress")
+    queued = create(c, seed=3)
+    key = {"Idempotency-Key": "cancel-1"}
+    cancelled = c.post(f"/v1/videos/{queued['id']}/cancel", headers=key).json()
+    assert cancelled["status"] == "cancelled"
+    again = c.post(f"/v1/videos/{queued['id']}/cancel", headers=key)
+    assert again.status_code == 200 and again.json() == cancelled
+    assert c.get(f"/v1/videos/{queued['id']}").json()["status"] == "cancelled"  # not purged
+    c.backend.gate.set()
+    # A fine-tuning job's cancel: the retry gets the job, not "already cancelled".
+    file_id = processed(c, upload(c, dataset_zip()).json())["id"]
+    job = c.post("/v1/fine_tuning/jobs", json={"model": "fake", "training_file": file_id}).json()
+    key = {"Idempotency-Key": "ft-cancel-1"}
+    first = c.post(f"/v1/fine_tuning/jobs/{job['id']}/cancel", headers=key)
+    again = c.post(f"/v1/fine_tuning/jobs/{job['id']}/cancel", headers=key)
+    assert first.status_code == again.status_code == 200 and again.json() == first.json()
+    assert_error(c.post(f"/v1/fine_tuning/jobs/{job['id']}/cancel"), 400, fragment="already")
 
 
 def test_compatible_jobs_share_steps_and_never_overtake(make_client):
@@ -403,6 +405,29 @@ def test_a_failing_store_holds_the_worker_back_without_losing_a_job(make_client)
     assert wait_status(c, create(c, seed=2)["id"])["status"] == "completed"
 
 
+def test_a_full_disk_answers_507_and_the_server_recovers_by_itself(make_client, monkeypatch):
+    c = make_client()
+    failing = threading.Event()
+    fail_writes(c.app.state.store.sync, failing)
+    failing.set()
+    assert_error(c.post("/v1/videos", json={"prompt": "p", **SMALL}), 507, fragment="disk is full")
+    failing.clear()
+
+    def no_space(src, dst, max_bytes):
+        raise OSError(errno.ENOSPC, "No space left on device", str(dst))
+
+    monkeypatch.setattr("megaslide.server.routers.files.save_upload", no_space)
+    err = assert_error(upload(c, dataset_zip()), 507)
+    assert err["code"] == "insufficient_storage" and err["type"] == "server_error"
+    files_dir = c.app.state.settings.data_dir / "files"
+    assert not any(files_dir.iterdir())  # the half-written upload went with the failure
+    monkeypatch.undo()
+    # Space again: the same requests go through, on the same server.
+    assert wait_status(c, create(c)["id"])["status"] == "completed"
+    assert processed(c, upload(c, dataset_zip()).json())["status"] == "processed"
+    assert c.get("/healthz").status_code == 200
+
+
 def test_sse_events(make_client):
     c = make_client(FakeBackend(step_s=0.02))
     v = create(c, num_inference_steps=4)
@@ -502,6 +527,66 @@ def test_auth(make_client):
     assert r.status_code == 200
 
 
+def test_each_key_sees_only_what_it_made(make_client, tmp_path):
+    keys_file = tmp_path / "keys"
+    keys_file.write_text(
+        f"alice {digest('alice-1')}\nalice {digest('alice-2')}\nops {digest('ops-1')} admin\n"
+    )
+    c = make_client(api_keys=["bob-1"], api_keys_file=keys_file)
+    alice, alice2, bob, ops = (
+        {"Authorization": f"Bearer {k}"} for k in ("alice-1", "alice-2", "bob-1", "ops-1")
+    )
+    c.headers.update(alice)  # what the helpers below send: Alice's
+    mine = c.post("/v1/videos", json={"prompt": "p", **SMALL}).json()
+    wait_status(c, mine["id"])
+    # Bob cannot list, read, download, stream, cancel or delete it: to him it does not exist.
+    assert c.get("/v1/videos", headers=bob).json()["data"] == []
+    for method, path in (
+        ("GET", f"/v1/videos/{mine['id']}"),
+        ("GET", f"/v1/videos/{mine['id']}/content"),
+        ("GET", f"/v1/videos/{mine['id']}/events"),
+        ("POST", f"/v1/videos/{mine['id']}/cancel"),
+        ("DELETE", f"/v1/videos/{mine['id']}"),
+    ):
+        assert_error(c.request(method, path, headers=bob), 404, "video_id")
+    # Alice's rotated key is still Alice; the admin sees everyone's.
+    assert [v["id"] for v in c.get("/v1/videos", headers=alice2).json()["data"]] == [mine["id"]]
+    assert c.get(f"/v1/videos/{mine['id']}", headers=ops).status_code == 200
+    # Files, fine-tuning jobs and the models they make belong to their key too.
+    up = c.post(
+        "/v1/files",
+        data={"purpose": "fine-tune"},
+        files={"file": ("d.zip", dataset_zip())},
+        headers=alice,
+    ).json()
+    f = until(
+        lambda: (
+            (x := c.get(f"/v1/files/{up['id']}", headers=alice).json())["status"] == "processed"
+            and x
+        )
+    )
+    assert_error(c.get(f"/v1/files/{f['id']}", headers=bob), 404, "file_id")
+    job = {"model": "fake", "training_file": f["id"], "suffix": "mine"}
+    assert_error(c.post("/v1/fine_tuning/jobs", json=job, headers=bob), 404, "training_file")
+    made = c.post("/v1/fine_tuning/jobs", json=job, headers=alice).json()
+    done = until(
+        lambda: (
+            (j := c.get(f"/v1/fine_tuning/jobs/{made['id']}", headers=alice).json())["status"]
+            == "succeeded"
+            and j
+        ),
+        what="the fine-tune",
+    )
+    assert c.get("/v1/fine_tuning/jobs", headers=bob).json()["data"] == []
+    assert_error(c.get(f"/v1/fine_tuning/jobs/{made['id']}", headers=bob), 404)
+    tuned = done["fine_tuned_model"]
+    assert tuned in [m["id"] for m in c.get("/v1/models", headers=alice).json()["data"]]
+    assert [m["id"] for m in c.get("/v1/models", headers=bob).json()["data"]] == ["fake"]
+    theirs = {"prompt": "p", "model": tuned, **SMALL}
+    assert_error(c.post("/v1/videos", json=theirs, headers=bob), 404, "model")
+    assert c.post("/v1/videos", json=theirs, headers=alice).status_code == 200
+
+
 def test_keys_from_the_environment(monkeypatch):
     monkeypatch.setenv("MEGASLIDE_API_KEYS", "alpha, beta")
     assert Settings().api_keys == ["alpha", "beta"]
@@ -526,7 +611,7 @@ def test_idempotency_key_returns_the_first_job(make_client):
     ).json()
     assert other["id"] != first["id"]
     listed = c.get("/v1/videos", headers={"Authorization": "Bearer a"}).json()["data"]
-    assert len(listed) == 2
+    assert [v["id"] for v in listed] == [first["id"]]  # each key sees its own
     # No key: two posts are two jobs.
     plain = [
         c.post(
@@ -618,31 +703,45 @@ def upload(c, data: bytes, name="data.zip", purpose="fine-tune", headers=None):
     )
 
 
+def processed(c, f: dict) -> dict:
+    """An upload once its validation is over: `processed`, or `error`."""
+    return until(
+        lambda: (x := c.get(f"/v1/files/{f['id']}").json())["status"] != "uploaded" and x,
+        what=f"{f['id']} to be validated",
+    )
+
+
+def refused(c, archive: bytes, name: str = "data.zip") -> str:
+    """Upload an archive that validation refuses; what the file's status_details say."""
+    r = upload(c, archive, name)
+    assert r.status_code == 200 and r.json()["status"] == "uploaded", r.text
+    done = processed(c, r.json())
+    assert done["status"] == "error" and done["clips"] == 0, done
+    return done["status_details"]
+
+
 def test_file_upload_validation(make_client):
     c = make_client(max_upload_bytes=50_000)
-    f = upload(c, dataset_zip(wrap="mydata/")).json()  # one wrapping folder is looked through
-    assert (
-        f["object"] == "file"
-        and f["purpose"] == "fine-tune"
-        and f["clips"] == 2
-        and f["filename"] == "data.zip"
-    )
-    assert c.get(f"/v1/files/{f['id']}").json()["id"] == f["id"]
+    uploaded = upload(c, dataset_zip(wrap="mydata/")).json()  # one wrapping folder is looked into
+    assert uploaded["status"] == "uploaded"  # answered before the archive is even unpacked
+    f = processed(c, uploaded)
+    assert (f["object"], f["purpose"], f["filename"]) == ("file", "fine-tune", "data.zip")
+    assert (f["status"], f["clips"], f["status_details"]) == ("processed", 2, None)
     assert [x["id"] for x in c.get("/v1/files").json()["data"]] == [f["id"]]
 
-    assert_error(upload(c, dataset_zip(extra={"../evil.txt": "x"})), 400, "file", "'../evil.txt'")
-    assert_error(upload(c, dataset_zip(extra={"/etc/passwd": "x"})), 400, "file", "absolute")
+    assert "'../evil.txt'" in refused(c, dataset_zip(extra={"../evil.txt": "x"}))
+    assert "absolute" in refused(c, dataset_zip(extra={"/etc/passwd": "x"}))
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w:gz") as tf:
         link = tarfile.TarInfo("data/link")
         link.type, link.linkname = tarfile.SYMTYPE, "/etc/passwd"
         tf.addfile(link)
-    assert_error(upload(c, buf.getvalue(), "d.tar.gz"), 400, "file", "'data/link' is a link")
+    assert "'data/link' is a link" in refused(c, buf.getvalue(), "d.tar.gz")
     bad_meta = io.BytesIO()
     with zipfile.ZipFile(bad_meta, "w") as zf:
         zf.writestr("metadata.jsonl", json.dumps({"file": "clips/missing.mp4", "text": "x"}) + "\n")
-    assert_error(upload(c, bad_meta.getvalue()), 400, "file", "clips/missing.mp4")
-    assert_error(upload(c, b"just some bytes"), 400, "file", "not a .zip")
+    assert "clips/missing.mp4" in refused(c, bad_meta.getvalue())
+    assert "not a .zip" in refused(c, b"just some bytes")
     assert_error(upload(c, b"x" * 60_000), 413, "file")
     assert_error(upload(c, dataset_zip(), purpose="batch"), 400, "purpose")
     assert_error(
@@ -650,13 +749,19 @@ def test_file_upload_validation(make_client):
         400,
         "file",
     )
-    assert len(c.get("/v1/files").json()["data"]) == 1  # nothing half-stored by the failures
+    # Refused uploads stay listed, as errors, with nothing of them left on disk.
+    statuses = [x["status"] for x in c.get("/v1/files").json()["data"]]
+    assert statuses == ["error"] * 5 + ["processed"]
     files_dir = c.app.state.settings.data_dir / "files"
     assert [p.name for p in files_dir.iterdir()] == [f["id"]]
+    refusal = c.get("/v1/files", params={"limit": 1}).json()["data"][0]["id"]
+    job = {"model": "fake", "training_file": refusal}
+    assert_error(c.post("/v1/fine_tuning/jobs", json=job), 400, "training_file", "failed valid")
 
     r1 = upload(c, dataset_zip(), headers={"Idempotency-Key": "u1"}).json()
     r2 = upload(c, dataset_zip(), headers={"Idempotency-Key": "u1"}).json()
-    assert r1["id"] == r2["id"]
+    assert r1["id"] == r2["id"], (r1, r2)
+    processed(c, r1)
     assert c.delete(f"/v1/files/{r1['id']}").json() == {
         "id": r1["id"],
         "object": "file",
@@ -665,10 +770,33 @@ def test_file_upload_validation(make_client):
     assert_error(c.get(f"/v1/files/{r1['id']}"), 404)
 
 
+def test_a_slow_upload_retried_meanwhile_is_stored_once_and_validated_later(make_client):
+    backend = FakeBackend()
+    checking = threading.Event()
+    check = backend.check_dataset
+
+    def slow_check(root):
+        checking.wait(10)  # validation takes as long as the test says
+        return check(root)
+
+    backend.check_dataset = slow_check
+    c = make_client(backend)
+    archive, key = dataset_zip(), {"Idempotency-Key": "slow-1"}
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(lambda _: upload(c, archive, headers=key).json(), range(4)))
+    assert len({a["id"] for a in answers}) == 1 and answers[0]["status"] == "uploaded"
+    job = {"model": "fake", "training_file": answers[0]["id"]}
+    assert_error(c.post("/v1/fine_tuning/jobs", json=job), 400, "training_file", "being valid")
+    checking.set()
+    assert processed(c, answers[0])["status"] == "processed"
+    assert len(c.get("/v1/files").json()["data"]) == 1
+    assert c.post("/v1/fine_tuning/jobs", json=job).status_code == 200
+
+
 def test_finetune_produces_a_model_that_generates(make_client):
     backend = FakeBackend(train_step_s=0.01)
     c = make_client(backend, finetune_save_every=2)
-    f = upload(c, dataset_zip(clips=3)).json()
+    f = processed(c, upload(c, dataset_zip(clips=3)).json())
     job = c.post(
         "/v1/fine_tuning/jobs",
         json={
@@ -739,7 +867,7 @@ def test_finetune_produces_a_model_that_generates(make_client):
 
 def test_finetune_requests_are_validated(make_client):
     c = make_client()
-    f = upload(c, dataset_zip()).json()
+    f = processed(c, upload(c, dataset_zip()).json())
     base = {"model": "fake", "training_file": f["id"]}
     assert_error(c.post("/v1/fine_tuning/jobs", json={**base, "model": "nope"}), 404, "model")
     assert_error(
@@ -767,7 +895,7 @@ def test_finetune_requests_are_validated(make_client):
 def test_running_finetune_yields_to_videos_and_can_be_cancelled(make_client):
     backend = FakeBackend(step_s=0.01, train_step_s=0.02)
     c = make_client(backend)
-    f = upload(c, dataset_zip(clips=200)).json()
+    f = processed(c, upload(c, dataset_zip(clips=200)).json())
     job = c.post("/v1/fine_tuning/jobs", json={"model": "fake", "training_file": f["id"]}).json()
     until(
         lambda: c.get(f"/v1/fine_tuning/jobs/{job['id']}").json()["step"] >= 3,
@@ -862,9 +990,9 @@ def test_restart_requeues_interrupted_work_and_resumes_finetunes(make_client, tm
             "purpose": "fine-tune",
             "bytes": 1,
             "path": "files/file-1/data",
-            "clips": 40,
         }
     )
+    store.finish_file_validation("file-1", clips=40)
     out = data / "fine_tunes" / "ftjob-1"
     store.insert_finetune(
         {

@@ -130,6 +130,12 @@ def test_a_fine_tuning_job_on_a_wan_base_is_served_at_once(app, tmp_path):
         with open(archive, "rb") as f:
             uploaded = c.post("/v1/files", data={"purpose": "fine-tune"}, files={"file": f})
         assert uploaded.status_code == 200, uploaded.text
+        file_url = f"/v1/files/{uploaded.json()['id']}"
+        deadline = time.monotonic() + 60
+        while c.get(file_url).json()["status"] == "uploaded":  # validated after the upload
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert c.get(file_url).json()["status"] == "processed", c.get(file_url).text
         body = {"model": "wan-t2v", "training_file": uploaded.json()["id"]}
         refused = c.post("/v1/fine_tuning/jobs", json=body)  # two experts: which one?
         assert refused.status_code == 400

@@ -138,7 +138,7 @@ def generate_remote(args, request) -> int:
 
 def _cancel_video(client, video_id: str) -> None:
     try:
-        client.videos.delete(video_id)
+        client.videos.cancel(video_id)
         print(f"\ncancelled video {video_id} on the server", file=sys.stderr)
     except Exception as e:  # the interrupt matters more than a failed cleanup
         print(f"\ncould not cancel video {video_id} on the server: {e}", file=sys.stderr)
@@ -231,6 +231,9 @@ def finetune_remote(args) -> int:
                 f"uploaded {root} ({count} files, {uploaded.bytes:,} bytes) as {uploaded.id}",
                 file=sys.stderr,
             )
+            checked = client.files.wait_for_processing(uploaded.id)
+            if checked.status == "error":
+                raise UsageError(f"the server refused the dataset: {checked.status_details}")
             job = client.fine_tuning.jobs.create(
                 model=model,
                 training_file=uploaded.id,

@@ -6,6 +6,7 @@ Both need the server extras (fastapi, uvicorn, SQLAlchemy, ...).
 
 from __future__ import annotations
 
+import functools
 import signal
 import sys
 
@@ -200,7 +201,7 @@ def run_serve(args) -> int:
         workers = EmbeddedWorker(settings, backend)
         what = ", ".join(card.name for card in backend.cards())
     else:
-        workers = Fleet(settings, check_dataset)
+        workers = Fleet(settings, functools.partial(check_dataset, settings=settings))
         what = "the API for the workers of the job store"
     auth = f"{len(settings.api_keys)} API key(s)" if settings.api_keys else "no authentication"
     print(

@@ -1,4 +1,8 @@
-"""`/v1/files`: upload a training archive (validated on upload), list, retrieve, delete."""
+"""`/v1/files`: upload a training archive, list, retrieve, delete.
+
+An upload returns as soon as the archive is on disk, with `status: uploaded`; it is unpacked and
+validated afterwards (uploads.py) and becomes `processed` (with its clip count) or `error` (with
+`status_details` naming the member at fault). Files belong to the key that uploaded them."""
 
 from __future__ import annotations
 
@@ -11,25 +15,43 @@ from fastapi import APIRouter, Query, Request
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 
-from ..archives import ArchiveError, extract_archive, remove_tree
+from ..archives import remove_tree
+from ..auth import Principal
+from ..datadir import DataDir
 from ..deps import (
     DataDep,
+    PrincipalDep,
     SettingsDep,
     StoreDep,
-    WorkersDep,
-    idempotency,
+    idempotent,
     new_id,
-    replayed,
     request_hash,
 )
 from ..errors import Conflict, InvalidRequest, NotFound, PayloadTooLarge
-from ..schemas import FileDeleted, FileObject, ListPage, file_object, page
+from ..schemas import FileDeleted, FileObject, ListPage, error_responses, file_object, page
 from ..store import AsyncStore
 
 router = APIRouter(prefix="/v1/files", tags=["files"])
 
 PURPOSES = ("fine-tune",)
-MULTIPART_SLACK = 64 * 1024  # form boundaries and headers around the file itself
+# The form is read by hand (to stream the file to disk), so its schema is declared for the docs.
+UPLOAD_BODY_DOC = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "multipart/form-data": {
+                "schema": {
+                    "type": "object",
+                    "required": ["file", "purpose"],
+                    "properties": {
+                        "file": {"type": "string", "format": "binary"},
+                        "purpose": {"type": "string", "enum": list(PURPOSES)},
+                    },
+                }
+            }
+        },
+    }
+}
 
 
 def save_upload(src, dst: Path, max_bytes: int) -> tuple[int, str]:
@@ -49,18 +71,21 @@ def save_upload(src, dst: Path, max_bytes: int) -> tuple[int, str]:
     return size, digest.hexdigest()
 
 
-@router.post("", response_model=FileObject)
+@router.post(
+    "",
+    response_model=FileObject,
+    openapi_extra=UPLOAD_BODY_DOC,
+    responses=error_responses(400, 409),
+)
 async def create_file(
-    request: Request, store: StoreDep, workers: WorkersDep, settings: SettingsDep, data: DataDep
+    request: Request,
+    store: StoreDep,
+    settings: SettingsDep,
+    data: DataDep,
+    principal: PrincipalDep,
 ):
-    """Multipart `file` + `purpose=fine-tune`: a .zip or .tar(.gz) in the fine-tuning dataset layout."""
-    length = request.headers.get("content-length")
-    if length and length.isdigit() and int(length) > settings.max_upload_bytes + MULTIPART_SLACK:
-        raise PayloadTooLarge(
-            f"the upload is {length} bytes; this server accepts files up to "
-            f"{settings.max_upload_bytes} bytes",
-            param="file",
-        )
+    """Multipart `file` + `purpose=fine-tune`: a .zip or .tar(.gz) in the fine-tuning dataset
+    layout. Answers at once with `status: uploaded`; poll the file until it is `processed`."""
     if not request.headers.get("content-type", "").startswith("multipart/form-data"):
         raise InvalidRequest("upload files as multipart/form-data with fields file and purpose")
     form = await request.form(max_files=1, max_fields=8)
@@ -87,62 +112,70 @@ async def create_file(
             save_upload, upload.file, folder / "upload", settings.max_upload_bytes
         )
         payload = request_hash({"sha256": digest, "purpose": purpose, "filename": upload.filename})
-        prior = await replayed(request, store, payload)
-        if prior is not None and (row := await store.get_file(prior)) is not None:
-            remove_tree(folder)
-            return file_object(row)
-        root = await run_in_threadpool(
-            extract_archive, folder / "upload", folder / "data", settings.max_extracted_bytes
-        )
-        clips = await run_in_threadpool(workers.check_dataset, root)
-    except (ArchiveError, ValueError) as e:
-        remove_tree(folder)
-        raise InvalidRequest(f"{upload.filename}: {e}", param="file", code="invalid_file") from None
+        async with idempotent(request, store, payload) as replay:
+            if replay.replayed and (row := await store.get_file(replay.resource_id)) is not None:
+                remove_tree(folder)
+                return file_object(row)
+            row = await store.insert_file(
+                {
+                    "id": file_id,
+                    "filename": upload.filename or "upload",
+                    "purpose": purpose,
+                    "bytes": size,
+                    "path": data.relative(folder / "data"),
+                    "owner": principal.owner,
+                },
+                idempotency=replay.key,
+            )
     except BaseException:
         remove_tree(folder)
         raise
-    (folder / "upload").unlink()  # the unpacked copy is what training reads
-    row = await store.insert_file(
-        {
-            "id": file_id,
-            "filename": upload.filename or "upload",
-            "purpose": purpose,
-            "bytes": size,
-            "path": data.relative(root),
-            "clips": clips,
-        },
-        idempotency=idempotency(request, payload),
-    )
+    request.app.state.validator.wake()
     return file_object(row)
 
 
-@router.get("", response_model=ListPage[FileObject])
+@router.get("", response_model=ListPage[FileObject], responses=error_responses(400))
 async def list_files(
     store: StoreDep,
+    principal: PrincipalDep,
     purpose: str | None = None,
     after: str | None = None,
     limit: int = Query(100, ge=1, le=10000),
     order: Literal["asc", "desc"] = "desc",
 ):
-    rows, has_more = await store.list_files(after, limit, order, purpose)
+    rows, has_more = await store.list_files(after, limit, order, purpose, principal.sees)
     return page([file_object(r) for r in rows], has_more)
 
 
-async def find_file(store: AsyncStore, file_id: str) -> dict:
+async def find_file(store: AsyncStore, file_id: str, principal: Principal) -> dict:
+    """The file, if `principal` may see it; another key's answers 404 as if absent."""
     row = await store.get_file(file_id)
-    if row is None:
+    if row is None or not principal.may_see(row["owner"]):
         raise NotFound(f"No such File object: {file_id}", param="file_id")
     return row
 
 
-@router.get("/{file_id}", response_model=FileObject)
-async def retrieve_file(file_id: str, store: StoreDep):
-    return file_object(await find_file(store, file_id))
+@router.get("/{file_id}", response_model=FileObject, responses=error_responses(404))
+async def retrieve_file(file_id: str, store: StoreDep, principal: PrincipalDep):
+    return file_object(await find_file(store, file_id, principal))
 
 
-@router.delete("/{file_id}", response_model=FileDeleted)
-async def delete_file(file_id: str, store: StoreDep, data: DataDep):
-    await find_file(store, file_id)
+@router.delete("/{file_id}", response_model=FileDeleted, responses=error_responses(404, 409))
+async def delete_file(
+    file_id: str, request: Request, store: StoreDep, data: DataDep, principal: PrincipalDep
+):
+    """Delete an upload. A retry with the same Idempotency-Key gets the first answer."""
+    async with idempotent(request, store, request_hash({"delete": file_id})) as replay:
+        if replay.response is not None:  # a retry: the first answer, not a 404
+            return replay.response
+        await find_file(store, file_id, principal)
+        answer = await _delete(store, data, file_id)
+        if replay.key is not None:
+            await store.record_response(*replay.key[:2], answer.model_dump(mode="json"))
+    return answer
+
+
+async def _delete(store: AsyncStore, data: DataDir, file_id: str) -> FileDeleted:
     outcome = await store.delete_file(file_id)
     if outcome == "in_use":
         raise Conflict(

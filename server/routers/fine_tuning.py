@@ -8,15 +8,18 @@ from fastapi import APIRouter, Query, Request
 
 from megaslide.engine.request import RANDOM_SEED_BITS, RequestError, parse_size
 
+from ..auth import Principal
 from ..deps import (
     DataDep,
+    PrincipalDep,
     SettingsDep,
     StoreDep,
     WorkersDep,
     admit,
-    idempotency,
+    event_seq,
+    find_model,
+    idempotent,
     new_id,
-    replayed,
     request_hash,
     wait_for,
 )
@@ -30,6 +33,7 @@ from ..schemas import (
     Hyperparameters,
     ListPage,
     checkpoint_object,
+    error_responses,
     event_object,
     finetune_object,
     page,
@@ -40,9 +44,10 @@ from ..store import AsyncStore
 router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["fine-tuning"])
 
 
-async def find_job(store: AsyncStore, job_id: str) -> dict:
+async def find_job(store: AsyncStore, job_id: str, principal: Principal) -> dict:
+    """The job, if `principal` may see it; another key's answers 404 as if absent."""
     row = await store.get_finetune(job_id)
-    if row is None:
+    if row is None or not principal.may_see(row["owner"]):
         raise NotFound(f"No fine-tuning job found with id {job_id!r}", param="fine_tuning_job_id")
     return row
 
@@ -82,7 +87,7 @@ def resolve_hyperparameters(h: Hyperparameters, card: ModelCard, settings: Setti
     }
 
 
-@router.post("", response_model=FineTuningJob)
+@router.post("", response_model=FineTuningJob, responses=error_responses(400, 404, 409, 429, 503))
 async def create_job(
     body: FineTuningJobCreate,
     request: Request,
@@ -90,17 +95,25 @@ async def create_job(
     workers: WorkersDep,
     settings: SettingsDep,
     data: DataDep,
+    principal: PrincipalDep,
 ):
-    card = workers.model(body.model)
-    if card is None:
-        raise NotFound(
-            f"The model {body.model!r} does not exist; see GET /v1/models",
-            param="model",
-            code="model_not_found",
-        )
+    card = find_model(workers, body.model, principal)
     file_row = await store.get_file(body.training_file)
-    if file_row is None:
+    if file_row is None or not principal.may_see(file_row["owner"]):
         raise NotFound(f"No such File object: {body.training_file}", param="training_file")
+    if file_row["status"] == "uploaded":
+        raise InvalidRequest(
+            f"file {body.training_file} is still being validated; create the job once its "
+            "status is processed (GET /v1/files/{id})",
+            param="training_file",
+            code="file_not_ready",
+        )
+    if file_row["status"] == "error":
+        raise InvalidRequest(
+            f"file {body.training_file} failed validation: {file_row['status_details']}",
+            param="training_file",
+            code="invalid_file",
+        )
     if file_row["purpose"] != "fine-tune":
         raise InvalidRequest(
             f"file {body.training_file} was uploaded with purpose {file_row['purpose']!r}, "
@@ -128,77 +141,117 @@ async def create_job(
     hyper = resolve_hyperparameters(hyper_in, card, settings)
 
     payload = request_hash(body.model_dump(exclude_none=True))
-    prior = await replayed(request, store, payload)
-    if prior is not None and (row := await store.get_finetune(prior)) is not None:
-        return finetune_object(row)
-    await admit(store, workers, settings)
-    job_id = new_id("ftjob-")
-    seed = body.seed if body.seed is not None else secrets.randbelow(2**RANDOM_SEED_BITS)
-    row = await store.insert_finetune(
-        {
-            "id": job_id,
-            "model": body.model,
-            "training_file": body.training_file,
-            "hyperparameters": hyper,
-            "seed": seed,
-            "suffix": body.suffix,
-            "output_dir": data.relative(data.fine_tune(job_id)),
-        },
-        idempotency=idempotency(request, payload),
-    )
+    async with idempotent(request, store, payload) as replay:
+        if replay.replayed and (row := await store.get_finetune(replay.resource_id)) is not None:
+            return finetune_object(row)
+        await admit(store, workers, settings)
+        job_id = new_id("ftjob-")
+        seed = body.seed if body.seed is not None else secrets.randbelow(2**RANDOM_SEED_BITS)
+        row = await store.insert_finetune(
+            {
+                "id": job_id,
+                "model": body.model,
+                "training_file": body.training_file,
+                "hyperparameters": hyper,
+                "seed": seed,
+                "suffix": body.suffix,
+                "output_dir": data.relative(data.fine_tune(job_id)),
+                "owner": principal.owner,
+            },
+            idempotency=replay.key,
+        )
     workers.wake()
     return finetune_object(row)
 
 
-@router.get("", response_model=ListPage[FineTuningJob])
+@router.get("", response_model=ListPage[FineTuningJob], responses=error_responses(400))
 async def list_jobs(
-    store: StoreDep, after: str | None = None, limit: int = Query(20, ge=1, le=100)
+    store: StoreDep,
+    principal: PrincipalDep,
+    after: str | None = None,
+    limit: int = Query(20, ge=1, le=100),
 ):
-    rows, has_more = await store.list_finetunes(after, limit)
+    rows, has_more = await store.list_finetunes(after, limit, owner=principal.sees)
     return page([finetune_object(r) for r in rows], has_more)
 
 
-@router.get("/{job_id}", response_model=FineTuningJob)
-async def retrieve_job(job_id: str, store: StoreDep):
-    return finetune_object(await find_job(store, job_id))
+@router.get("/{job_id}", response_model=FineTuningJob, responses=error_responses(404))
+async def retrieve_job(job_id: str, store: StoreDep, principal: PrincipalDep):
+    return finetune_object(await find_job(store, job_id, principal))
 
 
-@router.post("/{job_id}/cancel", response_model=FineTuningJob)
-async def cancel_job(job_id: str, store: StoreDep, workers: WorkersDep, settings: SettingsDep):
-    """Cancel a queued job now, or a running one at its next optimizer step (the answer waits for it)."""
-    row = await find_job(store, job_id)
-    if row["status"] in ("succeeded", "failed", "cancelled"):
-        raise InvalidRequest(
-            f"fine-tuning job {job_id} already {row['status']}",
-            param="fine_tuning_job_id",
-            code="job_not_cancellable",
-        )
+@router.post(
+    "/{job_id}/cancel", response_model=FineTuningJob, responses=error_responses(400, 404, 409)
+)
+async def cancel_job(
+    job_id: str,
+    request: Request,
+    store: StoreDep,
+    workers: WorkersDep,
+    settings: SettingsDep,
+    principal: PrincipalDep,
+):
+    """Cancel a queued job now, or a running one at its next optimizer step (the answer waits
+    for it). A retry with the same Idempotency-Key gets the first answer."""
+    async with idempotent(request, store, request_hash({"cancel": job_id})) as replay:
+        if replay.response is not None:  # a retry: the first answer, not "already cancelled"
+            return replay.response
+        row = await find_job(store, job_id, principal)
+        if row["status"] in ("succeeded", "failed", "cancelled"):
+            raise InvalidRequest(
+                f"fine-tuning job {job_id} already {row['status']}",
+                param="fine_tuning_job_id",
+                code="job_not_cancellable",
+            )
 
-    async def cancelled() -> bool:
-        return (await store.get_finetune(job_id))["status"] == "cancelled"
+        async def cancelled() -> bool:
+            return (await store.get_finetune(job_id))["status"] == "cancelled"
 
-    if await store.cancel_finetune(job_id) == "running":
-        workers.wake()
-        await wait_for(cancelled, settings.cancel_wait_s)
-    return finetune_object(await store.get_finetune(job_id))
+        if await store.cancel_finetune(job_id) == "running":
+            workers.wake()
+            await wait_for(cancelled, settings.cancel_wait_s)
+        answer = finetune_object(await store.get_finetune(job_id))
+        if replay.key is not None:
+            await store.record_response(*replay.key[:2], answer.model_dump(mode="json"))
+    return answer
 
 
-@router.get("/{job_id}/events", response_model=ListPage[FineTuningEvent])
+@router.get(
+    "/{job_id}/events",
+    response_model=ListPage[FineTuningEvent],
+    responses=error_responses(400, 404),
+)
 async def list_events(
-    job_id: str, store: StoreDep, after: str | None = None, limit: int = Query(20, ge=1, le=1000)
+    job_id: str,
+    store: StoreDep,
+    principal: PrincipalDep,
+    after: str | None = None,
+    limit: int = Query(20, ge=1, le=1000),
 ):
     """Newest first; `after` is the id of the last event of the previous page."""
-    await find_job(store, job_id)
-    if after is not None and not after.removeprefix("ftevent-").isdigit():
-        raise InvalidRequest(f"after must be an event id (ftevent-N), got {after!r}", param="after")
+    await find_job(store, job_id, principal)
+    if after is not None:
+        if not after.startswith("ftevent-"):
+            raise InvalidRequest(
+                f"after must be an event id (ftevent-N), got {after[:40]!r}", param="after"
+            )
+        event_seq(after.removeprefix("ftevent-"), "after")
     rows, has_more = await store.finetune_events(job_id, after, limit)
     return page([event_object(r) for r in rows], has_more)
 
 
-@router.get("/{job_id}/checkpoints", response_model=ListPage[Checkpoint])
+@router.get(
+    "/{job_id}/checkpoints",
+    response_model=ListPage[Checkpoint],
+    responses=error_responses(400, 404),
+)
 async def list_checkpoints(
-    job_id: str, store: StoreDep, after: str | None = None, limit: int = Query(10, ge=1, le=100)
+    job_id: str,
+    store: StoreDep,
+    principal: PrincipalDep,
+    after: str | None = None,
+    limit: int = Query(10, ge=1, le=100),
 ):
-    job = await find_job(store, job_id)
+    job = await find_job(store, job_id, principal)
     rows, has_more = await store.checkpoints(job_id, after, limit)
     return page([checkpoint_object(r, job) for r in rows], has_more)

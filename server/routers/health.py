@@ -4,25 +4,26 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends
-from fastapi.responses import PlainTextResponse
+from fastapi.responses import PlainTextResponse, Response
 
 from ..deps import StoreDep, WorkersDep, require_api_key
 from ..errors import EngineDead, NotReady
 from ..metrics import Gauge, render
+from ..schemas import error_responses
 
-router = APIRouter(tags=["health"])
+router = APIRouter(tags=["health"], responses=error_responses(413, 500))
 
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 
 
-@router.get("/healthz")
+@router.get("/healthz", responses=error_responses(503))
 async def healthz(workers: WorkersDep):
     if workers.dead:
         raise EngineDead(f"the worker stopped: {workers.dead}")
     return {"status": "ok"}
 
 
-@router.get("/readyz")
+@router.get("/readyz", responses=error_responses(503))
 async def readyz(workers: WorkersDep):
     if workers.dead:
         raise EngineDead(f"the worker stopped: {workers.dead}")
@@ -38,7 +39,15 @@ async def readyz(workers: WorkersDep):
     }
 
 
-@router.get("/metrics", response_class=PlainTextResponse, dependencies=[Depends(require_api_key)])
+@router.get(
+    "/metrics",
+    response_class=Response,  # not PlainTextResponse, whose media type the errors would inherit
+    dependencies=[Depends(require_api_key)],
+    responses={
+        200: {"content": {"text/plain": {}}, "description": "Prometheus text format"},
+        **error_responses(401),
+    },
+)
 async def metrics(workers: WorkersDep, store: StoreDep):
     # Gauges about jobs are read from the store at scrape time, so they always agree with the API.
     depth = Gauge("megaslide_queue_depth", "Jobs waiting for a worker (videos and fine-tunes)")

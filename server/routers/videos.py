@@ -20,27 +20,40 @@ from starlette.datastructures import UploadFile
 from megaslide.engine.atomic import atomic_write_bytes
 from megaslide.engine.request import RequestError, resolve
 
+from ..auth import Principal
 from ..deps import (
     DataDep,
+    PrincipalDep,
     SettingsDep,
     StoreDep,
     WorkersDep,
     admit,
-    idempotency,
+    event_seq,
+    find_model,
+    idempotent,
     new_id,
-    replayed,
     request_hash,
     wait_for,
 )
 from ..errors import InvalidRequest, NotFound, NotReady, invalid_request
+from ..protocol import WorkerClient
 from ..ranges import file_response
-from ..schemas import ListPage, Video, VideoCreate, VideoDeleted, page, video_object
+from ..schemas import (
+    ListPage,
+    Video,
+    VideoCreate,
+    VideoDeleted,
+    error_responses,
+    page,
+    video_object,
+)
 from ..store import VIDEO_TERMINAL, AsyncStore, now
 
 router = APIRouter(prefix="/v1/videos", tags=["videos"])
 
 SSE_KEEPALIVE_S = 15.0  # a comment line this often keeps proxies from closing a quiet stream
 TEXT_FIELDS = ("prompt", "negative_prompt")  # an empty form value is meaningful for these only
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP")  # what a first-frame image may be uploaded as
 
 
 async def read_create_body(request: Request) -> tuple[VideoCreate, UploadFile | None]:
@@ -59,10 +72,7 @@ async def read_create_body(request: Request) -> tuple[VideoCreate, UploadFile | 
             elif value != "" or key in TEXT_FIELDS:
                 data[key] = value
     else:
-        try:
-            data = json.loads(await request.body() or b"null")
-        except json.JSONDecodeError as e:
-            raise InvalidRequest(f"the request body is not valid JSON: {e}") from None
+        data = parse_json(await request.body())
         if not isinstance(data, dict):
             raise InvalidRequest(
                 "the request body must be a JSON object (or multipart form fields)"
@@ -73,9 +83,24 @@ async def read_create_body(request: Request) -> tuple[VideoCreate, UploadFile | 
         raise invalid_request(e) from None
 
 
-async def find_video(store: AsyncStore, video_id: str) -> dict:
+def parse_json(body: bytes):
+    """A JSON body (RFC 8259: UTF-8) as Python values, or a 400 that says what is wrong with it."""
+    try:
+        return json.loads(body.decode("utf-8") or "null")
+    except UnicodeDecodeError as e:
+        raise InvalidRequest(
+            f"the request body is not UTF-8 text: {e.reason} at byte {e.start}"
+        ) from None
+    except json.JSONDecodeError as e:
+        raise InvalidRequest(f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise InvalidRequest("the request body nests lists or objects too deeply") from None
+
+
+async def find_video(store: AsyncStore, video_id: str, principal: Principal) -> dict:
+    """The video, if `principal` may see it; another key's answers 404 as if absent."""
     row = await store.get_video(video_id)
-    if row is None:
+    if row is None or not principal.may_see(row["owner"]):
         raise NotFound(f"No video found with id {video_id!r}", param="video_id")
     return row
 
@@ -97,7 +122,12 @@ CREATE_BODY_DOC = {
 }
 
 
-@router.post("", response_model=Video, openapi_extra=CREATE_BODY_DOC)
+@router.post(
+    "",
+    response_model=Video,
+    openapi_extra=CREATE_BODY_DOC,
+    responses=error_responses(400, 404, 409, 429, 503),
+)
 async def create_video(
     request: Request,
     response: Response,
@@ -105,19 +135,13 @@ async def create_video(
     workers: WorkersDep,
     settings: SettingsDep,
     data: DataDep,
+    principal: PrincipalDep,
 ):
     body, upload = await read_create_body(request)
     served = workers.models()
     if not served:
         raise NotReady("no live worker serves a model yet; retry shortly")
-    name = body.model or served[0].name
-    card = workers.model(name)
-    if card is None:
-        raise NotFound(
-            f"The model {name!r} does not exist; see GET /v1/models",
-            param="model",
-            code="model_not_found",
-        )
+    card = find_model(workers, body.model or served[0].name, principal)
     video_id = new_id("video_")
     image = None
     if upload is not None:
@@ -140,18 +164,19 @@ async def create_video(
         if image is not None:  # stored relative to the storage, which hosts mount where they like
             video = dataclasses.replace(video, image=data.relative(image))
         payload = request_hash({**body.model_dump(exclude_none=True), "image": _digest(image)})
-        prior = await replayed(request, store, payload)
-        if prior is not None and (row := await store.get_video(prior)) is not None:
-            _discard(image)
-            poll_hint(response, row, settings)
-            return video_object(row)
-        await admit(store, workers, settings)
-        row = await store.insert_video(
-            video_id,
-            video.to_dict(),
-            priority=body.priority,
-            idempotency=idempotency(request, payload),
-        )
+        async with idempotent(request, store, payload) as replay:
+            if replay.replayed and (row := await store.get_video(replay.resource_id)) is not None:
+                _discard(image)
+                poll_hint(response, row, settings)
+                return video_object(row)
+            await admit(store, workers, settings)
+            row = await store.insert_video(
+                video_id,
+                video.to_dict(),
+                priority=body.priority,
+                idempotency=replay.key,
+                owner=principal.owner,
+            )
     except BaseException:
         _discard(image)
         raise
@@ -164,12 +189,13 @@ def save_image(src, dst: Path, max_pixels: int) -> None:
     """Check an uploaded first-frame image and store it as PNG; RequestError if it is not one.
 
     The pixel count is read from the header and bounded before anything is decoded, so a small
-    file that would inflate to gigabytes is refused cheaply.
+    file that would inflate to gigabytes is refused cheaply. Only the formats a first frame comes
+    in are opened: PIL's other decoders (TIFF, PSD, EPS, ...) are more ways in for a crafted file.
     """
     from PIL import Image, UnidentifiedImageError
 
     try:
-        with Image.open(src) as image:
+        with Image.open(src, formats=IMAGE_FORMATS) as image:
             width, height = image.size
             if width * height > max_pixels:
                 raise RequestError(
@@ -177,7 +203,17 @@ def save_image(src, dst: Path, max_pixels: int) -> None:
                     param="input_reference",
                 )
             image = image.convert("RGB")
-    except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as e:
+    except RequestError:
+        raise
+    except UnidentifiedImageError:
+        formats = f"{', '.join(IMAGE_FORMATS[:-1])} or {IMAGE_FORMATS[-1]}"
+        raise RequestError(
+            f"input_reference is not a readable image: not a {formats} file",
+            param="input_reference",
+        ) from None
+    # PIL reports a damaged file as SyntaxError ("broken PNG file") or ValueError as well as
+    # OSError.
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
         raise RequestError(
             f"input_reference is not a readable image ({e})", param="input_reference"
         ) from None
@@ -195,62 +231,123 @@ def _discard(path: Path | None) -> None:
         path.unlink(missing_ok=True)
 
 
-@router.get("", response_model=ListPage[Video])
+@router.get("", response_model=ListPage[Video], responses=error_responses(400))
 async def list_videos(
     store: StoreDep,
+    principal: PrincipalDep,
     after: str | None = None,
     limit: int = Query(20, ge=1, le=100),
     order: Literal["asc", "desc"] = "desc",
 ):
-    rows, has_more = await store.list_videos(after, limit, order)
+    rows, has_more = await store.list_videos(after, limit, order, principal.sees)
     return page([video_object(r) for r in rows], has_more)
 
 
-@router.get("/{video_id}", response_model=Video)
-async def retrieve_video(video_id: str, response: Response, store: StoreDep, settings: SettingsDep):
-    row = await find_video(store, video_id)
+@router.get("/{video_id}", response_model=Video, responses=error_responses(404))
+async def retrieve_video(
+    video_id: str,
+    response: Response,
+    store: StoreDep,
+    settings: SettingsDep,
+    principal: PrincipalDep,
+):
+    row = await find_video(store, video_id, principal)
     poll_hint(response, row, settings)
     return video_object(row)
 
 
-@router.delete("/{video_id}", response_model=VideoDeleted)
-async def delete_video(
-    video_id: str, store: StoreDep, workers: WorkersDep, settings: SettingsDep, data: DataDep
+async def stop(store: AsyncStore, workers: WorkerClient, video_id: str, wait_s: float) -> str:
+    """Cancel a queued video now, or a running one at its next step boundary, waiting up to
+    `wait_s` for its worker to stop it; the status after."""
+    if await store.cancel_video(video_id) == "in_progress":
+        workers.wake()
+
+        async def stopped() -> bool:
+            return (await store.get_video(video_id))["status"] != "in_progress"
+
+        await wait_for(stopped, wait_s)
+    return (await store.get_video(video_id))["status"]
+
+
+@router.post("/{video_id}/cancel", response_model=Video, responses=error_responses(400, 404, 409))
+async def cancel_video(
+    video_id: str,
+    request: Request,
+    store: StoreDep,
+    workers: WorkersDep,
+    settings: SettingsDep,
+    principal: PrincipalDep,
 ):
-    """Cancel a queued or running video, or delete a finished one with its files.
-
-    A running video stops at its next step boundary; the answer waits (up to `cancel_wait_s`) until
-    the worker has stopped it, so `deleted: true` means no more steps run for it. The record stays,
-    as `cancelled`, for pollers; a second DELETE removes it.
-    """
-    row = await find_video(store, video_id)
-    if row["status"] in VIDEO_TERMINAL:
-        await store.delete_video(video_id)
-        for path in data.video_files(video_id):
-            path.unlink(missing_ok=True)
-        return VideoDeleted(id=video_id, deleted=True, status="deleted")
-    status = await store.cancel_video(video_id)
-    workers.wake()
-
-    async def stopped() -> bool:
-        return (await store.get_video(video_id))["status"] != "in_progress"
-
-    if status == "in_progress":
-        await wait_for(stopped, settings.cancel_wait_s)
-    status = (await store.get_video(video_id))["status"]
-    return VideoDeleted(id=video_id, deleted=status != "in_progress", status=status)
+    """Stop a queued or running video; its record stays, `cancelled`. A running one stops at its
+    next step boundary (the answer waits up to `cancel_wait_s` for it). Cancelling a cancelled
+    video answers it as it is; a retry with the same Idempotency-Key gets the first answer."""
+    async with idempotent(request, store, request_hash({"cancel": video_id})) as replay:
+        if replay.response is not None:  # a retry: the first answer, whatever happened since
+            return replay.response
+        row = await find_video(store, video_id, principal)
+        if row["status"] in ("completed", "failed"):
+            raise InvalidRequest(
+                f"video {video_id} is already {row['status']}; there is nothing to cancel",
+                param="video_id",
+                code="video_not_cancellable",
+            )
+        await stop(store, workers, video_id, settings.cancel_wait_s)
+        answer = video_object(await store.get_video(video_id))
+        if replay.key is not None:
+            await store.record_response(*replay.key[:2], answer.model_dump(mode="json"))
+    return answer
 
 
-@router.get("/{video_id}/content")
+@router.delete("/{video_id}", response_model=VideoDeleted, responses=error_responses(404, 409))
+async def delete_video(
+    video_id: str,
+    request: Request,
+    store: StoreDep,
+    workers: WorkersDep,
+    settings: SettingsDep,
+    data: DataDep,
+    principal: PrincipalDep,
+):
+    """Delete a video, its record and its files. One still queued or running is stopped first (a
+    running one at its next step boundary; the answer waits up to `cancel_wait_s`, and if it has
+    not stopped by then says `deleted: false` while the cancellation goes on). A retry with the
+    same Idempotency-Key gets the first answer, not a 404."""
+    async with idempotent(request, store, request_hash({"delete": video_id})) as replay:
+        if replay.response is not None:  # a retry: the first answer, not a 404
+            return replay.response
+        await find_video(store, video_id, principal)
+        status = await stop(store, workers, video_id, settings.cancel_wait_s)
+        if status == "in_progress":
+            answer = VideoDeleted(id=video_id, deleted=False, status=status)
+        else:
+            await store.delete_video(video_id)
+            for path in data.video_files(video_id):
+                path.unlink(missing_ok=True)
+            answer = VideoDeleted(id=video_id, deleted=True, status="deleted")
+        if replay.key is not None:
+            await store.record_response(*replay.key[:2], answer.model_dump(mode="json"))
+    return answer
+
+
+@router.get(
+    "/{video_id}/content",
+    response_class=Response,
+    responses={
+        200: {"content": {"video/mp4": {}, "image/png": {}}, "description": "The whole file"},
+        206: {"content": {"video/mp4": {}, "image/png": {}}, "description": "The range asked for"},
+        **error_responses(400, 404, 416),
+    },
+)
 async def video_content(
     video_id: str,
     request: Request,
     store: StoreDep,
     data: DataDep,
+    principal: PrincipalDep,
     variant: Literal["video", "thumbnail"] = "video",
 ):
     """The MP4 (with Range support) or the first frame as a PNG."""
-    row = await find_video(store, video_id)
+    row = await find_video(store, video_id, principal)
     if row["status"] != "completed":
         raise InvalidRequest(
             f"video {video_id} is {row['status']}; its content exists once it is completed",
@@ -268,19 +365,29 @@ async def video_content(
     return file_response(path, request.headers.get("range"), media_type, f"{video_id}{path.suffix}")
 
 
-@router.get("/{video_id}/events")
-async def video_events(video_id: str, request: Request, store: StoreDep, settings: SettingsDep):
+@router.get(
+    "/{video_id}/events",
+    response_class=StreamingResponse,
+    responses={
+        200: {"content": {"text/event-stream": {}}, "description": "Server-Sent Events"},
+        **error_responses(400, 404),
+    },
+)
+async def video_events(
+    video_id: str,
+    request: Request,
+    store: StoreDep,
+    settings: SettingsDep,
+    principal: PrincipalDep,
+):
     """Server-Sent Events of status and progress, replayed from the start (or `Last-Event-ID`),
     ending once the video is completed, failed or cancelled.
 
     While the video waits, its data carries `queue_position` (1 = next to run): on the latest
     `video.queued` event, then in a `video.queue_position` event, without an id, each time the
     position changes (jobs ahead start or are cancelled, a higher priority one arrives)."""
-    await find_video(store, video_id)
-    try:
-        last = int(request.headers.get("last-event-id") or 0)
-    except ValueError:
-        last = 0
+    await find_video(store, video_id, principal)
+    last = event_seq(request.headers.get("last-event-id") or "0", "Last-Event-ID")
     return StreamingResponse(
         _sse(store, video_id, last, request, settings.sse_interval_s),
         media_type="text/event-stream",

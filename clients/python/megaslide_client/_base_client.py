@@ -46,14 +46,20 @@ TransportT = TypeVar("TransportT", httpx.BaseTransport, httpx.AsyncBaseTransport
 ClientT = TypeVar("ClientT", bound="_BaseClient")
 
 
+# Methods whose retries must not act twice: each call gets an Idempotency-Key its retries repeat,
+# and the server answers a retry with the first call's outcome (a DELETE retried after a lost
+# answer gets "deleted", not a 404).
+KEYED_METHODS = frozenset({"POST", "DELETE"})
+
+
 def new_idempotency_key() -> str:
-    """A fresh key for one logical POST; all retries of that call send the same key."""
+    """A fresh key for one logical call; all retries of that call send the same key."""
     return f"megaslide-{uuid.uuid4().hex}"
 
 
 def idempotency_key_for(method: str, given: str | None) -> str | None:
-    """The key one call sends: the caller's, else a fresh one for a POST, else none."""
-    if method.upper() == "POST" and given is None:
+    """The key one call sends: the caller's, else a fresh one for a POST or DELETE, else none."""
+    if method.upper() in KEYED_METHODS and given is None:
         return new_idempotency_key()
     return given
 
@@ -289,8 +295,9 @@ class SyncAPIClient(_BaseClient[httpx.Client, httpx.BaseTransport]):
     ) -> httpx.Response:
         """Send one logical request, retrying transient failures; raise a typed error otherwise.
 
-        A POST gets an Idempotency-Key (a fresh one unless given) that every retry repeats, so a
-        create whose answer was lost is answered by the server with the first job, not a new one.
+        A POST or DELETE gets an Idempotency-Key (a fresh one unless given) that every retry
+        repeats, so a call whose answer was lost is answered by the server with the first
+        outcome: the job a create made, not a new one; "deleted", not a 404.
         With `stream=True` the response comes back unread and open; the caller closes it.
         """
         attempts = Attempts(self.max_retries if max_retries is None else max_retries)

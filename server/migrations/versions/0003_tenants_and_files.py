@@ -31,9 +31,7 @@ def upgrade() -> None:
         batch.alter_column("resource_id", existing_type=sa.Text, nullable=True)
         batch.add_column(sa.Column("response", sa.Text))
     with op.batch_alter_table("files") as batch:
-        batch.add_column(
-            sa.Column("status", sa.Text, nullable=False, server_default="processed")
-        )
+        batch.add_column(sa.Column("status", sa.Text, nullable=False, server_default="processed"))
         batch.add_column(sa.Column("status_details", sa.Text))
         batch.add_column(sa.Column("validating_until", sa.Float))
 

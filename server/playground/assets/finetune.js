@@ -18,6 +18,7 @@ import {
 } from "./dom.js";
 
 const POLL_MS = 1000; // how often a running job is looked at
+const CHECK_MS = 300; // how often an upload being validated is looked at
 const EVENTS_PAGE = 200;
 const LOG_LINES = 8;
 const JOBS_PAGE = 20;
@@ -63,10 +64,18 @@ export class FineTune {
   async loadFiles(selected = this.form.elements.training_file.value) {
     const page = await get("v1/files", { purpose: "fine-tune", limit: 100 });
     const select = this.form.elements.training_file;
-    const label = (f) => `${f.filename} · ${f.clips} clips · ${f.id}`;
-    select.replaceChildren(
-      ...page.data.map((f) => new Option(label(f), f.id, false, f.id === selected)),
-    );
+    // Only a processed dataset can be trained on; the others say why not.
+    const state = (f) => {
+      if (f.status === "processed") return `${f.clips} clips`;
+      return f.status === "error" ? "invalid" : "checking…";
+    };
+    const option = (f) => {
+      const text = `${f.filename} · ${state(f)} · ${f.id}`;
+      const item = new Option(text, f.id, false, f.id === selected);
+      item.disabled = f.status !== "processed";
+      return item;
+    };
+    select.replaceChildren(...page.data.map(option));
   }
 
   async upload() {
@@ -97,11 +106,16 @@ export class FineTune {
             : `uploading ${file.name}: ${formatBytes(sent)} of ${formatBytes(size)}`;
       });
       setProgress(bar, 100);
-      const size = formatBytes(uploaded.bytes);
-      const { filename, clips, id } = uploaded;
+      status.textContent = `${file.name}: sent, the server is checking it…`;
+      const checked = await this.checked(uploaded);
+      if (checked.status === "error") {
+        throw new APIError(checked.status_details, { param: "file", code: "invalid_file" });
+      }
+      const size = formatBytes(checked.bytes);
+      const { filename, clips, id } = checked;
       status.textContent = `${filename}: ${clips} clips, ${size} (${id})`;
       form.elements.file.value = "";
-      await this.loadFiles(uploaded.id);
+      await this.loadFiles(checked.id);
     } catch (err) {
       if (!(err instanceof APIError)) throw err;
       bar.hidden = true;
@@ -110,6 +124,15 @@ export class FineTune {
     } finally {
       button.disabled = false;
     }
+  }
+
+  // An upload is validated after it returns: wait until it is processed (or failed).
+  async checked(file) {
+    while (file.status === "uploaded") {
+      await new Promise((resolve) => setTimeout(resolve, CHECK_MS));
+      file = await get(`v1/files/${encodeURIComponent(file.id)}`);
+    }
+    return file;
   }
 
   // --- jobs --------------------------------------------------------------------------------

@@ -182,7 +182,7 @@ export class Queue {
     job.els.error.textContent = "";
     try {
       // A queued video is cancelled at once; for a running one the answer waits until it stops.
-      await request("DELETE", `v1/videos/${encodeURIComponent(job.video.id)}`);
+      await request("POST", `v1/videos/${encodeURIComponent(job.video.id)}/cancel`);
       await this.refresh(job); // a video without a stream yet hears of it here
     } catch (err) {
       job.els.error.textContent = err.message;

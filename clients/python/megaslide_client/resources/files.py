@@ -8,7 +8,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Union
 
+import httpx
+
 from .._pagination import AsyncPaginator, SyncCursorPage
+from .._polling import Watch
+from .._progress import ProgressBar
 from ..types import FileDeleted, FileObject
 
 if TYPE_CHECKING:
@@ -16,6 +20,21 @@ if TYPE_CHECKING:
 
 # A path, an open binary file, raw bytes, or (filename, bytes or binary file).
 FileInput = Union[str, "os.PathLike[str]", IO[bytes], bytes, tuple[str, bytes | IO[bytes]]]
+
+
+class FileWatch(Watch[FileObject]):
+    """Polls GET /v1/files/{id} until the upload is validated (`processed`) or refused (`error`)."""
+
+    def __init__(self, file_id: str, *, poll_interval_ms: int | None, max_wait: float | None):
+        bar = ProgressBar(False, total=1, desc=f"file {file_id}")
+        super().__init__(bar, poll_interval_ms=poll_interval_ms, max_wait=max_wait)
+
+    def observe(self, response: httpx.Response) -> bool:
+        self.result = FileObject.from_dict(response.json())
+        return self.result.status != "uploaded"
+
+    def still(self) -> str:
+        return f"file {self.result.id} still being validated"
 
 
 class Upload:
@@ -112,6 +131,15 @@ class Files:
             "/v1/files", FileObject, purpose=purpose, after=after, limit=limit, order=order
         )
 
+    def wait_for_processing(
+        self, file_id: str, *, poll_interval_ms: int | None = 500, max_wait: float | None = None
+    ) -> FileObject:
+        """Wait until an upload is validated and return it: `status` is `processed` (ready to
+        train on, `clips` counted) or `error` (`status_details` says why). `max_wait` (seconds)
+        raises TimeoutError instead of waiting forever."""
+        with FileWatch(file_id, poll_interval_ms=poll_interval_ms, max_wait=max_wait) as watch:
+            return self._client.poll(lambda: self._client.get(f"/v1/files/{file_id}"), watch)
+
     def delete(self, file_id: str) -> FileDeleted:
         return FileDeleted.from_dict(self._client.delete(f"/v1/files/{file_id}").json())
 
@@ -150,6 +178,13 @@ class AsyncFiles:
         return self._client.get_page(
             "/v1/files", FileObject, purpose=purpose, after=after, limit=limit, order=order
         )
+
+    async def wait_for_processing(
+        self, file_id: str, *, poll_interval_ms: int | None = 500, max_wait: float | None = None
+    ) -> FileObject:
+        """Wait until an upload is validated (see `Files.wait_for_processing`)."""
+        with FileWatch(file_id, poll_interval_ms=poll_interval_ms, max_wait=max_wait) as watch:
+            return await self._client.poll(lambda: self._client.get(f"/v1/files/{file_id}"), watch)
 
     async def delete(self, file_id: str) -> FileDeleted:
         return FileDeleted.from_dict((await self._client.delete(f"/v1/files/{file_id}")).json())

@@ -154,9 +154,19 @@ class Videos:
         """A page of videos; iterating over it walks every following page too."""
         return self._client.get_page("/v1/videos", Video, after=after, limit=limit, order=order)
 
-    def delete(self, video_id: str) -> VideoDeleted:
-        """Cancel the video if it is queued or running (the server stops at its next step) and delete it."""
-        return VideoDeleted.from_dict(self._client.delete(f"/v1/videos/{video_id}").json())
+    def cancel(self, video_id: str, *, idempotency_key: str | None = None) -> Video:
+        """Stop a queued or running video (a running one at its next step); its record stays,
+        `cancelled`."""
+        response = self._client.post(
+            f"/v1/videos/{video_id}/cancel", idempotency_key=idempotency_key
+        )
+        return Video.from_dict(response.json())
+
+    def delete(self, video_id: str, *, idempotency_key: str | None = None) -> VideoDeleted:
+        """Delete the video, its record and its files, stopping it first if it is queued or
+        running (the server stops it at its next step)."""
+        response = self._client.delete(f"/v1/videos/{video_id}", idempotency_key=idempotency_key)
+        return VideoDeleted.from_dict(response.json())
 
     def poll(
         self,
@@ -268,9 +278,17 @@ class AsyncVideos:
         """`await` it for the first page, or `async for` over every video of every page."""
         return self._client.get_page("/v1/videos", Video, after=after, limit=limit, order=order)
 
-    async def delete(self, video_id: str) -> VideoDeleted:
-        """Cancel the video if it is queued or running and delete it."""
-        return VideoDeleted.from_dict((await self._client.delete(f"/v1/videos/{video_id}")).json())
+    async def cancel(self, video_id: str, *, idempotency_key: str | None = None) -> Video:
+        response = await self._client.post(
+            f"/v1/videos/{video_id}/cancel", idempotency_key=idempotency_key
+        )
+        return Video.from_dict(response.json())
+
+    async def delete(self, video_id: str, *, idempotency_key: str | None = None) -> VideoDeleted:
+        response = await self._client.delete(
+            f"/v1/videos/{video_id}", idempotency_key=idempotency_key
+        )
+        return VideoDeleted.from_dict(response.json())
 
     async def poll(
         self,

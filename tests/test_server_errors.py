@@ -1,0 +1,179 @@
+"""Bad input is a 4xx in the error envelope naming what is wrong; an unexpected failure is an
+envelope 500 that leaves the connection open."""
+
+from __future__ import annotations
+
+import io
+import json
+import struct
+import zipfile
+
+import httpx
+import pytest
+
+from megaslide.server import Settings, build_app
+from megaslide.server.ranges import parse_range
+from megaslide.server.torch_backend import TorchBackend
+from megaslide.server.worker import EmbeddedWorker
+
+from .server_fakes import FakeBackend, live_server
+from .test_server_api import (
+    SMALL,
+    assert_error,
+    create,
+    dataset_zip,
+    processed,
+    refused,
+    upload,
+    wait_status,
+)
+
+JSON = {"content-type": "application/json"}
+
+
+def test_bad_json_bodies_are_400s_that_name_the_field(make_client):
+    c = make_client()
+    video = {"prompt": "a red ball", **SMALL}
+    for seconds in (1e308, "Infinity", "inf", "1e308", 10**400):
+        body = {"prompt": "a red ball", "seconds": seconds}
+        assert_error(c.post("/v1/videos", json=body), 400, "seconds")
+    # Python's json would read the bare word Infinity; it is a number too large for any clip.
+    raw = b'{"prompt": "a red ball", "seconds": Infinity}'
+    assert_error(c.post("/v1/videos", content=raw, headers=JSON), 400, "seconds")
+
+    latin1 = json.dumps(video).replace("a red ball", "caf\xe9").encode("latin-1")
+    assert_error(c.post("/v1/videos", content=latin1, headers=JSON), 400, None, "not UTF-8")
+    # "\ud800" is half a UTF-16 surrogate pair: valid JSON, but text with no UTF-8 form.
+    surrogate = json.dumps(video).replace("a red ball", "a \\ud800 ball").encode()
+    assert_error(c.post("/v1/videos", content=surrogate, headers=JSON), 400, "prompt", "surrogate")
+    deep = b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    assert_error(c.post("/v1/videos", content=deep, headers=JSON), 400, None, "too deeply")
+    nested = {**video, "input_reference": json.loads("[" * 40 + "]" * 40)}
+    assert_error(c.post("/v1/videos", json=nested), 400, "input_reference", "nested")
+
+    raw = b'{"model": "fake", "training_file": "file-\\ud800"}'
+    assert_error(c.post("/v1/fine_tuning/jobs", content=raw, headers=JSON), 400, "training_file")
+    raw = b'{"model": "fake", "training_file": "file-x", "metadata": {"k": "\\udfff"}}'
+    assert_error(c.post("/v1/fine_tuning/jobs", content=raw, headers=JSON), 400, "metadata")
+    deep = b'{"model": "fake", "training_file": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    assert_error(c.post("/v1/fine_tuning/jobs", content=deep, headers=JSON), 400)
+
+
+def test_event_numbers_out_of_range_are_400s(make_client):
+    c = make_client()
+    v = create(c)
+    wait_status(c, v["id"])
+    # b"\xb2" is "²" in Latin-1, the headers' encoding: a digit to str.isdigit(), not to us.
+    for last in ("9" * 30, str(2**63), "-1", "+1", "1_0", b"\xb2"):
+        r = c.get(f"/v1/videos/{v['id']}/events", headers={"Last-Event-ID": last})
+        assert_error(r, 400, "Last-Event-ID")
+    r = c.get(f"/v1/videos/{v['id']}/events", headers={"Last-Event-ID": str(2**63 - 1)})
+    assert r.status_code == 200 and r.text == ""  # nothing comes after the largest number
+
+    f = processed(c, upload(c, dataset_zip()).json())
+    job = c.post("/v1/fine_tuning/jobs", json={"model": "fake", "training_file": f["id"]}).json()
+    events = f"/v1/fine_tuning/jobs/{job['id']}/events"
+    for after in ("ftevent-" + "9" * 30, f"ftevent-{2**63}", "ftevent-\u0663", "ftevent-", "7"):
+        assert_error(c.get(events, params={"after": after}), 400, "after")
+    assert c.get(events, params={"after": f"ftevent-{2**63 - 1}"}).status_code == 200
+
+
+def test_malformed_ranges_get_the_whole_file(make_client):
+    for header in ("bytes=1_0-2_0", "bytes=+5-10", "BYTES=0-1", "bytes= 0-1", "bytes=\u0663-5"):
+        assert parse_range(header, 1000) is None, header
+    assert parse_range("bytes=0-" + "9" * 5000, 1000) == (0, 999)  # past the end is the end
+    c = make_client()
+    v = create(c)
+    wait_status(c, v["id"])
+    url = f"/v1/videos/{v['id']}/content"
+    full = c.get(url).content
+    r = c.get(url, headers={"Range": "bytes=1_0-2_0"})
+    assert r.status_code == 200 and r.content == full
+    assert_error(c.get(url, headers={"Range": "bytes=" + "9" * 5000 + "-"}), 416)
+
+
+def zip_member(name: str, data: bytes, *, method=zipfile.ZIP_STORED) -> bytes:
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", compression=method) as zf:
+        zf.writestr("data/metadata.jsonl", '{"file": "a.mp4", "text": "a"}\n')
+        zf.writestr(name, data)
+    return buf.getvalue()
+
+
+def patch_last_member(archive: bytes, *, flags: int | None = None, method: int | None = None):
+    """The archive with its last member's general-purpose flags or compression method changed in
+    both its local and its central header (zipfile writes neither encrypted nor unknown ones)."""
+    out = bytearray(archive)
+    info = zipfile.ZipFile(io.BytesIO(archive)).infolist()[-1]
+    local = info.header_offset
+    central = archive.rindex(b"PK\x01\x02")
+    for value, local_at, central_at in ((flags, 6, 8), (method, 8, 10)):
+        if value is not None:
+            struct.pack_into("<H", out, local + local_at, value)
+            struct.pack_into("<H", out, central + central_at, value)
+    return bytes(out)
+
+
+def test_archive_members_that_cannot_be_unpacked_are_refused_by_name(make_client):
+    c = make_client()
+    clash = io.BytesIO()
+    with zipfile.ZipFile(clash, "w") as zf:
+        zf.writestr("data/clips", b"a file where a folder goes")
+        zf.writestr("data/clips/0.mp4", b"")
+    long_name = "data/" + "a" * 300 + ".mp4"
+    deep = "data/" + "d/" * 40 + "a.mp4"
+    deflated = zip_member("data/a.mp4", b"frames " * 1000, method=zipfile.ZIP_DEFLATED)
+    info = zipfile.ZipFile(io.BytesIO(deflated)).infolist()[-1]
+    start = deflated.index(b"data/a.mp4", info.header_offset) + len("data/a.mp4")
+    corrupt = bytearray(deflated)
+    corrupt[start : start + info.compress_size] = b"\xff" * info.compress_size
+    cases = [
+        (clash.getvalue(), "'data/clips/0.mp4': a file and a folder share one path"),
+        (zip_member(long_name, b""), "name is longer than 255 bytes"),
+        (zip_member(deep, b""), "nested 42 levels deep"),
+        (patch_last_member(zip_member("data/a.mp4", b"x"), flags=1), "'data/a.mp4' is encrypted"),
+        (patch_last_member(zip_member("data/a.mp4", b"x"), method=97), "cannot be read here"),
+        (bytes(corrupt), "'data/a.mp4': its data is damaged"),
+    ]
+    for archive, fragment in cases:
+        assert fragment in refused(c, archive)
+    files = c.app.state.settings.data_dir / "files"
+    assert not list(files.iterdir())  # every refused upload was cleaned away
+
+
+def test_dataset_problems_name_files_as_the_dataset_does(tmp_path):
+    root = tmp_path / "unpacked" / "data"
+    root.mkdir(parents=True)
+    (root / "clip.mp4").write_bytes(b"not a video")
+    nested = '{"file": "clip.mp4", "text": "x", "extra": ' + "[" * 5000 + "]" * 5000 + "}"
+    (root / "metadata.jsonl").write_text(
+        json.dumps({"file": "clip.mp4", "text": "a clip"}) + "\n" + nested + "\n"
+    )
+    backend = TorchBackend(Settings(preset="tiny", data_dir=tmp_path / "server"))
+    with pytest.raises(ValueError) as info:
+        backend.check_dataset(root)
+    message = str(info.value)
+    assert "line 1 (clip.mp4): cannot decode video" in message
+    assert "line 2: JSON nested too deeply" in message
+    assert str(tmp_path) not in message
+
+
+def test_an_unexpected_error_is_an_envelope_500_and_the_connection_stays(tmp_path):
+    settings = Settings(data_dir=tmp_path / "data")
+    app = build_app(settings, EmbeddedWorker(settings, FakeBackend()))
+
+    @app.get("/v1/broken")
+    async def broken():
+        raise RuntimeError("a bug")
+
+    with live_server(app) as url, httpx.Client(base_url=url) as client:
+        first = client.get("/v1/broken")
+        assert_error(first, 500)
+        assert first.json()["error"]["code"] == "internal_error"
+        second = client.get("/v1/models")
+        assert second.status_code == 200
+
+        def port(response):
+            return response.extensions["network_stream"].get_extra_info("client_addr")[1]
+
+        assert port(first) == port(second), "the 500 cost the client its connection"

@@ -1,0 +1,66 @@
+"""The API against its own OpenAPI schema (schemathesis): generated requests, valid and invalid,
+never get a 5xx, and every status, content type and body the server answers is one the schema
+documents. A live server on loopback with fake models, so no tensor work runs; a few examples per
+operation from a fixed seed, so a run takes seconds and repeats itself."""
+
+from __future__ import annotations
+
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, Phase, given, seed, settings
+from hypothesis import strategies as st
+from schemathesis.checks import not_a_server_error
+from schemathesis.generation.modes import GenerationMode
+from schemathesis.specs.openapi.checks import (
+    content_type_conformance,
+    response_schema_conformance,
+    status_code_conformance,
+)
+
+from megaslide.server import Settings, build_app
+from megaslide.server.worker import EmbeddedWorker
+
+from .server_fakes import FakeBackend, live_server
+
+EXAMPLES = 12  # per operation, valid and invalid requests together
+CHECKS = [
+    not_a_server_error,
+    status_code_conformance,
+    content_type_conformance,
+    response_schema_conformance,
+]
+
+
+@pytest.fixture
+def api(tmp_path):
+    """The schema as the live server serves it, loaded from there (so requests go to it)."""
+    # Short waits: a generated DELETE of a running video must not hold the run for seconds.
+    options = dict(data_dir=tmp_path / "data", cancel_wait_s=0.2, sse_interval_s=0.01)
+    server_settings = Settings(**options, max_queue=1000)
+    app = build_app(server_settings, EmbeddedWorker(server_settings, FakeBackend(step_s=0.0)))
+    with live_server(app) as url:
+        yield schemathesis.openapi.from_url(f"{url}/openapi.json")
+
+
+def test_the_api_keeps_to_its_schema(api):
+    failures = {}
+    for result in api.get_all_operations():
+        operation = result.ok()
+
+        @seed(20261203)
+        @settings(
+            max_examples=EXAMPLES,
+            phases=[Phase.explicit, Phase.generate],  # a failure is reported as found, not shrunk
+            deadline=None,
+            database=None,  # nothing written to .hypothesis/
+            suppress_health_check=list(HealthCheck),
+        )
+        @given(case=st.one_of(*(operation.as_strategy(mode) for mode in GenerationMode)))
+        def keeps_to_schema(case):
+            case.call_and_validate(checks=CHECKS, timeout=10)
+
+        try:
+            keeps_to_schema()
+        except Exception as e:  # every operation is tried; all failures are reported together
+            failures[operation.label] = e
+    assert not failures, "\n\n".join(f"{label}:\n{e}" for label, e in failures.items())
