@@ -34,6 +34,11 @@ def register(sub) -> None:
         help="require this Bearer key (repeatable; added to MEGASLIDE_API_KEYS)",
     )
     serve.add_argument(
+        "--api-keys-file",
+        metavar="PATH",
+        help="named keys, stored as SHA-256 digests (see `megaslide keys`): each name a tenant",
+    )
+    serve.add_argument(
         "--max-queue", type=int, help="queued jobs before new ones get 429 (default: 64)"
     )
     serve.add_argument(
@@ -142,6 +147,7 @@ def _settings(args):
     names = (
         "host",
         "port",
+        "api_keys_file",
         "preset",
         "data_dir",
         "database",
@@ -203,7 +209,8 @@ def run_serve(args) -> int:
     else:
         workers = Fleet(settings, functools.partial(check_dataset, settings=settings))
         what = "the API for the workers of the job store"
-    auth = f"{len(settings.api_keys)} API key(s)" if settings.api_keys else "no authentication"
+    keyed = settings.api_keys or settings.api_keys_file
+    auth = "API keys required" if keyed else "no authentication"
     print(
         f"megaslide serve: {what} on http://{settings.host}:{settings.port} "
         f"(store {_shown(settings.database_url)}, storage {settings.storage_dir}, {auth})",
