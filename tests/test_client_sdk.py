@@ -216,6 +216,15 @@ def test_each_logical_post_gets_its_own_key_and_gets_none(sleeps):
     assert "idempotency-key" not in seen[2].headers
 
 
+def test_a_retried_delete_repeats_its_key(sleeps):
+    deleted = {"id": "video_1", "object": "video.deleted", "deleted": True, "status": "deleted"}
+    transport, seen = scripted([httpx.Response(503, json=ERR), httpx.Response(200, json=deleted)])
+    with client_for(transport) as client:
+        assert client.videos.delete("video_1").deleted
+    assert [r.method for r in seen] == ["DELETE", "DELETE"]
+    assert seen[0].headers["idempotency-key"] == seen[1].headers["idempotency-key"]
+
+
 def test_non_transient_status_is_not_retried(sleeps):
     transport, seen = scripted([httpx.Response(400, json=ERR)])
     with (
