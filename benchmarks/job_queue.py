@@ -32,13 +32,14 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests.postgres and the fakes
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the fakes, postgres.py
 
 import numpy as np  # noqa: E402
 
 from megaslide.server.settings import Settings  # noqa: E402
 from megaslide.server.store import JobStore  # noqa: E402
-from tests.server_fakes import FAKE_CARD, FakeBackend  # noqa: E402
+
+from server_fakes import FAKE_CARD, FakeBackend  # noqa: E402
 
 SPEC = {
     "model": FAKE_CARD.name,
@@ -196,7 +197,7 @@ def main(argv=None) -> int:
     results = []
     server = None
     if args.postgres is None:
-        from tests.postgres import PostgresServer
+        from postgres import PostgresServer
 
         server = PostgresServer()
     try:

@@ -21,11 +21,12 @@ import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # the tests' tiny Wan builder
 
 from megaslide.engine.loader import open_pipeline  # noqa: E402
 from megaslide.engine.request import VideoRequest  # noqa: E402
-from tests.wan_fixtures import build_tiny_wan  # noqa: E402
+
+from wan_fixtures import build_tiny_wan  # noqa: E402
 
 CASES = [  # (height, width, frames, tile, window): token grids (T, Y, X) of 64 and 320 tokens
     (64, 64, 13, (1, 2, 2), (3, 1, 1)),

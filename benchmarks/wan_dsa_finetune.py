@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # the tests' tiny Wan builder
 
 from megaslide.engine.family import TrainingShape  # noqa: E402
 from megaslide.engine.finetune import FinetuneConfig, open_trainer  # noqa: E402
@@ -36,7 +36,8 @@ from megaslide.engine.loader import open_model  # noqa: E402
 from megaslide.engine.sources import describe, resolve_source  # noqa: E402
 from megaslide.engine.wan.training import WanTrainingModel, latent_cache  # noqa: E402
 from megaslide.engine.world import write_dataset  # noqa: E402
-from tests.wan_fixtures import build_tiny_wan  # noqa: E402
+
+from wan_fixtures import build_tiny_wan  # noqa: E402
 
 SHAPE = dict(frames=17, height=128, width=128)
 DSA = {"attention": "dsa", "dsa_tile": (1, 2, 2), "dsa_window": (3, 3, 3)}

@@ -10,7 +10,7 @@ with warnings.catch_warnings():  # starlette's notice that its TestClient will m
 from megaslide.server import Settings, build_app
 from megaslide.server.worker import EmbeddedWorker
 
-from .server_fakes import FakeBackend, until
+from server_fakes import FakeBackend, until
 
 
 @pytest.fixture(autouse=True)
@@ -23,7 +23,7 @@ def _deterministic_threads():
 @pytest.fixture(scope="session")
 def postgres_server():
     """One throwaway PostgreSQL server for the session, started on first use."""
-    from tests.postgres import PostgresServer
+    from postgres import PostgresServer
 
     server = PostgresServer()
     yield server

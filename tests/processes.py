@@ -39,7 +39,7 @@ class Child:
         full_env |= {"OMP_NUM_THREADS": "2", **(env or {})}
         with open(log, "w") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-c", LAUNCH, *args],
+                [sys.executable, "-P", "-c", LAUNCH, *args],
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 env=full_env,

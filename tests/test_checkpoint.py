@@ -13,7 +13,8 @@ from megaslide.engine.host_store import SafetensorsFile
 from megaslide.engine.loader import open_model, open_pipeline
 from megaslide.engine.sources import describe, resolve_source
 from megaslide.engine.text import BuiltinTextEncoder
-from tests.test_model import randomise_zero_inits
+
+from test_model import randomise_zero_inits
 
 TINY = PRESETS["tiny"]
 

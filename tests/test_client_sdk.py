@@ -577,7 +577,7 @@ def test_package_imports_without_torch():
         "print(megaslide_client.__version__)"
     )
     result = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+        [sys.executable, "-P", "-c", code], env=env, capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == megaslide_client.__version__

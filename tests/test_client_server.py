@@ -20,7 +20,8 @@ import megaslide_client
 from megaslide.cli.main import main as cli_main
 from megaslide.cli.remote import pack_dataset
 from megaslide.server.settings import Settings
-from tests.server_fakes import live_server, torch_app
+
+from server_fakes import live_server, torch_app
 
 ROOT = Path(__file__).resolve().parents[1]
 

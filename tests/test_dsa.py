@@ -364,7 +364,7 @@ def test_package_imports_and_runs_the_reference_without_triton():
     """)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120
+        [sys.executable, "-P", "-c", script], capture_output=True, text=True, env=env, timeout=120
     )
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
 

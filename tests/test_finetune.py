@@ -21,7 +21,8 @@ from megaslide.engine.request import VideoRequest
 from megaslide.engine.sources import describe, resolve_source
 from megaslide.engine.text import BuiltinTextEncoder
 from megaslide.engine.world import write_dataset
-from tests.test_model import randomise_zero_inits
+
+from test_model import randomise_zero_inits
 
 PROMPTS = ["a red circle moving left", "a blue square"]
 

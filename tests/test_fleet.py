@@ -20,8 +20,8 @@ from megaslide.server.store import JobStore
 from megaslide.server.worker import Worker
 from megaslide.server.workers import Fleet
 
-from .server_fakes import FAKE_CARD, FakeBackend
-from .test_server_api import SMALL, assert_error, until, wait_status
+from server_fakes import FAKE_CARD, FakeBackend
+from test_server_api import SMALL, assert_error, until, wait_status
 
 
 @pytest.fixture

@@ -16,7 +16,8 @@ from megaslide.engine.flow import (
 from megaslide.engine.loader import open_pipeline
 from megaslide.engine.request import VideoRequest
 from megaslide.engine.sources import resolve_source
-from tests.test_model import randomise_zero_inits
+
+from test_model import randomise_zero_inits
 
 REQ = dict(frames=4, height=16, width=16, steps=3)
 

@@ -120,7 +120,7 @@ PEAK_RSS = textwrap.dedent(
 
 def peak_rss_growth(source: str, kind: str) -> dict:
     done = subprocess.run(
-        [sys.executable, "-c", PEAK_RSS, source, kind],
+        [sys.executable, "-P", "-c", PEAK_RSS, source, kind],
         capture_output=True,
         text=True,
         check=True,

@@ -26,7 +26,7 @@ with warnings.catch_warnings():  # starlette's notice that its TestClient will m
 from megaslide.server import Settings, build_app
 from megaslide.server.worker import EmbeddedWorker
 
-from .server_fakes import FakeBackend
+from server_fakes import FakeBackend
 
 ROOT = Path(__file__).resolve().parents[1]
 PLAYGROUND = ROOT / "server" / "playground"

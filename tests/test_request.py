@@ -7,7 +7,8 @@ import pytest
 from megaslide.engine.request import RequestError, VideoRequest, resolve
 from megaslide.engine.sources import describe, resolve_source
 from megaslide.engine.tokens import TOKEN_UNITS, count_tokens
-from tests.server_fakes import FAKE_LIMITS
+
+from server_fakes import FAKE_LIMITS
 
 TINY = describe(resolve_source(preset="tiny")).limits
 

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from megaslide.server.store import JobStore
-from tests.processes import JOB_TIMEOUT_S, TERMINAL, Child, Server
+
+from processes import JOB_TIMEOUT_S, TERMINAL, Child, Server
 
 pytest.importorskip("uvicorn")
 pytest.importorskip("av")

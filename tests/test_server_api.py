@@ -10,6 +10,7 @@ import concurrent.futures
 import errno
 import io
 import json
+import os
 import re
 import socket
 import sqlite3
@@ -35,7 +36,7 @@ from megaslide.server.auth import digest
 from megaslide.server.store import JobStore, WorkerNameInUse
 from megaslide.server.worker import EmbeddedWorker, default_name
 
-from .server_fakes import FakeBackend, until
+from server_fakes import FakeBackend, until
 
 TERMINAL = ("completed", "failed", "cancelled")
 SMALL = {"num_frames": 4, "size": "32x32", "num_inference_steps": 2}
@@ -944,7 +945,9 @@ def test_restart_requeues_interrupted_work_and_resumes_finetunes(make_client, tm
     data = tmp_path / "data"
     store = JobStore(f"sqlite:///{data / 'megaslide.db'}")
     gone = subprocess.run(
-        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, check=True
+        [sys.executable, "-P", "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        check=True,
     )
     name = default_name("cpu")
     store.register_worker(
@@ -1049,13 +1052,13 @@ def test_routers_never_import_torch():
         "import sys; sys.modules['torch'] = None\n"
         "from megaslide.server import build_app, Settings\n"
         "from megaslide.server.worker import EmbeddedWorker\n"
-        "from tests.server_fakes import FakeBackend\n"
+        "from server_fakes import FakeBackend\n"
         "import megaslide.server.routers.videos, megaslide.server.routers.files\n"
         "build_app(Settings(data_dir='unused'), EmbeddedWorker(Settings(), FakeBackend()))\n"
         "assert 'megaslide.server.torch_backend' not in sys.modules\n"
     )
-    root = Path(__file__).resolve().parents[1]
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=60, cwd=root)
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent))  # for server_fakes
+    subprocess.run([sys.executable, "-P", "-c", code], check=True, timeout=60, env=env)
 
 
 def test_a_second_worker_of_the_same_name_is_refused(make_client):

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.processes import JOB_TIMEOUT_S, TERMINAL, Server
+from processes import JOB_TIMEOUT_S, TERMINAL, Server
 
 pytest.importorskip("uvicorn")
 pytest.importorskip("av")

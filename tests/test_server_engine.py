@@ -22,7 +22,8 @@ from megaslide.engine.request import VideoRequest
 from megaslide.engine.sources import resolve_source
 from megaslide.engine.video import read_video
 from megaslide.server import Settings
-from tests.server_fakes import torch_app
+
+from server_fakes import torch_app
 
 CLIP = {"num_frames": 4, "size": "32x32", "num_inference_steps": 2}
 

@@ -16,8 +16,8 @@ from megaslide.server.ranges import parse_range
 from megaslide.server.torch_backend import TorchBackend
 from megaslide.server.worker import EmbeddedWorker
 
-from .server_fakes import FakeBackend, live_server
-from .test_server_api import (
+from server_fakes import FakeBackend, live_server
+from test_server_api import (
     SMALL,
     assert_error,
     create,

@@ -20,8 +20,8 @@ from megaslide.server import Settings, build_app
 from megaslide.server.routers.videos import save_image
 from megaslide.server.worker import EmbeddedWorker
 
-from .server_fakes import FakeBackend, live_server
-from .test_server_api import assert_error
+from server_fakes import FakeBackend, live_server
+from test_server_api import assert_error
 
 CHUNK = 64 * 1024
 

@@ -20,7 +20,7 @@ from schemathesis.specs.openapi.checks import (
 from megaslide.server import Settings, build_app
 from megaslide.server.worker import EmbeddedWorker
 
-from .server_fakes import FakeBackend, live_server
+from server_fakes import FakeBackend, live_server
 
 EXAMPLES = 12  # per operation, valid and invalid requests together
 CHECKS = [

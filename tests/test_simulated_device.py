@@ -6,7 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from tests.simulated_device import SimulatedDevice
+from simulated_device import SimulatedDevice
 
 
 class Ring:

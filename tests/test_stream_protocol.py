@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks import stream_protocol
-from benchmarks.stream_protocol import SCENARIOS, Probe, reference, run, write_model
-from tests.simulated_device import SimulatedDevice, watch_handle, watch_training
+import stream_protocol
+from simulated_device import SimulatedDevice, watch_handle, watch_training
+from stream_protocol import SCENARIOS, Probe, reference, run, write_model
 
 ROOT = Path(__file__).resolve().parent.parent
 CLIP = (2, 8, 8)  # frames, height, width: 4 tokens a frame

@@ -12,7 +12,8 @@ from torch import nn
 
 from megaslide.engine.host_store import ALIGN_BYTES, HostBlockStore, collect_tensors, layout_nbytes
 from megaslide.engine.streaming import plan_residency, stream_module
-from tests.simulated_device import SimulatedDevice, watch_handle
+
+from simulated_device import SimulatedDevice, watch_handle
 
 # ------------------------------------------------------------------------------------------------
 # Two toy modules with different block structures

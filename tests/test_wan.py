@@ -13,7 +13,8 @@ import torch
 from megaslide.engine.loader import open_model, open_pipeline
 from megaslide.engine.request import RequestError, VideoRequest
 from megaslide.engine.sources import describe, resolve_source
-from tests.wan_fixtures import CLIP, build_tiny_wan
+
+from wan_fixtures import CLIP, build_tiny_wan
 
 diffusers = pytest.importorskip("diffusers")
 

@@ -24,7 +24,8 @@ from megaslide.engine.request import VideoRequest
 from megaslide.engine.sources import describe, resolve_source
 from megaslide.engine.wan.training import WanTrainingModel
 from megaslide.engine.world import write_dataset
-from tests.wan_fixtures import build_tiny_wan
+
+from wan_fixtures import build_tiny_wan
 
 diffusers = pytest.importorskip("diffusers")
 ROOT = Path(__file__).resolve().parents[1]
@@ -156,7 +157,7 @@ def test_two_experts_train_one_at_a_time(wan, tmp_path):
 def run_cli(*args: str) -> subprocess.Popen:
     code = "import sys; from megaslide.cli.main import main; sys.exit(main(sys.argv[1:]))"
     return subprocess.Popen(
-        [sys.executable, "-c", code, *args],
+        [sys.executable, "-P", "-c", code, *args],
         cwd=ROOT,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,

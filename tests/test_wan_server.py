@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from megaslide.server import Settings
-from tests.server_fakes import live_server, torch_app
-from tests.wan_fixtures import build_tiny_wan
+
+from server_fakes import live_server, torch_app
+from wan_fixtures import build_tiny_wan
 
 pytest.importorskip("diffusers")
 with warnings.catch_warnings():  # starlette's notice that its TestClient will move to httpx2
