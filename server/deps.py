@@ -22,20 +22,23 @@ from .protocol import ModelCard, WorkerClient
 from .settings import Settings
 from .store import AsyncStore
 
+# The dependencies are coroutines, though none awaits: FastAPI runs a plain function in its
+# thread pool, one hop per dependency per request, which is most of a status poll's cost.
 
-def get_settings(request: Request) -> Settings:
+
+async def get_settings(request: Request) -> Settings:
     return request.app.state.settings
 
 
-def get_store(request: Request) -> AsyncStore:
+async def get_store(request: Request) -> AsyncStore:
     return request.app.state.store
 
 
-def get_workers(request: Request) -> WorkerClient:
+async def get_workers(request: Request) -> WorkerClient:
     return request.app.state.workers
 
 
-def get_data(request: Request) -> DataDir:
+async def get_data(request: Request) -> DataDir:
     return request.app.state.data
 
 
@@ -45,7 +48,7 @@ WorkersDep = Annotated[WorkerClient, Depends(get_workers)]
 DataDep = Annotated[DataDir, Depends(get_data)]
 
 
-def require_api_key(request: Request) -> None:
+async def require_api_key(request: Request) -> None:
     """With keys configured, every request must carry `Authorization: Bearer <key>`; the key's
     principal (auth.py) is what the request acts for."""
     keyring: Keyring = request.app.state.keyring
@@ -61,8 +64,12 @@ def require_api_key(request: Request) -> None:
     request.state.principal = principal
 
 
-def get_principal(request: Request) -> Principal:
+def principal_of(request: Request) -> Principal:
     return getattr(request.state, "principal", ANONYMOUS)
+
+
+async def get_principal(request: Request) -> Principal:
+    return principal_of(request)
 
 
 PrincipalDep = Annotated[Principal, Depends(get_principal)]
@@ -123,7 +130,7 @@ async def idempotent(
     if not key:
         yield Replay()
         return
-    principal = get_principal(request)
+    principal = principal_of(request)
     reservation = (principal.scope, f"{request.method} {request.url.path}:{key}", payload_hash)
     deadline = time.monotonic() + IDEMPOTENCY_WAIT_S
     while (prior := await store.reserve_key(*reservation)) is not None:

@@ -28,6 +28,10 @@ class TorchBackend(Backend):
 
     def __init__(self, settings: Settings):
         self.settings = settings
+        if settings.engine_threads is not None:
+            # Process-wide, and only the engine computes with torch here: the API's threads
+            # keep the cores the engine leaves them.
+            torch.set_num_threads(settings.engine_threads)
         self.device = resolve_device(settings.device)
         self.dtype = resolve_dtype(settings.dtype, self.device)
         self._infos: dict[str, ModelInfo] = {}  # by served name: what `load` opens

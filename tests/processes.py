@@ -3,16 +3,20 @@ workers, each logging to a file that a failing assertion shows."""
 
 from __future__ import annotations
 
+import io
+import json
 import os
 import re
 import signal
 import socket
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 
 import httpx
+import numpy as np
 
 LAUNCH = "import sys; from megaslide.cli.main import main; sys.exit(main(sys.argv[1:]))"
 TERMINAL = ("completed", "failed", "cancelled")
@@ -119,3 +123,22 @@ class Server(Child):
     def metric(self, name: str) -> float:
         text = self.http.get("/metrics").text
         return float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))
+
+
+def noise_dataset_archive(tmp_path: Path, clips: int) -> bytes:
+    """A .tar.gz fine-tuning dataset of `clips` random 4-frame 32x32 clips, for `POST /v1/files`."""
+    from megaslide.engine.video import write_mp4
+
+    root = tmp_path / "dataset"
+    (root / "clips").mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    lines = []
+    for i in range(clips):
+        clip = rng.integers(0, 256, (4, 32, 32, 3), dtype=np.uint8)
+        write_mp4(root / "clips" / f"{i}.mp4", clip, fps=8)
+        lines.append(json.dumps({"file": f"clips/{i}.mp4", "text": f"noise clip {i}"}))
+    (root / "metadata.jsonl").write_text("\n".join(lines) + "\n")
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tf:
+        tf.add(root, arcname="dataset")
+    return buf.getvalue()

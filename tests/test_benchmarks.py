@@ -92,3 +92,17 @@ def test_queue_benchmark_runs_every_job_once_on_both_stores():
         assert run["event_latency_ms"]["n"] == 24 and run["claim_latency_ms"]["n"] >= 1
         lat = run["event_latency_ms"]
         assert 0 < lat["p50"] <= lat["p99"]
+
+
+def test_api_load_benchmark_polls_a_live_server_idle_and_generating():
+    r = run_json("benchmarks/api_load.py", "--quick", "--json")
+    rows = {(row["engine"], row["clients"]): row for row in r["results"]}
+    assert set(rows) == {("idle", 4), ("generating", 0), ("generating", 4)}
+    assert rows["generating", 0]["engine_steps_per_s"] > 0  # the long clips were denoising
+    for key in (("idle", 4), ("generating", 4)):
+        row = rows[key]
+        assert row["errors"] == {} and row["requests"] > 0
+        assert 0 < row["p50_ms"] <= row["p99_ms"] <= row["max_ms"]
+    assert rows["generating", 4]["busy"]
+    ratio = rows["generating", 4]["req_per_s"] / rows["idle", 4]["req_per_s"]
+    assert r["goals"]["embedded"]["generating_over_idle_throughput"] == {"4": round(ratio, 2)}

@@ -6,18 +6,14 @@ Leases are short here (3 s, heartbeats every 0.3 s) so a dead worker's jobs move
 
 from __future__ import annotations
 
-import io
-import json
-import tarfile
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from megaslide.server.store import JobStore
 
-from processes import JOB_TIMEOUT_S, TERMINAL, Child, Server
+from processes import JOB_TIMEOUT_S, TERMINAL, Child, Server, noise_dataset_archive
 
 pytest.importorskip("uvicorn")
 pytest.importorskip("av")
@@ -155,24 +151,6 @@ def test_killing_the_api_leaves_the_workers_working(cluster):
         assert cluster.api.http.get(f"/v1/videos/{video_id}/content").content[4:8] == b"ftyp"
 
 
-def dataset(tmp_path: Path) -> bytes:
-    from megaslide.engine.video import write_mp4
-
-    root = tmp_path / "dataset"
-    (root / "clips").mkdir(parents=True)
-    rng = np.random.default_rng(0)
-    lines = []
-    for i in range(3):
-        clip = rng.integers(0, 256, (4, 32, 32, 3), dtype=np.uint8)
-        write_mp4(root / "clips" / f"{i}.mp4", clip, fps=8)
-        lines.append(json.dumps({"file": f"clips/{i}.mp4", "text": f"noise clip {i}"}))
-    (root / "metadata.jsonl").write_text("\n".join(lines) + "\n")
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w:gz") as tf:
-        tf.add(root, arcname="dataset")
-    return buf.getvalue()
-
-
 def finetune(cluster: Cluster, file_id: str) -> str:
     body = {
         "model": "tiny",
@@ -202,7 +180,9 @@ def test_a_worker_killed_mid_finetune_is_resumed_by_the_other_to_the_same_weight
     from safetensors.torch import load_file
 
     f = cluster.api.http.post(
-        "/v1/files", data={"purpose": "fine-tune"}, files={"file": ("d.tgz", dataset(tmp_path))}
+        "/v1/files",
+        data={"purpose": "fine-tune"},
+        files={"file": ("d.tgz", noise_dataset_archive(tmp_path, 3))},
     )
     assert f.status_code == 200, f.text
     deadline = time.monotonic() + JOB_TIMEOUT_S

@@ -9,14 +9,13 @@ from __future__ import annotations
 import io
 import json
 import re
-import tarfile
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from processes import JOB_TIMEOUT_S, TERMINAL, Server
+from processes import JOB_TIMEOUT_S, TERMINAL, Server, noise_dataset_archive
 
 pytest.importorskip("uvicorn")
 pytest.importorskip("av")
@@ -128,28 +127,9 @@ def test_cancelling_a_running_job_stops_the_model(server):
     assert after["status"] == "cancelled" and after["step"] < 60 and after["progress"] < 100
 
 
-def make_dataset_archive(tmp_path: Path) -> bytes:
-    from megaslide.engine.video import write_mp4
-
-    root = tmp_path / "dataset"
-    (root / "clips").mkdir(parents=True)
-    rng = np.random.default_rng(0)
-    lines = []
-    for i in range(2):
-        write_mp4(
-            root / "clips" / f"{i}.mp4", rng.integers(0, 256, (4, 32, 32, 3), dtype=np.uint8), fps=8
-        )
-        lines.append(json.dumps({"file": f"clips/{i}.mp4", "text": f"noise clip {i}"}))
-    (root / "metadata.jsonl").write_text("\n".join(lines) + "\n")
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w:gz") as tf:
-        tf.add(root, arcname="dataset")
-    return buf.getvalue()
-
-
 def test_finetune_through_the_files_api_yields_a_servable_model(server, tmp_path):
     pytest.importorskip("megaslide.engine.finetune")
-    archive = make_dataset_archive(tmp_path)
+    archive = noise_dataset_archive(tmp_path, 2)
     f = server.http.post(
         "/v1/files", data={"purpose": "fine-tune"}, files={"file": ("data.tar.gz", archive)}
     )

@@ -89,3 +89,10 @@ def test_cuda_out_of_memory_fails_only_its_job(tmp_path, monkeypatch):
         assert "CUDA out of memory" in failed["error"]["message"]
         assert wait(c, small["id"])["status"] == "completed"
         assert c.get("/healthz").status_code == 200
+
+
+def test_engine_threads_caps_the_engines_cpu_threads(tmp_path):
+    from megaslide.server.torch_backend import TorchBackend
+
+    TorchBackend(Settings(data_dir=tmp_path, preset="tiny", device="cpu", engine_threads=1))
+    assert torch.get_num_threads() == 1  # conftest sets two again for the next test

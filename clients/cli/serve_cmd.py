@@ -107,6 +107,11 @@ def _worker_args(p) -> None:
     )
     p.add_argument("--device", help="auto (default: cuda when available), cpu, cuda or cuda:N")
     p.add_argument(
+        "--engine-threads",
+        type=int,
+        help="CPU threads for the engine's tensor maths (default: torch's, one per core)",
+    )
+    p.add_argument(
         "--offload",
         choices=("none", "stream"),
         help="stream DiT blocks from host RAM each step (models larger than the device)",
@@ -159,10 +164,11 @@ def _settings(args):
         "device",
         "offload",
         "gpu_budget",
+        "engine_threads",
     )
     overrides = {k: getattr(args, k, None) for k in names}
     overrides = {k: v for k, v in overrides.items() if v is not None}
-    for flag in ("max_queue", "max_batch"):
+    for flag in ("max_queue", "max_batch", "engine_threads"):
         if overrides.get(flag, 1) < 1:
             raise UsageError(
                 f"--{flag.replace('_', '-')} must be at least 1, got {overrides[flag]}"

@@ -1,0 +1,238 @@
+"""Status polls under load: `GET /v1/videos/{id}` throughput and latency at N concurrent clients,
+with the engine idle and while it generates, on a real `megaslide serve` over loopback.
+
+    python benchmarks/api_load.py --json [--clients 20 200] [--duration 5] [--modes ...]
+
+Modes (each a fresh server on the packaged default model, CPU):
+
+- embedded: `megaslide serve`, the worker a thread of the API's process (the default).
+- embedded-1-thread: the same with the engine's tensor maths on one thread
+  (`MEGASLIDE_ENGINE_THREADS=1`), leaving a core to the API.
+- split: `megaslide serve --no-worker` and a `megaslide worker` process on the same store.
+
+For each mode: clients poll a finished video for `--duration` seconds with the engine idle, then
+again while it denoises long videos (`busy` says whether it was still denoising when the window
+closed, `engine_steps_per_s` how fast it denoised meanwhile, and the `clients: 0` row how fast it
+denoises with no one polling). Each client is one connection polling back to back; latency is the time of one request,
+throughput the requests answered per second. The clients run in this process, so on a small
+machine they share its cores with the server: the figures are the system's, clients included.
+
+Goals (issue: API load): p99 <= 50 ms at 20 clients while generating; throughput while generating
+>= 0.5x idle at the same client count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import platform
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # processes.py
+
+import numpy as np  # noqa: E402
+
+from processes import Child, Server  # noqa: E402
+
+MODEL = "megaslide-tiny"  # the packaged default model
+MODES = ("embedded", "embedded-1-thread", "split")
+QUICK_CLIP = {"prompt": "a red circle", "size": "32x32", "num_inference_steps": 2}
+# Long enough to keep two cores busy through every window of a run (cancelled at the end).
+LONG_CLIP = {
+    "prompt": "a blue square moving right",
+    "num_frames": 16,
+    "size": "64x64",
+    "num_inference_steps": 200,
+}
+WARMUP_S = 0.5
+PASSES = "megaslide_denoise_passes_total"  # batched denoising steps, all workers together
+
+
+async def _poll(port: int, path: str, until: float, latencies: list, codes: Counter) -> None:
+    """One keep-alive connection asking for `path` back to back until `until`.
+
+    A bare HTTP/1.1 exchange on asyncio streams rather than an HTTP client library: at 200
+    connections a full client's own bookkeeping costs more CPU than the server's answer (httpx's
+    pool cut a healthz loop from ~2,600 to ~650 req/s on two cores), and the clients share the
+    server's cores here.
+    """
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    request = f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode()
+    try:
+        while time.perf_counter() < until:
+            start = time.perf_counter()
+            writer.write(request)
+            head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
+            fields = dict(line.lower().split(": ", 1) for line in head[1:] if ": " in line)
+            await reader.readexactly(int(fields["content-length"]))
+            latencies.append(time.perf_counter() - start)
+            codes[int(head[0].split()[1])] += 1
+    except (OSError, asyncio.IncompleteReadError) as e:
+        codes[type(e).__name__] += 1
+    finally:
+        writer.close()
+
+
+async def _window(port: int, path: str, clients: int, duration: float) -> dict:
+    """`clients` connections polling `path` for `duration` s, after WARMUP_S s not counted."""
+    await asyncio.gather(
+        *(_poll(port, path, time.perf_counter() + WARMUP_S, [], Counter()) for _ in range(clients))
+    )
+    latencies: list[float] = []
+    codes: Counter = Counter()
+    start = time.perf_counter()
+    until = start + duration
+    await asyncio.gather(*(_poll(port, path, until, latencies, codes) for _ in range(clients)))
+    elapsed = time.perf_counter() - start
+    ms = np.array(latencies) * 1e3
+    return {
+        "clients": clients,
+        "requests": len(latencies),
+        "req_per_s": round(len(latencies) / elapsed, 1),
+        "p50_ms": round(float(np.percentile(ms, 50)), 2),
+        "p99_ms": round(float(np.percentile(ms, 99)), 2),
+        "max_ms": round(float(ms.max()), 2),
+        "errors": {str(k): v for k, v in codes.items() if k != 200},
+    }
+
+
+def _start(mode: str, data_dir: Path, logs: Path) -> tuple[Server, list[Child]]:
+    store = ["--data-dir", str(data_dir)]
+    env = {"MEGASLIDE_ENGINE_THREADS": "1"} if mode == "embedded-1-thread" else {}
+    if mode != "split":
+        return Server([*store, "--device", "cpu"], logs / f"{mode}-serve.log", env), []
+    server = Server([*store, "--no-worker"], logs / f"{mode}-serve.log", ready_path="/healthz")
+    worker = Child(["worker", *store, "--device", "cpu"], logs / f"{mode}-worker.log")
+    server.wait_ready("/readyz")
+    return server, [worker]
+
+
+def _submit(server: Server, clip: dict) -> str:
+    answer = server.http.post("/v1/videos", json={"model": MODEL, **clip})
+    if answer.status_code != 200:
+        raise RuntimeError(f"POST /v1/videos: {answer.status_code} {answer.text}")
+    return answer.json()["id"]
+
+
+def one_mode(mode: str, clients: list[int], duration: float, tmp: Path) -> list[dict]:
+    data_dir = tmp / mode
+    data_dir.mkdir()
+    server, children = _start(mode, data_dir, tmp)
+    rows = []
+    try:
+        finished = _submit(server, QUICK_CLIP)
+        assert server.wait(finished)["status"] == "completed", server.output()
+        path = f"/v1/videos/{finished}"
+        for n in clients:
+            rows.append(
+                {
+                    "mode": mode,
+                    "engine": "idle",
+                    **asyncio.run(_window(server.port, path, n, duration)),
+                }
+            )
+        long = [_submit(server, LONG_CLIP) for _ in range(2)]
+        server.wait(long[0], statuses=("in_progress",))
+        before = server.video(long[0])["progress"]
+        time.sleep(duration)  # the engine's pace with no one polling
+        alone = (
+            (server.video(long[0])["progress"] - before) * LONG_CLIP["num_inference_steps"] / 100
+        )
+        rows.append(
+            {
+                "mode": mode,
+                "engine": "generating",
+                "clients": 0,
+                "engine_steps_per_s": round(alone / duration, 2),
+            }
+        )
+        for n in clients:
+            before, start = server.metric(PASSES), time.perf_counter()
+            window = asyncio.run(_window(server.port, path, n, duration))
+            steps = (server.metric(PASSES) - before) / (time.perf_counter() - start)
+            busy = server.video(long[0])["status"] == "in_progress"
+            rows.append(
+                {
+                    "mode": mode,
+                    "engine": "generating",
+                    "busy": busy,
+                    "engine_steps_per_s": round(steps, 2),
+                    **window,
+                }
+            )
+        for video_id in long:
+            server.http.post(f"/v1/videos/{video_id}/cancel")
+    finally:
+        for child in children:
+            child.stop()
+        server.stop()
+    return rows
+
+
+def goals(rows: list[dict]) -> dict:
+    """Per mode: p99 at the smallest client count while generating, and the throughput ratio."""
+    out = {}
+    for mode in dict.fromkeys(r["mode"] for r in rows):
+        by = {(r["engine"], r["clients"]): r for r in rows if r["mode"] == mode and r["clients"]}
+        fewest = min(c for _, c in by)
+        ratios = {
+            str(c): round(by["generating", c]["req_per_s"] / by["idle", c]["req_per_s"], 2)
+            for e, c in by
+            if e == "idle" and ("generating", c) in by
+        }
+        p99 = by["generating", fewest]["p99_ms"]
+        out[mode] = {
+            f"p99_ms_generating_at_{fewest}": p99,
+            "p99_goal_met": p99 <= 50,
+            "generating_over_idle_throughput": ratios,
+            "throughput_goal_met": all(r >= 0.5 for r in ratios.values()),
+        }
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--clients", type=int, nargs="+", default=[20, 200])
+    ap.add_argument("--duration", type=float, default=5.0, help="seconds per measured window")
+    ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    ap.add_argument("--quick", action="store_true", help="4 clients, 1 s windows, embedded only")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.clients, args.duration, args.modes = [4], 1.0, ["embedded"]
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for mode in args.modes:
+            rows += one_mode(mode, args.clients, args.duration, Path(tmp))
+    report = {
+        "benchmark": "api_load",
+        "machine": f"{platform.node()}: {multiprocessing.cpu_count()} CPUs, {platform.system()}",
+        "duration_s": args.duration,
+        "long_clip": LONG_CLIP,
+        "results": rows,
+        "goals": goals(rows),
+    }
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        for r in rows:
+            if not r["clients"]:
+                print(f"{r['mode']:18} engine alone: {r['engine_steps_per_s']:.2f} steps/s")
+                continue
+            print(
+                f"{r['mode']:18} {r['engine']:10} {r['clients']:4} clients: {r['req_per_s']:7.1f} req/s "
+                f"p50 {r['p50_ms']:7.2f} ms p99 {r['p99_ms']:8.2f} ms errors {r['errors']}"
+            )
+        print(json.dumps(report["goals"], indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
