@@ -8,6 +8,7 @@ Modes (each a fresh server on the packaged default model, CPU):
 - embedded: `megaslide serve`, the worker a thread of the API's process (the default).
 - embedded-1-thread: the same with the engine's tensor maths on one thread
   (`MEGASLIDE_ENGINE_THREADS=1`), leaving a core to the API.
+- worker-process: `megaslide serve --worker-process`, the worker a child process of the API's.
 - split: `megaslide serve --no-worker` and a `megaslide worker` process on the same store.
 
 For each mode: clients poll a finished video for `--duration` seconds with the engine idle, then
@@ -41,7 +42,7 @@ import numpy as np  # noqa: E402
 from processes import Child, Server  # noqa: E402
 
 MODEL = "megaslide-tiny"  # the packaged default model
-MODES = ("embedded", "embedded-1-thread", "split")
+MODES = ("embedded", "embedded-1-thread", "worker-process", "split")
 QUICK_CLIP = {"prompt": "a red circle", "size": "32x32", "num_inference_steps": 2}
 # Long enough to keep two cores busy through every window of a run (cancelled at the end).
 LONG_CLIP = {
@@ -106,7 +107,8 @@ def _start(mode: str, data_dir: Path, logs: Path) -> tuple[Server, list[Child]]:
     store = ["--data-dir", str(data_dir)]
     env = {"MEGASLIDE_ENGINE_THREADS": "1"} if mode == "embedded-1-thread" else {}
     if mode != "split":
-        return Server([*store, "--device", "cpu"], logs / f"{mode}-serve.log", env), []
+        child = ["--worker-process"] if mode == "worker-process" else []
+        return Server([*store, "--device", "cpu", *child], logs / f"{mode}-serve.log", env), []
     server = Server([*store, "--no-worker"], logs / f"{mode}-serve.log", ready_path="/healthz")
     worker = Child(["worker", *store, "--device", "cpu"], logs / f"{mode}-worker.log")
     server.wait_ready("/readyz")

@@ -3,21 +3,27 @@
 A worker (worker.py) registers itself, its device and the model cards it serves, and renews that
 with a heartbeat; an API host reads the registry to list models, answer `/readyz`, and add up the
 workers' metrics. `Fleet` is that view for an API-only host (`megaslide serve --no-worker`);
-`EmbeddedWorker` extends it with a worker in the API's own process (`megaslide serve`).
+`EmbeddedWorker` extends it with a worker in the API's own process (`megaslide serve`), and
+`ChildWorkerFleet` with a worker in a child process (`megaslide serve --worker-process`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import math
+import multiprocessing
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 from .metrics import Registry
 from .protocol import ModelCard, WorkerClient, card_from_dict
 from .settings import Settings
 from .store import JobStore
+
+log = logging.getLogger("megaslide.server")
 
 VIEW_TTL_S = 0.5  # how long a read of the registry serves before the next one
 
@@ -115,6 +121,71 @@ class Fleet(WorkerClient):
     def retry_after(self) -> int:
         mean = self.metrics.video_seconds.mean
         return max(1, math.ceil(mean)) if mean else 5
+
+
+class ChildWorkerFleet(Fleet):
+    """`Fleet` and the worker it looks after: `main()` (what `megaslide worker` runs) in a spawned
+    child process, started with the API and stopped at its shutdown.
+
+    The child has its own interpreter, so the engine's Python and the API's event loop never wait
+    on one lock (benchmarks/api_load.py: under 20 clients polling back to back the engine keeps
+    about 3x the pace it keeps as a thread of the API's process). A child that dies is started
+    again after `RESTART_DELAY_S`, under the same worker name, so it takes back the jobs the dead
+    one held; one that exits with a code in `keep_down` (stopped, or refused to start) is not.
+    """
+
+    RESTART_DELAY_S = 2.0
+    STOP_TIMEOUT_S = 120.0  # SIGTERM: videos requeue at a step boundary, a fine-tune checkpoints
+
+    def __init__(
+        self,
+        settings: Settings,
+        check_dataset: Callable[[Path], int],
+        main: Callable[[], None],
+        keep_down: Collection[int] = (0,),
+    ):
+        super().__init__(settings, check_dataset)
+        self._main = main  # pickled into the child: a module-level function or a partial of one
+        self._keep_down = set(keep_down)
+        self._spawn = multiprocessing.get_context("spawn")
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self.process: multiprocessing.process.BaseProcess | None = None
+        self._watcher = threading.Thread(target=self._watch, name="worker-process", daemon=True)
+
+    async def start(self, store: JobStore) -> None:
+        await super().start(store)
+        self._watcher.start()
+
+    async def shutdown(self) -> None:
+        await asyncio.to_thread(self._stop)
+
+    def _watch(self) -> None:
+        while True:
+            with self._lock:
+                if self._stopping.is_set():
+                    return
+                self.process = self._spawn.Process(target=self._main, name="megaslide-worker")
+                self.process.start()
+            self.process.join()
+            code = self.process.exitcode
+            if self._stopping.is_set() or code in self._keep_down:
+                return
+            log.warning("the worker process exited with %s; restarting it", code)
+            self._stopping.wait(self.RESTART_DELAY_S)
+
+    def _stop(self) -> None:
+        with self._lock:
+            self._stopping.set()
+            process = self.process
+        if process is not None and process.is_alive():
+            process.terminate()
+            process.join(self.STOP_TIMEOUT_S)
+            if process.is_alive():
+                process.kill()
+                process.join()
+        if self._watcher.is_alive():
+            self._watcher.join()
 
 
 def fine_tuned_card(row: dict, parent: ModelCard) -> ModelCard:

@@ -7,8 +7,12 @@ Both need the server extras (fastapi, uvicorn, SQLAlchemy, ...).
 from __future__ import annotations
 
 import functools
+import multiprocessing
+import multiprocessing.connection
+import os
 import signal
 import sys
+import threading
 
 from .args import UsageError, parse_bytes
 
@@ -47,6 +51,12 @@ def register(sub) -> None:
         action="store_false",
         default=None,
         help="serve the API only: jobs run on `megaslide worker` processes of the same database",
+    )
+    serve.add_argument(
+        "--worker-process",
+        action="store_true",
+        help="run the worker in a child process instead of a thread of the API's, so the engine "
+        "and the API share no interpreter lock (restarted if it dies)",
     )
     _store_args(serve)
     _worker_args(serve)
@@ -203,18 +213,26 @@ def run_serve(args) -> int:
     from megaslide.server import build_app
     from megaslide.server.torch_backend import check_dataset
     from megaslide.server.worker import EmbeddedWorker
-    from megaslide.server.workers import Fleet
+    from megaslide.server.workers import ChildWorkerFleet, Fleet
 
     settings = _settings(args)
     if not settings.worker and (args.model or args.preset):
         raise UsageError("--model and --preset say what a worker serves; --no-worker runs none")
-    if settings.worker:
+    if not settings.worker and args.worker_process:
+        raise UsageError("--worker-process runs the worker that --no-worker leaves out")
+    if settings.worker and not args.worker_process:
         backend = _backend(settings)
         workers = EmbeddedWorker(settings, backend)
         what = ", ".join(card.name for card in backend.cards())
     else:
-        workers = Fleet(settings, functools.partial(check_dataset, settings=settings))
+        check = functools.partial(check_dataset, settings=settings)
+        workers = Fleet(settings, check)
         what = "the API for the workers of the job store"
+        if args.worker_process:
+            names = ", ".join(card.name for card in _backend(settings).cards())
+            main = functools.partial(_worker_process_main, settings, args.log_level)
+            workers = ChildWorkerFleet(settings, check, main, keep_down=(0, USAGE_EXIT))
+            what = f"{names} (its worker in a child process)"
     keyed = settings.api_keys or settings.api_keys_file
     auth = "API keys required" if keyed else "no authentication"
     print(
@@ -232,15 +250,19 @@ def run_serve(args) -> int:
 
 
 def run_worker(args) -> int:
+    return serve_jobs(_settings(args), args.log_level)
+
+
+def serve_jobs(settings, log_level: str) -> int:
+    """A worker's life: load the models, register, run jobs until SIGTERM or SIGINT, leave."""
     import logging
 
     from megaslide.server.store import JobStore, WorkerNameInUse
     from megaslide.server.worker import Worker, default_name
 
     logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    settings = _settings(args)
     backend = _backend(settings)
     store = JobStore(settings.database_url)
     worker = Worker(
@@ -275,6 +297,27 @@ def run_worker(args) -> int:
         print(f"megaslide worker: stopped: {worker.dead}", file=sys.stderr)
         return 1
     return 0
+
+
+def _worker_process_main(settings, log_level: str) -> None:
+    """`serve --worker-process`'s child: a worker that also stops when its server dies."""
+    threading.Thread(target=_stop_with_parent, daemon=True).start()
+    try:
+        code = serve_jobs(settings, log_level)
+    except UsageError as e:
+        print(f"megaslide worker: error: {e}", file=sys.stderr)
+        code = USAGE_EXIT
+    sys.exit(code)
+
+
+def _stop_with_parent() -> None:
+    # A server killed with SIGKILL cannot stop its child: the child sees its parent's sentinel
+    # close and stops itself the way SIGTERM stops a worker, at a step boundary.
+    multiprocessing.connection.wait([multiprocessing.parent_process().sentinel])
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+USAGE_EXIT = 2  # the worker refused to start (a name another worker holds): not restarted
 
 
 def _shown(url: str) -> str:
