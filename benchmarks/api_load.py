@@ -29,6 +29,7 @@ import asyncio
 import json
 import multiprocessing
 import platform
+import sqlite3
 import sys
 import tempfile
 import time
@@ -52,7 +53,6 @@ LONG_CLIP = {
     "num_inference_steps": 200,
 }
 WARMUP_S = 0.5
-PASSES = "megaslide_denoise_passes_total"  # batched denoising steps, all workers together
 
 
 async def _poll(port: int, path: str, until: float, latencies: list, codes: Counter) -> None:
@@ -122,6 +122,19 @@ def _submit(server: Server, clip: dict) -> str:
     return answer.json()["id"]
 
 
+def _paced(data_dir: Path, video_id: str, work) -> tuple[object, float]:
+    """What `work()` returns, and the engine's denoising steps per second while it ran, read
+    from the job store's record of the video's step (written at every step, in every mode)."""
+
+    def step() -> int:
+        with sqlite3.connect(f"file:{data_dir / 'megaslide.db'}?mode=ro", uri=True) as db:
+            return db.execute("SELECT step FROM videos WHERE id = ?", (video_id,)).fetchone()[0]
+
+    before, start = step(), time.perf_counter()
+    result = work()
+    return result, round((step() - before) / (time.perf_counter() - start), 2)
+
+
 def one_mode(mode: str, clients: list[int], duration: float, tmp: Path) -> list[dict]:
     data_dir = tmp / mode
     data_dir.mkdir()
@@ -132,39 +145,25 @@ def one_mode(mode: str, clients: list[int], duration: float, tmp: Path) -> list[
         assert server.wait(finished)["status"] == "completed", server.output()
         path = f"/v1/videos/{finished}"
         for n in clients:
-            rows.append(
-                {
-                    "mode": mode,
-                    "engine": "idle",
-                    **asyncio.run(_window(server.port, path, n, duration)),
-                }
-            )
+            window = asyncio.run(_window(server.port, path, n, duration))
+            rows.append({"mode": mode, "engine": "idle", **window})
         long = [_submit(server, LONG_CLIP) for _ in range(2)]
         server.wait(long[0], statuses=("in_progress",))
-        before = server.video(long[0])["progress"]
-        time.sleep(duration)  # the engine's pace with no one polling
-        alone = (
-            (server.video(long[0])["progress"] - before) * LONG_CLIP["num_inference_steps"] / 100
-        )
+        _, alone = _paced(data_dir, long[0], lambda: time.sleep(duration))  # no one polling
         rows.append(
-            {
-                "mode": mode,
-                "engine": "generating",
-                "clients": 0,
-                "engine_steps_per_s": round(alone / duration, 2),
-            }
+            {"mode": mode, "engine": "generating", "clients": 0, "engine_steps_per_s": alone}
         )
         for n in clients:
-            before, start = server.metric(PASSES), time.perf_counter()
-            window = asyncio.run(_window(server.port, path, n, duration))
-            steps = (server.metric(PASSES) - before) / (time.perf_counter() - start)
+            window, pace = _paced(
+                data_dir, long[0], lambda n=n: asyncio.run(_window(server.port, path, n, duration))
+            )
             busy = server.video(long[0])["status"] == "in_progress"
             rows.append(
                 {
                     "mode": mode,
                     "engine": "generating",
                     "busy": busy,
-                    "engine_steps_per_s": round(steps, 2),
+                    "engine_steps_per_s": pace,
                     **window,
                 }
             )

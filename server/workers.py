@@ -129,7 +129,7 @@ class ChildWorkerFleet(Fleet):
 
     The child has its own interpreter, so the engine's Python and the API's event loop never wait
     on one lock (benchmarks/api_load.py: under 20 clients polling back to back the engine keeps
-    about 3x the pace it keeps as a thread of the API's process). A child that dies is started
+    3.7x the pace it keeps as a thread of the API's process). A child that dies is started
     again after `RESTART_DELAY_S`, under the same worker name, so it takes back the jobs the dead
     one held; one that exits with a code in `keep_down` (stopped, or refused to start) is not.
     """
