@@ -130,11 +130,15 @@ class ChildWorkerFleet(Fleet):
     The child has its own interpreter, so the engine's Python and the API's event loop never wait
     on one lock (benchmarks/api_load.py: under 20 clients polling back to back the engine keeps
     3.7x the pace it keeps as a thread of the API's process). A child that dies is started
-    again after `RESTART_DELAY_S`, under the same worker name, so it takes back the jobs the dead
-    one held; one that exits with a code in `keep_down` (stopped, or refused to start) is not.
+    again, under the same worker name, so it takes back the jobs the dead one held: after
+    `RESTART_DELAY_S`, doubled for each death in a row that came within `STEADY_S` of its start
+    (a crash loop, say a model that fails to load) up to `MAX_RESTART_DELAY_S`. One that exits
+    with a code in `keep_down` (stopped, or refused to start) is not started again.
     """
 
     RESTART_DELAY_S = 2.0
+    MAX_RESTART_DELAY_S = 60.0
+    STEADY_S = 60.0  # a child that lived this long died of something other than its start
     STOP_TIMEOUT_S = 120.0  # SIGTERM: videos requeue at a step boundary, a fine-tune checkpoints
 
     def __init__(
@@ -161,18 +165,23 @@ class ChildWorkerFleet(Fleet):
         await asyncio.to_thread(self._stop)
 
     def _watch(self) -> None:
+        delay = self.RESTART_DELAY_S
         while True:
             with self._lock:
                 if self._stopping.is_set():
                     return
                 self.process = self._spawn.Process(target=self._main, name="megaslide-worker")
                 self.process.start()
+                started = time.monotonic()
             self.process.join()
             code = self.process.exitcode
             if self._stopping.is_set() or code in self._keep_down:
                 return
-            log.warning("the worker process exited with %s; restarting it", code)
-            self._stopping.wait(self.RESTART_DELAY_S)
+            if time.monotonic() - started >= self.STEADY_S:
+                delay = self.RESTART_DELAY_S
+            log.warning("the worker process exited with %s; restarting it in %g s", code, delay)
+            self._stopping.wait(delay)
+            delay = min(2 * delay, self.MAX_RESTART_DELAY_S)
 
     def _stop(self) -> None:
         with self._lock:

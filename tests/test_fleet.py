@@ -4,6 +4,10 @@ through the registry."""
 
 from __future__ import annotations
 
+import asyncio
+import functools
+import logging
+import os
 import threading
 import time
 import warnings
@@ -18,7 +22,7 @@ from megaslide.server import Settings, build_app
 from megaslide.server.protocol import card_from_dict, card_to_dict
 from megaslide.server.store import JobStore
 from megaslide.server.worker import Worker
-from megaslide.server.workers import Fleet
+from megaslide.server.workers import ChildWorkerFleet, Fleet
 
 from server_fakes import FAKE_CARD, FakeBackend
 from test_server_api import SMALL, assert_error, until, wait_status
@@ -111,3 +115,29 @@ def test_a_silent_worker_drops_out_and_its_job_moves_to_another(api, settings):
     first.worker.close()
     first.store.close()
     second.stop()
+
+
+def test_a_worker_process_that_keeps_dying_is_restarted_ever_more_slowly(
+    settings, monkeypatch, caplog
+):
+    monkeypatch.setattr(ChildWorkerFleet, "RESTART_DELAY_S", 0.1)
+    monkeypatch.setattr(ChildWorkerFleet, "MAX_RESTART_DELAY_S", 0.4)
+    fleet = ChildWorkerFleet(settings, lambda root: 0, functools.partial(os._exit, 3))
+    with caplog.at_level(logging.WARNING, logger="megaslide.server"):
+        asyncio.run(fleet.start(None))
+        until(lambda: len(caplog.records) >= 4, timeout=60)
+        asyncio.run(fleet.shutdown())
+    delays = [r.getMessage() for r in caplog.records][:4]
+    assert delays == [
+        f"the worker process exited with 3; restarting it in {d} s" for d in (0.1, 0.2, 0.4, 0.4)
+    ]
+
+
+def test_a_worker_process_that_stops_by_itself_is_left_down(settings):
+    fleet = ChildWorkerFleet(
+        settings, lambda root: 0, functools.partial(os._exit, 2), keep_down=(0, 2)
+    )
+    asyncio.run(fleet.start(None))
+    until(lambda: not fleet._watcher.is_alive(), timeout=60)
+    assert fleet.process.exitcode == 2
+    asyncio.run(fleet.shutdown())
