@@ -16,6 +16,7 @@ import threading
 
 from .args import UsageError, parse_bytes
 
+USAGE_EXIT = 2  # a worker that refused to start (a name another worker holds): not restarted
 SETTINGS_HELP = (
     "Settings also come from MEGASLIDE_* variables (MEGASLIDE_API_KEYS=key1,key2, "
     "MEGASLIDE_MODELS, MEGASLIDE_DATABASE, MEGASLIDE_STORAGE, MEGASLIDE_PORT, ...); flags win."
@@ -220,19 +221,19 @@ def run_serve(args) -> int:
         raise UsageError("--model and --preset say what a worker serves; --no-worker runs none")
     if not settings.worker and args.worker_process:
         raise UsageError("--worker-process runs the worker that --no-worker leaves out")
-    if settings.worker and not args.worker_process:
+    check = functools.partial(check_dataset, settings=settings)
+    if args.worker_process:
+        names = ", ".join(card.name for card in _backend(settings).cards())
+        main = functools.partial(_worker_process_main, settings, args.log_level)
+        workers = ChildWorkerFleet(settings, check, main, keep_down=(0, USAGE_EXIT))
+        what = f"{names} (its worker in a child process)"
+    elif settings.worker:
         backend = _backend(settings)
         workers = EmbeddedWorker(settings, backend)
         what = ", ".join(card.name for card in backend.cards())
     else:
-        check = functools.partial(check_dataset, settings=settings)
         workers = Fleet(settings, check)
         what = "the API for the workers of the job store"
-        if args.worker_process:
-            names = ", ".join(card.name for card in _backend(settings).cards())
-            main = functools.partial(_worker_process_main, settings, args.log_level)
-            workers = ChildWorkerFleet(settings, check, main, keep_down=(0, USAGE_EXIT))
-            what = f"{names} (its worker in a child process)"
     keyed = settings.api_keys or settings.api_keys_file
     auth = "API keys required" if keyed else "no authentication"
     print(
@@ -315,9 +316,6 @@ def _stop_with_parent() -> None:
     # close and stops itself the way SIGTERM stops a worker, at a step boundary.
     multiprocessing.connection.wait([multiprocessing.parent_process().sentinel])
     os.kill(os.getpid(), signal.SIGTERM)
-
-
-USAGE_EXIT = 2  # the worker refused to start (a name another worker holds): not restarted
 
 
 def _shown(url: str) -> str:
