@@ -96,6 +96,6 @@ def test_plan_105b(capsys):
 
 def test_console_script_version():
     out = subprocess.run(
-        [sys.executable, "-m", "megaslide.cli", "--version"], capture_output=True, text=True
+        [sys.executable, "-P", "-m", "megaslide.cli", "--version"], capture_output=True, text=True
     )
     assert out.returncode == 0 and out.stdout.strip() == f"megaslide {__version__}"

@@ -260,6 +260,7 @@ def make_dataset(root: Path) -> Path:
 def test_models(client):
     models = client.models.list()
     assert [m.id for m in models] == ["tiny"] and models.data[0].kind == "preset"
+    assert models.data[0].inputs == ["text"]  # the tiny preset takes no first frame
     assert client.models.retrieve("tiny").limits["max_frames"] >= 8
     with pytest.raises(megaslide_client.NotFoundError):
         client.models.retrieve("nope")

@@ -89,7 +89,7 @@ class Serve:
             args += ["--api-key", api_key]
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "megaslide.cli", *args],
+                [sys.executable, "-P", "-m", "megaslide.cli", *args],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=env,

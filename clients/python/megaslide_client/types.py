@@ -279,5 +279,6 @@ class Model(APIObject):
     owned_by: str | None = None
     kind: str | None = None  # preset | model | fine-tune
     parent: str | None = None  # the base model of a fine-tune
+    inputs: list[str] | None = None  # "text", and "image" for a model that takes a first frame
     defaults: dict[str, Any] | None = None  # what a request gets for an absent field
     limits: dict[str, Any] | None = None  # max_frames, max_size, size_multiple, ...
