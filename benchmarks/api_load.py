@@ -14,9 +14,10 @@ Modes (each a fresh server on the packaged default model, CPU):
 For each mode: clients poll a finished video for `--duration` seconds with the engine idle, then
 again while it denoises long videos (`busy` says whether it was still denoising when the window
 closed, `engine_steps_per_s` how fast it denoised meanwhile, and the `clients: 0` row how fast it
-denoises with no one polling). Each client is one connection polling back to back; latency is the time of one request,
-throughput the requests answered per second. The clients run in this process, so on a small
-machine they share its cores with the server: the figures are the system's, clients included.
+denoises with no one polling). Each client is one connection polling back to back; latency is
+the time of one request, throughput the requests answered per second. The clients run in this
+process, so on a small machine they share its cores with the server: the figures are the
+system's, clients included.
 
 Goals (issue: API load): p99 <= 50 ms at 20 clients while generating; throughput while generating
 >= 0.5x idle at the same client count.

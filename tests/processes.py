@@ -41,6 +41,8 @@ class Child:
         # Two intra-op threads unless told otherwise, as the test process uses (conftest), so
         # both compute in the same order.
         full_env |= {"OMP_NUM_THREADS": "2", **(env or {})}
+        # -P: the working directory stays off sys.path (the repository root's kernels/ folder
+        # would hide the kernels package that transformers imports).
         with open(log, "w") as out:
             self.proc = subprocess.Popen(
                 [sys.executable, "-P", "-c", LAUNCH, *args],

@@ -215,17 +215,19 @@ def test_kill_9_then_restart_completes_every_job_exactly_once(tmp_path):
         second.stop()
 
 
+def worker_pid(data: Path) -> int:
+    """The process of the one worker registered in the store under `data`."""
+    with sqlite3.connect(data / "megaslide.db") as db:
+        return db.execute("SELECT pid FROM workers").fetchone()[0]
+
+
 def test_a_worker_process_killed_mid_video_is_restarted_and_finishes_it(tmp_path):
     data = tmp_path / "data"
-    log = tmp_path / "serve.log"
-    srv = Server(["--preset", "tiny", "--data-dir", str(data), "--worker-process"], log)
+    srv = Server(
+        ["--preset", "tiny", "--data-dir", str(data), "--worker-process"], tmp_path / "log"
+    )
     try:
-
-        def worker_pid() -> int:
-            with sqlite3.connect(data / "megaslide.db") as db:
-                return db.execute("SELECT pid FROM workers").fetchone()[0]
-
-        first = worker_pid()
+        first = worker_pid(data)
         assert first != srv.proc.pid  # the engine is not in the API's process
         r = srv.http.post("/v1/videos", json={"prompt": "p", **CLIP, "num_inference_steps": 60})
         video_id = r.json()["id"]
@@ -233,7 +235,7 @@ def test_a_worker_process_killed_mid_video_is_restarted_and_finishes_it(tmp_path
         os.kill(first, signal.SIGKILL)
         v = srv.wait(video_id)
         assert v["status"] == "completed", srv.output()
-        second = worker_pid()
+        second = worker_pid(data)
         assert second != first and "exited with -9; restarting it" in srv.output()
         names = [name for name, _ in sse_events(srv, video_id)]
         assert names.count("video.completed") == 1 and names.count("video.queued") == 2
@@ -249,13 +251,15 @@ def test_a_worker_process_stops_when_its_server_is_killed(tmp_path):
     srv = Server(
         ["--preset", "tiny", "--data-dir", str(data), "--worker-process"], tmp_path / "log"
     )
-    with sqlite3.connect(data / "megaslide.db") as db:
-        worker = db.execute("SELECT pid FROM workers").fetchone()[0]
-    srv.kill9()
-    deadline = time.monotonic() + 30
-    while Path(f"/proc/{worker}").exists() and "zombie" not in _state(worker):
-        assert time.monotonic() < deadline, "the worker process outlived its server"
-        time.sleep(0.1)
+    try:
+        worker = worker_pid(data)
+        srv.kill9()
+        deadline = time.monotonic() + 30
+        while Path(f"/proc/{worker}").exists() and "zombie" not in _state(worker):
+            assert time.monotonic() < deadline, "the worker process outlived its server"
+            time.sleep(0.1)
+    finally:
+        srv.stop()
 
 
 def _state(pid: int) -> str:

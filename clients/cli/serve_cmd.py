@@ -223,6 +223,8 @@ def run_serve(args) -> int:
         raise UsageError("--worker-process runs the worker that --no-worker leaves out")
     check = functools.partial(check_dataset, settings=settings)
     if args.worker_process:
+        # Built here only to name a bad flag, and the models, before anything starts; the child
+        # builds its own.
         names = ", ".join(card.name for card in _backend(settings).cards())
         main = functools.partial(_worker_process_main, settings, args.log_level)
         workers = ChildWorkerFleet(settings, check, main, keep_down=(0, USAGE_EXIT))
