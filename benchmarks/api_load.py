@@ -123,13 +123,27 @@ def _submit(server: Server, clip: dict) -> str:
     return answer.json()["id"]
 
 
+def _step(data_dir: Path, video_id: str) -> int:
+    """The video's step as the job store records it (written at every step, in every mode)."""
+    with sqlite3.connect(f"file:{data_dir / 'megaslide.db'}?mode=ro", uri=True) as db:
+        return db.execute("SELECT step FROM videos WHERE id = ?", (video_id,)).fetchone()[0]
+
+
+def _wait_for_first_step(data_dir: Path, video_id: str, timeout_s: float = 120) -> None:
+    """Until the video has taken a step: `in_progress` comes before its prompts are encoded and
+    its first step, which on a slow or busy machine can outlast a whole one-second window."""
+    deadline = time.monotonic() + timeout_s
+    while _step(data_dir, video_id) < 1:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{video_id} took no step in {timeout_s} s")
+        time.sleep(0.05)
+
+
 def _paced(data_dir: Path, video_id: str, work) -> tuple[object, float]:
-    """What `work()` returns, and the engine's denoising steps per second while it ran, read
-    from the job store's record of the video's step (written at every step, in every mode)."""
+    """What `work()` returns, and the engine's denoising steps per second while it ran."""
 
     def step() -> int:
-        with sqlite3.connect(f"file:{data_dir / 'megaslide.db'}?mode=ro", uri=True) as db:
-            return db.execute("SELECT step FROM videos WHERE id = ?", (video_id,)).fetchone()[0]
+        return _step(data_dir, video_id)
 
     before, start = step(), time.perf_counter()
     result = work()
@@ -150,6 +164,7 @@ def one_mode(mode: str, clients: list[int], duration: float, tmp: Path) -> list[
             rows.append({"mode": mode, "engine": "idle", **window})
         long = [_submit(server, LONG_CLIP) for _ in range(2)]
         server.wait(long[0], statuses=("in_progress",))
+        _wait_for_first_step(data_dir, long[0])
         _, alone = _paced(data_dir, long[0], lambda: time.sleep(duration))  # no one polling
         rows.append(
             {"mode": mode, "engine": "generating", "clients": 0, "engine_steps_per_s": alone}

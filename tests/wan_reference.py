@@ -1,0 +1,154 @@
+"""What diffusers' own Wan pipelines make of a request, and what MegaSlide makes of it, run so that
+the two can be compared bit for bit on any x86 CPU.
+
+Why the reference's weights are re-homed (the one place this is decided):
+MKL picks its GEMM kernels by CPU (AVX-512 on most Intel servers; AVX2 or SSE paths on AMD and
+older Intel), and some of those kernels sum in an order that depends on how a matrix is aligned in
+memory: on the SSE4.2 path a one-row `Linear` (Wan's time embedder) gives a different last bit when
+its weight starts 8 bytes past a 16-byte boundary. `from_pretrained` leaves every weight as a view
+into the memory-mapped safetensors file, at the file's own offsets (8 or 40 bytes past a 64-byte
+boundary); MegaSlide's loader and host stores put every tensor at a 64-byte boundary, as torch's
+allocator does. Same maths, same inputs, different alignment: one uint8 level apart on an AMD EPYC
+after a few steps, equal on an AVX-512 Intel machine by luck of the kernel.
+
+So the reference runs with its weights copied into memory of torch's allocator (`rehome`), the
+alignment MegaSlide gives them, and both sides are checked to be 64-byte aligned before any
+comparison. MKL's own reproducibility mode (`MKL_CBWR=COMPATIBLE`) would also hide the difference,
+but only for MKL's routines and only when set before MKL starts; equal alignment removes the cause
+for every kernel. The tests marked `cpu_variants` also run in child processes on MKL's AVX2 and SSE4.2 code
+paths, with torch's and oneDNN's vector width lowered to match (`CPU_VARIANTS`), so a machine with
+AVX-512 checks what an AMD or older Intel machine would compute.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from megaslide.engine.host_store import ALIGN_BYTES
+
+# Code paths of other x86 CPUs, by the environment variables each library reads at start:
+# MKL's kernels, torch's own vectorised kernels (ATen) and oneDNN's.
+CPU_VARIANTS = {
+    "avx2": {  # AMD Zen 2/3, Intel before AVX-512
+        "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+        "ATEN_CPU_CAPABILITY": "avx2",
+        "ONEDNN_MAX_CPU_ISA": "AVX2",
+    },
+    "sse4_2": {  # the oldest x86-64 path the libraries keep
+        "MKL_ENABLE_INSTRUCTIONS": "SSE4_2",
+        "ATEN_CPU_CAPABILITY": "default",
+        "ONEDNN_MAX_CPU_ISA": "SSE41",
+    },
+}
+REPOSITORY = Path(__file__).resolve().parent.parent
+
+
+def rehome(*modules: nn.Module) -> None:
+    """Copy every parameter and buffer of `modules` into storage from torch's allocator (64-byte
+    aligned), keeping tensors that shared storage shared."""
+    copies: dict[int, torch.Tensor] = {}
+    for module in modules:
+        for t in [*module.parameters(), *module.buffers()]:
+            key = t.data_ptr()
+            if key not in copies:
+                copies[key] = t.detach().clone()
+            t.data = copies[key]
+
+
+def misaligned(*modules: nn.Module) -> list[str]:
+    """Names of the tensors of `modules` that do not start at a 64-byte boundary."""
+    return [
+        name
+        for module in modules
+        for name, t in [*module.named_parameters(), *module.named_buffers()]
+        if t.numel() and t.data_ptr() % ALIGN_BYTES
+    ]
+
+
+def diffusers_run(
+    path, request, image=None, *, aligned: bool = True
+) -> tuple[list[torch.Tensor], np.ndarray]:
+    """diffusers' pipeline at `path` on `request` (a VideoRequest), its weights re-homed unless
+    not `aligned`: the latents after every step, and the frames as uint8, rounded as MegaSlide
+    rounds."""
+    import diffusers
+
+    if image is None:
+        pipe = diffusers.WanPipeline.from_pretrained(path)
+        extra = {}
+    else:
+        from PIL import Image
+
+        pipe = diffusers.WanImageToVideoPipeline.from_pretrained(path)
+        extra = {"image": Image.open(image)}
+    modules = [m for m in pipe.components.values() if isinstance(m, nn.Module)]
+    if aligned:
+        rehome(*modules)
+        assert not misaligned(*modules)
+    pipe.set_progress_bar_config(disable=True)
+    latents = []
+
+    def keep(_pipe, _i, _t, tensors):
+        latents.append(tensors["latents"].clone())
+        return {}
+
+    out = pipe(
+        prompt=request.prompt,
+        negative_prompt=request.negative_prompt,
+        height=request.height,
+        width=request.width,
+        num_frames=request.frames,
+        num_inference_steps=request.steps,
+        guidance_scale=request.guidance,
+        generator=torch.Generator().manual_seed(request.seed),
+        output_type="np",
+        callback_on_step_end=keep,
+        callback_on_step_end_tensor_inputs=["latents"],
+        **extra,
+    ).frames[0]
+    return latents, np.round(out * 255).astype(np.uint8)
+
+
+def megaslide_run(pipe, request) -> tuple[list[torch.Tensor], np.ndarray]:
+    """MegaSlide's pipeline on `request`, alone: the latents after every step, and the frames."""
+    parts = [pipe.encoders.text_encoder, pipe.encoders.vae, *pipe.experts]
+    assert not misaligned(*parts), misaligned(*parts)[:5]
+    state = pipe.prepare(pipe.resolve(request))
+    latents = []
+    while not state.done:
+        pipe.step([state])
+        latents.append(state.latents.clone())
+    return latents, pipe.finish(state)
+
+
+def first_difference(ours: list[torch.Tensor], theirs: list[torch.Tensor]) -> str | None:
+    """Where two runs' per-step latents first differ, or None when they are bitwise equal."""
+    if len(ours) != len(theirs):
+        return f"{len(ours)} steps against {len(theirs)}"
+    for step, (a, b) in enumerate(zip(ours, theirs)):
+        if not torch.equal(a, b):
+            return f"step {step}: max |diff| {(a - b).abs().max().item():.3g}"
+    return None
+
+
+def run_on_cpu_variant(variant: str, marker: str, test_file: Path) -> subprocess.CompletedProcess:
+    """The tests of `test_file` marked `marker`, in a child pytest on another CPU's code paths."""
+    env = {**os.environ, **CPU_VARIANTS[variant]}
+    # -P: the repository root stays off sys.path (its kernels/ folder would hide the kernels
+    # package that transformers imports).
+    command = [sys.executable, "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+    return subprocess.run(
+        [*command, "-m", marker, str(test_file)],
+        cwd=REPOSITORY,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
