@@ -23,6 +23,7 @@ from .body_limit import BodyLimit, Upload
 from .datadir import DataDir
 from .deps import require_api_key
 from .errors import UnexpectedErrors, install_error_handlers
+from .plain_text import RefuseNul
 from .protocol import WorkerClient
 from .routers import files, fine_tuning, health, models, videos, web
 from .schemas import error_responses
@@ -91,6 +92,7 @@ def build_app(settings: Settings, workers: WorkerClient) -> FastAPI:
         Upload("POST", "/v1/videos", settings.max_image_bytes, "input_reference"),
     ]
     app.add_middleware(BodyLimit, max_body_bytes=settings.max_body_bytes, uploads=uploads)
+    app.add_middleware(RefuseNul)
     app.add_middleware(UnexpectedErrors)  # added last, so outermost: it sees every failure
     app.include_router(health.router)
     app.include_router(web.router)

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from megaslide.engine.request import SEED_LIMIT, RequestError, VideoRequest, parse_size
 
+from .plain_text import NUL, NUL_MESSAGE
 from .protocol import ModelCard
 
 T = TypeVar("T")
@@ -28,7 +29,8 @@ class Request(BaseModel):
     @field_validator("*")
     @classmethod
     def _plain_text(cls, value):
-        """Every string must have a UTF-8 form, and nothing may nest deeper than `MAX_NESTING`.
+        """Every string must have a UTF-8 form and no NUL character, and nothing may nest deeper
+        than `MAX_NESTING`.
 
         JSON can escape half of a UTF-16 surrogate pair alone ("\\ud800"); such a string cannot be
         encoded, so the tokenizer, the store and the logs would each fail on it later. A structure
@@ -45,6 +47,8 @@ class Request(BaseModel):
                     raise ValueError(
                         "must be Unicode text: a lone surrogate (such as \\ud800) is not"
                     ) from None
+                if NUL in item:  # PostgreSQL's text cannot hold one (plain_text.py)
+                    raise ValueError(NUL_MESSAGE)
             elif isinstance(item, dict | list | tuple):
                 if depth == MAX_NESTING:
                     raise ValueError(f"is nested more than {MAX_NESTING} levels deep")

@@ -59,6 +59,45 @@ def test_bad_json_bodies_are_400s_that_name_the_field(make_client):
     assert_error(c.post("/v1/fine_tuning/jobs", content=deep, headers=JSON), 400)
 
 
+def test_nul_characters_are_400s_on_every_store(make_client, database_url):
+    """PostgreSQL's text cannot hold U+0000: every id, cursor, filter, field and file name that
+    would reach the store is refused first, on both stores alike."""
+    c = make_client(database=database_url)
+    video = create(c)
+    nul = "x%00y"
+    for method, url, param in [
+        ("GET", f"/v1/videos/{nul}", "path"),
+        ("DELETE", f"/v1/videos/{nul}", "path"),
+        ("POST", f"/v1/videos/{nul}/cancel", "path"),
+        ("GET", f"/v1/videos/{nul}/content", "path"),
+        ("GET", f"/v1/videos/{nul}/events", "path"),
+        ("GET", f"/v1/videos?after={nul}", "after"),
+        ("GET", f"/v1/videos/{video['id']}/content?variant={nul}", "variant"),
+        ("GET", f"/v1/files/{nul}", "path"),
+        ("DELETE", f"/v1/files/{nul}", "path"),
+        ("GET", f"/v1/files?purpose={nul}", "purpose"),
+        ("GET", f"/v1/files?after={nul}", "after"),
+        ("GET", f"/v1/fine_tuning/jobs?after={nul}", "after"),
+        ("GET", f"/v1/fine_tuning/jobs/{nul}", "path"),
+        ("POST", f"/v1/fine_tuning/jobs/{nul}/cancel", "path"),
+        ("GET", f"/v1/fine_tuning/jobs/{nul}/events", "path"),
+        ("GET", f"/v1/fine_tuning/jobs/{nul}/checkpoints", "path"),
+        ("GET", f"/v1/models/{nul}", "path"),
+    ]:
+        assert_error(c.request(method, url), 400, param, "NUL"), (method, url)
+    bad_job = {"model": "tiny", "training_file": "file-\x00"}
+    assert_error(c.post("/v1/fine_tuning/jobs", json=bad_job), 400, "training_file", "NUL")
+    assert_error(c.post("/v1/videos", json={"prompt": "a\x00b"}), 400, "prompt", "NUL")
+    # httpx would percent-encode the name; a client that sends the byte raw:
+    head = b'--B\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nfine-tune\r\n--B\r\n'
+    part = b'Content-Disposition: form-data; name="file"; filename="a\x00.zip"\r\n\r\n'
+    raw = head + part + dataset_zip() + b"\r\n--B--\r\n"
+    form = {"content-type": "multipart/form-data; boundary=B"}
+    assert_error(c.post("/v1/files", content=raw, headers=form), 400, "file", "NUL")
+    assert_error(upload(c, dataset_zip(), purpose="fine\x00tune"), 400, "purpose", "NUL")
+    assert c.get(f"/v1/videos/{video['id']}").status_code == 200  # the store is still fine
+
+
 def test_event_numbers_out_of_range_are_400s(make_client):
     c = make_client()
     v = create(c)

@@ -28,6 +28,7 @@ from ..deps import (
     request_hash,
 )
 from ..errors import Conflict, InvalidRequest, NotFound, PayloadTooLarge
+from ..plain_text import check_plain
 from ..schemas import FileDeleted, FileObject, ListPage, error_responses, file_object, page
 from ..store import AsyncStore
 
@@ -90,6 +91,7 @@ async def create_file(
         raise InvalidRequest("upload files as multipart/form-data with fields file and purpose")
     form = await request.form(max_files=1, max_fields=8)
     purpose, upload = form.get("purpose"), form.get("file")
+    check_plain(purpose if isinstance(purpose, str) else None, "purpose")
     if not purpose:
         raise InvalidRequest(
             "Missing required parameter: purpose",
@@ -104,6 +106,7 @@ async def create_file(
         raise InvalidRequest(
             "Missing required parameter: file", param="file", code="missing_required_parameter"
         )
+    check_plain(upload.filename, "file")
 
     file_id = new_id("file-")
     folder = data.upload(file_id)
