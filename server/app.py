@@ -59,7 +59,7 @@ def build_app(settings: Settings, workers: WorkerClient) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        store = JobStore(settings.database_url)
+        store = JobStore(settings.database_url, crash_limit=settings.crash_limit)
         try:
             housekeeping(store, data)
             app.state.store = AsyncStore(store)

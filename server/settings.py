@@ -12,6 +12,8 @@ from typing import Annotated, Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+DEFAULT_CRASH_LIMIT = 3  # a job whose worker died under it this many times fails
+
 
 class Settings(BaseSettings):
     """Everything the server needs to know at start-up."""
@@ -40,6 +42,12 @@ class Settings(BaseSettings):
         "was last heard from (also how long a silent worker still counts as live)",
     )
     heartbeat_s: float = Field(2.0, gt=0, description="how often a worker proves it is alive")
+    crash_limit: int = Field(
+        DEFAULT_CRASH_LIMIT,
+        ge=1,
+        description="a job whose worker died under it this many times fails instead of running "
+        "again (a poison job cannot take down worker after worker)",
+    )
     # Bearer keys; comma-separated in MEGASLIDE_API_KEYS. Each is a principal that owns what it
     # makes (auth.py). With neither these nor a keys file: no authentication.
     api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list)

@@ -47,6 +47,7 @@ from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy.dialects import postgresql, sqlite
 
+from .settings import DEFAULT_CRASH_LIMIT
 from .tables import checkpoints, events, files, fine_tunes, idempotency, models, videos, workers
 
 VIDEO_ACTIVE = ("queued", "in_progress")
@@ -168,8 +169,11 @@ def schema_revision(engine: sa.Engine) -> str | None:
 class JobStore:
     """Jobs, files, events, checkpoints, fine-tuned models, idempotency keys and workers."""
 
-    def __init__(self, url: str):
+    def __init__(self, url: str, *, crash_limit: int = DEFAULT_CRASH_LIMIT):
+        if crash_limit < 1:
+            raise ValueError(f"crash_limit must be at least 1, got {crash_limit}")
         self.url = url
+        self.crash_limit = crash_limit
         self.engine = open_engine(url)
         self._reader = self.engine.execution_options(read_only=True)
         self.dialect = self.engine.dialect.name
@@ -274,8 +278,9 @@ class JobStore:
             stmt = self._insert(workers).values(name=name, **row)
             conn.execute(stmt.on_conflict_do_update(index_elements=["name"], set_=row))
             reason = f"requeued: worker {name} restarted while it ran"
-            videos_back = self._requeue_videos(conn, videos.c.worker_id == name, reason)
-            tunes_back = self._requeue_finetunes(conn, fine_tunes.c.worker_id == name, reason)
+            held_v, held_f = videos.c.worker_id == name, fine_tunes.c.worker_id == name
+            videos_back = self._requeue_videos(conn, held_v, reason, crashed=True)
+            tunes_back = self._requeue_finetunes(conn, held_f, reason, crashed=True)
         return {"videos_requeued": videos_back, "fine_tunes_requeued": tunes_back}
 
     def heartbeat(
@@ -336,61 +341,116 @@ class JobStore:
         )
         reason = "requeued: its worker stopped renewing its lease"
         with self._tx() as conn:
-            videos_back = self._requeue_videos(conn, expired, reason, skip_locked=True)
+            videos_back = self._requeue_videos(
+                conn, expired, reason, crashed=True, skip_locked=True
+            )
             expired = sa.or_(
                 fine_tunes.c.lease_expires_at.is_(None),
                 fine_tunes.c.lease_expires_at < self.db_now(),
             )
-            tunes_back = self._requeue_finetunes(conn, expired, reason, skip_locked=True)
+            tunes_back = self._requeue_finetunes(
+                conn, expired, reason, crashed=True, skip_locked=True
+            )
         return {"videos_requeued": videos_back, "fine_tunes_requeued": tunes_back}
 
+    def _crash_failure(self, crashes: int, reason: str) -> tuple[str, str]:
+        """The error of a job failed at the crash limit: (code, message)."""
+        times = "once" if crashes == 1 else f"{crashes} times"
+        return (
+            "worker_crashed",
+            f"its worker died {times} while running it ({reason}); not run again",
+        )
+
     def _requeue_videos(
-        self, conn: sa.Connection, where, reason: str, *, skip_locked: bool = False
+        self,
+        conn: sa.Connection,
+        where,
+        reason: str,
+        *,
+        crashed: bool = False,
+        skip_locked: bool = False,
     ) -> int:
         """Running videos matching `where` back to the queue (from noise), or to cancelled.
-        `skip_locked`: leave rows another transaction holds (a recovery pass racing another)."""
+        `crashed`: their worker died under them; that counts, and at `crash_limit` a video fails
+        instead. `skip_locked`: leave rows another transaction holds (a recovery pass racing
+        another)."""
         stmt = (
-            sa.select(videos.c.id, videos.c.cancel_requested)
+            sa.select(videos.c.id, videos.c.cancel_requested, videos.c.crashes)
             .where(videos.c.status == "in_progress", where)
             .with_for_update(skip_locked=skip_locked)
         )
         requeued = 0
         for row in conn.execute(stmt).mappings().all():
             released = dict(worker_id=None, lease_token=None, lease_expires_at=None)
+            crashes = row["crashes"] + int(crashed)
+            data = {"status": "queued", "progress": 0, "step": 0}
             if row["cancel_requested"]:
                 status, message = "cancelled", ""
                 changes = dict(status=status, completed_at=now(), **released)
+            elif crashes >= self.crash_limit:
+                status = "failed"
+                code, message = self._crash_failure(crashes, reason)
+                changes = dict(
+                    status=status,
+                    completed_at=now(),
+                    error_code=code,
+                    error_message=message,
+                    **released,
+                )
+                data["error"] = {"code": code, "message": message}
             else:
                 status, message = "queued", reason
                 changes = dict(status=status, progress=0, step=0, **released)
                 requeued += 1
+            changes["crashes"] = crashes
             conn.execute(videos.update().where(videos.c.id == row["id"]).values(**changes))
-            data = {"status": status, "progress": 0, "step": 0}
-            self._event(conn, row["id"], f"video.{status}", message, data)
+            data["status"] = status
+            level = "error" if status == "failed" else "info"
+            self._event(conn, row["id"], f"video.{status}", message, data, level=level)
         return requeued
 
     def _requeue_finetunes(
-        self, conn: sa.Connection, where, reason: str, *, skip_locked: bool = False
+        self,
+        conn: sa.Connection,
+        where,
+        reason: str,
+        *,
+        crashed: bool = False,
+        skip_locked: bool = False,
     ) -> int:
         """Running fine-tunes matching `where` back to the queue, to resume from their last
-        checkpoint; or to cancelled when that was pending."""
+        checkpoint; or to cancelled when that was pending; or, `crashed` for the
+        `crash_limit`-th time, to failed."""
         stmt = (
-            sa.select(fine_tunes.c.id, fine_tunes.c.cancel_requested)
+            sa.select(fine_tunes.c.id, fine_tunes.c.cancel_requested, fine_tunes.c.crashes)
             .where(fine_tunes.c.status == "running", where)
             .with_for_update(skip_locked=skip_locked)
         )
         requeued = 0
         for row in conn.execute(stmt).mappings().all():
             released = dict(worker_id=None, lease_token=None, lease_expires_at=None)
+            crashes = row["crashes"] + int(crashed)
+            level = "info"
             if row["cancel_requested"]:
                 changes = dict(status="cancelled", finished_at=now(), **released)
                 message = "The job was cancelled"
+            elif crashes >= self.crash_limit:
+                code, message = self._crash_failure(crashes, reason)
+                changes = dict(
+                    status="failed",
+                    finished_at=now(),
+                    error_code=code,
+                    error_message=message,
+                    **released,
+                )
+                level = "error"
             else:
                 changes = dict(status="queued", **released)
                 message = f"{reason}; resuming from the last checkpoint"
                 requeued += 1
+            changes["crashes"] = crashes
             conn.execute(fine_tunes.update().where(fine_tunes.c.id == row["id"]).values(**changes))
-            self._event(conn, row["id"], "message", message)
+            self._event(conn, row["id"], "message", message, level=level)
         return requeued
 
     # --- idempotency and housekeeping ----------------------------------------------------------
@@ -545,7 +605,9 @@ class JobStore:
     @staticmethod
     def _queue_order(stmt: sa.Select) -> sa.Select:
         stmt = stmt.where(videos.c.status == "queued")
-        return stmt.order_by(videos.c.priority.desc(), videos.c.seq)
+        # Within a priority, a video whose worker died under it waits behind those that never
+        # crashed one: a poison job cannot hold the head of the queue.
+        return stmt.order_by(videos.c.priority.desc(), videos.c.crashes, videos.c.seq)
 
     def queue_position(self, video_id: str) -> int | None:
         """Where a queued video stands in the queue's order (1 = next), None unless queued."""
@@ -554,9 +616,14 @@ class JobStore:
             sa.select(sa.func.count())
             .where(
                 o.c.status == "queued",
-                sa.or_(
+                sa.or_(  # the order of `_queue_order`
                     o.c.priority > v.c.priority,
-                    sa.and_(o.c.priority == v.c.priority, o.c.seq < v.c.seq),
+                    sa.and_(o.c.priority == v.c.priority, o.c.crashes < v.c.crashes),
+                    sa.and_(
+                        o.c.priority == v.c.priority,
+                        o.c.crashes == v.c.crashes,
+                        o.c.seq < v.c.seq,
+                    ),
                 ),
             )
             .scalar_subquery()
@@ -905,7 +972,7 @@ class JobStore:
         stmt = (
             sa.select(fine_tunes)
             .where(fine_tunes.c.status == "queued", fine_tunes.c.model.in_(served))
-            .order_by(fine_tunes.c.seq)
+            .order_by(fine_tunes.c.crashes, fine_tunes.c.seq)  # crashed ones after the others
             .limit(1)
             .with_for_update(skip_locked=True)
         )

@@ -47,6 +47,9 @@ videos = sa.Table(
     sa.Column("spec", sa.Text, nullable=False),
     sa.Column("cancel_requested", sa.Integer, nullable=False, server_default="0"),
     sa.Column("attempts", sa.Integer, nullable=False, server_default="0"),
+    # Claims that ended with the worker dead (lease expired, or it restarted): at the store's
+    # crash_limit the job fails instead of running again.
+    sa.Column("crashes", sa.Integer, nullable=False, server_default="0"),
     sa.Column("started_at", sa.Integer),
     sa.Column("completed_at", sa.Integer),
     sa.Column("expires_at", sa.Integer),
@@ -96,6 +99,7 @@ fine_tunes = sa.Table(
     sa.Column("total_steps", sa.Integer),
     sa.Column("cancel_requested", sa.Integer, nullable=False, server_default="0"),
     sa.Column("attempts", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("crashes", sa.Integer, nullable=False, server_default="0"),
     sa.Column("finished_at", sa.Integer),
     sa.Column("error_code", sa.Text),
     sa.Column("error_message", sa.Text),

@@ -365,6 +365,42 @@ def test_a_restart_under_the_same_name_takes_back_its_jobs_and_retires_the_old_r
     assert store.worker("w1") is None
 
 
+def test_a_job_that_keeps_killing_its_worker_fails_at_the_crash_limit(database_url):
+    """A poison job: each death of its worker (a lease that expired, a restart under the same
+    name) counts; it waits behind jobs that never crashed, and at the limit it fails with the
+    reason instead of taking down another worker. A graceful stop does not count."""
+    store = JobStore(database_url, crash_limit=2)
+    try:
+        poison, other = queue(store, 2)
+        [first] = claim(store, worker="a", room=1, lease_s=0.2)
+        assert first["id"] == poison
+        store.requeue_videos([(poison, first["lease_token"])], "stopping")  # graceful
+        [first] = claim(store, worker="a", room=1, lease_s=0.2)
+        assert first["id"] == poison and store.get_video(poison)["crashes"] == 0
+        time.sleep(0.3)
+        assert store.recover_expired()["videos_requeued"] == 1  # crash 1: back, behind `other`
+        assert store.queue_position(other) == 1 and store.queue_position(poison) == 2
+        [second] = claim(store, worker="b", room=1)
+        assert second["id"] == other
+        [third] = claim(store, worker="c", room=1)
+        assert third["id"] == poison
+        assert register(store, name="c", token="restarted")["videos_requeued"] == 0  # crash 2
+        failed = store.get_video(poison)
+        assert failed["status"] == "failed" and failed["error_code"] == "worker_crashed"
+        assert "died 2 times" in failed["error_message"], failed["error_message"]
+        assert failed["worker_id"] is None and event_types(store, poison)[-1] == "video.failed"
+        # Fine-tunes alike.
+        store.insert_finetune(finetune_row("ftjob-1"))
+        for name, token in (("d", "t1"), ("d", "t2")):
+            assert store.claim_finetune(name, ["m"], lease_s=LEASE)["id"] == "ftjob-1"
+            register(store, name=name, token=token)
+        job = store.get_finetune("ftjob-1")
+        assert job["status"] == "failed" and job["error_code"] == "worker_crashed"
+        assert store.claim_finetune("d", ["m"], lease_s=LEASE) is None
+    finally:
+        store.close()
+
+
 # ---------------------------------------------------------------------------------------------
 # fine-tunes, files, idempotency
 

@@ -267,7 +267,7 @@ def serve_jobs(settings, log_level: str) -> int:
         level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     backend = _backend(settings)
-    store = JobStore(settings.database_url)
+    store = JobStore(settings.database_url, crash_limit=settings.crash_limit)
     worker = Worker(
         settings, backend, store, settings.worker_name or default_name(backend.device_name)
     )
