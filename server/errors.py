@@ -16,6 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from megaslide.engine.request import RequestError
@@ -220,6 +221,11 @@ class UnexpectedErrors:
 
         try:
             await self.app(scope, receive, watched_send)
+        except ClientDisconnect:
+            # The client left before its body ended (a dropped upload): nobody is there to
+            # answer, nothing was stored (the route cleans up what it began), and the server
+            # is fine, so it is worth one line, not a traceback per drop.
+            log.info("client disconnected during %s %s", scope["method"], scope["path"])
         except Exception as exc:
             if started:
                 raise

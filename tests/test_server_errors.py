@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import struct
 import zipfile
 
@@ -96,6 +97,51 @@ def test_nul_characters_are_400s_on_every_store(make_client, database_url):
     assert_error(c.post("/v1/files", content=raw, headers=form), 400, "file", "NUL")
     assert_error(upload(c, dataset_zip(), purpose="fine\x00tune"), 400, "purpose", "NUL")
     assert c.get(f"/v1/videos/{video['id']}").status_code == 200  # the store is still fine
+
+
+def test_a_client_that_drops_mid_upload_costs_one_info_line(make_client, caplog):
+    """A dropped upload is the client's doing: one info line, no traceback, nothing stored."""
+    c = make_client()
+    head = b'--B\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nfine-tune\r\n--B\r\n'
+    part = b'Content-Disposition: form-data; name="file"; filename="d.zip"\r\n\r\n'
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/files",
+        "raw_path": b"/v1/files",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [
+            (b"host", b"test"),
+            (b"content-type", b"multipart/form-data; boundary=B"),
+            (b"content-length", b"100000"),
+        ],
+        "client": ("127.0.0.1", 1),
+        "server": ("test", 80),
+    }
+    messages = [
+        {"type": "http.request", "body": head + part + b"x" * 1000, "more_body": True},
+        {"type": "http.disconnect"},
+    ]
+    sent = []
+
+    async def receive():
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    caplog.clear()
+    with caplog.at_level("INFO"):
+        c.portal.call(c.app, scope, receive, send)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING or r.exc_info]
+    [line] = [r.getMessage() for r in caplog.records if "disconnect" in r.getMessage()]
+    assert line == "client disconnected during POST /v1/files"
+    assert not any(m["type"] == "http.response.start" for m in sent)  # nobody to answer
+    assert c.get("/v1/files").json()["data"] == []
 
 
 def test_event_numbers_out_of_range_are_400s(make_client):
