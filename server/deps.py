@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Annotated
 
 from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from .auth import ANONYMOUS, Keyring, Principal
 from .datadir import DataDir
@@ -48,7 +49,17 @@ WorkersDep = Annotated[WorkerClient, Depends(get_workers)]
 DataDep = Annotated[DataDir, Depends(get_data)]
 
 
-async def require_api_key(request: Request) -> None:
+# Declares the bearer scheme in the OpenAPI schema; the header is read below, so that a missing
+# or wrong key gets the envelope 401 (and no key is needed when none are configured).
+bearer = HTTPBearer(
+    auto_error=False,
+    description="an API key, when the server has keys (`--api-keys`, `--api-keys-file`)",
+)
+
+
+async def require_api_key(
+    request: Request, _declared: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]
+) -> None:
     """With keys configured, every request must carry `Authorization: Bearer <key>`; the key's
     principal (auth.py) is what the request acts for."""
     keyring: Keyring = request.app.state.keyring

@@ -10,6 +10,7 @@ A failed job is not an error here: it is a job whose status is `failed` (see `wo
 from __future__ import annotations
 
 import logging
+import re
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -191,7 +192,21 @@ def install_error_handlers(app: FastAPI) -> None:
         else:
             message, code = str(exc.detail), None
         type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return envelope(exc.status_code, message, type_, None, code, getattr(exc, "headers", None))
+        headers = getattr(exc, "headers", None)
+        if exc.status_code == 405 and (methods := allowed_methods(request)):
+            headers = {**(headers or {}), "Allow": ", ".join(methods)}
+        return envelope(exc.status_code, message, type_, None, code, headers)
+
+
+def allowed_methods(request: Request) -> list[str]:
+    """The methods the API takes at this request's path, from its OpenAPI schema (FastAPI keeps a
+    route per method, so Starlette's own 405 knows only the first that matched)."""
+    path = request.url.path
+    for template, operations in request.app.openapi()["paths"].items():
+        segments = ("[^/]+" if s.startswith("{") else re.escape(s) for s in template.split("/"))
+        if re.fullmatch("/".join(segments), path):
+            return sorted(m.upper() for m in operations)
+    return []
 
 
 class UnexpectedErrors:

@@ -8,9 +8,9 @@ step counts), which OpenAI clients ignore.
 from __future__ import annotations
 
 import json
-from typing import Any, Generic, Literal, TypeVar
+from typing import Annotated, Any, Generic, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator
 
 from megaslide.engine.request import SEED_LIMIT, RequestError, VideoRequest, parse_size
 
@@ -116,7 +116,8 @@ def page(items: list, has_more: bool) -> dict:
 class VideoCreate(Request):
     """`POST /v1/videos`, as JSON or as multipart form fields (all strings, converted here)."""
 
-    prompt: str
+    # The schema says what the server checks (request.py): some text besides white space.
+    prompt: str = Field(json_schema_extra={"minLength": 1, "pattern": r"\S"})
     model: str | None = None
     seconds: float | None = Field(
         None, gt=0, description="clip length; frames = round(seconds * fps)"
@@ -280,12 +281,23 @@ def file_object(row: dict) -> FileObject:
 # fine-tuning
 
 
+def _ranged(kind: str = "integer", **bounds) -> WithJsonSchema:
+    """The JSON schema of a number in a range, or "auto"."""
+    return WithJsonSchema({"anyOf": [{"type": kind, **bounds}, {"const": "auto"}]})
+
+
 class Hyperparameters(Request):
     """OpenAI's three knobs ("auto" = the server's default) and the clip shape to train at."""
 
-    n_epochs: int | Literal["auto"] = Field("auto", description="passes over the data (1-100)")
-    batch_size: int | Literal["auto"] = "auto"
-    learning_rate_multiplier: float | Literal["auto"] = "auto"
+    # The ranges are checked by the validators below, in their own words; `_ranged` documents
+    # them in the schema too.
+    n_epochs: Annotated[int | Literal["auto"], _ranged(minimum=1, maximum=100)] = Field(
+        "auto", description="passes over the data (1-100)"
+    )
+    batch_size: Annotated[int | Literal["auto"], _ranged(minimum=1, maximum=256)] = "auto"
+    learning_rate_multiplier: Annotated[
+        float | Literal["auto"], _ranged("number", exclusiveMinimum=0, maximum=100)
+    ] = "auto"
     num_frames: int | None = Field(
         None, ge=1, description="frames per training clip (default: the trainer's)"
     )

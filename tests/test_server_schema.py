@@ -68,3 +68,33 @@ def test_the_api_keeps_to_its_schema(api):
         except Exception as e:  # every operation is tried; all failures are reported together
             failures[operation.label] = e
     assert not failures, "\n\n".join(f"{label}:\n{e}" for label, e in failures.items())
+
+
+def test_the_schema_is_as_strict_as_the_server(make_client):
+    """What the server refuses, its schema says: a prompt with some text, the hyperparameters'
+    ranges, the upload form's field count, the bearer scheme; a 405 names every method."""
+    c = make_client()
+    schema = c.get("/openapi.json").json()
+    create = schema["paths"]["/v1/videos"]["post"]["requestBody"]["content"]
+    prompt = create["application/json"]["schema"]["properties"]["prompt"]
+    assert prompt["minLength"] == 1 and prompt["pattern"] == r"\S"
+    assert c.post("/v1/videos", json={"prompt": "  "}).status_code == 400
+    hyper = schema["components"]["schemas"]["Hyperparameters"]["properties"]
+    assert hyper["n_epochs"]["anyOf"][0] == {"type": "integer", "minimum": 1, "maximum": 100}
+    assert hyper["learning_rate_multiplier"]["anyOf"][0]["exclusiveMinimum"] == 0
+    job = {"model": "tiny", "training_file": "file-1", "hyperparameters": {"n_epochs": 101}}
+    assert c.post("/v1/fine_tuning/jobs", json=job).status_code == 400
+    form = schema["paths"]["/v1/files"]["post"]["requestBody"]["content"]["multipart/form-data"]
+    assert form["schema"]["maxProperties"] == 8
+    fields = {f"f{i}": "x" for i in range(8)}
+    too_many = c.post("/v1/files", data={"purpose": "fine-tune", **fields}, files={"file": b"x"})
+    assert too_many.status_code == 400
+    assert schema["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"
+    assert schema["paths"]["/v1/videos"]["get"]["security"] == [{"HTTPBearer": []}]
+    for method, path, allowed in [
+        ("PUT", "/v1/videos/video_1", "DELETE, GET"),
+        ("PUT", "/v1/videos", "GET, POST"),
+        ("POST", "/v1/models/tiny", "GET"),
+    ]:
+        r = c.request(method, path)
+        assert r.status_code == 405 and r.headers["allow"] == allowed, (path, r.headers)

@@ -35,6 +35,7 @@ from ..store import AsyncStore
 router = APIRouter(prefix="/v1/files", tags=["files"])
 
 PURPOSES = ("fine-tune",)
+MAX_FORM_FIELDS = 8  # the form's parser refuses more, before reading on
 # The form is read by hand (to stream the file to disk), so its schema is declared for the docs.
 UPLOAD_BODY_DOC = {
     "requestBody": {
@@ -44,6 +45,7 @@ UPLOAD_BODY_DOC = {
                 "schema": {
                     "type": "object",
                     "required": ["file", "purpose"],
+                    "maxProperties": MAX_FORM_FIELDS,
                     "properties": {
                         "file": {"type": "string", "format": "binary"},
                         "purpose": {"type": "string", "enum": list(PURPOSES)},
@@ -89,7 +91,7 @@ async def create_file(
     layout. Answers at once with `status: uploaded`; poll the file until it is `processed`."""
     if not request.headers.get("content-type", "").startswith("multipart/form-data"):
         raise InvalidRequest("upload files as multipart/form-data with fields file and purpose")
-    form = await request.form(max_files=1, max_fields=8)
+    form = await request.form(max_files=1, max_fields=MAX_FORM_FIELDS)
     purpose, upload = form.get("purpose"), form.get("file")
     check_plain(purpose if isinstance(purpose, str) else None, "purpose")
     if not purpose:
