@@ -18,7 +18,15 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from .auth import ANONYMOUS, Keyring, Principal
 from .datadir import DataDir
-from .errors import Conflict, EngineDead, InvalidRequest, NotFound, QueueFull, Unauthorized
+from .errors import (
+    Conflict,
+    EngineDead,
+    Forbidden,
+    InvalidRequest,
+    NotFound,
+    QueueFull,
+    Unauthorized,
+)
 from .protocol import ModelCard, WorkerClient
 from .settings import Settings
 from .store import AsyncStore
@@ -180,8 +188,11 @@ def find_model(workers: WorkerClient, name: str, principal: Principal) -> ModelC
     return card
 
 
-async def admit(store: AsyncStore, workers: WorkerClient, settings: Settings) -> None:
-    """Refuse new work when the worker is dead or the queue is full."""
+async def admit(
+    store: AsyncStore, workers: WorkerClient, settings: Settings, principal: Principal
+) -> None:
+    """Refuse new work when the worker is dead, the queue is full, or the principal (a key that
+    is not an admin's) already holds its share of the queue."""
     if workers.dead:
         raise EngineDead(f"the worker stopped ({workers.dead}); restart the server")
     depth = await store.queue_depth()
@@ -189,6 +200,24 @@ async def admit(store: AsyncStore, workers: WorkerClient, settings: Settings) ->
         raise QueueFull(
             f"the queue is full ({depth} jobs waiting); retry later",
             retry_after=workers.retry_after(),
+        )
+    if principal.admin:
+        return
+    mine = await store.queue_depth(owner=principal.owner)
+    if mine >= settings.max_queue_per_key:
+        raise QueueFull(
+            f"this API key has {mine} jobs waiting, its share of the queue; retry when one "
+            "has started",
+            retry_after=workers.retry_after(),
+        )
+
+
+def check_priority(priority: int, principal: Principal) -> None:
+    """Only an admin (or a server without keys) may put a job ahead of others."""
+    if priority > 0 and not principal.admin:
+        raise Forbidden(
+            f"priority {priority} needs an admin key; other keys may use 0 or less",
+            param="priority",
         )
 
 

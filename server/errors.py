@@ -51,6 +51,10 @@ class Unauthorized(APIError):
     status, type, default_code = 401, "invalid_request_error", "invalid_api_key"
 
 
+class Forbidden(APIError):
+    status, type, default_code = 403, "invalid_request_error", "permission_denied"
+
+
 class NotFound(APIError):
     status, type, default_code = 404, "invalid_request_error", "not_found"
 

@@ -81,11 +81,12 @@ class ErrorResponse(BaseModel):
 ERROR_STATUSES = {
     400: "Invalid request: the message says what is wrong and `param` names the field",
     401: "Missing or unknown API key",
+    403: "The API key may not do this (a priority above 0 needs an admin key)",
     404: "No such object",
     409: "Conflicts with the object's state, or an Idempotency-Key reused with another body",
     413: "The request body, or the file in it, is over this server's limit",
     416: "The range starts past the end of the file",
-    429: "The queue is full; retry after Retry-After seconds",
+    429: "The queue, or this API key's share of it, is full; retry after Retry-After seconds",
     500: "An unexpected server error",
     503: "The models are still loading, the worker stopped, or the job store is unavailable",
     507: "The server's disk is full",
@@ -129,7 +130,9 @@ class VideoCreate(Request):
     guidance_scale: float | None = Field(None, ge=0, le=100)
     negative_prompt: str | None = None
     seed: int | None = Field(None, ge=0, lt=SEED_LIMIT)
-    priority: int = Field(0, ge=-100, le=100, description="higher runs first")
+    priority: int = Field(
+        0, ge=-100, le=100, description="higher runs first; above 0 needs an admin key"
+    )
     # Image-to-video: a first-frame image, uploaded as a multipart file (see the videos router).
     input_reference: Any = None
 

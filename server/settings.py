@@ -65,6 +65,12 @@ class Settings(BaseSettings):
 
     # Queue and scheduler.
     max_queue: int = Field(64, ge=1, description="queued jobs (videos + fine-tunes) before 429")
+    max_queue_per_key: int = Field(
+        16,
+        ge=1,
+        description="queued jobs one API key may hold before its own 429, so that one tenant "
+        "cannot fill the queue for everyone (admin keys and a server without keys: no share)",
+    )
     max_batch: int = Field(8, ge=1, description="video jobs sharing one denoising pass")
     max_steps: int = Field(200, ge=1, description="largest num_inference_steps accepted")
     max_prompt_chars: int = Field(4000, ge=1, description="hard cap before the model's own limit")

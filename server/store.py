@@ -524,9 +524,16 @@ class JobStore:
             stale = idempotency.c.created_at < now() - IDEMPOTENCY_TTL_S
             return conn.execute(idempotency.delete().where(stale)).rowcount
 
-    def queue_depth(self) -> int:
-        """Jobs waiting for a worker: queued videos and queued fine-tunes."""
-        return sum(self.queue_depth_by_model().values())
+    def queue_depth(self, owner: str | None = None) -> int:
+        """Jobs waiting for a worker: queued videos and queued fine-tunes (of `owner` alone, when
+        given)."""
+        if owner is None:
+            return sum(self.queue_depth_by_model().values())
+        total = 0
+        for table in (videos, fine_tunes):
+            mine = sa.and_(table.c.status == "queued", table.c.owner == owner)
+            total += self._one(sa.select(sa.func.count().label("n")).where(mine))["n"]
+        return total
 
     def queue_depth_by_model(self) -> dict[str, int]:
         """Queued jobs (videos and fine-tunes) per model they need."""
@@ -552,11 +559,13 @@ class JobStore:
     def _page(
         self, table: sa.Table, after: str | None, limit: int, order: str, *where
     ) -> tuple[list[dict], bool]:
-        """A page of `table` in creation order and whether more follow; `after` is an id."""
+        """A page of `table` in creation order and whether more follow; `after` is an id, found
+        among the rows `where` allows only (another owner's id pages like an unknown one, so a
+        cursor cannot tell whether it exists)."""
         descending = order == "desc"
         stmt = sa.select(table).where(*where)
         if after is not None:
-            cursor = sa.select(table.c.seq).where(table.c.id == after).scalar_subquery()
+            cursor = sa.select(table.c.seq).where(table.c.id == after, *where).scalar_subquery()
             stmt = stmt.where(table.c.seq < cursor if descending else table.c.seq > cursor)
         stmt = stmt.order_by(table.c.seq.desc() if descending else table.c.seq).limit(limit + 1)
         rows = self._all(stmt)

@@ -586,6 +586,14 @@ def test_each_key_sees_only_what_it_made(make_client, tmp_path):
     theirs = {"prompt": "p", "model": tuned, **SMALL}
     assert_error(c.post("/v1/videos", json=theirs, headers=bob), 404, "model")
     assert c.post("/v1/videos", json=theirs, headers=alice).status_code == 200
+    # The key-less readiness probe names base models only, not a tenant's fine-tunes.
+    assert c.get("/readyz", headers={"Authorization": ""}).json()["models"] == ["fake"]
+    # A cursor at another key's id pages as one at an unknown id: nothing tells it exists.
+    bobs = c.post("/v1/videos", json={"prompt": "p", **SMALL}, headers=bob).json()
+    assert bobs["id"]
+    for after in (mine["id"], "video_unknown"):
+        listed = c.get(f"/v1/videos?after={after}&order=asc", headers=bob).json()
+        assert listed["data"] == [], after
 
 
 def test_keys_from_the_environment(monkeypatch):
@@ -642,6 +650,29 @@ def test_full_queue_answers_429_with_retry_after(make_client):
         lambda: c.post("/v1/videos", json={"prompt": "p", **SMALL}).status_code == 200,
         what="room again",
     )
+
+
+def test_one_key_cannot_fill_the_queue_or_jump_it(make_client):
+    """Each key that is not an admin's holds at most its share of the queue (its own 429, while
+    others still get in) and may not raise a job's priority above 0."""
+    backend = FakeBackend()
+    c = make_client(backend, api_keys=["greedy", "other"], max_queue=8, max_queue_per_key=2)
+    greedy, other = ({"Authorization": f"Bearer {k}"} for k in ("greedy", "other"))
+    backend.gate.clear()
+    body = {"prompt": "p", **SMALL}
+    c.headers.update(greedy)  # what the helpers below send
+    running = create(c, seed=1)
+    wait_status(c, running["id"], statuses=("in_progress",))  # held at its first step
+    for seed in (2, 3):
+        assert c.post("/v1/videos", json={**body, "seed": seed}, headers=greedy).status_code == 200
+    r = c.post("/v1/videos", json={**body, "seed": 4}, headers=greedy)
+    assert_error(r, 429, fragment="its share of the queue")
+    assert c.post("/v1/videos", json=body, headers=other).status_code == 200
+    err = assert_error(c.post("/v1/videos", json={**body, "priority": 5}, headers=other), 403)
+    assert err["param"] == "priority" and "admin" in err["message"]
+    assert c.post("/v1/videos", json={**body, "priority": -5}, headers=other).status_code == 200
+    backend.gate.set()
+    wait_status(c, running["id"])
 
 
 def test_health_readiness_and_metrics(make_client):

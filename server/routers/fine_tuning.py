@@ -144,7 +144,7 @@ async def create_job(
     async with idempotent(request, store, payload) as replay:
         if replay.replayed and (row := await store.get_finetune(replay.resource_id)) is not None:
             return finetune_object(row)
-        await admit(store, workers, settings)
+        await admit(store, workers, settings, principal)
         job_id = new_id("ftjob-")
         seed = body.seed if body.seed is not None else secrets.randbelow(2**RANDOM_SEED_BITS)
         row = await store.insert_finetune(

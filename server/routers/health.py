@@ -34,7 +34,8 @@ async def readyz(workers: WorkersDep):
     live = workers.live_workers()
     return {
         "status": "ready",
-        "models": [card.name for card in workers.models()],
+        # Base models only: the probe needs no key, and fine-tunes belong to their tenants.
+        "models": [card.name for card in workers.models() if card.kind != "fine-tune"],
         "workers": {"live": len(live), "ready": sum(1 for w in live if worker_state(w) == "ready")},
     }
 

@@ -28,6 +28,7 @@ from ..deps import (
     StoreDep,
     WorkersDep,
     admit,
+    check_priority,
     event_seq,
     find_model,
     idempotent,
@@ -126,7 +127,7 @@ CREATE_BODY_DOC = {
     "",
     response_model=Video,
     openapi_extra=CREATE_BODY_DOC,
-    responses=error_responses(400, 404, 409, 429, 503),
+    responses=error_responses(400, 403, 404, 409, 429, 503),
 )
 async def create_video(
     request: Request,
@@ -138,6 +139,7 @@ async def create_video(
     principal: PrincipalDep,
 ):
     body, upload = await read_create_body(request)
+    check_priority(body.priority, principal)
     served = workers.models()
     if not served:
         raise NotReady("no live worker serves a model yet; retry shortly")
@@ -169,7 +171,7 @@ async def create_video(
                 _discard(image)
                 poll_hint(response, row, settings)
                 return video_object(row)
-            await admit(store, workers, settings)
+            await admit(store, workers, settings, principal)
             row = await store.insert_video(
                 video_id,
                 video.to_dict(),
