@@ -91,7 +91,12 @@ def build_app(settings: Settings, workers: WorkerClient) -> FastAPI:
         Upload("POST", "/v1/files", settings.max_upload_bytes, "file"),
         Upload("POST", "/v1/videos", settings.max_image_bytes, "input_reference"),
     ]
-    app.add_middleware(BodyLimit, max_body_bytes=settings.max_body_bytes, uploads=uploads)
+    app.add_middleware(
+        BodyLimit,
+        max_body_bytes=settings.max_body_bytes,
+        uploads=uploads,
+        body_timeout_s=settings.body_timeout_s,
+    )
     app.add_middleware(RefuseNul)
     app.add_middleware(UnexpectedErrors)  # added last, so outermost: it sees every failure
     app.include_router(health.router)

@@ -8,16 +8,22 @@ error envelope, as soon as a body crosses its limit; the rest of the body is nev
 
 A file upload (a multipart body to a route listed in `uploads`) may be as large as that route
 allows; every other body is held to one smaller default.
+
+A body must also keep coming: a wait of more than `body_timeout_s` for its next bytes is answered
+408 and the connection closed, so a client that trickles a body (or stops sending one) cannot
+hold a connection and a route's worker thread for ever. Once a body is whole, waits are the
+route's own (a stream waiting for its client to leave is no slow body).
 """
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .errors import PayloadTooLarge, envelope
+from .errors import PayloadTooLarge, RequestTimeout, envelope
 
 MULTIPART_SLACK = 64 * 1024  # form boundaries, part headers and small fields around the file
 
@@ -39,9 +45,17 @@ class Upload:
 class BodyLimit:
     """Pure ASGI middleware: 413 for a body over its route's limit, before more of it is read."""
 
-    def __init__(self, app: ASGIApp, *, max_body_bytes: int, uploads: list[Upload]):
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        max_body_bytes: int,
+        uploads: list[Upload],
+        body_timeout_s: float = 30.0,
+    ):
         self.app = app
         self.max_body_bytes = max_body_bytes
+        self.body_timeout_s = body_timeout_s
         self.uploads = {(u.method, u.path): u for u in uploads}
 
     def rule(self, scope: Scope) -> tuple[int, str, str | None]:
@@ -71,15 +85,25 @@ class BodyLimit:
             return
 
         received = 0
+        whole = False  # the last of the body arrived
         started = False  # the route began its answer: too late for a 413
         answered = False  # the 413 went out: the route's own answer, if any, goes nowhere
 
         async def counting_receive() -> Message:
-            nonlocal received, answered
+            nonlocal received, answered, whole
             if answered:
                 return {"type": "http.disconnect"}
-            message = await receive()
+            if whole:
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.body_timeout_s)
+            except TimeoutError:
+                if not started:
+                    await _too_slow(self.body_timeout_s)(scope, receive, send)
+                    answered = True
+                return {"type": "http.disconnect"}
             if message["type"] == "http.request":
+                whole = not message.get("more_body", False)
                 received += len(message.get("body", b""))
                 if received > limit:
                     if not started:
@@ -102,6 +126,12 @@ class BodyLimit:
             if not answered:
                 raise
             # The route failed on the body that was cut short; the client has its answer already.
+
+
+def _too_slow(timeout_s: float) -> JSONResponse:
+    error = RequestTimeout(f"no part of the request body arrived for {timeout_s:g} s")
+    headers = {"Connection": "close"}  # the rest of the body is not wanted
+    return envelope(error.status, error.message, error.type, error.param, error.code, headers)
 
 
 def _too_large(message: str, field: str | None) -> JSONResponse:

@@ -63,6 +63,10 @@ class Conflict(APIError):
     status, type, default_code = 409, "invalid_request_error", "conflict"
 
 
+class RequestTimeout(APIError):
+    status, type, default_code = 408, "invalid_request_error", "request_timeout"
+
+
 class PayloadTooLarge(APIError):
     status, type, default_code = 413, "invalid_request_error", "file_too_large"
 

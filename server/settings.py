@@ -64,6 +64,20 @@ class Settings(BaseSettings):
     )
 
     # Queue and scheduler.
+    # Slow and many clients (connections.py, body_limit.py).
+    header_timeout_s: float = Field(
+        10.0, gt=0, description="a request's line and headers must arrive within this (408)"
+    )
+    body_timeout_s: float = Field(
+        30.0, gt=0, description="longest wait for the next bytes of a request body (408)"
+    )
+    max_connections: int = Field(
+        512,
+        ge=1,
+        description="open connections beyond this are answered 503 at once (keep it below the "
+        "process's file descriptor limit)",
+    )
+
     max_queue: int = Field(64, ge=1, description="queued jobs (videos + fine-tunes) before 429")
     max_queue_per_key: int = Field(
         16,

@@ -22,6 +22,7 @@ import httpx
 import numpy as np
 
 from megaslide.engine.request import ModelLimits, ResolvedVideo
+from megaslide.server import Settings
 from megaslide.server.backend import Backend, FinetuneJob, TrainingRun
 from megaslide.server.protocol import ModelCard
 
@@ -265,13 +266,17 @@ def torch_app(settings):
 
 
 @contextlib.contextmanager
-def live_server(app):
-    """Serve `app` with uvicorn on a free loopback port in a thread; yields its base URL."""
+def live_server(app, settings=None):
+    """Serve `app` with uvicorn on a free loopback port in a thread, with the HTTP guards of
+    `settings` (connections.py) as `megaslide serve` runs it; yields its base URL."""
     import uvicorn
+
+    from megaslide.server.connections import uvicorn_options
 
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    options = uvicorn_options(settings or Settings())
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", **options))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"

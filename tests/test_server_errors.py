@@ -6,7 +6,9 @@ from __future__ import annotations
 import io
 import json
 import logging
+import socket
 import struct
+import time
 import zipfile
 
 import httpx
@@ -142,6 +144,49 @@ def test_a_client_that_drops_mid_upload_costs_one_info_line(make_client, caplog)
     assert line == "client disconnected during POST /v1/files"
     assert not any(m["type"] == "http.response.start" for m in sent)  # nobody to answer
     assert c.get("/v1/files").json()["data"] == []
+
+
+def test_slow_and_surplus_clients_are_cut_off(tmp_path):
+    """A client that trickles its headers or its body is answered 408 and dropped; connections
+    past the cap are answered 503 at once; everyone else is served throughout."""
+    options = dict(header_timeout_s=1.0, body_timeout_s=1.0, max_connections=4)
+    settings = Settings(data_dir=tmp_path / "data", **options)
+    app = build_app(settings, EmbeddedWorker(settings, FakeBackend()))
+    with live_server(app, settings) as url:
+        port = int(url.rsplit(":", 1)[1])
+
+        def connect() -> socket.socket:
+            s = socket.create_connection(("127.0.0.1", port), timeout=10)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            return s
+
+        def answer(s: socket.socket) -> bytes:
+            """Everything the server sends until it closes the connection."""
+            got = b""
+            while chunk := s.recv(4096):
+                got += chunk
+            return got
+
+        idle = [connect() for _ in range(4)]  # at the cap, sending nothing
+        time.sleep(0.2)
+        surplus = connect()
+        assert answer(surplus).startswith(b"HTTP/1.1 503"), "past the cap: refused at once"
+        start = time.monotonic()
+        assert all(answer(s).startswith(b"HTTP/1.1 408") for s in idle)
+        assert time.monotonic() - start < 5  # dropped at the header deadline, not left open
+        slowloris = connect()
+        slowloris.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-a: ")
+        assert answer(slowloris).startswith(b"HTTP/1.1 408")
+        trickle = connect()
+        trickle.sendall(
+            b"POST /v1/videos HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 100\r\n\r\n{"
+        )
+        body_timeout = answer(trickle)
+        assert body_timeout.startswith(b"HTTP/1.1 408") and b"request_timeout" in body_timeout
+        assert httpx.get(f"{url}/healthz").status_code == 200
+        for s in (*idle, surplus, slowloris, trickle):
+            s.close()
 
 
 def test_event_numbers_out_of_range_are_400s(make_client):

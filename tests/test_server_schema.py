@@ -41,7 +41,7 @@ def api(tmp_path, database_url):
     )
     server_settings = Settings(**options, max_queue=1000)
     app = build_app(server_settings, EmbeddedWorker(server_settings, FakeBackend(step_s=0.0)))
-    with live_server(app) as url:
+    with live_server(app, server_settings) as url:
         yield schemathesis.openapi.from_url(f"{url}/openapi.json")
 
 

@@ -212,6 +212,7 @@ def run_serve(args) -> int:
     import uvicorn
 
     from megaslide.server import build_app
+    from megaslide.server.connections import uvicorn_options
     from megaslide.server.torch_backend import check_dataset
     from megaslide.server.worker import EmbeddedWorker
     from megaslide.server.workers import ChildWorkerFleet, Fleet
@@ -248,6 +249,7 @@ def run_serve(args) -> int:
         host=settings.host,
         port=settings.port,
         log_level=args.log_level,
+        **uvicorn_options(settings),
     )
     return 0
 
