@@ -55,7 +55,7 @@ from .datadir import DataDir
 from .metrics import Registry
 from .protocol import ModelCard, card_to_dict
 from .settings import Settings
-from .store import UNAVAILABLE, JobStore, WorkerNameInUse, new_token, now
+from .store import UNAVAILABLE, JobStore, WorkerNameInUse, is_disk_full, new_token, now
 from .workers import Fleet, fine_tuned_card
 
 log = logging.getLogger("megaslide.server")
@@ -476,11 +476,19 @@ class Worker:
 
     def _write_video(self, run: _Running, frames) -> None:
         mp4, png = self.data.video(run.id)
-        try:
-            self.backend.save_video(frames, run.video.fps, mp4, png)
-        except Exception as exc:  # noqa: BLE001
-            self._fail_video(run.id, run.token, exc)
-            return
+        for wait_s in _backoff():
+            try:
+                self.backend.save_video(frames, run.video.fps, mp4, png)
+                break
+            except Exception as exc:  # noqa: BLE001
+                if not is_disk_full(exc):
+                    self._fail_video(run.id, run.token, exc)
+                    return
+            # A full disk is the operator's to fix, not the video's fault: keep the frames, keep
+            # the claim (the heartbeat renews it while the MP4 is pending), write again later.
+            log.warning("video %s: the disk is full; writing it again in %.1f s", run.id, wait_s)
+            if self.stop.wait(wait_s) or self._given_up(run):
+                return  # stopping (its lease decides where it runs again), cancelled, or not ours
         expires_at = now() + self.settings.video_ttl_s
         status = self._retrying(
             self.store.finish_video, run.id, run.token, "completed", expires_at=expires_at
@@ -492,6 +500,21 @@ class Worker:
         if status == "cancelled":  # cancelled while it was being encoded: nobody will fetch it
             for path in (mp4, png):
                 path.unlink(missing_ok=True)
+
+    def _given_up(self, run: _Running) -> bool:
+        """While `run`'s MP4 waits for disk space: True once it was cancelled (recorded so) or
+        its claim is no longer this worker's."""
+        update = [(run.id, run.token, run.state.step, DECODED_PROGRESS)]
+        try:
+            if self.store.set_video_progress(update, lease_s=self.settings.lease_s):
+                return True
+            if self.store.cancel_requested_videos([run.id]):
+                self._retrying(self.store.finish_video, run.id, run.token, "cancelled")
+                self.metrics.jobs_finished.inc(kind="video", status="cancelled")
+                return True
+        except UNAVAILABLE:
+            pass  # the store is down too: keep trying both
+        return False
 
     def _fail_video(self, video_id: str, token: str, exc: BaseException) -> None:
         """Record a failed video; stop the worker when the failure took the device with it."""

@@ -429,6 +429,39 @@ def test_a_full_disk_answers_507_and_the_server_recovers_by_itself(make_client, 
     assert c.get("/healthz").status_code == 200
 
 
+class FullDiskBackend(FakeBackend):
+    """Writing an MP4 fails for want of space while `full` is set."""
+
+    def __init__(self):
+        super().__init__()
+        self.full = threading.Event()
+        self.refused = 0
+
+    def save_video(self, frames, fps, mp4_path, thumbnail_path):
+        if self.full.is_set():
+            self.refused += 1
+            raise OSError(errno.ENOSPC, "No space left on device", str(mp4_path))
+        super().save_video(frames, fps, mp4_path, thumbnail_path)
+
+
+def test_a_full_output_disk_holds_finished_videos_until_space_returns(make_client, monkeypatch):
+    """Like a full database disk: the MP4 waits (frames kept, claim renewed) and is written once
+    there is room; a video cancelled meanwhile ends cancelled."""
+    monkeypatch.setattr("megaslide.server.worker.STORE_RETRY_S", (0.05, 0.2))
+    backend = FullDiskBackend()
+    c = make_client(backend)
+    backend.full.set()
+    kept, dropped = create(c, seed=1), create(c, seed=2)
+    until(lambda: backend.refused >= 3, what="writes refused for want of space")
+    assert c.get(f"/v1/videos/{kept['id']}").json()["status"] == "in_progress"
+    c.post(f"/v1/videos/{dropped['id']}/cancel")
+    time.sleep(0.5)
+    backend.full.clear()
+    assert wait_status(c, kept["id"])["status"] == "completed"
+    assert c.get(f"/v1/videos/{kept['id']}/content").status_code == 200
+    assert wait_status(c, dropped["id"])["status"] == "cancelled"
+
+
 def test_sse_events(make_client):
     c = make_client(FakeBackend(step_s=0.02))
     v = create(c, num_inference_steps=4)
