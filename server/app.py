@@ -23,6 +23,7 @@ from .body_limit import BodyLimit, Upload
 from .datadir import DataDir
 from .deps import require_api_key
 from .errors import UnexpectedErrors, install_error_handlers
+from .feed import EventFeed
 from .plain_text import RefuseNul
 from .protocol import WorkerClient
 from .routers import files, fine_tuning, health, models, videos, web
@@ -63,6 +64,9 @@ def build_app(settings: Settings, workers: WorkerClient) -> FastAPI:
         try:
             housekeeping(store, data)
             app.state.store = AsyncStore(store)
+            app.state.feed = EventFeed(
+                app.state.store, settings.sse_interval_s, settings.max_streams_per_key
+            )
             app.state.validator = Validator(settings, store, data, workers.check_dataset)
             validating = asyncio.create_task(app.state.validator.run())
             await workers.start(store)

@@ -84,6 +84,12 @@ class QueueFull(APIError):
         super().__init__(message, headers={"Retry-After": str(retry_after)})
 
 
+class TooManyStreams(QueueFull):
+    """The key holds as many event streams as it may; one must close first."""
+
+    default_code = "too_many_streams"
+
+
 class NotReady(APIError):
     status, type, default_code = 503, "server_error", "not_ready"
 

@@ -86,7 +86,8 @@ ERROR_STATUSES = {
     409: "Conflicts with the object's state, or an Idempotency-Key reused with another body",
     413: "The request body, or the file in it, is over this server's limit",
     416: "The range starts past the end of the file",
-    429: "The queue, or this API key's share of it, is full; retry after Retry-After seconds",
+    429: "The queue, or this API key's share of it (or of event streams), is full; retry "
+    "after Retry-After seconds",
     500: "An unexpected server error",
     503: "The models are still loading, the worker stopped, or the job store is unavailable",
     507: "The server's disk is full",

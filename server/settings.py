@@ -99,7 +99,12 @@ class Settings(BaseSettings):
         10.0, ge=0, description="how long DELETE waits for the worker to stop"
     )
     video_ttl_s: int = Field(7 * 24 * 3600, ge=60, description="how long a finished MP4 is kept")
-    sse_interval_s: float = Field(0.2, gt=0, description="how often an SSE stream checks for news")
+    sse_interval_s: float = Field(
+        0.2, gt=0, description="how often the API polls the job store for SSE streams' news"
+    )
+    max_streams_per_key: int = Field(
+        100, ge=1, description="SSE streams one API key (or, without keys, everyone) may hold"
+    )
     event_ttl_s: int = Field(
         30 * 24 * 3600, ge=60, description="how long the events of a finished job are kept"
     )

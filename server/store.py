@@ -689,6 +689,20 @@ class JobStore:
         )
         return self._all(stmt)
 
+    def events_since(self, after_seq: int | None, limit: int = 1000) -> list[dict]:
+        """Every job's events after `after_seq`, in order (None: none, only where the log ends:
+        `[{"seq": newest}]`). One query feeds every SSE stream of an API process (feed.py)."""
+        if after_seq is None:
+            newest = self._one(sa.select(sa.func.max(events.c.seq).label("seq")))
+            return [{"seq": (newest or {}).get("seq") or 0}]
+        stmt = sa.select(events).where(events.c.seq > after_seq).order_by(events.c.seq)
+        return self._all(stmt.limit(limit))
+
+    def queue_positions(self) -> dict[str, int]:
+        """Every queued video's place in the queue (1 = next), in one query."""
+        stmt = self._queue_order(sa.select(videos.c.id))
+        return {row["id"]: n for n, row in enumerate(self._all(stmt), start=1)}
+
     # --- videos: a worker's side -------------------------------------------------------------
 
     def claim_videos(

@@ -92,11 +92,11 @@ def cancel_all(client, ids) -> None:
 
 def test_video_lifecycle(client, tmp_path):
     video = client.videos.create_and_poll(
-        prompt="a red circle moving right", seed=7, priority=3, max_wait=60, **SMALL
+        prompt="a red circle moving right", seed=7, priority=-3, max_wait=60, **SMALL
     )
     assert video.status == "completed" and video.progress == 100 and video.error is None
     echoed = (video.size, video.num_frames, video.num_inference_steps, video.seed, video.priority)
-    assert echoed == ("32x32", 8, 2, 7, 3)
+    assert echoed == ("32x32", 8, 2, 7, -3)
     assert video.model == "tiny" and video.completed_at >= video.created_at and video.step == 2
     again = client.videos.retrieve(video.id)
     assert again.to_dict() == video.to_dict()

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hashlib
 import io
 import json
-import time
 from pathlib import Path
 from typing import Literal
 
@@ -37,6 +37,7 @@ from ..deps import (
     wait_for,
 )
 from ..errors import InvalidRequest, NotFound, NotReady, invalid_request
+from ..feed import EventFeed, Subscription
 from ..protocol import WorkerClient
 from ..ranges import file_response
 from ..schemas import (
@@ -372,7 +373,7 @@ async def video_content(
     response_class=StreamingResponse,
     responses={
         200: {"content": {"text/event-stream": {}}, "description": "Server-Sent Events"},
-        **error_responses(400, 404),
+        **error_responses(400, 404, 429),
     },
 )
 async def video_events(
@@ -390,56 +391,68 @@ async def video_events(
     position changes (jobs ahead start or are cancelled, a higher priority one arrives)."""
     await find_video(store, video_id, principal)
     last = event_seq(request.headers.get("last-event-id") or "0", "Last-Event-ID")
+    feed: EventFeed = request.app.state.feed
+    subscription = feed.subscribe(video_id, principal.scope)
+    sub = subscription.__enter__()  # a 429 past the key's limit, before the answer starts
+
+    async def stream():
+        with contextlib.ExitStack() as stack:
+            stack.push(subscription)
+            async for chunk in _sse(store, video_id, last, sub):
+                yield chunk
+
     return StreamingResponse(
-        _sse(store, video_id, last, request, settings.sse_interval_s),
-        media_type="text/event-stream",
-        headers={"Cache-Control": "no-cache"},
+        stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
     )
 
 
-async def _sse(store: AsyncStore, video_id: str, last: int, request: Request, interval_s: float):
-    quiet_since = time.monotonic()
-    position = None  # the queue position this stream last told
+def _sse_event(seq: int | None, kind: str, body: dict) -> str:
+    # No id for news of the moment (a queue position): nothing stored to resume after.
+    head = f"id: {seq}\n" if seq is not None else ""
+    return f"{head}event: {kind}\ndata: {json.dumps(body)}\n\n"
+
+
+async def _sse(store: AsyncStore, video_id: str, last: int, sub: Subscription):
+    """The video's stored events after `last`, then what the feed brings, until a terminal one."""
+    replay = await store.events_after(video_id, last, limit=10_000)
+    news: list[tuple[str, object]] = [("event", row) for row in replay]
+    told = None  # the queue position this stream last told
+    if replay and json.loads(replay[-1]["data"] or "{}").get("status") == "queued":
+        told = await store.queue_position(video_id)  # told on that event
+    elif not replay:
+        row = await store.get_video(video_id)
+        if row is None or row["status"] in VIDEO_TERMINAL:
+            return  # deleted, or the client resumed after the terminal event
     while True:
-        events = await store.events_after(video_id, last)
-        for event in events:
-            last = event["seq"]
-            data = json.loads(event["data"] or "{}")
-            terminal = data.get("status") in VIDEO_TERMINAL
-            row = await store.get_video(video_id) if terminal else None
-            if row is not None:
-                body = video_object(row).model_dump()
-            else:
-                body = {"id": video_id, "object": "video", **data}
-                if data.get("status") == "queued" and event is events[-1]:
-                    position = await store.queue_position(video_id)
-                    if position is not None:
-                        body["queue_position"] = position
-            yield f"id: {last}\nevent: {event['type']}\ndata: {json.dumps(body)}\n\n"
-            if terminal:
+        for kind, item in news:
+            if kind == "position":
+                if item == told:
+                    continue
+                row = await store.get_video(video_id)
+                if row is None or row["status"] != "queued":
+                    continue  # the news is stale: an event about it follows
+                told = item
+                body = {k: row[k] for k in ("id", "status", "progress", "step")}
+                body |= {"object": "video", "queue_position": item}
+                yield _sse_event(None, "video.queue_position", body)
+                continue
+            if item["seq"] <= last:
+                continue  # replayed already
+            last = item["seq"]
+            data = json.loads(item["data"] or "{}")
+            if data.get("status") in VIDEO_TERMINAL:
+                row = await store.get_video(video_id)
+                body = video_object(row).model_dump() if row is not None else data
+                yield _sse_event(last, item["type"], body)
                 return
-        if events:
-            quiet_since = time.monotonic()
-        else:
-            row = await store.get_video(video_id)
-            if row is None or row["status"] in VIDEO_TERMINAL:
-                return  # deleted, or the client resumed after the terminal event
-            moved = await store.queue_position(video_id) if row["status"] == "queued" else None
-            if moved is not None and moved != position:
-                position = moved
-                body = {
-                    "id": video_id,
-                    "object": "video",
-                    "status": "queued",
-                    "progress": row["progress"],
-                    "step": row["step"],
-                    "queue_position": position,
-                }
-                # No id: the position is news of the moment, not a stored event to resume after.
-                yield f"event: video.queue_position\ndata: {json.dumps(body)}\n\n"
-            if time.monotonic() - quiet_since > SSE_KEEPALIVE_S:
-                quiet_since = time.monotonic()
-                yield ": keep-alive\n\n"
-        if await request.is_disconnected():
-            return
-        await asyncio.sleep(interval_s)
+            body = {"id": video_id, "object": "video", **data}
+            if replay and item is replay[-1] and told is not None:
+                body["queue_position"] = told
+            yield _sse_event(last, item["type"], body)
+        try:
+            news = [await asyncio.wait_for(sub.next(), SSE_KEEPALIVE_S)]
+        except TimeoutError:
+            news = []
+            yield ": keep-alive\n\n"
+        while not sub.inbox.empty():
+            news.append(sub.inbox.get_nowait())

@@ -1,0 +1,90 @@
+"""The event feed behind SSE streams: one poll of the store for every stream of a process, each
+stream told its own job's events and its new queue position, a limit of streams per key."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import Counter
+
+import pytest
+
+from megaslide.server.errors import TooManyStreams
+from megaslide.server.feed import EventFeed
+from megaslide.server.store import JobStore
+
+INTERVAL_S = 0.02
+
+
+class CountingStore:
+    """The feed's two store calls, counted."""
+
+    def __init__(self, store: JobStore):
+        self.store, self.calls = store, Counter()
+
+    async def events_since(self, after_seq, limit):
+        self.calls["events_since"] += 1
+        return self.store.events_since(after_seq, limit)
+
+    async def queue_positions(self):
+        self.calls["queue_positions"] += 1
+        return self.store.queue_positions()
+
+
+def drain(sub) -> list:
+    out = []
+    while not sub.inbox.empty():
+        out.append(sub.inbox.get_nowait())
+    return out
+
+
+def test_one_poll_feeds_every_stream_its_own_news(tmp_path):
+    store = JobStore(f"sqlite:///{tmp_path / 'db'}")
+    ids = [f"video_{i}" for i in range(200)]
+    for i, video_id in enumerate(ids):
+        store.insert_video(video_id, {"model": "m", "seed": i})
+    counting = CountingStore(store)
+    feed = EventFeed(counting, INTERVAL_S, max_streams=1000)
+
+    async def scenario():
+        with contextlib.ExitStack() as stack:
+            subs = [stack.enter_context(feed.subscribe(v, "-")) for v in ids]
+            await asyncio.sleep(5 * INTERVAL_S)
+            first = [drain(s) for s in subs]
+            [claimed] = store.claim_videos("w", ["m"], 1, lambda r: 0, lease_s=60)
+            start = time.monotonic()
+            await asyncio.sleep(10 * INTERVAL_S)
+            polls = counting.calls["events_since"]
+            return first, [drain(s) for s in subs], claimed, polls, time.monotonic() - start
+
+    first, later, claimed, polls, seconds = asyncio.run(scenario())
+    assert all(news == [("position", n)] for n, news in enumerate(first, start=1))
+    assert claimed["id"] == ids[0]
+    [(kind, row)] = later[0]  # the started video: its own event, nothing else
+    assert kind == "event" and row["type"] == "video.in_progress" and row["job_id"] == ids[0]
+    # Everyone behind it moved up one place; nobody got another video's events.
+    assert all(news == [("position", n)] for n, news in enumerate(later[1:], start=1))
+    # A poll per interval for all 200 streams, not one per stream.
+    assert polls <= (5 + 10) * 2 + 2 and polls <= seconds / INTERVAL_S + 12
+    assert counting.calls["queue_positions"] <= 3  # once at the start, once after the claim
+    assert feed.streams == 0
+    store.close()
+
+
+def test_each_key_may_hold_so_many_streams(tmp_path):
+    store = JobStore(f"sqlite:///{tmp_path / 'db'}")
+    feed = EventFeed(CountingStore(store), INTERVAL_S, max_streams=2)
+
+    async def scenario():
+        with feed.subscribe("a", "alice"), feed.subscribe("b", "alice"):
+            with pytest.raises(TooManyStreams, match="2 event streams open"):
+                with feed.subscribe("c", "alice"):
+                    pass
+            with feed.subscribe("c", "bob"):  # another key is not held back
+                assert feed.streams == 3
+        with feed.subscribe("c", "alice"):  # closed streams free their places
+            return feed.streams
+
+    assert asyncio.run(scenario()) == 1
+    store.close()
