@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from processes import JOB_TIMEOUT_S, TERMINAL, Server, noise_dataset_archive
+from processes import JOB_TIMEOUT_S, TERMINAL, Child, Server, noise_dataset_archive
 
 pytest.importorskip("uvicorn")
 pytest.importorskip("av")
@@ -267,3 +267,26 @@ def _state(pid: int) -> str:
         return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split("\n")[0].lower()
     except (FileNotFoundError, IndexError):
         return "zombie"
+
+
+def test_serve_stops_with_status_0_and_refuses_a_second_worker_of_its_name(tmp_path):
+    srv = serve(tmp_path / "data")
+    try:
+        # `megaslide worker` on the same host and device: the same default name as the server's.
+        args = [
+            "worker",
+            "--preset",
+            "tiny",
+            "--data-dir",
+            str(tmp_path / "data"),
+            "--device",
+            "cpu",
+        ]
+        twin = Child(args, tmp_path / "twin.log")
+        assert twin.proc.wait(timeout=120) == 2, twin.output()
+        assert "is already running" in twin.output() and "another name" in twin.output()
+        srv.check_running()
+    finally:
+        srv.proc.send_signal(signal.SIGTERM)
+        srv.proc.wait(timeout=60)
+    assert srv.proc.returncode == 0, srv.output()

@@ -244,6 +244,10 @@ def run_serve(args) -> int:
         f"(store {_shown(settings.database_url)}, storage {settings.storage_dir}, {auth})",
         file=sys.stderr,
     )
+    # uvicorn stops cleanly on SIGTERM, then raises the signal again under the handler it found
+    # at start, which by default ends the process "killed by SIGTERM" (-15): a clean stop is
+    # status 0.
+    signal.signal(signal.SIGTERM, _exit_cleanly)
     uvicorn.run(
         build_app(settings, workers),
         host=settings.host,
@@ -252,6 +256,10 @@ def run_serve(args) -> int:
         **uvicorn_options(settings),
     )
     return 0
+
+
+def _exit_cleanly(_signum, _frame) -> None:
+    sys.exit(0)
 
 
 def run_worker(args) -> int:
