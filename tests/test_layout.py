@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 import shutil
 import subprocess
 import sys
@@ -88,3 +89,28 @@ def test_layers_import_downward_only():
                     (name, t) for t in imports_of(name, path, modules) if t.startswith(forbidden)
                 ]
     assert not bad, bad
+
+
+def test_the_dockerfile_builds_what_the_readme_installs():
+    """The Dockerfile parses as Docker's own parser reads it, installs the torch the README pins
+    (within pyproject.toml's range), copies every folder the package is built from, can start
+    from a base without CUDA, and serves."""
+    import dockerfile
+    from packaging.requirements import Requirement
+
+    commands = dockerfile.parse_file(str(ROOT / "Dockerfile"))
+    args = dict(c.value[0].split("=", 1) for c in commands if c.cmd == "ARG" and "=" in c.value[0])
+    assert [c.value[0] for c in commands if c.cmd == "FROM"] == ["${BASE_IMAGE}"]
+    assert "cuda" in args["BASE_IMAGE"] and "TORCH_INDEX_URL" in args  # CPU: two build args
+    readme_pins = set(re.findall(r"pip install torch==([\d.]+)", (ROOT / "README.md").read_text()))
+    assert readme_pins == {args["TORCH_VERSION"]}
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    [torch] = [r for r in map(Requirement, project["project"]["dependencies"]) if r.name == "torch"]
+    assert torch.specifier.contains(args["TORCH_VERSION"])
+    installs = " ".join(c.value[0] for c in commands if c.cmd == "RUN")
+    assert '"torch==${TORCH_VERSION}"' in installs
+    copied = {c.value[0] for c in commands if c.cmd == "COPY"}
+    folders = {f.split("/")[0] for f in project["tool"]["setuptools"]["package-dir"].values()}
+    assert folders <= copied and "pyproject.toml" in copied
+    [cmd] = [c.value for c in commands if c.cmd == "CMD"]
+    assert cmd[:2] == ("megaslide", "serve")
