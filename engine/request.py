@@ -18,7 +18,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-SEED_LIMIT = 2**63  # seeds are stored as signed 64-bit integers
+# Seeds are below 2**53, so that every client reads them back exactly: JavaScript's numbers (the
+# playground's, any browser's JSON.parse) hold integers up to 2**53 and round above it.
+SEED_LIMIT = 2**53
 RANDOM_SEED_BITS = 31  # an unseeded request gets a seed below 2**31, echoed back
 
 
@@ -285,7 +287,7 @@ def resolve(
     if seed is None:
         seed = secrets.randbelow(2**RANDOM_SEED_BITS)
     elif not 0 <= seed < SEED_LIMIT:
-        raise RequestError(f"seed must be in [0, 2**63), got {seed}", param="seed")
+        raise RequestError(f"seed must be in [0, 2**53), got {seed}", param="seed")
     return ResolvedVideo(
         model=model,
         prompt=request.prompt,

@@ -42,6 +42,13 @@ class Settings(BaseSettings):
         "was last heard from (also how long a silent worker still counts as live)",
     )
     heartbeat_s: float = Field(2.0, gt=0, description="how often a worker proves it is alive")
+    stall_s: float = Field(
+        600.0,
+        gt=0,
+        description="a worker whose loop spends longer than this in one step is presumed hung: "
+        "it withholds its heartbeat, so its jobs' leases expire and they run elsewhere (keep "
+        "it above the slowest step, decode or checkpoint of the models served)",
+    )
     crash_limit: int = Field(
         DEFAULT_CRASH_LIMIT,
         ge=1,

@@ -148,6 +148,7 @@ class Worker:
         self._tuning: _Tuning | None = None
         self._last_housekeeping = time.monotonic()
         self._last_recovery = -RECOVERY_INTERVAL_S
+        self._progress_at = time.monotonic()  # when the main loop last began a tick
 
     # --- life cycle --------------------------------------------------------------------------
 
@@ -198,6 +199,7 @@ class Worker:
             log.info("worker %s ready: %s", self.name, ", ".join(self.cards))
             retries = _backoff()
             while not self.stop.is_set():
+                self._progress_at = time.monotonic()  # the watchdog's proof of life (_beat)
                 try:
                     busy = self._tick() or self._housekeeping()
                 except UNAVAILABLE as exc:
@@ -250,7 +252,26 @@ class Worker:
             _RUNNING_HERE.discard((self.store.url, self.name))
 
     def _beat(self) -> None:
+        withheld = False
         while not self.stop.wait(self.settings.heartbeat_s):
+            # A watchdog: a main loop stuck in one step for `stall_s` (a hung kernel, a deadlock)
+            # must not keep its jobs' leases alive from this thread. Without a beat the leases
+            # expire and the jobs run elsewhere; should the loop come back, its writes are
+            # refused (each claim's token) and it drops them.
+            stalled_s = time.monotonic() - self._progress_at
+            if self.ready and stalled_s > self.settings.stall_s:
+                if not withheld:
+                    log.error(
+                        "worker %s: its loop made no progress for %.0f s; withholding the "
+                        "heartbeat so that its jobs' leases expire",
+                        self.name,
+                        stalled_s,
+                    )
+                withheld = True
+                continue
+            if withheld:
+                log.warning("worker %s: its loop moves again; heartbeat resumed", self.name)
+                withheld = False
             try:
                 self._send_heartbeat()
             except Exception:  # noqa: BLE001 - the store may be back at the next beat

@@ -300,6 +300,37 @@ def test_queue_positions_and_cancel(page, server):
     assert stopped["status"] == "cancelled" and stopped["step"] < 200
 
 
+def test_the_queue_finds_unfinished_videos_past_the_newest_page(page, server):
+    """A video still running can be older than the newest hundred: the queue pages on. Here the
+    newest page is made to hold only finished videos (none shown) and point further back."""
+    running = server.create(prompt="an old long clip", num_inference_steps=200)
+    pages = []
+
+    def older_than_a_page(route: Route) -> None:
+        after = re.search(r"[?&]after=([^&]+)", route.request.url)
+        pages.append(after and after.group(1))
+        if after is None:  # the newest page: nothing unfinished on it, more behind
+            route.fulfill(
+                json={
+                    "object": "list",
+                    "data": [],
+                    "first_id": None,
+                    "last_id": "video_finished",
+                    "has_more": True,
+                }
+            )
+        else:  # the page behind it: what the server lists
+            route.fulfill(response=route.fetch(url=server.url + "/v1/videos?limit=100"))
+
+    page.route(re.compile(r".*/v1/videos\?.*"), older_than_a_page)
+    open_tab(page, "create")
+    card = page.locator(f"#queue-list .job[data-id='{running['id']}']")
+    expect(card).to_be_attached()
+    assert pages[:2] == [None, "video_finished"]
+    card.locator("button.cancel").click()
+    expect(card).to_have_attribute("data-status", "cancelled")
+
+
 def test_gallery_pages_play_download_remix_delete(page, server):
     made = [server.create(prompt=f"clip {i}", seed=i) for i in range(7)]
     for video in made:

@@ -47,7 +47,8 @@ def test_every_rule_names_its_parameter():
         (VideoRequest("a", frames=0), "num_frames", "at least 1"),
         (VideoRequest("a", steps=0), "num_inference_steps", "at least 1"),
         (VideoRequest("a", guidance=float("nan")), "guidance_scale", "finite"),
-        (VideoRequest("a", seed=-1), "seed", "2**63"),
+        (VideoRequest("a", seed=-1), "seed", "2**53"),
+        (VideoRequest("a", seed=2**53), "seed", "2**53"),
         (VideoRequest("x" * 127), "prompt", "at most 126"),
         (VideoRequest("a", negative_prompt="y" * 127), "negative_prompt", "at most 126"),
     ]

@@ -462,6 +462,25 @@ def test_a_full_output_disk_holds_finished_videos_until_space_returns(make_clien
     assert wait_status(c, dropped["id"])["status"] == "cancelled"
 
 
+def test_a_hung_worker_loop_lets_its_leases_expire(make_client):
+    """The heartbeat thread stops renewing a worker's claims once its loop has been stuck in one
+    step for stall_s: the job's lease expires and it is requeued; when the loop comes back, its
+    stale claim is refused and the job completes once, from the queue."""
+    backend = FakeBackend()
+    c = make_client(backend, heartbeat_s=0.05, lease_s=0.6, stall_s=0.3)
+    store = c.app.state.store.sync
+    backend.gate.clear()  # the next denoising step hangs
+    video = create(c)
+    wait_status(c, video["id"], statuses=("in_progress",))
+    assert until(lambda: store.recover_expired()["videos_requeued"] == 1, timeout=10)
+    assert store.get_video(video["id"])["status"] == "queued"
+    backend.gate.set()
+    assert wait_status(c, video["id"])["status"] == "completed"
+    messages = [e["message"] for e in store.events_after(video["id"], 0)]
+    assert "requeued: its worker stopped renewing its lease" in messages
+    assert [e["type"] for e in store.events_after(video["id"], 0)].count("video.completed") == 1
+
+
 def test_sse_events(make_client):
     c = make_client(FakeBackend(step_s=0.02))
     v = create(c, num_inference_steps=4)

@@ -37,13 +37,20 @@ export class Queue {
     this.jobs = new Map(); // video id -> job, in the order they were added
   }
 
-  // Start over with the unfinished videos of the newest page of GET /v1/videos.
+  // Start over with every unfinished video, GET /v1/videos page by page (newest first): a video
+  // still waiting (a low priority, a long queue) can be older than the newest hundred.
   async load() {
     for (const job of this.jobs.values()) job.stream?.close();
     this.jobs.clear();
     this.list.replaceChildren();
-    const page = await get("v1/videos", { limit: 100, order: "desc" });
-    for (const video of page.data.reverse()) if (!TERMINAL.has(video.status)) this.add(video);
+    const unfinished = [];
+    let after;
+    do {
+      const page = await get("v1/videos", { limit: 100, order: "desc", after });
+      unfinished.push(...page.data.filter((video) => !TERMINAL.has(video.status)));
+      after = page.has_more ? page.last_id : undefined;
+    } while (after);
+    for (const video of unfinished.reverse()) this.add(video);
     this.update();
   }
 
