@@ -66,8 +66,12 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
 
 
 @contextlib.contextmanager
-def atomic_directory(path: str | os.PathLike) -> Iterator[Path]:
-    """Yield an empty temporary directory; on a clean exit it replaces `path` whole."""
+def atomic_directory(
+    path: str | os.PathLike, guard: Callable[[], contextlib.AbstractContextManager] | None = None
+) -> Iterator[Path]:
+    """Yield an empty temporary directory; on a clean exit it replaces `path` whole. `guard()`,
+    when given, is a context the renames happen in: it may refuse them by raising (then nothing
+    at `path` changes), or hold a lock that keeps others from publishing meanwhile."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=TMP_SUFFIX))
@@ -75,16 +79,17 @@ def atomic_directory(path: str | os.PathLike) -> Iterator[Path]:
         yield tmp
         _fsync_tree(tmp)
         tmp.chmod(0o755)
-        if path.exists():
-            # Replacing a directory takes two renames; between them the old copy sits under a
-            # temporary name, so a crash there leaves no half-written directory at `path`.
-            old = path.with_name(f".{path.name}.old{TMP_SUFFIX}")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(path, old)
-            os.replace(tmp, path)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, path)
+        with guard() if guard is not None else contextlib.nullcontext():
+            if path.exists():
+                # Replacing a directory takes two renames; between them the old copy sits under
+                # a temporary name, so a crash there leaves no half-written directory at `path`.
+                old = path.with_name(f".{path.name}.old{TMP_SUFFIX}")
+                shutil.rmtree(old, ignore_errors=True)
+                os.replace(path, old)
+                os.replace(tmp, path)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

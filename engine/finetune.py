@@ -18,10 +18,12 @@ the noise generator and the data position are all restored.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -182,6 +184,10 @@ class Trainer:
         )
         self.generator = torch.Generator().manual_seed(config.seed)
         self.step = 0
+        # The context checkpoints and exports are published in (renamed into place): a server
+        # holds its claim's lock there and raises once the run is no longer its own, so a run
+        # presumed dead cannot overwrite the checkpoints of the one that took over.
+        self.fence: Callable[[], contextlib.AbstractContextManager] | None = None
 
         checkpoints = list_checkpoints(self.output) if resume else []
         if checkpoints:
@@ -275,7 +281,7 @@ class Trainer:
         """Write `checkpoints/step-N` atomically: the model, the optimizer's state and the run's
         position (step, data order, noise generator), all or nothing."""
         final = self.output / CHECKPOINTS / f"step-{self.step:06d}"
-        with atomic_directory(final) as tmp:
+        with atomic_directory(final, guard=self.fence) as tmp:
             self._save_model(tmp / "model")
             torch.save(self.blockwise.optimizer.state_dict(), tmp / "optimizer.pt")
             state = {
@@ -311,7 +317,7 @@ class Trainer:
         """Write the current weights as a servable model directory (default `<output>/model`),
         atomically: a server may pick it up the moment it appears."""
         path = Path(path) if path is not None else self.output / "model"
-        with atomic_directory(path) as tmp:
+        with atomic_directory(path, guard=self.fence) as tmp:
             self._save_model(tmp)
         return path
 

@@ -8,6 +8,8 @@ model is anything with the engine pipeline's step-wise methods (`VideoModel`).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -35,6 +37,8 @@ class TrainingRun(ABC):
 
     step: int
     total_steps: int
+    # The context its checkpoints and exports are published in; it raises to refuse them.
+    fence: Callable[[], AbstractContextManager] | None
 
     @abstractmethod
     def train_step(self) -> dict: ...

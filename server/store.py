@@ -68,6 +68,10 @@ def new_token() -> str:
     return secrets.token_hex(8)
 
 
+class ClaimLost(RuntimeError):
+    """A job's claim (lease token) is no longer the caller's: another worker holds it now."""
+
+
 class WorkerNameInUse(RuntimeError):
     """Another live worker registered under this name."""
 
@@ -1023,6 +1027,27 @@ class JobStore:
             "worker_id": worker,
             "lease_token": token,
         }
+
+    @contextlib.contextmanager
+    def fenced_finetune(self, job_id: str, token: str) -> Iterator[None]:
+        """A context in which a fine-tune's files may be published under claim `token`: the
+        job's row is write-locked while it lasts (a takeover waits), and `ClaimLost` is raised
+        at once when the claim is no longer this one."""
+        with self._tx() as conn:
+            # A no-op write, not a SELECT: it takes the row's lock on PostgreSQL and the
+            # database's write lock on SQLite, which a plain read does not.
+            held = conn.execute(
+                fine_tunes.update()
+                .where(
+                    fine_tunes.c.id == job_id,
+                    fine_tunes.c.lease_token == token,
+                    fine_tunes.c.status == "running",
+                )
+                .values(lease_token=fine_tunes.c.lease_token)
+            ).rowcount
+            if not held:
+                raise ClaimLost(f"{job_id} is no longer held by this claim")
+            yield
 
     def _holds_finetune(self, conn: sa.Connection, job_id: str, token: str) -> dict | None:
         """The job's row while claim `token` still runs it (else None); locked for this

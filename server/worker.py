@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -55,7 +56,15 @@ from .datadir import DataDir
 from .metrics import Registry
 from .protocol import ModelCard, card_to_dict
 from .settings import Settings
-from .store import UNAVAILABLE, JobStore, WorkerNameInUse, is_disk_full, new_token, now
+from .store import (
+    UNAVAILABLE,
+    ClaimLost,
+    JobStore,
+    WorkerNameInUse,
+    is_disk_full,
+    new_token,
+    now,
+)
 from .workers import Fleet, fine_tuned_card
 
 log = logging.getLogger("megaslide.server")
@@ -91,10 +100,6 @@ class _Tuning:
     suffix: str
     paused: bool = False
     known_checkpoints: set = field(default_factory=set)
-
-
-class LostLease(Exception):
-    """The store refused a write: another worker holds the job now."""
 
 
 class DeviceLost(Exception):
@@ -555,7 +560,7 @@ class Worker:
     def _finetune_event(self, message: str) -> None:
         t = self._tuning
         if not self.store.add_event(t.id, message, token=t.token):
-            raise LostLease(t.id)
+            raise ClaimLost(t.id)
 
     def _step_finetune(self) -> bool:
         if self._tuning is None:
@@ -584,14 +589,14 @@ class Worker:
                     {**metrics, "total_steps": total},
                     lease_s=self.settings.lease_s,
                 ):
-                    raise LostLease(t.id)
+                    raise ClaimLost(t.id)
                 self._record_checkpoints(t, metrics)
             if t.trainer.step >= t.trainer.total_steps:
                 name = f"ft:{t.parent}:{t.suffix}:{t.id.removeprefix('ftjob-')}"
                 path = t.trainer.export(self.data.fine_tuned_model(t.id))
                 model = {"name": name, "parent": t.parent, "path": self.data.relative(path)}
                 self._end_finetune("succeeded", model=model)
-        except LostLease:
+        except ClaimLost:
             log.warning("fine-tune %s: another worker holds it now; dropping it here", t.id)
             self._tuning = None
             t.trainer.close()
@@ -637,19 +642,21 @@ class Worker:
                 self.metrics.jobs_finished.inc(kind="fine_tune", status="failed")
             self._check_device(exc)
             return
+        # Checkpoints and the exported model are published only while this claim holds the job.
+        trainer.fence = functools.partial(self.store.fenced_finetune, row["id"], token)
         t = _Tuning(row["id"], token, trainer, row["model"], row["suffix"] or "")
         self._tuning = t
         try:
             self._record_checkpoints(t)  # those of an earlier attempt, without events
             if attempt > 1 and not self.store.rewind_finetune(t.id, token, trainer.step):
-                raise LostLease(t.id)
+                raise ClaimLost(t.id)
             verb = f"Resumed at step {trainer.step}" if attempt > 1 else "Fine-tuning job started"
             self._finetune_event(f"{verb} ({trainer.total_steps} steps)")
             if not self.store.finetune_progress(
                 t.id, token, trainer.step, trainer.total_steps, None, lease_s=self.settings.lease_s
             ):
-                raise LostLease(t.id)
-        except LostLease:
+                raise ClaimLost(t.id)
+        except ClaimLost:
             self._tuning = None
             trainer.close()
 
@@ -668,7 +675,7 @@ class Worker:
             if not self.store.add_checkpoint(
                 checkpoint_id, t.id, t.token, ckpt["step"], path, summary
             ):
-                raise LostLease(t.id)
+                raise ClaimLost(t.id)
             if metrics is not None:
                 self._finetune_event(f"Checkpoint saved at step {ckpt['step']}")
 

@@ -124,6 +124,7 @@ class FakeTrainer(TrainingRun):
             saved = sorted(int(p.stem.split("-")[1]) for p in job.output_dir.glob("step-*.ckpt"))
             self.step = saved[-1] if saved else 0
         self.closed = False
+        self.fence = None
 
     def train_step(self):
         time.sleep(self.backend.train_step_s)
@@ -145,7 +146,8 @@ class FakeTrainer(TrainingRun):
 
     def save_checkpoint(self):
         path = self.job.output_dir / f"step-{self.step}.ckpt"
-        path.write_text(json.dumps({"step": self.step}))
+        with self.fence() if self.fence is not None else contextlib.nullcontext():
+            path.write_text(json.dumps({"step": self.step}))
         return path
 
     def checkpoints(self):

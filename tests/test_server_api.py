@@ -481,6 +481,31 @@ def test_a_hung_worker_loop_lets_its_leases_expire(make_client):
     assert [e["type"] for e in store.events_after(video["id"], 0)].count("video.completed") == 1
 
 
+def test_a_fine_tune_taken_over_cannot_publish_another_checkpoint(make_client):
+    """A worker presumed dead whose fine-tune another worker took over: its next checkpoint is
+    refused at the moment of writing (the claim's fence), and it drops the job."""
+    backend = FakeBackend()
+    c = make_client(backend, finetune_save_every=1)
+    file_id = processed(c, upload(c, dataset_zip(clips=8)).json())["id"]
+    hyper = {"n_epochs": 4, "batch_size": 1}
+    body = {"model": "fake", "training_file": file_id, "hyperparameters": hyper}
+    job = c.post("/v1/fine_tuning/jobs", json=body).json()
+    store = c.app.state.store.sync
+    until(lambda: ("train", 2) in backend.timeline, what="two steps")
+    backend.gate.clear()  # the worker's next step waits here
+    row = store.get_finetune(job["id"])
+    output = c.app.state.data.resolve(row["output_dir"])
+    store.requeue_finetune(job["id"], row["lease_token"], "taken over")
+    assert store.claim_finetune("elsewhere", ["fake"], lease_s=60)["id"] == job["id"]
+    written = {p.name for p in output.glob("step-*.ckpt")}
+    backend.gate.set()
+    until(lambda: max(s for kind, s in backend.timeline if kind == "train") > len(written))
+    time.sleep(0.3)
+    assert {p.name for p in output.glob("step-*.ckpt")} == written  # nothing after the takeover
+    row = store.get_finetune(job["id"])
+    assert row["status"] == "running" and row["worker_id"] == "elsewhere"
+
+
 def test_sse_events(make_client):
     c = make_client(FakeBackend(step_s=0.02))
     v = create(c, num_inference_steps=4)

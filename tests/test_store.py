@@ -13,7 +13,7 @@ import sqlalchemy as sa
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 
-from megaslide.server.store import JobStore, database_url, schema_revision
+from megaslide.server.store import ClaimLost, JobStore, database_url, schema_revision
 from megaslide.server.tables import metadata
 
 LEASE = 60.0
@@ -438,6 +438,24 @@ def test_finetune_lifecycle_registers_its_model_once(store):
     assert [e["type"] for e in events][:2] == ["message", "metrics"]
     assert len(store.checkpoints("ftjob-1", None, 10)[0]) == 1
     assert store.delete_file("file-1") == "deleted" and store.delete_file("file-1") == "missing"
+
+
+def test_a_fine_tunes_files_are_published_only_under_its_current_claim(store):
+    """The fence a worker publishes checkpoints in: open while its claim holds the job, refused
+    (nothing published) once another worker took it over."""
+    store.insert_finetune(finetune_row("ftjob-1"))
+    old = store.claim_finetune("w1", ["m"], lease_s=LEASE)
+    with store.fenced_finetune("ftjob-1", old["lease_token"]):
+        pass
+    register(store, name="w1", token="restarted")  # its claim is gone: the job is queued again
+    new = store.claim_finetune("w2", ["m"], lease_s=LEASE)
+    published = []
+    with pytest.raises(ClaimLost):
+        with store.fenced_finetune("ftjob-1", old["lease_token"]):
+            published.append("old")
+    with store.fenced_finetune("ftjob-1", new["lease_token"]):
+        published.append("new")
+    assert published == ["new"]
 
 
 def test_finetune_cancel(store):

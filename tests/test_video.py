@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -258,3 +260,26 @@ def test_a_write_that_fails_for_want_of_space_leaves_no_temporary_file(tmp_path)
     assert (tmp_path / ".clip.mp4.abc.tmp").exists()
     remove_stale(tmp_path)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_guard_that_refuses_leaves_the_old_directory_as_it_was(tmp_path):
+    """The guard around an atomic directory's renames (a fine-tune's claim, a lock): refusing,
+    it leaves what was at the path and no temporary directory; letting it, the new one is in."""
+    from megaslide.engine.atomic import atomic_directory
+
+    target = tmp_path / "step-3"
+    target.mkdir()
+    (target / "which").write_text("old")
+
+    @contextlib.contextmanager
+    def refuse():
+        raise PermissionError("no longer ours")
+        yield
+
+    with pytest.raises(PermissionError), atomic_directory(target, guard=refuse) as tmp:
+        (tmp / "which").write_text("new")
+    assert [p.name for p in tmp_path.iterdir()] == ["step-3"]
+    assert (target / "which").read_text() == "old"
+    with atomic_directory(target, guard=contextlib.nullcontext) as tmp:
+        (tmp / "which").write_text("new")
+    assert (target / "which").read_text() == "new"
