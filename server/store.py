@@ -357,13 +357,18 @@ class JobStore:
             )
         return {"videos_requeued": videos_back, "fine_tunes_requeued": tunes_back}
 
-    def _crash_failure(self, crashes: int, reason: str) -> tuple[str, str]:
-        """The error of a job failed at the crash limit: (code, message)."""
+    @staticmethod
+    def _crashed_out(crashes: int, reason: str, finished_at: str) -> dict:
+        """A job's row changes when it fails at the crash limit (`finished_at`: the column its
+        kind records the end in)."""
         times = "once" if crashes == 1 else f"{crashes} times"
-        return (
-            "worker_crashed",
-            f"its worker died {times} while running it ({reason}); not run again",
-        )
+        message = f"its worker died {times} while running it ({reason}); not run again"
+        return {
+            "status": "failed",
+            finished_at: now(),
+            "error_code": "worker_crashed",
+            "error_message": message,
+        }
 
     def _requeue_videos(
         self,
@@ -392,16 +397,9 @@ class JobStore:
                 status, message = "cancelled", ""
                 changes = dict(status=status, completed_at=now(), **released)
             elif crashes >= self.crash_limit:
-                status = "failed"
-                code, message = self._crash_failure(crashes, reason)
-                changes = dict(
-                    status=status,
-                    completed_at=now(),
-                    error_code=code,
-                    error_message=message,
-                    **released,
-                )
-                data["error"] = {"code": code, "message": message}
+                changes = {**self._crashed_out(crashes, reason, "completed_at"), **released}
+                status, message = "failed", changes["error_message"]
+                data["error"] = {"code": changes["error_code"], "message": message}
             else:
                 status, message = "queued", reason
                 changes = dict(status=status, progress=0, step=0, **released)
@@ -439,15 +437,8 @@ class JobStore:
                 changes = dict(status="cancelled", finished_at=now(), **released)
                 message = "The job was cancelled"
             elif crashes >= self.crash_limit:
-                code, message = self._crash_failure(crashes, reason)
-                changes = dict(
-                    status="failed",
-                    finished_at=now(),
-                    error_code=code,
-                    error_message=message,
-                    **released,
-                )
-                level = "error"
+                changes = {**self._crashed_out(crashes, reason, "finished_at"), **released}
+                message, level = changes["error_message"], "error"
             else:
                 changes = dict(status="queued", **released)
                 message = f"{reason}; resuming from the last checkpoint"
