@@ -1,0 +1,175 @@
+"""Step caches: per-request decisions in the sampler loop, for our DiT and for Wan."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from megaslide.engine.flow import SampleState, cfg_combine, denoise_step
+from megaslide.engine.loader import open_pipeline
+from megaslide.engine.request import (
+    CACHE_PRESETS,
+    CacheSpec,
+    RequestError,
+    ResolvedVideo,
+    VideoRequest,
+    resolve_cache,
+)
+from megaslide.engine.sources import resolve_source
+from megaslide.engine.step_cache import POLICIES, StepCache, passes_run
+
+from test_model import randomise_zero_inits
+
+REQ = dict(frames=4, height=16, width=16, steps=8)
+LOOSE = {"policy": "output-change", "threshold": 100.0}  # reuses whenever it may
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    p = open_pipeline(resolve_source(preset="tiny"), offload="stream")
+    randomise_zero_inits(p.dit)
+    return p
+
+
+def run(pipe, states) -> list[np.ndarray]:
+    while not all(s.done for s in states):
+        pipe.step(states)
+    return [pipe.finish(s) for s in states]
+
+
+def level_diff(a: np.ndarray, b: np.ndarray) -> int:
+    return int(np.abs(a.astype(int) - b.astype(int)).max())
+
+
+def test_cache_off_is_the_plain_euler_sampler_bitwise(pipe):
+    """Without a cache every step runs the model on the request's guidance pair, as before."""
+    video = pipe.resolve(VideoRequest("a red circle", seed=1, **REQ))
+    state = pipe.prepare(video)
+    assert state.cache is None
+    x, times = state.latents.clone(), state.times
+    with torch.no_grad():
+        for k in range(video.steps):
+            v = pipe.dit(x.expand(2, *x.shape[1:]), times[k].expand(2), state.ctx, state.ctx_mask)
+            x = x + (times[k + 1] - times[k]) * cfg_combine(v[:1], v[1:], video.guidance)
+    (frames,) = run(pipe, [state])
+    assert torch.equal(state.latents, x)
+    assert np.array_equal(frames, pipe.generate(video))
+    assert passes_run(state) == video.steps
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_threshold_zero_reuses_nothing_and_changes_nothing(pipe, policy):
+    off = pipe.resolve(VideoRequest("a red circle", seed=1, **REQ))
+    zero = pipe.resolve(
+        VideoRequest("a red circle", seed=1, cache={"policy": policy, "threshold": 0}, **REQ)
+    )
+    state = pipe.prepare(zero)
+    (frames,) = run(pipe, [state])
+    assert state.cache.passes == REQ["steps"] and state.cache.reused == 0
+    assert np.array_equal(frames, pipe.generate(off))
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_a_step_every_row_reuses_runs_no_pass_and_moves_no_weights(pipe, policy):
+    """After its first two steps (a rate of change to go on) a loose cache reuses; on such a step
+    the model does not run and the streamer copies nothing."""
+    video = pipe.resolve(
+        VideoRequest("a red circle", seed=1, cache={"policy": policy, "threshold": 100}, **REQ)
+    )
+    handle = pipe.handles["dit"]
+    rows = []
+    hook = pipe.dit.register_forward_pre_hook(lambda _m, args: rows.append(args[0].shape[0]))
+    state, moved = pipe.prepare(video), []
+    try:
+        while not state.done:
+            moved.append(pipe.denoise_step([state]).get("h2d_bytes", 0))
+    finally:
+        hook.remove()
+    cache = state.cache
+    assert cache.passes + cache.reused == REQ["steps"]
+    assert 2 <= cache.passes < REQ["steps"] and len(rows) == cache.passes
+    assert moved[:2] == [handle.stats()["streamed_block_bytes"]] * 2
+    assert 0 in moved and moved.count(0) == cache.reused
+
+
+def test_rows_that_reuse_leave_the_pass():
+    """Two requests in one step: the one whose cache reuses is not in the batch the model sees."""
+
+    class Recorder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(()))
+            self.batches = []
+
+        def forward(self, x, t, ctx, mask):
+            self.batches.append(x.shape[0])
+            return x * 0 + t.view(-1, 1, 1, 1, 1)  # changes with t: a finite rate of change
+
+    ctx, mask = torch.zeros(2, 1, 1), torch.ones(2, 1, dtype=torch.bool)
+    times = torch.linspace(1, 0, 6)
+
+    def state(cache):
+        return SampleState(torch.zeros(1, 1, 2, 1, 1), ctx, mask, times, 3.0, cache=cache)
+
+    cached = state(StepCache.from_spec(CacheSpec(**LOOSE)))
+    plain = state(None)
+    model = Recorder()
+    while not plain.done:
+        denoise_step(model, [cached, plain])
+    assert model.batches == [4, 4, 2, 2, 2]  # both pairs for two steps, then the plain pair
+    assert cached.cache.passes == 2 and cached.cache.reused == 3
+
+
+def test_mixed_batch_gives_each_request_its_video_alone():
+    """Cached and uncached requests stepped together: each gets the video it gets alone, bitwise
+    when each row runs alone, within one uint8 level when rows share a pass."""
+    requests = [
+        VideoRequest("a red circle", seed=1, cache=LOOSE, **REQ),
+        VideoRequest("a blue square", seed=5, guidance=1.0, **REQ),
+        VideoRequest("a green bar", seed=7, cache={"policy": "adaptive", "threshold": 1}, **REQ),
+    ]
+    for batched, tolerance in ((False, 0), (True, 1)):
+        pipe = open_pipeline(resolve_source(preset="tiny"), batched=batched)
+        randomise_zero_inits(pipe.dit)
+        videos = [pipe.resolve(r) for r in requests]
+        alone_states = [pipe.prepare(v) for v in videos]
+        alone = [run(pipe, [s])[0] for s in alone_states]
+        states = [pipe.prepare(v) for v in videos]
+        together = run(pipe, states)
+        for a, b, sa, sb in zip(alone, together, alone_states, states):
+            assert level_diff(a, b) <= tolerance, batched
+            assert passes_run(sa) == passes_run(sb)
+        assert passes_run(states[0]) < REQ["steps"] and passes_run(states[1]) == REQ["steps"]
+
+
+def test_requests_name_a_cache_once_and_round_trip(pipe):
+    video = pipe.resolve(VideoRequest("p", cache="fast"))
+    assert video.cache == CacheSpec(**CACHE_PRESETS["fast"])
+    assert ResolvedVideo.from_dict(video.to_dict()) == video
+    assert pipe.resolve(VideoRequest("p")).cache is None
+    assert pipe.resolve(VideoRequest("p", cache="off")).cache is None
+    assert resolve_cache({"policy": "adaptive", "threshold": 0}) == CacheSpec("adaptive", 0.0)
+    bad = [
+        ("warp", "preset 'warp' is unknown"),
+        ({"policy": "teacache", "threshold": 0.1}, "policy 'teacache' is unknown"),
+        ({"policy": "adaptive"}, "needs a threshold"),
+        ({"policy": "adaptive", "threshold": -1}, "threshold must be a number"),
+        ({"policy": "adaptive", "threshold": "0.1"}, "threshold must be a number"),
+        ({"policy": "adaptive", "threshold": 0.1, "k": 3}, "unknown field"),
+        (3, "preset name or an object"),
+    ]
+    for value, message in bad:
+        with pytest.raises(RequestError, match=message) as info:
+            pipe.resolve(VideoRequest("p", cache=value))
+        assert info.value.param == "cache"
+
+
+def test_a_retried_step_decides_and_counts_once():
+    cache = StepCache.from_spec(CacheSpec(**LOOSE))
+    x = torch.ones(1, 1, 2, 1, 1)
+    for step, (t, t_next) in enumerate([(1.0, 0.8), (0.8, 0.6)]):
+        assert not cache.reuse(step, t, t_next)
+        cache.record(t, x, x * t)
+    assert cache.reuse(2, 0.6, 0.4) and cache.reuse(2, 0.6, 0.4)
+    assert (cache.passes, cache.reused) == (2, 1)
