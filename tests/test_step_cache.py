@@ -173,3 +173,74 @@ def test_a_retried_step_decides_and_counts_once():
         cache.record(t, x, x * t)
     assert cache.reuse(2, 0.6, 0.4) and cache.reuse(2, 0.6, 0.4)
     assert (cache.passes, cache.reused) == (2, 1)
+
+
+# -- Wan ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def wan(tmp_path_factory):
+    pytest.importorskip("diffusers")
+    from wan_fixtures import build_tiny_wan
+
+    root = tmp_path_factory.mktemp("wan")
+    return {
+        "deep": build_tiny_wan(root / "deep", layers=4),  # more blocks than slots
+        "experts": build_tiny_wan(root / "experts", experts=2),
+    }
+
+
+def wan_request(**changes) -> VideoRequest:
+    from wan_fixtures import CLIP
+
+    fields = dict(
+        prompt="a red circle moving left",
+        height=32,
+        width=32,
+        frames=CLIP["num_frames"],
+        steps=8,
+        guidance=CLIP["guidance_scale"],
+        seed=3,
+    )
+    return VideoRequest(**{**fields, **changes})
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_wan_threshold_zero_changes_nothing_and_a_loose_cache_skips_whole_passes(wan, policy):
+    pipe = open_pipeline(wan["deep"], offload="stream")
+    off = pipe.generate(wan_request())
+    zero = pipe.prepare(pipe.resolve(wan_request(cache={"policy": policy, "threshold": 0})))
+    assert np.array_equal(run(pipe, [zero])[0], off)
+    assert zero.cache.passes == 8
+    loose = pipe.prepare(pipe.resolve(wan_request(cache={"policy": policy, "threshold": 100})))
+    moved = []
+    while not loose.done:
+        moved.append(pipe.denoise_step([loose])["h2d_bytes"])
+    assert 2 <= loose.cache.passes < 8
+    assert moved.count(0) == loose.cache.reused  # a reused step moves no weights
+    assert min(moved) == 0 < max(moved)
+
+
+def test_wan_two_experts_keep_their_own_histories(wan):
+    """An output of the high-noise expert is never reused for the low-noise one: each expert
+    computes its own first two steps before it reuses."""
+    pipe = open_pipeline(wan["experts"])
+    state = pipe.prepare(pipe.resolve(wan_request(steps=12, cache=LOOSE)))
+    ran = []
+    hooks = [
+        m.register_forward_pre_hook(lambda _m, _a, e=e: ran.append(e))
+        for e, m in enumerate(pipe.experts)
+    ]
+    experts, computed = [], []
+    while not state.done:
+        experts.append(pipe._expert(state))
+        before = len(ran)
+        pipe.step([state])
+        computed.append(len(ran) > before)
+    for h in hooks:
+        h.remove()
+    assert set(state.cache.histories) == {0, 1}
+    for e in (0, 1):
+        mine = [c for x, c in zip(experts, computed) if x == e]
+        assert len(mine) >= 3 and mine[:2] == [True, True] and not all(mine), (e, mine)
+    assert state.cache.passes == sum(computed) == len(ran)
