@@ -89,7 +89,7 @@ def sample(pipe, request: VideoRequest):
         pipe.step([state])
     frames = pipe.finish(state)
     seconds = time.perf_counter() - start
-    passes = state.step if state.cache is None else state.cache.passes
+    passes = state.passes
     return frames, passes, pipe.h2d_bytes() - before, seconds
 
 

@@ -116,6 +116,11 @@ class SampleState:
     def guided(self) -> bool:
         return self.guidance != 1.0
 
+    @property
+    def passes(self) -> int:
+        """Steps that ran a pass of the model (fewer than `step` when the cache reused)."""
+        return self.step if self.cache is None else self.cache.passes
+
 
 @torch.no_grad()
 def denoise_step(model, states: list[SampleState]) -> None:

@@ -188,9 +188,3 @@ class StepCache:
     def record(self, t: float, latents: torch.Tensor, output: torch.Tensor, key: int = 0) -> None:
         """Remember the output the step at flow time `t` computed from `latents`."""
         self.histories[key].record(float(t), latents, output)
-
-
-def passes_run(state) -> int:
-    """The passes a sampling state has joined so far: every step without a cache."""
-    cache = getattr(state, "cache", None)
-    return state.step if cache is None else cache.passes

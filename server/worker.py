@@ -445,7 +445,13 @@ class Worker:
         self.metrics.d2h_bytes.inc(transfers.get("d2h_bytes", 0))
         lost = self.store.set_video_progress(
             [
-                (r.id, r.token, r.state.step, DENOISE_SHARE * r.state.step // r.state.num_steps)
+                (
+                    r.id,
+                    r.token,
+                    r.state.step,
+                    DENOISE_SHARE * r.state.step // r.state.num_steps,
+                    r.state.passes,
+                )
                 for r in advanced
             ],
             lease_s=self.settings.lease_s,

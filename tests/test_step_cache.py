@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -17,7 +19,7 @@ from megaslide.engine.request import (
     resolve_cache,
 )
 from megaslide.engine.sources import resolve_source
-from megaslide.engine.step_cache import POLICIES, StepCache, passes_run
+from megaslide.engine.step_cache import POLICIES, StepCache
 
 from test_model import randomise_zero_inits
 
@@ -55,7 +57,7 @@ def test_cache_off_is_the_plain_euler_sampler_bitwise(pipe):
     (frames,) = run(pipe, [state])
     assert torch.equal(state.latents, x)
     assert np.array_equal(frames, pipe.generate(video))
-    assert passes_run(state) == video.steps
+    assert state.passes == video.steps
 
 
 @pytest.mark.parametrize("policy", sorted(POLICIES))
@@ -139,8 +141,8 @@ def test_mixed_batch_gives_each_request_its_video_alone():
         together = run(pipe, states)
         for a, b, sa, sb in zip(alone, together, alone_states, states):
             assert level_diff(a, b) <= tolerance, batched
-            assert passes_run(sa) == passes_run(sb)
-        assert passes_run(states[0]) < REQ["steps"] and passes_run(states[1]) == REQ["steps"]
+            assert sa.passes == sb.passes
+        assert states[0].passes < REQ["steps"] and states[1].passes == REQ["steps"]
 
 
 def test_requests_name_a_cache_once_and_round_trip(pipe):
@@ -244,3 +246,73 @@ def test_wan_two_experts_keep_their_own_histories(wan):
         mine = [c for x, c in zip(experts, computed) if x == e]
         assert len(mine) >= 3 and mine[:2] == [True, True] and not all(mine), (e, mine)
     assert state.cache.passes == sum(computed) == len(ran)
+
+
+# -- the request's way in: command line, HTTP API, SDK -----------------------------------------------
+
+
+def test_command_line_cache_and_stats_count_the_passes(tmp_path, capsys):
+    from megaslide.cli.main import main
+
+    argv = ["generate", "a red circle", "--preset", "tiny", "--steps", "6", "--frames", "4"]
+    argv += [
+        "--size",
+        "16x16",
+        "--no-progress",
+        "--offload",
+        "stream",
+        "-o",
+        str(tmp_path / "a.mp4"),
+    ]
+    assert main([*argv, "--cache", "output-change:100", "--stats", str(tmp_path / "s.json")]) == 0
+    stats = json.loads((tmp_path / "s.json").read_text())
+    assert stats["steps"] == 6 and 2 <= stats["passes"] < 6
+    assert stats["cache"] == {"policy": "output-change", "threshold": 100.0}
+    assert f"{stats['passes']} passes for 6 steps" in capsys.readouterr().err
+    assert main([*argv, "--stats", str(tmp_path / "s.json")]) == 0
+    assert json.loads((tmp_path / "s.json").read_text())["passes"] == 6
+    for value, message in (("warp", "preset 'warp' is unknown"), ("adaptive:x", "not a number")):
+        assert main([*argv, "--cache", value]) == 2
+        assert message in capsys.readouterr().err
+
+
+def test_the_api_takes_a_cache_and_answers_the_passes(tmp_path):
+    pytest.importorskip("fastapi")
+    pytest.importorskip("av")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from fastapi.testclient import TestClient
+    from megaslide.server import Settings
+
+    from server_fakes import torch_app
+    from test_server_engine import wait
+
+    settings = Settings(data_dir=tmp_path / "data", preset="tiny", device="cpu", poll_after_ms=50)
+    clip = {"num_frames": 4, "size": "16x16", "num_inference_steps": 6, "seed": 1}
+    with TestClient(torch_app(settings)) as c:
+        cached = c.post("/v1/videos", json={"prompt": "a", **clip, "cache": LOOSE}).json()
+        plain = c.post("/v1/videos", json={"prompt": "b", **clip}).json()
+        bad = c.post("/v1/videos", json={"prompt": "c", **clip, "cache": "warp"})
+        form = c.post("/v1/videos", data={"prompt": "d", "cache": '{"policy": "adaptive"}'})
+        cached, plain = wait(c, cached["id"]), wait(c, plain["id"])
+    assert cached["status"] == plain["status"] == "completed"
+    assert cached["cache"] == LOOSE and 2 <= cached["passes"] < 6
+    assert plain["cache"] is None and plain["passes"] == 6
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "cache"
+    assert form.status_code == 400 and "needs a threshold" in form.json()["error"]["message"]
+
+
+def test_the_sdk_sends_the_cache():
+    from megaslide_client.resources.videos import create_body
+
+    base = dict.fromkeys(
+        (
+            "model seconds size num_frames fps num_inference_steps guidance_scale "
+            "negative_prompt seed priority extra_body"
+        ).split()
+    )
+    assert create_body(prompt="p", cache="fast", **base)["cache"] == "fast"
+    assert create_body(prompt="p", cache=LOOSE, **base)["cache"] == LOOSE
+    assert "cache" not in create_body(prompt="p", cache=None, **base)

@@ -189,6 +189,11 @@ class WanState:
         return self.video.guidance > 1.0  # WanPipeline's rule for classifier-free guidance
 
     @property
+    def passes(self) -> int:
+        """Steps that ran a pass of the model (fewer than `step` when the cache reused)."""
+        return self.step if self.cache is None else self.cache.passes
+
+    @property
     def timestep(self) -> torch.Tensor:
         return self.scheduler.timesteps[self.step]
 
