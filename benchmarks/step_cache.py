@@ -143,6 +143,7 @@ def main(argv=None) -> int:
         if setting["policy"] == "off":
             clips, rows = reference, ref_rows
         else:
+            print(f"{setting['policy']} {setting['threshold']}", file=sys.stderr, flush=True)
             clips, rows = run(setting)
         psnrs = [psnr(c, r) for c, r in zip(clips, reference)]
         passes = float(np.mean([r["passes"] for r in rows]))
