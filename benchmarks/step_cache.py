@@ -109,8 +109,13 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, help="denoising steps (default: the model's)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--offload", choices=("none", "stream"), default="stream")
+    ap.add_argument(
+        "--threads", type=int, help="torch CPU threads (default: torch's; 1 on a busy machine)"
+    )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     pipe = open_pipeline(args.model, offload=args.offload)
     prompts = list(benchmark_prompts(args.count))
