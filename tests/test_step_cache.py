@@ -23,7 +23,7 @@ from megaslide.engine.step_cache import POLICIES, StepCache
 
 from test_model import randomise_zero_inits
 
-REQ = dict(frames=4, height=16, width=16, steps=8)
+REQ = dict(frames=4, height=16, width=16, steps=6)
 LOOSE = {"policy": "output-change", "threshold": 100.0}  # reuses whenever it may
 
 
