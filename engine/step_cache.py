@@ -5,7 +5,7 @@ the schedule, so a step can reuse the output of an earlier one. For a streamed m
 pass is worth more than elsewhere: it skips the compute *and* the whole transfer of the weights.
 
 A cache sits in the sampler loop (flow.py for our DiT, wan/family.py for Wan), one per request:
-before each step the sampler asks `StepCache.reuse(t, t_next)`; a request that reuses takes
+before each step the sampler asks `StepCache.reuse(step, t, t_next)`; a request that reuses takes
 `StepCache.output()` as its model output and its rows stay out of the pass; a request that
 computes joins the pass and hands its output to `StepCache.record`. When every request of a step
 reuses, the model does not run and no weights move. What is cached is the request's model output
@@ -26,8 +26,8 @@ Policies (`threshold` 0 never reuses; larger reuses more):
   and accumulates it over skipped steps, computing again once the sum passes a threshold; MagCache
   observes that the size of that change varies smoothly along the schedule, so it can be read off
   a few measured steps. Here the rate of change per unit of flow time is measured between the last
-  two computed outputs, `r = |v_a - v_b|_1 / |v_a|_1 / |t_b - t_a|`, and a step at `t` reuses
-  `v_a` while the estimated change `r * |t_a - t|` stays under the threshold.
+  two computed outputs (`v_a` the newer), `r = |v_a - v_b|_1 / |v_b|_1 / |t_b - t_a|`, and a
+  step at `t` reuses `v_a` while the estimated change `r * |t_a - t|` stays under the threshold.
 - ``adaptive`` (after AdaCache with motion regularization, Kahatapitiya et al. 2024,
   arXiv:2411.02397). AdaCache sets how many steps follow a computed one from the measured change
   of its output ("a caching rate"), and MoReg caches less when the content moves more. Here the
