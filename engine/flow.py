@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import TIME_SAMPLING
+from .step_cache import StepCache
 
 
 def shifted_schedule(steps: int, shift: float) -> torch.Tensor:
@@ -101,6 +102,7 @@ class SampleState:
     times: torch.Tensor  # (steps + 1,) from 1 to 0
     guidance: float
     step: int = 0
+    cache: StepCache | None = None  # a step cache: may reuse an earlier output instead of a pass
 
     @property
     def num_steps(self) -> int:
@@ -114,17 +116,45 @@ class SampleState:
     def guided(self) -> bool:
         return self.guidance != 1.0
 
+    @property
+    def passes(self) -> int:
+        """Steps that ran a pass of the model (fewer than `step` when the cache reused)."""
+        return self.step if self.cache is None else self.cache.passes
+
 
 @torch.no_grad()
 def denoise_step(model, states: list[SampleState]) -> None:
     """Advance every unfinished state by one Euler step, in one batched forward pass.
 
     The batch holds each guided request twice (conditional and unconditional context), so a streamed
-    model moves its weights once per step for all of them.
+    model moves its weights once per step for all of them. A state whose step cache reuses an
+    earlier output stays out of the pass; when every state reuses, the model does not run.
     """
     states = [s for s in states if not s.done]
     if not states:
         return
+    reuse = [
+        s.cache is not None and s.cache.reuse(s.step, s.times[s.step], s.times[s.step + 1])
+        for s in states
+    ]
+    computed = iter(_forward(model, [s for s, r in zip(states, reuse) if not r]))
+    for s, reused in zip(states, reuse):
+        if reused:
+            v_s = s.cache.output()
+        else:
+            v_s = next(computed)
+            if s.cache is not None:
+                s.cache.record(s.times[s.step], s.latents, v_s)
+        dt = s.times[s.step + 1] - s.times[s.step]  # negative: walking from noise to data
+        s.latents = s.latents + dt * v_s  # (1, C, F, H, W)
+        s.step += 1
+
+
+def _forward(model, states: list[SampleState]) -> list[torch.Tensor]:
+    """One forward pass over every row of `states` (both halves of each guidance pair): each
+    state's velocity `(1, C, F, H, W)`, guidance combined."""
+    if not states:
+        return []
     xs, ts, ctxs, masks = [], [], [], []
     for s in states:
         copies = 2 if s.guided else 1
@@ -137,14 +167,12 @@ def denoise_step(model, states: list[SampleState]) -> None:
     v = model(
         x, torch.cat(ts).to(x.device), torch.cat(ctxs), torch.cat(masks)
     ).float()  # (B', C, F, H, W)
-    offset = 0
+    out, offset = [], 0
     for s in states:
         if s.guided:
-            v_s = cfg_combine(v[offset : offset + 1], v[offset + 1 : offset + 2], s.guidance)
+            out.append(cfg_combine(v[offset : offset + 1], v[offset + 1 : offset + 2], s.guidance))
             offset += 2
         else:
-            v_s = v[offset : offset + 1]
+            out.append(v[offset : offset + 1])
             offset += 1
-        dt = s.times[s.step + 1] - s.times[s.step]  # negative: walking from noise to data
-        s.latents = s.latents + dt * v_s  # (1, C, F, H, W)
-        s.step += 1
+    return out

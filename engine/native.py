@@ -27,6 +27,7 @@ from .host_store import SafetensorsFile
 from .pipeline import Pipeline
 from .request import ResolvedVideo
 from .sources import ModelInfo
+from .step_cache import StepCache
 from .streaming import StreamHandle
 from .text import BuiltinTextEncoder
 from .training import TrainingData, TrainingModel
@@ -121,7 +122,8 @@ class DiTPipeline(Pipeline):
         generator = torch.Generator().manual_seed(video.seed)
         noise = torch.randn(shape, generator=generator, dtype=torch.float32)
         times = shifted_schedule(video.steps, self.info.sampling.shift)
-        return SampleState(noise.to(self.device), ctx, mask, times, video.guidance)
+        cache = StepCache.from_spec(video.cache)
+        return SampleState(noise.to(self.device), ctx, mask, times, video.guidance, cache=cache)
 
     def step(self, states: list[SampleState]) -> None:
         if self.batched:

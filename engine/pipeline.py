@@ -39,7 +39,7 @@ class Pipeline(ABC):
     @abstractmethod
     def prepare(self, video: ResolvedVideo) -> Any:
         """Encode the prompts and draw the starting noise of one request: a sampling state with
-        `.step`, `.num_steps` and `.done`."""
+        `.step`, `.num_steps`, `.done` and `.passes` (steps that ran a pass of the model)."""
 
     @abstractmethod
     def step(self, states: list) -> None:

@@ -23,6 +23,18 @@ from pathlib import Path
 SEED_LIMIT = 2**53
 RANDOM_SEED_BITS = 31  # an unseeded request gets a seed below 2**31, echoed back
 
+# Step caches (engine/step_cache.py holds the policies and their maths): a request names a policy
+# and a threshold, or a preset. Off unless asked for. The presets are points measured on the
+# packaged model at 20 steps (benchmarks/step_cache.py, docs/benchmarks.md): 1.75x, 2.39x and
+# 3.30x fewer passes at 43.7, 36.6 and 31.4 dB PSNR against the uncached clips.
+CACHE_POLICIES = ("output-change", "adaptive")
+CACHE_PRESETS = {
+    "quality": {"policy": "adaptive", "threshold": 0.002},
+    "balanced": {"policy": "output-change", "threshold": 0.05},
+    "fast": {"policy": "output-change", "threshold": 0.1},
+}
+MAX_CACHE_THRESHOLD = 100.0
+
 
 class RequestError(ValueError):
     """A request a model cannot take; `param` names the field as the request spells it."""
@@ -143,6 +155,64 @@ class VideoRequest:
     guidance: float | None = None
     seed: int | None = None
     image: str | None = None  # a first-frame image file, for a model that takes one
+    # A step cache: a preset's name ("fast", ...), or {"policy": ..., "threshold": ...}; None or
+    # "off": every step runs its pass.
+    cache: str | dict | None = None
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """A step cache as resolved: which policy, and its threshold (0 reuses nothing)."""
+
+    policy: str
+    threshold: float
+
+    def to_dict(self) -> dict:
+        return {"policy": self.policy, "threshold": self.threshold}
+
+
+def resolve_cache(value: str | dict | None) -> CacheSpec | None:
+    """A request's `cache` field as a `CacheSpec` (None: off); RequestError naming `cache`."""
+    if value is None or value == "off":
+        return None
+    if isinstance(value, str):
+        if value not in CACHE_PRESETS:
+            raise RequestError(
+                f"cache preset {value!r} is unknown; known: off, {', '.join(CACHE_PRESETS)}",
+                param="cache",
+            )
+        return CacheSpec(**CACHE_PRESETS[value])
+    if not isinstance(value, dict):
+        raise RequestError(
+            "cache must be a preset name or an object with policy and threshold", param="cache"
+        )
+    unknown = set(value) - {"policy", "threshold"}
+    if unknown:
+        raise RequestError(
+            f"cache: unknown field(s) {', '.join(sorted(unknown))}; give policy and threshold",
+            param="cache",
+        )
+    policy = value.get("policy")
+    if policy == "off":
+        return None
+    if policy not in CACHE_POLICIES:
+        raise RequestError(
+            f"cache policy {policy!r} is unknown; known: off, {', '.join(CACHE_POLICIES)}",
+            param="cache",
+        )
+    threshold = value.get("threshold")
+    if threshold is None:
+        raise RequestError(f"cache policy {policy!r} needs a threshold", param="cache")
+    if (
+        isinstance(threshold, bool)
+        or not isinstance(threshold, int | float)
+        or not 0 <= threshold <= MAX_CACHE_THRESHOLD
+    ):
+        raise RequestError(
+            f"cache threshold must be a number in [0, {MAX_CACHE_THRESHOLD:g}], got {threshold!r}",
+            param="cache",
+        )
+    return CacheSpec(policy, float(threshold))
 
 
 @dataclass(frozen=True)
@@ -160,6 +230,7 @@ class ResolvedVideo:
     guidance: float
     seed: int
     image: str | None = None
+    cache: CacheSpec | None = None  # rows with and without a cache share a pass
 
     @property
     def batch_key(self) -> tuple:
@@ -177,7 +248,10 @@ class ResolvedVideo:
     @classmethod
     def from_dict(cls, d: dict) -> ResolvedVideo:
         fields = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in fields})
+        d = {k: v for k, v in d.items() if k in fields}
+        if d.get("cache") is not None:
+            d["cache"] = CacheSpec(**d["cache"])
+        return cls(**d)
 
 
 def parse_size(text: str, param: str = "size") -> tuple[int, int]:
@@ -283,6 +357,7 @@ def resolve(
             )
         if not Path(request.image).is_file():
             raise RequestError(f"image {request.image} not found", param="input_reference")
+    cache = resolve_cache(request.cache)
     seed = request.seed
     if seed is None:
         seed = secrets.randbelow(2**RANDOM_SEED_BITS)
@@ -300,4 +375,5 @@ def resolve(
         guidance=guidance,
         seed=seed,
         image=request.image,
+        cache=cache,
     )

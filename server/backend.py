@@ -23,7 +23,8 @@ class VideoModel(Protocol):
     """A loaded video model, stepped one denoising step at a time (`engine.pipeline.Pipeline`)."""
 
     def prepare(self, video: ResolvedVideo) -> Any:
-        """A sampling state for one request, with `.step`, `.num_steps` and `.done`."""
+        """A sampling state for one request, with `.step`, `.num_steps`, `.done` and `.passes`
+        (steps that ran a pass of the model: fewer than `.step` when a step cache reused)."""
 
     def denoise_step(self, states: list) -> dict:
         """Advance every state one step in one batched pass; return transfer counters."""

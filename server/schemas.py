@@ -134,6 +134,12 @@ class VideoCreate(Request):
     priority: int = Field(
         0, ge=-100, le=100, description="higher runs first; above 0 needs an admin key"
     )
+    cache: str | dict[str, Any] | None = Field(
+        None,
+        description='step cache: a preset ("quality", "balanced", "fast"; "off", the default) or '
+        '{"policy": "output-change" | "adaptive", "threshold": number}',
+        examples=["fast", {"policy": "adaptive", "threshold": 0.01}],
+    )
     # Image-to-video: a first-frame image, uploaded as a multipart file (see the videos router).
     input_reference: Any = None
 
@@ -146,6 +152,18 @@ class VideoCreate(Request):
                 return float(value.strip())
             except ValueError:
                 raise ValueError(f"must be a number of seconds, got {value!r}") from None
+        return value
+
+    @field_validator("cache", mode="before")
+    @classmethod
+    def _cache(cls, value):
+        # A form field is text: an object arrives as JSON. Its values are checked where every
+        # request is (engine/request.py: resolve).
+        if isinstance(value, str) and value.lstrip().startswith("{"):
+            try:
+                return json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"not a JSON object: {e}") from None
         return value
 
     def to_request(self, image: str | None = None) -> VideoRequest:
@@ -169,6 +187,7 @@ class VideoCreate(Request):
             guidance=self.guidance_scale,
             seed=self.seed,
             image=image,
+            cache=self.cache,
         )
 
 
@@ -199,6 +218,8 @@ class Video(BaseModel):
     negative_prompt: str
     priority: int
     step: int
+    cache: dict[str, Any] | None = Field(None, description="the step cache, as resolved; null: off")
+    passes: int = Field(description="steps that ran a pass of the model (fewer with a step cache)")
 
 
 class VideoDeleted(BaseModel):
@@ -240,6 +261,8 @@ def video_object(row: dict) -> Video:
         negative_prompt=spec["negative_prompt"],
         priority=row["priority"],
         step=row["step"],
+        cache=spec.get("cache"),
+        passes=row["step"] if row.get("passes") is None else row["passes"],
     )
 
 

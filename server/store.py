@@ -754,15 +754,18 @@ class JobStore:
                 )
         return claimed
 
-    def set_video_progress(
-        self, updates: list[tuple[str, str, int, int]], *, lease_s: float
-    ) -> set[str]:
-        """`(id, lease_token, step, progress)` for running videos, in one transaction; extends
-        their leases. Returns the ids whose lease is no longer this claim's (stop working on
-        them: another worker has them, or they ended)."""
+    def set_video_progress(self, updates: list[tuple], *, lease_s: float) -> set[str]:
+        """`(id, lease_token, step, progress)` or `(id, lease_token, step, progress, passes)` for
+        running videos, in one transaction; extends their leases. `passes`: the steps that ran a
+        pass of the model (fewer than `step` when a step cache reused). Returns the ids whose
+        lease is no longer this claim's (stop working on them: another worker has them, or they
+        ended)."""
         lost = set()
         with self._tx() as conn:
-            for video_id, token, step, progress in updates:
+            for video_id, token, step, progress, *rest in updates:
+                values = {"step": step, "progress": progress}
+                if rest:
+                    values["passes"] = rest[0]
                 n = conn.execute(
                     videos.update()
                     .where(
@@ -770,12 +773,12 @@ class JobStore:
                         videos.c.lease_token == token,
                         videos.c.status == "in_progress",
                     )
-                    .values(step=step, progress=progress, lease_expires_at=self.db_now() + lease_s)
+                    .values(**values, lease_expires_at=self.db_now() + lease_s)
                 ).rowcount
                 if not n:
                     lost.add(video_id)
                     continue
-                data = {"status": "in_progress", "progress": progress, "step": step}
+                data = {"status": "in_progress", **values}
                 self._event(conn, video_id, "video.progress", data=data)
         return lost
 

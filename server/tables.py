@@ -42,6 +42,7 @@ videos = sa.Table(
     sa.Column("status", sa.Text, nullable=False),
     sa.Column("progress", sa.Integer, nullable=False, server_default="0"),
     sa.Column("step", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("passes", sa.Integer),  # steps that ran a pass of the model; NULL: as many as steps
     sa.Column("model", sa.Text, nullable=False),
     sa.Column("priority", sa.Integer, nullable=False, server_default="0"),
     sa.Column("spec", sa.Text, nullable=False),

@@ -439,9 +439,12 @@ class Worker:
     def _step_videos(self) -> None:
         model = self._video_model(self._batch[0].video.model)
         start = time.perf_counter()
+        joined = sum(r.state.passes for r in self._batch)
         try:
             transfers = model.denoise_step([r.state for r in self._batch])
-            advanced, passes = list(self._batch), 1
+            advanced = list(self._batch)
+            # No pass ran when every request's step cache reused an earlier output.
+            passes = int(sum(r.state.passes for r in advanced) > joined)
         except Exception as exc:  # noqa: BLE001
             # The batched pass raised before any state moved (the update follows the forward
             # pass), so each job is retried alone: one bad or oversized job fails without taking
@@ -471,7 +474,13 @@ class Worker:
         self.metrics.d2h_bytes.inc(transfers.get("d2h_bytes", 0))
         lost = self.store.set_video_progress(
             [
-                (r.id, r.token, r.state.step, DENOISE_SHARE * r.state.step // r.state.num_steps)
+                (
+                    r.id,
+                    r.token,
+                    r.state.step,
+                    DENOISE_SHARE * r.state.step // r.state.num_steps,
+                    r.state.passes,
+                )
                 for r in advanced
             ],
             lease_s=self.settings.lease_s,

@@ -68,6 +68,10 @@ class FakeState:
     def done(self) -> bool:
         return self.step >= self.num_steps
 
+    @property
+    def passes(self) -> int:
+        return self.step
+
 
 class FakeModel:
     def __init__(self, backend: FakeBackend, name: str):

@@ -35,6 +35,29 @@ def test_prompt_adherence_benchmark_quick():
     assert r["seconds_per_clip"] > 0
 
 
+def test_step_cache_benchmark_quick():
+    r = run_json(
+        "benchmarks/step_cache.py",
+        "--count",
+        "2",
+        "--steps",
+        "5",
+        "--quick",
+        "--threads",
+        "1",
+        "--json",
+    )
+    by = {(s["policy"], s["threshold"]): s for s in r["settings"]}
+    off = by[("off", None)]
+    assert off["passes_per_clip"] == 5 and off["psnr_db"] == 100 and off["h2d_bytes_per_clip"] > 0
+    for policy in ("output-change", "adaptive"):
+        zero, loose = by[(policy, 0.0)], by[(policy, 100.0)]
+        # Threshold 0 reuses nothing: the uncached clips exactly; 100 reuses after two passes.
+        assert zero["passes_per_clip"] == 5 and zero["psnr_db"] == 100 and zero["ssim"] == 1
+        assert loose["passes_per_clip"] == 2 and loose["speedup"] == 2.5
+        assert loose["h2d_bytes_per_clip"] == off["h2d_bytes_per_clip"] * 2 / 5
+
+
 def test_motion_prior_benchmark_quick():
     r = run_json(
         "benchmarks/motion_prior.py",

@@ -28,6 +28,29 @@ def parse_bytes(text: str) -> int:
     return int(value * units[unit])
 
 
+def parse_cache(text: str | None) -> str | dict | None:
+    """--cache as a request's `cache` field: a preset name ("fast", "off"), POLICY:THRESHOLD, or a
+    JSON object. Only the syntax is read here; the request's resolution checks the values."""
+    if text is None:
+        return None
+    text = text.strip()
+    if text.startswith("{"):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise UsageError(f"--cache: not a JSON object: {e}") from None
+        if not isinstance(value, dict):
+            raise UsageError("--cache: expected a JSON object with policy and threshold")
+        return value
+    if ":" in text:
+        policy, _, threshold = text.partition(":")
+        try:
+            return {"policy": policy.strip(), "threshold": float(threshold)}
+        except ValueError:
+            raise UsageError(f"--cache: threshold {threshold!r} is not a number") from None
+    return text
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument(

@@ -16,6 +16,7 @@ from .args import (
     check_positive,
     model_source,
     parse_bytes,
+    parse_cache,
     print_json,
     progress_bar,
 )
@@ -37,6 +38,11 @@ def register_generate(sub) -> None:
     p.add_argument("--guidance", type=float, help="classifier-free guidance scale (1 = off)")
     p.add_argument("--negative-prompt", default="", help="what to steer away from")
     p.add_argument("--image", help="first-frame image, for a model that takes one (Wan2.2-TI2V)")
+    p.add_argument(
+        "--cache",
+        help="step cache: a preset (quality, balanced, fast; default off), POLICY:THRESHOLD "
+        "(output-change or adaptive, e.g. adaptive:0.01), or a JSON object",
+    )
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument(
         "--attention",
@@ -84,6 +90,7 @@ def run_generate(args) -> int:
         guidance=args.guidance,
         seed=args.seed,
         image=args.image,
+        cache=parse_cache(args.cache),
     )
     if args.server:
         from .remote import generate_remote
@@ -117,12 +124,20 @@ def run_generate(args) -> int:
 
     write_mp4(args.output, frames, fps=video.fps)
     if args.stats:
-        stats = {"step_times_s": step_times, "components": pipe.stats()}
+        stats = {
+            "steps": video.steps,
+            "passes": state.passes,  # fewer than steps when a step cache reused outputs
+            "cache": video.cache.to_dict() if video.cache else None,
+            "step_times_s": step_times,
+            "components": pipe.stats(),
+        }
         Path(args.stats).write_text(json.dumps(stats, indent=2) + "\n")
     if args.trace:
         pipe.write_trace(args.trace)
+    cached = f", {state.passes} passes for {video.steps} steps" if video.cache else ""
     print(
-        f"wrote {args.output} ({len(frames)} frames, {video.width}x{video.height}, {video.fps} fps)",
+        f"wrote {args.output} ({len(frames)} frames, {video.width}x{video.height}, {video.fps} fps"
+        f"{cached})",
         file=sys.stderr,
     )
     return 0

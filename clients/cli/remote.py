@@ -107,6 +107,7 @@ def generate_remote(args, request) -> int:
                 guidance_scale=request.guidance,
                 negative_prompt=request.negative_prompt or None,
                 seed=request.seed,
+                cache=request.cache,
             )
             print(
                 f"video {video.id} queued on {client.base_url} (model {video.model}, {video.size}, "
@@ -129,8 +130,10 @@ def generate_remote(args, request) -> int:
         except sdk.APIError as e:
             return _api_failure("generate", e, client.base_url)
     size = Path(args.output).stat().st_size
+    cached = f", {video.passes} passes for {video.num_inference_steps} steps" if video.cache else ""
     print(
-        f"wrote {args.output} ({size:,} bytes, {video.size}, model {video.model}, video {video.id})",
+        f"wrote {args.output} ({size:,} bytes, {video.size}, model {video.model}, video {video.id}"
+        f"{cached})",
         file=sys.stderr,
     )
     return 0

@@ -38,6 +38,7 @@ from ..host_store import SafetensorsFile
 from ..pipeline import Pipeline
 from ..request import ResolvedVideo
 from ..sources import ModelInfo
+from ..step_cache import StepCache
 from .config import WanConfig, weight_files
 from .encoders import WanEncoders, libraries
 
@@ -172,6 +173,7 @@ class WanState:
     # H', W')` that is 0 on the first latent frame (taken from the image) and 1 elsewhere.
     condition: torch.Tensor | None = None
     mask: torch.Tensor | None = None
+    cache: StepCache | None = None  # a step cache: may reuse an earlier output instead of a pass
     step: int = 0
     num_steps: int = field(init=False)
 
@@ -187,8 +189,19 @@ class WanState:
         return self.video.guidance > 1.0  # WanPipeline's rule for classifier-free guidance
 
     @property
+    def passes(self) -> int:
+        """Steps that ran a pass of the model (fewer than `step` when the cache reused)."""
+        return self.step if self.cache is None else self.cache.passes
+
+    @property
     def timestep(self) -> torch.Tensor:
         return self.scheduler.timesteps[self.step]
+
+    def flow_time(self, step: int) -> float:
+        """The flow time (1: noise, 0: data) at `step`; 0 past the last step."""
+        timesteps = self.scheduler.timesteps
+        t = timesteps[step] if step < len(timesteps) else 0
+        return float(t) / self.scheduler.config.num_train_timesteps
 
     def model_input(self) -> torch.Tensor:
         """The latents as the model sees them: the first frame from the image, when there is one."""
@@ -248,7 +261,8 @@ class WanVideoPipeline(Pipeline):
         scheduler.set_timesteps(video.steps, device=self.device)
         scheduler.set_begin_index(0)
         grid = self.config.token_grid(video.frames, video.height, video.width)
-        state = WanState(video, latents, context, scheduler, grid)
+        cache = StepCache.from_spec(video.cache)
+        state = WanState(video, latents, context, scheduler, grid, cache=cache)
         if video.image is not None:
             state.condition = self._image_latent(video)
             state.mask = torch.ones((1, 1, *shape[2:]), dtype=torch.float32, device=self.device)
@@ -276,19 +290,35 @@ class WanVideoPipeline(Pipeline):
         states = [s for s in states if not s.done]
         for e in sorted({self._expert(s) for s in states}):
             group = [s for s in states if self._expert(s) == e]
-            if self.batched:
-                outputs = self._forward(self.experts[e], group, (0, 1))
+            # A request whose step cache reuses (each expert keeps its own history) stays out of
+            # the pass; when all of them do, this expert does not run.
+            reuse = {
+                id(s)
+                for s in group
+                if s.cache is not None
+                and s.cache.reuse(s.step, s.flow_time(s.step), s.flow_time(s.step + 1), key=e)
+            }
+            run = [s for s in group if id(s) not in reuse]
+            if not run:
+                outputs = None
+            elif self.batched:
+                outputs = self._forward(self.experts[e], run, (0, 1))
             else:  # as WanPipeline does: each request alone, its conditional pass first
-                halves = [(s, half) for s in group for half in (0, 1)[: 1 + s.guided]]
+                halves = [(s, half) for s in run for half in (0, 1)[: 1 + s.guided]]
                 outputs = torch.cat([self._forward(self.experts[e], [s], (h,)) for s, h in halves])
             offset = 0
             for s in group:
-                rows = 2 if s.guided else 1
-                noise = outputs[offset : offset + rows]
-                offset += rows
-                if s.guided:
-                    cond, uncond = noise[:1], noise[1:]
-                    noise = uncond + s.video.guidance * (cond - uncond)
+                if id(s) in reuse:
+                    noise = s.cache.output(key=e)
+                else:
+                    rows = 2 if s.guided else 1
+                    noise = outputs[offset : offset + rows]
+                    offset += rows
+                    if s.guided:
+                        cond, uncond = noise[:1], noise[1:]
+                        noise = uncond + s.video.guidance * (cond - uncond)
+                    if s.cache is not None:
+                        s.cache.record(s.flow_time(s.step), s.model_input(), noise, key=e)
                 s.latents = s.scheduler.step(noise, s.timestep, s.latents, return_dict=False)[0]
                 s.step += 1
 

@@ -119,6 +119,8 @@ class Video(APIObject):
     negative_prompt: str | None = None
     priority: int | None = None
     step: int | None = None  # denoising steps done
+    cache: dict | None = None  # the step cache as the server resolved it; None: off
+    passes: int | None = None  # steps that ran a pass of the model (fewer with a step cache)
     remixed_from_video_id: str | None = None
 
     @property

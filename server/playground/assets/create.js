@@ -169,6 +169,7 @@ export class CreateForm {
     body.num_inference_steps = number(f.num_inference_steps, "num_inference_steps");
     body.guidance_scale = number(f.guidance_scale, "guidance_scale");
     body.seed = number(f.seed, "seed");
+    if (f.cache.value !== "off") body.cache = f.cache.value; // a preset's name
     for (const name of Object.keys(body)) if (body[name] === undefined) delete body[name];
     return body;
   }

@@ -100,6 +100,8 @@ export function describeVideo(v) {
     v.size?.replace("x", "×"),
     `${v.num_frames} frames @ ${v.fps} fps`,
     `${v.num_inference_steps} steps`,
+    // With a step cache, the passes of the model those steps took.
+    v.cache ? `${v.passes} passes (cache ${v.cache.policy} ${v.cache.threshold})` : null,
     `guidance ${v.guidance_scale}`,
     `seed ${v.seed}`,
   ];

@@ -35,6 +35,7 @@ def create_body(
     negative_prompt: str | None,
     seed: int | None,
     priority: int | None,
+    cache: str | Mapping[str, Any] | None,
     extra_body: Mapping[str, Any] | None,
 ) -> dict[str, Any]:
     """The JSON body of POST /v1/videos; unset fields are left for the server's defaults."""
@@ -50,6 +51,7 @@ def create_body(
         "negative_prompt": negative_prompt,
         "seed": seed,
         "priority": priority,
+        "cache": cache if cache is None or isinstance(cache, str) else dict(cache),
     }
     body = {k: v for k, v in body.items() if v is not None}
     body.update(extra_body or {})
@@ -115,12 +117,15 @@ class Videos:
         negative_prompt: str | None = None,
         seed: int | None = None,
         priority: int | None = None,
+        cache: str | Mapping[str, Any] | None = None,
         extra_body: Mapping[str, Any] | None = None,
         idempotency_key: str | None = None,
     ) -> Video:
         """Queue a video. Returns at once with `status="queued"`; see `poll` / `create_and_poll`.
 
         `size` is "WIDTHxHEIGHT"; `seconds` and `num_frames` are two ways to give the length.
+        `cache` asks for a step cache: a preset ("quality", "balanced", "fast") or
+        `{"policy": "output-change" | "adaptive", "threshold": ...}` (see `Video.passes`).
         Every retry of this call carries the same Idempotency-Key, so it makes at most one job.
         """
         body = create_body(
@@ -135,6 +140,7 @@ class Videos:
             negative_prompt=negative_prompt,
             seed=seed,
             priority=priority,
+            cache=cache,
             extra_body=extra_body,
         )
         response = self._client.post("/v1/videos", json=body, idempotency_key=idempotency_key)
@@ -243,6 +249,7 @@ class AsyncVideos:
         negative_prompt: str | None = None,
         seed: int | None = None,
         priority: int | None = None,
+        cache: str | Mapping[str, Any] | None = None,
         extra_body: Mapping[str, Any] | None = None,
         idempotency_key: str | None = None,
     ) -> Video:
@@ -259,6 +266,7 @@ class AsyncVideos:
             negative_prompt=negative_prompt,
             seed=seed,
             priority=priority,
+            cache=cache,
             extra_body=extra_body,
         )
         response = await self._client.post("/v1/videos", json=body, idempotency_key=idempotency_key)

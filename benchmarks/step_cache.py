@@ -1,0 +1,220 @@
+"""Step caches: how many weight passes each policy and threshold saves, and what it costs.
+
+    python benchmarks/step_cache.py --json                      # the packaged megaslide-tiny
+    python benchmarks/step_cache.py --model runs/x/model --count 60 --json
+
+Every prompt of `prompt_adherence`'s list is sampled once without a cache (the reference) and
+once per policy and threshold, streamed (`offload="stream"`), from the same seed. Per setting:
+the weight passes per clip (a reused step runs no pass and moves no weights, so `speedup` =
+steps / passes is also the saving in weight transfer), the bytes the streamer moved, the median
+wall time per clip, PSNR and SSIM of each clip against its uncached clip (mean over clips, and the
+worst clip), and prompt adherence as `prompt_adherence` reads it (colour, shape, motion, and
+their mean, in percentage points, against the uncached clips' own).
+
+Goal: >= 1.8x fewer weight passes at PSNR >= 30 dB against uncached and adherence within
+2 points; the adaptive policy better than the fixed one at equal speed (`at_equal_speed`: each
+adaptive setting's PSNR minus the output-change policy's, interpolated at the same passes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import sys
+import time
+from datetime import UTC, datetime
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from megaslide.engine.loader import open_pipeline
+from megaslide.engine.request import VideoRequest
+from megaslide.engine.sources import DEFAULT_MODEL
+from megaslide.engine.world import analyse_clip, benchmark_prompts
+
+THRESHOLDS = {
+    "output-change": (0.01, 0.02, 0.05, 0.1, 0.2, 0.4),
+    "adaptive": (0.001, 0.002, 0.005, 0.01, 0.02, 0.05),
+}
+QUICK_THRESHOLDS = {"output-change": (0.0, 100.0), "adaptive": (0.0, 100.0)}  # the two extremes
+GOALS = {"speedup": 1.8, "psnr_db": 30.0, "adherence_drop_points": 2.0}
+PSNR_CAP = 100.0  # identical clips: infinite PSNR, counted as this
+ATTRIBUTES = ("colour", "shape", "motion")
+
+
+def psnr(a: np.ndarray, b: np.ndarray) -> float:
+    """Peak signal-to-noise ratio in dB of uint8 clips `(F, H, W, 3)` over all their pixels."""
+    mse = np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2)
+    return PSNR_CAP if mse == 0 else min(PSNR_CAP, 10 * math.log10(255**2 / mse))
+
+
+def ssim(a: np.ndarray, b: np.ndarray) -> float:
+    """Mean SSIM (Wang et al. 2004: an 11x11 Gaussian window of sigma 1.5, K1 0.01, K2 0.03) of
+    uint8 clips `(F, H, W, 3)`, over every frame and colour channel."""
+    x = torch.from_numpy(a).double().permute(0, 3, 1, 2).flatten(0, 1)[:, None]  # (F*3, 1, H, W)
+    y = torch.from_numpy(b).double().permute(0, 3, 1, 2).flatten(0, 1)[:, None]
+    g = torch.exp(-((torch.arange(11, dtype=torch.float64) - 5) ** 2) / (2 * 1.5**2))
+    g = g / g.sum()
+    window = (g[:, None] * g[None, :])[None, None]  # (1, 1, 11, 11)
+
+    def blur(z):  # the window's weighted mean around each pixel, edges replicated
+        return F.conv2d(F.pad(z, (5, 5, 5, 5), mode="replicate"), window)
+
+    c1, c2 = (0.01 * 255) ** 2, (0.03 * 255) ** 2
+    mx, my = blur(x), blur(y)
+    vx, vy, cxy = blur(x * x) - mx**2, blur(y * y) - my**2, blur(x * y) - mx * my
+    s = ((2 * mx * my + c1) * (2 * cxy + c2)) / ((mx**2 + my**2 + c1) * (vx + vy + c2))
+    return s.mean().item()
+
+
+def adherence(reads: list[dict], asked: list[tuple]) -> dict:
+    """Percent of clips whose colour, shape and motion read as asked, and their mean."""
+    out = {
+        attr: 100 * sum(r[attr] == a[k] for r, a in zip(reads, asked)) / len(reads)
+        for k, attr in enumerate(ATTRIBUTES)
+    }
+    out["mean"] = sum(out[a] for a in ATTRIBUTES) / len(ATTRIBUTES)
+    return out
+
+
+def sample(pipe, request: VideoRequest):
+    """One clip: its frames, the passes it ran, the bytes streamed and the wall time."""
+    video = pipe.resolve(request)
+    before = pipe.h2d_bytes()
+    start = time.perf_counter()
+    state = pipe.prepare(video)
+    while not state.done:
+        pipe.step([state])
+    frames = pipe.finish(state)
+    seconds = time.perf_counter() - start
+    passes = state.passes
+    return frames, passes, pipe.h2d_bytes() - before, seconds
+
+
+def interpolate(x: float, xs: list[float], ys: list[float]) -> float | None:
+    """Piecewise-linear y at x over points sorted by x; None outside their range."""
+    pts = sorted(zip(xs, ys))
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+        if x0 <= x <= x1:
+            return y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return None
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=DEFAULT_MODEL, help="model directory or packaged name")
+    ap.add_argument("--count", type=int, default=60, help="prompts (the held-out ones first)")
+    ap.add_argument("--steps", type=int, help="denoising steps (default: the model's)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--offload", choices=("none", "stream"), default="stream")
+    ap.add_argument(
+        "--threads", type=int, help="torch CPU threads (default: torch's; 1 on a busy machine)"
+    )
+    ap.add_argument(
+        "--quick", action="store_true", help="thresholds 0 and 100 only (a check, not a table)"
+    )
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    pipe = open_pipeline(args.model, offload=args.offload)
+    prompts = list(benchmark_prompts(args.count))
+    asked = [p[1:] for p in prompts]
+
+    def run(cache):
+        clips, rows = [], []
+        for i, (prompt, *_) in enumerate(prompts):
+            request = VideoRequest(prompt, steps=args.steps, seed=args.seed + i, cache=cache)
+            frames, passes, moved, seconds = sample(pipe, request)
+            a = analyse_clip(frames, "black")
+            clips.append(frames)
+            rows.append(
+                {
+                    "passes": passes,
+                    "h2d_bytes": moved,
+                    "seconds": seconds,
+                    "read": {"colour": a.colour, "shape": a.shape, "motion": a.motion},
+                }
+            )
+        return clips, rows
+
+    steps = args.steps or pipe.info.limits.steps
+    reference, ref_rows = run(None)
+    ref_adherence = adherence([r["read"] for r in ref_rows], asked)
+    settings = [{"policy": "off", "threshold": None}]
+    grid = QUICK_THRESHOLDS if args.quick else THRESHOLDS
+    settings += [{"policy": p, "threshold": t} for p, ts in grid.items() for t in ts]
+    results = []
+    for setting in settings:
+        if setting["policy"] == "off":
+            clips, rows = reference, ref_rows
+        else:
+            print(f"{setting['policy']} {setting['threshold']}", file=sys.stderr, flush=True)
+            clips, rows = run(setting)
+        psnrs = [psnr(c, r) for c, r in zip(clips, reference)]
+        passes = float(np.mean([r["passes"] for r in rows]))
+        adh = adherence([r["read"] for r in rows], asked)
+        results.append(
+            {
+                **setting,
+                "passes_per_clip": passes,
+                "speedup": steps / passes,
+                "h2d_bytes_per_clip": float(np.mean([r["h2d_bytes"] for r in rows])),
+                "seconds_per_clip": float(np.median([r["seconds"] for r in rows])),
+                "psnr_db": float(np.mean(psnrs)),
+                "psnr_db_worst": float(min(psnrs)),
+                "ssim": float(np.mean([ssim(c, r) for c, r in zip(clips, reference)])),
+                "adherence": adh,
+                "adherence_drop_points": ref_adherence["mean"] - adh["mean"],
+            }
+        )
+    for r in results:
+        r["meets_goal"] = (
+            r["speedup"] >= GOALS["speedup"]
+            and r["psnr_db"] >= GOALS["psnr_db"]
+            and r["adherence_drop_points"] <= GOALS["adherence_drop_points"]
+        )
+    fixed = [r for r in results if r["policy"] == "output-change"]
+    for r in results:
+        if r["policy"] == "adaptive":
+            other = interpolate(
+                r["passes_per_clip"],
+                [f["passes_per_clip"] for f in fixed],
+                [f["psnr_db"] for f in fixed],
+            )
+            r["psnr_gain_at_equal_speed_db"] = None if other is None else r["psnr_db"] - other
+    result = {
+        "model": args.model,
+        "prompts": len(prompts),
+        "steps": steps,
+        "offload": args.offload,
+        "goals": GOALS,
+        "settings": results,
+        "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+        "threads": torch.get_num_threads(),
+        "date": datetime.now(UTC).strftime("%Y-%m-%d"),
+    }
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(f"{args.model}: {len(prompts)} prompts, {steps} steps")
+        for r in results:
+            gain = r.get("psnr_gain_at_equal_speed_db")
+            print(
+                f"{r['policy']:>13} {r['threshold'] if r['threshold'] is not None else '':>6} "
+                f"passes {r['passes_per_clip']:5.2f} ({r['speedup']:.2f}x) "
+                f"{r['seconds_per_clip']:.3f} s  PSNR {r['psnr_db']:5.2f} dB "
+                f"(worst {r['psnr_db_worst']:5.2f})  SSIM {r['ssim']:.3f}  adherence "
+                f"{r['adherence']['mean']:5.1f} ({-r['adherence_drop_points']:+.1f})"
+                + (f"  vs fixed at equal speed {gain:+.2f} dB" if gain is not None else "")
+                + ("  GOAL" if r["meets_goal"] else "")
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,318 @@
+"""Step caches: per-request decisions in the sampler loop, for our DiT and for Wan."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from megaslide.engine.flow import SampleState, cfg_combine, denoise_step
+from megaslide.engine.loader import open_pipeline
+from megaslide.engine.request import (
+    CACHE_PRESETS,
+    CacheSpec,
+    RequestError,
+    ResolvedVideo,
+    VideoRequest,
+    resolve_cache,
+)
+from megaslide.engine.sources import resolve_source
+from megaslide.engine.step_cache import POLICIES, StepCache
+
+from test_model import randomise_zero_inits
+
+REQ = dict(frames=4, height=16, width=16, steps=6)
+LOOSE = {"policy": "output-change", "threshold": 100.0}  # reuses whenever it may
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    p = open_pipeline(resolve_source(preset="tiny"), offload="stream")
+    randomise_zero_inits(p.dit)
+    return p
+
+
+def run(pipe, states) -> list[np.ndarray]:
+    while not all(s.done for s in states):
+        pipe.step(states)
+    return [pipe.finish(s) for s in states]
+
+
+def level_diff(a: np.ndarray, b: np.ndarray) -> int:
+    return int(np.abs(a.astype(int) - b.astype(int)).max())
+
+
+def test_cache_off_is_the_plain_euler_sampler_bitwise(pipe):
+    """Without a cache every step runs the model on the request's guidance pair, as before."""
+    video = pipe.resolve(VideoRequest("a red circle", seed=1, **REQ))
+    state = pipe.prepare(video)
+    assert state.cache is None
+    x, times = state.latents.clone(), state.times
+    with torch.no_grad():
+        for k in range(video.steps):
+            v = pipe.dit(x.expand(2, *x.shape[1:]), times[k].expand(2), state.ctx, state.ctx_mask)
+            x = x + (times[k + 1] - times[k]) * cfg_combine(v[:1], v[1:], video.guidance)
+    (frames,) = run(pipe, [state])
+    assert torch.equal(state.latents, x)
+    assert np.array_equal(frames, pipe.generate(video))
+    assert state.passes == video.steps
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_threshold_zero_reuses_nothing_and_changes_nothing(pipe, policy):
+    off = pipe.resolve(VideoRequest("a red circle", seed=1, **REQ))
+    zero = pipe.resolve(
+        VideoRequest("a red circle", seed=1, cache={"policy": policy, "threshold": 0}, **REQ)
+    )
+    state = pipe.prepare(zero)
+    (frames,) = run(pipe, [state])
+    assert state.cache.passes == REQ["steps"] and state.cache.reused == 0
+    assert np.array_equal(frames, pipe.generate(off))
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_a_step_every_row_reuses_runs_no_pass_and_moves_no_weights(pipe, policy):
+    """After its first two steps (a rate of change to go on) a loose cache reuses; on such a step
+    the model does not run and the streamer copies nothing."""
+    video = pipe.resolve(
+        VideoRequest("a red circle", seed=1, cache={"policy": policy, "threshold": 100}, **REQ)
+    )
+    handle = pipe.handles["dit"]
+    rows = []
+    hook = pipe.dit.register_forward_pre_hook(lambda _m, args: rows.append(args[0].shape[0]))
+    state, moved = pipe.prepare(video), []
+    try:
+        while not state.done:
+            moved.append(pipe.denoise_step([state]).get("h2d_bytes", 0))
+    finally:
+        hook.remove()
+    cache = state.cache
+    assert cache.passes + cache.reused == REQ["steps"]
+    assert 2 <= cache.passes < REQ["steps"] and len(rows) == cache.passes
+    assert moved[:2] == [handle.stats()["streamed_block_bytes"]] * 2
+    assert 0 in moved and moved.count(0) == cache.reused
+
+
+def test_rows_that_reuse_leave_the_pass():
+    """Two requests in one step: the one whose cache reuses is not in the batch the model sees."""
+
+    class Recorder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(()))
+            self.batches = []
+
+        def forward(self, x, t, ctx, mask):
+            self.batches.append(x.shape[0])
+            return x * 0 + t.view(-1, 1, 1, 1, 1)  # changes with t: a finite rate of change
+
+    ctx, mask = torch.zeros(2, 1, 1), torch.ones(2, 1, dtype=torch.bool)
+    times = torch.linspace(1, 0, 6)
+
+    def state(cache):
+        return SampleState(torch.zeros(1, 1, 2, 1, 1), ctx, mask, times, 3.0, cache=cache)
+
+    cached = state(StepCache.from_spec(CacheSpec(**LOOSE)))
+    plain = state(None)
+    model = Recorder()
+    while not plain.done:
+        denoise_step(model, [cached, plain])
+    assert model.batches == [4, 4, 2, 2, 2]  # both pairs for two steps, then the plain pair
+    assert cached.cache.passes == 2 and cached.cache.reused == 3
+
+
+def test_mixed_batch_gives_each_request_its_video_alone():
+    """Cached and uncached requests stepped together: each gets the video it gets alone, bitwise
+    when each row runs alone, within one uint8 level when rows share a pass."""
+    requests = [
+        VideoRequest("a red circle", seed=1, cache=LOOSE, **REQ),
+        VideoRequest("a blue square", seed=5, guidance=1.0, **REQ),
+        VideoRequest("a green bar", seed=7, cache={"policy": "adaptive", "threshold": 1}, **REQ),
+    ]
+    for batched, tolerance in ((False, 0), (True, 1)):
+        pipe = open_pipeline(resolve_source(preset="tiny"), batched=batched)
+        randomise_zero_inits(pipe.dit)
+        videos = [pipe.resolve(r) for r in requests]
+        alone_states = [pipe.prepare(v) for v in videos]
+        alone = [run(pipe, [s])[0] for s in alone_states]
+        states = [pipe.prepare(v) for v in videos]
+        together = run(pipe, states)
+        for a, b, sa, sb in zip(alone, together, alone_states, states):
+            assert level_diff(a, b) <= tolerance, batched
+            assert sa.passes == sb.passes
+        assert states[0].passes < REQ["steps"] and states[1].passes == REQ["steps"]
+
+
+def test_requests_name_a_cache_once_and_round_trip(pipe):
+    video = pipe.resolve(VideoRequest("p", cache="fast"))
+    assert video.cache == CacheSpec(**CACHE_PRESETS["fast"])
+    assert ResolvedVideo.from_dict(video.to_dict()) == video
+    assert pipe.resolve(VideoRequest("p")).cache is None
+    assert pipe.resolve(VideoRequest("p", cache="off")).cache is None
+    assert resolve_cache({"policy": "adaptive", "threshold": 0}) == CacheSpec("adaptive", 0.0)
+    bad = [
+        ("warp", "preset 'warp' is unknown"),
+        ({"policy": "teacache", "threshold": 0.1}, "policy 'teacache' is unknown"),
+        ({"policy": "adaptive"}, "needs a threshold"),
+        ({"policy": "adaptive", "threshold": -1}, "threshold must be a number"),
+        ({"policy": "adaptive", "threshold": "0.1"}, "threshold must be a number"),
+        ({"policy": "adaptive", "threshold": 0.1, "k": 3}, "unknown field"),
+        (3, "preset name or an object"),
+    ]
+    for value, message in bad:
+        with pytest.raises(RequestError, match=message) as info:
+            pipe.resolve(VideoRequest("p", cache=value))
+        assert info.value.param == "cache"
+
+
+def test_a_retried_step_decides_and_counts_once():
+    cache = StepCache.from_spec(CacheSpec(**LOOSE))
+    x = torch.ones(1, 1, 2, 1, 1)
+    for step, (t, t_next) in enumerate([(1.0, 0.8), (0.8, 0.6)]):
+        assert not cache.reuse(step, t, t_next)
+        cache.record(t, x, x * t)
+    assert cache.reuse(2, 0.6, 0.4) and cache.reuse(2, 0.6, 0.4)
+    assert (cache.passes, cache.reused) == (2, 1)
+
+
+# -- Wan ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def wan(tmp_path_factory):
+    pytest.importorskip("diffusers")
+    from wan_fixtures import build_tiny_wan
+
+    root = tmp_path_factory.mktemp("wan")
+    return {
+        "deep": build_tiny_wan(root / "deep", layers=4),  # more blocks than slots
+        "experts": build_tiny_wan(root / "experts", experts=2),
+    }
+
+
+def wan_request(**changes) -> VideoRequest:
+    from wan_fixtures import CLIP
+
+    fields = dict(
+        prompt="a red circle moving left",
+        height=32,
+        width=32,
+        frames=CLIP["num_frames"],
+        steps=8,
+        guidance=CLIP["guidance_scale"],
+        seed=3,
+    )
+    return VideoRequest(**{**fields, **changes})
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_wan_threshold_zero_changes_nothing_and_a_loose_cache_skips_whole_passes(wan, policy):
+    pipe = open_pipeline(wan["deep"], offload="stream")
+    off = pipe.generate(wan_request())
+    zero = pipe.prepare(pipe.resolve(wan_request(cache={"policy": policy, "threshold": 0})))
+    assert np.array_equal(run(pipe, [zero])[0], off)
+    assert zero.cache.passes == 8
+    loose = pipe.prepare(pipe.resolve(wan_request(cache={"policy": policy, "threshold": 100})))
+    moved = []
+    while not loose.done:
+        moved.append(pipe.denoise_step([loose])["h2d_bytes"])
+    assert 2 <= loose.cache.passes < 8
+    assert moved.count(0) == loose.cache.reused  # a reused step moves no weights
+    assert min(moved) == 0 < max(moved)
+
+
+def test_wan_two_experts_keep_their_own_histories(wan):
+    """An output of the high-noise expert is never reused for the low-noise one: each expert
+    computes its own first two steps before it reuses."""
+    pipe = open_pipeline(wan["experts"])
+    state = pipe.prepare(pipe.resolve(wan_request(steps=12, cache=LOOSE)))
+    ran = []
+    hooks = [
+        m.register_forward_pre_hook(lambda _m, _a, e=e: ran.append(e))
+        for e, m in enumerate(pipe.experts)
+    ]
+    experts, computed = [], []
+    while not state.done:
+        experts.append(pipe._expert(state))
+        before = len(ran)
+        pipe.step([state])
+        computed.append(len(ran) > before)
+    for h in hooks:
+        h.remove()
+    assert set(state.cache.histories) == {0, 1}
+    for e in (0, 1):
+        mine = [c for x, c in zip(experts, computed) if x == e]
+        assert len(mine) >= 3 and mine[:2] == [True, True] and not all(mine), (e, mine)
+    assert state.cache.passes == sum(computed) == len(ran)
+
+
+# -- the request's way in: command line, HTTP API, SDK -----------------------------------------------
+
+
+def test_command_line_cache_and_stats_count_the_passes(tmp_path, capsys):
+    from megaslide.cli.main import main
+
+    argv = ["generate", "a red circle", "--preset", "tiny", "--steps", "6", "--frames", "4"]
+    argv += [
+        "--size",
+        "16x16",
+        "--no-progress",
+        "--offload",
+        "stream",
+        "-o",
+        str(tmp_path / "a.mp4"),
+    ]
+    assert main([*argv, "--cache", "output-change:100", "--stats", str(tmp_path / "s.json")]) == 0
+    stats = json.loads((tmp_path / "s.json").read_text())
+    assert stats["steps"] == 6 and 2 <= stats["passes"] < 6
+    assert stats["cache"] == {"policy": "output-change", "threshold": 100.0}
+    assert f"{stats['passes']} passes for 6 steps" in capsys.readouterr().err
+    assert main([*argv, "--stats", str(tmp_path / "s.json")]) == 0
+    assert json.loads((tmp_path / "s.json").read_text())["passes"] == 6
+    for value, message in (("warp", "preset 'warp' is unknown"), ("adaptive:x", "not a number")):
+        assert main([*argv, "--cache", value]) == 2
+        assert message in capsys.readouterr().err
+
+
+def test_the_api_takes_a_cache_and_answers_the_passes(tmp_path):
+    pytest.importorskip("fastapi")
+    pytest.importorskip("av")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from fastapi.testclient import TestClient
+    from megaslide.server import Settings
+
+    from server_fakes import torch_app
+    from test_server_engine import wait
+
+    settings = Settings(data_dir=tmp_path / "data", preset="tiny", device="cpu", poll_after_ms=50)
+    clip = {"num_frames": 4, "size": "16x16", "num_inference_steps": 6, "seed": 1}
+    with TestClient(torch_app(settings)) as c:
+        cached = c.post("/v1/videos", json={"prompt": "a", **clip, "cache": LOOSE}).json()
+        plain = c.post("/v1/videos", json={"prompt": "b", **clip}).json()
+        bad = c.post("/v1/videos", json={"prompt": "c", **clip, "cache": "warp"})
+        form = c.post("/v1/videos", data={"prompt": "d", "cache": '{"policy": "adaptive"}'})
+        cached, plain = wait(c, cached["id"]), wait(c, plain["id"])
+    assert cached["status"] == plain["status"] == "completed"
+    assert cached["cache"] == LOOSE and 2 <= cached["passes"] < 6
+    assert plain["cache"] is None and plain["passes"] == 6
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "cache"
+    assert form.status_code == 400 and "needs a threshold" in form.json()["error"]["message"]
+
+
+def test_the_sdk_sends_the_cache():
+    from megaslide_client.resources.videos import create_body
+
+    base = dict.fromkeys(
+        (
+            "model seconds size num_frames fps num_inference_steps guidance_scale "
+            "negative_prompt seed priority extra_body"
+        ).split()
+    )
+    assert create_body(prompt="p", cache="fast", **base)["cache"] == "fast"
+    assert create_body(prompt="p", cache=LOOSE, **base)["cache"] == LOOSE
+    assert "cache" not in create_body(prompt="p", cache=None, **base)
