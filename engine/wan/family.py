@@ -35,6 +35,7 @@ from torch import nn
 
 from ..family import Component, Family
 from ..host_store import SafetensorsFile
+from ..lora import Adapter, AdapterRouter, linear_targets
 from ..pipeline import Pipeline
 from ..request import ResolvedVideo
 from ..sources import ModelInfo
@@ -88,6 +89,16 @@ class WanFamily(Family):
 
     def pipeline(self, info, parts, handles, *, batched: bool = True) -> WanVideoPipeline:
         return WanVideoPipeline(info, parts, handles, batched=batched)
+
+    # -- LoRA adapters: on any Linear layer of a transformer, in diffusers' module names ----------
+
+    def adaptable(self, denoiser: nn.Module) -> dict[str, nn.Linear]:
+        return linear_targets(denoiser)
+
+    def load_adapter(self, name: str, path) -> Adapter:
+        from .lora import load_wan_adapter
+
+        return load_wan_adapter(name, path)
 
     # -- fine-tuning: one expert trains; UMT5 and the VAE encode the data once, ahead ---------------
 
@@ -218,6 +229,11 @@ class WanVideoPipeline(Pipeline):
             if config.boundary_ratio is not None and len(self.experts) > 1
             else None
         )
+        # LoRA adapters: factors on the device, applied per row by hooks on the experts' Linears.
+        self.adapters = AdapterRouter(
+            self.experts, WanFamily().adaptable, self.device, self.dtype
+        )
+        self.expert_names = ("high", "low") if len(self.experts) > 1 else (None,)
 
     @property
     def device(self) -> torch.device:
@@ -295,7 +311,8 @@ class WanVideoPipeline(Pipeline):
     def _forward(self, model: nn.Module, group: list[WanState], halves) -> torch.Tensor:
         """One pass of `model` over the rows of `group`: each request's conditional row and (when
         guided) its unconditional row, for the halves asked for; `(rows, C, F', H', W')`."""
-        latents, timesteps, context = [], [], []
+        latents, timesteps, context, adapters = [], [], [], []
+        expert = self.expert_names[self.experts.index(model)]
         for s in group:
             for half in halves:
                 if half == 1 and not s.guided:
@@ -303,11 +320,15 @@ class WanVideoPipeline(Pipeline):
                 latents.append(s.model_input())
                 timesteps.append(self._timestep(s))
                 context.append(s.context[half : half + 1])
+                # Both halves of a guidance pair take the request's adapters, as diffusers does.
+                adapters.append(
+                    [(c.name, c.scale) for c in s.video.loras if c.expert in (None, expert)]
+                )
         if self.config.attention == "dsa":
             from .attention import set_grid
 
             set_grid(model, group[0].grid)  # a batch shares one latent shape
-        with torch.no_grad():
+        with torch.no_grad(), self.adapters.rows(adapters):
             return model(
                 hidden_states=torch.cat(latents).to(self.dtype),
                 timestep=torch.cat(timesteps),
