@@ -21,7 +21,7 @@ from .sources import ModelInfo
 from .streaming import StreamHandle
 
 if TYPE_CHECKING:
-    from .lora import AdapterRouter
+    from .lora import Adapter, AdapterRouter
 
 
 class Pipeline(ABC):
@@ -29,6 +29,7 @@ class Pipeline(ABC):
     `adapters` holds the LoRA adapters registered on it, for a family that takes them."""
 
     adapters: AdapterRouter | None = None
+    load_adapter: Callable[[str, Any], Adapter] | None = None  # the family's `load_adapter`
 
     def __init__(self, info: ModelInfo, handles: dict[str, StreamHandle]):
         self.info = info
@@ -50,12 +51,11 @@ class Pipeline(ABC):
         """Register the LoRA file at `path` under `name`: converted once from its key layout,
         checked against this model (AdapterError naming the first key that does not fit), its
         factors kept on the device. Returns its card (name, base, rank, bytes, defaults)."""
-        from .family import family
         from .lora import AdapterError
 
-        if self.adapters is None:
+        if self.adapters is None or self.load_adapter is None:
             raise AdapterError(f"{self.name} takes no LoRA adapters")
-        adapter = family(self.info.family).load_adapter(name, path)
+        adapter = self.load_adapter(name, path)
         return {**self.adapters.register(adapter, replace=replace).card(), "base": self.name}
 
     def adapter_cards(self) -> list[dict]:

@@ -28,19 +28,37 @@ def layers(blocks: int = 2):
     for i in range(blocks):
         for kind, ours in (("self_attn", "attn1"), ("cross_attn", "attn2")):
             for o in ATTN:
-                out.append((f"blocks.{i}.{kind}.{o}", f"blocks.{i}.{ours}.{DIFFUSERS_ATTN[o]}", DIM, DIM))
+                out.append(
+                    (f"blocks.{i}.{kind}.{o}", f"blocks.{i}.{ours}.{DIFFUSERS_ATTN[o]}", DIM, DIM)
+                )
         for o, (name, n_in, n_out) in FFN_LAYERS.items():
             out.append((f"blocks.{i}.ffn.{o}", f"blocks.{i}.ffn.{name}", n_in, n_out))
     return out
 
 
-def write_peft(path: Path, *, rank: int = 4, seed: int = 0, std: float = 0.3, alpha=None,
-               bias: bool = True, blocks: int = 2, only=None) -> Path:
+def write_peft(
+    path: Path,
+    *,
+    rank: int = 4,
+    seed: int = 0,
+    std: float = 0.3,
+    alpha=None,
+    bias: bool = True,
+    blocks: int = 2,
+    only=None,
+    time_embedder: bool = False,
+    extra: dict | None = None,
+) -> Path:
     """diffusers / PEFT layout: `transformer.<module>.lora_A.weight`; with `alpha`, the file's
-    `lora_adapter_metadata` says so (as diffusers' save_lora_weights writes it)."""
+    `lora_adapter_metadata` says so (as diffusers' save_lora_weights writes it). `time_embedder`
+    adapts the timestep embedder too (which runs once per token with per-token timesteps);
+    `extra` adds tensors as they are."""
     g = torch.Generator().manual_seed(seed)
     state = {}
-    for _, name, n_in, n_out in layers(blocks):
+    targets = layers(blocks)
+    if time_embedder:
+        targets.append((None, "condition_embedder.time_embedder.linear_1", 16, DIM))
+    for _, name, n_in, n_out in targets:
         if only is not None and not any(o in name for o in only):
             continue
         down, up = _factors(g, rank, n_in, n_out, std)
@@ -48,18 +66,29 @@ def write_peft(path: Path, *, rank: int = 4, seed: int = 0, std: float = 0.3, al
         state[f"transformer.{name}.lora_B.weight"] = up
         if bias:
             state[f"transformer.{name}.lora_B.bias"] = torch.randn(n_out, generator=g) * 0.05
+    state.update(extra or {})
     metadata = {"format": "pt"}
     if alpha is not None:
         targets = sorted({k.removeprefix("transformer.").split(".lora_")[0] for k in state})
-        config = {"r": rank, "lora_alpha": alpha, "target_modules": targets,
-                  "lora_bias": bias}
-        metadata["lora_adapter_metadata"] = json.dumps({f"transformer.{k}": v for k, v in config.items()})
+        config = {"r": rank, "lora_alpha": alpha, "target_modules": targets, "lora_bias": bias}
+        metadata["lora_adapter_metadata"] = json.dumps(
+            {f"transformer.{k}": v for k, v in config.items()}
+        )
     save_file(state, str(path), metadata=metadata)
     return path
 
 
-def write_original(path: Path, *, rank: int = 4, seed: int = 1, std: float = 0.3, alpha=2.0,
-                   diff_b: bool = True, norm_diff: float = 0.0, blocks: int = 2) -> Path:
+def write_original(
+    path: Path,
+    *,
+    rank: int = 4,
+    seed: int = 1,
+    std: float = 0.3,
+    alpha=2.0,
+    diff_b: bool = True,
+    norm_diff: float = 0.0,
+    blocks: int = 2,
+) -> Path:
     """Original Wan / ComfyUI layout: `diffusion_model.blocks.0.self_attn.q.lora_down.weight`,
     `.alpha`, `.diff_b`; `norm_diff` writes a norm-layer `.diff` of that value."""
     g = torch.Generator().manual_seed(seed)
@@ -77,8 +106,9 @@ def write_original(path: Path, *, rank: int = 4, seed: int = 1, std: float = 0.3
     return path
 
 
-def write_musubi(path: Path, *, rank: int = 4, seed: int = 2, std: float = 0.3, alpha=8.0,
-                 blocks: int = 2) -> Path:
+def write_musubi(
+    path: Path, *, rank: int = 4, seed: int = 2, std: float = 0.3, alpha=8.0, blocks: int = 2
+) -> Path:
     """Kohya / musubi-tuner layout: `lora_unet_blocks_0_self_attn_q.lora_down.weight`, `.alpha`."""
     g = torch.Generator().manual_seed(seed)
     state = {}

@@ -230,9 +230,8 @@ class WanVideoPipeline(Pipeline):
             else None
         )
         # LoRA adapters: factors on the device, applied per row by hooks on the experts' Linears.
-        self.adapters = AdapterRouter(
-            self.experts, WanFamily().adaptable, self.device, self.dtype
-        )
+        self.adapters = AdapterRouter(self.experts, WanFamily().adaptable, self.device, self.dtype)
+        self.load_adapter = WanFamily().load_adapter
         self.expert_names = ("high", "low") if len(self.experts) > 1 else (None,)
 
     @property
