@@ -90,6 +90,11 @@ class Family(ABC):
         family takes no adapters)."""
         return {}
 
+    def adapter_targets(self, info: ModelInfo) -> list[dict[str, nn.Linear]]:
+        """The adaptable layers of each denoiser, built on the meta device (no weights read), for
+        checking an adapter against a model before it opens."""
+        return []
+
     def load_adapter(self, name: str, path: Path) -> Adapter:
         """A LoRA file converted to the canonical form (`lora.Adapter`), from whichever key layout
         this family's adapters are shared in; AdapterError naming the first key it cannot take."""

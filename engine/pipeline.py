@@ -58,6 +58,14 @@ class Pipeline(ABC):
         adapter = self.load_adapter(name, path)
         return {**self.adapters.register(adapter, replace=replace).card(), "base": self.name}
 
+    def register_adapter(self, adapter: Adapter, *, replace: bool = False) -> dict:
+        """Register an adapter already converted (`loader.load_adapter`); returns its card."""
+        from .lora import AdapterError
+
+        if self.adapters is None:
+            raise AdapterError(f"{self.name} takes no LoRA adapters")
+        return {**self.adapters.register(adapter, replace=replace).card(), "base": self.name}
+
     def adapter_cards(self) -> list[dict]:
         if self.adapters is None:
             return []

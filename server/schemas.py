@@ -12,7 +12,14 @@ from typing import Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from megaslide.engine.request import SEED_LIMIT, RequestError, VideoRequest, parse_size
+from megaslide.engine.request import (
+    MAX_LORAS,
+    SEED_LIMIT,
+    LoraChoice,
+    RequestError,
+    VideoRequest,
+    parse_size,
+)
 
 from .protocol import ModelCard
 
@@ -109,6 +116,16 @@ def page(items: list, has_more: bool) -> dict:
 # videos
 
 
+class LoraRef(Request):
+    """One LoRA adapter a video applies: registered on the model under `name`."""
+
+    name: str = Field(min_length=1, max_length=256)
+    scale: float = Field(1.0, ge=-100, le=100)
+    expert: Literal["high", "low"] | None = Field(
+        None, description="only on Wan2.2's high- or low-noise expert (default: every expert)"
+    )
+
+
 class VideoCreate(Request):
     """`POST /v1/videos`, as JSON or as multipart form fields (all strings, converted here)."""
 
@@ -127,6 +144,23 @@ class VideoCreate(Request):
     priority: int = Field(0, ge=-100, le=100, description="higher runs first")
     # Image-to-video: a first-frame image, uploaded as a multipart file (see the videos router).
     input_reference: Any = None
+    loras: list[LoraRef] | None = Field(
+        None,
+        max_length=MAX_LORAS,
+        description="LoRA adapters registered on the model, applied in order (a JSON list in a "
+        "multipart form field)",
+    )
+
+    @field_validator("loras", mode="before")
+    @classmethod
+    def _loras(cls, value):
+        # A multipart form sends every field as a string: the list comes as JSON text.
+        if isinstance(value, str):
+            try:
+                return json.loads(value)
+            except json.JSONDecodeError:
+                raise ValueError("must be a JSON list of {name, scale, expert}") from None
+        return value
 
     @field_validator("seconds", mode="before")
     @classmethod
@@ -160,6 +194,7 @@ class VideoCreate(Request):
             guidance=self.guidance_scale,
             seed=self.seed,
             image=image,
+            loras=tuple(LoraChoice(r.name, r.scale, r.expert) for r in self.loras or ()),
         )
 
 
@@ -190,6 +225,7 @@ class Video(BaseModel):
     negative_prompt: str
     priority: int
     step: int
+    loras: list[dict] = Field(default_factory=list)
 
 
 class VideoDeleted(BaseModel):
@@ -231,6 +267,7 @@ def video_object(row: dict) -> Video:
         negative_prompt=spec["negative_prompt"],
         priority=row["priority"],
         step=row["step"],
+        loras=spec.get("loras") or [],
     )
 
 
@@ -448,6 +485,9 @@ class Model(BaseModel):
     inputs: list[str]
     defaults: dict
     limits: dict
+    adapters: list[dict] = Field(
+        default_factory=list, description="LoRA adapters registered on it: name, rank, defaults"
+    )
 
 
 def model_object(card: ModelCard) -> Model:
@@ -467,4 +507,5 @@ def model_object(card: ModelCard) -> Model:
             "guidance_scale": limits.guidance,
         },
         limits=limits.to_dict(),
+        adapters=[dict(a) for a in card.adapters],
     )

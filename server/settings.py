@@ -24,6 +24,9 @@ class Settings(BaseSettings):
     # With neither, the packaged default model (or the tiny preset when none ships) is served.
     models: Annotated[list[str], NoDecode] = Field(default_factory=list)
     preset: str | None = None
+    # LoRA adapters registered at start, "NAME=FILE" on every served model or "MODEL:NAME=FILE"
+    # on one; comma-separated in MEGASLIDE_LORAS. A request names them in `loras`.
+    loras: Annotated[list[str], NoDecode] = Field(default_factory=list)
     data_dir: Path = Path("megaslide-data")
     # The job store: SQLite in the data directory by default; postgresql://... for many hosts.
     database: str | None = None
@@ -124,7 +127,7 @@ class Settings(BaseSettings):
             )
         return self
 
-    @field_validator("models", "api_keys", mode="before")
+    @field_validator("models", "api_keys", "loras", mode="before")
     @classmethod
     def _split_commas(cls, value):
         if isinstance(value, str):

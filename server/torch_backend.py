@@ -47,6 +47,28 @@ class TorchBackend(Backend):
             raise ValueError(
                 f"two served models share the name {duplicates[0]!r}; rename one directory"
             )
+        self._adapters = self._load_adapters(settings.loras)
+        self._cards = [
+            c.replace(adapters=tuple(a.card() | {"base": c.name} for a in self._adapters[c.name]))
+            for c in self._cards
+        ]
+
+    def _load_adapters(self, specs: list[str]) -> dict:
+        """`--lora [MODEL:]NAME=FILE` converted and checked against each model it names (on the
+        meta device: a file that does not fit is named now, before any weights load)."""
+        from megaslide.engine.loader import load_adapter
+
+        adapters: dict[str, list] = {c.name: [] for c in self._cards}
+        for spec in specs:
+            target, name, path = parse_lora_spec(spec)
+            if target is not None and target not in adapters:
+                raise ValueError(f"--lora {spec}: no served model is named {target!r}")
+            for model in [target] if target else list(adapters):
+                if any(a.name == name for a in adapters[model]):
+                    raise ValueError(f"--lora {spec}: {model} already has an adapter {name!r}")
+                adapter = load_adapter(self._infos[model], name, path)
+                adapters[model].append(adapter)
+        return adapters
 
     def _register(self, info: ModelInfo, created: int, kind=None, parent=None) -> ModelCard:
         self._infos[info.name] = info
@@ -79,13 +101,16 @@ class TorchBackend(Backend):
 
     def load(self, card: ModelCard) -> VideoModel:
         s = self.settings
-        return open_pipeline(
+        pipe = open_pipeline(
             self._infos[card.name],
             device=self.device,
             dtype=self.dtype,
             offload=s.offload,
             gpu_budget_bytes=s.gpu_budget,
         )
+        for adapter in self._adapters.get(card.name, ()):
+            pipe.register_adapter(adapter)
+        return pipe
 
     # --- fine-tuning -------------------------------------------------------------------------
 
@@ -143,6 +168,17 @@ class TorchBackend(Backend):
         if self.device.type == "cuda":
             # Cached blocks from the failed pass would otherwise look like a leak to the next job.
             torch.cuda.empty_cache()
+
+
+def parse_lora_spec(spec: str) -> tuple[str | None, str, Path]:
+    """ "[MODEL:]NAME=FILE" -> (model or None, name, file); ValueError naming what is wrong."""
+    head, sep, path = spec.partition("=")
+    model, _, name = head.rpartition(":")
+    if not sep or not name or not path:
+        raise ValueError(f"--lora {spec!r}: expected NAME=FILE or MODEL:NAME=FILE")
+    if not Path(path).is_file():
+        raise ValueError(f"--lora {spec}: {path} not found")
+    return model or None, name, Path(path)
 
 
 def check_dataset(root: Path, settings: Settings) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -37,6 +38,28 @@ def register_generate(sub) -> None:
     p.add_argument("--guidance", type=float, help="classifier-free guidance scale (1 = off)")
     p.add_argument("--negative-prompt", default="", help="what to steer away from")
     p.add_argument("--image", help="first-frame image, for a model that takes one (Wan2.2-TI2V)")
+    p.add_argument(
+        "--lora",
+        action="append",
+        default=[],
+        metavar="NAME=FILE",
+        help="apply the LoRA adapter in FILE (repeatable); with --server, NAME alone names an "
+        "adapter registered there",
+    )
+    p.add_argument(
+        "--lora-scale",
+        action="append",
+        default=[],
+        metavar="NAME=SCALE",
+        help="an adapter's scale (default: 1)",
+    )
+    p.add_argument(
+        "--lora-expert",
+        action="append",
+        default=[],
+        metavar="NAME=high|low",
+        help="apply an adapter to one expert of a Wan2.2 two-expert model only (default: both)",
+    )
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument(
         "--attention",
@@ -62,6 +85,45 @@ def register_generate(sub) -> None:
     p.set_defaults(run=run_generate)
 
 
+def lora_flags(args, *, remote: bool) -> tuple[dict[str, str], tuple]:
+    """`--lora`, `--lora-scale` and `--lora-expert` as (files by name, the request's choices)."""
+    from megaslide.engine.request import LoraChoice
+
+    files: dict[str, str] = {}
+    names: list[str] = []
+    for spec in args.lora:
+        name, sep, path = spec.partition("=")
+        if not name or (sep and not path) or (not sep and not remote):
+            raise UsageError(
+                f"--lora {spec!r}: expected NAME=FILE" + (" or NAME" if remote else "")
+            )
+        if name in names:
+            raise UsageError(f"--lora {name}: given twice")
+        if sep:
+            if remote:
+                raise UsageError("--lora NAME=FILE is local: with --server name an adapter there")
+            if not Path(path).is_file():
+                raise UsageError(f"--lora {spec}: {path} not found")
+            files[name] = path
+        names.append(name)
+    options: dict[str, dict] = {n: {} for n in names}
+    for flag, values, key in (
+        ("--lora-scale", args.lora_scale, "scale"),
+        ("--lora-expert", args.lora_expert, "expert"),
+    ):
+        for spec in values:
+            name, sep, value = spec.partition("=")
+            if not sep or name not in options:
+                raise UsageError(f"{flag} {spec!r}: expected NAME=VALUE for a NAME given to --lora")
+            if key == "scale":
+                try:
+                    value = float(value)
+                except ValueError:
+                    raise UsageError(f"{flag} {spec!r}: the scale must be a number") from None
+            options[name][key] = value
+    return files, tuple(LoraChoice(n, **options[n]) for n in names)
+
+
 def run_generate(args) -> int:
     from megaslide.engine.request import VideoRequest, parse_size, resolve
     from megaslide.engine.sources import describe
@@ -85,6 +147,8 @@ def run_generate(args) -> int:
         seed=args.seed,
         image=args.image,
     )
+    lora_files, choices = lora_flags(args, remote=bool(args.server))
+    request = dataclasses.replace(request, loras=choices)
     if args.server:
         from .remote import generate_remote
 
@@ -93,9 +157,13 @@ def run_generate(args) -> int:
         raise UsageError("--gpu-budget, --stats and --trace need --offload stream")
     overrides = {"attention": args.attention} if args.attention else {}
     info = describe(model_source(args), **overrides)
-    video = resolve(request, info.limits, model=info.name)  # bad input fails before any load
-    from megaslide.engine.loader import open_pipeline
+    from megaslide.engine.loader import load_adapter, open_pipeline
 
+    # Adapters are converted and checked against the model on the meta device, and the request
+    # against the model and them, before any weights load.
+    adapters = [load_adapter(info, name, path) for name, path in lora_files.items()]
+    defaults = {a.name: a.defaults for a in adapters}
+    video = resolve(request, info.limits, model=info.name, adapters=defaults)
     pipe = open_pipeline(
         info,
         device=args.device,
@@ -103,6 +171,8 @@ def run_generate(args) -> int:
         gpu_budget_bytes=args.gpu_budget,
         timing=bool(args.stats or args.trace),
     )
+    for adapter in adapters:
+        pipe.register_adapter(adapter)
     step_times = []
     with progress_bar(video.steps, "denoising", disable=args.no_progress) as bar:
         state = pipe.prepare(video)

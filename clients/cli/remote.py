@@ -107,6 +107,10 @@ def generate_remote(args, request) -> int:
                 guidance_scale=request.guidance,
                 negative_prompt=request.negative_prompt or None,
                 seed=request.seed,
+                loras=[
+                    {"name": c.name, "scale": c.scale, "expert": c.expert} for c in request.loras
+                ]
+                or None,
             )
             print(
                 f"video {video.id} queued on {client.base_url} (model {video.model}, {video.size}, "

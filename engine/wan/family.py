@@ -37,7 +37,7 @@ from ..family import Component, Family
 from ..host_store import SafetensorsFile
 from ..lora import Adapter, AdapterRouter, linear_targets
 from ..pipeline import Pipeline
-from ..request import ResolvedVideo
+from ..request import ResolvedVideo, check_loras
 from ..sources import ModelInfo
 from .config import WanConfig, weight_files
 from .encoders import WanEncoders, libraries
@@ -94,6 +94,14 @@ class WanFamily(Family):
 
     def adaptable(self, denoiser: nn.Module) -> dict[str, nn.Linear]:
         return linear_targets(denoiser)
+
+    def adapter_targets(self, info: ModelInfo) -> list[dict[str, nn.Linear]]:
+        diffusers, _ = libraries()
+        with torch.device("meta"):
+            experts = [
+                _meta_transformer(diffusers, info.source.path / n) for n in info.config.experts
+            ]
+        return [self.adaptable(e) for e in experts]
 
     def load_adapter(self, name: str, path) -> Adapter:
         from .lora import load_wan_adapter
@@ -249,6 +257,8 @@ class WanVideoPipeline(Pipeline):
     # -- sampling ------------------------------------------------------------------------------
 
     def prepare(self, video: ResolvedVideo) -> WanState:
+        # The adapters it names must be registered here (a request stored elsewhere may not know).
+        check_loras(video.loras, self.info.limits, self.adapter_defaults())
         guided = video.guidance > 1.0
         if self.batched or not guided:
             context = self.encode([video.prompt, video.negative_prompt][: 1 + guided])

@@ -120,6 +120,7 @@ class Video(APIObject):
     priority: int | None = None
     step: int | None = None  # denoising steps done
     remixed_from_video_id: str | None = None
+    loras: list[dict[str, Any]] | None = None  # the adapters applied: name, scale, expert
 
     @property
     def done(self) -> bool:
@@ -282,3 +283,4 @@ class Model(APIObject):
     inputs: list[str] | None = None  # "text", and "image" for a model that takes a first frame
     defaults: dict[str, Any] | None = None  # what a request gets for an absent field
     limits: dict[str, Any] | None = None  # max_frames, max_size, size_multiple, ...
+    adapters: list[dict[str, Any]] | None = None  # LoRA adapters: name, rank, bytes, defaults

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -36,6 +36,7 @@ def create_body(
     seed: int | None,
     priority: int | None,
     extra_body: Mapping[str, Any] | None,
+    loras: Sequence[LoraSpec] | None = None,
 ) -> dict[str, Any]:
     """The JSON body of POST /v1/videos; unset fields are left for the server's defaults."""
     body = {
@@ -50,10 +51,25 @@ def create_body(
         "negative_prompt": negative_prompt,
         "seed": seed,
         "priority": priority,
+        "loras": None if loras is None else [lora_entry(x) for x in loras],
     }
     body = {k: v for k, v in body.items() if v is not None}
     body.update(extra_body or {})
     return body
+
+
+# A LoRA adapter registered on the model: its name, (name, scale), or {"name", "scale", "expert"}.
+LoraSpec = str | tuple[str, float] | Mapping[str, Any]
+
+
+def lora_entry(spec: LoraSpec) -> dict[str, Any]:
+    """One entry of a request's `loras`, from any of `LoraSpec`'s forms."""
+    if isinstance(spec, str):
+        return {"name": spec}
+    if isinstance(spec, tuple):
+        name, scale = spec
+        return {"name": name, "scale": scale}
+    return dict(spec)
 
 
 def to_video_event(sse: ServerSentEvent) -> VideoEvent:
@@ -115,12 +131,15 @@ class Videos:
         negative_prompt: str | None = None,
         seed: int | None = None,
         priority: int | None = None,
+        loras: Sequence[LoraSpec] | None = None,
         extra_body: Mapping[str, Any] | None = None,
         idempotency_key: str | None = None,
     ) -> Video:
         """Queue a video. Returns at once with `status="queued"`; see `poll` / `create_and_poll`.
 
         `size` is "WIDTHxHEIGHT"; `seconds` and `num_frames` are two ways to give the length.
+        `loras` names adapters registered on the model, each as a name, `(name, scale)` or
+        `{"name", "scale", "expert"}` (`expert`: "high" or "low" on a Wan2.2 two-expert model).
         Every retry of this call carries the same Idempotency-Key, so it makes at most one job.
         """
         body = create_body(
@@ -136,6 +155,7 @@ class Videos:
             seed=seed,
             priority=priority,
             extra_body=extra_body,
+            loras=loras,
         )
         response = self._client.post("/v1/videos", json=body, idempotency_key=idempotency_key)
         return Video.from_dict(response.json())
@@ -243,6 +263,7 @@ class AsyncVideos:
         negative_prompt: str | None = None,
         seed: int | None = None,
         priority: int | None = None,
+        loras: Sequence[LoraSpec] | None = None,
         extra_body: Mapping[str, Any] | None = None,
         idempotency_key: str | None = None,
     ) -> Video:
@@ -260,6 +281,7 @@ class AsyncVideos:
             seed=seed,
             priority=priority,
             extra_body=extra_body,
+            loras=loras,
         )
         response = await self._client.post("/v1/videos", json=body, idempotency_key=idempotency_key)
         return Video.from_dict(response.json())
