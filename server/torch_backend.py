@@ -40,7 +40,10 @@ class TorchBackend(Backend):
         sources += [resolve_source(model) for model in settings.models]
         if not sources:
             sources = [resolve_source()]  # the packaged default model
-        self._cards = [self._register(describe(s), started) for s in sources]
+        files = transformer_files(settings.transformers, [s.name for s in sources])
+        self._cards = [
+            self._register(describe(s, **files.get(s.name, {})), started) for s in sources
+        ]
         names = [c.name for c in self._cards]
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
@@ -168,6 +171,19 @@ class TorchBackend(Backend):
         if self.device.type == "cuda":
             # Cached blocks from the failed pass would otherwise look like a leak to the next job.
             torch.cuda.empty_cache()
+
+
+def transformer_files(specs: list[str], names: list[str]) -> dict[str, dict]:
+    """`--transformer NAME=FILE` entries as `describe` overrides by served model name."""
+    files: dict[str, list[str]] = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--transformer {spec!r}: expected NAME=FILE")
+        if name not in names:
+            raise ValueError(f"--transformer {spec}: no served model is named {name!r}")
+        files.setdefault(name, []).append(path)
+    return {name: {"transformer_files": tuple(paths)} for name, paths in files.items()}
 
 
 def parse_lora_spec(spec: str) -> tuple[str | None, str, Path]:

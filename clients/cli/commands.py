@@ -39,6 +39,14 @@ def register_generate(sub) -> None:
     p.add_argument("--negative-prompt", default="", help="what to steer away from")
     p.add_argument("--image", help="first-frame image, for a model that takes one (Wan2.2-TI2V)")
     p.add_argument(
+        "--transformer",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="a single-file transformer checkpoint (original Wan, ComfyUI or diffusers keys; fp8 "
+        "scaled upcast) over the --model pipeline directory; Wan2.2-A14B: high, then low",
+    )
+    p.add_argument(
         "--lora",
         action="append",
         default=[],
@@ -156,6 +164,10 @@ def run_generate(args) -> int:
     if (args.gpu_budget or args.stats or args.trace) and args.offload != "stream":
         raise UsageError("--gpu-budget, --stats and --trace need --offload stream")
     overrides = {"attention": args.attention} if args.attention else {}
+    if args.transformer:
+        if describe(model_source(args)).family != "wan":
+            raise UsageError("--transformer needs --model naming a Wan pipeline directory")
+        overrides["transformer_files"] = tuple(args.transformer)
     info = describe(model_source(args), **overrides)
     from megaslide.engine.loader import load_adapter, open_pipeline
 

@@ -24,6 +24,7 @@ LOCAL_ONLY_GENERATE = {
     "gpu_budget": None,
     "stats": None,
     "trace": None,
+    "transformer": [],
 }
 # The same for `finetune`: the server decides the schedule, checkpoints and where the model lives.
 LOCAL_ONLY_FINETUNE = {

@@ -114,6 +114,14 @@ def _worker_args(p) -> None:
         "--preset", help="serve random weights of a named preset (for tests and benchmarks)"
     )
     p.add_argument(
+        "--transformer",
+        action="append",
+        default=[],
+        metavar="NAME=FILE",
+        help="serve model NAME's transformer from a single-file checkpoint (original Wan, ComfyUI "
+        "or diffusers keys) over its --model directory; twice for Wan2.2-A14B (high, then low)",
+    )
+    p.add_argument(
         "--lora",
         action="append",
         default=[],
@@ -198,6 +206,8 @@ def _settings(args):
         overrides["models"] = args.model
     if getattr(args, "lora", None):
         overrides["loras"] = args.lora
+    if getattr(args, "transformer", None):
+        overrides["transformers"] = args.transformer
     try:
         if getattr(args, "api_key", None):
             overrides["api_keys"] = [*Settings().api_keys, *args.api_key]

@@ -68,7 +68,9 @@ class WanFamily(Family):
             getattr(transformers.UMT5EncoderModel, "_keep_in_fp32_modules", None) or ()
         )
 
-        def weights(folder: str) -> SafetensorsFile:
+        def weights(folder: str):
+            if config.transformer_files and folder in config.experts:
+                return _single_file(config, folder, experts[config.experts.index(folder)])
             return SafetensorsFile(weight_files(path / folder))
 
         return [
@@ -172,6 +174,15 @@ def _meta_transformer(diffusers, folder: Path) -> nn.Module:
             model.rope.attention_head_dim, model.rope.patch_size, model.rope.max_seq_len
         )
     return model
+
+
+def _single_file(config: WanConfig, folder: str, expert: nn.Module):
+    """An expert's weights from its single file, checked against the model built on meta."""
+    from .single_file import SingleFileWeights
+
+    weights = SingleFileWeights(config.transformer_files[config.experts.index(folder)])
+    weights.check({k: tuple(v.shape) for k, v in expert.state_dict().items()})
+    return weights
 
 
 def _numel(module: nn.Module) -> int:
