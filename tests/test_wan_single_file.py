@@ -135,3 +135,31 @@ def test_keys_that_do_not_fit_are_named(wan):
         describe(resolve_source(str(wan["base"])), transformer_files=(str(extra), str(extra)))
     with pytest.raises(WanFormatError, match="not found"):
         describe(resolve_source(str(wan["base"])), transformer_files=(str(root / "none"),))
+
+
+def test_cli_and_server_take_a_transformer_file(wan, tmp_path):
+    from megaslide.cli.main import main
+
+    file = str(wan["root"] / "original.safetensors")
+    args = ["generate", "a red circle", "--model", str(wan["base"]), "--no-progress"]
+    assert main([*args, "-o", str(tmp_path / "a.mp4"), "--transformer", file]) == 0
+    bad = str(wan["root"] / "absent.safetensors")
+    assert main([*args, "-o", str(tmp_path / "b.mp4"), "--transformer", bad]) == 2
+    assert not (tmp_path / "b.mp4").exists()
+
+    from megaslide.server import Settings
+    from megaslide.server.torch_backend import TorchBackend
+
+    def backend(*transformers):
+        return TorchBackend(
+            Settings(
+                data_dir=tmp_path / "data",
+                models=[f"wan={wan['base']}"],
+                transformers=list(transformers),
+            )
+        )
+
+    (card,) = backend(f"wan={file}").cards()
+    assert card.name == "wan"
+    with pytest.raises(ValueError, match="no served model is named 'other'"):
+        backend(f"other={file}")
