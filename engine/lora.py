@@ -235,6 +235,7 @@ class _Group:
     rows: torch.Tensor  # (n,) int64 on the device: the rows that use this adapter
     scales: torch.Tensor  # (n,) the user's scale of each of those rows
     scale_list: tuple[float, ...]
+    span: tuple[int, int] | None  # (first, last + 1) when the rows are adjacent
 
 
 class _Plan:
@@ -259,12 +260,14 @@ class _Plan:
                     if a.name == name:
                         idx.append(i)
                         scales.append(s)
+            adjacent = idx == list(range(idx[0], idx[0] + len(idx)))
             self.groups.append(
                 _Group(
                     adapter,
                     torch.tensor(idx, dtype=torch.long, device=device),
                     torch.tensor(scales, dtype=torch.float64),
                     tuple(scales),
+                    (idx[0], idx[-1] + 1) if adjacent else None,
                 )
             )
 
@@ -354,36 +357,45 @@ class AdapterRouter:
 
 
 def apply_deltas(name: str, x: torch.Tensor, y: torch.Tensor, plan: _Plan) -> torch.Tensor:
-    """`y` (the layer's output for input `x`) plus each row's adapters' deltas for layer `name`."""
+    """`y` (the layer's output for input `x`, a fresh tensor the hook owns) plus each row's
+    adapters' deltas for layer `name`, added in place."""
     if plan.uniform is not None:
         for adapter, scale in plan.uniform:
             d = adapter.deltas.get(name)
             if d is not None:  # PEFT's LoRA Linear: result + lora_B(lora_A(x)) * scaling
-                y = y + F.linear(F.linear(x, d.down), d.up, d.bias) * d.scaling(scale)
+                y.add_(F.linear(F.linear(x, d.down), d.up, d.bias) * d.scaling(scale))
         return y
-    rows = x.shape[0]
-    if rows % plan.num_rows:
+    if x.shape[0] % plan.num_rows:
         raise RuntimeError(
-            f"{name}: {rows} input rows do not split into the pass's {plan.num_rows} requests' rows"
+            f"{name}: {x.shape[0]} input rows do not split into the pass's {plan.num_rows} rows"
         )
-    repeat = rows // plan.num_rows  # a layer that runs once per token of each row (per-token time)
+    repeat = x.shape[0] // plan.num_rows  # a layer run once per token of each row (per-token time)
     for g in plan.groups:
         d = g.adapter.deltas.get(name)
         if d is None:
             continue
-        index, factors = g.rows, (g.scales * (d.scaling(1.0))).to(y.dtype)
-        if len(set(g.scale_list)) == 1:
-            factors = None  # one scale: multiplied as a Python float, as PEFT does
-        if repeat > 1:
-            index = (index[:, None] * repeat + torch.arange(repeat, device=index.device)).flatten()
-            if factors is not None:
-                factors = factors.repeat_interleave(repeat)
-        delta = F.linear(F.linear(x.index_select(0, index), d.down), d.up, d.bias)
-        if factors is None:
-            delta = delta * d.scaling(g.scale_list[0])
+        if g.span is not None:  # the group's rows are adjacent: plain slices, no gather
+            a, b = g.span[0] * repeat, g.span[1] * repeat
+            rows_x, rows_y, index = x[a:b], y[a:b], None
         else:
-            delta = delta * factors.to(delta.device).view(-1, *([1] * (delta.dim() - 1)))
-        y = y.index_add(0, index, delta)
+            index = g.rows
+            if repeat > 1:
+                index = (
+                    index[:, None] * repeat + torch.arange(repeat, device=index.device)
+                ).flatten()
+            rows_x, rows_y = x.index_select(0, index), None
+        delta = F.linear(F.linear(rows_x, d.down), d.up, d.bias)
+        if len(set(g.scale_list)) == 1:
+            delta = delta * d.scaling(g.scale_list[0])  # a Python float, as PEFT multiplies
+        else:
+            factors = (g.scales * d.scaling(1.0)).to(device=delta.device, dtype=delta.dtype)
+            if repeat > 1:
+                factors = factors.repeat_interleave(repeat)
+            delta = delta * factors.view(-1, *([1] * (delta.dim() - 1)))
+        if rows_y is not None:
+            rows_y.add_(delta)
+        else:
+            y.index_add_(0, index, delta)
     return y
 
 
