@@ -260,3 +260,22 @@ def test_zero_norm_deltas_are_dropped_and_names_are_checked(wan):
         pipe.resolve(request([LoraChoice("a", float("nan"))]))
     with pytest.raises(AdapterError, match="not found"):
         pipe.add_adapter("b", wan["root"] / "missing.safetensors")
+
+
+def test_the_planner_counts_adapter_memory(wan):
+    from megaslide.engine.lora import linear_targets
+    from megaslide.engine.planner import Workload, plan
+    from megaslide.engine.sources import describe, resolve_source
+
+    info = describe(resolve_source(str(wan["model"])))
+    without = plan(info, w=Workload(frames=9, height=32, width=32))
+    with_loras = plan(info, w=Workload(frames=9, height=32, width=32, loras=3, lora_rank=8))
+    pipe = open_pipeline(wan["model"])
+    per_rank = sum(m.in_features + m.out_features for m in linear_targets(pipe.experts[0]).values())
+    assert with_loras["device"]["lora_adapters"] == 3 * 8 * per_rank * 2  # bf16 factors
+    assert (
+        with_loras["device"]["total"] - without["device"]["total"]
+        == with_loras["device"]["lora_adapters"]
+    )
+    with pytest.raises(ValueError, match="takes no LoRA adapters"):
+        plan(describe(resolve_source(preset="tiny")), w=Workload(loras=1, lora_rank=4))

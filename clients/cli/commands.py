@@ -298,6 +298,10 @@ def register_plan(sub) -> None:
         default=2,
         help="bytes per compute-dtype value (default: 2, bf16)",
     )
+    p.add_argument(
+        "--loras", type=int, default=0, help="LoRA adapters registered (inference; Wan models)"
+    )
+    p.add_argument("--lora-rank", type=int, default=32, help="their rank (default: 32)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=run_plan)
 
@@ -329,6 +333,8 @@ def run_plan(args) -> int:
         gpu_budget=args.gpu_budget,
         max_grad_norm=args.max_grad_norm,
         grad_accum=args.grad_accum,
+        loras=args.loras,
+        lora_rank=args.lora_rank,
     )
     result = plan(describe(model_source(args)), machine, workload)
     print_json(result) if args.json else print(format_plan(result))
