@@ -279,3 +279,13 @@ def test_the_planner_counts_adapter_memory(wan):
     )
     with pytest.raises(ValueError, match="takes no LoRA adapters"):
         plan(describe(resolve_source(preset="tiny")), w=Workload(loras=1, lora_rank=4))
+
+
+def test_a_resolved_request_keeps_its_adapters_through_the_store(wan):
+    from megaslide.engine.request import ResolvedVideo
+
+    pipe = open_pipeline(wan["model"])
+    pipe.add_adapter("a", wan["peft"])
+    video = pipe.resolve(request([LoraChoice("a", 0.25)]))
+    assert ResolvedVideo.from_dict(json.loads(json.dumps(video.to_dict()))) == video
+    assert video.batch_key == pipe.resolve(request()).batch_key  # adapters do not split a batch
