@@ -241,10 +241,11 @@ class _Group:
 class _Plan:
     """Which adapters each row of one pass uses, in the form the hooks apply fastest."""
 
-    def __init__(self, rows: Sequence[Sequence[tuple[Adapter, float]]], device, dtype):
+    def __init__(self, rows: Sequence[Sequence[tuple[Adapter, float]]], device, exact: bool):
         self.num_rows = len(rows)
+        self.exact = exact
         keys = [tuple((a.name, s) for a, s in r) for r in rows]
-        # Every row the same list (one request, or several that ask alike): PEFT's own sequence.
+        # Every row the same list (one request, or several that ask alike): no routing needed.
         self.uniform = tuple(rows[0]) if len(set(keys)) == 1 else None
         self.groups: list[_Group] = []
         if self.uniform is not None:
@@ -277,6 +278,10 @@ class AdapterRouter:
 
     `targets(module) -> {name: Linear}` is the family's declaration of what is adaptable in a
     denoiser. Adapters are converted and checked before they get here (see `register`).
+    `exact` applies a batch whose rows all take the same adapters in PEFT's own sequence of
+    operations (a pipeline's reference mode: bitwise diffusers); otherwise each adapter's product
+    is added into the layer's output by one fused `addmm`, its scale on the rank-sized
+    intermediate, without materialising the delta.
     """
 
     def __init__(
@@ -285,8 +290,11 @@ class AdapterRouter:
         targets: Callable[[nn.Module], dict[str, nn.Linear]],
         device: torch.device,
         dtype: torch.dtype,
+        *,
+        exact: bool = False,
     ):
         self.device, self.dtype = torch.device(device), dtype
+        self.exact = exact
         self.targets = [targets(m) for m in denoisers]
         self.adapters: dict[str, Adapter] = {}
         self._plan: _Plan | None = None
@@ -340,7 +348,7 @@ class AdapterRouter:
         if not any(resolved):
             yield
             return
-        self._plan = _Plan(resolved, self.device, self.dtype)
+        self._plan = _Plan(resolved, self.device, self.exact)
         try:
             yield
         finally:
@@ -359,11 +367,17 @@ class AdapterRouter:
 def apply_deltas(name: str, x: torch.Tensor, y: torch.Tensor, plan: _Plan) -> torch.Tensor:
     """`y` (the layer's output for input `x`, a fresh tensor the hook owns) plus each row's
     adapters' deltas for layer `name`, added in place."""
-    if plan.uniform is not None:
+    if plan.uniform is not None and plan.exact:
         for adapter, scale in plan.uniform:
             d = adapter.deltas.get(name)
             if d is not None:  # PEFT's LoRA Linear: result + lora_B(lora_A(x)) * scaling
                 y.add_(F.linear(F.linear(x, d.down), d.up, d.bias) * d.scaling(scale))
+        return y
+    if plan.uniform is not None:
+        for adapter, scale in plan.uniform:
+            d = adapter.deltas.get(name)
+            if d is not None:
+                _add_product(x, y, d, d.scaling(scale), None)
         return y
     if x.shape[0] % plan.num_rows:
         raise RuntimeError(
@@ -374,29 +388,39 @@ def apply_deltas(name: str, x: torch.Tensor, y: torch.Tensor, plan: _Plan) -> to
         d = g.adapter.deltas.get(name)
         if d is None:
             continue
-        if g.span is not None:  # the group's rows are adjacent: plain slices, no gather
+        one_scale = len(set(g.scale_list)) == 1
+        factors = None
+        if not one_scale:  # each row's own scale, once per token of it
+            factors = (g.scales * d.scaling(1.0)).to(device=y.device, dtype=y.dtype)
+            factors = factors.repeat_interleave(repeat * (x[0].numel() // x.shape[-1]))
+        scale = d.scaling(g.scale_list[0]) if one_scale else 1.0
+        if g.span is not None:  # the group's rows are adjacent: slices of x and y, no gather
             a, b = g.span[0] * repeat, g.span[1] * repeat
-            rows_x, rows_y, index = x[a:b], y[a:b], None
-        else:
-            index = g.rows
-            if repeat > 1:
-                index = (
-                    index[:, None] * repeat + torch.arange(repeat, device=index.device)
-                ).flatten()
-            rows_x, rows_y = x.index_select(0, index), None
-        delta = F.linear(F.linear(rows_x, d.down), d.up, d.bias)
-        if len(set(g.scale_list)) == 1:
-            delta = delta * d.scaling(g.scale_list[0])  # a Python float, as PEFT multiplies
-        else:
-            factors = (g.scales * d.scaling(1.0)).to(device=delta.device, dtype=delta.dtype)
-            if repeat > 1:
-                factors = factors.repeat_interleave(repeat)
-            delta = delta * factors.view(-1, *([1] * (delta.dim() - 1)))
-        if rows_y is not None:
-            rows_y.add_(delta)
-        else:
-            y.index_add_(0, index, delta)
+            _add_product(x[a:b], y[a:b], d, scale, factors)
+            continue
+        index = g.rows
+        if repeat > 1:
+            index = (index[:, None] * repeat + torch.arange(repeat, device=index.device)).flatten()
+        rows_y = y.new_zeros((len(index), *y.shape[1:]))
+        _add_product(x.index_select(0, index), rows_y, d, scale, factors)
+        y.index_add_(0, index, rows_y)
     return y
+
+
+def _add_product(x, y, d: LoraDelta, scale: float, factors: torch.Tensor | None) -> None:
+    """`y += scale * factors * lora_B(lora_A(x))` in place, with `factors` one per token (or None):
+    the scales go on the rank-sized intermediate, and `addmm_` adds the product into `y` itself."""
+    x2 = x.reshape(-1, x.shape[-1])  # (tokens, in)
+    y2 = y.view(-1, y.shape[-1])  # (tokens, out): y is a contiguous slice of the layer's output
+    h = x2 @ d.down.t()  # (tokens, r)
+    if factors is not None:
+        h = h * factors[:, None]
+    y2.addmm_(h, d.up.t(), alpha=scale)
+    if d.bias is not None:
+        if factors is None:
+            y2.add_(d.bias, alpha=scale)
+        else:
+            y2.add_(factors[:, None] * d.bias)
 
 
 def linear_targets(module: nn.Module) -> dict[str, nn.Linear]:

@@ -114,7 +114,7 @@ def test_lora_benchmark_quick():
     ratios = r["ratio_to_none"]
     assert abs(ratios["one"] - r["megaslide_s"]["one"] / r["megaslide_s"]["none"]) < 1e-9
     assert r["goal_met"] == (max(ratios.values()) <= r["goal_ratio"])
-    assert r["max_abs_diff_vs_diffusers"] <= 1e-5 * r["output_scale"]  # the same adapter
+    assert r["max_abs_diff_vs_diffusers"] <= 1e-4 * r["output_scale"]  # the same adapter
     assert r["adapter_effect"] > 1e-4 * r["output_scale"]  # and it changes the output
     assert r["adapter_device_bytes"] == 2 * r["adapter_device_bytes_bf16"] > 0
     assert r["registration_s"] > 0

@@ -249,7 +249,10 @@ class WanVideoPipeline(Pipeline):
             else None
         )
         # LoRA adapters: factors on the device, applied per row by hooks on the experts' Linears.
-        self.adapters = AdapterRouter(self.experts, WanFamily().adaptable, self.device, self.dtype)
+        # The reference mode applies them in PEFT's own sequence: bitwise diffusers.
+        self.adapters = AdapterRouter(
+            self.experts, WanFamily().adaptable, self.device, self.dtype, exact=not batched
+        )
         self.load_adapter = WanFamily().load_adapter
         self.expert_names = ("high", "low") if len(self.experts) > 1 else (None,)
 
