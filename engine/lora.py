@@ -34,7 +34,7 @@ from torch.nn import functional as F
 
 ADAPTER_SUFFIXES = (".lora_A.weight", ".lora_B.weight", ".lora_B.bias")
 MAX_ADAPTERS_PER_REQUEST = 8
-DEFAULT_KEYS = ("steps", "guidance")  # sampling defaults an adapter may carry
+DEFAULT_KEYS = ("steps", "guidance", "shift")  # sampling defaults an adapter may carry
 
 
 class AdapterError(ValueError):
@@ -76,7 +76,7 @@ class Adapter:
     name: str
     deltas: dict[str, LoraDelta]
     source: str = ""  # the file it came from
-    defaults: dict = field(default_factory=dict)  # sampling defaults (steps, guidance)
+    defaults: dict = field(default_factory=dict)  # sampling defaults (steps, guidance, shift)
 
     @property
     def rank(self) -> int:
@@ -164,7 +164,7 @@ def read_adapter_file(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[s
 def sidecar_defaults(path: str | Path, metadata: Mapping[str, str]) -> dict:
     """Sampling defaults an adapter carries (a step-distilled one: few steps, no guidance): a
     `megaslide.sampling` JSON entry in the file's metadata, or `<file>.json` beside it with a
-    "sampling" object. Only steps and guidance are taken; anything else is an error."""
+    "sampling" object. Only steps, guidance and shift are taken; anything else is an error."""
     found: dict = {}
     if "megaslide.sampling" in metadata:
         try:
@@ -185,7 +185,8 @@ def sidecar_defaults(path: str | Path, metadata: Mapping[str, str]) -> dict:
             f"{path}: unknown sampling default {unknown[0]!r} (known: {', '.join(DEFAULT_KEYS)})"
         )
     for k, v in found.items():
-        if not isinstance(v, int | float) or not math.isfinite(v) or v < (1 if k == "steps" else 0):
+        low = {"steps": 1, "guidance": 0}.get(k, 1e-6)  # a shift must be positive
+        if not isinstance(v, int | float) or not math.isfinite(v) or v < low:
             raise AdapterError(f"{path}: sampling default {k}={v!r} is not a valid number")
     if "steps" in found and found["steps"] != int(found["steps"]):
         raise AdapterError(f"{path}: sampling default steps must be a whole number")

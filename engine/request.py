@@ -194,6 +194,9 @@ class ResolvedVideo:
     seed: int
     image: str | None = None
     loras: tuple[LoraChoice, ...] = ()
+    # The sampling schedule's shift when an adapter sets one (a step-distilled adapter); None:
+    # the model's own.
+    shift: float | None = None
 
     @property
     def batch_key(self) -> tuple:
@@ -257,8 +260,9 @@ def resolve(
 
     `max_steps` and `max_prompt_chars` are a server's own caps on top of the model's. `adapters`
     maps the model's registered LoRA adapters to the sampling defaults each carries (a
-    step-distilled adapter: few steps, no guidance); the first adapter a request names that has
-    defaults fills the steps and guidance the request leaves out. Raises RequestError naming the
+    step-distilled adapter: few steps, no guidance, its own shift); the first adapter a request
+    names that has defaults fills the steps and guidance the request leaves out, and sets the
+    schedule's shift. Raises RequestError naming the
     parameter at fault (as the HTTP API spells it).
     """
     loras = check_loras(request.loras, limits, adapters)
@@ -347,6 +351,7 @@ def resolve(
         seed=seed,
         image=request.image,
         loras=loras,
+        shift=adapter_defaults.get("shift"),
     )
 
 

@@ -169,24 +169,44 @@ def test_adapters_per_expert(wan):
 
 
 def test_distilled_adapter_defaults(wan):
-    """An adapter's sidecar gives steps and guidance to requests that leave them out: a 2-step,
-    guidance-free request makes one pass per step."""
+    """An adapter's sidecar gives steps, guidance and shift to requests that leave them out: a
+    2-step, guidance-free request makes one pass per step and is diffusers' video with the
+    adapter loaded and the scheduler's shift set alike."""
     file = write_peft(wan["root"] / "distill.safetensors", seed=7)
     (wan["root"] / "distill.safetensors.json").write_text(
-        json.dumps({"sampling": {"steps": 2, "guidance": 1.0}})
+        json.dumps({"sampling": {"steps": 2, "guidance": 1.0, "shift": 5.0}})
     )
-    pipe = open_pipeline(wan["model"])
+    pipe = open_pipeline(wan["model"], batched=False)
     card = pipe.add_adapter("fast", file)
-    assert card["defaults"] == {"steps": 2, "guidance": 1.0}
+    assert card["defaults"] == {"steps": 2, "guidance": 1.0, "shift": 5.0}
     video = pipe.resolve(request([LoraChoice("fast")], steps=None, guidance=None))
-    assert (video.steps, video.guidance) == (2, 1.0)
+    assert (video.steps, video.guidance, video.shift) == (2, 1.0, 5.0)
     own = pipe.resolve(request([LoraChoice("fast")], steps=3, guidance=None))
     assert (own.steps, own.guidance) == (3, 1.0)  # what the request says wins
+    assert pipe.resolve(request()).shift is None  # without the adapter: the model's schedule
     passes = []
     hook = pipe.experts[0].register_forward_hook(lambda m, a, o: passes.append(a))
-    pipe.generate(video)
+    ours = pipe.generate(video)
     hook.remove()
     assert len(passes) == 2
+
+    reference = diffusers.WanPipeline.from_pretrained(wan["model"])
+    reference.set_progress_bar_config(disable=True)
+    reference.scheduler = type(reference.scheduler).from_config(
+        reference.scheduler.config, flow_shift=5.0
+    )
+    reference.load_lora_weights(str(file), adapter_name="fast")
+    out = reference(
+        prompt=PROMPT,
+        **{**CLIP, "num_inference_steps": 2, "guidance_scale": 1.0},
+        generator=torch.Generator().manual_seed(3),
+        output_type="np",
+    ).frames[0]
+    assert np.array_equal(ours, np.round(out * 255).astype(np.uint8))
+
+    (wan["root"] / "distill.safetensors.json").write_text(json.dumps({"sampling": {"cfg": 1}}))
+    with pytest.raises(AdapterError, match="unknown sampling default 'cfg'"):
+        pipe.add_adapter("odd", file)
 
 
 def _bad(wan, name, **kw):

@@ -284,6 +284,9 @@ class WanVideoPipeline(Pipeline):
         generator = torch.Generator().manual_seed(video.seed)
         latents = torch.randn(shape, generator=generator, dtype=torch.float32).to(self.device)
         scheduler = copy.deepcopy(self.scheduler)
+        if video.shift is not None:  # an adapter's own schedule (a step-distilled one)
+            key = "flow_shift" if "flow_shift" in scheduler.config else "shift"
+            scheduler = type(scheduler).from_config(scheduler.config, **{key: video.shift})
         scheduler.set_timesteps(video.steps, device=self.device)
         scheduler.set_begin_index(0)
         grid = self.config.token_grid(video.frames, video.height, video.width)
