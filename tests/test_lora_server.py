@@ -12,7 +12,7 @@ import pytest
 from megaslide.server import Settings
 
 from lora_fixtures import write_peft
-from server_fakes import torch_app
+from server_fakes import live_server, torch_app
 from wan_fixtures import build_tiny_wan
 
 pytest.importorskip("diffusers")
@@ -130,3 +130,19 @@ def test_cli_generate_with_a_lora(served, tmp_path):
     wrong = write_peft(tmp_path / "deep.safetensors", blocks=3)
     assert main([*args, "-o", str(tmp_path / "x.mp4"), "--lora", f"deep={wrong}"]) == 2
     assert not (tmp_path / "x.mp4").exists()
+
+
+def test_cli_remote_generate_names_a_registered_adapter(served, tmp_path, capsys):
+    from megaslide.cli.main import main
+
+    out = tmp_path / "remote.mp4"
+    with live_server(served["app"]) as url:
+        args = ["generate", "a red circle", "--server", url, "--model", "wan", "--no-progress"]
+        lora = ["--lora", "style", "--lora-scale", "style=0.5"]
+        assert main([*args, "-o", str(out), *lora]) == 0
+        assert out.stat().st_size > 100
+        local = ["--lora", f"style={served['adapter']}"]  # a file is for local runs
+        assert main([*args, "-o", str(tmp_path / "x.mp4"), *local]) == 2
+        assert main([*args, "-o", str(tmp_path / "x.mp4"), "--lora", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert "NAME=FILE is local" in err and "no adapter named 'nope'" in err
