@@ -472,6 +472,24 @@ def checkpoint_object(row: dict, job: dict) -> Checkpoint:
 
 
 # ---------------------------------------------------------------------------------------------
+# adapters
+
+
+class AdapterObject(BaseModel):
+    """A LoRA adapter of a base model: `uploaded` (waiting for the workers), `ready` (a video
+    request may name it in `loras`) or `error` (`status_details` says why)."""
+
+    id: str
+    object: Literal["adapter"] = "adapter"
+    model: str
+    status: Literal["uploaded", "ready", "error"]
+    status_details: str | None = None
+    rank: int | None = None
+    bytes: int | None = Field(None, description="device bytes of its factors")
+    defaults: dict = Field(default_factory=dict, description="sampling defaults it carries")
+
+
+# ---------------------------------------------------------------------------------------------
 # models
 
 

@@ -115,6 +115,17 @@ class TorchBackend(Backend):
             pipe.register_adapter(adapter)
         return pipe
 
+    def add_adapter(self, card: ModelCard, model, name: str, path: Path) -> dict:
+        from megaslide.engine.loader import load_adapter
+
+        if any(a.name == name for a in self._adapters.get(card.name, ())):
+            raise ValueError(f"{card.name} already has an adapter {name!r}")
+        adapter = load_adapter(self._infos[card.name], name, path)
+        if model is not None:
+            model.register_adapter(adapter)
+        self._adapters.setdefault(card.name, []).append(adapter)
+        return adapter.card() | {"base": card.name}
+
     # --- fine-tuning -------------------------------------------------------------------------
 
     def check_dataset(self, root: Path) -> int:

@@ -146,3 +146,57 @@ def test_cli_remote_generate_names_a_registered_adapter(served, tmp_path, capsys
         assert main([*args, "-o", str(tmp_path / "x.mp4"), "--lora", "nope"]) == 2
     err = capsys.readouterr().err
     assert "NAME=FILE is local" in err and "no adapter named 'nope'" in err
+
+
+def wait_adapter(client, model, name, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        adapter = client.get(f"/v1/adapters/{model}/{name}").json()
+        if adapter["status"] != "uploaded":
+            return adapter
+        time.sleep(0.05)
+    raise AssertionError(f"adapter {name} was not taken up")
+
+
+def test_adapters_uploaded_over_the_api(served, tmp_path):
+    good = write_peft(tmp_path / "up.safetensors", seed=11).read_bytes()
+    deep = write_peft(tmp_path / "deep.safetensors", blocks=3).read_bytes()
+
+    def upload(c, name, content, model="wan"):
+        return c.post(
+            "/v1/adapters",
+            data={"model": model, "name": name},
+            files={"file": (f"{name}.safetensors", content, "application/octet-stream")},
+        )
+
+    with TestClient(served["app"]) as c:
+        answer = upload(c, "up", good)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["status"] == "uploaded"
+        ready = wait_adapter(c, "wan", "up")
+        assert (ready["status"], ready["rank"]) == ("ready", 4), ready
+        v = c.post(
+            "/v1/videos", json={"model": "wan", "prompt": "a cat", "loras": [{"name": "up"}]}
+        )
+        assert v.status_code == 200, v.text
+        assert wait(c, v.json()["id"])["status"] == "completed"
+
+        assert upload(c, "deep", deep).status_code == 200
+        refused = wait_adapter(c, "wan", "deep")
+        assert refused["status"] == "error"
+        assert "blocks.2.attn1.to_k.lora_A.weight" in refused["status_details"]
+        bad = c.post(
+            "/v1/videos", json={"model": "wan", "prompt": "x", "loras": [{"name": "deep"}]}
+        )
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "loras"
+
+        junk = upload(c, "junk", b"not a safetensors file")
+        assert junk.status_code == 400 and junk.json()["error"]["param"] == "file"
+        assert upload(c, "up", good).status_code == 409
+        assert upload(c, "style", good).status_code == 409  # registered at start
+        assert upload(c, "x", good, model="nope").status_code == 404
+        assert upload(c, "../x", good).status_code == 400
+        listed = {a["id"]: a["status"] for a in c.get("/v1/adapters").json()["data"]}
+        assert listed == {"style": "ready", "up": "ready", "deep": "error"}
+        models = c.get("/v1/models").json()["data"]
+        assert {a["name"] for a in models[0]["adapters"]} == {"style", "up"}
