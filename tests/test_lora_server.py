@@ -200,3 +200,16 @@ def test_adapters_uploaded_over_the_api(served, tmp_path):
         assert listed == {"style": "ready", "up": "ready", "deep": "error"}
         models = c.get("/v1/models").json()["data"]
         assert {a["name"] for a in models[0]["adapters"]} == {"style", "up"}
+
+
+def test_sdk_uploads_an_adapter(served, tmp_path):
+    from megaslide_client import Client
+
+    file = write_peft(tmp_path / "sdk.safetensors", seed=12)
+    with TestClient(served["app"]) as c:
+        client = Client(base_url="http://testserver", http_client=c, max_retries=0)
+        created = client.adapters.create(file=file, model="wan", name="sdk")
+        assert created.status == "uploaded"
+        ready = client.adapters.wait_until_ready("wan", "sdk", poll_interval_ms=50, max_wait=60)
+        assert (ready.status, ready.rank, ready.model) == ("ready", 4, "wan")
+        assert "sdk" in {a.id for a in client.adapters.list(model="wan")}

@@ -173,6 +173,21 @@ class FileObject(APIObject):
 
 
 @dataclass
+class Adapter(APIObject):
+    """A LoRA adapter of a base model: `uploaded`, `ready` (name it in a video's `loras`) or
+    `error` (`status_details` names what did not fit)."""
+
+    id: str | None = None  # its name
+    object: str | None = None
+    model: str | None = None
+    status: str | None = None
+    status_details: str | None = None
+    rank: int | None = None
+    bytes: int | None = None  # device bytes of its factors
+    defaults: dict[str, Any] | None = None  # sampling defaults it carries
+
+
+@dataclass
 class FileDeleted(APIObject):
     """The answer to deleting a file."""
 
