@@ -234,7 +234,7 @@ def deltas_from_peft(
 class _Group:
     adapter: Adapter
     rows: torch.Tensor  # (n,) int64 on the device: the rows that use this adapter
-    scales: torch.Tensor  # (n,) the user's scale of each of those rows
+    scales: torch.Tensor  # (n,) the user's scale of each of those rows, on the device
     scale_list: tuple[float, ...]
     span: tuple[int, int] | None  # (first, last + 1) when the rows are adjacent
 
@@ -242,7 +242,7 @@ class _Group:
 class _Plan:
     """Which adapters each row of one pass uses, in the form the hooks apply fastest."""
 
-    def __init__(self, rows: Sequence[Sequence[tuple[Adapter, float]]], device, exact: bool):
+    def __init__(self, rows: Sequence[Sequence[tuple[Adapter, float]]], device, dtype, exact: bool):
         self.num_rows = len(rows)
         self.exact = exact
         keys = [tuple((a.name, s) for a, s in r) for r in rows]
@@ -263,11 +263,13 @@ class _Plan:
                         idx.append(i)
                         scales.append(s)
             adjacent = idx == list(range(idx[0], idx[0] + len(idx)))
+            # Two small host-to-device copies per pass, not per layer: the hooks then index and
+            # scale with tensors already on the device.
             self.groups.append(
                 _Group(
                     adapter,
                     torch.tensor(idx, dtype=torch.long, device=device),
-                    torch.tensor(scales, dtype=torch.float64),
+                    torch.tensor(scales, dtype=dtype, device=device),
                     tuple(scales),
                     (idx[0], idx[-1] + 1) if adjacent else None,
                 )
@@ -349,7 +351,7 @@ class AdapterRouter:
         if not any(resolved):
             yield
             return
-        self._plan = _Plan(resolved, self.device, self.exact)
+        self._plan = _Plan(resolved, self.device, self.dtype, self.exact)
         try:
             yield
         finally:
@@ -392,7 +394,7 @@ def apply_deltas(name: str, x: torch.Tensor, y: torch.Tensor, plan: _Plan) -> to
         one_scale = len(set(g.scale_list)) == 1
         factors = None
         if not one_scale:  # each row's own scale, once per token of it
-            factors = (g.scales * d.scaling(1.0)).to(device=y.device, dtype=y.dtype)
+            factors = g.scales.to(y.dtype) * d.scaling(1.0)
             factors = factors.repeat_interleave(repeat * (x[0].numel() // x.shape[-1]))
         scale = d.scaling(g.scale_list[0]) if one_scale else 1.0
         if g.span is not None:  # the group's rows are adjacent: slices of x and y, no gather
