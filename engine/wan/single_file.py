@@ -54,8 +54,7 @@ class SingleFileWeights(Mapping):
             (
                 k
                 for k in keys
-                if not k.endswith(".scale_input")
-                and k.endswith(".scale_weight")
+                if k.endswith(".scale_weight")
                 and k.removesuffix(".scale_weight") + ".weight" not in self.file
             ),
             None,
