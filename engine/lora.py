@@ -249,8 +249,13 @@ class _Plan:
         # Every row the same list (one request, or several that ask alike): no routing needed.
         self.uniform = tuple(rows[0]) if len(set(keys)) == 1 else None
         self.groups: list[_Group] = []
+        self.runs: list[tuple[Adapter | None, float]] | None = None
         if self.uniform is not None:
             return
+        if all(len(r) <= 1 for r in rows):
+            self.runs = _equal_runs(rows, keys)
+            if self.runs is not None:
+                return
         order: dict[str, Adapter] = {}
         for r in rows:
             for a, _ in r:
@@ -274,6 +279,23 @@ class _Plan:
                     (idx[0], idx[-1] + 1) if adjacent else None,
                 )
             )
+
+
+def _equal_runs(rows, keys) -> list[tuple[Adapter | None, float]] | None:
+    """The batch as G runs of equally many adjacent rows, each run with at most one adapter (and
+    one scale), when it splits so (Punica's segments, made equal so one `bmm` does them all):
+    `[(adapter or None, scale)] * G`; None when it does not."""
+    lengths, start = [], 0
+    for i in range(1, len(keys) + 1):
+        if i == len(keys) or keys[i] != keys[start]:
+            lengths.append(i - start)
+            start = i
+    length = math.gcd(*lengths)
+    runs = []
+    for first in range(0, len(rows), length):
+        r = rows[first]
+        runs.append((r[0][0], r[0][1]) if r else (None, 0.0))
+    return runs if len(runs) > 1 else None
 
 
 class AdapterRouter:
@@ -382,6 +404,9 @@ def apply_deltas(name: str, x: torch.Tensor, y: torch.Tensor, plan: _Plan) -> to
             if d is not None:
                 _add_product(x, y, d, d.scaling(scale), None)
         return y
+    if plan.runs is not None:
+        _add_grouped(name, x, y, plan.runs)
+        return y
     if x.shape[0] % plan.num_rows:
         raise RuntimeError(
             f"{name}: {x.shape[0]} input rows do not split into the pass's {plan.num_rows} rows"
@@ -408,6 +433,35 @@ def apply_deltas(name: str, x: torch.Tensor, y: torch.Tensor, plan: _Plan) -> to
         _add_product(x.index_select(0, index), rows_y, d, scale, factors)
         y.index_add_(0, index, rows_y)
     return y
+
+
+def _add_grouped(name: str, x, y, runs: list[tuple[Adapter | None, float]]) -> None:
+    """`y += lora_B(lora_A(x)) * scale` with each of the G equal runs of rows taking its own
+    adapter: the factors stacked (the scale folded into lora_A, ranks padded with zeros, a run
+    without an adapter all zeros) and two batched matmuls for the whole pass."""
+    deltas = [None if a is None else a.deltas.get(name) for a, _ in runs]
+    if all(d is None for d in deltas):
+        return
+    g = len(runs)
+    xs = x.reshape(g, -1, x.shape[-1])  # (G, tokens of a run, in): runs are adjacent rows
+    ys = y.view(g, -1, y.shape[-1])  # (G, tokens of a run, out)
+    rank = max(d.rank for d in deltas if d is not None)
+    n_in, n_out = xs.shape[-1], ys.shape[-1]
+    down = xs.new_zeros((g, rank, n_in))
+    up = xs.new_zeros((g, n_out, rank))
+    bias = xs.new_zeros((g, 1, n_out)) if any(d and d.bias is not None for d in deltas) else None
+    for k, (d, (_, scale)) in enumerate(zip(deltas, runs)):
+        if d is None:
+            continue
+        s = d.scaling(scale)
+        down[k, : d.rank].copy_(d.down).mul_(s)
+        up[k, :, : d.rank].copy_(d.up)
+        if d.bias is not None:
+            bias[k, 0].copy_(d.bias).mul_(s)
+    h = torch.bmm(xs, down.transpose(1, 2))  # (G, tokens, r)
+    ys.baddbmm_(h, up.transpose(1, 2))
+    if bias is not None:
+        ys.add_(bias)
 
 
 def _add_product(x, y, d: LoraDelta, scale: float, factors: torch.Tensor | None) -> None:

@@ -132,6 +132,34 @@ def test_requests_with_different_adapters_share_one_pass_per_step(wan):
     assert level_diff(alone[0], alone[2]) > 8 and level_diff(alone[1], alone[0]) > 8
 
 
+def test_one_adapter_a_request_runs_as_one_grouped_product(wan):
+    """Guided requests with one adapter each (or none) split the batch into equal runs of rows:
+    the grouped path, each clip within one uint8 level of its run alone."""
+    from megaslide.engine import lora
+
+    pipe = open_pipeline(wan["model"])
+    pipe.add_adapter("a", wan["peft"])
+    pipe.add_adapter("b", wan["musubi"])
+    requests = [
+        request([LoraChoice("a")], seed=1),
+        request([LoraChoice("b", 0.5)], seed=2),
+        request([], seed=3),
+    ]
+    alone = [pipe.generate(r) for r in requests]
+    grouped = []
+    original = lora._add_grouped
+    lora._add_grouped = lambda *args: (grouped.append(1), original(*args))[1]
+    try:
+        states = [pipe.prepare(pipe.resolve(r)) for r in requests]
+        while not all(s.done for s in states):
+            pipe.step(states)
+    finally:
+        lora._add_grouped = original
+    assert grouped  # the batch took the grouped path
+    for state, clip in zip(states, alone):
+        assert level_diff(pipe.finish(state), clip) <= 1
+
+
 def test_per_token_timesteps_route_each_row(wan):
     """Wan2.2-TI2V runs the time embedder once per token of each row: a mixed batch still gives
     each request its own adapter there."""
