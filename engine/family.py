@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
+    from .lora import Adapter
     from .pipeline import Pipeline
     from .sources import ModelInfo
     from .streaming import StreamHandle
@@ -81,6 +82,25 @@ class Family(ABC):
         """A sampling pipeline over the placed modules (`handles`: the streamed ones). `batched`
         runs every request of a step, both halves of each guidance pair, in one forward pass;
         False runs each row alone (a reference mode, as a one-request-at-a-time sampler does)."""
+
+    # -- LoRA adapters ------------------------------------------------------------------------------
+
+    def adaptable(self, denoiser: nn.Module) -> dict[str, nn.Linear]:
+        """The layers of a denoiser a LoRA adapter may change, by qualified name (none: this
+        family takes no adapters)."""
+        return {}
+
+    def adapter_targets(self, info: ModelInfo) -> list[dict[str, nn.Linear]]:
+        """The adaptable layers of each denoiser, built on the meta device (no weights read), for
+        checking an adapter against a model before it opens."""
+        return []
+
+    def load_adapter(self, name: str, path: Path) -> Adapter:
+        """A LoRA file converted to the canonical form (`lora.Adapter`), from whichever key layout
+        this family's adapters are shared in; AdapterError naming the first key it cannot take."""
+        from .lora import AdapterError
+
+        raise AdapterError(f"{self.name} models take no LoRA adapters")
 
     # -- fine-tuning ------------------------------------------------------------------------------
 

@@ -32,6 +32,7 @@ from torch import nn
 from .family import Component, family
 from .host_store import BoundTensor, collect_tensors, layout_nbytes, repoint
 from .initialization import init_module, init_parts
+from .lora import Adapter, AdapterError
 from .ordering import Ordering
 from .pipeline import Pipeline
 from .sources import ModelInfo, ModelSource, describe, resolve_source
@@ -185,6 +186,19 @@ def open_model(
                 for state in _random_parts(template, c):
                     fill(state, strict=False)
     return {c.name: c.module for c in components}, handles
+
+
+def load_adapter(info: ModelInfo, name: str, path: str | Path) -> Adapter:
+    """A LoRA file converted for the model `info` describes and checked against it on the meta
+    device, before any weights load (AdapterError naming the first key that does not fit)."""
+    fam = family(info.family)
+    adapter = fam.load_adapter(name, Path(path))
+    targets = fam.adapter_targets(info)
+    if not adapter.deltas:
+        raise AdapterError(f"adapter {name!r} holds no LoRA factors")
+    for t in targets:
+        adapter.check(t)
+    return adapter
 
 
 @contextlib.contextmanager

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -20,9 +20,16 @@ from .request import ResolvedVideo, VideoRequest, resolve
 from .sources import ModelInfo
 from .streaming import StreamHandle
 
+if TYPE_CHECKING:
+    from .lora import Adapter, AdapterRouter
+
 
 class Pipeline(ABC):
-    """A loaded model ready to sample clips; `handles` are its streamed modules (may be empty)."""
+    """A loaded model ready to sample clips; `handles` are its streamed modules (may be empty).
+    `adapters` holds the LoRA adapters registered on it, for a family that takes them."""
+
+    adapters: AdapterRouter | None = None
+    load_adapter: Callable[[str, Any], Adapter] | None = None  # the family's `load_adapter`
 
     def __init__(self, info: ModelInfo, handles: dict[str, StreamHandle]):
         self.info = info
@@ -34,7 +41,41 @@ class Pipeline(ABC):
 
     def resolve(self, request: VideoRequest, **caps) -> ResolvedVideo:
         """Fill defaults and check limits; RequestError names the bad field (see `request.resolve`)."""
-        return resolve(request, self.info.limits, model=self.name, **caps)
+        return resolve(
+            request, self.info.limits, model=self.name, adapters=self.adapter_defaults(), **caps
+        )
+
+    # -- LoRA adapters ----------------------------------------------------------------------------
+
+    def add_adapter(self, name: str, path, *, replace: bool = False) -> dict:
+        """Register the LoRA file at `path` under `name`: converted once from its key layout,
+        checked against this model (AdapterError naming the first key that does not fit), its
+        factors kept on the device. Returns its card (name, base, rank, bytes, defaults)."""
+        from .lora import AdapterError
+
+        if self.adapters is None or self.load_adapter is None:
+            raise AdapterError(f"{self.name} takes no LoRA adapters")
+        adapter = self.load_adapter(name, path)
+        return {**self.adapters.register(adapter, replace=replace).card(), "base": self.name}
+
+    def register_adapter(self, adapter: Adapter, *, replace: bool = False) -> dict:
+        """Register an adapter already converted (`loader.load_adapter`); returns its card."""
+        from .lora import AdapterError
+
+        if self.adapters is None:
+            raise AdapterError(f"{self.name} takes no LoRA adapters")
+        return {**self.adapters.register(adapter, replace=replace).card(), "base": self.name}
+
+    def adapter_cards(self) -> list[dict]:
+        if self.adapters is None:
+            return []
+        return [{**a.card(), "base": self.name} for a in self.adapters.adapters.values()]
+
+    def adapter_defaults(self) -> dict[str, dict]:
+        """Registered adapters by name, each with the sampling defaults it carries."""
+        if self.adapters is None:
+            return {}
+        return {n: dict(a.defaults) for n, a in self.adapters.adapters.items()}
 
     @abstractmethod
     def prepare(self, video: ResolvedVideo) -> Any:

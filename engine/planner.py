@@ -56,6 +56,8 @@ class Workload:
     gpu_budget: float | None = None  # device bytes for weights; None streams every block
     max_grad_norm: bool = False  # fine-tuning: global-norm clipping
     grad_accum: int = 1  # fine-tuning: micro-batches per optimizer step
+    loras: int = 0  # inference: LoRA adapters registered (their factors live on the device)
+    lora_rank: int = 0  # their rank, on every adaptable layer
 
 
 def tokens(info: ModelInfo, w: Workload) -> int:
@@ -63,6 +65,18 @@ def tokens(info: ModelInfo, w: Workload) -> int:
     s = info.sampling
     grid = info.config.token_grid(w.frames or s.frames, w.height or s.height, w.width or s.width)
     return math.prod(grid)
+
+
+def adapter_bytes(info: ModelInfo, loras: int, rank: int, dtype_bytes: int) -> int:
+    """Device bytes of `loras` rank-`rank` adapters on every adaptable layer of the denoiser (the
+    experts share an adapter's factors); ValueError for a family that takes none."""
+    if not loras:
+        return 0
+    targets = family(info.family).adapter_targets(info)
+    if not targets:
+        raise ValueError(f"{info.name} takes no LoRA adapters")
+    per_rank = sum(layer.in_features + layer.out_features for layer in targets[0].values())
+    return loras * rank * per_rank * dtype_bytes
 
 
 def attention_keys(config, n: int) -> int:
@@ -108,10 +122,12 @@ def plan(info: ModelInfo, machine: Machine = Machine(), w: Workload = Workload()
     # Device: weights. Slots hold streamed blocks (one ring per expert, and one for the text
     # encoder's blocks); the rest of the budget keeps denoiser blocks resident.
     slots = experts * w.prefetch * block_bytes + (w.prefetch * counts["text_per_block"] * wb)
+    lora = 0 if finetune else adapter_bytes(info, w.loras, w.lora_rank, b)
     if w.gpu_budget is None or finetune:  # fine-tuning streams every block
         resident = 0
     else:
-        resident = int(max(0, w.gpu_budget - nonblock_bytes - slots) // (experts * block_bytes))
+        free = w.gpu_budget - nonblock_bytes - slots - lora
+        resident = int(max(0, free) // (experts * block_bytes))
         resident = min(resident, depth)
     streamed = depth - resident
     weights_dev = nonblock_bytes + slots + experts * resident * block_bytes
@@ -129,6 +145,9 @@ def plan(info: ModelInfo, machine: Machine = Machine(), w: Workload = Workload()
     trainable = counts["trainable"]
     if not finetune:
         device.update(activations=act_block, attention_workspace=attn_ws)
+        if lora:
+            # The factors stay on the device; the low-rank products add rows x tokens x rank.
+            device["lora_adapters"] = lora
         host["compute_dtype_weights"] = n_params * b  # pinned once at the exact size
     else:
         # Backward: one block's recompute plus its saved tensors (about 3x the forward live set), the

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -141,6 +141,40 @@ class ModelLimits:
 
 
 @dataclass(frozen=True)
+class LoraChoice:
+    """One LoRA adapter a request applies: registered under `name`, at `scale`, on every expert
+    of the model (`expert=None`) or only on Wan2.2's "high"- or "low"-noise one."""
+
+    name: str
+    scale: float = 1.0
+    expert: str | None = None
+
+    @classmethod
+    def parse(cls, value) -> LoraChoice:
+        """From a `LoraChoice`, a dict `{"name", "scale", "expert"}`, or `"NAME[:SCALE]"`."""
+        if isinstance(value, LoraChoice):
+            return value
+        if isinstance(value, str):
+            name, _, scale = value.partition(":")
+            try:
+                return cls(name, float(scale) if scale else 1.0)
+            except ValueError:
+                raise RequestError(
+                    f"lora {value!r}: the scale after ':' must be a number", param="loras"
+                ) from None
+        if isinstance(value, dict):
+            unknown = sorted(set(value) - {"name", "scale", "expert"})
+            if unknown or "name" not in value:
+                problem = f"unknown field {unknown[0]!r}" if unknown else "no name"
+                raise RequestError(f"loras entry {value!r}: {problem}", param="loras")
+            return cls(value["name"], value.get("scale", 1.0), value.get("expert"))
+        raise RequestError(f"loras entry {value!r} is not an object", param="loras")
+
+
+MAX_LORAS = 8  # adapters one request may apply
+
+
+@dataclass(frozen=True)
 class VideoRequest:
     """A video as asked for; `None` takes the model's default (a random seed for `seed`)."""
 
@@ -155,6 +189,7 @@ class VideoRequest:
     guidance: float | None = None
     seed: int | None = None
     image: str | None = None  # a first-frame image file, for a model that takes one
+    loras: tuple[LoraChoice, ...] = ()  # LoRA adapters to apply, in order
     # A step cache: a preset's name ("fast", ...), or {"policy": ..., "threshold": ...}; None or
     # "off": every step runs its pass.
     cache: str | dict | None = None
@@ -231,11 +266,15 @@ class ResolvedVideo:
     seed: int
     image: str | None = None
     cache: CacheSpec | None = None  # rows with and without a cache share a pass
+    loras: tuple[LoraChoice, ...] = ()
+    # The sampling schedule's shift when an adapter sets one (a step-distilled adapter); None:
+    # the model's own.
+    shift: float | None = None
 
     @property
     def batch_key(self) -> tuple:
-        """Requests with equal keys can share one denoising pass: same weights, latent shape and
-        schedule length."""
+        """Requests with equal keys can share one denoising pass: same base weights, latent shape
+        and schedule length (adapters are applied per row, so they do not split a batch)."""
         return (self.model, self.frames, self.height, self.width, self.steps)
 
     @property
@@ -243,7 +282,9 @@ class ResolvedVideo:
         return self.frames / self.fps
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        d["loras"] = [dataclasses.asdict(c) for c in self.loras]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> ResolvedVideo:
@@ -251,6 +292,7 @@ class ResolvedVideo:
         d = {k: v for k, v in d.items() if k in fields}
         if d.get("cache") is not None:
             d["cache"] = CacheSpec(**d["cache"])
+        d["loras"] = tuple(LoraChoice(**c) for c in d.get("loras") or ())
         return cls(**d)
 
 
@@ -287,12 +329,19 @@ def resolve(
     model: str,
     max_steps: int | None = None,
     max_prompt_chars: int | None = None,
+    adapters: Mapping[str, Mapping] | None = None,
 ) -> ResolvedVideo:
     """Fill `request`'s absent fields from the model's defaults and check every limit.
 
-    `max_steps` and `max_prompt_chars` are a server's own caps on top of the model's. Raises
-    RequestError naming the parameter at fault (as the HTTP API spells it).
+    `max_steps` and `max_prompt_chars` are a server's own caps on top of the model's. `adapters`
+    maps the model's registered LoRA adapters to the sampling defaults each carries (a
+    step-distilled adapter: few steps, no guidance, its own shift); the first adapter a request
+    names that has defaults fills the steps and guidance the request leaves out, and sets the
+    schedule's shift. Raises RequestError naming the
+    parameter at fault (as the HTTP API spells it).
     """
+    loras = check_loras(request.loras, limits, adapters)
+    adapter_defaults = next((adapters[c.name] for c in loras if adapters and adapters[c.name]), {})
     if not request.prompt.strip():
         raise RequestError("prompt must not be empty", param="prompt")
     negative = request.negative_prompt or ""
@@ -337,13 +386,15 @@ def resolve(
             ) from None
         raise
 
-    steps = request.steps or limits.steps
+    steps = request.steps or adapter_defaults.get("steps") or limits.steps
     if max_steps is not None and steps > max_steps:
         raise RequestError(
             f"num_inference_steps ({steps}) exceeds this server's limit of {max_steps}",
             param="num_inference_steps",
         )
-    guidance = limits.guidance if request.guidance is None else request.guidance
+    guidance = request.guidance
+    if guidance is None:
+        guidance = adapter_defaults.get("guidance", limits.guidance)
     if not math.isfinite(guidance) or guidance < 0:
         raise RequestError(
             f"guidance_scale must be a finite number >= 0, got {guidance}", param="guidance_scale"
@@ -376,4 +427,51 @@ def resolve(
         seed=seed,
         image=request.image,
         cache=cache,
+        loras=loras,
+        shift=adapter_defaults.get("shift"),
     )
+
+
+def check_loras(
+    loras, limits: ModelLimits, adapters: Mapping[str, Mapping] | None
+) -> tuple[LoraChoice, ...]:
+    """A request's adapters as `LoraChoice`s, each checked: a known name (when `adapters` says
+    which are known), a finite scale, an expert the model has, no adapter twice on one expert."""
+    choices = tuple(LoraChoice.parse(c) for c in loras or ())
+    if len(choices) > MAX_LORAS:
+        raise RequestError(
+            f"loras: {len(choices)} adapters; at most {MAX_LORAS} per request", param="loras"
+        )
+    seen = set()
+    for c in choices:
+        if not isinstance(c.name, str) or not c.name:
+            raise RequestError("loras: every entry needs a name", param="loras")
+        if adapters is not None and c.name not in adapters:
+            known = ", ".join(sorted(adapters)) or "none are registered"
+            raise RequestError(
+                f"loras: no adapter named {c.name!r} for this model (known: {known})",
+                param="loras",
+                code="unknown_adapter",
+            )
+        if (
+            isinstance(c.scale, bool)
+            or not isinstance(c.scale, int | float)
+            or not math.isfinite(c.scale)
+            or abs(c.scale) > 100
+        ):
+            raise RequestError(
+                f"loras: {c.name!r} scale must be a number in [-100, 100], got {c.scale!r}",
+                param="loras",
+            )
+        experts = ("high", "low") if limits.experts > 1 else ()
+        if c.expert is not None and c.expert not in experts:
+            which = f"one of {', '.join(experts)}" if experts else "left out (one denoiser)"
+            raise RequestError(
+                f"loras: {c.name!r} expert {c.expert!r}: this model's expert must be {which}",
+                param="loras",
+            )
+        for e in (c.expert,) if c.expert else experts or (None,):
+            if (c.name, e) in seen:
+                raise RequestError(f"loras: {c.name!r} is named twice", param="loras")
+            seen.add((c.name, e))
+    return tuple(LoraChoice(c.name, float(c.scale), c.expert) for c in choices)

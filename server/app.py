@@ -26,7 +26,7 @@ from .errors import UnexpectedErrors, install_error_handlers
 from .feed import EventFeed
 from .plain_text import RefuseNul
 from .protocol import WorkerClient
-from .routers import files, fine_tuning, health, models, videos, web
+from .routers import adapters, files, fine_tuning, health, models, videos, web
 from .schemas import error_responses
 from .settings import Settings
 from .store import AsyncStore, JobStore
@@ -93,6 +93,7 @@ def build_app(settings: Settings, workers: WorkerClient) -> FastAPI:
     install_error_handlers(app)
     uploads = [
         Upload("POST", "/v1/files", settings.max_upload_bytes, "file"),
+        Upload("POST", "/v1/adapters", settings.max_upload_bytes, "file"),
         Upload("POST", "/v1/videos", settings.max_image_bytes, "input_reference"),
     ]
     app.add_middleware(
@@ -106,7 +107,13 @@ def build_app(settings: Settings, workers: WorkerClient) -> FastAPI:
     app.include_router(health.router)
     app.include_router(web.router)
     app.mount("/assets", web.assets(), name="assets")
-    for router in (videos.router, files.router, fine_tuning.router, models.router):
+    for router in (
+        videos.router,
+        files.router,
+        fine_tuning.router,
+        models.router,
+        adapters.router,
+    ):
         app.include_router(
             router,
             dependencies=[Depends(require_api_key)],

@@ -94,6 +94,12 @@ class Backend(ABC):
     @abstractmethod
     def load(self, card: ModelCard) -> VideoModel: ...
 
+    def add_adapter(self, card: ModelCard, model: VideoModel | None, name: str, path: Path) -> dict:
+        """Convert and check the LoRA file at `path` for the base model `card` and register it
+        under `name` (on `model` too when it is loaded); returns the adapter's card (name, rank,
+        bytes, defaults). ValueError naming what does not fit."""
+        raise ValueError(f"{card.name} takes no LoRA adapters here")
+
     @abstractmethod
     def check_dataset(self, root: Path) -> int: ...
 

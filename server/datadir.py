@@ -52,6 +52,11 @@ class DataDir:
     def files(self) -> Path:
         return self._folder("files")
 
+    def adapters(self, model: str) -> Path:
+        """Where LoRA adapters uploaded for base model `model` live: `NAME.safetensors`, and
+        `NAME.error` once a worker has refused one (what it said)."""
+        return self._folder(f"adapters/{model}")
+
     def video(self, video_id: str) -> tuple[Path, Path]:
         """Where a video's MP4 and thumbnail live."""
         folder = self.videos

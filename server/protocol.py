@@ -33,6 +33,12 @@ class ModelCard:
     limits: ModelLimits
     parent: str | None = None  # the base model of a fine-tune
     owner: str | None = None  # the principal a fine-tune belongs to (base models: everyone's)
+    # LoRA adapters registered on it: name, rank, modules, bytes, defaults (sampling defaults).
+    adapters: tuple[dict, ...] = ()
+
+    def adapter_defaults(self) -> dict[str, dict]:
+        """Adapter names with the sampling defaults each carries, as `request.resolve` takes them."""
+        return {a["name"]: dict(a.get("defaults") or {}) for a in self.adapters}
 
     @property
     def inputs(self) -> tuple[str, ...]:
@@ -57,7 +63,11 @@ def card_to_dict(card: ModelCard) -> dict:
         guidance=lim.guidance,
     )
     fields = ("name", "kind", "created", "source", "parent")
-    return {**{f: getattr(card, f) for f in fields}, "limits": {**lim.to_dict(), **defaults}}
+    return {
+        **{f: getattr(card, f) for f in fields},
+        "limits": {**lim.to_dict(), **defaults},
+        "adapters": [dict(a) for a in card.adapters],
+    }
 
 
 def card_from_dict(d: dict) -> ModelCard:
@@ -68,7 +78,8 @@ def card_from_dict(d: dict) -> ModelCard:
     rules, so nothing it cannot make is run."""
     limits = _described_limits(d) or _plain_limits(d["limits"])
     fields = ("name", "kind", "created", "source", "parent")
-    return ModelCard(**{f: d.get(f) for f in fields}, limits=limits)
+    adapters = tuple(dict(a) for a in d.get("adapters") or ())
+    return ModelCard(**{f: d.get(f) for f in fields}, limits=limits, adapters=adapters)
 
 
 def _described_limits(d: dict) -> ModelLimits | None:

@@ -12,7 +12,14 @@ from typing import Annotated, Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator
 
-from megaslide.engine.request import SEED_LIMIT, RequestError, VideoRequest, parse_size
+from megaslide.engine.request import (
+    MAX_LORAS,
+    SEED_LIMIT,
+    LoraChoice,
+    RequestError,
+    VideoRequest,
+    parse_size,
+)
 
 from .plain_text import NUL, NUL_MESSAGE
 from .protocol import ModelCard
@@ -115,6 +122,16 @@ def page(items: list, has_more: bool) -> dict:
 # videos
 
 
+class LoraRef(Request):
+    """One LoRA adapter a video applies: registered on the model under `name`."""
+
+    name: str = Field(min_length=1, max_length=256)
+    scale: float = Field(1.0, ge=-100, le=100)
+    expert: Literal["high", "low"] | None = Field(
+        None, description="only on Wan2.2's high- or low-noise expert (default: every expert)"
+    )
+
+
 class VideoCreate(Request):
     """`POST /v1/videos`, as JSON or as multipart form fields (all strings, converted here)."""
 
@@ -142,6 +159,23 @@ class VideoCreate(Request):
     )
     # Image-to-video: a first-frame image, uploaded as a multipart file (see the videos router).
     input_reference: Any = None
+    loras: list[LoraRef] | None = Field(
+        None,
+        max_length=MAX_LORAS,
+        description="LoRA adapters registered on the model, applied in order (a JSON list in a "
+        "multipart form field)",
+    )
+
+    @field_validator("loras", mode="before")
+    @classmethod
+    def _loras(cls, value):
+        # A multipart form sends every field as a string: the list comes as JSON text.
+        if isinstance(value, str):
+            try:
+                return json.loads(value)
+            except json.JSONDecodeError:
+                raise ValueError("must be a JSON list of {name, scale, expert}") from None
+        return value
 
     @field_validator("seconds", mode="before")
     @classmethod
@@ -188,6 +222,7 @@ class VideoCreate(Request):
             seed=self.seed,
             image=image,
             cache=self.cache,
+            loras=tuple(LoraChoice(r.name, r.scale, r.expert) for r in self.loras or ()),
         )
 
 
@@ -220,6 +255,7 @@ class Video(BaseModel):
     step: int
     cache: dict[str, Any] | None = Field(None, description="the step cache, as resolved; null: off")
     passes: int = Field(description="steps that ran a pass of the model (fewer with a step cache)")
+    loras: list[dict] = Field(default_factory=list)
 
 
 class VideoDeleted(BaseModel):
@@ -263,6 +299,7 @@ def video_object(row: dict) -> Video:
         step=row["step"],
         cache=spec.get("cache"),
         passes=row["step"] if row.get("passes") is None else row["passes"],
+        loras=spec.get("loras") or [],
     )
 
 
@@ -478,6 +515,24 @@ def checkpoint_object(row: dict, job: dict) -> Checkpoint:
 
 
 # ---------------------------------------------------------------------------------------------
+# adapters
+
+
+class AdapterObject(BaseModel):
+    """A LoRA adapter of a base model: `uploaded` (waiting for the workers), `ready` (a video
+    request may name it in `loras`) or `error` (`status_details` says why)."""
+
+    id: str
+    object: Literal["adapter"] = "adapter"
+    model: str
+    status: Literal["uploaded", "ready", "error"]
+    status_details: str | None = None
+    rank: int | None = None
+    bytes: int | None = Field(None, description="device bytes of its factors")
+    defaults: dict = Field(default_factory=dict, description="sampling defaults it carries")
+
+
+# ---------------------------------------------------------------------------------------------
 # models
 
 
@@ -491,6 +546,9 @@ class Model(BaseModel):
     inputs: list[str]
     defaults: dict
     limits: dict
+    adapters: list[dict] = Field(
+        default_factory=list, description="LoRA adapters registered on it: name, rank, defaults"
+    )
 
 
 def model_object(card: ModelCard) -> Model:
@@ -510,4 +568,5 @@ def model_object(card: ModelCard) -> Model:
             "guidance_scale": limits.guidance,
         },
         limits=limits.to_dict(),
+        adapters=[dict(a) for a in card.adapters],
     )

@@ -26,6 +26,12 @@ class Settings(BaseSettings):
     # With neither, the packaged default model (or the tiny preset when none ships) is served.
     models: Annotated[list[str], NoDecode] = Field(default_factory=list)
     preset: str | None = None
+    # LoRA adapters registered at start, "NAME=FILE" on every served model or "MODEL:NAME=FILE"
+    # on one; comma-separated in MEGASLIDE_LORAS. A request names them in `loras`.
+    loras: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    # Single-file transformer checkpoints, "NAME=FILE", over the pipeline directory served as NAME
+    # (twice for a Wan2.2 two-expert model: high-noise expert first).
+    transformers: Annotated[list[str], NoDecode] = Field(default_factory=list)
     data_dir: Path = Path("megaslide-data")
     # The job store: SQLite in the data directory by default; postgresql://... for many hosts.
     database: str | None = None
@@ -164,7 +170,7 @@ class Settings(BaseSettings):
             )
         return self
 
-    @field_validator("models", "api_keys", mode="before")
+    @field_validator("models", "api_keys", "loras", "transformers", mode="before")
     @classmethod
     def _split_commas(cls, value):
         if isinstance(value, str):

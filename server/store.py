@@ -287,6 +287,17 @@ class JobStore:
             tunes_back = self._requeue_finetunes(conn, held_f, reason, crashed=True)
         return {"videos_requeued": videos_back, "fine_tunes_requeued": tunes_back}
 
+    def publish_cards(self, name: str, token: str, cards: list[dict]) -> bool:
+        """Replace the model cards worker `name` (incarnation `token`) serves, e.g. once it has
+        registered an uploaded adapter; False when another incarnation holds the name."""
+        with self._tx() as conn:
+            n = conn.execute(
+                workers.update()
+                .where(workers.c.name == name, workers.c.token == token)
+                .values(models=json.dumps(cards))
+            ).rowcount
+        return n == 1
+
     def heartbeat(
         self,
         name: str,

@@ -40,13 +40,38 @@ class TorchBackend(Backend):
         sources += [resolve_source(model) for model in settings.models]
         if not sources:
             sources = [resolve_source()]  # the packaged default model
-        self._cards = [self._register(describe(s), started) for s in sources]
+        files = transformer_files(settings.transformers, [s.name for s in sources])
+        self._cards = [
+            self._register(describe(s, **files.get(s.name, {})), started) for s in sources
+        ]
         names = [c.name for c in self._cards]
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
             raise ValueError(
                 f"two served models share the name {duplicates[0]!r}; rename one directory"
             )
+        self._adapters = self._load_adapters(settings.loras)
+        self._cards = [
+            c.replace(adapters=tuple(a.card() | {"base": c.name} for a in self._adapters[c.name]))
+            for c in self._cards
+        ]
+
+    def _load_adapters(self, specs: list[str]) -> dict:
+        """`--lora [MODEL:]NAME=FILE` converted and checked against each model it names (on the
+        meta device: a file that does not fit is named now, before any weights load)."""
+        from megaslide.engine.loader import load_adapter
+
+        adapters: dict[str, list] = {c.name: [] for c in self._cards}
+        for spec in specs:
+            target, name, path = parse_lora_spec(spec)
+            if target is not None and target not in adapters:
+                raise ValueError(f"--lora {spec}: no served model is named {target!r}")
+            for model in [target] if target else list(adapters):
+                if any(a.name == name for a in adapters[model]):
+                    raise ValueError(f"--lora {spec}: {model} already has an adapter {name!r}")
+                adapter = load_adapter(self._infos[model], name, path)
+                adapters[model].append(adapter)
+        return adapters
 
     def _register(self, info: ModelInfo, created: int, kind=None, parent=None) -> ModelCard:
         self._infos[info.name] = info
@@ -79,13 +104,27 @@ class TorchBackend(Backend):
 
     def load(self, card: ModelCard) -> VideoModel:
         s = self.settings
-        return open_pipeline(
+        pipe = open_pipeline(
             self._infos[card.name],
             device=self.device,
             dtype=self.dtype,
             offload=s.offload,
             gpu_budget_bytes=s.gpu_budget,
         )
+        for adapter in self._adapters.get(card.name, ()):
+            pipe.register_adapter(adapter)
+        return pipe
+
+    def add_adapter(self, card: ModelCard, model, name: str, path: Path) -> dict:
+        from megaslide.engine.loader import load_adapter
+
+        if any(a.name == name for a in self._adapters.get(card.name, ())):
+            raise ValueError(f"{card.name} already has an adapter {name!r}")
+        adapter = load_adapter(self._infos[card.name], name, path)
+        if model is not None:
+            model.register_adapter(adapter)
+        self._adapters.setdefault(card.name, []).append(adapter)
+        return adapter.card() | {"base": card.name}
 
     # --- fine-tuning -------------------------------------------------------------------------
 
@@ -143,6 +182,30 @@ class TorchBackend(Backend):
         if self.device.type == "cuda":
             # Cached blocks from the failed pass would otherwise look like a leak to the next job.
             torch.cuda.empty_cache()
+
+
+def transformer_files(specs: list[str], names: list[str]) -> dict[str, dict]:
+    """`--transformer NAME=FILE` entries as `describe` overrides by served model name."""
+    files: dict[str, list[str]] = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--transformer {spec!r}: expected NAME=FILE")
+        if name not in names:
+            raise ValueError(f"--transformer {spec}: no served model is named {name!r}")
+        files.setdefault(name, []).append(path)
+    return {name: {"transformer_files": tuple(paths)} for name, paths in files.items()}
+
+
+def parse_lora_spec(spec: str) -> tuple[str | None, str, Path]:
+    """ "[MODEL:]NAME=FILE" -> (model or None, name, file); ValueError naming what is wrong."""
+    head, sep, path = spec.partition("=")
+    model, _, name = head.rpartition(":")
+    if not sep or not name or not path:
+        raise ValueError(f"--lora {spec!r}: expected NAME=FILE or MODEL:NAME=FILE")
+    if not Path(path).is_file():
+        raise ValueError(f"--lora {spec}: {path} not found")
+    return model or None, name, Path(path)
 
 
 def check_dataset(root: Path, settings: Settings) -> int:

@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from megaslide.engine.atomic import atomic_write_bytes
 from megaslide.engine.request import RequestError, ResolvedVideo
 
 from .backend import Backend, FinetuneJob, TrainingRun, VideoModel
@@ -74,6 +75,7 @@ MAX_LOADED_FINE_TUNES = 2  # fine-tuned models kept loaded beside the base ones 
 DENOISE_SHARE = 90  # progress points for denoising; decoding and encoding the MP4 take the rest
 DECODED_PROGRESS = 95  # clip decoded, MP4 being written; 100 only once the file is in place
 HOUSEKEEPING_INTERVAL_S = 600.0  # how often an idle worker deletes expired outputs
+ADAPTER_SCAN_S = 1.0  # how often a worker looks for uploaded LoRA adapters
 RECOVERY_INTERVAL_S = 1.0  # how often a worker requeues jobs whose leases expired
 STORE_RETRY_S = (0.2, 5.0)  # back-off while the job store fails: first wait, longest wait
 
@@ -152,6 +154,7 @@ class Worker:
         self._encoding: dict[str, str] = {}  # video id -> claim token, while its MP4 is written
         self._tuning: _Tuning | None = None
         self._last_housekeeping = time.monotonic()
+        self._last_adapter_scan = -ADAPTER_SCAN_S
         self._last_recovery = -RECOVERY_INTERVAL_S
         self._progress_at = time.monotonic()  # when the main loop last began a tick
 
@@ -206,7 +209,7 @@ class Worker:
             while not self.stop.is_set():
                 self._progress_at = time.monotonic()  # the watchdog's proof of life (_beat)
                 try:
-                    busy = self._tick() or self._housekeeping()
+                    busy = self._tick() or self._housekeeping() or self._scan_adapters()
                 except UNAVAILABLE as exc:
                     self._store_failed(exc, next(retries))
                     continue
@@ -344,6 +347,41 @@ class Worker:
                 path.unlink(missing_ok=True)
         self.store.prune_events(self.settings.event_ttl_s)
         self.store.forget_idempotency_keys()
+        return False
+
+    def _scan_adapters(self) -> bool:
+        """Now and then, at a step boundary: register LoRA adapters uploaded for the base models
+        served here (`DataDir.adapters`), and publish them with the models' cards; a file that
+        does not fit gets a `NAME.error` beside it saying why. Never counts as work done."""
+        if time.monotonic() - self._last_adapter_scan < ADAPTER_SCAN_S:
+            return False
+        self._last_adapter_scan = time.monotonic()
+        changed = False
+        for model, card in list(self.cards.items()):
+            folder = self.data.root / "adapters" / model
+            if not folder.is_dir():
+                continue
+            known = {a["name"] for a in card.adapters}
+            for path in sorted(folder.glob("*.safetensors")):
+                name = path.stem
+                error = path.with_suffix(".error")
+                if name in known or error.exists():
+                    continue
+                try:
+                    entry = self.backend.add_adapter(card, self._loaded.get(model), name, path)
+                except (ValueError, OSError) as exc:
+                    atomic_write_bytes(error, str(exc).encode())
+                    log.warning("adapter %s for %s refused: %s", name, model, exc)
+                    continue
+                card = card.replace(adapters=(*card.adapters, entry))
+                self.cards[model] = card
+                known.add(name)
+                changed = True
+                log.info("adapter %s registered on %s", name, model)
+        if changed:
+            self.store.publish_cards(
+                self.name, self.token, [card_to_dict(c) for c in self.cards.values()]
+            )
         return False
 
     def _park(self) -> None:

@@ -129,3 +129,15 @@ def test_api_load_benchmark_polls_a_live_server_idle_and_generating():
     assert rows["generating", 4]["busy"]
     ratio = rows["generating", 4]["req_per_s"] / rows["idle", 4]["req_per_s"]
     assert r["goals"]["embedded"]["generating_over_idle_throughput"] == {"4": round(ratio, 2)}
+
+
+def test_lora_benchmark_quick():
+    r = run_json("benchmarks/lora.py", "--quick", "--json")
+    assert set(r["megaslide_s"]) == {"none", "one", "four_distinct"}
+    ratios = r["ratio_to_none"]
+    assert abs(ratios["one"] - r["megaslide_s"]["one"] / r["megaslide_s"]["none"]) < 1e-9
+    assert r["goal_met"] == (max(ratios.values()) <= r["goal_ratio"])
+    assert r["max_abs_diff_vs_diffusers"] <= 1e-4 * r["output_scale"]  # the same adapter
+    assert r["adapter_effect"] > 1e-4 * r["output_scale"]  # and it changes the output
+    assert r["adapter_device_bytes"] == 2 * r["adapter_device_bytes_bf16"] > 0
+    assert r["registration_s"] > 0

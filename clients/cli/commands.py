@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -43,6 +44,36 @@ def register_generate(sub) -> None:
         help="step cache: a preset (quality, balanced, fast; default off), POLICY:THRESHOLD "
         "(output-change or adaptive, e.g. adaptive:0.01), or a JSON object",
     )
+    p.add_argument(
+        "--transformer",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="a single-file transformer checkpoint (original Wan, ComfyUI or diffusers keys; fp8 "
+        "scaled upcast) over the --model pipeline directory; Wan2.2-A14B: high, then low",
+    )
+    p.add_argument(
+        "--lora",
+        action="append",
+        default=[],
+        metavar="NAME=FILE",
+        help="apply the LoRA adapter in FILE (repeatable); with --server, NAME alone names an "
+        "adapter registered there",
+    )
+    p.add_argument(
+        "--lora-scale",
+        action="append",
+        default=[],
+        metavar="NAME=SCALE",
+        help="an adapter's scale (default: 1)",
+    )
+    p.add_argument(
+        "--lora-expert",
+        action="append",
+        default=[],
+        metavar="NAME=high|low",
+        help="apply an adapter to one expert of a Wan2.2 two-expert model only (default: both)",
+    )
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument(
         "--attention",
@@ -66,6 +97,45 @@ def register_generate(sub) -> None:
     p.add_argument("--api-key", help="API key for --server (default: $MEGASLIDE_API_KEY)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p.set_defaults(run=run_generate)
+
+
+def lora_flags(args, *, remote: bool) -> tuple[dict[str, str], tuple]:
+    """`--lora`, `--lora-scale` and `--lora-expert` as (files by name, the request's choices)."""
+    from megaslide.engine.request import LoraChoice
+
+    files: dict[str, str] = {}
+    names: list[str] = []
+    for spec in args.lora:
+        name, sep, path = spec.partition("=")
+        if not name or (sep and not path) or (not sep and not remote):
+            raise UsageError(
+                f"--lora {spec!r}: expected NAME=FILE" + (" or NAME" if remote else "")
+            )
+        if name in names:
+            raise UsageError(f"--lora {name}: given twice")
+        if sep:
+            if remote:
+                raise UsageError("--lora NAME=FILE is local: with --server name an adapter there")
+            if not Path(path).is_file():
+                raise UsageError(f"--lora {spec}: {path} not found")
+            files[name] = path
+        names.append(name)
+    options: dict[str, dict] = {n: {} for n in names}
+    for flag, values, key in (
+        ("--lora-scale", args.lora_scale, "scale"),
+        ("--lora-expert", args.lora_expert, "expert"),
+    ):
+        for spec in values:
+            name, sep, value = spec.partition("=")
+            if not sep or name not in options:
+                raise UsageError(f"{flag} {spec!r}: expected NAME=VALUE for a NAME given to --lora")
+            if key == "scale":
+                try:
+                    value = float(value)
+                except ValueError:
+                    raise UsageError(f"{flag} {spec!r}: the scale must be a number") from None
+            options[name][key] = value
+    return files, tuple(LoraChoice(n, **options[n]) for n in names)
 
 
 def run_generate(args) -> int:
@@ -92,6 +162,8 @@ def run_generate(args) -> int:
         image=args.image,
         cache=parse_cache(args.cache),
     )
+    lora_files, choices = lora_flags(args, remote=bool(args.server))
+    request = dataclasses.replace(request, loras=choices)
     if args.server:
         from .remote import generate_remote
 
@@ -99,10 +171,18 @@ def run_generate(args) -> int:
     if (args.gpu_budget or args.stats or args.trace) and args.offload != "stream":
         raise UsageError("--gpu-budget, --stats and --trace need --offload stream")
     overrides = {"attention": args.attention} if args.attention else {}
+    if args.transformer:
+        if describe(model_source(args)).family != "wan":
+            raise UsageError("--transformer needs --model naming a Wan pipeline directory")
+        overrides["transformer_files"] = tuple(args.transformer)
     info = describe(model_source(args), **overrides)
-    video = resolve(request, info.limits, model=info.name)  # bad input fails before any load
-    from megaslide.engine.loader import open_pipeline
+    from megaslide.engine.loader import load_adapter, open_pipeline
 
+    # Adapters are converted and checked against the model on the meta device, and the request
+    # against the model and them, before any weights load.
+    adapters = [load_adapter(info, name, path) for name, path in lora_files.items()]
+    defaults = {a.name: a.defaults for a in adapters}
+    video = resolve(request, info.limits, model=info.name, adapters=defaults)
     pipe = open_pipeline(
         info,
         device=args.device,
@@ -110,6 +190,8 @@ def run_generate(args) -> int:
         gpu_budget_bytes=args.gpu_budget,
         timing=bool(args.stats or args.trace),
     )
+    for adapter in adapters:
+        pipe.register_adapter(adapter)
     step_times = []
     with progress_bar(video.steps, "denoising", disable=args.no_progress) as bar:
         state = pipe.prepare(video)
@@ -231,6 +313,10 @@ def register_plan(sub) -> None:
         default=2,
         help="bytes per compute-dtype value (default: 2, bf16)",
     )
+    p.add_argument(
+        "--loras", type=int, default=0, help="LoRA adapters registered (inference; Wan models)"
+    )
+    p.add_argument("--lora-rank", type=int, default=32, help="their rank (default: 32)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=run_plan)
 
@@ -262,6 +348,8 @@ def run_plan(args) -> int:
         gpu_budget=args.gpu_budget,
         max_grad_norm=args.max_grad_norm,
         grad_accum=args.grad_accum,
+        loras=args.loras,
+        lora_rank=args.lora_rank,
     )
     result = plan(describe(model_source(args)), machine, workload)
     print_json(result) if args.json else print(format_plan(result))

@@ -24,6 +24,7 @@ LOCAL_ONLY_GENERATE = {
     "gpu_budget": None,
     "stats": None,
     "trace": None,
+    "transformer": [],
 }
 # The same for `finetune`: the server decides the schedule, checkpoints and where the model lives.
 LOCAL_ONLY_FINETUNE = {
@@ -108,6 +109,10 @@ def generate_remote(args, request) -> int:
                 negative_prompt=request.negative_prompt or None,
                 seed=request.seed,
                 cache=request.cache,
+                loras=[
+                    {"name": c.name, "scale": c.scale, "expert": c.expert} for c in request.loras
+                ]
+                or None,
             )
             print(
                 f"video {video.id} queued on {client.base_url} (model {video.model}, {video.size}, "

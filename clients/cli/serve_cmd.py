@@ -114,6 +114,22 @@ def _worker_args(p) -> None:
         "--preset", help="serve random weights of a named preset (for tests and benchmarks)"
     )
     p.add_argument(
+        "--transformer",
+        action="append",
+        default=[],
+        metavar="NAME=FILE",
+        help="serve model NAME's transformer from a single-file checkpoint (original Wan, ComfyUI "
+        "or diffusers keys) over its --model directory; twice for Wan2.2-A14B (high, then low)",
+    )
+    p.add_argument(
+        "--lora",
+        action="append",
+        default=[],
+        metavar="[MODEL:]NAME=FILE",
+        help="register a LoRA adapter on every served model, or on MODEL (repeatable); a video "
+        "request applies it by name in `loras`",
+    )
+    p.add_argument(
         "--max-batch", type=int, help="video jobs sharing one denoising pass (default: 8)"
     )
     p.add_argument("--device", help="auto (default: cuda when available), cpu, cuda or cuda:N")
@@ -188,6 +204,10 @@ def _settings(args):
         raise UsageError(f"--port must be non-negative, got {overrides['port']}")
     if args.model:
         overrides["models"] = args.model
+    if getattr(args, "lora", None):
+        overrides["loras"] = args.lora
+    if getattr(args, "transformer", None):
+        overrides["transformers"] = args.transformer
     try:
         if getattr(args, "api_key", None):
             overrides["api_keys"] = [*Settings().api_keys, *args.api_key]

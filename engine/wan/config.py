@@ -89,12 +89,24 @@ class WanConfig:
     attention: str = "dense"
     dsa_tile: tuple[int, int, int] = (1, 2, 2)
     dsa_window: tuple[int, int, int] = (3, 3, 3)
+    # Single-file transformer checkpoints (one per expert) read instead of the directory's own
+    # transformer weights (single_file.py): a fine-tune shared as one file over its base pipeline.
+    transformer_files: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.attention not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"attention must be one of {ATTENTION_BACKENDS}, got {self.attention!r}"
             )
+        if self.transformer_files:
+            if len(self.transformer_files) != len(self.experts):
+                raise WanFormatError(
+                    f"{len(self.transformer_files)} transformer files for a model with "
+                    f"{len(self.experts)} transformers ({', '.join(self.experts)}): give one each"
+                )
+            for f in self.transformer_files:
+                if not Path(f).is_file():
+                    raise WanFormatError(f"transformer file {f} not found")
 
     @property
     def head_dim(self) -> int:
@@ -127,7 +139,7 @@ class WanConfig:
                 )
 
     def replace(self, **changes) -> WanConfig:
-        for key in ("dsa_tile", "dsa_window"):
+        for key in ("dsa_tile", "dsa_window", "transformer_files"):
             if key in changes:
                 changes[key] = tuple(changes[key])
         return dataclasses.replace(self, **changes)

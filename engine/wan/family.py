@@ -35,8 +35,9 @@ from torch import nn
 
 from ..family import Component, Family
 from ..host_store import SafetensorsFile
+from ..lora import Adapter, AdapterRouter, linear_targets
 from ..pipeline import Pipeline
-from ..request import ResolvedVideo
+from ..request import ResolvedVideo, check_loras
 from ..sources import ModelInfo
 from ..step_cache import StepCache
 from .config import WanConfig, weight_files
@@ -68,7 +69,9 @@ class WanFamily(Family):
             getattr(transformers.UMT5EncoderModel, "_keep_in_fp32_modules", None) or ()
         )
 
-        def weights(folder: str) -> SafetensorsFile:
+        def weights(folder: str):
+            if config.transformer_files and folder in config.experts:
+                return _single_file(config, folder, experts[config.experts.index(folder)])
             return SafetensorsFile(weight_files(path / folder))
 
         return [
@@ -89,6 +92,24 @@ class WanFamily(Family):
 
     def pipeline(self, info, parts, handles, *, batched: bool = True) -> WanVideoPipeline:
         return WanVideoPipeline(info, parts, handles, batched=batched)
+
+    # -- LoRA adapters: on any Linear layer of a transformer, in diffusers' module names ----------
+
+    def adaptable(self, denoiser: nn.Module) -> dict[str, nn.Linear]:
+        return linear_targets(denoiser)
+
+    def adapter_targets(self, info: ModelInfo) -> list[dict[str, nn.Linear]]:
+        diffusers, _ = libraries()
+        with torch.device("meta"):
+            experts = [
+                _meta_transformer(diffusers, info.source.path / n) for n in info.config.experts
+            ]
+        return [self.adaptable(e) for e in experts]
+
+    def load_adapter(self, name: str, path) -> Adapter:
+        from .lora import load_wan_adapter
+
+        return load_wan_adapter(name, path)
 
     # -- fine-tuning: one expert trains; UMT5 and the VAE encode the data once, ahead ---------------
 
@@ -154,6 +175,15 @@ def _meta_transformer(diffusers, folder: Path) -> nn.Module:
             model.rope.attention_head_dim, model.rope.patch_size, model.rope.max_seq_len
         )
     return model
+
+
+def _single_file(config: WanConfig, folder: str, expert: nn.Module):
+    """An expert's weights from its single file, checked against the model built on meta."""
+    from .single_file import SingleFileWeights
+
+    weights = SingleFileWeights(config.transformer_files[config.experts.index(folder)])
+    weights.check({k: tuple(v.shape) for k, v in expert.state_dict().items()})
+    return weights
 
 
 def _numel(module: nn.Module) -> int:
@@ -231,6 +261,13 @@ class WanVideoPipeline(Pipeline):
             if config.boundary_ratio is not None and len(self.experts) > 1
             else None
         )
+        # LoRA adapters: factors on the device, applied per row by hooks on the experts' Linears.
+        # The reference mode applies them in PEFT's own sequence: bitwise diffusers.
+        self.adapters = AdapterRouter(
+            self.experts, WanFamily().adaptable, self.device, self.dtype, exact=not batched
+        )
+        self.load_adapter = WanFamily().load_adapter
+        self.expert_names = ("high", "low") if len(self.experts) > 1 else (None,)
 
     @property
     def device(self) -> torch.device:
@@ -247,6 +284,8 @@ class WanVideoPipeline(Pipeline):
     # -- sampling ------------------------------------------------------------------------------
 
     def prepare(self, video: ResolvedVideo) -> WanState:
+        # The adapters it names must be registered here (a request stored elsewhere may not know).
+        check_loras(video.loras, self.info.limits, self.adapter_defaults())
         guided = video.guidance > 1.0
         if self.batched or not guided:
             context = self.encode([video.prompt, video.negative_prompt][: 1 + guided])
@@ -258,6 +297,9 @@ class WanVideoPipeline(Pipeline):
         generator = torch.Generator().manual_seed(video.seed)
         latents = torch.randn(shape, generator=generator, dtype=torch.float32).to(self.device)
         scheduler = copy.deepcopy(self.scheduler)
+        if video.shift is not None:  # an adapter's own schedule (a step-distilled one)
+            key = "flow_shift" if "flow_shift" in scheduler.config else "shift"
+            scheduler = type(scheduler).from_config(scheduler.config, **{key: video.shift})
         scheduler.set_timesteps(video.steps, device=self.device)
         scheduler.set_begin_index(0)
         grid = self.config.token_grid(video.frames, video.height, video.width)
@@ -325,7 +367,8 @@ class WanVideoPipeline(Pipeline):
     def _forward(self, model: nn.Module, group: list[WanState], halves) -> torch.Tensor:
         """One pass of `model` over the rows of `group`: each request's conditional row and (when
         guided) its unconditional row, for the halves asked for; `(rows, C, F', H', W')`."""
-        latents, timesteps, context = [], [], []
+        latents, timesteps, context, adapters = [], [], [], []
+        expert = self.expert_names[self.experts.index(model)]
         for s in group:
             for half in halves:
                 if half == 1 and not s.guided:
@@ -333,11 +376,15 @@ class WanVideoPipeline(Pipeline):
                 latents.append(s.model_input())
                 timesteps.append(self._timestep(s))
                 context.append(s.context[half : half + 1])
+                # Both halves of a guidance pair take the request's adapters, as diffusers does.
+                adapters.append(
+                    [(c.name, c.scale) for c in s.video.loras if c.expert in (None, expert)]
+                )
         if self.config.attention == "dsa":
             from .attention import set_grid
 
             set_grid(model, group[0].grid)  # a batch shares one latent shape
-        with torch.no_grad():
+        with torch.no_grad(), self.adapters.rows(adapters):
             return model(
                 hidden_states=torch.cat(latents).to(self.dtype),
                 timestep=torch.cat(timesteps),

@@ -163,6 +163,7 @@ async def create_video(
             model=card.name,
             max_steps=settings.max_steps,
             max_prompt_chars=settings.max_prompt_chars,
+            adapters=card.adapter_defaults(),
         )
         if image is not None:  # stored relative to the storage, which hosts mount where they like
             video = dataclasses.replace(video, image=data.relative(image))

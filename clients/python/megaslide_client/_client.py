@@ -6,6 +6,8 @@ from functools import cached_property
 
 from ._base_client import AsyncAPIClient, SyncAPIClient
 from .resources import (
+    Adapters,
+    AsyncAdapters,
     AsyncFiles,
     AsyncFineTuning,
     AsyncModels,
@@ -34,6 +36,7 @@ class Client(SyncAPIClient):
     files = cached_property(Files)
     fine_tuning = cached_property(FineTuning)
     models = cached_property(Models)
+    adapters = cached_property(Adapters)
 
 
 class AsyncClient(AsyncAPIClient):
@@ -49,3 +52,4 @@ class AsyncClient(AsyncAPIClient):
     files = cached_property(AsyncFiles)
     fine_tuning = cached_property(AsyncFineTuning)
     models = cached_property(AsyncModels)
+    adapters = cached_property(AsyncAdapters)

@@ -122,6 +122,7 @@ class Video(APIObject):
     cache: dict | None = None  # the step cache as the server resolved it; None: off
     passes: int | None = None  # steps that ran a pass of the model (fewer with a step cache)
     remixed_from_video_id: str | None = None
+    loras: list[dict[str, Any]] | None = None  # the adapters applied: name, scale, expert
 
     @property
     def done(self) -> bool:
@@ -171,6 +172,21 @@ class FileObject(APIObject):
     status_details: str | None = None
     expires_at: int | None = None
     clips: int | None = None  # training clips found in the archive
+
+
+@dataclass
+class Adapter(APIObject):
+    """A LoRA adapter of a base model: `uploaded`, `ready` (name it in a video's `loras`) or
+    `error` (`status_details` names what did not fit)."""
+
+    id: str | None = None  # its name
+    object: str | None = None
+    model: str | None = None
+    status: str | None = None
+    status_details: str | None = None
+    rank: int | None = None
+    bytes: int | None = None  # device bytes of its factors
+    defaults: dict[str, Any] | None = None  # sampling defaults it carries
 
 
 @dataclass
@@ -284,3 +300,4 @@ class Model(APIObject):
     inputs: list[str] | None = None  # "text", and "image" for a model that takes a first frame
     defaults: dict[str, Any] | None = None  # what a request gets for an absent field
     limits: dict[str, Any] | None = None  # max_frames, max_size, size_multiple, ...
+    adapters: list[dict[str, Any]] | None = None  # LoRA adapters: name, rank, bytes, defaults

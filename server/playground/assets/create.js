@@ -87,6 +87,7 @@ export class CreateForm {
     const image = this.form.querySelector("#image-field");
     image.hidden = !model?.inputs?.includes("image");
     if (image.hidden) this.fields.input_reference.value = "";
+    this.showAdapters(model?.adapters || []);
     if (!model) return;
     const [multipleH, multipleW] = model.limits.size_multiple;
     Object.assign(this.fields.width, { step: multipleW, max: model.limits.max_size });
@@ -105,6 +106,47 @@ export class CreateForm {
       guidance_scale: d.guidance_scale,
     });
     this.note.hidden = true;
+  }
+
+  // One row per adapter the model has registered: a checkbox and its scale.
+  showAdapters(adapters) {
+    const field = this.form.querySelector("#lora-field");
+    const box = this.form.querySelector("#create-loras");
+    field.hidden = adapters.length === 0;
+    box.replaceChildren(
+      ...adapters.map((a) => {
+        const row = document.createElement("label");
+        row.className = "lora";
+        const use = Object.assign(document.createElement("input"), { type: "checkbox" });
+        use.dataset.lora = a.name;
+        const scale = Object.assign(document.createElement("input"), {
+          type: "number",
+          step: "0.05",
+          value: "1",
+          title: `scale of ${a.name}`,
+        });
+        scale.dataset.loraScale = a.name;
+        row.append(use, ` ${a.name} (rank ${a.rank}) `, scale);
+        return row;
+      }),
+    );
+  }
+
+  // The adapters ticked, in the order listed, as the request's `loras`.
+  loras() {
+    if (this.form.querySelector("#lora-field").hidden) return [];
+    return [...this.form.querySelectorAll("input[data-lora]")]
+      .filter((box) => box.checked)
+      .map((box) => {
+        const scale = this.form.querySelector(`input[data-lora-scale="${box.dataset.lora}"]`);
+        const value = numberIn(scale);
+        if (Number.isNaN(value)) {
+          throw new APIError(`loras: the scale of ${box.dataset.lora} is not a number`, {
+            param: "loras",
+          });
+        }
+        return value === undefined ? { name: box.dataset.lora } : { name: box.dataset.lora, scale: value };
+      });
   }
 
   set(values) {
@@ -141,6 +183,12 @@ export class CreateForm {
       guidance_scale: video.guidance_scale,
       seed: video.seed,
     });
+    for (const choice of video.loras || []) {
+      const box = this.form.querySelector(`input[data-lora="${choice.name}"]`);
+      const scale = this.form.querySelector(`input[data-lora-scale="${choice.name}"]`);
+      if (box) box.checked = true;
+      if (scale) scale.value = choice.scale;
+    }
     this.note.textContent = served
       ? `Parameters of ${video.id}.`
       : `Parameters of ${video.id}; its model ${video.model} is no longer served.`;
@@ -170,6 +218,8 @@ export class CreateForm {
     body.guidance_scale = number(f.guidance_scale, "guidance_scale");
     body.seed = number(f.seed, "seed");
     if (f.cache.value !== "off") body.cache = f.cache.value; // a preset's name
+    const loras = this.loras();
+    if (loras.length) body.loras = loras;
     for (const name of Object.keys(body)) if (body[name] === undefined) delete body[name];
     return body;
   }
@@ -187,7 +237,9 @@ export class CreateForm {
       if (image) {
         // A first frame goes as multipart, the other fields as form values beside it.
         const form = new FormData();
-        for (const [name, value] of Object.entries(body)) form.append(name, String(value));
+        for (const [name, value] of Object.entries(body)) {
+          form.append(name, typeof value === "object" ? JSON.stringify(value) : String(value));
+        }
         form.append("input_reference", image);
         video = await request("POST", "v1/videos", { form });
       } else {

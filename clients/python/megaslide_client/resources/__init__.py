@@ -1,5 +1,6 @@
 """Resources of the API, each a sync class and its async twin."""
 
+from .adapters import Adapters, AsyncAdapters
 from .files import AsyncFiles, Files
 from .fine_tuning import AsyncFineTuning, AsyncJobs, FineTuning, Jobs
 from .models import AsyncModels, Models
@@ -16,4 +17,6 @@ __all__ = [
     "AsyncJobs",
     "Models",
     "AsyncModels",
+    "Adapters",
+    "AsyncAdapters",
 ]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -37,6 +37,7 @@ def create_body(
     priority: int | None,
     cache: str | Mapping[str, Any] | None,
     extra_body: Mapping[str, Any] | None,
+    loras: Sequence[LoraSpec] | None = None,
 ) -> dict[str, Any]:
     """The JSON body of POST /v1/videos; unset fields are left for the server's defaults."""
     body = {
@@ -52,10 +53,25 @@ def create_body(
         "seed": seed,
         "priority": priority,
         "cache": cache if cache is None or isinstance(cache, str) else dict(cache),
+        "loras": None if loras is None else [lora_entry(x) for x in loras],
     }
     body = {k: v for k, v in body.items() if v is not None}
     body.update(extra_body or {})
     return body
+
+
+# A LoRA adapter registered on the model: its name, (name, scale), or {"name", "scale", "expert"}.
+LoraSpec = str | tuple[str, float] | Mapping[str, Any]
+
+
+def lora_entry(spec: LoraSpec) -> dict[str, Any]:
+    """One entry of a request's `loras`, from any of `LoraSpec`'s forms."""
+    if isinstance(spec, str):
+        return {"name": spec}
+    if isinstance(spec, tuple):
+        name, scale = spec
+        return {"name": name, "scale": scale}
+    return dict(spec)
 
 
 def to_video_event(sse: ServerSentEvent) -> VideoEvent:
@@ -118,6 +134,7 @@ class Videos:
         seed: int | None = None,
         priority: int | None = None,
         cache: str | Mapping[str, Any] | None = None,
+        loras: Sequence[LoraSpec] | None = None,
         extra_body: Mapping[str, Any] | None = None,
         idempotency_key: str | None = None,
     ) -> Video:
@@ -126,6 +143,8 @@ class Videos:
         `size` is "WIDTHxHEIGHT"; `seconds` and `num_frames` are two ways to give the length.
         `cache` asks for a step cache: a preset ("quality", "balanced", "fast") or
         `{"policy": "output-change" | "adaptive", "threshold": ...}` (see `Video.passes`).
+        `loras` names adapters registered on the model, each as a name, `(name, scale)` or
+        `{"name", "scale", "expert"}` (`expert`: "high" or "low" on a Wan2.2 two-expert model).
         Every retry of this call carries the same Idempotency-Key, so it makes at most one job.
         """
         body = create_body(
@@ -142,6 +161,7 @@ class Videos:
             priority=priority,
             cache=cache,
             extra_body=extra_body,
+            loras=loras,
         )
         response = self._client.post("/v1/videos", json=body, idempotency_key=idempotency_key)
         return Video.from_dict(response.json())
@@ -250,6 +270,7 @@ class AsyncVideos:
         seed: int | None = None,
         priority: int | None = None,
         cache: str | Mapping[str, Any] | None = None,
+        loras: Sequence[LoraSpec] | None = None,
         extra_body: Mapping[str, Any] | None = None,
         idempotency_key: str | None = None,
     ) -> Video:
@@ -268,6 +289,7 @@ class AsyncVideos:
             priority=priority,
             cache=cache,
             extra_body=extra_body,
+            loras=loras,
         )
         response = await self._client.post("/v1/videos", json=body, idempotency_key=idempotency_key)
         return Video.from_dict(response.json())

@@ -1,0 +1,146 @@
+"""Wan LoRA files in every layout people share them, converted to one form (diffusers' names).
+
+- original Wan / ComfyUI: `diffusion_model.blocks.0.self_attn.q.lora_down.weight` (or `lora_A`),
+  `.alpha`, `diff_b` bias deltas, `head.head.diff`;
+- Kohya / musubi-tuner: `lora_unet_blocks_0_self_attn_q.lora_down.weight` with `.alpha`;
+- diffusers / PEFT: `transformer.blocks.0.attn1.to_q.lora_A.weight` (alphas, when not 1.0, in the
+  file's `lora_adapter_metadata`, as diffusers writes it).
+
+The first two go through diffusers' own converters (the ones `WanPipeline.load_lora_weights`
+uses), so the factors are the very tensors diffusers would load. What those converters drop
+without a word (non-zero deltas on norm layers, full-weight `.diff` deltas, a time projection's
+bias delta without its weight, DoRA magnitudes) is refused here instead, naming the key.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+from ..lora import Adapter, AdapterError, deltas_from_peft, read_adapter_file, sidecar_defaults
+
+PEFT_PREFIXES = ("transformer.", "base_model.model.")
+
+
+def load_wan_adapter(name: str, path: str | Path) -> Adapter:
+    """Read and convert a Wan LoRA file (any layout above); AdapterError naming the first key it
+    cannot take. Fit to a particular model is checked when it is registered."""
+    tensors, metadata = read_adapter_file(path)
+    return Adapter(
+        name,
+        wan_deltas(tensors, metadata, source=str(path)),
+        source=str(path),
+        defaults=sidecar_defaults(path, metadata),
+    )
+
+
+def wan_deltas(tensors: dict[str, torch.Tensor], metadata: Mapping[str, str], *, source: str = ""):
+    """Deltas by diffusers module name from a Wan LoRA state dict in any of the layouts above."""
+    where = f"{source}: " if source else ""
+    dora = next((k for k in tensors if "dora_scale" in k or "magnitude_vector" in k), None)
+    if dora is not None:
+        raise AdapterError(f"{where}{dora}: DoRA adapters are not supported", key=dora)
+    if any(k.startswith("diffusion_model.") for k in tensors) or any(
+        k.startswith("lora_unet_") for k in tensors
+    ):
+        state = _convert_with_diffusers(tensors, where)
+        alphas = None  # the converters fold each alpha into the factors
+    else:
+        state, alphas = _peft_state(tensors, metadata, where)
+    try:
+        return deltas_from_peft(state, alphas)
+    except AdapterError as e:
+        raise AdapterError(f"{where}{e}", key=e.key) from None
+
+
+def _convert_with_diffusers(tensors: dict[str, torch.Tensor], where: str) -> dict:
+    from diffusers.loaders.lora_conversion_utils import (
+        _convert_musubi_wan_lora_to_diffusers,
+        _convert_non_diffusers_wan_lora_to_diffusers,
+    )
+
+    original = any(k.startswith("diffusion_model.") for k in tensors)
+    stray = next(
+        (k for k in tensors if not k.startswith("diffusion_model." if original else "lora_unet_")),
+        None,
+    )
+    if stray is not None:
+        raise AdapterError(f"{where}{stray}: not a key of a Wan transformer's LoRA", key=stray)
+    if original:
+        _refuse_dropped(tensors, where)
+    try:
+        if original:
+            converted = _convert_non_diffusers_wan_lora_to_diffusers(dict(tensors))
+        else:
+            converted = _convert_musubi_wan_lora_to_diffusers(dict(tensors))
+    except KeyError as e:
+        key = str(e.args[0]) if e.args else "?"
+        raise AdapterError(
+            f"{where}{key} is missing (this layout needs both factors of every layer it adapts "
+            "in every block)",
+            key=key,
+        ) from None
+    except ValueError as e:
+        raise AdapterError(f"{where}keys diffusers' Wan converter cannot place: {e}") from None
+    return {k.removeprefix("transformer."): v for k, v in converted.items()}
+
+
+def _refuse_dropped(tensors: dict[str, torch.Tensor], where: str) -> None:
+    """Refuse the keys diffusers' converter would drop when they carry anything (zeros are
+    dropped honestly: they change nothing)."""
+    has_time_weight = any(
+        k.startswith("diffusion_model.time_projection") and k.endswith(".weight") for k in tensors
+    )
+    for key in sorted(tensors):
+        t = tensors[key]
+        dropped = (
+            (key.endswith((".diff", ".diff_b")) and "norm" in key)
+            or ("time_projection" in key and not has_time_weight)
+            or (key.endswith(".diff") and "head.head" not in key)
+        )
+        if dropped and bool(t.ne(0).any()):
+            raise AdapterError(
+                f"{where}{key}: full-weight and norm-layer deltas are not supported (only low-rank "
+                "factors and bias deltas are applied)",
+                key=key,
+            )
+
+
+def _peft_state(tensors, metadata, where) -> tuple[dict, dict | None]:
+    """diffusers / PEFT keys without their prefix, and each module's alpha from the file's
+    `lora_adapter_metadata` (diffusers' own record of its LoraConfig), when it has one."""
+    prefixed = [p for p in PEFT_PREFIXES if any(k.startswith(p) for k in tensors)]
+    prefix = prefixed[0] if prefixed else ""
+    if prefix:
+        stray = next((k for k in sorted(tensors) if not k.startswith(prefix)), None)
+        if stray is not None:
+            raise AdapterError(
+                f"{where}{stray}: not a key of the transformer's LoRA (only the denoiser takes "
+                "adapters)",
+                key=stray,
+            )
+    state = {k.removeprefix(prefix): v for k, v in tensors.items()}
+    raw = metadata.get("lora_adapter_metadata")
+    if not raw:
+        return state, None
+    try:
+        config = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise AdapterError(f"{where}lora_adapter_metadata is not JSON ({e})") from None
+    config = {k.removeprefix("transformer."): v for k, v in config.items()}
+    for unsupported in ("use_rslora", "use_dora"):
+        if config.get(unsupported):
+            raise AdapterError(f"{where}{unsupported} adapters are not supported")
+    lora_alpha = config.get("lora_alpha")
+    patterns = config.get("alpha_pattern") or {}
+    alphas = {}
+    for key in state:
+        module = key.split(".lora_")[0]
+        match = next((p for p in patterns if module == p or module.endswith("." + p)), None)
+        alpha = patterns[match] if match is not None else lora_alpha
+        if alpha is not None:
+            alphas[module] = float(alpha)
+    return state, alphas

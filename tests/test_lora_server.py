@@ -1,0 +1,215 @@
+"""LoRA adapters through the server, the SDK and the CLI: registered at start with `--lora`, listed
+on `/v1/models`, applied per request by `loras`, a bad name or file refused with the key named."""
+
+from __future__ import annotations
+
+import time
+import warnings
+
+import numpy as np
+import pytest
+
+from megaslide.server import Settings
+
+from lora_fixtures import write_peft
+from server_fakes import live_server, torch_app
+from wan_fixtures import build_tiny_wan
+
+pytest.importorskip("diffusers")
+with warnings.catch_warnings():  # starlette's notice that its TestClient will move to httpx2
+    warnings.simplefilter("ignore")
+    from fastapi.testclient import TestClient
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora-serve")
+    model = build_tiny_wan(root / "wan", sampling={"steps": 2})
+    adapter = write_peft(root / "style.safetensors", alpha=8)
+    settings = Settings(
+        data_dir=root / "data",
+        models=[f"wan={model}"],
+        loras=[f"style={adapter}"],
+        device="cpu",
+        poll_after_ms=50,
+    )
+    return {"app": torch_app(settings), "model": model, "adapter": adapter, "root": root}
+
+
+def wait(client, video_id, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        video = client.get(f"/v1/videos/{video_id}").json()
+        if video["status"] in ("completed", "failed", "cancelled"):
+            return video
+        time.sleep(0.05)
+    raise AssertionError(f"{video_id} did not finish")
+
+
+def test_adapters_are_listed_applied_and_checked(served):
+    with TestClient(served["app"]) as c:
+        (model,) = c.get("/v1/models").json()["data"]
+        (adapter,) = model["adapters"]
+        assert (adapter["name"], adapter["rank"], adapter["base"]) == ("style", 4, "wan")
+        assert adapter["bytes"] > 0
+        ids = []
+        for loras in ([{"name": "style", "scale": 0.8}], None):
+            body = {"model": "wan", "prompt": "a red circle", "seed": 1}
+            if loras:
+                body["loras"] = loras
+            v = c.post("/v1/videos", json=body)
+            assert v.status_code == 200, v.text
+            ids.append(v.json()["id"])
+        videos = [wait(c, i) for i in ids]
+        assert [v["status"] for v in videos] == ["completed", "completed"]
+        assert videos[0]["loras"] == [{"name": "style", "scale": 0.8, "expert": None}]
+        thumbs = [c.get(f"/v1/videos/{i}/content?variant=thumbnail").content for i in ids]
+        assert thumbs[0] != thumbs[1]  # the adapter changed the clip
+
+        unknown = c.post(
+            "/v1/videos", json={"model": "wan", "prompt": "x", "loras": [{"name": "nope"}]}
+        )
+        assert unknown.status_code == 400, unknown.text
+        assert unknown.json()["error"]["param"] == "loras"
+        assert "no adapter named 'nope'" in unknown.json()["error"]["message"]
+        bad = c.post(
+            "/v1/videos",
+            json={"model": "wan", "prompt": "x", "loras": [{"name": "style", "expert": "low"}]},
+        )
+        assert bad.status_code == 400 and "one denoiser" in bad.json()["error"]["message"]
+        form = c.post(
+            "/v1/videos",
+            data={"model": "wan", "prompt": "x", "loras": '[{"name": "style", "scale": 0.5}]'},
+        )
+        assert form.status_code == 200, form.text
+        assert form.json()["loras"] == [{"name": "style", "scale": 0.5, "expert": None}]
+        assert wait(c, form.json()["id"])["status"] == "completed"
+
+
+def test_sdk_sends_loras(served):
+    from megaslide_client import Client
+
+    with TestClient(served["app"]) as c:
+        client = Client(base_url="http://testserver", http_client=c, max_retries=0)
+        video = client.videos.create(prompt="a cat", model="wan", loras=[("style", 0.3)], seed=2)
+        assert video.loras == [{"name": "style", "scale": 0.3, "expert": None}]
+        assert wait(c, video.id)["status"] == "completed"
+        (model,) = client.models.list().data
+        assert model.adapters[0]["name"] == "style"
+
+
+def test_a_bad_adapter_is_refused_at_start_naming_the_key(served, tmp_path):
+    from megaslide.engine.lora import AdapterError
+    from megaslide.server.torch_backend import TorchBackend
+
+    wrong = write_peft(tmp_path / "deep.safetensors", blocks=3)  # the model has two blocks
+    settings = Settings(
+        data_dir=tmp_path / "data", models=[f"wan={served['model']}"], loras=[f"deep={wrong}"]
+    )
+    with pytest.raises(AdapterError, match="blocks.2.attn1.to_k.lora_A.weight"):
+        TorchBackend(settings)
+    settings = Settings(
+        data_dir=tmp_path / "data", models=[f"wan={served['model']}"], loras=[f"x:y={wrong}"]
+    )
+    with pytest.raises(ValueError, match="no served model is named 'x'"):
+        TorchBackend(settings)
+
+
+def test_cli_generate_with_a_lora(served, tmp_path):
+    from megaslide.cli.main import main
+
+    args = ["generate", "a red circle", "--model", str(served["model"]), "--no-progress"]
+    plain, styled = tmp_path / "plain.mp4", tmp_path / "styled.mp4"
+    assert main([*args, "-o", str(plain)]) == 0
+    lora = ["--lora", f"style={served['adapter']}", "--lora-scale", "style=0.9"]
+    assert main([*args, "-o", str(styled), *lora]) == 0
+    from megaslide.engine.video import read_video
+
+    assert not np.array_equal(read_video(plain), read_video(styled))
+    assert main([*args, "-o", str(tmp_path / "x.mp4"), "--lora-scale", "style=1"]) == 2
+    wrong = write_peft(tmp_path / "deep.safetensors", blocks=3)
+    assert main([*args, "-o", str(tmp_path / "x.mp4"), "--lora", f"deep={wrong}"]) == 2
+    assert not (tmp_path / "x.mp4").exists()
+
+
+def test_cli_remote_generate_names_a_registered_adapter(served, tmp_path, capsys):
+    from megaslide.cli.main import main
+
+    out = tmp_path / "remote.mp4"
+    with live_server(served["app"]) as url:
+        args = ["generate", "a red circle", "--server", url, "--model", "wan", "--no-progress"]
+        lora = ["--lora", "style", "--lora-scale", "style=0.5"]
+        assert main([*args, "-o", str(out), *lora]) == 0
+        assert out.stat().st_size > 100
+        local = ["--lora", f"style={served['adapter']}"]  # a file is for local runs
+        assert main([*args, "-o", str(tmp_path / "x.mp4"), *local]) == 2
+        assert main([*args, "-o", str(tmp_path / "x.mp4"), "--lora", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert "NAME=FILE is local" in err and "no adapter named 'nope'" in err
+
+
+def wait_adapter(client, model, name, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        adapter = client.get(f"/v1/adapters/{model}/{name}").json()
+        if adapter["status"] != "uploaded":
+            return adapter
+        time.sleep(0.05)
+    raise AssertionError(f"adapter {name} was not taken up")
+
+
+def test_adapters_uploaded_over_the_api(served, tmp_path):
+    good = write_peft(tmp_path / "up.safetensors", seed=11).read_bytes()
+    deep = write_peft(tmp_path / "deep.safetensors", blocks=3).read_bytes()
+
+    def upload(c, name, content, model="wan"):
+        return c.post(
+            "/v1/adapters",
+            data={"model": model, "name": name},
+            files={"file": (f"{name}.safetensors", content, "application/octet-stream")},
+        )
+
+    with TestClient(served["app"]) as c:
+        answer = upload(c, "up", good)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["status"] == "uploaded"
+        ready = wait_adapter(c, "wan", "up")
+        assert (ready["status"], ready["rank"]) == ("ready", 4), ready
+        v = c.post(
+            "/v1/videos", json={"model": "wan", "prompt": "a cat", "loras": [{"name": "up"}]}
+        )
+        assert v.status_code == 200, v.text
+        assert wait(c, v.json()["id"])["status"] == "completed"
+
+        assert upload(c, "deep", deep).status_code == 200
+        refused = wait_adapter(c, "wan", "deep")
+        assert refused["status"] == "error"
+        assert "blocks.2.attn1.to_k.lora_A.weight" in refused["status_details"]
+        bad = c.post(
+            "/v1/videos", json={"model": "wan", "prompt": "x", "loras": [{"name": "deep"}]}
+        )
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "loras"
+
+        junk = upload(c, "junk", b"not a safetensors file")
+        assert junk.status_code == 400 and junk.json()["error"]["param"] == "file"
+        assert upload(c, "up", good).status_code == 409
+        assert upload(c, "style", good).status_code == 409  # registered at start
+        assert upload(c, "x", good, model="nope").status_code == 404
+        assert upload(c, "../x", good).status_code == 400
+        listed = {a["id"]: a["status"] for a in c.get("/v1/adapters").json()["data"]}
+        assert listed == {"style": "ready", "up": "ready", "deep": "error"}
+        models = c.get("/v1/models").json()["data"]
+        assert {a["name"] for a in models[0]["adapters"]} == {"style", "up"}
+
+
+def test_sdk_uploads_an_adapter(served, tmp_path):
+    from megaslide_client import Client
+
+    file = write_peft(tmp_path / "sdk.safetensors", seed=12)
+    with TestClient(served["app"]) as c:
+        client = Client(base_url="http://testserver", http_client=c, max_retries=0)
+        created = client.adapters.create(file=file, model="wan", name="sdk")
+        assert created.status == "uploaded"
+        ready = client.adapters.wait_until_ready("wan", "sdk", poll_interval_ms=50, max_wait=60)
+        assert (ready.status, ready.rank, ready.model) == ("ready", 4, "wan")
+        assert "sdk" in {a.id for a in client.adapters.list(model="wan")}

@@ -1,0 +1,165 @@
+"""A Wan transformer from one safetensors file over a base pipeline directory: the original Wan
+and ComfyUI layouts, fp8 "scaled" files, and errors naming the keys that do not fit."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from megaslide.engine.loader import open_model, open_pipeline
+from megaslide.engine.sources import describe, resolve_source
+from megaslide.engine.wan.config import WanFormatError
+
+from wan_fixtures import build_tiny_wan
+
+diffusers = pytest.importorskip("diffusers")
+
+# diffusers' names -> the original Wan code's, for writing checkpoints as they are shared.
+RENAMES = (
+    ("condition_embedder.time_embedder.linear_1", "time_embedding.0"),
+    ("condition_embedder.time_embedder.linear_2", "time_embedding.2"),
+    ("condition_embedder.text_embedder.linear_1", "text_embedding.0"),
+    ("condition_embedder.text_embedder.linear_2", "text_embedding.2"),
+    ("condition_embedder.time_proj", "time_projection.1"),
+    ("attn1", "self_attn"),
+    ("attn2", "cross_attn"),
+    (".to_out.0.", ".o."),
+    (".to_q.", ".q."),
+    (".to_k.", ".k."),
+    (".to_v.", ".v."),
+    ("ffn.net.0.proj", "ffn.0"),
+    ("ffn.net.2", "ffn.2"),
+    ("proj_out", "head.head"),
+    ("norm2", "norm__swap"),  # the original code's norm3 is diffusers' norm2, and back
+    ("norm3", "norm2"),
+    ("norm__swap", "norm3"),
+)
+
+
+def original_name(name: str) -> str:
+    if name == "scale_shift_table":
+        return "head.modulation"
+    name = name.replace("scale_shift_table", "modulation")
+    for ours, theirs in RENAMES:
+        name = name.replace(ours, theirs)
+    return name
+
+
+@pytest.fixture(scope="module")
+def wan(tmp_path_factory):
+    root = tmp_path_factory.mktemp("single")
+    base = build_tiny_wan(root / "base", seed=0, sampling={"steps": 2})
+    # "A fine-tune": the base pipeline with its transformer's weights moved.
+    tuned = Path(shutil.copytree(base, root / "tuned"))
+    weights = tuned / "transformer" / "diffusion_pytorch_model.safetensors"
+    g = torch.Generator().manual_seed(1)
+    state = {
+        k: v + 0.2 * v.std().nan_to_num() * torch.randn(v.shape, generator=g)
+        for k, v in load_file(str(weights)).items()
+    }
+    save_file(state, str(weights))
+    original = {original_name(k): v for k, v in state.items()}
+    save_file(original, str(root / "original.safetensors"))
+    save_file(state, str(root / "diffusers.safetensors"))
+    return {"base": base, "tuned": tuned, "state": state, "original": original, "root": root}
+
+
+def test_original_names_are_diffusers_own_conversion(wan):
+    from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
+
+    renamed = convert_wan_transformer_to_diffusers({k: k for k in wan["original"]})
+    assert set(renamed) == set(wan["state"])  # the test's layout is the one diffusers reads
+
+
+@pytest.mark.parametrize("layout", ["original", "comfyui", "diffusers"])
+def test_single_file_over_a_base_gives_the_fine_tunes_video(wan, layout):
+    root = wan["root"]
+    if layout == "comfyui":
+        file = root / "comfy.safetensors"
+        save_file({f"model.diffusion_model.{k}": v for k, v in wan["original"].items()}, str(file))
+    else:
+        file = root / f"{layout}.safetensors"
+    from megaslide.engine.request import VideoRequest
+
+    request = VideoRequest("a red circle", seed=2)
+    reference = open_pipeline(wan["tuned"]).generate(request)
+    # Streamed once: its host stores are filled from the same lazy mapping.
+    offload = "stream" if layout == "original" else "none"
+    pipe = open_pipeline(wan["base"], offload=offload, transformer_files=(str(file),))
+    assert np.array_equal(pipe.generate(request), reference)
+    if layout == "original":
+        assert not np.array_equal(open_pipeline(wan["base"]).generate(request), reference)
+
+
+def test_fp8_scaled_files_upcast_with_their_scales(wan):
+    e4m3 = getattr(torch, "float8_e4m3fn", None)
+    if e4m3 is None:
+        pytest.skip("this torch has no float8")
+    state, scales = {}, {}
+    for k, v in wan["original"].items():
+        if v.dim() == 2 and k.endswith(".weight"):  # Linear weights in fp8, one scale each
+            scale = v.abs().max() / 448.0
+            state[k] = (v / scale).to(e4m3)
+            state[k.removesuffix(".weight") + ".scale_weight"] = scale.reshape(1)
+            scales[k] = scale
+        else:
+            state[k] = v
+    state["scaled_fp8"] = torch.zeros(0, dtype=e4m3)
+    file = wan["root"] / "fp8.safetensors"
+    save_file({f"model.diffusion_model.{k}": v for k, v in state.items()}, str(file))
+    info = describe(resolve_source(str(wan["base"])), transformer_files=(str(file),))
+    parts, _ = open_model(info, offload="stream")
+    q = parts["transformer"].blocks[0].attn1.to_q.weight
+    key = "blocks.0.self_attn.q.weight"
+    expected = state[key].to(torch.float32) * scales[key]
+    assert torch.equal(q, expected)
+    assert (q - wan["original"][key]).abs().max() <= 0.07 * wan["original"][key].abs().max()
+
+
+def test_keys_that_do_not_fit_are_named(wan):
+    root = wan["root"]
+    extra = root / "extra.safetensors"
+    save_file({**wan["original"], "blocks.9.self_attn.q.weight": torch.zeros(24, 24)}, str(extra))
+    with pytest.raises(WanFormatError, match=r"blocks.9.self_attn.q.weight \(diffusers: blocks.9"):
+        open_pipeline(wan["base"], transformer_files=(str(extra),))
+    missing = root / "missing.safetensors"
+    save_file({k: v for k, v in wan["original"].items() if "head.head" not in k}, str(missing))
+    with pytest.raises(WanFormatError, match="lacks proj_out.bias"):
+        open_pipeline(wan["base"], transformer_files=(str(missing),))
+    with pytest.raises(WanFormatError, match="2 transformer files for a model with 1"):
+        describe(resolve_source(str(wan["base"])), transformer_files=(str(extra), str(extra)))
+    with pytest.raises(WanFormatError, match="not found"):
+        describe(resolve_source(str(wan["base"])), transformer_files=(str(root / "none"),))
+
+
+def test_cli_and_server_take_a_transformer_file(wan, tmp_path):
+    from megaslide.cli.main import main
+
+    file = str(wan["root"] / "original.safetensors")
+    args = ["generate", "a red circle", "--model", str(wan["base"]), "--no-progress"]
+    assert main([*args, "-o", str(tmp_path / "a.mp4"), "--transformer", file]) == 0
+    bad = str(wan["root"] / "absent.safetensors")
+    assert main([*args, "-o", str(tmp_path / "b.mp4"), "--transformer", bad]) == 2
+    assert not (tmp_path / "b.mp4").exists()
+
+    from megaslide.server import Settings
+    from megaslide.server.torch_backend import TorchBackend
+
+    def backend(*transformers):
+        return TorchBackend(
+            Settings(
+                data_dir=tmp_path / "data",
+                models=[f"wan={wan['base']}"],
+                transformers=list(transformers),
+            )
+        )
+
+    (card,) = backend(f"wan={file}").cards()
+    assert card.name == "wan"
+    with pytest.raises(ValueError, match="no served model is named 'other'"):
+        backend(f"other={file}")
