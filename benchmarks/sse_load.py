@@ -8,7 +8,8 @@ it denoises, and `--pollers` clients poll its status back to back; reported are 
 denoising steps per second meanwhile (from the store's record of the video's step), the status
 polls' throughput and latency, and the events the streams received. The clients share this
 machine's cores with the server. The streams need descriptors: the process raises its own soft
-limit as far as the hard one allows.
+limit as far as the hard one allows, and the server's connection cap and per-key stream limit
+are raised past the largest count.
 """
 
 from __future__ import annotations
@@ -24,14 +25,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from api_load import (
-    LONG_CLIP,
-    _paced,
-    _start,
-    _submit,
-    _wait_for_first_step,
-    _window,
-)
+from api_load import LONG_CLIP, _paced, _submit, _wait_for_first_step, _window
+
+from processes import Server
 
 
 async def _follow(port: int, path: str, until: float, received: list[int]) -> None:
@@ -84,7 +80,13 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         data_dir = Path(tmp) / "sse"
         data_dir.mkdir()
-        server, _ = _start("embedded", data_dir, Path(tmp))
+        # Room for every stream: the connection cap and the per-key stream limit (no keys here:
+        # every client is the same principal) raised past the largest count measured.
+        room = str(2 * max(args.streams) + args.pollers + 100)
+        env = {"MEGASLIDE_MAX_CONNECTIONS": room, "MEGASLIDE_MAX_STREAMS_PER_KEY": room}
+        server = Server(
+            ["--data-dir", str(data_dir), "--device", "cpu"], Path(tmp) / "serve.log", env
+        )
         try:
             video_id = _submit(server, LONG_CLIP)
             server.wait(video_id, statuses=("in_progress",))
