@@ -52,6 +52,14 @@ def register_generate(sub) -> None:
     p.add_argument(
         "--gpu-budget", type=parse_bytes, help="device bytes for weights when streaming, e.g. 20GB"
     )
+    p.add_argument(
+        "--weights",
+        choices=("raw", "lossless", "fp8"),
+        default="raw",
+        help="with --offload stream: how block weights are kept in host RAM and sent each step; "
+        "lossless codes bf16 exponents (about 0.68x the bytes, bitwise the same video), fp8 "
+        "halves linear weights with per-channel scales (lossy) (default: raw)",
+    )
     p.add_argument("--stats", help="write streaming and step-time stats as JSON here")
     p.add_argument(
         "--trace", help="write a Chrome trace (Perfetto) of block copies and computes here"
@@ -89,8 +97,9 @@ def run_generate(args) -> int:
         from .remote import generate_remote
 
         return generate_remote(args, request)
-    if (args.gpu_budget or args.stats or args.trace) and args.offload != "stream":
-        raise UsageError("--gpu-budget, --stats and --trace need --offload stream")
+    streamed_only = args.gpu_budget or args.stats or args.trace or args.weights != "raw"
+    if streamed_only and args.offload != "stream":
+        raise UsageError("--gpu-budget, --weights, --stats and --trace need --offload stream")
     overrides = {"attention": args.attention} if args.attention else {}
     info = describe(model_source(args), **overrides)
     video = resolve(request, info.limits, model=info.name)  # bad input fails before any load
@@ -102,6 +111,7 @@ def run_generate(args) -> int:
         offload=args.offload,
         gpu_budget_bytes=args.gpu_budget,
         timing=bool(args.stats or args.trace),
+        weights=args.weights,
     )
     step_times = []
     with progress_bar(video.steps, "denoising", disable=args.no_progress) as bar:
@@ -195,6 +205,18 @@ def register_plan(sub) -> None:
         type=parse_bytes,
         help="device bytes for weights (default: stream every block)",
     )
+    p.add_argument(
+        "--weights",
+        choices=("raw", "lossless", "fp8"),
+        default="raw",
+        help="inference: host format of streamed blocks (default: raw)",
+    )
+    p.add_argument(
+        "--decode-gbps",
+        type=float,
+        default=200.0,
+        help="decoded GB/s of the lossless/fp8 decode on the device (default: 200)",
+    )
     p.add_argument("--h2d-gbps", type=float, default=55.0, help="host-to-device GB/s (default: 55)")
     p.add_argument("--d2h-gbps", type=float, default=55.0, help="device-to-host GB/s (default: 55)")
     p.add_argument(
@@ -234,6 +256,7 @@ def run_plan(args) -> int:
         d2h_gbps=args.d2h_gbps,
         tflops=args.tflops,
         host_gbps=args.host_gbps,
+        decode_gbps=args.decode_gbps,
     )
     workload = Workload(
         mode=args.mode,
@@ -247,6 +270,7 @@ def run_plan(args) -> int:
         gpu_budget=args.gpu_budget,
         max_grad_norm=args.max_grad_norm,
         grad_accum=args.grad_accum,
+        weights=args.weights,
     )
     result = plan(describe(model_source(args)), machine, workload)
     print_json(result) if args.json else print(format_plan(result))
