@@ -152,8 +152,9 @@ def open_model(
         raise ValueError("ordering needs offload='stream'")
     codec(weights)  # ValueError naming the formats
     if weights != "raw" and offload != "stream":
-        raise ValueError(f"weights={weights!r} is a format of the streamed host store: needs "
-                         "offload='stream'")
+        raise ValueError(
+            f"weights={weights!r} is a format of the streamed host store: needs offload='stream'"
+        )
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     components = family(info.family).components(info)

@@ -606,6 +606,9 @@ class StreamHandle:
         slot = self._slots[k]
         if slot.block is not None:
             self._blocks[slot.block].slot = None
+        store = block.store
+        if store.encoded:  # before the wait below: a new staging buffer re-records `free`
+            self._ensure_staging(slot, store.payload_nbytes)
         # The copy stream must not overwrite the slot before the compute stream is done with the
         # block that last used it (its release event); without this wait kernels still queued for
         # that block would read the new block's weights (diffusers#12673: garbage output).
@@ -613,9 +616,7 @@ class StreamHandle:
         span = (
             _Span("copy", i, k, self._forwards, self.ordering.stamp(True)) if self.timing else None
         )
-        store = block.store
         if store.encoded:
-            self._ensure_staging(slot, store.payload_nbytes)
             self.ordering.copy(slot.staging[: store.payload_nbytes], store.payload)
             slot.undecoded = True
         else:

@@ -109,8 +109,9 @@ def _check(sm: Tensor, table: Tensor, lane_offsets: Tensor, stream: Tensor, out:
     }
     for name, (t, dtype) in expected.items():
         if t.dtype != dtype or t.dim() != 1 or not t.is_contiguous():
-            raise ValueError(f"{name}: need a contiguous 1-D {dtype} tensor, got {t.dtype} "
-                             f"{tuple(t.shape)}")
+            raise ValueError(
+                f"{name}: need a contiguous 1-D {dtype} tensor, got {t.dtype} {tuple(t.shape)}"
+            )
         if t.device != out.device:
             raise ValueError(f"{name} is on {t.device}, out on {out.device}: use one device")
     n = out.numel()

@@ -206,26 +206,25 @@ def dfloat_decode_reference(
     lanes = lane_offsets.numel()
     if sm.numel() != num_words or lanes != num_lanes(num_words):
         raise ValueError(f"parts do not describe {num_words} words ({sm.numel()}, {lanes} lanes)")
+    # The 24-bit window starting at every byte, built once: one gather per step instead of three.
     data = stream.to(torch.int32)
-    entries = table.to(torch.int32)
+    windows = (data[:-2] << 16) | (data[1:-1] << 8) | data[2:]  # (stream bytes - 2,)
+    symbol_of = (table.to(torch.int32) & 0xFF).to(torch.uint8)  # per table entry
+    length_of = table.to(torch.int32) >> 8
     position = lane_offsets.to(torch.int64) * 8  # (lanes,) bit position in the stream
-    exponent = torch.empty(SYMBOLS, lanes, dtype=torch.int32, device=out.device)
+    exponent = torch.empty(SYMBOLS, lanes, dtype=torch.uint8, device=out.device)
     mask = (1 << MAX_CODE_BITS) - 1
     for t in range(SYMBOLS):
-        first = position >> 3
-        window = (  # the 24 bits at the lane's byte (index_select: the fast gather on CPU)
-            (data.index_select(0, first) << 16)
-            | (data.index_select(0, first + 1) << 8)
-            | data.index_select(0, first + 2)
-        )
-        index = (window >> (24 - (position & 7) - MAX_CODE_BITS)) & mask
-        entry = entries.index_select(0, index)
-        exponent[t] = entry & 0xFF
-        position += entry >> 8
+        window = windows.index_select(0, position >> 3)  # index_select: the fast CPU gather
+        index = (window >> (24 - MAX_CODE_BITS - (position & 7))) & mask
+        exponent[t] = symbol_of.index_select(0, index)
+        position += length_of.index_select(0, index)
     # (step, group, lane) -> word order (group, step, lane), padding dropped.
     exponent = exponent.view(SYMBOLS, -1, LANES).transpose(0, 1).reshape(-1)[:num_words]
     s = sm.to(torch.int32)
-    words = ((s & 0x80) << 8) | (exponent << 7) | (s & 0x7F)  # (num_words,) in [0, 65536)
+    words = (
+        ((s & 0x80) << 8) | (exponent.to(torch.int32) << 7) | (s & 0x7F)
+    )  # (num_words,) in [0, 65536)
     out.copy_(words.to(torch.int16))  # int32 -> int16 keeps the low 16 bits (two's complement)
     return out
 
