@@ -19,7 +19,7 @@ from torch import nn
 from megaslide.engine import VideoRequest, open_pipeline
 from megaslide.engine.host_store import TensorEntry
 from megaslide.engine.planner import Machine, Workload, plan
-from megaslide.engine.sources import resolve_source, describe
+from megaslide.engine.sources import describe, resolve_source
 from megaslide.engine.streaming import stream_module
 from megaslide.engine.weight_formats import fp8_dequantize, fp8_quantizable, fp8_quantize
 
