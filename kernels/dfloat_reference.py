@@ -155,7 +155,6 @@ def dfloat_encode(buffer: torch.Tensor) -> DFloatBuffer:
     words = flat.numpy().view(np.uint16)
     sm, exponent = split_words(words)
     lengths = code_lengths(np.bincount(exponent, minlength=256))
-    codes = canonical_codes(lengths)
     lanes = num_lanes(num_words)
     # Padding words get the most common exponent's code (the shortest) and are never stored.
     pad_symbol = int(np.argmax(np.bincount(exponent, minlength=256))) if num_words else 0
@@ -163,32 +162,41 @@ def dfloat_encode(buffer: torch.Tensor) -> DFloatBuffer:
     symbols[:num_words] = exponent
     # Word order -> lane order: group g, step t, lane w  ->  lane g*LANES + w, position t.
     symbols = symbols.reshape(-1, SYMBOLS, LANES).transpose(0, 2, 1).reshape(lanes, SYMBOLS)
-    length = lengths[symbols]  # (lanes, SYMBOLS) bits of each code
+    # Narrow integer types throughout: this loop is the encoder's cost (bits within a lane stay
+    # below 256 * MAX_CODE_BITS = 2560, so int16; codes shifted into a 24-bit field, int32).
+    length = lengths.astype(np.int16)[symbols]  # (lanes, SYMBOLS) bits of each code
     if num_words and length.min() == 0:
         raise AssertionError("a coded symbol has no code")  # pad_symbol always occurs
-    lane_bits = length.sum(axis=1)
-    lane_bytes = (lane_bits + 7) // 8
+    within = np.cumsum(length, axis=1, dtype=np.int16)
+    within -= length  # (lanes, SYMBOLS) bit position of each code inside its lane's stream
+    lane_bytes = (within[:, -1].astype(np.int64) + length[:, -1] + 7) // 8
     offsets = np.zeros(lanes, dtype=np.int64)
     np.cumsum(lane_bytes[:-1], out=offsets[1:])
     total = int(lane_bytes.sum())
     if total + STREAM_PAD >= 2**31:
         raise ValueError("dfloat stream of 2**31 bytes or more: lane offsets overflow int32")
-    # Bit position of every code; each code fits in the 24-bit window of 3 bytes at pos >> 3
-    # (pos & 7 <= 7 and length <= MAX_CODE_BITS <= 17), and codes never overlap, so summing the
-    # shifted bytes into the stream (bincount with weights, exact in float64) ORs them.
-    position = offsets[:, None] * 8 + np.cumsum(length, axis=1) - length
-    field = codes[symbols] << (24 - (position & 7) - length)
-    first = (position >> 3).reshape(-1)
-    stream = np.zeros(total + STREAM_PAD, dtype=np.float64)
-    for k, shift in enumerate((16, 8, 0)):
-        part = ((field >> shift) & 0xFF).reshape(-1)
-        stream += np.bincount(first + k, weights=part, minlength=stream.size)[: stream.size]
+    # Each code fits in the 24-bit window of the 3 bytes from its first byte (bit offset <= 7,
+    # length <= MAX_CODE_BITS <= 17). Codes never overlap, and first bytes never decrease in
+    # stream order (lane after lane, code after code), so OR-ing the windows of codes that share
+    # a first byte (one reduceat over runs) and then the three bytes of every window into the
+    # stream builds it exactly.
+    field = canonical_codes(lengths).astype(np.int32)[symbols]
+    field <<= 24 - (within & 7) - length
+    first = (offsets.astype(np.int32)[:, None] + (within >> 3)).reshape(-1)
+    field = field.reshape(-1)
+    windows = np.zeros(total + STREAM_PAD, dtype=np.int32)
+    if first.size:
+        starts = np.flatnonzero(np.concatenate(([True], first[1:] != first[:-1])))
+        windows[first[starts]] = np.bitwise_or.reduceat(field, starts)
+    stream = (windows >> 16).astype(np.uint8)  # each byte: its own window's top byte,
+    stream[1:] |= ((windows[:-1] >> 8) & 0xFF).astype(np.uint8)  # the previous one's middle,
+    stream[2:] |= (windows[:-2] & 0xFF).astype(np.uint8)  # and the one before's low byte
     return DFloatBuffer(
         num_words=num_words,
         sm=torch.from_numpy(sm),
         table=torch.from_numpy(decode_table(lengths)),
         lane_offsets=torch.from_numpy(offsets.astype(np.int32)),
-        stream=torch.from_numpy(stream.astype(np.uint8)),
+        stream=torch.from_numpy(stream),
         code_lengths=tuple(int(x) for x in lengths),
     )
 
