@@ -203,6 +203,7 @@ class EncodedBlockStore:
         self.parts: tuple[Part, ...] = ()
         self.meta: Any = None
         self.filled = False  # nothing encoded yet: the block was built on meta
+        self._pending: torch.Tensor | None = None  # raw bytes awaiting their first fill
         self._finalizer = None
         self.views = tuple(_placeholder(e) for e in self.entries)
 
@@ -214,11 +215,17 @@ class EncodedBlockStore:
         tensors are encoded when `fill` gives them values."""
         entries, nbytes = pack(tensors)
         store = cls(entries, nbytes, codec, pinned)
-        if not any(b.tensor.is_meta for b in tensors):
-            raw = torch.empty(nbytes, dtype=torch.uint8)
+        if not all(b.tensor.is_meta for b in tensors):
+            raw = torch.zeros(nbytes, dtype=torch.uint8)
             for bound, entry in zip(tensors, entries):
-                entry.view(raw).copy_(bound.tensor.detach())
-            store._encode(raw)
+                if not bound.tensor.is_meta:
+                    entry.view(raw).copy_(bound.tensor.detach())
+            if any(b.tensor.is_meta for b in tensors):
+                # Tensors a block computed for itself (rotary tables, say) are real already while
+                # its weights are still on meta: keep them raw until `fill` brings the rest.
+                store._pending = raw
+            else:
+                store._encode(raw)
         for bound, view in zip(tensors, store.views):
             _repoint_placeholder(bound.tensor, view)
         return store
@@ -246,6 +253,8 @@ class EncodedBlockStore:
 
     def read(self) -> torch.Tensor:
         """The block's flat buffer, decoded on the host (uint8, `(nbytes,)`)."""
+        if self._pending is not None:
+            return self._pending.clone()
         raw = torch.zeros(self.nbytes, dtype=torch.uint8)
         if self.filled:
             self.codec.decode([p.view(self.payload) for p in self.parts], self.meta, raw)
@@ -260,7 +269,8 @@ class EncodedBlockStore:
         keys = [n for e in self.entries for n in e.names]
         if not any(prefix + n in source for n in keys):
             return set()
-        raw = self.read()
+        raw = self._pending if self._pending is not None else self.read()
+        self._pending = None
         filled = fill_views(self.entries, [e.view(raw) for e in self.entries], source, prefix)
         self._encode(raw)
         return filled

@@ -106,3 +106,14 @@ def test_api_load_benchmark_polls_a_live_server_idle_and_generating():
     assert rows["generating", 4]["busy"]
     ratio = rows["generating", 4]["req_per_s"] / rows["idle", 4]["req_per_s"]
     assert r["goals"]["embedded"]["generating_over_idle_throughput"] == {"4": round(ratio, 2)}
+
+
+def test_compression_benchmark_quick():
+    r = run_json("benchmarks/compression.py", "--quick", "--json")
+    tiny = r["ratios"]["megaslide-tiny (trained, bf16)"]
+    assert 0 < tiny["fp8"] < tiny["lossless"] < 1
+    q = r["quality"]
+    assert q["lossless_bitwise_all"] and q["prompts"] == 1
+    assert q["fp8_psnr_db_min"] == min(row["fp8_psnr_db"] for row in q["rows"])
+    assert r["goals_met"]["lossless_ratio_max"] == (tiny["lossless"] <= 0.72)
+    assert r["cpu_throughput"]["lossless_decode_gbps"] > 0
