@@ -399,6 +399,7 @@ class StreamHandle:
                 filled = b.store.fill(source, prefix)
                 self._forget_copy(b)
             b.missing -= filled
+        self._size_staging()  # coded payloads may have changed size (copies drained above)
         for k, t in enumerate(self._non_block):
             key = next((n for n in t.names if n in source), None)
             if key is not None:
@@ -607,8 +608,8 @@ class StreamHandle:
         if slot.block is not None:
             self._blocks[slot.block].slot = None
         store = block.store
-        if store.encoded:  # before the wait below: a new staging buffer re-records `free`
-            self._ensure_staging(slot, store.payload_nbytes)
+        if store.encoded and (slot.staging is None or slot.staging.numel() < store.payload_nbytes):
+            raise RuntimeError(f"block {i}'s payload outgrew the staging buffers (a bug)")
         # The copy stream must not overwrite the slot before the compute stream is done with the
         # block that last used it (its release event); without this wait kernels still queued for
         # that block would read the new block's weights (diffusers#12673: garbage output).
@@ -633,21 +634,27 @@ class StreamHandle:
         self._copies += 1
         return k
 
-    def _ensure_staging(self, slot: _Slot, nbytes: int) -> None:
-        """Give `slot` a staging buffer of at least `nbytes` (coded payloads are known only once
-        the blocks are filled, so the buffers are sized then: to the largest payload)."""
-        if slot.staging is not None and slot.staging.numel() >= nbytes:
-            return
-        if slot.staging is not None:
-            # A copy into the old buffer may still be queued; its memory must not be reused first.
-            self.ordering.keep_alive(slot.staging)
+    def _size_staging(self) -> None:
+        """Give every slot a staging buffer for the largest coded payload (coded stores know their
+        size only once filled, so this runs after every fill). Callers have drained the copy
+        stream, so no copy still writes a buffer this replaces; decodes that read one are on the
+        compute stream, in whose order the allocator reuses freed memory."""
         largest = max(
-            b.store.payload_nbytes for b in self._blocks if b.store is not None and b.store.encoded
+            (
+                b.store.payload_nbytes
+                for b in self._blocks
+                if b.store is not None and b.store.encoded
+            ),
+            default=0,
         )
-        slot.staging = self.ordering.device_buffer(max(largest, nbytes))
-        # Fresh memory from the compute stream's allocator: the copy into it (which waits on
-        # `free`) must also wait for compute work queued before, which may still use that memory.
-        self.ordering.record_on_compute(slot.free)
+        for slot in self._slots:
+            if largest == 0 or (slot.staging is not None and slot.staging.numel() >= largest):
+                continue
+            slot.staging = self.ordering.device_buffer(largest)
+            # Fresh memory from the compute stream's allocator: the first copy into it waits on
+            # `free`, which must therefore also cover compute work queued before the allocation
+            # (the memory's previous owner); without it the copy may land under that work.
+            self.ordering.record_on_compute(slot.free)
 
     def _prefetch_ahead(self, i: int) -> None:
         ahead = self._ahead.get(i, ())
@@ -810,6 +817,7 @@ def stream_module(
         # compute stream; the first copy into the slot waits for them through this event.
         ordering.record_on_compute(slot.free)
         handle._slots.append(slot)
+    handle._size_staging()  # blocks with real tensors were encoded by make_store
     for rec in records:  # views are built once here, outside any inference_mode a caller may use
         if not rec.resident:
             rec.slot_views = [tuple(e.view(s.buffer) for e in rec.entries) for s in handle._slots]
