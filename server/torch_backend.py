@@ -85,6 +85,7 @@ class TorchBackend(Backend):
             dtype=self.dtype,
             offload=s.offload,
             gpu_budget_bytes=s.gpu_budget,
+            weights=s.weights,
         )
 
     # --- fine-tuning -------------------------------------------------------------------------

@@ -9,6 +9,7 @@ is checked on the simulated device, and the store's own contract (remove, fill, 
 from __future__ import annotations
 
 import copy
+import json
 import sys
 
 import numpy as np
@@ -187,6 +188,18 @@ def test_plan_accounts_for_coded_weights():
         assert p["time_s"]["transfer"] < raw["time_s"]["transfer"]
     with pytest.raises(ValueError, match="raw"):
         plan(info, Machine(), Workload(mode="finetune", weights="fp8"))
+
+
+def test_cli_flags_need_streaming_and_name_the_formats(capsys):
+    from megaslide.cli.main import main
+
+    assert main(["serve", "--preset", "tiny", "--weights", "lossless"]) == 2
+    assert "--weights needs --offload stream" in capsys.readouterr().err
+    assert main(["plan", "--preset", "tiny", "--mode", "finetune", "--weights", "fp8"]) == 2
+    assert "needs weights='raw'" in capsys.readouterr().err
+    assert main(["plan", "--preset", "tiny", "--weights", "lossless", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["workload"]["weights"] == "lossless" and "coded_block_weights" in report["host"]
 
 
 if __name__ == "__main__":
