@@ -166,6 +166,19 @@ class Fp8Codec(WeightCodec):
                 out[entry.offset : entry.offset + entry.nbytes].copy_(next(it))
 
 
+def fp8_payload_nbytes(entries: Sequence[TensorEntry]) -> int:
+    """Bytes of a block's fp8 payload, from its layout alone (what `Fp8Codec` and the store
+    write: every part 64-byte aligned), so the format's size is known for any block shape."""
+    cursor = 0
+    for entry in entries:
+        sizes = [entry.nbytes]
+        if fp8_quantizable(entry):
+            sizes = [entry.shape[0] * entry.shape[1], entry.shape[0] * 4]  # q bytes, fp32 scales
+        for n in sizes:
+            cursor = _round_up(cursor, ALIGN_BYTES) + n
+    return _round_up(cursor, ALIGN_BYTES)
+
+
 CODECS: dict[str, WeightCodec] = {"lossless": LosslessCodec(), "fp8": Fp8Codec()}
 
 

@@ -22,7 +22,12 @@ from megaslide.engine.host_store import TensorEntry
 from megaslide.engine.planner import Machine, Workload, plan
 from megaslide.engine.sources import describe, resolve_source
 from megaslide.engine.streaming import stream_module
-from megaslide.engine.weight_formats import fp8_dequantize, fp8_quantizable, fp8_quantize
+from megaslide.engine.weight_formats import (
+    fp8_dequantize,
+    fp8_payload_nbytes,
+    fp8_quantizable,
+    fp8_quantize,
+)
 
 from simulated_device import SimulatedDevice, watch_handle
 
@@ -165,6 +170,15 @@ def test_coded_store_contract():
         expected = new.get(k, v)
         assert torch.equal(after[k], expected), k
     assert torch.equal(model(x), out)
+
+
+def test_fp8_payload_size_from_the_layout_is_the_stores():
+    model = _Stack().to(torch.bfloat16)
+    handle = stream_module(model, model.blocks, "cpu", weights="fp8")
+    stats = handle.stats()
+    expected = sum(fp8_payload_nbytes(b.entries) for b in handle._blocks)
+    assert stats["host_store_bytes"] == expected
+    assert stats["host_store_bytes"] < 0.6 * stats["streamed_block_bytes"]
 
 
 def test_unknown_format_and_resident_use_are_refused():
