@@ -622,6 +622,7 @@ class StreamHandle:
             slot.undecoded = True
         else:
             self.ordering.copy(slot.buffer[: block.nbytes], store.buffer)
+            slot.undecoded = False
         # Recorded after the copy so load() can make compute wait for exactly this copy.
         self.ordering.record_on_copy(slot.ready)
         if span is not None:
