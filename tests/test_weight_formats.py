@@ -78,6 +78,19 @@ def test_lossless_in_fp32_is_bitwise_too():
     assert np.array_equal(pipe.generate(REQUEST), ref)
 
 
+def test_lossless_wan_with_two_experts_and_a_streamed_text_encoder_is_bitwise(tmp_path):
+    pytest.importorskip("diffusers")
+    from test_wan import request
+    from wan_fixtures import build_tiny_wan
+
+    model = build_tiny_wan(tmp_path / "experts", experts=2)
+    ref = open_pipeline(model, dtype="bfloat16").generate(request(seed=1))
+    pipe = open_pipeline(model, dtype="bfloat16", offload="stream", weights="lossless")
+    assert set(pipe.stats()) == {"text_encoder", "transformer", "transformer_2"}
+    assert all(s["weights"] == "lossless" for s in pipe.stats().values())
+    assert np.array_equal(pipe.generate(request(seed=1)), ref)
+
+
 def test_fp8_frames_are_within_the_stated_psnr(bf16_frames):
     pipe = open_pipeline(dtype="bfloat16", offload="stream", weights="fp8")
     frames = pipe.generate(REQUEST)
