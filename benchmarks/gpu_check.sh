@@ -49,6 +49,9 @@ run dsa_cuda_check 90 python3 benchmarks/dsa_cuda_check.py
 run cuda_checks 120 python3 benchmarks/cuda_checks.py --preset small --json
 # Benchmarks.
 run streaming_small 60 python3 benchmarks/streaming.py --device cuda --preset small --frames 16 --size 256x256 --json
+# Weight formats: the lossless decode kernel's GB/s (checked bitwise) and the streamed step time
+# per format (raw, lossless, fp8) of the small preset.
+run weight_formats 90 python3 benchmarks/weight_formats_device.py --device cuda --json
 run attention 180 python3 benchmarks/attention.py --json --quick
 if python3 -c "import diffusers" 2>/dev/null; then
   run wan_streaming 90 python3 benchmarks/wan_streaming.py --json

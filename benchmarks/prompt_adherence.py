@@ -26,20 +26,11 @@ from megaslide.engine.world import analyse_clip, benchmark_prompts, held_out
 GOALS = {"colour": 0.95, "motion": 0.90, "shape": 0.80}
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=DEFAULT_MODEL, help="model directory or packaged name")
-    ap.add_argument("--count", type=int, default=60, help="prompts (the held-out ones come first)")
-    ap.add_argument("--steps", type=int, help="denoising steps (default: the model's)")
-    ap.add_argument("--guidance", type=float, help="guidance scale (default: the model's)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", action="store_true")
-    args = ap.parse_args(argv)
-
-    pipe = open_pipeline(args.model)
+def adherence(pipe, count, steps=None, guidance=None, seed=0) -> tuple[list[dict], list[float]]:
+    """One clip per benchmark prompt, read back by the analyser: (rows, seconds per clip)."""
     rows, seconds = [], []
-    for i, (prompt, colour, shape, motion) in enumerate(benchmark_prompts(args.count)):
-        request = VideoRequest(prompt, steps=args.steps, guidance=args.guidance, seed=args.seed + i)
+    for i, (prompt, colour, shape, motion) in enumerate(benchmark_prompts(count)):
+        request = VideoRequest(prompt, steps=steps, guidance=guidance, seed=seed + i)
         start = time.perf_counter()
         frames = pipe.generate(request)
         seconds.append(time.perf_counter() - start)
@@ -54,13 +45,38 @@ def main(argv=None) -> int:
                 "read": {"colour": a.colour, "shape": a.shape, "motion": a.motion},
             }
         )
+    return rows, seconds
 
-    def accuracy(subset, attr):
-        return sum(r[attr] for r in subset) / len(subset) if subset else None
 
+def accuracy(subset: list[dict], attr: str) -> float | None:
+    return sum(r[attr] for r in subset) / len(subset) if subset else None
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=DEFAULT_MODEL, help="model directory or packaged name")
+    ap.add_argument("--count", type=int, default=60, help="prompts (the held-out ones come first)")
+    ap.add_argument("--steps", type=int, help="denoising steps (default: the model's)")
+    ap.add_argument("--guidance", type=float, help="guidance scale (default: the model's)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", default="auto", help="compute dtype (default: the device's)")
+    ap.add_argument(
+        "--weights",
+        default="raw",
+        choices=("raw", "lossless", "fp8"),
+        help="stream the blocks with their host store in this format (default: raw, resident)",
+    )
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+
+    offload = "none" if args.weights == "raw" else "stream"
+    pipe = open_pipeline(args.model, dtype=args.dtype, offload=offload, weights=args.weights)
+    rows, seconds = adherence(pipe, args.count, args.steps, args.guidance, args.seed)
     unseen = [r for r in rows if r["unseen_combination"]]
     result = {
         "model": args.model,
+        "dtype": args.dtype,
+        "weights": args.weights,
         "prompts": len(rows),
         "unseen_prompts": len(unseen),
         "steps": args.steps or pipe.info.limits.steps,

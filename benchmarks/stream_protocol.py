@@ -15,6 +15,8 @@ The scenarios:
 - `cfg-batch`: two guided requests in one batch (both halves of both guidance pairs per forward);
 - `step-batch`: requests at different denoising steps in one batch;
 - `reload`: `load_weights` between requests while cyclic prefetch has copies in flight;
+- `lossless`: sampling with the host stores coded (`weights="lossless"`): payloads copied into
+  staging buffers and decoded into the slots on the compute stream (the Triton kernel on CUDA);
 - `training`: a full-parameter step (forward, reverse recompute with `handle.manual`, gradients
   drained into two pinned buffers, the CPU optimizer writing a block's master while the next block
   is copied), against the same step with every block resident;
@@ -150,9 +152,19 @@ def _budget(model: Path, dtype: torch.dtype, prefetch: int, resident: int) -> in
 
 
 def inference(
-    model, device, dtype, probe, rounds, clip, *, prefetch=2, budget=None, batch="single"
+    model,
+    device,
+    dtype,
+    probe,
+    rounds,
+    clip,
+    *,
+    prefetch=2,
+    budget=None,
+    batch="single",
+    weights="raw",
 ):
-    """Outputs of `rounds` streamed runs of `batch` (see `_requests`)."""
+    """Outputs of `rounds` streamed runs of `batch` (see `_requests`), host stores in `weights`."""
     budget_bytes = _budget(model, dtype, prefetch, budget) if budget is not None else None
     pipe = open_pipeline(
         model,
@@ -162,6 +174,7 @@ def inference(
         prefetch=prefetch,
         gpu_budget_bytes=budget_bytes,
         ordering=probe.ordering(),
+        weights=weights,
     )
     handle = pipe.handles["dit"]
     if budget is not None and handle.stats()["resident_blocks"] != budget:
@@ -385,6 +398,7 @@ SCENARIOS = {
     "cfg-batch": _scenario(inference, resident_inference, batch="cfg"),
     "step-batch": _scenario(inference, resident_inference, batch="steps"),
     "reload": _scenario(reload, resident_reload),
+    "lossless": _scenario(inference, resident_inference, prefetch=2, weights="lossless"),
     "training": _scenario(training, resident_training),
     "remove": _scenario(remove, resident_remove),
 }

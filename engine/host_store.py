@@ -161,6 +161,8 @@ def unpin(ptr: int, nbytes: int) -> None:
 class HostBlockStore:
     """All parameters and buffers of one block in one contiguous host buffer, optionally pinned."""
 
+    encoded = False  # the buffer is the block's flat layout itself (see weight_formats.py)
+
     def __init__(self, entries: Sequence[TensorEntry], nbytes: int, pinned: bool = False):
         self.entries = tuple(entries)
         self.nbytes = nbytes
@@ -186,6 +188,15 @@ class HostBlockStore:
         store = cls(*pack(tensors), pinned=pinned)
         move_into(tensors, store.views)
         return store
+
+    @property
+    def payload(self) -> torch.Tensor:
+        """What one copy moves to the device: the buffer itself."""
+        return self.buffer
+
+    @property
+    def payload_nbytes(self) -> int:
+        return self.nbytes
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Host views by (first) name; writing into them changes what the next copy transfers."""

@@ -37,6 +37,7 @@ from .ordering import Ordering
 from .pipeline import Pipeline
 from .sources import ModelInfo, ModelSource, describe, resolve_source
 from .streaming import StreamHandle, stream_module
+from .weight_formats import codec
 
 OFFLOAD_MODES = ("none", "stream")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -89,6 +90,7 @@ def open_pipeline(
     timing: bool = False,
     batched: bool = True,
     ordering: Ordering | None = None,
+    weights: str = "raw",
     **overrides,
 ) -> Pipeline:
     """A model opened for sampling.
@@ -99,7 +101,9 @@ def open_pipeline(
     `timing` records per-block copy and compute times for the streamer's stats and trace.
     `batched=False` runs each request's rows in passes of their own (a reference mode).
     `ordering` replaces the device's own streams and events for the streamed modules (see
-    `stream_module`; tests run on a simulated device this way). `overrides` replace architecture fields that leave the weights alone (`attention="dsa"`).
+    `stream_module`; tests run on a simulated device this way). `weights` is the streamed
+    blocks' host format (`weight_formats.py`: "raw", "lossless" or "fp8"; needs
+    `offload="stream"` unless "raw"). `overrides` replace architecture fields that leave the weights alone (`attention="dsa"`).
     """
     if isinstance(source, ModelInfo) and not overrides:
         info = source
@@ -114,6 +118,7 @@ def open_pipeline(
         prefetch=prefetch,
         timing=timing,
         ordering=ordering,
+        weights=weights,
     )
     for module in parts.values():
         module.eval()
@@ -131,6 +136,7 @@ def open_model(
     timing: bool = False,
     only: set[str] | None = None,
     ordering: Ordering | None = None,
+    weights: str = "raw",
 ) -> tuple[dict[str, nn.Module], dict[str, StreamHandle]]:
     """The modules of a described model, built on meta, filled and placed: `(modules by name,
     stream handles of the streamed ones)`; `only` names the components to open (default: all).
@@ -145,6 +151,11 @@ def open_model(
         raise ValueError("gpu_budget_bytes needs offload='stream'")
     if ordering is not None and offload != "stream":
         raise ValueError("ordering needs offload='stream'")
+    codec(weights)  # ValueError naming the formats
+    if weights != "raw" and offload != "stream":
+        raise ValueError(
+            f"weights={weights!r} is a format of the streamed host store: needs offload='stream'"
+        )
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     components = family(info.family).components(info)
@@ -174,6 +185,7 @@ def open_model(
                     prefetch=prefetch,
                     timing=timing,
                     ordering=ordering,
+                    weights=weights,
                 )
                 fill = handle.load_weights
                 handles[c.name] = handle

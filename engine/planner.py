@@ -14,6 +14,13 @@ and a few machine numbers, and named, so the accounting can be read and checked 
   block and sends its fp32 gradients to the host.
 
 Time per step is `max(transfer, compute)` (copies overlap compute) with the bound named.
+
+A coded weight format (`Workload.weights`, weight_formats.py) changes three lines: the host keeps
+the denoiser's blocks coded (`coded_block_weights`), each slot gets a staging buffer for the coded
+payload, fewer bytes cross the bus, and the decode runs on the compute stream before each streamed
+block (`decode` time, at `Machine.decode_gbps` of decoded output). `lossless` is planned at
+`LOSSLESS_RATIO` (measured on trained weights by benchmarks/compression.py; the exact figure
+depends on the weights); `fp8` at 1 byte per matmul parameter, the rest in the compute dtype.
 """
 
 from __future__ import annotations
@@ -26,6 +33,9 @@ from .optim import grad_buffer_bytes
 from .sources import ModelInfo
 
 GB = 1e9
+# Coded bytes / bf16 bytes of trained weights under `lossless`: 0.68 to 0.70 on the default model
+# and Gaussian-like weights (benchmarks/compression.py); planned a little above.
+LOSSLESS_RATIO = 0.70
 
 
 @dataclass(frozen=True)
@@ -39,6 +49,10 @@ class Machine:
     tflops: float = 790.0  # achieved dense bf16 TFLOP/s
     host_gbps: float = 200.0  # host memory bandwidth the CPU optimizer streams through, GB/s
     reserve: float = 0.05  # fraction of device memory kept free for the allocator and CUDA context
+    # Decoded bytes per second a coded weight format's decode writes on the device: the design
+    # goal of the lossless kernel on an H200 (benchmarks/gpu_check.sh measures it), not a
+    # measurement; fp8's dequantize is a plain elementwise op, faster.
+    decode_gbps: float = 200.0
 
 
 @dataclass(frozen=True)
@@ -58,6 +72,7 @@ class Workload:
     grad_accum: int = 1  # fine-tuning: micro-batches per optimizer step
     loras: int = 0  # inference: LoRA adapters registered (their factors live on the device)
     lora_rank: int = 0  # their rank, on every adaptable layer
+    weights: str = "raw"  # inference: host format of streamed blocks (raw, lossless, fp8)
 
 
 def tokens(info: ModelInfo, w: Workload) -> int:
@@ -99,6 +114,10 @@ def plan(info: ModelInfo, machine: Machine = Machine(), w: Workload = Workload()
     if w.mode not in ("infer", "finetune"):
         raise ValueError(f"mode must be 'infer' or 'finetune', got {w.mode!r}")
     finetune = w.mode == "finetune"
+    if w.weights not in ("raw", "lossless", "fp8"):
+        raise ValueError(f"weights must be raw, lossless or fp8, got {w.weights!r}")
+    if finetune and w.weights != "raw":
+        raise ValueError("fine-tuning writes the host store every step: it needs weights='raw'")
     counts = family(info.family).count_parameters(info)
     n_params, n_block, depth = counts["total"], counts["per_block"], counts["blocks"]
     experts = 1 if finetune else counts["experts"]  # fine-tuning holds one expert's blocks
@@ -119,9 +138,20 @@ def plan(info: ModelInfo, machine: Machine = Machine(), w: Workload = Workload()
     D, F, L = config.dim, config.ffn_dim, config.text_tokens
     keys = attention_keys(config, n_tok)
 
+    # A denoiser block as its host store keeps it and as it crosses the bus.
+    matmul_params = n_block - 6 * D  # everything in a block but its modulation table is a matmul
+    coded_block_bytes = {
+        "raw": block_bytes,
+        "lossless": math.ceil(LOSSLESS_RATIO * block_bytes),
+        "fp8": matmul_params + (n_block - matmul_params) * wb,
+    }[w.weights]
+    staging = 0 if w.weights == "raw" else coded_block_bytes  # per slot: the payload lands here
+
     # Device: weights. Slots hold streamed blocks (one ring per expert, and one for the text
     # encoder's blocks); the rest of the budget keeps denoiser blocks resident.
-    slots = experts * w.prefetch * block_bytes + (w.prefetch * counts["text_per_block"] * wb)
+    slots = experts * w.prefetch * (block_bytes + staging) + (
+        w.prefetch * counts["text_per_block"] * wb
+    )
     lora = 0 if finetune else adapter_bytes(info, w.loras, w.lora_rank, b)
     if w.gpu_budget is None or finetune:  # fine-tuning streams every block
         resident = 0
@@ -148,7 +178,12 @@ def plan(info: ModelInfo, machine: Machine = Machine(), w: Workload = Workload()
         if lora:
             # The factors stay on the device; the low-rank products add rows x tokens x rank.
             device["lora_adapters"] = lora
-        host["compute_dtype_weights"] = n_params * b  # pinned once at the exact size
+        if w.weights == "raw":
+            host["compute_dtype_weights"] = n_params * b  # pinned once at the exact size
+        else:
+            coded = experts * depth
+            host["compute_dtype_weights"] = (n_params - coded * n_block) * b
+            host["coded_block_weights"] = coded * coded_block_bytes
     else:
         # Backward: one block's recompute plus its saved tensors (about 3x the forward live set), the
         # compute-dtype cast of that block, its fp32 gradients, and every block's boundary activation.
@@ -182,14 +217,17 @@ def plan(info: ModelInfo, machine: Machine = Machine(), w: Workload = Workload()
     host_total = sum(host.values())
 
     # Time: FLOPs of one forward over the batch (matmuls 2*params*tokens, attention 4*N*keys*D).
-    matmul_params = n_block - 6 * D  # everything in a block but its modulation table is a matmul
     fwd_flops = (
         depth * rows * (2 * matmul_params * n_tok + 4 * n_tok * keys * D + 4 * n_tok * L * D)
     )
     streamed_bytes = streamed * block_bytes  # one expert runs per step
+    decode_s = 0.0
     if not finetune:
-        compute_s = fwd_flops / (machine.tflops * 1e12)
-        h2d_bytes = streamed_bytes
+        # A coded block is decoded on the compute stream before it runs: compute time grows.
+        if w.weights != "raw":
+            decode_s = streamed_bytes / (machine.decode_gbps * GB)
+        compute_s = fwd_flops / (machine.tflops * 1e12) + decode_s
+        h2d_bytes = streamed * coded_block_bytes
         transfer_s = h2d_bytes / (machine.h2d_gbps * GB)
         optimizer_s = 0.0
     else:
@@ -232,7 +270,7 @@ def plan(info: ModelInfo, machine: Machine = Machine(), w: Workload = Workload()
         "batch_rows": rows,
         "host": {**host, "total": host_total},
         "device": {**device, "weights": weights_dev, "total": device_total},
-        "time_s": {**bounds, "step": max(bounds.values()), "bound": bound},
+        "time_s": {**bounds, "decode": decode_s, "step": max(bounds.values()), "bound": bound},
         "bytes_per_step": {"h2d": h2d_bytes},
         "fits": not problems,
         "problems": problems,
@@ -264,6 +302,11 @@ def format_plan(p: dict) -> str:
         f"time per step: {t['step']:.3f} s, bound by {t['bound']} "
         f"(compute {t['compute']:.3f} s, transfer {t['transfer']:.3f} s, optimizer {t['optimizer']:.3f} s)"
     )
+    if p["workload"]["weights"] != "raw":
+        lines.append(
+            f"weights {p['workload']['weights']}: the compute time includes {t['decode']:.3f} s of "
+            "decoding streamed blocks"
+        )
     lines.append(
         "verdict: fits" if p["fits"] else "verdict: does not fit: " + "; ".join(p["problems"])
     )

@@ -64,6 +64,7 @@ from .host_store import (
     repoint,
 )
 from .ordering import Ordering, make_ordering
+from .weight_formats import EncodedBlockStore, codec, make_store
 
 __all__ = ["ResidencyPlan", "StreamHandle", "plan_residency", "stream_module"]
 
@@ -150,7 +151,7 @@ class _Block:
     entries: tuple[TensorEntry, ...]
     nbytes: int  # flat layout size
     resident: bool = False
-    store: HostBlockStore | None = None  # streamed blocks
+    store: HostBlockStore | EncodedBlockStore | None = None  # streamed blocks
     device_flat: torch.Tensor | None = None  # resident blocks: their own flat device buffer
     slot_views: list[tuple[torch.Tensor, ...]] = dataclasses.field(default_factory=list)
     slot: int | None = None  # slot holding (or receiving) a copy of this block
@@ -168,6 +169,9 @@ class _Slot:
     free: Any  # recorded on the compute stream after the latest work that read this slot
     block: int | None = None
     last_use: int = 0
+    # Coded weight formats: the payload lands here and is decoded into `buffer` at load.
+    staging: torch.Tensor | None = None
+    undecoded: bool = False  # `buffer` does not yet hold the decoded copy of `block`
 
 
 @dataclasses.dataclass
@@ -216,6 +220,7 @@ class StreamHandle:
         self.prefetch_depth = prefetch
         self.host_pinned = pinned
         self.timing = timing
+        self.weights = "raw"  # the host stores' format (weight_formats.py); set by stream_module
         self._blocks: list[_Block] = blocks
         self._non_block: list[BoundTensor] = non_block
         self._non_block_missing = {k for k, t in enumerate(non_block) if t.device.type == "meta"}
@@ -296,6 +301,16 @@ class StreamHandle:
             # The compute stream must not read the slot before block i's bytes have landed; without
             # this wait the block computes with the previous occupant's (or uninitialised) weights.
             self.ordering.compute_wait(s.ready)
+            if s.undecoded:
+                # On the compute stream, after the wait above (it reads the landed payload) and
+                # before the block's kernels (they read what it writes): the next block's copy
+                # runs meanwhile. The staging buffer is refilled only after this slot's release.
+                start = self.ordering.stamp(False) if self.timing else None
+                block.store.decode(s.staging, s.buffer[: block.nbytes])
+                s.undecoded = False
+                if self.timing:
+                    end = self.ordering.stamp(False)
+                    self._spans.append(_Span("decode", i, slot, self._forwards, start, end))
             for bound, view in zip(block.tensors, block.slot_views[slot]):
                 bound.tensor.data = view
             self._tick += 1
@@ -384,6 +399,7 @@ class StreamHandle:
                 filled = b.store.fill(source, prefix)
                 self._forget_copy(b)
             b.missing -= filled
+        self._size_staging()  # coded payloads may have changed size (copies drained above)
         for k, t in enumerate(self._non_block):
             key = next((n for n in t.names if n in source), None)
             if key is not None:
@@ -430,7 +446,9 @@ class StreamHandle:
             "non_block_bytes": self._non_block_bytes,
             "resident_block_bytes": p.resident_block_bytes,
             "streamed_block_bytes": sum(self._blocks[i].nbytes for i in p.streamed),
-            "host_store_bytes": sum(self._blocks[i].nbytes for i in p.streamed),
+            "weights": self.weights,
+            "host_store_bytes": sum(self._blocks[i].store.payload_nbytes for i in p.streamed),
+            "staging_bytes": sum(s.staging.numel() for s in self._slots if s.staging is not None),
             # Everything is allocated up front, so the peak is the steady-state footprint.
             "peak_device_weight_bytes": self._non_block_bytes
             + p.resident_block_bytes
@@ -451,9 +469,11 @@ class StreamHandle:
     def _timing_stats(self) -> dict[str, Any]:
         n = len(self._blocks)
         copy_s, compute_s = [0.0] * n, [0.0] * n
-        copies, computes, copied_bytes = [], [], 0
+        copies, computes, copied_bytes, decode_s = [], [], 0, 0.0
         for span, a, b in self._intervals():
-            if span.kind == "copy":
+            if span.kind == "decode":  # coded weight formats: on the compute stream, not hiding
+                decode_s += b - a
+            elif span.kind == "copy":
                 copy_s[span.block] += b - a
                 copies.append((a, b))
                 copied_bytes += span.nbytes
@@ -468,6 +488,7 @@ class StreamHandle:
             "compute_s": compute_s,
             "copy_s_total": total_copy,
             "compute_s_total": sum(compute_s),
+            "decode_s_total": decode_s,
             "h2d_gbps": copied_bytes / total_copy / 1e9 if total_copy > 0 else None,
             "copy_hidden_fraction": hidden / total_copy if total_copy > 0 else None,
         }
@@ -516,7 +537,7 @@ class StreamHandle:
                     "ts": a * 1e6,
                     "dur": (b - a) * 1e6,
                     "pid": pid,
-                    "tid": tids[span.kind],
+                    "tid": tids["copy" if span.kind == "copy" else "compute"],
                     "args": args,
                 }
             )
@@ -538,11 +559,13 @@ class StreamHandle:
             hook.remove()
         home = lambda d: torch.device("cpu") if d.type == "meta" else d  # noqa: E731
         for block in self._blocks:
-            views = (
-                block.store.views
-                if block.store is not None
-                else tuple(e.view(block.device_flat) for e in block.entries)
-            )
+            if block.store is None:
+                views = tuple(e.view(block.device_flat) for e in block.entries)
+            elif block.store.encoded:
+                flat = block.store.read()  # decoded on the host
+                views = tuple(e.view(flat) for e in block.entries)
+            else:
+                views = block.store.views
             for bound, entry, view in zip(block.tensors, block.entries, views):
                 own = torch.empty_strided(
                     entry.shape, entry.stride, dtype=entry.dtype, device=home(bound.device)
@@ -584,6 +607,9 @@ class StreamHandle:
         slot = self._slots[k]
         if slot.block is not None:
             self._blocks[slot.block].slot = None
+        store = block.store
+        if store.encoded and (slot.staging is None or slot.staging.numel() < store.payload_nbytes):
+            raise RuntimeError(f"block {i}'s payload outgrew the staging buffers (a bug)")
         # The copy stream must not overwrite the slot before the compute stream is done with the
         # block that last used it (its release event); without this wait kernels still queued for
         # that block would read the new block's weights (diffusers#12673: garbage output).
@@ -591,18 +617,45 @@ class StreamHandle:
         span = (
             _Span("copy", i, k, self._forwards, self.ordering.stamp(True)) if self.timing else None
         )
-        self.ordering.copy(slot.buffer[: block.nbytes], block.store.buffer)
+        if store.encoded:
+            self.ordering.copy(slot.staging[: store.payload_nbytes], store.payload)
+            slot.undecoded = True
+        else:
+            self.ordering.copy(slot.buffer[: block.nbytes], store.buffer)
+            slot.undecoded = False
         # Recorded after the copy so load() can make compute wait for exactly this copy.
         self.ordering.record_on_copy(slot.ready)
         if span is not None:
-            span.end, span.nbytes = self.ordering.stamp(True), block.nbytes
+            span.end, span.nbytes = self.ordering.stamp(True), store.payload_nbytes
             self._spans.append(span)
         slot.block, block.slot = i, k
         self._tick += 1
         slot.last_use = self._tick
-        self._h2d_bytes += block.nbytes
+        self._h2d_bytes += store.payload_nbytes
         self._copies += 1
         return k
+
+    def _size_staging(self) -> None:
+        """Give every slot a staging buffer for the largest coded payload (coded stores know their
+        size only once filled, so this runs after every fill). Callers have drained the copy
+        stream, so no copy still writes a buffer this replaces; decodes that read one are on the
+        compute stream, in whose order the allocator reuses freed memory."""
+        largest = max(
+            (
+                b.store.payload_nbytes
+                for b in self._blocks
+                if b.store is not None and b.store.encoded
+            ),
+            default=0,
+        )
+        for slot in self._slots:
+            if largest == 0 or (slot.staging is not None and slot.staging.numel() >= largest):
+                continue
+            slot.staging = self.ordering.device_buffer(largest)
+            # Fresh memory from the compute stream's allocator: the first copy into it waits on
+            # `free`, which must therefore also cover compute work queued before the allocation
+            # (the memory's previous owner); without it the copy may land under that work.
+            self.ordering.record_on_compute(slot.free)
 
     def _prefetch_ahead(self, i: int) -> None:
         ahead = self._ahead.get(i, ())
@@ -662,6 +715,7 @@ def stream_module(
     host_pinned: bool | None = None,
     activation_reserve_bytes: int = 0,
     ordering: Ordering | None = None,
+    weights: str = "raw",
 ) -> StreamHandle:
     """Stream `blocks` (submodules of `module`, in the order they run) from host RAM to `device`.
 
@@ -671,11 +725,14 @@ def stream_module(
     A block called several times in one forward is correct: each call loads it (a copy only if its
     slot was reused meanwhile). Tensors may be on the meta device: fill them with `load_weights`.
     `ordering` replaces the device's own streams and events (`make_ordering(device)`): tests run
-    the streamer on a simulated device this way; the module never knows.
+    the streamer on a simulated device this way; the module never knows. `weights` is the host
+    store's format (`weight_formats.py`: "raw", "lossless", "fp8"): coded payloads cross the bus
+    and are decoded in the slot, on the compute stream, when their block loads.
     """
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
+    codec(weights)  # ValueError for an unknown format, before anything is allocated
     if activation_reserve_bytes < 0:
         raise ValueError(f"activation_reserve_bytes={activation_reserve_bytes} must be >= 0")
     blocks = list(blocks)
@@ -739,7 +796,7 @@ def stream_module(
             rec.device_flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
             move_into(tensors, [e.view(rec.device_flat) for e in entries])
         else:  # block by block, so the host holds at most one block twice at a time
-            rec.store = HostBlockStore.adopt(tensors, pinned)
+            rec.store = make_store(tensors, pinned, weights)
         records.append(rec)
     for t in non_block:
         repoint(
@@ -752,6 +809,7 @@ def stream_module(
     handle = StreamHandle(
         module, records, device, plan, pinned, prefetch, timing, non_block, ordering
     )
+    handle.weights = weights
     for _ in range(plan.num_slots):
         slot = _Slot(
             ordering.device_buffer(plan.slot_bytes), ordering.new_event(), ordering.new_event()
@@ -760,6 +818,7 @@ def stream_module(
         # compute stream; the first copy into the slot waits for them through this event.
         ordering.record_on_compute(slot.free)
         handle._slots.append(slot)
+    handle._size_staging()  # blocks with real tensors were encoded by make_store
     for rec in records:  # views are built once here, outside any inference_mode a caller may use
         if not rec.resident:
             rec.slot_views = [tuple(e.view(s.buffer) for e in rec.entries) for s in handle._slots]

@@ -1,12 +1,18 @@
 """MegaSlide kernels: operators, each Triton kernel beside the PyTorch reference it must match.
 
-For now this is 3D Deformable Slide Attention: `dsa_attention` is the entry point (the Triton
+3D Deformable Slide Attention: `dsa_attention` is the entry point (the Triton
 kernels for CUDA tensors, the reference otherwise), `dsa_triton` and `dsa_attention_reference` are
 the two backends, `dsa_geometry`, `window_tiles` and `invert_windows` compute the windows both of
-them read, and `dsa_dense_oracle` is the dense masked attention the tests hold them to. The
-package needs torch, with Triton optional, and imports nothing from `engine/` or `server/`.
+them read, and `dsa_dense_oracle` is the dense masked attention the tests hold them to.
+
+DFloat, lossless bf16 weights: `dfloat_encode` (CPU, numpy) codes a buffer's exponents,
+`dfloat_decode` decodes on the device (the Triton kernel on CUDA, the reference on the CPU).
+
+The package needs torch, with Triton optional, and imports nothing from `engine/` or `server/`.
 """
 
+from .dfloat import dfloat_decode
+from .dfloat_reference import dfloat_encode
 from .dsa import dsa_attention, dsa_triton
 from .dsa_reference import (
     DSAGeometry,
@@ -19,6 +25,8 @@ from .dsa_reference import (
 
 __all__ = [
     "DSAGeometry",
+    "dfloat_decode",
+    "dfloat_encode",
     "dsa_attention",
     "dsa_attention_reference",
     "dsa_dense_oracle",

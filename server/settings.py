@@ -72,6 +72,9 @@ class Settings(BaseSettings):
     # model larger than the device serves; gpu_budget (bytes) keeps as many blocks resident as fit.
     offload: Literal["none", "stream"] = "none"
     gpu_budget: int | None = Field(None, ge=0)
+    # With offload="stream": the host format of the streamed blocks (engine/weight_formats.py):
+    # "lossless" sends about 0.68x the bytes for bitwise the same video, "fp8" about half (lossy).
+    weights: Literal["raw", "lossless", "fp8"] = "raw"
     engine_threads: int | None = Field(
         None, ge=1, description="CPU threads for the engine's tensor math (None: torch's default)"
     )

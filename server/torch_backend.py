@@ -110,6 +110,7 @@ class TorchBackend(Backend):
             dtype=self.dtype,
             offload=s.offload,
             gpu_budget_bytes=s.gpu_budget,
+            weights=s.weights,
         )
         for adapter in self._adapters.get(card.name, ()):
             pipe.register_adapter(adapter)

@@ -349,13 +349,19 @@ class SimulatedDevice:
                 )
             buffer.reads[COMPUTE] = access  # its write was checked when the use began
 
-    def compute_writes(self, tensors: Iterable[torch.Tensor], what: str) -> None:
-        """Kernels queued on the compute stream so far wrote these device tensors."""
+    def compute_writes(
+        self, tensors: Iterable[torch.Tensor], what: str, block: int | None = None
+    ) -> None:
+        """Kernels queued on the compute stream so far wrote these device tensors (with `block`:
+        its bytes, as a weight format's decode writes a slot)."""
         with self._lock:
             self._enter()
             clock = self._issue(COMPUTE)
             for t in tensors:
-                self._write(self._buffer(t, device=True), self._access(COMPUTE, what), clock)
+                buffer = self._buffer(t, device=True)
+                self._write(buffer, self._access(COMPUTE, what), clock)
+                if block is not None:
+                    buffer.block = block
 
     def host_reads(self, tensors: Iterable[torch.Tensor], what: str) -> None:
         with self._lock:
@@ -605,8 +611,17 @@ def watch_handle(sim: SimulatedDevice, handle, blocks) -> None:
     # One tensor of each block: the object stays, what it points at moves (store, slot, store).
     tensors = [_first_tensor(block) for block in blocks]
     streamed = [i for i in range(len(blocks)) if i not in resident]
-    for i in streamed:  # released blocks point at their host stores
-        sim.name(tensors[i], f"host store of block {i}", block=i)
+    stores = {i: handle._blocks[i].store for i in streamed}
+
+    def name_stores() -> None:
+        for i in streamed:  # released blocks point at their host stores (or a coded payload)
+            store = stores[i]
+            sim.name(store.payload if store.encoded else tensors[i], f"host store of block {i}", i)
+
+    name_stores()
+    for i, store in stores.items():
+        if store.encoded:  # a weight format decodes the landed payload into the slot at load
+            _watch_decode(sim, store, i)
     load, release, load_weights = handle.load, handle.release, handle.load_weights
     host_tensors = handle.host_tensors
     in_use: set[int] = set()
@@ -625,7 +640,9 @@ def watch_handle(sim: SimulatedDevice, handle, blocks) -> None:
 
     def watched_load_weights(source, strict: bool = True) -> None:
         load_weights(source, strict)  # refuses to run while a block is loaded
-        sim.host_writes([tensors[i] for i in streamed], "load_weights")
+        name_stores()  # a coded store re-encodes into a new payload
+        host = [stores[i].payload if stores[i].encoded else tensors[i] for i in streamed]
+        sim.host_writes(host, "load_weights")
 
     def watched_host_tensors(i: int) -> dict[str, torch.Tensor]:
         views = host_tensors(i)
@@ -634,6 +651,20 @@ def watch_handle(sim: SimulatedDevice, handle, blocks) -> None:
 
     handle.load, handle.release = watched_load, watched_release
     handle.load_weights, handle.host_tensors = watched_load_weights, watched_host_tensors
+
+
+def _watch_decode(sim: SimulatedDevice, store, i: int) -> None:
+    """A coded store's decode is compute work: it reads the staging buffer the payload was
+    copied into (that copy must have landed and be block i's) and writes block i into the slot."""
+    decode = store.decode
+
+    def watched_decode(staging: torch.Tensor, out: torch.Tensor) -> None:
+        sim.compute_begins(staging, i)
+        decode(staging, out)
+        sim.compute_ends(staging, i)
+        sim.compute_writes([out], f"decode of block {i}", block=i)
+
+    store.decode = watched_decode
 
 
 def watch_training(sim: SimulatedDevice, step) -> None:

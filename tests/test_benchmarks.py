@@ -141,3 +141,14 @@ def test_lora_benchmark_quick():
     assert r["adapter_effect"] > 1e-4 * r["output_scale"]  # and it changes the output
     assert r["adapter_device_bytes"] == 2 * r["adapter_device_bytes_bf16"] > 0
     assert r["registration_s"] > 0
+
+
+def test_compression_benchmark_quick():
+    r = run_json("benchmarks/compression.py", "--quick", "--json")
+    tiny = r["ratios"]["megaslide-tiny (trained, bf16)"]
+    assert 0 < tiny["fp8"] < tiny["lossless"] < 1
+    q = r["quality"]
+    assert q["lossless_bitwise_all"] and q["prompts"] == 1
+    assert q["fp8_psnr_db_min"] == min(row["fp8_psnr_db"] for row in q["rows"])
+    assert r["goals_met"]["lossless_ratio_max"] == (tiny["lossless"] <= 0.72)
+    assert r["cpu_throughput"]["lossless_decode_gbps"] > 0

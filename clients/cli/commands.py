@@ -89,6 +89,14 @@ def register_generate(sub) -> None:
     p.add_argument(
         "--gpu-budget", type=parse_bytes, help="device bytes for weights when streaming, e.g. 20GB"
     )
+    p.add_argument(
+        "--weights",
+        choices=("raw", "lossless", "fp8"),
+        default="raw",
+        help="with --offload stream: how block weights are kept in host RAM and sent each step; "
+        "lossless codes bf16 exponents (about 0.68x the bytes, bitwise the same video), fp8 "
+        "halves linear weights with per-channel scales (lossy) (default: raw)",
+    )
     p.add_argument("--stats", help="write streaming and step-time stats as JSON here")
     p.add_argument(
         "--trace", help="write a Chrome trace (Perfetto) of block copies and computes here"
@@ -168,8 +176,9 @@ def run_generate(args) -> int:
         from .remote import generate_remote
 
         return generate_remote(args, request)
-    if (args.gpu_budget or args.stats or args.trace) and args.offload != "stream":
-        raise UsageError("--gpu-budget, --stats and --trace need --offload stream")
+    streamed_only = args.gpu_budget or args.stats or args.trace or args.weights != "raw"
+    if streamed_only and args.offload != "stream":
+        raise UsageError("--gpu-budget, --weights, --stats and --trace need --offload stream")
     overrides = {"attention": args.attention} if args.attention else {}
     if args.transformer:
         if describe(model_source(args)).family != "wan":
@@ -189,6 +198,7 @@ def run_generate(args) -> int:
         offload=args.offload,
         gpu_budget_bytes=args.gpu_budget,
         timing=bool(args.stats or args.trace),
+        weights=args.weights,
     )
     for adapter in adapters:
         pipe.register_adapter(adapter)
@@ -292,6 +302,18 @@ def register_plan(sub) -> None:
         type=parse_bytes,
         help="device bytes for weights (default: stream every block)",
     )
+    p.add_argument(
+        "--weights",
+        choices=("raw", "lossless", "fp8"),
+        default="raw",
+        help="inference: host format of streamed blocks (default: raw)",
+    )
+    p.add_argument(
+        "--decode-gbps",
+        type=float,
+        default=200.0,
+        help="decoded GB/s of the lossless/fp8 decode on the device (default: 200)",
+    )
     p.add_argument("--h2d-gbps", type=float, default=55.0, help="host-to-device GB/s (default: 55)")
     p.add_argument("--d2h-gbps", type=float, default=55.0, help="device-to-host GB/s (default: 55)")
     p.add_argument(
@@ -335,6 +357,7 @@ def run_plan(args) -> int:
         d2h_gbps=args.d2h_gbps,
         tflops=args.tflops,
         host_gbps=args.host_gbps,
+        decode_gbps=args.decode_gbps,
     )
     workload = Workload(
         mode=args.mode,
@@ -350,6 +373,7 @@ def run_plan(args) -> int:
         grad_accum=args.grad_accum,
         loras=args.loras,
         lora_rank=args.lora_rank,
+        weights=args.weights,
     )
     result = plan(describe(model_source(args)), machine, workload)
     print_json(result) if args.json else print(format_plan(result))

@@ -1,0 +1,321 @@
+"""Weight formats of the host store: how a streamed block's bytes are kept in RAM and cross the bus.
+
+A format is a codec of the host store (encode once when the store is filled, decode in the
+device slot just before the block computes), so the streamer copies a block's payload and asks
+the store to decode it, and neither it nor the model knows which format is in use:
+
+- `raw`: the block's flat buffer as it is (the default; the store is `HostBlockStore`).
+- `lossless`: the flat buffer as 16-bit words with entropy-coded exponents (DFloat; format and
+  kernels in `kernels/dfloat_reference.py` and `kernels/dfloat.py`). Bitwise the original after
+  decoding, so outputs are bitwise those of `raw`; about 0.68x the bytes of trained bf16 weights.
+  On fp32 weights (the CPU default) it is still exact but saves little (0.90x on the default
+  model: the low halves of fp32 words are mantissa noise).
+- `fp8`: every 2-D tensor named `*.weight` (the block's linear layers) as float8_e4m3fn with one
+  fp32 scale per output row (`scale = max|row| / 448`), dequantized into the slot in the
+  compute dtype; every other tensor raw. Lossy: quality is measured in benchmarks/compression.py.
+
+`make_store(tensors, pinned, weights)` builds the store for a block; `EncodedBlockStore` is the
+coded one. Its `payload` is what one copy moves; `decode(staging, out)` queues the decode on the
+current stream, reading the payload's device copy in `staging` and writing the block's flat
+layout into `out` (a slot).
+
+Caution: a coded store is read-only between fills (`tensors()` raises): fine-tuning, which
+writes updated weights into the host store every step, needs `raw`. `fill` decodes, overwrites
+and re-encodes the whole block, so filling tensor by tensor from many calls is slow (the loader
+fills each block once).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from ..kernels.dfloat import dfloat_decode
+from ..kernels.dfloat_reference import dfloat_encode
+from .host_store import (
+    ALIGN_BYTES,
+    BoundTensor,
+    HostBlockStore,
+    TensorEntry,
+    fill_views,
+    pack,
+    pin_exact,
+    unpin,
+)
+
+WEIGHT_FORMATS = ("raw", "lossless", "fp8")
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return (n + multiple - 1) // multiple * multiple
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """One tensor of a payload: where it sits in the payload's flat bytes."""
+
+    offset: int  # bytes, a multiple of ALIGN_BYTES
+    dtype: torch.dtype
+    numel: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    def view(self, flat: torch.Tensor) -> torch.Tensor:
+        return flat[self.offset : self.offset + self.nbytes].view(self.dtype)
+
+
+class WeightCodec(ABC):
+    """Encodes a block's flat buffer into payload tensors and decodes them into a slot."""
+
+    name: str
+    lossless: bool
+
+    @abstractmethod
+    def encode(
+        self, raw: torch.Tensor, entries: Sequence[TensorEntry]
+    ) -> tuple[list[torch.Tensor], Any]:
+        """`raw`: the block's flat uint8 buffer (host). Returns the payload tensors (host, any
+        dtypes) and what `decode` needs besides them (host-side metadata, never copied)."""
+
+    @abstractmethod
+    def decode(self, parts: Sequence[torch.Tensor], meta: Any, out: torch.Tensor) -> None:
+        """Write the block's flat buffer into `out` (uint8, `(nbytes,)`, on the parts' device)
+        from the payload tensors, queued on the current stream."""
+
+
+class LosslessCodec(WeightCodec):
+    """Entropy-coded exponents of 16-bit words (DFloat); bitwise exact."""
+
+    name = "lossless"
+    lossless = True
+
+    def encode(self, raw, entries):
+        coded = dfloat_encode(raw)
+        return list(coded.parts()), coded.num_words
+
+    def decode(self, parts, meta, out):
+        sm, table, lane_offsets, stream = parts
+        dfloat_decode(sm, table, lane_offsets, stream, out[: 2 * meta].view(torch.int16))
+
+
+def fp8_quantizable(entry: TensorEntry) -> bool:
+    """A linear layer's weight: a floating 2-D `*.weight` parameter stored row-major."""
+    return (
+        entry.kind == "param"
+        and len(entry.shape) == 2
+        and entry.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        and any(n.rsplit(".", 1)[-1] == "weight" for n in entry.names)
+        and entry.stride == (entry.shape[1], 1)
+        and entry.shape[0] * entry.shape[1] > 0
+    )
+
+
+def fp8_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, scale): `q` float8_e4m3fn `(out, in)`, `scale` fp32 `(out,)` with `w ~ q * scale`.
+
+    The scale maps each row's largest magnitude to 448 (e4m3fn's largest finite value); an
+    all-zero row gets scale 1. Values are rounded to nearest by the cast."""
+    w32 = w.detach().float()
+    amax = w32.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (w32 / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def fp8_dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`q * scale` per row in fp32, then cast to `dtype` (the reference the slot decode runs)."""
+    return (q.float() * scale[:, None]).to(dtype)
+
+
+class Fp8Codec(WeightCodec):
+    """Linear weights as float8_e4m3fn with per-output-channel fp32 scales; the rest raw."""
+
+    name = "fp8"
+    lossless = False
+
+    def encode(self, raw, entries):
+        parts, plan = [], []
+        for k, entry in enumerate(entries):
+            if fp8_quantizable(entry):
+                q, scale = fp8_quantize(entry.view(raw))
+                parts += [q.view(torch.uint8).reshape(-1), scale]
+                plan.append((k, True))
+            else:  # the entry's bytes as stored (its own strides), copied back as they are
+                parts.append(raw[entry.offset : entry.offset + entry.nbytes].clone())
+                plan.append((k, False))
+        return parts, (tuple(entries), tuple(plan))
+
+    def decode(self, parts, meta, out):
+        entries, plan = meta
+        it = iter(parts)
+        for k, quantized in plan:
+            entry = entries[k]
+            target = entry.view(out)
+            if quantized:
+                q = next(it).view(torch.float8_e4m3fn).view(entry.shape)
+                target.copy_(fp8_dequantize(q, next(it), entry.dtype))
+            else:
+                out[entry.offset : entry.offset + entry.nbytes].copy_(next(it))
+
+
+def fp8_payload_nbytes(entries: Sequence[TensorEntry]) -> int:
+    """Bytes of a block's fp8 payload, from its layout alone (what `Fp8Codec` and the store
+    write: every part 64-byte aligned), so the format's size is known for any block shape."""
+    cursor = 0
+    for entry in entries:
+        sizes = [entry.nbytes]
+        if fp8_quantizable(entry):
+            sizes = [entry.shape[0] * entry.shape[1], entry.shape[0] * 4]  # q bytes, fp32 scales
+        for n in sizes:
+            cursor = _round_up(cursor, ALIGN_BYTES) + n
+    return _round_up(cursor, ALIGN_BYTES)
+
+
+CODECS: dict[str, WeightCodec] = {"lossless": LosslessCodec(), "fp8": Fp8Codec()}
+
+
+def codec(name: str) -> WeightCodec | None:
+    """The codec of a weight format (None for `raw`); ValueError names the known formats."""
+    if name == "raw":
+        return None
+    try:
+        return CODECS[name]
+    except KeyError:
+        raise ValueError(
+            f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {name!r}"
+        ) from None
+
+
+def _placeholder(entry: TensorEntry) -> torch.Tensor:
+    """What a released tensor of a coded block points at: its shape and dtype, no memory
+    (stride 0), NaN where the dtype has one, so a stray use outside the block's load shows."""
+    fill = float("nan") if entry.dtype.is_floating_point else 0
+    return torch.full((), fill, dtype=entry.dtype).expand(entry.shape)
+
+
+class EncodedBlockStore:
+    """One block's tensors kept coded in host RAM: a payload buffer (optionally pinned) that one
+    copy moves, and the codec that decodes it into a slot."""
+
+    encoded = True
+
+    def __init__(self, entries: Sequence[TensorEntry], nbytes: int, codec: WeightCodec, pinned):
+        self.entries = tuple(entries)
+        self.nbytes = nbytes  # of the decoded flat layout (what a slot holds)
+        self.codec = codec
+        self.pinned = pinned
+        self.payload = torch.empty(0, dtype=torch.uint8)
+        self.parts: tuple[Part, ...] = ()
+        self.meta: Any = None
+        self.filled = False  # nothing encoded yet: the block was built on meta
+        self._pending: torch.Tensor | None = None  # raw bytes awaiting their first fill
+        self._finalizer = None
+        self.views = tuple(_placeholder(e) for e in self.entries)
+
+    @classmethod
+    def adopt(
+        cls, tensors: Sequence[BoundTensor], codec: WeightCodec, pinned: bool = False
+    ) -> EncodedBlockStore:
+        """Encode `tensors` (a block's) into a new store and point them at placeholders; meta
+        tensors are encoded when `fill` gives them values."""
+        entries, nbytes = pack(tensors)
+        store = cls(entries, nbytes, codec, pinned)
+        if not all(b.tensor.is_meta for b in tensors):
+            raw = torch.zeros(nbytes, dtype=torch.uint8)
+            for bound, entry in zip(tensors, entries):
+                if not bound.tensor.is_meta:
+                    entry.view(raw).copy_(bound.tensor.detach())
+            if any(b.tensor.is_meta for b in tensors):
+                # Tensors a block computed for itself (rotary tables, say) are real already while
+                # its weights are still on meta: keep them raw until `fill` brings the rest.
+                store._pending = raw
+            else:
+                store._encode(raw)
+        for bound, view in zip(tensors, store.views):
+            _repoint_placeholder(bound.tensor, view)
+        return store
+
+    @property
+    def payload_nbytes(self) -> int:
+        return self.payload.numel()
+
+    def _encode(self, raw: torch.Tensor) -> None:
+        tensors, meta = self.codec.encode(raw, self.entries)
+        parts, cursor = [], 0
+        for t in tensors:
+            offset = _round_up(cursor, ALIGN_BYTES)
+            parts.append(Part(offset, t.dtype, t.numel()))
+            cursor = offset + t.numel() * t.element_size()
+        self.close()
+        payload = torch.empty(_round_up(cursor, ALIGN_BYTES), dtype=torch.uint8)
+        for part, t in zip(parts, tensors):
+            part.view(payload).copy_(t.reshape(-1))
+        if self.pinned:
+            pin_exact(payload)
+            self._finalizer = weakref.finalize(self, unpin, payload.data_ptr(), payload.numel())
+            self._finalizer.atexit = False  # at exit the driver unpins; the context may be gone
+        self.payload, self.parts, self.meta, self.filled = payload, tuple(parts), meta, True
+
+    def read(self) -> torch.Tensor:
+        """The block's flat buffer, decoded on the host (uint8, `(nbytes,)`)."""
+        if self._pending is not None:
+            return self._pending.clone()
+        raw = torch.zeros(self.nbytes, dtype=torch.uint8)
+        if self.filled:
+            self.codec.decode([p.view(self.payload) for p in self.parts], self.meta, raw)
+        return raw
+
+    def decode(self, staging: torch.Tensor, out: torch.Tensor) -> None:
+        """Decode the payload's copy in `staging` into `out` (a slot), on the current stream."""
+        self.codec.decode([p.view(staging) for p in self.parts], self.meta, out)
+
+    def fill(self, source: Mapping[str, torch.Tensor], prefix: str = "") -> set[int]:
+        """Like `HostBlockStore.fill`; the block is decoded, overwritten and re-encoded."""
+        keys = [n for e in self.entries for n in e.names]
+        if not any(prefix + n in source for n in keys):
+            return set()
+        raw = self._pending if self._pending is not None else self.read()
+        self._pending = None
+        filled = fill_views(self.entries, [e.view(raw) for e in self.entries], source, prefix)
+        self._encode(raw)
+        return filled
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        raise ValueError(
+            f"the host store holds {self.codec.name} weights, which cannot be written in place: "
+            "fine-tuning needs weights='raw'"
+        )
+
+    def close(self) -> None:
+        """Unpin the payload (if pinned)."""
+        if self._finalizer is not None:
+            self._finalizer()
+            self._finalizer = None
+
+
+def _repoint_placeholder(t: torch.Tensor, placeholder: torch.Tensor) -> None:
+    if t.is_meta:
+        other = placeholder
+        if isinstance(t, torch.nn.Parameter):
+            other = torch.nn.Parameter(other, requires_grad=t.requires_grad)
+        torch.utils.swap_tensors(t, other)
+    else:
+        t.data = placeholder
+
+
+def make_store(
+    tensors: Sequence[BoundTensor], pinned: bool, weights: str = "raw"
+) -> HostBlockStore | EncodedBlockStore:
+    """The host store of one streamed block in weight format `weights`."""
+    c = codec(weights)
+    if c is None:
+        return HostBlockStore.adopt(tensors, pinned)
+    return EncodedBlockStore.adopt(tensors, c, pinned)
