@@ -26,8 +26,6 @@ Caution:
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import Tensor
 
@@ -39,28 +37,7 @@ from .dfloat_reference import (
     dfloat_decode_reference,
     num_lanes,
 )
-
-try:
-    import triton
-    import triton.language as tl
-
-    _TRITON_IMPORT_ERROR: ImportError | None = None
-except ImportError as exc:  # no Triton wheel for this platform; the reference still works
-
-    class _TritonMissing:
-        constexpr = None
-
-        @staticmethod
-        def jit(fn):
-            return fn
-
-    triton = tl = _TritonMissing  # type: ignore[assignment]
-    _TRITON_IMPORT_ERROR = exc
-
-
-def _interpreting() -> bool:
-    """True under TRITON_INTERPRET=1, where kernels run on CPU tensors through numpy."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+from .triton_import import TRITON_IMPORT_ERROR, interpreting, tl, triton
 
 
 @triton.jit
@@ -129,10 +106,10 @@ def dfloat_triton(
     sm: Tensor, table: Tensor, lane_offsets: Tensor, stream: Tensor, out: Tensor, block: int = 128
 ) -> Tensor:
     """The Triton decode (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1); returns `out`."""
-    if _TRITON_IMPORT_ERROR is not None:
-        raise RuntimeError(f"the dfloat kernel needs triton: {_TRITON_IMPORT_ERROR}")
+    if TRITON_IMPORT_ERROR is not None:
+        raise RuntimeError(f"the dfloat kernel needs triton: {TRITON_IMPORT_ERROR}")
     _check(sm, table, lane_offsets, stream, out)
-    if out.device.type != "cuda" and not _interpreting():
+    if out.device.type != "cuda" and not interpreting():
         raise ValueError("dfloat_triton needs CUDA tensors (or TRITON_INTERPRET=1 on the CPU)")
     lanes = lane_offsets.numel()
     if lanes == 0:
@@ -159,7 +136,7 @@ def dfloat_decode(
 ) -> Tensor:
     """Decode into `out` (int16, `(num_words,)`): the Triton kernel on CUDA, the reference on
     the CPU (the kernel under TRITON_INTERPRET=1). Queued on the current stream; returns `out`."""
-    if out.device.type == "cuda" or _interpreting():
+    if out.device.type == "cuda" or interpreting():
         return dfloat_triton(sm, table, lane_offsets, stream, out)
     _check(sm, table, lane_offsets, stream, out)
     return dfloat_decode_reference(sm, table, lane_offsets, stream, out)

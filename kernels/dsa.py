@@ -45,8 +45,6 @@ Caution:
   reference, and `backend="triton"` raises.
 """
 
-import os
-
 import torch
 from torch import Tensor
 
@@ -58,39 +56,7 @@ from .dsa_reference import (
     invert_windows,
     window_tiles,
 )
-
-try:
-    import triton
-    import triton.language as tl
-
-    _TRITON_IMPORT_ERROR: ImportError | None = None
-except ImportError as exc:  # no Triton wheel for this platform; the reference still works
-
-    class _TritonMissing:
-        """Stands in for `triton` and `triton.language` so the kernels below can be defined."""
-
-        constexpr = None
-
-        @staticmethod
-        def jit(fn):
-            return fn
-
-        @staticmethod
-        def autotune(*args, **kwargs):
-            return lambda fn: fn
-
-        @staticmethod
-        def Config(*args, **kwargs):
-            return None
-
-    triton = tl = _TritonMissing  # type: ignore[assignment]
-    _TRITON_IMPORT_ERROR = exc
-
-
-def _interpreting() -> bool:
-    """True under TRITON_INTERPRET=1, where kernels run on CPU tensors through numpy."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
+from .triton_import import TRITON_IMPORT_ERROR, interpreting, tl, triton
 
 # ---------------------------------------------------------------------------------------------
 # Triton helpers and kernels
@@ -511,7 +477,7 @@ def _pruner(tile_block: str, list_block: str):
         if head_dim >= 256:  # register pressure: only the smaller blocks fit
             kept = [c for c in kept if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 64 * 64]
         kept = kept or [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]
-        if _interpreting():
+        if interpreting():
             # Fewest loop trips: the interpreter's cost is per operation, not per element.
             kept = [max(kept, key=lambda c: (c.kwargs[tile_block], c.kwargs[list_block]))]
         return kept
@@ -545,12 +511,12 @@ _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 def _check_triton_inputs(q: Tensor, k: Tensor, v: Tensor) -> None:
     """Raise with a clear message when the Triton backend cannot take these tensors."""
-    if _TRITON_IMPORT_ERROR is not None:
+    if TRITON_IMPORT_ERROR is not None:
         raise RuntimeError(
             "backend='triton' needs the triton package, which failed to import "
-            f"({_TRITON_IMPORT_ERROR}); use backend='reference'"
+            f"({TRITON_IMPORT_ERROR}); use backend='reference'"
         )
-    if not q.is_cuda and not _interpreting():
+    if not q.is_cuda and not interpreting():
         raise ValueError(
             f"backend='triton' needs CUDA tensors (got {q.device}); use backend='reference' on "
             "CPU, or set TRITON_INTERPRET=1 before importing triton to run the kernels on CPU"
@@ -851,7 +817,7 @@ def dsa_attention(
     the PyTorch reference otherwise). Gradients flow to q, k, v; motion gets none.
     """
     if backend == "auto":
-        backend = "triton" if q.is_cuda and _TRITON_IMPORT_ERROR is None else "reference"
+        backend = "triton" if q.is_cuda and TRITON_IMPORT_ERROR is None else "reference"
     if backend == "triton":
         return dsa_triton(q, k, v, grid=grid, tile=tile, window=window, motion=motion, scale=scale)
     if backend == "reference":

@@ -312,7 +312,7 @@ def test_bad_inputs_raise_clear_errors(overrides, message):
 def test_triton_backend_on_cpu_tensors_says_so():
     from megaslide.kernels import dsa
 
-    if dsa._TRITON_IMPORT_ERROR is not None:
+    if dsa.TRITON_IMPORT_ERROR is not None:
         with pytest.raises(RuntimeError, match="needs the triton package"):
             _bad_call(backend="triton")
     else:
@@ -326,7 +326,7 @@ def test_triton_backend_rejects_head_dims_it_cannot_tile():
     q = torch.zeros(1, 2, 48, 24)
     with pytest.raises((ValueError, RuntimeError), match="power-of-two head dim|needs"):
         dsa._check_triton_inputs(q, q, q)
-    if dsa._TRITON_IMPORT_ERROR is None:
+    if dsa.TRITON_IMPORT_ERROR is None:
         try:
             os.environ["TRITON_INTERPRET"], old = "1", os.environ.get("TRITON_INTERPRET")
             with pytest.raises(ValueError, match="power-of-two head dim in \\[16, 256\\], got 24"):
@@ -516,8 +516,8 @@ def _interpret_worker() -> None:
 def interpret_results():
     from megaslide.kernels import dsa
 
-    if dsa._TRITON_IMPORT_ERROR is not None:
-        pytest.skip(f"triton is not importable here: {dsa._TRITON_IMPORT_ERROR}")
+    if dsa.TRITON_IMPORT_ERROR is not None:
+        pytest.skip(f"triton is not importable here: {dsa.TRITON_IMPORT_ERROR}")
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run(
         [sys.executable, os.path.abspath(__file__), "--interpret-worker"],
