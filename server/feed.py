@@ -64,15 +64,19 @@ class EventFeed:
     def streams(self) -> int:
         return sum(self._open.values())
 
-    @contextlib.contextmanager
-    def subscribe(self, job_id: str, scope: str) -> Iterator[Subscription]:
-        """A subscription to `job_id`'s news for the length of the block; 429 when `scope` (a
-        principal) already holds `max_streams`."""
+    def admit(self, scope: str) -> None:
+        """429 when `scope` (a principal) already holds `max_streams`: checked by the route,
+        before its answer starts."""
         if self._open[scope] >= self.max_streams:
             raise TooManyStreams(
                 f"this API key has {self._open[scope]} event streams open, its limit; close one",
                 retry_after=1,
             )
+
+    @contextlib.contextmanager
+    def subscribe(self, job_id: str, scope: str) -> Iterator[Subscription]:
+        """A subscription to `job_id`'s news for the length of the block, counted against
+        `scope`. Entered by the stream itself, so a stream that never starts holds nothing."""
         sub = Subscription(job_id)
         self._open[scope] += 1
         self._subscribers[job_id].add(sub)

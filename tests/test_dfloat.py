@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -28,6 +27,8 @@ from megaslide.kernels.dfloat_reference import (
     dfloat_decode_buffer,
     dfloat_encode,
 )
+
+from interpreted import interpreted_results
 
 DEFAULT_MODEL = os.path.join(
     os.path.dirname(__file__), "..", "engine", "assets", "models", "megaslide-tiny"
@@ -143,17 +144,9 @@ def _interpret_worker() -> None:
 
 @pytest.fixture(scope="module")
 def interpret_results():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), "--interpret-worker"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
-    assert proc.returncode == 0 and lines, f"worker failed:\n{proc.stderr[-4000:]}"
-    return json.loads(lines[-1][len("RESULTS ") :])
+    from megaslide.kernels import dfloat
+
+    return interpreted_results(__file__, dfloat.TRITON_IMPORT_ERROR)
 
 
 @pytest.mark.parametrize("name", list(cases()))

@@ -33,6 +33,8 @@ from megaslide.kernels import (
     window_tiles,
 )
 
+from interpreted import interpreted_results
+
 # ---------------------------------------------------------------------------------------------
 # Window semantics on hand-computed cases
 # ---------------------------------------------------------------------------------------------
@@ -516,21 +518,7 @@ def _interpret_worker() -> None:
 def interpret_results():
     from megaslide.kernels import dsa
 
-    if dsa.TRITON_IMPORT_ERROR is not None:
-        pytest.skip(f"triton is not importable here: {dsa.TRITON_IMPORT_ERROR}")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), "--interpret-worker"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
-    assert proc.returncode == 0 and lines, (
-        f"worker failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-    )
-    return json.loads(lines[-1][len("RESULTS ") :])
+    return interpreted_results(__file__, dsa.TRITON_IMPORT_ERROR)
 
 
 # A few float32 ulps at unit scale (outputs and gradients here are O(1)): in fp32 both errors

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import hashlib
 import io
@@ -393,12 +392,12 @@ async def video_events(
     await find_video(store, video_id, principal)
     last = event_seq(request.headers.get("last-event-id") or "0", "Last-Event-ID")
     feed: EventFeed = request.app.state.feed
-    subscription = feed.subscribe(video_id, principal.scope)
-    sub = subscription.__enter__()  # a 429 past the key's limit, before the answer starts
+    feed.admit(principal.scope)  # a 429 past the key's limit, before the answer starts
 
     async def stream():
-        with contextlib.ExitStack() as stack:
-            stack.push(subscription)
+        # Subscribed here, not in the route: a response that never starts (its client gone
+        # first) never runs this, and would otherwise hold its place for ever.
+        with feed.subscribe(video_id, principal.scope) as sub:
             async for chunk in _sse(store, video_id, last, sub):
                 yield chunk
 

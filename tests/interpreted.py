@@ -1,0 +1,31 @@
+"""Kernel tests under Triton's interpreter, in a child process: TRITON_INTERPRET must be set
+before Triton is imported, and the parent has imported it already."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+def interpreted_results(test_file: str, triton_import_error: ImportError | None) -> dict:
+    """Run `test_file --interpret-worker` with TRITON_INTERPRET=1; the JSON of its last
+    `RESULTS ` line. Skips when Triton does not import here."""
+    if triton_import_error is not None:
+        pytest.skip(f"triton is not importable here: {triton_import_error}")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run(
+        [sys.executable, os.path.abspath(test_file), "--interpret-worker"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
+    assert proc.returncode == 0 and lines, (
+        f"worker failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    )
+    return json.loads(lines[-1][len("RESULTS ") :])
