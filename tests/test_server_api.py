@@ -484,9 +484,9 @@ def test_a_hung_worker_loop_lets_its_leases_expire(make_client):
 def test_a_fine_tune_taken_over_cannot_publish_another_checkpoint(make_client):
     """A worker presumed dead whose fine-tune another worker took over: its next checkpoint is
     refused at the moment of writing (the claim's fence), and it drops the job."""
-    # Each step sleeps 0.2 s before its gate: once step 2 is seen, clearing the gate holds
+    # Each step sleeps 0.5 s before its gate: once step 2 is seen, clearing the gate holds
     # step 3 there.
-    backend = FakeBackend(train_step_s=0.2)
+    backend = FakeBackend(train_step_s=0.5)
     c = make_client(backend, finetune_save_every=1)
     file_id = processed(c, upload(c, dataset_zip(clips=8)).json())["id"]
     hyper = {"n_epochs": 4, "batch_size": 1}
@@ -495,6 +495,8 @@ def test_a_fine_tune_taken_over_cannot_publish_another_checkpoint(make_client):
     store = c.app.state.store.sync
     until(lambda: ("train", 2) in backend.timeline, what="two steps")
     backend.gate.clear()  # the worker's next step waits here
+    # Step 2's checkpoint and progress are recorded before step 3 begins: take over after them.
+    until(lambda: store.get_finetune(job["id"])["step"] >= 2, what="step 2 recorded")
     row = store.get_finetune(job["id"])
     output = c.app.state.data.resolve(row["output_dir"])
     store.requeue_finetune(job["id"], row["lease_token"], "taken over")
