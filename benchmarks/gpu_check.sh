@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
 # The project's GPU checks, in one run of under 8 minutes on one CUDA device (an H200 here).
 # Installs the project offline into the machine's Python, checks correctness on CUDA, runs the CUDA
-# benchmarks and writes every result under $OUT (default: ./gpu-results).
+# benchmarks and writes under $OUT (default: ./gpu-results) two files: summary.txt (what ran, for
+# how long, what failed) and checks.tgz (each check's JSON or text output and its log).
+# Names given as arguments run only those checks.
 #
 #   OUT=/tmp/results bash benchmarks/gpu_check.sh
+#   OUT=/tmp/results bash benchmarks/gpu_check.sh stream_protocol cuda_checks
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-results}
-mkdir -p "$OUT"
+mkdir -p "$OUT/checks"
+exec > >(tee "$OUT/summary.txt") 2>&1
+only=" $* "
 status=0
 # The whole script stops within 450 s of its start: each check gets its own limit or what is left.
 deadline=$((SECONDS + 450))
@@ -15,6 +20,7 @@ deadline=$((SECONDS + 450))
 run() {  # run NAME TIMEOUT_S CMD...: keep going after a failure, remember it, save the output
   local name=$1 limit=$2
   shift 2
+  if [ "$only" != "  " ] && [[ "$only" != *" $name "* ]]; then return; fi
   local left=$((deadline - SECONDS))
   if [ "$left" -lt "$limit" ]; then limit=$left; fi
   if [ "$limit" -lt 10 ]; then
@@ -23,23 +29,24 @@ run() {  # run NAME TIMEOUT_S CMD...: keep going after a failure, remember it, s
     return
   fi
   echo "== $name (limit ${limit} s)"
-  if timeout "$limit" "$@" >"$OUT/$name.out" 2>"$OUT/$name.log"; then
-    echo "   ok"
+  local started=$SECONDS
+  if timeout "$limit" "$@" >"$OUT/checks/$name.out" 2>"$OUT/checks/$name.log"; then
+    echo "   ok in $((SECONDS - started)) s"
   else
-    echo "   FAILED (exit $?), see $OUT/$name.log"
-    tail -n 20 "$OUT/$name.log"
+    echo "   FAILED (exit $?) after $((SECONDS - started)) s, see checks/$name.log"
+    tail -n 20 "$OUT/checks/$name.log"
     status=1
   fi
 }
 
-python3 -m pip install --no-index --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || {
-  echo "install failed"; tail -n 20 "$OUT/install.log"; exit 1; }
+python3 -m pip install --no-index --no-deps --no-build-isolation -e . >"$OUT/checks/install.log" 2>&1 || {
+  echo "install failed"; tail -n 20 "$OUT/checks/install.log"; exit 1; }
 # diffusers, for the Wan comparison, when its wheels were carried along (scripts/gpu_wheels.sh).
 if [ -d wheels ]; then
-  python3 -m pip install --no-index --find-links wheels diffusers >>"$OUT/install.log" 2>&1 ||
+  python3 -m pip install --no-index --find-links wheels diffusers >>"$OUT/checks/install.log" 2>&1 ||
     echo "diffusers wheels did not install; the Wan comparison is skipped"
 fi
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >"$OUT/gpu.csv" 2>&1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >"$OUT/checks/gpu.csv" 2>&1
 
 # Correctness first. The streaming protocol with real streams (every scenario the simulated device
 # checks in CI, streamed against resident), then 3D-DSA kernels (bf16, fp16) against the
@@ -56,5 +63,7 @@ run attention 180 python3 benchmarks/attention.py --json --quick
 if python3 -c "import diffusers" 2>/dev/null; then
   run wan_streaming 90 python3 benchmarks/wan_streaming.py --json
 fi
-echo "results in $OUT"
+# Two files, whatever the number of checks: a device run brings back only a few.
+tar -czf "$OUT/checks.tgz" -C "$OUT" checks && rm -rf "$OUT/checks"
+echo "results in $OUT/checks.tgz"
 exit $status

@@ -143,12 +143,13 @@ def pin_exact(buffer: torch.Tensor) -> None:
     lock 4 GB; pytorch#95823) and keeps freed blocks cached. `cudaHostRegister` on a plain
     allocation locks the bytes we use and nothing more; `unpin` undoes it.
     """
-    if buffer.numel() == 0:
+    nbytes = buffer.numel() * buffer.element_size()
+    if nbytes == 0:
         return
     # Flag 1 = cudaHostRegisterPortable: pinned for every CUDA context, as torch's own helper does.
-    err = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel(), 1))
+    err = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), nbytes, 1))
     if err != 0:
-        raise RuntimeError(f"cudaHostRegister of {buffer.numel()} bytes failed (cudaError {err})")
+        raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed (cudaError {err})")
 
 
 def unpin(ptr: int, nbytes: int) -> None:

@@ -10,7 +10,13 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from megaslide.engine.host_store import ALIGN_BYTES, HostBlockStore, collect_tensors, layout_nbytes
+from megaslide.engine.host_store import (
+    ALIGN_BYTES,
+    HostBlockStore,
+    collect_tensors,
+    layout_nbytes,
+    pin_exact,
+)
 from megaslide.engine.streaming import plan_residency, stream_module
 
 from simulated_device import SimulatedDevice, watch_handle
@@ -472,3 +478,20 @@ def test_a_block_that_raises_still_releases_its_slot():
         model(x, torch.randn(3, 3))  # the condition's batch does not match: block 0 raises
     assert not any(b.loaded for b in handle._blocks)
     assert torch.equal(model(x, c), ref(x, c))
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.float32, torch.bfloat16])
+def test_pin_exact_locks_every_byte_of_the_buffer(monkeypatch, dtype):
+    """The lock covers the buffer's bytes, not its element count: a gradient ring of fp32 locked
+    at a quarter of its size made CUDA refuse async copies into the rest (cudaErrorInvalidValue)."""
+    calls = []
+
+    class Runtime:
+        def cudaHostRegister(self, ptr, nbytes, flags):
+            calls.append((ptr, nbytes))
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Runtime())
+    buffer = torch.empty(1000, dtype=dtype)
+    pin_exact(buffer)
+    assert calls == [(buffer.data_ptr(), 1000 * buffer.element_size())]
