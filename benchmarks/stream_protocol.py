@@ -346,8 +346,10 @@ def _restore(step: BlockwiseStep, snapshot: tuple) -> None:
     step.micro = 0
 
 
-def _train_rounds(step, probe, rounds, clip) -> list[torch.Tensor]:
-    """Per round: one step from the same start; the masters after it, flattened."""
+def _train_rounds(step, probe, rounds, clip) -> list[dict[str, torch.Tensor]]:
+    """Per round: one step from the same start; the masters and AdamW's first moments after it,
+    flattened. The moments are (1 - beta1) x the gradients; the masters alone would hide them, as
+    AdamW's first update is lr x the gradient's sign wherever it is not zero."""
     start = _snapshot(step)
     outputs = []
     for r in range(rounds):
@@ -358,8 +360,18 @@ def _train_rounds(step, probe, rounds, clip) -> list[torch.Tensor]:
         probe.at(f"round {r}, training step")
         step.micro_step(_x0(clip), PROMPTS, torch.Generator().manual_seed(0))
         dit_sd, text_sd = _masters(step)
-        outputs.append(torch.cat([t.flatten() for t in [*dit_sd.values(), *text_sd.values()]]))
+        moments = step.optimizer.state_dict()["m"]
+        outputs.append(
+            {
+                "masters": _flat([*dit_sd.values(), *text_sd.values()]),
+                "moments": _flat([t for b in sorted(moments, key=str) for t in moments[b].values()]),
+            }
+        )
     return outputs
+
+
+def _flat(tensors) -> torch.Tensor:
+    return torch.cat([t.flatten() for t in tensors])
 
 
 def training(model, device, dtype, probe, rounds, clip, *, prefetch=2):
@@ -435,9 +447,28 @@ def max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
 SPREAD_FACTOR = 4
 
 
+def identical(a, b) -> bool:
+    """Bitwise equality of two outputs: tensors, or dicts of tensors (training)."""
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    return torch.equal(a, b)
+
+
 def compare(outputs, resident, fp32_resident=None) -> dict:
     """fp32: within SPREAD_FACTOR x the resident runs' own spread (bitwise where they agree).
-    Lower precision: as close as the resident run is to the fp32 resident run."""
+    Lower precision: as close as the resident run is to the fp32 resident run. Outputs made of
+    named parts (dicts of tensors) are compared part by part, each against its own bound."""
+    if isinstance(outputs[0], dict):
+        parts = {
+            key: compare(
+                [o[key] for o in outputs],
+                [r[key] for r in resident],
+                None if fp32_resident is None else [r[key] for r in fp32_resident],
+            )
+            for key in outputs[0]
+        }
+        verdict = {flag: all(p[flag] for p in parts.values()) for flag in ("bitwise", "ok")}
+        return {**parts, **verdict}
     worst = max(max_abs(o, resident[0]) for o in outputs)
     if fp32_resident is None:
         bound = SPREAD_FACTOR * max_abs(resident[0], resident[1])
@@ -446,7 +477,7 @@ def compare(outputs, resident, fp32_resident=None) -> dict:
     return {
         "max_abs_diff": worst,
         "bound": bound,
-        "bitwise": all(torch.equal(o, resident[0]) for o in outputs),
+        "bitwise": all(identical(o, resident[0]) for o in outputs),
         "ok": bool(worst <= bound),
     }
 

@@ -16,7 +16,7 @@ import torch
 
 import stream_protocol
 from simulated_device import SimulatedDevice, watch_handle, watch_training
-from stream_protocol import SCENARIOS, Probe, reference, run, write_model
+from stream_protocol import SCENARIOS, Probe, identical, reference, run, write_model
 
 ROOT = Path(__file__).resolve().parent.parent
 CLIP = (2, 8, 8)  # frames, height, width: 4 tokens a frame
@@ -71,7 +71,7 @@ def test_scenario_is_race_free_and_bitwise_resident_on_every_interleaving(name, 
     resident = reference(name, model, "cpu", torch.float32, CLIP)[0]
     sim, outputs = simulate(name, model, ROUNDS)
     sim.check()
-    differ = [r for r, out in enumerate(outputs) if not torch.equal(out, resident)]
+    differ = [r for r, out in enumerate(outputs) if not identical(out, resident)]
     assert not differ, f"rounds {differ[:10]} differ from the resident run"
     # The rounds interleaved differently: copies landed early in some, only when waited for in
     # others.
@@ -176,7 +176,7 @@ def mutation_matrix(model, rounds=2) -> dict:
             sim, outputs = simulate(name, model, rounds, deleted={site})
             if sim.races:
                 caught.append(name)
-            if any(not torch.equal(out, resident) for out in outputs):
+            if any(not identical(out, resident) for out in outputs):
                 wrong.append(name)
         matrix[site] = {"caught_by": caught, "outputs_differ": wrong}
     return matrix
