@@ -1,195 +1,226 @@
-"""Counters, gauges and histograms rendered in the Prometheus text format (version 0.0.4).
+"""The workers' metrics, counted and rendered by prometheus-client.
 
-Small on purpose: each worker updates its own `Registry` and publishes a snapshot of it with every
-heartbeat; an API host's `/metrics` adds up the snapshots of the live workers and renders them
-together with gauges read from the job store at scrape time (queue depth, jobs by state, live
-workers), so those can never disagree with it.
+Each worker counts into a `Registry`: prometheus-client counters and histograms in a collector
+registry of its own (several workers may share a process). It publishes a snapshot of them to the
+job store's registry of workers with every heartbeat and, at most every `PUBLISH_INTERVAL_S`,
+after a step or a job ends, so what an API host shows lags a worker by a fraction of a second, not
+a heartbeat. The API host's `/metrics` adds up the snapshots of the live workers (`Totals`) and has
+prometheus-client render them, with gauges read from the job store at scrape time (queue depth,
+jobs by state, live workers), so those can never disagree with it.
+
+Why snapshots in the store and not prometheus-client's multiprocess mode: that mode shares values
+through files in one directory, which reaches the processes of one host; a fleet's workers run on
+other hosts and already report to the store, which every API host reads.
 """
 
 from __future__ import annotations
 
-import bisect
 import math
-import threading
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.exposition import choose_encoder
+
+# A worker publishes its metrics after a step at most this often (and with every heartbeat).
+PUBLISH_INTERVAL_S = 0.25
 
 # Denoising-step latency spans milliseconds (tiny models) to minutes (a streamed 105B model).
 STEP_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
-def _labels(labels: dict[str, str]) -> str:
-    if not labels:
-        return ""
-    inner = ",".join(
-        f'{k}="{str(v).replace(chr(92), chr(92) * 2).replace(chr(34), chr(92) + chr(34))}"'
-        for k, v in sorted(labels.items())
-    )
-    return "{" + inner + "}"
+@dataclass(frozen=True)
+class Spec:
+    """One worker metric: a counter (rendered `<name>_total`) or a histogram with `buckets`."""
 
-
-def _num(x: float) -> str:
-    if math.isinf(x):
-        return "+Inf" if x > 0 else "-Inf"
-    return repr(float(x)) if not float(x).is_integer() else str(int(x))
-
-
-class Metric:
-    kind = "untyped"
-
-    def __init__(self, name: str, help_: str):
-        self.name, self.help = name, help_
-        self._lock = threading.Lock()
-
-    def header(self) -> list[str]:
-        return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}"]
-
-
-class Counter(Metric):
-    """A monotonically increasing total, optionally split by labels."""
-
-    kind = "counter"
-
-    def __init__(self, name, help_):
-        super().__init__(name, help_)
-        self._values: dict[tuple, float] = {}
-
-    def inc(self, amount: float = 1.0, **labels) -> None:
-        key = tuple(sorted(labels.items()))
-        with self._lock:
-            self._values[key] = self._values.get(key, 0.0) + amount
-
-    def value(self, **labels) -> float:
-        return self._values.get(tuple(sorted(labels.items())), 0.0)
-
-    def snapshot(self) -> list:
-        with self._lock:
-            return [[dict(k), v] for k, v in self._values.items()]
-
-    def merge(self, snapshot: list) -> None:
-        """Add another worker's values (a `snapshot()`)."""
-        for labels, value in snapshot:
-            self.inc(value, **labels)
-
-    def render(self) -> list[str]:
-        with self._lock:
-            items = sorted(self._values.items()) or [((), 0.0)]
-        return [*self.header(), *(f"{self.name}{_labels(dict(k))} {_num(v)}" for k, v in items)]
-
-
-class Gauge(Counter):
-    """A value that goes up and down."""
-
-    kind = "gauge"
-
-    def set(self, value: float, **labels) -> None:
-        with self._lock:
-            self._values[tuple(sorted(labels.items()))] = float(value)
-
-
-class Histogram(Metric):
-    """Observations counted into cumulative buckets, with their sum and count."""
-
-    kind = "histogram"
-
-    def __init__(self, name, help_, buckets=STEP_BUCKETS_S):
-        super().__init__(name, help_)
-        self.buckets = tuple(buckets)
-        self._counts = [0] * (len(self.buckets) + 1)
-        self._sum, self._count = 0.0, 0
-
-    def observe(self, value: float) -> None:
-        with self._lock:
-            self._counts[bisect.bisect_left(self.buckets, value)] += 1
-            self._sum += value
-            self._count += 1
+    attr: str
+    name: str
+    help: str
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] | None = None
 
     @property
-    def count(self) -> int:
-        return self._count
-
-    def snapshot(self) -> dict:
-        with self._lock:
-            return {"counts": list(self._counts), "sum": self._sum, "count": self._count}
-
-    def merge(self, snapshot: dict) -> None:
-        """Add another worker's observations (a `snapshot()` with the same buckets)."""
-        with self._lock:
-            for i, n in enumerate(snapshot["counts"]):
-                self._counts[i] += n
-            self._sum += snapshot["sum"]
-            self._count += snapshot["count"]
+    def histogram(self) -> bool:
+        return self.buckets is not None
 
     @property
-    def mean(self) -> float:
-        return self._sum / self._count if self._count else 0.0
+    def key(self) -> str:
+        """The name a snapshot keys it by: the rendered name, as earlier versions sent it."""
+        return self.name if self.histogram else f"{self.name}_total"
 
-    def render(self) -> list[str]:
-        with self._lock:
-            counts, total, count = list(self._counts), self._sum, self._count
-        lines, running = self.header(), 0
-        for bound, n in zip((*self.buckets, math.inf), counts):
-            running += n
-            lines.append(f'{self.name}_bucket{{le="{_num(bound)}"}} {running}')
-        return [*lines, f"{self.name}_sum {_num(total)}", f"{self.name}_count {count}"]
+
+SPECS = (
+    Spec(
+        "steps",
+        "megaslide_denoise_steps",
+        "Denoising steps run, each counted once per job it advanced",
+    ),
+    Spec("passes", "megaslide_denoise_passes", "Batched forward passes of the video model"),
+    Spec(
+        "step_seconds",
+        "megaslide_denoise_step_seconds",
+        "Wall time of one batched denoising step",
+        buckets=STEP_BUCKETS_S,
+    ),
+    Spec(
+        "batch_size",
+        "megaslide_denoise_batch_size",
+        "Jobs advanced by one denoising pass",
+        buckets=(1, 2, 4, 8, 16, 32),
+    ),
+    Spec(
+        "video_seconds",
+        "megaslide_video_job_seconds",
+        "Wall time from start to MP4 of one video",
+        buckets=(1, 5, 10, 30, 60, 120, 300, 600, 1800, 3600),
+    ),
+    Spec(
+        "jobs_finished",
+        "megaslide_jobs_finished",
+        "Jobs that reached a terminal state",
+        labels=("kind", "status"),
+    ),
+    Spec("train_steps", "megaslide_finetune_steps", "Fine-tuning optimizer steps"),
+    Spec("h2d_bytes", "megaslide_h2d_bytes", "Bytes copied host to device by weight streaming"),
+    Spec("d2h_bytes", "megaslide_d2h_bytes", "Bytes copied device to host by weight streaming"),
+)
 
 
 class Registry:
-    """The metrics one worker keeps."""
+    """The metrics one worker keeps, as prometheus-client objects (`registry.steps.inc()`,
+    `registry.jobs_finished.labels(kind=..., status=...).inc()`)."""
 
     def __init__(self):
-        self.steps = Counter(
-            "megaslide_denoise_steps_total",
-            "Denoising steps run, each counted once per job it advanced",
-        )
-        self.passes = Counter(
-            "megaslide_denoise_passes_total", "Batched forward passes of the video model"
-        )
-        self.step_seconds = Histogram(
-            "megaslide_denoise_step_seconds", "Wall time of one batched denoising step"
-        )
-        self.batch_size = Histogram(
-            "megaslide_denoise_batch_size",
-            "Jobs advanced by one denoising pass",
-            buckets=(1, 2, 4, 8, 16, 32),
-        )
-        self.video_seconds = Histogram(
-            "megaslide_video_job_seconds",
-            "Wall time from start to MP4 of one video",
-            buckets=(1, 5, 10, 30, 60, 120, 300, 600, 1800, 3600),
-        )
-        self.jobs_finished = Counter(
-            "megaslide_jobs_finished_total", "Jobs that reached a terminal state"
-        )
-        self.train_steps = Counter("megaslide_finetune_steps_total", "Fine-tuning optimizer steps")
-        self.h2d_bytes = Counter(
-            "megaslide_h2d_bytes_total", "Bytes copied host to device by weight streaming"
-        )
-        self.d2h_bytes = Counter(
-            "megaslide_d2h_bytes_total", "Bytes copied device to host by weight streaming"
-        )
+        self.collector = CollectorRegistry(auto_describe=True)
+        for spec in SPECS:
+            if spec.histogram:
+                metric = Histogram(
+                    spec.name, spec.help, spec.labels, buckets=spec.buckets, registry=self.collector
+                )
+            else:
+                metric = Counter(spec.name, spec.help, spec.labels, registry=self.collector)
+            setattr(self, spec.attr, metric)
 
     def snapshot(self) -> dict:
-        """Every metric's values, JSON-ready, for the worker's heartbeat."""
-        return {m.name: m.snapshot() for m in self.all()}
-
-    def merge(self, snapshot: dict) -> None:
-        """Add a worker's `snapshot()`; metrics this version does not know are skipped."""
-        for metric in self.all():
-            if metric.name in snapshot:
-                metric.merge(snapshot[metric.name])
-
-    def all(self) -> list[Metric]:
-        return [
-            self.steps,
-            self.passes,
-            self.step_seconds,
-            self.batch_size,
-            self.video_seconds,
-            self.jobs_finished,
-            self.train_steps,
-            self.h2d_bytes,
-            self.d2h_bytes,
-        ]
+        """Every metric's values, JSON-ready, for the store: a counter as `[[labels, value]...]`,
+        a histogram as its per-bucket (not cumulative) counts, sum and count."""
+        specs = {spec.name: spec for spec in SPECS}
+        out: dict = {}
+        for family in self.collector.collect():
+            spec = specs[family.name]
+            if spec.histogram:
+                out[spec.key] = _histogram_snapshot(family.samples)
+            else:
+                out[spec.key] = [
+                    [s.labels, s.value] for s in family.samples if s.name.endswith("_total")
+                ]
+        return out
 
 
-def render(metrics: list[Metric]) -> str:
-    return "\n".join(line for m in metrics for line in m.render()) + "\n"
+def _histogram_snapshot(samples) -> dict:
+    cumulative = [s.value for s in samples if s.name.endswith("_bucket")]
+    total = next(s.value for s in samples if s.name.endswith("_sum"))
+    count = next(s.value for s in samples if s.name.endswith("_count"))
+    counts = [int(b - a) for a, b in zip([0.0, *cumulative], cumulative)]
+    return {"counts": counts, "sum": total, "count": int(count)}
+
+
+class Totals:
+    """The live workers' snapshots added up: a prometheus-client collector for `/metrics`."""
+
+    def __init__(self, snapshots: Iterable[dict] = ()):
+        self.counters: dict[str, dict[tuple, float]] = {}
+        self.histograms = {
+            spec.key: {"counts": [0] * (len(spec.buckets) + 1), "sum": 0.0, "count": 0}
+            for spec in SPECS
+            if spec.histogram
+        }
+        for snapshot in snapshots:
+            self.add(snapshot)
+
+    def add(self, snapshot: dict) -> None:
+        """Add one worker's `Registry.snapshot()`; metrics this version does not know, or whose
+        buckets differ, are skipped."""
+        for spec in SPECS:
+            value = snapshot.get(spec.key)
+            if value is None:
+                continue
+            if spec.histogram:
+                total = self.histograms[spec.key]
+                if len(value["counts"]) != len(total["counts"]):
+                    continue
+                total["counts"] = [a + b for a, b in zip(total["counts"], value["counts"])]
+                total["sum"] += value["sum"]
+                total["count"] += value["count"]
+            else:
+                values = self.counters.setdefault(spec.key, {})
+                for labels, amount in value:
+                    key = tuple(sorted(labels.items()))
+                    values[key] = values.get(key, 0.0) + amount
+
+    def mean(self, attr: str) -> float:
+        """The mean observation of the histogram `attr` (e.g. "video_seconds"); 0 with none."""
+        spec = next(s for s in SPECS if s.attr == attr)
+        total = self.histograms[spec.key]
+        return total["sum"] / total["count"] if total["count"] else 0.0
+
+    def count(self, attr: str, **labels) -> float:
+        """The counter `attr`'s total for exactly these labels."""
+        spec = next(s for s in SPECS if s.attr == attr)
+        return self.counters.get(spec.key, {}).get(tuple(sorted(labels.items())), 0.0)
+
+    def collect(self) -> Iterator[Metric]:
+        for spec in SPECS:
+            if spec.histogram:
+                total, running, buckets = self.histograms[spec.key], 0, []
+                for bound, n in zip((*spec.buckets, math.inf), total["counts"]):
+                    running += n
+                    buckets.append((_bound(bound), running))
+                yield HistogramMetricFamily(
+                    spec.name, spec.help, buckets=buckets, sum_value=total["sum"]
+                )
+            else:
+                family = CounterMetricFamily(spec.name, spec.help, labels=spec.labels)
+                values = self.counters.get(spec.key, {})
+                if not values and not spec.labels:
+                    values = {(): 0.0}
+                for key, value in sorted(values.items()):
+                    labels = dict(key)
+                    family.add_metric([labels.get(n, "") for n in spec.labels], value)
+                yield family
+
+
+def _bound(bound: float) -> str:
+    return "+Inf" if math.isinf(bound) else repr(float(bound))
+
+
+class Gauges:
+    """Gauges read at scrape time, as a collector: `gauges.set(name, help, value, **labels)`."""
+
+    def __init__(self):
+        self.families: dict[str, GaugeMetricFamily] = {}
+
+    def set(self, name: str, help_: str, value: float, **labels) -> None:
+        family = self.families.get(name)
+        if family is None:
+            family = self.families[name] = GaugeMetricFamily(name, help_, labels=sorted(labels))
+        family.add_metric([str(labels[k]) for k in sorted(labels)], value)
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self.families.values()
+
+
+def exposition(accept: str | None, *collectors) -> tuple[bytes, str]:
+    """The body and content type of a scrape of `collectors`, in the format the scraper asked
+    for (`Accept`: OpenMetrics, or the classic text format by default)."""
+    registry = CollectorRegistry(auto_describe=False)
+    for collector in collectors:
+        registry.register(collector)
+    encoder, content_type = choose_encoder(accept or "")
+    return encoder(registry), content_type

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from megaslide.engine.request import ModelLimits, count_utf8_bytes
 
 if TYPE_CHECKING:
-    from .metrics import Registry
+    from .metrics import Totals
     from .store import JobStore
 
 
@@ -141,7 +141,7 @@ class WorkerClient(ABC):
 
     @property
     @abstractmethod
-    def metrics(self) -> Registry:
+    def metrics(self) -> Totals:
         """Counters and histograms of the live workers, added up (step latency, H2D bytes...)."""
 
     @abstractmethod

@@ -335,6 +335,15 @@ class JobStore:
                     )
         return True
 
+    def publish_metrics(self, name: str, token: str, metrics: dict) -> None:
+        """Replace the metrics snapshot `name` shows (between heartbeats, after a step)."""
+        with self._tx() as conn:
+            conn.execute(
+                workers.update()
+                .where(workers.c.name == name, workers.c.token == token)
+                .values(metrics=json.dumps(metrics))
+            )
+
     def deregister_worker(self, name: str, token: str) -> None:
         with self._tx() as conn:
             conn.execute(workers.delete().where(workers.c.name == name, workers.c.token == token))

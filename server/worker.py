@@ -54,7 +54,7 @@ from megaslide.engine.request import RequestError, ResolvedVideo
 
 from .backend import Backend, FinetuneJob, TrainingRun, VideoModel
 from .datadir import DataDir
-from .metrics import Registry
+from .metrics import PUBLISH_INTERVAL_S, Registry, Totals
 from .protocol import ModelCard, card_to_dict
 from .settings import Settings
 from .store import (
@@ -137,6 +137,7 @@ class Worker:
         self.data = DataDir(settings.storage_dir)
         self.token = new_token()
         self.metrics = Registry()
+        self._published_at = 0.0
         self.cards = {card.name: card for card in backend.cards()}
         self.ready = False
         self.dead: str | None = None
@@ -306,6 +307,22 @@ class Worker:
             self.stop.set()
             self.wake.set()
 
+    def _count_finished(self, kind: str, status: str) -> None:
+        self.metrics.jobs_finished.labels(kind=kind, status=status).inc()
+        self._publish_metrics(force=True)
+
+    def _publish_metrics(self, force: bool = False) -> None:
+        """Show the API hosts this worker's counters now rather than at the next heartbeat, at
+        most every `PUBLISH_INTERVAL_S` unless `force`d (a job ended)."""
+        now = time.monotonic()
+        if not force and now - self._published_at < PUBLISH_INTERVAL_S:
+            return
+        self._published_at = now
+        try:
+            self.store.publish_metrics(self.name, self.token, self.metrics.snapshot())
+        except Exception:  # noqa: BLE001 - the next heartbeat publishes them again
+            log.debug("publishing metrics failed", exc_info=True)
+
     # --- the loop ----------------------------------------------------------------------------
 
     def _tick(self) -> bool:
@@ -415,7 +432,7 @@ class Worker:
         for run in [r for r in self._batch if r.id in cancelled]:
             self._batch.remove(run)
             if self.store.finish_video(run.id, run.token, "cancelled"):
-                self.metrics.jobs_finished.inc(kind="video", status="cancelled")
+                self._count_finished("video", "cancelled")
 
     def _claim_videos(self) -> None:
         room = self.settings.max_batch - len(self._batch)
@@ -510,6 +527,7 @@ class Worker:
         self.metrics.batch_size.observe(len(advanced))
         self.metrics.h2d_bytes.inc(transfers.get("h2d_bytes", 0))
         self.metrics.d2h_bytes.inc(transfers.get("d2h_bytes", 0))
+        self._publish_metrics()
         lost = self.store.set_video_progress(
             [
                 (
@@ -569,7 +587,7 @@ class Worker:
         if status == "completed":
             self.metrics.video_seconds.observe(time.perf_counter() - run.started)
         if status is not None:
-            self.metrics.jobs_finished.inc(kind="video", status=status)
+            self._count_finished("video", status)
         if status == "cancelled":  # cancelled while it was being encoded: nobody will fetch it
             for path in (mp4, png):
                 path.unlink(missing_ok=True)
@@ -583,7 +601,7 @@ class Worker:
                 return True
             if self.store.cancel_requested_videos([run.id]):
                 self._retrying(self.store.finish_video, run.id, run.token, "cancelled")
-                self.metrics.jobs_finished.inc(kind="video", status="cancelled")
+                self._count_finished("video", "cancelled")
                 return True
         except UNAVAILABLE:
             pass  # the store is down too: keep trying both
@@ -595,7 +613,7 @@ class Worker:
         code = _request_code(exc) or self.backend.error_code(exc) or "generation_failed"
         failed = (code, _message(exc))
         if self._retrying(self.store.finish_video, video_id, token, "failed", error=failed):
-            self.metrics.jobs_finished.inc(kind="video", status="failed")
+            self._count_finished("video", "failed")
         self._check_device(exc)
 
     def _check_device(self, exc: BaseException) -> None:
@@ -627,6 +645,7 @@ class Worker:
                 self.metrics.train_steps.inc()
                 self.metrics.h2d_bytes.inc(metrics.get("h2d_bytes") or 0)
                 self.metrics.d2h_bytes.inc(metrics.get("d2h_bytes") or 0)
+                self._publish_metrics()
                 total = t.trainer.total_steps
                 if not self.store.finetune_progress(
                     t.id,
@@ -686,7 +705,7 @@ class Worker:
             code = self.backend.error_code(exc) or "training_failed"
             failed = (code, _message(exc))
             if self.store.finish_finetune(row["id"], token, "failed", error=failed):
-                self.metrics.jobs_finished.inc(kind="fine_tune", status="failed")
+                self._count_finished("fine_tune", "failed")
             self._check_device(exc)
             return
         # Checkpoints and the exported model are published only while this claim holds the job.
@@ -737,7 +756,7 @@ class Worker:
                 self.store.finish_finetune, t.id, t.token, status, error=error, model=model
             )
             if recorded:
-                self.metrics.jobs_finished.inc(kind="fine_tune", status=status)
+                self._count_finished("fine_tune", status)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -789,14 +808,14 @@ class EmbeddedWorker(Fleet):
         return self.worker.trouble if self.worker is not None else None
 
     @property
-    def metrics(self) -> Registry:
-        """This process's worker live, plus the others' last heartbeats."""
-        total = Registry()
-        for row in self._view():
-            if row["metrics"] and row["name"] != self.worker.name:
-                total.merge(row["metrics"])
-        total.merge(self.worker.metrics.snapshot())
-        return total
+    def metrics(self) -> Totals:
+        """This process's worker live, plus what the others last published."""
+        others = [
+            row["metrics"]
+            for row in self._view()
+            if row["metrics"] and row["name"] != self.worker.name
+        ]
+        return Totals([*others, self.worker.metrics.snapshot()])
 
     def base_cards(self, fresh: bool = False) -> list[ModelCard]:
         # This process's own cards first, exact (with the model's own rules), even before the

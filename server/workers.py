@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Collection
 from pathlib import Path
 
-from .metrics import Registry
+from .metrics import Totals
 from .protocol import ModelCard, WorkerClient, card_from_dict
 from .settings import Settings
 from .store import JobStore
@@ -105,12 +105,8 @@ class Fleet(WorkerClient):
         return None  # no worker runs in this process
 
     @property
-    def metrics(self) -> Registry:
-        total = Registry()
-        for row in self._view():
-            if row["metrics"]:
-                total.merge(row["metrics"])
-        return total
+    def metrics(self) -> Totals:
+        return Totals(row["metrics"] for row in self._view() if row["metrics"])
 
     def check_dataset(self, root: Path) -> int:
         return self._check_dataset(root)
@@ -119,7 +115,7 @@ class Fleet(WorkerClient):
         pass  # workers elsewhere poll the store
 
     def retry_after(self) -> int:
-        mean = self.metrics.video_seconds.mean
+        mean = self.metrics.mean("video_seconds")
         return max(1, math.ceil(mean)) if mean else 5
 
 

@@ -25,7 +25,7 @@ from megaslide.server.worker import Worker
 from megaslide.server.workers import ChildWorkerFleet, Fleet
 
 from server_fakes import FAKE_CARD, FakeBackend
-from test_server_api import SMALL, assert_error, until, wait_status
+from test_server_api import SMALL, assert_error, scrape, until, wait_status
 
 
 @pytest.fixture
@@ -73,6 +73,29 @@ def test_the_api_knows_models_only_from_live_workers(api, settings):
     worker.stop()  # leaves the registry: its models go with it
     until(lambda: api.get("/readyz").status_code == 503, what="the worker to leave")
     assert api.get("/v1/models").json()["data"] == []
+
+
+def test_a_worker_counters_reach_the_api_before_its_next_heartbeat(settings, tmp_path):
+    slow = settings.model_copy(update={"heartbeat_s": 30.0, "lease_s": 90.0})
+    with TestClient(build_app(slow, Fleet(slow, FakeBackend().check_dataset))) as api:
+        worker = Running(slow, "w1")
+        try:
+            until(lambda: api.get("/readyz").status_code == 200, what="the worker's heartbeat")
+            before = scrape(api.get("/metrics").text)
+            assert before["megaslide_denoise_steps_total"] == 0
+            video = api.post("/v1/videos", json={"prompt": "p", **SMALL}).json()
+            assert wait_status(api, video["id"])["status"] == "completed"
+            done = 'megaslide_jobs_finished_total{kind="video",status="completed"}'
+            # Published after the step and the job, not 30 s later with the next heartbeat.
+            samples = until(
+                lambda: (m := scrape(api.get("/metrics").text)).get(done) and m,
+                timeout=5,
+                what="the worker's published metrics",
+            )
+            assert samples["megaslide_denoise_steps_total"] == 2
+            assert samples["megaslide_denoise_step_seconds_count"] == 2
+        finally:
+            worker.stop()
 
 
 def test_a_request_the_model_refuses_fails_on_the_worker_not_silently(api, settings):

@@ -764,14 +764,32 @@ def test_health_readiness_and_metrics(make_client):
     queued = create(c)  # accepted while loading; runs once ready
     until(lambda: c.get("/readyz").status_code == 200, what="ready")
     wait_status(c, queued["id"])
-    text = c.get("/metrics").text
-    assert c.get("/metrics").headers["content-type"].startswith("text/plain; version=0.0.4")
-    assert re.search(r"^megaslide_queue_depth 0$", text, re.M)
-    assert re.search(r'^megaslide_jobs\{kind="video",state="completed"\} 1$', text, re.M)
-    assert re.search(r"^megaslide_denoise_step_seconds_count 2$", text, re.M)
-    assert re.search(r"^megaslide_denoise_steps_total 2$", text, re.M)
-    assert re.search(r"^megaslide_h2d_bytes_total 2000$", text, re.M)
-    assert re.search(r'^megaslide_denoise_step_seconds_bucket\{le="\+Inf"\} 2$', text, re.M)
+    response = c.get("/metrics")
+    assert response.headers["content-type"].startswith("text/plain; version=")
+    samples = scrape(response.text)
+    assert samples["megaslide_queue_depth"] == 0
+    assert samples['megaslide_jobs{kind="video",state="completed"}'] == 1
+    assert samples["megaslide_denoise_step_seconds_count"] == 2
+    assert samples["megaslide_denoise_steps_total"] == 2
+    assert samples["megaslide_h2d_bytes_total"] == 2000
+    assert samples['megaslide_denoise_step_seconds_bucket{le="+Inf"}'] == 2
+    assert samples['megaslide_jobs_finished_total{kind="video",status="completed"}'] == 1
+    # A scraper asking for OpenMetrics gets it.
+    openmetrics = c.get("/metrics", headers={"Accept": "application/openmetrics-text"})
+    assert openmetrics.headers["content-type"].startswith("application/openmetrics-text")
+    assert openmetrics.text.rstrip().endswith("# EOF")
+
+
+def scrape(text: str) -> dict[str, float]:
+    """A Prometheus text exposition, parsed by prometheus-client: `name{labels}` -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+            out[sample.name + (f"{{{labels}}}" if labels else "")] = sample.value
+    return out
 
 
 def test_a_dead_engine_is_reported(make_client):

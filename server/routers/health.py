@@ -3,17 +3,15 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends
-from fastapi.responses import PlainTextResponse, Response
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response
 
 from ..deps import StoreDep, WorkersDep, require_api_key
 from ..errors import EngineDead, NotReady
-from ..metrics import Gauge, render
+from ..metrics import Gauges, exposition
 from ..schemas import error_responses
 
 router = APIRouter(tags=["health"], responses=error_responses(413, 500))
-
-PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 
 
 @router.get("/healthz", responses=error_responses(503))
@@ -49,25 +47,39 @@ async def readyz(workers: WorkersDep):
         **error_responses(401),
     },
 )
-async def metrics(workers: WorkersDep, store: StoreDep):
+async def metrics(request: Request, workers: WorkersDep, store: StoreDep):
     # Gauges about jobs are read from the store at scrape time, so they always agree with the API.
-    depth = Gauge("megaslide_queue_depth", "Jobs waiting for a worker (videos and fine-tunes)")
+    gauges = Gauges()
     by_model = await store.queue_depth_by_model()
-    depth.set(sum(by_model.values()))
-    queued = Gauge("megaslide_queued_jobs", "Jobs waiting for a worker, by the model they need")
+    gauges.set(
+        "megaslide_queue_depth",
+        "Jobs waiting for a worker (videos and fine-tunes)",
+        sum(by_model.values()),
+    )
     for model, n in sorted(by_model.items()):
-        queued.set(n, model=model)
+        gauges.set(
+            "megaslide_queued_jobs",
+            "Jobs waiting for a worker, by the model they need",
+            n,
+            model=model,
+        )
     live = workers.live_workers()
-    counted = Gauge("megaslide_workers", "Workers heard from within the lease, by state")
     for state in ("ready", "loading", "dead"):
-        counted.set(sum(1 for w in live if worker_state(w) == state), state=state)
-    jobs = Gauge("megaslide_jobs", "Jobs in the store by kind and state")
+        n = sum(1 for w in live if worker_state(w) == state)
+        gauges.set(
+            "megaslide_workers", "Workers heard from within the lease, by state", n, state=state
+        )
     for (kind, state), n in sorted((await store.counts_by_state()).items()):
-        jobs.set(n, kind=kind, state=state)
-    ready = Gauge("megaslide_ready", "1 once some worker has its models loaded and runs jobs")
-    ready.set(1 if workers.ready else 0)
-    body = render([depth, queued, counted, jobs, ready, *workers.metrics.all()])
-    return PlainTextResponse(body, media_type=PROMETHEUS_TEXT)
+        gauges.set(
+            "megaslide_jobs", "Jobs in the store by kind and state", n, kind=kind, state=state
+        )
+    gauges.set(
+        "megaslide_ready",
+        "1 once some worker has its models loaded and runs jobs",
+        1 if workers.ready else 0,
+    )
+    body, content_type = exposition(request.headers.get("accept"), gauges, workers.metrics)
+    return Response(body, media_type=content_type)
 
 
 def worker_state(worker: dict) -> str:
