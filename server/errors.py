@@ -71,10 +71,6 @@ class PayloadTooLarge(APIError):
     status, type, default_code = 413, "invalid_request_error", "file_too_large"
 
 
-class RangeNotSatisfiable(APIError):
-    status, type, default_code = 416, "invalid_request_error", "range_not_satisfiable"
-
-
 class QueueFull(APIError):
     """The queue holds `max_queue` jobs; the client should retry after `retry_after` seconds."""
 

@@ -92,7 +92,7 @@ ERROR_STATUSES = {
     404: "No such object",
     409: "Conflicts with the object's state, or an Idempotency-Key reused with another body",
     413: "The request body, or the file in it, is over this server's limit",
-    416: "The range starts past the end of the file",
+    416: "The range lies outside the file",
     429: "The queue, or this API key's share of it (or of event streams), is full; retry "
     "after Retry-After seconds",
     500: "An unexpected server error",

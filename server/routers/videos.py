@@ -35,10 +35,10 @@ from ..deps import (
     request_hash,
     wait_for,
 )
+from ..downloads import Download
 from ..errors import InvalidRequest, NotFound, NotReady, invalid_request
 from ..feed import EventFeed, Subscription
 from ..protocol import WorkerClient
-from ..ranges import file_response
 from ..schemas import (
     ListPage,
     Video,
@@ -365,7 +365,7 @@ async def video_content(
     path, media_type = (mp4, "video/mp4") if variant == "video" else (png, "image/png")
     if not path.is_file():
         raise NotFound(f"the {variant} of video {video_id} is gone from disk", param="video_id")
-    return file_response(path, request.headers.get("range"), media_type, f"{video_id}{path.suffix}")
+    return Download(path, media_type, f"{video_id}{path.suffix}")
 
 
 @router.get(
