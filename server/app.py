@@ -21,9 +21,10 @@ from megaslide.engine import __version__
 from .auth import Keyring
 from .body_limit import BodyLimit, Upload
 from .datadir import DataDir
-from .deps import require_api_key
+from .deps import require_api_key, require_key_or_link
 from .errors import UnexpectedErrors, install_error_handlers
 from .feed import EventFeed
+from .links import LinkSigner
 from .plain_text import RefuseNul
 from .protocol import WorkerClient
 from .routers import adapters, files, fine_tuning, health, models, videos, web
@@ -90,6 +91,7 @@ def build_app(settings: Settings, workers: WorkerClient) -> FastAPI:
     app.state.keyring = Keyring(settings.api_keys, settings.api_keys_file)
     app.state.workers = workers
     app.state.data = data
+    app.state.links = LinkSigner.in_data_dir(data.root)
     install_error_handlers(app)
     uploads = [
         Upload("POST", "/v1/files", settings.max_upload_bytes, "file"),
@@ -120,4 +122,9 @@ def build_app(settings: Settings, workers: WorkerClient) -> FastAPI:
             # Any route may meet a store that is briefly unavailable, or a full disk.
             responses=error_responses(401, 413, 500, 503, 507),
         )
+    app.include_router(
+        videos.content_router,
+        dependencies=[Depends(require_key_or_link)],
+        responses=error_responses(401, 413, 500, 503, 507),
+    )
     return app

@@ -27,6 +27,7 @@ from .errors import (
     QueueFull,
     Unauthorized,
 )
+from .links import LinkSigner
 from .protocol import ModelCard, WorkerClient
 from .settings import Settings
 from .store import AsyncStore
@@ -81,6 +82,24 @@ async def require_api_key(
     if principal is None:
         raise Unauthorized("Incorrect API key provided")
     request.state.principal = principal
+
+
+async def require_key_or_link(
+    request: Request, declared: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]
+) -> None:
+    """A video's content: a key, as everywhere, or a signed link to it (links.py), which a
+    `<video src>` can follow."""
+    query = request.query_params
+    if "signature" not in query:
+        await require_api_key(request, declared)
+        return
+    links: LinkSigner = request.app.state.links
+    video_id = request.path_params["video_id"]
+    if not links.valid(
+        video_id, query.get("variant", "video"), query.get("expires", ""), query["signature"]
+    ):
+        raise Unauthorized("The link is not valid for this content or has expired")
+    request.state.principal = ANONYMOUS  # the link stands for the key that asked for it
 
 
 def principal_of(request: Request) -> Principal:

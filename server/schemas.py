@@ -258,6 +258,14 @@ class Video(BaseModel):
     loras: list[dict] = Field(default_factory=list)
 
 
+class ContentLink(BaseModel):
+    """A signed link to a video's content that needs no key, until `expires_at` (Unix seconds)."""
+
+    object: Literal["video.content_link"] = "video.content_link"
+    url: str
+    expires_at: int
+
+
 class VideoDeleted(BaseModel):
     id: str
     object: Literal["video.deleted"] = "video.deleted"

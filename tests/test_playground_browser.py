@@ -512,6 +512,14 @@ def test_api_key_gate(browser, tmp_path_factory):
             card = page.locator(f"#gallery-list .video-card[data-id='{video['id']}']")
             expect(card.locator("img")).to_be_visible()  # media come with the key too
             assert card.locator("img").evaluate("(img) => img.naturalWidth") > 0
+            # The clip plays from a signed link the browser streams itself, not from a blob.
+            card.locator("button.play").click()
+            player = card.locator("video")
+            expect_playing(player)
+            src = player.get_attribute("src")
+            assert src.startswith("http") and f"/v1/videos/{video['id']}/content?" in src
+            assert "signature=" in src
+            assert player.evaluate("(v) => v.seekable.length > 0 && v.seekable.end(0) > 0")
             assert page.evaluate("() => localStorage.getItem('megaslide.apiKey')") == KEY
             expect(page.locator("#forget-key")).to_be_visible()
     finally:

@@ -19,6 +19,7 @@ import sys
 import tarfile
 import threading
 import time
+import urllib.parse
 import warnings
 import zipfile
 from pathlib import Path
@@ -158,6 +159,50 @@ def test_range_requests(make_client):
     assert r.status_code == 206
     r = c.get(url, headers={"Range": "bytes=10-19", "If-Range": '"another"'})
     assert r.status_code == 200 and r.content == full.content
+
+
+def test_signed_links_open_one_content_without_a_key(make_client, monkeypatch):
+    c = make_client(api_keys=["k-one", "k-two"])
+    one = {"Authorization": "Bearer k-one"}
+    c.headers.update(one)
+    v, other = create(c), create(c)
+    wait_status(c, v["id"])
+    wait_status(c, other["id"])
+    del c.headers["Authorization"]  # from here on, a key only where given
+    path = f"/v1/videos/{v['id']}/content"
+    assert_error(c.get(path), 401)
+    full = c.get(path, headers=one).content
+    link = c.post(f"{path}/link", headers=one).json()
+    assert link["object"] == "video.content_link" and link["expires_at"] > time.time() + 3000
+    assert c.get(link["url"]).content == full  # no key
+    r = c.get(link["url"], headers={"Range": "bytes=0-9"})
+    assert r.status_code == 206 and r.content == full[:10]
+    thumb = c.post(f"{path}/link", params={"variant": "thumbnail"}, headers=one).json()
+    assert c.get(thumb["url"]).headers["content-type"] == "image/png"
+    # The link opens that file only: not another variant, video or route, nor an altered expiry.
+    query = dict(urllib.parse.parse_qsl(urllib.parse.urlsplit(link["url"]).query))
+    assert_error(c.get(f"/v1/videos/{other['id']}/content", params=query), 401)
+    assert_error(c.get(path, params={**query, "variant": "thumbnail"}), 401)
+    assert_error(c.get(path, params={**query, "expires": str(int(query["expires"]) + 1)}), 401)
+    assert_error(c.get(f"/v1/videos/{v['id']}", params=query), 401)
+    # Another key cannot have one made, nor can a link outlive its expiry.
+    assert_error(c.post(f"{path}/link", headers={"Authorization": "Bearer k-two"}), 404)
+    assert_error(c.post(f"{path}/link", params={"expires_in": 10}, headers=one), 400, "expires_in")
+    monkeypatch.setattr(time, "time", lambda: int(query["expires"]) + 1)
+    assert_error(c.get(link["url"]), 401, fragment="expired")
+
+
+def test_link_signers_sharing_a_data_dir_agree(tmp_path):
+    from megaslide.server.links import SECRET_FILE, LinkSigner
+
+    first, second = LinkSigner.in_data_dir(tmp_path), LinkSigner.in_data_dir(tmp_path)
+    query, expires = first.query("video_1", "video", 60)
+    signature = dict(urllib.parse.parse_qsl(query))["signature"]
+    assert second.valid("video_1", "video", str(expires), signature)
+    assert (tmp_path / SECRET_FILE).stat().st_mode & 0o777 == 0o600
+    assert not LinkSigner(b"another").valid("video_1", "video", str(expires), signature)
+    for expires_text in ("", "-1", "\u0663", "9" * 40):
+        assert not first.valid("video_1", "video", expires_text, signature)
 
 
 def test_expired_content_is_gone(make_client):

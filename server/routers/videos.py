@@ -38,8 +38,10 @@ from ..deps import (
 from ..downloads import Download
 from ..errors import InvalidRequest, NotFound, NotReady, invalid_request
 from ..feed import EventFeed, Subscription
+from ..links import DEFAULT_TTL_S, MAX_TTL_S
 from ..protocol import WorkerClient
 from ..schemas import (
+    ContentLink,
     ListPage,
     Video,
     VideoCreate,
@@ -332,7 +334,11 @@ async def delete_video(
     return answer
 
 
-@router.get(
+# Content answers a key or a signed link (app.py includes this router with its own check).
+content_router = APIRouter(prefix="/v1/videos", tags=["videos"])
+
+
+@content_router.get(
     "/{video_id}/content",
     response_class=Response,
     responses={
@@ -343,13 +349,44 @@ async def delete_video(
 )
 async def video_content(
     video_id: str,
+    store: StoreDep,
+    data: DataDep,
+    principal: PrincipalDep,
+    variant: Literal["video", "thumbnail"] = "video",
+    expires: str | None = Query(None, description="A signed link's expiry (see `/content/link`)"),
+    signature: str | None = Query(None, description="A signed link's signature, in place of a key"),
+):
+    """The MP4 (with Range support) or the first frame as a PNG."""
+    path, media_type = await content_file(store, data, video_id, principal, variant)
+    return Download(path, media_type, f"{video_id}{path.suffix}")
+
+
+@router.post(
+    "/{video_id}/content/link",
+    response_model=ContentLink,
+    responses=error_responses(400, 404),
+)
+async def video_content_link(
+    video_id: str,
     request: Request,
     store: StoreDep,
     data: DataDep,
     principal: PrincipalDep,
     variant: Literal["video", "thumbnail"] = "video",
+    expires_in: int = Query(DEFAULT_TTL_S, ge=60, le=MAX_TTL_S, description="Seconds"),
 ):
-    """The MP4 (with Range support) or the first frame as a PNG."""
+    """A signed link to the content that works without a key until it expires: for players
+    (`<video src>`) and for sharing one video. It opens that file alone."""
+    await content_file(store, data, video_id, principal, variant)
+    query, expires_at = request.app.state.links.query(video_id, variant, expires_in)
+    url = f"{request.url_for('video_content', video_id=video_id)}?{query}"
+    return ContentLink(url=url, expires_at=expires_at)
+
+
+async def content_file(
+    store: AsyncStore, data, video_id: str, principal: Principal, variant: str
+) -> tuple[Path, str]:
+    """The file of a completed video's `variant` and its media type, or why there is none."""
     row = await find_video(store, video_id, principal)
     if row["status"] != "completed":
         raise InvalidRequest(
@@ -365,7 +402,7 @@ async def video_content(
     path, media_type = (mp4, "video/mp4") if variant == "video" else (png, "image/png")
     if not path.is_file():
         raise NotFound(f"the {variant} of video {video_id} is gone from disk", param="video_id")
-    return Download(path, media_type, f"{video_id}{path.suffix}")
+    return path, media_type
 
 
 @router.get(

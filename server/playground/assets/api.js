@@ -96,31 +96,31 @@ export async function request(method, path, options) {
 
 export const get = (path, query) => request("GET", path, { query });
 
-// Media need the key too, which <img src> and <video src> cannot send: they are fetched here and
-// shown from blob: URLs, kept per path until `forget` (a deleted video) releases them.
-const blobs = new Map();
+// Media need the key too, which <img src> and <video src> cannot send: the API signs a link to
+// each file (POST {path}/link), which the element then follows itself: streamed and seekable
+// with ranges, never held whole in memory. Links are kept per file until a minute before they
+// expire, or until `forget` (a deleted video) drops them.
+const links = new Map();
+const LINK_MARGIN_S = 60;
 
-export function blobURL(path, query = {}) {
+export function linkURL(path, query = {}) {
   const key = url(path, query).href;
-  if (!blobs.has(key)) {
-    const made = send("GET", path, { query })
-      .then((response) => response.blob())
-      .then((blob) => URL.createObjectURL(blob));
-    made.catch(() => blobs.delete(key)); // a failed fetch may be tried again
-    blobs.set(key, made);
-  }
-  return blobs.get(key);
+  const held = links.get(key);
+  if (held && held.expiresAt - LINK_MARGIN_S > Date.now() / 1000) return held.made;
+  const entry = { expiresAt: Infinity };
+  entry.made = request("POST", `${path}/link`, { query }).then((link) => {
+    entry.expiresAt = link.expires_at;
+    return link.url;
+  });
+  entry.made.catch(() => links.delete(key)); // a failed request may be tried again
+  links.set(key, entry);
+  return entry.made;
 }
 
 export function forget(pathPrefix) {
   const prefix = url(pathPrefix).href;
-  for (const [key, made] of blobs) {
-    if (!key.startsWith(prefix)) continue;
-    blobs.delete(key);
-    made.then(
-      (blobUrl) => URL.revokeObjectURL(blobUrl),
-      () => {},
-    );
+  for (const key of [...links.keys()]) {
+    if (key.startsWith(prefix)) links.delete(key);
   }
 }
 

@@ -1,7 +1,8 @@
-// A finished video's thumbnail and MP4 (GET /v1/videos/{id}/content), fetched with the key and
-// shown from blob: URLs: the thumbnail first, then the clip playing in its place.
+// A finished video's thumbnail and MP4 (GET /v1/videos/{id}/content), shown from signed links
+// (see `linkURL`): the thumbnail first, then the clip playing in its place, streamed by the
+// browser itself.
 
-import { blobURL, forget } from "./api.js";
+import { forget, linkURL } from "./api.js";
 import { h } from "./dom.js";
 
 function contentPath(videoId) {
@@ -9,14 +10,14 @@ function contentPath(videoId) {
 }
 
 export function thumbnailURL(videoId) {
-  return blobURL(contentPath(videoId), { variant: "thumbnail" });
+  return linkURL(contentPath(videoId), { variant: "thumbnail" });
 }
 
 export function videoURL(videoId) {
-  return blobURL(contentPath(videoId), { variant: "video" });
+  return linkURL(contentPath(videoId), { variant: "video" });
 }
 
-// Release a deleted video's blobs.
+// Drop a deleted video's links.
 export function forgetVideo(videoId) {
   forget(contentPath(videoId));
 }
