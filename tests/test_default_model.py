@@ -69,3 +69,21 @@ def test_packaged_model_draws_the_prompted_direction_from_noise():
     scores = r["times"]["1.0"]["score_by_direction"]
     # 0.81-0.91 on the development machine; a model that ignores the word: ~0.
     assert min(scores.values()) > 0.4, scores
+
+
+def test_the_readme_strip_is_made_from_the_packaged_model(tmp_path):
+    """`scripts/readme_pictures.py` still runs (the strip part; the playground part needs a
+    browser and a server and is exercised by the playground's browser tests)."""
+    import runpy
+    from pathlib import Path
+
+    from PIL import Image
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "readme_pictures.py"
+    pictures = runpy.run_path(str(script))
+    pictures["strip"](tmp_path / "strip.png")
+    image = Image.open(tmp_path / "strip.png")
+    rows = len(pictures["PROMPTS"])
+    assert image.height % rows == 0 and image.width > pictures["LABEL_W"]
+    # Not a blank sheet: the clips' pixels vary.
+    assert len(set(image.crop((pictures["LABEL_W"], 0, image.width, image.height)).getdata())) > 50
