@@ -110,6 +110,9 @@ def test_video_lifecycle(client, tmp_path):
     )
     assert client.videos.download_content(video.id) == mp4
     assert client.videos.download_content(video.id, variant="thumbnail")[:8] == b"\x89PNG\r\n\x1a\n"
+    link = client.videos.content_link(video.id, expires_in=120)
+    assert link.object == "video.content_link" and 100 < link.expires_at - time.time() <= 120
+    assert httpx.get(link.url).content == mp4  # no key
 
     events = list(client.videos.events(video.id))
     assert [e.event for e in events][0] == "video.queued" and events[-1].event == "video.completed"
@@ -478,6 +481,8 @@ def test_async_client(tmp_path):
                 )
                 events = [e async for e in c.videos.events(video.id)]
                 assert events[-1].video.status == "completed"
+                link = await c.videos.content_link(video.id, variant="thumbnail")
+                assert link.url.startswith("http://app/v1/videos/") and "signature=" in link.url
                 mp4 = await c.videos.download_content(video.id, path=tmp_path / "a.mp4")
                 assert mp4.read_bytes() == await c.videos.download_content(video.id)
                 page = await c.videos.list(limit=1)

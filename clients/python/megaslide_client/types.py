@@ -16,6 +16,7 @@ __all__ = [
     "Video",
     "VideoError",
     "VideoDeleted",
+    "VideoContentLink",
     "VideoEvent",
     "FileObject",
     "FileDeleted",
@@ -128,6 +129,16 @@ class Video(APIObject):
     def done(self) -> bool:
         """True once the video is completed, failed or cancelled."""
         return self.status in VIDEO_TERMINAL_STATUSES
+
+
+@dataclass
+class VideoContentLink(APIObject):
+    """A signed URL to a video's content that works without a key until `expires_at` (Unix
+    seconds): for a player's `src`, or to share one video."""
+
+    url: str | None = None
+    expires_at: int | None = None
+    object: str | None = None
 
 
 @dataclass

@@ -14,7 +14,7 @@ from .._polling import Watch
 from .._progress import ProgressBar
 from .._sse import ServerSentEvent
 from .._streaming import EventStream, PathLike
-from ..types import Video, VideoDeleted, VideoEvent
+from ..types import Video, VideoContentLink, VideoDeleted, VideoEvent
 
 if TYPE_CHECKING:
     from .._base_client import AsyncAPIClient, SyncAPIClient
@@ -72,6 +72,13 @@ def lora_entry(spec: LoraSpec) -> dict[str, Any]:
         name, scale = spec
         return {"name": name, "scale": scale}
     return dict(spec)
+
+
+def link_params(variant: str, expires_in: int | None) -> dict[str, Any]:
+    params: dict[str, Any] = {"variant": variant}
+    if expires_in is not None:
+        params["expires_in"] = expires_in
+    return params
 
 
 def to_video_event(sse: ServerSentEvent) -> VideoEvent:
@@ -239,6 +246,15 @@ class Videos:
         url = f"/v1/videos/{video_id}/content"
         return self._client.download(url, params={"variant": variant}, to=path)
 
+    def content_link(
+        self, video_id: str, *, variant: Variant = "video", expires_in: int | None = None
+    ) -> VideoContentLink:
+        """A signed URL to the content that needs no key until it expires (`expires_in`
+        seconds, 60 to 7 days; the server's default is an hour)."""
+        params = link_params(variant, expires_in)
+        response = self._client.post(f"/v1/videos/{video_id}/content/link", params=params)
+        return VideoContentLink.from_dict(response.json())
+
     def events(self, video_id: str, *, last_event_id: str | None = None) -> Iterator[VideoEvent]:
         """The video's Server-Sent Events (status and progress) until it reaches a terminal state.
 
@@ -357,6 +373,15 @@ class AsyncVideos:
         """The MP4 or thumbnail, into `path` (returned) or as bytes (see `Videos.download_content`)."""
         url = f"/v1/videos/{video_id}/content"
         return await self._client.download(url, params={"variant": variant}, to=path)
+
+    async def content_link(
+        self, video_id: str, *, variant: Variant = "video", expires_in: int | None = None
+    ) -> VideoContentLink:
+        """A signed URL to the content that needs no key until it expires (`expires_in`
+        seconds, 60 to 7 days; the server's default is an hour)."""
+        params = link_params(variant, expires_in)
+        response = await self._client.post(f"/v1/videos/{video_id}/content/link", params=params)
+        return VideoContentLink.from_dict(response.json())
 
     def events(
         self, video_id: str, *, last_event_id: str | None = None
