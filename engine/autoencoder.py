@@ -1,7 +1,8 @@
 """Autoencoders between pixels and the latent space the DiT works in.
 
 Pixel clips are `(B, 3, F, H, W)` floats in [-1, 1]. The default is the identity: the DiT works in
-pixel space. A learned VAE plugs in behind the same two methods.
+pixel space. `wan-vae` is Wan2.1's causal 3D VAE, through diffusers' own class, for the presets
+with Wan's latent space (`wan-14b`, `megaslide-105b`).
 """
 
 from __future__ import annotations
@@ -42,9 +43,67 @@ class IdentityAutoencoder(Autoencoder):
         return latents
 
 
-def build_autoencoder(name: str) -> Autoencoder:
+class WanVAE(Autoencoder):
+    """Wan2.1's causal 3D VAE (diffusers' `AutoencoderKLWan` in its default configuration: 16
+    latent channels, strides 4x8x8 with the first frame alone), with a preset's seeded random
+    weights, and Wan's per-channel latent normalisation. It runs in fp32 where the latents are."""
+
+    latent_channels = 16
+
+    def __init__(self, seed: int = 0):
+        try:
+            from diffusers import AutoencoderKLWan
+        except ImportError as exc:
+            raise ImportError(
+                "the 'wan-vae' autoencoder is diffusers' AutoencoderKLWan: "
+                "pip install 'megaslide[wan]'"
+            ) from exc
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            self.vae = AutoencoderKLWan().eval()
+        config = self.vae.config
+        self.mean = torch.tensor(config.latents_mean).view(1, -1, 1, 1, 1)
+        self.std = torch.tensor(config.latents_std).view(1, -1, 1, 1, 1)
+
+    def latent_shape(self, frames, height, width):
+        return (self.latent_channels, 1 + (frames - 1) // 4, height // 8, width // 8)
+
+    def _to(self, x: torch.Tensor) -> None:
+        if self.mean.device != x.device:
+            self.vae.to(x.device)
+            self.mean, self.std = self.mean.to(x.device), self.std.to(x.device)
+
+    @torch.no_grad()
+    def encode(self, pixels):
+        self._to(pixels)
+        latents = self.vae.encode(pixels.float()).latent_dist.mode()
+        return (latents - self.mean) / self.std
+
+    @torch.no_grad()
+    def decode(self, latents):
+        self._to(latents)
+        return self.vae.decode(latents.float() * self.std + self.mean).sample.clamp(-1, 1)
+
+
+AUTOENCODERS = ("identity", "wan-vae")
+
+
+def check_autoencoder(name: str) -> None:
+    """Raise, naming the problem, if `build_autoencoder(name)` could not build it here."""
+    if name not in AUTOENCODERS:
+        raise ValueError(f"unknown autoencoder {name!r}; MegaSlide has {', '.join(AUTOENCODERS)}")
+    if name == "wan-vae":
+        import importlib.util
+
+        if importlib.util.find_spec("diffusers") is None:
+            raise ImportError(
+                "the 'wan-vae' autoencoder needs diffusers: pip install 'megaslide[wan]'"
+            )
+
+
+def build_autoencoder(name: str, seed: int = 0) -> Autoencoder:
+    """The autoencoder `name`; a learned one gets the random weights `seed` draws."""
+    check_autoencoder(name)
     if name == "identity":
         return IdentityAutoencoder()
-    raise ValueError(
-        f"autoencoder {name!r} is not bundled; this model needs its VAE weights (only 'identity' ships)"
-    )
+    return WanVAE(seed)

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .autoencoder import build_autoencoder
+from .autoencoder import build_autoencoder, check_autoencoder
 from .checkpoint import MODEL_FILE, TEXT_FILE, save_model
 from .config import DiTConfig
 from .data import BackgroundLoader, Batch, VideoDataset, validate_dataset
@@ -38,7 +38,7 @@ class MegaSlideFamily(Family):
     name = "megaslide"
 
     def components(self, info: ModelInfo) -> list[Component]:
-        build_autoencoder(info.config.autoencoder)  # a model whose VAE is not bundled fails now
+        check_autoencoder(info.config.autoencoder)  # an autoencoder that cannot be built fails now
         with torch.device("meta"):
             dit, text = VideoDiT(info.config), BuiltinTextEncoder(info.config.text)
         path = info.source.path
@@ -106,7 +106,7 @@ class DiTPipeline(Pipeline):
         self.dit, self.text_encoder = dit, text_encoder
         self.batched = batched
         self.config: DiTConfig = dit.config
-        self.autoencoder = build_autoencoder(self.config.autoencoder)
+        self.autoencoder = build_autoencoder(self.config.autoencoder, info.source.seed)
 
     @property
     def device(self) -> torch.device:
