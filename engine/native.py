@@ -71,6 +71,11 @@ class MegaSlideFamily(Family):
     def training_model(self, info, parts, expert=None) -> DiTTrainingModel:
         if expert is not None:
             raise ValueError(f"{info.name} has one denoiser: --expert does not apply")
+        if info.config.autoencoder != "identity":
+            raise ValueError(
+                f"{info.name} works in the latent space of {info.config.autoencoder!r}: "
+                "fine-tuning trains pixel-space MegaSlide models only"
+            )
         return DiTTrainingModel(parts["dit"], parts["text_encoder"])
 
     def training_data(self, info, data, run, shape: TrainingShape) -> ClipData:
