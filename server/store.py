@@ -622,10 +622,6 @@ class JobStore:
     ) -> tuple[list[dict], bool]:
         return self._page(videos, after, limit, order, *_visible_to(videos, owner))
 
-    def queued_videos(self, limit: int) -> list[dict]:
-        """Queued videos in the order they should run: higher priority first, then first come."""
-        return self._all(self._queue_order(sa.select(videos)).limit(limit))
-
     @staticmethod
     def _queue_order(stmt: sa.Select) -> sa.Select:
         stmt = stmt.where(videos.c.status == "queued")

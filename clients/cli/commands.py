@@ -451,9 +451,6 @@ def register_finetune(sub) -> None:
     )
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--offload", choices=("none", "stream"), default="none")
-    p.add_argument(
-        "--gpu-budget", type=parse_bytes, help="reserved: fine-tuning streams every block"
-    )
     p.add_argument("--stats", help="write streaming stats of the run as JSON here")
     p.add_argument(
         "--trace", help="write a Chrome trace of the last step's block copies and computes"
@@ -476,8 +473,6 @@ def run_finetune(args) -> int:
 
     if not args.output:
         raise UsageError("--output is required for a local run")
-    if args.gpu_budget is not None:
-        raise UsageError("--gpu-budget: fine-tuning streams every block; omit it")
     width, height = parse_size(args.size, "--size") if args.size else (None, None)
     config = FinetuneConfig(
         output=args.output,
