@@ -469,20 +469,22 @@ class StreamHandle:
     def _timing_stats(self) -> dict[str, Any]:
         n = len(self._blocks)
         copy_s, compute_s = [0.0] * n, [0.0] * n
-        copies, computes, copied_bytes, decode_s = [], [], 0, 0.0
+        copies, busy, copied_bytes, decode_s = [], [], 0, 0.0
         for span, a, b in self._intervals():
-            if span.kind == "decode":  # coded weight formats: on the compute stream, not hiding
+            if span.kind == "decode":  # coded weight formats: compute-stream work too
                 decode_s += b - a
+                busy.append((a, b))
             elif span.kind == "copy":
                 copy_s[span.block] += b - a
                 copies.append((a, b))
                 copied_bytes += span.nbytes
             else:
                 compute_s[span.block] += b - a
-                computes.append((a, b))
+                busy.append((a, b))
         total_copy = sum(copy_s)
-        # Fraction of copy time during which some block was computing: 1.0 means fully hidden.
-        hidden = _covered(copies, computes)
+        # Fraction of copy time during which the compute stream was busy (a block's kernels or a
+        # coded block's decode): 1.0 means fully hidden.
+        hidden = _covered(copies, busy)
         return {
             "copy_s": copy_s,
             "compute_s": compute_s,
