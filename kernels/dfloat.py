@@ -42,18 +42,10 @@ from .triton_import import TRITON_IMPORT_ERROR, interpreting, tl, triton
 
 @triton.jit
 def _dfloat_decode_kernel(
-    SM,
-    TABLE,
-    OFFSETS,
-    STREAM,
-    OUT,
-    num_words,
-    num_lanes,
-    LANES: tl.constexpr,
-    SYMBOLS: tl.constexpr,
-    CODE_BITS: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
+    SM, TABLE, OFFSETS, STREAM, OUT,
+    num_words, num_lanes,
+    LANES: tl.constexpr, SYMBOLS: tl.constexpr, CODE_BITS: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
     lane = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # (BLOCK,) lanes of this program
     live = lane < num_lanes
     group = lane // LANES
