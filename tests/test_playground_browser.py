@@ -332,7 +332,8 @@ def test_the_queue_finds_unfinished_videos_past_the_newest_page(page, server):
 
 
 def test_gallery_pages_play_download_remix_delete(page, server):
-    made = [server.create(prompt=f"clip {i}", seed=i) for i in range(7)]
+    made = [server.create(prompt=f"clip {i}", seed=i) for i in range(6)]
+    made.append(server.create(prompt="clip 6", seed=6, cache="balanced"))
     for video in made:
         assert server.wait(video["id"])["status"] == "completed"
     api_pages = [server.http.get("/v1/videos", params={"limit": 6}).json()]
@@ -398,6 +399,7 @@ def test_gallery_pages_play_download_remix_delete(page, server):
         "guidance": f"{video['guidance_scale']:g}",
         "seed": str(video["seed"]),
     }
+    assert video["cache"] and json.loads(page.input_value("#create-cache")) == video["cache"]
 
     # Delete asks twice, then the video is gone from the page and from the server.
     page.goto("/#gallery")

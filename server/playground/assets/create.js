@@ -183,6 +183,7 @@ export class CreateForm {
       guidance_scale: video.guidance_scale,
       seed: video.seed,
     });
+    this.fields.cache.value = cacheChoice(this.fields.cache, video.cache);
     for (const choice of video.loras || []) {
       const box = this.form.querySelector(`input[data-lora="${choice.name}"]`);
       const scale = this.form.querySelector(`input[data-lora-scale="${choice.name}"]`);
@@ -217,7 +218,9 @@ export class CreateForm {
     body.num_inference_steps = number(f.num_inference_steps, "num_inference_steps");
     body.guidance_scale = number(f.guidance_scale, "guidance_scale");
     body.seed = number(f.seed, "seed");
-    if (f.cache.value !== "off") body.cache = f.cache.value; // a preset's name
+    // A preset's name, or a remixed video's own cache ({"policy", "threshold"} as JSON).
+    const cache = f.cache.value;
+    if (cache !== "off") body.cache = cache.startsWith("{") ? JSON.parse(cache) : cache;
     const loras = this.loras();
     if (loras.length) body.loras = loras;
     for (const name of Object.keys(body)) if (body[name] === undefined) delete body[name];
@@ -253,4 +256,15 @@ export class CreateForm {
       button.disabled = false;
     }
   }
+}
+
+// The Create form's choice for a video's step cache as resolved (null: off): an option holding
+// that policy and threshold, made the first time one is needed.
+function cacheChoice(select, cache) {
+  if (!cache) return "off";
+  const value = JSON.stringify({ policy: cache.policy, threshold: cache.threshold });
+  if (![...select.options].some((option) => option.value === value)) {
+    select.add(new Option(`${cache.policy} ${cache.threshold}`, value));
+  }
+  return value;
 }
