@@ -364,7 +364,9 @@ def _train_rounds(step, probe, rounds, clip) -> list[dict[str, torch.Tensor]]:
         outputs.append(
             {
                 "masters": _flat([*dit_sd.values(), *text_sd.values()]),
-                "moments": _flat([t for b in sorted(moments, key=str) for t in moments[b].values()]),
+                "moments": _flat(
+                    [t for b in sorted(moments, key=str) for t in moments[b].values()]
+                ),
             }
         )
     return outputs

@@ -91,7 +91,7 @@ def build_app(settings: Settings, workers: WorkerClient) -> FastAPI:
     app.state.keyring = Keyring(settings.api_keys, settings.api_keys_file)
     app.state.workers = workers
     app.state.data = data
-    app.state.links = LinkSigner.in_data_dir(data.root)
+    app.state.links = LinkSigner(data.root)
     install_error_handlers(app)
     uploads = [
         Upload("POST", "/v1/files", settings.max_upload_bytes, "file"),

@@ -37,6 +37,9 @@ class Subscription:
     """What one stream is told: its job's events, and its queue position when that changes."""
 
     job_id: str
+    # Set once the feed knows where the log stood when it began watching: a stream replays the
+    # store only after that, so no event falls between its replay and what the feed hands it.
+    watching: asyncio.Event
     inbox: asyncio.Queue = field(default_factory=asyncio.Queue)
     position: int | None = None  # the last position put in the inbox
 
@@ -59,6 +62,7 @@ class EventFeed:
         self._open: Counter[str] = Counter()  # streams per principal scope
         self._task: asyncio.Task | None = None
         self._cursor: int | None = None  # the newest event seen
+        self._watching = asyncio.Event()  # set while the cursor is
 
     @property
     def streams(self) -> int:
@@ -77,7 +81,7 @@ class EventFeed:
     def subscribe(self, job_id: str, scope: str) -> Iterator[Subscription]:
         """A subscription to `job_id`'s news for the length of the block, counted against
         `scope`. Entered by the stream itself, so a stream that never starts holds nothing."""
-        sub = Subscription(job_id)
+        sub = Subscription(job_id, self._watching)
         self._open[scope] += 1
         self._subscribers[job_id].add(sub)
         if self._task is None or self._task.done():
@@ -99,6 +103,7 @@ class EventFeed:
                 rows = await self.store.events_since(self._cursor, EVENTS_PER_POLL)
                 if self._cursor is None:  # first poll: where the log ends now
                     self._cursor, rows = rows[0]["seq"], []
+                    self._watching.set()
                 moved = self._deliver(rows) or moved
                 if moved:
                     positions = await self.store.queue_positions()
@@ -111,6 +116,7 @@ class EventFeed:
             if len(rows) < EVENTS_PER_POLL:  # caught up: wait for more
                 await asyncio.sleep(self.interval_s)
         self._cursor = None  # nobody listens: start from the end again next time
+        self._watching = asyncio.Event()
 
     def _deliver(self, rows: list[dict]) -> bool:
         """Hand out `rows`; whether any may have moved the queue."""

@@ -26,31 +26,39 @@ MAX_TTL_S = 7 * 24 * 3600
 
 
 class LinkSigner:
-    def __init__(self, secret: bytes):
-        self.secret = secret
+    """Signs and checks links with the secret in `root/link-signing.key`, made there the first
+    time a link is made or checked (two hosts racing to make it agree on the first one written);
+    building an app writes nothing."""
 
-    @classmethod
-    def in_data_dir(cls, root: Path) -> LinkSigner:
-        """The signer whose secret is `root/link-signing.key`, made there if it is absent (two
-        hosts racing to make it agree on the first one written)."""
-        path = Path(root) / SECRET_FILE
-        if not path.exists():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{SECRET_FILE}.{os.getpid()}.{secrets.token_hex(4)}")
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    def __init__(self, root: Path):
+        self.path = Path(root) / SECRET_FILE
+        self._secret: bytes | None = None
+
+    @property
+    def secret(self) -> bytes:
+        if self._secret is None:
+            if not self.path.exists():
+                self._make()
+            self._secret = bytes.fromhex(self.path.read_text().strip())
+        return self._secret
+
+    def _make(self) -> None:
+        path = self.path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{SECRET_FILE}.{os.getpid()}.{secrets.token_hex(4)}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_hex(32))
+                f.flush()
+                os.fsync(f.fileno())
             try:
-                with os.fdopen(fd, "w") as f:
-                    f.write(secrets.token_hex(32))
-                    f.flush()
-                    os.fsync(f.fileno())
-                try:
-                    os.link(tmp, path)  # never replaces: the first secret made stays
-                    fsync_dir(path.parent)
-                except FileExistsError:
-                    pass
-            finally:
-                tmp.unlink(missing_ok=True)
-        return cls(bytes.fromhex(path.read_text().strip()))
+                os.link(tmp, path)  # never replaces: the first secret made stays
+                fsync_dir(path.parent)
+            except FileExistsError:
+                pass
+        finally:
+            tmp.unlink(missing_ok=True)
 
     def _signature(self, video_id: str, variant: str, expires: int) -> str:
         message = f"{video_id}\n{variant}\n{expires}".encode()

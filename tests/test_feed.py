@@ -89,3 +89,42 @@ def test_each_key_may_hold_so_many_streams(tmp_path):
 
     assert asyncio.run(scenario()) == 1
     store.close()
+
+
+def test_an_event_written_before_the_feed_first_looks_still_reaches_the_stream(tmp_path):
+    """A stream replays the store, then takes what the feed hands it; the feed starts from where
+    the log ends at its first poll. An event written after a replay's read but before that poll
+    (the worker claiming the video, say) reached neither, unless the replay waits for the feed
+    to be watching."""
+    from megaslide.server.routers.videos import _sse
+    from megaslide.server.store import AsyncStore
+
+    store = JobStore(f"sqlite:///{tmp_path / 'db'}")
+    store.insert_video("video_1", {"model": "m", "seed": 0})
+
+    class ClaimAfterTheReplay(AsyncStore):
+        async def events_after(self, *args, **kwargs):
+            rows = store.events_after(*args, **kwargs)
+            store.claim_videos("w", ["m"], 1, lambda r: 0, lease_s=60)  # just after the read
+            return rows
+
+    class SlowFirstLook(CountingStore):
+        async def events_since(self, after_seq, limit):
+            if after_seq is None:  # the feed's first look comes late (a busy store)
+                await asyncio.sleep(5 * INTERVAL_S)
+            return await super().events_since(after_seq, limit)
+
+    feed = EventFeed(SlowFirstLook(store), INTERVAL_S, max_streams=10)
+
+    async def scenario():
+        seen = []
+        with feed.subscribe("video_1", "-") as sub:
+            stream = _sse(ClaimAfterTheReplay(store), "video_1", 0, sub)
+            with contextlib.suppress(TimeoutError):
+                while len(seen) < 2:
+                    chunk = await asyncio.wait_for(anext(stream), 20 * INTERVAL_S)
+                    seen += [line[7:] for line in chunk.splitlines() if line.startswith("event:")]
+            await stream.aclose()
+        return seen
+
+    assert asyncio.run(scenario()) == ["video.queued", "video.in_progress"]

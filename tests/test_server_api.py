@@ -195,12 +195,14 @@ def test_signed_links_open_one_content_without_a_key(make_client, monkeypatch):
 def test_link_signers_sharing_a_data_dir_agree(tmp_path):
     from megaslide.server.links import SECRET_FILE, LinkSigner
 
-    first, second = LinkSigner.in_data_dir(tmp_path), LinkSigner.in_data_dir(tmp_path)
+    first, second = LinkSigner(tmp_path), LinkSigner(tmp_path)
+    assert not (tmp_path / SECRET_FILE).exists()  # made when first needed
     query, expires = first.query("video_1", "video", 60)
     signature = dict(urllib.parse.parse_qsl(query))["signature"]
     assert second.valid("video_1", "video", str(expires), signature)
     assert (tmp_path / SECRET_FILE).stat().st_mode & 0o777 == 0o600
-    assert not LinkSigner(b"another").valid("video_1", "video", str(expires), signature)
+    other = LinkSigner(tmp_path / "elsewhere")
+    assert not other.valid("video_1", "video", str(expires), signature)
     for expires_text in ("", "-1", "\u0663", "9" * 40):
         assert not first.valid("video_1", "video", expires_text, signature)
 

@@ -451,6 +451,9 @@ def _sse_event(seq: int | None, kind: str, body: dict) -> str:
 
 async def _sse(store: AsyncStore, video_id: str, last: int, sub: Subscription):
     """The video's stored events after `last`, then what the feed brings, until a terminal one."""
+    # The replay reads the log only once the feed watches it: an event written between a replay
+    # and the feed's first look would reach neither.
+    await sub.watching.wait()
     replay = await store.events_after(video_id, last, limit=10_000)
     news: list[tuple[str, object]] = [("event", row) for row in replay]
     told = None  # the queue position this stream last told
