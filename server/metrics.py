@@ -170,11 +170,6 @@ class Totals:
         total = self.histograms[spec.key]
         return total["sum"] / total["count"] if total["count"] else 0.0
 
-    def count(self, attr: str, **labels) -> float:
-        """The counter `attr`'s total for exactly these labels."""
-        spec = next(s for s in SPECS if s.attr == attr)
-        return self.counters.get(spec.key, {}).get(tuple(sorted(labels.items())), 0.0)
-
     def collect(self) -> Iterator[Metric]:
         for spec in SPECS:
             if spec.histogram:

@@ -86,4 +86,5 @@ def test_the_readme_strip_is_made_from_the_packaged_model(tmp_path):
     rows = len(pictures["PROMPTS"])
     assert image.height % rows == 0 and image.width > pictures["LABEL_W"]
     # Not a blank sheet: the clips' pixels vary.
-    assert len(set(image.crop((pictures["LABEL_W"], 0, image.width, image.height)).getdata())) > 50
+    clips = image.crop((pictures["LABEL_W"], 0, image.width, image.height))
+    assert len(clips.getcolors(maxcolors=1 << 20)) > 50

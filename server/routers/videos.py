@@ -353,6 +353,7 @@ async def video_content(
     data: DataDep,
     principal: PrincipalDep,
     variant: Literal["video", "thumbnail"] = "video",
+    # Declared for the OpenAPI document; `require_key_or_link` checks them.
     expires: str | None = Query(None, description="A signed link's expiry (see `/content/link`)"),
     signature: str | None = Query(None, description="A signed link's signature, in place of a key"),
 ):
