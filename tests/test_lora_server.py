@@ -89,11 +89,11 @@ def test_adapters_are_listed_applied_and_checked(served):
 def test_sdk_sends_loras(served):
     from megaslide_client import Client
 
-    with TestClient(served["app"]) as c:
-        client = Client(base_url="http://testserver", http_client=c, max_retries=0)
+    # Over HTTP: the SDK's own httpx client, not the test client's (another HTTP library).
+    with live_server(served["app"]) as url, Client(base_url=url, max_retries=0) as client:
         video = client.videos.create(prompt="a cat", model="wan", loras=[("style", 0.3)], seed=2)
         assert video.loras == [{"name": "style", "scale": 0.3, "expert": None}]
-        assert wait(c, video.id)["status"] == "completed"
+        assert client.videos.poll(video.id, max_wait=60).status == "completed"
         (model,) = client.models.list().data
         assert model.adapters[0]["name"] == "style"
 
@@ -206,8 +206,7 @@ def test_sdk_uploads_an_adapter(served, tmp_path):
     from megaslide_client import Client
 
     file = write_peft(tmp_path / "sdk.safetensors", seed=12)
-    with TestClient(served["app"]) as c:
-        client = Client(base_url="http://testserver", http_client=c, max_retries=0)
+    with live_server(served["app"]) as url, Client(base_url=url, max_retries=0) as client:
         created = client.adapters.create(file=file, model="wan", name="sdk")
         assert created.status == "uploaded"
         ready = client.adapters.wait_until_ready("wan", "sdk", poll_interval_ms=50, max_wait=60)
