@@ -66,6 +66,11 @@ class Pipeline(ABC):
             raise AdapterError(f"{self.name} takes no LoRA adapters")
         return {**self.adapters.register(adapter, replace=replace).card(), "base": self.name}
 
+    def remove_adapter(self, name: str) -> None:
+        """Unregister adapter `name` (its factors are freed with the last reference)."""
+        if self.adapters is not None:
+            self.adapters.remove(name)
+
     def adapter_cards(self) -> list[dict]:
         if self.adapters is None:
             return []

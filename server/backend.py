@@ -100,6 +100,10 @@ class Backend(ABC):
         bytes, defaults). ValueError naming what does not fit."""
         raise ValueError(f"{card.name} takes no LoRA adapters here")
 
+    def remove_adapter(self, card: ModelCard, model: VideoModel | None, name: str) -> None:
+        """Unregister adapter `name` of base model `card` (from `model` too when it is loaded):
+        its factors leave the device. No video being sampled applies it."""
+
     @abstractmethod
     def check_dataset(self, root: Path) -> int: ...
 

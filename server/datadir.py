@@ -6,6 +6,7 @@
   files/<id>/data/        an uploaded training set, unpacked (upload: the archive meanwhile)
   fine_tunes/<id>/        a fine-tuning run: metrics, checkpoints
   models/<id>/            the model a fine-tuning job exported, served as `ft:...`
+  adapters/<model>/       LoRA adapters uploaded for a base model (see AdapterFolder)
 
 With several hosts every one mounts the storage, perhaps at different paths: the job store keeps
 paths relative to it (`relative`), and each host resolves them under its own mount (`resolve`).
@@ -13,10 +14,14 @@ paths relative to it (`relative`), and each host resolves them under its own mou
 
 from __future__ import annotations
 
+import json
+import os
+import secrets
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from megaslide.engine.atomic import remove_stale
+from megaslide.engine.atomic import atomic_write_text, remove_stale
 
 
 @dataclass(frozen=True)
@@ -52,10 +57,9 @@ class DataDir:
     def files(self) -> Path:
         return self._folder("files")
 
-    def adapters(self, model: str) -> Path:
-        """Where LoRA adapters uploaded for base model `model` live: `NAME.safetensors`, and
-        `NAME.error` once a worker has refused one (what it said)."""
-        return self._folder(f"adapters/{model}")
+    def adapters(self, model: str) -> AdapterFolder:
+        """The LoRA adapters uploaded for base model `model`."""
+        return AdapterFolder(self.root / "adapters" / model)
 
     def video(self, video_id: str) -> tuple[Path, Path]:
         """Where a video's MP4 and thumbnail live."""
@@ -84,3 +88,70 @@ class DataDir:
         """Delete the temporary files a killed process left half-written, once older than
         `min_age_s` (another host may be writing the newer ones)."""
         remove_stale(self.videos, min_age_s=min_age_s)
+
+
+ORPHAN_S = 60.0  # an adapter's record without its file for this long is an upload that died
+
+
+@dataclass(frozen=True)
+class AdapterFolder:
+    """The LoRA adapters uploaded for one base model. `NAME.json` (who uploaded it, when) is
+    written before `NAME.safetensors` appears whole, so a worker that sees the adapter also sees
+    its owner; `NAME.error` is what a worker said when it refused the file. Deleting removes the
+    safetensors first: from then on no worker takes it up."""
+
+    path: Path
+
+    def file(self, name: str) -> Path:
+        return self.path / f"{name}.safetensors"
+
+    def partial(self, name: str) -> Path:
+        """Where an upload is written before it is whole (one place per upload)."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        return self.path / f".{name}.{secrets.token_hex(4)}.partial"
+
+    def names(self) -> list[str]:
+        """The adapters uploaded here, in name order."""
+        return sorted(p.stem for p in self.path.glob("*.safetensors"))
+
+    def publish(self, name: str, partial: Path, owner: str | None, sha256: str) -> None:
+        """Make the whole upload at `partial` the adapter `name`, owned by `owner`. The record
+        is created exclusively first: it claims the name (FileExistsError when taken, so of two
+        uploads racing for one name only one wins) and is on disk before any worker can see
+        the safetensors."""
+        record = json.dumps({"owner": owner, "created_at": int(time.time()), "sha256": sha256})
+        path = self.path / f"{name}.json"
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            if self.file(name).exists() or time.time() - path.stat().st_mtime < ORPHAN_S:
+                raise
+            path.unlink()  # an upload that died between its record and its file
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        with os.fdopen(fd, "w") as f:
+            f.write(record)
+            f.flush()
+            os.fsync(f.fileno())  # the owner must be on disk before the file is visible
+        partial.rename(self.file(name))  # the workers see only whole files
+
+    def record(self, name: str) -> dict:
+        """`owner` and `created_at` of an uploaded adapter (both None for one uploaded before
+        adapters had owners)."""
+        try:
+            return json.loads((self.path / f"{name}.json").read_text())
+        except FileNotFoundError:
+            return {"owner": None, "created_at": None, "sha256": None}
+
+    def error(self, name: str) -> str | None:
+        """Why a worker refused the adapter, or None."""
+        try:
+            return (self.path / f"{name}.error").read_text()
+        except FileNotFoundError:
+            return None
+
+    def refuse(self, name: str, reason: str) -> None:
+        atomic_write_text(self.path / f"{name}.error", reason)
+
+    def remove(self, name: str) -> None:
+        for suffix in (".safetensors", ".error", ".json"):
+            (self.path / f"{name}{suffix}").unlink(missing_ok=True)

@@ -204,7 +204,7 @@ def find_model(workers: WorkerClient, name: str, principal: Principal) -> ModelC
             param="model",
             code="model_not_found",
         )
-    return card
+    return card.seen_by(principal.may_see)
 
 
 async def admit(

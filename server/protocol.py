@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -33,7 +34,8 @@ class ModelCard:
     limits: ModelLimits
     parent: str | None = None  # the base model of a fine-tune
     owner: str | None = None  # the principal a fine-tune belongs to (base models: everyone's)
-    # LoRA adapters registered on it: name, rank, modules, bytes, defaults (sampling defaults).
+    # LoRA adapters registered on it: name, rank, modules, bytes, defaults (sampling defaults),
+    # and for uploaded ones owner, created_at and sha256 (of the file).
     adapters: tuple[dict, ...] = ()
 
     def adapter_defaults(self) -> dict[str, dict]:
@@ -48,6 +50,12 @@ class ModelCard:
 
     def replace(self, **changes) -> ModelCard:
         return dataclasses.replace(self, **changes)
+
+    def seen_by(self, may_see: Callable[[str | None], bool]) -> ModelCard:
+        """The card with only the adapters whose owner `may_see` allows (an uploaded adapter is
+        its uploader's; one registered at start, owner None, everyone's)."""
+        adapters = tuple(a for a in self.adapters if may_see(a.get("owner")))
+        return self if len(adapters) == len(self.adapters) else self.replace(adapters=adapters)
 
 
 def card_to_dict(card: ModelCard) -> dict:

@@ -535,9 +535,20 @@ class AdapterObject(BaseModel):
     model: str
     status: Literal["uploaded", "ready", "error"]
     status_details: str | None = None
+    owned_by: str | None = Field(
+        None, description="the key that uploaded it; null: registered at start, every key's"
+    )
+    created_at: int | None = None
     rank: int | None = None
     bytes: int | None = Field(None, description="device bytes of its factors")
     defaults: dict = Field(default_factory=dict, description="sampling defaults it carries")
+
+
+class AdapterDeleted(BaseModel):
+    id: str
+    object: Literal["adapter"] = "adapter"
+    model: str
+    deleted: bool
 
 
 # ---------------------------------------------------------------------------------------------

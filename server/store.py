@@ -51,6 +51,7 @@ from .settings import DEFAULT_CRASH_LIMIT
 from .tables import checkpoints, events, files, fine_tunes, idempotency, models, videos, workers
 
 VIDEO_ACTIVE = ("queued", "in_progress")
+CLAIM_LOOKAHEAD = 32  # queued videos a worker looks past for ones it can run
 VIDEO_TERMINAL = ("completed", "failed", "cancelled")
 FINETUNE_ACTIVE = ("queued", "running")
 IDEMPOTENCY_TTL_S = 24 * 3600
@@ -725,18 +726,27 @@ class JobStore:
         running_key: Hashable | None = None,
         *,
         lease_s: float,
+        runnable: Callable[[dict], bool] | None = None,
     ) -> list[dict]:
         """Claim up to `room` queued videos of the `served` models, in queue order, that can
         share a pass with the running batch (`batch_key(row) == running_key`, or with the first
         claimed when nothing runs). Stops at the first that cannot: a later compatible job never
-        overtakes an earlier one. Each row comes back in progress, with its `lease_token`."""
+        overtakes an earlier one. Rows `runnable` refuses (jobs this worker cannot run yet, such
+        as one naming an adapter it has not registered) are passed over, left to other workers,
+        among the next `CLAIM_LOOKAHEAD`. Each row comes back in progress, with its
+        `lease_token`."""
         if room <= 0 or not served:
             return []
         stmt = self._queue_order(sa.select(videos).where(videos.c.model.in_(served)))
-        stmt = stmt.limit(room).with_for_update(skip_locked=True)
+        lookahead = CLAIM_LOOKAHEAD if runnable is not None else 0
+        stmt = stmt.limit(room + lookahead).with_for_update(skip_locked=True)
         claimed = []
         with self._tx() as conn:
             for row in conn.execute(stmt).mappings().all():
+                if len(claimed) == room:
+                    break
+                if runnable is not None and not runnable(dict(row)):
+                    continue
                 key = batch_key(dict(row))
                 if running_key is None:
                     running_key = key
@@ -935,6 +945,19 @@ class JobStore:
                 return "in_use"
             n = conn.execute(files.delete().where(files.c.id == file_id)).rowcount
             return "deleted" if n else "missing"
+
+    def videos_naming_adapter(self, model: str, name: str) -> list[str]:
+        """The queued or running videos of base model `model` that apply adapter `name`."""
+        stmt = sa.select(videos.c.id, videos.c.spec).where(
+            videos.c.model == model, videos.c.status.in_(VIDEO_ACTIVE)
+        )
+        with self._tx() as conn:
+            rows = conn.execute(stmt).all()
+        return [
+            video_id
+            for video_id, spec in rows
+            if any(c["name"] == name for c in json.loads(spec).get("loras") or ())
+        ]
 
     # --- fine-tunes: the API's side ----------------------------------------------------------
 

@@ -119,13 +119,20 @@ class TorchBackend(Backend):
     def add_adapter(self, card: ModelCard, model, name: str, path: Path) -> dict:
         from megaslide.engine.loader import load_adapter
 
-        if any(a.name == name for a in self._adapters.get(card.name, ())):
+        if any(a["name"] == name for a in card.adapters):
             raise ValueError(f"{card.name} already has an adapter {name!r}")
         adapter = load_adapter(self._infos[card.name], name, path)
+        # One this backend took up before (for an earlier worker on it) is replaced.
+        self.remove_adapter(card, None, name)
         if model is not None:
-            model.register_adapter(adapter)
+            model.register_adapter(adapter, replace=True)
         self._adapters.setdefault(card.name, []).append(adapter)
         return adapter.card() | {"base": card.name}
+
+    def remove_adapter(self, card: ModelCard, model, name: str) -> None:
+        if model is not None:
+            model.remove_adapter(name)
+        self._adapters[card.name] = [a for a in self._adapters.get(card.name, ()) if a.name != name]
 
     # --- fine-tuning -------------------------------------------------------------------------
 

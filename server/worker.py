@@ -40,6 +40,7 @@ import dataclasses
 import functools
 import json
 import logging
+import math
 import os
 import socket
 import threading
@@ -49,7 +50,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from megaslide.engine.atomic import atomic_write_bytes
 from megaslide.engine.request import RequestError, ResolvedVideo
 
 from .backend import Backend, FinetuneJob, TrainingRun, VideoModel
@@ -367,39 +367,73 @@ class Worker:
         return False
 
     def _scan_adapters(self) -> bool:
-        """Now and then, at a step boundary: register LoRA adapters uploaded for the base models
-        served here (`DataDir.adapters`), and publish them with the models' cards; a file that
-        does not fit gets a `NAME.error` beside it saying why. Never counts as work done."""
+        """Now and then, at a step boundary: register the LoRA adapters uploaded for the base
+        models served here (`DataDir.adapters`), unregister those deleted (once no running
+        video applies them), and publish the cards when they changed. A file that does not
+        fit gets its refusal written beside it. Never counts as work done."""
         if time.monotonic() - self._last_adapter_scan < ADAPTER_SCAN_S:
             return False
         self._last_adapter_scan = time.monotonic()
         changed = False
         for model, card in list(self.cards.items()):
-            folder = self.data.root / "adapters" / model
-            if not folder.is_dir():
-                continue
+            folder = self.data.adapters(model)
+            uploaded = {name: folder.record(name) for name in folder.names()}
+            in_use = {c.name for r in self._batch for c in r.video.loras}
+            for entry in card.adapters:
+                name = entry["name"]
+                if "sha256" not in entry or name in in_use:  # registered at start, or in use
+                    continue
+                if name not in uploaded or uploaded[name]["sha256"] != entry["sha256"]:
+                    # Deleted, or deleted and uploaded again under the name.
+                    self.backend.remove_adapter(card, self._loaded.get(model), name)
+                    card = card.replace(adapters=tuple(a for a in card.adapters if a is not entry))
+                    changed = True
+                    log.info("adapter %s removed from %s", name, model)
             known = {a["name"] for a in card.adapters}
-            for path in sorted(folder.glob("*.safetensors")):
-                name = path.stem
-                error = path.with_suffix(".error")
-                if name in known or error.exists():
+            for name, record in uploaded.items():
+                if name in known or folder.error(name) is not None:
                     continue
                 try:
-                    entry = self.backend.add_adapter(card, self._loaded.get(model), name, path)
+                    entry = self.backend.add_adapter(
+                        card, self._loaded.get(model), name, folder.file(name)
+                    )
                 except (ValueError, OSError) as exc:
-                    atomic_write_bytes(error, str(exc).encode())
+                    folder.refuse(name, str(exc))
                     log.warning("adapter %s for %s refused: %s", name, model, exc)
                     continue
-                card = card.replace(adapters=(*card.adapters, entry))
-                self.cards[model] = card
-                known.add(name)
+                card = card.replace(adapters=(*card.adapters, {**entry, **record}))
                 changed = True
                 log.info("adapter %s registered on %s", name, model)
+            self.cards[model] = card
         if changed:
             self.store.publish_cards(
                 self.name, self.token, [card_to_dict(c) for c in self.cards.values()]
             )
         return False
+
+    def _runnable(self, row: dict) -> bool:
+        """Whether this worker can take the queued video `row` now: not while it names an
+        adapter uploaded here but not yet taken up (the scan runs at the next tick), or one
+        another live worker has and this one does not. One that no worker has is taken, to
+        fail naming the adapter."""
+        names = {c["name"] for c in json.loads(row["spec"]).get("loras") or ()}
+        card = self.cards.get(row["model"])
+        missing = names - {a["name"] for a in card.adapters} if card is not None else set()
+        if not missing:
+            return True
+        folder = self.data.adapters(row["model"])
+        if any(folder.file(n).exists() and folder.error(n) is None for n in missing):
+            self._last_adapter_scan = -math.inf  # take it up at once
+            return False
+        elsewhere = {
+            a["name"]
+            for w in self.store.live_workers(self.settings.lease_s)
+            if w["name"] != self.name and not w["dead"]
+            for c in w["models"]
+            if c["name"] == row["model"]
+            for a in c.get("adapters") or ()
+        }
+        return not missing & elsewhere
 
     def _park(self) -> None:
         """Graceful stop: running videos go back to the queue, a running fine-tune checkpoints
@@ -444,6 +478,7 @@ class Worker:
             lambda row: ResolvedVideo.from_dict(json.loads(row["spec"])).batch_key,
             running,
             lease_s=self.settings.lease_s,
+            runnable=self._runnable,
         )
         for row in rows:
             video = ResolvedVideo.from_dict(json.loads(row["spec"]))

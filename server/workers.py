@@ -71,12 +71,18 @@ class Fleet(WorkerClient):
 
     def base_cards(self, fresh: bool = False) -> list[ModelCard]:
         """The base models live workers serve (or load), each name once (the first
-        registered). Jobs for a model whose worker is still loading wait in the queue."""
+        registered), with the adapters any of them has registered: a job naming one waits for
+        a worker that has it (see `Worker._runnable`). Jobs for a model whose worker is still
+        loading wait in the queue."""
         cards: dict[str, ModelCard] = {}
         for row in self._view(fresh):
             if not row["dead"]:
                 for published in row["models"]:
-                    cards.setdefault(published["name"], self._card(published))
+                    card = self._card(published)
+                    first = cards.setdefault(card.name, card)
+                    known = {a["name"] for a in first.adapters}
+                    if more := tuple(a for a in card.adapters if a["name"] not in known):
+                        cards[card.name] = first.replace(adapters=(*first.adapters, *more))
         return list(cards.values())
 
     def models(self, fresh: bool = False) -> list[ModelCard]:

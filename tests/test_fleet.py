@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
 import os
 import threading
@@ -164,3 +165,36 @@ def test_a_worker_process_that_stops_by_itself_is_left_down(settings):
     until(lambda: not fleet._watcher.is_alive(), timeout=60)
     assert fleet.process.exitcode == 2
     asyncio.run(fleet.shutdown())
+
+
+def test_a_job_naming_an_adapter_waits_for_a_worker_that_has_it(settings):
+    """Routing by adapter: a worker passes over a queued video naming an adapter uploaded but
+    not yet taken up here (and scans at once), or one that only another live worker has; one
+    that no worker has it takes, to fail naming the adapter."""
+    store = JobStore(settings.database_url)
+    here, there = (Worker(settings, FakeBackend(), store, name) for name in ("here", "there"))
+    here.register()
+    there.cards["fake"] = FAKE_CARD.replace(adapters=({"name": "elsewhere"},))
+    there.register()
+    try:
+        here.cards["fake"] = FAKE_CARD.replace(adapters=({"name": "mine"},))
+        folder = here.data.adapters("fake")
+        folder.path.mkdir(parents=True)
+
+        def row(*names):
+            spec = {"loras": [{"name": n, "scale": 1.0} for n in names]}
+            return {"model": "fake", "spec": json.dumps(spec)}
+
+        assert here._runnable(row()) and here._runnable(row("mine"))
+        assert not here._runnable(row("mine", "elsewhere"))
+        assert here._runnable(row("nowhere"))  # taken, to fail saying so
+        folder.file("fresh").write_bytes(b"")
+        here._last_adapter_scan = time.monotonic()
+        assert not here._runnable(row("fresh"))
+        assert here._last_adapter_scan == float("-inf")  # the next tick scans
+        folder.refuse("fresh", "does not fit")
+        assert here._runnable(row("fresh"))  # refused here: fails with the refusal
+    finally:
+        for worker in (here, there):
+            worker.close()
+        store.close()

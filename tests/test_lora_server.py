@@ -36,10 +36,10 @@ def served(tmp_path_factory):
     return {"app": torch_app(settings), "model": model, "adapter": adapter, "root": root}
 
 
-def wait(client, video_id, timeout=60.0):
+def wait(client, video_id, timeout=60.0, headers=None):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        video = client.get(f"/v1/videos/{video_id}").json()
+        video = client.get(f"/v1/videos/{video_id}", headers=headers).json()
         if video["status"] in ("completed", "failed", "cancelled"):
             return video
         time.sleep(0.05)
@@ -148,10 +148,10 @@ def test_cli_remote_generate_names_a_registered_adapter(served, tmp_path, capsys
     assert "NAME=FILE is local" in err and "no adapter named 'nope'" in err
 
 
-def wait_adapter(client, model, name, timeout=60.0):
+def wait_adapter(client, model, name, timeout=60.0, headers=None):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        adapter = client.get(f"/v1/adapters/{model}/{name}").json()
+        adapter = client.get(f"/v1/adapters/{model}/{name}", headers=headers).json()
         if adapter["status"] != "uploaded":
             return adapter
         time.sleep(0.05)
@@ -212,3 +212,84 @@ def test_sdk_uploads_an_adapter(served, tmp_path):
         ready = client.adapters.wait_until_ready("wan", "sdk", poll_interval_ms=50, max_wait=60)
         assert (ready.status, ready.rank, ready.model) == ("ready", 4, "wan")
         assert "sdk" in {a.id for a in client.adapters.list(model="wan")}
+        assert client.adapters.delete("wan", "sdk").deleted
+        assert "sdk" not in {a.id for a in client.adapters.list(model="wan")}
+
+
+def test_an_uploaded_adapter_is_its_keys_and_can_be_deleted(served, tmp_path):
+    """Ownership, replay and deletion: another key neither sees nor applies nor deletes an
+    upload; a retried upload (same Idempotency-Key) gets the first answer, not a 409; deleting
+    is refused while a queued or running video applies the adapter and for one registered at
+    start; once deleted the workers unregister it and the name is free again."""
+    settings = Settings(
+        data_dir=tmp_path / "data",
+        models=[f"wan={served['model']}"],
+        loras=[f"style={served['adapter']}"],
+        api_keys=["alice-key", "bob-key"],
+        device="cpu",
+        max_steps=400,
+        poll_after_ms=50,
+    )
+    content = write_peft(tmp_path / "mine.safetensors", seed=13).read_bytes()
+    alice = {"Authorization": "Bearer alice-key"}
+    bob = {"Authorization": "Bearer bob-key"}
+
+    def upload(c, headers):
+        return c.post(
+            "/v1/adapters",
+            data={"model": "wan", "name": "mine"},
+            files={"file": ("mine.safetensors", content, "application/octet-stream")},
+            headers=headers,
+        )
+
+    def video(c, headers, **body):
+        body = {"model": "wan", "prompt": "a cat", "loras": [{"name": "mine"}], **body}
+        return c.post("/v1/videos", json=body, headers=headers)
+
+    with TestClient(torch_app(settings)) as c:
+        first = upload(c, {**alice, "Idempotency-Key": "up-1"})
+        assert first.status_code == 200, first.text
+        again = upload(c, {**alice, "Idempotency-Key": "up-1"})
+        assert (again.status_code, again.json()) == (200, first.json())
+        assert upload(c, alice).json()["error"]["code"] == "adapter_exists"
+        ready = wait_adapter(c, "wan", "mine", headers=alice)
+        assert (ready["status"], ready["owned_by"]) == ("ready", first.json()["owned_by"])
+
+        listed = lambda h: {a["id"] for a in c.get("/v1/adapters", headers=h).json()["data"]}
+        assert listed(alice) == {"style", "mine"} and listed(bob) == {"style"}
+        assert c.get("/v1/adapters/wan/mine", headers=bob).status_code == 404
+        (model,) = c.get("/v1/models", headers=bob).json()["data"]
+        assert [a["name"] for a in model["adapters"]] == ["style"]
+        refused = video(c, bob)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "loras"
+        assert c.delete("/v1/adapters/wan/mine", headers=bob).status_code == 404
+
+        long = video(c, alice, num_inference_steps=400)
+        assert long.status_code == 200, long.text
+        busy = c.delete("/v1/adapters/wan/mine", headers=alice)
+        assert busy.status_code == 409 and busy.json()["error"]["code"] == "adapter_in_use"
+        at_start = c.delete("/v1/adapters/wan/style", headers=alice)
+        assert at_start.json()["error"]["code"] == "adapter_registered_at_start"
+        c.post(f"/v1/videos/{long.json()['id']}/cancel", headers=alice)
+        assert wait(c, long.json()["id"], headers=alice)["status"] == "cancelled"
+
+        gone = c.delete("/v1/adapters/wan/mine", headers={**alice, "Idempotency-Key": "del-1"})
+        assert gone.json() == {"id": "mine", "object": "adapter", "model": "wan", "deleted": True}
+        retry = c.delete("/v1/adapters/wan/mine", headers={**alice, "Idempotency-Key": "del-1"})
+        assert retry.json() == gone.json()
+        assert c.get("/v1/adapters/wan/mine", headers=alice).status_code == 404
+        until(lambda: "mine" not in adapter_names(c, alice))  # the worker unregistered it
+        assert upload(c, bob).status_code == 200  # the name is free again
+        assert wait_adapter(c, "wan", "mine", headers=bob)["status"] == "ready"
+
+
+def adapter_names(c, headers) -> set[str]:
+    (model,) = c.get("/v1/models", headers=headers).json()["data"]
+    return {a["name"] for a in model["adapters"]}
+
+
+def until(condition, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)

@@ -4,8 +4,15 @@ An upload returns as soon as the file is on the shared storage, with `status: up
 worker serving the model converts it from its key layout, checks it against the model and
 registers it (its factors on the device), and publishes it with the model's card: the adapter
 is then `ready` and a video request may name it in `loras`. A file that does not fit becomes
-`error`, with `status_details` naming the first bad key. Adapters registered at start
-(`--lora`) are listed too. Adapters belong to the model, not to a key: every tenant sees them.
+`error`, with `status_details` naming the first bad key.
+
+An uploaded adapter belongs to the key that uploaded it: only that key (and admins) lists it,
+names it in a request, or deletes it; another key's answers 404, as if absent. Adapters
+registered at start (`--lora`) belong to no one: every key sees them, and they stay.
+
+Jobs naming an adapter run only on workers that have registered it: a worker passes over a
+queued video naming one it has not taken up yet (and scans for uploads at once), so a request
+made as soon as one worker says `ready` never fails on another that has not looked yet.
 """
 
 from __future__ import annotations
@@ -19,10 +26,20 @@ from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 
-from ..deps import DataDep, SettingsDep, WorkersDep
+from ..auth import Principal
+from ..datadir import AdapterFolder
+from ..deps import (
+    DataDep,
+    PrincipalDep,
+    SettingsDep,
+    StoreDep,
+    WorkersDep,
+    idempotent,
+    request_hash,
+)
 from ..errors import Conflict, InvalidRequest, NotFound
 from ..protocol import ModelCard
-from ..schemas import AdapterObject, ListPage, error_responses
+from ..schemas import AdapterDeleted, AdapterObject, ListPage, error_responses
 from .files import save_upload
 
 router = APIRouter(prefix="/v1/adapters", tags=["adapters"])
@@ -75,34 +92,63 @@ def _check_safetensors(path: Path) -> None:
         raise InvalidRequest("the safetensors file holds no tensors", param="file")
 
 
-def _objects(card: ModelCard, folder: Path) -> list[AdapterObject]:
-    ready = {a["name"]: a for a in card.adapters}
+def _objects(card: ModelCard, folder: AdapterFolder, principal: Principal) -> list[AdapterObject]:
+    """`card`'s adapters that `principal` may see: those the workers registered (`ready`), then
+    uploads they have not taken up yet (`uploaded`) or refused (`error`)."""
+    uploads = {name: folder.record(name) for name in folder.names()}
+    ready = {  # an upload is ready until deleted, even while a worker still holds it
+        a["name"]: a
+        for a in card.adapters
+        if "sha256" not in a or uploads.get(a["name"], {}).get("sha256") == a["sha256"]
+    }
     out = [
         AdapterObject(
             id=name,
             model=card.name,
             status="ready",
+            owned_by=a.get("owner"),
+            created_at=a.get("created_at"),
             rank=a.get("rank"),
             bytes=a.get("bytes"),
             defaults=a.get("defaults") or {},
         )
         for name, a in ready.items()
+        if principal.may_see(a.get("owner"))
     ]
-    if folder.is_dir():
-        for path in sorted(folder.glob("*.safetensors")):
-            if path.stem in ready:
-                continue
-            error = path.with_suffix(".error")
-            failed = error.is_file()
-            out.append(
-                AdapterObject(
-                    id=path.stem,
-                    model=card.name,
-                    status="error" if failed else "uploaded",
-                    status_details=error.read_text() if failed else None,
-                )
+    for name, record in uploads.items():
+        if name in ready or not principal.may_see(record["owner"]):
+            continue
+        error = folder.error(name)
+        out.append(
+            AdapterObject(
+                id=name,
+                model=card.name,
+                status="error" if error is not None else "uploaded",
+                status_details=error,
+                owned_by=record["owner"],
+                created_at=record["created_at"],
             )
+        )
     return out
+
+
+def _find(card: ModelCard, folder: AdapterFolder, name: str, principal: Principal) -> AdapterObject:
+    for obj in _objects(card, folder, principal):
+        if obj.id == name:
+            return obj
+    raise NotFound(f"{card.name} has no adapter named {name!r}", param="name")
+
+
+def _publish(folder: AdapterFolder, name: str, partial: Path, owner: str | None, sha256: str):
+    """Make the upload the adapter `name` unless another upload took the name meanwhile."""
+    try:
+        folder.publish(name, partial, owner, sha256)
+    except FileExistsError:
+        raise Conflict(
+            f"{folder.path.name} already has an adapter named {name!r}",
+            param="name",
+            code="adapter_exists",
+        ) from None
 
 
 @router.post(
@@ -112,10 +158,16 @@ def _objects(card: ModelCard, folder: Path) -> list[AdapterObject]:
     responses=error_responses(400, 404, 409),
 )
 async def create_adapter(
-    request: Request, settings: SettingsDep, data: DataDep, workers: WorkersDep
+    request: Request,
+    settings: SettingsDep,
+    data: DataDep,
+    store: StoreDep,
+    workers: WorkersDep,
+    principal: PrincipalDep,
 ):
     """Multipart `file` (a LoRA in safetensors, any Wan key layout), `model` (a served base
-    model) and `name`. Answers at once with `status: uploaded`; poll until it is `ready`."""
+    model) and `name`. Answers at once with `status: uploaded`; poll until it is `ready`. A
+    retry with the same Idempotency-Key and file gets the first answer."""
     if not request.headers.get("content-type", "").startswith("multipart/form-data"):
         raise InvalidRequest("upload adapters as multipart/form-data with file, model and name")
     form = await request.form(max_files=1, max_fields=8)
@@ -139,34 +191,97 @@ async def create_adapter(
         )
     card = _base(workers, model)
     folder = data.adapters(card.name)
-    target = folder / f"{name}.safetensors"
-    if any(a["name"] == name for a in card.adapters) or target.exists():
-        raise Conflict(f"{card.name} already has an adapter named {name!r}", param="name")
-    partial = folder / f".{name}.partial"
+    partial = folder.partial(name)
     try:
-        await run_in_threadpool(save_upload, upload.file, partial, settings.max_upload_bytes)
+        _, digest = await run_in_threadpool(
+            save_upload, upload.file, partial, settings.max_upload_bytes
+        )
         await run_in_threadpool(_check_safetensors, partial)
-        partial.rename(target)  # the workers see only whole files
+        payload = request_hash({"sha256": digest, "model": card.name, "name": name})
+        async with idempotent(request, store, payload) as replay:
+            if replay.response is not None:  # a retry: the first answer, not a 409
+                return replay.response
+            if any(a["name"] == name for a in card.adapters) or folder.file(name).exists():
+                raise Conflict(
+                    f"{card.name} already has an adapter named {name!r}",
+                    param="name",
+                    code="adapter_exists",
+                )
+            await run_in_threadpool(_publish, folder, name, partial, principal.owner, digest)
+            answer = AdapterObject(
+                id=name,
+                model=card.name,
+                status="uploaded",
+                owned_by=principal.owner,
+                created_at=folder.record(name)["created_at"],
+            )
+            if replay.key is not None:
+                await store.record_response(*replay.key[:2], answer.model_dump(mode="json"))
     finally:
         partial.unlink(missing_ok=True)
     workers.wake()
-    return AdapterObject(id=name, model=card.name, status="uploaded")
+    return answer
 
 
 @router.get("", response_model=ListPage[AdapterObject], responses=error_responses(404))
-async def list_adapters(data: DataDep, workers: WorkersDep, model: str | None = None):
-    """Every served base model's adapters (or `model`'s): ready, uploaded or refused."""
+async def list_adapters(
+    data: DataDep, workers: WorkersDep, principal: PrincipalDep, model: str | None = None
+):
+    """The adapters of every served base model (or `model`'s) that this key may use: ready,
+    uploaded or refused."""
     cards = (
         [_base(workers, model)] if model else [c for c in workers.models() if c.kind != "fine-tune"]
     )
-    items = [obj for c in cards for obj in _objects(c, data.root / "adapters" / c.name)]
+    items = [obj for c in cards for obj in _objects(c, data.adapters(c.name), principal)]
     return ListPage[AdapterObject](data=items)
 
 
 @router.get("/{model}/{name}", response_model=AdapterObject, responses=error_responses(404))
-async def retrieve_adapter(model: str, name: str, data: DataDep, workers: WorkersDep):
+async def retrieve_adapter(
+    model: str, name: str, data: DataDep, workers: WorkersDep, principal: PrincipalDep
+):
     card = _base(workers, model)
-    for obj in _objects(card, data.root / "adapters" / card.name):
-        if obj.id == name:
-            return obj
-    raise NotFound(f"{model} has no adapter named {name!r}", param="name")
+    return _find(card, data.adapters(card.name), name, principal)
+
+
+@router.delete(
+    "/{model}/{name}", response_model=AdapterDeleted, responses=error_responses(404, 409)
+)
+async def delete_adapter(
+    model: str,
+    name: str,
+    request: Request,
+    data: DataDep,
+    store: StoreDep,
+    workers: WorkersDep,
+    principal: PrincipalDep,
+):
+    """Delete an uploaded adapter: the workers unregister it (its factors leave the device).
+    Refused while a queued or running video applies it, and for adapters registered at start.
+    A retry with the same Idempotency-Key gets the first answer."""
+    async with idempotent(request, store, request_hash({"delete": [model, name]})) as replay:
+        if replay.response is not None:  # a retry: the first answer, not a 404
+            return replay.response
+        card = _base(workers, model)
+        folder = data.adapters(card.name)
+        found = _find(card, folder, name, principal)
+        if not folder.file(name).exists():
+            raise Conflict(
+                f"adapter {name!r} was registered at the start of a worker (--lora); it is "
+                "removed by restarting without it",
+                param="name",
+                code="adapter_registered_at_start",
+            )
+        if users := await store.videos_naming_adapter(card.name, name):
+            raise Conflict(
+                f"adapter {name!r} is applied by {len(users)} queued or running videos (first: "
+                f"{users[0]}); cancel them or wait",
+                param="name",
+                code="adapter_in_use",
+            )
+        await run_in_threadpool(folder.remove, name)
+        answer = AdapterDeleted(id=found.id, model=card.name, deleted=True)
+        if replay.key is not None:
+            await store.record_response(*replay.key[:2], answer.model_dump(mode="json"))
+    workers.wake()
+    return answer

@@ -13,7 +13,7 @@ router = APIRouter(prefix="/v1/models", tags=["models"])
 
 @router.get("", response_model=ListPage[Model])
 async def list_models(workers: WorkersDep, principal: PrincipalDep):
-    cards = [card for card in workers.models() if principal.may_see(card.owner)]
+    cards = [c.seen_by(principal.may_see) for c in workers.models() if principal.may_see(c.owner)]
     return {"data": [model_object(card) for card in cards]}
 
 

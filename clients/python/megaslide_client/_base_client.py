@@ -32,8 +32,17 @@ from ._version import __version__
 # lock or a request with the same Idempotency-Key still in flight), the queue is full (429), or the
 # server failed (5xx).
 RETRY_STATUSES = frozenset({408, 409, 429})
-# 409s that no retry can fix: the key was used with another body; the file is a running job's data.
-PERMANENT_CONFLICTS = frozenset({"idempotency_key_reused", "file_in_use"})
+# 409s that no retry can fix: the key was used with another body; the file is a running job's data;
+# the adapter's name is taken, or a queued video applies it, or it was registered at start.
+PERMANENT_CONFLICTS = frozenset(
+    {
+        "idempotency_key_reused",
+        "file_in_use",
+        "adapter_exists",
+        "adapter_in_use",
+        "adapter_registered_at_start",
+    }
+)
 
 # Module-level so tests can record the waits instead of sleeping through them.
 _sleep = time.sleep

@@ -20,6 +20,7 @@ __all__ = [
     "VideoEvent",
     "FileObject",
     "FileDeleted",
+    "AdapterDeleted",
     "FineTuningJob",
     "FineTuningJobError",
     "Hyperparameters",
@@ -195,9 +196,21 @@ class Adapter(APIObject):
     model: str | None = None
     status: str | None = None
     status_details: str | None = None
+    owned_by: str | None = None  # the key that uploaded it; None: registered at start
+    created_at: int | None = None
     rank: int | None = None
     bytes: int | None = None  # device bytes of its factors
     defaults: dict[str, Any] | None = None  # sampling defaults it carries
+
+
+@dataclass
+class AdapterDeleted(APIObject):
+    """The answer to deleting an adapter."""
+
+    id: str | None = None
+    object: str | None = None
+    model: str | None = None
+    deleted: bool | None = None
 
 
 @dataclass

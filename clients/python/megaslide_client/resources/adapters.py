@@ -1,4 +1,4 @@
-"""`client.adapters`: upload LoRA adapters for a served base model, list and retrieve them."""
+"""`client.adapters`: upload LoRA adapters for a served base model, list, retrieve and delete them."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import httpx
 from .._pagination import AsyncPaginator, SyncCursorPage
 from .._polling import Watch
 from .._progress import ProgressBar
-from ..types import Adapter
+from ..types import Adapter, AdapterDeleted
 from .files import FileInput, Upload
 
 if TYPE_CHECKING:
@@ -53,6 +53,10 @@ class Adapters:
         """Every adapter (a single page), or `model`'s."""
         return self._client.get_page("/v1/adapters", Adapter, model=model)
 
+    def delete(self, model: str, name: str) -> AdapterDeleted:
+        """Delete an uploaded adapter (refused while a queued or running video applies it)."""
+        return AdapterDeleted.from_dict(self._client.delete(f"/v1/adapters/{model}/{name}").json())
+
     def wait_until_ready(
         self,
         model: str,
@@ -86,6 +90,10 @@ class AsyncAdapters:
 
     def list(self, *, model: str | None = None) -> AsyncPaginator[Adapter]:
         return self._client.get_page("/v1/adapters", Adapter, model=model)
+
+    async def delete(self, model: str, name: str) -> AdapterDeleted:
+        response = await self._client.delete(f"/v1/adapters/{model}/{name}")
+        return AdapterDeleted.from_dict(response.json())
 
     async def wait_until_ready(
         self,
