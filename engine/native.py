@@ -24,7 +24,7 @@ from .dit import BlockInputs, VideoDiT, pop_aux_losses
 from .family import Component, Family, TrainingShape
 from .flow import SampleState, denoise_step, shifted_schedule
 from .host_store import SafetensorsFile
-from .pipeline import Pipeline
+from .pipeline import Pipeline, decode_chunks
 from .request import ResolvedVideo
 from .sources import ModelInfo
 from .step_cache import StepCache
@@ -117,10 +117,19 @@ class DiTPipeline(Pipeline):
     def device(self) -> torch.device:
         return self.text_encoder.embed.weight.device
 
-    def prepare(self, video: ResolvedVideo) -> SampleState:
-        prompts = [video.prompt, video.negative_prompt] if video.guidance != 1.0 else [video.prompt]
-        with torch.no_grad():
-            ctx, mask = self.text_encoder.encode(prompts)  # (1 or 2, L, text_dim)
+    def prepare_batch(self, videos: list[ResolvedVideo]) -> list[SampleState]:
+        rows = [[v.prompt, v.negative_prompt] if v.guidance != 1.0 else [v.prompt] for v in videos]
+        if self.batched:  # every prompt of every request in one pass of the text encoder
+            with torch.no_grad():
+                ctx, mask = self.text_encoder.encode([p for r in rows for p in r])  # (B, L, D)
+            sizes = [len(r) for r in rows]
+            encoded = list(zip(ctx.split(sizes), mask.split(sizes)))
+        else:  # each request's prompts in a pass of their own
+            with torch.no_grad():
+                encoded = [self.text_encoder.encode(r) for r in rows]  # (1 or 2, L, text_dim)
+        return [self._prepare(v, ctx, mask) for v, (ctx, mask) in zip(videos, encoded)]
+
+    def _prepare(self, video: ResolvedVideo, ctx: torch.Tensor, mask: torch.Tensor) -> SampleState:
         shape = (1, *self.autoencoder.latent_shape(video.frames, video.height, video.width))
         # Noise is drawn on the CPU from the request's own generator: the same seed gives the same
         # starting point on every device and whatever else is in the batch.
@@ -137,12 +146,19 @@ class DiTPipeline(Pipeline):
         for state in states:
             denoise_step(self.dit, [state])
 
-    def finish(self, state: SampleState) -> np.ndarray:
-        if not state.done:
-            raise RuntimeError(f"state is at step {state.step} of {state.num_steps}")
-        with torch.no_grad():
-            pixels = self.autoencoder.decode(state.latents.float())[0]  # (3, F, H, W) in [-1, 1]
-        return float_to_frames(pixels, layout="CFHW")  # (F, H, W, 3) uint8, round and clip
+    def finish_batch(self, states: list[SampleState]) -> list[np.ndarray]:
+        for state in states:
+            if not state.done:
+                raise RuntimeError(f"state is at step {state.step} of {state.num_steps}")
+        frames: list[np.ndarray] = [None] * len(states)
+        chunk = self.decode_chunk if self.batched else 1
+        for rows in decode_chunks([s.latents.shape for s in states], chunk):
+            latents = torch.cat([states[i].latents.float() for i in rows])  # (B, C, F', H', W')
+            with torch.no_grad():
+                pixels = self.autoencoder.decode(latents)  # (B, 3, F, H, W) in [-1, 1]
+            for i, clip in zip(rows, pixels):
+                frames[i] = float_to_frames(clip, layout="CFHW")  # (F, H, W, 3) uint8
+        return frames
 
 
 def count_parameters(config: DiTConfig) -> dict[str, int]:

@@ -3,8 +3,10 @@
 A `Pipeline` is a model opened for sampling (see `loader.open_pipeline`). It exposes the sampler
 step-wise, `prepare` -> `denoise_step` ... -> `finish`, so a scheduler can batch requests at
 denoising-step granularity (requests at different steps share one pass of the weights), and
-`generate` for the simple case. Requests come in resolved (`request.ResolvedVideo`); `resolve`
-checks a `VideoRequest` against this model's limits.
+`generate` for the simple case. The ends batch too: `prepare_batch` encodes the prompts of the
+requests that arrive together in one pass of the text encoder, `finish_batch` decodes the clips
+that finish together, `DECODE_CHUNK` requests per pass of the autoencoder. Requests come in
+resolved (`request.ResolvedVideo`); `resolve` checks a `VideoRequest` against this model's limits.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import json
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -23,12 +26,29 @@ from .streaming import StreamHandle
 if TYPE_CHECKING:
     from .lora import Adapter, AdapterRouter
 
+# Clips decoded in one pass of the autoencoder. Decoding's activations grow with the rows of a
+# pass (a 3D VAE's are many times its latents), so more finished requests than this decode in
+# several passes: the peak stays that of DECODE_CHUNK clips however large the running batch.
+DECODE_CHUNK = 4
+
+
+def decode_chunks(shapes: Sequence[tuple], size: int = DECODE_CHUNK) -> Iterator[list[int]]:
+    """Indices of states to decode together: at most `size` at a time, of one latent shape
+    each (a pass needs one), in the order given."""
+    groups: dict[tuple, list[int]] = {}
+    for i, shape in enumerate(shapes):
+        groups.setdefault(tuple(shape), []).append(i)
+    for indices in groups.values():
+        for start in range(0, len(indices), size):
+            yield indices[start : start + size]
+
 
 class Pipeline(ABC):
     """A loaded model ready to sample clips; `handles` are its streamed modules (may be empty).
     `adapters` holds the LoRA adapters registered on it, for a family that takes them."""
 
     adapters: AdapterRouter | None = None
+    decode_chunk: int = DECODE_CHUNK  # clips per pass of the autoencoder in `finish_batch`
     load_adapter: Callable[[str, Any], Adapter] | None = None  # the family's `load_adapter`
 
     def __init__(self, info: ModelInfo, handles: dict[str, StreamHandle]):
@@ -82,18 +102,29 @@ class Pipeline(ABC):
             return {}
         return {n: dict(a.defaults) for n, a in self.adapters.adapters.items()}
 
-    @abstractmethod
     def prepare(self, video: ResolvedVideo) -> Any:
         """Encode the prompts and draw the starting noise of one request: a sampling state with
         `.step`, `.num_steps`, `.done` and `.passes` (steps that ran a pass of the model)."""
+        return self.prepare_batch([video])[0]
+
+    @abstractmethod
+    def prepare_batch(self, videos: list[ResolvedVideo]) -> list:
+        """`prepare` for requests that arrive together: their prompts in one pass of the text
+        encoder. Each state is the one `prepare` makes (its noise from its own seed); a request
+        that cannot be prepared raises for all (retry them alone to find it)."""
 
     @abstractmethod
     def step(self, states: list) -> None:
         """Advance every unfinished state by one step, in one batched pass of the weights."""
 
-    @abstractmethod
     def finish(self, state) -> np.ndarray:
         """Decode a finished state to uint8 frames `(F, H, W, 3)`."""
+        return self.finish_batch([state])[0]
+
+    @abstractmethod
+    def finish_batch(self, states: list) -> list[np.ndarray]:
+        """`finish` for states that finish together, `decode_chunk` per pass of the autoencoder
+        (`decode_chunks`); one that cannot be decoded raises for all (retry them alone)."""
 
     def denoise_step(self, states: list) -> dict[str, int]:
         """`step`, returning the bytes the streamer moved to the device meanwhile (a counter: no

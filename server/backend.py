@@ -28,17 +28,20 @@ from .settings import Settings
 
 
 class VideoModel(Protocol):
-    """A loaded video model, stepped one denoising step at a time (`engine.pipeline.Pipeline`)."""
+    """A loaded video model, stepped one denoising step at a time (`engine.pipeline.Pipeline`).
+    Each method takes the requests that reach it together; when it raises, the worker calls it
+    again on each request alone, so that only the one at fault fails."""
 
-    def prepare(self, video: ResolvedVideo) -> Any:
-        """A sampling state for one request, with `.step`, `.num_steps`, `.done` and `.passes`
-        (steps that ran a pass of the model: fewer than `.step` when a step cache reused)."""
+    def prepare_batch(self, videos: list[ResolvedVideo]) -> list:
+        """Sampling states for requests that arrive together (their prompts encoded in one pass),
+        each with `.step`, `.num_steps`, `.done` and `.passes` (steps that ran a pass of the
+        model: fewer than `.step` when a step cache reused)."""
 
     def denoise_step(self, states: list) -> dict:
         """Advance every state one step in one batched pass; return transfer counters."""
 
-    def finish(self, state) -> Any:
-        """Decode a finished state to uint8 frames `(F, H, W, 3)`."""
+    def finish_batch(self, states: list) -> list:
+        """Decode finished states, in bounded chunks, to uint8 frames `(F, H, W, 3)` each."""
 
 
 class TrainingRun(ABC):

@@ -10,12 +10,16 @@ Scheduling happens at denoising-step boundaries. At each boundary the worker
    steps) share one forward pass per step, so a new request joins a running batch at the next step
    instead of waiting for it to finish. Claims follow the queue order (priority, then arrival) and
    stop at the first job that cannot join, so batching never lets a job overtake an earlier one;
-3. runs one batched denoising step, records progress (which renews the jobs' leases), and hands
-   finished clips to the encoder thread;
+3. runs one batched denoising step, records progress (which renews the jobs' leases), decodes the
+   clips that finished at it together, and hands them to the encoder thread;
 4. only when no video is queued or running, runs one fine-tuning step. A running fine-tune thus
    yields to videos at its next step boundary and continues where it stopped once they are done.
 
 Only jobs for models this worker serves are claimed: its base models and the fine-tunes of them.
+
+Jobs claimed together are prepared together (their prompts in one pass of the text encoder), and
+clips that finish together decode together; when such a batched call raises, it runs again for
+each job alone, so only the job at fault fails.
 
 Every job runs inside its own try/except: an exception (CUDA out of memory included) fails that job
 with its message, and the next boundary proceeds as usual. Only an error that leaves the device
@@ -480,6 +484,7 @@ class Worker:
             lease_s=self.settings.lease_s,
             runnable=self._runnable,
         )
+        claimed = []
         for row in rows:
             video = ResolvedVideo.from_dict(json.loads(row["spec"]))
             if video.image is not None:  # stored relative to the storage (see the videos router)
@@ -487,12 +492,42 @@ class Worker:
             try:
                 model = self._video_model(video.model)
                 self._check(video)
-                state = model.prepare(video)
             except Exception as exc:  # noqa: BLE001 - this job fails, the batch goes on
                 self._fail_video(row["id"], row["lease_token"], exc)
                 continue
-            run = _Running(row["id"], row["lease_token"], video, state, time.perf_counter())
-            self._batch.append(run)
+            claimed.append((row, video, model))
+        # Jobs claimed together share a batch key, so a model: their prompts encode in one pass.
+        for model in {id(m): m for _, _, m in claimed}.values():
+            jobs = [(row, video) for row, video, m in claimed if m is model]
+            prepared = self._together(
+                lambda some, model=model: model.prepare_batch([video for _, video in some]),
+                jobs,
+                lambda job, exc: self._fail_video(job[0]["id"], job[0]["lease_token"], exc),
+            )
+            for (row, video), state in prepared:
+                run = _Running(row["id"], row["lease_token"], video, state, time.perf_counter())
+                self._batch.append(run)
+
+    def _together(self, call, items: list, fail) -> list[tuple[Any, Any]]:
+        """`call(items)`, one result per item, in one go; when that raises, `call([item])` for
+        each item alone, so that only the items at fault fail (`fail(item, exc)`): a request
+        that cannot be encoded or decoded does not take the others along. Returns (item,
+        result) for the items that succeeded, in order."""
+        try:
+            return list(zip(items, call(items), strict=True))
+        except Exception as exc:  # noqa: BLE001
+            self.backend.release_memory()
+            if len(items) == 1:
+                fail(items[0], exc)
+                return []
+        done = []
+        for item in items:
+            try:
+                done.append((item, call([item])[0]))
+            except Exception as exc:  # noqa: BLE001 - this job fails, the others go on
+                self.backend.release_memory()
+                fail(item, exc)
+        return done
 
     def _check(self, video: ResolvedVideo) -> None:
         """The model's own rules, once more: an API host may have checked the request against
@@ -576,22 +611,31 @@ class Worker:
             ],
             lease_s=self.settings.lease_s,
         )
+        finished = []
         for run in [r for r in self._batch if r.id in lost or r.state.done]:
             self._batch.remove(run)
             if run.id not in lost:
-                self._finish_video(model, run)
+                finished.append(run)
+        if finished:
+            self._finish_videos(model, finished)
 
-    def _finish_video(self, model: VideoModel, run: _Running) -> None:
-        try:
-            frames = model.finish(run.state)  # decoding needs the device: it stays on this thread
-        except Exception as exc:  # noqa: BLE001
-            self.backend.release_memory()
-            self._fail_video(run.id, run.token, exc)
+    def _finish_videos(self, model: VideoModel, runs: list[_Running]) -> None:
+        """Decode the clips that finished at this step together (the model bounds how many per
+        pass), then hand each to the encoder thread."""
+        decoded = self._together(
+            # Decoding needs the device: it stays on this thread.
+            lambda some: model.finish_batch([run.state for run in some]),
+            runs,
+            lambda run, exc: self._fail_video(run.id, run.token, exc),
+        )
+        if not decoded:
             return
-        update = [(run.id, run.token, run.state.step, DECODED_PROGRESS)]
-        if not self.store.set_video_progress(update, lease_s=self.settings.lease_s):
-            self._encoding[run.id] = run.token
-            self._encoder.submit(self._encode, run, frames)
+        update = [(run.id, run.token, run.state.step, DECODED_PROGRESS) for run, _ in decoded]
+        lost = self.store.set_video_progress(update, lease_s=self.settings.lease_s)
+        for run, frames in decoded:
+            if run.id not in lost:
+                self._encoding[run.id] = run.token
+                self._encoder.submit(self._encode, run, frames)
 
     def _encode(self, run: _Running, frames) -> None:
         """On the encoder thread: write the MP4 and thumbnail, then mark the job completed."""

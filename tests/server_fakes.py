@@ -2,7 +2,8 @@
 
 `FakeBackend` plugs into the real `EmbeddedWorker` (worker thread, scheduler, store): only the models
 are fake. It records every batched step as the list of job seeds it advanced, so tests can see which
-jobs shared a pass, in which order they ran, and that a cancelled job got no further steps.
+jobs shared a pass, in which order they ran, and that a cancelled job got no further steps; and
+every call to prepare or decode as the seeds it took (`prepared`, `decoded`).
 
 Prompts steer failures: "explode" raises in the denoising step, "nomem" raises an error with the type
 name CUDA uses, "badprep" raises while preparing, "baddecode" while decoding, and "poison" raises
@@ -77,10 +78,12 @@ class FakeModel:
     def __init__(self, backend: FakeBackend, name: str):
         self.backend, self.name = backend, name
 
-    def prepare(self, spec):
-        if "badprep" in spec.prompt:
+    def prepare_batch(self, specs):
+        with self.backend.lock:
+            self.backend.prepared.append([s.seed for s in specs])
+        if any("badprep" in s.prompt for s in specs):
             raise ValueError("cannot prepare this prompt")
-        return FakeState(spec)
+        return [FakeState(s) for s in specs]
 
     def denoise_step(self, states):
         b = self.backend
@@ -100,13 +103,19 @@ class FakeModel:
             s.step += 1
         return {"h2d_bytes": 1000 * len(states)}
 
-    def finish(self, state):
-        s = state.spec
-        if "baddecode" in s.prompt:
+    def finish_batch(self, states):
+        specs = [state.spec for state in states]
+        with self.backend.lock:
+            self.backend.decoded.append([s.seed for s in specs])
+        if any("baddecode" in s.prompt for s in specs):
             raise ValueError("the decoder met a NaN")
-        # A clip whose bytes depend on the seed, so content tests can tell videos apart.
-        rng = np.random.default_rng(s.seed)
-        return rng.integers(0, 256, size=(s.frames, s.height, s.width, 3), dtype=np.uint8)
+        # Clips whose bytes depend on the seed, so content tests can tell videos apart.
+        return [
+            np.random.default_rng(s.seed).integers(
+                0, 256, size=(s.frames, s.height, s.width, 3), dtype=np.uint8
+            )
+            for s in specs
+        ]
 
 
 class FakeTrainer(TrainingRun):
@@ -190,6 +199,8 @@ class FakeBackend(Backend):
         self.lock = threading.Lock()
         self.passes: list[tuple[str, list[int]]] = []
         self.timeline: list[tuple] = []
+        self.prepared: list[list[int]] = []  # the seeds of each call to prepare_batch
+        self.decoded: list[list[int]] = []  # the seeds of each call to finish_batch
         self.released = 0
 
     # helpers for tests

@@ -130,16 +130,28 @@ def test_same_seed_is_bitwise_identical_and_seeds_differ(pipe):
     assert (a != c).any()
 
 
-def test_batched_steps_equal_one_at_a_time(pipe):
+def test_batched_steps_equal_one_at_a_time(pipe, monkeypatch):
+    """Three requests prepared in one pass of the text encoder, stepped together and decoded two
+    per pass of the autoencoder: each clip within a level of its run alone."""
     reqs = [
         VideoRequest("a red circle", seed=1, **REQ),
         VideoRequest("a blue square", seed=5, guidance=1.0, **REQ),
+        VideoRequest("a green line", negative_prompt="red", seed=7, **REQ),
     ]
     alone = [pipe.generate(r) for r in reqs]
-    states = [pipe.prepare(pipe.resolve(r)) for r in reqs]
+    encoded, decoded = [], []
+    hook = pipe.text_encoder.register_forward_pre_hook(
+        lambda _m, args: encoded.append(args[0].shape[0])
+    )
+    decode = pipe.autoencoder.decode
+    monkeypatch.setattr(pipe.autoencoder, "decode", lambda x: decoded.append(len(x)) or decode(x))
+    monkeypatch.setattr(pipe, "decode_chunk", 2)
+    states = pipe.prepare_batch([pipe.resolve(r) for r in reqs])
+    hook.remove()
     while not all(s.done for s in states):
         pipe.denoise_step(states)
-    together = [pipe.finish(s) for s in states]
+    together = pipe.finish_batch(states)
+    assert encoded == [5] and decoded == [2, 1]  # 2 + 1 + 2 prompts; 3 clips, 2 per pass
     for x, y in zip(alone, together):
         # Batched matmuls may sum in another order: allow one level of rounding in the uint8 output.
         assert abs(x.astype(int) - y.astype(int)).max() <= 1

@@ -405,6 +405,37 @@ def test_a_failed_job_is_isolated(make_client):
     assert wait_status(c, create(c, seed=7)["id"])["status"] == "completed"
 
 
+def test_jobs_claimed_together_encode_and_decode_together_and_fail_alone(make_client):
+    """Jobs that reach the worker together are prepared in one call and, finishing at one step,
+    decoded in one; when a call raises it runs again for each job alone, so only the job at
+    fault fails."""
+    backend = FakeBackend()
+    c = make_client(backend)
+    backend.gate.clear()  # hold the worker on another shape while five jobs of one shape queue
+    first = create(c, seed=0, num_frames=8)
+    until(lambda: c.get(f"/v1/videos/{first['id']}").json()["status"] == "in_progress")
+    prompts = {11: "a", 12: "badprep", 13: "b", 14: "baddecode", 15: "c"}
+    jobs = {seed: create(c, prompt=p, seed=seed) for seed, p in prompts.items()}
+    backend.gate.set()
+    done = {seed: wait_status(c, job["id"]) for seed, job in jobs.items()}
+    assert {seed: v["status"] for seed, v in done.items()} == {
+        11: "completed",
+        12: "failed",
+        13: "completed",
+        14: "failed",
+        15: "completed",
+    }
+    assert done[12]["error"]["message"] == "ValueError: cannot prepare this prompt"
+    assert done[14]["error"]["message"] == "ValueError: the decoder met a NaN"
+    together = [11, 12, 13, 14, 15]
+    assert backend.prepared == [[0], together, *([s] for s in together)]
+    survivors = [11, 13, 14, 15]
+    assert backend.decoded == [[0], survivors, *([s] for s in survivors)]
+    # The survivors of the prepare shared every denoising pass.
+    assert [seeds for _, seeds in backend.passes[-2:]] == [survivors, survivors]
+    assert c.get("/healthz").json() == {"status": "ok"}
+
+
 def test_an_error_that_loses_the_device_stops_the_worker_and_says_so(make_client):
     backend = FakeBackend()
     c = make_client(backend)

@@ -141,10 +141,10 @@ def test_parity_holds_on_other_cpus_code_paths(variant):
     assert re.search(r"^6 passed, \d+ deselected in", done.stdout, re.M), done.stdout[-2000:]
 
 
-def test_requests_share_one_pass_and_one_weight_crossing_per_step(wan):
-    """Three requests (two guided pairs and one unguided row) in one batch: one forward per step,
-    each streamed block copied to the device once per step, and each clip within one level of
-    its run alone."""
+def test_requests_share_one_pass_and_one_weight_crossing_per_step(wan, monkeypatch):
+    """Three requests (two guided pairs and one unguided row) in one batch: their five prompts in
+    one UMT5 pass, one forward per step, each streamed block copied to the device once per step,
+    the clips decoded two per VAE pass, and each clip within one level of its run alone."""
     pipe = open_pipeline(wan["deep"], offload="stream")
     handle = pipe.handles["transformer"]
     plan = handle.plan
@@ -155,7 +155,13 @@ def test_requests_share_one_pass_and_one_weight_crossing_per_step(wan):
         request(seed=5, guidance=1.0),
     ]
     alone = [pipe.generate(r) for r in requests]
-    states = [pipe.prepare(pipe.resolve(r)) for r in requests]
+    encoded, decoded = [], []
+    text_hook = pipe.encoders.text_encoder.register_forward_pre_hook(
+        lambda _m, args: encoded.append(args[0].shape[0])
+    )
+    states = pipe.prepare_batch([pipe.resolve(r) for r in requests])
+    text_hook.remove()
+    assert encoded == [5]
     passes = []
 
     def count_rows(_module, _args, kwargs):
@@ -170,7 +176,13 @@ def test_requests_share_one_pass_and_one_weight_crossing_per_step(wan):
     assert passes == [5] * steps  # 2 + 2 + 1 rows in one pass per step
     block_bytes = handle.stats()["streamed_block_bytes"]
     assert handle.h2d_bytes - before == steps * block_bytes
-    together = [pipe.finish(s) for s in states]
+    vae_decode = pipe.encoders.vae.decode
+    monkeypatch.setattr(
+        pipe.encoders.vae, "decode", lambda z, **kw: decoded.append(len(z)) or vae_decode(z, **kw)
+    )
+    monkeypatch.setattr(pipe, "decode_chunk", 2)
+    together = pipe.finish_batch(states)
+    assert decoded == [2, 1]
     for a, b in zip(alone, together):
         assert level_diff(a, b) <= 1
     stats = handle.stats()

@@ -83,12 +83,13 @@ class WanEncoders:
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> np.ndarray:
-        """Normalised latents `(1, C, F', H', W')` -> uint8 frames `(F, H, W, 3)`."""
+        """Normalised latents `(B, C, F', H', W')` -> uint8 frames `(B, F, H, W, 3)`, in one pass
+        of the VAE (its activations grow with B: the caller bounds it)."""
         latents = latents.to(self.device, self.vae.dtype)
         mean, std_inv = self._normalisation(latents)
-        video = self.vae.decode(latents / std_inv + mean, return_dict=False)[0]  # (1, 3, F, H, W)
+        video = self.vae.decode(latents / std_inv + mean, return_dict=False)[0]  # (B, 3, F, H, W)
         video = (video / 2 + 0.5).clamp(0, 1)  # diffusers' denormalisation
-        frames = video[0].permute(1, 2, 3, 0).float()  # (F, H, W, 3) in [0, 1]
+        frames = video.permute(0, 2, 3, 4, 1).float()  # (B, F, H, W, 3) in [0, 1]
         return (frames * 255).round().to(torch.uint8).cpu().numpy()
 
 

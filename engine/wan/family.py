@@ -18,6 +18,10 @@ directory's safetensors, so the streamer can keep their blocks in host RAM. Samp
 - latents are de-normalised with the VAE's `latents_mean` / `latents_std` and decoded (tiled
   above 256 pixels, so decoding memory does not grow with the frame size).
 
+Requests that arrive together have their prompts encoded in one UMT5 pass, and clips that finish
+together decode `decode_chunk` per VAE pass (pipeline.py's `DECODE_CHUNK`), each within a level
+of its decode alone.
+
 With `batched` (the default) one forward pass per step and expert carries every request and both
 halves of every guidance pair, so a streamed model moves its weights once per step for all of
 them; the reference mode runs each row alone, as WanPipeline does, and equals it bitwise.
@@ -36,7 +40,7 @@ from torch import nn
 from ..family import Component, Family
 from ..host_store import SafetensorsFile
 from ..lora import Adapter, AdapterRouter, linear_targets
-from ..pipeline import Pipeline
+from ..pipeline import Pipeline, decode_chunks
 from ..request import ResolvedVideo, check_loras
 from ..sources import ModelInfo
 from ..step_cache import StepCache
@@ -283,14 +287,26 @@ class WanVideoPipeline(Pipeline):
 
     # -- sampling ------------------------------------------------------------------------------
 
-    def prepare(self, video: ResolvedVideo) -> WanState:
-        # The adapters it names must be registered here (a request stored elsewhere may not know).
-        check_loras(video.loras, self.info.limits, self.adapter_defaults())
-        guided = video.guidance > 1.0
-        if self.batched or not guided:
-            context = self.encode([video.prompt, video.negative_prompt][: 1 + guided])
-        else:  # as WanPipeline does: the prompt, then the negative prompt, one batch each
-            context = torch.cat([self.encode([video.prompt]), self.encode([video.negative_prompt])])
+    def prepare_batch(self, videos: list[ResolvedVideo]) -> list[WanState]:
+        for video in videos:
+            # The adapters it names must be registered here (a request stored elsewhere may not
+            # know).
+            check_loras(video.loras, self.info.limits, self.adapter_defaults())
+        contexts = self._contexts(videos)
+        return [self._prepare(video, context) for video, context in zip(videos, contexts)]
+
+    def _contexts(self, videos: list[ResolvedVideo]) -> list[torch.Tensor]:
+        """Each request's prompt embeddings `(1 or 2, 512, text_dim)`: the prompt, then the
+        negative prompt when guided. Batched, every prompt of every request in one UMT5 pass (its
+        weights cross once for all); the reference mode encodes each prompt alone, as
+        WanPipeline does."""
+        rows = [[v.prompt, v.negative_prompt][: 1 + (v.guidance > 1.0)] for v in videos]
+        if not self.batched:
+            return [torch.cat([self.encode([p]) for p in prompts]) for prompts in rows]
+        context = self.encode([p for prompts in rows for p in prompts])  # (sum rows, 512, D)
+        return list(context.split([len(prompts) for prompts in rows]))
+
+    def _prepare(self, video: ResolvedVideo, context: torch.Tensor) -> WanState:
         shape = (1, *self.config.latent_shape(video.frames, video.height, video.width))
         # Drawn on the CPU from the request's own generator: the same seed gives the same start on
         # every device and whatever else is in the batch (WanPipeline with a CPU generator).
@@ -404,7 +420,16 @@ class WanVideoPipeline(Pipeline):
             mask = torch.ones(s.latents.shape[2:], dtype=torch.float32, device=s.latents.device)
         return (mask[:, ::ph, ::pw] * t).flatten().unsqueeze(0)  # (1, tokens)
 
-    def finish(self, state: WanState) -> np.ndarray:
-        if not state.done:
-            raise RuntimeError(f"state is at step {state.step} of {state.num_steps}")
-        return self.encoders.decode(state.model_input())
+    def finish_batch(self, states: list[WanState]) -> list[np.ndarray]:
+        for state in states:
+            if not state.done:
+                raise RuntimeError(f"state is at step {state.step} of {state.num_steps}")
+        latents = [s.model_input() for s in states]  # (1, C, F', H', W') each
+        frames: list[np.ndarray] = [None] * len(states)
+        # The reference mode decodes each clip alone, as WanPipeline does one request.
+        chunk = self.decode_chunk if self.batched else 1
+        for rows in decode_chunks([x.shape for x in latents], chunk):
+            clips = self.encoders.decode(torch.cat([latents[i] for i in rows]))  # (B, F, H, W, 3)
+            for i, clip in zip(rows, clips):
+                frames[i] = clip
+        return frames
