@@ -152,3 +152,18 @@ def test_compression_benchmark_quick():
     assert q["fp8_psnr_db_min"] == min(row["fp8_psnr_db"] for row in q["rows"])
     assert r["goals_met"]["lossless_ratio_max"] == (tiny["lossless"] <= 0.72)
     assert r["cpu_throughput"]["lossless_decode_gbps"] > 0
+
+
+def test_wan_batch_benchmark_quick():
+    r = run_json("benchmarks/wan_batch.py", "--quick", "--json")
+    (row,) = r["rows"]
+    n, s = row["requests"], row["seconds"]
+    assert n == 2 and set(s) == {"megaslide", "diffusers_per_request", "diffusers_batched"}
+    assert all(t > 0 for t in s.values())
+    assert row["speedup_vs_batched"] == s["diffusers_batched"] / s["megaslide"]
+    # The same seeds draw the same clips as diffusers', within a level (sums in another order).
+    assert row["max_level_diff_vs_diffusers"] <= 1
+    # The requests share one crossing of the blocks per step.
+    assert row["bus_bytes_per_step"] == row["streamed_block_bytes"]
+    assert row["bus_fraction_of_blocks"] == 1 / n
+    assert row["goals_met"]["vs_batched"] == (row["speedup_vs_batched"] >= 1.0)
