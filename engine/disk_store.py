@@ -177,7 +177,9 @@ def _pread(extent: Extent, out: torch.Tensor) -> None:
     try:
         fd = os.open(extent.path, os.O_RDONLY)
     except FileNotFoundError:
-        raise DiskTierError(f"{extent.path}: the model file is gone (needed by the disk tier)")
+        raise DiskTierError(
+            f"{extent.path}: the model file is gone (needed by the disk tier)"
+        ) from None
     try:
         done = 0
         while done < extent.nbytes:
@@ -258,7 +260,9 @@ class _RingCore:
                 if self.stopped:
                     return
                 buf, i = job
-                pending, ordering = (buf.copied, buf.ordering) if buf.state == "done" else (None,) * 2
+                pending, ordering = (
+                    (buf.copied, buf.ordering) if buf.state == "done" else (None,) * 2
+                )
                 buf.block, buf.state, buf.error, buf.copied = i, "reading", None, None
                 store = self.stores[i]
             try:
@@ -278,7 +282,9 @@ class _RingCore:
     def acquire(self, i: int) -> torch.Tensor:
         with self.lock:
             if self.thread is None:
-                self.thread = threading.Thread(target=self.run, name="disk-tier reader", daemon=True)
+                self.thread = threading.Thread(
+                    target=self.run, name="disk-tier reader", daemon=True
+                )
                 self.thread.start()
             self.active = True
             held = self._holding(i)

@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .family import Component, family
 from .disk_store import HOST_TIERS
+from .family import Component, family
 from .host_store import BoundTensor, collect_tensors, layout_nbytes, repoint
 from .initialization import init_module, init_parts
 from .lora import Adapter, AdapterError
@@ -213,20 +213,24 @@ def open_model(
 def _resolve_host_tier(
     host_tier: str, streamed: list[Component], dtype: torch.dtype, weights: str
 ) -> str:
-    """"ram" or "disk" for the streamed components; ValueError for a tier they cannot use."""
+    """ "ram" or "disk" for the streamed components; ValueError for a tier they cannot use."""
     if host_tier not in HOST_TIERS:
         raise ValueError(f"host_tier must be one of {', '.join(HOST_TIERS)}, got {host_tier!r}")
     if host_tier == "ram":
         return "ram"
     if not streamed:
         if host_tier == "disk":
-            raise ValueError("host_tier='disk' keeps streamed blocks on disk: needs offload='stream'")
+            raise ValueError(
+                "host_tier='disk' keeps streamed blocks on disk: needs offload='stream'"
+            )
         return "ram"
     from_files = all(c.weights is not None for c in streamed)
     if host_tier == "auto":
         if not from_files or weights != "raw":
             return "ram"  # the disk tier reads raw tensors from files: nothing else can go there
-        needed = sum(_cast_nbytes(b, c.dtype or dtype, c.keep_fp32) for c in streamed for b in c.blocks)
+        needed = sum(
+            _cast_nbytes(b, c.dtype or dtype, c.keep_fp32) for c in streamed for b in c.blocks
+        )
         return choose_host_tier("auto", needed)
     if not from_files:
         raise ValueError(

@@ -36,6 +36,7 @@ import math
 import os
 from dataclasses import asdict, dataclass
 
+from .disk_store import DEFAULT_RING_DEPTH, HOST_TIERS
 from .family import family
 from .optim import grad_buffer_bytes
 from .sources import ModelInfo
@@ -44,11 +45,10 @@ GB = 1e9
 # Coded bytes / bf16 bytes of trained weights under `lossless`: 0.68 to 0.70 on the default model
 # and Gaussian-like weights (benchmarks/compression.py); planned a little above.
 LOSSLESS_RATIO = 0.70
-HOST_TIERS = ("ram", "disk", "auto")
 # `auto` keeps streamed blocks in RAM while they need at most this fraction of the RAM available:
 # the rest is the activations' host side, the page cache and everything else on the machine.
 RAM_MARGIN = 0.8
-RING_DEPTH = 4  # disk tier: host buffers per streamed module (disk_store.DEFAULT_RING_DEPTH)
+RING_DEPTH = DEFAULT_RING_DEPTH  # disk tier: host buffers per streamed module
 
 
 def available_ram_bytes() -> int:
@@ -65,7 +65,7 @@ def available_ram_bytes() -> int:
 
 
 def choose_host_tier(requested: str, needed_bytes: int, available_bytes: int | None = None) -> str:
-    """"ram" or "disk": `requested` unless "auto", which picks disk when `needed_bytes` (the host
+    """ "ram" or "disk": `requested` unless "auto", which picks disk when `needed_bytes` (the host
     store in RAM) exceed `RAM_MARGIN` of `available_bytes` (default: `available_ram_bytes()`)."""
     if requested not in HOST_TIERS:
         raise ValueError(f"host_tier must be one of {', '.join(HOST_TIERS)}, got {requested!r}")

@@ -52,6 +52,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .disk_store import DEFAULT_RING_DEPTH, DiskBlockStore, make_disk_stores
 from .host_store import (
     BoundTensor,
     HostBlockStore,
@@ -63,7 +64,6 @@ from .host_store import (
     pack,
     repoint,
 )
-from .disk_store import DEFAULT_RING_DEPTH, DiskBlockStore, make_disk_stores
 from .ordering import Ordering, make_ordering
 from .weight_formats import EncodedBlockStore, codec, make_store
 
