@@ -36,6 +36,10 @@ from .host_store import BoundTensor, Extent, TensorEntry, pack, pin_exact, repoi
 
 HOST_TIERS = ("ram", "disk", "auto")
 DEFAULT_RING_DEPTH = 4  # host buffers per streamed module: the block copied and 3 read ahead
+# How blocks are read: through the page cache ("buffered", the default: a model read again soon is
+# served from RAM while it fits) or around it ("direct", O_DIRECT; benchmarks/disk_streaming.py
+# measures both on a machine).
+DISK_IO = ("buffered", "direct")
 
 
 class DiskTierError(ValueError):
@@ -139,19 +143,33 @@ class DiskBlockStore:
             self.ring.forget(self.index)  # a buffer may hold this block's bytes from before
         return filled
 
-    def read_into(self, out: torch.Tensor) -> None:
-        """Read the block's flat layout into `out` (uint8, at least `nbytes`), in file order."""
+    def read_into(self, out: torch.Tensor, direct: bool = False) -> None:
+        """Read the block's flat layout into `out` (uint8, at least `nbytes`), in file order.
+
+        `direct`: read with O_DIRECT (no page cache) into an aligned scratch buffer, then copy
+        each tensor into place; buffered reads go straight into place."""
         for k, t in self.inline.items():
             entry = self.entries[k]
             out[entry.offset : entry.offset + entry.nbytes].copy_(t)
-        for k, extent in sorted(self.extents.items(), key=lambda kv: (kv[1].path, kv[1].offset)):
+        extents = sorted(self.extents.items(), key=lambda kv: (kv[1].path, kv[1].offset))
+        scratch = None
+        if direct:
+            span = max((_direct_span(e)[1] for _, e in extents), default=0)
+            scratch = _aligned_empty(span)
+        for k, extent in extents:
             entry = self.entries[k]
-            if extent.dtype == entry.dtype and _contiguous(entry):
+            if scratch is not None:
+                src = _pread_direct(extent, scratch)
+            elif extent.dtype == entry.dtype and _contiguous(entry):
                 _pread(extent, out[entry.offset : entry.offset + entry.nbytes])
+                continue
+            else:
+                src = torch.empty(extent.nbytes, dtype=torch.uint8)
+                _pread(extent, src)
+            if extent.dtype == entry.dtype and _contiguous(entry):
+                out[entry.offset : entry.offset + entry.nbytes].copy_(src)
             else:  # another dtype or a strided layout: cast/scatter as the RAM store's fill does
-                scratch = torch.empty(extent.nbytes, dtype=torch.uint8)
-                _pread(extent, scratch)
-                entry.view(out).copy_(scratch.view(extent.dtype).view(extent.shape))
+                entry.view(out).copy_(src.view(extent.dtype).view(extent.shape))
 
     def read(self) -> torch.Tensor:
         """The block's flat buffer, read now into fresh host memory (uint8, `(nbytes,)`)."""
@@ -194,6 +212,70 @@ def _pread(extent: Extent, out: torch.Tensor) -> None:
         os.close(fd)
 
 
+# O_DIRECT needs file offsets, lengths and buffer addresses aligned to the device's logical block
+# size; 4096 covers every current drive (512-byte ones included).
+DIRECT_ALIGN = 4096
+
+
+def _direct_span(extent: Extent) -> tuple[int, int]:
+    """(aligned start, aligned length) of the file range holding `extent`."""
+    start = extent.offset // DIRECT_ALIGN * DIRECT_ALIGN
+    end = -(-(extent.offset + extent.nbytes) // DIRECT_ALIGN) * DIRECT_ALIGN
+    return start, end - start
+
+
+def _aligned_empty(nbytes: int) -> torch.Tensor:
+    """`(nbytes,)` uint8 host memory starting at a multiple of DIRECT_ALIGN."""
+    raw = torch.empty(nbytes + DIRECT_ALIGN, dtype=torch.uint8)
+    skip = -raw.data_ptr() % DIRECT_ALIGN
+    return raw[skip : skip + nbytes]
+
+
+def direct_io_supported(path: str) -> bool:
+    """Whether `path`'s filesystem takes O_DIRECT reads (tmpfs and some overlays refuse them)."""
+    if not hasattr(os, "O_DIRECT"):
+        return False
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    except OSError:
+        return False
+    try:
+        buf = _aligned_empty(DIRECT_ALIGN)
+        os.preadv(fd, [memoryview(buf.numpy())], 0)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def _pread_direct(extent: Extent, scratch: torch.Tensor) -> torch.Tensor:
+    """`extent`'s bytes read with O_DIRECT into `scratch` (aligned): a view of them there."""
+    start, length = _direct_span(extent)
+    view = memoryview(scratch.numpy()).cast("B")
+    try:
+        fd = os.open(extent.path, os.O_RDONLY | os.O_DIRECT)
+    except FileNotFoundError:
+        raise DiskTierError(
+            f"{extent.path}: the model file is gone (needed by the disk tier)"
+        ) from None
+    need = extent.offset + extent.nbytes - start
+    try:
+        done = 0
+        while done < need:
+            n = os.preadv(fd, [view[done:length]], start + done)
+            if n == 0:
+                raise DiskTierError(
+                    f"{extent.path} is truncated: {need - done} bytes missing at offset "
+                    f"{start + done}"
+                )
+            done += n
+    finally:
+        os.close(fd)
+    skip = extent.offset - start
+    return scratch[skip : skip + extent.nbytes]
+
+
 # ----------------------------------------------------------------------------------------------
 # The ring
 
@@ -214,7 +296,8 @@ class _RingCore:
     """The ring's state and reader thread (kept apart from `DiskRing` so the thread holds no
     reference to it: when the streamed module goes, the ring's finalizer stops the thread)."""
 
-    def __init__(self, depth: int, nbytes: int, pinned: bool):
+    def __init__(self, depth: int, nbytes: int, pinned: bool, direct: bool):
+        self.direct = direct
         self.lock = threading.Condition()
         self.stores: list[DiskBlockStore] = []
         self.buffers: list[_Buffer] = []
@@ -270,7 +353,7 @@ class _RingCore:
                     # The copy out of this buffer must have finished before it is overwritten;
                     # without this wait a queued DMA would send the next block's bytes.
                     ordering.host_wait(pending)
-                store.read_into(buf.data)
+                store.read_into(buf.data, self.direct)
             except BaseException as e:  # reported to the thread that asks for this block
                 buf.error = e
             with self.lock:
@@ -282,6 +365,9 @@ class _RingCore:
     def acquire(self, i: int) -> torch.Tensor:
         with self.lock:
             if self.thread is None:
+                if self.direct:  # O_DIRECT only where every file's filesystem takes it
+                    paths = {e.path for s in self.stores for e in s.extents.values()}
+                    self.direct = all(direct_io_supported(p) for p in paths)
                 self.thread = threading.Thread(
                     target=self.run, name="disk-tier reader", daemon=True
                 )
@@ -334,12 +420,21 @@ class DiskRing:
     """The bounded ring of host buffers and the reader thread shared by one streamed module's
     disk stores (block i of the module is the i-th store registered)."""
 
-    def __init__(self, nbytes: int, depth: int = DEFAULT_RING_DEPTH, pinned: bool = False):
+    def __init__(
+        self,
+        nbytes: int,
+        depth: int = DEFAULT_RING_DEPTH,
+        pinned: bool = False,
+        io: str = "buffered",
+    ):
         if depth < 2:
             raise ValueError(f"ring depth {depth}: need >= 2 buffers (one copied, one read)")
+        if io not in DISK_IO:
+            raise ValueError(f"disk io must be one of {', '.join(DISK_IO)}, got {io!r}")
+        self.io = io  # "direct" falls back to buffered per file where O_DIRECT is refused
         self.nbytes = nbytes  # per buffer: the largest block
         self.depth = depth
-        self._core = _RingCore(depth, nbytes, pinned)
+        self._core = _RingCore(depth, nbytes, pinned, io == "direct")
         self._finalizer = weakref.finalize(self, self._core.stop)
         self._finalizer.atexit = False
 
@@ -371,9 +466,10 @@ def make_disk_stores(
     streamed: Sequence[int],
     pinned: bool,
     depth: int = DEFAULT_RING_DEPTH,
+    io: str = "buffered",
 ) -> dict[int, DiskBlockStore]:
     """Disk stores for the streamed blocks `streamed` (indices into `per_block`), sharing one ring
     sized to the largest of them."""
     largest = max((pack(per_block[i])[1] for i in streamed), default=0)
-    ring = DiskRing(largest, min(depth, max(len(streamed), 2)), pinned)
+    ring = DiskRing(largest, min(depth, max(len(streamed), 2)), pinned, io)
     return {i: DiskBlockStore.adopt(per_block[i], ring) for i in streamed}

@@ -94,6 +94,7 @@ def open_pipeline(
     ordering: Ordering | None = None,
     weights: str = "raw",
     host_tier: str = "ram",
+    disk_io: str = "buffered",
     **overrides,
 ) -> Pipeline:
     """A model opened for sampling.
@@ -109,7 +110,8 @@ def open_pipeline(
     `offload="stream"` unless "raw"). `host_tier` is where streamed blocks live between steps:
     "ram", "disk" (read from the model's safetensors files through a bounded ring each step;
     disk_store.py) or "auto" (disk when the blocks would not fit in the available RAM with a
-    margin; `planner.choose_host_tier`). `overrides` replace architecture fields that leave the weights alone (`attention="dsa"`).
+    margin; `planner.choose_host_tier`); `disk_io` is how the disk tier reads ("buffered" or
+    "direct", O_DIRECT). `overrides` replace architecture fields that leave the weights alone (`attention="dsa"`).
     """
     if isinstance(source, ModelInfo) and not overrides:
         info = source
@@ -126,6 +128,7 @@ def open_pipeline(
         ordering=ordering,
         weights=weights,
         host_tier=host_tier,
+        disk_io=disk_io,
     )
     for module in parts.values():
         module.eval()
@@ -145,6 +148,7 @@ def open_model(
     ordering: Ordering | None = None,
     weights: str = "raw",
     host_tier: str = "ram",
+    disk_io: str = "buffered",
 ) -> tuple[dict[str, nn.Module], dict[str, StreamHandle]]:
     """The modules of a described model, built on meta, filled and placed: `(modules by name,
     stream handles of the streamed ones)`; `only` names the components to open (default: all).
@@ -196,6 +200,7 @@ def open_model(
                     ordering=ordering,
                     weights=weights,
                     host_tier=host_tier,
+                    disk_io=disk_io,
                 )
                 fill = handle.load_weights
                 handles[c.name] = handle

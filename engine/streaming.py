@@ -733,6 +733,7 @@ def stream_module(
     weights: str = "raw",
     host_tier: str = "ram",
     ring_depth: int = DEFAULT_RING_DEPTH,
+    disk_io: str = "buffered",
 ) -> StreamHandle:
     """Stream `blocks` (submodules of `module`, in the order they run) from host RAM to `device`.
 
@@ -747,7 +748,8 @@ def stream_module(
     and are decoded in the slot, on the compute stream, when their block loads. `host_tier="disk"`
     keeps streamed blocks in the model's files instead of host RAM: `load_weights` then records
     where each tensor lies (a `SafetensorsFile` or path), and a reader thread reads the next blocks
-    into a ring of `ring_depth` host buffers (disk_store.py); raw weights only.
+    into a ring of `ring_depth` host buffers (disk_store.py; `disk_io`: "buffered" through the page
+    cache or "direct", O_DIRECT where the filesystem takes it); raw weights only.
     """
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
@@ -817,7 +819,7 @@ def stream_module(
     records = []
     resident = set(plan.resident)
     disk_stores = (
-        make_disk_stores(per_block, plan.streamed, pinned, ring_depth)
+        make_disk_stores(per_block, plan.streamed, pinned, ring_depth, disk_io)
         if host_tier == "disk"
         else {}
     )

@@ -43,11 +43,14 @@ def ram_frames():
     return out
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_disk_tier_is_bitwise_ram_streaming(ram_frames, dtype):
-    """fp32: the bf16 file is cast on read; bf16: the file's bytes land in the ring as they are.
-    Two steps: the second reads every block again, through the same ring."""
-    pipe = open_pipeline(dtype=dtype, offload="stream", host_tier="disk")
+@pytest.mark.parametrize(
+    "dtype, io", [("float32", "buffered"), ("bfloat16", "buffered"), ("bfloat16", "direct")]
+)
+def test_disk_tier_is_bitwise_ram_streaming(ram_frames, dtype, io):
+    """fp32: the bf16 file is cast on read; bf16: the file's bytes land in the ring as they are
+    (or, with O_DIRECT, are copied there from an aligned buffer). Two steps: the second reads
+    every block again, through the same ring."""
+    pipe = open_pipeline(dtype=dtype, offload="stream", host_tier="disk", disk_io=io)
     assert np.array_equal(pipe.generate(REQUEST), ram_frames[dtype])
     stats = pipe.stats()["dit"]
     assert stats["host_tier"] == "disk" and stats["streamed_blocks"] > 0
