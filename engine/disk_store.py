@@ -152,15 +152,12 @@ class DiskBlockStore:
             entry = self.entries[k]
             out[entry.offset : entry.offset + entry.nbytes].copy_(t)
         extents = sorted(self.extents.items(), key=lambda kv: (kv[1].path, kv[1].offset))
-        scratch = None
         if direct:
-            span = max((_direct_span(e)[1] for _, e in extents), default=0)
-            scratch = _aligned_empty(span)
+            self._read_direct(extents, out)
+            return
         for k, extent in extents:
             entry = self.entries[k]
-            if scratch is not None:
-                src = _pread_direct(extent, scratch)
-            elif extent.dtype == entry.dtype and _contiguous(entry):
+            if extent.dtype == entry.dtype and _contiguous(entry):
                 _pread(extent, out[entry.offset : entry.offset + entry.nbytes])
                 continue
             else:
@@ -170,6 +167,36 @@ class DiskBlockStore:
                 out[entry.offset : entry.offset + entry.nbytes].copy_(src)
             else:  # another dtype or a strided layout: cast/scatter as the RAM store's fill does
                 entry.view(out).copy_(src.view(extent.dtype).view(extent.shape))
+
+    def _place(self, k: int, src: torch.Tensor, out: torch.Tensor) -> None:
+        """Entry k's bytes `src` (as stored in the file) into its place in `out`."""
+        entry, extent = self.entries[k], self.extents[k]
+        if extent.dtype == entry.dtype and _contiguous(entry):
+            out[entry.offset : entry.offset + entry.nbytes].copy_(src)
+        else:  # another dtype or a strided layout: cast/scatter as the RAM store's fill does
+            entry.view(out).copy_(src.view(extent.dtype).view(extent.shape))
+
+    def _read_direct(self, extents: list[tuple[int, Extent]], out: torch.Tensor) -> None:
+        """O_DIRECT: a block's tensors lie together in a safetensors file (sorted by name), so
+        each run of nearby extents is one large aligned read into a scratch buffer, then each
+        tensor is copied to its place."""
+        runs: list[list[tuple[int, Extent]]] = []
+        for k, e in extents:
+            last = runs[-1][-1][1] if runs else None
+            if (
+                last is not None
+                and last.path == e.path
+                and e.offset - (last.offset + last.nbytes) <= DIRECT_GAP
+            ):
+                runs[-1].append((k, e))
+            else:
+                runs.append([(k, e)])
+        spans = [_span_of(run) for run in runs]
+        scratch = _aligned_empty(max((_direct_span(x)[1] for x in spans), default=0))
+        for run, span in zip(runs, spans):
+            data = _pread_direct(span, scratch)
+            for k, e in run:
+                self._place(k, data[e.offset - span.offset :][: e.nbytes], out)
 
     def read(self) -> torch.Tensor:
         """The block's flat buffer, read now into fresh host memory (uint8, `(nbytes,)`)."""
@@ -215,6 +242,16 @@ def _pread(extent: Extent, out: torch.Tensor) -> None:
 # O_DIRECT needs file offsets, lengths and buffer addresses aligned to the device's logical block
 # size; 4096 covers every current drive (512-byte ones included).
 DIRECT_ALIGN = 4096
+
+
+DIRECT_GAP = 1 << 20  # extents closer than this in a file are read together (the gap is wasted)
+
+
+def _span_of(run: list[tuple[int, Extent]]) -> Extent:
+    """One extent covering a run of extents of one file, sorted by offset."""
+    first = run[0][1]
+    end = max(e.offset + e.nbytes for _, e in run)
+    return Extent(first.path, first.offset, end - first.offset, torch.uint8, (end - first.offset,))
 
 
 def _direct_span(extent: Extent) -> tuple[int, int]:
