@@ -240,3 +240,41 @@ def test_cli_host_tier(capsys, tmp_path):
     code = main(["generate", "x", "--host-tier", "disk", "--output", str(tmp_path / "a.mp4")])
     assert code == 2
     assert "--host-tier disk" in capsys.readouterr().err
+
+
+class _Stack(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(40, 40), torch.nn.GELU()) for _ in range(6)
+        )
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def test_ring_reuse_waits_for_the_copy_on_the_simulated_device(tmp_path):
+    """Copies land as late as the recorded waits allow (a copy reads its source when it lands):
+    a ring buffer refilled before the copy out of it had landed would send the wrong block."""
+    from safetensors.torch import save_file
+
+    from simulated_device import SimulatedDevice
+
+    torch.manual_seed(0)
+    ref = _Stack()
+    save_file(ref.state_dict(), tmp_path / "stack.safetensors")
+    with torch.device("meta"):
+        model = _Stack()
+    sim = SimulatedDevice()
+    handle = stream_module(
+        model, model.blocks, "cpu", ordering=sim.ordering(), host_tier="disk", ring_depth=2
+    )
+    handle.load_weights(tmp_path / "stack.safetensors")
+    for seed in range(6):
+        sim.reseed(seed)
+        x = torch.randn(3, 40)
+        assert torch.equal(model(x), ref(x)), seed
+    handle.remove()
+    sim.finish()
