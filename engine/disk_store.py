@@ -67,7 +67,6 @@ class DiskBlockStore:
     the reader thread filled from them."""
 
     encoded = False  # the payload is the block's flat layout itself
-    host_tier = "disk"
 
     def __init__(self, entries: Sequence[TensorEntry], nbytes: int, ring: DiskRing):
         self.entries = tuple(entries)
