@@ -73,8 +73,7 @@ def test_disk_tier_with_resident_blocks_is_bitwise(ram_frames):
 
 def test_tiny_wan_on_the_disk_tier_is_bitwise(tmp_path):
     pytest.importorskip("diffusers")
-    from test_wan import request
-    from wan_fixtures import build_tiny_wan
+    from wan_fixtures import build_tiny_wan, request
 
     model = build_tiny_wan(tmp_path / "experts", experts=2)
     ref = open_pipeline(model, dtype="bfloat16", offload="stream").generate(request(seed=1))
