@@ -4,7 +4,7 @@
     python benchmarks/wan_batch.py --quick --json    # the test suite's few-second form
 
 A random Wan in the diffusers layout (6 blocks of width 384, UMT5 and a Wan VAE of reduced
-width; tests/wan_fixtures.py's tokenizer), 13x96x96 clips, 6 steps, CFG 5, one prompt and seed
+width; tests/support/wan_fixtures.py's tokenizer), 13x96x96 clips, 6 steps, CFG 5, one prompt and seed
 per request. Three contenders sample the same requests:
 
 - `megaslide`: the pipeline driven as the worker drives it (server/worker.py): the requests
@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))  # the tests' Wan tokenizer and tiny builder
+sys.path.insert(0, str(ROOT / "tests" / "support"))  # the tests' Wan tokenizer and builder
 
 from megaslide.engine.loader import open_pipeline  # noqa: E402
 from megaslide.engine.request import VideoRequest  # noqa: E402
