@@ -217,8 +217,7 @@ def main(argv=None) -> int:
                     "seconds": median,
                     "all_seconds": times,
                     "seconds_per_request": {k: v / n for k, v in median.items()},
-                    "speedup_vs_per_request": median["diffusers_per_request"]
-                    / median["megaslide"],
+                    "speedup_vs_per_request": median["diffusers_per_request"] / median["megaslide"],
                     "speedup_vs_batched": median["diffusers_batched"] / median["megaslide"],
                     # Our frames against diffusers' for the same seeds (a level: GEMM order).
                     "max_level_diff_vs_diffusers": level_diff(
