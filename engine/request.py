@@ -27,7 +27,7 @@ RANDOM_SEED_BITS = 31  # an unseeded request gets a seed below 2**31, echoed bac
 # and a threshold, or a preset. Off unless asked for. The presets are points measured on the
 # packaged model at 20 steps (benchmarks/step_cache.py, docs/benchmarks.md): 1.75x, 2.39x and
 # 3.30x fewer passes at 43.7, 36.6 and 31.4 dB PSNR against the uncached clips.
-CACHE_POLICIES = ("output-change", "adaptive")
+CACHE_POLICIES = ("output-change", "adaptive", "first-block")
 CACHE_PRESETS = {
     "quality": {"policy": "adaptive", "threshold": 0.002},
     "balanced": {"policy": "output-change", "threshold": 0.05},

@@ -39,9 +39,16 @@ Policies (`threshold` 0 never reuses; larger reuses more):
   the threshold. Fast change, much motion or long steps shorten the run of reuses; a still,
   settled clip lengthens it.
 
-Not here: FBCache's first-block residual test, which runs the first block every step to decide;
-for a streamed model that moves the first block's weights on every step, and it needs a cut
-inside each family's forward.
+- ``first-block`` (after FBCache, ParaAttention's First Block Cache, as diffusers'
+  `FirstBlockCacheConfig` applies it). The first block runs for every row on every step; the
+  change of its residual `r_0 = block_0(h) - h` against the residual of the last computed step,
+  `|r_0 - r_0'|_1 / |r_0'|_1`, stands in for the change of the whole model's output (the first
+  block sees the new latents and time before anything else does). Under the threshold the rows
+  skip the remaining blocks and add the residual those blocks made at the last computed step,
+  `h_N' - h_1'`, to this step's `h_1`; the model's epilogue (final norm and projection) runs on
+  the result with this step's timestep. The decision needs block 0's output, so it is taken
+  inside the pass (`StepCache.reuse_probed`): the sampler cuts the forward after block 0. For a
+  streamed model a reuse step moves block 0's weights and no others.
 """
 
 from __future__ import annotations
@@ -85,6 +92,10 @@ class History:
     rate: float = 0.0  # relative change of the output per unit of flow time
     motion: float = 0.0  # frame motion of the predicted clip at the newest computed step
     drift: float = 0.0  # adaptive: estimated relative drift of the reuses since the last compute
+    # first-block: the first block's residual `(rows, N, D)` at the newest computed step, and the
+    # residual of the blocks after it, `h_N - h_1`, at that step.
+    first: torch.Tensor | None = None
+    tail: torch.Tensor | None = None
 
     def record(self, t: float, latents: torch.Tensor, output: torch.Tensor) -> None:
         if self.outputs:
@@ -106,6 +117,7 @@ class StepPolicy(ABC):
     """Decides, before a step, whether a request reuses its last computed output."""
 
     name: str
+    probes = False  # decides inside the pass, from the first block's residual (`reuse_probed`)
 
     def __init__(self, threshold: float):
         if not threshold >= 0:
@@ -146,7 +158,23 @@ class Adaptive(StepPolicy):
         return True
 
 
-POLICIES: dict[str, type[StepPolicy]] = {p.name: p for p in (OutputChange, Adaptive)}
+class FirstBlock(StepPolicy):
+    """Reuse the residual of the blocks after the first while the first block's residual changed
+    less than the threshold since the last computed step (FBCache)."""
+
+    name = "first-block"
+    probes = True
+
+    def reuse(self, history: History, t: float, t_next: float) -> bool:
+        raise TypeError("first-block decides inside the pass: use StepCache.reuse_probed")
+
+    def reuse_probed(self, history: History, residual: torch.Tensor) -> bool:
+        if history.first is None:
+            return False
+        return relative_l1(residual, history.first) < self.threshold
+
+
+POLICIES: dict[str, type[StepPolicy]] = {p.name: p for p in (OutputChange, Adaptive, FirstBlock)}
 assert set(POLICIES) == set(CACHE_POLICIES), "request.CACHE_POLICIES names the policies here"
 
 
@@ -181,6 +209,35 @@ class StepCache:
             self.passes += 1
         self._decided = (step, key, decision)
         return decision
+
+    @property
+    def probes(self) -> bool:
+        """Whether this cache decides inside the pass, from the first block's residual."""
+        return self.policy.probes
+
+    def reuse_probed(self, step: int, residual: torch.Tensor, key: int = 0) -> bool:
+        """Whether step `step` reuses the cached residual of the blocks after the first, decided
+        from this step's first-block residual `(rows, N, D)` (a probing policy's `reuse`); a
+        False must be followed by `record_probed` (and `record`) once the pass ran."""
+        if self._decided is not None and self._decided[:2] == (step, key):
+            return self._decided[2]
+        history = self.histories.setdefault(key, History())
+        decision = self.policy.reuse_probed(history, residual)
+        if decision:
+            self.reused += 1
+        else:
+            self.passes += 1
+        self._decided = (step, key, decision)
+        return decision
+
+    def tail(self, key: int = 0) -> torch.Tensor:
+        """The residual `h_N - h_1` `(rows, N, D)` of the blocks after the first, last computed."""
+        return self.histories[key].tail
+
+    def record_probed(self, first: torch.Tensor, tail: torch.Tensor, key: int = 0) -> None:
+        """Remember a computed step's first-block residual and the residual of the blocks after."""
+        history = self.histories[key]
+        history.first, history.tail = first, tail
 
     def output(self, key: int = 0) -> torch.Tensor:
         return self.histories[key].outputs[-1]
