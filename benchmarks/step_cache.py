@@ -38,9 +38,9 @@ from megaslide.engine.sources import DEFAULT_MODEL
 from megaslide.engine.world import analyse_clip, benchmark_prompts
 
 THRESHOLDS = {
-    "output-change": (0.01, 0.02, 0.05, 0.1, 0.2, 0.4),
-    "adaptive": (0.005, 0.01, 0.02, 0.05, 0.1, 0.2),
-    "first-block": (0.1, 0.2, 0.3, 0.5, 0.8),
+    "output-change": (0.02, 0.05, 0.1, 0.2),
+    "adaptive": (0.01, 0.02, 0.05, 0.1, 0.2),
+    "first-block": (0.1, 0.2, 0.3, 0.5),
 }
 QUICK_THRESHOLDS = dict.fromkeys(THRESHOLDS, (0.0, 100.0))  # the two extremes
 GOALS = {"speedup": 1.8, "psnr_db": 30.0, "adherence_drop_points": 2.0}
