@@ -262,7 +262,7 @@ def wan_request(**changes) -> VideoRequest:
     return VideoRequest(**{**fields, **changes})
 
 
-@pytest.mark.parametrize("policy", UPFRONT)
+@pytest.mark.parametrize("policy", UPFRONT)  # first-block: its own test below
 def test_wan_threshold_zero_changes_nothing_and_a_loose_cache_skips_whole_passes(wan, policy):
     pipe = open_pipeline(wan["deep"], offload="stream")
     off = pipe.generate(wan_request())
@@ -278,12 +278,39 @@ def test_wan_threshold_zero_changes_nothing_and_a_loose_cache_skips_whole_passes
     assert min(moved) == 0 < max(moved)
 
 
-def test_wan_refuses_first_block_by_name(wan):
+def test_wan_first_block_at_zero_is_uncached_and_a_reuse_step_loads_only_block_0(wan):
+    pipe = open_pipeline(wan["deep"], offload="stream")
+    handle = pipe.handles[pipe.config.experts[0]]
+    off = pipe.generate(wan_request())
+    zero = pipe.prepare(pipe.resolve(wan_request(cache={"policy": "first-block", "threshold": 0})))
+    assert np.array_equal(run(pipe, [zero])[0], off)
+    assert zero.cache.passes == 8 and zero.cache.reused == 0
+    loose = pipe.prepare(pipe.resolve(wan_request(cache=FIRST_BLOCK)))
+    loads, load = [], handle.load
+    handle.load = lambda i: (loads[-1].append(i), load(i))[1]
+    try:
+        while not loose.done:
+            loads.append([])
+            pipe.step([loose])
+    finally:
+        del handle.load
+    assert loose.cache.passes == 1 and loose.cache.reused == 7
+    assert loads[0] == [0, 1, 2, 3] and all(step == [0] for step in loads[1:])
+
+
+def test_wan_first_block_in_a_mixed_batch(wan):
+    """A first-block request and a plain one stepped together get what they get alone (within a
+    uint8 level: the later blocks run a smaller batch on reuse steps)."""
     pipe = open_pipeline(wan["deep"])
-    assert "first-block" not in pipe.info.limits.cache_policies
-    with pytest.raises(RequestError, match="not available for this model") as info:
-        pipe.resolve(wan_request(cache=FIRST_BLOCK))
-    assert info.value.param == "cache"
+    requests = [
+        wan_request(steps=4, cache=FIRST_BLOCK),
+        wan_request(steps=4, seed=4, prompt="a blue square"),
+    ]
+    alone = [pipe.generate(pipe.resolve(r)) for r in requests]
+    states = [pipe.prepare(pipe.resolve(r)) for r in requests]
+    together = run(pipe, states)
+    assert all(level_diff(a, b) <= 1 for a, b in zip(alone, together))
+    assert states[0].cache.passes < 4 and states[1].passes == 4
 
 
 def test_wan_two_experts_keep_their_own_histories(wan):
@@ -309,6 +336,10 @@ def test_wan_two_experts_keep_their_own_histories(wan):
         mine = [c for x, c in zip(experts, computed) if x == e]
         assert len(mine) >= 3 and mine[:2] == [True, True] and not all(mine), (e, mine)
     assert state.cache.passes == sum(computed) == len(ran)
+    # first-block too: each expert computes its own first step, then reuses its own residual.
+    state = pipe.prepare(pipe.resolve(wan_request(steps=12, cache=FIRST_BLOCK)))
+    run(pipe, [state])
+    assert set(state.cache.histories) == {0, 1} and state.cache.passes == 2
 
 
 # -- the request's way in: command line, HTTP API, SDK -----------------------------------------------

@@ -264,9 +264,6 @@ def wan_limits(config: WanConfig, sampling: SamplingDefaults, path: Path) -> Mod
         # Wan2.2-TI2V takes a first frame: its clean latent replaces the first latent frame.
         image_input=config.expand_timesteps,
         experts=len(config.experts),
-        # Not first-block: it needs the forward cut after the first block, which only our DiT's
-        # sampler makes so far (flow._forward_probed).
-        cache_policies=("output-change", "adaptive"),
         max_prompt_tokens=TEXT_TOKENS - 1,  # and the end-of-sequence token
         prompt_unit="tokens (UMT5)",
         count_tokens=lambda prompt: count_tokens(prompt, str(path / "tokenizer")),
