@@ -25,11 +25,11 @@ RANDOM_SEED_BITS = 31  # an unseeded request gets a seed below 2**31, echoed bac
 
 # Step caches (engine/step_cache.py holds the policies and their maths): a request names a policy
 # and a threshold, or a preset. Off unless asked for. The presets are points measured on the
-# packaged model at 20 steps (benchmarks/step_cache.py, docs/benchmarks.md): 1.75x, 2.39x and
-# 3.30x fewer passes at 43.7, 36.6 and 31.4 dB PSNR against the uncached clips.
+# packaged model at 20 steps (benchmarks/step_cache.py, docs/benchmarks.md, 20 prompts): 2.13x,
+# 2.34x and 3.28x fewer passes at 39.7, 36.0 and 30.7 dB mean PSNR against the uncached clips.
 CACHE_POLICIES = ("output-change", "adaptive", "first-block")
 CACHE_PRESETS = {
-    "quality": {"policy": "adaptive", "threshold": 0.002},
+    "quality": {"policy": "adaptive", "threshold": 0.01},
     "balanced": {"policy": "output-change", "threshold": 0.05},
     "fast": {"policy": "output-change", "threshold": 0.1},
 }
