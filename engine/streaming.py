@@ -261,6 +261,18 @@ class StreamHandle:
             self._ahead[i] = tuple(j for j in rest if not self._blocks[j].resident)[:streamed_ahead]
 
     @contextlib.contextmanager
+    def ordered(self, order: str | Sequence[int]) -> Iterator[StreamHandle]:
+        """Within this context blocks run in `order` (hooks on), then the order before applies:
+        e.g. `ordered([0])` around a step cache's look at block 0 alone, so the streamer copies no
+        block ahead that the step may not run."""
+        saved = (self._order, self._cyclic)
+        self.set_order(order)
+        try:
+            yield self
+        finally:
+            self.set_order(*saved)
+
+    @contextlib.contextmanager
     def manual(self, order: str | Sequence[int] | None = None) -> Iterator[StreamHandle]:
         """Within this context the hooks do nothing: the caller loads and releases blocks itself
         (e.g. recompute + backward in reverse order). `order`, if given, applies meanwhile."""

@@ -51,7 +51,7 @@ def register_generate(sub) -> None:
     p.add_argument(
         "--cache",
         help="step cache: a preset (quality, balanced, fast; default off), POLICY:THRESHOLD "
-        "(output-change or adaptive, e.g. adaptive:0.01), or a JSON object",
+        "(output-change, adaptive or first-block, e.g. adaptive:0.01), or a JSON object",
     )
     p.add_argument(
         "--transformer",
