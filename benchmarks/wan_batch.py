@@ -172,6 +172,9 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="a tiny Wan, 2 requests, 2 steps")
     ap.add_argument("--counts", type=int, nargs="+", help="concurrent requests (default 4 8)")
     ap.add_argument("--repeats", type=int, help="interleaved repeats per count (default 3)")
+    ap.add_argument(
+        "--rotate", type=int, default=0, help="who goes first in the first repeat (0: megaslide)"
+    )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     import diffusers
@@ -205,7 +208,7 @@ def main(argv=None) -> int:
             reqs = requests(n, clip)
             times: dict[str, list[float]] = {name: [] for name in names}
             frames: dict[str, list[np.ndarray]] = {}
-            for k in range(repeats):
+            for k in range(args.rotate, args.rotate + repeats):
                 for name in names[k % len(names) :] + names[: k % len(names)]:
                     start = time.perf_counter()
                     frames[name] = contenders[name](reqs)
