@@ -282,6 +282,26 @@ class SafetensorsFile(Mapping):
         return len(self._files)
 
 
+class RenamedWeights(Mapping):
+    """A lazy mapping read through a key map (`names`: the module's name -> the source's key), for
+    a checkpoint whose names differ from the module's by a rename only."""
+
+    def __init__(self, source: Mapping[str, torch.Tensor], names: Mapping[str, str]):
+        self.source, self.names = source, dict(names)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.source[self.names[name]]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.names
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
 def repoint(t: torch.Tensor, new: torch.Tensor) -> None:
     """Make the tensor object `t` alias `new`, keeping its identity, leafness and requires_grad."""
     if t.is_meta:

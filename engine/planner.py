@@ -106,7 +106,8 @@ def plan(info: ModelInfo, machine: Machine = Machine(), w: Workload = Workload()
     counts, times and a verdict.
 
     A model is its denoiser (one or more experts of `blocks` blocks each; one expert runs per
-    step), a text encoder (streamed block by block too when it has blocks, else resident) and a
+    step), a text encoder (streamed block by block too when it has blocks, else resident), an
+    image encoder when it has one (Wan2.1-I2V's CLIP: fp32, streamed like the text encoder) and a
     VAE (resident, fp32). Fine-tuning trains the parameters the family names trainable (one
     expert of a multi-expert model).
     """
@@ -130,8 +131,14 @@ def plan(info: ModelInfo, machine: Machine = Machine(), w: Workload = Workload()
     # embedding (its blocks stream like the denoiser's) or all of it, and the fp32 VAE.
     text_blocks = counts["text_blocks"]
     text_resident = counts["text_encoder"] - counts["text_per_block"] * text_blocks
+    # An image encoder (Wan2.1-I2V's CLIP, fp32) streams its layers like the text encoder.
+    image_per_block = counts.get("image_per_block", 0)
+    image_resident = counts.get("image_encoder", 0) - image_per_block * counts.get("image_blocks", 0)
     nonblock_bytes = (
-        experts * counts["denoiser_non_block"] * wb + text_resident * wb + counts["vae"] * 4
+        experts * counts["denoiser_non_block"] * wb
+        + text_resident * wb
+        + image_resident * 4
+        + counts["vae"] * 4
     )
     n_tok = tokens(info, w)
     rows = w.batch * (2 if (w.guidance and not finetune) else 1)
@@ -150,7 +157,7 @@ def plan(info: ModelInfo, machine: Machine = Machine(), w: Workload = Workload()
     # Device: weights. Slots hold streamed blocks (one ring per expert, and one for the text
     # encoder's blocks); the rest of the budget keeps denoiser blocks resident.
     slots = experts * w.prefetch * (block_bytes + staging) + (
-        w.prefetch * counts["text_per_block"] * wb
+        w.prefetch * (counts["text_per_block"] * wb + image_per_block * 4)
     )
     lora = 0 if finetune else adapter_bytes(info, w.loras, w.lora_rank, b)
     if w.gpu_budget is None or finetune:  # fine-tuning streams every block

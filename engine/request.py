@@ -67,6 +67,7 @@ class ModelLimits:
     max_prompt_tokens: int  # in the model's own tokens
     frames_offset: int = 0  # e.g. 1 for a causal video VAE (frames = 4k + 1)
     image_input: bool = False  # takes a first-frame image (image-to-video)
+    image_required: bool = False  # and needs one (an image-to-video model makes nothing without)
     experts: int = 1  # denoisers that split the noise levels (fine-tuning trains one at a time)
     prompt_unit: str = "bytes (UTF-8)"
     count_tokens: Callable[[str], int] = count_utf8_bytes
@@ -85,6 +86,7 @@ class ModelLimits:
             "max_prompt_tokens": self.max_prompt_tokens,
             "prompt_unit": self.prompt_unit,
             "image_input": self.image_input,
+            "image_required": self.image_required,
             "experts": self.experts,
         }
 
@@ -408,6 +410,11 @@ def resolve(
             )
         if not Path(request.image).is_file():
             raise RequestError(f"image {request.image} not found", param="input_reference")
+    elif limits.image_required:
+        raise RequestError(
+            "this model makes a video from a first-frame image: give one (input_reference)",
+            param="input_reference",
+        )
     cache = resolve_cache(request.cache)
     seed = request.seed
     if seed is None:

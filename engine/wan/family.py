@@ -1,7 +1,7 @@
 """Wan as a MegaSlide model family: diffusers' and transformers' own modules, MegaSlide's sampler.
 
 The modules are the libraries' classes (`WanTransformer3DModel`, `AutoencoderKLWan`,
-`UMT5EncoderModel`), built on the meta device from their configs and filled by the loader from the
+`UMT5EncoderModel`, `CLIPVisionModel`), built on the meta device from their configs and filled by the loader from the
 directory's safetensors, so the streamer can keep their blocks in host RAM. Sampling follows
 `diffusers.WanPipeline` step for step, so a seed gives the same video:
 
@@ -15,6 +15,11 @@ directory's safetensors, so the streamer can keep their blocks in host RAM. Samp
   output dtype: `uncond + g * (cond - uncond)`;
 - Wan2.2-TI2V with a first-frame image (`WanImageToVideoPipeline`'s way): the image's normalised
   VAE latent stands in for the first latent frame of every input, whose tokens get timestep 0;
+- Wan2.1-I2V and Wan2.2-I2V-A14B (`WanImageToVideoPipeline`): the image, resized to the clip and
+  followed by black frames, is encoded by the VAE once; its latent, behind a mask that is 1 on
+  the first latent frame, rides along every input as extra channels (36 in all for Wan's VAE).
+  Wan2.1-I2V's transformer also cross-attends the image's CLIP features (the second-to-last
+  layer's hidden states), the same for both halves of a guidance pair;
 - latents are de-normalised with the VAE's `latents_mean` / `latents_std` and decoded (tiled
   above 256 pixels, so decoding memory does not grow with the frame size).
 
@@ -34,7 +39,7 @@ import torch
 from torch import nn
 
 from ..family import Component, Family
-from ..host_store import SafetensorsFile
+from ..host_store import RenamedWeights, SafetensorsFile
 from ..lora import Adapter, AdapterRouter, linear_targets
 from ..pipeline import Pipeline
 from ..request import ResolvedVideo, check_loras
@@ -72,8 +77,19 @@ class WanFamily(Family):
         def weights(folder: str):
             if config.transformer_files and folder in config.experts:
                 return _single_file(config, folder, experts[config.experts.index(folder)])
+            if folder == "image_encoder":
+                return _clip_weights(path / folder)
             return SafetensorsFile(weight_files(path / folder))
 
+        image = []
+        if config.image_encoder:
+            encoder = _meta_image_encoder(transformers, path)
+            # CLIP runs in fp32, as diffusers' Wan I2V examples load it; its layers stream like
+            # UMT5's (the pipeline keeps `hidden_states[-2]`, but the last layer still runs).
+            layers = encoder.encoder.layers
+            image = [
+                Component("image_encoder", encoder, layers, weights("image_encoder"), torch.float32)
+            ]
         return [
             Component(
                 "text_encoder",
@@ -82,6 +98,7 @@ class WanFamily(Family):
                 weights("text_encoder"),
                 keep_fp32=text_keep,
             ),
+            *image,
             *(
                 Component(name, expert, expert.blocks, weights(name), keep_fp32=keep)
                 for name, expert in zip(config.experts, experts)
@@ -116,17 +133,20 @@ class WanFamily(Family):
     def training_components(self, info: ModelInfo, expert: str | None) -> set[str]:
         from .training import expert_for
 
+        _check_trainable(info)
         return {expert_for(info.config, expert)[0]}
 
     def training_model(self, info, parts, expert=None):
         from .training import WanTrainingModel, expert_for
 
+        _check_trainable(info)
         name, time_range = expert_for(info.config, expert)
         return WanTrainingModel(name, parts[name], info.config, time_range)
 
     def training_data(self, info, data, run, shape):
         from .training import latent_cache
 
+        _check_trainable(info)  # before the dataset is encoded
         return latent_cache(info, data, run, shape)
 
     def save_trained(self, info, states, path) -> None:
@@ -149,8 +169,17 @@ class WanFamily(Family):
             )
         n_expert, per_block = _numel(expert), _numel(expert.blocks[0])
         n_text, experts = _numel(text), len(config.experts)
+        image = {}
+        if config.image_encoder:
+            clip = _meta_image_encoder(transformers, path)
+            layers = clip.encoder.layers
+            image = {
+                "image_encoder": _numel(clip),
+                "image_per_block": _numel(layers[0]),
+                "image_blocks": len(layers),
+            }
         return {
-            "total": experts * n_expert + n_text + _numel(vae),
+            "total": experts * n_expert + n_text + image.get("image_encoder", 0) + _numel(vae),
             "per_block": per_block,
             "blocks": config.depth,
             "experts": experts,
@@ -161,6 +190,7 @@ class WanFamily(Family):
             "text_blocks": len(text.encoder.block),
             "vae": _numel(vae),
             "trainable": n_expert,  # one expert at a time; the text encoder and VAE stay frozen
+            **image,
         }
 
 
@@ -175,6 +205,36 @@ def _meta_transformer(diffusers, folder: Path) -> nn.Module:
             model.rope.attention_head_dim, model.rope.patch_size, model.rope.max_seq_len
         )
     return model
+
+
+def _check_trainable(info: ModelInfo) -> None:
+    if info.config.image_condition:
+        raise ValueError(
+            f"{info.name} is an image-to-video model: fine-tuning trains on captioned clips "
+            "without an image condition, so it takes text-to-video Wan models (and TI2V) only"
+        )
+
+
+def _meta_image_encoder(transformers, path: Path) -> nn.Module:
+    """Wan2.1-I2V's CLIPVisionModel on the meta device, with its position ids, which it computes
+    rather than stores, built for real on the CPU."""
+    config = transformers.CLIPVisionConfig.from_pretrained(
+        path / "image_encoder", local_files_only=True
+    )
+    with torch.device("meta"):
+        model = transformers.CLIPVisionModel(config)
+    embeddings = model.embeddings
+    embeddings.position_ids = torch.arange(embeddings.num_positions).expand((1, -1))  # (1, N)
+    return model
+
+
+def _clip_weights(folder: Path) -> RenamedWeights:
+    """CLIPVisionModel's weights in transformers 5's names. Files written by transformers 4 (the
+    published Wan2.1-I2V ones) put `vision_model.` in front of every key; transformers 5's model
+    has no such level and strips it when it loads them (the `PrefixChange` of its conversion
+    mapping), as this key map does."""
+    file = SafetensorsFile(weight_files(folder))
+    return RenamedWeights(file, {k.removeprefix("vision_model."): k for k in file})
 
 
 def _single_file(config: WanConfig, folder: str, expert: nn.Module):
@@ -199,10 +259,15 @@ class WanState:
     context: torch.Tensor  # (1 or 2, 512, text_dim): the prompt, then the negative when guided
     scheduler: object  # this request's own scheduler (UniPC keeps a history)
     grid: tuple[int, int, int]  # token grid of the latents
-    # With a first-frame image: its normalised latent `(1, C, 1, H', W')`, and the mask `(1, 1, F',
-    # H', W')` that is 0 on the first latent frame (taken from the image) and 1 elsewhere.
+    # With a first-frame image, as the model's config says (config.py):
+    # - TI2V: `condition` is the image's normalised latent `(1, C, 1, H', W')`, and `mask` `(1, 1,
+    #   F', H', W')` is 0 on the first latent frame (taken from the image) and 1 elsewhere;
+    # - I2V (`image_condition`): `condition` `(1, 4 + C, F', H', W')` fp32 is the mask of the
+    #   frames given and the latent of the image and black frames, the input's extra channels;
+    #   `mask` is None. `image_embeds`: Wan2.1-I2V's CLIP features `(1, N, image_dim)`.
     condition: torch.Tensor | None = None
     mask: torch.Tensor | None = None
+    image_embeds: torch.Tensor | None = None
     cache: StepCache | None = None  # a step cache: may reuse an earlier output instead of a pass
     step: int = 0
     num_steps: int = field(init=False)
@@ -234,8 +299,18 @@ class WanState:
         return float(t) / self.scheduler.config.num_train_timesteps
 
     def model_input(self) -> torch.Tensor:
-        """The latents as the model sees them: the first frame from the image, when there is one."""
+        """The latents as the model sees them: TI2V's first frame from the image, or I2V's image
+        condition as extra channels `(1, 2C + 4, F', H', W')`."""
         if self.condition is None:
+            return self.latents
+        if self.mask is None:
+            return torch.cat([self.latents, self.condition], dim=1)
+        return self.clip_latents()
+
+    def clip_latents(self) -> torch.Tensor:
+        """The latents of the clip as it stands `(1, C, F', H', W')`: TI2V's first frame is the
+        image's (I2V's model denoises the first frame itself)."""
+        if self.mask is None:
             return self.latents
         return (1 - self.mask) * self.condition + self.mask * self.latents
 
@@ -250,7 +325,9 @@ class WanVideoPipeline(Pipeline):
         path = info.source.path
         self.config = config
         self.batched = batched
-        self.encoders = WanEncoders(path, config, parts["text_encoder"], parts["vae"])
+        self.encoders = WanEncoders(
+            path, config, parts["text_encoder"], parts["vae"], parts.get("image_encoder")
+        )
         self.experts = [parts[name] for name in config.experts]
         scheduler_class = getattr(diffusers, config.scheduler)
         self.scheduler = scheduler_class.from_pretrained(
@@ -306,24 +383,37 @@ class WanVideoPipeline(Pipeline):
         cache = StepCache.from_spec(video.cache)
         state = WanState(video, latents, context, scheduler, grid, cache=cache)
         if video.image is not None:
-            state.condition = self._image_latent(video)
-            state.mask = torch.ones((1, 1, *shape[2:]), dtype=torch.float32, device=self.device)
-            state.mask[:, :, 0] = 0
+            self._condition(state)
         return state
 
     @torch.no_grad()
-    def _image_latent(self, video: ResolvedVideo) -> torch.Tensor:
-        """The first-frame image's normalised latent `(1, C, 1, H', W')`, as WanImageToVideoPipeline
-        makes it: resized to the clip by diffusers' own video processor, then encoded."""
+    def _condition(self, state: WanState) -> None:
+        """Condition `state` on its first-frame image, as WanImageToVideoPipeline does: the image
+        resized to the clip by diffusers' own video processor and encoded by the VAE (I2V: followed
+        by black frames, the clip's length in all), and Wan2.1-I2V's CLIP features of it."""
         from diffusers.video_processor import VideoProcessor
         from PIL import Image
 
+        video, (_, _, frames, h, w) = state.video, state.latents.shape
         processor = VideoProcessor(vae_scale_factor=self.config.vae_spatial)
         with Image.open(video.image) as image:
-            pixels = processor.preprocess(
-                image.convert("RGB"), height=video.height, width=video.width
-            )
-        return self.encoders.clip(pixels.to(torch.float32).unsqueeze(2))  # from (1, 3, 1, H, W)
+            image = image.convert("RGB")
+        pixels = processor.preprocess(image, height=video.height, width=video.width)
+        pixels = pixels.to(torch.float32).unsqueeze(2)  # (1, 3, 1, H, W) in [-1, 1]
+        if not self.config.image_condition:  # TI2V: the image's latent is the first frame
+            state.condition = self.encoders.clip(pixels)  # (1, C, 1, H', W')
+            state.mask = torch.ones((1, 1, frames, h, w), dtype=torch.float32, device=self.device)
+            state.mask[:, :, 0] = 0
+            return
+        black = pixels.new_zeros((1, 3, video.frames - 1, video.height, video.width))
+        latent = self.encoders.clip(torch.cat([pixels, black], dim=2))  # (1, C, F', H', W')
+        # One mask channel per pixel frame of a latent frame (the first latent frame holds the
+        # image alone, repeated): 1 where the frame is given.
+        given = torch.zeros((1, self.config.vae_temporal, frames, h, w), device=self.device)
+        given[:, :, 0] = 1
+        state.condition = torch.cat([given, latent], dim=1)  # (1, 4 + C, F', H', W')
+        if self.encoders.image_encoder is not None:
+            state.image_embeds = self.encoders.image(image).to(self.device, self.dtype)
 
     def _expert(self, state: WanState) -> int:
         return 0 if self.boundary is None or state.timestep >= self.boundary else 1
@@ -360,14 +450,14 @@ class WanVideoPipeline(Pipeline):
                         cond, uncond = noise[:1], noise[1:]
                         noise = uncond + s.video.guidance * (cond - uncond)
                     if s.cache is not None:
-                        s.cache.record(s.flow_time(s.step), s.model_input(), noise, key=e)
+                        s.cache.record(s.flow_time(s.step), s.clip_latents(), noise, key=e)
                 s.latents = s.scheduler.step(noise, s.timestep, s.latents, return_dict=False)[0]
                 s.step += 1
 
     def _forward(self, model: nn.Module, group: list[WanState], halves) -> torch.Tensor:
         """One pass of `model` over the rows of `group`: each request's conditional row and (when
         guided) its unconditional row, for the halves asked for; `(rows, C, F', H', W')`."""
-        latents, timesteps, context, adapters = [], [], [], []
+        latents, timesteps, context, images, adapters = [], [], [], [], []
         expert = self.expert_names[self.experts.index(model)]
         for s in group:
             for half in halves:
@@ -376,6 +466,7 @@ class WanVideoPipeline(Pipeline):
                 latents.append(s.model_input())
                 timesteps.append(self._timestep(s))
                 context.append(s.context[half : half + 1])
+                images.append(s.image_embeds)  # both halves see the image, as in diffusers
                 # Both halves of a guidance pair take the request's adapters, as diffusers does.
                 adapters.append(
                     [(c.name, c.scale) for c in s.video.loras if c.expert in (None, expert)]
@@ -384,11 +475,14 @@ class WanVideoPipeline(Pipeline):
             from .attention import set_grid
 
             set_grid(model, group[0].grid)  # a batch shares one latent shape
+        # Every row of a model with an image encoder has its image (it is required).
+        image = torch.cat(images) if images[0] is not None else None  # (rows, N, image_dim)
         with torch.no_grad(), self.adapters.rows(adapters):
             return model(
                 hidden_states=torch.cat(latents).to(self.dtype),
                 timestep=torch.cat(timesteps),
                 encoder_hidden_states=torch.cat(context),
+                encoder_hidden_states_image=image,
                 return_dict=False,
             )[0]
 
@@ -407,4 +501,4 @@ class WanVideoPipeline(Pipeline):
     def finish(self, state: WanState) -> np.ndarray:
         if not state.done:
             raise RuntimeError(f"state is at step {state.step} of {state.num_steps}")
-        return self.encoders.decode(state.model_input())
+        return self.encoders.decode(state.clip_latents())
