@@ -133,7 +133,9 @@ def plan(info: ModelInfo, machine: Machine = Machine(), w: Workload = Workload()
     text_resident = counts["text_encoder"] - counts["text_per_block"] * text_blocks
     # An image encoder (Wan2.1-I2V's CLIP, fp32) streams its layers like the text encoder.
     image_per_block = counts.get("image_per_block", 0)
-    image_resident = counts.get("image_encoder", 0) - image_per_block * counts.get("image_blocks", 0)
+    image_resident = counts.get("image_encoder", 0) - image_per_block * counts.get(
+        "image_blocks", 0
+    )
     nonblock_bytes = (
         experts * counts["denoiser_non_block"] * wb
         + text_resident * wb

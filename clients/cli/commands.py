@@ -38,7 +38,11 @@ def register_generate(sub) -> None:
     p.add_argument("--fps", type=int, help="frames per second of the MP4 (default: the model's)")
     p.add_argument("--guidance", type=float, help="classifier-free guidance scale (1 = off)")
     p.add_argument("--negative-prompt", default="", help="what to steer away from")
-    p.add_argument("--image", help="first-frame image, for a model that takes one (Wan2.2-TI2V)")
+    p.add_argument(
+        "--image",
+        help="first-frame image, for a model that takes one (Wan2.2-TI2V) or needs one (the I2V "
+        "models); with --server it is uploaded",
+    )
     p.add_argument(
         "--cache",
         help="step cache: a preset (quality, balanced, fast; default off), POLICY:THRESHOLD "

@@ -94,6 +94,8 @@ def generate_remote(args, request) -> int:
     no_progress. Ctrl-C cancels the job on the server, since nobody is left to fetch its result.
     """
     _check_local_only(args, LOCAL_ONLY_GENERATE)
+    if request.image is not None and not Path(request.image).is_file():
+        raise UsageError(f"--image: {request.image} not found")
     sdk = _sdk()
     client = sdk.Client(base_url=args.server, api_key=args.api_key)
     with client:
@@ -113,6 +115,7 @@ def generate_remote(args, request) -> int:
                     {"name": c.name, "scale": c.scale, "expert": c.expert} for c in request.loras
                 ]
                 or None,
+                input_reference=request.image,  # uploaded; the server checks the model takes it
             )
             print(
                 f"video {video.id} queued on {client.base_url} (model {video.model}, {video.size}, "
