@@ -401,20 +401,7 @@ def resolve(
         raise RequestError(
             f"guidance_scale must be a finite number >= 0, got {guidance}", param="guidance_scale"
         )
-    if request.image is not None:
-        if not limits.image_input:
-            raise RequestError(
-                "this model does not take a first-frame image (input_reference)",
-                param="input_reference",
-                code="unsupported_parameter",
-            )
-        if not Path(request.image).is_file():
-            raise RequestError(f"image {request.image} not found", param="input_reference")
-    elif limits.image_required:
-        raise RequestError(
-            "this model makes a video from a first-frame image: give one (input_reference)",
-            param="input_reference",
-        )
+    check_image(request.image, limits)
     cache = resolve_cache(request.cache)
     seed = request.seed
     if seed is None:
@@ -437,6 +424,26 @@ def resolve(
         loras=loras,
         shift=adapter_defaults.get("shift"),
     )
+
+
+def check_image(image: str | None, limits: ModelLimits) -> None:
+    """RequestError unless the model takes this first-frame image (a file that exists), or does
+    without one."""
+    if image is None:
+        if limits.image_required:
+            raise RequestError(
+                "this model makes a video from a first-frame image: give one (input_reference)",
+                param="input_reference",
+            )
+        return
+    if not limits.image_input:
+        raise RequestError(
+            "this model does not take a first-frame image (input_reference)",
+            param="input_reference",
+            code="unsupported_parameter",
+        )
+    if not Path(image).is_file():
+        raise RequestError(f"image {image} not found", param="input_reference")
 
 
 def check_loras(

@@ -185,6 +185,7 @@ def read_wan_config(path: Path) -> WanConfig:
             "num_attention_heads",
             "attention_head_dim",
             "text_dim",
+            "image_dim",
         )
         if any(o.get(k) != t.get(k) for k in shared):
             raise WanFormatError(f"{path / other / 'config.json'} does not match {experts[0]}")

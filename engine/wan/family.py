@@ -1,8 +1,8 @@
 """Wan as a MegaSlide model family: diffusers' and transformers' own modules, MegaSlide's sampler.
 
 The modules are the libraries' classes (`WanTransformer3DModel`, `AutoencoderKLWan`,
-`UMT5EncoderModel`, `CLIPVisionModel`), built on the meta device from their configs and filled by the loader from the
-directory's safetensors, so the streamer can keep their blocks in host RAM. Sampling follows
+`UMT5EncoderModel`, `CLIPVisionModel`), built on the meta device from their configs and filled by
+the loader from the directory's safetensors, so the streamer can keep their blocks in host RAM. Sampling follows
 `diffusers.WanPipeline` step for step, so a seed gives the same video:
 
 - prompts are cleaned, tokenized to 512 tokens and encoded by UMT5; positions past a prompt's end
@@ -42,7 +42,7 @@ from ..family import Component, Family
 from ..host_store import RenamedWeights, SafetensorsFile
 from ..lora import Adapter, AdapterRouter, linear_targets
 from ..pipeline import Pipeline
-from ..request import ResolvedVideo, check_loras
+from ..request import ResolvedVideo, check_image, check_loras
 from ..sources import ModelInfo
 from ..step_cache import StepCache
 from .config import WanConfig, weight_files
@@ -363,6 +363,7 @@ class WanVideoPipeline(Pipeline):
     def prepare(self, video: ResolvedVideo) -> WanState:
         # The adapters it names must be registered here (a request stored elsewhere may not know).
         check_loras(video.loras, self.info.limits, self.adapter_defaults())
+        check_image(video.image, self.info.limits)  # nor its image rule (an older card's)
         guided = video.guidance > 1.0
         if self.batched or not guided:
             context = self.encode([video.prompt, video.negative_prompt][: 1 + guided])
