@@ -226,3 +226,27 @@ def test_served_with_the_sdk_and_the_command_line(wan, tmp_path):
         ]
         assert main([*command, *args]) == 0
         assert out.read_bytes()[4:8] == b"ftyp"
+
+
+def test_command_line_generates_describes_and_plans(wan, tmp_path, capsys):
+    """`megaslide generate --image` locally, a refusal naming the image when it is missing, and
+    `info` / `plan` counting the CLIP encoder (its layers stream like UMT5's)."""
+    from megaslide.cli.main import main
+
+    out = tmp_path / "local.mp4"
+    args = ["--size", "32x32", "--frames", "5", "--steps", "2", "--no-progress"]
+    command = ["generate", PROMPT, "--model", str(wan["i2v"]), "-o", str(out), *args]
+    assert main([*command, "--image", str(wan["image"])]) == 0
+    assert out.read_bytes()[4:8] == b"ftyp"
+    capsys.readouterr()
+    assert main(command) == 2
+    assert "from a first-frame image" in capsys.readouterr().err
+    assert main(["info", "--model", str(wan["i2v"]), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    counts = info["parameter_counts"]
+    assert counts["image_blocks"] == 3 and info["limits"]["image_required"]
+    assert counts["total"] == sum(
+        counts[k] for k in ("denoiser", "text_encoder", "image_encoder", "vae")
+    )
+    assert main(["plan", "--model", str(wan["i2v"]), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["parameters"] == counts["total"]
