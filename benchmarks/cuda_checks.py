@@ -84,6 +84,7 @@ def h2d_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> dict:
 
 def training_step(model: Path, device: str) -> dict:
     from megaslide.engine.blockwise import BlockwiseStep, StepConfig, master_state_dicts
+    from megaslide.engine.finetune_spec import OptimizerSpec
     from megaslide.engine.native import DiTTrainingModel
 
     info = describe(resolve_source(model))
@@ -98,7 +99,7 @@ def training_step(model: Path, device: str) -> dict:
             offload=offload,
             timing=options.get("timing", False),
         )
-        config = StepConfig(lr=1e-4, offload=offload, **options)
+        config = StepConfig(optimizer=OptimizerSpec(lr=1e-4), offload=offload, **options)
         model = DiTTrainingModel(parts["dit"].train(), parts["text_encoder"].train())
         return BlockwiseStep(model, device, config, handles.get("dit"))
 

@@ -42,6 +42,7 @@ from megaslide.engine.blockwise import NON_BLOCK, BlockwiseStep, StepConfig, mas
 from megaslide.engine.checkpoint import save_model
 from megaslide.engine.config import PRESETS, DiTConfig, SamplingDefaults, TextEncoderConfig
 from megaslide.engine.dit import VideoDiT
+from megaslide.engine.finetune_spec import OptimizerSpec
 from megaslide.engine.host_store import layout_nbytes
 from megaslide.engine.loader import open_model, open_pipeline
 from megaslide.engine.native import DiTTrainingModel
@@ -303,7 +304,8 @@ def _open_step(model, device, offload, prefetch, autocast, ordering=None):
         prefetch=prefetch,
         ordering=ordering,
     )
-    config = StepConfig(lr=1e-3, weight_decay=0.01, offload=offload, autocast=autocast)
+    optimizer = OptimizerSpec(lr=1e-3, weight_decay=0.01)
+    config = StepConfig(optimizer=optimizer, offload=offload, autocast=autocast)
     model = DiTTrainingModel(parts["dit"].train(), parts["text_encoder"].train())
     return BlockwiseStep(model, device, config, handles.get("dit"))
 

@@ -31,7 +31,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # the tests' tiny Wan builder
 
 from megaslide.engine.family import TrainingShape  # noqa: E402
-from megaslide.engine.finetune import FinetuneConfig, open_trainer  # noqa: E402
+from megaslide.engine.finetune import open_trainer  # noqa: E402
+from megaslide.engine.finetune_spec import (  # noqa: E402
+    ClipSpec,
+    FinetuneSpec,
+    OptimizerSpec,
+    RunSpec,
+    ScheduleSpec,
+)
 from megaslide.engine.loader import open_model  # noqa: E402
 from megaslide.engine.sources import describe, resolve_source  # noqa: E402
 from megaslide.engine.wan.training import WanTrainingModel, latent_cache  # noqa: E402
@@ -44,20 +51,15 @@ DSA = {"attention": "dsa", "dsa_tile": (1, 2, 2), "dsa_window": (3, 3, 3)}
 
 
 def train(
-    model: Path, data: Path, output: Path, steps: int, lr: float, **changes
+    model: Path, data: Path, output: Path, steps: int, lr: float, attention: str | None = None
 ) -> tuple[Path, list]:
-    config = FinetuneConfig(
-        output=str(output),
-        steps=steps,
-        lr=lr,
-        batch_size=4,
-        save_every=10**6,
-        caption_dropout=0.0,
-        offload="none",
-        **SHAPE,
-        **changes,
+    spec = FinetuneSpec(
+        run=RunSpec(output=str(output), save_every=10**6, attention=attention),
+        schedule=ScheduleSpec(steps=steps),
+        optimizer=OptimizerSpec(lr=lr),
+        clips=ClipSpec(**SHAPE, batch_size=4, caption_dropout=0.0),
     )
-    with open_trainer(model, data, config) as t:
+    with open_trainer(model, data, spec) as t:
         losses = [t.train_step()["loss"] for _ in range(steps)]
         return t.export(), losses
 

@@ -26,12 +26,13 @@ from __future__ import annotations
 import contextlib
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
+from .finetune_spec import OptimizerSpec
 from .flow import noisy_sample, sample_training_times, velocity_target
 from .optim import CPUAdamW
 from .ordering import Ordering, make_ordering
@@ -43,11 +44,7 @@ NON_BLOCK = "non_block"  # optimizer block id of everything outside the blocks
 
 @dataclass(frozen=True)
 class StepConfig:
-    lr: float = 1e-4
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    grad_accum: int = 1
-    max_grad_norm: float | None = None
+    optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
     offload: str = "none"  # "none": blocks stay on the device; "stream": streamed from host RAM
     autocast: torch.dtype | None = None  # e.g. torch.bfloat16 on CUDA; None computes in fp32
     timing: bool = False  # per-block copy and compute times in the streamer's stats and trace
@@ -130,14 +127,7 @@ class BlockwiseStep:
             block_masters = {i: self._host_master(dict(trainable(b))) for i, b in enumerate(blocks)}
         # Block masters are keyed by names inside the block ("attn.qkv.weight").
         self.masters = {**block_masters, NON_BLOCK: non_block_master}
-        self.optimizer = CPUAdamW(
-            self.masters,
-            lr=config.lr,
-            betas=config.betas,
-            weight_decay=config.weight_decay,
-            accumulation_steps=config.grad_accum,
-            max_grad_norm=config.max_grad_norm,
-        )
+        self.optimizer = CPUAdamW.from_spec(self.masters, config.optimizer)
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megaslide-adamw")
         largest = max(sum(t.numel() for t in named.values()) for named in self.masters.values())
         # Gradients leave on a copy stream of their own, on the device (or simulated device) the
@@ -179,7 +169,7 @@ class BlockwiseStep:
         x0, noise, t = x0.to(self.device), noise.to(self.device), t.to(self.device)
         x_t = noisy_sample(x0, noise, t)  # (B, C, F, H, W)
         target = velocity_target(x0, noise)
-        last = self.micro + 1 == self.config.grad_accum
+        last = self.micro + 1 == self.config.optimizer.grad_accum
 
         # 1. Prologue with autograd; blocks without, keeping each block's input.
         with self.autocast():
@@ -200,14 +190,14 @@ class BlockwiseStep:
         with self.autocast():
             v = model.epilogue(x, leaves, static)  # (B, C, F, H, W)
             loss = torch.nn.functional.mse_loss(v.float(), target.float())
-        (loss / self.config.grad_accum).backward()
+        (loss / self.config.optimizer.grad_accum).backward()
         grad = x.grad
 
         # 3. Blocks in reverse: recompute, backpropagate, hand gradients to the CPU optimizer.
         pending: list[Future] = []
         sq_norm = torch.zeros((), device=self.device)
         weight = torch.tensor(
-            self.config.aux_loss_weight / self.config.grad_accum, device=self.device
+            self.config.aux_loss_weight / self.config.optimizer.grad_accum, device=self.device
         )
         with io.manual(order="reverse"):
             for i in reversed(range(len(blocks))):
@@ -250,7 +240,7 @@ class BlockwiseStep:
         for f in pending:
             # The next forward reads the masters these updates write: wait for every one of them.
             f.result()
-        if last and self.config.max_grad_norm is not None:
+        if last and self.config.optimizer.max_grad_norm is not None:
             for block_id in self.masters:  # clipping needs every gradient before any update
                 self.optimizer.step_block(block_id)
         if last:
@@ -259,7 +249,7 @@ class BlockwiseStep:
         # One host read per micro-step for the metrics; the values are needed on the host anyway.
         return {
             "loss": loss.item(),
-            "grad_norm": sq_norm.sqrt().item() * self.config.grad_accum,
+            "grad_norm": sq_norm.sqrt().item() * self.config.optimizer.grad_accum,
             "step_time_s": time.perf_counter() - start,
             "stepped": last,
         }
@@ -272,7 +262,7 @@ class BlockwiseStep:
         # The optimizer reads the pinned buffers the D2H copy is filling: wait for that copy
         # (this worker thread only; the GPU and the thread driving it go on).
         self.drain.wait(landed)
-        if not last or self.config.max_grad_norm is not None:
+        if not last or self.config.optimizer.max_grad_norm is not None:
             self.optimizer.accumulate(block_id, grads)
         else:
             self.optimizer.step_block(block_id, grads)

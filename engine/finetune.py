@@ -1,7 +1,7 @@
 """Adaptation mode: full-parameter fine-tuning of a video DiT on a directory of captioned clips.
 
-`open_trainer(source, data, config)` opens a run; the `Trainer` owns it: it validates the dataset
-before the first step, opens the model through the loader (fp32, streamed or resident), streams
+`open_trainer(source, data, spec)` opens a run (`FinetuneSpec`: finetune_spec.py); the `Trainer`
+owns it: it validates the dataset before the first step, opens the model through the loader (fp32, streamed or resident), streams
 decoded clips from a background loader, runs `BlockwiseStep` (see blockwise.py), appends one JSON
 line of metrics per step to `<output>/metrics.jsonl`, and writes checkpoints atomically:
 
@@ -24,7 +24,7 @@ import math
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -32,90 +32,25 @@ import torch
 from .atomic import atomic_directory, remove_stale
 from .blockwise import BlockwiseStep, StepConfig, master_state_dicts
 from .family import TrainingShape, family
+from .finetune_spec import FinetuneSpec
 from .loader import as_source, open_model
 from .sources import ModelSource, describe
 
 CHECKPOINTS = "checkpoints"
 METRICS = "metrics.jsonl"
-LR_SCHEDULES = ("constant", "cosine")
 
 
-@dataclass(frozen=True)
-class FinetuneConfig:
-    """How a fine-tuning run trains: `steps` or `epochs`, the optimizer, the clips, the device.
-
-    The model it starts from and the data it reads are arguments of `open_trainer`.
-    """
-
-    output: str
-    steps: int | None = None
-    epochs: float | None = None
-    lr: float = 1e-4
-    batch_size: int = 1
-    grad_accum: int = 1
-    weight_decay: float = 0.0
-    max_grad_norm: float | None = None
-    save_every: int = 50
-    seed: int = 0
-    device: str = "cpu"
-    offload: str = "none"
-    frames: int | None = None  # training clip shape (default: the model's sampling default)
-    height: int | None = None
-    width: int | None = None
-    attention: str | None = None  # train with this self-attention backend (default: the model's)
-    timing: bool = False  # streamer timings for stats and traces
-    caption_dropout: float = (
-        0.1  # fraction of captions replaced by "" so guidance has an unconditional model
-    )
-    time_sampling: str = "logit-normal"  # training flow times: flow.TIME_SAMPLING
-    lr_schedule: str = "constant"  # LR_SCHEDULES; "cosine" decays to 0 at the run's last step
-    warmup_steps: int = 0  # linear warm-up from lr / warmup_steps to lr
-    cache_mb: int = 1024  # decoded training clips kept in RAM (a small dataset is decoded once)
-    until: int | None = None  # stop after this step of the schedule; a resumed run continues it
-    expert: str | None = None  # a multi-expert model (Wan2.2-A14B): "high" or "low" noise
-
-    def validate(self) -> None:
-        if (self.steps is None) == (self.epochs is None):
-            raise ValueError("give exactly one of steps and epochs")
-        for name in (
-            "steps",
-            "batch_size",
-            "grad_accum",
-            "save_every",
-            "frames",
-            "height",
-            "width",
-            "until",
-        ):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"{name} must be at least 1, got {value}")
-        if self.epochs is not None and self.epochs <= 0:
-            raise ValueError(f"epochs must be positive, got {self.epochs}")
-        if not 0 <= self.caption_dropout < 1:
-            raise ValueError(f"caption_dropout must be in [0, 1), got {self.caption_dropout}")
-        if self.lr <= 0:
-            raise ValueError(f"lr must be positive, got {self.lr}")
-        if self.lr_schedule not in LR_SCHEDULES:
-            raise ValueError(f"lr_schedule must be one of {LR_SCHEDULES}, got {self.lr_schedule!r}")
-        if self.cache_mb < 0:
-            raise ValueError(f"cache_mb must be >= 0, got {self.cache_mb}")
-        if self.warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
-        if self.offload not in ("none", "stream"):
-            raise ValueError(f"offload must be 'none' or 'stream', got {self.offload!r}")
-
-
-def learning_rate(config: FinetuneConfig, step: int, total_steps: int) -> float:
+def learning_rate(spec: FinetuneSpec, step: int, total_steps: int) -> float:
     """The learning rate of optimizer step `step` (0-based) of `total_steps`: a pure function of
     the step, so a resumed run follows the same schedule."""
-    if step < config.warmup_steps:
-        return config.lr * (step + 1) / config.warmup_steps
-    if config.lr_schedule == "constant":
-        return config.lr
-    decay = max(1, total_steps - config.warmup_steps)
-    progress = min(1.0, (step - config.warmup_steps) / decay)
-    return config.lr * 0.5 * (1 + math.cos(math.pi * progress))
+    lr, schedule = spec.optimizer.lr, spec.schedule
+    if step < schedule.warmup_steps:
+        return lr * (step + 1) / schedule.warmup_steps
+    if schedule.lr_schedule == "constant":
+        return lr
+    decay = max(1, total_steps - schedule.warmup_steps)
+    progress = min(1.0, (step - schedule.warmup_steps) / decay)
+    return lr * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def list_checkpoints(output: str | os.PathLike) -> list[dict]:
@@ -135,31 +70,32 @@ def list_checkpoints(output: str | os.PathLike) -> list[dict]:
 def open_trainer(
     source: ModelSource | str | Path | None,
     data: str | os.PathLike,
-    config: FinetuneConfig,
+    spec: FinetuneSpec,
     *,
     resume: bool = False,
 ) -> Trainer:
     """A fine-tuning run of the model at `source` (as for `open_pipeline`) on the dataset at
-    `data`; with `resume`, it continues from the newest checkpoint in `config.output`."""
-    return Trainer(as_source(source), data, config, resume=resume)
+    `data`; with `resume`, it continues from the newest checkpoint in `spec.run.output`."""
+    return Trainer(as_source(source), data, spec, resume=resume)
 
 
 class Trainer:
     """A fine-tuning run, one optimizer step per `train_step()`."""
 
     def __init__(
-        self, source: ModelSource, data: str | os.PathLike, config: FinetuneConfig, *, resume: bool
+        self, source: ModelSource, data: str | os.PathLike, spec: FinetuneSpec, *, resume: bool
     ):
-        config.validate()
-        self.config = config
-        self.output = Path(config.output)
-        overrides = {"attention": config.attention} if config.attention else {}
+        spec.validate()
+        self.spec = spec
+        run, clips, runtime = spec.run, spec.clips, spec.runtime
+        self.output = Path(run.output)
+        overrides = {"attention": run.attention} if run.attention else {}
         info = describe(source, **overrides)
         s = info.sampling
         self.frames, self.height, self.width = (
-            config.frames or s.frames,
-            config.height or s.height,
-            config.width or s.width,
+            clips.frames or s.frames,
+            clips.height or s.height,
+            clips.width or s.width,
         )
         info.limits.check_clip(self.frames, self.width, self.height)
         self.family = family(info.family)
@@ -169,20 +105,19 @@ class Trainer:
             frames=self.frames,
             width=self.width,
             height=self.height,
-            batch_size=config.batch_size,
-            seed=config.seed,
-            cache_mb=config.cache_mb,
-            device=config.device,
+            batch_size=clips.batch_size,
+            seed=run.seed,
+            cache_mb=runtime.cache_mb,
+            device=runtime.device,
         )
         # The dataset is checked (and, for a family with frozen encoders, encoded) before anything
         # else happens: a bad file fails the run now.
         self.data = self.family.training_data(info, Path(data), self.output, shape)
         self.loader = self.data.loader
-        per_step = config.batch_size * config.grad_accum
-        self.total_steps = config.steps or max(
-            1, math.ceil(config.epochs * len(self.data) / per_step)
-        )
-        self.generator = torch.Generator().manual_seed(config.seed)
+        steps, epochs = spec.schedule.length
+        per_step = clips.batch_size * spec.optimizer.grad_accum
+        self.total_steps = steps or max(1, math.ceil(epochs * len(self.data) / per_step))
+        self.generator = torch.Generator().manual_seed(run.seed)
         self.step = 0
         # The context checkpoints and exports are published in (renamed into place): a server
         # holds its claim's lock there and raises once the run is no longer its own, so a run
@@ -197,28 +132,25 @@ class Trainer:
         self.info = info
         parts, handles = open_model(
             info,
-            device=config.device,
+            device=runtime.device,
             dtype=torch.float32,
-            offload=config.offload,
-            timing=config.timing,
-            only=self.family.training_components(info, config.expert),
+            offload=runtime.offload,
+            timing=runtime.timing,
+            only=self.family.training_components(info, run.expert),
         )
         for module in parts.values():
             module.train()
-        model = self.family.training_model(info, parts, config.expert)
-        cuda = torch.device(config.device).type == "cuda"
+        model = self.family.training_model(info, parts, run.expert)
+        cuda = torch.device(runtime.device).type == "cuda"
         step_config = StepConfig(
-            lr=config.lr,
-            weight_decay=config.weight_decay,
-            grad_accum=config.grad_accum,
-            max_grad_norm=config.max_grad_norm,
-            offload=config.offload,
+            optimizer=spec.optimizer,
+            offload=runtime.offload,
             autocast=torch.bfloat16 if cuda else None,
-            timing=config.timing,
-            time_sampling=config.time_sampling,
+            timing=runtime.timing,
+            time_sampling=clips.time_sampling,
         )
         handle = handles.get(model.blocks_owner)
-        self.blockwise = BlockwiseStep(model, config.device, step_config, handle)
+        self.blockwise = BlockwiseStep(model, runtime.device, step_config, handle)
         if checkpoints:
             self._restore(latest)
         else:
@@ -230,20 +162,20 @@ class Trainer:
     @property
     def done(self) -> bool:
         """At the end of the schedule, or at the step this part of the run stops at."""
-        return self.step >= min(self.total_steps, self.config.until or self.total_steps)
+        until = self.spec.schedule.until
+        return self.step >= min(self.total_steps, until or self.total_steps)
 
     def train_step(self) -> dict:
         """One optimizer step (`grad_accum` micro-batches); checkpoints every `save_every` steps."""
         start = time.perf_counter()
         h2d0, d2h0 = self.blockwise.h2d_bytes, self.blockwise.d2h_bytes
         losses, norm = [], 0.0
-        self.blockwise.optimizer.lr = learning_rate(self.config, self.step, self.total_steps)
-        for _ in range(self.config.grad_accum):
+        self.blockwise.optimizer.lr = learning_rate(self.spec, self.step, self.total_steps)
+        for _ in range(self.spec.optimizer.grad_accum):
             batch = next(self.loader)
             # Dropped captions teach the model the unconditional velocity guidance extrapolates from.
-            drop = (
-                torch.rand(len(batch.text), generator=self.generator) < self.config.caption_dropout
-            )
+            dropout = self.spec.clips.caption_dropout
+            drop = torch.rand(len(batch.text), generator=self.generator) < dropout
             condition = self.data.condition(batch, drop.tolist())
             out = self.blockwise.micro_step(self.data.x0(batch), condition, self.generator)
             losses.append(out["loss"])
@@ -262,7 +194,7 @@ class Trainer:
         }
         self._metrics.write(json.dumps(metrics) + "\n")
         self._metrics.flush()
-        if self.step % self.config.save_every == 0:
+        if self.step % self.spec.run.save_every == 0:
             self.save_checkpoint()
         return metrics
 
@@ -288,7 +220,7 @@ class Trainer:
                 "step": self.step,
                 "loader": self.loader.state_dict(),
                 "generator": self.generator.get_state(),
-                "config": asdict(self.config),
+                "spec": asdict(self.spec),
             }
             torch.save(state, tmp / "state.pt")
         return final

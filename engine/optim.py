@@ -67,6 +67,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .finetune_spec import OptimizerSpec
+
 FP32_BYTES = 4
 
 # The fused kernel splits each tensor into 64-byte cache-line units (16 fp32) and runs 16-wide
@@ -140,11 +142,28 @@ class CPUAdamW:
     ``opt.step_block(i, out=...)`` for each block (see the module docstring).
     """
 
+    @classmethod
+    def from_spec(
+        cls, blocks: Mapping[Hashable, Mapping[str, Tensor]], spec: OptimizerSpec, **options
+    ) -> CPUAdamW:
+        """The optimizer a fine-tuning spec's optimizer section asks for (`options`: threads,
+        chunk_numel, decay_filter)."""
+        return cls(
+            blocks,
+            lr=spec.lr,
+            betas=spec.betas,
+            eps=spec.eps,
+            weight_decay=spec.weight_decay,
+            accumulation_steps=spec.grad_accum,
+            max_grad_norm=spec.max_grad_norm,
+            **options,
+        )
+
     def __init__(
         self,
         blocks: Mapping[Hashable, Mapping[str, Tensor]],
         *,
-        lr: float = 1e-4,
+        lr: float = 1e-3,  # torch.optim.AdamW's defaults; a fine-tune's come from its spec
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.01,

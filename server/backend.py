@@ -14,9 +14,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from megaslide.engine.finetune_spec import (
+    ClipSpec,
+    FinetuneSpec,
+    OptimizerSpec,
+    RunSpec,
+    ScheduleSpec,
+)
 from megaslide.engine.request import ResolvedVideo
 
 from .protocol import ModelCard
+from .settings import Settings
 
 
 class VideoModel(Protocol):
@@ -59,21 +67,34 @@ class TrainingRun(ABC):
 
 @dataclass(frozen=True)
 class FinetuneJob:
-    """A fine-tuning job resolved into what a training run needs."""
+    """A fine-tuning job resolved into what a training run needs: its spec's runtime section is
+    the backend's to fill (device, offload)."""
 
     base: ModelCard
     data_dir: Path
-    output_dir: Path
-    epochs: int
-    batch_size: int
-    learning_rate: float
-    seed: int
-    save_every: int
+    spec: FinetuneSpec
     resume: bool
-    num_frames: int | None = None
-    width: int | None = None
-    height: int | None = None
-    expert: str | None = None  # which expert of a two-expert base trains
+
+
+def finetune_spec(hyper: dict, *, output: Path, seed: int, settings: Settings) -> FinetuneSpec:
+    """A job's stored `hyperparameters` (the API's names, "auto" already resolved by the
+    fine-tuning router) as a fine-tuning spec: the one place the API's names map onto it."""
+    return FinetuneSpec(
+        run=RunSpec(
+            output=str(output),
+            seed=seed,
+            save_every=settings.finetune_save_every,
+            expert=hyper.get("expert"),
+        ),
+        schedule=ScheduleSpec(epochs=hyper["n_epochs"]),
+        optimizer=OptimizerSpec(lr=settings.finetune_lr * hyper["learning_rate_multiplier"]),
+        clips=ClipSpec(
+            frames=hyper.get("num_frames"),
+            width=hyper.get("width"),
+            height=hyper.get("height"),
+            batch_size=hyper["batch_size"],
+        ),
+    )
 
 
 class Backend(ABC):
@@ -103,6 +124,7 @@ class Backend(ABC):
     def remove_adapter(self, card: ModelCard, model: VideoModel | None, name: str) -> None:
         """Unregister adapter `name` of base model `card` (from `model` too when it is loaded):
         its factors leave the device. No video being sampled applies it."""
+        raise ValueError(f"{card.name} takes no LoRA adapters here")
 
     @abstractmethod
     def check_dataset(self, root: Path) -> int: ...

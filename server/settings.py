@@ -12,6 +12,8 @@ from typing import Annotated, Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from megaslide.engine.finetune_spec import OptimizerSpec, RunSpec
+
 DEFAULT_CRASH_LIMIT = 3  # a job whose worker died under it this many times fails
 
 
@@ -151,10 +153,12 @@ class Settings(BaseSettings):
         "the work one upload may cost",
     )
     finetune_lr: float = Field(
-        1e-4, gt=0, description="learning rate at learning_rate_multiplier=1"
+        OptimizerSpec.lr, gt=0, description="learning rate at learning_rate_multiplier=1"
     )
     finetune_epochs: int = Field(1, ge=1, description="n_epochs when the request says 'auto'")
-    finetune_save_every: int = Field(50, ge=1, description="checkpoint interval in optimizer steps")
+    finetune_save_every: int = Field(
+        RunSpec.save_every, ge=1, description="checkpoint interval in optimizer steps"
+    )
 
     @property
     def database_url(self) -> str:

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from megaslide.engine.atomic import atomic_write_bytes
-from megaslide.engine.finetune import FinetuneConfig, open_trainer
+from megaslide.engine.finetune import open_trainer
 from megaslide.engine.loader import open_pipeline, resolve_device, resolve_dtype
 from megaslide.engine.sources import ModelInfo, ModelSource, describe, resolve_source
 
@@ -140,23 +140,12 @@ class TorchBackend(Backend):
         return check_dataset(root, self.settings)
 
     def trainer(self, job: FinetuneJob) -> TrainingRun:
-        config = FinetuneConfig(
-            output=str(job.output_dir),
-            epochs=job.epochs,
-            lr=job.learning_rate,
-            batch_size=job.batch_size,
-            save_every=job.save_every,
-            seed=job.seed,
-            device=str(self.device),
-            offload=self.settings.offload,
-            frames=job.num_frames,
-            height=job.height,
-            width=job.width,
-            expert=job.expert,
+        spec = job.spec.replace(
+            runtime={"device": str(self.device), "offload": self.settings.offload}
         )
         # A fine-tune starts from the weights served under the base model's name: a preset's are
         # drawn from its own seed, whatever the run's seed is.
-        return open_trainer(self._infos[job.base.name], job.data_dir, config, resume=job.resume)
+        return open_trainer(self._infos[job.base.name], job.data_dir, spec, resume=job.resume)
 
     # --- output ------------------------------------------------------------------------------
 

@@ -52,7 +52,7 @@ from typing import Any
 
 from megaslide.engine.request import RequestError, ResolvedVideo
 
-from .backend import Backend, FinetuneJob, TrainingRun, VideoModel
+from .backend import Backend, FinetuneJob, TrainingRun, VideoModel, finetune_spec
 from .datadir import DataDir
 from .metrics import PUBLISH_INTERVAL_S, Registry, Totals
 from .protocol import ModelCard, card_to_dict
@@ -721,17 +721,13 @@ class Worker:
             job = FinetuneJob(
                 base=base,
                 data_dir=self.data.resolve(file_row["path"]),
-                output_dir=self.data.resolve(row["output_dir"]),
-                epochs=hyper["n_epochs"],
-                batch_size=hyper["batch_size"],
-                learning_rate=self.settings.finetune_lr * hyper["learning_rate_multiplier"],
-                seed=row["seed"],
-                save_every=self.settings.finetune_save_every,
+                spec=finetune_spec(
+                    hyper,
+                    output=self.data.resolve(row["output_dir"]),
+                    seed=row["seed"],
+                    settings=self.settings,
+                ),
                 resume=attempt > 1,
-                num_frames=hyper.get("num_frames"),
-                width=hyper.get("width"),
-                height=hyper.get("height"),
-                expert=hyper.get("expert"),
             )
             trainer = self.backend.trainer(job)
         except UNAVAILABLE:

@@ -113,7 +113,8 @@ class FakeTrainer(TrainingRun):
     """Counts steps, checkpoints every `save_every`, resumes from the newest checkpoint file."""
 
     def __init__(self, backend: FakeBackend, job: FinetuneJob):
-        self.backend, self.job = backend, job
+        self.backend, self.job, self.spec = backend, job, job.spec
+        self.output = Path(job.spec.run.output)
         clips = len(
             [
                 line
@@ -121,11 +122,11 @@ class FakeTrainer(TrainingRun):
                 if line.strip()
             ]
         )
-        self.total_steps = job.epochs * -(-clips // job.batch_size)
+        self.total_steps = job.spec.schedule.epochs * -(-clips // job.spec.clips.batch_size)
         self.step = 0
-        job.output_dir.mkdir(parents=True, exist_ok=True)
+        self.output.mkdir(parents=True, exist_ok=True)
         if job.resume:
-            saved = sorted(int(p.stem.split("-")[1]) for p in job.output_dir.glob("step-*.ckpt"))
+            saved = sorted(int(p.stem.split("-")[1]) for p in self.output.glob("step-*.ckpt"))
             self.step = saved[-1] if saved else 0
         self.closed = False
         self.fence = None
@@ -136,12 +137,12 @@ class FakeTrainer(TrainingRun):
         self.step += 1
         with self.backend.lock:
             self.backend.timeline.append(("train", self.step))
-        if self.step % self.job.save_every == 0:
+        if self.step % self.spec.run.save_every == 0:
             self.save_checkpoint()
         return {
             "step": self.step,
             "loss": 1.0 / self.step,
-            "lr": self.job.learning_rate,
+            "lr": self.spec.optimizer.lr,
             "grad_norm": 0.5,
             "step_time_s": self.backend.train_step_s,
             "h2d_bytes": 0,
@@ -149,15 +150,13 @@ class FakeTrainer(TrainingRun):
         }
 
     def save_checkpoint(self):
-        path = self.job.output_dir / f"step-{self.step}.ckpt"
+        path = self.output / f"step-{self.step}.ckpt"
         with self.fence() if self.fence is not None else contextlib.nullcontext():
             path.write_text(json.dumps({"step": self.step}))
         return path
 
     def checkpoints(self):
-        found = sorted(
-            self.job.output_dir.glob("step-*.ckpt"), key=lambda p: int(p.stem.split("-")[1])
-        )
+        found = sorted(self.output.glob("step-*.ckpt"), key=lambda p: int(p.stem.split("-")[1]))
         return [{"step": int(p.stem.split("-")[1]), "path": p, "created_at": 0} for p in found]
 
     def export(self, path):

@@ -3,7 +3,6 @@
 import copy
 import json
 import math
-from dataclasses import asdict
 
 import pytest
 import torch
@@ -13,7 +12,15 @@ from megaslide.engine.checkpoint import save_model
 from megaslide.engine.config import PRESETS
 from megaslide.engine.data import DatasetError
 from megaslide.engine.dit import VideoDiT
-from megaslide.engine.finetune import FinetuneConfig, learning_rate, open_trainer
+from megaslide.engine.finetune import learning_rate, open_trainer
+from megaslide.engine.finetune_spec import (
+    ClipSpec,
+    FinetuneSpec,
+    OptimizerSpec,
+    RunSpec,
+    RuntimeSpec,
+    ScheduleSpec,
+)
 from megaslide.engine.flow import sample_training_times
 from megaslide.engine.loader import open_model, open_pipeline
 from megaslide.engine.native import DiTTrainingModel
@@ -70,7 +77,7 @@ def test_streamed_training_matches_torch_adamw(preset, steps, lr, tmp_path):
     info = describe(resolve_source(tmp_path / "m"))
     parts, handles = open_model(info, dtype=torch.float32, offload="stream")
     dit, text = parts["dit"].train(), parts["text_encoder"].train()
-    step_config = StepConfig(lr=lr, weight_decay=0.01, offload="stream")
+    step_config = StepConfig(OptimizerSpec(lr=lr, weight_decay=0.01), offload="stream")
     step = BlockwiseStep(DiTTrainingModel(dit, text), "cpu", step_config, handles["dit"])
     live_grads = []  # blocks holding gradients whenever a block's backward finishes
     for block in dit.blocks:
@@ -113,20 +120,17 @@ def world(tmp_path_factory):
 TINY = resolve_source(preset="tiny")
 
 
-def run(world, output, resume=False, **kw):
-    """A fine-tuning run of the tiny preset on `world`."""
-    base = dict(
-        output=str(output),
-        steps=4,
-        lr=2e-3,
-        batch_size=2,
-        save_every=2,
-        frames=4,
-        height=16,
-        width=16,
-        offload="stream",
+def run(world, output, resume=False, **sections):
+    """A fine-tuning run of the tiny preset on `world`; `sections` change the spec's fields, by
+    section (`schedule={"steps": 30}`)."""
+    spec = FinetuneSpec(
+        run=RunSpec(output=str(output), save_every=2),
+        schedule=ScheduleSpec(steps=4),
+        optimizer=OptimizerSpec(lr=2e-3),
+        clips=ClipSpec(frames=4, height=16, width=16, batch_size=2),
+        runtime=RuntimeSpec(offload="stream"),
     )
-    return open_trainer(TINY, world, FinetuneConfig(**{**base, **kw}), resume=resume)
+    return open_trainer(TINY, world, spec.replace(**sections), resume=resume)
 
 
 def final_masters(trainer):
@@ -139,7 +143,8 @@ def final_masters(trainer):
 
 
 def test_kill_and_resume_equals_uninterrupted(world, tmp_path):
-    schedule = dict(lr_schedule="cosine", warmup_steps=1)  # the resumed part must follow it too
+    cosine = {"lr_schedule": "cosine", "warmup_steps": 1}  # the resumed part must follow it too
+    schedule = {"schedule": cosine}
     with run(world, tmp_path / "a", **schedule) as t:
         t.run()
         uninterrupted = final_masters(t)
@@ -155,7 +160,7 @@ def test_kill_and_resume_equals_uninterrupted(world, tmp_path):
     assert after.keys() == uninterrupted.keys()
     assert all(torch.equal(after[k], uninterrupted[k]) for k in after)
     # A run in planned parts (--until) follows the same schedule to the same weights.
-    with run(world, tmp_path / "c", until=3, **schedule) as first:
+    with run(world, tmp_path / "c", schedule={**cosine, "until": 3}) as first:
         first.run()
         assert first.step == 3 and first.total_steps == 4
         first.save_checkpoint()
@@ -171,20 +176,35 @@ def test_kill_and_resume_equals_uninterrupted(world, tmp_path):
 
 
 def test_learning_rate_schedules():
-    config = FinetuneConfig(output="o", steps=10, lr=1.0, warmup_steps=2)
-    assert [learning_rate(config, s, 10) for s in (0, 1, 2, 9)] == [0.5, 1.0, 1.0, 1.0]
-    cosine = FinetuneConfig(**{**asdict(config), "lr_schedule": "cosine"})
+    spec = FinetuneSpec(
+        run=RunSpec(output="o"),
+        schedule=ScheduleSpec(steps=10, warmup_steps=2),
+        optimizer=OptimizerSpec(lr=1.0),
+    )
+    assert [learning_rate(spec, s, 10) for s in (0, 1, 2, 9)] == [0.5, 1.0, 1.0, 1.0]
+    cosine = spec.replace(schedule={"lr_schedule": "cosine"})
     lrs = [learning_rate(cosine, s, 10) for s in range(10)]
     assert lrs[:3] == [0.5, 1.0, 1.0] and lrs[-1] == pytest.approx(
         0.5 * (1 + math.cos(math.pi * 7 / 8))
     )
     assert all(a > b for a, b in zip(lrs[2:], lrs[3:]))
-    with pytest.raises(ValueError, match="lr_schedule must be one of"):
-        FinetuneConfig(output="o", steps=1, lr_schedule="step").validate()
+    with pytest.raises(ValueError, match="schedule.lr_schedule"):
+        spec.replace(schedule={"lr_schedule": "step"}).validate()
+    with pytest.raises(ValueError, match="optimizer.lr must be positive"):
+        spec.replace(optimizer={"lr": 0.0}).validate()
+    with pytest.raises(ValueError, match="at most one of schedule.steps and schedule.epochs"):
+        spec.replace(schedule={"epochs": 1.0}).validate()
 
 
 def test_loss_falls_and_export_serves(world, tmp_path):
-    with run(world, tmp_path, steps=30, lr=3e-3, save_every=100, offload="none") as t:
+    with run(
+        world,
+        tmp_path,
+        run={"save_every": 100},
+        schedule={"steps": 30},
+        optimizer={"lr": 3e-3},
+        runtime={"offload": "none"},
+    ) as t:
         losses = [t.train_step()["loss"] for _ in range(30)]
         path = t.export()
     assert sum(losses[-8:]) / 8 < 0.8 * sum(losses[:8]) / 8, losses

@@ -255,7 +255,9 @@ def test_an_uploaded_adapter_is_its_keys_and_can_be_deleted(served, tmp_path):
         ready = wait_adapter(c, "wan", "mine", headers=alice)
         assert (ready["status"], ready["owned_by"]) == ("ready", first.json()["owned_by"])
 
-        listed = lambda h: {a["id"] for a in c.get("/v1/adapters", headers=h).json()["data"]}
+        def listed(headers):
+            return {a["id"] for a in c.get("/v1/adapters", headers=headers).json()["data"]}
+
         assert listed(alice) == {"style", "mine"} and listed(bob) == {"style"}
         assert c.get("/v1/adapters/wan/mine", headers=bob).status_code == 404
         (model,) = c.get("/v1/models", headers=bob).json()["data"]

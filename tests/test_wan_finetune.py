@@ -17,7 +17,15 @@ import pytest
 import torch
 
 from megaslide.engine.blockwise import BlockwiseStep, StepConfig, master_state_dicts
-from megaslide.engine.finetune import FinetuneConfig, open_trainer
+from megaslide.engine.finetune import open_trainer
+from megaslide.engine.finetune_spec import (
+    ClipSpec,
+    FinetuneSpec,
+    OptimizerSpec,
+    RunSpec,
+    RuntimeSpec,
+    ScheduleSpec,
+)
 from megaslide.engine.flow import sample_training_times
 from megaslide.engine.loader import open_model, open_pipeline
 from megaslide.engine.request import VideoRequest
@@ -41,9 +49,14 @@ def wan(tmp_path_factory):
     }
 
 
-def config(output, **changes) -> FinetuneConfig:
-    base = dict(output=str(output), steps=4, lr=1e-3, batch_size=2, save_every=2, offload="stream")
-    return FinetuneConfig(**{**base, **changes})
+def config(output, steps=4, save_every=2, expert=None) -> FinetuneSpec:
+    return FinetuneSpec(
+        run=RunSpec(output=str(output), save_every=save_every, expert=expert),
+        schedule=ScheduleSpec(steps=steps),
+        optimizer=OptimizerSpec(lr=1e-3),
+        clips=ClipSpec(batch_size=2),
+        runtime=RuntimeSpec(offload="stream"),
+    )
 
 
 def test_streamed_training_matches_torch_adamw():
@@ -61,7 +74,10 @@ def test_streamed_training_matches_torch_adamw():
     model = WanTrainingModel("transformer", parts["transformer"].train(), info.config, (0.0, 1.0))
     lr, wd, steps = 3e-4, 0.01, 3
     step = BlockwiseStep(
-        model, "cpu", StepConfig(lr=lr, weight_decay=wd, offload="stream"), handles["transformer"]
+        model,
+        "cpu",
+        StepConfig(OptimizerSpec(lr=lr, weight_decay=wd), offload="stream"),
+        handles["transformer"],
     )
     g = torch.Generator().manual_seed(0)
     x0, emb = torch.randn(2, 4, 3, 4, 4, generator=g), torch.randn(2, 512, 32, generator=g)

@@ -10,6 +10,15 @@ import time
 from pathlib import Path
 
 from megaslide.engine.config import TIME_SAMPLING
+from megaslide.engine.finetune_spec import (
+    LR_SCHEDULES,
+    ClipSpec,
+    FinetuneSpec,
+    OptimizerSpec,
+    RunSpec,
+    RuntimeSpec,
+    ScheduleSpec,
+)
 
 from .args import (
     UsageError,
@@ -398,41 +407,55 @@ def register_finetune(sub) -> None:
     length = p.add_mutually_exclusive_group()
     length.add_argument("--steps", type=int, help="optimizer steps")
     length.add_argument("--epochs", type=float, help="passes over the dataset (default: 1)")
-    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument(
+        "--lr", type=float, default=OptimizerSpec.lr, help=f"default: {OptimizerSpec.lr:g}"
+    )
     p.add_argument(
         "--lr-schedule",
-        choices=("constant", "cosine"),
-        default="constant",
+        choices=LR_SCHEDULES,
+        default=ScheduleSpec.lr_schedule,
         help="constant, or cosine decay to 0 at the last step (default: constant)",
     )
     p.add_argument(
-        "--warmup-steps", type=int, default=0, help="linear learning-rate warm-up (default: 0)"
+        "--warmup-steps",
+        type=int,
+        default=ScheduleSpec.warmup_steps,
+        help="linear learning-rate warm-up (default: 0)",
     )
-    p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
-    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--batch-size", type=int, default=ClipSpec.batch_size)
+    p.add_argument(
+        "--grad-accum",
+        type=int,
+        default=OptimizerSpec.grad_accum,
+        help="micro-batches per optimizer step",
+    )
+    p.add_argument("--weight-decay", type=float, default=OptimizerSpec.weight_decay)
     p.add_argument("--max-grad-norm", type=float, help="clip the global gradient norm to this")
     p.add_argument(
-        "--save-every", type=int, default=50, help="checkpoint every N steps (and at the end)"
+        "--save-every",
+        type=int,
+        default=RunSpec.save_every,
+        help=f"checkpoint every N steps (and at the end; default: {RunSpec.save_every})",
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=RunSpec.seed)
     p.add_argument(
         "--caption-dropout",
         type=float,
-        default=0.1,
-        help="fraction of captions dropped, which classifier-free guidance needs (default: 0.1)",
+        default=ClipSpec.caption_dropout,
+        help="fraction of captions dropped, which classifier-free guidance needs "
+        f"(default: {ClipSpec.caption_dropout})",
     )
     p.add_argument(
         "--time-sampling",
         choices=TIME_SAMPLING,
-        default="logit-normal",
-        help="distribution of training flow times (default: logit-normal)",
+        default=ClipSpec.time_sampling,
+        help=f"distribution of training flow times (default: {ClipSpec.time_sampling})",
     )
     p.add_argument(
         "--cache-mb",
         type=int,
-        default=1024,
-        help="decoded training clips kept in RAM, in MiB (default: 1024)",
+        default=RuntimeSpec.cache_mb,
+        help=f"decoded training clips kept in RAM, in MiB (default: {RuntimeSpec.cache_mb})",
     )
     p.add_argument(
         "--until",
@@ -467,44 +490,60 @@ def register_finetune(sub) -> None:
     p.set_defaults(run=run_finetune)
 
 
+def finetune_spec(args) -> FinetuneSpec:
+    """`megaslide finetune`'s flags as a fine-tuning spec (the one place they map onto it)."""
+    from megaslide.engine.request import parse_size
+
+    width, height = parse_size(args.size, "--size") if args.size else (None, None)
+    return FinetuneSpec(
+        run=RunSpec(
+            output=args.output,
+            seed=args.seed,
+            save_every=args.save_every,
+            attention=args.attention,
+            expert=args.expert,
+        ),
+        schedule=ScheduleSpec(
+            steps=args.steps,
+            epochs=args.epochs,
+            lr_schedule=args.lr_schedule,
+            warmup_steps=args.warmup_steps,
+            until=args.until,
+        ),
+        optimizer=OptimizerSpec(
+            lr=args.lr,
+            weight_decay=args.weight_decay,
+            max_grad_norm=args.max_grad_norm,
+            grad_accum=args.grad_accum,
+        ),
+        clips=ClipSpec(
+            frames=args.frames,
+            height=height,
+            width=width,
+            batch_size=args.batch_size,
+            caption_dropout=args.caption_dropout,
+            time_sampling=args.time_sampling,
+        ),
+        runtime=RuntimeSpec(
+            device=args.device,
+            offload=args.offload,
+            timing=bool(args.stats or args.trace),
+            cache_mb=args.cache_mb,
+        ),
+    )
+
+
 def run_finetune(args) -> int:
     if args.server:
         from .remote import finetune_remote
 
         return finetune_remote(args)
-    from megaslide.engine.finetune import FinetuneConfig, open_trainer
-    from megaslide.engine.request import parse_size
+    from megaslide.engine.finetune import open_trainer
 
     if not args.output:
         raise UsageError("--output is required for a local run")
-    width, height = parse_size(args.size, "--size") if args.size else (None, None)
-    config = FinetuneConfig(
-        output=args.output,
-        steps=args.steps,
-        epochs=None if args.steps else (args.epochs or 1.0),
-        lr=args.lr,
-        batch_size=args.batch_size,
-        grad_accum=args.grad_accum,
-        weight_decay=args.weight_decay,
-        max_grad_norm=args.max_grad_norm,
-        save_every=args.save_every,
-        seed=args.seed,
-        device=args.device,
-        offload=args.offload,
-        frames=args.frames,
-        height=height,
-        width=width,
-        attention=args.attention,
-        timing=bool(args.stats or args.trace),
-        caption_dropout=args.caption_dropout,
-        time_sampling=args.time_sampling,
-        lr_schedule=args.lr_schedule,
-        warmup_steps=args.warmup_steps,
-        cache_mb=args.cache_mb,
-        until=args.until,
-        expert=args.expert,
-    )
-    with open_trainer(model_source(args), args.data, config, resume=args.resume) as trainer:
+    spec = finetune_spec(args)
+    with open_trainer(model_source(args), args.data, spec, resume=args.resume) as trainer:
         if trainer.done:
             print(f"already at step {trainer.step} of {trainer.total_steps}", file=sys.stderr)
         with progress_bar(trainer.total_steps, "fine-tuning", disable=args.no_progress) as bar:

@@ -13,6 +13,8 @@ import tarfile
 import tempfile
 from pathlib import Path
 
+from megaslide.engine.finetune_spec import OptimizerSpec, RunSpec
+
 from .args import UsageError
 
 # Options of local generation that mean nothing to a server, with their defaults: giving one
@@ -30,16 +32,16 @@ LOCAL_ONLY_GENERATE = {
 LOCAL_ONLY_FINETUNE = {
     "output": None,
     "steps": None,
-    "grad_accum": 1,
-    "weight_decay": 0.0,
+    "grad_accum": OptimizerSpec.grad_accum,
+    "weight_decay": OptimizerSpec.weight_decay,
     "max_grad_norm": None,
-    "save_every": 50,
+    "save_every": RunSpec.save_every,
     "resume": False,
     **LOCAL_ONLY_GENERATE,
 }
-# `finetune --lr` defaults to this; the server's rate at learning_rate_multiplier=1 is its own
-# setting (MEGASLIDE_FINETUNE_LR, also 1e-4 unless changed), so --lr travels as a ratio to it.
-DEFAULT_LR = 1e-4
+# `finetune --lr` defaults to the spec's rate; the server's rate at learning_rate_multiplier=1 is
+# its own setting (MEGASLIDE_FINETUNE_LR, the same unless changed), so --lr travels as a ratio.
+DEFAULT_LR = OptimizerSpec.lr
 
 
 def _sdk():

@@ -1,0 +1,160 @@
+"""What a fine-tuning run is asked to do: one spec in five sections, each default written once.
+
+    FinetuneSpec(
+        run=RunSpec(output="runs/a"),         # where it writes, its seed, what trains
+        schedule=ScheduleSpec(epochs=2),      # how long, and the learning rate along the way
+        optimizer=OptimizerSpec(lr=2e-5),     # AdamW on the fp32 masters, gradient clipping
+        clips=ClipSpec(frames=17),            # the training clips and the batch
+        runtime=RuntimeSpec(device="cuda"),   # where and how it runs (no effect on the maths)
+    )
+
+Every front end maps onto it in one place: `megaslide finetune`'s flags (clients/cli), the API's
+`hyperparameters` (server/finetunes.py), and a benchmark or test building one by hand. The trainer
+(finetune.py) reads it; the optimizer section goes to `CPUAdamW` as it is. Plain data, no torch:
+the server imports it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from .config import TIME_SAMPLING
+
+LR_SCHEDULES = ("constant", "cosine")
+OFFLOADS = ("none", "stream")
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """AdamW (torch.optim.AdamW's algorithm, engine/optim.py) on the fp32 masters."""
+
+    lr: float = 1e-4  # the peak rate; the schedule scales it
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    max_grad_norm: float | None = None  # clip the global gradient norm to this
+    grad_accum: int = 1  # micro-batches per optimizer step
+
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """How long the run trains (`steps`, or `epochs` over the dataset; neither: one epoch) and
+    the learning rate at each step (`learning_rate` in finetune.py)."""
+
+    steps: int | None = None
+    epochs: float | None = None
+    lr_schedule: str = "constant"  # LR_SCHEDULES; "cosine" decays to 0 at the run's last step
+    warmup_steps: int = 0  # linear warm-up from lr / warmup_steps to lr
+    until: int | None = None  # stop after this step of the schedule; a resumed run continues it
+
+    @property
+    def length(self) -> tuple[int | None, float | None]:
+        """(steps, epochs), exactly one of them set."""
+        if self.steps is None and self.epochs is None:
+            return None, 1.0
+        return self.steps, self.epochs
+
+
+@dataclass(frozen=True)
+class ClipSpec:
+    """The training clips (default shape: the model's sampling default) and the batch."""
+
+    frames: int | None = None
+    height: int | None = None
+    width: int | None = None
+    batch_size: int = 1
+    caption_dropout: float = 0.1  # captions replaced by "" so guidance has an unconditional model
+    time_sampling: str = "logit-normal"  # training flow times: config.TIME_SAMPLING
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """Where the run writes (metrics, checkpoints, the export), its seed, and what it trains."""
+
+    output: str
+    seed: int = 0
+    save_every: int = 50  # checkpoint every N optimizer steps (and at the end)
+    attention: str | None = None  # train with this self-attention backend (default: the model's)
+    expert: str | None = None  # a two-expert model (Wan2.2-A14B): "high" or "low" noise
+
+
+@dataclass(frozen=True)
+class RuntimeSpec:
+    """Where and how the run executes: none of it changes what it computes."""
+
+    device: str = "cpu"
+    offload: str = "none"  # OFFLOADS: "stream" keeps the blocks in host RAM, streamed
+    timing: bool = False  # streamer timings for stats and traces
+    cache_mb: int = 1024  # decoded training clips kept in RAM (a small dataset decodes once)
+
+
+@dataclass(frozen=True)
+class FinetuneSpec:
+    """A fine-tuning run: its five sections."""
+
+    run: RunSpec
+    schedule: ScheduleSpec = field(default_factory=ScheduleSpec)
+    optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
+    clips: ClipSpec = field(default_factory=ClipSpec)
+    runtime: RuntimeSpec = field(default_factory=RuntimeSpec)
+
+    def replace(self, **sections) -> FinetuneSpec:
+        """This spec with some fields changed, by section: `spec.replace(runtime={"device":
+        "cuda"})`."""
+        changed = {
+            name: dataclasses.replace(getattr(self, name), **fields)
+            for name, fields in sections.items()
+        }
+        return dataclasses.replace(self, **changed)
+
+    def validate(self) -> None:
+        """ValueError naming the first field out of range, as `section.field`."""
+        s, o, c, r = self.schedule, self.optimizer, self.clips, self.run
+        if s.steps is not None and s.epochs is not None:
+            raise ValueError("give at most one of schedule.steps and schedule.epochs")
+        at_least_one = {
+            "schedule.steps": s.steps,
+            "schedule.until": s.until,
+            "optimizer.grad_accum": o.grad_accum,
+            "clips.frames": c.frames,
+            "clips.height": c.height,
+            "clips.width": c.width,
+            "clips.batch_size": c.batch_size,
+            "run.save_every": r.save_every,
+        }
+        for name, value in at_least_one.items():
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}")
+        checks = [
+            (s.epochs is None or s.epochs > 0, "schedule.epochs must be positive", s.epochs),
+            (s.lr_schedule in LR_SCHEDULES, f"schedule.lr_schedule: {LR_SCHEDULES}", s.lr_schedule),
+            (s.warmup_steps >= 0, "schedule.warmup_steps must be >= 0", s.warmup_steps),
+            (o.lr > 0, "optimizer.lr must be positive", o.lr),
+            (o.weight_decay >= 0, "optimizer.weight_decay must be >= 0", o.weight_decay),
+            (all(0 <= b < 1 for b in o.betas), "optimizer.betas must be in [0, 1)", o.betas),
+            (
+                o.max_grad_norm is None or o.max_grad_norm > 0,
+                "optimizer.max_grad_norm must be positive",
+                o.max_grad_norm,
+            ),
+            (
+                0 <= c.caption_dropout < 1,
+                "clips.caption_dropout must be in [0, 1)",
+                c.caption_dropout,
+            ),
+            (
+                c.time_sampling in TIME_SAMPLING,
+                f"clips.time_sampling: {TIME_SAMPLING}",
+                c.time_sampling,
+            ),
+            (
+                self.runtime.offload in OFFLOADS,
+                f"runtime.offload: {OFFLOADS}",
+                self.runtime.offload,
+            ),
+            (self.runtime.cache_mb >= 0, "runtime.cache_mb must be >= 0", self.runtime.cache_mb),
+        ]
+        for ok, rule, value in checks:
+            if not ok:
+                raise ValueError(f"{rule}, got {value!r}")
