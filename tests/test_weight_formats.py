@@ -80,8 +80,7 @@ def test_lossless_in_fp32_is_bitwise_too():
 
 def test_lossless_wan_with_two_experts_and_a_streamed_text_encoder_is_bitwise(tmp_path):
     pytest.importorskip("diffusers")
-    from test_wan import request
-    from wan_fixtures import build_tiny_wan
+    from wan_fixtures import build_tiny_wan, request
 
     model = build_tiny_wan(tmp_path / "experts", experts=2)
     ref = open_pipeline(model, dtype="bfloat16").generate(request(seed=1))
