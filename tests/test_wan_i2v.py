@@ -250,3 +250,15 @@ def test_command_line_generates_describes_and_plans(wan, tmp_path, capsys):
     )
     assert main(["plan", "--model", str(wan["i2v"]), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["parameters"] == counts["total"]
+
+
+def test_first_block_cache_cuts_the_pass_with_the_image_features(wan):
+    """The first-block step cache runs its own cut of the transformer's forward: with threshold 0
+    (never reuse) it gives the model's own frames, the CLIP features included; with a high one it
+    reuses and the clip moves."""
+    pipe = open_pipeline(wan["i2v"])
+    plain = pipe.generate(request(wan, steps=3))
+    never = pipe.generate(request(wan, steps=3, cache={"policy": "first-block", "threshold": 0.0}))
+    always = {"policy": "first-block", "threshold": 100.0}
+    assert np.array_equal(never, plain)
+    assert level_diff(pipe.generate(request(wan, steps=3, cache=always)), plain) > 0
