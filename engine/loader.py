@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from .family import Component, family
-from .host_store import BoundTensor, collect_tensors, layout_nbytes, repoint
+from .host_store import BoundTensor, SharedWeights, collect_tensors, layout_nbytes, repoint
 from .initialization import init_module, init_parts
 from .lora import Adapter, AdapterError
 from .ordering import Ordering
@@ -91,6 +91,7 @@ def open_pipeline(
     batched: bool = True,
     ordering: Ordering | None = None,
     weights: str = "raw",
+    shared: SharedWeights | None = None,
     **overrides,
 ) -> Pipeline:
     """A model opened for sampling.
@@ -103,7 +104,9 @@ def open_pipeline(
     `ordering` replaces the device's own streams and events for the streamed modules (see
     `stream_module`; tests run on a simulated device this way). `weights` is the streamed
     blocks' host format (`weight_formats.py`: "raw", "lossless" or "fp8"; needs
-    `offload="stream"` unless "raw"). `overrides` replace architecture fields that leave the weights alone (`attention="dsa"`).
+    `offload="stream"` unless "raw"). `shared` takes the weights from a `share_weights` made by a
+    parent process instead of the model's files (streamed blocks stream from its buffers).
+    `overrides` replace architecture fields that leave the weights alone (`attention="dsa"`).
     """
     if isinstance(source, ModelInfo) and not overrides:
         info = source
@@ -119,6 +122,7 @@ def open_pipeline(
         timing=timing,
         ordering=ordering,
         weights=weights,
+        shared=shared,
     )
     for module in parts.values():
         module.eval()
@@ -137,13 +141,16 @@ def open_model(
     only: set[str] | None = None,
     ordering: Ordering | None = None,
     weights: str = "raw",
+    shared: SharedWeights | None = None,
 ) -> tuple[dict[str, nn.Module], dict[str, StreamHandle]]:
     """The modules of a described model, built on meta, filled and placed: `(modules by name,
     stream handles of the streamed ones)`; `only` names the components to open (default: all).
     Fine-tuning opens its model here in fp32.
 
     With several streamed components (a text encoder and two denoising experts, say), the
-    budget is shared in proportion to their block bytes.
+    budget is shared in proportion to their block bytes. With `shared` (see `share_weights`),
+    every streamed block streams from its shared host buffer and the other tensors are copied
+    from it: nothing is read from files or drawn.
     """
     if offload not in OFFLOAD_MODES:
         raise ValueError(f"offload must be one of {OFFLOAD_MODES}, got {offload!r}")
@@ -166,12 +173,19 @@ def open_model(
         components = [c for c in components if c.name in only]
     streamed = [c for c in components if offload == "stream" and c.blocks]
     block_bytes = {c.name: sum(layout_nbytes(b) for b in c.blocks) for c in streamed}
+    if shared is not None:
+        if weights != "raw":
+            raise ValueError(f"shared weights are raw blocks: weights={weights!r} does not apply")
+        unshared = [c.name for c in streamed if c.name not in shared.blocks]
+        unshared += [c.name for c in components if c.name not in shared.tensors]
+        if unshared:
+            raise ValueError(f"the shared weights lack component {unshared[0]!r}")
     handles: dict[str, StreamHandle] = {}
-    seeded = any(c.weights is None for c in components)
+    seeded = shared is None and any(c.weights is None for c in components)
     with _seeded(info.source.seed) if seeded else contextlib.nullcontext():
         for c in components:
             # A meta twin to draw a preset's random weights in, one part at a time.
-            template = copy.deepcopy(c.module) if c.weights is None else None
+            template = copy.deepcopy(c.module) if c.weights is None and not shared else None
             _cast_floating(c.module, c.dtype or dtype, c.keep_fp32)  # on meta: costs nothing
             if c in streamed:
                 budget = gpu_budget_bytes
@@ -186,18 +200,41 @@ def open_model(
                     timing=timing,
                     ordering=ordering,
                     weights=weights,
+                    host_buffers=shared.blocks[c.name] if shared is not None else None,
                 )
                 fill = handle.load_weights
                 handles[c.name] = handle
             else:
                 _place(c.module, device)
                 fill = functools.partial(fill_module, c.module)
-            if c.weights is not None:
+            if shared is not None:  # the blocks' weights are in their shared buffers already
+                fill(shared.tensors[c.name], strict=c not in streamed)
+            elif c.weights is not None:
                 fill(c.weights)
             else:
                 for state in _random_parts(template, c):
                     fill(state, strict=False)
     return {c.name: c.module for c in components}, handles
+
+
+def share_weights(info: ModelInfo, dtype: torch.dtype) -> SharedWeights:
+    """The weights of `info` in `dtype`, in shared memory, for processes this one spawns
+    (`open_pipeline(shared=...)` in each): the blocks of every streamed component in one host
+    buffer each, filled once here, block by block (as `open_model` streams), then moved into
+    shared memory (a block at a time is held twice meanwhile)."""
+    parts, handles = open_model(info, device="cpu", dtype=dtype, offload="stream")
+    tensors: dict[str, dict[str, torch.Tensor]] = {}
+    blocks: dict[str, list[torch.Tensor]] = {}
+    for name, module in parts.items():
+        handle = handles.get(name)
+        if handle is None:
+            state = module.state_dict()
+        else:
+            # `share_memory_` moves a storage in place: the module's views of it follow.
+            blocks[name] = [buffer.share_memory_() for buffer in handle.host_buffers()]
+            state = handle.non_block_tensors()
+        tensors[name] = {k: v.detach().share_memory_() for k, v in state.items()}
+    return SharedWeights(tensors, blocks)
 
 
 def load_adapter(info: ModelInfo, name: str, path: str | Path) -> Adapter:

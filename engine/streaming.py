@@ -410,6 +410,18 @@ class StreamHandle:
                 t.tensor.data.copy_(src)
                 self._non_block_missing.discard(k)
 
+    def host_buffers(self) -> list[torch.Tensor]:
+        """The streamed blocks' raw host buffers, in block order (flat uint8, packed layout), for
+        handing to `stream_module(host_buffers=...)` in another process."""
+        self._check_open()
+        if self.weights != "raw" or any(b.store is None for b in self._blocks):
+            raise ValueError("host buffers are raw stores of streamed blocks: no resident blocks")
+        return [b.store.buffer for b in self._blocks]
+
+    def non_block_tensors(self) -> dict[str, torch.Tensor]:
+        """The streamed module's tensors outside its blocks, by every name they go by."""
+        return {n: t.tensor for t in self._non_block for n in t.names}
+
     @staticmethod
     def _qualified(block: _Block, names: Sequence[str]) -> list[str]:
         return [f"{block.name}.{n}" if block.name else n for n in names]
@@ -718,6 +730,7 @@ def stream_module(
     activation_reserve_bytes: int = 0,
     ordering: Ordering | None = None,
     weights: str = "raw",
+    host_buffers: Sequence[torch.Tensor] | None = None,
 ) -> StreamHandle:
     """Stream `blocks` (submodules of `module`, in the order they run) from host RAM to `device`.
 
@@ -729,7 +742,10 @@ def stream_module(
     `ordering` replaces the device's own streams and events (`make_ordering(device)`): tests run
     the streamer on a simulated device this way; the module never knows. `weights` is the host
     store's format (`weight_formats.py`: "raw", "lossless", "fp8"): coded payloads cross the bus
-    and are decoded in the slot, on the compute stream, when their block loads.
+    and are decoded in the slot, on the compute stream, when their block loads. `host_buffers`
+    (raw format only) are the blocks' host stores, one flat uint8 buffer per block already
+    holding its weights (shared memory another process filled): they are used as they are, so
+    several processes stream from one copy; their blocks count as filled.
     """
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
@@ -740,6 +756,11 @@ def stream_module(
     blocks = list(blocks)
     if not blocks:
         raise ValueError("blocks is empty: nothing to stream")
+    if host_buffers is not None:
+        if weights != "raw":
+            raise ValueError(f"host_buffers hold raw blocks: weights={weights!r} does not apply")
+        if len(host_buffers) != len(blocks):
+            raise ValueError(f"{len(host_buffers)} host buffers for {len(blocks)} blocks")
     names: dict[int, str] = {}
     for name, m in module.named_modules(remove_duplicate=False):
         names.setdefault(id(m), name)
@@ -794,7 +815,15 @@ def stream_module(
     for i, (b, tensors, (entries, nbytes)) in enumerate(zip(blocks, per_block, layouts)):
         rec = _Block(i, names[id(b)], b, tensors, entries, nbytes, resident=i in resident)
         rec.missing = {k for k, t in enumerate(tensors) if t.tensor.is_meta}
-        if rec.resident:  # one flat device buffer per resident block, exactly as planned
+        if host_buffers is not None:
+            rec.missing = set()  # the buffer holds the block's weights already
+            if rec.resident:
+                rec.device_flat = host_buffers[i].to(device, copy=True)
+                for bound, entry in zip(tensors, entries):
+                    repoint(bound.tensor, entry.view(rec.device_flat))
+            else:
+                rec.store = HostBlockStore.attach(tensors, host_buffers[i], pinned)
+        elif rec.resident:  # one flat device buffer per resident block, exactly as planned
             rec.device_flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
             move_into(tensors, [e.view(rec.device_flat) for e in entries])
         else:  # block by block, so the host holds at most one block twice at a time
