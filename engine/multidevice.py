@@ -1,7 +1,7 @@
 """One video on several devices: a process per device, spawned here, sampling in lock step.
 
-`generate_on_devices(info, video, ["cuda:0", "cuda:1"])` (or `["cpu", "cpu"]`) spawns one process
-per device with `torch.multiprocessing` (no torchrun), joins them into a `torch.distributed` group
+`generate_on_devices(info, video, ["cuda:0", "cuda:1"])` (or `["cpu", "cpu"]`) starts one process
+per device with `torch.multiprocessing` (no torchrun; forkserver, so no CUDA state is forked), joins them into a `torch.distributed` group
 (NCCL on CUDA, gloo on the CPU; rendezvous through a file), and has each open the model, apply
 sequence parallelism (`Pipeline.parallelize`, see parallel.py) and sample the same request. Every
 rank holds the full latents and ends with the same frames; rank 0 writes them.
@@ -124,7 +124,11 @@ def generate_on_devices(
     if threads is None:
         threads = max(1, (os.cpu_count() or 1) // world) if names[0] == "cpu" else 1
     shared = share_weights(info, dtype)
-    ctx = torch.multiprocessing.get_context("spawn")
+    # Fresh processes (not fork: CUDA cannot be forked into, nor this process's threads), forked
+    # from a server that has imported the engine once, so a later job skips that import.
+    ctx = torch.multiprocessing.get_context("forkserver")
+    # (torch._dynamo: building a model on the meta device imports it, seconds per process.)
+    ctx.set_forkserver_preload([__name__, "torch._dynamo"])
     with tempfile.TemporaryDirectory(prefix="megaslide-ranks-") as tmp:
         job = _Job(
             info,

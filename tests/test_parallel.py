@@ -28,7 +28,9 @@ TIMEOUT_S = 120  # a hang fails the test instead of the suite
 
 
 def tiny(attention: str = "dense", size: int = 16, **request):
-    info = describe(resolve_source(preset="tiny"), attention=attention)
+    # 3D-DSA with 2x2-token tiles: 3 tiles a side (its window) from 24 pixels.
+    tile = {"dsa_tile": (1, 2, 2)} if attention == "dsa" else {}
+    info = describe(resolve_source(preset="tiny"), attention=attention, **tile)
     fields = dict(prompt="a red circle moving left", frames=4, width=size, height=size, steps=2)
     video = resolve(VideoRequest(**{**fields, "seed": 3, **request}), info.limits, model=info.name)
     return info, video
@@ -36,7 +38,7 @@ def tiny(attention: str = "dense", size: int = 16, **request):
 
 @pytest.mark.parametrize(
     "attention, size, world",
-    [("dense", 16, 2), ("dsa", 48, 2)],  # 3D-DSA needs 3 tiles of 4 tokens a side: 48 pixels
+    [("dense", 16, 2), ("dsa", 24, 2)],
 )
 def test_sequence_parallel_equals_one_process_bitwise(attention, size, world):
     info, video = tiny(attention, size)
@@ -87,7 +89,7 @@ def test_shapes_that_do_not_split_are_refused_before_anything_starts():
     fam = family(info.family)
     with pytest.raises(ValueError, match="heads \\(4\\) to be a multiple of 8"):
         fam.check_parallel(info, video, 8)
-    info, video = tiny("dsa", 48, frames=3)  # 3 frames: not 2 x the tile's 1
+    info, video = tiny("dsa", 24, frames=3)  # 3 frames: not 2 x the tile's 1
     with pytest.raises(ValueError, match="3D-DSA over 2 devices needs the token grid's frames"):
         generate_on_devices(info, video, ["cpu", "cpu"], timeout_s=TIMEOUT_S)
 
