@@ -121,3 +121,22 @@ def test_shared_weights_are_one_copy_in_shared_memory():
     one = open_pipeline(info, offload="stream")
     for a, b in zip(pipe.dit.state_dict().values(), one.dit.state_dict().values()):
         assert torch.equal(a, b)
+
+
+def test_cli_generate_on_two_cpu_processes_writes_the_same_mp4(tmp_path, capsys):
+    from megaslide.cli.main import main
+
+    flags = ["a red circle", "--preset", "tiny", "--frames", "4", "--size", "16x16"]
+    flags += ["--steps", "2", "--no-progress"]
+    one, split = tmp_path / "one.mp4", tmp_path / "split.mp4"
+    assert main(["generate", *flags, "-o", str(one)]) == 0
+    assert main(["generate", *flags, "-o", str(split), "--devices", "cpu,cpu"]) == 0
+    assert "2 devices" in capsys.readouterr().err
+    assert split.read_bytes() == one.read_bytes()  # the same frames encode to the same file
+    for extra, message in [
+        (["--devices", "cpu"], "two or more"),
+        (["--devices", "cpu,cpu", "--offload", "none"], "--offload stream"),
+        (["--devices", "cpu,cpu", "--weights", "fp8"], "takes none of"),
+    ]:
+        assert main(["generate", *flags, "-o", str(tmp_path / "x.mp4"), *extra]) == 2
+        assert message in capsys.readouterr().err
