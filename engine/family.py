@@ -104,9 +104,9 @@ class Family(ABC):
 
     # -- several devices ---------------------------------------------------------------------------
 
-    def check_parallel(self, info: ModelInfo, video, world: int) -> None:
-        """ValueError naming the problem unless one video of this shape (a resolved request) can
-        be split over `world` devices by sequence parallelism (`Pipeline.parallelize`)."""
+    def check_parallel(self, info: ModelInfo, frames: int, height: int, width: int, world: int):
+        """ValueError naming the problem unless one clip of this shape (in pixels) can be split
+        over `world` devices by sequence parallelism (`Pipeline.parallelize`)."""
         raise ValueError(f"{info.name}: sequence parallel is not built for {self.name} models")
 
     # -- fine-tuning ------------------------------------------------------------------------------

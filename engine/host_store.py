@@ -175,7 +175,9 @@ class HostBlockStore:
         self.nbytes = nbytes
         if buffer is None:
             buffer = torch.empty(nbytes, dtype=torch.uint8)  # plain allocation, see pin_exact
-        elif buffer.dtype != torch.uint8 or buffer.shape != (nbytes,) or buffer.device.type != "cpu":
+        elif (
+            buffer.dtype != torch.uint8 or buffer.shape != (nbytes,) or buffer.device.type != "cpu"
+        ):
             raise ValueError(
                 f"a block's host buffer must be ({nbytes},) uint8 on the CPU, got "
                 f"{tuple(buffer.shape)} {buffer.dtype} on {buffer.device}"
@@ -331,4 +333,3 @@ class SharedWeights:
 
     tensors: dict[str, dict[str, torch.Tensor]]
     blocks: dict[str, list[torch.Tensor]]
-

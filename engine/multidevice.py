@@ -119,7 +119,7 @@ def generate_on_devices(
     """
     names = parse_devices(devices)
     world = len(names)
-    family(info.family).check_parallel(info, video, world)
+    family(info.family).check_parallel(info, video.frames, video.height, video.width, world)
     dtype = resolve_dtype(dtype, torch.device(names[0]))
     if threads is None:
         threads = max(1, (os.cpu_count() or 1) // world) if names[0] == "cpu" else 1

@@ -53,8 +53,8 @@ class MegaSlideFamily(Family):
     def pipeline(self, info, parts, handles, *, batched: bool = True) -> DiTPipeline:
         return DiTPipeline(info, parts["dit"], parts["text_encoder"], handles, batched=batched)
 
-    def check_parallel(self, info: ModelInfo, video: ResolvedVideo, world: int) -> None:
-        grid = info.config.token_grid(video.frames, video.height, video.width)
+    def check_parallel(self, info: ModelInfo, frames: int, height: int, width: int, world: int):
+        grid = info.config.token_grid(frames, height, width)
         check_shardable(info.config, grid, world)
 
     def count_parameters(self, info: ModelInfo) -> dict[str, int]:

@@ -129,7 +129,9 @@ def _rebuild_info(source, family, config, sampling, extra) -> ModelInfo:
     if family == "wan":
         from .wan.config import wan_limits
 
-        return ModelInfo(source, family, config, sampling, wan_limits(config, sampling, source.path))
+        return ModelInfo(
+            source, family, config, sampling, wan_limits(config, sampling, source.path)
+        )
     return ModelInfo(source, family, config, sampling, native_limits(config, sampling), extra)
 
 

@@ -88,7 +88,7 @@ def test_shapes_that_do_not_split_are_refused_before_anything_starts():
     info, video = tiny(size=16, frames=3)  # 3 x 4 x 4 = 48 tokens: not a multiple of 32
     fam = family(info.family)
     with pytest.raises(ValueError, match="heads \\(4\\) to be a multiple of 8"):
-        fam.check_parallel(info, video, 8)
+        fam.check_parallel(info, video.frames, video.height, video.width, 8)
     info, video = tiny("dsa", 24, frames=3)  # 3 frames: not 2 x the tile's 1
     with pytest.raises(ValueError, match="3D-DSA over 2 devices needs the token grid's frames"):
         generate_on_devices(info, video, ["cpu", "cpu"], timeout_s=TIMEOUT_S)

@@ -262,7 +262,9 @@ def run_generate_on_devices(args, info, request, lora_files) -> int:
     if args.offload == "none":
         raise UsageError("--devices streams the blocks from one shared host copy: --offload stream")
     if args.gpu_budget or args.stats or args.trace or args.weights != "raw" or args.cache:
-        raise UsageError("--devices takes none of --gpu-budget, --weights, --stats, --trace, --cache")
+        raise UsageError(
+            "--devices takes none of --gpu-budget, --weights, --stats, --trace, --cache"
+        )
     if args.device != "cpu":
         raise UsageError("--devices names the devices itself: leave out --device")
     try:
@@ -394,6 +396,18 @@ def register_plan(sub) -> None:
         "--loras", type=int, default=0, help="LoRA adapters registered (inference; Wan models)"
     )
     p.add_argument("--lora-rank", type=int, default=32, help="their rank (default: 32)")
+    p.add_argument(
+        "--devices",
+        type=int,
+        default=1,
+        help="inference: one clip's tokens split over this many devices (default: 1)",
+    )
+    p.add_argument(
+        "--link-gbps",
+        type=float,
+        default=300.0,
+        help="all-to-all GB/s sent per device between devices (default: 300, assumed NVLink)",
+    )
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=run_plan)
 
@@ -404,7 +418,9 @@ def run_plan(args) -> int:
     from megaslide.engine.sources import describe
 
     width, height = parse_size(args.size, "--size") if args.size else (None, None)
-    check_positive(batch=args.batch, prefetch=args.prefetch, frames=args.frames)
+    check_positive(
+        batch=args.batch, prefetch=args.prefetch, frames=args.frames, devices=args.devices
+    )
     machine = Machine(
         gpu_mem=args.gpu_mem,
         host_mem=args.host_mem,
@@ -413,6 +429,7 @@ def run_plan(args) -> int:
         tflops=args.tflops,
         host_gbps=args.host_gbps,
         decode_gbps=args.decode_gbps,
+        link_gbps=args.link_gbps,
     )
     workload = Workload(
         mode=args.mode,
@@ -429,6 +446,7 @@ def run_plan(args) -> int:
         loras=args.loras,
         lora_rank=args.lora_rank,
         weights=args.weights,
+        devices=args.devices,
     )
     result = plan(describe(model_source(args)), machine, workload)
     print_json(result) if args.json else print(format_plan(result))
