@@ -56,6 +56,21 @@ def test_sequence_parallel_equals_one_process_bitwise(attention, size, world):
     assert steps == [(1, 2), (2, 2)]
 
 
+def test_wan_sequence_parallel_equals_one_process_bitwise(tmp_path):
+    from wan_fixtures import build_tiny_wan
+
+    info = describe(resolve_source(str(build_tiny_wan(tmp_path / "wan"))))
+    video = resolve(
+        VideoRequest(prompt="a red circle", steps=2, seed=3), info.limits, model=info.name
+    )
+    one = open_pipeline(info, offload="stream").generate(video)
+    split = generate_on_devices(info, video, ["cpu", "cpu"], timeout_s=TIMEOUT_S)
+    assert np.array_equal(split, one), f"max difference {np.abs(split.astype(int) - one).max()}"
+    dsa = describe(info.source, attention="dsa")
+    with pytest.raises(ValueError, match="dense attention only"):
+        family("wan").check_parallel(dsa, video.frames, video.height, video.width, 2)
+
+
 def test_rank_killed_mid_job_fails_the_job_naming_the_rank():
     info, video = tiny(steps=50)
     pids: list[int] = []
