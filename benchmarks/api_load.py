@@ -37,7 +37,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # processes.py
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))  # processes.py
 
 import numpy as np  # noqa: E402
 

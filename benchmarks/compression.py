@@ -11,7 +11,9 @@ and fp8's dequantize, in GB/s of decoded bytes (the CUDA kernel's figure comes f
 benchmarks/gpu_check.sh). Quality: fp8 frames against raw weights' frames computed in the same
 dtype (`--dtype`, bf16 by default; PSNR over uint8 RGB, SSIM with a 7x7 window per channel), and
 prompt adherence of the default model with raw and fp8 weights; lossless frames must equal raw's
-bitwise.
+bitwise. `--wan DIR` adds the same figures (bytes, fp8 quality) for a Wan pipeline directory;
+`--wan trained` for the tiny Wan trained here by benchmarks/tiny_wan.py (its random VAE renders
+the frames).
 
 Goals: lossless <= 0.72x the bytes, fp8 <= 0.51x, fp8 PSNR >= 35 dB against bf16. The fp8
 ratio goal is judged on the default model's blocks; fp8's size depends on shapes only, and the
@@ -27,12 +29,14 @@ import os
 import platform
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+ROOT = Path(__file__).resolve().parents[1]
 
 from prompt_adherence import accuracy, adherence  # noqa: E402
 
@@ -186,6 +190,23 @@ def prompt_adherence(source, count: int, steps: int | None, dtype: str) -> dict:
     return out
 
 
+def wan_figures(where: str, prompts: int, steps: int | None, dtype: str) -> dict:
+    """Ratios and fp8 quality on a Wan pipeline directory (`trained`: the tiny Wan trained here,
+    whose random VAE renders the frames: see benchmarks/tiny_wan.py)."""
+    from megaslide.engine.sources import resolve_source
+
+    if where == "trained":
+        from tiny_wan import trained_tiny_wan
+
+        where = str(trained_tiny_wan(ROOT / "runs" / "tiny-wan"))
+    source = resolve_source(where)
+    return {
+        "model": where,
+        "ratios": {w: store_ratios(source, w)["transformer"]["ratio"] for w in ("lossless", "fp8")},
+        "quality": quality(source, prompts, steps, dtype),
+    }
+
+
 def main(argv=None) -> int:
     from megaslide.engine.sources import DEFAULT_MODEL, resolve_source
 
@@ -199,6 +220,12 @@ def main(argv=None) -> int:
         choices=("bfloat16", "float32"),
         help="compute dtype of the quality and adherence runs; fp8 and lossless are compared with "
         "raw weights in it (default: bfloat16, what a GPU runs; on a CPU bf16 clips take ~1 min)",
+    )
+    ap.add_argument(
+        "--wan",
+        metavar="DIR",
+        help="also a Wan pipeline directory: its ratios and fp8 quality; 'trained' builds (once) "
+        "the tiny Wan trained here (benchmarks/tiny_wan.py)",
     )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
@@ -234,6 +261,8 @@ def main(argv=None) -> int:
     }
     if count:
         result["prompt_adherence"] = prompt_adherence(source, count, steps, args.dtype)
+    if args.wan:
+        result["wan"] = wan_figures(args.wan, prompts, steps, args.dtype)
     tiny = ratios["megaslide-tiny (trained, bf16)"]
     result["goals_met"] = {
         "lossless_ratio_max": tiny["lossless"] <= GOALS["lossless_ratio_max"],

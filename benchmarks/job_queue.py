@@ -17,7 +17,7 @@ do (every `--watch-interval` seconds) to time events across processes.
 
 PostgreSQL: `--postgres URL` (a scratch database: each run DROPS the job store's tables there
 first), or a throwaway server started here from the system's PostgreSQL binaries
-(tests/postgres.py).
+(tests/support/postgres.py).
 """
 
 from __future__ import annotations
@@ -32,7 +32,9 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the fakes, postgres.py
+sys.path.insert(
+    0, str(Path(__file__).resolve().parents[1] / "tests" / "support")
+)  # the fakes, postgres.py
 
 import numpy as np  # noqa: E402
 
@@ -221,7 +223,7 @@ def main(argv=None) -> int:
         "machine": f"{platform.node()}: {multiprocessing.cpu_count()} CPUs, {platform.system()}",
         "batch": args.batch,
         "watch_interval_s": args.watch_interval,
-        # The throwaway server trades durability for speed (tests/postgres.py: fsync off);
+        # The throwaway server trades durability for speed (tests/support/postgres.py: fsync off);
         # SQLite commits with synchronous=FULL as served.
         "postgres": args.postgres and "given" or "throwaway local server, fsync off",
         "runs": results,

@@ -2,7 +2,7 @@
 
     python benchmarks/wan_dsa.py --json
 
-A tiny random Wan pipeline (tests/wan_fixtures.py), one request sampled with dense self-attention
+A tiny random Wan pipeline (tests/support/wan_fixtures.py), one request sampled with dense self-attention
 and again with 3D-DSA swapped in (no fine-tuning): the relative L2 distance of the first step's
 velocity and of the final latents, and the mean and largest uint8 difference of the frames. The
 model never saw local attention, so this is the gap a 3D-DSA fine-tune has to close
@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))  # the tests' tiny Wan builder
+sys.path.insert(0, str(ROOT / "tests" / "support"))  # the tests' tiny Wan builder
 
 from megaslide.engine.loader import open_pipeline  # noqa: E402
 from megaslide.engine.request import VideoRequest  # noqa: E402

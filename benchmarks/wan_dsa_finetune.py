@@ -2,7 +2,7 @@
 
     python benchmarks/wan_dsa_finetune.py --json
 
-1. A tiny random Wan (tests/wan_fixtures.py) is trained, dense, on procedural world clips
+1. A tiny random Wan (tests/support/wan_fixtures.py) is trained, dense, on procedural world clips
    (engine/world.py, 17 frames of 128x128: a 5x8x8 token grid) until it has learned something.
 2. That model is evaluated on held-out clips: the flow-matching loss (velocity MSE at fixed noise
    and times), dense, with 3D-DSA swapped in untrained (tile 1x2x2, window 3x3x3), and with 3D-DSA
@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))  # the tests' tiny Wan builder
+sys.path.insert(0, str(ROOT / "tests" / "support"))  # the tests' tiny Wan builder
 
 from megaslide.engine.family import TrainingShape  # noqa: E402
 from megaslide.engine.finetune import open_trainer  # noqa: E402

@@ -4,7 +4,7 @@ Streaming (streaming.py) and the training step's gradient drain (blockwise.py) m
 call through one small interface, `Ordering`: on CUDA a dedicated copy stream beside the compute
 stream, ordered by events (`_CudaOrdering`); on the CPU synchronous memcpy, where every wait is a
 no-op (`_HostOrdering`). Because nothing else orders their work, a simulated device that implements
-the same interface (tests/simulated_device.py) checks the whole protocol without a GPU.
+the same interface (tests/support/simulated_device.py) checks the whole protocol without a GPU.
 """
 
 from __future__ import annotations

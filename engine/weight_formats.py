@@ -11,8 +11,9 @@ the store to decode it, and neither it nor the model knows which format is in us
   On fp32 weights (the CPU default) it is still exact but saves little (0.90x on the default
   model: the low halves of fp32 words are mantissa noise).
 - `fp8`: every 2-D tensor named `*.weight` (the block's linear layers) as float8_e4m3fn with one
-  fp32 scale per output row (`scale = max|row| / 448`), dequantized into the slot in the
-  compute dtype; every other tensor raw. Lossy: quality is measured in benchmarks/compression.py.
+  power-of-two scale per output row (an int8 exponent: the row's largest magnitude lands in
+  (224, 448]), dequantized into the slot in the compute dtype; every other tensor raw. Lossy:
+  quality is measured in benchmarks/compression.py.
 
 `make_store(tensors, pinned, weights)` builds the store for a block; `EncodedBlockStore` is the
 coded one. Its `payload` is what one copy moves; `decode(staging, out)` queues the decode on the
@@ -119,24 +120,34 @@ def fp8_quantizable(entry: TensorEntry) -> bool:
 
 
 def fp8_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q, scale): `q` float8_e4m3fn `(out, in)`, `scale` fp32 `(out,)` with `w ~ q * scale`.
+    """(q, exponent): `q` float8_e4m3fn `(out, in)`, `exponent` int8 `(out,)`, with
+    `w ~ q * 2**exponent`.
 
-    The scale maps each row's largest magnitude to 448 (e4m3fn's largest finite value); an
-    all-zero row gets scale 1. Values are rounded to nearest by the cast."""
+    Each row's scale is the power of two that brings its largest magnitude into (224, 448]
+    (448 is e4m3fn's largest finite value): one byte a row where an fp32 scale took four, and
+    since e4m3fn is itself floating point, a power-of-two scale costs no precision in its normal
+    range (at most one binade at the bottom, below 2**-6 of the row's scale unit). Dequantizing
+    is exact: a power-of-two product. An all-zero row gets exponent 0. Values are rounded to
+    nearest by the cast."""
     w32 = w.detach().float()
     amax = w32.abs().amax(dim=1)
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    q = (w32 / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return q, scale
+    exponent = torch.ceil(torch.log2(amax / FP8_MAX)).clamp(-126, 127)
+    exponent = torch.where(amax > 0, exponent, torch.zeros_like(exponent))
+    # log2 rounds: where the power it gave leaves the row's maximum above 448, take the next.
+    exponent += (amax / torch.exp2(exponent) > FP8_MAX).float()
+    q = (w32 / torch.exp2(exponent)[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, exponent.to(torch.int8)
 
 
-def fp8_dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """`q * scale` per row in fp32, then cast to `dtype` (the reference the slot decode runs)."""
-    return (q.float() * scale[:, None]).to(dtype)
+def fp8_dequantize(q: torch.Tensor, exponent: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`q * 2**exponent` per row in fp32 (exact), then cast to `dtype` (the reference the slot
+    decode runs)."""
+    return (q.float() * torch.exp2(exponent.float())[:, None]).to(dtype)
 
 
 class Fp8Codec(WeightCodec):
-    """Linear weights as float8_e4m3fn with per-output-channel fp32 scales; the rest raw."""
+    """Linear weights as float8_e4m3fn with a power-of-two scale per output channel (one int8
+    exponent); the rest raw."""
 
     name = "fp8"
     lossless = False
@@ -173,7 +184,7 @@ def fp8_payload_nbytes(entries: Sequence[TensorEntry]) -> int:
     for entry in entries:
         sizes = [entry.nbytes]
         if fp8_quantizable(entry):
-            sizes = [entry.shape[0] * entry.shape[1], entry.shape[0] * 4]  # q bytes, fp32 scales
+            sizes = [entry.shape[0] * entry.shape[1], entry.shape[0]]  # q, int8 exponents
         for n in sizes:
             cursor = _round_up(cursor, ALIGN_BYTES) + n
     return _round_up(cursor, ALIGN_BYTES)

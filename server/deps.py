@@ -15,17 +15,18 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import BaseModel
 
 from .auth import ANONYMOUS, Keyring, Principal
 from .datadir import DataDir
 from .errors import (
     Conflict,
-    EngineDead,
     Forbidden,
     InvalidRequest,
     NotFound,
     QueueFull,
     Unauthorized,
+    WorkerDead,
 )
 from .links import LinkSigner
 from .protocol import ModelCard, WorkerClient
@@ -146,10 +147,18 @@ class Replay:
     key: tuple[str, str, str] | None = None
     resource_id: str | None = None
     response: dict | None = None
+    store: AsyncStore | None = None
 
     @property
     def replayed(self) -> bool:
         return self.resource_id is not None or self.response is not None
+
+    async def answer(self, response: BaseModel) -> BaseModel:
+        """Record `response` as this request's answer, for its retries (a no-op without a
+        key); returns it. Routes whose work makes no resource (cancel, delete) end with it."""
+        if self.key is not None:
+            await self.store.record_response(*self.key[:2], response.model_dump(mode="json"))
+        return response
 
 
 @contextlib.asynccontextmanager
@@ -161,7 +170,7 @@ async def idempotent(
     The key is reserved before the work starts, so a retry that arrives while the first request
     is still at work (a slow upload, a client that timed out) waits for its outcome instead of
     doing the work twice. The request records its resource (`store.insert_*(idempotency=key)`)
-    or its answer (`store.record_response`) under the key; if it fails instead, the key is freed
+    or its answer (`Replay.answer`) under the key; if it fails instead, the key is freed
     for the next retry. Reusing a key with a different body is a client bug: 409.
     """
     key = request.headers.get("idempotency-key")
@@ -188,7 +197,7 @@ async def idempotent(
             )
         await asyncio.sleep(0.1)
     try:
-        yield Replay(key=reservation)
+        yield Replay(key=reservation, store=store)
     finally:
         # A no-op once the outcome is recorded; otherwise the request failed: free the key.
         await store.release_key(*reservation[:2])
@@ -213,7 +222,7 @@ async def admit(
     """Refuse new work when the worker is dead, the queue is full, or the principal (a key that
     is not an admin's) already holds its share of the queue."""
     if workers.dead:
-        raise EngineDead(f"the worker stopped ({workers.dead}); restart the server")
+        raise WorkerDead(f"the worker stopped ({workers.dead}); restart the server")
     depth = await store.queue_depth()
     if depth >= settings.max_queue:
         raise QueueFull(

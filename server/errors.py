@@ -103,10 +103,10 @@ class InsufficientStorage(APIError):
     status, type, default_code = 507, "server_error", "insufficient_storage"
 
 
-class EngineDead(APIError):
+class WorkerDead(APIError):
     """The worker is gone: no job can run until the server restarts."""
 
-    status, type, default_code = 503, "server_error", "engine_dead"
+    status, type, default_code = 503, "server_error", "worker_dead"
 
 
 def envelope(

@@ -1,19 +1,10 @@
 """The benchmarks run in their CI-sized form and report what their JSON promises."""
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
+from processes import run_json
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def run_json(*args: str) -> dict:
-    out = subprocess.run(
-        [sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    return json.loads(out.stdout)
 
 
 def test_streaming_benchmark_quick():

@@ -14,7 +14,7 @@ from megaslide.engine.loader import open_model, open_pipeline
 from megaslide.engine.sources import describe, resolve_source
 from megaslide.engine.text import BuiltinTextEncoder
 
-from test_model import randomise_zero_inits
+from dit_fixtures import randomise_zero_inits
 
 TINY = PRESETS["tiny"]
 

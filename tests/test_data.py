@@ -282,7 +282,7 @@ def test_cache_keeps_decoded_clips_up_to_its_budget(good_root, monkeypatch):
 
 
 def test_limits_bound_what_checking_a_dataset_costs(tmp_path):
-    from test_server_limits import png_of_zeros
+    from api_helpers import png_of_zeros
 
     root = tmp_path / "upload"
     (root / "frames").mkdir(parents=True)

@@ -7,7 +7,7 @@ from megaslide.engine.request import VideoRequest
 from megaslide.engine.sources import DEFAULT_MODEL, packaged_models
 from megaslide.engine.world import analyse_clip
 
-from test_benchmarks import run_json
+from processes import run_json
 
 
 def test_packaged_model_loads_and_generates():

@@ -29,7 +29,7 @@ from megaslide.engine.sources import describe, resolve_source
 from megaslide.engine.text import BuiltinTextEncoder
 from megaslide.engine.world import write_dataset
 
-from test_model import randomise_zero_inits
+from dit_fixtures import randomise_zero_inits
 
 PROMPTS = ["a red circle moving left", "a blue square"]
 

@@ -25,8 +25,8 @@ from megaslide.server.store import JobStore
 from megaslide.server.worker import Worker
 from megaslide.server.workers import ChildWorkerFleet, Fleet
 
-from server_fakes import FAKE_CARD, FakeBackend
-from test_server_api import SMALL, assert_error, scrape, until, wait_status
+from api_helpers import SMALL, assert_error, scrape, wait_status
+from server_fakes import FAKE_CARD, FakeBackend, until
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ from megaslide.engine.loader import open_pipeline
 from megaslide.engine.request import VideoRequest
 from megaslide.engine.sources import resolve_source
 
-from test_model import randomise_zero_inits
+from dit_fixtures import randomise_zero_inits
 
 REQ = dict(frames=4, height=16, width=16, steps=3)
 

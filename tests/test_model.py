@@ -11,20 +11,14 @@ from megaslide.engine.dit import VideoDiT, apply_rope, rope_frequencies, sincos_
 from megaslide.engine.native import count_parameters
 from megaslide.engine.text import BuiltinTextEncoder, tokenize
 
+from dit_fixtures import randomise_zero_inits
+
 TINY = PRESETS["tiny"].model
 
 
 def make(config=TINY, seed=0):
     torch.manual_seed(seed)
     return VideoDiT(config).eval(), BuiltinTextEncoder(config.text).eval()
-
-
-def randomise_zero_inits(dit):
-    """Give every zero-initialised tensor random values, so a test exercises every path."""
-    with torch.no_grad():
-        for p in dit.parameters():
-            if not p.any():
-                p.normal_(0, 0.05)
 
 
 def test_forward_shapes_for_several_clip_shapes():

@@ -18,8 +18,7 @@ from megaslide.server import Settings, build_app
 from megaslide.server.torch_backend import TorchBackend
 from megaslide.server.worker import EmbeddedWorker
 
-from server_fakes import FakeBackend, live_server
-from test_server_api import (
+from api_helpers import (
     SMALL,
     assert_error,
     create,
@@ -29,6 +28,7 @@ from test_server_api import (
     upload,
     wait_status,
 )
+from server_fakes import FakeBackend, live_server
 
 JSON = {"content-type": "application/json"}
 

@@ -7,8 +7,6 @@ import io
 import json
 import re
 import socket
-import struct
-import zlib
 from pathlib import Path
 
 import numpy as np
@@ -20,8 +18,8 @@ from megaslide.server import Settings, build_app
 from megaslide.server.routers.videos import save_image
 from megaslide.server.worker import EmbeddedWorker
 
+from api_helpers import assert_error, png_of_zeros
 from server_fakes import FakeBackend, live_server
-from test_server_api import assert_error
 
 CHUNK = 64 * 1024
 
@@ -94,23 +92,6 @@ def test_a_declared_length_over_the_limit_is_refused_unread(make_client):
     assert_error(c.post("/v1/files", data={"purpose": "fine-tune"}, files=files), 413, "file")
     assert_error(c.post("/v1/files", content=b"x" * 2000, headers={"content-type": "a/b"}), 413)
     assert c.get("/v1/models").status_code == 200  # the limit leaves bodiless requests alone
-
-
-def png_of_zeros(width: int, height: int) -> bytes:
-    """A one-bit greyscale PNG of `width` x `height` zeros, compressed row by row: a few KB that
-    declare a frame of width * height pixels."""
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        crc = zlib.crc32(kind + data)
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", crc)
-
-    row = bytes(1 + (width + 7) // 8)  # the filter byte, then the packed bits
-    packer = zlib.compressobj(9)
-    idat = b"".join(packer.compress(row) for _ in range(height)) + packer.flush()
-    header = struct.pack(">IIBBBBB", width, height, 1, 0, 0, 0, 0)
-    return (
-        b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", idat) + chunk(b"IEND", b"")
-    )
 
 
 def test_first_frame_images_are_bounded_and_opened_with_few_decoders(tmp_path):

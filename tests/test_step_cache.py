@@ -21,7 +21,7 @@ from megaslide.engine.request import (
 from megaslide.engine.sources import resolve_source
 from megaslide.engine.step_cache import POLICIES, StepCache
 
-from test_model import randomise_zero_inits
+from dit_fixtures import randomise_zero_inits
 
 REQ = dict(frames=4, height=16, width=16, steps=6)
 LOOSE = {"policy": "output-change", "threshold": 100.0}  # reuses whenever it may
@@ -286,8 +286,8 @@ def test_the_api_takes_a_cache_and_answers_the_passes(tmp_path):
         from fastapi.testclient import TestClient
     from megaslide.server import Settings
 
+    from api_helpers import wait_status
     from server_fakes import torch_app
-    from test_server_engine import wait
 
     settings = Settings(data_dir=tmp_path / "data", preset="tiny", device="cpu", poll_after_ms=50)
     clip = {"num_frames": 4, "size": "16x16", "num_inference_steps": 6, "seed": 1}
@@ -296,7 +296,8 @@ def test_the_api_takes_a_cache_and_answers_the_passes(tmp_path):
         plain = c.post("/v1/videos", json={"prompt": "b", **clip}).json()
         bad = c.post("/v1/videos", json={"prompt": "c", **clip, "cache": "warp"})
         form = c.post("/v1/videos", data={"prompt": "d", "cache": '{"policy": "adaptive"}'})
-        cached, plain = wait(c, cached["id"]), wait(c, plain["id"])
+        cached = wait_status(c, cached["id"], timeout=120)
+        plain = wait_status(c, plain["id"], timeout=120)
     assert cached["status"] == plain["status"] == "completed"
     assert cached["cache"] == LOOSE and 2 <= cached["passes"] < 6
     assert plain["cache"] is None and plain["passes"] == 6

@@ -264,7 +264,7 @@ def test_prefetch_across_forwards_and_small_rings_cache():
 
 
 # ------------------------------------------------------------------------------------------------
-# Ordering: the streamer on a simulated device whose copies land late (tests/simulated_device.py)
+# Ordering: the streamer on a simulated device whose copies land late (tests/support/simulated_device.py)
 
 
 @pytest.mark.parametrize("kind", ["stack", "cond"])

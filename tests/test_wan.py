@@ -16,7 +16,7 @@ from megaslide.engine.loader import open_model, open_pipeline
 from megaslide.engine.request import RequestError, VideoRequest
 from megaslide.engine.sources import describe, resolve_source
 
-from wan_fixtures import CLIP, build_tiny_wan
+from wan_fixtures import PROMPT, build_tiny_wan, request
 from wan_reference import (
     CPU_VARIANTS,
     diffusers_run,
@@ -26,8 +26,6 @@ from wan_reference import (
 )
 
 diffusers = pytest.importorskip("diffusers")
-
-PROMPT, NEGATIVE = "a red circle moving left", "blurry"
 
 
 @pytest.fixture(scope="module")
@@ -56,20 +54,6 @@ def reference(wan):
     return run
 
 
-def request(size: int = 32, **changes) -> VideoRequest:
-    fields = dict(
-        prompt=PROMPT,
-        negative_prompt=NEGATIVE,
-        height=size,
-        width=size,
-        frames=CLIP["num_frames"],
-        steps=CLIP["num_inference_steps"],
-        guidance=CLIP["guidance_scale"],
-        seed=3,
-    )
-    return VideoRequest(**{**fields, **changes})
-
-
 def level_diff(a: np.ndarray, b: np.ndarray) -> int:
     return int(np.abs(a.astype(int) - b.astype(int)).max())
 
@@ -79,7 +63,7 @@ def level_diff(a: np.ndarray, b: np.ndarray) -> int:
 def test_same_seed_same_video_as_diffusers(wan, reference, variant):
     """Bitwise, every step's latents and the frames, in the reference mode (each row alone, as
     WanPipeline runs them), resident and streamed; the weights on both sides at 64-byte boundaries
-    (tests/wan_reference.py says why)."""
+    (tests/support/wan_reference.py says why)."""
     clip = request(64 if variant == "ti2v" else 32)  # TI2V's VAE takes 16 pixels per latent
     latents, frames = reference(variant, clip)
     assert frames.std() > 1  # a random model draws something, not a constant

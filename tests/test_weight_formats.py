@@ -80,8 +80,7 @@ def test_lossless_in_fp32_is_bitwise_too():
 
 def test_lossless_wan_with_two_experts_and_a_streamed_text_encoder_is_bitwise(tmp_path):
     pytest.importorskip("diffusers")
-    from test_wan import request
-    from wan_fixtures import build_tiny_wan
+    from wan_fixtures import build_tiny_wan, request
 
     model = build_tiny_wan(tmp_path / "experts", experts=2)
     ref = open_pipeline(model, dtype="bfloat16").generate(request(seed=1))
@@ -105,16 +104,22 @@ def test_fp8_quantization_error_is_rounding_only():
     g = torch.Generator().manual_seed(0)
     w = torch.randn(64, 96, generator=g) * torch.logspace(-3, 1, 64)[:, None]
     w[5] = 0  # an all-zero row
-    q, scale = fp8_quantize(w)
-    assert q.dtype == torch.float8_e4m3fn and scale.shape == (64,)
-    back = fp8_dequantize(q, scale, torch.float32)
+    q, exponent = fp8_quantize(w)
+    assert q.dtype == torch.float8_e4m3fn and exponent.dtype == torch.int8
+    assert exponent.shape == (64,)
+    scale = torch.exp2(exponent.float())
+    back = fp8_dequantize(q, exponent, torch.float32)
     # e4m3: 3 mantissa bits, so a normal value rounds within 2**-4 relative; below the smallest
     # normal (2**-6 of the scale unit) the spacing is 2**-9 units, so within 2**-10 * scale.
     bound = torch.maximum(w.abs() * 2.0**-4, scale[:, None] * 2.0**-10)
     err = (back - w).abs()
     assert (err <= bound * (1 + 1e-6)).all(), f"max err/bound {(err / bound).max():.3f}"
-    assert torch.equal(back[5], torch.zeros(96))
-    assert torch.allclose(back.abs().amax(dim=1)[scale != 1], w.abs().amax(dim=1)[scale != 1])
+    assert torch.equal(back[5], torch.zeros(96)) and exponent[5] == 0
+    # Each row's largest magnitude lands in the top binade of e4m3fn: (224, 448].
+    top = w.abs().amax(dim=1) / scale
+    assert ((top > 224) & (top <= 448))[torch.arange(64) != 5].all(), top
+    # Dequantizing is exact: the same as multiplying by the power of two in float64.
+    assert torch.equal(back.double(), q.double() * scale.double()[:, None])
 
 
 def test_fp8_codes_only_linear_weights():

@@ -215,8 +215,7 @@ async def create_adapter(
                 owned_by=principal.owner,
                 created_at=folder.record(name)["created_at"],
             )
-            if replay.key is not None:
-                await store.record_response(*replay.key[:2], answer.model_dump(mode="json"))
+            await replay.answer(answer)
     finally:
         partial.unlink(missing_ok=True)
     workers.wake()
@@ -281,7 +280,6 @@ async def delete_adapter(
             )
         await run_in_threadpool(folder.remove, name)
         answer = AdapterDeleted(id=found.id, model=card.name, deleted=True)
-        if replay.key is not None:
-            await store.record_response(*replay.key[:2], answer.model_dump(mode="json"))
+        await replay.answer(answer)
     workers.wake()
     return answer

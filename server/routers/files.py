@@ -175,8 +175,7 @@ async def delete_file(
             return replay.response
         await find_file(store, file_id, principal)
         answer = await _delete(store, data, file_id)
-        if replay.key is not None:
-            await store.record_response(*replay.key[:2], answer.model_dump(mode="json"))
+        await replay.answer(answer)
     return answer
 
 

@@ -211,8 +211,7 @@ async def cancel_job(
             workers.wake()
             await wait_for(cancelled, settings.cancel_wait_s)
         answer = finetune_object(await store.get_finetune(job_id))
-        if replay.key is not None:
-            await store.record_response(*replay.key[:2], answer.model_dump(mode="json"))
+        await replay.answer(answer)
     return answer
 
 

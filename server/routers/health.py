@@ -7,7 +7,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from ..deps import StoreDep, WorkersDep, require_api_key
-from ..errors import EngineDead, NotReady
+from ..errors import NotReady, WorkerDead
 from ..metrics import Gauges, exposition
 from ..schemas import error_responses
 
@@ -17,14 +17,14 @@ router = APIRouter(tags=["health"], responses=error_responses(413, 500))
 @router.get("/healthz", responses=error_responses(503))
 async def healthz(workers: WorkersDep):
     if workers.dead:
-        raise EngineDead(f"the worker stopped: {workers.dead}")
+        raise WorkerDead(f"the worker stopped: {workers.dead}")
     return {"status": "ok"}
 
 
 @router.get("/readyz", responses=error_responses(503))
 async def readyz(workers: WorkersDep):
     if workers.dead:
-        raise EngineDead(f"the worker stopped: {workers.dead}")
+        raise WorkerDead(f"the worker stopped: {workers.dead}")
     if workers.trouble:
         raise NotReady(workers.trouble)
     if not workers.ready:

@@ -298,8 +298,7 @@ async def cancel_video(
             )
         await stop(store, workers, video_id, settings.cancel_wait_s)
         answer = video_object(await store.get_video(video_id))
-        if replay.key is not None:
-            await store.record_response(*replay.key[:2], answer.model_dump(mode="json"))
+        await replay.answer(answer)
     return answer
 
 
@@ -329,8 +328,7 @@ async def delete_video(
             for path in data.video_files(video_id):
                 path.unlink(missing_ok=True)
             answer = VideoDeleted(id=video_id, deleted=True, status="deleted")
-        if replay.key is not None:
-            await store.record_response(*replay.key[:2], answer.model_dump(mode="json"))
+        await replay.answer(answer)
     return answer
 
 

@@ -144,3 +144,15 @@ def noise_dataset_archive(tmp_path: Path, clips: int) -> bytes:
     with tarfile.open(fileobj=buf, mode="w:gz") as tf:
         tf.add(root, arcname="dataset")
     return buf.getvalue()
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_json(*args: str) -> dict:
+    """Run a script of the repository (a benchmark with `--json`) and parse what it prints."""
+    out = subprocess.run(
+        [sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout)

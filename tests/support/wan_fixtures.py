@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from megaslide.engine.request import VideoRequest
+
 WORDS = (
     "a red green blue yellow white black circle square triangle moving left right up down "
     "not on background cat dog running jumping slowly quickly the sky river"
@@ -160,3 +162,21 @@ def build_tiny_wan(
 
 # Small clips: 9 frames (3 latent frames) of 32x32 (a 2x2 token grid a frame).
 CLIP = dict(height=32, width=32, num_frames=9, num_inference_steps=4, guidance_scale=4.0)
+
+
+PROMPT, NEGATIVE = "a red circle moving left", "blurry"
+
+
+def request(size: int = 32, **changes) -> VideoRequest:
+    """The parity tests' request: `CLIP` at `size`, a prompt and a negative one."""
+    fields = dict(
+        prompt=PROMPT,
+        negative_prompt=NEGATIVE,
+        height=size,
+        width=size,
+        frames=CLIP["num_frames"],
+        steps=CLIP["num_inference_steps"],
+        guidance=CLIP["guidance_scale"],
+        seed=3,
+    )
+    return VideoRequest(**{**fields, **changes})

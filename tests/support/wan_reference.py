@@ -47,7 +47,7 @@ CPU_VARIANTS = {
         "ONEDNN_MAX_CPU_ISA": "SSE41",
     },
 }
-REPOSITORY = Path(__file__).resolve().parent.parent
+REPOSITORY = Path(__file__).resolve().parents[2]
 
 
 def rehome(*modules: nn.Module) -> None:

@@ -16,7 +16,10 @@ def interpreted_results(test_file: str, triton_import_error: ImportError | None)
     `RESULTS ` line. Skips when Triton does not import here."""
     if triton_import_error is not None:
         pytest.skip(f"triton is not importable here: {triton_import_error}")
-    env = dict(os.environ, TRITON_INTERPRET="1")
+    # The child runs the test file as a script: it finds the helpers here on its path.
+    support = os.path.dirname(os.path.abspath(__file__))
+    path = os.pathsep.join(p for p in (support, os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
     proc = subprocess.run(
         [sys.executable, os.path.abspath(test_file), "--interpret-worker"],
         capture_output=True,
