@@ -174,6 +174,8 @@ def open_model(
     streamed = [c for c in components if offload == "stream" and c.blocks]
     block_bytes = {c.name: sum(layout_nbytes(b) for b in c.blocks) for c in streamed}
     if shared is not None:
+        if offload != "stream":
+            raise ValueError("shared weights hold streamed blocks: they need offload='stream'")
         if weights != "raw":
             raise ValueError(f"shared weights are raw blocks: weights={weights!r} does not apply")
         unshared = [c.name for c in streamed if c.name not in shared.blocks]

@@ -133,6 +133,8 @@ def test_shared_weights_are_one_copy_in_shared_memory():
     pipe = open_pipeline(info, offload="stream", shared=shared)
     ptrs = {b.data_ptr() for b in pipe.handles["dit"].host_buffers()}
     assert ptrs == {b.data_ptr() for b in shared.blocks["dit"]}
+    with pytest.raises(ValueError, match="need offload='stream'"):
+        open_pipeline(info, shared=shared)
     one = open_pipeline(info, offload="stream")
     for a, b in zip(pipe.dit.state_dict().values(), one.dit.state_dict().values()):
         assert torch.equal(a, b)
