@@ -14,6 +14,7 @@ the meta device can be given the same random weights part by part (see `initiali
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -372,6 +373,18 @@ class BlockInputs:
     angles: torch.Tensor  # (N, head_dim / 2) rotary angles
     x: torch.Tensor  # (B, C, F, H, W) the noisy input, and t (B,) its flow time: the epilogue's
     t: torch.Tensor  # conversion from a data prediction to a velocity reads them
+
+    def rows(self, index: torch.Tensor) -> BlockInputs:
+        """The inputs of some rows of the batch (`index`: row numbers); positions are shared."""
+        return dataclasses.replace(
+            self,
+            t_emb=self.t_emb[index],
+            t_mod=self.t_mod[index],
+            ctx=self.ctx[index],
+            ctx_mask=self.ctx_mask[index],
+            x=self.x[index],
+            t=self.t[index],
+        )
 
 
 def pop_aux_losses(module: nn.Module) -> list[torch.Tensor]:

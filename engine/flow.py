@@ -11,6 +11,9 @@ so requests at different steps share one pass of the model's weights.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager as ContextManager
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -123,31 +126,64 @@ class SampleState:
 
 
 @torch.no_grad()
-def denoise_step(model, states: list[SampleState]) -> None:
+def denoise_step(
+    model, states: list[SampleState], first_block_only: Callable[[], ContextManager] = nullcontext
+) -> None:
     """Advance every unfinished state by one Euler step, in one batched forward pass.
 
     The batch holds each guided request twice (conditional and unconditional context), so a streamed
     model moves its weights once per step for all of them. A state whose step cache reuses an
-    earlier output stays out of the pass; when every state reuses, the model does not run.
+    earlier output stays out of the pass; when every state reuses, the model does not run. A state
+    whose cache decides from the first block's residual (`first-block`) joins the pass up to the
+    first block and leaves it there when it reuses; `first_block_only` is entered around that
+    first block (a streamed model's pipeline stops the streamer copying the next block ahead).
     """
     states = [s for s in states if not s.done]
     if not states:
         return
     reuse = [
-        s.cache is not None and s.cache.reuse(s.step, s.times[s.step], s.times[s.step + 1])
+        s.cache is not None
+        and not s.cache.probes
+        and s.cache.reuse(s.step, s.times[s.step], s.times[s.step + 1])
         for s in states
     ]
-    computed = iter(_forward(model, [s for s, r in zip(states, reuse) if not r]))
+    run = [s for s, r in zip(states, reuse) if not r]
+    if any(s.cache is not None and s.cache.probes for s in run):
+        computed = iter(_forward_probed(model, run, first_block_only))
+    else:
+        computed = iter((v, True) for v in _forward(model, run))
     for s, reused in zip(states, reuse):
         if reused:
             v_s = s.cache.output()
         else:
-            v_s = next(computed)
-            if s.cache is not None:
+            v_s, ran = next(computed)  # ran: False when a first-block cache reused in the pass
+            if ran and s.cache is not None:
                 s.cache.record(s.times[s.step], s.latents, v_s)
         dt = s.times[s.step + 1] - s.times[s.step]  # negative: walking from noise to data
         s.latents = s.latents + dt * v_s  # (1, C, F, H, W)
         s.step += 1
+
+
+def _inputs(states: list[SampleState], dtype: torch.dtype):
+    """The batch of a pass: every row of `states` (both halves of each guidance pair), and each
+    state's rows in it as a slice."""
+    xs, ts, ctxs, masks, rows = [], [], [], [], []
+    offset = 0
+    for s in states:
+        copies = 2 if s.guided else 1
+        rows.append(slice(offset, offset + copies))
+        offset += copies
+        xs.append(s.latents.expand(copies, *s.latents.shape[1:]))
+        ts.append(s.times[s.step].expand(copies))
+        ctxs.append(s.ctx[:copies])
+        masks.append(s.ctx_mask[:copies])
+    x = torch.cat(xs).to(dtype)  # (B', C, F, H, W)
+    return (x, torch.cat(ts).to(x.device), torch.cat(ctxs), torch.cat(masks)), rows
+
+
+def _combine(s: SampleState, v: torch.Tensor) -> torch.Tensor:
+    """A state's velocity `(1, C, F, H, W)` from its rows `(1 or 2, C, F, H, W)` of the pass."""
+    return cfg_combine(v[:1], v[1:2], s.guidance) if s.guided else v
 
 
 def _forward(model, states: list[SampleState]) -> list[torch.Tensor]:
@@ -155,24 +191,46 @@ def _forward(model, states: list[SampleState]) -> list[torch.Tensor]:
     state's velocity `(1, C, F, H, W)`, guidance combined."""
     if not states:
         return []
-    xs, ts, ctxs, masks = [], [], [], []
-    for s in states:
-        copies = 2 if s.guided else 1
-        xs.append(s.latents.expand(copies, *s.latents.shape[1:]))
-        ts.append(s.times[s.step].expand(copies))
-        ctxs.append(s.ctx[:copies])
-        masks.append(s.ctx_mask[:copies])
-    param = next(model.parameters())
-    x = torch.cat(xs).to(param.dtype)  # (B', C, F, H, W)
-    v = model(
-        x, torch.cat(ts).to(x.device), torch.cat(ctxs), torch.cat(masks)
-    ).float()  # (B', C, F, H, W)
-    out, offset = [], 0
-    for s in states:
-        if s.guided:
-            out.append(cfg_combine(v[offset : offset + 1], v[offset + 1 : offset + 2], s.guidance))
-            offset += 2
-        else:
-            out.append(v[offset : offset + 1])
-            offset += 1
-    return out
+    inputs, rows = _inputs(states, next(model.parameters()).dtype)
+    v = model(*inputs).float()  # (B', C, F, H, W)
+    return [_combine(s, v[r]) for s, r in zip(states, rows)]
+
+
+def _forward_probed(model, states, first_block_only) -> list[tuple[torch.Tensor, bool]]:
+    """One forward pass cut after the first block, for a batch where some states decide there
+    (FBCache): each state's velocity `(1, C, F, H, W)` and whether its rows ran every block.
+
+    Every row runs the prologue and the first block; a probing state compares its rows' first
+    residual `h_1 - h_0` with its cache's, and when it reuses, its rows skip the remaining blocks
+    and take `h_1` plus the residual those blocks made at its last computed step. The other rows
+    run the remaining blocks as one smaller batch; the epilogue runs on every row. When no row
+    reuses this is the model's own forward, op for op."""
+    inputs, rows = _inputs(states, next(model.parameters()).dtype)
+    h0, c = model.prologue(*inputs)  # (B', N, D)
+    with first_block_only():
+        h1 = model.blocks[0](h0, c)  # (B', N, D)
+    reuse = [
+        s.cache is not None and s.cache.probes and s.cache.reuse_probed(s.step, h1[r] - h0[r])
+        for s, r in zip(states, rows)
+    ]
+    keep = [i for s, r, u in zip(states, rows, reuse) if not u for i in range(r.start, r.stop)]
+    if len(keep) == h1.shape[0]:
+        h = h1
+        for block in model.blocks[1:]:
+            h = block(h, c)  # (B', N, D)
+    else:
+        h = h1.clone()
+        if keep:
+            index = torch.tensor(keep, device=h1.device)
+            part, cp = h1[index], c.rows(index)  # (B'', N, D)
+            for block in model.blocks[1:]:
+                part = block(part, cp)  # (B'', N, D)
+            h[index] = part
+        for s, r, u in zip(states, rows, reuse):
+            if u:
+                h[r] = h1[r] + s.cache.tail()  # (rows, N, D)
+    for s, r, u in zip(states, rows, reuse):
+        if s.cache is not None and s.cache.probes and not u:
+            s.cache.record_probed(h1[r] - h0[r], h[r] - h1[r])
+    v = model.epilogue(h, c).float()  # (B', C, F, H, W)
+    return [(_combine(s, v[r]), not u) for s, r, u in zip(states, rows, reuse)]

@@ -10,6 +10,7 @@ identity, leafness and `requires_grad` survive and their old storage is freed.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
@@ -226,6 +227,14 @@ class HostBlockStore:
     def payload_nbytes(self) -> int:
         return self.nbytes
 
+    def after_copy(self, ordering) -> None:
+        """The copy from `payload` has been queued (the disk tier's stores recycle a buffer
+        then; this buffer is the store's own)."""
+
+    def read(self) -> torch.Tensor:
+        """The block's flat buffer (the store's own, not a copy)."""
+        return self.buffer
+
     def tensors(self) -> dict[str, torch.Tensor]:
         """Host views by (first) name; writing into them changes what the next copy transfers."""
         return {e.names[0]: v for e, v in zip(self.entries, self.views)}
@@ -272,6 +281,57 @@ def fill_views(
     return filled
 
 
+@dataclasses.dataclass(frozen=True)
+class Extent:
+    """Where one tensor's bytes lie in a .safetensors file, as stored (read by the disk tier)."""
+
+    path: str
+    offset: int  # bytes from the start of the file
+    nbytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+# safetensors' dtype names (its format spec) -> torch dtypes
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+
+
+def read_safetensors_header(path: str) -> dict[str, Extent]:
+    """Every tensor's extent in one .safetensors file, from its header (an 8-byte little-endian
+    length, then JSON with each tensor's dtype, shape and data offsets after the header).
+    ValueError naming the file and tensor when the file is shorter than its header says."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    base, out = 8 + n, {}
+    for key, info in header.items():
+        if key == "__metadata__":
+            continue
+        begin, end = info["data_offsets"]
+        if base + end > size:
+            raise ValueError(
+                f"{path} is truncated: {key!r} ends at byte {base + end}, the file has {size}"
+            )
+        dtype = SAFETENSORS_DTYPES.get(info["dtype"])
+        if dtype is not None:
+            out[key] = Extent(path, base + begin, end - begin, dtype, tuple(info["shape"]))
+    return out
+
+
 class SafetensorsFile(Mapping):
     """A read-only mapping over one or more .safetensors files (the shards of one checkpoint).
 
@@ -286,12 +346,21 @@ class SafetensorsFile(Mapping):
         if isinstance(paths, (str, os.PathLike)):
             paths = [paths]
         self._files: dict[str, str] = {}  # tensor name -> file
+        self._headers: dict[str, dict[str, Extent]] = {}  # file -> its extents, when located
         for path in map(os.fspath, paths):
             with safe_open(path, framework="pt", device="cpu") as f:
                 for key in f.keys():
                     if key in self._files:
                         raise ValueError(f"{key!r} is stored twice (again in {path})")
                     self._files[key] = path
+
+    def locate(self, key: str) -> Extent | None:
+        """Where tensor `key` lies on disk, as stored (for the disk tier); None for a dtype
+        torch does not know."""
+        path = self._files[key]
+        if path not in self._headers:
+            self._headers[path] = read_safetensors_header(path)
+        return self._headers[path].get(key)
 
     def __getitem__(self, key: str) -> torch.Tensor:
         from safetensors import safe_open

@@ -29,12 +29,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .disk_store import HOST_TIERS
 from .family import Component, family
 from .host_store import BoundTensor, SharedWeights, collect_tensors, layout_nbytes, repoint
 from .initialization import init_module, init_parts
 from .lora import Adapter, AdapterError
 from .ordering import Ordering
 from .pipeline import Pipeline
+from .planner import choose_host_tier
 from .sources import ModelInfo, ModelSource, describe, resolve_source
 from .streaming import StreamHandle, stream_module
 from .weight_formats import codec
@@ -92,6 +94,8 @@ def open_pipeline(
     ordering: Ordering | None = None,
     weights: str = "raw",
     shared: SharedWeights | None = None,
+    host_tier: str = "ram",
+    disk_io: str = "buffered",
     **overrides,
 ) -> Pipeline:
     """A model opened for sampling.
@@ -104,7 +108,11 @@ def open_pipeline(
     `ordering` replaces the device's own streams and events for the streamed modules (see
     `stream_module`; tests run on a simulated device this way). `weights` is the streamed
     blocks' host format (`weight_formats.py`: "raw", "lossless" or "fp8"; needs
-    `offload="stream"` unless "raw"). `shared` takes the weights from a `share_weights` made by a
+    `offload="stream"` unless "raw"). `host_tier` is where streamed blocks live between steps:
+    "ram", "disk" (read from the model's safetensors files through a bounded ring each step;
+    disk_store.py) or "auto" (disk when the blocks would not fit in the available RAM with a
+    margin; `planner.choose_host_tier`); `disk_io` is how the disk tier reads ("buffered" or
+    "direct", O_DIRECT). `shared` takes the weights from a `share_weights` made by a
     parent process instead of the model's files (streamed blocks stream from its buffers).
     `overrides` replace architecture fields that leave the weights alone (`attention="dsa"`).
     """
@@ -123,6 +131,8 @@ def open_pipeline(
         ordering=ordering,
         weights=weights,
         shared=shared,
+        host_tier=host_tier,
+        disk_io=disk_io,
     )
     for module in parts.values():
         module.eval()
@@ -142,6 +152,8 @@ def open_model(
     ordering: Ordering | None = None,
     weights: str = "raw",
     shared: SharedWeights | None = None,
+    host_tier: str = "ram",
+    disk_io: str = "buffered",
 ) -> tuple[dict[str, nn.Module], dict[str, StreamHandle]]:
     """The modules of a described model, built on meta, filled and placed: `(modules by name,
     stream handles of the streamed ones)`; `only` names the components to open (default: all).
@@ -172,12 +184,15 @@ def open_model(
             raise ValueError(f"{info.name} has no component {sorted(unknown)[0]!r}")
         components = [c for c in components if c.name in only]
     streamed = [c for c in components if offload == "stream" and c.blocks]
+    host_tier = _resolve_host_tier(host_tier, streamed, dtype, weights)
     block_bytes = {c.name: sum(layout_nbytes(b) for b in c.blocks) for c in streamed}
     if shared is not None:
         if offload != "stream":
             raise ValueError("shared weights hold streamed blocks: they need offload='stream'")
         if weights != "raw":
             raise ValueError(f"shared weights are raw blocks: weights={weights!r} does not apply")
+        if host_tier != "ram":
+            raise ValueError("shared weights are blocks in shared RAM: host_tier='ram'")
         unshared = [c.name for c in streamed if c.name not in shared.blocks]
         unshared += [c.name for c in components if c.name not in shared.tensors]
         if unshared:
@@ -203,6 +218,8 @@ def open_model(
                     ordering=ordering,
                     weights=weights,
                     host_buffers=shared.blocks[c.name] if shared is not None else None,
+                    host_tier=host_tier,
+                    disk_io=disk_io,
                 )
                 fill = handle.load_weights
                 handles[c.name] = handle
@@ -237,6 +254,48 @@ def share_weights(info: ModelInfo, dtype: torch.dtype) -> SharedWeights:
             state = handle.non_block_tensors()
         tensors[name] = {k: v.detach().share_memory_() for k, v in state.items()}
     return SharedWeights(tensors, blocks)
+
+
+def _resolve_host_tier(
+    host_tier: str, streamed: list[Component], dtype: torch.dtype, weights: str
+) -> str:
+    """ "ram" or "disk" for the streamed components; ValueError for a tier they cannot use."""
+    if host_tier not in HOST_TIERS:
+        raise ValueError(f"host_tier must be one of {', '.join(HOST_TIERS)}, got {host_tier!r}")
+    if host_tier == "ram":
+        return "ram"
+    if not streamed:
+        if host_tier == "disk":
+            raise ValueError(
+                "host_tier='disk' keeps streamed blocks on disk: needs offload='stream'"
+            )
+        return "ram"
+    from_files = all(c.weights is not None for c in streamed)
+    if host_tier == "auto":
+        if not from_files or weights != "raw":
+            return "ram"  # the disk tier reads raw tensors from files: nothing else can go there
+        needed = sum(
+            _cast_nbytes(b, c.dtype or dtype, c.keep_fp32) for c in streamed for b in c.blocks
+        )
+        return choose_host_tier("auto", needed)
+    if not from_files:
+        raise ValueError(
+            "host_tier='disk' reads streamed blocks from the model's safetensors files: a preset's "
+            "random weights have none (save the model to a directory first)"
+        )
+    return "disk"
+
+
+def _cast_nbytes(module: nn.Module, dtype: torch.dtype, keep: tuple[str, ...]) -> int:
+    """Bytes of `module`'s tensors once `_cast_floating(module, dtype, keep)` has run."""
+    total = 0
+    for bound in collect_tensors(module):
+        t = bound.tensor
+        size = t.element_size()
+        if t.is_floating_point() and bound.persistent:
+            size = (torch.float32 if _kept_fp32(bound, keep) else dtype).itemsize
+        total += t.numel() * size
+    return total
 
 
 def load_adapter(info: ModelInfo, name: str, path: str | Path) -> Adapter:

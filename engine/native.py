@@ -9,7 +9,9 @@ checkpoint.py); a preset's random weights are drawn as constructing `VideoDiT` a
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -140,10 +142,19 @@ class DiTPipeline(Pipeline):
 
     def step(self, states: list[SampleState]) -> None:
         if self.batched:
-            denoise_step(self.dit, states)
+            denoise_step(self.dit, states, self._first_block_only)
             return
         for state in states:
-            denoise_step(self.dit, [state])
+            denoise_step(self.dit, [state], self._first_block_only)
+
+    @contextlib.contextmanager
+    def _first_block_only(self) -> Iterator[None]:
+        """Around a first-block cache's run of block 0: the streamer copies no block ahead of it,
+        since the step may reuse and run no other (it copies block 1 when block 1 loads)."""
+        with contextlib.ExitStack() as stack:
+            for handle in self.handles.values():
+                stack.enter_context(handle.ordered([0]))
+            yield
 
     def finish(self, state: SampleState) -> np.ndarray:
         if not state.done:

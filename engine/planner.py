@@ -21,13 +21,22 @@ payload, fewer bytes cross the bus, and the decode runs on the compute stream be
 block (`decode` time, at `Machine.decode_gbps` of decoded output). `lossless` is planned at
 `LOSSLESS_RATIO` (measured on trained weights by benchmarks/compression.py; the exact figure
 depends on the weights); `fp8` at 1 byte per matmul parameter, the rest in the compute dtype.
+
+The disk tier (`Workload.host_tier`, disk_store.py) keeps streamed blocks in the model's files:
+the host holds the non-block weights and one ring of `ring_depth` blocks per streamed module
+(`disk_ring`), and every streamed block is read from disk each step (`disk` time, at
+`Machine.disk_gbps`; warm page cache reads are faster, so this is the cold bound). `auto` picks
+disk when the RAM tier's host total exceeds `RAM_MARGIN` of the host's RAM
+(`choose_host_tier`, which the loader calls with the RAM available now).
 """
 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import asdict, dataclass
 
+from .disk_store import DEFAULT_RING_DEPTH, HOST_TIERS
 from .family import family
 from .optim import grad_buffer_bytes
 from .sources import ModelInfo
@@ -36,6 +45,35 @@ GB = 1e9
 # Coded bytes / bf16 bytes of trained weights under `lossless`: 0.68 to 0.70 on the default model
 # and Gaussian-like weights (benchmarks/compression.py); planned a little above.
 LOSSLESS_RATIO = 0.70
+# `auto` keeps streamed blocks in RAM while they need at most this fraction of the RAM available:
+# the rest is the activations' host side, the page cache and everything else on the machine.
+RAM_MARGIN = 0.8
+RING_DEPTH = DEFAULT_RING_DEPTH  # disk tier: host buffers per streamed module
+
+
+def available_ram_bytes() -> int:
+    """RAM available to a new allocation without swapping (Linux `MemAvailable`; elsewhere the
+    physical RAM)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def choose_host_tier(requested: str, needed_bytes: int, available_bytes: int | None = None) -> str:
+    """ "ram" or "disk": `requested` unless "auto", which picks disk when `needed_bytes` (the host
+    store in RAM) exceed `RAM_MARGIN` of `available_bytes` (default: `available_ram_bytes()`)."""
+    if requested not in HOST_TIERS:
+        raise ValueError(f"host_tier must be one of {', '.join(HOST_TIERS)}, got {requested!r}")
+    if requested != "auto":
+        return requested
+    if available_bytes is None:
+        available_bytes = available_ram_bytes()
+    return "disk" if needed_bytes > RAM_MARGIN * available_bytes else "ram"
 
 
 @dataclass(frozen=True)
@@ -56,6 +94,9 @@ class Machine:
     # Achieved all-to-all bandwidth per device between the devices of one host, GB/s sent: an
     # assumption for NVLink-connected H200s (450 GB/s a direction), not a measurement.
     link_gbps: float = 300.0
+    # Disk tier: sustained read bandwidth of the model's files with a cold page cache, GB/s (a
+    # PCIe 4 NVMe drive; benchmarks/disk_streaming.py measures a machine's).
+    disk_gbps: float = 3.0
 
 
 @dataclass(frozen=True)
@@ -77,6 +118,7 @@ class Workload:
     lora_rank: int = 0  # their rank, on every adaptable layer
     weights: str = "raw"  # inference: host format of streamed blocks (raw, lossless, fp8)
     devices: int = 1  # inference: one clip's tokens split over this many devices (parallel.py)
+    host_tier: str = "ram"  # inference: where streamed blocks live (ram, disk, auto)
 
 
 def tokens(info: ModelInfo, w: Workload) -> int:
@@ -127,6 +169,12 @@ def plan(info: ModelInfo, machine: Machine = Machine(), w: Workload = Workload()
         raise ValueError(f"devices must be at least 1, got {P}")
     if finetune and P > 1:
         raise ValueError("fine-tuning runs on one device: devices > 1 is inference only")
+    if w.host_tier not in HOST_TIERS:
+        raise ValueError(f"host_tier must be one of {', '.join(HOST_TIERS)}, got {w.host_tier!r}")
+    if finetune and w.host_tier == "disk":
+        raise ValueError("fine-tuning writes the host store every step: it needs host_tier='ram'")
+    if w.host_tier == "disk" and w.weights != "raw":
+        raise ValueError("the disk tier streams the files' bytes as they are: weights='raw'")
     counts = family(info.family).count_parameters(info)
     n_params, n_block, depth = counts["total"], counts["per_block"], counts["blocks"]
     experts = 1 if finetune else counts["experts"]  # fine-tuning holds one expert's blocks
@@ -227,6 +275,16 @@ def plan(info: ModelInfo, machine: Machine = Machine(), w: Workload = Workload()
         # Over the device budget: the block-boundary activations wait in pinned host memory instead
         # (one block's worth comes back for each block's recompute, overlapped like a weight copy).
         host["boundary_activations"] = device.pop("boundary_activations")
+    host_tier = "ram"
+    if not finetune and w.weights == "raw" and w.host_tier != "ram":
+        host_tier = choose_host_tier(w.host_tier, sum(host.values()), machine.host_mem)
+    disk_bytes = 0
+    if host_tier == "disk":
+        # The blocks stay in the files; each streamed module keeps a ring of its blocks.
+        on_disk = experts * depth * n_block + text_blocks * counts["text_per_block"]
+        host["compute_dtype_weights"] = (n_params - on_disk) * b
+        host["disk_ring"] = RING_DEPTH * (experts * block_bytes + counts["text_per_block"] * wb)
+        disk_bytes = (depth - resident) * block_bytes  # one expert's streamed blocks per step
     device_total = sum(device.values())
     host_total = sum(host.values())
 
@@ -268,6 +326,8 @@ def plan(info: ModelInfo, machine: Machine = Machine(), w: Workload = Workload()
         transfer_s = h2d_bytes / (machine.h2d_gbps * GB) + d2h_bytes / (machine.d2h_gbps * GB)
         optimizer_s = 30 * trainable / (machine.host_gbps * GB)  # ~30 B/param through host memory
     bounds = {"compute": compute_s, "transfer": transfer_s, "optimizer": optimizer_s}
+    if host_tier == "disk":
+        bounds["disk"] = disk_bytes / (machine.disk_gbps * GB)
     bound = max(bounds, key=bounds.get)
 
     problems = []
@@ -303,6 +363,7 @@ def plan(info: ModelInfo, machine: Machine = Machine(), w: Workload = Workload()
         "streamed_blocks": streamed,
         "tokens": n_tok,
         "batch_rows": rows,
+        "host_tier": host_tier,
         "host": {**host, "total": host_total},
         "device": {**device, "weights": weights_dev, "total": device_total},
         "devices": P,
@@ -314,7 +375,7 @@ def plan(info: ModelInfo, machine: Machine = Machine(), w: Workload = Workload()
             "bound": bound,
         },
         # Per device: each streams every block over its own link, from one shared host copy.
-        "bytes_per_step": {"h2d": h2d_bytes, "all_to_all": a2a_bytes},
+        "bytes_per_step": {"h2d": h2d_bytes, "disk": disk_bytes, "all_to_all": a2a_bytes},
         "fits": not problems,
         "problems": problems,
         "machine": asdict(machine),
@@ -343,13 +404,21 @@ def format_plan(p: dict) -> str:
     t = p["time_s"]
     lines.append(
         f"time per step: {t['step']:.3f} s, bound by {t['bound']} "
-        f"(compute {t['compute']:.3f} s, transfer {t['transfer']:.3f} s, optimizer {t['optimizer']:.3f} s)"
+        f"(compute {t['compute']:.3f} s, transfer {t['transfer']:.3f} s, optimizer {t['optimizer']:.3f} s"
+        + (f", disk {t['disk']:.3f} s)" if "disk" in t else ")")
     )
     if p["devices"] > 1:
         lines.append(
             f"per device of {p['devices']}: {p['bytes_per_step']['all_to_all'] / GB:.2f} GB sent "
             f"in all-to-alls a step ({t['communication']:.3f} s of the compute time), "
             f"{p['bytes_per_step']['h2d'] / GB:.2f} GB of blocks streamed from the shared host copy"
+        )
+    if p.get("host_tier") == "disk":
+        why = " (auto: the RAM tier does not fit)" if p["workload"]["host_tier"] == "auto" else ""
+        lines.append(
+            f"host tier disk{why}: {p['bytes_per_step']['disk'] / GB:.2f} GB read from disk per "
+            f"step at {p['machine']['disk_gbps']:g} GB/s: {t['disk']:.3f} s per step "
+            "(cold page cache)"
         )
     if p["workload"]["weights"] != "raw":
         lines.append(

@@ -25,11 +25,11 @@ RANDOM_SEED_BITS = 31  # an unseeded request gets a seed below 2**31, echoed bac
 
 # Step caches (engine/step_cache.py holds the policies and their maths): a request names a policy
 # and a threshold, or a preset. Off unless asked for. The presets are points measured on the
-# packaged model at 20 steps (benchmarks/step_cache.py, docs/benchmarks.md): 1.75x, 2.39x and
-# 3.30x fewer passes at 43.7, 36.6 and 31.4 dB PSNR against the uncached clips.
-CACHE_POLICIES = ("output-change", "adaptive")
+# packaged model at 20 steps (benchmarks/step_cache.py, docs/benchmarks.md, 20 prompts): 2.13x,
+# 2.34x and 3.28x fewer passes at 39.7, 36.0 and 30.7 dB mean PSNR against the uncached clips.
+CACHE_POLICIES = ("output-change", "adaptive", "first-block")
 CACHE_PRESETS = {
-    "quality": {"policy": "adaptive", "threshold": 0.002},
+    "quality": {"policy": "adaptive", "threshold": 0.01},
     "balanced": {"policy": "output-change", "threshold": 0.05},
     "fast": {"policy": "output-change", "threshold": 0.1},
 }
@@ -68,6 +68,7 @@ class ModelLimits:
     frames_offset: int = 0  # e.g. 1 for a causal video VAE (frames = 4k + 1)
     image_input: bool = False  # takes a first-frame image (image-to-video)
     experts: int = 1  # denoisers that split the noise levels (fine-tuning trains one at a time)
+    cache_policies: tuple[str, ...] = CACHE_POLICIES  # the step-cache policies its sampler runs
     prompt_unit: str = "bytes (UTF-8)"
     count_tokens: Callable[[str], int] = count_utf8_bytes
     # The model's exact shape rule (ValueError naming the problem) beyond the fields above, e.g.
@@ -86,6 +87,7 @@ class ModelLimits:
             "prompt_unit": self.prompt_unit,
             "image_input": self.image_input,
             "experts": self.experts,
+            "cache_policies": list(self.cache_policies),
         }
 
     def check_clip(self, frames: int, width: int, height: int, *, param: str = "size") -> None:
@@ -409,6 +411,13 @@ def resolve(
         if not Path(request.image).is_file():
             raise RequestError(f"image {request.image} not found", param="input_reference")
     cache = resolve_cache(request.cache)
+    if cache is not None and cache.policy not in limits.cache_policies:
+        raise RequestError(
+            f"cache policy {cache.policy!r} is not available for this model; it takes "
+            f"{', '.join(limits.cache_policies)}",
+            param="cache",
+            code="unsupported_parameter",
+        )
     seed = request.seed
     if seed is None:
         seed = secrets.randbelow(2**RANDOM_SEED_BITS)

@@ -32,16 +32,30 @@ Policies (`threshold` 0 never reuses; larger reuses more):
   arXiv:2411.02397). AdaCache sets how many steps follow a computed one from the measured change
   of its output ("a caching rate"), and MoReg caches less when the content moves more. Here the
   measured rate `r` is scaled by the motion of the clip the model currently predicts, `m`, the
-  relative L1 difference between neighbouring frames of `x0 = x_t - t v`: `d = r * (1 + m)`.
-  What a reused output costs is the drift it puts into the latents: reusing `v_a` at step j moves
-  the latents by `|dt_j| * |v_j - v_a| ~ |dt_j| * d * |t_a - t_j| * |v_a|`, so the steps after a
-  computed one reuse while the summed relative drift `d * sum_j |dt_j| |t_a - t_j|` stays under
-  the threshold. Fast change, much motion or long steps shorten the run of reuses; a still,
-  settled clip lengthens it.
+  relative L1 difference between neighbouring frames of `x0 = x_t - t v`, calibrated by the
+  motion of a typical clip: `d = r * (1 + m / MOTION_SCALE)`. What a reused output costs is the
+  drift it puts into the latents: reusing `v_a` at step j moves the latents by
+  `|dt_j| * |v_j - v_a| ~ |dt_j| * d * |t_a - t_j| * |v_a|`, so the steps after a computed one
+  reuse while the summed relative drift `d * sum_j |dt_j| |t_a - t_j|` stays under the
+  threshold. Fast change, much motion or long steps shorten the run of reuses; a still, settled
+  clip lengthens it. The last tenth of flow time always computes (`LAST_TIME`): there the rate
+  of change climbs steeply (on the packaged model from about 0.2 per unit of flow time mid-way
+  to 5-8 at the last step), a rate measured earlier underestimates it, and what a late step
+  gets wrong goes straight into the clip with no later pass to correct it.
 
-Not here: FBCache's first-block residual test, which runs the first block every step to decide;
-for a streamed model that moves the first block's weights on every step, and it needs a cut
-inside each family's forward.
+  Why (benchmarks/step_cache.py, docs/benchmarks.md): with the motion unscaled (`1 + m`) the
+  motion term did nothing, since the packaged model's predicted clips move by m = 0.00-0.10, and
+  the policy followed the same measured rate as `output-change`, no better at equal passes.
+- ``first-block`` (after FBCache, ParaAttention's First Block Cache, as diffusers'
+  `FirstBlockCacheConfig` applies it). The first block runs for every row on every step; the
+  change of its residual `r_0 = block_0(h) - h` against the residual of the last computed step,
+  `|r_0 - r_0'|_1 / |r_0'|_1`, stands in for the change of the whole model's output (the first
+  block sees the new latents and time before anything else does). Under the threshold the rows
+  skip the remaining blocks and add the residual those blocks made at the last computed step,
+  `h_N' - h_1'`, to this step's `h_1`; the model's epilogue (final norm and projection) runs on
+  the result with this step's timestep. The decision needs block 0's output, so it is taken
+  inside the pass (`StepCache.reuse_probed`): the sampler cuts the forward after block 0. For a
+  streamed model a reuse step moves block 0's weights and no others.
 """
 
 from __future__ import annotations
@@ -85,6 +99,10 @@ class History:
     rate: float = 0.0  # relative change of the output per unit of flow time
     motion: float = 0.0  # frame motion of the predicted clip at the newest computed step
     drift: float = 0.0  # adaptive: estimated relative drift of the reuses since the last compute
+    # first-block: the first block's residual `(rows, N, D)` at the newest computed step, and the
+    # residual of the blocks after it, `h_N - h_1`, at that step.
+    first: torch.Tensor | None = None
+    tail: torch.Tensor | None = None
 
     def record(self, t: float, latents: torch.Tensor, output: torch.Tensor) -> None:
         if self.outputs:
@@ -106,6 +124,7 @@ class StepPolicy(ABC):
     """Decides, before a step, whether a request reuses its last computed output."""
 
     name: str
+    probes = False  # decides inside the pass, from the first block's residual (`reuse_probed`)
 
     def __init__(self, threshold: float):
         if not threshold >= 0:
@@ -129,16 +148,24 @@ class OutputChange(StepPolicy):
         return history.rate * abs(history.times[-1] - t) < self.threshold
 
 
+# The frame motion (`frame_motion`) of a typical predicted clip: on the packaged model's benchmark
+# prompts it lies in 0.00-0.10, so `m / MOTION_SCALE` runs from 0 (still) to about 2.
+MOTION_SCALE = 0.05
+# Flow time below which the adaptive policy computes every step (the end of the schedule).
+LAST_TIME = 0.1
+
+
 class Adaptive(StepPolicy):
     """Reuse while the drift the reuses put into the latents, scaled up by the clip's motion,
-    stays under the threshold (AdaCache's change-driven caching rate with MoReg)."""
+    stays under the threshold (AdaCache's change-driven caching rate with MoReg); the end of the
+    schedule always computes."""
 
     name = "adaptive"
 
     def reuse(self, history: History, t: float, t_next: float) -> bool:
-        if not history.measured:
+        if not history.measured or t_next < LAST_TIME:
             return False
-        change = history.rate * (1.0 + history.motion)  # MoReg: more motion, less reuse
+        change = history.rate * (1.0 + history.motion / MOTION_SCALE)  # MoReg: more motion, less
         drift = history.drift + change * abs(t_next - t) * abs(history.times[-1] - t)
         if drift >= self.threshold:
             return False
@@ -146,7 +173,23 @@ class Adaptive(StepPolicy):
         return True
 
 
-POLICIES: dict[str, type[StepPolicy]] = {p.name: p for p in (OutputChange, Adaptive)}
+class FirstBlock(StepPolicy):
+    """Reuse the residual of the blocks after the first while the first block's residual changed
+    less than the threshold since the last computed step (FBCache)."""
+
+    name = "first-block"
+    probes = True
+
+    def reuse(self, history: History, t: float, t_next: float) -> bool:
+        raise TypeError("first-block decides inside the pass: use StepCache.reuse_probed")
+
+    def reuse_probed(self, history: History, residual: torch.Tensor) -> bool:
+        if history.first is None:
+            return False
+        return relative_l1(residual, history.first) < self.threshold
+
+
+POLICIES: dict[str, type[StepPolicy]] = {p.name: p for p in (OutputChange, Adaptive, FirstBlock)}
 assert set(POLICIES) == set(CACHE_POLICIES), "request.CACHE_POLICIES names the policies here"
 
 
@@ -181,6 +224,35 @@ class StepCache:
             self.passes += 1
         self._decided = (step, key, decision)
         return decision
+
+    @property
+    def probes(self) -> bool:
+        """Whether this cache decides inside the pass, from the first block's residual."""
+        return self.policy.probes
+
+    def reuse_probed(self, step: int, residual: torch.Tensor, key: int = 0) -> bool:
+        """Whether step `step` reuses the cached residual of the blocks after the first, decided
+        from this step's first-block residual `(rows, N, D)` (a probing policy's `reuse`); a
+        False must be followed by `record_probed` (and `record`) once the pass ran."""
+        if self._decided is not None and self._decided[:2] == (step, key):
+            return self._decided[2]
+        history = self.histories.setdefault(key, History())
+        decision = self.policy.reuse_probed(history, residual)
+        if decision:
+            self.reused += 1
+        else:
+            self.passes += 1
+        self._decided = (step, key, decision)
+        return decision
+
+    def tail(self, key: int = 0) -> torch.Tensor:
+        """The residual `h_N - h_1` `(rows, N, D)` of the blocks after the first, last computed."""
+        return self.histories[key].tail
+
+    def record_probed(self, first: torch.Tensor, tail: torch.Tensor, key: int = 0) -> None:
+        """Remember a computed step's first-block residual and the residual of the blocks after."""
+        history = self.histories[key]
+        history.first, history.tail = first, tail
 
     def output(self, key: int = 0) -> torch.Tensor:
         return self.histories[key].outputs[-1]

@@ -52,6 +52,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .disk_store import DEFAULT_RING_DEPTH, DiskBlockStore, make_disk_stores
 from .host_store import (
     BoundTensor,
     HostBlockStore,
@@ -151,7 +152,7 @@ class _Block:
     entries: tuple[TensorEntry, ...]
     nbytes: int  # flat layout size
     resident: bool = False
-    store: HostBlockStore | EncodedBlockStore | None = None  # streamed blocks
+    store: HostBlockStore | EncodedBlockStore | DiskBlockStore | None = None  # streamed blocks
     device_flat: torch.Tensor | None = None  # resident blocks: their own flat device buffer
     slot_views: list[tuple[torch.Tensor, ...]] = dataclasses.field(default_factory=list)
     slot: int | None = None  # slot holding (or receiving) a copy of this block
@@ -221,6 +222,7 @@ class StreamHandle:
         self.host_pinned = pinned
         self.timing = timing
         self.weights = "raw"  # the host stores' format (weight_formats.py); set by stream_module
+        self.host_tier = "ram"  # where streamed blocks' bytes live: "ram" or "disk" (disk_store.py)
         self._blocks: list[_Block] = blocks
         self._non_block: list[BoundTensor] = non_block
         self._non_block_missing = {k for k, t in enumerate(non_block) if t.device.type == "meta"}
@@ -257,6 +259,18 @@ class StreamHandle:
         for pos, i in enumerate(order):
             rest = order[pos + 1 :] + (order[:pos] if cyclic else [])
             self._ahead[i] = tuple(j for j in rest if not self._blocks[j].resident)[:streamed_ahead]
+
+    @contextlib.contextmanager
+    def ordered(self, order: str | Sequence[int]) -> Iterator[StreamHandle]:
+        """Within this context blocks run in `order` (hooks on), then the order before applies:
+        e.g. `ordered([0])` around a step cache's look at block 0 alone, so the streamer copies no
+        block ahead that the step may not run."""
+        saved = (self._order, self._cyclic)
+        self.set_order(order)
+        try:
+            yield self
+        finally:
+            self.set_order(*saved)
 
     @contextlib.contextmanager
     def manual(self, order: str | Sequence[int] | None = None) -> Iterator[StreamHandle]:
@@ -459,7 +473,9 @@ class StreamHandle:
             "resident_block_bytes": p.resident_block_bytes,
             "streamed_block_bytes": sum(self._blocks[i].nbytes for i in p.streamed),
             "weights": self.weights,
-            "host_store_bytes": sum(self._blocks[i].store.payload_nbytes for i in p.streamed),
+            "host_tier": self.host_tier,
+            # Host RAM the streamed blocks hold: their stores, or on the disk tier the ring.
+            "host_store_bytes": self._host_store_bytes(),
             "staging_bytes": sum(s.staging.numel() for s in self._slots if s.staging is not None),
             # Everything is allocated up front, so the peak is the steady-state footprint.
             "peak_device_weight_bytes": self._non_block_bytes
@@ -472,6 +488,13 @@ class StreamHandle:
         if self.timing:
             out.update(self._timing_stats())
         return out
+
+    def _host_store_bytes(self) -> int:
+        stores = [self._blocks[i].store for i in self.plan.streamed]
+        if self.host_tier == "disk":
+            rings = {id(s.ring): s.ring.ring_nbytes for s in stores}
+            return sum(rings.values()) + sum(s.ram_nbytes for s in stores)
+        return sum(s.payload_nbytes for s in stores)
 
     def _intervals(self) -> list[tuple[_Span, float, float]]:
         seconds = self.ordering.seconds
@@ -575,11 +598,9 @@ class StreamHandle:
         for block in self._blocks:
             if block.store is None:
                 views = tuple(e.view(block.device_flat) for e in block.entries)
-            elif block.store.encoded:
-                flat = block.store.read()  # decoded on the host
+            else:  # the store's own buffer, or decoded / read from disk into host memory
+                flat = block.store.read()
                 views = tuple(e.view(flat) for e in block.entries)
-            else:
-                views = block.store.views
             for bound, entry, view in zip(block.tensors, block.entries, views):
                 own = torch.empty_strided(
                     entry.shape, entry.stride, dtype=entry.dtype, device=home(bound.device)
@@ -628,17 +649,21 @@ class StreamHandle:
         # block that last used it (its release event); without this wait kernels still queued for
         # that block would read the new block's weights (diffusers#12673: garbage output).
         self.ordering.copy_wait(slot.free)
+        # The host bytes to send: the store's own, or (disk tier) a ring buffer the reader has
+        # filled, which waits here if the reader is behind.
+        payload = store.payload
         span = (
             _Span("copy", i, k, self._forwards, self.ordering.stamp(True)) if self.timing else None
         )
         if store.encoded:
-            self.ordering.copy(slot.staging[: store.payload_nbytes], store.payload)
+            self.ordering.copy(slot.staging[: store.payload_nbytes], payload)
             slot.undecoded = True
         else:
-            self.ordering.copy(slot.buffer[: block.nbytes], store.buffer)
+            self.ordering.copy(slot.buffer[: block.nbytes], payload)
             slot.undecoded = False
         # Recorded after the copy so load() can make compute wait for exactly this copy.
         self.ordering.record_on_copy(slot.ready)
+        store.after_copy(self.ordering)  # disk tier: the ring buffer is reused after this copy
         if span is not None:
             span.end, span.nbytes = self.ordering.stamp(True), store.payload_nbytes
             self._spans.append(span)
@@ -731,6 +756,9 @@ def stream_module(
     ordering: Ordering | None = None,
     weights: str = "raw",
     host_buffers: Sequence[torch.Tensor] | None = None,
+    host_tier: str = "ram",
+    ring_depth: int = DEFAULT_RING_DEPTH,
+    disk_io: str = "buffered",
 ) -> StreamHandle:
     """Stream `blocks` (submodules of `module`, in the order they run) from host RAM to `device`.
 
@@ -742,8 +770,12 @@ def stream_module(
     `ordering` replaces the device's own streams and events (`make_ordering(device)`): tests run
     the streamer on a simulated device this way; the module never knows. `weights` is the host
     store's format (`weight_formats.py`: "raw", "lossless", "fp8"): coded payloads cross the bus
-    and are decoded in the slot, on the compute stream, when their block loads. `host_buffers`
-    (raw format only) are the blocks' host stores, one flat uint8 buffer per block already
+    and are decoded in the slot, on the compute stream, when their block loads. `host_tier="disk"`
+    keeps streamed blocks in the model's files instead of host RAM: `load_weights` then records
+    where each tensor lies (a `SafetensorsFile` or path), and a reader thread reads the next blocks
+    into a ring of `ring_depth` host buffers (disk_store.py; `disk_io`: "buffered" through the page
+    cache or "direct", O_DIRECT where the filesystem takes it); raw weights only. `host_buffers`
+    (raw format, RAM tier) are the blocks' host stores, one flat uint8 buffer per block already
     holding its weights (shared memory another process filled): they are used as they are, so
     several processes stream from one copy; their blocks count as filled.
     """
@@ -751,6 +783,13 @@ def stream_module(
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     codec(weights)  # ValueError for an unknown format, before anything is allocated
+    if host_tier not in ("ram", "disk"):
+        raise ValueError(f"host_tier must be ram or disk, got {host_tier!r}")
+    if host_tier == "disk" and weights != "raw":
+        raise ValueError(
+            f"weights={weights!r} is a format of the host store in RAM: the disk tier streams "
+            "the files' bytes as they are (weights='raw')"
+        )
     if activation_reserve_bytes < 0:
         raise ValueError(f"activation_reserve_bytes={activation_reserve_bytes} must be >= 0")
     blocks = list(blocks)
@@ -761,6 +800,8 @@ def stream_module(
             raise ValueError(f"host_buffers hold raw blocks: weights={weights!r} does not apply")
         if len(host_buffers) != len(blocks):
             raise ValueError(f"{len(host_buffers)} host buffers for {len(blocks)} blocks")
+        if host_tier != "ram":
+            raise ValueError("host_buffers are the blocks' stores in RAM: host_tier='ram'")
     names: dict[int, str] = {}
     for name, m in module.named_modules(remove_duplicate=False):
         names.setdefault(id(m), name)
@@ -812,6 +853,11 @@ def stream_module(
 
     records = []
     resident = set(plan.resident)
+    disk_stores = (
+        make_disk_stores(per_block, plan.streamed, pinned, ring_depth, disk_io)
+        if host_tier == "disk"
+        else {}
+    )
     for i, (b, tensors, (entries, nbytes)) in enumerate(zip(blocks, per_block, layouts)):
         rec = _Block(i, names[id(b)], b, tensors, entries, nbytes, resident=i in resident)
         rec.missing = {k for k, t in enumerate(tensors) if t.tensor.is_meta}
@@ -826,6 +872,8 @@ def stream_module(
         elif rec.resident:  # one flat device buffer per resident block, exactly as planned
             rec.device_flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
             move_into(tensors, [e.view(rec.device_flat) for e in entries])
+        elif host_tier == "disk":  # nothing read yet: load_weights locates the tensors
+            rec.store = disk_stores[i]
         else:  # block by block, so the host holds at most one block twice at a time
             rec.store = make_store(tensors, pinned, weights)
         records.append(rec)
@@ -841,6 +889,7 @@ def stream_module(
         module, records, device, plan, pinned, prefetch, timing, non_block, ordering
     )
     handle.weights = weights
+    handle.host_tier = host_tier
     for _ in range(plan.num_slots):
         slot = _Slot(
             ordering.device_buffer(plan.slot_bytes), ordering.new_event(), ordering.new_event()

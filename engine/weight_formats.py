@@ -275,6 +275,9 @@ class EncodedBlockStore:
             self._finalizer.atexit = False  # at exit the driver unpins; the context may be gone
         self.payload, self.parts, self.meta, self.filled = payload, tuple(parts), meta, True
 
+    def after_copy(self, ordering) -> None:
+        """The copy from `payload` has been queued (nothing to do: the payload is the store's)."""
+
     def read(self) -> torch.Tensor:
         """The block's flat buffer, decoded on the host (uint8, `(nbytes,)`)."""
         if self._pending is not None:

@@ -107,8 +107,14 @@ def _described_limits(d: dict) -> ModelLimits | None:
 def _plain_limits(d: dict) -> ModelLimits:
     counted_here = d["prompt_unit"] == ModelLimits.prompt_unit
     return ModelLimits(
-        **{k: v for k, v in d.items() if k not in ("size_multiple", "prompt_unit")},
+        **{
+            k: v
+            for k, v in d.items()
+            if k not in ("size_multiple", "prompt_unit", "cache_policies")
+        },
         size_multiple=tuple(d["size_multiple"]),
+        # A card written before the field: every policy of the time (all but first-block) ran.
+        cache_policies=tuple(d.get("cache_policies", ("output-change", "adaptive"))),
         prompt_unit=d["prompt_unit"],
         count_tokens=count_utf8_bytes if counted_here else _not_counted,
     )

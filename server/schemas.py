@@ -154,7 +154,8 @@ class VideoCreate(Request):
     cache: str | dict[str, Any] | None = Field(
         None,
         description='step cache: a preset ("quality", "balanced", "fast"; "off", the default) or '
-        '{"policy": "output-change" | "adaptive", "threshold": number}',
+        '{"policy": "output-change" | "adaptive" | "first-block", "threshold": number} (a model '
+        "lists the policies it takes in its limits' cache_policies)",
         examples=["fast", {"policy": "adaptive", "threshold": 0.01}],
     )
     # Image-to-video: a first-frame image, uploaded as a multipart file (see the videos router).

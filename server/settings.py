@@ -77,6 +77,10 @@ class Settings(BaseSettings):
     # With offload="stream": the host format of the streamed blocks (engine/weight_formats.py):
     # "lossless" sends about 0.68x the bytes for bitwise the same video, "fp8" about half (lossy).
     weights: Literal["raw", "lossless", "fp8"] = "raw"
+    # With offload="stream": where streamed blocks live between steps (engine/disk_store.py):
+    # "disk" reads them from the model's safetensors files each step through a small ring (host
+    # RAM smaller than the model); "auto" picks disk when they would not fit in available RAM.
+    host_tier: Literal["ram", "disk", "auto"] = "auto"
     engine_threads: int | None = Field(
         None, ge=1, description="CPU threads for the engine's tensor math (None: torch's default)"
     )

@@ -111,6 +111,7 @@ class TorchBackend(Backend):
             offload=s.offload,
             gpu_budget_bytes=s.gpu_budget,
             weights=s.weights,
+            host_tier=s.host_tier,
         )
         for adapter in self._adapters.get(card.name, ()):
             pipe.register_adapter(adapter)

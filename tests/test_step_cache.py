@@ -25,6 +25,9 @@ from dit_fixtures import randomise_zero_inits
 
 REQ = dict(frames=4, height=16, width=16, steps=6)
 LOOSE = {"policy": "output-change", "threshold": 100.0}  # reuses whenever it may
+FIRST_BLOCK = {"policy": "first-block", "threshold": 100.0}
+# Policies that decide before the pass (first-block decides inside it, after block 0).
+UPFRONT = sorted(p for p, policy in POLICIES.items() if not policy.probes)
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +75,7 @@ def test_threshold_zero_reuses_nothing_and_changes_nothing(pipe, policy):
     assert np.array_equal(frames, pipe.generate(off))
 
 
-@pytest.mark.parametrize("policy", sorted(POLICIES))
+@pytest.mark.parametrize("policy", UPFRONT)
 def test_a_step_every_row_reuses_runs_no_pass_and_moves_no_weights(pipe, policy):
     """After its first two steps (a rate of change to go on) a loose cache reuses; on such a step
     the model does not run and the streamer copies nothing."""
@@ -93,6 +96,54 @@ def test_a_step_every_row_reuses_runs_no_pass_and_moves_no_weights(pipe, policy)
     assert 2 <= cache.passes < REQ["steps"] and len(rows) == cache.passes
     assert moved[:2] == [handle.stats()["streamed_block_bytes"]] * 2
     assert 0 in moved and moved.count(0) == cache.reused
+
+
+def test_a_first_block_reuse_step_moves_only_block_0(pipe):
+    """first-block runs block 0 for every row on every step; on a step where its rows reuse, they
+    skip the remaining blocks (a plain request beside them still runs them, as a smaller batch)
+    and the streamer loads block 0 alone: it copies block 0, or nothing while a slot still holds
+    it, and never the block after it ahead."""
+    handle = pipe.handles["dit"]
+    block_bytes = handle.stats()["streamed_block_bytes"] // len(pipe.dit.blocks)
+    cached = pipe.prepare(
+        pipe.resolve(VideoRequest("a red circle", seed=1, cache=FIRST_BLOCK, **REQ))
+    )
+    loads, rows = [], {0: [], 1: []}
+    load = handle.load
+    handle.load = lambda i: (loads[-1].append(i), load(i))[1]
+    hooks = [
+        pipe.dit.blocks[i].register_forward_pre_hook(lambda _m, a, i=i: rows[i].append(len(a[0])))
+        for i in (0, 1)
+    ]
+    moved = []
+    try:
+        while not cached.done:
+            loads.append([])
+            before = handle.stats()["copies"]
+            moved.append(
+                (pipe.denoise_step([cached])["h2d_bytes"], handle.stats()["copies"] - before)
+            )
+    finally:
+        del handle.load
+    plain = pipe.prepare(pipe.resolve(VideoRequest("a blue square", seed=2, **REQ)))
+    together = pipe.prepare(
+        pipe.resolve(VideoRequest("a red circle", seed=1, cache=FIRST_BLOCK, **REQ))
+    )
+    rows[0].clear(), rows[1].clear()
+    try:
+        run(pipe, [together, plain])
+    finally:
+        for h in hooks:
+            h.remove()
+    cache = cached.cache
+    assert cache.passes == 1 and cache.reused == REQ["steps"] - 1  # a loose threshold
+    assert loads[0] == list(range(len(pipe.dit.blocks)))
+    assert all(step == [0] for step in loads[1:])
+    assert moved[0][0] >= (len(pipe.dit.blocks) - 1) * block_bytes  # a whole pass (block 0 may
+    # still be in a slot from an earlier request)
+    assert all(m in ((0, 0), (block_bytes, 1)) for m in moved[1:]) and (block_bytes, 1) in moved
+    # Together with a plain request: block 0 sees both pairs, the later blocks the plain one alone.
+    assert rows[0] == [4] * REQ["steps"] and rows[1] == [4] + [2] * (REQ["steps"] - 1)
 
 
 def test_rows_that_reuse_leave_the_pass():
@@ -130,6 +181,10 @@ def test_mixed_batch_gives_each_request_its_video_alone():
         VideoRequest("a red circle", seed=1, cache=LOOSE, **REQ),
         VideoRequest("a blue square", seed=5, guidance=1.0, **REQ),
         VideoRequest("a green bar", seed=7, cache={"policy": "adaptive", "threshold": 1}, **REQ),
+        VideoRequest("a red bar", seed=9, cache=FIRST_BLOCK, **REQ),
+        VideoRequest(
+            "a blue bar", seed=11, cache={"policy": "first-block", "threshold": 0.2}, **REQ
+        ),
     ]
     for batched, tolerance in ((False, 0), (True, 1)):
         pipe = open_pipeline(resolve_source(preset="tiny"), batched=batched)
@@ -207,7 +262,7 @@ def wan_request(**changes) -> VideoRequest:
     return VideoRequest(**{**fields, **changes})
 
 
-@pytest.mark.parametrize("policy", sorted(POLICIES))
+@pytest.mark.parametrize("policy", UPFRONT)  # first-block: its own test below
 def test_wan_threshold_zero_changes_nothing_and_a_loose_cache_skips_whole_passes(wan, policy):
     pipe = open_pipeline(wan["deep"], offload="stream")
     off = pipe.generate(wan_request())
@@ -221,6 +276,41 @@ def test_wan_threshold_zero_changes_nothing_and_a_loose_cache_skips_whole_passes
     assert 2 <= loose.cache.passes < 8
     assert moved.count(0) == loose.cache.reused  # a reused step moves no weights
     assert min(moved) == 0 < max(moved)
+
+
+def test_wan_first_block_at_zero_is_uncached_and_a_reuse_step_loads_only_block_0(wan):
+    pipe = open_pipeline(wan["deep"], offload="stream")
+    handle = pipe.handles[pipe.config.experts[0]]
+    off = pipe.generate(wan_request())
+    zero = pipe.prepare(pipe.resolve(wan_request(cache={"policy": "first-block", "threshold": 0})))
+    assert np.array_equal(run(pipe, [zero])[0], off)
+    assert zero.cache.passes == 8 and zero.cache.reused == 0
+    loose = pipe.prepare(pipe.resolve(wan_request(cache=FIRST_BLOCK)))
+    loads, load = [], handle.load
+    handle.load = lambda i: (loads[-1].append(i), load(i))[1]
+    try:
+        while not loose.done:
+            loads.append([])
+            pipe.step([loose])
+    finally:
+        del handle.load
+    assert loose.cache.passes == 1 and loose.cache.reused == 7
+    assert loads[0] == [0, 1, 2, 3] and all(step == [0] for step in loads[1:])
+
+
+def test_wan_first_block_in_a_mixed_batch(wan):
+    """A first-block request and a plain one stepped together get what they get alone (within a
+    uint8 level: the later blocks run a smaller batch on reuse steps)."""
+    pipe = open_pipeline(wan["deep"])
+    requests = [
+        wan_request(steps=4, cache=FIRST_BLOCK),
+        wan_request(steps=4, seed=4, prompt="a blue square"),
+    ]
+    alone = [pipe.generate(pipe.resolve(r)) for r in requests]
+    states = [pipe.prepare(pipe.resolve(r)) for r in requests]
+    together = run(pipe, states)
+    assert all(level_diff(a, b) <= 1 for a, b in zip(alone, together))
+    assert states[0].cache.passes < 4 and states[1].passes == 4
 
 
 def test_wan_two_experts_keep_their_own_histories(wan):
@@ -246,6 +336,10 @@ def test_wan_two_experts_keep_their_own_histories(wan):
         mine = [c for x, c in zip(experts, computed) if x == e]
         assert len(mine) >= 3 and mine[:2] == [True, True] and not all(mine), (e, mine)
     assert state.cache.passes == sum(computed) == len(ran)
+    # first-block too: each expert computes its own first step, then reuses its own residual.
+    state = pipe.prepare(pipe.resolve(wan_request(steps=12, cache=FIRST_BLOCK)))
+    run(pipe, [state])
+    assert set(state.cache.histories) == {0, 1} and state.cache.passes == 2
 
 
 # -- the request's way in: command line, HTTP API, SDK -----------------------------------------------

@@ -51,7 +51,7 @@ def register_generate(sub) -> None:
     p.add_argument(
         "--cache",
         help="step cache: a preset (quality, balanced, fast; default off), POLICY:THRESHOLD "
-        "(output-change or adaptive, e.g. adaptive:0.01), or a JSON object",
+        "(output-change, adaptive or first-block, e.g. adaptive:0.01), or a JSON object",
     )
     p.add_argument(
         "--transformer",
@@ -111,6 +111,14 @@ def register_generate(sub) -> None:
         help="with --offload stream: how block weights are kept in host RAM and sent each step; "
         "lossless codes bf16 exponents (about 0.68x the bytes, bitwise the same video), fp8 "
         "halves linear weights with per-channel scales (lossy) (default: raw)",
+    )
+    p.add_argument(
+        "--host-tier",
+        choices=("ram", "disk", "auto"),
+        default="auto",
+        help="with --offload stream: keep streamed blocks in host RAM, or read them from the "
+        "model's safetensors files each step through a small ring (host RAM smaller than the "
+        "model); auto picks disk when the blocks would not fit in the available RAM (default: auto)",
     )
     p.add_argument("--stats", help="write streaming and step-time stats as JSON here")
     p.add_argument(
@@ -191,9 +199,17 @@ def run_generate(args) -> int:
         from .remote import generate_remote
 
         return generate_remote(args, request)
-    streamed_only = args.gpu_budget or args.stats or args.trace or args.weights != "raw"
+    streamed_only = (
+        args.gpu_budget
+        or args.stats
+        or args.trace
+        or args.weights != "raw"
+        or args.host_tier == "disk"
+    )
     if streamed_only and args.offload != "stream" and not args.devices:
-        raise UsageError("--gpu-budget, --weights, --stats and --trace need --offload stream")
+        raise UsageError(
+            "--gpu-budget, --weights, --host-tier disk, --stats and --trace need --offload stream"
+        )
     overrides = {"attention": args.attention} if args.attention else {}
     if args.transformer:
         if describe(model_source(args)).family != "wan":
@@ -216,6 +232,7 @@ def run_generate(args) -> int:
         gpu_budget_bytes=args.gpu_budget,
         timing=bool(args.stats or args.trace),
         weights=args.weights,
+        host_tier=args.host_tier,
     )
     for adapter in adapters:
         pipe.register_adapter(adapter)
@@ -261,6 +278,8 @@ def run_generate_on_devices(args, info, request, lora_files) -> int:
         raise UsageError("--devices does not take --lora or --image yet")
     if args.offload == "none":
         raise UsageError("--devices streams the blocks from one shared host copy: --offload stream")
+    if args.host_tier == "disk":
+        raise UsageError("--devices streams from one shared copy in RAM: not --host-tier disk")
     if args.gpu_budget or args.stats or args.trace or args.weights != "raw" or args.cache:
         raise UsageError(
             "--devices takes none of --gpu-budget, --weights, --stats, --trace, --cache"
@@ -366,6 +385,20 @@ def register_plan(sub) -> None:
         help="inference: host format of streamed blocks (default: raw)",
     )
     p.add_argument(
+        "--host-tier",
+        choices=("ram", "disk", "auto"),
+        default="auto",
+        help="inference: streamed blocks in host RAM or read from disk each step; auto picks "
+        "disk when they need more than 80%% of --host-mem (default: auto)",
+    )
+    p.add_argument(
+        "--disk-gbps",
+        type=float,
+        default=3.0,
+        help="disk tier: read GB/s of the model's files, cold page cache (default: 3; "
+        "benchmarks/disk_streaming.py measures it)",
+    )
+    p.add_argument(
         "--decode-gbps",
         type=float,
         default=200.0,
@@ -430,6 +463,7 @@ def run_plan(args) -> int:
         host_gbps=args.host_gbps,
         decode_gbps=args.decode_gbps,
         link_gbps=args.link_gbps,
+        disk_gbps=args.disk_gbps,
     )
     workload = Workload(
         mode=args.mode,
@@ -447,6 +481,7 @@ def run_plan(args) -> int:
         lora_rank=args.lora_rank,
         weights=args.weights,
         devices=args.devices,
+        host_tier=args.host_tier,
     )
     result = plan(describe(model_source(args)), machine, workload)
     print_json(result) if args.json else print(format_plan(result))

@@ -155,6 +155,13 @@ def _worker_args(p) -> None:
         "same video, about 0.68x the bytes; fp8: about half, lossy; default: raw)",
     )
     p.add_argument(
+        "--host-tier",
+        choices=("ram", "disk", "auto"),
+        help="with --offload stream: keep streamed blocks in host RAM, or read them from the "
+        "model's safetensors files each step (host RAM smaller than the model); auto picks disk "
+        "when they would not fit in the available RAM (default: auto)",
+    )
+    p.add_argument(
         "--name",
         dest="worker_name",
         help="this worker's name in the registry, one per device slot (default: HOST/DEVICE); "
@@ -198,6 +205,7 @@ def _settings(args):
         "offload",
         "gpu_budget",
         "weights",
+        "host_tier",
         "engine_threads",
     )
     overrides = {k: getattr(args, k, None) for k in names}
@@ -226,6 +234,8 @@ def _settings(args):
         raise UsageError("--gpu-budget needs --offload stream")
     if settings.weights != "raw" and settings.offload != "stream":
         raise UsageError("--weights needs --offload stream")
+    if settings.host_tier == "disk" and settings.offload != "stream":
+        raise UsageError("--host-tier disk needs --offload stream")
     return settings
 
 

@@ -25,8 +25,10 @@ them; the reference mode runs each row alone, as WanPipeline does, and equals it
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -377,10 +379,20 @@ class WanVideoPipeline(Pipeline):
                 id(s)
                 for s in group
                 if s.cache is not None
+                and not s.cache.probes
                 and s.cache.reuse(s.step, s.flow_time(s.step), s.flow_time(s.step + 1), key=e)
             }
             run = [s for s in group if id(s) not in reuse]
-            if not run:
+            probed = {}
+            if any(s.cache is not None and s.cache.probes for s in run):
+                # first-block: decided inside the pass, after block 0; a request that reuses
+                # there leaves the pass and its output comes back like the others'.
+                outputs, ran = self._forward_probed(self.experts[e], run, e)
+                reuse |= {id(s) for s, r in zip(run, ran) if not r}
+                probed = {id(s): o for s, o, r in zip(run, outputs, ran) if not r}
+                run = [s for s, r in zip(run, ran) if r]
+                outputs = torch.cat([o for o, r in zip(outputs, ran) if r]) if run else None
+            elif not run:
                 outputs = None
             elif self.batched:
                 outputs = self._forward(self.experts[e], run, (0, 1))
@@ -389,16 +401,19 @@ class WanVideoPipeline(Pipeline):
                 outputs = torch.cat([self._forward(self.experts[e], [s], (h,)) for s, h in halves])
             offset = 0
             for s in group:
-                if id(s) in reuse:
+                if id(s) in reuse and id(s) not in probed:
                     noise = s.cache.output(key=e)
                 else:
-                    rows = 2 if s.guided else 1
-                    noise = outputs[offset : offset + rows]
-                    offset += rows
+                    if id(s) in probed:  # its rows reused the later blocks' residual
+                        noise = probed[id(s)]
+                    else:
+                        rows = 2 if s.guided else 1
+                        noise = outputs[offset : offset + rows]
+                        offset += rows
                     if s.guided:
                         cond, uncond = noise[:1], noise[1:]
                         noise = uncond + s.video.guidance * (cond - uncond)
-                    if s.cache is not None:
+                    if s.cache is not None and id(s) not in probed:
                         s.cache.record(s.flow_time(s.step), s.model_input(), noise, key=e)
                 s.latents = s.scheduler.step(noise, s.timestep, s.latents, return_dict=False)[0]
                 s.step += 1
@@ -406,6 +421,18 @@ class WanVideoPipeline(Pipeline):
     def _forward(self, model: nn.Module, group: list[WanState], halves) -> torch.Tensor:
         """One pass of `model` over the rows of `group`: each request's conditional row and (when
         guided) its unconditional row, for the halves asked for; `(rows, C, F', H', W')`."""
+        latents, timesteps, context, adapters = self._inputs(model, group, halves)
+        with torch.no_grad(), self.adapters.rows(adapters):
+            return model(
+                hidden_states=latents,
+                timestep=timesteps,
+                encoder_hidden_states=context,
+                return_dict=False,
+            )[0]
+
+    def _inputs(self, model: nn.Module, group: list[WanState], halves):
+        """The rows of a pass of `model` over `group` (the halves asked for): latents, timesteps,
+        text context, and each row's adapters."""
         latents, timesteps, context, adapters = [], [], [], []
         expert = self.expert_names[self.experts.index(model)]
         for s in group:
@@ -423,13 +450,99 @@ class WanVideoPipeline(Pipeline):
             from .attention import set_grid
 
             set_grid(model, group[0].grid)  # a batch shares one latent shape
-        with torch.no_grad(), self.adapters.rows(adapters):
-            return model(
-                hidden_states=torch.cat(latents).to(self.dtype),
-                timestep=torch.cat(timesteps),
-                encoder_hidden_states=torch.cat(context),
-                return_dict=False,
-            )[0]
+        return torch.cat(latents).to(self.dtype), torch.cat(timesteps), torch.cat(context), adapters
+
+    @torch.no_grad()
+    def _forward_probed(self, model: nn.Module, group: list[WanState], e: int):
+        """A pass of `model` over `group` cut after its first block, where some requests' step
+        caches decide (first-block, see flow._forward_probed): each request's output rows `(1 or
+        2, C, F', H', W')` and whether they ran every block. The cut follows
+        `WanTransformer3DModel.forward` op for op (prologue, blocks, output norm and projection),
+        so a pass where no row reuses is the model's own. In the reference mode (`batched`
+        False) each request runs alone, its guidance pair together."""
+        if not self.batched and len(group) > 1:
+            parts = [self._forward_probed(model, [s], e) for s in group]
+            return [o for out, _ in parts for o in out], [r for _, ran in parts for r in ran]
+        x, timestep, context, adapters = self._inputs(model, group, (0, 1))
+        rows, offset = [], 0
+        for s in group:
+            rows.append(slice(offset, offset + (2 if s.guided else 1)))
+            offset = rows[-1].stop
+        with self.adapters.rows(adapters):
+            h0, temb, projection, context, rotary = self._prologue(model, x, timestep, context)
+            with self._first_block_only():
+                h1 = model.blocks[0](h0, context, projection, rotary)  # (B, N, D)
+        reuse = [
+            s.cache is not None
+            and s.cache.probes
+            and s.cache.reuse_probed(s.step, h1[r] - h0[r], key=e)
+            for s, r in zip(group, rows)
+        ]
+        keep = [i for r, u in zip(rows, reuse) if not u for i in range(r.start, r.stop)]
+        if len(keep) == h1.shape[0]:
+            h = h1
+            with self.adapters.rows(adapters):
+                for block in model.blocks[1:]:
+                    h = block(h, context, projection, rotary)  # (B, N, D)
+        else:
+            h = h1.clone()
+            if keep:
+                index = torch.tensor(keep, device=h1.device)
+                part = h1[index]  # (B', N, D)
+                with self.adapters.rows([adapters[i] for i in keep]):
+                    for block in model.blocks[1:]:
+                        part = block(part, context[index], projection[index], rotary)
+                h[index] = part
+            for s, r, u in zip(group, rows, reuse):
+                if u:
+                    h[r] = h1[r] + s.cache.tail(key=e)  # (rows, N, D)
+        for s, r, u in zip(group, rows, reuse):
+            if s.cache is not None and s.cache.probes and not u:
+                s.cache.record_probed(h1[r] - h0[r], h[r] - h1[r], key=e)
+        with self.adapters.rows(adapters):
+            out = self._epilogue(model, h, temb, x.shape)  # (B, C, F', H', W')
+        return [out[r] for r in rows], [not u for u in reuse]
+
+    @staticmethod
+    def _prologue(model: nn.Module, x, timestep, context):
+        """`WanTransformer3DModel.forward` up to its blocks: tokens `(B, N, D)`, the time
+        embedding, the blocks' modulation, the embedded text and the rotary tables."""
+        rotary = model.rope(x)
+        h = model.patch_embedding(x).flatten(2).transpose(1, 2).contiguous()  # (B, N, D)
+        seq_len = None
+        if timestep.ndim == 2:  # one timestep per token (Wan2.2-TI2V)
+            seq_len = timestep.shape[1]
+            timestep = timestep.flatten()
+        temb, projection, context, _ = model.condition_embedder(
+            timestep, context, None, timestep_seq_len=seq_len
+        )
+        projection = projection.unflatten(2 if seq_len else 1, (6, -1))  # (B, [N,] 6, D)
+        return h, temb, projection, context, rotary
+
+    def _epilogue(self, model: nn.Module, h, temb, shape) -> torch.Tensor:
+        """`WanTransformer3DModel.forward` after its blocks: the output norm and projection,
+        unpatchified to `shape` `(B, C, F', H', W')`."""
+        if temb.ndim == 3:  # one timestep per token
+            shift, scale = (model.scale_shift_table.unsqueeze(0) + temb.unsqueeze(2)).chunk(
+                2, dim=2
+            )
+            shift, scale = shift.squeeze(2), scale.squeeze(2)
+        else:
+            shift, scale = (model.scale_shift_table + temb.unsqueeze(1)).chunk(2, dim=1)
+        h = (model.norm_out(h.float()) * (1 + scale) + shift).type_as(h)
+        h = model.proj_out(h)  # (B, N, pt*ph*pw*C)
+        B, _, F, H, W = shape
+        pt, ph, pw = self.config.patch
+        h = h.reshape(B, F // pt, H // ph, W // pw, pt, ph, pw, -1).permute(0, 7, 1, 4, 2, 5, 3, 6)
+        return h.flatten(6, 7).flatten(4, 5).flatten(2, 3)  # (B, C, F', H', W')
+
+    @contextlib.contextmanager
+    def _first_block_only(self) -> Iterator[None]:
+        """Around a first-block cache's run of block 0: the streamer copies no block ahead."""
+        with contextlib.ExitStack() as stack:
+            for handle in self.handles.values():
+                stack.enter_context(handle.ordered([0]))
+            yield
 
     def _timestep(self, s: WanState) -> torch.Tensor:
         """The timestep input of one row: `(1,)`, or one per token with `expand_timesteps`."""

@@ -109,6 +109,15 @@ class SingleFileWeights(Mapping):
                 t = t * scale
         return t
 
+    def locate(self, name: str):
+        """Where weight `name` lies in the file as stored (the disk tier), or None when it is
+        converted on load (fp8, scaled)."""
+        key = self.names[name]
+        extent = self.file.locate(key)
+        if extent is None or extent.dtype in FP8 or key in self.scales:
+            return None
+        return extent
+
     def __contains__(self, name: object) -> bool:
         return name in self.names
 

@@ -88,6 +88,7 @@ export class CreateForm {
     image.hidden = !model?.inputs?.includes("image");
     if (image.hidden) this.fields.input_reference.value = "";
     this.showAdapters(model?.adapters || []);
+    this.showCachePolicies(model?.limits?.cache_policies);
     if (!model) return;
     const [multipleH, multipleW] = model.limits.size_multiple;
     Object.assign(this.fields.width, { step: multipleW, max: model.limits.max_size });
@@ -130,6 +131,18 @@ export class CreateForm {
         return row;
       }),
     );
+  }
+
+  // Step-cache choices that name a policy ({"policy", "threshold"} as JSON) the model does not
+  // run (its limits' cache_policies; all of them when it does not say) are disabled.
+  showCachePolicies(policies) {
+    const select = this.fields.cache;
+    for (const option of select.options) {
+      if (!option.value.startsWith("{")) continue;
+      const { policy } = JSON.parse(option.value);
+      option.disabled = Boolean(policies) && !policies.includes(policy);
+    }
+    if (select.selectedOptions[0]?.disabled) select.value = "off";
   }
 
   // The adapters ticked, in the order listed, as the request's `loras`.

@@ -149,7 +149,8 @@ class Videos:
 
         `size` is "WIDTHxHEIGHT"; `seconds` and `num_frames` are two ways to give the length.
         `cache` asks for a step cache: a preset ("quality", "balanced", "fast") or
-        `{"policy": "output-change" | "adaptive", "threshold": ...}` (see `Video.passes`).
+        `{"policy": "output-change" | "adaptive" | "first-block", "threshold": ...}` (see
+        `Video.passes`; a model lists the policies it takes in its limits' `cache_policies`).
         `loras` names adapters registered on the model, each as a name, `(name, scale)` or
         `{"name", "scale", "expert"}` (`expert`: "high" or "low" on a Wan2.2 two-expert model).
         Every retry of this call carries the same Idempotency-Key, so it makes at most one job.
