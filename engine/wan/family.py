@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -155,6 +156,20 @@ class WanFamily(Family):
         from .training import save_diffusers
 
         save_diffusers(info, states, path)
+
+    # -- several devices: diffusers' own Ulysses context parallelism on each expert ----------------
+
+    def check_parallel(self, info: ModelInfo, frames: int, height: int, width: int, world: int):
+        config = info.config
+        if config.attention != "dense":
+            raise ValueError("sequence parallel for Wan runs dense attention only (not 3D-DSA)")
+        heads = config.heads
+        grid = config.token_grid(frames, height, width)
+        if heads % world or math.prod(grid) % world:
+            raise ValueError(
+                f"sequence parallel over {world} devices needs the heads ({heads}) and the "
+                f"token count ({'x'.join(map(str, grid))}) to be multiples of {world}"
+            )
 
     def count_parameters(self, info: ModelInfo) -> dict[str, int]:
         diffusers, transformers = libraries()
@@ -355,6 +370,30 @@ class WanVideoPipeline(Pipeline):
     @property
     def dtype(self) -> torch.dtype:
         return self.experts[0].proj_out.weight.dtype
+
+    def parallelize(self, sp) -> None:
+        """Each expert's tokens split over the ranks of `sp` by diffusers' own Ulysses context
+        parallelism (its `_cp_plan` hooks shard the tokens and rotary tables at the first block
+        and gather them at `proj_out`; its attention dispatch does the all-to-alls)."""
+        from diffusers import ContextParallelConfig
+        from diffusers.hooks.context_parallel import apply_context_parallel
+        from diffusers.models._modeling_parallel import ParallelConfig
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if sp.group is not None:
+            raise ValueError("Wan sequence parallel runs over the default process group")
+        # `enable_parallelism` would do this, but it places rank r on accelerator r and has no
+        # CPU path; the same steps with this rank's own device.
+        cp = ContextParallelConfig(ulysses_degree=sp.world)
+        config = ParallelConfig(context_parallel_config=cp)
+        mesh = init_device_mesh(self.device.type, cp.mesh_shape, mesh_dim_names=cp.mesh_dim_names)
+        config.setup(sp.rank, sp.world, self.device, mesh=mesh)
+        for expert in self.experts:
+            expert._parallel_config = config
+            for module in expert.modules():
+                if hasattr(getattr(module, "processor", None), "_parallel_config"):
+                    module.processor._parallel_config = config
+            apply_context_parallel(expert, cp, expert._cp_plan)
 
     def encode(self, prompts: list[str]) -> torch.Tensor:
         """UMT5 embeddings `(B, 512, text_dim)` in the denoiser's dtype, zero past each prompt."""
