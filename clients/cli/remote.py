@@ -22,7 +22,7 @@ from .args import UsageError
 LOCAL_ONLY_GENERATE = {
     "device": "cpu",
     "attention": None,
-    "offload": "none",
+    "offload": None,  # no default: a local run picks none, or stream with --devices
     "gpu_budget": None,
     "stats": None,
     "trace": None,
@@ -38,6 +38,7 @@ LOCAL_ONLY_FINETUNE = {
     "save_every": RunSpec.save_every,
     "resume": False,
     **LOCAL_ONLY_GENERATE,
+    "offload": "none",  # finetune's own default
 }
 # `finetune --lr` defaults to the spec's rate; the server's rate at learning_rate_multiplier=1 is
 # its own setting (MEGASLIDE_FINETUNE_LR, the same unless changed), so --lr travels as a ratio.
