@@ -63,6 +63,11 @@ run attention 180 python3 benchmarks/attention.py --json --quick
 if python3 -c "import diffusers" 2>/dev/null; then
   run wan_streaming 90 python3 benchmarks/wan_streaming.py --json
 fi
+# One video split over two GPUs (sequence parallel, NCCL), where the machine has two: the frames
+# against one GPU's, and the wall time with the ranks' start-up.
+if [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ]; then
+  run sequence_parallel 180 python3 benchmarks/sequence_parallel.py --devices cuda:0,cuda:1 --frames 16 --size 64 --json
+fi
 # Two files, whatever the number of checks: a device run brings back only a few.
 tar -czf "$OUT/checks.tgz" -C "$OUT" checks && rm -rf "$OUT/checks"
 echo "results in $OUT/checks.tgz"

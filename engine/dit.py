@@ -124,22 +124,26 @@ class SelfAttention(nn.Module):
         )  # (B, h, N, d) x3
         q, k = self.q_norm(q), self.k_norm(k)  # QK-norm keeps logits bounded in low precision
         q, k = apply_rope(q, angles), apply_rope(k, angles)
-        if self.backend == "dense":
-            o = F.scaled_dot_product_attention(q, k, v)  # (B, h, N, d)
-        else:
-            o = self.slide_attention(x, q, k, v, grid)  # (B, h, N, d)
+        motion = None
+        if self.backend == "dsa":
+            motion = self.motion_field(x, grid)  # (B, h, nT, nY, nX, 2)
+            if self.training and torch.is_grad_enabled() and self.motion.weight.requires_grad:
+                # Picked up (and cleared) by the training loop, which adds it to the loss; see
+                # `motion_field` for why the head learns from this and not from the output.
+                self.aux_loss = motion_consistency_loss(k, motion, grid, self.tile)
+        o = self.attend(q, k, v, grid, motion)  # (B, h, N, d)
         return self.out(o.transpose(1, 2).reshape(B, N, D))  # (B, N, D)
 
-    def slide_attention(self, x, q, k, v, grid):
+    def attend(self, q, k, v, grid, motion=None) -> torch.Tensor:
+        """The attention itself, `(B, h, N, d)` x3 -> `(B, h, N, d)`: heads are independent here,
+        the one place a transform may regroup tokens and heads (see `parallel.py`)."""
+        if self.backend == "dense":
+            return F.scaled_dot_product_attention(q, k, v)  # (B, h, N, d)
         from megaslide.kernels import dsa_attention
 
-        motion = self.motion_field(x, grid)  # (B, h, nT, nY, nX, 2)
-        if self.training and torch.is_grad_enabled() and self.motion.weight.requires_grad:
-            # Picked up (and cleared) by the training loop, which adds it to the loss; see below.
-            self.aux_loss = motion_consistency_loss(k, motion, grid, self.tile)
         return dsa_attention(
             q, k, v, grid=grid, tile=self.tile, window=self.window, motion=motion.detach()
-        )
+        )  # (B, h, N, d)
 
     def motion_field(self, x: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
         """Velocity `(vy, vx)` per head and query tile, in tiles per time-tile, from tile-pooled x.

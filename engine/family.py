@@ -102,6 +102,13 @@ class Family(ABC):
 
         raise AdapterError(f"{self.name} models take no LoRA adapters")
 
+    # -- several devices ---------------------------------------------------------------------------
+
+    def check_parallel(self, info: ModelInfo, frames: int, height: int, width: int, world: int):
+        """ValueError naming the problem unless one clip of this shape (in pixels) can be split
+        over `world` devices by sequence parallelism (`Pipeline.parallelize`)."""
+        raise ValueError(f"{info.name}: sequence parallel is not built for {self.name} models")
+
     # -- fine-tuning ------------------------------------------------------------------------------
 
     def training_components(self, info: ModelInfo, expert: str | None) -> set[str] | None:

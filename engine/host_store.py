@@ -165,10 +165,26 @@ class HostBlockStore:
 
     encoded = False  # the buffer is the block's flat layout itself (see weight_formats.py)
 
-    def __init__(self, entries: Sequence[TensorEntry], nbytes: int, pinned: bool = False):
+    def __init__(
+        self,
+        entries: Sequence[TensorEntry],
+        nbytes: int,
+        pinned: bool = False,
+        buffer: torch.Tensor | None = None,
+    ):
         self.entries = tuple(entries)
         self.nbytes = nbytes
-        self.buffer = torch.empty(nbytes, dtype=torch.uint8)  # plain allocation, see pin_exact
+        if buffer is None:
+            buffer = torch.empty(nbytes, dtype=torch.uint8)  # plain allocation, see pin_exact
+        elif (
+            buffer.dtype != torch.uint8 or buffer.shape != (nbytes,) or buffer.device.type != "cpu"
+        ):
+            raise ValueError(
+                f"a block's host buffer must be ({nbytes},) uint8 on the CPU, got "
+                f"{tuple(buffer.shape)} {buffer.dtype} on {buffer.device}"
+            )
+        # Given: filled elsewhere (shared memory another process made, see multidevice.py).
+        self.buffer = buffer
         self.pinned = pinned
         self._finalizer = None
         if pinned:
@@ -189,6 +205,17 @@ class HostBlockStore:
         """
         store = cls(*pack(tensors), pinned=pinned)
         move_into(tensors, store.views)
+        return store
+
+    @classmethod
+    def attach(
+        cls, tensors: Sequence[BoundTensor], buffer: torch.Tensor, pinned: bool = False
+    ) -> HostBlockStore:
+        """A store over `buffer`, which already holds `tensors`' bytes in their packed layout
+        (another process filled it), with the tensors pointed at its views: nothing is copied."""
+        store = cls(*pack(tensors), pinned=pinned, buffer=buffer)
+        for bound, view in zip(tensors, store.views):
+            repoint(bound.tensor, view)
         return store
 
     @property
@@ -351,6 +378,26 @@ class SafetensorsFile(Mapping):
         return len(self._files)
 
 
+class RenamedWeights(Mapping):
+    """A lazy mapping read through a key map (`names`: the module's name -> the source's key), for
+    a checkpoint whose names differ from the module's by a rename only."""
+
+    def __init__(self, source: Mapping[str, torch.Tensor], names: Mapping[str, str]):
+        self.source, self.names = source, dict(names)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.source[self.names[name]]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.names
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
 def repoint(t: torch.Tensor, new: torch.Tensor) -> None:
     """Make the tensor object `t` alias `new`, keeping its identity, leafness and requires_grad."""
     if t.is_meta:
@@ -361,3 +408,17 @@ def repoint(t: torch.Tensor, new: torch.Tensor) -> None:
         torch.utils.swap_tensors(t, other)
     else:
         t.data = new
+
+
+@dataclasses.dataclass(frozen=True)
+class SharedWeights:
+    """A model's weights in shared memory, made once by a parent process for the processes it
+    spawns (`loader.share_weights`); pickled, the tensors travel as handles, not bytes.
+
+    `blocks[c]`: component c's streamed blocks' host buffers, flat uint8 in the packed layout
+    (`pack`) each process derives from its own meta-built blocks; `tensors[c]`: the rest of
+    component c's tensors by state-dict name (for an unstreamed component, all of them).
+    """
+
+    tensors: dict[str, dict[str, torch.Tensor]]
+    blocks: dict[str, list[torch.Tensor]]

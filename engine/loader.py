@@ -31,7 +31,7 @@ from torch import nn
 
 from .disk_store import HOST_TIERS
 from .family import Component, family
-from .host_store import BoundTensor, collect_tensors, layout_nbytes, repoint
+from .host_store import BoundTensor, SharedWeights, collect_tensors, layout_nbytes, repoint
 from .initialization import init_module, init_parts
 from .lora import Adapter, AdapterError
 from .ordering import Ordering
@@ -93,6 +93,7 @@ def open_pipeline(
     batched: bool = True,
     ordering: Ordering | None = None,
     weights: str = "raw",
+    shared: SharedWeights | None = None,
     host_tier: str = "ram",
     disk_io: str = "buffered",
     **overrides,
@@ -111,7 +112,9 @@ def open_pipeline(
     "ram", "disk" (read from the model's safetensors files through a bounded ring each step;
     disk_store.py) or "auto" (disk when the blocks would not fit in the available RAM with a
     margin; `planner.choose_host_tier`); `disk_io` is how the disk tier reads ("buffered" or
-    "direct", O_DIRECT). `overrides` replace architecture fields that leave the weights alone (`attention="dsa"`).
+    "direct", O_DIRECT). `shared` takes the weights from a `share_weights` made by a
+    parent process instead of the model's files (streamed blocks stream from its buffers).
+    `overrides` replace architecture fields that leave the weights alone (`attention="dsa"`).
     """
     if isinstance(source, ModelInfo) and not overrides:
         info = source
@@ -127,6 +130,7 @@ def open_pipeline(
         timing=timing,
         ordering=ordering,
         weights=weights,
+        shared=shared,
         host_tier=host_tier,
         disk_io=disk_io,
     )
@@ -147,6 +151,7 @@ def open_model(
     only: set[str] | None = None,
     ordering: Ordering | None = None,
     weights: str = "raw",
+    shared: SharedWeights | None = None,
     host_tier: str = "ram",
     disk_io: str = "buffered",
 ) -> tuple[dict[str, nn.Module], dict[str, StreamHandle]]:
@@ -155,7 +160,9 @@ def open_model(
     Fine-tuning opens its model here in fp32.
 
     With several streamed components (a text encoder and two denoising experts, say), the
-    budget is shared in proportion to their block bytes.
+    budget is shared in proportion to their block bytes. With `shared` (see `share_weights`),
+    every streamed block streams from its shared host buffer and the other tensors are copied
+    from it: nothing is read from files or drawn.
     """
     if offload not in OFFLOAD_MODES:
         raise ValueError(f"offload must be one of {OFFLOAD_MODES}, got {offload!r}")
@@ -179,12 +186,23 @@ def open_model(
     streamed = [c for c in components if offload == "stream" and c.blocks]
     host_tier = _resolve_host_tier(host_tier, streamed, dtype, weights)
     block_bytes = {c.name: sum(layout_nbytes(b) for b in c.blocks) for c in streamed}
+    if shared is not None:
+        if offload != "stream":
+            raise ValueError("shared weights hold streamed blocks: they need offload='stream'")
+        if weights != "raw":
+            raise ValueError(f"shared weights are raw blocks: weights={weights!r} does not apply")
+        if host_tier != "ram":
+            raise ValueError("shared weights are blocks in shared RAM: host_tier='ram'")
+        unshared = [c.name for c in streamed if c.name not in shared.blocks]
+        unshared += [c.name for c in components if c.name not in shared.tensors]
+        if unshared:
+            raise ValueError(f"the shared weights lack component {unshared[0]!r}")
     handles: dict[str, StreamHandle] = {}
-    seeded = any(c.weights is None for c in components)
+    seeded = shared is None and any(c.weights is None for c in components)
     with _seeded(info.source.seed) if seeded else contextlib.nullcontext():
         for c in components:
             # A meta twin to draw a preset's random weights in, one part at a time.
-            template = copy.deepcopy(c.module) if c.weights is None else None
+            template = copy.deepcopy(c.module) if c.weights is None and not shared else None
             _cast_floating(c.module, c.dtype or dtype, c.keep_fp32)  # on meta: costs nothing
             if c in streamed:
                 budget = gpu_budget_bytes
@@ -199,6 +217,7 @@ def open_model(
                     timing=timing,
                     ordering=ordering,
                     weights=weights,
+                    host_buffers=shared.blocks[c.name] if shared is not None else None,
                     host_tier=host_tier,
                     disk_io=disk_io,
                 )
@@ -207,12 +226,34 @@ def open_model(
             else:
                 _place(c.module, device)
                 fill = functools.partial(fill_module, c.module)
-            if c.weights is not None:
+            if shared is not None:  # the blocks' weights are in their shared buffers already
+                fill(shared.tensors[c.name], strict=c not in streamed)
+            elif c.weights is not None:
                 fill(c.weights)
             else:
                 for state in _random_parts(template, c):
                     fill(state, strict=False)
     return {c.name: c.module for c in components}, handles
+
+
+def share_weights(info: ModelInfo, dtype: torch.dtype) -> SharedWeights:
+    """The weights of `info` in `dtype`, in shared memory, for processes this one spawns
+    (`open_pipeline(shared=...)` in each): the blocks of every streamed component in one host
+    buffer each, filled once here, block by block (as `open_model` streams), then moved into
+    shared memory (a block at a time is held twice meanwhile)."""
+    parts, handles = open_model(info, device="cpu", dtype=dtype, offload="stream")
+    tensors: dict[str, dict[str, torch.Tensor]] = {}
+    blocks: dict[str, list[torch.Tensor]] = {}
+    for name, module in parts.items():
+        handle = handles.get(name)
+        if handle is None:
+            state = module.state_dict()
+        else:
+            # `share_memory_` moves a storage in place: the module's views of it follow.
+            blocks[name] = [buffer.share_memory_() for buffer in handle.host_buffers()]
+            state = handle.non_block_tensors()
+        tensors[name] = {k: v.detach().share_memory_() for k, v in state.items()}
+    return SharedWeights(tensors, blocks)
 
 
 def _resolve_host_tier(

@@ -26,6 +26,7 @@ from .dit import BlockInputs, VideoDiT, pop_aux_losses
 from .family import Component, Family, TrainingShape
 from .flow import SampleState, denoise_step, shifted_schedule
 from .host_store import SafetensorsFile
+from .parallel import SequenceGroup, check_shardable, parallelize_dit
 from .pipeline import Pipeline, decode_chunks
 from .request import ResolvedVideo
 from .sources import ModelInfo
@@ -53,6 +54,10 @@ class MegaSlideFamily(Family):
 
     def pipeline(self, info, parts, handles, *, batched: bool = True) -> DiTPipeline:
         return DiTPipeline(info, parts["dit"], parts["text_encoder"], handles, batched=batched)
+
+    def check_parallel(self, info: ModelInfo, frames: int, height: int, width: int, world: int):
+        grid = info.config.token_grid(frames, height, width)
+        check_shardable(info.config, grid, world)
 
     def count_parameters(self, info: ModelInfo) -> dict[str, int]:
         counts = count_parameters(info.config)
@@ -118,6 +123,9 @@ class DiTPipeline(Pipeline):
     @property
     def device(self) -> torch.device:
         return self.text_encoder.embed.weight.device
+
+    def parallelize(self, sp: SequenceGroup) -> None:
+        parallelize_dit(self.dit, sp)
 
     def prepare_batch(self, videos: list[ResolvedVideo]) -> list[SampleState]:
         rows = [[v.prompt, v.negative_prompt] if v.guidance != 1.0 else [v.prompt] for v in videos]

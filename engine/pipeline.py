@@ -101,6 +101,11 @@ class Pipeline(ABC):
             return {}
         return {n: dict(a.defaults) for n, a in self.adapters.adapters.items()}
 
+    def parallelize(self, sp) -> None:
+        """Split each step's tokens over the ranks of `sp` (a `parallel.SequenceGroup`), in place;
+        a family that supports it applies its transform here (see `Family.check_parallel`)."""
+        raise ValueError(f"{self.name}: this model family has no sequence-parallel transform")
+
     def prepare(self, video: ResolvedVideo) -> Any:
         """Encode the prompts and draw the starting noise of one request: a sampling state with
         `.step`, `.num_steps`, `.done` and `.passes` (steps that ran a pass of the model)."""

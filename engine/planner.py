@@ -91,6 +91,9 @@ class Machine:
     # goal of the lossless kernel on an H200 (benchmarks/gpu_check.sh measures it), not a
     # measurement; fp8's dequantize is a plain elementwise op, faster.
     decode_gbps: float = 200.0
+    # Achieved all-to-all bandwidth per device between the devices of one host, GB/s sent: an
+    # assumption for NVLink-connected H200s (450 GB/s a direction), not a measurement.
+    link_gbps: float = 300.0
     # Disk tier: sustained read bandwidth of the model's files with a cold page cache, GB/s (a
     # PCIe 4 NVMe drive; benchmarks/disk_streaming.py measures a machine's).
     disk_gbps: float = 3.0
@@ -114,6 +117,7 @@ class Workload:
     loras: int = 0  # inference: LoRA adapters registered (their factors live on the device)
     lora_rank: int = 0  # their rank, on every adaptable layer
     weights: str = "raw"  # inference: host format of streamed blocks (raw, lossless, fp8)
+    devices: int = 1  # inference: one clip's tokens split over this many devices (parallel.py)
     host_tier: str = "ram"  # inference: where streamed blocks live (ram, disk, auto)
 
 
@@ -148,7 +152,8 @@ def plan(info: ModelInfo, machine: Machine = Machine(), w: Workload = Workload()
     counts, times and a verdict.
 
     A model is its denoiser (one or more experts of `blocks` blocks each; one expert runs per
-    step), a text encoder (streamed block by block too when it has blocks, else resident) and a
+    step), a text encoder (streamed block by block too when it has blocks, else resident), an
+    image encoder when it has one (Wan2.1-I2V's CLIP: fp32, streamed like the text encoder) and a
     VAE (resident, fp32). Fine-tuning trains the parameters the family names trainable (one
     expert of a multi-expert model).
     """
@@ -160,6 +165,11 @@ def plan(info: ModelInfo, machine: Machine = Machine(), w: Workload = Workload()
         raise ValueError(f"weights must be raw, lossless or fp8, got {w.weights!r}")
     if finetune and w.weights != "raw":
         raise ValueError("fine-tuning writes the host store every step: it needs weights='raw'")
+    P = w.devices
+    if P < 1:
+        raise ValueError(f"devices must be at least 1, got {P}")
+    if finetune and P > 1:
+        raise ValueError("fine-tuning runs on one device: devices > 1 is inference only")
     if w.host_tier not in HOST_TIERS:
         raise ValueError(f"host_tier must be one of {', '.join(HOST_TIERS)}, got {w.host_tier!r}")
     if finetune and w.host_tier == "disk":
@@ -178,8 +188,16 @@ def plan(info: ModelInfo, machine: Machine = Machine(), w: Workload = Workload()
     # embedding (its blocks stream like the denoiser's) or all of it, and the fp32 VAE.
     text_blocks = counts["text_blocks"]
     text_resident = counts["text_encoder"] - counts["text_per_block"] * text_blocks
+    # An image encoder (Wan2.1-I2V's CLIP, fp32) streams its layers like the text encoder.
+    image_per_block = counts.get("image_per_block", 0)
+    image_resident = counts.get("image_encoder", 0) - image_per_block * counts.get(
+        "image_blocks", 0
+    )
     nonblock_bytes = (
-        experts * counts["denoiser_non_block"] * wb + text_resident * wb + counts["vae"] * 4
+        experts * counts["denoiser_non_block"] * wb
+        + text_resident * wb
+        + image_resident * 4
+        + counts["vae"] * 4
     )
     n_tok = tokens(info, w)
     rows = w.batch * (2 if (w.guidance and not finetune) else 1)
@@ -198,7 +216,7 @@ def plan(info: ModelInfo, machine: Machine = Machine(), w: Workload = Workload()
     # Device: weights. Slots hold streamed blocks (one ring per expert, and one for the text
     # encoder's blocks); the rest of the budget keeps denoiser blocks resident.
     slots = experts * w.prefetch * (block_bytes + staging) + (
-        w.prefetch * counts["text_per_block"] * wb
+        w.prefetch * (counts["text_per_block"] * wb + image_per_block * 4)
     )
     lora = 0 if finetune else adapter_bytes(info, w.loras, w.lora_rank, b)
     if w.gpu_budget is None or finetune:  # fine-tuning streams every block
@@ -212,8 +230,13 @@ def plan(info: ModelInfo, machine: Machine = Machine(), w: Workload = Workload()
 
     # Device: activations of one block's forward, the largest live set (hidden state, qkv, attention
     # output, MLP hidden), and the attention workspace (flash-style kernels keep O(N) per row).
-    act_block = rows * n_tok * (2 * D + max(4 * D, F + D)) * b
-    attn_ws = rows * config.heads * n_tok * 4  # fp32 log-sum-exp per query row
+    # With P devices (sequence parallel) each holds N/P tokens of every row, or all N tokens of
+    # heads/P heads around attention, plus the all-to-all's send and receive buffers of q, k, v.
+    n_rank = -(-n_tok // P)
+    act_block = rows * n_rank * (2 * D + max(4 * D, F + D)) * b
+    if P > 1:
+        act_block += 2 * rows * n_rank * 3 * D * b
+    attn_ws = rows * config.heads * n_tok * 4 // P  # fp32 log-sum-exp per query row
     device = {
         "non_block_weights": nonblock_bytes,
         "slots": slots,
@@ -279,14 +302,28 @@ def plan(info: ModelInfo, machine: Machine = Machine(), w: Workload = Workload()
         depth * rows * (2 * matmul_params * n_tok + 4 * n_tok * keys * D + 4 * n_tok * L * D)
     )
     streamed_bytes = streamed * block_bytes  # one expert runs per step
+    # Sequence parallel: each device computes 1/P of every matmul and attention (the prologue and
+    # epilogue it repeats are left out), and per block sends (P-1)/P of its q, k, v and attention
+    # output (4 x rows x N/P x D values); the hidden states are gathered once per step. The
+    # collectives are not overlapped with compute, so their time adds to it.
+    fwd_flops = fwd_flops / P
+    a2a_bytes = 0
+    if P > 1:
+        per_block = 4 * rows * n_rank * D * b * (P - 1) // P
+        a2a_bytes = depth * per_block + rows * n_rank * D * b * (P - 1)
+    comm_s = a2a_bytes / (machine.link_gbps * GB)
     decode_s = 0.0
     if not finetune:
         # A coded block is decoded on the compute stream before it runs: compute time grows.
         if w.weights != "raw":
             decode_s = streamed_bytes / (machine.decode_gbps * GB)
-        compute_s = fwd_flops / (machine.tflops * 1e12) + decode_s
+        compute_s = fwd_flops / (machine.tflops * 1e12) + decode_s + comm_s
         h2d_bytes = streamed * coded_block_bytes
-        transfer_s = h2d_bytes / (machine.h2d_gbps * GB)
+        # Each device has its own link; with several, they all read the one host copy, so host
+        # memory bandwidth may bound first.
+        transfer_s = max(
+            h2d_bytes / (machine.h2d_gbps * GB), P * h2d_bytes / (machine.host_gbps * GB)
+        )
         optimizer_s = 0.0
     else:
         compute_s = 4 * fwd_flops / (machine.tflops * 1e12)  # forward, recompute, backward (2x)
@@ -303,6 +340,13 @@ def plan(info: ModelInfo, machine: Machine = Machine(), w: Workload = Workload()
     bound = max(bounds, key=bounds.get)
 
     problems = []
+    if P > 1:
+        s = info.sampling
+        shape = (w.frames or s.frames, w.height or s.height, w.width or s.width)
+        try:
+            family(info.family).check_parallel(info, *shape, P)
+        except ValueError as e:
+            problems.append(str(e))
     if device_total > device_limit:
         problems.append(
             f"device memory: needs {device_total / GB:.1f} GB of {device_limit / GB:.1f} GB usable"
@@ -331,8 +375,16 @@ def plan(info: ModelInfo, machine: Machine = Machine(), w: Workload = Workload()
         "host_tier": host_tier,
         "host": {**host, "total": host_total},
         "device": {**device, "weights": weights_dev, "total": device_total},
-        "time_s": {**bounds, "decode": decode_s, "step": max(bounds.values()), "bound": bound},
-        "bytes_per_step": {"h2d": h2d_bytes, "disk": disk_bytes},
+        "devices": P,
+        "time_s": {
+            **bounds,
+            "decode": decode_s,
+            "communication": comm_s,
+            "step": max(bounds.values()),
+            "bound": bound,
+        },
+        # Per device: each streams every block over its own link, from one shared host copy.
+        "bytes_per_step": {"h2d": h2d_bytes, "disk": disk_bytes, "all_to_all": a2a_bytes},
         "fits": not problems,
         "problems": problems,
         "machine": asdict(machine),
@@ -364,6 +416,12 @@ def format_plan(p: dict) -> str:
         f"(compute {t['compute']:.3f} s, transfer {t['transfer']:.3f} s, optimizer {t['optimizer']:.3f} s"
         + (f", disk {t['disk']:.3f} s)" if "disk" in t else ")")
     )
+    if p["devices"] > 1:
+        lines.append(
+            f"per device of {p['devices']}: {p['bytes_per_step']['all_to_all'] / GB:.2f} GB sent "
+            f"in all-to-alls a step ({t['communication']:.3f} s of the compute time), "
+            f"{p['bytes_per_step']['h2d'] / GB:.2f} GB of blocks streamed from the shared host copy"
+        )
     if p.get("host_tier") == "disk":
         why = " (auto: the RAM tier does not fit)" if p["workload"]["host_tier"] == "auto" else ""
         lines.append(

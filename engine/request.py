@@ -67,6 +67,7 @@ class ModelLimits:
     max_prompt_tokens: int  # in the model's own tokens
     frames_offset: int = 0  # e.g. 1 for a causal video VAE (frames = 4k + 1)
     image_input: bool = False  # takes a first-frame image (image-to-video)
+    image_required: bool = False  # and needs one (an image-to-video model makes nothing without)
     experts: int = 1  # denoisers that split the noise levels (fine-tuning trains one at a time)
     cache_policies: tuple[str, ...] = CACHE_POLICIES  # the step-cache policies its sampler runs
     prompt_unit: str = "bytes (UTF-8)"
@@ -86,6 +87,7 @@ class ModelLimits:
             "max_prompt_tokens": self.max_prompt_tokens,
             "prompt_unit": self.prompt_unit,
             "image_input": self.image_input,
+            "image_required": self.image_required,
             "experts": self.experts,
             "cache_policies": list(self.cache_policies),
         }
@@ -401,15 +403,7 @@ def resolve(
         raise RequestError(
             f"guidance_scale must be a finite number >= 0, got {guidance}", param="guidance_scale"
         )
-    if request.image is not None:
-        if not limits.image_input:
-            raise RequestError(
-                "this model does not take a first-frame image (input_reference)",
-                param="input_reference",
-                code="unsupported_parameter",
-            )
-        if not Path(request.image).is_file():
-            raise RequestError(f"image {request.image} not found", param="input_reference")
+    check_image(request.image, limits)
     cache = resolve_cache(request.cache)
     if cache is not None and cache.policy not in limits.cache_policies:
         raise RequestError(
@@ -439,6 +433,26 @@ def resolve(
         loras=loras,
         shift=adapter_defaults.get("shift"),
     )
+
+
+def check_image(image: str | None, limits: ModelLimits) -> None:
+    """RequestError unless the model takes this first-frame image (a file that exists), or does
+    without one."""
+    if image is None:
+        if limits.image_required:
+            raise RequestError(
+                "this model makes a video from a first-frame image: give one (input_reference)",
+                param="input_reference",
+            )
+        return
+    if not limits.image_input:
+        raise RequestError(
+            "this model does not take a first-frame image (input_reference)",
+            param="input_reference",
+            code="unsupported_parameter",
+        )
+    if not Path(image).is_file():
+        raise RequestError(f"image {image} not found", param="input_reference")
 
 
 def check_loras(

@@ -119,6 +119,21 @@ class ModelInfo:
     def name(self) -> str:
         return self.source.name
 
+    def __reduce__(self):
+        # Pickled (to a process of a multi-device job) as its config: the limits hold closures,
+        # and are a function of the config, so the receiving side derives them again.
+        return (_rebuild_info, (self.source, self.family, self.config, self.sampling, self.extra))
+
+
+def _rebuild_info(source, family, config, sampling, extra) -> ModelInfo:
+    if family == "wan":
+        from .wan.config import wan_limits
+
+        return ModelInfo(
+            source, family, config, sampling, wan_limits(config, sampling, source.path)
+        )
+    return ModelInfo(source, family, config, sampling, native_limits(config, sampling), extra)
+
 
 def read_native_config(path: Path) -> tuple[DiTConfig, SamplingDefaults, dict]:
     """A MegaSlide model directory's architecture, sampling defaults and other config keys."""

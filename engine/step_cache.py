@@ -214,16 +214,7 @@ class StepCache:
         """Whether step `step`, from flow time `t` to `t_next`, reuses the cached output of
         expert `key`; a False must be followed by `record` once the pass ran. Asking again for
         the same step (a pass retried after an error) gives the same answer and counts once."""
-        if self._decided is not None and self._decided[:2] == (step, key):
-            return self._decided[2]
-        history = self.histories.setdefault(key, History())
-        decision = self.policy.reuse(history, float(t), float(t_next))
-        if decision:
-            self.reused += 1
-        else:
-            self.passes += 1
-        self._decided = (step, key, decision)
-        return decision
+        return self._decide(step, key, lambda h: self.policy.reuse(h, float(t), float(t_next)))
 
     @property
     def probes(self) -> bool:
@@ -234,10 +225,14 @@ class StepCache:
         """Whether step `step` reuses the cached residual of the blocks after the first, decided
         from this step's first-block residual `(rows, N, D)` (a probing policy's `reuse`); a
         False must be followed by `record_probed` (and `record`) once the pass ran."""
+        return self._decide(step, key, lambda h: self.policy.reuse_probed(h, residual))
+
+    def _decide(self, step: int, key: int, ask) -> bool:
+        """`ask(history)` once per (step, expert), counted once; a retried pass gets the same
+        answer."""
         if self._decided is not None and self._decided[:2] == (step, key):
             return self._decided[2]
-        history = self.histories.setdefault(key, History())
-        decision = self.policy.reuse_probed(history, residual)
+        decision = ask(self.histories.setdefault(key, History()))
         if decision:
             self.reused += 1
         else:

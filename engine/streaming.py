@@ -424,6 +424,18 @@ class StreamHandle:
                 t.tensor.data.copy_(src)
                 self._non_block_missing.discard(k)
 
+    def host_buffers(self) -> list[torch.Tensor]:
+        """The streamed blocks' raw host buffers, in block order (flat uint8, packed layout), for
+        handing to `stream_module(host_buffers=...)` in another process."""
+        self._check_open()
+        if self.weights != "raw" or any(b.store is None for b in self._blocks):
+            raise ValueError("host buffers are raw stores of streamed blocks: no resident blocks")
+        return [b.store.buffer for b in self._blocks]
+
+    def non_block_tensors(self) -> dict[str, torch.Tensor]:
+        """The streamed module's tensors outside its blocks, by every name they go by."""
+        return {n: t.tensor for t in self._non_block for n in t.names}
+
     @staticmethod
     def _qualified(block: _Block, names: Sequence[str]) -> list[str]:
         return [f"{block.name}.{n}" if block.name else n for n in names]
@@ -743,6 +755,7 @@ def stream_module(
     activation_reserve_bytes: int = 0,
     ordering: Ordering | None = None,
     weights: str = "raw",
+    host_buffers: Sequence[torch.Tensor] | None = None,
     host_tier: str = "ram",
     ring_depth: int = DEFAULT_RING_DEPTH,
     disk_io: str = "buffered",
@@ -761,7 +774,10 @@ def stream_module(
     keeps streamed blocks in the model's files instead of host RAM: `load_weights` then records
     where each tensor lies (a `SafetensorsFile` or path), and a reader thread reads the next blocks
     into a ring of `ring_depth` host buffers (disk_store.py; `disk_io`: "buffered" through the page
-    cache or "direct", O_DIRECT where the filesystem takes it); raw weights only.
+    cache or "direct", O_DIRECT where the filesystem takes it); raw weights only. `host_buffers`
+    (raw format, RAM tier) are the blocks' host stores, one flat uint8 buffer per block already
+    holding its weights (shared memory another process filled): they are used as they are, so
+    several processes stream from one copy; their blocks count as filled.
     """
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
@@ -779,6 +795,13 @@ def stream_module(
     blocks = list(blocks)
     if not blocks:
         raise ValueError("blocks is empty: nothing to stream")
+    if host_buffers is not None:
+        if weights != "raw":
+            raise ValueError(f"host_buffers hold raw blocks: weights={weights!r} does not apply")
+        if len(host_buffers) != len(blocks):
+            raise ValueError(f"{len(host_buffers)} host buffers for {len(blocks)} blocks")
+        if host_tier != "ram":
+            raise ValueError("host_buffers are the blocks' stores in RAM: host_tier='ram'")
     names: dict[int, str] = {}
     for name, m in module.named_modules(remove_duplicate=False):
         names.setdefault(id(m), name)
@@ -838,7 +861,15 @@ def stream_module(
     for i, (b, tensors, (entries, nbytes)) in enumerate(zip(blocks, per_block, layouts)):
         rec = _Block(i, names[id(b)], b, tensors, entries, nbytes, resident=i in resident)
         rec.missing = {k for k, t in enumerate(tensors) if t.tensor.is_meta}
-        if rec.resident:  # one flat device buffer per resident block, exactly as planned
+        if host_buffers is not None:
+            rec.missing = set()  # the buffer holds the block's weights already
+            if rec.resident:
+                rec.device_flat = host_buffers[i].to(device, copy=True)
+                for bound, entry in zip(tensors, entries):
+                    repoint(bound.tensor, entry.view(rec.device_flat))
+            else:
+                rec.store = HostBlockStore.attach(tensors, host_buffers[i], pinned)
+        elif rec.resident:  # one flat device buffer per resident block, exactly as planned
             rec.device_flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
             move_into(tensors, [e.view(rec.device_flat) for e in entries])
         elif host_tier == "disk":  # nothing read yet: load_weights locates the tensors

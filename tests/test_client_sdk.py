@@ -326,6 +326,42 @@ def test_upload_retry_resends_the_whole_file(tmp_path, sleeps):
         assert seen[0].headers["idempotency-key"] == seen[1].headers["idempotency-key"]
 
 
+def test_a_first_frame_image_goes_as_multipart_and_a_retry_resends_it(twin, sleeps):
+    """`input_reference` turns the create body into form fields beside the file (lists and
+    objects as JSON text, as the server reads them); a retry sends the whole image again."""
+    image = os.urandom(3000)
+    transport, seen = scripted(
+        [httpx.Response(503, json=ERR), httpx.Response(200, json=video_json())]
+    )
+    video = twin(
+        transport,
+        lambda client: client.videos.create(
+            prompt="a cat",
+            model="i2v",
+            num_frames=9,
+            guidance_scale=4.5,
+            loras=[("style", 0.8)],
+            cache={"policy": "adaptive", "threshold": 0.01},
+            input_reference=("first.png", image),
+        ),
+    )
+    assert video.id == "video_1" and len(seen) == 2
+    assert seen[0].headers["idempotency-key"] == seen[1].headers["idempotency-key"]
+    for request in seen:
+        assert request.headers["content-type"].startswith("multipart/form-data")
+        assert image in request.content and b'filename="first.png"' in request.content
+        fields = {}
+        for part in request.content.split(b"--" + request.content.split(b"\r\n", 1)[0][2:]):
+            if b'name="' in part and b"filename=" not in part:
+                head, _, value = part.partition(b"\r\n\r\n")
+                name = head.split(b'name="')[1].split(b'"')[0].decode()
+                fields[name] = value.rstrip(b"\r\n").decode()
+        assert fields["num_frames"] == "9" and fields["guidance_scale"] == "4.5"
+        assert json.loads(fields["loras"]) == [{"name": "style", "scale": 0.8}]
+        assert json.loads(fields["cache"]) == {"policy": "adaptive", "threshold": 0.01}
+        assert fields["prompt"] == "a cat" and fields["model"] == "i2v"
+
+
 # ---------------------------------------------------------------------------------------------
 # configuration
 

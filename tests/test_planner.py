@@ -53,3 +53,26 @@ def test_predicted_device_weights_match_the_streamers_accounting(name):
     pipe.close()
     predicted = plan(preset(name), Machine(), Workload(dtype_bytes=4))["device"]["weights"]
     assert abs(predicted / measured - 1) <= 0.10, (predicted, measured)
+
+
+def test_sequence_parallel_splits_compute_and_counts_the_all_to_all():
+    info = preset("wan-14b")
+    config = info.config
+    one = plan(info, Machine(), Workload())
+    two = plan(info, Machine(), Workload(devices=2))
+    n, rows, D, b = one["tokens"], one["batch_rows"], config.dim, 2
+    # Per block each device sends half of its q, k, v and output (4 x rows x N/2 x D values), and
+    # once a step half of the gathered hidden states' worth.
+    sent = config.depth * 4 * rows * (n // 2) * D * b // 2 + rows * (n // 2) * D * b
+    assert two["bytes_per_step"]["all_to_all"] == sent and one["bytes_per_step"]["all_to_all"] == 0
+    comm = two["time_s"]["communication"]
+    assert comm == pytest.approx(sent / (Machine().link_gbps * 1e9))
+    assert two["time_s"]["compute"] == pytest.approx(one["time_s"]["compute"] / 2 + comm)
+    # Each device still streams every block, all from the one host copy (not one per device).
+    assert two["bytes_per_step"]["h2d"] == one["bytes_per_step"]["h2d"]
+    assert two["host"]["total"] == one["host"]["total"]
+    assert two["fits"]
+    three = plan(info, Machine(), Workload(devices=3))
+    assert not three["fits"] and "heads (40) to be a multiple of 3" in three["problems"][0]
+    with pytest.raises(ValueError, match="inference only"):
+        plan(info, Machine(), Workload(mode="finetune", devices=2))

@@ -70,5 +70,5 @@ def test_routers_never_import_torch():
         "build_app(Settings(data_dir='unused'), EmbeddedWorker(Settings(), FakeBackend()))\n"
         "assert 'megaslide.server.torch_backend' not in sys.modules\n"
     )
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent))  # for server_fakes
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent / "support"))  # server_fakes
     subprocess.run([sys.executable, "-P", "-c", code], check=True, timeout=60, env=env)

@@ -47,7 +47,11 @@ def register_generate(sub) -> None:
     p.add_argument("--fps", type=int, help="frames per second of the MP4 (default: the model's)")
     p.add_argument("--guidance", type=float, help="classifier-free guidance scale (1 = off)")
     p.add_argument("--negative-prompt", default="", help="what to steer away from")
-    p.add_argument("--image", help="first-frame image, for a model that takes one (Wan2.2-TI2V)")
+    p.add_argument(
+        "--image",
+        help="first-frame image, for a model that takes one (Wan2.2-TI2V) or needs one (the I2V "
+        "models); with --server it is uploaded",
+    )
     p.add_argument(
         "--cache",
         help="step cache: a preset (quality, balanced, fast; default off), POLICY:THRESHOLD "
@@ -85,6 +89,12 @@ def register_generate(sub) -> None:
     )
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument(
+        "--devices",
+        metavar="DEV,DEV,...",
+        help="split the video's tokens over these devices (sequence parallel, one process each, "
+        "streaming from one shared host copy of the blocks): cpu,cpu or cuda:0,cuda:1",
+    )
+    p.add_argument(
         "--attention",
         choices=("dense", "dsa"),
         help="self-attention backend (default: the model's)",
@@ -92,8 +102,8 @@ def register_generate(sub) -> None:
     p.add_argument(
         "--offload",
         choices=("none", "stream"),
-        default="none",
-        help="stream block weights from host RAM (default: none, all weights on the device)",
+        help="stream block weights from host RAM (default: none, all weights on the device; "
+        "stream with --devices)",
     )
     p.add_argument(
         "--gpu-budget", type=parse_bytes, help="device bytes for weights when streaming, e.g. 20GB"
@@ -200,7 +210,7 @@ def run_generate(args) -> int:
         or args.weights != "raw"
         or args.host_tier == "disk"
     )
-    if streamed_only and args.offload != "stream":
+    if streamed_only and args.offload != "stream" and not args.devices:
         raise UsageError(
             "--gpu-budget, --weights, --host-tier disk, --stats and --trace need --offload stream"
         )
@@ -212,6 +222,8 @@ def run_generate(args) -> int:
     info = describe(model_source(args), **overrides)
     from megaslide.engine.loader import load_adapter, open_pipeline
 
+    if args.devices:
+        return run_generate_on_devices(args, info, request, lora_files)
     # Adapters are converted and checked against the model on the meta device, and the request
     # against the model and them, before any weights load.
     adapters = [load_adapter(info, name, path) for name, path in lora_files.items()]
@@ -220,7 +232,7 @@ def run_generate(args) -> int:
     pipe = open_pipeline(
         info,
         device=args.device,
-        offload=args.offload,
+        offload=args.offload or "none",
         gpu_budget_bytes=args.gpu_budget,
         timing=bool(args.stats or args.trace),
         weights=args.weights,
@@ -256,6 +268,48 @@ def run_generate(args) -> int:
     print(
         f"wrote {args.output} ({len(frames)} frames, {video.width}x{video.height}, {video.fps} fps"
         f"{cached})",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def run_generate_on_devices(args, info, request, lora_files) -> int:
+    """`generate --devices`: one video split over several devices (engine/multidevice.py)."""
+    from megaslide.engine.multidevice import RankFailed, generate_on_devices, parse_devices
+    from megaslide.engine.request import resolve
+
+    if lora_files or request.image:
+        raise UsageError("--devices does not take --lora or --image yet")
+    if args.offload == "none":
+        raise UsageError("--devices streams the blocks from one shared host copy: --offload stream")
+    if args.host_tier == "disk":
+        raise UsageError("--devices streams from one shared copy in RAM: not --host-tier disk")
+    if args.gpu_budget or args.stats or args.trace or args.weights != "raw" or args.cache:
+        raise UsageError(
+            "--devices takes none of --gpu-budget, --weights, --stats, --trace, --cache"
+        )
+    if args.device != "cpu":
+        raise UsageError("--devices names the devices itself: leave out --device")
+    try:
+        devices = parse_devices(args.devices)
+    except ValueError as e:
+        raise UsageError(f"--devices: {e}") from None
+    video = resolve(request, info.limits, model=info.name)
+    with progress_bar(video.steps, "denoising", disable=args.no_progress) as bar:
+        try:
+            frames = generate_on_devices(
+                info,
+                video,
+                devices,
+                output=args.output,  # rank 0 writes it
+                progress=lambda step, total: bar.update(1),
+            )
+        except RankFailed as e:  # the other ranks were stopped; no output was written
+            print(f"megaslide generate: error: {e}", file=sys.stderr)
+            return 1
+    print(
+        f"wrote {args.output} ({len(frames)} frames, {video.width}x{video.height}, {video.fps} fps, "
+        f"{len(devices)} devices)",
         file=sys.stderr,
     )
     return 0
@@ -379,6 +433,18 @@ def register_plan(sub) -> None:
         "--loras", type=int, default=0, help="LoRA adapters registered (inference; Wan models)"
     )
     p.add_argument("--lora-rank", type=int, default=32, help="their rank (default: 32)")
+    p.add_argument(
+        "--devices",
+        type=int,
+        default=1,
+        help="inference: one clip's tokens split over this many devices (default: 1)",
+    )
+    p.add_argument(
+        "--link-gbps",
+        type=float,
+        default=300.0,
+        help="all-to-all GB/s sent per device between devices (default: 300, assumed NVLink)",
+    )
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=run_plan)
 
@@ -389,7 +455,9 @@ def run_plan(args) -> int:
     from megaslide.engine.sources import describe
 
     width, height = parse_size(args.size, "--size") if args.size else (None, None)
-    check_positive(batch=args.batch, prefetch=args.prefetch, frames=args.frames)
+    check_positive(
+        batch=args.batch, prefetch=args.prefetch, frames=args.frames, devices=args.devices
+    )
     machine = Machine(
         gpu_mem=args.gpu_mem,
         host_mem=args.host_mem,
@@ -398,6 +466,7 @@ def run_plan(args) -> int:
         tflops=args.tflops,
         host_gbps=args.host_gbps,
         decode_gbps=args.decode_gbps,
+        link_gbps=args.link_gbps,
         disk_gbps=args.disk_gbps,
     )
     workload = Workload(
@@ -415,6 +484,7 @@ def run_plan(args) -> int:
         loras=args.loras,
         lora_rank=args.lora_rank,
         weights=args.weights,
+        devices=args.devices,
         host_tier=args.host_tier,
     )
     result = plan(describe(model_source(args)), machine, workload)

@@ -22,7 +22,7 @@ from .args import UsageError
 LOCAL_ONLY_GENERATE = {
     "device": "cpu",
     "attention": None,
-    "offload": "none",
+    "offload": None,  # no default: a local run picks none, or stream with --devices
     "gpu_budget": None,
     "stats": None,
     "trace": None,
@@ -38,6 +38,7 @@ LOCAL_ONLY_FINETUNE = {
     "save_every": RunSpec.save_every,
     "resume": False,
     **LOCAL_ONLY_GENERATE,
+    "offload": "none",  # finetune's own default
 }
 # `finetune --lr` defaults to the spec's rate; the server's rate at learning_rate_multiplier=1 is
 # its own setting (MEGASLIDE_FINETUNE_LR, the same unless changed), so --lr travels as a ratio.
@@ -96,6 +97,8 @@ def generate_remote(args, request) -> int:
     no_progress. Ctrl-C cancels the job on the server, since nobody is left to fetch its result.
     """
     _check_local_only(args, LOCAL_ONLY_GENERATE)
+    if request.image is not None and not Path(request.image).is_file():
+        raise UsageError(f"--image: {request.image} not found")
     sdk = _sdk()
     client = sdk.Client(base_url=args.server, api_key=args.api_key)
     with client:
@@ -115,6 +118,7 @@ def generate_remote(args, request) -> int:
                     {"name": c.name, "scale": c.scale, "expert": c.expert} for c in request.loras
                 ]
                 or None,
+                input_reference=request.image,  # uploaded; the server checks the model takes it
             )
             print(
                 f"video {video.id} queued on {client.base_url} (model {video.model}, {video.size}, "

@@ -1,13 +1,23 @@
 """A diffusers-format Wan pipeline directory, read without torch.
 
-    <dir>/model_index.json            the pipeline class and its components (boundary_ratio,
-                                      expand_timesteps for Wan2.2)
+    <dir>/model_index.json            the pipeline class (WanPipeline, WanImageToVideoPipeline)
+                                      and its components (boundary_ratio, expand_timesteps for
+                                      Wan2.2)
     <dir>/transformer/config.json     WanTransformer3DModel (and transformer_2/ for Wan2.2-A14B)
     <dir>/vae/config.json             AutoencoderKLWan: strides, latent channels, normalisation
     <dir>/text_encoder/config.json    UMT5EncoderModel
     <dir>/tokenizer/                  its SentencePiece tokenizer (tokenizer.json)
+    <dir>/image_encoder/config.json   Wan2.1-I2V only: CLIPVisionModel
+    <dir>/image_processor/            Wan2.1-I2V only: its CLIPImageProcessor
     <dir>/scheduler/scheduler_config.json
     <dir>/megaslide.json              optional: sampling defaults for this model
+
+A first-frame image conditions a Wan model in one of two ways, read from the configs:
+- Wan2.2-TI2V (`expand_timesteps`): the image's latent replaces the first latent frame;
+- Wan2.1-I2V and Wan2.2-I2V-A14B (`image_condition`): the transformer takes `2 * z_dim + 4`
+  input channels (36 for Wan's VAE): the noisy latents, a mask of the frames given (one channel
+  per pixel frame a latent frame covers), and the latent of the image followed by black frames; Wan2.1-I2V's transformer also cross-attends the image's
+  CLIP features (`image_dim`, from `image_encoder/`).
 
 Weights are `*.safetensors` in each component folder, sharded or not. A missing file is named in
 the error.
@@ -26,7 +36,8 @@ from pathlib import Path
 from ..config import ATTENTION_BACKENDS, SamplingDefaults
 from ..request import ModelLimits
 
-PIPELINES = ("WanPipeline",)
+PIPELINES = ("WanPipeline", "WanImageToVideoPipeline")
+IMAGE_ENCODERS = (("transformers", "CLIPVisionModel"),)  # Wan2.1-I2V's
 EXPERTS = ("transformer", "transformer_2")  # high-noise expert, then low-noise (Wan2.2-A14B)
 TEXT_TOKENS = 512  # Wan's pipelines pad (and cut) every prompt to 512 UMT5 tokens
 SAMPLING_FILE = "megaslide.json"
@@ -89,6 +100,10 @@ class WanConfig:
     attention: str = "dense"
     dsa_tile: tuple[int, int, int] = (1, 2, 2)
     dsa_window: tuple[int, int, int] = (3, 3, 3)
+    # Image-to-video by extra input channels (Wan2.1-I2V, Wan2.2-I2V-A14B; see the module's
+    # docstring), and whether a CLIP image encoder feeds the transformer (Wan2.1-I2V).
+    image_condition: bool = False
+    image_encoder: bool = False
     # Single-file transformer checkpoints (one per expert) read instead of the directory's own
     # transformer weights (single_file.py): a fine-tune shared as one file over its base pipeline.
     transformer_files: tuple[str, ...] = ()
@@ -170,10 +185,12 @@ def read_wan_config(path: Path) -> WanConfig:
             "num_attention_heads",
             "attention_head_dim",
             "text_dim",
+            "image_dim",
         )
         if any(o.get(k) != t.get(k) for k in shared):
             raise WanFormatError(f"{path / other / 'config.json'} does not match {experts[0]}")
     vae = _read_json(path / "vae" / "config.json")
+    image_condition, image_encoder = _image_conditioning(path, index, t, vae)
     text = _read_json(path / "text_encoder" / "config.json")
     scheduler = _read_json(path / "scheduler" / "scheduler_config.json")
     if not (path / "tokenizer").is_dir():
@@ -199,7 +216,57 @@ def read_wan_config(path: Path) -> WanConfig:
         scheduler=scheduler.get("_class_name", "UniPCMultistepScheduler"),
         flow_shift=float(scheduler.get("flow_shift") or scheduler.get("shift") or 1.0),
         num_train_timesteps=scheduler.get("num_train_timesteps", 1000),
+        image_condition=image_condition,
+        image_encoder=image_encoder,
     )
+
+
+def _image_conditioning(path: Path, index: dict, transformer: dict, vae: dict) -> tuple[bool, bool]:
+    """`(image_condition, image_encoder)` of a pipeline (see the module's docstring), checked
+    against what diffusers' Wan pipelines would run; WanFormatError naming the file otherwise."""
+    pipeline = index["_class_name"]
+    config = path / "transformer" / "config.json"
+    z, mask = vae.get("z_dim", 16), vae.get("scale_factor_temporal", 4)
+    channels = transformer.get("in_channels", 16)
+    if channels not in (z, 2 * z + mask):
+        raise WanFormatError(
+            f"{config}: in_channels {channels} is neither the VAE's {z} latent channels "
+            f"(text-to-video, TI2V) nor {2 * z + mask} (image-to-video: latents, mask, image)"
+        )
+    image_condition = channels == 2 * z + mask
+    if image_condition and (pipeline != "WanImageToVideoPipeline" or index.get("expand_timesteps")):
+        raise WanFormatError(
+            f"{config}: a transformer of {channels} input channels takes an image condition: "
+            "model_index.json must name WanImageToVideoPipeline without expand_timesteps"
+        )
+    if pipeline == "WanImageToVideoPipeline" and not (
+        image_condition or index.get("expand_timesteps")
+    ):
+        raise WanFormatError(
+            f"{config}: WanImageToVideoPipeline needs a transformer of {2 * z + mask} input "
+            f"channels (or expand_timesteps), not {channels}"
+        )
+    if transformer.get("pos_embed_seq_len") is not None:
+        raise WanFormatError(
+            f"{config}: pos_embed_seq_len is set: first-last-frame models (Wan2.1-FLF2V) are "
+            "not supported"
+        )
+    image_encoder = transformer.get("image_dim") is not None
+    if image_encoder:
+        for component in ("image_encoder", "image_processor"):
+            if (index.get(component) or [None])[0] is None:
+                raise WanFormatError(
+                    f"{config} has image_dim set, but {path / 'model_index.json'} names no "
+                    f"{component}"
+                )
+        if tuple(index["image_encoder"]) not in IMAGE_ENCODERS:
+            raise WanFormatError(
+                f"{path / 'model_index.json'}: image_encoder {index['image_encoder']} is not "
+                f"supported (supported: {', '.join(c for _, c in IMAGE_ENCODERS)})"
+            )
+        _read_json(path / "image_encoder" / "config.json")  # named when missing
+        _read_json(path / "image_processor" / "preprocessor_config.json")
+    return image_condition, image_encoder
 
 
 def default_sampling(config: WanConfig, path: Path) -> SamplingDefaults:
@@ -208,7 +275,8 @@ def default_sampling(config: WanConfig, path: Path) -> SamplingDefaults:
     if config.vae_spatial == 16:  # Wan2.2-TI2V-5B's VAE
         base = SamplingDefaults(frames=121, height=704, width=1280, fps=24, steps=50, guidance=5.0)
     else:
-        guidance = 4.0 if len(config.experts) > 1 else 5.0
+        # Wan2.2's A14B experts: 4.0 for text-to-video, 3.5 for image-to-video (its i2v config).
+        guidance = (3.5 if config.image_condition else 4.0) if len(config.experts) > 1 else 5.0
         base = SamplingDefaults(
             frames=81, height=480, width=832, fps=16, steps=50, guidance=guidance
         )
@@ -261,8 +329,10 @@ def wan_limits(config: WanConfig, sampling: SamplingDefaults, path: Path) -> Mod
         size_multiple=(ph * config.vae_spatial, pw * config.vae_spatial),
         frames_multiple=config.vae_temporal * pt,
         frames_offset=1,
-        # Wan2.2-TI2V takes a first frame: its clean latent replaces the first latent frame.
-        image_input=config.expand_timesteps,
+        # Wan2.2-TI2V may take a first-frame image (its clean latent replaces the first latent
+        # frame); the I2V models need one, as diffusers' WanImageToVideoPipeline does.
+        image_input=config.expand_timesteps or config.image_condition,
+        image_required=config.image_condition,
         experts=len(config.experts),
         max_prompt_tokens=TEXT_TOKENS - 1,  # and the end-of-sequence token
         prompt_unit="tokens (UMT5)",

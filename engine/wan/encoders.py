@@ -1,8 +1,9 @@
-"""The frozen ends of a Wan pipeline (UMT5 and its tokenizer, the VAE), shared by sampling
-(family.py) and the fine-tuning cache (training.py)."""
+"""The frozen ends of a Wan pipeline (UMT5 and its tokenizer, the VAE, Wan2.1-I2V's CLIP image
+encoder), shared by sampling (family.py) and the fine-tuning cache (training.py)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -25,15 +26,32 @@ def libraries():
 
 
 class WanEncoders:
-    """The frozen ends of a Wan pipeline: UMT5 with its tokenizer, and the VAE. Sampling and the
-    fine-tuning cache (training.py) encode through the same code."""
+    """The frozen ends of a Wan pipeline: UMT5 with its tokenizer, the VAE, and Wan2.1-I2V's CLIP
+    image encoder with its processor. Sampling and the fine-tuning cache (training.py) encode
+    through the same code."""
 
-    def __init__(self, path: Path, config: WanConfig, text_encoder: nn.Module, vae: nn.Module):
+    def __init__(
+        self,
+        path: Path,
+        config: WanConfig,
+        text_encoder: nn.Module,
+        vae: nn.Module,
+        image_encoder: nn.Module | None = None,
+    ):
         _, transformers = libraries()
         self.config, self.text_encoder, self.vae = config, text_encoder, vae
         self.tokenizer = transformers.AutoTokenizer.from_pretrained(
             path / "tokenizer", local_files_only=True
         )
+        self.image_encoder, self.image_processor = image_encoder, None
+        if image_encoder is not None:
+            # The class model_index.json names, as diffusers loads it: with transformers 5 that
+            # can be a torchvision or a PIL backend, whichever diffusers would get here too.
+            index = json.loads((path / "model_index.json").read_text())
+            processor = getattr(transformers, index["image_processor"][1])
+            self.image_processor = processor.from_pretrained(
+                path / "image_processor", local_files_only=True
+            )
         # Tiles only above 256 pixels a side, so a smaller clip decodes exactly as without.
         self.vae.enable_tiling()
         mean = torch.tensor(self.vae.config.latents_mean).view(1, -1, 1, 1, 1)
@@ -65,6 +83,16 @@ class WanEncoders:
         lengths = mask.gt(0).sum(dim=1)
         keep = torch.arange(TEXT_TOKENS, device=device)[None, :] < lengths[:, None]  # (B, 512)
         return torch.where(keep[..., None], hidden, torch.zeros((), dtype=hidden.dtype)), lengths
+
+    @torch.no_grad()
+    def image(self, image) -> torch.Tensor:
+        """A PIL image -> CLIP features `(1, N, image_dim)` fp32, as WanImageToVideoPipeline
+        encodes it: the processor's resize, crop and normalisation, then the hidden states of
+        the encoder's second-to-last layer."""
+        pixels = self.image_processor(images=image, return_tensors="pt").pixel_values
+        device = self.image_encoder.embeddings.patch_embedding.weight.device
+        out = self.image_encoder(pixel_values=pixels.to(device), output_hidden_states=True)
+        return out.hidden_states[-2]  # (1, N, image_dim): N = patches + the class token
 
     def _normalisation(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return (

@@ -1,8 +1,8 @@
 """Wan as a MegaSlide model family: diffusers' and transformers' own modules, MegaSlide's sampler.
 
 The modules are the libraries' classes (`WanTransformer3DModel`, `AutoencoderKLWan`,
-`UMT5EncoderModel`), built on the meta device from their configs and filled by the loader from the
-directory's safetensors, so the streamer can keep their blocks in host RAM. Sampling follows
+`UMT5EncoderModel`, `CLIPVisionModel`), built on the meta device from their configs and filled by
+the loader from the directory's safetensors, so the streamer can keep their blocks in host RAM. Sampling follows
 `diffusers.WanPipeline` step for step, so a seed gives the same video:
 
 - prompts are cleaned, tokenized to 512 tokens and encoded by UMT5; positions past a prompt's end
@@ -15,6 +15,11 @@ directory's safetensors, so the streamer can keep their blocks in host RAM. Samp
   output dtype: `uncond + g * (cond - uncond)`;
 - Wan2.2-TI2V with a first-frame image (`WanImageToVideoPipeline`'s way): the image's normalised
   VAE latent stands in for the first latent frame of every input, whose tokens get timestep 0;
+- Wan2.1-I2V and Wan2.2-I2V-A14B (`WanImageToVideoPipeline`): the image, resized to the clip and
+  followed by black frames, is encoded by the VAE once; its latent, behind a mask that is 1 on
+  the first latent frame, rides along every input as extra channels (36 in all for Wan's VAE).
+  Wan2.1-I2V's transformer also cross-attends the image's CLIP features (the second-to-last
+  layer's hidden states), the same for both halves of a guidance pair;
 - latents are de-normalised with the VAE's `latents_mean` / `latents_std` and decoded (tiled
   above 256 pixels, so decoding memory does not grow with the frame size).
 
@@ -31,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,10 +46,10 @@ import torch
 from torch import nn
 
 from ..family import Component, Family
-from ..host_store import SafetensorsFile
+from ..host_store import RenamedWeights, SafetensorsFile
 from ..lora import Adapter, AdapterRouter, linear_targets
 from ..pipeline import Pipeline, decode_chunks
-from ..request import ResolvedVideo, check_loras
+from ..request import ResolvedVideo, check_image, check_loras
 from ..sources import ModelInfo
 from ..step_cache import StepCache
 from .config import WanConfig, weight_files
@@ -78,8 +84,19 @@ class WanFamily(Family):
         def weights(folder: str):
             if config.transformer_files and folder in config.experts:
                 return _single_file(config, folder, experts[config.experts.index(folder)])
+            if folder == "image_encoder":
+                return _clip_weights(path / folder)
             return SafetensorsFile(weight_files(path / folder))
 
+        image = []
+        if config.image_encoder:
+            encoder = _meta_image_encoder(transformers, path)
+            # CLIP runs in fp32, as diffusers' Wan I2V examples load it; its layers stream like
+            # UMT5's (the pipeline keeps `hidden_states[-2]`, but the last layer still runs).
+            layers = encoder.encoder.layers
+            image = [
+                Component("image_encoder", encoder, layers, weights("image_encoder"), torch.float32)
+            ]
         return [
             Component(
                 "text_encoder",
@@ -88,6 +105,7 @@ class WanFamily(Family):
                 weights("text_encoder"),
                 keep_fp32=text_keep,
             ),
+            *image,
             *(
                 Component(name, expert, expert.blocks, weights(name), keep_fp32=keep)
                 for name, expert in zip(config.experts, experts)
@@ -122,23 +140,40 @@ class WanFamily(Family):
     def training_components(self, info: ModelInfo, expert: str | None) -> set[str]:
         from .training import expert_for
 
+        _check_trainable(info)
         return {expert_for(info.config, expert)[0]}
 
     def training_model(self, info, parts, expert=None):
         from .training import WanTrainingModel, expert_for
 
+        _check_trainable(info)
         name, time_range = expert_for(info.config, expert)
         return WanTrainingModel(name, parts[name], info.config, time_range)
 
     def training_data(self, info, data, run, shape):
         from .training import latent_cache
 
+        _check_trainable(info)  # before the dataset is encoded
         return latent_cache(info, data, run, shape)
 
     def save_trained(self, info, states, path) -> None:
         from .training import save_diffusers
 
         save_diffusers(info, states, path)
+
+    # -- several devices: diffusers' own Ulysses context parallelism on each expert ----------------
+
+    def check_parallel(self, info: ModelInfo, frames: int, height: int, width: int, world: int):
+        config = info.config
+        if config.attention != "dense":
+            raise ValueError("sequence parallel for Wan runs dense attention only (not 3D-DSA)")
+        heads = config.heads
+        grid = config.token_grid(frames, height, width)
+        if heads % world or math.prod(grid) % world:
+            raise ValueError(
+                f"sequence parallel over {world} devices needs the heads ({heads}) and the "
+                f"token count ({'x'.join(map(str, grid))}) to be multiples of {world}"
+            )
 
     def count_parameters(self, info: ModelInfo) -> dict[str, int]:
         diffusers, transformers = libraries()
@@ -155,8 +190,17 @@ class WanFamily(Family):
             )
         n_expert, per_block = _numel(expert), _numel(expert.blocks[0])
         n_text, experts = _numel(text), len(config.experts)
+        image = {}
+        if config.image_encoder:
+            clip = _meta_image_encoder(transformers, path)
+            layers = clip.encoder.layers
+            image = {
+                "image_encoder": _numel(clip),
+                "image_per_block": _numel(layers[0]),
+                "image_blocks": len(layers),
+            }
         return {
-            "total": experts * n_expert + n_text + _numel(vae),
+            "total": experts * n_expert + n_text + image.get("image_encoder", 0) + _numel(vae),
             "per_block": per_block,
             "blocks": config.depth,
             "experts": experts,
@@ -167,6 +211,7 @@ class WanFamily(Family):
             "text_blocks": len(text.encoder.block),
             "vae": _numel(vae),
             "trainable": n_expert,  # one expert at a time; the text encoder and VAE stay frozen
+            **image,
         }
 
 
@@ -181,6 +226,36 @@ def _meta_transformer(diffusers, folder: Path) -> nn.Module:
             model.rope.attention_head_dim, model.rope.patch_size, model.rope.max_seq_len
         )
     return model
+
+
+def _check_trainable(info: ModelInfo) -> None:
+    if info.config.image_condition:
+        raise ValueError(
+            f"{info.name} is an image-to-video model: fine-tuning trains on captioned clips "
+            "without an image condition, so it takes text-to-video Wan models (and TI2V) only"
+        )
+
+
+def _meta_image_encoder(transformers, path: Path) -> nn.Module:
+    """Wan2.1-I2V's CLIPVisionModel on the meta device, with its position ids, which it computes
+    rather than stores, built for real on the CPU."""
+    config = transformers.CLIPVisionConfig.from_pretrained(
+        path / "image_encoder", local_files_only=True
+    )
+    with torch.device("meta"):
+        model = transformers.CLIPVisionModel(config)
+    embeddings = model.embeddings
+    embeddings.position_ids = torch.arange(embeddings.num_positions).expand((1, -1))  # (1, N)
+    return model
+
+
+def _clip_weights(folder: Path) -> RenamedWeights:
+    """CLIPVisionModel's weights in transformers 5's names. Files written by transformers 4 (the
+    published Wan2.1-I2V ones) put `vision_model.` in front of every key; transformers 5's model
+    has no such level and strips it when it loads them (the `PrefixChange` of its conversion
+    mapping), as this key map does."""
+    file = SafetensorsFile(weight_files(folder))
+    return RenamedWeights(file, {k.removeprefix("vision_model."): k for k in file})
 
 
 def _single_file(config: WanConfig, folder: str, expert: nn.Module):
@@ -205,10 +280,15 @@ class WanState:
     context: torch.Tensor  # (1 or 2, 512, text_dim): the prompt, then the negative when guided
     scheduler: object  # this request's own scheduler (UniPC keeps a history)
     grid: tuple[int, int, int]  # token grid of the latents
-    # With a first-frame image: its normalised latent `(1, C, 1, H', W')`, and the mask `(1, 1, F',
-    # H', W')` that is 0 on the first latent frame (taken from the image) and 1 elsewhere.
+    # With a first-frame image, as the model's config says (config.py):
+    # - TI2V: `condition` is the image's normalised latent `(1, C, 1, H', W')`, and `mask` `(1, 1,
+    #   F', H', W')` is 0 on the first latent frame (taken from the image) and 1 elsewhere;
+    # - I2V (`image_condition`): `condition` `(1, 4 + C, F', H', W')` fp32 is the mask of the
+    #   frames given and the latent of the image and black frames, the input's extra channels;
+    #   `mask` is None. `image_embeds`: Wan2.1-I2V's CLIP features `(1, N, image_dim)`.
     condition: torch.Tensor | None = None
     mask: torch.Tensor | None = None
+    image_embeds: torch.Tensor | None = None
     cache: StepCache | None = None  # a step cache: may reuse an earlier output instead of a pass
     step: int = 0
     num_steps: int = field(init=False)
@@ -240,8 +320,18 @@ class WanState:
         return float(t) / self.scheduler.config.num_train_timesteps
 
     def model_input(self) -> torch.Tensor:
-        """The latents as the model sees them: the first frame from the image, when there is one."""
+        """The latents as the model sees them: TI2V's first frame from the image, or I2V's image
+        condition as extra channels `(1, 2C + 4, F', H', W')`."""
         if self.condition is None:
+            return self.latents
+        if self.mask is None:
+            return torch.cat([self.latents, self.condition], dim=1)
+        return self.clip_latents()
+
+    def clip_latents(self) -> torch.Tensor:
+        """The latents of the clip as it stands `(1, C, F', H', W')`: TI2V's first frame is the
+        image's (I2V's model denoises the first frame itself)."""
+        if self.mask is None:
             return self.latents
         return (1 - self.mask) * self.condition + self.mask * self.latents
 
@@ -256,7 +346,9 @@ class WanVideoPipeline(Pipeline):
         path = info.source.path
         self.config = config
         self.batched = batched
-        self.encoders = WanEncoders(path, config, parts["text_encoder"], parts["vae"])
+        self.encoders = WanEncoders(
+            path, config, parts["text_encoder"], parts["vae"], parts.get("image_encoder")
+        )
         self.experts = [parts[name] for name in config.experts]
         scheduler_class = getattr(diffusers, config.scheduler)
         self.scheduler = scheduler_class.from_pretrained(
@@ -283,6 +375,30 @@ class WanVideoPipeline(Pipeline):
     def dtype(self) -> torch.dtype:
         return self.experts[0].proj_out.weight.dtype
 
+    def parallelize(self, sp) -> None:
+        """Each expert's tokens split over the ranks of `sp` by diffusers' own Ulysses context
+        parallelism (its `_cp_plan` hooks shard the tokens and rotary tables at the first block
+        and gather them at `proj_out`; its attention dispatch does the all-to-alls)."""
+        from diffusers import ContextParallelConfig
+        from diffusers.hooks.context_parallel import apply_context_parallel
+        from diffusers.models._modeling_parallel import ParallelConfig
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if sp.group is not None:
+            raise ValueError("Wan sequence parallel runs over the default process group")
+        # `enable_parallelism` would do this, but it places rank r on accelerator r and has no
+        # CPU path; the same steps with this rank's own device.
+        cp = ContextParallelConfig(ulysses_degree=sp.world)
+        config = ParallelConfig(context_parallel_config=cp)
+        mesh = init_device_mesh(self.device.type, cp.mesh_shape, mesh_dim_names=cp.mesh_dim_names)
+        config.setup(sp.rank, sp.world, self.device, mesh=mesh)
+        for expert in self.experts:
+            expert._parallel_config = config
+            for module in expert.modules():
+                if hasattr(getattr(module, "processor", None), "_parallel_config"):
+                    module.processor._parallel_config = config
+            apply_context_parallel(expert, cp, expert._cp_plan)
+
     def encode(self, prompts: list[str]) -> torch.Tensor:
         """UMT5 embeddings `(B, 512, text_dim)` in the denoiser's dtype, zero past each prompt."""
         return self.encoders.prompts(prompts)[0].to(self.device, self.dtype)
@@ -294,6 +410,7 @@ class WanVideoPipeline(Pipeline):
             # The adapters it names must be registered here (a request stored elsewhere may not
             # know).
             check_loras(video.loras, self.info.limits, self.adapter_defaults())
+            check_image(video.image, self.info.limits)  # nor its image rule (an older card's)
         contexts = self._contexts(videos)
         return [self._prepare(video, context) for video, context in zip(videos, contexts)]
 
@@ -324,24 +441,37 @@ class WanVideoPipeline(Pipeline):
         cache = StepCache.from_spec(video.cache)
         state = WanState(video, latents, context, scheduler, grid, cache=cache)
         if video.image is not None:
-            state.condition = self._image_latent(video)
-            state.mask = torch.ones((1, 1, *shape[2:]), dtype=torch.float32, device=self.device)
-            state.mask[:, :, 0] = 0
+            self._condition(state)
         return state
 
     @torch.no_grad()
-    def _image_latent(self, video: ResolvedVideo) -> torch.Tensor:
-        """The first-frame image's normalised latent `(1, C, 1, H', W')`, as WanImageToVideoPipeline
-        makes it: resized to the clip by diffusers' own video processor, then encoded."""
+    def _condition(self, state: WanState) -> None:
+        """Condition `state` on its first-frame image, as WanImageToVideoPipeline does: the image
+        resized to the clip by diffusers' own video processor and encoded by the VAE (I2V: followed
+        by black frames, the clip's length in all), and Wan2.1-I2V's CLIP features of it."""
         from diffusers.video_processor import VideoProcessor
         from PIL import Image
 
+        video, (_, _, frames, h, w) = state.video, state.latents.shape
         processor = VideoProcessor(vae_scale_factor=self.config.vae_spatial)
         with Image.open(video.image) as image:
-            pixels = processor.preprocess(
-                image.convert("RGB"), height=video.height, width=video.width
-            )
-        return self.encoders.clip(pixels.to(torch.float32).unsqueeze(2))  # from (1, 3, 1, H, W)
+            image = image.convert("RGB")
+        pixels = processor.preprocess(image, height=video.height, width=video.width)
+        pixels = pixels.to(torch.float32).unsqueeze(2)  # (1, 3, 1, H, W) in [-1, 1]
+        if not self.config.image_condition:  # TI2V: the image's latent is the first frame
+            state.condition = self.encoders.clip(pixels)  # (1, C, 1, H', W')
+            state.mask = torch.ones((1, 1, frames, h, w), dtype=torch.float32, device=self.device)
+            state.mask[:, :, 0] = 0
+            return
+        black = pixels.new_zeros((1, 3, video.frames - 1, video.height, video.width))
+        latent = self.encoders.clip(torch.cat([pixels, black], dim=2))  # (1, C, F', H', W')
+        # One mask channel per pixel frame of a latent frame (the first latent frame holds the
+        # image alone, repeated): 1 where the frame is given.
+        given = torch.zeros((1, self.config.vae_temporal, frames, h, w), device=self.device)
+        given[:, :, 0] = 1
+        state.condition = torch.cat([given, latent], dim=1)  # (1, 4 + C, F', H', W')
+        if self.encoders.image_encoder is not None:
+            state.image_embeds = self.encoders.image(image).to(self.device, self.dtype)
 
     def _expert(self, state: WanState) -> int:
         return 0 if self.boundary is None or state.timestep >= self.boundary else 1
@@ -391,26 +521,27 @@ class WanVideoPipeline(Pipeline):
                         cond, uncond = noise[:1], noise[1:]
                         noise = uncond + s.video.guidance * (cond - uncond)
                     if s.cache is not None and id(s) not in probed:
-                        s.cache.record(s.flow_time(s.step), s.model_input(), noise, key=e)
+                        s.cache.record(s.flow_time(s.step), s.clip_latents(), noise, key=e)
                 s.latents = s.scheduler.step(noise, s.timestep, s.latents, return_dict=False)[0]
                 s.step += 1
 
     def _forward(self, model: nn.Module, group: list[WanState], halves) -> torch.Tensor:
         """One pass of `model` over the rows of `group`: each request's conditional row and (when
         guided) its unconditional row, for the halves asked for; `(rows, C, F', H', W')`."""
-        latents, timesteps, context, adapters = self._inputs(model, group, halves)
+        latents, timesteps, context, image, adapters = self._inputs(model, group, halves)
         with torch.no_grad(), self.adapters.rows(adapters):
             return model(
                 hidden_states=latents,
                 timestep=timesteps,
                 encoder_hidden_states=context,
+                encoder_hidden_states_image=image,
                 return_dict=False,
             )[0]
 
     def _inputs(self, model: nn.Module, group: list[WanState], halves):
         """The rows of a pass of `model` over `group` (the halves asked for): latents, timesteps,
-        text context, and each row's adapters."""
-        latents, timesteps, context, adapters = [], [], [], []
+        text context, Wan2.1-I2V's CLIP features (None without), and each row's adapters."""
+        latents, timesteps, context, images, adapters = [], [], [], [], []
         expert = self.expert_names[self.experts.index(model)]
         for s in group:
             for half in halves:
@@ -419,6 +550,7 @@ class WanVideoPipeline(Pipeline):
                 latents.append(s.model_input())
                 timesteps.append(self._timestep(s))
                 context.append(s.context[half : half + 1])
+                images.append(s.image_embeds)  # both halves see the image, as in diffusers
                 # Both halves of a guidance pair take the request's adapters, as diffusers does.
                 adapters.append(
                     [(c.name, c.scale) for c in s.video.loras if c.expert in (None, expert)]
@@ -427,7 +559,10 @@ class WanVideoPipeline(Pipeline):
             from .attention import set_grid
 
             set_grid(model, group[0].grid)  # a batch shares one latent shape
-        return torch.cat(latents).to(self.dtype), torch.cat(timesteps), torch.cat(context), adapters
+        # Every row of a model with an image encoder has its image (it is required).
+        image = torch.cat(images) if images[0] is not None else None  # (rows, N, image_dim)
+        latents = torch.cat(latents).to(self.dtype)
+        return latents, torch.cat(timesteps), torch.cat(context), image, adapters
 
     @torch.no_grad()
     def _forward_probed(self, model: nn.Module, group: list[WanState], e: int):
@@ -440,13 +575,15 @@ class WanVideoPipeline(Pipeline):
         if not self.batched and len(group) > 1:
             parts = [self._forward_probed(model, [s], e) for s in group]
             return [o for out, _ in parts for o in out], [r for _, ran in parts for r in ran]
-        x, timestep, context, adapters = self._inputs(model, group, (0, 1))
+        x, timestep, context, image, adapters = self._inputs(model, group, (0, 1))
         rows, offset = [], 0
         for s in group:
             rows.append(slice(offset, offset + (2 if s.guided else 1)))
             offset = rows[-1].stop
         with self.adapters.rows(adapters):
-            h0, temb, projection, context, rotary = self._prologue(model, x, timestep, context)
+            h0, temb, projection, context, rotary = self._prologue(
+                model, x, timestep, context, image
+            )
             with self._first_block_only():
                 h1 = model.blocks[0](h0, context, projection, rotary)  # (B, N, D)
         reuse = [
@@ -481,18 +618,21 @@ class WanVideoPipeline(Pipeline):
         return [out[r] for r in rows], [not u for u in reuse]
 
     @staticmethod
-    def _prologue(model: nn.Module, x, timestep, context):
+    def _prologue(model: nn.Module, x, timestep, context, image=None):
         """`WanTransformer3DModel.forward` up to its blocks: tokens `(B, N, D)`, the time
-        embedding, the blocks' modulation, the embedded text and the rotary tables."""
+        embedding, the blocks' modulation, the embedded text (after Wan2.1-I2V's embedded image
+        features) and the rotary tables."""
         rotary = model.rope(x)
         h = model.patch_embedding(x).flatten(2).transpose(1, 2).contiguous()  # (B, N, D)
         seq_len = None
         if timestep.ndim == 2:  # one timestep per token (Wan2.2-TI2V)
             seq_len = timestep.shape[1]
             timestep = timestep.flatten()
-        temb, projection, context, _ = model.condition_embedder(
-            timestep, context, None, timestep_seq_len=seq_len
+        temb, projection, context, image = model.condition_embedder(
+            timestep, context, image, timestep_seq_len=seq_len
         )
+        if image is not None:  # the image's tokens first, as the model's cross-attention expects
+            context = torch.concat([image, context], dim=1)  # (B, N_image + 512, D)
         projection = projection.unflatten(2 if seq_len else 1, (6, -1))  # (B, [N,] 6, D)
         return h, temb, projection, context, rotary
 
@@ -537,7 +677,7 @@ class WanVideoPipeline(Pipeline):
         for state in states:
             if not state.done:
                 raise RuntimeError(f"state is at step {state.step} of {state.num_steps}")
-        latents = [s.model_input() for s in states]  # (1, C, F', H', W') each
+        latents = [s.clip_latents() for s in states]  # (1, C, F', H', W') each
         frames: list[np.ndarray] = [None] * len(states)
         # The reference mode decodes each clip alone, as WanPipeline does one request.
         chunk = self.decode_chunk if self.batched else 1

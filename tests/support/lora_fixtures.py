@@ -11,6 +11,7 @@ from safetensors.torch import save_file
 
 # The tiny transformer (wan_fixtures.transformer): dim 24 (2 heads x 12), ffn 32, text dim 32.
 DIM, FFN = 24, 32
+IMAGE = 16  # the tiny CLIP's width (wan_fixtures.IMAGE_DIM), what the image embedder takes
 ATTN = ("q", "k", "v", "o")
 DIFFUSERS_ATTN = {"q": "to_q", "k": "to_k", "v": "to_v", "o": "to_out.0"}
 FFN_LAYERS = {"0": ("net.0.proj", DIM, FFN), "2": ("net.2", FFN, DIM)}
@@ -88,12 +89,29 @@ def write_original(
     diff_b: bool = True,
     norm_diff: float = 0.0,
     blocks: int = 2,
+    i2v: bool = False,
 ) -> Path:
     """Original Wan / ComfyUI layout: `diffusion_model.blocks.0.self_attn.q.lora_down.weight`,
-    `.alpha`, `.diff_b`; `norm_diff` writes a norm-layer `.diff` of that value."""
+    `.alpha`, `.diff_b`; `norm_diff` writes a norm-layer `.diff` of that value. `i2v` adds what
+    Wan2.1-I2V adapters hold: the image cross-attention's `k_img` / `v_img` in every block and the
+    image embedder's `img_emb.proj.1` / `.3` (without alphas: diffusers' converter takes none
+    there)."""
     g = torch.Generator().manual_seed(seed)
     state = {}
-    for orig, _, n_in, n_out in layers(blocks):
+    targets = layers(blocks)
+    if i2v:
+        targets += [
+            (f"blocks.{i}.cross_attn.{o}", None, DIM, DIM)
+            for i in range(blocks)
+            for o in ("k_img", "v_img")
+        ]
+        for orig, n_in, n_out in (("img_emb.proj.1", IMAGE, IMAGE), ("img_emb.proj.3", IMAGE, DIM)):
+            down, up = _factors(g, rank, n_in, n_out, std)
+            state[f"diffusion_model.{orig}.lora_down.weight"] = down
+            state[f"diffusion_model.{orig}.lora_up.weight"] = up
+            if diff_b:
+                state[f"diffusion_model.{orig}.diff_b"] = torch.randn(n_out, generator=g) * 0.05
+    for orig, _, n_in, n_out in targets:
         down, up = _factors(g, rank, n_in, n_out, std)
         state[f"diffusion_model.{orig}.lora_down.weight"] = down
         state[f"diffusion_model.{orig}.lora_up.weight"] = up

@@ -3,8 +3,10 @@
 A SentencePiece tokenizer is trained on the fly on a few captions and wrapped by transformers'
 `T5Tokenizer`; UMT5, the Wan transformer(s) and the Wan VAE get dims of a few dozen. Variants:
 Wan2.1-style (one transformer, UniPC or flow-matching Euler), Wan2.2-A14B-style (two experts and
-a boundary), Wan2.2-TI2V-style (per-token timesteps, a residual VAE with 2x2 patches), and
-sharded weights.
+a boundary), Wan2.2-TI2V-style (per-token timesteps, a residual VAE with 2x2 patches),
+Wan2.1-I2V-style (`WanImageToVideoPipeline`: the image condition as extra input channels and a
+CLIP image encoder; with two experts Wan2.2-I2V-A14B-style, without the encoder), and sharded
+weights.
 """
 
 from __future__ import annotations
@@ -45,21 +47,45 @@ def tokenizer():
     return T5Tokenizer(vocab=vocab, extra_ids=0)
 
 
-def transformer(in_channels: int = 4, layers: int = 2):
+def transformer(in_channels: int = 4, layers: int = 2, *, condition: int = 0, image_dim=None):
+    """`condition`: extra input channels (I2V's mask and image latent); `image_dim`: the width of
+    the CLIP features it cross-attends (Wan2.1-I2V)."""
     from diffusers import WanTransformer3DModel
 
     return WanTransformer3DModel(
         patch_size=(1, 2, 2),
         num_attention_heads=2,
         attention_head_dim=12,
-        in_channels=in_channels,
+        in_channels=in_channels + condition,
         out_channels=in_channels,
         text_dim=32,
         freq_dim=16,
         ffn_dim=32,
         num_layers=layers,
         rope_max_seq_len=32,
+        image_dim=image_dim,
+        added_kv_proj_dim=None if image_dim is None else 24,  # the model's width
     )
+
+
+IMAGE_DIM = 16  # the tiny CLIP's width
+
+
+def image_encoder():
+    """A tiny CLIP vision encoder (32x32 pixels in 8x8 patches: 16 patches and a class token) and
+    its processor, as Wan2.1-I2V pairs them."""
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
+
+    config = CLIPVisionConfig(
+        hidden_size=IMAGE_DIM,
+        intermediate_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        image_size=32,
+        patch_size=8,
+        projection_dim=IMAGE_DIM,
+    )
+    return CLIPVisionModel(config), CLIPImageProcessor(crop_size=32, size={"shortest_edge": 32})
 
 
 def build_tiny_wan(
@@ -68,6 +94,7 @@ def build_tiny_wan(
     experts: int = 1,
     scheduler: str = "unipc",
     ti2v: bool = False,
+    i2v: bool = False,
     shard: str | None = None,
     layers: int = 2,
     seed: int = 0,
@@ -79,6 +106,7 @@ def build_tiny_wan(
         AutoencoderKLWan,
         FlowMatchEulerDiscreteScheduler,
         UniPCMultistepScheduler,
+        WanImageToVideoPipeline,
         WanPipeline,
     )
     from transformers import UMT5Config, UMT5EncoderModel
@@ -131,11 +159,16 @@ def build_tiny_wan(
         )
     else:
         sched = FlowMatchEulerDiscreteScheduler(shift=3.0)
-    models = [transformer(channels, layers) for _ in range(experts)]
+    # Wan2.1-I2V: a mask channel per pixel frame of a latent frame (4), then the image's latent.
+    condition = 4 + channels if i2v else 0
+    clip = i2v and experts == 1  # Wan2.2-I2V-A14B has no image encoder
+    image_dim = IMAGE_DIM if clip else None
+    models = [transformer(channels, layers, condition=condition, image_dim=image_dim)]
+    models += [transformer(channels, layers, condition=condition) for _ in range(experts - 1)]
     with torch.no_grad():  # Wan's output projection starts random here, so outputs are not zero
         for m in models:
             m.proj_out.weight.normal_(0, 0.5)
-    pipe = WanPipeline(
+    parts = dict(
         tokenizer=tok,
         text_encoder=text,
         vae=vae,
@@ -145,6 +178,11 @@ def build_tiny_wan(
         boundary_ratio=0.9 if experts > 1 else None,
         expand_timesteps=ti2v,
     )
+    if i2v:
+        encoder, processor = image_encoder() if clip else (None, None)
+        pipe = WanImageToVideoPipeline(**parts, image_encoder=encoder, image_processor=processor)
+    else:
+        pipe = WanPipeline(**parts)
     options = {"max_shard_size": shard} if shard else {}
     pipe.save_pretrained(path, **options)
     size = 64 if ti2v else 32

@@ -75,18 +75,17 @@ def misaligned(*modules: nn.Module) -> list[str]:
 def diffusers_run(
     path, request, image=None, *, aligned: bool = True
 ) -> tuple[list[torch.Tensor], np.ndarray]:
-    """diffusers' pipeline at `path` on `request` (a VideoRequest), its weights re-homed unless
-    not `aligned`: the latents after every step, and the frames as uint8, rounded as MegaSlide
-    rounds."""
+    """diffusers' pipeline at `path` (or a pipeline already loaded, with adapters say) on
+    `request` (a VideoRequest), its weights re-homed unless not `aligned`: the latents after
+    every step, and the frames as uint8, rounded as MegaSlide rounds."""
     import diffusers
 
-    if image is None:
-        pipe = diffusers.WanPipeline.from_pretrained(path)
-        extra = {}
-    else:
+    cls = diffusers.WanPipeline if image is None else diffusers.WanImageToVideoPipeline
+    pipe = cls.from_pretrained(path) if isinstance(path, (str, os.PathLike)) else path
+    extra = {}
+    if image is not None:
         from PIL import Image
 
-        pipe = diffusers.WanImageToVideoPipeline.from_pretrained(path)
         extra = {"image": Image.open(image)}
     modules = [m for m in pipe.components.values() if isinstance(m, nn.Module)]
     if aligned:
@@ -119,6 +118,8 @@ def diffusers_run(
 def megaslide_run(pipe, request) -> tuple[list[torch.Tensor], np.ndarray]:
     """MegaSlide's pipeline on `request`, alone: the latents after every step, and the frames."""
     parts = [pipe.encoders.text_encoder, pipe.encoders.vae, *pipe.experts]
+    if pipe.encoders.image_encoder is not None:
+        parts.append(pipe.encoders.image_encoder)
     assert not misaligned(*parts), misaligned(*parts)[:5]
     state = pipe.prepare(pipe.resolve(request))
     latents = []
@@ -138,14 +139,15 @@ def first_difference(ours: list[torch.Tensor], theirs: list[torch.Tensor]) -> st
     return None
 
 
-def run_on_cpu_variant(variant: str, marker: str, test_file: Path) -> subprocess.CompletedProcess:
-    """The tests of `test_file` marked `marker`, in a child pytest on another CPU's code paths."""
+def run_on_cpu_variant(variant: str, marker: str, *test_files: Path) -> subprocess.CompletedProcess:
+    """The tests of `test_files` marked `marker`, in one child pytest on another CPU's code
+    paths."""
     env = {**os.environ, **CPU_VARIANTS[variant]}
     # -P: the repository root stays off sys.path (its kernels/ folder would hide the kernels
     # package that transformers imports).
     command = [sys.executable, "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider"]
     return subprocess.run(
-        [*command, "-m", marker, str(test_file)],
+        [*command, "-m", marker, *map(str, test_files)],
         cwd=REPOSITORY,
         env=env,
         capture_output=True,

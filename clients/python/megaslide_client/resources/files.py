@@ -45,7 +45,8 @@ class Upload:
     manager, so that a file it opened is closed.
     """
 
-    def __init__(self, file: FileInput) -> None:
+    def __init__(self, file: FileInput, *, field: str = "file") -> None:
+        self.field = field  # the form field the file goes in
         self._opened: IO[bytes] | None = None
         self._path: Path | None = None
         self._data: bytes | None = None
@@ -79,7 +80,7 @@ class Upload:
             stream.seek(self._start)
         else:
             stream = io.BytesIO(self._data or b"")
-        return {"file": (self.name, stream, "application/octet-stream")}
+        return {self.field: (self.name, stream, "application/octet-stream")}
 
     def close(self) -> None:
         if self._opened is not None:

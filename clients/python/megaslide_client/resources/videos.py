@@ -15,6 +15,7 @@ from .._progress import ProgressBar
 from .._sse import ServerSentEvent
 from .._streaming import EventStream, PathLike
 from ..types import Video, VideoContentLink, VideoDeleted, VideoEvent
+from .files import FileInput, Upload
 
 if TYPE_CHECKING:
     from .._base_client import AsyncAPIClient, SyncAPIClient
@@ -58,6 +59,12 @@ def create_body(
     body = {k: v for k, v in body.items() if v is not None}
     body.update(extra_body or {})
     return body
+
+
+def form_fields(body: Mapping[str, Any]) -> dict[str, str]:
+    """A create body as multipart form fields, sent when a first-frame image goes with it: each
+    value as text, lists and objects as JSON text (the server reads them back so)."""
+    return {k: json.dumps(v) if isinstance(v, (list, dict)) else str(v) for k, v in body.items()}
 
 
 # A LoRA adapter registered on the model: its name, (name, scale), or {"name", "scale", "expert"}.
@@ -142,6 +149,7 @@ class Videos:
         priority: int | None = None,
         cache: str | Mapping[str, Any] | None = None,
         loras: Sequence[LoraSpec] | None = None,
+        input_reference: FileInput | None = None,
         extra_body: Mapping[str, Any] | None = None,
         idempotency_key: str | None = None,
     ) -> Video:
@@ -153,7 +161,9 @@ class Videos:
         `Video.passes`; a model lists the policies it takes in its limits' `cache_policies`).
         `loras` names adapters registered on the model, each as a name, `(name, scale)` or
         `{"name", "scale", "expert"}` (`expert`: "high" or "low" on a Wan2.2 two-expert model).
-        Every retry of this call carries the same Idempotency-Key, so it makes at most one job.
+        `input_reference` is a first-frame image (a path, bytes, a binary file or `(filename,
+        content)`; PNG, JPEG or WebP) for a model that takes one (`Model.inputs`); with it the
+        request goes as multipart form fields. Every retry of this call carries the same Idempotency-Key, so it makes at most one job.
         """
         body = create_body(
             prompt=prompt,
@@ -171,7 +181,16 @@ class Videos:
             extra_body=extra_body,
             loras=loras,
         )
-        response = self._client.post("/v1/videos", json=body, idempotency_key=idempotency_key)
+        if input_reference is None:
+            response = self._client.post("/v1/videos", json=body, idempotency_key=idempotency_key)
+        else:
+            with Upload(input_reference, field="input_reference") as image:
+                response = self._client.post(
+                    "/v1/videos",
+                    data=form_fields(body),
+                    files=image,
+                    idempotency_key=idempotency_key,
+                )
         return Video.from_dict(response.json())
 
     def retrieve(self, video_id: str) -> Video:
@@ -288,6 +307,7 @@ class AsyncVideos:
         priority: int | None = None,
         cache: str | Mapping[str, Any] | None = None,
         loras: Sequence[LoraSpec] | None = None,
+        input_reference: FileInput | None = None,
         extra_body: Mapping[str, Any] | None = None,
         idempotency_key: str | None = None,
     ) -> Video:
@@ -308,7 +328,18 @@ class AsyncVideos:
             extra_body=extra_body,
             loras=loras,
         )
-        response = await self._client.post("/v1/videos", json=body, idempotency_key=idempotency_key)
+        if input_reference is None:
+            response = await self._client.post(
+                "/v1/videos", json=body, idempotency_key=idempotency_key
+            )
+        else:
+            with Upload(input_reference, field="input_reference") as image:
+                response = await self._client.post(
+                    "/v1/videos",
+                    data=form_fields(body),
+                    files=image,
+                    idempotency_key=idempotency_key,
+                )
         return Video.from_dict(response.json())
 
     async def retrieve(self, video_id: str) -> Video:
