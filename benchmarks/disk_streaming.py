@@ -77,7 +77,7 @@ def time_steps_round_robin(pipes: dict, video, before: dict) -> dict[str, list[f
     `before[name]` runs untimed before each of that pipeline's timed steps."""
     states = {name: pipe.prepare(video) for name, pipe in pipes.items()}
     for name, pipe in pipes.items():
-        pipe.step([states[name]])
+        pipe.denoise_step([states[name]])
     times: dict[str, list[float]] = {name: [] for name in pipes}
     while not all(s.done for s in states.values()):
         for name, pipe in pipes.items():
@@ -86,7 +86,7 @@ def time_steps_round_robin(pipes: dict, video, before: dict) -> dict[str, list[f
             if name in before:
                 before[name]()
             start = time.perf_counter()
-            pipe.step([states[name]])
+            pipe.denoise_step([states[name]])
             times[name].append(time.perf_counter() - start)
     return times
 

@@ -90,7 +90,7 @@ def sample(pipe, request: VideoRequest):
     start = time.perf_counter()
     state = pipe.prepare(video)
     while not state.done:
-        pipe.step([state])
+        pipe.denoise_step([state])
     frames = pipe.finish(state)
     seconds = time.perf_counter() - start
     passes = state.passes

@@ -132,7 +132,7 @@ def sample(pipe, batch: str, clip, probe: Probe, label: str = "") -> torch.Tenso
         states += [pipe.prepare(pipe.resolve(r)) for k, r in pending if k == step]
         pending = [(k, r) for k, r in pending if k != step]
         probe.at(f"{label}denoising step {step}")
-        pipe.step(states)
+        pipe.denoise_step(states)
         step += 1
     return torch.cat([s.latents.float().cpu() for s in states])
 
@@ -261,7 +261,7 @@ def remove(model, device, dtype, probe, rounds, clip, *, prefetch=2):
         probe.opened(handle, pipe.dit.blocks)
         state = pipe.prepare(pipe.resolve(_requests("single", clip)[0][1]))
         probe.at(f"round {r}, denoising step 0")
-        pipe.step([state])
+        pipe.denoise_step([state])
         probe.at(f"round {r}, prefetch and remove")
         handle.prefetch([0, 1])
         handle.remove()
@@ -278,7 +278,7 @@ def resident_remove(model, device, dtype, clip) -> list[torch.Tensor]:
     runs = []
     for _ in range(2):
         state = pipe.prepare(pipe.resolve(_requests("single", clip)[0][1]))
-        pipe.step([state])
+        pipe.denoise_step([state])
         runs.append(state.latents.float().cpu())
     return runs
 

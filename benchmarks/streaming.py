@@ -36,12 +36,12 @@ def sync(device: str) -> None:
 def time_steps(pipe: Pipeline, request: ResolvedVideo, device: str) -> list[float]:
     """Seconds of each denoising step after the first (a warm-up); the CFG pair runs in one batch."""
     state = pipe.prepare(request)
-    pipe.step([state])
+    pipe.denoise_step([state])
     sync(device)
     times = []
     while not state.done:
         start = time.perf_counter()
-        pipe.step([state])
+        pipe.denoise_step([state])
         sync(device)
         times.append(time.perf_counter() - start)
     return times

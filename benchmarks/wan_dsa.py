@@ -42,7 +42,7 @@ def sample(pipe, request: VideoRequest) -> dict:
     state = pipe.prepare(pipe.resolve(request))
     first = pipe._forward(pipe.experts[0], [state], (0,))  # the first step's velocity
     while not state.done:
-        pipe.step([state])
+        pipe.denoise_step([state])
     return {"velocity": first, "latents": state.latents, "frames": pipe.finish(state)}
 
 

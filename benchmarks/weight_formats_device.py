@@ -99,14 +99,14 @@ def step_times(device: torch.device, preset: str, frames: int, size: str, repeat
         )
         video = pipe.resolve(request)
         state = pipe.prepare(video)
-        pipe.step([state])  # warm-up: kernels compile, slots fill
+        pipe.denoise_step([state])  # warm-up: kernels compile, slots fill
         sync(device)
         for handle in pipe.handles.values():
             handle.reset_stats()
         times = []
         while not state.done:
             start = time.perf_counter()
-            pipe.step([state])
+            pipe.denoise_step([state])
             sync(device)
             times.append(time.perf_counter() - start)
         frames_out = pipe.finish(state)

@@ -4,7 +4,7 @@ Convention (SD3, Wan): a clip `x0` and Gaussian noise `e` are joined by the stra
 `x_t = (1 - t) * x0 + t * e`, t in [0, 1]; the model predicts the velocity `e - x0`. Sampling walks
 from t = 1 (noise) to t = 0 with Euler steps on a shifted schedule.
 
-The sampler is step-wise: each request is a `SampleState`, and `denoise_step` advances any list of
+The sampler is step-wise: each request is a `SampleState`, and `sample_step` advances any list of
 them by one step with one forward pass over all of them and both halves of their guidance pairs,
 so requests at different steps share one pass of the model's weights.
 """
@@ -126,7 +126,7 @@ class SampleState:
 
 
 @torch.no_grad()
-def denoise_step(
+def sample_step(
     model, states: list[SampleState], first_block_only: Callable[[], ContextManager] = nullcontext
 ) -> None:
     """Advance every unfinished state by one Euler step, in one batched forward pass.

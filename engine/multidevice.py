@@ -241,7 +241,7 @@ def _rank_main(rank: int, job: _Job, conn: Connection) -> None:
         pipe.parallelize(SequenceGroup.default())
         state = pipe.prepare(job.video)
         while not state.done:
-            pipe.step([state])
+            pipe.denoise_step([state])
             if rank == 0:
                 conn.send(("progress", state.step, state.num_steps))
         frames = pipe.finish(state)

@@ -24,7 +24,7 @@ from .config import DiTConfig
 from .data import BackgroundLoader, Batch, VideoDataset, validate_dataset
 from .dit import BlockInputs, VideoDiT, pop_aux_losses
 from .family import Component, Family, TrainingShape
-from .flow import SampleState, denoise_step, shifted_schedule
+from .flow import SampleState, sample_step, shifted_schedule
 from .host_store import SafetensorsFile
 from .parallel import SequenceGroup, check_shardable, parallelize_dit
 from .pipeline import Pipeline, decode_chunks
@@ -149,12 +149,12 @@ class DiTPipeline(Pipeline):
         cache = StepCache.from_spec(video.cache)
         return SampleState(noise.to(self.device), ctx, mask, times, video.guidance, cache=cache)
 
-    def step(self, states: list[SampleState]) -> None:
+    def _step(self, states: list[SampleState]) -> None:
         if self.batched:
-            denoise_step(self.dit, states, self._first_block_only)
+            sample_step(self.dit, states, self._first_block_only)
             return
         for state in states:
-            denoise_step(self.dit, [state], self._first_block_only)
+            sample_step(self.dit, [state], self._first_block_only)
 
     @contextlib.contextmanager
     def _first_block_only(self) -> Iterator[None]:

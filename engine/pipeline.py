@@ -118,8 +118,9 @@ class Pipeline(ABC):
         that cannot be prepared raises for all (retry them alone to find it)."""
 
     @abstractmethod
-    def step(self, states: list) -> None:
-        """Advance every unfinished state by one step, in one batched pass of the weights."""
+    def _step(self, states: list) -> None:
+        """The family's step: advance every unfinished state by one step, in one batched pass of
+        the weights (`denoise_step` is the public one)."""
 
     def finish(self, state) -> np.ndarray:
         """Decode a finished state to uint8 frames `(F, H, W, 3)`."""
@@ -131,10 +132,11 @@ class Pipeline(ABC):
         (`decode_chunks`); one that cannot be decoded raises for all (retry them alone)."""
 
     def denoise_step(self, states: list) -> dict[str, int]:
-        """`step`, returning the bytes the streamer moved to the device meanwhile (a counter: no
-        device sync)."""
+        """Advance every unfinished state by one step, in one batched pass of the weights;
+        returns the bytes the streamer moved to the device meanwhile (a counter: no device
+        sync)."""
         before = self.h2d_bytes()
-        self.step(states)
+        self._step(states)
         return {"h2d_bytes": self.h2d_bytes() - before} if self.handles else {}
 
     def h2d_bytes(self) -> int:
@@ -161,7 +163,7 @@ class Pipeline(ABC):
         video = request if isinstance(request, ResolvedVideo) else self.resolve(request)
         state = self.prepare(video)
         while not state.done:
-            self.step([state])
+            self.denoise_step([state])
             if progress is not None:
                 progress(state.step, state.num_steps)
         return self.finish(state)

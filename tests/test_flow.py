@@ -7,8 +7,8 @@ from megaslide.engine.config import TIME_SAMPLING
 from megaslide.engine.flow import (
     SampleState,
     cfg_combine,
-    denoise_step,
     noisy_sample,
+    sample_step,
     sample_training_times,
     shifted_schedule,
     velocity_target,
@@ -79,7 +79,7 @@ def test_loss_is_zero_for_the_true_velocity_and_euler_lands_on_the_data():
     ctx, mask = torch.zeros(1, 1, 1), torch.ones(1, 1, dtype=torch.bool)
     state = SampleState(noise[:1].clone(), ctx, mask, shifted_schedule(5, 3.0), guidance=1.0)
     while not state.done:
-        denoise_step(Oracle(x0[:1]), [state])
+        sample_step(Oracle(x0[:1]), [state])
     torch.testing.assert_close(state.latents, x0[:1], rtol=1e-5, atol=1e-5)
 
 
@@ -103,14 +103,14 @@ def test_cfg_runs_both_passes_in_one_batch_and_combines_them():
     times = torch.tensor([1.0, 0.5])
     a = SampleState(torch.zeros(1, 1, 1, 1, 1), ctx, mask, times, guidance=3.0)
     b = SampleState(torch.zeros(1, 1, 1, 1, 1), ctx, mask, times, guidance=1.0)
-    denoise_step(model, [a, b])
+    sample_step(model, [a, b])
     assert model.batches == [3]  # one pass: a's pair and b alone
     expected = cfg_combine(torch.tensor(2.0), torch.tensor(0.5), 3.0)  # 0.5 + 3 * 1.5 = 5
     assert expected == 5.0
     torch.testing.assert_close(a.latents.flatten(), torch.tensor([-0.5 * 5.0]))
     torch.testing.assert_close(b.latents.flatten(), torch.tensor([-0.5 * 2.0]))
     assert a.done and b.done
-    denoise_step(model, [a, b])  # finished states are skipped
+    sample_step(model, [a, b])  # finished states are skipped
     assert model.batches == [3]
 
 

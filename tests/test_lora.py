@@ -124,7 +124,7 @@ def test_requests_with_different_adapters_share_one_pass_per_step(wan):
     hook = pipe.experts[0].register_forward_hook(lambda m, a, o: passes.append(1))
     states = [pipe.prepare(pipe.resolve(r)) for r in requests]
     while not all(s.done for s in states):
-        pipe.step(states)
+        pipe.denoise_step(states)
     hook.remove()
     assert len(passes) == STEPS
     for state, clip in zip(states, alone):
@@ -152,7 +152,7 @@ def test_one_adapter_a_request_runs_as_one_grouped_product(wan):
     try:
         states = [pipe.prepare(pipe.resolve(r)) for r in requests]
         while not all(s.done for s in states):
-            pipe.step(states)
+            pipe.denoise_step(states)
     finally:
         lora._add_grouped = original
     assert grouped  # the batch took the grouped path
@@ -170,7 +170,7 @@ def test_per_token_timesteps_route_each_row(wan):
     alone = [pipe.generate(r) for r in requests]
     states = [pipe.prepare(pipe.resolve(r)) for r in requests]
     while not all(s.done for s in states):
-        pipe.step(states)
+        pipe.denoise_step(states)
     for state, clip in zip(states, alone):
         assert level_diff(pipe.finish(state), clip) <= 1
     assert level_diff(alone[0], alone[1]) > 8

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from megaslide.engine.flow import SampleState, cfg_combine, denoise_step
+from megaslide.engine.flow import SampleState, cfg_combine, sample_step
 from megaslide.engine.loader import open_pipeline
 from megaslide.engine.request import (
     CACHE_PRESETS,
@@ -39,7 +39,7 @@ def pipe():
 
 def run(pipe, states) -> list[np.ndarray]:
     while not all(s.done for s in states):
-        pipe.step(states)
+        pipe.denoise_step(states)
     return [pipe.finish(s) for s in states]
 
 
@@ -169,7 +169,7 @@ def test_rows_that_reuse_leave_the_pass():
     plain = state(None)
     model = Recorder()
     while not plain.done:
-        denoise_step(model, [cached, plain])
+        sample_step(model, [cached, plain])
     assert model.batches == [4, 4, 2, 2, 2]  # both pairs for two steps, then the plain pair
     assert cached.cache.passes == 2 and cached.cache.reused == 3
 
@@ -291,7 +291,7 @@ def test_wan_first_block_at_zero_is_uncached_and_a_reuse_step_loads_only_block_0
     try:
         while not loose.done:
             loads.append([])
-            pipe.step([loose])
+            pipe.denoise_step([loose])
     finally:
         del handle.load
     assert loose.cache.passes == 1 and loose.cache.reused == 7
@@ -327,7 +327,7 @@ def test_wan_two_experts_keep_their_own_histories(wan):
     while not state.done:
         experts.append(pipe._expert(state))
         before = len(ran)
-        pipe.step([state])
+        pipe.denoise_step([state])
         computed.append(len(ran) > before)
     for h in hooks:
         h.remove()

@@ -245,7 +245,7 @@ def run_generate(args) -> int:
         state = pipe.prepare(video)
         while not state.done:
             start = time.perf_counter()
-            pipe.step([state])
+            pipe.denoise_step([state])
             step_times.append(time.perf_counter() - start)
             bar.update(1)
     frames = pipe.finish(state)

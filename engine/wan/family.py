@@ -476,7 +476,7 @@ class WanVideoPipeline(Pipeline):
     def _expert(self, state: WanState) -> int:
         return 0 if self.boundary is None or state.timestep >= self.boundary else 1
 
-    def step(self, states: list[WanState]) -> None:
+    def _step(self, states: list[WanState]) -> None:
         states = [s for s in states if not s.done]
         for e in sorted({self._expert(s) for s in states}):
             group = [s for s in states if self._expert(s) == e]

@@ -124,7 +124,7 @@ def megaslide_run(pipe, request) -> tuple[list[torch.Tensor], np.ndarray]:
     state = pipe.prepare(pipe.resolve(request))
     latents = []
     while not state.done:
-        pipe.step([state])
+        pipe.denoise_step([state])
         latents.append(state.latents.clone())
     return latents, pipe.finish(state)
 
