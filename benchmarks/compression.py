@@ -170,7 +170,7 @@ def quality(source, prompts: int, steps: int | None, dtype: str) -> dict:
     return {
         "dtype": dtype,
         "prompts": len(rows),
-        "steps": steps or bf16.info.limits.steps,
+        "steps": steps or bf16.info.sampling.steps,
         "fp8_psnr_db_mean": float(np.mean([r["fp8_psnr_db"] for r in rows])),
         "fp8_psnr_db_min": min(r["fp8_psnr_db"] for r in rows),
         "fp8_ssim_mean": float(np.mean([r["fp8_ssim"] for r in rows])),

@@ -79,7 +79,7 @@ def main(argv=None) -> int:
         "weights": args.weights,
         "prompts": len(rows),
         "unseen_prompts": len(unseen),
-        "steps": args.steps or pipe.info.limits.steps,
+        "steps": args.steps or pipe.info.sampling.steps,
         "accuracy": {attr: accuracy(rows, attr) for attr in GOALS},
         "accuracy_unseen": {attr: accuracy(unseen, attr) for attr in GOALS},
         "goals": GOALS,

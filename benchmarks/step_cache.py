@@ -146,7 +146,7 @@ def main(argv=None) -> int:
             )
         return clips, rows
 
-    steps = args.steps or pipe.info.limits.steps
+    steps = args.steps or pipe.info.sampling.steps
     reference, ref_rows = run(None)
     ref_adherence = adherence([r["read"] for r in ref_rows], asked)
     settings = [{"policy": "off", "threshold": None}]

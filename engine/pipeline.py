@@ -60,8 +60,14 @@ class Pipeline(ABC):
 
     def resolve(self, request: VideoRequest, **caps) -> ResolvedVideo:
         """Fill defaults and check limits; RequestError names the bad field (see `request.resolve`)."""
+        info = self.info
         return resolve(
-            request, self.info.limits, model=self.name, adapters=self.adapter_defaults(), **caps
+            request,
+            info.limits,
+            info.sampling,
+            model=self.name,
+            adapters=self.adapter_defaults(),
+            **caps,
         )
 
     # -- LoRA adapters ----------------------------------------------------------------------------

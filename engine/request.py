@@ -2,7 +2,7 @@
 
 The HTTP API, the CLI and the worker all speak `VideoRequest` (what was asked, `None` where the
 model's default should apply) and `ResolvedVideo` (every field concrete and valid for one model).
-`resolve(request, limits)` is the only place a video request is validated; its errors
+`resolve(request, limits, defaults)` is the only place a video request is validated; its errors
 (`RequestError`) name the parameter at fault. A resolved request is stored as it is and handed to
 the model's pipeline unchanged.
 
@@ -17,6 +17,8 @@ import secrets
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+
+from .config import SamplingDefaults
 
 # Seeds are below 2**53, so that every client reads them back exactly: JavaScript's numbers (the
 # playground's, any browser's JSON.parse) hold integers up to 2**53 and round above it.
@@ -50,16 +52,9 @@ def count_utf8_bytes(prompt: str) -> int:
 
 @dataclass(frozen=True)
 class ModelLimits:
-    """What a model accepts and what it fills in for an absent field, in pixel-space units."""
+    """What a model accepts, in pixel-space units (what it fills in for an absent field is its
+    `SamplingDefaults`, config.py)."""
 
-    # Defaults.
-    frames: int
-    height: int
-    width: int
-    fps: int
-    steps: int
-    guidance: float
-    # Limits.
     max_frames: int
     max_size: int  # largest width or height
     size_multiple: tuple[int, int]  # (height, width) must be multiples of these
@@ -329,13 +324,14 @@ def _positive(value, name: str) -> None:
 def resolve(
     request: VideoRequest,
     limits: ModelLimits,
+    defaults: SamplingDefaults,
     *,
     model: str,
     max_steps: int | None = None,
     max_prompt_chars: int | None = None,
     adapters: Mapping[str, Mapping] | None = None,
 ) -> ResolvedVideo:
-    """Fill `request`'s absent fields from the model's defaults and check every limit.
+    """Fill `request`'s absent fields from the model's `defaults` and check every `limits`.
 
     `max_steps` and `max_prompt_chars` are a server's own caps on top of the model's. `adapters`
     maps the model's registered LoRA adapters to the sampling defaults each carries (a
@@ -355,11 +351,11 @@ def resolve(
         _positive(value, name)
     _positive(request.steps, "num_inference_steps")
 
-    width = limits.width if request.width is None else request.width
-    height = limits.height if request.height is None else request.height
+    width = defaults.width if request.width is None else request.width
+    height = defaults.height if request.height is None else request.height
     check_even(width, height)
-    fps = request.fps or limits.fps
-    frames = limits.frames if request.frames is None else request.frames
+    fps = request.fps or defaults.fps
+    frames = defaults.frames if request.frames is None else request.frames
     if request.seconds is not None:
         seconds = request.seconds
         if not math.isfinite(seconds) or seconds <= 0:
@@ -390,7 +386,7 @@ def resolve(
             ) from None
         raise
 
-    steps = request.steps or adapter_defaults.get("steps") or limits.steps
+    steps = request.steps or adapter_defaults.get("steps") or defaults.steps
     if max_steps is not None and steps > max_steps:
         raise RequestError(
             f"num_inference_steps ({steps}) exceeds this server's limit of {max_steps}",
@@ -398,7 +394,7 @@ def resolve(
         )
     guidance = request.guidance
     if guidance is None:
-        guidance = adapter_defaults.get("guidance", limits.guidance)
+        guidance = adapter_defaults.get("guidance", defaults.guidance)
     if not math.isfinite(guidance) or guidance < 0:
         raise RequestError(
             f"guidance_scale must be a finite number >= 0, got {guidance}", param="guidance_scale"

@@ -164,12 +164,6 @@ def native_limits(config: DiTConfig, sampling: SamplingDefaults) -> ModelLimits:
         config.check_latent(*config.latent_shape(frames, height, width)[1:])
 
     return ModelLimits(
-        frames=sampling.frames,
-        height=sampling.height,
-        width=sampling.width,
-        fps=sampling.fps,
-        steps=sampling.steps,
-        guidance=sampling.guidance,
         max_frames=st * (config.max_frames - 1) + 1 if causal else config.max_frames,
         max_size=config.max_size * max(sy, sx),
         size_multiple=(ph * sy, pw * sx),

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from megaslide.engine.config import SamplingDefaults
 from megaslide.engine.request import ModelLimits, count_utf8_bytes
 
 if TYPE_CHECKING:
@@ -32,6 +33,7 @@ class ModelCard:
     created: int
     source: str  # preset name, or model directory
     limits: ModelLimits
+    defaults: SamplingDefaults  # what a request gets for a field it leaves out
     parent: str | None = None  # the base model of a fine-tune
     owner: str | None = None  # the principal a fine-tune belongs to (base models: everyone's)
     # LoRA adapters registered on it: name, rank, modules, bytes, defaults (sampling defaults),
@@ -60,20 +62,12 @@ class ModelCard:
 
 def card_to_dict(card: ModelCard) -> dict:
     """A card as a worker publishes it: its limits as data (a model's own shape rule and token
-    counter stay behind; `card_from_dict` finds them again where it can)."""
-    lim = card.limits
-    defaults = dict(
-        frames=lim.frames,
-        height=lim.height,
-        width=lim.width,
-        fps=lim.fps,
-        steps=lim.steps,
-        guidance=lim.guidance,
-    )
+    counter stay behind; `card_from_dict` finds them again where it can), and its defaults."""
     fields = ("name", "kind", "created", "source", "parent")
     return {
         **{f: getattr(card, f) for f in fields},
-        "limits": {**lim.to_dict(), **defaults},
+        "limits": card.limits.to_dict(),
+        "defaults": card.defaults.to_dict(),
         "adapters": [dict(a) for a in card.adapters],
     }
 
@@ -87,7 +81,23 @@ def card_from_dict(d: dict) -> ModelCard:
     limits = _described_limits(d) or _plain_limits(d["limits"])
     fields = ("name", "kind", "created", "source", "parent")
     adapters = tuple(dict(a) for a in d.get("adapters") or ())
-    return ModelCard(**{f: d.get(f) for f in fields}, limits=limits, adapters=adapters)
+    return ModelCard(
+        **{f: d.get(f) for f in fields},
+        limits=limits,
+        defaults=_defaults(d),
+        adapters=adapters,
+    )
+
+
+def _defaults(d: dict) -> SamplingDefaults:
+    """A published card's defaults; a card written before they were apart from the limits
+    carried them among its limits (and no shift: the default one)."""
+    if "defaults" in d:
+        return SamplingDefaults.from_dict(d["defaults"])
+    return SamplingDefaults(**{k: d["limits"][k] for k in DEFAULT_FIELDS})
+
+
+DEFAULT_FIELDS = ("frames", "height", "width", "fps", "steps", "guidance")
 
 
 def _described_limits(d: dict) -> ModelLimits | None:
@@ -110,7 +120,7 @@ def _plain_limits(d: dict) -> ModelLimits:
         **{
             k: v
             for k, v in d.items()
-            if k not in ("size_multiple", "prompt_unit", "cache_policies")
+            if k not in ("size_multiple", "prompt_unit", "cache_policies", *DEFAULT_FIELDS)
         },
         size_multiple=tuple(d["size_multiple"]),
         # A card written before the field: every policy of the time (all but first-block) ran.

@@ -572,7 +572,7 @@ class Model(BaseModel):
 
 
 def model_object(card: ModelCard) -> Model:
-    limits = card.limits
+    limits, defaults = card.limits, card.defaults
     return Model(
         id=card.name,
         created=card.created,
@@ -581,11 +581,11 @@ def model_object(card: ModelCard) -> Model:
         parent=card.parent,
         inputs=list(card.inputs),
         defaults={
-            "num_frames": limits.frames,
-            "size": f"{limits.width}x{limits.height}",
-            "fps": limits.fps,
-            "num_inference_steps": limits.steps,
-            "guidance_scale": limits.guidance,
+            "num_frames": defaults.frames,
+            "size": f"{defaults.width}x{defaults.height}",
+            "fps": defaults.fps,
+            "num_inference_steps": defaults.steps,
+            "guidance_scale": defaults.guidance,
         },
         limits=limits.to_dict(),
         adapters=[dict(a) for a in card.adapters],

@@ -86,6 +86,7 @@ class TorchBackend(Backend):
             created=created,
             source=source.preset if source.kind == "preset" else str(source.path),
             limits=info.limits,
+            defaults=info.sampling,
             parent=parent,
         )
 

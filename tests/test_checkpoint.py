@@ -35,7 +35,7 @@ def test_save_open_round_trips_exactly(tmp_path, offload):
     assert raw["format"] == "megaslide-model/2" and raw["sampling"]["steps"] == 7
     pipe = open_pipeline(tmp_path / "m", offload=offload)
     assert pipe.info.config == dit.config and pipe.info.sampling == sampling
-    assert pipe.info.limits.steps == 7 and pipe.info.limits.guidance == 2.0
+    assert pipe.info.sampling.steps == 7 and pipe.info.sampling.guidance == 2.0
     x, t = torch.randn(1, 3, 4, 16, 16), torch.tensor([0.4])
     with torch.no_grad():
         expected = dit(x, t, *text.encode(["p"]))

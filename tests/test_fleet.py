@@ -114,7 +114,11 @@ def test_a_request_the_model_refuses_fails_on_the_worker_not_silently(api, setti
 def test_a_published_card_keeps_its_numbers():
     card = card_from_dict(card_to_dict(FAKE_CARD))
     assert card.name == FAKE_CARD.name and card.limits.to_dict() == FAKE_CARD.limits.to_dict()
-    assert (card.limits.frames, card.limits.steps) == (FAKE_CARD.limits.frames, 2)
+    assert card.defaults == FAKE_CARD.defaults
+    # A card published before defaults were apart from limits carried them among the limits.
+    old = card_to_dict(FAKE_CARD)
+    old["limits"] |= {k: v for k, v in old.pop("defaults").items() if k != "shift"}
+    assert card_from_dict(old).defaults == FAKE_CARD.defaults
     assert card.limits.check_shape is None  # the model's own rule stays with the model
     preset = card_from_dict({**card_to_dict(FAKE_CARD), "source": "tiny", "name": "tiny"})
     assert preset.limits.check_shape is not None  # a preset this host knows: exact limits

@@ -32,7 +32,8 @@ def tiny(attention: str = "dense", size: int = 16, **request):
     tile = {"dsa_tile": (1, 2, 2)} if attention == "dsa" else {}
     info = describe(resolve_source(preset="tiny"), attention=attention, **tile)
     fields = dict(prompt="a red circle moving left", frames=4, width=size, height=size, steps=2)
-    video = resolve(VideoRequest(**{**fields, "seed": 3, **request}), info.limits, model=info.name)
+    request = VideoRequest(**{**fields, "seed": 3, **request})
+    video = resolve(request, info.limits, info.sampling, model=info.name)
     return info, video
 
 
@@ -60,9 +61,8 @@ def test_wan_sequence_parallel_equals_one_process_bitwise(tmp_path):
     from wan_fixtures import build_tiny_wan
 
     info = describe(resolve_source(str(build_tiny_wan(tmp_path / "wan"))))
-    video = resolve(
-        VideoRequest(prompt="a red circle", steps=2, seed=3), info.limits, model=info.name
-    )
+    request = VideoRequest(prompt="a red circle", steps=2, seed=3)
+    video = resolve(request, info.limits, info.sampling, model=info.name)
     one = open_pipeline(info, offload="stream").generate(video)
     split = generate_on_devices(info, video, ["cpu", "cpu"], timeout_s=TIMEOUT_S)
     assert np.array_equal(split, one), f"max difference {np.abs(split.astype(int) - one).max()}"

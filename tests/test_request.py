@@ -10,25 +10,27 @@ from megaslide.engine.tokens import TOKEN_UNITS, count_tokens
 
 from server_fakes import FAKE_LIMITS
 
-TINY = describe(resolve_source(preset="tiny")).limits
+INFO = describe(resolve_source(preset="tiny"))
+TINY, DEFAULTS = INFO.limits, INFO.sampling
 
 
 def error(request: VideoRequest, limits=TINY, **caps) -> RequestError:
     with pytest.raises(RequestError) as caught:
-        resolve(request, limits, model="m", **caps)
+        resolve(request, limits, DEFAULTS, model="m", **caps)
     return caught.value
 
 
 def test_defaults_come_from_the_model_and_an_absent_seed_is_drawn():
-    video = resolve(VideoRequest("a red ball"), TINY, model="tiny")
-    assert (video.frames, video.width, video.height) == (TINY.frames, TINY.width, TINY.height)
-    assert (video.steps, video.guidance, video.fps) == (TINY.steps, TINY.guidance, TINY.fps)
+    video = resolve(VideoRequest("a red ball"), TINY, DEFAULTS, model="tiny")
+    d = DEFAULTS
+    assert (video.frames, video.width, video.height) == (d.frames, d.width, d.height)
+    assert (video.steps, video.guidance, video.fps) == (d.steps, d.guidance, d.fps)
     assert video.negative_prompt == "" and 0 <= video.seed < 2**31
-    assert resolve(VideoRequest("a", seed=5), TINY, model="tiny").seed == 5
+    assert resolve(VideoRequest("a", seed=5), TINY, DEFAULTS, model="tiny").seed == 5
 
 
 def test_seconds_become_frames_at_the_requests_fps():
-    video = resolve(VideoRequest("a", seconds=2, fps=8), TINY, model="tiny")
+    video = resolve(VideoRequest("a", seconds=2, fps=8), TINY, DEFAULTS, model="tiny")
     assert video.frames == 16 and video.seconds == 2.0
     assert error(VideoRequest("a", seconds=2, frames=4)).param == "seconds"
     e = error(VideoRequest("a", seconds=60))
@@ -63,7 +65,7 @@ def test_the_models_own_shape_rule_applies():
     dsa = describe(resolve_source(preset="tiny"), attention="dsa").limits
     e = error(VideoRequest("a", width=32, height=32, frames=4), limits=dsa)
     assert e.param == "size" and "3D-DSA" in str(e)
-    resolve(VideoRequest("a", width=48, height=48, frames=4), dsa, model="tiny")
+    resolve(VideoRequest("a", width=48, height=48, frames=4), dsa, DEFAULTS, model="tiny")
     assert "autoencoder" in str(error(VideoRequest("a", frames=3), limits=FAKE_LIMITS))
 
 
@@ -75,7 +77,7 @@ def test_prompt_length_is_counted_in_the_models_own_tokens():
         prompt_unit=TOKEN_UNITS["words"],
     )
     few_words = "a magenta triangle moving left and a yellow square moving down"  # 11, 62 bytes
-    resolve(VideoRequest(few_words), words, model="m")
+    resolve(VideoRequest(few_words), words, DEFAULTS, model="m")
     e = error(VideoRequest(few_words + " on black"), limits=words)
     assert "13 tokens (words and punctuation); this model takes at most 12" in str(e)
     assert "63 bytes" in str(error(VideoRequest("x" * 63), limits=FAKE_LIMITS))

@@ -228,7 +228,7 @@ def run_generate(args) -> int:
     # against the model and them, before any weights load.
     adapters = [load_adapter(info, name, path) for name, path in lora_files.items()]
     defaults = {a.name: a.defaults for a in adapters}
-    video = resolve(request, info.limits, model=info.name, adapters=defaults)
+    video = resolve(request, info.limits, info.sampling, model=info.name, adapters=defaults)
     pipe = open_pipeline(
         info,
         device=args.device,
@@ -294,7 +294,7 @@ def run_generate_on_devices(args, info, request, lora_files) -> int:
         devices = parse_devices(args.devices)
     except ValueError as e:
         raise UsageError(f"--devices: {e}") from None
-    video = resolve(request, info.limits, model=info.name)
+    video = resolve(request, info.limits, info.sampling, model=info.name)
     with progress_bar(video.steps, "denoising", disable=args.no_progress) as bar:
         try:
             frames = generate_on_devices(

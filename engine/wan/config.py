@@ -318,12 +318,6 @@ def count_tokens(prompt: str, folder: str) -> int:
 def wan_limits(config: WanConfig, sampling: SamplingDefaults, path: Path) -> ModelLimits:
     pt, ph, pw = config.patch
     return ModelLimits(
-        frames=sampling.frames,
-        height=sampling.height,
-        width=sampling.width,
-        fps=sampling.fps,
-        steps=sampling.steps,
-        guidance=sampling.guidance,
         max_frames=config.vae_temporal * (config.rope_max_seq_len * pt - 1) + 1,
         max_size=config.rope_max_seq_len * max(ph, pw) * config.vae_spatial,
         size_multiple=(ph * config.vae_spatial, pw * config.vae_spatial),

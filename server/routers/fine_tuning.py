@@ -58,12 +58,12 @@ def resolve_hyperparameters(h: Hyperparameters, card: ModelCard, settings: Setti
     width = height = None
     if h.size is not None:
         width, height = parse_size(h.size, "hyperparameters.size")
-    limits = card.limits
+    limits, defaults = card.limits, card.defaults
     try:
         limits.check_clip(
-            h.num_frames or limits.frames,
-            width or limits.width,
-            height or limits.height,
+            h.num_frames or defaults.frames,
+            width or defaults.width,
+            height or defaults.height,
             param="hyperparameters.size",
         )
     except RequestError as e:

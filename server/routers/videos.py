@@ -161,6 +161,7 @@ async def create_video(
         video = resolve(
             body.to_request(image=str(image) if image else None),
             card.limits,
+            card.defaults,
             model=card.name,
             max_steps=settings.max_steps,
             max_prompt_chars=settings.max_prompt_chars,

@@ -22,6 +22,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from megaslide.engine.config import SamplingDefaults
 from megaslide.engine.request import ModelLimits, ResolvedVideo
 from megaslide.server import Settings
 from megaslide.server.backend import Backend, FinetuneJob, TrainingRun
@@ -35,12 +36,6 @@ def _no_three_frames(frames, height, width):
 
 
 FAKE_LIMITS = ModelLimits(
-    frames=4,
-    height=32,
-    width=32,
-    fps=8,
-    steps=2,
-    guidance=1.0,
     max_frames=32,
     max_size=256,
     size_multiple=(4, 4),
@@ -48,8 +43,14 @@ FAKE_LIMITS = ModelLimits(
     max_prompt_tokens=62,
     check_shape=_no_three_frames,
 )
+FAKE_DEFAULTS = SamplingDefaults(frames=4, height=32, width=32, fps=8, steps=2, guidance=1.0)
 FAKE_CARD = ModelCard(
-    name="fake", kind="preset", created=1_700_000_000, source="fake", limits=FAKE_LIMITS
+    name="fake",
+    kind="preset",
+    created=1_700_000_000,
+    source="fake",
+    limits=FAKE_LIMITS,
+    defaults=FAKE_DEFAULTS,
 )
 
 
