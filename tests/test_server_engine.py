@@ -72,7 +72,7 @@ def test_streamed_serving_equals_resident_and_counts_h2d_bytes(tmp_path):
 
 
 def test_cuda_out_of_memory_fails_only_its_job(tmp_path, monkeypatch):
-    real_step = DiTPipeline.step
+    real_step = DiTPipeline._step
 
     def step(self, states):
         # A 64x64 clip stands for a request too big for the device.
@@ -80,7 +80,7 @@ def test_cuda_out_of_memory_fails_only_its_job(tmp_path, monkeypatch):
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 96.00 GiB")
         return real_step(self, states)
 
-    monkeypatch.setattr(DiTPipeline, "step", step)
+    monkeypatch.setattr(DiTPipeline, "_step", step)
     with serve(tmp_path) as c:
         big = c.post("/v1/videos", json={"prompt": "big", **CLIP, "size": "64x64"}).json()
         small = c.post("/v1/videos", json={"prompt": "small", **CLIP}).json()
