@@ -5,11 +5,8 @@ inputs, a queued video's place in the queue). The page itself runs in test_playg
 
 from __future__ import annotations
 
-import contextlib
 import json
 import re
-import socket
-import threading
 import time
 import tomllib
 import warnings
@@ -17,7 +14,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
 
 with warnings.catch_warnings():  # starlette's notice that its TestClient will move to httpx2
     warnings.simplefilter("ignore")
@@ -26,7 +22,7 @@ with warnings.catch_warnings():  # starlette's notice that its TestClient will m
 from megaslide.server import Settings, build_app
 from megaslide.server.worker import EmbeddedWorker
 
-from server_fakes import FakeBackend
+from server_fakes import FakeBackend, live_server
 
 ROOT = Path(__file__).resolve().parents[1]
 PLAYGROUND = ROOT / "server" / "playground"
@@ -118,31 +114,6 @@ def test_models_say_what_a_request_may_give_them(client):
     assert [m["inputs"] for m in client.get("/v1/models").json()["data"]] == [["text"]]
 
 
-@contextlib.contextmanager
-def live(app):
-    """`app` under uvicorn on a free loopback port, in a thread: a client can read a stream while
-    it sends other requests."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    deadline = time.monotonic() + 30
-    while True:
-        with contextlib.suppress(httpx.TransportError):
-            if httpx.get(f"{url}/readyz").status_code == 200:
-                break
-        assert time.monotonic() < deadline, "the server did not become ready"
-        time.sleep(0.02)
-    try:
-        yield url
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        sock.close()
-
-
 def read_event(lines) -> dict:
     """The next event of an SSE stream as {"event", "data", "id"?}."""
     event = {}
@@ -160,7 +131,10 @@ def read_event(lines) -> dict:
 
 def test_events_tell_a_queued_video_its_place(tmp_path):
     backend = FakeBackend()
-    with live(make_app(tmp_path, backend)) as url, httpx.Client(base_url=url, timeout=10) as http:
+    with (
+        live_server(make_app(tmp_path, backend)) as url,
+        httpx.Client(base_url=url, timeout=10) as http,
+    ):
 
         def create(steps: int) -> str:
             body = {"prompt": "a clip", "num_frames": 4, "size": "32x32"}
