@@ -16,6 +16,7 @@ from megaslide.engine.request import LoraChoice, RequestError, VideoRequest
 
 from lora_fixtures import write_musubi, write_original, write_peft
 from wan_fixtures import CLIP, build_tiny_wan
+from wan_reference import diffusers_run
 
 diffusers = pytest.importorskip("diffusers")
 pytest.importorskip("peft")  # diffusers' load_lora_weights needs it
@@ -53,22 +54,15 @@ def request(loras=(), size: int = 32, **changes) -> VideoRequest:
     return VideoRequest(**{**fields, **changes})
 
 
-def diffusers_frames(path, adapters: dict[str, tuple]) -> np.ndarray:
-    """diffusers' WanPipeline with `adapters` (name -> (file, scale)) loaded and set."""
-    pipe = diffusers.WanPipeline.from_pretrained(path)
-    pipe.set_progress_bar_config(disable=True)
+def diffusers_frames(path, adapters: dict[str, tuple], pipe=None, **changes) -> np.ndarray:
+    """diffusers' WanPipeline (the one at `path`, or `pipe`) with `adapters` (name -> (file,
+    scale)) loaded and set, on `request(**changes)`, its weights re-homed (wan_reference)."""
+    pipe = pipe or diffusers.WanPipeline.from_pretrained(path)
     for name, (file, _) in adapters.items():
         pipe.load_lora_weights(str(file), adapter_name=name)
     if adapters:
         pipe.set_adapters(list(adapters), [scale for _, scale in adapters.values()])
-    out = pipe(
-        prompt=PROMPT,
-        negative_prompt=NEGATIVE,
-        **{**CLIP, "num_inference_steps": STEPS},
-        generator=torch.Generator().manual_seed(3),
-        output_type="np",
-    ).frames[0]
-    return np.round(out * 255).astype(np.uint8)
+    return diffusers_run(pipe, request(**changes))[1]
 
 
 def level_diff(a: np.ndarray, b: np.ndarray) -> int:
@@ -219,18 +213,11 @@ def test_distilled_adapter_defaults(wan):
     assert len(passes) == 2
 
     reference = diffusers.WanPipeline.from_pretrained(wan["model"])
-    reference.set_progress_bar_config(disable=True)
     reference.scheduler = type(reference.scheduler).from_config(
         reference.scheduler.config, flow_shift=5.0
     )
-    reference.load_lora_weights(str(file), adapter_name="fast")
-    out = reference(
-        prompt=PROMPT,
-        **{**CLIP, "num_inference_steps": 2, "guidance_scale": 1.0},
-        generator=torch.Generator().manual_seed(3),
-        output_type="np",
-    ).frames[0]
-    assert np.array_equal(ours, np.round(out * 255).astype(np.uint8))
+    adapters = {"fast": (file, 1.0)}
+    assert np.array_equal(ours, diffusers_frames(None, adapters, reference, steps=2, guidance=1.0))
 
     (wan["root"] / "distill.safetensors.json").write_text(json.dumps({"sampling": {"cfg": 1}}))
     with pytest.raises(AdapterError, match="unknown sampling default 'cfg'"):
