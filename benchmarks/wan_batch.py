@@ -8,13 +8,16 @@ width; tests/support/wan_fixtures.py's tokenizer), 13x96x96 clips, 6 steps, CFG 
 per request. Three contenders sample the same requests:
 
 - `megaslide`: the pipeline driven as the worker drives it (server/worker.py): the requests
-  claimed together prepared in one call (their prompts in one UMT5 pass), one batched pass per
-  step for every row of every request, the clips decoded together `DECODE_CHUNK` per VAE pass;
+  claimed together prepared in one call (their prompts in one UMT5 pass), every row of every
+  request stepped together (resident on a CPU: in passes of `CPU_ROWS_PER_PASS` rows), the clips
+  decoded together `DECODE_CHUNK` per VAE pass;
 - `diffusers_per_request`: `WanPipeline.__call__` once per request;
 - `diffusers_batched`: `WanPipeline.__call__` once with every prompt (one generator each).
 
 Repeats interleave the contenders (rotating who goes first), so load on the machine hits each
-alike; medians are reported. `bus_bytes_per_step_per_request` is measured on a streamed copy of
+alike; medians are reported, of wall time and of the process's CPU time (`cpu_seconds`: what
+a contender computed, which other processes on the machine move far less than the wall time;
+read it with `--threads 1`, where no thread waits on another). `bus_bytes_per_step_per_request` is measured on a streamed copy of
 the MegaSlide pipeline (one step of the same requests): the transformer's bytes moved to the
 device per step, divided by the requests sharing it, and its fraction of the streamed blocks.
 """
@@ -163,6 +166,31 @@ def bus_bytes(path: Path, reqs: list[VideoRequest]) -> dict:
     }
 
 
+def rows_per_pass_sweep(model, rows: int, clip: dict, repeats: int) -> dict[int, float]:
+    """CPU seconds (fewest of `repeats`) for one transformer pass over `rows` rows of the clip's
+    latents, taken in passes of 1, 2, 4 ... rows: what CPU_ROWS_PER_PASS is chosen from."""
+    frames, size = (clip["frames"] - 1) // 4 + 1, clip["size"] // 8  # the Wan VAE's latents
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, model.config.in_channels, frames, size, size, generator=g)
+    context = torch.randn(rows, 512, model.config.text_dim, generator=g)
+    t = torch.full((rows,), 500.0)
+    chunks = [c for c in (1, 2, 4, 8, 16, 32) if c < rows] + [rows]
+    best: dict[int, float] = {}
+    for _ in range(repeats):
+        for c in chunks:
+            start = time.process_time()
+            with torch.no_grad():
+                for i in range(0, rows, c):
+                    model(
+                        hidden_states=x[i : i + c],
+                        timestep=t[i : i + c],
+                        encoder_hidden_states=context[i : i + c],
+                        return_dict=False,
+                    )
+            best[c] = min(best.get(c, float("inf")), time.process_time() - start)
+    return best
+
+
 def level_diff(a: list[np.ndarray], b: list[np.ndarray]) -> int:
     return max(int(np.abs(x.astype(int) - y.astype(int)).max()) for x, y in zip(a, b))
 
@@ -175,13 +203,16 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--rotate", type=int, default=0, help="who goes first in the first repeat (0: megaslide)"
     )
+    ap.add_argument("--threads", type=int, help="torch's CPU threads (default: torch's own)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     import diffusers
     import transformers
     from diffusers import WanPipeline
 
-    from megaslide.engine.pipeline import DECODE_CHUNK
+    from megaslide.engine.pipeline import CPU_ROWS_PER_PASS, DECODE_CHUNK
 
     diffusers.utils.logging.disable_progress_bar()
     transformers.utils.logging.disable_progress_bar()
@@ -207,13 +238,16 @@ def main(argv=None) -> int:
         for n in counts:
             reqs = requests(n, clip)
             times: dict[str, list[float]] = {name: [] for name in names}
+            cpu: dict[str, list[float]] = {name: [] for name in names}
             frames: dict[str, list[np.ndarray]] = {}
             for k in range(args.rotate, args.rotate + repeats):
                 for name in names[k % len(names) :] + names[: k % len(names)]:
-                    start = time.perf_counter()
+                    start, start_cpu = time.perf_counter(), time.process_time()
                     frames[name] = contenders[name](reqs)
                     times[name].append(time.perf_counter() - start)
+                    cpu[name].append(time.process_time() - start_cpu)
             median = {name: statistics.median(t) for name, t in times.items()}
+            median_cpu = {name: statistics.median(t) for name, t in cpu.items()}
             rows.append(
                 {
                     "requests": n,
@@ -222,6 +256,12 @@ def main(argv=None) -> int:
                     "seconds_per_request": {k: v / n for k, v in median.items()},
                     "speedup_vs_per_request": median["diffusers_per_request"] / median["megaslide"],
                     "speedup_vs_batched": median["diffusers_batched"] / median["megaslide"],
+                    "cpu_seconds": median_cpu,
+                    "all_cpu_seconds": cpu,
+                    "cpu_speedup_vs_per_request": median_cpu["diffusers_per_request"]
+                    / median_cpu["megaslide"],
+                    "cpu_speedup_vs_batched": median_cpu["diffusers_batched"]
+                    / median_cpu["megaslide"],
                     # Our frames against diffusers' for the same seeds (a level: GEMM order).
                     "max_level_diff_vs_diffusers": level_diff(
                         frames["megaslide"], frames["diffusers_per_request"]
@@ -229,6 +269,7 @@ def main(argv=None) -> int:
                     **bus_bytes(path, reqs),
                 }
             )
+        sweep = rows_per_pass_sweep(ours.experts[0], 2 * max(counts), clip, repeats)
     for row in rows:
         row["goals_met"] = {
             "vs_per_request": row["speedup_vs_per_request"] >= GOALS["vs_per_request"],
@@ -242,6 +283,8 @@ def main(argv=None) -> int:
         "repeats": repeats,
         "decode_chunk": DECODE_CHUNK,
         "threads": torch.get_num_threads(),
+        "rows_per_pass": CPU_ROWS_PER_PASS,
+        "pass_cpu_seconds_by_rows_per_pass": sweep,
         "goals": GOALS,
         "rows": rows,
     }
@@ -255,8 +298,10 @@ def main(argv=None) -> int:
                 f"request {s['diffusers_per_request']:.2f} s "
                 f"({row['speedup_vs_per_request']:.2f}x), batched {s['diffusers_batched']:.2f} s "
                 f"({row['speedup_vs_batched']:.2f}x); bus {row['bus_fraction_of_blocks']:.3f} "
-                "of the blocks per step per request"
+                "of the blocks per step per request; CPU time "
+                f"{row['cpu_speedup_vs_per_request']:.2f}x and {row['cpu_speedup_vs_batched']:.2f}x"
             )
+        print(f"one pass of {2 * max(counts)} rows, CPU s by rows per pass: {sweep}")
     return 0
 
 

@@ -151,7 +151,8 @@ class DiTPipeline(Pipeline):
 
     def _step(self, states: list[SampleState]) -> None:
         if self.batched:
-            sample_step(self.dit, states, self._first_block_only)
+            for part in self.passes([s for s in states if not s.done]):
+                sample_step(self.dit, part, self._first_block_only)
             return
         for state in states:
             sample_step(self.dit, [state], self._first_block_only)

@@ -30,6 +30,12 @@ if TYPE_CHECKING:
 # several passes: the peak stays that of DECODE_CHUNK clips however large the running batch.
 DECODE_CHUNK = 4
 
+# Rows per pass of a resident model on a CPU. Past a few hundred tokens a row, one pass of many
+# rows costs more per row than several passes of few: its activations outgrow the caches
+# (docs/benchmarks.md, "rows per pass"). A streamed model, or one on a GPU, takes every row in
+# one pass: there the weights cross once a pass, or a wide batch is what the device wants.
+CPU_ROWS_PER_PASS = 4
+
 
 def decode_chunks(shapes: Sequence[tuple], size: int = DECODE_CHUNK) -> Iterator[list[int]]:
     """Indices of states to decode together: at most `size` at a time, of one latent shape
@@ -127,6 +133,21 @@ class Pipeline(ABC):
     def _step(self, states: list) -> None:
         """The family's step: advance every unfinished state by one step, in one batched pass of
         the weights (`denoise_step` is the public one)."""
+
+    def passes(self, states: list) -> list[list]:
+        """`states` in the passes of one step: all together, or on a CPU with the weights
+        resident, consecutive runs of at most CPU_ROWS_PER_PASS rows (two for a guided state)."""
+        if self.handles or self.device.type != "cpu":
+            return [states] if states else []
+        parts, rows = [], CPU_ROWS_PER_PASS
+        for state in states:
+            n = 2 if state.guided else 1
+            if rows + n > CPU_ROWS_PER_PASS:
+                parts.append([])
+                rows = 0
+            parts[-1].append(state)
+            rows += n
+        return parts
 
     def finish(self, state) -> np.ndarray:
         """Decode a finished state to uint8 frames `(F, H, W, 3)`."""

@@ -164,3 +164,6 @@ def test_wan_batch_benchmark_quick():
     assert row["bus_bytes_per_step"] == row["streamed_block_bytes"]
     assert row["bus_fraction_of_blocks"] == 1 / n
     assert row["goals_met"]["vs_batched"] == (row["speedup_vs_batched"] >= 1.0)
+    assert set(row["cpu_seconds"]) == set(s) and all(t > 0 for t in row["cpu_seconds"].values())
+    # One pass of the 4 rows timed in passes of 1, 2 and 4 rows.
+    assert set(r["pass_cpu_seconds_by_rows_per_pass"]) == {"1", "2", "4"}

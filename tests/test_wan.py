@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from megaslide.engine.loader import open_model, open_pipeline
+from megaslide.engine.pipeline import CPU_ROWS_PER_PASS
 from megaslide.engine.request import RequestError, VideoRequest
 from megaslide.engine.sources import describe, resolve_source
 
@@ -173,6 +174,30 @@ def test_requests_share_one_pass_and_one_weight_crossing_per_step(wan, monkeypat
         assert level_diff(a, b) <= 1
     stats = handle.stats()
     assert stats["peak_device_weight_bytes"] <= stats["non_block_bytes"] + 2 * plan.slot_bytes
+
+
+def test_resident_cpu_passes_hold_a_few_rows(wan):
+    """On a CPU with the weights resident, the same three requests run in passes of at most
+    CPU_ROWS_PER_PASS rows (a guidance pair never split), each clip within a level of alone."""
+    pipe = open_pipeline(wan["deep"], offload="none")
+    requests = [
+        request(seed=1),
+        request(seed=2, prompt="a blue square"),
+        request(seed=5, guidance=1.0),
+    ]
+    alone = [pipe.generate(r) for r in requests]
+    passes = []
+    hook = pipe.experts[0].register_forward_pre_hook(
+        lambda _m, _a, kw: passes.append(kw["hidden_states"].shape[0]), with_kwargs=True
+    )
+    states = pipe.prepare_batch([pipe.resolve(r) for r in requests])
+    steps = states[0].num_steps
+    while not all(s.done for s in states):
+        pipe.denoise_step(states)
+    hook.remove()
+    assert CPU_ROWS_PER_PASS == 4 and passes == [4, 1] * steps
+    for a, b in zip(alone, pipe.finish_batch(states)):
+        assert level_diff(a, b) <= 1
 
 
 def test_two_experts_switch_at_the_boundary_and_stream_apart(wan):

@@ -502,7 +502,8 @@ class WanVideoPipeline(Pipeline):
             elif not run:
                 outputs = None
             elif self.batched:
-                outputs = self._forward(self.experts[e], run, (0, 1))
+                model = self.experts[e]
+                outputs = torch.cat([self._forward(model, p, (0, 1)) for p in self.passes(run)])
             else:  # as WanPipeline does: each request alone, its conditional pass first
                 halves = [(s, half) for s in run for half in (0, 1)[: 1 + s.guided]]
                 outputs = torch.cat([self._forward(self.experts[e], [s], (h,)) for s, h in halves])
