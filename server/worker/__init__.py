@@ -15,7 +15,7 @@ one per device on any host that reaches the store (`serve_jobs`). The models sit
   process.py    `serve_jobs`, a worker process's life; `WorkerProcess`, one as a child
 """
 
-from .fleet import Fleet, WorkerThread
+from .fleet import Fleet
 from .heartbeat import default_name
 from .loop import Worker
 from .process import REFUSED_EXIT, WorkerProcess, serve_jobs, serve_jobs_in_child
@@ -25,7 +25,6 @@ __all__ = [
     "Fleet",
     "Worker",
     "WorkerProcess",
-    "WorkerThread",
     "default_name",
     "serve_jobs",
     "serve_jobs_in_child",

@@ -1,6 +1,6 @@
-"""Running fine-tuning jobs: one at a time per worker, one optimizer step per idle tick. A run yields
-to videos at its next step boundary (paused, kept in memory) and continues where it stopped once
-they are done; its checkpoints and exported model are published only while its claim holds."""
+"""Running fine-tuning jobs: one at a time per worker, one optimizer step per idle tick. A run
+yields to videos at its next step boundary (paused, kept in memory) and continues where it stopped
+once they are done; its checkpoints and exported model are published only while its claim holds."""
 
 from __future__ import annotations
 

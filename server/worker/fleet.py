@@ -42,6 +42,7 @@ class WorkerThread:
         self._thread: threading.Thread | None = None
 
     def start(self, store: JobStore) -> None:
+        """Register a worker of `store` and run it on a thread of its own."""
         # A worker can start again after a stop (an app's lifespan run twice): a new one.
         name = self.settings.worker_name or default_name(self.backend.device_name)
         self.worker = Worker(self.settings, self.backend, store, name)

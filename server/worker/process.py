@@ -116,7 +116,7 @@ class WorkerProcess:
         self.process: multiprocessing.process.BaseProcess | None = None
         self.watcher = threading.Thread(target=self._watch, name="worker-process", daemon=True)
 
-    def start(self, store) -> None:
+    def start(self, store: JobStore) -> None:
         """Start the child (it opens the store itself) and the thread that restarts it."""
         self.watcher.start()
 

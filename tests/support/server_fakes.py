@@ -1,6 +1,6 @@
 """A torch-free stand-in for the model side of the server, so API and scheduler tests run in milliseconds.
 
-`FakeBackend` plugs into the real `Fleet.embedded` (worker thread, scheduler, store): only the models
+`FakeBackend` plugs into the real worker (`Fleet.embedded`: thread, scheduler, store): only the models
 are fake. It records every batched step as the list of job seeds it advanced, so tests can see which
 jobs shared a pass, in which order they ran, and that a cancelled job got no further steps; and
 every call to prepare or decode as the seeds it took (`prepared`, `decoded`).
