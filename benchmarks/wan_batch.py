@@ -7,7 +7,7 @@ A random Wan in the diffusers layout (6 blocks of width 384, UMT5 and a Wan VAE 
 width; tests/support/wan_fixtures.py's tokenizer), 13x96x96 clips, 6 steps, CFG 5, one prompt and seed
 per request. Three contenders sample the same requests:
 
-- `megaslide`: the pipeline driven as the worker drives it (server/worker.py): the requests
+- `megaslide`: the pipeline driven as the worker drives it (server/worker/videos.py): the requests
   claimed together prepared in one call (their prompts in one UMT5 pass), every row of every
   request stepped together (resident on a CPU: in passes of `CPU_ROWS_PER_PASS` rows), the clips
   decoded together `DECODE_CHUNK` per VAE pass;

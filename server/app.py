@@ -55,7 +55,7 @@ def housekeeping(store: JobStore, data: DataDir) -> None:
 
 
 def build_app(settings: Settings, workers: WorkerClient) -> FastAPI:
-    """The API for `settings`, its jobs run by `workers`: `EmbeddedWorker` on a `TorchBackend`
+    """The API for `settings`, its jobs run by `workers`: `Fleet.embedded` on a `TorchBackend`
     for `megaslide serve`, a `Fleet` of workers elsewhere for `megaslide serve --no-worker`."""
     data = DataDir(settings.storage_dir)
 

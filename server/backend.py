@@ -1,6 +1,6 @@
 """What the worker needs from the model side: a `Backend` that describes, loads and trains models.
 
-The worker (worker.py) drives these interfaces and never imports torch; `TorchBackend`
+The worker (the worker/ package) drives these interfaces and never imports torch; `TorchBackend`
 (torch_backend.py) implements them on the engine, and the tests plug in a fake. A loaded video
 model is anything with the engine pipeline's step-wise methods (`VideoModel`).
 """

@@ -4,7 +4,7 @@ Handlers raise these types; `install_error_handlers` turns them, the engine's `R
 request a model cannot take), request-validation errors and unknown routes into
 `{"error": {"message", "type", "param", "code"}}`, and `UnexpectedErrors` does the same for any
 other exception, as a 500.
-A failed job is not an error here: it is a job whose status is `failed` (see `worker.py`).
+A failed job is not an error here: it is a job whose status is `failed` (see `worker/`).
 """
 
 from __future__ import annotations

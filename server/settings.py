@@ -11,6 +11,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from sqlalchemy import make_url
 
 from megaslide.engine.finetune_spec import OptimizerSpec, RunSpec
 
@@ -167,6 +168,11 @@ class Settings(BaseSettings):
     @property
     def database_url(self) -> str:
         return self.database or f"sqlite:///{self.data_dir / 'megaslide.db'}"
+
+    @property
+    def database_url_shown(self) -> str:
+        """The database URL without its password, for logs."""
+        return make_url(self.database_url).render_as_string(hide_password=True)
 
     @property
     def storage_dir(self) -> Path:

@@ -8,7 +8,7 @@ with warnings.catch_warnings():  # starlette's notice that its TestClient will m
     from fastapi.testclient import TestClient
 
 from megaslide.server import Settings, build_app
-from megaslide.server.worker import EmbeddedWorker
+from megaslide.server.worker import Fleet
 
 from server_fakes import FakeBackend, until
 
@@ -54,7 +54,7 @@ def make_client(tmp_path, monkeypatch):
             data_dir=tmp_path / "data", poll_after_ms=50, cancel_wait_s=5.0, sse_interval_s=0.02
         )
         settings = Settings(**{**options, **overrides})
-        client = TestClient(build_app(settings, EmbeddedWorker(settings, backend)))
+        client = TestClient(build_app(settings, Fleet.embedded(settings, backend)))
         client.__enter__()
         opened.append(client)
         client.backend = backend

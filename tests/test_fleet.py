@@ -22,8 +22,7 @@ with warnings.catch_warnings():  # starlette's notice that its TestClient will m
 from megaslide.server import Settings, build_app
 from megaslide.server.protocol import card_from_dict, card_to_dict
 from megaslide.server.store import JobStore
-from megaslide.server.worker import Worker
-from megaslide.server.workers import ChildWorkerFleet, Fleet
+from megaslide.server.worker import Fleet, Worker, WorkerProcess
 
 from api_helpers import SMALL, assert_error, scrape, wait_status
 from server_fakes import FAKE_CARD, FakeBackend, until
@@ -148,9 +147,9 @@ def test_a_silent_worker_drops_out_and_its_job_moves_to_another(api, settings):
 def test_a_worker_process_that_keeps_dying_is_restarted_ever_more_slowly(
     settings, monkeypatch, caplog
 ):
-    monkeypatch.setattr(ChildWorkerFleet, "RESTART_DELAY_S", 0.1)
-    monkeypatch.setattr(ChildWorkerFleet, "MAX_RESTART_DELAY_S", 0.4)
-    fleet = ChildWorkerFleet(settings, lambda root: 0, functools.partial(os._exit, 3))
+    monkeypatch.setattr(WorkerProcess, "RESTART_DELAY_S", 0.1)
+    monkeypatch.setattr(WorkerProcess, "MAX_RESTART_DELAY_S", 0.4)
+    fleet = Fleet(settings, lambda root: 0, WorkerProcess(functools.partial(os._exit, 3)))
     with caplog.at_level(logging.WARNING, logger="megaslide.server"):
         asyncio.run(fleet.start(None))
         until(lambda: len(caplog.records) >= 4, timeout=60)
@@ -162,12 +161,11 @@ def test_a_worker_process_that_keeps_dying_is_restarted_ever_more_slowly(
 
 
 def test_a_worker_process_that_stops_by_itself_is_left_down(settings):
-    fleet = ChildWorkerFleet(
-        settings, lambda root: 0, functools.partial(os._exit, 2), keep_down=(0, 2)
-    )
+    child = WorkerProcess(functools.partial(os._exit, 2), keep_down=(0, 2))
+    fleet = Fleet(settings, lambda root: 0, child)
     asyncio.run(fleet.start(None))
-    until(lambda: not fleet._watcher.is_alive(), timeout=60)
-    assert fleet.process.exitcode == 2
+    until(lambda: not child.watcher.is_alive(), timeout=60)
+    assert child.process.exitcode == 2
     asyncio.run(fleet.shutdown())
 
 
@@ -189,15 +187,15 @@ def test_a_job_naming_an_adapter_waits_for_a_worker_that_has_it(settings):
             spec = {"loras": [{"name": n, "scale": 1.0} for n in names]}
             return {"model": "fake", "spec": json.dumps(spec)}
 
-        assert here._runnable(row()) and here._runnable(row("mine"))
-        assert not here._runnable(row("mine", "elsewhere"))
-        assert here._runnable(row("nowhere"))  # taken, to fail saying so
+        assert here.models.runnable(row()) and here.models.runnable(row("mine"))
+        assert not here.models.runnable(row("mine", "elsewhere"))
+        assert here.models.runnable(row("nowhere"))  # taken, to fail saying so
         folder.file("fresh").write_bytes(b"")
-        here._last_adapter_scan = time.monotonic()
-        assert not here._runnable(row("fresh"))
-        assert here._last_adapter_scan == float("-inf")  # the next tick scans
+        here.models.last_adapter_scan = time.monotonic()
+        assert not here.models.runnable(row("fresh"))
+        assert here.models.last_adapter_scan == float("-inf")  # the next tick scans
         folder.refuse("fresh", "does not fit")
-        assert here._runnable(row("fresh"))  # refused here: fails with the refusal
+        assert here.models.runnable(row("fresh"))  # refused here: fails with the refusal
     finally:
         for worker in (here, there):
             worker.close()

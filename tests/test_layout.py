@@ -41,6 +41,17 @@ def package_modules() -> dict[str, Path]:
     return modules
 
 
+def test_the_distribution_lists_every_package():
+    """setuptools builds only the packages pyproject lists: a folder of modules left off the list
+    imports from a checkout but is missing from the wheel."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = set()
+    for package, folder in config["package-dir"].items():
+        for init in (ROOT / folder).rglob("__init__.py"):
+            folders.add(".".join([package, *init.parent.relative_to(ROOT / folder).parts]))
+    assert sorted(folders) == sorted(config["packages"])
+
+
 def imports_of(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
     """Project modules `name` imports anywhere in its file (function-level imports too)."""
     package = name if path.stem == "__init__" else name.rpartition(".")[0]

@@ -20,7 +20,7 @@ with warnings.catch_warnings():  # starlette's notice that its TestClient will m
     from fastapi.testclient import TestClient
 
 from megaslide.server import Settings, build_app
-from megaslide.server.worker import EmbeddedWorker
+from megaslide.server.worker import Fleet
 
 from server_fakes import FakeBackend, live_server
 
@@ -32,7 +32,7 @@ NAMESPACES = {"http://www.w3.org/2000/svg"}
 
 def make_app(tmp_path: Path, backend: FakeBackend | None = None, **overrides):
     settings = Settings(data_dir=tmp_path / "data", sse_interval_s=0.02, **overrides)
-    return build_app(settings, EmbeddedWorker(settings, backend or FakeBackend()))
+    return build_app(settings, Fleet.embedded(settings, backend or FakeBackend()))
 
 
 @pytest.fixture(autouse=True)

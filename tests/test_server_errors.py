@@ -16,7 +16,7 @@ import pytest
 
 from megaslide.server import Settings, build_app
 from megaslide.server.torch_backend import TorchBackend
-from megaslide.server.worker import EmbeddedWorker
+from megaslide.server.worker import Fleet
 
 from api_helpers import (
     SMALL,
@@ -150,7 +150,7 @@ def test_slow_and_surplus_clients_are_cut_off(tmp_path):
     past the cap are answered 503 at once; everyone else is served throughout."""
     options = dict(header_timeout_s=1.0, body_timeout_s=1.0, max_connections=4)
     settings = Settings(data_dir=tmp_path / "data", **options)
-    app = build_app(settings, EmbeddedWorker(settings, FakeBackend()))
+    app = build_app(settings, Fleet.embedded(settings, FakeBackend()))
     with live_server(app, settings) as url:
         port = int(url.rsplit(":", 1)[1])
 
@@ -291,7 +291,7 @@ def test_dataset_problems_name_files_as_the_dataset_does(tmp_path):
 
 def test_an_unexpected_error_is_an_envelope_500_and_the_connection_stays(tmp_path):
     settings = Settings(data_dir=tmp_path / "data")
-    app = build_app(settings, EmbeddedWorker(settings, FakeBackend()))
+    app = build_app(settings, Fleet.embedded(settings, FakeBackend()))
 
     @app.get("/v1/broken")
     async def broken():

@@ -16,7 +16,7 @@ from PIL import Image
 from megaslide.engine.request import RequestError
 from megaslide.server import Settings, build_app
 from megaslide.server.routers.videos import save_image
-from megaslide.server.worker import EmbeddedWorker
+from megaslide.server.worker import Fleet
 
 from api_helpers import assert_error, png_of_zeros
 from server_fakes import FakeBackend, live_server
@@ -65,7 +65,7 @@ def test_bodies_are_cut_off_at_the_limit_not_read_to_the_end(tmp_path):
     """A chunked body announces no length: the server must count it, and answer 413 while the
     client is still sending, on upload and JSON routes alike."""
     settings = Settings(data_dir=tmp_path / "data", max_upload_bytes=200_000, max_body_bytes=50_000)
-    app = build_app(settings, EmbeddedWorker(settings, FakeBackend()))
+    app = build_app(settings, Fleet.embedded(settings, FakeBackend()))
     with live_server(app) as url:
         multipart = "multipart/form-data; boundary=b"
         part = b'--b\r\nContent-Disposition: form-data; name="file"; filename="big.zip"\r\n\r\n'

@@ -18,7 +18,7 @@ from schemathesis.specs.openapi.checks import (
 )
 
 from megaslide.server import Settings, build_app
-from megaslide.server.worker import EmbeddedWorker
+from megaslide.server.worker import Fleet
 
 from server_fakes import FakeBackend, live_server
 
@@ -40,7 +40,7 @@ def api(tmp_path, database_url):
         data_dir=tmp_path / "data", database=database_url, cancel_wait_s=0.2, sse_interval_s=0.01
     )
     server_settings = Settings(**options, max_queue=1000)
-    app = build_app(server_settings, EmbeddedWorker(server_settings, FakeBackend(step_s=0.0)))
+    app = build_app(server_settings, Fleet.embedded(server_settings, FakeBackend(step_s=0.0)))
     with live_server(app, server_settings) as url:
         yield schemathesis.openapi.from_url(f"{url}/openapi.json")
 

@@ -64,10 +64,10 @@ def test_routers_never_import_torch():
     code = (
         "import sys; sys.modules['torch'] = None\n"
         "from megaslide.server import build_app, Settings\n"
-        "from megaslide.server.worker import EmbeddedWorker\n"
+        "from megaslide.server.worker import Fleet\n"
         "from server_fakes import FakeBackend\n"
         "import megaslide.server.routers.videos, megaslide.server.routers.files\n"
-        "build_app(Settings(data_dir='unused'), EmbeddedWorker(Settings(), FakeBackend()))\n"
+        "build_app(Settings(data_dir='unused'), Fleet.embedded(Settings(), FakeBackend()))\n"
         "assert 'megaslide.server.torch_backend' not in sys.modules\n"
     )
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent / "support"))  # server_fakes

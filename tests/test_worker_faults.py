@@ -24,7 +24,7 @@ with warnings.catch_warnings():  # starlette's notice that its TestClient will m
 from megaslide.engine.request import ResolvedVideo
 from megaslide.server import build_app
 from megaslide.server.store import JobStore, WorkerNameInUse
-from megaslide.server.worker import EmbeddedWorker, default_name
+from megaslide.server.worker import Fleet, default_name
 
 from api_helpers import (
     SMALL,
@@ -134,7 +134,7 @@ class FullDiskBackend(FakeBackend):
 def test_a_full_output_disk_holds_finished_videos_until_space_returns(make_client, monkeypatch):
     """Like a full database disk: the MP4 waits (frames kept, claim renewed) and is written once
     there is room; a video cancelled meanwhile ends cancelled."""
-    monkeypatch.setattr("megaslide.server.worker.STORE_RETRY_S", (0.05, 0.2))
+    monkeypatch.setattr("megaslide.server.worker.context.STORE_RETRY_S", (0.05, 0.2))
     backend = FullDiskBackend()
     c = make_client(backend)
     backend.full.set()
@@ -279,7 +279,7 @@ def test_restart_requeues_interrupted_work_and_resumes_finetunes(make_client, tm
 def test_a_second_worker_of_the_same_name_is_refused(make_client):
     c = make_client()
     settings = c.app.state.settings
-    other = TestClient(build_app(settings, EmbeddedWorker(settings, FakeBackend())))
+    other = TestClient(build_app(settings, Fleet.embedded(settings, FakeBackend())))
     with pytest.raises(WorkerNameInUse, match="already runs"):
         other.__enter__()
     assert c.get("/readyz").status_code == 200  # the first one is unaffected

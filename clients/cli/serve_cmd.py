@@ -7,16 +7,11 @@ Both need the server extras (fastapi, uvicorn, SQLAlchemy, ...).
 from __future__ import annotations
 
 import functools
-import multiprocessing
-import multiprocessing.connection
-import os
 import signal
 import sys
-import threading
 
 from .args import UsageError, parse_bytes
 
-USAGE_EXIT = 2  # a worker that refused to start (a name another worker holds): not restarted
 SETTINGS_HELP = (
     "Settings also come from MEGASLIDE_* variables (MEGASLIDE_API_KEYS=key1,key2, "
     "MEGASLIDE_MODELS, MEGASLIDE_DATABASE, MEGASLIDE_STORAGE, MEGASLIDE_PORT, ...); flags win."
@@ -253,8 +248,7 @@ def run_serve(args) -> int:
     from megaslide.server import build_app
     from megaslide.server.connections import uvicorn_options
     from megaslide.server.torch_backend import check_dataset
-    from megaslide.server.worker import EmbeddedWorker
-    from megaslide.server.workers import ChildWorkerFleet, Fleet
+    from megaslide.server.worker import REFUSED_EXIT, Fleet, WorkerProcess, serve_jobs_in_child
 
     settings = _settings(args)
     if not settings.worker and (args.model or args.preset):
@@ -266,12 +260,12 @@ def run_serve(args) -> int:
         # Built here only to name a bad flag, and the models, before anything starts; the child
         # builds its own.
         names = ", ".join(card.name for card in _backend(settings).cards())
-        main = functools.partial(_worker_process_main, settings, args.log_level)
-        workers = ChildWorkerFleet(settings, check, main, keep_down=(0, USAGE_EXIT))
+        main = functools.partial(serve_jobs_in_child, settings, args.log_level)
+        workers = Fleet(settings, check, WorkerProcess(main, keep_down=(0, REFUSED_EXIT)))
         what = f"{names} (its worker in a child process)"
     elif settings.worker:
         backend = _backend(settings)
-        workers = EmbeddedWorker(settings, backend)
+        workers = Fleet.embedded(settings, backend)
         what = ", ".join(card.name for card in backend.cards())
     else:
         workers = Fleet(settings, check)
@@ -280,7 +274,7 @@ def run_serve(args) -> int:
     auth = "API keys required" if keyed else "no authentication"
     print(
         f"megaslide serve: {what} on http://{settings.host}:{settings.port} "
-        f"(store {_shown(settings.database_url)}, storage {settings.storage_dir}, {auth})",
+        f"(store {settings.database_url_shown}, storage {settings.storage_dir}, {auth})",
         file=sys.stderr,
     )
     # uvicorn stops cleanly on SIGTERM, then raises the signal again under the handler it found
@@ -302,78 +296,14 @@ def _exit_cleanly(_signum, _frame) -> None:
 
 
 def run_worker(args) -> int:
-    return serve_jobs(_settings(args), args.log_level)
+    settings = _settings(args)  # first: it names missing server extras in one line
+    from megaslide.server.store import WorkerNameInUse
+    from megaslide.server.worker import serve_jobs
 
-
-def serve_jobs(settings, log_level: str) -> int:
-    """A worker's life: load the models, register, run jobs until SIGTERM or SIGINT, leave."""
-    import logging
-
-    from megaslide.server.store import JobStore, WorkerNameInUse
-    from megaslide.server.worker import Worker, default_name
-
-    logging.basicConfig(
-        level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    backend = _backend(settings)
-    store = JobStore(settings.database_url, crash_limit=settings.crash_limit)
-    worker = Worker(
-        settings, backend, store, settings.worker_name or default_name(backend.device_name)
-    )
     try:
-        worker.register()
+        return serve_jobs(settings, args.log_level)
     except WorkerNameInUse as e:
-        store.close()
         raise UsageError(str(e)) from None
-
-    def stop(signum, _frame):
-        # At the next step boundary: running videos go back to the queue, a fine-tune
-        # checkpoints first, and the worker leaves the registry.
-        worker.stop.set()
-        worker.wake.set()
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-    names = ", ".join(worker.cards)
-    print(
-        f"megaslide worker {worker.name}: {names} on {backend.device_name} "
-        f"(store {_shown(settings.database_url)}, storage {settings.storage_dir})",
-        file=sys.stderr,
-    )
-    try:
-        worker.run()
-    finally:
-        worker.close()
-        store.close()
-    if worker.dead:
-        print(f"megaslide worker: stopped: {worker.dead}", file=sys.stderr)
-        return 1
-    return 0
-
-
-def _worker_process_main(settings, log_level: str) -> None:
-    """`serve --worker-process`'s child: a worker that also stops when its server dies."""
-    threading.Thread(target=_stop_with_parent, daemon=True).start()
-    try:
-        code = serve_jobs(settings, log_level)
-    except UsageError as e:
-        print(f"megaslide worker: error: {e}", file=sys.stderr)
-        code = USAGE_EXIT
-    sys.exit(code)
-
-
-def _stop_with_parent() -> None:
-    # A server killed with SIGKILL cannot stop its child: the child sees its parent's sentinel
-    # close and stops itself the way SIGTERM stops a worker, at a step boundary.
-    multiprocessing.connection.wait([multiprocessing.parent_process().sentinel])
-    os.kill(os.getpid(), signal.SIGTERM)
-
-
-def _shown(url: str) -> str:
-    """A database URL without its password, for logs."""
-    from sqlalchemy import make_url
-
-    return make_url(url).render_as_string(hide_password=True)
 
 
 def run_keys(args) -> int:

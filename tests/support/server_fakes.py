@@ -1,6 +1,6 @@
 """A torch-free stand-in for the model side of the server, so API and scheduler tests run in milliseconds.
 
-`FakeBackend` plugs into the real `EmbeddedWorker` (worker thread, scheduler, store): only the models
+`FakeBackend` plugs into the real worker (`Fleet.embedded`: thread, scheduler, store): only the models
 are fake. It records every batched step as the list of job seeds it advanced, so tests can see which
 jobs shared a pass, in which order they ran, and that a cancelled job got no further steps; and
 every call to prepare or decode as the seeds it took (`prepared`, `decoded`).
@@ -277,9 +277,9 @@ def torch_app(settings):
     """The app as `megaslide serve` builds it: the embedded worker on the torch backend."""
     from megaslide.server import build_app
     from megaslide.server.torch_backend import TorchBackend
-    from megaslide.server.worker import EmbeddedWorker
+    from megaslide.server.worker import Fleet
 
-    return build_app(settings, EmbeddedWorker(settings, TorchBackend(settings)))
+    return build_app(settings, Fleet.embedded(settings, TorchBackend(settings)))
 
 
 @contextlib.contextmanager

@@ -1,0 +1,160 @@
+"""The models a worker serves: its base models' cards and loaded weights, the fine-tunes made from
+them (loaded on demand, the most recent kept), and the LoRA adapters uploaded for them, which it
+takes up as they come and routes jobs by."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections import OrderedDict
+from pathlib import Path
+
+from ..backend import VideoModel
+from ..protocol import ModelCard, card_to_dict
+from .context import WorkerContext
+
+log = logging.getLogger("megaslide.server")
+
+MAX_LOADED_FINE_TUNES = 2  # fine-tuned models kept loaded beside the base ones (LRU)
+ADAPTER_SCAN_S = 1.0  # how often a worker looks for uploaded LoRA adapters
+
+
+class Models:
+    """The cards and loaded models of one worker; base models load once (`load`), fine-tunes
+    when a job first names them."""
+
+    def __init__(self, ctx: WorkerContext):
+        self.ctx = ctx
+        self.cards = {card.name: card for card in ctx.backend.cards()}
+        self._loaded: dict[str, VideoModel] = {}
+        self._loaded_ft: OrderedDict[str, VideoModel] = OrderedDict()
+        self._ft_cards: dict[str, ModelCard] = {}
+        self.last_adapter_scan = -ADAPTER_SCAN_S
+
+    def load(self) -> None:
+        """Load the base models (at the start of the worker's thread)."""
+        for name, card in self.cards.items():
+            log.info("loading model %s (%s)", name, card.source)
+            self._loaded[name] = self.ctx.backend.load(card)
+
+    def published(self) -> list[dict]:
+        """The base models' cards as the registry stores them."""
+        return [card_to_dict(c) for c in self.cards.values()]
+
+    def served(self) -> list[str]:
+        """The model names this worker runs jobs for: its own, and fine-tunes made from them."""
+        names = list(self.cards)
+        for row in self.ctx.store.models():
+            if row["parent"] in names:
+                names.append(row["name"])
+        return names
+
+    def card(self, name: str) -> ModelCard:
+        """The card of a base model served here, or of a fine-tune made from one."""
+        if name in self.cards:
+            return self.cards[name]
+        if name not in self._ft_cards:
+            ctx = self.ctx
+            row = next((r for r in ctx.store.models() if r["name"] == name), None)
+            if row is None or row["parent"] not in self.cards:
+                raise ValueError(f"model {name!r} is not served by worker {ctx.name}")
+            parent = self.cards[row["parent"]]
+            card = fine_tuned_card({**row, "path": str(ctx.data.resolve(row["path"]))}, parent)
+            self._ft_cards[name] = ctx.backend.fine_tuned_card(name, parent, Path(card.source))
+        return self._ft_cards[name]
+
+    def video_model(self, name: str) -> VideoModel:
+        """The loaded model `name`; a fine-tune loads now, evicting the least recently used."""
+        if name in self._loaded:
+            return self._loaded[name]
+        if name in self._loaded_ft:
+            self._loaded_ft.move_to_end(name)
+            return self._loaded_ft[name]
+        model = self.ctx.backend.load(self.card(name))
+        self._loaded_ft[name] = model
+        while len(self._loaded_ft) > MAX_LOADED_FINE_TUNES:
+            self._loaded_ft.popitem(last=False)
+        return model
+
+    # --- adapters ----------------------------------------------------------------------------
+
+    def scan_adapters(self, in_use: set[str]) -> bool:
+        """Now and then, at a step boundary: register the LoRA adapters uploaded for the base
+        models served here (`DataDir.adapters`), unregister those deleted (once no running
+        video applies them: `in_use`), and publish the cards when they changed. A file that
+        does not fit gets its refusal written beside it. Never counts as work done."""
+        if time.monotonic() - self.last_adapter_scan < ADAPTER_SCAN_S:
+            return False
+        self.last_adapter_scan = time.monotonic()
+        ctx, changed = self.ctx, False
+        for model, card in list(self.cards.items()):
+            folder = ctx.data.adapters(model)
+            uploaded = {name: folder.record(name) for name in folder.names()}
+            for entry in card.adapters:
+                name = entry["name"]
+                if "sha256" not in entry or name in in_use:  # registered at start, or in use
+                    continue
+                if name not in uploaded or uploaded[name]["sha256"] != entry["sha256"]:
+                    # Deleted, or deleted and uploaded again under the name.
+                    ctx.backend.remove_adapter(card, self._loaded.get(model), name)
+                    card = card.replace(adapters=tuple(a for a in card.adapters if a is not entry))
+                    changed = True
+                    log.info("adapter %s removed from %s", name, model)
+            known = {a["name"] for a in card.adapters}
+            for name, record in uploaded.items():
+                if name in known or folder.error(name) is not None:
+                    continue
+                try:
+                    entry = ctx.backend.add_adapter(
+                        card, self._loaded.get(model), name, folder.file(name)
+                    )
+                except (ValueError, OSError) as exc:
+                    folder.refuse(name, str(exc))
+                    log.warning("adapter %s for %s refused: %s", name, model, exc)
+                    continue
+                card = card.replace(adapters=(*card.adapters, {**entry, **record}))
+                changed = True
+                log.info("adapter %s registered on %s", name, model)
+            self.cards[model] = card
+        if changed:
+            ctx.store.publish_cards(ctx.name, ctx.token, self.published())
+        return False
+
+    def runnable(self, row: dict) -> bool:
+        """Whether this worker can take the queued video `row` now: not while it names an
+        adapter uploaded here but not yet taken up (the scan runs at the next tick), or one
+        another live worker has and this one does not. One that no worker has is taken, to
+        fail naming the adapter."""
+        names = {c["name"] for c in json.loads(row["spec"]).get("loras") or ()}
+        card = self.cards.get(row["model"])
+        missing = names - {a["name"] for a in card.adapters} if card is not None else set()
+        if not missing:
+            return True
+        ctx = self.ctx
+        folder = ctx.data.adapters(row["model"])
+        if any(folder.file(n).exists() and folder.error(n) is None for n in missing):
+            self.last_adapter_scan = -math.inf  # take it up at once
+            return False
+        elsewhere = {
+            a["name"]
+            for w in ctx.store.live_workers(ctx.settings.lease_s)
+            if w["name"] != ctx.name and not w["dead"]
+            for c in w["models"]
+            if c["name"] == row["model"]
+            for a in c.get("adapters") or ()
+        }
+        return not missing & elsewhere
+
+
+def fine_tuned_card(row: dict, parent: ModelCard) -> ModelCard:
+    """The card of a fine-tuned model (a `models` row): its parent's limits under its own name."""
+    return parent.replace(
+        name=row["name"],
+        kind="fine-tune",
+        parent=parent.name,
+        source=row["path"],
+        created=row["created_at"],
+        owner=row.get("owner"),
+    )

@@ -1,0 +1,299 @@
+"""Running video jobs: the batch a worker denoises one step at a time, jobs joining it at step
+boundaries, clips decoded together when they finish, and MP4s written on a thread of their own.
+
+Jobs claimed together are prepared together (their prompts in one pass of the text encoder), and
+clips that finish together decode together; when such a batched call raises, it runs again for
+each job alone, so only the job at fault fails. A stored request (`engine.request.ResolvedVideo`)
+goes to the model as stored.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from megaslide.engine.request import RequestError, ResolvedVideo
+
+from ..backend import VideoModel
+from ..store import UNAVAILABLE, is_disk_full, now
+from .context import WorkerContext, backoff, message
+from .models import Models
+
+log = logging.getLogger("megaslide.server")
+
+DENOISE_SHARE = 90  # progress points for denoising; decoding and encoding the MP4 take the rest
+DECODED_PROGRESS = 95  # clip decoded, MP4 being written; 100 only once the file is in place
+
+
+@dataclass
+class Running:
+    """A video in the running batch, under the claim `token`."""
+
+    id: str
+    token: str
+    video: ResolvedVideo
+    state: Any
+    started: float
+
+
+class Videos:
+    """The running batch of one worker: jobs with the same batch key (model, frames, size,
+    steps) share one forward pass per step."""
+
+    def __init__(self, ctx: WorkerContext, models: Models):
+        self.ctx, self.models = ctx, models
+        self.batch: list[Running] = []
+        self._encoding: dict[str, str] = {}  # video id -> claim token, while its MP4 is written
+        self._encoder = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="megaslide-encode"
+        )  # MP4 writing overlaps the next denoising steps instead of delaying them
+
+    def leases(self) -> list[str]:
+        """The claims still worked on: the running batch and MP4s being written (read from the
+        heartbeat thread)."""
+        return [r.token for r in list(self.batch)] + list(self._encoding.values())
+
+    def adapters_in_use(self) -> set[str]:
+        return {c.name for r in self.batch for c in r.video.loras}
+
+    def close(self) -> None:
+        """Wait for the MP4s being written."""
+        self._encoder.shutdown(wait=True)
+
+    def park(self) -> None:
+        """Put the running videos back in the queue (the worker stops)."""
+        ctx = self.ctx
+        claims = [(r.id, r.token) for r in self.batch]
+        self.batch = []
+        try:
+            ctx.store.requeue_videos(claims, f"requeued: worker {ctx.name} stopped while it ran")
+        except UNAVAILABLE:
+            log.exception("could not requeue the running videos; their leases will expire")
+
+    def drop_cancelled(self) -> None:
+        """Running videos whose cancellation was requested leave the batch, recorded so."""
+        store = self.ctx.store
+        cancelled = store.cancel_requested_videos([r.id for r in self.batch])
+        for run in [r for r in self.batch if r.id in cancelled]:
+            self.batch.remove(run)
+            if store.finish_video(run.id, run.token, "cancelled"):
+                self.ctx.count_finished("video", "cancelled")
+
+    def claim(self) -> None:
+        """Claim queued videos into the running batch, in queue order, as far as they can join
+        it (see `JobStore.claim_videos`), and prepare them together."""
+        ctx = self.ctx
+        room = ctx.settings.max_batch - len(self.batch)
+        running = self.batch[0].video.batch_key if self.batch else None
+        rows = ctx.store.claim_videos(
+            ctx.name,
+            self.models.served(),
+            room,
+            lambda row: ResolvedVideo.from_dict(json.loads(row["spec"])).batch_key,
+            running,
+            lease_s=ctx.settings.lease_s,
+            runnable=self.models.runnable,
+        )
+        claimed = []
+        for row in rows:
+            video = ResolvedVideo.from_dict(json.loads(row["spec"]))
+            if video.image is not None:  # stored relative to the storage (see the videos router)
+                video = dataclasses.replace(video, image=str(ctx.data.resolve(video.image)))
+            try:
+                model = self.models.video_model(video.model)
+                self._check(video)
+            except Exception as exc:  # noqa: BLE001 - this job fails, the batch goes on
+                self._fail(row["id"], row["lease_token"], exc)
+                continue
+            claimed.append((row, video, model))
+        # Jobs claimed together share a batch key, so a model: their prompts encode in one pass.
+        for model in {id(m): m for _, _, m in claimed}.values():
+            jobs = [(row, video) for row, video, m in claimed if m is model]
+            prepared = self._together(
+                lambda some, model=model: model.prepare_batch([video for _, video in some]),
+                jobs,
+                lambda job, exc: self._fail(job[0]["id"], job[0]["lease_token"], exc),
+            )
+            for (row, video), state in prepared:
+                run = Running(row["id"], row["lease_token"], video, state, time.perf_counter())
+                self.batch.append(run)
+
+    def _together(self, call, items: list, fail) -> list[tuple[Any, Any]]:
+        """`call(items)`, one result per item, in one go; when that raises, `call([item])` for
+        each item alone, so that only the items at fault fail (`fail(item, exc)`): a request
+        that cannot be encoded or decoded does not take the others along. Returns (item,
+        result) for the items that succeeded, in order."""
+        backend = self.ctx.backend
+        try:
+            return list(zip(items, call(items), strict=True))
+        except Exception as exc:  # noqa: BLE001
+            backend.release_memory()
+            if len(items) == 1:
+                fail(items[0], exc)
+                return []
+        done = []
+        for item in items:
+            try:
+                done.append((item, call([item])[0]))
+            except Exception as exc:  # noqa: BLE001 - this job fails, the others go on
+                backend.release_memory()
+                fail(item, exc)
+        return done
+
+    def _check(self, video: ResolvedVideo) -> None:
+        """The model's own rules, once more: an API host may have checked the request against
+        published numbers only (see `protocol.card_from_dict`)."""
+        limits = self.models.card(video.model).limits
+        limits.check_clip(video.frames, video.width, video.height)
+        limits.check_prompt(video.prompt, "prompt")
+        limits.check_prompt(video.negative_prompt, "negative_prompt")
+
+    def step(self) -> None:
+        """One batched denoising step; records progress (which renews the leases) and finishes
+        the clips done at it."""
+        ctx, backend = self.ctx, self.ctx.backend
+        model = self.models.video_model(self.batch[0].video.model)
+        start = time.perf_counter()
+        joined = sum(r.state.passes for r in self.batch)
+        try:
+            transfers = model.denoise_step([r.state for r in self.batch])
+            advanced = list(self.batch)
+            # No pass ran when every request's step cache reused an earlier output.
+            passes = int(sum(r.state.passes for r in advanced) > joined)
+        except Exception as exc:  # noqa: BLE001
+            # The batched pass raised before any state moved (the update follows the forward
+            # pass), so each job is retried alone: one bad or oversized job fails without taking
+            # the others along.
+            backend.release_memory()
+            if len(self.batch) == 1:
+                run = self.batch.pop()
+                self._fail(run.id, run.token, exc)
+                return
+            transfers, advanced, passes = {}, [], len(self.batch)
+            for run in list(self.batch):
+                try:
+                    model.denoise_step([run.state])
+                    advanced.append(run)
+                except Exception as single_exc:  # noqa: BLE001
+                    backend.release_memory()
+                    self.batch.remove(run)
+                    self._fail(run.id, run.token, single_exc)
+        if not advanced:
+            return
+        elapsed = time.perf_counter() - start
+        metrics = ctx.metrics
+        metrics.passes.inc(passes)
+        metrics.steps.inc(len(advanced))
+        metrics.step_seconds.observe(elapsed)
+        metrics.batch_size.observe(len(advanced))
+        metrics.h2d_bytes.inc(transfers.get("h2d_bytes", 0))
+        metrics.d2h_bytes.inc(transfers.get("d2h_bytes", 0))
+        ctx.publish_metrics()
+        lost = ctx.store.set_video_progress(
+            [
+                (
+                    r.id,
+                    r.token,
+                    r.state.step,
+                    DENOISE_SHARE * r.state.step // r.state.num_steps,
+                    r.state.passes,
+                )
+                for r in advanced
+            ],
+            lease_s=ctx.settings.lease_s,
+        )
+        finished = []
+        for run in [r for r in self.batch if r.id in lost or r.state.done]:
+            self.batch.remove(run)
+            if run.id not in lost:
+                finished.append(run)
+        if finished:
+            self._finish(model, finished)
+
+    def _finish(self, model: VideoModel, runs: list[Running]) -> None:
+        """Decode the clips that finished at this step together (the model bounds how many per
+        pass), then hand each to the encoder thread."""
+        decoded = self._together(
+            # Decoding needs the device: it stays on this thread.
+            lambda some: model.finish_batch([run.state for run in some]),
+            runs,
+            lambda run, exc: self._fail(run.id, run.token, exc),
+        )
+        if not decoded:
+            return
+        update = [(run.id, run.token, run.state.step, DECODED_PROGRESS) for run, _ in decoded]
+        lost = self.ctx.store.set_video_progress(update, lease_s=self.ctx.settings.lease_s)
+        for run, frames in decoded:
+            if run.id not in lost:
+                self._encoding[run.id] = run.token
+                self._encoder.submit(self._encode, run, frames)
+
+    def _encode(self, run: Running, frames) -> None:
+        """On the encoder thread: write the MP4 and thumbnail, then mark the job completed."""
+        try:
+            self._write(run, frames)
+        finally:
+            self._encoding.pop(run.id, None)
+
+    def _write(self, run: Running, frames) -> None:
+        ctx = self.ctx
+        mp4, png = ctx.data.video(run.id)
+        for wait_s in backoff():
+            try:
+                ctx.backend.save_video(frames, run.video.fps, mp4, png)
+                break
+            except Exception as exc:  # noqa: BLE001
+                if not is_disk_full(exc):
+                    self._fail(run.id, run.token, exc)
+                    return
+            # A full disk is the operator's to fix, not the video's fault: keep the frames, keep
+            # the claim (the heartbeat renews it while the MP4 is pending), write again later.
+            log.warning("video %s: the disk is full; writing it again in %.1f s", run.id, wait_s)
+            if ctx.stop.wait(wait_s) or self._given_up(run):
+                return  # stopping (its lease decides where it runs again), cancelled, or not ours
+        expires_at = now() + ctx.settings.video_ttl_s
+        status = ctx.retrying(
+            ctx.store.finish_video, run.id, run.token, "completed", expires_at=expires_at
+        )
+        if status == "completed":
+            ctx.metrics.video_seconds.observe(time.perf_counter() - run.started)
+        if status is not None:
+            ctx.count_finished("video", status)
+        if status == "cancelled":  # cancelled while it was being encoded: nobody will fetch it
+            for path in (mp4, png):
+                path.unlink(missing_ok=True)
+
+    def _given_up(self, run: Running) -> bool:
+        """While `run`'s MP4 waits for disk space: True once it was cancelled (recorded so) or
+        its claim is no longer this worker's."""
+        ctx = self.ctx
+        update = [(run.id, run.token, run.state.step, DECODED_PROGRESS)]
+        try:
+            if ctx.store.set_video_progress(update, lease_s=ctx.settings.lease_s):
+                return True
+            if ctx.store.cancel_requested_videos([run.id]):
+                ctx.retrying(ctx.store.finish_video, run.id, run.token, "cancelled")
+                ctx.count_finished("video", "cancelled")
+                return True
+        except UNAVAILABLE:
+            pass  # the store is down too: keep trying both
+        return False
+
+    def _fail(self, video_id: str, token: str, exc: BaseException) -> None:
+        """Record a failed video; stop the worker when the failure took the device with it."""
+        ctx = self.ctx
+        log.warning("video %s failed: %s: %s", video_id, type(exc).__name__, exc)
+        code = _request_code(exc) or ctx.backend.error_code(exc) or "generation_failed"
+        failed = (code, message(exc))
+        if ctx.retrying(ctx.store.finish_video, video_id, token, "failed", error=failed):
+            ctx.count_finished("video", "failed")
+        ctx.check_device(exc)
+
+
+def _request_code(exc: BaseException) -> str | None:
+    return "invalid_request" if isinstance(exc, RequestError) else None
