@@ -70,9 +70,8 @@ class Videos:
                 max_prompt_chars=self.settings.max_prompt_chars,
                 adapters=card.adapter_defaults(),
             )
-            if (
-                stored is not None
-            ):  # stored relative to the storage, which hosts mount where they like
+            # The image is named relative to the storage, which hosts mount where they like.
+            if stored is not None:
                 video = dataclasses.replace(video, image=self.data.relative(stored))
 
             async def insert(idempotency) -> dict:
