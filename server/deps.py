@@ -1,35 +1,23 @@
 """Dependencies shared by the routers: the store, the workers, the settings, the data directory,
-the principal an API key stands for, idempotency."""
+the principal an API key stands for, its Idempotency-Key, and the services (services/)."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import hashlib
-import json
-import secrets
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
 from typing import Annotated
 
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from pydantic import BaseModel
 
 from .auth import ANONYMOUS, Keyring, Principal
 from .datadir import DataDir
-from .errors import (
-    Conflict,
-    Forbidden,
-    InvalidRequest,
-    NotFound,
-    QueueFull,
-    Unauthorized,
-    WorkerDead,
-)
+from .errors import Unauthorized
 from .links import LinkSigner
-from .protocol import ModelCard, WorkerClient
+from .protocol import WorkerClient
+from .services.adapters import Adapters
+from .services.files import Files
+from .services.fine_tuning import FineTuning
+from .services.idempotency import IdempotencyKey
+from .services.videos import Videos
 from .settings import Settings
 from .store import AsyncStore
 
@@ -114,148 +102,42 @@ async def get_principal(request: Request) -> Principal:
 PrincipalDep = Annotated[Principal, Depends(get_principal)]
 
 
-EVENT_SEQ_LIMIT = 2**63  # event numbers are stored as signed 64-bit integers
-
-
-def event_seq(text: str, param: str) -> int:
-    """An event number a client sends back (SSE's `Last-Event-ID`, a page cursor): plain decimal
-    digits below 2**63, else a 400 naming `param`."""
-    # isdigit() alone would take other scripts' digits ("٣", "²"); 19 digits hold any valid one.
-    if not (text.isascii() and text.isdigit() and len(text) <= 19) or int(text) >= EVENT_SEQ_LIMIT:
-        raise InvalidRequest(
-            f"{param} must be an event number below 2**63, got {text[:40]!r}", param=param
-        )
-    return int(text)
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}{secrets.token_hex(12)}"
-
-
-def request_hash(payload) -> str:
-    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
-
-
-IDEMPOTENCY_WAIT_S = 30.0  # how long a retry waits for its first request to finish
-
-
-@dataclass(frozen=True)
-class Replay:
-    """What an Idempotency-Key says of a request: the work is this request's to do (`key`, to
-    record its outcome under), or was done by an earlier one (`resource_id`, or `response`)."""
-
-    key: tuple[str, str, str] | None = None
-    resource_id: str | None = None
-    response: dict | None = None
-    store: AsyncStore | None = None
-
-    @property
-    def replayed(self) -> bool:
-        return self.resource_id is not None or self.response is not None
-
-    async def answer(self, response: BaseModel) -> BaseModel:
-        """Record `response` as this request's answer, for its retries (a no-op without a
-        key); returns it. Routes whose work makes no resource (cancel, delete) end with it."""
-        if self.key is not None:
-            await self.store.record_response(*self.key[:2], response.model_dump(mode="json"))
-        return response
-
-
-@contextlib.asynccontextmanager
-async def idempotent(
-    request: Request, store: AsyncStore, payload_hash: str
-) -> AsyncIterator[Replay]:
-    """Run a request once per `Idempotency-Key`.
-
-    The key is reserved before the work starts, so a retry that arrives while the first request
-    is still at work (a slow upload, a client that timed out) waits for its outcome instead of
-    doing the work twice. The request records its resource (`store.insert_*(idempotency=key)`)
-    or its answer (`Replay.answer`) under the key; if it fails instead, the key is freed
-    for the next retry. Reusing a key with a different body is a client bug: 409.
-    """
+async def get_idempotency_key(request: Request) -> IdempotencyKey | None:
+    """The request's `Idempotency-Key`, scoped to its principal and route; None without one."""
     key = request.headers.get("idempotency-key")
     if not key:
-        yield Replay()
-        return
-    principal = principal_of(request)
-    reservation = (principal.scope, f"{request.method} {request.url.path}:{key}", payload_hash)
-    deadline = time.monotonic() + IDEMPOTENCY_WAIT_S
-    while (prior := await store.reserve_key(*reservation)) is not None:
-        if prior["request_hash"] != payload_hash:
-            raise Conflict(
-                "Idempotency-Key was already used with a different request body",
-                code="idempotency_key_reused",
-            )
-        if prior["resource_id"] is not None or prior["response"] is not None:
-            response = json.loads(prior["response"]) if prior["response"] else None
-            yield Replay(resource_id=prior["resource_id"], response=response)
-            return
-        if time.monotonic() > deadline:
-            raise Conflict(
-                "a request with this Idempotency-Key is still being handled; retry shortly",
-                code="idempotency_key_in_use",
-            )
-        await asyncio.sleep(0.1)
-    try:
-        yield Replay(key=reservation, store=store)
-    finally:
-        # A no-op once the outcome is recorded; otherwise the request failed: free the key.
-        await store.release_key(*reservation[:2])
+        return None
+    return IdempotencyKey(principal_of(request).scope, f"{request.method} {request.url.path}:{key}")
 
 
-def find_model(workers: WorkerClient, name: str, principal: Principal) -> ModelCard:
-    """A served model `principal` may use: any base model, its own fine-tunes (and those made
-    before keys were owners); another key's fine-tune answers 404 as if absent."""
-    card = workers.model(name)
-    if card is None or not principal.may_see(card.owner):
-        raise NotFound(
-            f"The model {name!r} does not exist; see GET /v1/models",
-            param="model",
-            code="model_not_found",
-        )
-    return card.seen_by(principal.may_see)
+IdempotencyKeyDep = Annotated[IdempotencyKey | None, Depends(get_idempotency_key)]
 
 
-async def admit(
-    store: AsyncStore, workers: WorkerClient, settings: Settings, principal: Principal
-) -> None:
-    """Refuse new work when the worker is dead, the queue is full, or the principal (a key that
-    is not an admin's) already holds its share of the queue."""
-    if workers.dead:
-        raise WorkerDead(f"the worker stopped ({workers.dead}); restart the server")
-    depth = await store.queue_depth()
-    if depth >= settings.max_queue:
-        raise QueueFull(
-            f"the queue is full ({depth} jobs waiting); retry later",
-            retry_after=workers.retry_after(),
-        )
-    if principal.admin:
-        return
-    mine = await store.queue_depth(owner=principal.owner)
-    if mine >= settings.max_queue_per_key:
-        raise QueueFull(
-            f"this API key has {mine} jobs waiting, its share of the queue; retry when one "
-            "has started",
-            retry_after=workers.retry_after(),
-        )
+# Each request gets its own service objects, over what the app holds now (the store and the
+# validator exist once the lifespan has started).
 
 
-def check_priority(priority: int, principal: Principal) -> None:
-    """Only an admin (or a server without keys) may put a job ahead of others."""
-    if priority > 0 and not principal.admin:
-        raise Forbidden(
-            f"priority {priority} needs an admin key; other keys may use 0 or less",
-            param="priority",
-        )
+async def get_videos(request: Request) -> Videos:
+    state = request.app.state
+    return Videos(state.store, state.workers, state.settings, state.data)
 
 
-async def wait_for(
-    done: Callable[[], Awaitable[bool]], timeout_s: float, interval_s: float = 0.05
-) -> bool:
-    """Poll `await done()` without blocking the event loop; True if it became true in time."""
-    deadline = time.monotonic() + timeout_s
-    while not await done():
-        if time.monotonic() >= deadline:
-            return False
-        await asyncio.sleep(interval_s)
-    return True
+async def get_files(request: Request) -> Files:
+    state = request.app.state
+    return Files(state.store, state.data, state.validator)
+
+
+async def get_fine_tuning(request: Request) -> FineTuning:
+    state = request.app.state
+    return FineTuning(state.store, state.workers, state.settings, state.data)
+
+
+async def get_adapters(request: Request) -> Adapters:
+    state = request.app.state
+    return Adapters(state.store, state.workers, state.data)
+
+
+VideosDep = Annotated[Videos, Depends(get_videos)]
+FilesDep = Annotated[Files, Depends(get_files)]
+FineTuningDep = Annotated[FineTuning, Depends(get_fine_tuning)]
+AdaptersDep = Annotated[Adapters, Depends(get_adapters)]

@@ -7,7 +7,6 @@ validated afterwards (uploads.py) and becomes `processed` (with its clip count) 
 from __future__ import annotations
 
 import hashlib
-import shutil
 from pathlib import Path
 from typing import Literal
 
@@ -16,21 +15,12 @@ from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 
 from ..archives import remove_tree
-from ..auth import Principal
-from ..datadir import DataDir
-from ..deps import (
-    DataDep,
-    PrincipalDep,
-    SettingsDep,
-    StoreDep,
-    idempotent,
-    new_id,
-    request_hash,
-)
-from ..errors import Conflict, InvalidRequest, NotFound, PayloadTooLarge
+from ..deps import DataDep, FilesDep, IdempotencyKeyDep, PrincipalDep, SettingsDep
+from ..errors import InvalidRequest, PayloadTooLarge
 from ..plain_text import check_plain
-from ..schemas import FileDeleted, FileObject, ListPage, error_responses, file_object, page
-from ..store import AsyncStore
+from ..schemas import FileDeleted, FileObject, ListPage, error_responses
+from ..services.files import StagedFile
+from ..services.jobs import new_id
 
 router = APIRouter(prefix="/v1/files", tags=["files"])
 
@@ -82,13 +72,30 @@ def save_upload(src, dst: Path, max_bytes: int) -> tuple[int, str]:
 )
 async def create_file(
     request: Request,
-    store: StoreDep,
+    files: FilesDep,
     settings: SettingsDep,
     data: DataDep,
     principal: PrincipalDep,
+    key: IdempotencyKeyDep,
 ):
     """Multipart `file` + `purpose=fine-tune`: a .zip or .tar(.gz) in the fine-tuning dataset
     layout. Answers at once with `status: uploaded`; poll the file until it is `processed`."""
+    purpose, upload = await read_upload_form(request)
+    file_id = new_id("file-")
+    folder = data.upload(file_id)
+    try:  # the archive streams to disk here, before the service records it
+        size, digest = await run_in_threadpool(
+            save_upload, upload.file, folder / "upload", settings.max_upload_bytes
+        )
+        staged = StagedFile(file_id, folder, upload.filename, purpose, size, digest)
+        return await files.create(staged, principal, key)
+    except BaseException:
+        remove_tree(folder)
+        raise
+
+
+async def read_upload_form(request: Request) -> tuple[str, UploadFile]:
+    """The upload's `purpose` and `file`, or a 400 saying which is missing or wrong."""
     if not request.headers.get("content-type", "").startswith("multipart/form-data"):
         raise InvalidRequest("upload files as multipart/form-data with fields file and purpose")
     form = await request.form(max_files=1, max_fields=MAX_FORM_FIELDS)
@@ -109,86 +116,29 @@ async def create_file(
             "Missing required parameter: file", param="file", code="missing_required_parameter"
         )
     check_plain(upload.filename, "file")
-
-    file_id = new_id("file-")
-    folder = data.upload(file_id)
-    try:
-        size, digest = await run_in_threadpool(
-            save_upload, upload.file, folder / "upload", settings.max_upload_bytes
-        )
-        payload = request_hash({"sha256": digest, "purpose": purpose, "filename": upload.filename})
-        async with idempotent(request, store, payload) as replay:
-            if replay.replayed and (row := await store.get_file(replay.resource_id)) is not None:
-                remove_tree(folder)
-                return file_object(row)
-            row = await store.insert_file(
-                {
-                    "id": file_id,
-                    "filename": upload.filename or "upload",
-                    "purpose": purpose,
-                    "bytes": size,
-                    "path": data.relative(folder / "data"),
-                    "owner": principal.owner,
-                },
-                idempotency=replay.key,
-            )
-    except BaseException:
-        remove_tree(folder)
-        raise
-    request.app.state.validator.wake()
-    return file_object(row)
+    return purpose, upload
 
 
 @router.get("", response_model=ListPage[FileObject], responses=error_responses(400))
 async def list_files(
-    store: StoreDep,
+    files: FilesDep,
     principal: PrincipalDep,
     purpose: str | None = None,
     after: str | None = None,
     limit: int = Query(100, ge=1, le=10000),
     order: Literal["asc", "desc"] = "desc",
 ):
-    rows, has_more = await store.list_files(after, limit, order, purpose, principal.sees)
-    return page([file_object(r) for r in rows], has_more)
-
-
-async def find_file(store: AsyncStore, file_id: str, principal: Principal) -> dict:
-    """The file, if `principal` may see it; another key's answers 404 as if absent."""
-    row = await store.get_file(file_id)
-    if row is None or not principal.may_see(row["owner"]):
-        raise NotFound(f"No such File object: {file_id}", param="file_id")
-    return row
+    return await files.list(principal, purpose, after, limit, order)
 
 
 @router.get("/{file_id}", response_model=FileObject, responses=error_responses(404))
-async def retrieve_file(file_id: str, store: StoreDep, principal: PrincipalDep):
-    return file_object(await find_file(store, file_id, principal))
+async def retrieve_file(file_id: str, files: FilesDep, principal: PrincipalDep):
+    return await files.retrieve(file_id, principal)
 
 
 @router.delete("/{file_id}", response_model=FileDeleted, responses=error_responses(404, 409))
 async def delete_file(
-    file_id: str, request: Request, store: StoreDep, data: DataDep, principal: PrincipalDep
+    file_id: str, files: FilesDep, principal: PrincipalDep, key: IdempotencyKeyDep
 ):
     """Delete an upload. A retry with the same Idempotency-Key gets the first answer."""
-    async with idempotent(request, store, request_hash({"delete": file_id})) as replay:
-        if replay.response is not None:  # a retry: the first answer, not a 404
-            return replay.response
-        await find_file(store, file_id, principal)
-        answer = await _delete(store, data, file_id)
-        await replay.answer(answer)
-    return answer
-
-
-async def _delete(store: AsyncStore, data: DataDir, file_id: str) -> FileDeleted:
-    outcome = await store.delete_file(file_id)
-    if outcome == "in_use":
-        raise Conflict(
-            f"file {file_id} is the training file of a queued or running fine-tuning job; "
-            "cancel the job first",
-            param="file_id",
-            code="file_in_use",
-        )
-    if outcome == "missing":
-        raise NotFound(f"No such File object: {file_id}", param="file_id")
-    await run_in_threadpool(shutil.rmtree, data.upload(file_id), True)
-    return FileDeleted(id=file_id, deleted=True)
+    return await files.delete(file_id, principal, key)
