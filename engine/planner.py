@@ -20,7 +20,9 @@ the denoiser's blocks coded (`coded_block_weights`), each slot gets a staging bu
 payload, fewer bytes cross the bus, and the decode runs on the compute stream before each streamed
 block (`decode` time, at `Machine.decode_gbps` of decoded output). `lossless` is planned at
 `LOSSLESS_RATIO` (measured on trained weights by benchmarks/compression.py; the exact figure
-depends on the weights); `fp8` at 1 byte per matmul parameter, the rest in the compute dtype.
+depends on the weights); `fp8` at 1 byte per matmul parameter, the rest in the compute dtype. An
+fp8 single file kept as stored is the same count (its fp32 scales, one per row at most, add
+4 bytes a row: under 0.1% of a 5120-wide row's 5120 bytes).
 
 The disk tier (`Workload.host_tier`, disk_store.py) keeps streamed blocks in the model's files:
 the host holds the non-block weights and one ring of `ring_depth` blocks per streamed module

@@ -13,7 +13,11 @@ the store to decode it, and neither it nor the model knows which format is in us
 - `fp8`: every 2-D tensor named `*.weight` (the block's linear layers) as float8_e4m3fn with one
   power-of-two scale per output row (an int8 exponent: the row's largest magnitude lands in
   (224, 448]), dequantized into the slot in the compute dtype; every other tensor raw. Lossy:
-  quality is measured in benchmarks/compression.py.
+  quality is measured in benchmarks/compression.py. A linear weight that its checkpoint already
+  stores in fp8 (ComfyUI's fp8 single files: `Fp8Weight`, offered by the source's `stored_fp8`)
+  keeps the file's bytes and its float scale (one per tensor or per row) instead: decoded as
+  `(q.float() * scale).to(dtype)`, the very product the raw store computes when it upcasts the
+  file on load, so the frames are bitwise those of `raw` on the same file.
 
 `make_store(tensors, pinned, weights)` builds the store for a block; `EncodedBlockStore` is the
 coded one. Its `payload` is what one copy moves; `decode(staging, out)` queues the decode on the
@@ -51,6 +55,7 @@ from .host_store import (
 
 WEIGHT_FORMATS = ("raw", "lossless", "fp8")
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -73,18 +78,53 @@ class Part:
         return flat[self.offset : self.offset + self.nbytes].view(self.dtype)
 
 
+@dataclasses.dataclass(frozen=True)
+class Fp8Weight:
+    """A weight as an fp8 checkpoint stores it: fp8 values and the float scale that restores them."""
+
+    q: torch.Tensor  # float8_e4m3fn or float8_e5m2, the checkpoint's shape (out, ...)
+    scale: torch.Tensor  # float32: () for one scale per tensor, (out,) for one per output row
+    key: str  # where it came from, for messages
+
+    def __post_init__(self):
+        if self.q.dtype not in FP8_DTYPES:
+            raise ValueError(f"{self.key}: {self.q.dtype} is not an fp8 dtype")
+        per_row = self.scale.dim() == 1 and self.q.dim() > 0 and len(self.scale) == len(self.q)
+        if self.scale.dtype != torch.float32 or not (self.scale.dim() == 0 or per_row):
+            raise ValueError(
+                f"{self.key}: scale {tuple(self.scale.shape)} {self.scale.dtype} fits no layout "
+                f"of a {tuple(self.q.shape)} weight: one float32 value, or one per output row"
+            )
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """`q * scale` in fp32, then cast to `dtype`: what loading the checkpoint computes (the
+        reference the slot decode runs)."""
+        scale = self.scale.view(-1, *([1] * (self.q.dim() - 1))) if self.scale.dim() else self.scale
+        return (self.q.float() * scale).to(dtype)
+
+
 class WeightCodec(ABC):
     """Encodes a block's flat buffer into payload tensors and decodes them into a slot."""
 
     name: str
     lossless: bool
+    keeps_fp8 = False  # whether `encode` takes weights a checkpoint stores in fp8 as they are
 
     @abstractmethod
     def encode(
-        self, raw: torch.Tensor, entries: Sequence[TensorEntry]
+        self,
+        raw: torch.Tensor,
+        entries: Sequence[TensorEntry],
+        stored: Mapping[int, Fp8Weight] = {},  # noqa: B006 (read only)
     ) -> tuple[list[torch.Tensor], Any]:
         """`raw`: the block's flat uint8 buffer (host). Returns the payload tensors (host, any
-        dtypes) and what `decode` needs besides them (host-side metadata, never copied)."""
+        dtypes) and what `decode` needs besides them (host-side metadata, never copied).
+        `stored`: entries (by index) kept as their checkpoint's fp8, where `keeps_fp8`; their
+        bytes in `raw` are not read."""
+
+    def stored(self, parts: Sequence[torch.Tensor], meta: Any) -> dict[int, Fp8Weight]:
+        """The entries `encode` was given as stored fp8, from the payload (views into `parts`)."""
+        return {}
 
     @abstractmethod
     def decode(self, parts: Sequence[torch.Tensor], meta: Any, out: torch.Tensor) -> None:
@@ -98,7 +138,8 @@ class LosslessCodec(WeightCodec):
     name = "lossless"
     lossless = True
 
-    def encode(self, raw, entries):
+    def encode(self, raw, entries, stored={}):  # noqa: B006 (read only)
+        assert not stored, "the lossless store takes no fp8 weights"
         coded = dfloat_encode(raw)
         return list(coded.parts()), coded.num_words
 
@@ -145,36 +186,75 @@ def fp8_dequantize(q: torch.Tensor, exponent: torch.Tensor, dtype: torch.dtype) 
     return (q.float() * torch.exp2(exponent.float())[:, None]).to(dtype)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Kept:
+    """How `Fp8Codec` keeps entry `k` of a block, and the payload parts it takes, in order."""
+
+    k: int
+    how: str  # "raw": its bytes as stored (own strides); "exp2": q, int8 exponents (fp8_quantize);
+    # "stored": the checkpoint's fp8 q (as uint8) and its float32 scale (an `Fp8Weight`)
+    fp8: torch.dtype | None = None  # "stored": the checkpoint's fp8 dtype
+    per_row: bool = False  # "stored": one scale per output row, else one in all
+    key: str = ""  # "stored": where it came from
+
+    @property
+    def nparts(self) -> int:
+        return 1 if self.how == "raw" else 2
+
+
 class Fp8Codec(WeightCodec):
     """Linear weights as float8_e4m3fn with a power-of-two scale per output channel (one int8
-    exponent); the rest raw."""
+    exponent), or as their checkpoint stores them in fp8 with its float scale; the rest raw."""
 
     name = "fp8"
     lossless = False
+    keeps_fp8 = True
 
-    def encode(self, raw, entries):
+    def encode(self, raw, entries, stored={}):  # noqa: B006 (read only)
         parts, plan = [], []
         for k, entry in enumerate(entries):
-            if fp8_quantizable(entry):
+            if k in stored:
+                w = stored[k]
+                parts += [w.q.contiguous().view(torch.uint8).reshape(-1), w.scale.reshape(-1)]
+                plan.append(_Kept(k, "stored", w.q.dtype, w.scale.dim() == 1, w.key))
+            elif fp8_quantizable(entry):
                 q, scale = fp8_quantize(entry.view(raw))
                 parts += [q.view(torch.uint8).reshape(-1), scale]
-                plan.append((k, True))
-            else:  # the entry's bytes as stored (its own strides), copied back as they are
+                plan.append(_Kept(k, "exp2"))
+            else:
                 parts.append(raw[entry.offset : entry.offset + entry.nbytes].clone())
-                plan.append((k, False))
+                plan.append(_Kept(k, "raw"))
         return parts, (tuple(entries), tuple(plan))
 
     def decode(self, parts, meta, out):
         entries, plan = meta
         it = iter(parts)
-        for k, quantized in plan:
-            entry = entries[k]
-            target = entry.view(out)
-            if quantized:
-                q = next(it).view(torch.float8_e4m3fn).view(entry.shape)
-                target.copy_(fp8_dequantize(q, next(it), entry.dtype))
+        for kept in plan:
+            entry = entries[kept.k]
+            taken = [next(it) for _ in range(kept.nparts)]
+            if kept.how == "raw":
+                out[entry.offset : entry.offset + entry.nbytes].copy_(taken[0])
+            elif kept.how == "exp2":
+                q = taken[0].view(torch.float8_e4m3fn).view(entry.shape)
+                entry.view(out).copy_(fp8_dequantize(q, taken[1], entry.dtype))
             else:
-                out[entry.offset : entry.offset + entry.nbytes].copy_(next(it))
+                w = self._stored(taken, entry, kept)
+                entry.view(out).copy_(w.dequantize(entry.dtype))
+
+    def stored(self, parts, meta):
+        entries, plan = meta
+        found, it = {}, iter(parts)
+        for kept in plan:
+            taken = [next(it) for _ in range(kept.nparts)]
+            if kept.how == "stored":
+                found[kept.k] = self._stored(taken, entries[kept.k], kept)
+        return found
+
+    @staticmethod
+    def _stored(taken: Sequence[torch.Tensor], entry: TensorEntry, kept: _Kept) -> Fp8Weight:
+        q, scale = taken
+        scale = scale if kept.per_row else scale[0]
+        return Fp8Weight(q.view(kept.fp8).view(entry.shape), scale, kept.key)
 
 
 def fp8_payload_nbytes(entries: Sequence[TensorEntry]) -> int:
@@ -258,8 +338,8 @@ class EncodedBlockStore:
     def payload_nbytes(self) -> int:
         return self.payload.numel()
 
-    def _encode(self, raw: torch.Tensor) -> None:
-        tensors, meta = self.codec.encode(raw, self.entries)
+    def _encode(self, raw: torch.Tensor, stored: Mapping[int, Fp8Weight] = {}) -> None:  # noqa: B006
+        tensors, meta = self.codec.encode(raw, self.entries, stored)
         parts, cursor = [], 0
         for t in tensors:
             offset = _round_up(cursor, ALIGN_BYTES)
@@ -292,15 +372,52 @@ class EncodedBlockStore:
         self.codec.decode([p.view(staging) for p in self.parts], self.meta, out)
 
     def fill(self, source: Mapping[str, torch.Tensor], prefix: str = "") -> set[int]:
-        """Like `HostBlockStore.fill`; the block is decoded, overwritten and re-encoded."""
+        """Like `HostBlockStore.fill`; the block is decoded, overwritten and re-encoded. Linear
+        weights that `source` stores in fp8 (its `stored_fp8(key)` gives an `Fp8Weight`) are
+        kept as they are where the codec can (`fp8`); any other codec refuses them."""
         keys = [n for e in self.entries for n in e.names]
         if not any(prefix + n in source for n in keys):
             return set()
         raw = self._pending if self._pending is not None else self.read()
+        # Weights kept as stored before, which this fill does not replace, stay as they are.
+        stored = {}
+        if self._pending is None and self.filled:
+            stored = self.codec.stored([p.view(self.payload) for p in self.parts], self.meta)
         self._pending = None
-        filled = fill_views(self.entries, [e.view(raw) for e in self.entries], source, prefix)
-        self._encode(raw)
+        given = self._stored_fp8(source, prefix)
+        rest = [k for k in range(len(self.entries)) if k not in given]
+        views = [e.view(raw) for e in self.entries]
+        filled = fill_views(
+            [self.entries[k] for k in rest], [views[k] for k in rest], source, prefix
+        )
+        filled = {rest[i] for i in filled} | set(given)
+        stored = {k: w for k, w in stored.items() if k not in filled} | given
+        self._encode(raw, stored)
         return filled
+
+    def _stored_fp8(self, source: Mapping[str, torch.Tensor], prefix: str) -> dict[int, Fp8Weight]:
+        """The entries `source` stores in fp8 that this store keeps so (by index)."""
+        stored_fp8 = getattr(source, "stored_fp8", None)
+        if stored_fp8 is None:
+            return {}
+        found = {}
+        for k, entry in enumerate(self.entries):
+            key = next((prefix + n for n in entry.names if prefix + n in source), None)
+            w = stored_fp8(key) if key is not None else None
+            if w is None:
+                continue
+            if not self.codec.keeps_fp8:
+                raise ValueError(
+                    f"{w.key} is stored in fp8: weights={self.codec.name!r} would keep it "
+                    "decoded, in more bytes than the file's; weights='fp8' keeps the file's "
+                    "bytes (bitwise the video of weights='raw', which upcasts them on load)"
+                )
+            if not fp8_quantizable(entry):
+                continue  # not a linear layer's weight: upcast into the raw bytes, as `raw` does
+            if tuple(w.q.shape) != entry.shape:
+                raise ValueError(f"{key!r}: checkpoint shape {tuple(w.q.shape)} != {entry.shape}")
+            found[k] = w
+        return found
 
     def tensors(self) -> dict[str, torch.Tensor]:
         raise ValueError(

@@ -121,6 +121,98 @@ def test_fp8_scaled_files_upcast_with_their_scales(wan):
     assert (q - wan["original"][key]).abs().max() <= 0.07 * wan["original"][key].abs().max()
 
 
+def write_fp8(wan, name: str, scale: str | None, fp8=torch.float8_e4m3fn) -> Path:
+    """The fine-tune as an fp8 file in ComfyUI's layout: every 2-D `*.weight` in `fp8`, with a
+    `scale_weight` of one value (`scale="tensor"`), one per output row ("row"), or none."""
+    state = {}
+    for k, v in wan["original"].items():
+        if v.dim() != 2 or not k.endswith(".weight"):
+            state[k] = v
+            continue
+        amax = v.abs().amax(dim=1) if scale == "row" else v.abs().max()
+        s = amax / torch.finfo(fp8).max if scale else torch.ones(())
+        state[k] = (v / s.reshape(-1, 1) if scale == "row" else v / s).to(fp8)
+        if scale:
+            state[k.removesuffix(".weight") + ".scale_weight"] = s
+    if scale:
+        state["scaled_fp8"] = torch.zeros(0, dtype=fp8)
+    file = wan["root"] / f"{name}.safetensors"
+    save_file({f"model.diffusion_model.{k}": v for k, v in state.items()}, str(file))
+    return file
+
+
+@pytest.mark.parametrize(
+    "scale, fp8, dtype",
+    [
+        ("tensor", torch.float8_e4m3fn, "bfloat16"),
+        ("row", torch.float8_e4m3fn, "float32"),
+        (None, torch.float8_e5m2, "bfloat16"),
+    ],
+)
+def test_fp8_files_stream_as_stored_and_give_the_upcast_output(wan, scale, fp8, dtype):
+    from megaslide.engine.weight_formats import Fp8Codec
+
+    file = write_fp8(wan, f"fp8-{scale}-{fp8}", scale, fp8)
+    files = (str(file),)
+    info = describe(resolve_source(str(wan["base"])), transformer_files=files)
+    # The transformer alone: `weights="fp8"` also codes the text encoder's blocks (lossy).
+    only = {"transformer"}
+    upcast = open_model(info, dtype=dtype, only=only)[0]["transformer"]
+    parts, handles = open_model(info, dtype=dtype, offload="stream", weights="fp8", only=only)
+    kept = parts["transformer"]
+    g = torch.Generator().manual_seed(0)
+    c = kept.config
+    x = torch.randn(1, c.in_channels, 3, 8, 8, generator=g).to(getattr(torch, dtype))
+    text = torch.randn(1, 7, c.text_dim, generator=g).to(x.dtype)
+    with torch.no_grad():
+        for t in (999.0, 500.0):
+            args = dict(hidden_states=x, encoder_hidden_states=text, return_dict=False)
+            expected = upcast(timestep=torch.tensor([t]), **args)[0]
+            assert torch.equal(kept(timestep=torch.tensor([t]), **args)[0], expected)
+
+    # The store holds the file's fp8 bytes and scales for every linear of every block.
+    handle = handles["transformer"]
+    linear_bytes, stored_bytes = 0, 0
+    for block in handle._blocks:
+        store = block.store
+        stored = store.codec.stored([p.view(store.payload) for p in store.parts], store.meta)
+        linears = [k for k, e in enumerate(store.entries) if e.names[0].endswith(".weight")]
+        linears = [k for k in linears if len(store.entries[k].shape) == 2]
+        assert sorted(stored) == linears and linears
+        for w in stored.values():
+            assert w.q.dtype == fp8 and w.scale.numel() == (len(w.q) if scale == "row" else 1)
+            linear_bytes += w.q.numel() * 2  # in bf16
+            stored_bytes += w.q.numel() * w.q.element_size() + w.scale.numel() * 4
+    rows = 4 / 24 / 2 if scale == "row" else 0  # an fp32 scale per row of 24 inputs
+    assert stored_bytes / linear_bytes == pytest.approx(0.5 + rows, abs=0.01)
+    # Norms, biases and modulation stay in the compute dtype: the tiny blocks' linears are
+    # about two thirds of their bytes.
+    stats = handle.stats()
+    assert stats["host_store_bytes"] < 0.75 * stats["streamed_block_bytes"] * 2 / x.element_size()
+
+    # Filling one tensor again keeps the others as the file stores them.
+    norm = next(k for k in wan["state"] if k.startswith("blocks.0.") and ".norm" in k)
+    handle.load_weights({norm: wan["state"][norm]}, strict=False)
+    store = handle._blocks[0].store
+    assert sorted(store.codec.stored([p.view(store.payload) for p in store.parts], store.meta))
+    assert isinstance(store.codec, Fp8Codec)
+
+
+def test_fp8_files_refuse_what_does_not_fit(wan):
+    file = write_fp8(wan, "fp8-lossless", "tensor")
+    with pytest.raises(ValueError, match=r"q.weight is stored in fp8: weights='lossless'"):
+        open_pipeline(
+            wan["base"], offload="stream", weights="lossless", transformer_files=(str(file),)
+        )
+    state = load_file(str(file))
+    key = "model.diffusion_model.blocks.0.self_attn.q.scale_weight"
+    state[key] = torch.ones(3)
+    bad = wan["root"] / "fp8-bad-scale.safetensors"
+    save_file(state, str(bad))
+    with pytest.raises(WanFormatError, match=r"q.scale_weight has shape \[3\]: a scale_weight"):
+        open_pipeline(wan["base"], transformer_files=(str(bad),))
+
+
 def test_keys_that_do_not_fit_are_named(wan):
     root = wan["root"]
     extra = root / "extra.safetensors"

@@ -114,7 +114,8 @@ def register_generate(sub) -> None:
         default="raw",
         help="with --offload stream: how block weights are kept in host RAM and sent each step; "
         "lossless codes bf16 exponents (about 0.68x the bytes, bitwise the same video), fp8 "
-        "halves linear weights with per-channel scales (lossy) (default: raw)",
+        "halves linear weights with per-channel scales (lossy; linears an fp8 --transformer file "
+        "stores in fp8 are kept as stored, bitwise the upcast video) (default: raw)",
     )
     p.add_argument(
         "--host-tier",

@@ -7,9 +7,12 @@ names in one file. Original keys are renamed by diffusers' own converter
 the loader asks for it: `SingleFileWeights` is a lazy mapping in diffusers' names, and the loader
 fills each tensor straight into the host store (or the device), never holding a second copy.
 
-fp8 "scaled" files (ComfyUI's `scaled_fp8`): a `float8_e4m3fn` / `float8_e5m2` weight with a
-`scale_weight` beside it is upcast as `weight.float() * scale_weight` when it is read; input
-scales (`scale_input`) belong to fp8 matmuls and are not needed once the weights are upcast.
+fp8 files (ComfyUI's `scaled_fp8`, or plain fp8 ones): a `float8_e4m3fn` / `float8_e5m2` weight,
+with a `scale_weight` beside it (one value, or one per output row) or without (a scale of 1), is
+upcast as `weight.float() * scale_weight` when it is read. `stored_fp8` hands it over as it is
+stored instead (`weight_formats.Fp8Weight`): the `fp8` host store keeps those bytes and scale and
+decodes them with that same product, so the frames are bitwise the upcast ones. Input scales
+(`scale_input`) belong to fp8 matmuls; the model computes in its own dtype and needs none.
 """
 
 from __future__ import annotations
@@ -20,10 +23,11 @@ from pathlib import Path
 import torch
 
 from ..host_store import SafetensorsFile
+from ..weight_formats import FP8_DTYPES as FP8
+from ..weight_formats import Fp8Weight
 from .config import WanFormatError
 
 PREFIXES = ("model.diffusion_model.", "diffusion_model.")
-FP8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
 MARKERS = ("scaled_fp8",)  # ComfyUI's marker tensor: says the file is scaled, holds no weight
 
 
@@ -61,7 +65,26 @@ class SingleFileWeights(Mapping):
         )
         if stray is not None:
             raise WanFormatError(f"{path}: {stray} scales no weight in the file")
+        for key, scale_key in self.scales.items():
+            self._check_scale(key, scale_key)
         self.names = self._diffusers_names(names, prefix)
+
+    def _check_scale(self, key: str, scale_key: str) -> None:
+        """WanFormatError unless `scale_key`'s shape is one scale, or one per output row of
+        `key` (read from the header: nothing is loaded)."""
+        weight, scale = self.file.locate(key), self.file.locate(scale_key)
+        if weight is None or scale is None:
+            return  # a dtype torch does not know: reading it fails with safetensors' own error
+        n = 1
+        for size in scale.shape:
+            n *= size
+        rows = weight.shape[0] if weight.shape else 1
+        if n == 1 or (scale.shape[0] == rows and n == rows):
+            return
+        raise WanFormatError(
+            f"{self.path}: {scale_key} has shape {list(scale.shape)}: a scale_weight is one value "
+            f"or one per output row of {key} {list(weight.shape)}"
+        )
 
     def _diffusers_names(self, keys: list[str], prefix: str) -> dict[str, str]:
         """diffusers name -> key in the file."""
@@ -101,13 +124,24 @@ class SingleFileWeights(Mapping):
         t = self.file[key]
         if t.dtype in FP8:
             # Upcast on load: compute runs in the model's dtype, the scale restores the range.
-            t = t.to(torch.float32)
-            if key in self.scales:
-                scale = self.file[self.scales[key]].to(torch.float32)
-                if scale.dim() == 1 and t.dim() > 1 and scale.numel() == t.shape[0]:
-                    scale = scale.view(-1, *([1] * (t.dim() - 1)))  # one scale per output row
-                t = t * scale
+            return self._fp8(key, t).dequantize(torch.float32)
         return t
+
+    def stored_fp8(self, name: str) -> Fp8Weight | None:
+        """Weight `name` as the file stores it when that is fp8 (with its scale), else None."""
+        key = self.names[name]
+        extent = self.file.locate(key)
+        if extent is None or extent.dtype not in FP8:
+            return None
+        return self._fp8(key, self.file[key])
+
+    def _fp8(self, key: str, q: torch.Tensor) -> Fp8Weight:
+        scale = torch.ones((), dtype=torch.float32)  # a plain fp8 file: the values themselves
+        if key in self.scales:
+            scale = self.file[self.scales[key]].to(torch.float32)
+            # One value, or one per output row (checked when the file was opened).
+            scale = scale.reshape(()) if scale.numel() == 1 else scale.reshape(-1)
+        return Fp8Weight(q, scale, f"{self.path}: {key}")
 
     def locate(self, name: str):
         """Where weight `name` lies in the file as stored (the disk tier), or None when it is
