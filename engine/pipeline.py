@@ -30,10 +30,11 @@ if TYPE_CHECKING:
 # several passes: the peak stays that of DECODE_CHUNK clips however large the running batch.
 DECODE_CHUNK = 4
 
-# Rows per pass of a resident model on a CPU. Past a few hundred tokens a row, one pass of many
-# rows costs more per row than several passes of few: its activations outgrow the caches
-# (docs/benchmarks.md, "rows per pass"). A streamed model, or one on a GPU, takes every row in
-# one pass: there the weights cross once a pass, or a wide batch is what the device wants.
+# Rows per pass of a resident model on a CPU (the denoiser's, and Wan's UMT5 prompts). Past a few
+# hundred tokens a row, one pass of many rows costs more per row than several passes of few: its
+# activations outgrow the caches (docs/benchmarks.md, "Passes of a few rows"). A streamed
+# model, or one on a GPU, takes every row in one pass: there the weights cross once a pass, or a
+# wide batch is what the device wants.
 CPU_ROWS_PER_PASS = 4
 
 
@@ -134,10 +135,16 @@ class Pipeline(ABC):
         """The family's step: advance every unfinished state by one step, in one batched pass of
         the weights (`denoise_step` is the public one)."""
 
+    def one_pass(self, module: str | None = None) -> bool:
+        """Whether a pass takes every row at once: the weights of `module` (None: of any module)
+        stream, or the model is on a GPU (see CPU_ROWS_PER_PASS)."""
+        streamed = module in self.handles if module else bool(self.handles)
+        return streamed or self.device.type != "cpu"
+
     def passes(self, states: list) -> list[list]:
         """`states` in the passes of one step: all together, or on a CPU with the weights
         resident, consecutive runs of at most CPU_ROWS_PER_PASS rows (two for a guided state)."""
-        if self.handles or self.device.type != "cpu":
+        if self.one_pass():
             return [states] if states else []
         parts, rows = [], CPU_ROWS_PER_PASS
         for state in states:

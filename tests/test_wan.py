@@ -177,8 +177,9 @@ def test_requests_share_one_pass_and_one_weight_crossing_per_step(wan, monkeypat
 
 
 def test_resident_cpu_passes_hold_a_few_rows(wan):
-    """On a CPU with the weights resident, the same three requests run in passes of at most
-    CPU_ROWS_PER_PASS rows (a guidance pair never split), each clip within a level of alone."""
+    """On a CPU with the weights resident, the same three requests are encoded and stepped in
+    passes of at most CPU_ROWS_PER_PASS rows (a guidance pair never split), each clip within a
+    level of its run alone."""
     pipe = open_pipeline(wan["deep"], offload="none")
     requests = [
         request(seed=1),
@@ -186,11 +187,16 @@ def test_resident_cpu_passes_hold_a_few_rows(wan):
         request(seed=5, guidance=1.0),
     ]
     alone = [pipe.generate(r) for r in requests]
-    passes = []
+    encoded, passes = [], []
+    text_hook = pipe.encoders.text_encoder.register_forward_pre_hook(
+        lambda _m, args: encoded.append(args[0].shape[0])
+    )
     hook = pipe.experts[0].register_forward_pre_hook(
         lambda _m, _a, kw: passes.append(kw["hidden_states"].shape[0]), with_kwargs=True
     )
     states = pipe.prepare_batch([pipe.resolve(r) for r in requests])
+    text_hook.remove()
+    assert encoded == [4, 1]  # the five prompts, a few a pass too
     steps = states[0].num_steps
     while not all(s.done for s in states):
         pipe.denoise_step(states)

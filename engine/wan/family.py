@@ -48,7 +48,7 @@ from torch import nn
 from ..family import Component, Family
 from ..host_store import RenamedWeights, SafetensorsFile
 from ..lora import Adapter, AdapterRouter, linear_targets
-from ..pipeline import Pipeline, decode_chunks
+from ..pipeline import CPU_ROWS_PER_PASS, Pipeline, decode_chunks
 from ..request import ResolvedVideo, check_image, check_loras
 from ..sources import ModelInfo
 from ..step_cache import StepCache
@@ -400,8 +400,13 @@ class WanVideoPipeline(Pipeline):
             apply_context_parallel(expert, cp, expert._cp_plan)
 
     def encode(self, prompts: list[str]) -> torch.Tensor:
-        """UMT5 embeddings `(B, 512, text_dim)` in the denoiser's dtype, zero past each prompt."""
-        return self.encoders.prompts(prompts)[0].to(self.device, self.dtype)
+        """UMT5 embeddings `(B, 512, text_dim)` in the denoiser's dtype, zero past each prompt:
+        in one pass, or on a CPU with the encoder resident CPU_ROWS_PER_PASS prompts a pass."""
+        size = len(prompts) if self.one_pass("text_encoder") else CPU_ROWS_PER_PASS
+        parts = [
+            self.encoders.prompts(prompts[i : i + size])[0] for i in range(0, len(prompts), size)
+        ]
+        return torch.cat(parts).to(self.device, self.dtype)
 
     # -- sampling ------------------------------------------------------------------------------
 
@@ -416,8 +421,8 @@ class WanVideoPipeline(Pipeline):
 
     def _contexts(self, videos: list[ResolvedVideo]) -> list[torch.Tensor]:
         """Each request's prompt embeddings `(1 or 2, 512, text_dim)`: the prompt, then the
-        negative prompt when guided. Batched, every prompt of every request in one UMT5 pass (its
-        weights cross once for all); the reference mode encodes each prompt alone, as
+        negative prompt when guided. Batched, every prompt of every request together (`encode`:
+        a streamed encoder's weights cross once for all); the reference mode encodes each prompt alone, as
         WanPipeline does."""
         rows = [[v.prompt, v.negative_prompt][: 1 + (v.guidance > 1.0)] for v in videos]
         if not self.batched:
