@@ -23,6 +23,7 @@ from megaslide.engine.request import (
 
 from .plain_text import NUL, NUL_MESSAGE
 from .protocol import ModelCard
+from .records import FileRecord
 
 T = TypeVar("T")
 
@@ -337,16 +338,16 @@ class FileDeleted(BaseModel):
     deleted: bool
 
 
-def file_object(row: dict) -> FileObject:
+def file_object(file: FileRecord) -> FileObject:
     return FileObject(
-        id=row["id"],
-        bytes=row["bytes"],
-        created_at=row["created_at"],
-        filename=row["filename"],
-        purpose=row["purpose"],
-        status=row["status"],
-        status_details=row["status_details"],
-        clips=row["clips"],
+        id=file.id,
+        bytes=file.bytes,
+        created_at=file.created_at,
+        filename=file.filename,
+        purpose=file.purpose,
+        status=file.status,
+        status_details=file.status_details,
+        clips=file.clips,
     )
 
 

@@ -47,6 +47,7 @@ from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy.dialects import postgresql, sqlite
 
+from .records import FileRecord, ModelRecord
 from .settings import DEFAULT_CRASH_LIMIT
 from .tables import checkpoints, events, files, fine_tunes, idempotency, models, videos, workers
 
@@ -575,8 +576,8 @@ class JobStore:
         return out
 
     def _page(
-        self, table: sa.Table, after: str | None, limit: int, order: str, *where
-    ) -> tuple[list[dict], bool]:
+        self, table: sa.Table, after: str | None, limit: int, order: str, *where, decode=dict
+    ) -> tuple[list, bool]:
         """A page of `table` in creation order and whether more follow; `after` is an id, found
         among the rows `where` allows only (another owner's id pages like an unknown one, so a
         cursor cannot tell whether it exists)."""
@@ -587,7 +588,7 @@ class JobStore:
             stmt = stmt.where(table.c.seq < cursor if descending else table.c.seq > cursor)
         stmt = stmt.order_by(table.c.seq.desc() if descending else table.c.seq).limit(limit + 1)
         rows = self._all(stmt)
-        return rows[:limit], len(rows) > limit
+        return [decode(r) for r in rows[:limit]], len(rows) > limit
 
     # --- videos: the API's side --------------------------------------------------------------
 
@@ -863,7 +864,7 @@ class JobStore:
 
     # --- files -------------------------------------------------------------------------------
 
-    def insert_file(self, row: dict, idempotency=None) -> dict:
+    def insert_file(self, row: dict, idempotency=None) -> FileRecord:
         """An upload, `uploaded` until validated (`claim_file_validation`)."""
         keys = ("id", "filename", "purpose", "bytes", "path")
         with self._tx() as conn:
@@ -879,7 +880,7 @@ class JobStore:
             self._remember(conn, idempotency, row["id"])
         return self.get_file(row["id"])
 
-    def claim_file_validation(self, lease_s: float) -> dict | None:
+    def claim_file_validation(self, lease_s: float) -> FileRecord | None:
         """An upload waiting for validation, now this caller's for `lease_s` seconds (an API
         host that dies meanwhile leaves it to another, or to its own restart)."""
         free = sa.or_(files.c.validating_until.is_(None), files.c.validating_until < self.db_now())
@@ -899,7 +900,7 @@ class JobStore:
                 .where(files.c.id == row["id"])
                 .values(validating_until=self.db_now() + lease_s)
             )
-        return dict(row)
+        return FileRecord.from_row(row)
 
     def finish_file_validation(
         self,
@@ -920,17 +921,18 @@ class JobStore:
             pending = sa.and_(files.c.id == file_id, files.c.status == "uploaded")
             return bool(conn.execute(files.update().where(pending).values(**changes)).rowcount)
 
-    def get_file(self, file_id: str) -> dict | None:
-        return self._one(sa.select(files).where(files.c.id == file_id))
+    def get_file(self, file_id: str) -> FileRecord | None:
+        return _record(FileRecord, self._one(sa.select(files).where(files.c.id == file_id)))
 
     def file_ids(self) -> set[str]:
         return {r["id"] for r in self._all(sa.select(files.c.id))}
 
     def list_files(
         self, after, limit, order, purpose=None, owner: str | None = None
-    ) -> tuple[list[dict], bool]:
+    ) -> tuple[list[FileRecord], bool]:
         where = [files.c.purpose == purpose] if purpose else []
-        return self._page(files, after, limit, order, *where, *_visible_to(files, owner))
+        visible = _visible_to(files, owner)
+        return self._page(files, after, limit, order, *where, *visible, decode=FileRecord.from_row)
 
     def delete_file(self, file_id: str) -> str:
         """'deleted', 'missing', or 'in_use' when an active fine-tune still reads it."""
@@ -1020,9 +1022,11 @@ class JobStore:
     def checkpoints(self, job_id: str, after: str | None, limit: int) -> tuple[list[dict], bool]:
         return self._page(checkpoints, after, limit, "desc", checkpoints.c.job_id == job_id)
 
-    def models(self) -> list[dict]:
+    def models(self) -> list[ModelRecord]:
         """Fine-tuned models, in the order they were made."""
-        return self._all(sa.select(models).order_by(models.c.seq))
+        return [
+            ModelRecord.from_row(r) for r in self._all(sa.select(models).order_by(models.c.seq))
+        ]
 
     # --- fine-tunes: a worker's side ---------------------------------------------------------
 
@@ -1226,6 +1230,11 @@ class JobStore:
         with self._tx() as conn:
             held = sa.and_(fine_tunes.c.id == job_id, fine_tunes.c.lease_token == token)
             self._requeue_finetunes(conn, held, reason)
+
+
+def _record(cls, row: dict | None):
+    """`cls.from_row(row)`, or None for no row."""
+    return cls.from_row(row) if row is not None else None
 
 
 def _visible_to(table: sa.Table, owner: str | None) -> list:

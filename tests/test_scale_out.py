@@ -186,7 +186,7 @@ def test_a_worker_killed_mid_finetune_is_resumed_by_the_other_to_the_same_weight
     )
     assert f.status_code == 200, f.text
     deadline = time.monotonic() + JOB_TIMEOUT_S
-    while cluster.store.get_file(f.json()["id"])["status"] == "uploaded":  # the API validates it
+    while cluster.store.get_file(f.json()["id"]).status == "uploaded":  # the API validates it
         assert time.monotonic() < deadline
         time.sleep(0.1)
     killed = finetune(cluster, f.json()["id"])

@@ -433,7 +433,7 @@ def test_finetune_lifecycle_registers_its_model_once(store):
     model = {"name": "ft:m:s:1", "parent": "m", "path": "models/ftjob-1"}
     assert store.finish_finetune("ftjob-1", token, "succeeded", model=model)
     assert not store.finish_finetune("ftjob-1", token, "succeeded", model=model)
-    assert [m["name"] for m in store.models()] == ["ft:m:s:1"]
+    assert [m.name for m in store.models()] == ["ft:m:s:1"]
     events, _ = store.finetune_events("ftjob-1", None, 100)
     assert [e["type"] for e in events][:2] == ["message", "metrics"]
     assert len(store.checkpoints("ftjob-1", None, 10)[0]) == 1
@@ -510,26 +510,26 @@ def test_lists_show_an_owner_its_own_rows_and_the_unowned_ones(store):
     job = store.claim_finetune("w1", ["m"], lease_s=LEASE)
     model = {"name": "ft:m:s:1", "parent": "m", "path": "models/ftjob-1"}
     store.finish_finetune("ftjob-1", job["lease_token"], "succeeded", model=model)
-    assert store.models()[0]["owner"] == "bob"  # the model is its job owner's
+    assert store.models()[0].owner == "bob"  # the model is its job owner's
 
 
 def test_an_upload_is_validated_after_it_returns_by_one_host_at_a_time(store):
     upload = {"filename": "d.zip", "purpose": "fine-tune", "bytes": 3, "owner": "alice"}
     store.insert_file({**upload, "id": "file-1", "path": "files/file-1/upload"})
     store.insert_file({**upload, "id": "file-2", "path": "files/file-2/upload"})
-    assert store.get_file("file-1")["status"] == "uploaded"
+    assert store.get_file("file-1").status == "uploaded"
     first = store.claim_file_validation(lease_s=0.3)
     second = store.claim_file_validation(lease_s=0.3)
-    assert (first["id"], second["id"]) == ("file-1", "file-2")
+    assert (first.id, second.id) == ("file-1", "file-2")
     assert store.claim_file_validation(lease_s=0.3) is None  # both held
     assert store.finish_file_validation("file-1", clips=7)
     time.sleep(0.5)  # the host validating file-2 died: another takes it
-    assert store.claim_file_validation(lease_s=60)["id"] == "file-2"
+    assert store.claim_file_validation(lease_s=60).id == "file-2"
     assert store.finish_file_validation("file-2", error="metadata.jsonl line 3: no file")
     assert not store.finish_file_validation("file-2", clips=1)  # validated once
     one, two = store.get_file("file-1"), store.get_file("file-2")
-    assert (one["status"], one["clips"]) == ("processed", 7)
-    assert (two["status"], two["status_details"]) == ("error", "metadata.jsonl line 3: no file")
+    assert (one.status, one.clips) == ("processed", 7)
+    assert (two.status, two.status_details) == ("error", "metadata.jsonl line 3: no file")
 
 
 def test_pages_in_both_orders(store):

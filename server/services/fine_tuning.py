@@ -124,25 +124,25 @@ class FineTuning:
 
     async def _check_training_file(self, file_id: str, principal: Principal) -> None:
         """The training file must be the principal's, validated, and meant for fine-tuning."""
-        row = await self.store.get_file(file_id)
-        if row is None or not principal.may_see(row["owner"]):
+        file = await self.store.get_file(file_id)
+        if file is None or not principal.may_see(file.owner):
             raise NotFound(f"No such File object: {file_id}", param="training_file")
-        if row["status"] == "uploaded":
+        if file.status == "uploaded":
             raise InvalidRequest(
                 f"file {file_id} is still being validated; create the job once its "
                 "status is processed (GET /v1/files/{id})",
                 param="training_file",
                 code="file_not_ready",
             )
-        if row["status"] == "error":
+        if file.status == "error":
             raise InvalidRequest(
-                f"file {file_id} failed validation: {row['status_details']}",
+                f"file {file_id} failed validation: {file.status_details}",
                 param="training_file",
                 code="invalid_file",
             )
-        if row["purpose"] != "fine-tune":
+        if file.purpose != "fine-tune":
             raise InvalidRequest(
-                f"file {file_id} was uploaded with purpose {row['purpose']!r}, not 'fine-tune'",
+                f"file {file_id} was uploaded with purpose {file.purpose!r}, not 'fine-tune'",
                 param="training_file",
             )
 

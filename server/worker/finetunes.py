@@ -142,7 +142,7 @@ class FineTunes:
                 raise ValueError(f"training file {row['training_file']} was deleted")
             job = FinetuneJob(
                 base=base,
-                data_dir=ctx.data.resolve(file_row["path"]),
+                data_dir=ctx.data.resolve(file_row.path),
                 spec=finetune_spec(
                     hyper,
                     output=ctx.data.resolve(row["output_dir"]),

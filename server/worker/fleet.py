@@ -148,8 +148,8 @@ class Fleet(WorkerClient):
         bases = {card.name: card for card in self.base_cards(fresh)}
         fine_tuned = []
         for row in self.store.models() if self.store is not None else []:
-            parent = bases.get(row["parent"]) or next(
-                (c for c in fine_tuned if c.name == row["parent"]), None
+            parent = bases.get(row.parent) or next(
+                (c for c in fine_tuned if c.name == row.parent), None
             )
             if parent is not None:
                 fine_tuned.append(fine_tuned_card(row, parent))

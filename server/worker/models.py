@@ -4,6 +4,7 @@ takes up as they come and routes jobs by."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -13,6 +14,7 @@ from pathlib import Path
 
 from ..backend import VideoModel
 from ..protocol import ModelCard, card_to_dict
+from ..records import ModelRecord
 from .context import WorkerContext
 
 log = logging.getLogger("megaslide.server")
@@ -47,8 +49,8 @@ class Models:
         """The model names this worker runs jobs for: its own, and fine-tunes made from them."""
         names = list(self.cards)
         for row in self.ctx.store.models():
-            if row["parent"] in names:
-                names.append(row["name"])
+            if row.parent in names:
+                names.append(row.name)
         return names
 
     def card(self, name: str) -> ModelCard:
@@ -57,11 +59,12 @@ class Models:
             return self.cards[name]
         if name not in self._ft_cards:
             ctx = self.ctx
-            row = next((r for r in ctx.store.models() if r["name"] == name), None)
-            if row is None or row["parent"] not in self.cards:
+            row = next((r for r in ctx.store.models() if r.name == name), None)
+            if row is None or row.parent not in self.cards:
                 raise ValueError(f"model {name!r} is not served by worker {ctx.name}")
-            parent = self.cards[row["parent"]]
-            card = fine_tuned_card({**row, "path": str(ctx.data.resolve(row["path"]))}, parent)
+            parent = self.cards[row.parent]
+            resolved = dataclasses.replace(row, path=str(ctx.data.resolve(row.path)))
+            card = fine_tuned_card(resolved, parent)
             self._ft_cards[name] = ctx.backend.fine_tuned_card(name, parent, Path(card.source))
         return self._ft_cards[name]
 
@@ -148,13 +151,13 @@ class Models:
         return not missing & elsewhere
 
 
-def fine_tuned_card(row: dict, parent: ModelCard) -> ModelCard:
-    """The card of a fine-tuned model (a `models` row): its parent's limits under its own name."""
+def fine_tuned_card(model: ModelRecord, parent: ModelCard) -> ModelCard:
+    """The card of a fine-tuned model: its parent's limits under its own name."""
     return parent.replace(
-        name=row["name"],
+        name=model.name,
         kind="fine-tune",
         parent=parent.name,
-        source=row["path"],
-        created=row["created_at"],
-        owner=row.get("owner"),
+        source=model.path,
+        created=model.created_at,
+        owner=model.owner,
     )
