@@ -32,6 +32,7 @@ disk or a busy lock never stalls the event loop.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import functools
 import json
@@ -47,7 +48,7 @@ from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy.dialects import postgresql, sqlite
 
-from .records import FileRecord, ModelRecord
+from .records import FileRecord, FineTuneRecord, ModelRecord, VideoRecord, WorkerRecord
 from .settings import DEFAULT_CRASH_LIMIT
 from .tables import checkpoints, events, files, fine_tunes, idempotency, models, videos, workers
 
@@ -247,10 +248,12 @@ class JobStore:
 
     # --- workers -----------------------------------------------------------------------------
 
-    def worker(self, name: str) -> dict | None:
+    def worker(self, name: str) -> WorkerRecord | None:
         """A worker's registration, with `age_s`: seconds since its last heartbeat."""
         age = (self.db_now() - workers.c.heartbeat_at).label("age_s")
-        return self._one(sa.select(workers, age).where(workers.c.name == name))
+        return _record(
+            WorkerRecord, self._one(sa.select(workers, age).where(workers.c.name == name))
+        )
 
     def register_worker(
         self,
@@ -352,14 +355,11 @@ class JobStore:
         with self._tx() as conn:
             conn.execute(workers.delete().where(workers.c.name == name, workers.c.token == token))
 
-    def live_workers(self, ttl_s: float) -> list[dict]:
+    def live_workers(self, ttl_s: float) -> list[WorkerRecord]:
         """Workers heard from within `ttl_s` seconds, oldest registration first."""
         fresh = workers.c.heartbeat_at >= self.db_now() - ttl_s
         rows = self._all(sa.select(workers).where(fresh).order_by(workers.c.started_at))
-        for row in rows:
-            row["models"] = json.loads(row["models"])
-            row["metrics"] = json.loads(row["metrics"]) if row["metrics"] else None
-        return rows
+        return [WorkerRecord.from_row(row) for row in rows]
 
     def recover_expired(self) -> dict[str, int]:
         """Requeue running jobs whose lease expired (their worker stopped renewing it); a job
@@ -599,7 +599,7 @@ class JobStore:
         priority: int = 0,
         idempotency=None,
         owner: str | None = None,
-    ) -> dict:
+    ) -> VideoRecord:
         """Queue a resolved video request (`ResolvedVideo.to_dict()`) for `owner`."""
         with self._tx() as conn:
             conn.execute(
@@ -618,13 +618,14 @@ class JobStore:
             self._remember(conn, idempotency, video_id)
         return self.get_video(video_id)
 
-    def get_video(self, video_id: str) -> dict | None:
-        return self._one(GET_VIDEO, {"video_id": video_id})
+    def get_video(self, video_id: str) -> VideoRecord | None:
+        return _record(VideoRecord, self._one(GET_VIDEO, {"video_id": video_id}))
 
     def list_videos(
         self, after: str | None, limit: int, order: str, owner: str | None = None
-    ) -> tuple[list[dict], bool]:
-        return self._page(videos, after, limit, order, *_visible_to(videos, owner))
+    ) -> tuple[list[VideoRecord], bool]:
+        visible = _visible_to(videos, owner)
+        return self._page(videos, after, limit, order, *visible, decode=VideoRecord.from_row)
 
     @staticmethod
     def _queue_order(stmt: sa.Select) -> sa.Select:
@@ -725,18 +726,18 @@ class JobStore:
         worker: str,
         served: list[str],
         room: int,
-        batch_key: Callable[[dict], Hashable],
+        batch_key: Callable[[VideoRecord], Hashable],
         running_key: Hashable | None = None,
         *,
         lease_s: float,
-        runnable: Callable[[dict], bool] | None = None,
-    ) -> list[dict]:
+        runnable: Callable[[VideoRecord], bool] | None = None,
+    ) -> list[VideoRecord]:
         """Claim up to `room` queued videos of the `served` models, in queue order, that can
         share a pass with the running batch (`batch_key(row) == running_key`, or with the first
         claimed when nothing runs). Stops at the first that cannot: a later compatible job never
         overtakes an earlier one. Rows `runnable` refuses (jobs this worker cannot run yet, such
         as one naming an adapter it has not registered) are passed over, left to other workers,
-        among the next `CLAIM_LOOKAHEAD`. Each row comes back in progress, with its
+        among the next `CLAIM_LOOKAHEAD`. Each video comes back in progress, with its
         `lease_token`."""
         if room <= 0 or not served:
             return []
@@ -748,9 +749,10 @@ class JobStore:
             for row in conn.execute(stmt).mappings().all():
                 if len(claimed) == room:
                     break
-                if runnable is not None and not runnable(dict(row)):
+                video = VideoRecord.from_row(row)
+                if runnable is not None and not runnable(video):
                     continue
-                key = batch_key(dict(row))
+                key = batch_key(video)
                 if running_key is None:
                     running_key = key
                 elif key != running_key:
@@ -758,7 +760,7 @@ class JobStore:
                 token = new_token()
                 conn.execute(
                     videos.update()
-                    .where(videos.c.id == row["id"])
+                    .where(videos.c.id == video.id)
                     .values(
                         status="in_progress",
                         progress=0,
@@ -771,15 +773,17 @@ class JobStore:
                     )
                 )
                 data = {"status": "in_progress", "progress": 0, "step": 0}
-                self._event(conn, row["id"], "video.in_progress", data=data)
+                self._event(conn, video.id, "video.in_progress", data=data)
                 claimed.append(
-                    {
-                        **row,
-                        "status": "in_progress",
-                        "attempts": row["attempts"] + 1,
-                        "worker_id": worker,
-                        "lease_token": token,
-                    }
+                    dataclasses.replace(
+                        video,
+                        status="in_progress",
+                        progress=0,
+                        step=0,
+                        attempts=video.attempts + 1,
+                        worker_id=worker,
+                        lease_token=token,
+                    )
                 )
         return claimed
 
@@ -965,7 +969,7 @@ class JobStore:
 
     # --- fine-tunes: the API's side ----------------------------------------------------------
 
-    def insert_finetune(self, row: dict, idempotency=None) -> dict:
+    def insert_finetune(self, row: dict, idempotency=None) -> FineTuneRecord:
         keys = ("id", "model", "training_file", "seed", "suffix", "output_dir")
         with self._tx() as conn:
             conn.execute(
@@ -981,13 +985,15 @@ class JobStore:
             self._remember(conn, idempotency, row["id"])
         return self.get_finetune(row["id"])
 
-    def get_finetune(self, job_id: str) -> dict | None:
-        return self._one(sa.select(fine_tunes).where(fine_tunes.c.id == job_id))
+    def get_finetune(self, job_id: str) -> FineTuneRecord | None:
+        row = self._one(sa.select(fine_tunes).where(fine_tunes.c.id == job_id))
+        return _record(FineTuneRecord, row)
 
     def list_finetunes(
         self, after, limit, order="desc", owner: str | None = None
-    ) -> tuple[list[dict], bool]:
-        return self._page(fine_tunes, after, limit, order, *_visible_to(fine_tunes, owner))
+    ) -> tuple[list[FineTuneRecord], bool]:
+        visible = _visible_to(fine_tunes, owner)
+        return self._page(fine_tunes, after, limit, order, *visible, decode=FineTuneRecord.from_row)
 
     def cancel_finetune(self, job_id: str) -> str | None:
         """Cancel a queued job now or flag a running one; returns the status after."""
@@ -1030,8 +1036,10 @@ class JobStore:
 
     # --- fine-tunes: a worker's side ---------------------------------------------------------
 
-    def claim_finetune(self, worker: str, served: list[str], *, lease_s: float) -> dict | None:
-        """Claim the oldest queued fine-tune of a `served` model: the row, running, with its
+    def claim_finetune(
+        self, worker: str, served: list[str], *, lease_s: float
+    ) -> FineTuneRecord | None:
+        """Claim the oldest queued fine-tune of a `served` model: the job, running, with its
         `lease_token` and `attempts` (1 = a first run, more = resume from a checkpoint)."""
         if not served:
             return None
@@ -1058,14 +1066,10 @@ class JobStore:
                     lease_expires_at=self.db_now() + lease_s,
                 )
             )
-        attempts = row["attempts"] + 1
-        return {
-            **row,
-            "status": "running",
-            "attempts": attempts,
-            "worker_id": worker,
-            "lease_token": token,
-        }
+        job = FineTuneRecord.from_row(row)
+        return dataclasses.replace(
+            job, status="running", attempts=job.attempts + 1, worker_id=worker, lease_token=token
+        )
 
     @contextlib.contextmanager
     def fenced_finetune(self, job_id: str, token: str) -> Iterator[None]:
@@ -1257,7 +1261,7 @@ class AsyncStore:
         self.sync = store
         self._inline_reads = store.dialect == "sqlite"
 
-    async def get_video(self, video_id: str) -> dict | None:
+    async def get_video(self, video_id: str) -> VideoRecord | None:
         if self._inline_reads:
             return self.sync.get_video(video_id)
         return await anyio.to_thread.run_sync(self.sync.get_video, video_id)

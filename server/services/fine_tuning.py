@@ -11,6 +11,7 @@ from ..auth import Principal
 from ..datadir import DataDir
 from ..errors import InvalidRequest, NotFound
 from ..protocol import ModelCard, WorkerClient
+from ..records import FineTuneRecord
 from ..schemas import (
     FineTuningJob,
     FineTuningJobCreate,
@@ -98,7 +99,7 @@ class FineTuning:
         )
         hyper = resolve_hyperparameters(hyper_in, card, self.settings)
 
-        async def insert(idempotency) -> dict:
+        async def insert(idempotency) -> FineTuneRecord:
             await admit(self.store, self.workers, self.settings, principal)
             job_id = new_id("ftjob-")
             seed = body.seed if body.seed is not None else secrets.randbelow(2**RANDOM_SEED_BITS)
@@ -146,14 +147,14 @@ class FineTuning:
                 param="training_file",
             )
 
-    async def find(self, job_id: str, principal: Principal) -> dict:
-        """The job's row, if `principal` may see it; another key's answers 404 as if absent."""
-        row = await self.store.get_finetune(job_id)
-        if row is None or not principal.may_see(row["owner"]):
+    async def find(self, job_id: str, principal: Principal) -> FineTuneRecord:
+        """The job, if `principal` may see it; another key's answers 404 as if absent."""
+        job = await self.store.get_finetune(job_id)
+        if job is None or not principal.may_see(job.owner):
             raise NotFound(
                 f"No fine-tuning job found with id {job_id!r}", param="fine_tuning_job_id"
             )
-        return row
+        return job
 
     async def retrieve(self, job_id: str, principal: Principal) -> FineTuningJob:
         return finetune_object(await self.find(job_id, principal))
@@ -170,16 +171,16 @@ class FineTuning:
         "already cancelled"."""
 
         async def work() -> FineTuningJob:
-            row = await self.find(job_id, principal)
-            if row["status"] in ("succeeded", "failed", "cancelled"):
+            job = await self.find(job_id, principal)
+            if job.status in ("succeeded", "failed", "cancelled"):
                 raise InvalidRequest(
-                    f"fine-tuning job {job_id} already {row['status']}",
+                    f"fine-tuning job {job_id} already {job.status}",
                     param="fine_tuning_job_id",
                     code="job_not_cancellable",
                 )
 
             async def cancelled() -> bool:
-                return (await self.store.get_finetune(job_id))["status"] == "cancelled"
+                return (await self.store.get_finetune(job_id)).status == "cancelled"
 
             if await self.store.cancel_finetune(job_id) == "running":
                 self.workers.wake()

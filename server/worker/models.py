@@ -5,7 +5,6 @@ takes up as they come and routes jobs by."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 import time
@@ -14,7 +13,7 @@ from pathlib import Path
 
 from ..backend import VideoModel
 from ..protocol import ModelCard, card_to_dict
-from ..records import ModelRecord
+from ..records import ModelRecord, VideoRecord
 from .context import WorkerContext
 
 log = logging.getLogger("megaslide.server")
@@ -125,27 +124,27 @@ class Models:
             ctx.store.publish_cards(ctx.name, ctx.token, self.published())
         return False
 
-    def runnable(self, row: dict) -> bool:
+    def runnable(self, row: VideoRecord) -> bool:
         """Whether this worker can take the queued video `row` now: not while it names an
         adapter uploaded here but not yet taken up (the scan runs at the next tick), or one
         another live worker has and this one does not. One that no worker has is taken, to
         fail naming the adapter."""
-        names = {c["name"] for c in json.loads(row["spec"]).get("loras") or ()}
-        card = self.cards.get(row["model"])
+        names = {c["name"] for c in row.spec.get("loras") or ()}
+        card = self.cards.get(row.model)
         missing = names - {a["name"] for a in card.adapters} if card is not None else set()
         if not missing:
             return True
         ctx = self.ctx
-        folder = ctx.data.adapters(row["model"])
+        folder = ctx.data.adapters(row.model)
         if any(folder.file(n).exists() and folder.error(n) is None for n in missing):
             self.last_adapter_scan = -math.inf  # take it up at once
             return False
         elsewhere = {
             a["name"]
             for w in ctx.store.live_workers(ctx.settings.lease_s)
-            if w["name"] != ctx.name and not w["dead"]
-            for c in w["models"]
-            if c["name"] == row["model"]
+            if w.name != ctx.name and not w.dead
+            for c in w.models
+            if c["name"] == row.model
             for a in c.get("adapters") or ()
         }
         return not missing & elsewhere
