@@ -25,8 +25,8 @@ Events of one job keep their order across hosts: every transaction that appends 
 (and so locks) the job's row, so two writers to one job commit one after the other and its event
 numbers grow in commit order, which is what a reader resuming "after event N" relies on.
 
-Async routes reach the store through `AsyncStore`, which runs each call in a worker thread: a slow
-disk or a busy lock never stalls the event loop.
+Async routes reach the store through `AsyncStore`, which runs each call it lists in a worker
+thread: a slow disk or a busy lock never stalls the event loop.
 """
 
 from __future__ import annotations
@@ -38,8 +38,9 @@ import functools
 import json
 import secrets
 import time
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Awaitable, Callable, Hashable, Iterator
 from pathlib import Path
+from typing import Concatenate, Generic, ParamSpec, TypeVar
 
 import anyio
 import sqlalchemy as sa
@@ -63,6 +64,10 @@ ABANDONED_KEY_S = 600  # a reserved key whose request did not finish in this lon
 MIGRATIONS = Path(__file__).parent / "migrations"
 BASELINE = "0001"  # the schema data directories had before migrations existed
 MIGRATION_LOCK = 0x6D6567615F6462  # PostgreSQL advisory lock: one migrating process at a time
+
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 def now() -> int:
@@ -1248,9 +1253,27 @@ def _visible_to(table: sa.Table, owner: str | None) -> list:
     return [sa.or_(table.c.owner == owner, table.c.owner.is_(None))]
 
 
+class _InThread(Generic[P, R]):
+    """`AsyncStore.<name>`: `await`s `JobStore.<name>` run in a worker thread, with the sync
+    method's signature (the ParamSpec carries it to type checkers)."""
+
+    def __init__(self, method: Callable[Concatenate[JobStore, P], R]):
+        self.name = method.__name__
+
+    def __get__(self, store: AsyncStore, owner: type) -> Callable[P, Awaitable[R]]:
+        # Looked up on the instance at each call, so a method patched on it (a test's) is used.
+        method = getattr(store.sync, self.name)
+
+        async def call(*args: P.args, **kwargs: P.kwargs) -> R:
+            return await anyio.to_thread.run_sync(functools.partial(method, *args, **kwargs))
+
+        return call
+
+
 class AsyncStore:
-    """The job store for async code: `await store.get_video(id)` runs `JobStore.get_video` in a
-    worker thread, so the event loop goes on serving other requests meanwhile.
+    """The job store for async code: `await store.get_file(id)` runs `JobStore.get_file` in a
+    worker thread, so the event loop goes on serving other requests meanwhile. The calls async
+    code makes are listed here, each once.
 
     Except a video's status read on SQLite, the one read clients repeat back to back: it runs
     on the event loop itself. A WAL-mode reader never waits for the writer, and the read takes
@@ -1266,13 +1289,36 @@ class AsyncStore:
             return self.sync.get_video(video_id)
         return await anyio.to_thread.run_sync(self.sync.get_video, video_id)
 
-    def __getattr__(self, name: str):
-        method = getattr(self.sync, name)
-
-        async def call(*args, **kwargs):
-            return await anyio.to_thread.run_sync(functools.partial(method, *args, **kwargs))
-
-        return call
+    # videos
+    insert_video = _InThread(JobStore.insert_video)
+    list_videos = _InThread(JobStore.list_videos)
+    cancel_video = _InThread(JobStore.cancel_video)
+    delete_video = _InThread(JobStore.delete_video)
+    queue_position = _InThread(JobStore.queue_position)
+    queue_positions = _InThread(JobStore.queue_positions)
+    videos_naming_adapter = _InThread(JobStore.videos_naming_adapter)
+    # events
+    events_after = _InThread(JobStore.events_after)
+    events_since = _InThread(JobStore.events_since)
+    # fine-tunes
+    insert_finetune = _InThread(JobStore.insert_finetune)
+    get_finetune = _InThread(JobStore.get_finetune)
+    list_finetunes = _InThread(JobStore.list_finetunes)
+    cancel_finetune = _InThread(JobStore.cancel_finetune)
+    finetune_events = _InThread(JobStore.finetune_events)
+    checkpoints = _InThread(JobStore.checkpoints)
+    # files
+    insert_file = _InThread(JobStore.insert_file)
+    get_file = _InThread(JobStore.get_file)
+    list_files = _InThread(JobStore.list_files)
+    delete_file = _InThread(JobStore.delete_file)
+    # queue and idempotency keys
+    queue_depth = _InThread(JobStore.queue_depth)
+    queue_depth_by_model = _InThread(JobStore.queue_depth_by_model)
+    counts_by_state = _InThread(JobStore.counts_by_state)
+    reserve_key = _InThread(JobStore.reserve_key)
+    release_key = _InThread(JobStore.release_key)
+    record_response = _InThread(JobStore.record_response)
 
 
 __all__ = [
