@@ -23,6 +23,7 @@ from megaslide.engine.request import (
 
 from .plain_text import NUL, NUL_MESSAGE
 from .protocol import ModelCard
+from .records import FileRecord, FineTuneRecord, VideoRecord
 
 T = TypeVar("T")
 
@@ -279,22 +280,22 @@ def seconds_text(frames: int, fps: int) -> str:
     return f"{frames / fps:g}"
 
 
-def video_object(row: dict) -> Video:
-    spec = json.loads(row["spec"])
+def video_object(video: VideoRecord) -> Video:
+    spec = video.spec
     error = (
-        VideoError(code=row["error_code"], message=row["error_message"])
-        if row["error_message"]
+        VideoError(code=video.error_code, message=video.error_message)
+        if video.error_message
         else None
     )
     return Video(
-        id=row["id"],
-        status=row["status"],
-        progress=row["progress"],
-        created_at=row["created_at"],
-        completed_at=row["completed_at"],
-        expires_at=row["expires_at"],
+        id=video.id,
+        status=video.status,
+        progress=video.progress,
+        created_at=video.created_at,
+        completed_at=video.completed_at,
+        expires_at=video.expires_at,
         error=error,
-        model=row["model"],
+        model=video.model,
         prompt=spec["prompt"],
         seconds=seconds_text(spec["frames"], spec["fps"]),
         size=f"{spec['width']}x{spec['height']}",
@@ -304,10 +305,10 @@ def video_object(row: dict) -> Video:
         num_inference_steps=spec["steps"],
         guidance_scale=spec["guidance"],
         negative_prompt=spec["negative_prompt"],
-        priority=row["priority"],
-        step=row["step"],
+        priority=video.priority,
+        step=video.step,
         cache=spec.get("cache"),
-        passes=row["step"] if row.get("passes") is None else row["passes"],
+        passes=video.step if video.passes is None else video.passes,
         loras=spec.get("loras") or [],
     )
 
@@ -337,16 +338,16 @@ class FileDeleted(BaseModel):
     deleted: bool
 
 
-def file_object(row: dict) -> FileObject:
+def file_object(file: FileRecord) -> FileObject:
     return FileObject(
-        id=row["id"],
-        bytes=row["bytes"],
-        created_at=row["created_at"],
-        filename=row["filename"],
-        purpose=row["purpose"],
-        status=row["status"],
-        status_details=row["status_details"],
-        clips=row["clips"],
+        id=file.id,
+        bytes=file.bytes,
+        created_at=file.created_at,
+        filename=file.filename,
+        purpose=file.purpose,
+        status=file.status,
+        status_details=file.status_details,
+        clips=file.clips,
     )
 
 
@@ -454,29 +455,29 @@ class FineTuningJob(BaseModel):
     total_steps: int | None
 
 
-def finetune_object(row: dict) -> FineTuningJob:
-    hyper = json.loads(row["hyperparameters"])
+def finetune_object(job: FineTuneRecord) -> FineTuningJob:
+    hyper = job.hyperparameters
     public = {k: hyper[k] for k in ("n_epochs", "batch_size", "learning_rate_multiplier")}
     error = (
-        FineTuningError(code=row["error_code"], message=row["error_message"])
-        if row["error_message"]
+        FineTuningError(code=job.error_code, message=job.error_message)
+        if job.error_message
         else None
     )
     return FineTuningJob(
-        id=row["id"],
-        created_at=row["created_at"],
+        id=job.id,
+        created_at=job.created_at,
         error=error,
-        fine_tuned_model=row["fine_tuned_model"],
-        finished_at=row["finished_at"],
+        fine_tuned_model=job.fine_tuned_model,
+        finished_at=job.finished_at,
         hyperparameters=public,
         method={"type": "supervised", "supervised": {"hyperparameters": public}},
-        model=row["model"],
-        seed=row["seed"],
-        status=row["status"],
-        training_file=row["training_file"],
-        suffix=row["suffix"],
-        step=row["step"],
-        total_steps=row["total_steps"],
+        model=job.model,
+        seed=job.seed,
+        status=job.status,
+        training_file=job.training_file,
+        suffix=job.suffix,
+        step=job.step,
+        total_steps=job.total_steps,
     )
 
 
@@ -511,8 +512,10 @@ class Checkpoint(BaseModel):
     step_number: int
 
 
-def checkpoint_object(row: dict, job: dict) -> Checkpoint:
-    name = f"ft:{job['model']}:{job['suffix'] or ''}:{job['id'].removeprefix('ftjob-')}:ckpt-step-{row['step']}"
+def checkpoint_object(row: dict, job: FineTuneRecord) -> Checkpoint:
+    name = (
+        f"ft:{job.model}:{job.suffix or ''}:{job.id.removeprefix('ftjob-')}:ckpt-step-{row['step']}"
+    )
     return Checkpoint(
         id=row["id"],
         created_at=row["created_at"],

@@ -25,20 +25,22 @@ Events of one job keep their order across hosts: every transaction that appends 
 (and so locks) the job's row, so two writers to one job commit one after the other and its event
 numbers grow in commit order, which is what a reader resuming "after event N" relies on.
 
-Async routes reach the store through `AsyncStore`, which runs each call in a worker thread: a slow
-disk or a busy lock never stalls the event loop.
+Async routes reach the store through `AsyncStore`, which runs each call it lists in a worker
+thread: a slow disk or a busy lock never stalls the event loop.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import functools
 import json
 import secrets
 import time
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Awaitable, Callable, Hashable, Iterator
 from pathlib import Path
+from typing import Concatenate, Generic, ParamSpec, TypeVar
 
 import anyio
 import sqlalchemy as sa
@@ -47,6 +49,7 @@ from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy.dialects import postgresql, sqlite
 
+from .records import FileRecord, FineTuneRecord, ModelRecord, VideoRecord, WorkerRecord
 from .settings import DEFAULT_CRASH_LIMIT
 from .tables import checkpoints, events, files, fine_tunes, idempotency, models, videos, workers
 
@@ -61,6 +64,10 @@ ABANDONED_KEY_S = 600  # a reserved key whose request did not finish in this lon
 MIGRATIONS = Path(__file__).parent / "migrations"
 BASELINE = "0001"  # the schema data directories had before migrations existed
 MIGRATION_LOCK = 0x6D6567615F6462  # PostgreSQL advisory lock: one migrating process at a time
+
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 def now() -> int:
@@ -246,10 +253,12 @@ class JobStore:
 
     # --- workers -----------------------------------------------------------------------------
 
-    def worker(self, name: str) -> dict | None:
+    def worker(self, name: str) -> WorkerRecord | None:
         """A worker's registration, with `age_s`: seconds since its last heartbeat."""
         age = (self.db_now() - workers.c.heartbeat_at).label("age_s")
-        return self._one(sa.select(workers, age).where(workers.c.name == name))
+        return _record(
+            WorkerRecord, self._one(sa.select(workers, age).where(workers.c.name == name))
+        )
 
     def register_worker(
         self,
@@ -351,14 +360,11 @@ class JobStore:
         with self._tx() as conn:
             conn.execute(workers.delete().where(workers.c.name == name, workers.c.token == token))
 
-    def live_workers(self, ttl_s: float) -> list[dict]:
+    def live_workers(self, ttl_s: float) -> list[WorkerRecord]:
         """Workers heard from within `ttl_s` seconds, oldest registration first."""
         fresh = workers.c.heartbeat_at >= self.db_now() - ttl_s
         rows = self._all(sa.select(workers).where(fresh).order_by(workers.c.started_at))
-        for row in rows:
-            row["models"] = json.loads(row["models"])
-            row["metrics"] = json.loads(row["metrics"]) if row["metrics"] else None
-        return rows
+        return [WorkerRecord.from_row(row) for row in rows]
 
     def recover_expired(self) -> dict[str, int]:
         """Requeue running jobs whose lease expired (their worker stopped renewing it); a job
@@ -575,8 +581,8 @@ class JobStore:
         return out
 
     def _page(
-        self, table: sa.Table, after: str | None, limit: int, order: str, *where
-    ) -> tuple[list[dict], bool]:
+        self, table: sa.Table, after: str | None, limit: int, order: str, *where, decode=dict
+    ) -> tuple[list, bool]:
         """A page of `table` in creation order and whether more follow; `after` is an id, found
         among the rows `where` allows only (another owner's id pages like an unknown one, so a
         cursor cannot tell whether it exists)."""
@@ -587,7 +593,7 @@ class JobStore:
             stmt = stmt.where(table.c.seq < cursor if descending else table.c.seq > cursor)
         stmt = stmt.order_by(table.c.seq.desc() if descending else table.c.seq).limit(limit + 1)
         rows = self._all(stmt)
-        return rows[:limit], len(rows) > limit
+        return [decode(r) for r in rows[:limit]], len(rows) > limit
 
     # --- videos: the API's side --------------------------------------------------------------
 
@@ -598,7 +604,7 @@ class JobStore:
         priority: int = 0,
         idempotency=None,
         owner: str | None = None,
-    ) -> dict:
+    ) -> VideoRecord:
         """Queue a resolved video request (`ResolvedVideo.to_dict()`) for `owner`."""
         with self._tx() as conn:
             conn.execute(
@@ -617,13 +623,14 @@ class JobStore:
             self._remember(conn, idempotency, video_id)
         return self.get_video(video_id)
 
-    def get_video(self, video_id: str) -> dict | None:
-        return self._one(GET_VIDEO, {"video_id": video_id})
+    def get_video(self, video_id: str) -> VideoRecord | None:
+        return _record(VideoRecord, self._one(GET_VIDEO, {"video_id": video_id}))
 
     def list_videos(
         self, after: str | None, limit: int, order: str, owner: str | None = None
-    ) -> tuple[list[dict], bool]:
-        return self._page(videos, after, limit, order, *_visible_to(videos, owner))
+    ) -> tuple[list[VideoRecord], bool]:
+        visible = _visible_to(videos, owner)
+        return self._page(videos, after, limit, order, *visible, decode=VideoRecord.from_row)
 
     @staticmethod
     def _queue_order(stmt: sa.Select) -> sa.Select:
@@ -724,18 +731,18 @@ class JobStore:
         worker: str,
         served: list[str],
         room: int,
-        batch_key: Callable[[dict], Hashable],
+        batch_key: Callable[[VideoRecord], Hashable],
         running_key: Hashable | None = None,
         *,
         lease_s: float,
-        runnable: Callable[[dict], bool] | None = None,
-    ) -> list[dict]:
+        runnable: Callable[[VideoRecord], bool] | None = None,
+    ) -> list[VideoRecord]:
         """Claim up to `room` queued videos of the `served` models, in queue order, that can
         share a pass with the running batch (`batch_key(row) == running_key`, or with the first
         claimed when nothing runs). Stops at the first that cannot: a later compatible job never
         overtakes an earlier one. Rows `runnable` refuses (jobs this worker cannot run yet, such
         as one naming an adapter it has not registered) are passed over, left to other workers,
-        among the next `CLAIM_LOOKAHEAD`. Each row comes back in progress, with its
+        among the next `CLAIM_LOOKAHEAD`. Each video comes back in progress, with its
         `lease_token`."""
         if room <= 0 or not served:
             return []
@@ -747,9 +754,10 @@ class JobStore:
             for row in conn.execute(stmt).mappings().all():
                 if len(claimed) == room:
                     break
-                if runnable is not None and not runnable(dict(row)):
+                video = VideoRecord.from_row(row)
+                if runnable is not None and not runnable(video):
                     continue
-                key = batch_key(dict(row))
+                key = batch_key(video)
                 if running_key is None:
                     running_key = key
                 elif key != running_key:
@@ -757,7 +765,7 @@ class JobStore:
                 token = new_token()
                 conn.execute(
                     videos.update()
-                    .where(videos.c.id == row["id"])
+                    .where(videos.c.id == video.id)
                     .values(
                         status="in_progress",
                         progress=0,
@@ -770,15 +778,17 @@ class JobStore:
                     )
                 )
                 data = {"status": "in_progress", "progress": 0, "step": 0}
-                self._event(conn, row["id"], "video.in_progress", data=data)
+                self._event(conn, video.id, "video.in_progress", data=data)
                 claimed.append(
-                    {
-                        **row,
-                        "status": "in_progress",
-                        "attempts": row["attempts"] + 1,
-                        "worker_id": worker,
-                        "lease_token": token,
-                    }
+                    dataclasses.replace(
+                        video,
+                        status="in_progress",
+                        progress=0,
+                        step=0,
+                        attempts=video.attempts + 1,
+                        worker_id=worker,
+                        lease_token=token,
+                    )
                 )
         return claimed
 
@@ -863,7 +873,7 @@ class JobStore:
 
     # --- files -------------------------------------------------------------------------------
 
-    def insert_file(self, row: dict, idempotency=None) -> dict:
+    def insert_file(self, row: dict, idempotency=None) -> FileRecord:
         """An upload, `uploaded` until validated (`claim_file_validation`)."""
         keys = ("id", "filename", "purpose", "bytes", "path")
         with self._tx() as conn:
@@ -879,7 +889,7 @@ class JobStore:
             self._remember(conn, idempotency, row["id"])
         return self.get_file(row["id"])
 
-    def claim_file_validation(self, lease_s: float) -> dict | None:
+    def claim_file_validation(self, lease_s: float) -> FileRecord | None:
         """An upload waiting for validation, now this caller's for `lease_s` seconds (an API
         host that dies meanwhile leaves it to another, or to its own restart)."""
         free = sa.or_(files.c.validating_until.is_(None), files.c.validating_until < self.db_now())
@@ -899,7 +909,7 @@ class JobStore:
                 .where(files.c.id == row["id"])
                 .values(validating_until=self.db_now() + lease_s)
             )
-        return dict(row)
+        return FileRecord.from_row(row)
 
     def finish_file_validation(
         self,
@@ -920,17 +930,18 @@ class JobStore:
             pending = sa.and_(files.c.id == file_id, files.c.status == "uploaded")
             return bool(conn.execute(files.update().where(pending).values(**changes)).rowcount)
 
-    def get_file(self, file_id: str) -> dict | None:
-        return self._one(sa.select(files).where(files.c.id == file_id))
+    def get_file(self, file_id: str) -> FileRecord | None:
+        return _record(FileRecord, self._one(sa.select(files).where(files.c.id == file_id)))
 
     def file_ids(self) -> set[str]:
         return {r["id"] for r in self._all(sa.select(files.c.id))}
 
     def list_files(
         self, after, limit, order, purpose=None, owner: str | None = None
-    ) -> tuple[list[dict], bool]:
+    ) -> tuple[list[FileRecord], bool]:
         where = [files.c.purpose == purpose] if purpose else []
-        return self._page(files, after, limit, order, *where, *_visible_to(files, owner))
+        visible = _visible_to(files, owner)
+        return self._page(files, after, limit, order, *where, *visible, decode=FileRecord.from_row)
 
     def delete_file(self, file_id: str) -> str:
         """'deleted', 'missing', or 'in_use' when an active fine-tune still reads it."""
@@ -963,7 +974,7 @@ class JobStore:
 
     # --- fine-tunes: the API's side ----------------------------------------------------------
 
-    def insert_finetune(self, row: dict, idempotency=None) -> dict:
+    def insert_finetune(self, row: dict, idempotency=None) -> FineTuneRecord:
         keys = ("id", "model", "training_file", "seed", "suffix", "output_dir")
         with self._tx() as conn:
             conn.execute(
@@ -979,13 +990,15 @@ class JobStore:
             self._remember(conn, idempotency, row["id"])
         return self.get_finetune(row["id"])
 
-    def get_finetune(self, job_id: str) -> dict | None:
-        return self._one(sa.select(fine_tunes).where(fine_tunes.c.id == job_id))
+    def get_finetune(self, job_id: str) -> FineTuneRecord | None:
+        row = self._one(sa.select(fine_tunes).where(fine_tunes.c.id == job_id))
+        return _record(FineTuneRecord, row)
 
     def list_finetunes(
         self, after, limit, order="desc", owner: str | None = None
-    ) -> tuple[list[dict], bool]:
-        return self._page(fine_tunes, after, limit, order, *_visible_to(fine_tunes, owner))
+    ) -> tuple[list[FineTuneRecord], bool]:
+        visible = _visible_to(fine_tunes, owner)
+        return self._page(fine_tunes, after, limit, order, *visible, decode=FineTuneRecord.from_row)
 
     def cancel_finetune(self, job_id: str) -> str | None:
         """Cancel a queued job now or flag a running one; returns the status after."""
@@ -1020,14 +1033,18 @@ class JobStore:
     def checkpoints(self, job_id: str, after: str | None, limit: int) -> tuple[list[dict], bool]:
         return self._page(checkpoints, after, limit, "desc", checkpoints.c.job_id == job_id)
 
-    def models(self) -> list[dict]:
+    def models(self) -> list[ModelRecord]:
         """Fine-tuned models, in the order they were made."""
-        return self._all(sa.select(models).order_by(models.c.seq))
+        return [
+            ModelRecord.from_row(r) for r in self._all(sa.select(models).order_by(models.c.seq))
+        ]
 
     # --- fine-tunes: a worker's side ---------------------------------------------------------
 
-    def claim_finetune(self, worker: str, served: list[str], *, lease_s: float) -> dict | None:
-        """Claim the oldest queued fine-tune of a `served` model: the row, running, with its
+    def claim_finetune(
+        self, worker: str, served: list[str], *, lease_s: float
+    ) -> FineTuneRecord | None:
+        """Claim the oldest queued fine-tune of a `served` model: the job, running, with its
         `lease_token` and `attempts` (1 = a first run, more = resume from a checkpoint)."""
         if not served:
             return None
@@ -1054,14 +1071,10 @@ class JobStore:
                     lease_expires_at=self.db_now() + lease_s,
                 )
             )
-        attempts = row["attempts"] + 1
-        return {
-            **row,
-            "status": "running",
-            "attempts": attempts,
-            "worker_id": worker,
-            "lease_token": token,
-        }
+        job = FineTuneRecord.from_row(row)
+        return dataclasses.replace(
+            job, status="running", attempts=job.attempts + 1, worker_id=worker, lease_token=token
+        )
 
     @contextlib.contextmanager
     def fenced_finetune(self, job_id: str, token: str) -> Iterator[None]:
@@ -1228,6 +1241,11 @@ class JobStore:
             self._requeue_finetunes(conn, held, reason)
 
 
+def _record(cls, row: dict | None):
+    """`cls.from_row(row)`, or None for no row."""
+    return cls.from_row(row) if row is not None else None
+
+
 def _visible_to(table: sa.Table, owner: str | None) -> list:
     """Rows `owner` may see: its own, and those made before keys were owners. None: all."""
     if owner is None:
@@ -1235,9 +1253,27 @@ def _visible_to(table: sa.Table, owner: str | None) -> list:
     return [sa.or_(table.c.owner == owner, table.c.owner.is_(None))]
 
 
+class _InThread(Generic[P, R]):
+    """`AsyncStore.<name>`: `await`s `JobStore.<name>` run in a worker thread, with the sync
+    method's signature (the ParamSpec carries it to type checkers)."""
+
+    def __init__(self, method: Callable[Concatenate[JobStore, P], R]):
+        self.name = method.__name__
+
+    def __get__(self, store: AsyncStore, owner: type) -> Callable[P, Awaitable[R]]:
+        # Looked up on the instance at each call, so a method patched on it (a test's) is used.
+        method = getattr(store.sync, self.name)
+
+        async def call(*args: P.args, **kwargs: P.kwargs) -> R:
+            return await anyio.to_thread.run_sync(functools.partial(method, *args, **kwargs))
+
+        return call
+
+
 class AsyncStore:
-    """The job store for async code: `await store.get_video(id)` runs `JobStore.get_video` in a
-    worker thread, so the event loop goes on serving other requests meanwhile.
+    """The job store for async code: `await store.get_file(id)` runs `JobStore.get_file` in a
+    worker thread, so the event loop goes on serving other requests meanwhile. The calls async
+    code makes are listed here, each once.
 
     Except a video's status read on SQLite, the one read clients repeat back to back: it runs
     on the event loop itself. A WAL-mode reader never waits for the writer, and the read takes
@@ -1248,18 +1284,41 @@ class AsyncStore:
         self.sync = store
         self._inline_reads = store.dialect == "sqlite"
 
-    async def get_video(self, video_id: str) -> dict | None:
+    async def get_video(self, video_id: str) -> VideoRecord | None:
         if self._inline_reads:
             return self.sync.get_video(video_id)
         return await anyio.to_thread.run_sync(self.sync.get_video, video_id)
 
-    def __getattr__(self, name: str):
-        method = getattr(self.sync, name)
-
-        async def call(*args, **kwargs):
-            return await anyio.to_thread.run_sync(functools.partial(method, *args, **kwargs))
-
-        return call
+    # videos
+    insert_video = _InThread(JobStore.insert_video)
+    list_videos = _InThread(JobStore.list_videos)
+    cancel_video = _InThread(JobStore.cancel_video)
+    delete_video = _InThread(JobStore.delete_video)
+    queue_position = _InThread(JobStore.queue_position)
+    queue_positions = _InThread(JobStore.queue_positions)
+    videos_naming_adapter = _InThread(JobStore.videos_naming_adapter)
+    # events
+    events_after = _InThread(JobStore.events_after)
+    events_since = _InThread(JobStore.events_since)
+    # fine-tunes
+    insert_finetune = _InThread(JobStore.insert_finetune)
+    get_finetune = _InThread(JobStore.get_finetune)
+    list_finetunes = _InThread(JobStore.list_finetunes)
+    cancel_finetune = _InThread(JobStore.cancel_finetune)
+    finetune_events = _InThread(JobStore.finetune_events)
+    checkpoints = _InThread(JobStore.checkpoints)
+    # files
+    insert_file = _InThread(JobStore.insert_file)
+    get_file = _InThread(JobStore.get_file)
+    list_files = _InThread(JobStore.list_files)
+    delete_file = _InThread(JobStore.delete_file)
+    # queue and idempotency keys
+    queue_depth = _InThread(JobStore.queue_depth)
+    queue_depth_by_model = _InThread(JobStore.queue_depth_by_model)
+    counts_by_state = _InThread(JobStore.counts_by_state)
+    reserve_key = _InThread(JobStore.reserve_key)
+    release_key = _InThread(JobStore.release_key)
+    record_response = _InThread(JobStore.record_response)
 
 
 __all__ = [

@@ -62,23 +62,23 @@ class Validator:
         row = self.store.claim_file_validation(LEASE_S)
         if row is None:
             return False
-        folder = self.data.upload(row["id"])
+        folder = self.data.upload(row.id)
         try:
             root = extract_archive(
                 folder / "upload", folder / "data", self.settings.max_extracted_bytes
             )
             clips = self.check_dataset(root)
         except (ArchiveError, ValueError) as e:
-            error = f"{row['filename']}: {e}"
+            error = f"{row.filename}: {e}"
         except Exception as e:  # noqa: BLE001 - the upload fails, the validator goes on
-            log.exception("validating upload %s", row["id"])
-            error = f"{row['filename']}: could not be validated ({type(e).__name__}: {e})"
+            log.exception("validating upload %s", row.id)
+            error = f"{row.filename}: could not be validated ({type(e).__name__}: {e})"
         else:
             (folder / "upload").unlink(missing_ok=True)  # training reads the unpacked copy
             path = self.data.relative(root)
-            if not self.store.finish_file_validation(row["id"], clips=clips, path=path):
+            if not self.store.finish_file_validation(row.id, clips=clips, path=path):
                 remove_tree(folder)  # deleted while it was being validated
             return True
         remove_tree(folder)
-        self.store.finish_file_validation(row["id"], error=error)
+        self.store.finish_file_validation(row.id, error=error)
         return True

@@ -60,7 +60,7 @@ def test_one_poll_feeds_every_stream_its_own_news(tmp_path):
 
     first, later, claimed, polls, seconds = asyncio.run(scenario())
     assert all(news == [("position", n)] for n, news in enumerate(first, start=1))
-    assert claimed["id"] == ids[0]
+    assert claimed.id == ids[0]
     [(kind, row)] = later[0]  # the started video: its own event, nothing else
     assert kind == "event" and row["type"] == "video.in_progress" and row["job_id"] == ids[0]
     # Everyone behind it moved up one place; nobody got another video's events.

@@ -69,8 +69,8 @@ class Cluster:
         deadline = time.monotonic() + JOB_TIMEOUT_S
         while time.monotonic() < deadline:
             row = get(job_id)
-            if row["worker_id"] and row["step"] >= 2:
-                return row["worker_id"]
+            if row.worker_id and row.step >= 2:
+                return row.worker_id
             time.sleep(0.05)
         raise AssertionError(f"{job_id} did not start: {row}")
 
@@ -113,7 +113,7 @@ def test_a_worker_killed_mid_video_hands_it_to_the_other_exactly_once(cluster, t
     cluster.workers[victim].kill9()
     done = cluster.api.wait(video_id)
     row = cluster.store.get_video(video_id)
-    assert done["status"] == "completed" and row["worker_id"] != victim and row["attempts"] == 2
+    assert done["status"] == "completed" and row.worker_id != victim and row.attempts == 2
     names = events(cluster, video_id)
     assert names.count("video.completed") == 1 and names.count("video.in_progress") == 2
     mp4 = cluster.api.http.get(f"/v1/videos/{video_id}/content")
@@ -133,16 +133,16 @@ def test_a_cancel_sent_to_the_api_stops_the_job_on_its_worker_within_a_step(clus
     after = cluster.store.get_video(video_id)
     # One step may have been running when the flag landed, and one more between our read of
     # the step and the cancel.
-    assert after["status"] == "cancelled" and after["step"] <= before + 2
+    assert after.status == "cancelled" and after.step <= before + 2
     time.sleep(1)
-    assert cluster.store.get_video(video_id)["step"] == after["step"]
+    assert cluster.store.get_video(video_id).step == after.step
 
 
 def test_killing_the_api_leaves_the_workers_working(cluster):
     ids = [create(cluster, seed=10 + i, **CLIP) for i in range(3)]
     cluster.api.kill9()
     deadline = time.monotonic() + JOB_TIMEOUT_S
-    while any(cluster.store.get_video(i)["status"] not in TERMINAL for i in ids):
+    while any(cluster.store.get_video(i).status not in TERMINAL for i in ids):
         assert time.monotonic() < deadline, "the workers stopped with the API"
         time.sleep(0.2)
     cluster.api = cluster.start_api()
@@ -186,7 +186,7 @@ def test_a_worker_killed_mid_finetune_is_resumed_by_the_other_to_the_same_weight
     )
     assert f.status_code == 200, f.text
     deadline = time.monotonic() + JOB_TIMEOUT_S
-    while cluster.store.get_file(f.json()["id"])["status"] == "uploaded":  # the API validates it
+    while cluster.store.get_file(f.json()["id"]).status == "uploaded":  # the API validates it
         assert time.monotonic() < deadline
         time.sleep(0.1)
     killed = finetune(cluster, f.json()["id"])
@@ -194,7 +194,7 @@ def test_a_worker_killed_mid_finetune_is_resumed_by_the_other_to_the_same_weight
     cluster.workers[victim].kill9()
     interrupted = finished(cluster, killed)
     assert interrupted["status"] == "succeeded", interrupted
-    assert cluster.store.get_finetune(killed)["attempts"] == 2
+    assert cluster.store.get_finetune(killed).attempts == 2
     messages = [e["message"] for e in cluster.store.finetune_events(killed, None, 1000)[0]]
     assert any(m.startswith("Resumed at step") for m in messages), messages
 

@@ -13,6 +13,7 @@ import sqlalchemy as sa
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 
+from megaslide.server.records import VideoRecord
 from megaslide.server.store import ClaimLost, JobStore, database_url, schema_revision
 from megaslide.server.tables import metadata
 
@@ -30,9 +31,8 @@ def spec(seed: int, model: str = "m", frames: int = 4) -> dict:
     return {"model": model, "seed": seed, "frames": frames}
 
 
-def key(row: dict) -> tuple:
-    s = json.loads(row["spec"])
-    return (s["model"], s["frames"])
+def key(row: VideoRecord) -> tuple:
+    return (row.spec["model"], row.spec["frames"])
 
 
 def queue(store: JobStore, n: int, **kw) -> list[str]:
@@ -135,13 +135,13 @@ def test_a_data_directory_from_before_migrations_is_upgraded(tmp_path):
     # either way, which SQLite never lets be NULL.
     diff = [d for d in schema_differences(store.engine) if not _rowid_nullability(d)]
     assert diff == []
-    assert store.get_video("video_done")["status"] == "completed"
+    assert store.get_video("video_done").status == "completed"
     # Running when its server died, with no lease: the first recovery pass requeues it.
     assert store.recover_expired()["videos_requeued"] == 1
-    assert store.get_video("video_old")["status"] == "queued"
+    assert store.get_video("video_old").status == "queued"
     assert event_types(store, "video_old") == ["video.in_progress", "video.queued"]
     [row] = claim(store)
-    assert row["id"] == "video_old" and row["attempts"] == 2
+    assert row.id == "video_old" and row.attempts == 2
     store.close()
 
 
@@ -166,12 +166,12 @@ def test_video_lifecycle_and_its_events(store):
     [video_id] = queue(store, 1)
     assert store.queue_position(video_id) == 1 and store.queue_depth() == 1
     [row] = claim(store)
-    token = row["lease_token"]
-    assert row["status"] == "in_progress" and store.queue_position(video_id) is None
+    token = row.lease_token
+    assert row.status == "in_progress" and store.queue_position(video_id) is None
     assert store.set_video_progress([(video_id, token, 1, 45)], lease_s=LEASE) == set()
     assert store.finish_video(video_id, token, "completed", expires_at=123) == "completed"
     row = store.get_video(video_id)
-    assert (row["status"], row["progress"], row["expires_at"]) == ("completed", 100, 123)
+    assert (row.status, row.progress, row.expires_at) == ("completed", 100, 123)
     assert event_types(store, video_id) == [
         "video.queued",
         "video.in_progress",
@@ -193,16 +193,16 @@ def test_claims_follow_priority_then_arrival_and_stop_at_an_incompatible_job(sto
         3,
         4,
     ]
-    assert [r["id"] for r in claim(store)] == ["high", "low"]  # stops at other_shape
+    assert [r.id for r in claim(store)] == ["high", "low"]  # stops at other_shape
     # A batch of the other shape takes it, and stops at the next job of the first.
-    assert [r["id"] for r in claim(store, running=("m", 8))] == ["other_shape"]
-    assert [r["id"] for r in claim(store, room=1)] == ["after"]
+    assert [r.id for r in claim(store, running=("m", 8))] == ["other_shape"]
+    assert [r.id for r in claim(store, room=1)] == ["after"]
 
 
 def test_claims_take_only_the_models_a_worker_serves(store):
     store.insert_video("for_a", spec(0, model="a"))
     store.insert_video("for_b", spec(1, model="b"))
-    assert [r["id"] for r in claim(store, served=["b"])] == ["for_b"]
+    assert [r.id for r in claim(store, served=["b"])] == ["for_b"]
     assert store.queue_depth_by_model() == {"a": 1}
     assert claim(store, served=[]) == [] and claim(store, served=["a"], room=0) == []
 
@@ -219,7 +219,7 @@ def test_concurrent_claims_take_each_job_exactly_once(database_url):
             if not rows:
                 return
             with lock:
-                taken.extend(r["id"] for r in rows)
+                taken.extend(r.id for r in rows)
 
     threads = [threading.Thread(target=drain, args=(i,)) for i in range(4)]
     for t in threads:
@@ -234,12 +234,12 @@ def test_concurrent_claims_take_each_job_exactly_once(database_url):
 def test_a_cancel_waits_for_the_step_boundary_and_wins_over_completion(store):
     queued, running = queue(store, 2)
     [row] = claim(store, room=1)
-    assert row["id"] == queued
+    assert row.id == queued
     assert store.cancel_video(running) == "cancelled"  # still queued: at once
     assert store.cancel_video(queued) == "in_progress"  # flagged for its worker
     assert store.cancel_requested_videos([queued, running]) == {queued}
-    assert store.finish_video(queued, row["lease_token"], "completed") == "cancelled"
-    assert store.get_video(queued)["expires_at"] is None
+    assert store.finish_video(queued, row.lease_token, "completed") == "cancelled"
+    assert store.get_video(queued).expires_at is None
     assert store.cancel_video("video_none") is None
 
 
@@ -250,12 +250,12 @@ def test_an_expired_lease_requeues_the_job_and_refuses_the_old_claim(store):
     time.sleep(0.5)
     assert store.recover_expired() == {"videos_requeued": 1, "fine_tunes_requeued": 0}
     [second] = claim(store, worker="alive")
-    assert second["attempts"] == 2 and second["lease_token"] != first["lease_token"]
+    assert second.attempts == 2 and second.lease_token != first.lease_token
     # The presumed-dead worker wakes up: every write it tries is refused.
-    update = [(video_id, first["lease_token"], 2, 90)]
+    update = [(video_id, first.lease_token, 2, 90)]
     assert store.set_video_progress(update, lease_s=LEASE) == {video_id}
-    assert store.finish_video(video_id, first["lease_token"], "completed") is None
-    assert store.finish_video(video_id, second["lease_token"], "completed") == "completed"
+    assert store.finish_video(video_id, first.lease_token, "completed") is None
+    assert store.finish_video(video_id, second.lease_token, "completed") == "completed"
     assert event_types(store, video_id).count("video.completed") == 1
 
 
@@ -265,16 +265,16 @@ def test_a_cancelled_job_whose_worker_died_ends_cancelled(store):
     store.cancel_video(video_id)
     time.sleep(0.4)
     store.recover_expired()
-    assert store.get_video(video_id)["status"] == "cancelled"
+    assert store.get_video(video_id).status == "cancelled"
 
 
 def test_a_graceful_stop_requeues_only_its_own_claims(store):
     mine, theirs = queue(store, 2)
     [a] = claim(store, worker="a", room=1)
     [b] = claim(store, worker="b", room=1)
-    store.requeue_videos([(mine, a["lease_token"]), (theirs, "not-their-token")], "stopping")
-    assert store.get_video(mine)["status"] == "queued"
-    assert store.get_video(theirs)["status"] == "in_progress" and b["id"] == theirs
+    store.requeue_videos([(mine, a.lease_token), (theirs, "not-their-token")], "stopping")
+    assert store.get_video(mine).status == "queued"
+    assert store.get_video(theirs).status == "in_progress" and b.id == theirs
 
 
 # ---------------------------------------------------------------------------------------------
@@ -293,37 +293,37 @@ def test_heartbeats_keep_a_worker_live_and_its_leases_fresh(store):
     [row] = claim(store, worker="w1", lease_s=0.4)
     for _ in range(4):
         time.sleep(0.2)
-        beat = dict(leases=[row["lease_token"]], lease_s=0.4, ready=True, metrics={"x": 1})
+        beat = dict(leases=[row.lease_token], lease_s=0.4, ready=True, metrics={"x": 1})
         assert store.heartbeat("w1", "t1", **beat)
         assert store.recover_expired()["videos_requeued"] == 0
     [live] = store.live_workers(ttl_s=5)
-    assert live["name"] == "w1" and live["ready"] and live["models"] == [{"name": "m"}]
-    assert live["metrics"] == {"x": 1}
+    assert live.name == "w1" and live.ready and live.models == [{"name": "m"}]
+    assert live.metrics == {"x": 1}
     time.sleep(0.5)  # silent: no longer live, and its job goes back
     assert store.live_workers(ttl_s=0.4) == []
     assert store.recover_expired()["videos_requeued"] == 1
     after = store.get_video(video_id)
-    assert row["worker_id"] == "w1" and (after["status"], after["worker_id"]) == ("queued", None)
+    assert row.worker_id == "w1" and (after.status, after.worker_id) == ("queued", None)
 
 
 def test_a_heartbeat_extends_only_the_claims_it_names(store):
     register(store)
     kept, forgotten = queue(store, 2)
-    rows = {r["id"]: r for r in claim(store, worker="w1", lease_s=0.4)}
+    rows = {r.id: r for r in claim(store, worker="w1", lease_s=0.4)}
     for _ in range(3):
         time.sleep(0.2)
-        beat = dict(leases=[rows[kept]["lease_token"]], lease_s=0.4, ready=True)
+        beat = dict(leases=[rows[kept].lease_token], lease_s=0.4, ready=True)
         assert store.heartbeat("w1", "t1", **beat)
     # A job the worker no longer names (it lost track of it) expires and runs again.
     assert store.recover_expired()["videos_requeued"] == 1
-    assert store.get_video(forgotten)["status"] == "queued"
-    assert store.get_video(kept)["status"] == "in_progress"
+    assert store.get_video(forgotten).status == "queued"
+    assert store.get_video(kept).status == "in_progress"
 
 
 def test_old_events_of_finished_jobs_are_pruned(store):
     done, running = queue(store, 2)
-    rows = {r["id"]: r for r in claim(store)}
-    store.finish_video(done, rows[done]["lease_token"], "completed")
+    rows = {r.id: r for r in claim(store)}
+    store.finish_video(done, rows[done].lease_token, "completed")
     with store._tx() as conn:
         conn.execute(sa.text("UPDATE events SET created_at = created_at - 1000"))
     assert store.prune_events(older_than_s=3600) == 0
@@ -337,18 +337,18 @@ def test_a_resumed_finetune_reports_each_step_once(store):
     for step in (1, 2, 3):  # step 2 was checkpointed; step 3 is lost with the worker
         metrics = {"step": step, "loss": 1.0}
         assert store.finetune_progress(
-            "ftjob-1", first["lease_token"], step, 4, metrics, lease_s=LEASE
+            "ftjob-1", first.lease_token, step, 4, metrics, lease_s=LEASE
         )
     store.register_worker("w1", "restarted", host="h", pid=2, device="cpu", capacity=1, cards=[])
     again = store.claim_finetune("w1", ["m"], lease_s=LEASE)
-    assert store.rewind_finetune("ftjob-1", again["lease_token"], 2)
+    assert store.rewind_finetune("ftjob-1", again.lease_token, 2)
     for step in (3, 4):
         metrics = {"step": step, "loss": 0.5}
-        store.finetune_progress("ftjob-1", again["lease_token"], step, 4, metrics, lease_s=LEASE)
+        store.finetune_progress("ftjob-1", again.lease_token, step, 4, metrics, lease_s=LEASE)
     events, _ = store.finetune_events("ftjob-1", None, 100)
     steps = [json.loads(e["data"])["step"] for e in events if e["type"] == "metrics"]
     assert steps == [4, 3, 2, 1]
-    assert not store.rewind_finetune("ftjob-1", first["lease_token"], 0)
+    assert not store.rewind_finetune("ftjob-1", first.lease_token, 0)
 
 
 def test_a_restart_under_the_same_name_takes_back_its_jobs_and_retires_the_old_run(store):
@@ -373,29 +373,29 @@ def test_a_job_that_keeps_killing_its_worker_fails_at_the_crash_limit(database_u
     try:
         poison, other = queue(store, 2)
         [first] = claim(store, worker="a", room=1, lease_s=0.2)
-        assert first["id"] == poison
-        store.requeue_videos([(poison, first["lease_token"])], "stopping")  # graceful
+        assert first.id == poison
+        store.requeue_videos([(poison, first.lease_token)], "stopping")  # graceful
         [first] = claim(store, worker="a", room=1, lease_s=0.2)
-        assert first["id"] == poison and store.get_video(poison)["crashes"] == 0
+        assert first.id == poison and store.get_video(poison).crashes == 0
         time.sleep(0.3)
         assert store.recover_expired()["videos_requeued"] == 1  # crash 1: back, behind `other`
         assert store.queue_position(other) == 1 and store.queue_position(poison) == 2
         [second] = claim(store, worker="b", room=1)
-        assert second["id"] == other
+        assert second.id == other
         [third] = claim(store, worker="c", room=1)
-        assert third["id"] == poison
+        assert third.id == poison
         assert register(store, name="c", token="restarted")["videos_requeued"] == 0  # crash 2
         failed = store.get_video(poison)
-        assert failed["status"] == "failed" and failed["error_code"] == "worker_crashed"
-        assert "died 2 times" in failed["error_message"], failed["error_message"]
-        assert failed["worker_id"] is None and event_types(store, poison)[-1] == "video.failed"
+        assert failed.status == "failed" and failed.error_code == "worker_crashed"
+        assert "died 2 times" in failed.error_message, failed.error_message
+        assert failed.worker_id is None and event_types(store, poison)[-1] == "video.failed"
         # Fine-tunes alike.
         store.insert_finetune(finetune_row("ftjob-1"))
         for name, token in (("d", "t1"), ("d", "t2")):
-            assert store.claim_finetune(name, ["m"], lease_s=LEASE)["id"] == "ftjob-1"
+            assert store.claim_finetune(name, ["m"], lease_s=LEASE).id == "ftjob-1"
             register(store, name=name, token=token)
         job = store.get_finetune("ftjob-1")
-        assert job["status"] == "failed" and job["error_code"] == "worker_crashed"
+        assert job.status == "failed" and job.error_code == "worker_crashed"
         assert store.claim_finetune("d", ["m"], lease_s=LEASE) is None
     finally:
         store.close()
@@ -423,8 +423,8 @@ def test_finetune_lifecycle_registers_its_model_once(store):
     store.insert_finetune(finetune_row("ftjob-1"))
     assert store.delete_file("file-1") == "in_use"
     job = store.claim_finetune("w1", ["m"], lease_s=LEASE)
-    token = job["lease_token"]
-    assert job["attempts"] == 1 and store.claim_finetune("w2", ["m"], lease_s=LEASE) is None
+    token = job.lease_token
+    assert job.attempts == 1 and store.claim_finetune("w2", ["m"], lease_s=LEASE) is None
     assert store.finetune_progress("ftjob-1", token, 1, 2, {"loss": 0.5}, lease_s=LEASE)
     assert store.add_checkpoint("ftckpt-1-1", "ftjob-1", token, 1, "fine_tunes/x", {"step": 1})
     assert store.add_checkpoint("ftckpt-1-1", "ftjob-1", token, 1, "fine_tunes/x", {"step": 1})
@@ -433,7 +433,7 @@ def test_finetune_lifecycle_registers_its_model_once(store):
     model = {"name": "ft:m:s:1", "parent": "m", "path": "models/ftjob-1"}
     assert store.finish_finetune("ftjob-1", token, "succeeded", model=model)
     assert not store.finish_finetune("ftjob-1", token, "succeeded", model=model)
-    assert [m["name"] for m in store.models()] == ["ft:m:s:1"]
+    assert [m.name for m in store.models()] == ["ft:m:s:1"]
     events, _ = store.finetune_events("ftjob-1", None, 100)
     assert [e["type"] for e in events][:2] == ["message", "metrics"]
     assert len(store.checkpoints("ftjob-1", None, 10)[0]) == 1
@@ -445,15 +445,15 @@ def test_a_fine_tunes_files_are_published_only_under_its_current_claim(store):
     (nothing published) once another worker took it over."""
     store.insert_finetune(finetune_row("ftjob-1"))
     old = store.claim_finetune("w1", ["m"], lease_s=LEASE)
-    with store.fenced_finetune("ftjob-1", old["lease_token"]):
+    with store.fenced_finetune("ftjob-1", old.lease_token):
         pass
     register(store, name="w1", token="restarted")  # its claim is gone: the job is queued again
     new = store.claim_finetune("w2", ["m"], lease_s=LEASE)
     published = []
     with pytest.raises(ClaimLost):
-        with store.fenced_finetune("ftjob-1", old["lease_token"]):
+        with store.fenced_finetune("ftjob-1", old.lease_token):
             published.append("old")
-    with store.fenced_finetune("ftjob-1", new["lease_token"]):
+    with store.fenced_finetune("ftjob-1", new.lease_token):
         published.append("new")
     assert published == ["new"]
 
@@ -462,11 +462,11 @@ def test_finetune_cancel(store):
     store.insert_finetune(finetune_row("queued"))
     store.insert_finetune(finetune_row("running"))
     running = store.claim_finetune("w1", ["m"], lease_s=LEASE)
-    assert running["id"] == "queued"  # oldest first
+    assert running.id == "queued"  # oldest first
     assert store.cancel_finetune("running") == "cancelled"
     assert store.cancel_finetune("queued") == "running"
     assert store.finetune_cancel_requested("queued")
-    assert store.finish_finetune("queued", running["lease_token"], "cancelled")
+    assert store.finish_finetune("queued", running.lease_token, "cancelled")
 
 
 def test_an_idempotency_key_is_reserved_before_the_work_and_answers_its_retries(store):
@@ -502,41 +502,41 @@ def test_lists_show_an_owner_its_own_rows_and_the_unowned_ones(store):
     store.insert_video("video_a", spec(0), owner="alice")
     store.insert_video("video_b", spec(1), owner="bob")
     store.insert_video("video_old", spec(2))  # made before keys were owners
-    ids = lambda page: [r["id"] for r in page[0]]  # noqa: E731
+    ids = lambda page: [r.id for r in page[0]]  # noqa: E731
     assert ids(store.list_videos(None, 10, "asc", owner="alice")) == ["video_a", "video_old"]
     assert ids(store.list_videos(None, 10, "asc")) == ["video_a", "video_b", "video_old"]
     store.insert_finetune({**finetune_row("ftjob-1"), "owner": "bob"})
     assert ids(store.list_finetunes(None, 10, owner="alice")) == []
     job = store.claim_finetune("w1", ["m"], lease_s=LEASE)
     model = {"name": "ft:m:s:1", "parent": "m", "path": "models/ftjob-1"}
-    store.finish_finetune("ftjob-1", job["lease_token"], "succeeded", model=model)
-    assert store.models()[0]["owner"] == "bob"  # the model is its job owner's
+    store.finish_finetune("ftjob-1", job.lease_token, "succeeded", model=model)
+    assert store.models()[0].owner == "bob"  # the model is its job owner's
 
 
 def test_an_upload_is_validated_after_it_returns_by_one_host_at_a_time(store):
     upload = {"filename": "d.zip", "purpose": "fine-tune", "bytes": 3, "owner": "alice"}
     store.insert_file({**upload, "id": "file-1", "path": "files/file-1/upload"})
     store.insert_file({**upload, "id": "file-2", "path": "files/file-2/upload"})
-    assert store.get_file("file-1")["status"] == "uploaded"
+    assert store.get_file("file-1").status == "uploaded"
     first = store.claim_file_validation(lease_s=0.3)
     second = store.claim_file_validation(lease_s=0.3)
-    assert (first["id"], second["id"]) == ("file-1", "file-2")
+    assert (first.id, second.id) == ("file-1", "file-2")
     assert store.claim_file_validation(lease_s=0.3) is None  # both held
     assert store.finish_file_validation("file-1", clips=7)
     time.sleep(0.5)  # the host validating file-2 died: another takes it
-    assert store.claim_file_validation(lease_s=60)["id"] == "file-2"
+    assert store.claim_file_validation(lease_s=60).id == "file-2"
     assert store.finish_file_validation("file-2", error="metadata.jsonl line 3: no file")
     assert not store.finish_file_validation("file-2", clips=1)  # validated once
     one, two = store.get_file("file-1"), store.get_file("file-2")
-    assert (one["status"], one["clips"]) == ("processed", 7)
-    assert (two["status"], two["status_details"]) == ("error", "metadata.jsonl line 3: no file")
+    assert (one.status, one.clips) == ("processed", 7)
+    assert (two.status, two.status_details) == ("error", "metadata.jsonl line 3: no file")
 
 
 def test_pages_in_both_orders(store):
     ids = queue(store, 5)
     first, more = store.list_videos(None, 2, "asc")
-    assert [r["id"] for r in first] == ids[:2] and more
-    rest, more = store.list_videos(first[-1]["id"], 10, "asc")
-    assert [r["id"] for r in rest] == ids[2:] and not more
+    assert [r.id for r in first] == ids[:2] and more
+    rest, more = store.list_videos(first[-1].id, 10, "asc")
+    assert [r.id for r in rest] == ids[2:] and not more
     newest, _ = store.list_videos(None, 2, "desc")
-    assert [r["id"] for r in newest] == ids[::-1][:2]
+    assert [r.id for r in newest] == ids[::-1][:2]

@@ -160,7 +160,7 @@ def test_a_hung_worker_loop_lets_its_leases_expire(make_client):
     video = create(c)
     wait_status(c, video["id"], statuses=("in_progress",))
     assert until(lambda: store.recover_expired()["videos_requeued"] == 1, timeout=10)
-    assert store.get_video(video["id"])["status"] == "queued"
+    assert store.get_video(video["id"]).status == "queued"
     backend.gate.set()
     assert wait_status(c, video["id"])["status"] == "completed"
     messages = [e["message"] for e in store.events_after(video["id"], 0)]
@@ -203,7 +203,7 @@ def test_restart_requeues_interrupted_work_and_resumes_finetunes(make_client, tm
     store.insert_video("video_interrupted", spec)
     store.insert_video("video_cancelling", {**spec, "seed": 10})
     claims = store.claim_videos(name, ["fake"], 2, lambda row: 0, lease_s=3600)
-    token = {c["id"]: c["lease_token"] for c in claims}
+    token = {c.id: c.lease_token for c in claims}
     store.set_video_progress(
         [("video_interrupted", token["video_interrupted"], 2, 60)], lease_s=3600
     )
@@ -239,7 +239,7 @@ def test_restart_requeues_interrupted_work_and_resumes_finetunes(make_client, tm
     )
     tune = store.claim_finetune(name, ["fake"], lease_s=3600)
     store.finetune_progress(
-        "ftjob-1", tune["lease_token"], 13, 40, {"step": 13, "loss": 0.1}, lease_s=3600
+        "ftjob-1", tune.lease_token, 13, 40, {"step": 13, "loss": 0.1}, lease_s=3600
     )
     out.mkdir(parents=True)
     for step in (5, 10):  # the last checkpoints the killed run saved; steps 11-13 were lost with it

@@ -261,19 +261,24 @@ async def _sse(store: AsyncStore, video_id: str, last: int, sub: Subscription):
     if replay and json.loads(replay[-1]["data"] or "{}").get("status") == "queued":
         told = await store.queue_position(video_id)  # told on that event
     elif not replay:
-        row = await store.get_video(video_id)
-        if row is None or row["status"] in VIDEO_TERMINAL:
+        video = await store.get_video(video_id)
+        if video is None or video.status in VIDEO_TERMINAL:
             return  # deleted, or the client resumed after the terminal event
     while True:
         for kind, item in news:
             if kind == "position":
                 if item == told:
                     continue
-                row = await store.get_video(video_id)
-                if row is None or row["status"] != "queued":
+                video = await store.get_video(video_id)
+                if video is None or video.status != "queued":
                     continue  # the news is stale: an event about it follows
                 told = item
-                body = {k: row[k] for k in ("id", "status", "progress", "step")}
+                body = {
+                    "id": video.id,
+                    "status": video.status,
+                    "progress": video.progress,
+                    "step": video.step,
+                }
                 body |= {"object": "video", "queue_position": item}
                 yield _sse_event(None, "video.queue_position", body)
                 continue
@@ -282,8 +287,8 @@ async def _sse(store: AsyncStore, video_id: str, last: int, sub: Subscription):
             last = item["seq"]
             data = json.loads(item["data"] or "{}")
             if data.get("status") in VIDEO_TERMINAL:
-                row = await store.get_video(video_id)
-                body = video_object(row).model_dump() if row is not None else data
+                video = await store.get_video(video_id)
+                body = video_object(video).model_dump() if video is not None else data
                 yield _sse_event(last, item["type"], body)
                 return
             body = {"id": video_id, "object": "video", **data}

@@ -13,6 +13,7 @@ from ..archives import remove_tree
 from ..auth import Principal
 from ..datadir import DataDir
 from ..errors import Conflict, NotFound
+from ..records import FileRecord
 from ..schemas import FileDeleted, FileObject, file_object, page
 from ..store import AsyncStore
 from ..uploads import Validator
@@ -43,7 +44,7 @@ class Files:
         """Record a staged upload, `uploaded` until the validator has looked inside; a retry with
         the same key and content gets the file its first request made (this copy is dropped)."""
 
-        async def insert(idempotency) -> dict:
+        async def insert(idempotency) -> FileRecord:
             return await self.store.insert_file(
                 {
                     "id": staged.id,
@@ -64,10 +65,10 @@ class Files:
             self.validator.wake()
         return file_object(row)
 
-    async def find(self, file_id: str, principal: Principal) -> dict:
-        """The file's row, if `principal` may see it; another key's answers 404 as if absent."""
+    async def find(self, file_id: str, principal: Principal) -> FileRecord:
+        """The file's record, if `principal` may see it; another key's answers 404 as if absent."""
         row = await self.store.get_file(file_id)
-        if row is None or not principal.may_see(row["owner"]):
+        if row is None or not principal.may_see(row.owner):
             raise NotFound(f"No such File object: {file_id}", param="file_id")
         return row
 

@@ -11,6 +11,7 @@ from ..auth import Principal
 from ..datadir import DataDir
 from ..errors import InvalidRequest, NotFound
 from ..protocol import ModelCard, WorkerClient
+from ..records import FineTuneRecord
 from ..schemas import (
     FineTuningJob,
     FineTuningJobCreate,
@@ -98,7 +99,7 @@ class FineTuning:
         )
         hyper = resolve_hyperparameters(hyper_in, card, self.settings)
 
-        async def insert(idempotency) -> dict:
+        async def insert(idempotency) -> FineTuneRecord:
             await admit(self.store, self.workers, self.settings, principal)
             job_id = new_id("ftjob-")
             seed = body.seed if body.seed is not None else secrets.randbelow(2**RANDOM_SEED_BITS)
@@ -124,36 +125,36 @@ class FineTuning:
 
     async def _check_training_file(self, file_id: str, principal: Principal) -> None:
         """The training file must be the principal's, validated, and meant for fine-tuning."""
-        row = await self.store.get_file(file_id)
-        if row is None or not principal.may_see(row["owner"]):
+        file = await self.store.get_file(file_id)
+        if file is None or not principal.may_see(file.owner):
             raise NotFound(f"No such File object: {file_id}", param="training_file")
-        if row["status"] == "uploaded":
+        if file.status == "uploaded":
             raise InvalidRequest(
                 f"file {file_id} is still being validated; create the job once its "
                 "status is processed (GET /v1/files/{id})",
                 param="training_file",
                 code="file_not_ready",
             )
-        if row["status"] == "error":
+        if file.status == "error":
             raise InvalidRequest(
-                f"file {file_id} failed validation: {row['status_details']}",
+                f"file {file_id} failed validation: {file.status_details}",
                 param="training_file",
                 code="invalid_file",
             )
-        if row["purpose"] != "fine-tune":
+        if file.purpose != "fine-tune":
             raise InvalidRequest(
-                f"file {file_id} was uploaded with purpose {row['purpose']!r}, not 'fine-tune'",
+                f"file {file_id} was uploaded with purpose {file.purpose!r}, not 'fine-tune'",
                 param="training_file",
             )
 
-    async def find(self, job_id: str, principal: Principal) -> dict:
-        """The job's row, if `principal` may see it; another key's answers 404 as if absent."""
-        row = await self.store.get_finetune(job_id)
-        if row is None or not principal.may_see(row["owner"]):
+    async def find(self, job_id: str, principal: Principal) -> FineTuneRecord:
+        """The job, if `principal` may see it; another key's answers 404 as if absent."""
+        job = await self.store.get_finetune(job_id)
+        if job is None or not principal.may_see(job.owner):
             raise NotFound(
                 f"No fine-tuning job found with id {job_id!r}", param="fine_tuning_job_id"
             )
-        return row
+        return job
 
     async def retrieve(self, job_id: str, principal: Principal) -> FineTuningJob:
         return finetune_object(await self.find(job_id, principal))
@@ -170,16 +171,16 @@ class FineTuning:
         "already cancelled"."""
 
         async def work() -> FineTuningJob:
-            row = await self.find(job_id, principal)
-            if row["status"] in ("succeeded", "failed", "cancelled"):
+            job = await self.find(job_id, principal)
+            if job.status in ("succeeded", "failed", "cancelled"):
                 raise InvalidRequest(
-                    f"fine-tuning job {job_id} already {row['status']}",
+                    f"fine-tuning job {job_id} already {job.status}",
                     param="fine_tuning_job_id",
                     code="job_not_cancellable",
                 )
 
             async def cancelled() -> bool:
-                return (await self.store.get_finetune(job_id))["status"] == "cancelled"
+                return (await self.store.get_finetune(job_id)).status == "cancelled"
 
             if await self.store.cancel_finetune(job_id) == "running":
                 self.workers.wake()

@@ -17,6 +17,7 @@ from ..auth import Principal
 from ..datadir import DataDir
 from ..errors import InvalidRequest, NotFound, NotReady
 from ..protocol import WorkerClient
+from ..records import VideoRecord
 from ..schemas import Video, VideoCreate, VideoDeleted, page, video_object
 from ..settings import Settings
 from ..store import AsyncStore, now
@@ -74,7 +75,7 @@ class Videos:
             if stored is not None:
                 video = dataclasses.replace(video, image=self.data.relative(stored))
 
-            async def insert(idempotency) -> dict:
+            async def insert(idempotency) -> VideoRecord:
                 await admit(self.store, self.workers, self.settings, principal)
                 return await self.store.insert_video(
                     video_id,
@@ -97,12 +98,12 @@ class Videos:
             self.workers.wake()
         return video_object(row)
 
-    async def find(self, video_id: str, principal: Principal) -> dict:
-        """The video's row, if `principal` may see it; another key's answers 404 as if absent."""
-        row = await self.store.get_video(video_id)
-        if row is None or not principal.may_see(row["owner"]):
+    async def find(self, video_id: str, principal: Principal) -> VideoRecord:
+        """The video, if `principal` may see it; another key's answers 404 as if absent."""
+        video = await self.store.get_video(video_id)
+        if video is None or not principal.may_see(video.owner):
             raise NotFound(f"No video found with id {video_id!r}", param="video_id")
-        return row
+        return video
 
     async def retrieve(self, video_id: str, principal: Principal) -> Video:
         return video_object(await self.find(video_id, principal))
@@ -118,10 +119,10 @@ class Videos:
         whatever happened since."""
 
         async def work() -> Video:
-            row = await self.find(video_id, principal)
-            if row["status"] in ("completed", "failed"):
+            video = await self.find(video_id, principal)
+            if video.status in ("completed", "failed"):
                 raise InvalidRequest(
-                    f"video {video_id} is already {row['status']}; there is nothing to cancel",
+                    f"video {video_id} is already {video.status}; there is nothing to cancel",
                     param="video_id",
                     code="video_not_cancellable",
                 )
@@ -156,21 +157,21 @@ class Videos:
             self.workers.wake()
 
             async def stopped() -> bool:
-                return (await self.store.get_video(video_id))["status"] != "in_progress"
+                return (await self.store.get_video(video_id)).status != "in_progress"
 
             await wait_for(stopped, self.settings.cancel_wait_s)
-        return (await self.store.get_video(video_id))["status"]
+        return (await self.store.get_video(video_id)).status
 
     async def content(self, video_id: str, principal: Principal, variant: str) -> tuple[Path, str]:
         """The file of a completed video's `variant` and its media type, or why there is none."""
-        row = await self.find(video_id, principal)
-        if row["status"] != "completed":
+        video = await self.find(video_id, principal)
+        if video.status != "completed":
             raise InvalidRequest(
-                f"video {video_id} is {row['status']}; its content exists once it is completed",
+                f"video {video_id} is {video.status}; its content exists once it is completed",
                 param="video_id",
                 code="video_not_ready",
             )
-        if row["expires_at"] is not None and row["expires_at"] < now():
+        if video.expires_at is not None and video.expires_at < now():
             raise NotFound(
                 f"the content of video {video_id} expired", param="video_id", code="video_expired"
             )

@@ -5,12 +5,12 @@ once they are done; its checkpoints and exported model are published only while 
 from __future__ import annotations
 
 import functools
-import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..backend import FinetuneJob, TrainingRun, finetune_spec
+from ..records import FineTuneRecord
 from ..store import UNAVAILABLE, ClaimLost
 from .context import WorkerContext, message
 from .models import Models
@@ -131,22 +131,21 @@ class FineTunes:
         if not self.ctx.store.add_event(t.id, text, token=t.token):
             raise ClaimLost(t.id)
 
-    def _start(self, row: dict) -> None:
+    def _start(self, row: FineTuneRecord) -> None:
         ctx = self.ctx
-        token, attempt = row["lease_token"], row["attempts"]
-        hyper = json.loads(row["hyperparameters"])
+        token, attempt = row.lease_token, row.attempts
         try:
-            base = self.models.card(row["model"])
-            file_row = ctx.store.get_file(row["training_file"])
-            if file_row is None:
-                raise ValueError(f"training file {row['training_file']} was deleted")
+            base = self.models.card(row.model)
+            file = ctx.store.get_file(row.training_file)
+            if file is None:
+                raise ValueError(f"training file {row.training_file} was deleted")
             job = FinetuneJob(
                 base=base,
-                data_dir=ctx.data.resolve(file_row["path"]),
+                data_dir=ctx.data.resolve(file.path),
                 spec=finetune_spec(
-                    hyper,
-                    output=ctx.data.resolve(row["output_dir"]),
-                    seed=row["seed"],
+                    row.hyperparameters,
+                    output=ctx.data.resolve(row.output_dir),
+                    seed=row.seed,
                     settings=ctx.settings,
                 ),
                 resume=attempt > 1,
@@ -157,13 +156,13 @@ class FineTunes:
         except Exception as exc:  # noqa: BLE001
             code = ctx.backend.error_code(exc) or "training_failed"
             failed = (code, message(exc))
-            if ctx.store.finish_finetune(row["id"], token, "failed", error=failed):
+            if ctx.store.finish_finetune(row.id, token, "failed", error=failed):
                 ctx.count_finished("fine_tune", "failed")
             ctx.check_device(exc)
             return
         # Checkpoints and the exported model are published only while this claim holds the job.
-        trainer.fence = functools.partial(ctx.store.fenced_finetune, row["id"], token)
-        t = Tuning(row["id"], token, trainer, row["model"], row["suffix"] or "")
+        trainer.fence = functools.partial(ctx.store.fenced_finetune, row.id, token)
+        t = Tuning(row.id, token, trainer, row.model, row.suffix or "")
         self.tuning = t
         try:
             self._record_checkpoints(t)  # those of an earlier attempt, without events

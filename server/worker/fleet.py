@@ -22,6 +22,7 @@ from pathlib import Path
 from ..backend import Backend
 from ..metrics import Totals
 from ..protocol import ModelCard, WorkerClient, card_from_dict
+from ..records import WorkerRecord
 from ..settings import Settings
 from ..store import JobStore
 from .heartbeat import default_name
@@ -78,7 +79,7 @@ class Fleet(WorkerClient):
         self._check_dataset = check_dataset
         self._lock = threading.Lock()
         self._read_at = -math.inf
-        self._workers: list[dict] = []
+        self._workers: list[WorkerRecord] = []
         self._cards: dict[str, ModelCard] = {}  # by (name, json) of the published card
 
     @classmethod
@@ -102,8 +103,8 @@ class Fleet(WorkerClient):
 
     # --- the registry ------------------------------------------------------------------------
 
-    def _view(self, fresh: bool = False) -> list[dict]:
-        """The live workers' rows, re-read when older than `VIEW_TTL_S` (or `fresh`)."""
+    def _view(self, fresh: bool = False) -> list[WorkerRecord]:
+        """The live workers' records, re-read when older than `VIEW_TTL_S` (or `fresh`)."""
         with self._lock:
             if fresh or time.monotonic() - self._read_at > VIEW_TTL_S:
                 self._workers = self.store.live_workers(self.settings.lease_s)
@@ -111,10 +112,17 @@ class Fleet(WorkerClient):
             return self._workers
 
     def live_workers(self) -> list[dict]:
-        keys = ("name", "host", "device", "capacity", "ready", "dead")
         return [
-            {**{k: row[k] for k in keys}, "models": [c["name"] for c in row["models"]]}
-            for row in self._view()
+            {
+                "name": w.name,
+                "host": w.host,
+                "device": w.device,
+                "capacity": w.capacity,
+                "ready": w.ready,
+                "dead": w.dead,
+                "models": [c["name"] for c in w.models],
+            }
+            for w in self._view()
         ]
 
     def _card(self, published: dict) -> ModelCard:
@@ -132,9 +140,9 @@ class Fleet(WorkerClient):
         here = self._here
         cards: dict[str, ModelCard] = dict(here.cards) if here is not None else {}
         own = set(cards)
-        for row in self._view(fresh):
-            if not row["dead"]:
-                for published in row["models"]:
+        for w in self._view(fresh):
+            if not w.dead:
+                for published in w.models:
                     card = self._card(published)
                     if card.name in own:
                         continue
@@ -148,8 +156,8 @@ class Fleet(WorkerClient):
         bases = {card.name: card for card in self.base_cards(fresh)}
         fine_tuned = []
         for row in self.store.models() if self.store is not None else []:
-            parent = bases.get(row["parent"]) or next(
-                (c for c in fine_tuned if c.name == row["parent"]), None
+            parent = bases.get(row.parent) or next(
+                (c for c in fine_tuned if c.name == row.parent), None
             )
             if parent is not None:
                 fine_tuned.append(fine_tuned_card(row, parent))
@@ -165,7 +173,7 @@ class Fleet(WorkerClient):
     def ready(self) -> bool:
         if (w := self._here) is not None:
             return w.ready and w.dead is None and w.trouble is None
-        return any(row["ready"] and not row["dead"] for row in self._view())
+        return any(w.ready and not w.dead for w in self._view())
 
     @property
     def dead(self) -> str | None:
@@ -182,9 +190,9 @@ class Fleet(WorkerClient):
         """The live workers' as they last published them; this process's worker's live."""
         w = self._here
         published = [
-            row["metrics"]
-            for row in self._view()
-            if row["metrics"] and (w is None or row["name"] != w.name)
+            other.metrics
+            for other in self._view()
+            if other.metrics and (w is None or other.name != w.name)
         ]
         return Totals([*published, w.metrics.snapshot()] if w is not None else published)
 

@@ -47,14 +47,14 @@ class Heartbeat:
         was heard from within the lease, or a process of this host that still runs.
         """
         ctx = self.ctx
-        row = ctx.store.worker(ctx.name)
-        if row is not None and row["age_s"] < ctx.settings.lease_s:
-            if row["host"] != socket.gethostname() or (
-                row["pid"] != os.getpid() and _alive(row["pid"])
+        known = ctx.store.worker(ctx.name)
+        if known is not None and known.age_s < ctx.settings.lease_s:
+            if known.host != socket.gethostname() or (
+                known.pid != os.getpid() and _alive(known.pid)
             ):
                 raise WorkerNameInUse(
-                    f"a worker named {ctx.name!r} is already running (pid {row['pid']} on "
-                    f"{row['host']}); give this one another name"
+                    f"a worker named {ctx.name!r} is already running (pid {known.pid} on "
+                    f"{known.host}); give this one another name"
                 )
         with _RUNNING_LOCK:
             if (ctx.store.url, ctx.name) in _RUNNING_HERE:

@@ -4,7 +4,7 @@ takes up as they come and routes jobs by."""
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import logging
 import math
 import time
@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ..backend import VideoModel
 from ..protocol import ModelCard, card_to_dict
+from ..records import ModelRecord, VideoRecord
 from .context import WorkerContext
 
 log = logging.getLogger("megaslide.server")
@@ -47,8 +48,8 @@ class Models:
         """The model names this worker runs jobs for: its own, and fine-tunes made from them."""
         names = list(self.cards)
         for row in self.ctx.store.models():
-            if row["parent"] in names:
-                names.append(row["name"])
+            if row.parent in names:
+                names.append(row.name)
         return names
 
     def card(self, name: str) -> ModelCard:
@@ -57,11 +58,12 @@ class Models:
             return self.cards[name]
         if name not in self._ft_cards:
             ctx = self.ctx
-            row = next((r for r in ctx.store.models() if r["name"] == name), None)
-            if row is None or row["parent"] not in self.cards:
+            row = next((r for r in ctx.store.models() if r.name == name), None)
+            if row is None or row.parent not in self.cards:
                 raise ValueError(f"model {name!r} is not served by worker {ctx.name}")
-            parent = self.cards[row["parent"]]
-            card = fine_tuned_card({**row, "path": str(ctx.data.resolve(row["path"]))}, parent)
+            parent = self.cards[row.parent]
+            resolved = dataclasses.replace(row, path=str(ctx.data.resolve(row.path)))
+            card = fine_tuned_card(resolved, parent)
             self._ft_cards[name] = ctx.backend.fine_tuned_card(name, parent, Path(card.source))
         return self._ft_cards[name]
 
@@ -122,39 +124,39 @@ class Models:
             ctx.store.publish_cards(ctx.name, ctx.token, self.published())
         return False
 
-    def runnable(self, row: dict) -> bool:
+    def runnable(self, row: VideoRecord) -> bool:
         """Whether this worker can take the queued video `row` now: not while it names an
         adapter uploaded here but not yet taken up (the scan runs at the next tick), or one
         another live worker has and this one does not. One that no worker has is taken, to
         fail naming the adapter."""
-        names = {c["name"] for c in json.loads(row["spec"]).get("loras") or ()}
-        card = self.cards.get(row["model"])
+        names = {c["name"] for c in row.spec.get("loras") or ()}
+        card = self.cards.get(row.model)
         missing = names - {a["name"] for a in card.adapters} if card is not None else set()
         if not missing:
             return True
         ctx = self.ctx
-        folder = ctx.data.adapters(row["model"])
+        folder = ctx.data.adapters(row.model)
         if any(folder.file(n).exists() and folder.error(n) is None for n in missing):
             self.last_adapter_scan = -math.inf  # take it up at once
             return False
         elsewhere = {
             a["name"]
             for w in ctx.store.live_workers(ctx.settings.lease_s)
-            if w["name"] != ctx.name and not w["dead"]
-            for c in w["models"]
-            if c["name"] == row["model"]
+            if w.name != ctx.name and not w.dead
+            for c in w.models
+            if c["name"] == row.model
             for a in c.get("adapters") or ()
         }
         return not missing & elsewhere
 
 
-def fine_tuned_card(row: dict, parent: ModelCard) -> ModelCard:
-    """The card of a fine-tuned model (a `models` row): its parent's limits under its own name."""
+def fine_tuned_card(model: ModelRecord, parent: ModelCard) -> ModelCard:
+    """The card of a fine-tuned model: its parent's limits under its own name."""
     return parent.replace(
-        name=row["name"],
+        name=model.name,
         kind="fine-tune",
         parent=parent.name,
-        source=row["path"],
-        created=row["created_at"],
-        owner=row.get("owner"),
+        source=model.path,
+        created=model.created_at,
+        owner=model.owner,
     )

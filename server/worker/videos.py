@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import json
 import logging
 import time
 from dataclasses import dataclass
@@ -94,21 +93,21 @@ class Videos:
             ctx.name,
             self.models.served(),
             room,
-            lambda row: ResolvedVideo.from_dict(json.loads(row["spec"])).batch_key,
+            lambda row: ResolvedVideo.from_dict(row.spec).batch_key,
             running,
             lease_s=ctx.settings.lease_s,
             runnable=self.models.runnable,
         )
         claimed = []
         for row in rows:
-            video = ResolvedVideo.from_dict(json.loads(row["spec"]))
+            video = ResolvedVideo.from_dict(row.spec)
             if video.image is not None:  # stored relative to the storage (see the videos router)
                 video = dataclasses.replace(video, image=str(ctx.data.resolve(video.image)))
             try:
                 model = self.models.video_model(video.model)
                 self._check(video)
             except Exception as exc:  # noqa: BLE001 - this job fails, the batch goes on
-                self._fail(row["id"], row["lease_token"], exc)
+                self._fail(row.id, row.lease_token, exc)
                 continue
             claimed.append((row, video, model))
         # Jobs claimed together share a batch key, so a model: their prompts encode in one pass.
@@ -117,10 +116,10 @@ class Videos:
             prepared = self._together(
                 lambda some, model=model: model.prepare_batch([video for _, video in some]),
                 jobs,
-                lambda job, exc: self._fail(job[0]["id"], job[0]["lease_token"], exc),
+                lambda job, exc: self._fail(job[0].id, job[0].lease_token, exc),
             )
             for (row, video), state in prepared:
-                run = Running(row["id"], row["lease_token"], video, state, time.perf_counter())
+                run = Running(row.id, row.lease_token, video, state, time.perf_counter())
                 self.batch.append(run)
 
     def _together(self, call, items: list, fail) -> list[tuple[Any, Any]]:

@@ -1,0 +1,170 @@
+"""The job store's rows as typed, frozen records, decoded once where the store reads them.
+
+A record is what a row holds, with its JSON text columns (a video's resolved request, a
+fine-tune's hyperparameters, a worker's model cards and metrics) parsed and its 0/1 flags made
+booleans; callers read attributes, never keys. What the API shows of a record is made in one
+place, the response schemas (schemas.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from typing import Any, Self
+
+
+def _decode(cls: type, row: Mapping[str, Any], **decoded: Any) -> Any:
+    """`cls` from a row's columns (extra columns are ignored), `decoded` overriding the raw ones."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in row.items() if k in names and k not in decoded}, **decoded)
+
+
+def _json(text: str | None) -> Any:
+    return json.loads(text) if text else None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class VideoRecord:
+    """A video job (the `videos` table)."""
+
+    seq: int
+    id: str
+    created_at: int
+    status: str  # queued -> in_progress -> completed | failed | cancelled
+    progress: int
+    step: int
+    passes: int | None  # steps that ran a pass of the model; None: as many as `step`
+    model: str
+    priority: int
+    spec: dict[str, Any]  # the resolved request, `ResolvedVideo.to_dict()`
+    cancel_requested: bool
+    attempts: int
+    crashes: int
+    started_at: int | None
+    completed_at: int | None
+    expires_at: int | None
+    error_code: str | None
+    error_message: str | None
+    worker_id: str | None
+    lease_token: str | None
+    lease_expires_at: float | None
+    owner: str | None
+
+    @classmethod
+    def from_row(cls, row: Mapping[str, Any]) -> Self:
+        return _decode(
+            cls,
+            row,
+            spec=json.loads(row["spec"]),
+            cancel_requested=bool(row["cancel_requested"]),
+        )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FineTuneRecord:
+    """A fine-tuning job (the `fine_tunes` table)."""
+
+    seq: int
+    id: str
+    created_at: int
+    status: str  # queued -> running -> succeeded | failed | cancelled
+    model: str
+    training_file: str
+    hyperparameters: dict[str, Any]  # as resolved at creation (services/fine_tuning.py)
+    seed: int
+    suffix: str | None
+    output_dir: str
+    fine_tuned_model: str | None
+    step: int
+    total_steps: int | None
+    cancel_requested: bool
+    attempts: int  # claims so far: more than one means a resume from a checkpoint
+    crashes: int
+    finished_at: int | None
+    error_code: str | None
+    error_message: str | None
+    worker_id: str | None
+    lease_token: str | None
+    lease_expires_at: float | None
+    owner: str | None
+
+    @classmethod
+    def from_row(cls, row: Mapping[str, Any]) -> Self:
+        return _decode(
+            cls,
+            row,
+            hyperparameters=json.loads(row["hyperparameters"]),
+            cancel_requested=bool(row["cancel_requested"]),
+        )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FileRecord:
+    """An uploaded file (the `files` table)."""
+
+    seq: int
+    id: str
+    created_at: int
+    filename: str
+    purpose: str
+    bytes: int
+    path: str  # relative to the storage (DataDir.relative)
+    clips: int
+    owner: str | None
+    status: str  # uploaded -> processed | error
+    status_details: str | None
+    validating_until: float | None
+
+    @classmethod
+    def from_row(cls, row: Mapping[str, Any]) -> Self:
+        return _decode(cls, row)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ModelRecord:
+    """A fine-tuned model (the `models` table), registered when its job succeeded."""
+
+    seq: int
+    name: str
+    parent: str
+    path: str  # relative to the storage
+    job_id: str
+    created_at: int
+    owner: str | None
+
+    @classmethod
+    def from_row(cls, row: Mapping[str, Any]) -> Self:
+        return _decode(cls, row)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class WorkerRecord:
+    """A worker process in the registry (the `workers` table)."""
+
+    name: str
+    token: str  # this incarnation
+    host: str
+    pid: int
+    device: str
+    capacity: int
+    models: list[dict[str, Any]]  # the model cards it serves (protocol.card_to_dict)
+    started_at: float
+    heartbeat_at: float
+    ready: bool
+    dead: str | None
+    metrics: dict[str, Any] | None
+    age_s: float | None = None  # seconds since its last heartbeat, where the read asked
+
+    @classmethod
+    def from_row(cls, row: Mapping[str, Any]) -> Self:
+        return _decode(
+            cls,
+            row,
+            models=json.loads(row["models"]),
+            ready=bool(row["ready"]),
+            metrics=_json(row["metrics"]),
+        )
+
+
+__all__ = ["FileRecord", "FineTuneRecord", "ModelRecord", "VideoRecord", "WorkerRecord"]
