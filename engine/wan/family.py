@@ -422,8 +422,8 @@ class WanVideoPipeline(Pipeline):
     def _contexts(self, videos: list[ResolvedVideo]) -> list[torch.Tensor]:
         """Each request's prompt embeddings `(1 or 2, 512, text_dim)`: the prompt, then the
         negative prompt when guided. Batched, every prompt of every request together (`encode`:
-        a streamed encoder's weights cross once for all); the reference mode encodes each prompt alone, as
-        WanPipeline does."""
+        a streamed encoder's weights cross once for all); the reference mode encodes each prompt
+        alone, as WanPipeline does."""
         rows = [[v.prompt, v.negative_prompt][: 1 + (v.guidance > 1.0)] for v in videos]
         if not self.batched:
             return [torch.cat([self.encode([p]) for p in prompts]) for prompts in rows]

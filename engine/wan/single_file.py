@@ -17,6 +17,7 @@ decodes them with that same product, so the frames are bitwise the upcast ones. 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -75,9 +76,7 @@ class SingleFileWeights(Mapping):
         weight, scale = self.file.locate(key), self.file.locate(scale_key)
         if weight is None or scale is None:
             return  # a dtype torch does not know: reading it fails with safetensors' own error
-        n = 1
-        for size in scale.shape:
-            n *= size
+        n = math.prod(scale.shape)
         rows = weight.shape[0] if weight.shape else 1
         if n == 1 or (scale.shape[0] == rows and n == rows):
             return
