@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .interfaces import VideoModel
 from .request import ResolvedVideo, VideoRequest, resolve
 from .sources import ModelInfo
 from .streaming import StreamHandle
@@ -57,7 +58,7 @@ def distinct(items: Sequence[str]) -> tuple[list[str], list[int]]:
     return list(index), where
 
 
-class Pipeline(ABC):
+class Pipeline(VideoModel, ABC):
     """A loaded model ready to sample clips; `handles` are its streamed modules (may be empty).
     `adapters` holds the LoRA adapters registered on it, for a family that takes them."""
 
