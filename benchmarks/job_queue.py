@@ -11,7 +11,7 @@ do (every `--watch-interval` seconds) to time events across processes.
 
 - jobs_per_s: jobs completed per second, from the moment every worker has registered (process
   start-up excluded) to the last completion.
-- claim_latency_ms: wall time of one claim transaction (`JobStore.claim_videos`, up to a batch).
+- claim_latency_ms: wall time of one claim transaction (`Videos.claim`, up to a batch).
 - event_latency_ms: from a worker's commit of a video's completion to the watcher seeing the
   `video.completed` event (bounded below by the watcher's polling interval).
 
@@ -76,7 +76,7 @@ def run_worker(url: str, storage: str, name: str, batch: int, ready, go, stop, r
     settings = Settings(database=url, storage=storage, max_batch=batch, worker_name=name)
     store = JobStore(url)
     claims, completed = [], {}
-    claim, finish = store.claim_videos, store.finish_video
+    claim, finish = store.videos.claim, store.videos.finish
 
     def timed_claim(*args, **kwargs):
         start = time.perf_counter()
@@ -91,7 +91,7 @@ def run_worker(url: str, storage: str, name: str, batch: int, ready, go, stop, r
             completed[video_id] = time.time()
         return status
 
-    store.claim_videos, store.finish_video = timed_claim, timed_finish
+    store.videos.claim, store.videos.finish = timed_claim, timed_finish
     worker = Worker(settings, NoOpBackend(), store, name)
     worker.register()
     ready.release()
@@ -110,7 +110,7 @@ def run_worker(url: str, storage: str, name: str, batch: int, ready, go, stop, r
 def watch(url: str, interval: float, expected: int, results) -> None:
     """An API host's view: poll the events table; when was each video.completed first seen.
 
-    Event numbers grow in commit order per job only (store.py), so across jobs the watcher
+    Event numbers grow in commit order per job only (store/), so across jobs the watcher
     re-reads every completion rather than resuming after the highest number it saw."""
     import sqlalchemy as sa
 
@@ -121,7 +121,7 @@ def watch(url: str, interval: float, expected: int, results) -> None:
     deadline = time.monotonic() + 600
     stmt = sa.select(events.c.job_id).where(events.c.type == "video.completed")
     while len(seen) < expected and time.monotonic() < deadline:
-        rows = store._all(stmt)
+        rows = store.db.all(stmt)
         now = time.time()
         for row in rows:
             seen.setdefault(row["job_id"], now)
@@ -140,7 +140,7 @@ def percentiles(values: list[float], scale: float = 1000.0) -> dict:
 def one_run(url: str, storage: str, jobs: int, workers: int, batch: int, interval: float) -> dict:
     store = JobStore(url)
     for i in range(jobs):
-        store.insert_video(f"video_{i:06d}", {**SPEC, "seed": i})
+        store.videos.insert(f"video_{i:06d}", {**SPEC, "seed": i})
     ctx = multiprocessing.get_context("spawn")
     watch_results = ctx.Queue()
     watcher = ctx.Process(target=watch, args=(url, interval, jobs, watch_results))
@@ -161,9 +161,9 @@ def one_run(url: str, storage: str, jobs: int, workers: int, batch: int, interva
     start = time.perf_counter()
     go.set()
     deadline = time.monotonic() + 600
-    while store.counts_by_state().get(("video", "completed"), 0) < jobs:
+    while store.jobs.counts_by_state().get(("video", "completed"), 0) < jobs:
         if time.monotonic() > deadline or not all(p.is_alive() for p in procs):
-            raise RuntimeError(f"the workers did not finish: {store.counts_by_state()}")
+            raise RuntimeError(f"the workers did not finish: {store.jobs.counts_by_state()}")
         time.sleep(0.02)
     elapsed = time.perf_counter() - start
     stop.set()
@@ -246,8 +246,8 @@ def _empty(url: str) -> None:
     from megaslide.server.tables import metadata
 
     store = JobStore(url)
-    metadata.drop_all(store.engine)
-    with store.engine.begin() as conn:
+    metadata.drop_all(store.db.engine)
+    with store.db.engine.begin() as conn:
         conn.exec_driver_sql("DROP TABLE IF EXISTS alembic_version")
     store.close()
 

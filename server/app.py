@@ -3,7 +3,7 @@
 Nothing heavy happens at import or in `build_app`: the lifespan opens the job store (migrating
 its schema when an older server made it) and starts the workers, whose thread loads the models
 while `/healthz` already answers and `/readyz` says 503. Jobs a killed process left running come
-back when its worker restarts under the same name, or when their leases expire (store.py).
+back when its worker restarts under the same name, or when their leases expire (store/).
 """
 
 from __future__ import annotations
@@ -43,11 +43,11 @@ def housekeeping(store: JobStore, data: DataDir) -> None:
     """Start-up cleaning: expired videos' files, and what a killed process left half-written
     (temporary MP4/PNG files, uploads that never got a row). Other hosts may be writing at this
     moment, so only what has been left alone for `STALE_AFTER_S` goes."""
-    for video_id in store.expired_videos():
+    for video_id in store.videos.expired():
         for path in data.video_files(video_id):
             path.unlink(missing_ok=True)
     data.remove_stale(min_age_s=STALE_AFTER_S)
-    known = store.file_ids()
+    known = store.files.ids()
     cutoff = time.time() - STALE_AFTER_S
     for folder in data.files.iterdir():
         if folder.name not in known and folder.stat().st_mtime < cutoff:

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from .errors import TooManyStreams
+from .records import EventRecord
 from .store import AsyncStore
 
 log = logging.getLogger("megaslide.server")
@@ -49,7 +50,7 @@ class Subscription:
             self.inbox.put_nowait(("position", position))
 
     async def next(self) -> tuple[str, object]:
-        """`("event", row)` or `("position", n)`, as they come."""
+        """`("event", EventRecord)` or `("position", n)`, as they come."""
         return await self.inbox.get()
 
 
@@ -100,13 +101,14 @@ class EventFeed:
         while self._subscribers:
             rows = []
             try:
-                rows = await self.store.events_since(self._cursor, EVENTS_PER_POLL)
                 if self._cursor is None:  # first poll: where the log ends now
-                    self._cursor, rows = rows[0]["seq"], []
+                    self._cursor = await self.store.videos.last_event_seq()
                     self._watching.set()
+                else:
+                    rows = await self.store.videos.events_since(self._cursor, EVENTS_PER_POLL)
                 moved = self._deliver(rows) or moved
                 if moved:
-                    positions = await self.store.queue_positions()
+                    positions = await self.store.videos.queue_positions()
                     for subs in list(self._subscribers.values()):
                         for sub in subs:
                             sub.tell_position(positions.get(sub.job_id))
@@ -118,12 +120,12 @@ class EventFeed:
         self._cursor = None  # nobody listens: start from the end again next time
         self._watching = asyncio.Event()
 
-    def _deliver(self, rows: list[dict]) -> bool:
-        """Hand out `rows`; whether any may have moved the queue."""
+    def _deliver(self, events: list[EventRecord]) -> bool:
+        """Hand out `events`; whether any may have moved the queue."""
         moved = False
-        for row in rows:
-            self._cursor = row["seq"]
-            moved = moved or row["type"] in QUEUE_MOVES
-            for sub in self._subscribers.get(row["job_id"], ()):
-                sub.inbox.put_nowait(("event", row))
+        for event in events:
+            self._cursor = event.seq
+            moved = moved or event.type in QUEUE_MOVES
+            for sub in self._subscribers.get(event.job_id, ()):
+                sub.inbox.put_nowait(("event", event))
         return moved

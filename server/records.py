@@ -1,9 +1,10 @@
 """The job store's rows as typed, frozen records, decoded once where the store reads them.
 
 A record is what a row holds, with its JSON text columns (a video's resolved request, a
-fine-tune's hyperparameters, a worker's model cards and metrics) parsed and its 0/1 flags made
-booleans; callers read attributes, never keys. What the API shows of a record is made in one
-place, the response schemas (schemas.py).
+fine-tune's hyperparameters, a worker's model cards and metrics, an event's data, a checkpoint's
+metrics) parsed and its 0/1 flags made booleans; callers read attributes, never keys. Videos and
+fine-tunes share their lease's fields (`LeasedRecord`). What the API shows of a record is made in
+one place, the response schemas (schemas.py).
 """
 
 from __future__ import annotations
@@ -25,7 +26,16 @@ def _json(text: str | None) -> Any:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class VideoRecord:
+class LeasedRecord:
+    """A job's lease: which worker holds it, under which claim, and until when (see store/)."""
+
+    worker_id: str | None
+    lease_token: str | None
+    lease_expires_at: float | None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class VideoRecord(LeasedRecord):
     """A video job (the `videos` table)."""
 
     seq: int
@@ -46,9 +56,6 @@ class VideoRecord:
     expires_at: int | None
     error_code: str | None
     error_message: str | None
-    worker_id: str | None
-    lease_token: str | None
-    lease_expires_at: float | None
     owner: str | None
 
     @classmethod
@@ -62,7 +69,7 @@ class VideoRecord:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class FineTuneRecord:
+class FineTuneRecord(LeasedRecord):
     """A fine-tuning job (the `fine_tunes` table)."""
 
     seq: int
@@ -84,9 +91,6 @@ class FineTuneRecord:
     finished_at: int | None
     error_code: str | None
     error_message: str | None
-    worker_id: str | None
-    lease_token: str | None
-    lease_expires_at: float | None
     owner: str | None
 
     @classmethod
@@ -97,6 +101,40 @@ class FineTuneRecord:
             hyperparameters=json.loads(row["hyperparameters"]),
             cancel_requested=bool(row["cancel_requested"]),
         )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EventRecord:
+    """An event of a video or a fine-tune (the `events` table), in the order jobs wrote them."""
+
+    seq: int  # grows in commit order per job: SSE's event id, a fine-tune event's `ftevent-<seq>`
+    job_id: str
+    created_at: int
+    type: str
+    level: str
+    message: str
+    data: dict[str, Any] | None
+
+    @classmethod
+    def from_row(cls, row: Mapping[str, Any]) -> Self:
+        return _decode(cls, row, data=_json(row["data"]))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CheckpointRecord:
+    """A fine-tune's checkpoint (the `checkpoints` table)."""
+
+    seq: int
+    id: str
+    job_id: str
+    created_at: int
+    step: int
+    path: str  # relative to the storage
+    metrics: dict[str, Any] | None  # the step's loss and learning rate, where known
+
+    @classmethod
+    def from_row(cls, row: Mapping[str, Any]) -> Self:
+        return _decode(cls, row, metrics=_json(row["metrics"]))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -167,4 +205,13 @@ class WorkerRecord:
         )
 
 
-__all__ = ["FileRecord", "FineTuneRecord", "ModelRecord", "VideoRecord", "WorkerRecord"]
+__all__ = [
+    "CheckpointRecord",
+    "EventRecord",
+    "FileRecord",
+    "FineTuneRecord",
+    "LeasedRecord",
+    "ModelRecord",
+    "VideoRecord",
+    "WorkerRecord",
+]

@@ -23,7 +23,7 @@ from megaslide.engine.request import (
 
 from .plain_text import NUL, NUL_MESSAGE
 from .protocol import ModelCard
-from .records import FileRecord, FineTuneRecord, VideoRecord
+from .records import CheckpointRecord, EventRecord, FileRecord, FineTuneRecord, VideoRecord
 
 T = TypeVar("T")
 
@@ -491,14 +491,14 @@ class FineTuningEvent(BaseModel):
     data: dict | None
 
 
-def event_object(row: dict) -> FineTuningEvent:
+def event_object(event: EventRecord) -> FineTuningEvent:
     return FineTuningEvent(
-        id=f"ftevent-{row['seq']}",
-        created_at=row["created_at"],
-        level=row["level"],
-        message=row["message"],
-        type=row["type"],
-        data=json.loads(row["data"]) if row["data"] else None,
+        id=f"ftevent-{event.seq}",
+        created_at=event.created_at,
+        level=event.level,
+        message=event.message,
+        type=event.type,
+        data=event.data,
     )
 
 
@@ -512,17 +512,16 @@ class Checkpoint(BaseModel):
     step_number: int
 
 
-def checkpoint_object(row: dict, job: FineTuneRecord) -> Checkpoint:
-    name = (
-        f"ft:{job.model}:{job.suffix or ''}:{job.id.removeprefix('ftjob-')}:ckpt-step-{row['step']}"
-    )
+def checkpoint_object(checkpoint: CheckpointRecord, job: FineTuneRecord) -> Checkpoint:
+    step = checkpoint.step
+    name = f"ft:{job.model}:{job.suffix or ''}:{job.id.removeprefix('ftjob-')}:ckpt-step-{step}"
     return Checkpoint(
-        id=row["id"],
-        created_at=row["created_at"],
+        id=checkpoint.id,
+        created_at=checkpoint.created_at,
         fine_tuned_model_checkpoint=name,
-        fine_tuning_job_id=row["job_id"],
-        metrics=json.loads(row["metrics"] or "{}"),
-        step_number=row["step"],
+        fine_tuning_job_id=checkpoint.job_id,
+        metrics=checkpoint.metrics or {},
+        step_number=step,
     )
 
 

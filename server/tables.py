@@ -25,7 +25,7 @@ def _seq() -> sa.Column:
 
 
 def _lease() -> list[sa.Column]:
-    """Which worker holds a running job, under which claim, and until when (see store.py)."""
+    """Which worker holds a running job, under which claim, and until when (see store/)."""
     return [
         sa.Column("worker_id", sa.Text),
         sa.Column("lease_token", sa.Text),

@@ -59,7 +59,7 @@ class Validator:
 
     def validate_one(self) -> bool:
         """Validate one pending upload, if any; False when there was none."""
-        row = self.store.claim_file_validation(LEASE_S)
+        row = self.store.files.claim_validation(LEASE_S)
         if row is None:
             return False
         folder = self.data.upload(row.id)
@@ -76,9 +76,9 @@ class Validator:
         else:
             (folder / "upload").unlink(missing_ok=True)  # training reads the unpacked copy
             path = self.data.relative(root)
-            if not self.store.finish_file_validation(row.id, clips=clips, path=path):
+            if not self.store.files.finish_validation(row.id, clips=clips, path=path):
                 remove_tree(folder)  # deleted while it was being validated
             return True
         remove_tree(folder)
-        self.store.finish_file_validation(row.id, error=error)
+        self.store.files.finish_validation(row.id, error=error)
         return True

@@ -17,19 +17,31 @@ from megaslide.server.store import JobStore
 INTERVAL_S = 0.02
 
 
-class CountingStore:
-    """The feed's two store calls, counted."""
+class CountingVideos:
+    """The feed's store calls, counted."""
 
     def __init__(self, store: JobStore):
         self.store, self.calls = store, Counter()
 
+    async def last_event_seq(self):
+        self.calls["last_event_seq"] += 1
+        return self.store.videos.last_event_seq()
+
     async def events_since(self, after_seq, limit):
         self.calls["events_since"] += 1
-        return self.store.events_since(after_seq, limit)
+        return self.store.videos.events_since(after_seq, limit)
 
     async def queue_positions(self):
         self.calls["queue_positions"] += 1
-        return self.store.queue_positions()
+        return self.store.videos.queue_positions()
+
+
+class CountingStore:
+    """What the feed reads of an `AsyncStore`: its videos' calls, counted."""
+
+    def __init__(self, store: JobStore, videos: type[CountingVideos] = CountingVideos):
+        self.videos = videos(store)
+        self.calls = self.videos.calls
 
 
 def drain(sub) -> list:
@@ -43,7 +55,7 @@ def test_one_poll_feeds_every_stream_its_own_news(tmp_path):
     store = JobStore(f"sqlite:///{tmp_path / 'db'}")
     ids = [f"video_{i}" for i in range(200)]
     for i, video_id in enumerate(ids):
-        store.insert_video(video_id, {"model": "m", "seed": i})
+        store.videos.insert(video_id, {"model": "m", "seed": i})
     counting = CountingStore(store)
     feed = EventFeed(counting, INTERVAL_S, max_streams=1000)
 
@@ -52,7 +64,7 @@ def test_one_poll_feeds_every_stream_its_own_news(tmp_path):
             subs = [stack.enter_context(feed.subscribe(v, "-")) for v in ids]
             await asyncio.sleep(5 * INTERVAL_S)
             first = [drain(s) for s in subs]
-            [claimed] = store.claim_videos("w", ["m"], 1, lambda r: 0, lease_s=60)
+            [claimed] = store.videos.claim("w", ["m"], 1, lambda r: 0, lease_s=60)
             start = time.monotonic()
             await asyncio.sleep(10 * INTERVAL_S)
             polls = counting.calls["events_since"]
@@ -62,7 +74,7 @@ def test_one_poll_feeds_every_stream_its_own_news(tmp_path):
     assert all(news == [("position", n)] for n, news in enumerate(first, start=1))
     assert claimed.id == ids[0]
     [(kind, row)] = later[0]  # the started video: its own event, nothing else
-    assert kind == "event" and row["type"] == "video.in_progress" and row["job_id"] == ids[0]
+    assert kind == "event" and row.type == "video.in_progress" and row.job_id == ids[0]
     # Everyone behind it moved up one place; nobody got another video's events.
     assert all(news == [("position", n)] for n, news in enumerate(later[1:], start=1))
     # A poll per interval for all 200 streams, not one per stream.
@@ -98,28 +110,30 @@ def test_an_event_written_before_the_feed_first_looks_still_reaches_the_stream(t
     to be watching."""
     from megaslide.server.routers.videos import _sse
     from megaslide.server.store import AsyncStore
+    from megaslide.server.store.async_store import AsyncVideoStore
 
     store = JobStore(f"sqlite:///{tmp_path / 'db'}")
-    store.insert_video("video_1", {"model": "m", "seed": 0})
+    store.videos.insert("video_1", {"model": "m", "seed": 0})
 
-    class ClaimAfterTheReplay(AsyncStore):
+    class ClaimAfterTheReplay(AsyncVideoStore):
         async def events_after(self, *args, **kwargs):
-            rows = store.events_after(*args, **kwargs)
-            store.claim_videos("w", ["m"], 1, lambda r: 0, lease_s=60)  # just after the read
+            rows = store.videos.events_after(*args, **kwargs)
+            store.videos.claim("w", ["m"], 1, lambda r: 0, lease_s=60)  # just after the read
             return rows
 
-    class SlowFirstLook(CountingStore):
-        async def events_since(self, after_seq, limit):
-            if after_seq is None:  # the feed's first look comes late (a busy store)
-                await asyncio.sleep(5 * INTERVAL_S)
-            return await super().events_since(after_seq, limit)
+    class SlowFirstLook(CountingVideos):
+        async def last_event_seq(self):
+            await asyncio.sleep(5 * INTERVAL_S)  # the feed's first look comes late (a busy store)
+            return await super().last_event_seq()
 
-    feed = EventFeed(SlowFirstLook(store), INTERVAL_S, max_streams=10)
+    feed = EventFeed(CountingStore(store, SlowFirstLook), INTERVAL_S, max_streams=10)
+    replaying = AsyncStore(store)
+    replaying.videos = ClaimAfterTheReplay(store.videos, inline_reads=True)
 
     async def scenario():
         seen = []
         with feed.subscribe("video_1", "-") as sub:
-            stream = _sse(ClaimAfterTheReplay(store), "video_1", 0, sub)
+            stream = _sse(replaying, "video_1", 0, sub)
             with contextlib.suppress(TimeoutError):
                 while len(seen) < 2:
                     chunk = await asyncio.wait_for(anext(stream), 20 * INTERVAL_S)

@@ -26,18 +26,18 @@ def test_a_fine_tune_taken_over_cannot_publish_another_checkpoint(make_client):
     job = c.post("/v1/fine_tuning/jobs", json=body).json()
     store = c.app.state.store.sync
     # Step 2's checkpoint and progress are recorded before step 3 begins: take over after them.
-    until(lambda: store.get_finetune(job["id"]).step >= 2, what="step 2 recorded")
-    row = store.get_finetune(job["id"])
+    until(lambda: store.fine_tunes.get(job["id"]).step >= 2, what="step 2 recorded")
+    row = store.fine_tunes.get(job["id"])
     output = c.app.state.data.resolve(row.output_dir)
-    store.requeue_finetune(job["id"], row.lease_token, "taken over")
-    assert store.claim_finetune("elsewhere", ["fake"], lease_s=60).id == job["id"]
+    store.fine_tunes.requeue(job["id"], row.lease_token, "taken over")
+    assert store.fine_tunes.claim("elsewhere", ["fake"], lease_s=60).id == job["id"]
     written = {p.name for p in output.glob("step-*.ckpt")}
     assert written == {"step-1.ckpt", "step-2.ckpt"}
     backend.train_gate.set()
     until(lambda: max(s for kind, s in backend.timeline if kind == "train") > len(written))
     time.sleep(0.3)
     assert {p.name for p in output.glob("step-*.ckpt")} == written  # nothing after the takeover
-    row = store.get_finetune(job["id"])
+    row = store.fine_tunes.get(job["id"])
     assert row.status == "running" and row.worker_id == "elsewhere"
 
 

@@ -127,11 +127,11 @@ def test_a_silent_worker_drops_out_and_its_job_moves_to_another(api, settings):
     until(lambda: api.get("/readyz").status_code == 200, what="ready")
     first.worker.backend.gate.clear()  # hold the first worker inside a step
     video = api.post("/v1/videos", json={"prompt": "p", **SMALL}).json()
-    until(lambda: first.store.get_video(video["id"]).worker_id == "w1", what="the claim")
+    until(lambda: first.store.videos.get(video["id"]).worker_id == "w1", what="the claim")
     first.worker.stop.set()  # its heartbeat stops too: it is silent from now on
     second = Running(settings, "w2")
     assert wait_status(api, video["id"], timeout=15)["status"] == "completed"
-    assert first.store.get_video(video["id"]).worker_id == "w2"
+    assert first.store.videos.get(video["id"]).worker_id == "w2"
     first.worker.backend.gate.set()  # the first one wakes: its late outcome is refused
     first.thread.join(30)
     time.sleep(0.2)
@@ -184,7 +184,7 @@ def test_a_job_naming_an_adapter_waits_for_a_worker_that_has_it(settings):
 
         def row(*names):
             spec = {"model": "fake", "loras": [{"name": n, "scale": 1.0} for n in names]}
-            return store.insert_video(f"video_{'_'.join(names)}_{time.monotonic_ns()}", spec)
+            return store.videos.insert(f"video_{'_'.join(names)}_{time.monotonic_ns()}", spec)
 
         assert here.models.runnable(row()) and here.models.runnable(row("mine"))
         assert not here.models.runnable(row("mine", "elsewhere"))

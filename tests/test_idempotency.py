@@ -82,7 +82,7 @@ def test_create_once_finds_the_first_resource_and_makes_a_deleted_one_again(stor
         resource_id = f"video_{len(reservations)}"
         rows[resource_id] = {"id": resource_id}
         # Records the key the way the store's insert_* do, in the resource's own transaction.
-        await store.insert_video(resource_id, _spec(), idempotency=reservation)
+        await store.videos.insert(resource_id, _spec(), idempotency=reservation)
         return rows[resource_id]
 
     async def scenario():

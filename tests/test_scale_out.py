@@ -65,7 +65,7 @@ class Cluster:
 
     def holder(self, job_id: str, table: str = "video") -> str:
         """The worker running a job, once it has taken a step or two."""
-        get = self.store.get_video if table == "video" else self.store.get_finetune
+        get = self.store.videos.get if table == "video" else self.store.fine_tunes.get
         deadline = time.monotonic() + JOB_TIMEOUT_S
         while time.monotonic() < deadline:
             row = get(job_id)
@@ -89,7 +89,7 @@ def cluster(tmp_path_factory, postgres_server):
 
 
 def events(cluster: Cluster, video_id: str) -> list[str]:
-    return [e["type"] for e in cluster.store.events_after(video_id, 0, limit=10_000)]
+    return [e.type for e in cluster.store.videos.events_after(video_id, 0, limit=10_000)]
 
 
 def create(cluster: Cluster, **fields) -> str:
@@ -112,7 +112,7 @@ def test_a_worker_killed_mid_video_hands_it_to_the_other_exactly_once(cluster, t
     victim = cluster.holder(video_id)
     cluster.workers[victim].kill9()
     done = cluster.api.wait(video_id)
-    row = cluster.store.get_video(video_id)
+    row = cluster.store.videos.get(video_id)
     assert done["status"] == "completed" and row.worker_id != victim and row.attempts == 2
     names = events(cluster, video_id)
     assert names.count("video.completed") == 1 and names.count("video.in_progress") == 2
@@ -130,19 +130,19 @@ def test_a_cancel_sent_to_the_api_stops_the_job_on_its_worker_within_a_step(clus
     before = cluster.api.video(video_id)["step"]
     r = cluster.api.http.post(f"/v1/videos/{video_id}/cancel")
     assert r.status_code == 200 and r.json()["status"] == "cancelled"
-    after = cluster.store.get_video(video_id)
+    after = cluster.store.videos.get(video_id)
     # One step may have been running when the flag landed, and one more between our read of
     # the step and the cancel.
     assert after.status == "cancelled" and after.step <= before + 2
     time.sleep(1)
-    assert cluster.store.get_video(video_id).step == after.step
+    assert cluster.store.videos.get(video_id).step == after.step
 
 
 def test_killing_the_api_leaves_the_workers_working(cluster):
     ids = [create(cluster, seed=10 + i, **CLIP) for i in range(3)]
     cluster.api.kill9()
     deadline = time.monotonic() + JOB_TIMEOUT_S
-    while any(cluster.store.get_video(i).status not in TERMINAL for i in ids):
+    while any(cluster.store.videos.get(i).status not in TERMINAL for i in ids):
         assert time.monotonic() < deadline, "the workers stopped with the API"
         time.sleep(0.2)
     cluster.api = cluster.start_api()
@@ -186,7 +186,7 @@ def test_a_worker_killed_mid_finetune_is_resumed_by_the_other_to_the_same_weight
     )
     assert f.status_code == 200, f.text
     deadline = time.monotonic() + JOB_TIMEOUT_S
-    while cluster.store.get_file(f.json()["id"]).status == "uploaded":  # the API validates it
+    while cluster.store.files.get(f.json()["id"]).status == "uploaded":  # the API validates it
         assert time.monotonic() < deadline
         time.sleep(0.1)
     killed = finetune(cluster, f.json()["id"])
@@ -194,8 +194,8 @@ def test_a_worker_killed_mid_finetune_is_resumed_by_the_other_to_the_same_weight
     cluster.workers[victim].kill9()
     interrupted = finished(cluster, killed)
     assert interrupted["status"] == "succeeded", interrupted
-    assert cluster.store.get_finetune(killed).attempts == 2
-    messages = [e["message"] for e in cluster.store.finetune_events(killed, None, 1000)[0]]
+    assert cluster.store.fine_tunes.get(killed).attempts == 2
+    messages = [e.message for e in cluster.store.fine_tunes.events(killed, None, 1000)[0]]
     assert any(m.startswith("Resumed at step") for m in messages), messages
 
     cluster.start_worker(victim)

@@ -164,7 +164,7 @@ def test_expired_content_is_gone(make_client):
     c = make_client()
     v = create(c)
     wait_status(c, v["id"])
-    with c.app.state.store.sync._tx() as conn:  # fast-forward past the video's lifetime
+    with c.app.state.store.sync.db.tx() as conn:  # fast-forward past the video's lifetime
         conn.exec_driver_sql("UPDATE videos SET expires_at = 1 WHERE id = ?", (v["id"],))
     assert_error(c.get(f"/v1/videos/{v['id']}/content"), 404, fragment="expired")
     assert c.get(f"/v1/videos/{v['id']}").json()["status"] == "completed"

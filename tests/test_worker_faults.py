@@ -60,7 +60,7 @@ def test_an_error_that_loses_the_device_stops_the_worker_and_says_so(make_client
 def fail_writes(store: JobStore, failing: threading.Event) -> None:
     """While `failing` is set, every write to `store` fails as on a full disk."""
 
-    @sa.event.listens_for(store.engine, "before_cursor_execute")
+    @sa.event.listens_for(store.db.engine, "before_cursor_execute")
     def _full(conn, cursor, statement, params, context, executemany):
         if failing.is_set() and statement.lstrip().upper().startswith(WRITES):
             orig = sqlite3.OperationalError("database or disk is full")
@@ -159,13 +159,13 @@ def test_a_hung_worker_loop_lets_its_leases_expire(make_client):
     backend.gate.clear()  # the next denoising step hangs
     video = create(c)
     wait_status(c, video["id"], statuses=("in_progress",))
-    assert until(lambda: store.recover_expired()["videos_requeued"] == 1, timeout=10)
-    assert store.get_video(video["id"]).status == "queued"
+    assert until(lambda: store.workers.recover_expired()["videos_requeued"] == 1, timeout=10)
+    assert store.videos.get(video["id"]).status == "queued"
     backend.gate.set()
     assert wait_status(c, video["id"])["status"] == "completed"
-    messages = [e["message"] for e in store.events_after(video["id"], 0)]
+    messages = [e.message for e in store.videos.events_after(video["id"], 0)]
     assert "requeued: its worker stopped renewing its lease" in messages
-    assert [e["type"] for e in store.events_after(video["id"], 0)].count("video.completed") == 1
+    assert [e.type for e in store.videos.events_after(video["id"], 0)].count("video.completed") == 1
 
 
 def test_restart_requeues_interrupted_work_and_resumes_finetunes(make_client, tmp_path):
@@ -179,7 +179,7 @@ def test_restart_requeues_interrupted_work_and_resumes_finetunes(make_client, tm
         check=True,
     )
     name = default_name("cpu")
-    store.register_worker(
+    store.workers.register(
         name,
         "killed",
         host=socket.gethostname(),
@@ -200,22 +200,22 @@ def test_restart_requeues_interrupted_work_and_resumes_finetunes(make_client, tm
         guidance=1.0,
         seed=8,
     ).to_dict()
-    store.insert_video("video_interrupted", spec)
-    store.insert_video("video_cancelling", {**spec, "seed": 10})
-    claims = store.claim_videos(name, ["fake"], 2, lambda row: 0, lease_s=3600)
+    store.videos.insert("video_interrupted", spec)
+    store.videos.insert("video_cancelling", {**spec, "seed": 10})
+    claims = store.videos.claim(name, ["fake"], 2, lambda row: 0, lease_s=3600)
     token = {c.id: c.lease_token for c in claims}
-    store.set_video_progress(
+    store.videos.set_progress(
         [("video_interrupted", token["video_interrupted"], 2, 60)], lease_s=3600
     )
-    store.insert_video("video_waiting", {**spec, "seed": 9})
+    store.videos.insert("video_waiting", {**spec, "seed": 9})
     # Asked, not yet honoured at the kill.
-    assert store.cancel_video("video_cancelling") == "in_progress"
+    assert store.videos.cancel("video_cancelling") == "in_progress"
     root = data / "files" / "file-1" / "data"
     (root / "clips").mkdir(parents=True)
     (root / "metadata.jsonl").write_text(
         "".join(json.dumps({"file": f"clips/{i}", "text": "t"}) + "\n" for i in range(40))
     )
-    store.insert_file(
+    store.files.insert(
         {
             "id": "file-1",
             "filename": "d.zip",
@@ -224,9 +224,9 @@ def test_restart_requeues_interrupted_work_and_resumes_finetunes(make_client, tm
             "path": "files/file-1/data",
         }
     )
-    store.finish_file_validation("file-1", clips=40)
+    store.files.finish_validation("file-1", clips=40)
     out = data / "fine_tunes" / "ftjob-1"
-    store.insert_finetune(
+    store.fine_tunes.insert(
         {
             "id": "ftjob-1",
             "model": "fake",
@@ -237,8 +237,8 @@ def test_restart_requeues_interrupted_work_and_resumes_finetunes(make_client, tm
             "hyperparameters": {"n_epochs": 1, "batch_size": 1, "learning_rate_multiplier": 1.0},
         }
     )
-    tune = store.claim_finetune(name, ["fake"], lease_s=3600)
-    store.finetune_progress(
+    tune = store.fine_tunes.claim(name, ["fake"], lease_s=3600)
+    store.fine_tunes.set_progress(
         "ftjob-1", tune.lease_token, 13, 40, {"step": 13, "loss": 0.1}, lease_s=3600
     )
     out.mkdir(parents=True)

@@ -50,7 +50,7 @@ async def readyz(workers: WorkersDep):
 async def metrics(request: Request, workers: WorkersDep, store: StoreDep):
     # Gauges about jobs are read from the store at scrape time, so they always agree with the API.
     gauges = Gauges()
-    by_model = await store.queue_depth_by_model()
+    by_model = await store.jobs.queue_depth_by_model()
     gauges.set(
         "megaslide_queue_depth",
         "Jobs waiting for a worker (videos and fine-tunes)",
@@ -69,7 +69,7 @@ async def metrics(request: Request, workers: WorkersDep, store: StoreDep):
         gauges.set(
             "megaslide_workers", "Workers heard from within the lease, by state", n, state=state
         )
-    for (kind, state), n in sorted((await store.counts_by_state()).items()):
+    for (kind, state), n in sorted((await store.jobs.counts_by_state()).items()):
         gauges.set(
             "megaslide_jobs", "Jobs in the store by kind and state", n, kind=kind, state=state
         )

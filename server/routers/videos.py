@@ -255,13 +255,13 @@ async def _sse(store: AsyncStore, video_id: str, last: int, sub: Subscription):
     # The replay reads the log only once the feed watches it: an event written between a replay
     # and the feed's first look would reach neither.
     await sub.watching.wait()
-    replay = await store.events_after(video_id, last, limit=10_000)
+    replay = await store.videos.events_after(video_id, last, limit=10_000)
     news: list[tuple[str, object]] = [("event", row) for row in replay]
     told = None  # the queue position this stream last told
-    if replay and json.loads(replay[-1]["data"] or "{}").get("status") == "queued":
-        told = await store.queue_position(video_id)  # told on that event
+    if replay and (replay[-1].data or {}).get("status") == "queued":
+        told = await store.videos.queue_position(video_id)  # told on that event
     elif not replay:
-        video = await store.get_video(video_id)
+        video = await store.videos.get(video_id)
         if video is None or video.status in VIDEO_TERMINAL:
             return  # deleted, or the client resumed after the terminal event
     while True:
@@ -269,7 +269,7 @@ async def _sse(store: AsyncStore, video_id: str, last: int, sub: Subscription):
             if kind == "position":
                 if item == told:
                     continue
-                video = await store.get_video(video_id)
+                video = await store.videos.get(video_id)
                 if video is None or video.status != "queued":
                     continue  # the news is stale: an event about it follows
                 told = item
@@ -282,19 +282,19 @@ async def _sse(store: AsyncStore, video_id: str, last: int, sub: Subscription):
                 body |= {"object": "video", "queue_position": item}
                 yield _sse_event(None, "video.queue_position", body)
                 continue
-            if item["seq"] <= last:
+            if item.seq <= last:
                 continue  # replayed already
-            last = item["seq"]
-            data = json.loads(item["data"] or "{}")
+            last = item.seq
+            data = item.data or {}
             if data.get("status") in VIDEO_TERMINAL:
-                video = await store.get_video(video_id)
+                video = await store.videos.get(video_id)
                 body = video_object(video).model_dump() if video is not None else data
-                yield _sse_event(last, item["type"], body)
+                yield _sse_event(last, item.type, body)
                 return
             body = {"id": video_id, "object": "video", **data}
             if replay and item is replay[-1] and told is not None:
                 body["queue_position"] = told
-            yield _sse_event(last, item["type"], body)
+            yield _sse_event(last, item.type, body)
         try:
             news = [await asyncio.wait_for(sub.next(), SSE_KEEPALIVE_S)]
         except TimeoutError:

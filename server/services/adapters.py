@@ -121,7 +121,7 @@ class Adapters:
                     param="name",
                     code="adapter_registered_at_start",
                 )
-            if users := await self.store.videos_naming_adapter(card.name, name):
+            if users := await self.store.videos.naming_adapter(card.name, name):
                 raise Conflict(
                     f"adapter {name!r} is applied by {len(users)} queued or running videos "
                     f"(first: {users[0]}); cancel them or wait",

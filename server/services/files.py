@@ -45,7 +45,7 @@ class Files:
         the same key and content gets the file its first request made (this copy is dropped)."""
 
         async def insert(idempotency) -> FileRecord:
-            return await self.store.insert_file(
+            return await self.store.files.insert(
                 {
                     "id": staged.id,
                     "filename": staged.filename or "upload",
@@ -58,7 +58,7 @@ class Files:
             )
 
         payload = {"sha256": staged.sha256, "purpose": staged.purpose, "filename": staged.filename}
-        row, replayed = await create_once(self.store, key, payload, self.store.get_file, insert)
+        row, replayed = await create_once(self.store, key, payload, self.store.files.get, insert)
         if replayed:
             remove_tree(staged.folder)
         else:
@@ -67,7 +67,7 @@ class Files:
 
     async def find(self, file_id: str, principal: Principal) -> FileRecord:
         """The file's record, if `principal` may see it; another key's answers 404 as if absent."""
-        row = await self.store.get_file(file_id)
+        row = await self.store.files.get(file_id)
         if row is None or not principal.may_see(row.owner):
             raise NotFound(f"No such File object: {file_id}", param="file_id")
         return row
@@ -83,7 +83,7 @@ class Files:
         limit: int,
         order: str,
     ) -> dict:
-        rows, has_more = await self.store.list_files(after, limit, order, purpose, principal.sees)
+        rows, has_more = await self.store.files.page(after, limit, order, purpose, principal.sees)
         return page([file_object(r) for r in rows], has_more)
 
     async def delete(
@@ -94,7 +94,7 @@ class Files:
 
         async def work() -> FileDeleted:
             await self.find(file_id, principal)
-            outcome = await self.store.delete_file(file_id)
+            outcome = await self.store.files.delete(file_id)
             if outcome == "in_use":
                 raise Conflict(
                     f"file {file_id} is the training file of a queued or running fine-tuning "

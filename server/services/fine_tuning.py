@@ -103,7 +103,7 @@ class FineTuning:
             await admit(self.store, self.workers, self.settings, principal)
             job_id = new_id("ftjob-")
             seed = body.seed if body.seed is not None else secrets.randbelow(2**RANDOM_SEED_BITS)
-            return await self.store.insert_finetune(
+            return await self.store.fine_tunes.insert(
                 {
                     "id": job_id,
                     "model": body.model,
@@ -118,14 +118,16 @@ class FineTuning:
             )
 
         payload = body.model_dump(exclude_none=True)
-        row, replayed = await create_once(self.store, key, payload, self.store.get_finetune, insert)
+        row, replayed = await create_once(
+            self.store, key, payload, self.store.fine_tunes.get, insert
+        )
         if not replayed:
             self.workers.wake()
         return finetune_object(row)
 
     async def _check_training_file(self, file_id: str, principal: Principal) -> None:
         """The training file must be the principal's, validated, and meant for fine-tuning."""
-        file = await self.store.get_file(file_id)
+        file = await self.store.files.get(file_id)
         if file is None or not principal.may_see(file.owner):
             raise NotFound(f"No such File object: {file_id}", param="training_file")
         if file.status == "uploaded":
@@ -149,7 +151,7 @@ class FineTuning:
 
     async def find(self, job_id: str, principal: Principal) -> FineTuneRecord:
         """The job, if `principal` may see it; another key's answers 404 as if absent."""
-        job = await self.store.get_finetune(job_id)
+        job = await self.store.fine_tunes.get(job_id)
         if job is None or not principal.may_see(job.owner):
             raise NotFound(
                 f"No fine-tuning job found with id {job_id!r}", param="fine_tuning_job_id"
@@ -160,7 +162,7 @@ class FineTuning:
         return finetune_object(await self.find(job_id, principal))
 
     async def list(self, principal: Principal, after: str | None, limit: int) -> dict:
-        rows, has_more = await self.store.list_finetunes(after, limit, owner=principal.sees)
+        rows, has_more = await self.store.fine_tunes.page(after, limit, owner=principal.sees)
         return page([finetune_object(r) for r in rows], has_more)
 
     async def cancel(
@@ -180,12 +182,12 @@ class FineTuning:
                 )
 
             async def cancelled() -> bool:
-                return (await self.store.get_finetune(job_id)).status == "cancelled"
+                return (await self.store.fine_tunes.get(job_id)).status == "cancelled"
 
-            if await self.store.cancel_finetune(job_id) == "running":
+            if await self.store.fine_tunes.cancel(job_id) == "running":
                 self.workers.wake()
                 await wait_for(cancelled, self.settings.cancel_wait_s)
-            return finetune_object(await self.store.get_finetune(job_id))
+            return finetune_object(await self.store.fine_tunes.get(job_id))
 
         return await answer_once(self.store, key, {"cancel": job_id}, FineTuningJob, work)
 
@@ -200,12 +202,12 @@ class FineTuning:
                     f"after must be an event id (ftevent-N), got {after[:40]!r}", param="after"
                 )
             event_seq(after.removeprefix("ftevent-"), "after")
-        rows, has_more = await self.store.finetune_events(job_id, after, limit)
+        rows, has_more = await self.store.fine_tunes.events(job_id, after, limit)
         return page([event_object(r) for r in rows], has_more)
 
     async def checkpoints(
         self, job_id: str, principal: Principal, after: str | None, limit: int
     ) -> dict:
         job = await self.find(job_id, principal)
-        rows, has_more = await self.store.checkpoints(job_id, after, limit)
+        rows, has_more = await self.store.fine_tunes.checkpoints(job_id, after, limit)
         return page([checkpoint_object(r, job) for r in rows], has_more)

@@ -59,7 +59,7 @@ class Replay:
         """Record `response` as this request's answer, for its retries (a no-op without a
         key); returns it."""
         if self.key is not None:
-            await self.store.record_response(*self.key[:2], response.model_dump(mode="json"))
+            await self.store.keys.record_response(*self.key[:2], response.model_dump(mode="json"))
         return response
 
 
@@ -71,16 +71,16 @@ async def idempotent(
 
     The key is reserved before the work starts, so a retry that arrives while the first request
     is still at work (a slow upload, a client that timed out) waits for its outcome instead of
-    doing the work twice. The request records its resource (`store.insert_*(idempotency=key)`)
-    or its answer (`Replay.answer`) under the key; if it fails instead, the key is freed
-    for the next retry. Reusing a key with a different body is a client bug: 409.
+    doing the work twice. The request records its resource (`store.videos.insert(...,
+    idempotency=key)` and the like) or its answer (`Replay.answer`) under the key; if it fails
+    instead, the key is freed for the next retry. Reusing a key with a different body is a client bug: 409.
     """
     if key is None:
         yield Replay()
         return
     reservation = (key.scope, key.name, payload_hash)
     deadline = time.monotonic() + IDEMPOTENCY_WAIT_S
-    while (prior := await store.reserve_key(*reservation)) is not None:
+    while (prior := await store.keys.reserve(*reservation)) is not None:
         if prior["request_hash"] != payload_hash:
             raise Conflict(
                 "Idempotency-Key was already used with a different request body",
@@ -100,7 +100,7 @@ async def idempotent(
         yield Replay(key=reservation, store=store)
     finally:
         # A no-op once the outcome is recorded; otherwise the request failed: free the key.
-        await store.release_key(*reservation[:2])
+        await store.keys.release(*reservation[:2])
 
 
 async def answer_once(

@@ -39,7 +39,7 @@ async def admit(
     is not an admin's) already holds its share of the queue."""
     if workers.dead:
         raise WorkerDead(f"the worker stopped ({workers.dead}); restart the server")
-    depth = await store.queue_depth()
+    depth = await store.jobs.queue_depth()
     if depth >= settings.max_queue:
         raise QueueFull(
             f"the queue is full ({depth} jobs waiting); retry later",
@@ -47,7 +47,7 @@ async def admit(
         )
     if principal.admin:
         return
-    mine = await store.queue_depth(owner=principal.owner)
+    mine = await store.jobs.queue_depth(owner=principal.owner)
     if mine >= settings.max_queue_per_key:
         raise QueueFull(
             f"this API key has {mine} jobs waiting, its share of the queue; retry when one "

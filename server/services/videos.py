@@ -77,7 +77,7 @@ class Videos:
 
             async def insert(idempotency) -> VideoRecord:
                 await admit(self.store, self.workers, self.settings, principal)
-                return await self.store.insert_video(
+                return await self.store.videos.insert(
                     video_id,
                     video.to_dict(),
                     priority=body.priority,
@@ -87,7 +87,7 @@ class Videos:
 
             payload = {**body.model_dump(exclude_none=True), "image": _digest(stored)}
             row, replayed = await create_once(
-                self.store, key, payload, self.store.get_video, insert
+                self.store, key, payload, self.store.videos.get, insert
             )
         except BaseException:
             _discard(stored)
@@ -100,7 +100,7 @@ class Videos:
 
     async def find(self, video_id: str, principal: Principal) -> VideoRecord:
         """The video, if `principal` may see it; another key's answers 404 as if absent."""
-        video = await self.store.get_video(video_id)
+        video = await self.store.videos.get(video_id)
         if video is None or not principal.may_see(video.owner):
             raise NotFound(f"No video found with id {video_id!r}", param="video_id")
         return video
@@ -109,7 +109,7 @@ class Videos:
         return video_object(await self.find(video_id, principal))
 
     async def list(self, principal: Principal, after: str | None, limit: int, order: str) -> dict:
-        rows, has_more = await self.store.list_videos(after, limit, order, principal.sees)
+        rows, has_more = await self.store.videos.page(after, limit, order, principal.sees)
         return page([video_object(r) for r in rows], has_more)
 
     async def cancel(
@@ -127,7 +127,7 @@ class Videos:
                     code="video_not_cancellable",
                 )
             await self._stop(video_id)
-            return video_object(await self.store.get_video(video_id))
+            return video_object(await self.store.videos.get(video_id))
 
         return await answer_once(self.store, key, {"cancel": video_id}, Video, work)
 
@@ -143,7 +143,7 @@ class Videos:
             status = await self._stop(video_id)
             if status == "in_progress":
                 return VideoDeleted(id=video_id, deleted=False, status=status)
-            await self.store.delete_video(video_id)
+            await self.store.videos.delete(video_id)
             for path in self.data.video_files(video_id):
                 path.unlink(missing_ok=True)
             return VideoDeleted(id=video_id, deleted=True, status="deleted")
@@ -153,14 +153,14 @@ class Videos:
     async def _stop(self, video_id: str) -> str:
         """Cancel a queued video now, or a running one at its next step boundary, waiting up to
         `cancel_wait_s` for its worker to stop it; the status after."""
-        if await self.store.cancel_video(video_id) == "in_progress":
+        if await self.store.videos.cancel(video_id) == "in_progress":
             self.workers.wake()
 
             async def stopped() -> bool:
-                return (await self.store.get_video(video_id)).status != "in_progress"
+                return (await self.store.videos.get(video_id)).status != "in_progress"
 
             await wait_for(stopped, self.settings.cancel_wait_s)
-        return (await self.store.get_video(video_id)).status
+        return (await self.store.videos.get(video_id)).status
 
     async def content(self, video_id: str, principal: Principal, variant: str) -> tuple[Path, str]:
         """The file of a completed video's `variant` and its media type, or why there is none."""

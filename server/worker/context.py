@@ -63,7 +63,7 @@ class WorkerContext:
             return
         self._published_at = now
         try:
-            self.store.publish_metrics(self.name, self.token, self.metrics.snapshot())
+            self.store.workers.publish_metrics(self.name, self.token, self.metrics.snapshot())
         except Exception:  # noqa: BLE001 - the next heartbeat publishes them again
             log.debug("publishing metrics failed", exc_info=True)
 

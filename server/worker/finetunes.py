@@ -48,7 +48,7 @@ class FineTunes:
     def cancel_if_requested(self) -> None:
         """Checked at every tick, not only when it trains: a fine-tune paused for videos is
         cancelled at once."""
-        if self.tuning is not None and self.ctx.store.finetune_cancel_requested(self.tuning.id):
+        if self.tuning is not None and self.ctx.store.fine_tunes.cancel_requested(self.tuning.id):
             self._end("cancelled")
 
     def pause(self) -> None:
@@ -62,7 +62,7 @@ class FineTunes:
         False when there was nothing to do."""
         ctx = self.ctx
         if self.tuning is None:
-            row = ctx.store.claim_finetune(
+            row = ctx.store.fine_tunes.claim(
                 ctx.name, self.models.served(), lease_s=ctx.settings.lease_s
             )
             if row is None:
@@ -82,7 +82,7 @@ class FineTunes:
                 ctx.metrics.d2h_bytes.inc(metrics.get("d2h_bytes") or 0)
                 ctx.publish_metrics()
                 total = t.trainer.total_steps
-                if not ctx.store.finetune_progress(
+                if not ctx.store.fine_tunes.set_progress(
                     t.id,
                     t.token,
                     t.trainer.step,
@@ -124,13 +124,13 @@ class FineTunes:
             reason = f"requeued: worker {ctx.name} stopped; checkpoint on stop failed ({exc})"
         t.trainer.close()
         try:
-            ctx.store.requeue_finetune(t.id, t.token, reason)
+            ctx.store.fine_tunes.requeue(t.id, t.token, reason)
         except UNAVAILABLE:
             log.exception("could not requeue fine-tune %s; its lease will expire", t.id)
 
     def _event(self, text: str) -> None:
         t = self.tuning
-        if not self.ctx.store.add_event(t.id, text, token=t.token):
+        if not self.ctx.store.fine_tunes.add_event(t.id, text, token=t.token):
             raise ClaimLost(t.id)
 
     def _start(self, row: FineTuneRecord) -> None:
@@ -138,7 +138,7 @@ class FineTunes:
         token, attempt = row.lease_token, row.attempts
         try:
             base = self.models.card(row.model)
-            file = ctx.store.get_file(row.training_file)
+            file = ctx.store.files.get(row.training_file)
             if file is None:
                 raise ValueError(f"training file {row.training_file} was deleted")
             job = FinetuneJob(
@@ -158,21 +158,21 @@ class FineTunes:
         except Exception as exc:  # noqa: BLE001
             code = ctx.backend.error_code(exc) or "training_failed"
             failed = (code, message(exc))
-            if ctx.store.finish_finetune(row.id, token, "failed", error=failed):
+            if ctx.store.fine_tunes.finish(row.id, token, "failed", error=failed):
                 ctx.count_finished("fine_tune", "failed")
             ctx.check_device(exc)
             return
         # Checkpoints and the exported model are published only while this claim holds the job.
-        trainer.fence = functools.partial(ctx.store.fenced_finetune, row.id, token)
+        trainer.fence = functools.partial(ctx.store.fine_tunes.fenced, row.id, token)
         t = Tuning(row.id, token, trainer, row.model, row.suffix or "")
         self.tuning = t
         try:
             self._record_checkpoints(t)  # those of an earlier attempt, without events
-            if attempt > 1 and not ctx.store.rewind_finetune(t.id, token, trainer.step):
+            if attempt > 1 and not ctx.store.fine_tunes.rewind(t.id, token, trainer.step):
                 raise ClaimLost(t.id)
             verb = f"Resumed at step {trainer.step}" if attempt > 1 else "Fine-tuning job started"
             self._event(f"{verb} ({trainer.total_steps} steps)")
-            if not ctx.store.finetune_progress(
+            if not ctx.store.fine_tunes.set_progress(
                 t.id, token, trainer.step, trainer.total_steps, None, lease_s=ctx.settings.lease_s
             ):
                 raise ClaimLost(t.id)
@@ -193,7 +193,7 @@ class FineTunes:
             if metrics is not None and metrics.get("step") == ckpt["step"]:
                 summary.update(loss=metrics.get("loss"), lr=metrics.get("lr"))
             checkpoint_id = f"ftckpt-{t.id.removeprefix('ftjob-')}-{ckpt['step']}"
-            if not ctx.store.add_checkpoint(
+            if not ctx.store.fine_tunes.add_checkpoint(
                 checkpoint_id, t.id, t.token, ckpt["step"], path, summary
             ):
                 raise ClaimLost(t.id)
@@ -209,7 +209,7 @@ class FineTunes:
             t.trainer.close()
         finally:
             recorded = ctx.retrying(
-                ctx.store.finish_finetune, t.id, t.token, status, error=error, model=model
+                ctx.store.fine_tunes.finish, t.id, t.token, status, error=error, model=model
             )
             if recorded:
                 ctx.count_finished("fine_tune", status)

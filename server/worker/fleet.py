@@ -107,7 +107,7 @@ class Fleet(WorkerClient):
         """The live workers' records, re-read when older than `VIEW_TTL_S` (or `fresh`)."""
         with self._lock:
             if fresh or time.monotonic() - self._read_at > VIEW_TTL_S:
-                self._workers = self.store.live_workers(self.settings.lease_s)
+                self._workers = self.store.workers.live(self.settings.lease_s)
                 self._read_at = time.monotonic()
             return self._workers
 
@@ -155,7 +155,7 @@ class Fleet(WorkerClient):
     def models(self, fresh: bool = False) -> list[ModelCard]:
         bases = {card.name: card for card in self.base_cards(fresh)}
         fine_tuned = []
-        for row in self.store.models() if self.store is not None else []:
+        for row in self.store.models.list() if self.store is not None else []:
             parent = bases.get(row.parent) or next(
                 (c for c in fine_tuned if c.name == row.parent), None
             )

@@ -47,7 +47,7 @@ class Heartbeat:
         was heard from within the lease, or a process of this host that still runs.
         """
         ctx = self.ctx
-        known = ctx.store.worker(ctx.name)
+        known = ctx.store.workers.get(ctx.name)
         if known is not None and known.age_s < ctx.settings.lease_s:
             if known.host != socket.gethostname() or (
                 known.pid != os.getpid() and _alive(known.pid)
@@ -60,7 +60,7 @@ class Heartbeat:
             if (ctx.store.url, ctx.name) in _RUNNING_HERE:
                 raise WorkerNameInUse(f"a worker named {ctx.name!r} already runs in this process")
             _RUNNING_HERE.add((ctx.store.url, ctx.name))
-        requeued = ctx.store.register_worker(
+        requeued = ctx.store.workers.register(
             ctx.name,
             ctx.token,
             host=socket.gethostname(),
@@ -79,14 +79,14 @@ class Heartbeat:
         ctx = self.ctx
         if self._thread is not None:
             self._thread.join()
-        ctx.store.deregister_worker(ctx.name, ctx.token)
+        ctx.store.workers.deregister(ctx.name, ctx.token)
         with _RUNNING_LOCK:
             _RUNNING_HERE.discard((ctx.store.url, ctx.name))
 
     def send(self) -> None:
         """One heartbeat now; a worker registered again elsewhere under this name stops."""
         ctx = self.ctx
-        alive = ctx.store.heartbeat(
+        alive = ctx.store.workers.heartbeat(
             ctx.name,
             ctx.token,
             leases=self._leases(),

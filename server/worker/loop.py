@@ -128,7 +128,7 @@ class Worker(WorkerContext):
         """One scheduling decision at a step boundary; False when there was nothing to do."""
         if time.monotonic() - self._last_recovery >= RECOVERY_INTERVAL_S:
             self._last_recovery = time.monotonic()
-            recovered = self.store.recover_expired()
+            recovered = self.store.workers.recover_expired()
             if any(recovered.values()):
                 log.warning("requeued jobs whose workers went silent: %s", recovered)
         self.videos.drop_cancelled()
@@ -146,11 +146,11 @@ class Worker(WorkerContext):
         if time.monotonic() - self._last_housekeeping < HOUSEKEEPING_INTERVAL_S:
             return False
         self._last_housekeeping = time.monotonic()
-        for video_id in self.store.expired_videos():
+        for video_id in self.store.videos.expired():
             for path in self.data.video_files(video_id):
                 path.unlink(missing_ok=True)
-        self.store.prune_events(self.settings.event_ttl_s)
-        self.store.forget_idempotency_keys()
+        self.store.jobs.prune_events(self.settings.event_ttl_s)
+        self.store.keys.forget_expired()
         return False
 
     def _park(self) -> None:

@@ -48,7 +48,7 @@ class Models:
     def served(self) -> list[str]:
         """The model names this worker runs jobs for: its own, and fine-tunes made from them."""
         names = list(self.cards)
-        for row in self.ctx.store.models():
+        for row in self.ctx.store.models.list():
             if row.parent in names:
                 names.append(row.name)
         return names
@@ -59,7 +59,7 @@ class Models:
             return self.cards[name]
         if name not in self._ft_cards:
             ctx = self.ctx
-            row = next((r for r in ctx.store.models() if r.name == name), None)
+            row = next((r for r in ctx.store.models.list() if r.name == name), None)
             if row is None or row.parent not in self.cards:
                 raise ValueError(f"model {name!r} is not served by worker {ctx.name}")
             parent = self.cards[row.parent]
@@ -122,7 +122,7 @@ class Models:
                 log.info("adapter %s registered on %s", name, model)
             self.cards[model] = card
         if changed:
-            ctx.store.publish_cards(ctx.name, ctx.token, self.published())
+            ctx.store.workers.publish_cards(ctx.name, ctx.token, self.published())
         return False
 
     def runnable(self, row: VideoRecord) -> bool:
@@ -142,7 +142,7 @@ class Models:
             return False
         elsewhere = {
             a["name"]
-            for w in ctx.store.live_workers(ctx.settings.lease_s)
+            for w in ctx.store.workers.live(ctx.settings.lease_s)
             if w.name != ctx.name and not w.dead
             for c in w.models
             if c["name"] == row.model

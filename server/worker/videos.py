@@ -70,26 +70,26 @@ class Videos:
         claims = [(r.id, r.token) for r in self.batch]
         self.batch = []
         try:
-            ctx.store.requeue_videos(claims, f"requeued: worker {ctx.name} stopped while it ran")
+            ctx.store.videos.requeue(claims, f"requeued: worker {ctx.name} stopped while it ran")
         except UNAVAILABLE:
             log.exception("could not requeue the running videos; their leases will expire")
 
     def drop_cancelled(self) -> None:
         """Running videos whose cancellation was requested leave the batch, recorded so."""
         store = self.ctx.store
-        cancelled = store.cancel_requested_videos([r.id for r in self.batch])
+        cancelled = store.videos.cancel_requested([r.id for r in self.batch])
         for run in [r for r in self.batch if r.id in cancelled]:
             self.batch.remove(run)
-            if store.finish_video(run.id, run.token, "cancelled"):
+            if store.videos.finish(run.id, run.token, "cancelled"):
                 self.ctx.count_finished("video", "cancelled")
 
     def claim(self) -> None:
         """Claim queued videos into the running batch, in queue order, as far as they can join
-        it (see `JobStore.claim_videos`), and prepare them together."""
+        it (see `Videos.claim`), and prepare them together."""
         ctx = self.ctx
         room = ctx.settings.max_batch - len(self.batch)
         running = self.batch[0].video.batch_key if self.batch else None
-        rows = ctx.store.claim_videos(
+        rows = ctx.store.videos.claim(
             ctx.name,
             self.models.served(),
             room,
@@ -193,7 +193,7 @@ class Videos:
         metrics.h2d_bytes.inc(transfers.get("h2d_bytes", 0))
         metrics.d2h_bytes.inc(transfers.get("d2h_bytes", 0))
         ctx.publish_metrics()
-        lost = ctx.store.set_video_progress(
+        lost = ctx.store.videos.set_progress(
             [
                 (
                     r.id,
@@ -226,7 +226,7 @@ class Videos:
         if not decoded:
             return
         update = [(run.id, run.token, run.state.step, DECODED_PROGRESS) for run, _ in decoded]
-        lost = self.ctx.store.set_video_progress(update, lease_s=self.ctx.settings.lease_s)
+        lost = self.ctx.store.videos.set_progress(update, lease_s=self.ctx.settings.lease_s)
         for run, frames in decoded:
             if run.id not in lost:
                 self._encoding[run.id] = run.token
@@ -257,7 +257,7 @@ class Videos:
                 return  # stopping (its lease decides where it runs again), cancelled, or not ours
         expires_at = now() + ctx.settings.video_ttl_s
         status = ctx.retrying(
-            ctx.store.finish_video, run.id, run.token, "completed", expires_at=expires_at
+            ctx.store.videos.finish, run.id, run.token, "completed", expires_at=expires_at
         )
         if status == "completed":
             ctx.metrics.video_seconds.observe(time.perf_counter() - run.started)
@@ -273,10 +273,10 @@ class Videos:
         ctx = self.ctx
         update = [(run.id, run.token, run.state.step, DECODED_PROGRESS)]
         try:
-            if ctx.store.set_video_progress(update, lease_s=ctx.settings.lease_s):
+            if ctx.store.videos.set_progress(update, lease_s=ctx.settings.lease_s):
                 return True
-            if ctx.store.cancel_requested_videos([run.id]):
-                ctx.retrying(ctx.store.finish_video, run.id, run.token, "cancelled")
+            if ctx.store.videos.cancel_requested([run.id]):
+                ctx.retrying(ctx.store.videos.finish, run.id, run.token, "cancelled")
                 ctx.count_finished("video", "cancelled")
                 return True
         except UNAVAILABLE:
@@ -289,7 +289,7 @@ class Videos:
         log.warning("video %s failed: %s: %s", video_id, type(exc).__name__, exc)
         code = _request_code(exc) or ctx.backend.error_code(exc) or "generation_failed"
         failed = (code, message(exc))
-        if ctx.retrying(ctx.store.finish_video, video_id, token, "failed", error=failed):
+        if ctx.retrying(ctx.store.videos.finish, video_id, token, "failed", error=failed):
             ctx.count_finished("video", "failed")
         ctx.check_device(exc)
 
