@@ -2,6 +2,7 @@
 
     python benchmarks/step_cache.py --json                      # the packaged megaslide-tiny
     python benchmarks/step_cache.py --model runs/x/model --count 60 --json
+    python benchmarks/step_cache.py --model runs/x/model --calibrate 8   # writes its step curve
 
 Every prompt of `prompt_adherence`'s list is sampled once without a cache (the reference) and
 once per policy and threshold, streamed (`offload="stream"`), from the same seed. Per setting:
@@ -15,6 +16,10 @@ Goal: >= 1.8x fewer weight passes at PSNR >= 30 dB against uncached and adherenc
 2 points; the adaptive policy better than the fixed one at equal speed (`at_equal_speed`: each
 adaptive or first-block setting's PSNR, mean and worst clip, minus the output-change policy's,
 interpolated at the same passes).
+
+`--calibrate N` measures the model's step curve instead (`step_cache.calibrate`, which the
+adaptive policy reads) on the last N prompts of the list, seeds 1000 + i, so that they share no
+clip with the measured ones, and writes it into the model directory (`step_cache.json`).
 """
 
 from __future__ import annotations
@@ -35,11 +40,12 @@ import torch.nn.functional as F
 from megaslide.engine.loader import open_pipeline
 from megaslide.engine.request import VideoRequest
 from megaslide.engine.sources import DEFAULT_MODEL
+from megaslide.engine.step_cache import CURVE_FILE, calibrate
 from megaslide.engine.world import analyse_clip, benchmark_prompts
 
 THRESHOLDS = {
     "output-change": (0.02, 0.05, 0.1, 0.2),
-    "adaptive": (0.01, 0.02, 0.05, 0.1, 0.2),
+    "adaptive": (0.003, 0.006, 0.01, 0.02, 0.04),
     "first-block": (0.1, 0.2, 0.3, 0.5),
 }
 QUICK_THRESHOLDS = dict.fromkeys(THRESHOLDS, (0.0, 100.0))  # the two extremes
@@ -106,6 +112,28 @@ def interpolate(x: float, xs: list[float], ys: list[float]) -> float | None:
     return None
 
 
+CALIBRATION_SEED = 1000
+
+
+def write_curve(args) -> int:
+    """Measure the model's step curve on prompts the benchmark does not use; write it beside the
+    model's weights."""
+    pipe = open_pipeline(args.model, offload="none")
+    prompts = benchmark_prompts(60)[-args.calibrate :]
+    requests = [
+        VideoRequest(p[0], steps=args.steps, seed=CALIBRATION_SEED + i)
+        for i, p in enumerate(prompts)
+    ]
+    start = time.perf_counter()
+    curve = calibrate(pipe, requests)
+    path = pipe.info.source.path / CURVE_FILE
+    path.write_text(json.dumps(curve.to_json(), indent=1) + "\n")
+    print(
+        f"{path}: {len(requests)} prompts in {time.perf_counter() - start:.0f} s", file=sys.stderr
+    )
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=DEFAULT_MODEL, help="model directory or packaged name")
@@ -119,10 +147,16 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--quick", action="store_true", help="thresholds 0 and 100 only (a check, not a table)"
     )
+    ap.add_argument(
+        "--policies", nargs="+", choices=tuple(THRESHOLDS), help="only these (default: all)"
+    )
+    ap.add_argument("--calibrate", type=int, metavar="N", help="write the model's step curve")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.calibrate:
+        return write_curve(args)
 
     load_start = list(os.getloadavg())
     pipe = open_pipeline(args.model, offload=args.offload)
@@ -151,7 +185,8 @@ def main(argv=None) -> int:
     ref_adherence = adherence([r["read"] for r in ref_rows], asked)
     settings = [{"policy": "off", "threshold": None}]
     grid = QUICK_THRESHOLDS if args.quick else THRESHOLDS
-    settings += [{"policy": p, "threshold": t} for p, ts in grid.items() for t in ts]
+    chosen = args.policies or tuple(grid)
+    settings += [{"policy": p, "threshold": t} for p, ts in grid.items() if p in chosen for t in ts]
     results = []
     for setting in settings:
         if setting["policy"] == "off":
@@ -197,6 +232,7 @@ def main(argv=None) -> int:
         "prompts": len(prompts),
         "steps": steps,
         "offload": args.offload,
+        "step_curve": pipe.step_curve is not None,
         "goals": GOALS,
         "settings": results,
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),

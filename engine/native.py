@@ -147,7 +147,7 @@ class DiTPipeline(Pipeline):
         generator = torch.Generator().manual_seed(video.seed)
         noise = torch.randn(shape, generator=generator, dtype=torch.float32)
         times = shifted_schedule(video.steps, self.info.sampling.shift)
-        cache = StepCache.from_spec(video.cache)
+        cache = StepCache.from_spec(video.cache, self.step_curve)
         return SampleState(noise.to(self.device), ctx, mask, times, video.guidance, cache=cache)
 
     def _step(self, states: list[SampleState]) -> None:

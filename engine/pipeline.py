@@ -21,6 +21,7 @@ import numpy as np
 from .interfaces import VideoModel
 from .request import ResolvedVideo, VideoRequest, resolve
 from .sources import ModelInfo
+from .step_cache import StepCurve
 from .streaming import StreamHandle
 
 if TYPE_CHECKING:
@@ -69,6 +70,8 @@ class Pipeline(VideoModel, ABC):
     def __init__(self, info: ModelInfo, handles: dict[str, StreamHandle]):
         self.info = info
         self.handles = handles
+        # The adaptive step cache's calibration, when the model directory has one (`calibrate`).
+        self.step_curve = StepCurve.read(info.source.path)
 
     @property
     def name(self) -> str:

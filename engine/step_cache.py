@@ -28,24 +28,29 @@ Policies (`threshold` 0 never reuses; larger reuses more):
   a few measured steps. Here the rate of change per unit of flow time is measured between the last
   two computed outputs (`v_a` the newer), `r = |v_a - v_b|_1 / |v_b|_1 / |t_b - t_a|`, and a
   step at `t` reuses `v_a` while the estimated change `r * |t_a - t|` stays under the threshold.
-- ``adaptive`` (after AdaCache with motion regularization, Kahatapitiya et al. 2024,
-  arXiv:2411.02397). AdaCache sets how many steps follow a computed one from the measured change
-  of its output ("a caching rate"), and MoReg caches less when the content moves more. Here the
-  measured rate `r` is scaled by the motion of the clip the model currently predicts, `m`, the
-  relative L1 difference between neighbouring frames of `x0 = x_t - t v`, calibrated by the
-  motion of a typical clip: `d = r * (1 + m / MOTION_SCALE)`. What a reused output costs is the
-  drift it puts into the latents: reusing `v_a` at step j moves the latents by
-  `|dt_j| * |v_j - v_a| ~ |dt_j| * d * |t_a - t_j| * |v_a|`, so the steps after a computed one
-  reuse while the summed relative drift `d * sum_j |dt_j| |t_a - t_j|` stays under the
-  threshold. Fast change, much motion or long steps shorten the run of reuses; a still, settled
-  clip lengthens it. The last tenth of flow time always computes (`LAST_TIME`): there the rate
-  of change climbs steeply (on the packaged model from about 0.2 per unit of flow time mid-way
-  to 5-8 at the last step), a rate measured earlier underestimates it, and what a late step
-  gets wrong goes straight into the clip with no later pass to correct it.
-
-  Why (benchmarks/step_cache.py, docs/benchmarks.md): with the motion unscaled (`1 + m`) the
-  motion term did nothing, since the packaged model's predicted clips move by m = 0.00-0.10, and
-  the policy followed the same measured rate as `output-change`, no better at equal passes.
+- ``adaptive`` (after MagCache's calibrated curve, Ma et al. 2025, arXiv:2506.09045, and
+  AdaCache's per-run error budget, Kahatapitiya et al. 2024, arXiv:2411.02397). How much a step's
+  output changes, and how much of a wrong output at that step ends in the clip, both follow
+  curves along the schedule that are nearly the same for every prompt of one model. A model's
+  `StepCurve` holds them, measured once (`calibrate`, a few prompts: each sampled uncached, and
+  once per step with that step alone reusing the step before) and stored beside the weights
+  (`step_cache.json`): per step k, the mean relative change `c_k` of the output and the clip's
+  MSE `e_k` (over 255^2) when step k alone reuses. From them, the rate of change per unit of
+  flow time, and the gain `g(t) = sqrt(e_k) / (dt_k c_k)`: RMS clip error per unit of latent
+  error `dt |dv| / |v|` made at that point of the schedule. Reusing `v_a` (computed at `t_a`) at
+  a step from `t` to `t_next` is predicted to cost the clip `g(t) |t_next - t| C(t_a, t)`, with
+  `C` the calibrated change between the two flow times (the rate's integral); the reuses after a
+  computed step go on while their summed cost stays under the threshold, so the threshold is an
+  RMS error over 255 per run of reuses (0.01: about 40 dB). On the calibration's own schedule
+  the cost of one reuse is exactly the error it was measured to make; other step counts or
+  shifts read the curves by flow time. Steps where the clip is sensitive (on the packaged model
+  the first seven, where a few prompts decide their shape, and the last) compute, the settled
+  middle reuses. Why (docs/benchmarks.md): the measured rate of the last two steps said nothing
+  of the sensitive steps ahead; scaling the curve by the row's own measured change, or by the
+  motion term, did not improve on it consistently. A model without a curve falls back to the measured rate
+  scaled by the predicted clip's motion `m` (MoReg: `r (1 + m / MOTION_SCALE)`), its drift
+  `r (1 + m / MOTION_SCALE) sum_j |dt_j| |t_a - t_j|`, the last tenth of flow time always
+  computing (`LAST_TIME`).
 - ``first-block`` (after FBCache, ParaAttention's First Block Cache, as diffusers'
   `FirstBlockCacheConfig` applies it). The first block runs for every row on every step; the
   change of its residual `r_0 = block_0(h) - h` against the residual of the last computed step,
@@ -60,9 +65,15 @@ Policies (`threshold` 0 never reuses; larger reuses more):
 
 from __future__ import annotations
 
+import bisect
+import json
+import math
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
+import numpy as np
 import torch
 
 from .request import CACHE_POLICIES, CacheSpec
@@ -97,6 +108,8 @@ class History:
     )  # flow times of the computed steps, newest last
     outputs: list[torch.Tensor] = field(default_factory=list)
     rate: float = 0.0  # relative change of the output per unit of flow time
+    change: float = 0.0  # relative change of the output between the last two computed steps
+    changes: list[float] = field(default_factory=list)  # every such change, oldest first
     motion: float = 0.0  # frame motion of the predicted clip at the newest computed step
     drift: float = 0.0  # adaptive: estimated relative drift of the reuses since the last compute
     # first-block: the first block's residual `(rows, N, D)` at the newest computed step, and the
@@ -107,8 +120,9 @@ class History:
     def record(self, t: float, latents: torch.Tensor, output: torch.Tensor) -> None:
         if self.outputs:
             span = abs(self.times[-1] - t)
-            change = relative_l1(output, self.outputs[-1])
-            self.rate = change / span if span > 0 else float("inf")
+            self.change = relative_l1(output, self.outputs[-1])
+            self.rate = self.change / span if span > 0 else float("inf")
+            self.changes.append(self.change)
         self.motion = frame_motion(latents.float() - t * output.float())
         self.times = [*self.times[-1:], t]
         self.outputs = [*self.outputs[-1:], output]
@@ -151,22 +165,95 @@ class OutputChange(StepPolicy):
 # The frame motion (`frame_motion`) of a typical predicted clip: on the packaged model's benchmark
 # prompts it lies in 0.00-0.10, so `m / MOTION_SCALE` runs from 0 (still) to about 2.
 MOTION_SCALE = 0.05
-# Flow time below which the adaptive policy computes every step (the end of the schedule).
+# Flow time below which the adaptive policy computes every step on a model without a step curve.
 LAST_TIME = 0.1
+CURVE_FILE = "step_cache.json"  # a model directory's step curve (`StepCurve`, `calibrate`)
+CURVE_FORMAT = "megaslide-step-curve/1"
+
+
+@dataclass(frozen=True)
+class StepCurve:
+    """What a model's uncached trajectories say about reusing an output at each step, measured
+    once per model (`calibrate`) and stored beside its weights (`CURVE_FILE`)."""
+
+    times: tuple[float, ...]  # flow times of the calibration schedule, from 1 down to 0
+    change: tuple[float, ...]  # mean relative L1 change of the output over step k-1 -> k, k >= 1
+    error: tuple[float, ...]  # mean clip MSE / 255^2 when step k alone reuses step k-1's output
+
+    def __post_init__(self):
+        if not len(self.times) - 2 == len(self.change) == len(self.error):
+            raise ValueError("a step curve has steps + 1 times and steps - 1 changes and errors")
+
+    def rate(self, t: float) -> float:
+        """Relative change of the output per unit of flow time at `t` (constant within each
+        calibration interval, the end intervals' beyond them)."""
+        k = self._interval(t)
+        return self.change[k] / max(self.times[k] - self.times[k + 1], 1e-12)
+
+    def _interval(self, t: float) -> int:
+        """Index k of the interval `times[k+1] <= t < times[k]` of the changes, clamped."""
+        down = [-x for x in self.times[: len(self.change) + 1]]  # ascending
+        return min(max(bisect.bisect_right(down, -t) - 1, 0), len(self.change) - 1)
+
+    def between(self, a: float, b: float) -> float:
+        """Calibrated relative change of the output from flow time `a` to `b` (the rate's
+        integral: a sum of the steps' changes over a stretch of several)."""
+        hi, lo = max(a, b), min(a, b)
+        edges = sorted({hi, lo, *(x for x in self.times if lo < x < hi)}, reverse=True)
+        return sum(self.rate((x + y) / 2) * (x - y) for x, y in zip(edges, edges[1:]))
+
+    def gain(self, t: float) -> float:
+        """How much of a latent error `dt * |dv| / |v|` made by a step at flow time `t` ends in
+        the clip (RMS over 255), interpolated between the calibration steps."""
+        ts = self.times[1:-1]  # the steps that can reuse
+        gains = [
+            math.sqrt(e) / max((ts[k] - self.times[k + 2]) * self.change[k], 1e-12)
+            for k, e in enumerate(self.error)
+        ]
+        return float(np.interp(-t, [-x for x in ts], gains))
+
+    def to_json(self) -> dict:
+        return {"format": CURVE_FORMAT, **{k: list(getattr(self, k)) for k in _CURVE_KEYS}}
+
+    @classmethod
+    def read(cls, directory: Path | str | None) -> StepCurve | None:
+        """A model directory's step curve; None without one."""
+        path = Path(directory) / CURVE_FILE if directory is not None else None
+        if path is None or not path.is_file():
+            return None
+        raw = json.loads(path.read_text())
+        if raw.get("format") != CURVE_FORMAT:
+            raise ValueError(f"{path}: format {raw.get('format')!r}, expected {CURVE_FORMAT}")
+        return cls(**{k: tuple(float(x) for x in raw[k]) for k in _CURVE_KEYS})
+
+
+_CURVE_KEYS = ("times", "change", "error")
 
 
 class Adaptive(StepPolicy):
-    """Reuse while the drift the reuses put into the latents, scaled up by the clip's motion,
-    stays under the threshold (AdaCache's change-driven caching rate with MoReg); the end of the
-    schedule always computes."""
+    """Reuse while the clip error the reuses are predicted to make, from the model's step curve,
+    stays under the threshold (MagCache's calibrated change, AdaCache's per-run error budget);
+    without a curve, from the measured rate scaled by the clip's motion (MoReg), the end of the
+    schedule always computing."""
 
     name = "adaptive"
 
+    def __init__(self, threshold: float, curve: StepCurve | None = None):
+        super().__init__(threshold)
+        self.curve = curve
+
     def reuse(self, history: History, t: float, t_next: float) -> bool:
-        if not history.measured or t_next < LAST_TIME:
+        if not history.measured:
             return False
-        change = history.rate * (1.0 + history.motion / MOTION_SCALE)  # MoReg: more motion, less
-        drift = history.drift + change * abs(t_next - t) * abs(history.times[-1] - t)
+        if self.curve is None:
+            if t_next < LAST_TIME:
+                return False
+            change = history.rate * (1.0 + history.motion / MOTION_SCALE)  # MoReg
+            error = change * abs(history.times[-1] - t) * abs(t_next - t)
+        else:
+            change = self.curve.between(history.times[-1], t)  # of the output since computed
+            error = self.curve.gain(t) * abs(t_next - t) * change
+        drift = history.drift + error
         if drift >= self.threshold:
             return False
         history.drift = drift
@@ -204,10 +291,13 @@ class StepCache:
         self._decided: tuple[int, int, bool] | None = None  # (step, key, reuse) of the last ask
 
     @classmethod
-    def from_spec(cls, spec: CacheSpec | None) -> StepCache | None:
-        """The cache a resolved request asks for (`ResolvedVideo.cache`); None when off."""
+    def from_spec(cls, spec: CacheSpec | None, curve: StepCurve | None = None) -> StepCache | None:
+        """The cache a resolved request asks for (`ResolvedVideo.cache`); None when off. `curve`:
+        the model's step curve, for the policies that read one."""
         if spec is None:
             return None
+        if spec.policy == Adaptive.name:
+            return cls(Adaptive(spec.threshold, curve))
         return cls(POLICIES[spec.policy](spec.threshold))
 
     def reuse(self, step: int, t: float, t_next: float, key: int = 0) -> bool:
@@ -255,3 +345,65 @@ class StepCache:
     def record(self, t: float, latents: torch.Tensor, output: torch.Tensor, key: int = 0) -> None:
         """Remember the output the step at flow time `t` computed from `latents`."""
         self.histories[key].record(float(t), latents, output)
+
+
+class _Trace(StepPolicy):
+    """Never reuses; notes the flow time of each step and the output's change at each record."""
+
+    name = "trace"
+
+    def __init__(self):
+        super().__init__(0.0)
+        self.times: list[float] = []
+
+    def reuse(self, history: History, t: float, t_next: float) -> bool:
+        self.times[len(self.times) - 1 :] = [t, t_next]
+        return False
+
+
+class _ReuseAt(StepPolicy):
+    """Reuses at step `step` only (the sensitivity of the clip to that one step)."""
+
+    name = "reuse-at"
+
+    def __init__(self, step: int):
+        super().__init__(0.0)
+        self.step, self.asked = step, 0
+
+    def reuse(self, history: History, t: float, t_next: float) -> bool:
+        self.asked += 1
+        return self.asked - 1 == self.step
+
+
+def calibrate(pipe, requests: Sequence) -> StepCurve:
+    """Measure a model's step curve: each request (`VideoRequest`, no cache) is sampled once
+    uncached, noting the output's relative change at every step, and once per step k >= 1 with
+    only step k reusing step k-1's output, noting the clip's MSE against the uncached one. The
+    curve is the mean over the requests (deterministic: seeded requests, no randomness here).
+    Costs `steps` samples per request."""
+    changes, errors, times = [], [], None
+    for request in requests:
+        video = pipe.resolve(request)
+        state = pipe.prepare(video)
+        trace = _Trace()
+        state.cache = StepCache(trace)
+        reference = _run(pipe, state)
+        times = times or trace.times
+        changes.append(state.cache.histories[0].changes)
+        errors.append([])
+        for k in range(1, len(trace.times) - 1):
+            state = pipe.prepare(video)
+            state.cache = StepCache(_ReuseAt(k))
+            clip = _run(pipe, state)
+            errors[-1].append(float(np.mean((clip.astype(np.float64) - reference) ** 2)) / 255**2)
+    return StepCurve(
+        tuple(times),
+        tuple(np.mean(changes, axis=0).tolist()),
+        tuple(np.mean(errors, axis=0).tolist()),
+    )
+
+
+def _run(pipe, state) -> np.ndarray:
+    while not state.done:
+        pipe.denoise_step([state])
+    return pipe.finish(state).astype(np.float64)

@@ -19,13 +19,23 @@ from megaslide.engine.request import (
     resolve_cache,
 )
 from megaslide.engine.sources import resolve_source
-from megaslide.engine.step_cache import POLICIES, StepCache
+from megaslide.engine.step_cache import (
+    CURVE_FILE,
+    POLICIES,
+    Adaptive,
+    History,
+    StepCache,
+    StepCurve,
+    calibrate,
+)
 
 from dit_fixtures import randomise_zero_inits
 
 REQ = dict(frames=4, height=16, width=16, steps=6)
 LOOSE = {"policy": "output-change", "threshold": 100.0}  # reuses whenever it may
 FIRST_BLOCK = {"policy": "first-block", "threshold": 100.0}
+ADAPTIVE_0 = {"policy": "adaptive", "threshold": 0}
+ADAPTIVE_1 = {"policy": "adaptive", "threshold": 1.0}
 # Policies that decide before the pass (first-block decides inside it, after block 0).
 UPFRONT = sorted(p for p, policy in POLICIES.items() if not policy.probes)
 
@@ -230,6 +240,58 @@ def test_a_retried_step_decides_and_counts_once():
         cache.record(t, x, x * t)
     assert cache.reuse(2, 0.6, 0.4) and cache.reuse(2, 0.6, 0.4)
     assert (cache.passes, cache.reused) == (2, 1)
+
+
+def test_a_step_curve_predicts_each_calibrated_single_reuse():
+    """On the calibration schedule the adaptive policy's predicted cost of reusing at one step is
+    the clip error that reuse was measured to make; it reuses where that is under the threshold."""
+    times = (1.0, 0.75, 0.5, 0.25, 0.0)
+    curve = StepCurve(times, change=(0.2, 0.05, 0.4), error=(1e-4, 4e-6, 1e-2))
+    assert curve.between(1.0, 0.25) == pytest.approx(0.65)
+    assert curve.between(0.75, 0.625) == pytest.approx(0.025)  # half of step 2's change
+    for k, e in enumerate(curve.error, start=1):
+        cost = (
+            curve.gain(times[k]) * (times[k] - times[k + 1]) * curve.between(times[k - 1], times[k])
+        )
+        assert cost == pytest.approx(e**0.5)
+    x = torch.ones(1, 1, 2, 1, 1)
+    for threshold, reuses in ((0.001, False), (0.003, True)):  # step 2's error is 0.002 RMS
+        history = History()
+        history.record(1.0, x, x)
+        history.record(0.75, x, x * 1.1)
+        assert Adaptive(threshold, curve).reuse(history, 0.5, 0.25) is reuses
+
+
+def test_calibrate_measures_a_curve_the_pipeline_reads(tmp_path, pipe):
+    """A calibration of a few steps: one change and one clip error per step that can reuse, read
+    back from a model directory; the adaptive policy reading it keeps threshold 0 uncached and a
+    mixed batch as alone."""
+    short = {**REQ, "steps": 4}  # a calibration costs `steps` samples a request
+    requests = [VideoRequest("a red circle", seed=1, **short)]
+    curve = calibrate(pipe, requests)
+    assert len(curve.times) == 5 and len(curve.error) == 3
+    assert all(c > 0 for c in curve.change) and all(e > 0 for e in curve.error)
+    assert calibrate(pipe, requests) == curve  # deterministic
+    (tmp_path / CURVE_FILE).write_text(json.dumps(curve.to_json()))
+    assert StepCurve.read(tmp_path) == curve and StepCurve.read(tmp_path / "none") is None
+    assert pipe.step_curve is None  # a preset has no directory, so no curve
+    assert open_pipeline("megaslide-tiny").step_curve is not None  # the packaged model has one
+    pipe.step_curve = curve
+    try:
+        zero = pipe.prepare(
+            pipe.resolve(VideoRequest("a red circle", seed=1, cache=ADAPTIVE_0, **short))
+        )
+        assert zero.cache.policy.curve is curve
+        assert np.array_equal(run(pipe, [zero])[0], pipe.generate(pipe.resolve(requests[0])))
+        assert zero.cache.reused == 0
+        cached = VideoRequest("a bar", seed=2, cache=ADAPTIVE_1, **short)
+        videos = [pipe.resolve(r) for r in (cached, requests[0])]
+        alone = [run(pipe, [pipe.prepare(v)])[0] for v in videos]
+        states = [pipe.prepare(v) for v in videos]
+        assert all(level_diff(a, b) <= 1 for a, b in zip(alone, run(pipe, states)))
+        assert states[0].cache.reused > 0 and states[1].passes == 4
+    finally:
+        pipe.step_curve = None
 
 
 # -- Wan ------------------------------------------------------------------------------------------

@@ -444,7 +444,7 @@ class WanVideoPipeline(Pipeline):
         scheduler.set_timesteps(video.steps, device=self.device)
         scheduler.set_begin_index(0)
         grid = self.config.token_grid(video.frames, video.height, video.width)
-        cache = StepCache.from_spec(video.cache)
+        cache = StepCache.from_spec(video.cache, self.step_curve)
         state = WanState(video, latents, context, scheduler, grid, cache=cache)
         if video.image is not None:
             self._condition(state)
