@@ -29,6 +29,7 @@ import torch
 
 STOP_GRACE_S = 5.0  # how long a stopped rank gets to exit before it is killed
 COLLECTIVE_TIMEOUT_S = 600.0  # a collective waiting longer than this on a peer fails
+CAUSE_GRACE_S = 1.0  # how long a rank's error waits for a peer's death it may be the echo of
 
 
 class RankFailed(RuntimeError):
@@ -184,7 +185,7 @@ def _watch(procs, readers: list[Connection], names, progress, timeout_s) -> Any:
             if message[0] == "progress" and progress is not None:
                 progress(*message[1:])
             elif message[0] == "error":
-                raise RankFailed(rank, names[rank], message[1])
+                raise _cause(procs, open_readers, names, rank, message[1])
             elif message[0] == "done":
                 done.add(rank)
                 if rank == 0:
@@ -195,6 +196,32 @@ def _watch(procs, readers: list[Connection], names, progress, timeout_s) -> Any:
                     continue  # read its last words (an error, or done) first
                 raise RankFailed(rank, names[rank], _exit_reason(proc.exitcode))
     return result
+
+
+def _cause(procs, readers: dict[int, Connection], names, rank: int, reason: str) -> RankFailed:
+    """The failure to report for rank `rank`'s error: a peer that ended without a word (killed,
+    or exited) at about the same time, if any, since a collective fails on every rank once one
+    of them is gone, and the survivors' errors (a closed connection) only echo it."""
+    running = [p.sentinel for r, p in enumerate(procs) if r != rank and p.exitcode is None]
+    if running:
+        wait(running, timeout=CAUSE_GRACE_S)
+    for r, proc in enumerate(procs):
+        if r == rank or proc.exitcode in (None, 0):
+            continue
+        if not any(m[0] == "error" for m in _last_words(readers.get(r))):
+            return RankFailed(r, names[r], _exit_reason(proc.exitcode))
+    return RankFailed(rank, names[rank], reason)
+
+
+def _last_words(reader: Connection | None) -> list[tuple]:
+    """What an ended rank sent that was not read yet."""
+    words = []
+    while reader is not None and reader.poll():
+        try:
+            words.append(reader.recv())
+        except EOFError:
+            break
+    return words
 
 
 def _exit_reason(code: int) -> str:
