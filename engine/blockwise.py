@@ -194,7 +194,10 @@ class BlockwiseStep:
             module, _, name = key.partition(".")
             master = shared.tensors[module][name]
             if master.dtype != torch.float32 or master.shape != p.shape:
-                raise ValueError(f"shared {key} is {master.dtype} {tuple(master.shape)}: not fp32")
+                raise ValueError(
+                    f"shared {key} is {master.dtype} {tuple(master.shape)}, the parameter "
+                    f"fp32 {tuple(p.shape)}: not the master of this model"
+                )
             masters[key] = master
             if self.device.type == "cpu":
                 # Every rank's parameter is the master's pages: rank 0's update is everyone's.
@@ -216,6 +219,7 @@ class BlockwiseStep:
         `x0` `(B, C, F, H, W)` clean clips as the model takes them (pixels, or VAE latents);
         `condition` what the model's prologue conditions on (prompts, or text embeddings); noise
         and flow times come from `generator`, the times mapped into the model's `time_range`.
+        Data parallel: `x0` and `condition` are this rank's rows; the draws are the whole batch's.
         """
         start = time.perf_counter()
         model, io = self.model, self.blocks_io

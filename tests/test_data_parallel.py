@@ -148,19 +148,29 @@ def test_rank_killed_mid_run_fails_the_run_and_leaves_whole_checkpoints(world, t
         assert (Path(c["path"]) / "optimizer.pt").is_file()
 
 
-def test_a_run_split_over_devices_resumes_on_one(world, reference, tmp_path):
-    """The checkpoints a split run writes are one process's: the same run goes on from them."""
+def test_checkpoints_carry_a_run_between_one_device_and_several(world, reference, tmp_path):
+    """A split run writes one process's checkpoints and resumes from them: steps 1, 2 and 3 on
+    one process, two, and one again end where one process alone does."""
     weights, steps, initial = reference
+    with open_trainer(TINY, world, spec(tmp_path, schedule={"until": 1})) as t:
+        t.run()
+        t.save_checkpoint()
+    split = spec(tmp_path, ("cpu", "cpu"), schedule={"until": 2})
+    started = []
     finetune_on_devices(
-        TINY, world, spec(tmp_path, ("cpu", "cpu"), schedule={"until": 2}), timeout_s=TIMEOUT_S
+        TINY, world, split, resume=True, on_start=lambda *a: started.append(a), timeout_s=TIMEOUT_S
     )
-    assert [c["step"] for c in list_checkpoints(tmp_path)] == [2]
+    assert started == [(1, STEPS)]
+    assert [c["step"] for c in list_checkpoints(tmp_path)] == [1, 2]
     with open_trainer(TINY, world, spec(tmp_path), resume=True) as t:
         assert t.step == 2
         t.run()
         t.export()
     assert off_by(exported(tmp_path), weights, initial) <= 1e-4
     assert [m["step"] for m in metrics(tmp_path)] == [1, 2, 3]
+    assert [m["loss"] for m in metrics(tmp_path)] == pytest.approx(
+        [m["loss"] for m in steps], rel=1e-5
+    )
 
 
 def test_runs_that_cannot_split_are_refused_before_anything_starts(world, tmp_path):
@@ -181,7 +191,9 @@ def test_a_bad_dataset_fails_the_run_with_its_error(tmp_path):
     bad = tmp_path / "bad"
     bad.mkdir()
     (bad / "metadata.jsonl").write_text('{"file": "missing.mp4", "text": "a clip"}\n')
-    with pytest.raises(RankFailed, match=r"(?s)rank 0 \(cpu\) failed: .*DatasetError.*missing\.mp4"):
+    with pytest.raises(
+        RankFailed, match=r"(?s)rank 0 \(cpu\) failed: .*DatasetError.*missing\.mp4"
+    ):
         finetune_on_devices(TINY, bad, spec(tmp_path / "out", ("cpu", "cpu")), timeout_s=TIMEOUT_S)
 
 
