@@ -19,6 +19,15 @@ fp32 master weights live on the host. When streamed, the streamer's host store *
 master of each block; on CUDA the compute happens under bf16 autocast, so the bf16 copy is cast on
 the fly on the device and no host copy in the compute dtype exists (12 B/param on the host with m
 and v). With `offload="none"` the blocks stay on the device and masters are separate host copies.
+
+Data parallel (`DataParallel`, launched by data_parallel.py): every rank runs the step above on its
+rows of the batch, with the same noise and flow times one process would draw for them. Each
+block's gradients are summed onto rank 0 (`torch.distributed.reduce`) as soon as the block's
+backward is done and divided by the ranks there: the mean of equal shares' mean losses is the
+whole batch's mean loss. Rank 0 alone holds the optimizer (one m and v) and updates the one fp32
+master, which every rank streams from: the blocks' host stores and the non-block masters are the
+same pages of shared memory in every process. A barrier at the end of each optimizer step keeps
+the other ranks from reading a master before rank 0 has written it.
 """
 
 from __future__ import annotations
@@ -30,10 +39,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from .finetune_spec import OptimizerSpec
 from .flow import noisy_sample, sample_training_times, velocity_target
+from .host_store import SharedWeights
 from .optim import CPUAdamW
 from .ordering import Ordering, make_ordering
 from .streaming import StreamHandle
@@ -50,6 +61,30 @@ class StepConfig:
     timing: bool = False  # per-block copy and compute times in the streamer's stats and trace
     aux_loss_weight: float = 0.1  # weight of the layers' auxiliary losses (3D-DSA motion heads)
     time_sampling: str = "logit-normal"  # distribution of training flow times (flow.TIME_SAMPLING)
+
+
+@dataclass(frozen=True)
+class DataParallel:
+    """This process's place in a data-parallel group (joined already): it trains rows
+    `rows(batch_size)` of each batch; rank 0 owns the optimizer. `shared` holds the fp32 weights
+    every rank opened its model from (`open_model(shared=...)`): the one master."""
+
+    rank: int
+    world: int
+    shared: SharedWeights
+
+    @property
+    def owner(self) -> bool:
+        """Whether this rank holds the optimizer and writes checkpoints."""
+        return self.rank == 0
+
+    def rows(self, batch_size: int) -> slice:
+        """This rank's rows of a global batch of `batch_size` (equal shares)."""
+        share = batch_size // self.world
+        return slice(self.rank * share, (self.rank + 1) * share)
+
+    def barrier(self) -> None:
+        dist.barrier()
 
 
 class _ResidentBlocks:
@@ -81,6 +116,7 @@ class BlockwiseStep:
         device: str | torch.device,
         config: StepConfig,
         handle: StreamHandle | None = None,
+        parallel: DataParallel | None = None,
     ):
         if config.offload not in ("none", "stream"):
             raise ValueError(f"offload must be 'none' or 'stream', got {config.offload!r}")
@@ -88,7 +124,10 @@ class BlockwiseStep:
             raise ValueError(
                 "offload='stream' trains a streamed model: pass its handle (and only then)"
             )
-        self.model, self.config = model, config
+        if parallel is not None and handle is None:
+            raise ValueError("data parallel streams every rank's blocks from one shared master")
+        self.model, self.config, self.parallel = model, config, parallel
+        self.owner = parallel is None or parallel.owner
         self.device = torch.device(device)
         owner, prefix = model.blocks_owner, model.blocks_prefix
         for name, module in model.modules.items():
@@ -104,7 +143,10 @@ class BlockwiseStep:
             if not (name == owner and n.startswith(prefix))
         }
         self.non_block_params = named
-        non_block_master = self._host_master(named)
+        if parallel is None:
+            non_block_master = self._host_master(named)
+        else:
+            non_block_master = self._shared_master(named, parallel.shared)
         # Frozen parameters never change: a host copy of each is all checkpoints need.
         self.frozen = {
             f"{name}.{n}": p.detach().to("cpu", copy=True)
@@ -127,9 +169,11 @@ class BlockwiseStep:
             block_masters = {i: self._host_master(dict(trainable(b))) for i, b in enumerate(blocks)}
         # Block masters are keyed by names inside the block ("attn.qkv.weight").
         self.masters = {**block_masters, NON_BLOCK: non_block_master}
-        self.optimizer = CPUAdamW.from_spec(self.masters, config.optimizer)
+        # One optimizer (one m and v) for the whole group: rank 0's.
+        self.optimizer = CPUAdamW.from_spec(self.masters, config.optimizer) if self.owner else None
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megaslide-adamw")
         largest = max(sum(t.numel() for t in named.values()) for named in self.masters.values())
+        largest = largest if self.owner else 0  # only the optimizer's rank brings gradients home
         # Gradients leave on a copy stream of their own, on the device (or simulated device) the
         # streamer orders its copies with.
         ordering = handle.ordering.sibling() if handle is not None else make_ordering(self.device)
@@ -140,6 +184,25 @@ class BlockwiseStep:
         if self.device.type == "cpu":
             return {n: p.data for n, p in named.items()}  # the parameters are the masters
         return {n: p.detach().to("cpu", copy=True) for n, p in named.items()}
+
+    def _shared_master(
+        self, named: dict[str, nn.Parameter], shared: SharedWeights
+    ) -> dict[str, torch.Tensor]:
+        """The non-block masters in shared memory; on the CPU the parameters become them."""
+        masters = {}
+        for key, p in named.items():
+            module, _, name = key.partition(".")
+            master = shared.tensors[module][name]
+            if master.dtype != torch.float32 or master.shape != p.shape:
+                raise ValueError(
+                    f"shared {key} is {master.dtype} {tuple(master.shape)}, the parameter "
+                    f"fp32 {tuple(p.shape)}: not the master of this model"
+                )
+            masters[key] = master
+            if self.device.type == "cpu":
+                # Every rank's parameter is the master's pages: rank 0's update is everyone's.
+                p.data = master
+        return masters
 
     @property
     def h2d_bytes(self) -> int:
@@ -156,16 +219,21 @@ class BlockwiseStep:
         `x0` `(B, C, F, H, W)` clean clips as the model takes them (pixels, or VAE latents);
         `condition` what the model's prologue conditions on (prompts, or text embeddings); noise
         and flow times come from `generator`, the times mapped into the model's `time_range`.
+        Data parallel: `x0` and `condition` are this rank's rows; the draws are the whole batch's.
         """
         start = time.perf_counter()
         model, io = self.model, self.blocks_io
         blocks = model.blocks
-        B = x0.shape[0]
+        world = 1 if self.parallel is None else self.parallel.world
+        B = x0.shape[0] * world  # the global batch: every rank draws it whole, as one process would
         t = sample_training_times(B, generator, self.config.time_sampling)  # (B,)
         lo, hi = model.time_range
         if (lo, hi) != (0.0, 1.0):
             t = lo + (hi - lo) * t
-        noise = torch.randn(x0.shape, generator=generator)  # (B, C, F, H, W)
+        noise = torch.randn((B, *x0.shape[1:]), generator=generator)  # (B, C, F, H, W)
+        if self.parallel is not None:
+            rows = self.parallel.rows(B)
+            t, noise = t[rows], noise[rows]  # this rank's rows: (B / world, ...)
         x0, noise, t = x0.to(self.device), noise.to(self.device), t.to(self.device)
         x_t = noisy_sample(x0, noise, t)  # (B, C, F, H, W)
         target = velocity_target(x0, noise)
@@ -210,9 +278,10 @@ class BlockwiseStep:
                 grad = xi.grad
                 inputs[i] = None  # this boundary activation is no longer needed
                 params = dict(trainable(blocks[i]))
-                grads = _grads_or_zeros(params)
-                sq_norm += sum(g.float().square().sum() for g in grads.values())
-                host_grads, landed = self.drain.send(grads)
+                grads = self._reduce(_grads_or_zeros(params))
+                if grads is not None:
+                    sq_norm += sum(g.float().square().sum() for g in grads.values())
+                    host_grads, landed = self.drain.send(grads)
                 for p in params.values():
                     p.grad = None  # gradients exist only for the block being processed
                 io.release(i)
@@ -220,8 +289,9 @@ class BlockwiseStep:
                     # Re-fetch the host views: this also tells the streamer that block i's host copy
                     # is about to change, so a stale slot copy is never reused.
                     self.handle.host_tensors(i)
-                future = self.worker.submit(self._update, i, host_grads, landed, last)
-                pending.append(self.drain.attach(future))
+                if grads is not None:
+                    future = self.worker.submit(self._update, i, host_grads, landed, last)
+                    pending.append(self.drain.attach(future))
 
         # 4. Through the prologue with everything the blocks and the epilogue sent back.
         sent_back = [
@@ -230,19 +300,28 @@ class BlockwiseStep:
         ]
         torch.autograd.backward([h, *carried.values()], [grad, *sent_back])
         named = self.non_block_params
-        grads = _grads_or_zeros(named)
-        sq_norm += sum(g.float().square().sum() for g in grads.values())
-        host_grads, landed = self.drain.send(grads)
+        grads = self._reduce(_grads_or_zeros(named))
+        if grads is not None:
+            sq_norm += sum(g.float().square().sum() for g in grads.values())
+            host_grads, landed = self.drain.send(grads)
         for p in named.values():
             p.grad = None
-        future = self.worker.submit(self._update, NON_BLOCK, host_grads, landed, last)
-        pending.append(self.drain.attach(future))
+        if grads is not None:
+            future = self.worker.submit(self._update, NON_BLOCK, host_grads, landed, last)
+            pending.append(self.drain.attach(future))
+        loss = loss.detach()
+        whole = self._reduce({"loss": loss}) if self.parallel is not None else None
+        if whole is not None:
+            loss = whole["loss"]  # rank 0 reports the whole batch's loss; a rank its own rows'
         for f in pending:
             # The next forward reads the masters these updates write: wait for every one of them.
             f.result()
-        if last and self.config.optimizer.max_grad_norm is not None:
+        if last and self.owner and self.config.optimizer.max_grad_norm is not None:
             for block_id in self.masters:  # clipping needs every gradient before any update
                 self.optimizer.step_block(block_id)
+        if last and self.parallel is not None:
+            # No rank may read a master (its next forward) before rank 0 has updated every one.
+            self.parallel.barrier()
         if last:
             self._publish()
         self.micro = 0 if last else self.micro + 1
@@ -257,6 +336,23 @@ class BlockwiseStep:
     @property
     def d2h_bytes(self) -> int:
         return self.drain.bytes
+
+    def _reduce(self, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+        """Data parallel: the mean over ranks of `grads` on rank 0, None on the others (their
+        share is sent). One process: `grads` as they are."""
+        if self.parallel is None:
+            return grads
+        # One collective per block, not one per tensor: a flat copy of the block's gradients.
+        flat = torch.cat([g.reshape(-1) for g in grads.values()])
+        dist.reduce(flat, dst=0, op=dist.ReduceOp.SUM)
+        if not self.owner:
+            return None
+        flat /= self.parallel.world
+        out, offset = {}, 0
+        for name, g in grads.items():
+            out[name] = flat[offset : offset + g.numel()].view(g.shape)
+            offset += g.numel()
+        return out
 
     def _update(self, block_id, grads: dict[str, torch.Tensor], landed, last: bool) -> None:
         # The optimizer reads the pinned buffers the D2H copy is filling: wait for that copy
@@ -281,7 +377,8 @@ class BlockwiseStep:
 
     def close(self) -> None:
         self.worker.shutdown(wait=True)
-        self.optimizer.close()
+        if self.optimizer is not None:
+            self.optimizer.close()
         if self.handle is not None:
             self.handle.remove()
             self.handle = None
@@ -373,4 +470,4 @@ def master_state_dicts(step: BlockwiseStep) -> dict[str, dict[str, torch.Tensor]
     return states
 
 
-__all__ = ["BlockwiseStep", "StepConfig", "NON_BLOCK", "master_state_dicts"]
+__all__ = ["BlockwiseStep", "DataParallel", "StepConfig", "NON_BLOCK", "master_state_dicts"]

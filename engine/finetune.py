@@ -14,11 +14,16 @@ line of metrics per step to `<output>/metrics.jsonl`, and writes checkpoints ato
 Resuming from a checkpoint continues exactly: a run killed after step k and resumed ends with
 bitwise the weights of an uninterrupted run (same machine, CPU), because the masters, the moments,
 the noise generator and the data position are all restored.
+
+A run over several devices (`runtime.devices`) is launched by data_parallel.py: a `Trainer` per
+rank, each given its `DataParallel` place; rank 0 alone holds the optimizer and writes metrics,
+checkpoints and exports.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -30,12 +35,12 @@ from pathlib import Path
 import torch
 
 from .atomic import atomic_directory, remove_stale
-from .blockwise import BlockwiseStep, StepConfig, master_state_dicts
+from .blockwise import BlockwiseStep, DataParallel, StepConfig, master_state_dicts
 from .family import TrainingShape, family
 from .finetune_spec import FinetuneSpec
 from .interfaces import TrainingRun
 from .loader import as_source, open_model
-from .sources import ModelSource, describe
+from .sources import ModelInfo, ModelSource, describe
 
 CHECKPOINTS = "checkpoints"
 METRICS = "metrics.jsonl"
@@ -68,6 +73,21 @@ def list_checkpoints(output: str | os.PathLike) -> list[dict]:
     return sorted(found, key=lambda c: c["step"])
 
 
+def trained_model(
+    source: ModelSource, spec: FinetuneSpec, resume: bool
+) -> tuple[ModelInfo, Path | None]:
+    """The model a run trains and the checkpoint it resumes from: the newest checkpoint's model
+    when resuming from one, else `source` (with the run's attention backend)."""
+    overrides = {"attention": spec.run.attention} if spec.run.attention else {}
+    checkpoints = list_checkpoints(spec.run.output) if resume else []
+    if not checkpoints:
+        return describe(source, **overrides), None
+    latest = Path(checkpoints[-1]["path"])
+    base = describe(source, **overrides)
+    source = ModelSource("directory", base.name, path=latest / "model")
+    return describe(source, **overrides), latest
+
+
 def open_trainer(
     source: ModelSource | str | Path | None,
     data: str | os.PathLike,
@@ -76,18 +96,29 @@ def open_trainer(
     resume: bool = False,
 ) -> Trainer:
     """A fine-tuning run of the model at `source` (as for `open_pipeline`) on the dataset at
-    `data`; with `resume`, it continues from the newest checkpoint in `spec.run.output`."""
+    `data`; with `resume`, it continues from the newest checkpoint in `spec.run.output`. A spec
+    with `runtime.devices` runs through `data_parallel.finetune_on_devices` instead."""
+    if spec.runtime.devices:
+        raise ValueError("runtime.devices runs one process per device: finetune_on_devices")
     return Trainer(as_source(source), data, spec, resume=resume)
 
 
 class Trainer(TrainingRun):
-    """A fine-tuning run, one optimizer step per `train_step()`."""
+    """A fine-tuning run, one optimizer step per `train_step()`; with `parallel`, one rank's part
+    of a data-parallel run (its model opened from the group's shared master)."""
 
     def __init__(
-        self, source: ModelSource, data: str | os.PathLike, spec: FinetuneSpec, *, resume: bool
+        self,
+        source: ModelSource,
+        data: str | os.PathLike,
+        spec: FinetuneSpec,
+        *,
+        resume: bool,
+        parallel: DataParallel | None = None,
     ):
         spec.validate()
-        self.spec = spec
+        self.spec, self.parallel = spec, parallel
+        self.owner = parallel is None or parallel.owner
         run, clips, runtime = spec.run, spec.clips, spec.runtime
         self.output = Path(run.output)
         overrides = {"attention": run.attention} if run.attention else {}
@@ -101,7 +132,8 @@ class Trainer(TrainingRun):
         info.limits.check_clip(self.frames, self.width, self.height)
         self.family = family(info.family)
         self.output.mkdir(parents=True, exist_ok=True)
-        remove_stale(self.output / CHECKPOINTS)  # what a killed run left half-written
+        if self.owner:
+            remove_stale(self.output / CHECKPOINTS)  # what a killed run left half-written
         shape = TrainingShape(
             frames=self.frames,
             width=self.width,
@@ -112,8 +144,13 @@ class Trainer(TrainingRun):
             device=runtime.device,
         )
         # The dataset is checked (and, for a family with frozen encoders, encoded) before anything
-        # else happens: a bad file fails the run now.
+        # else happens: a bad file fails the run now. Rank 0 first: the other ranks then find the
+        # encoded dataset in the run instead of encoding it again, at the same time, in one place.
+        if parallel is not None and not self.owner:
+            parallel.barrier()
         self.data = self.family.training_data(info, Path(data), self.output, shape)
+        if parallel is not None and self.owner:
+            parallel.barrier()
         self.loader = self.data.loader
         steps, epochs = spec.schedule.length
         per_step = clips.batch_size * spec.optimizer.grad_accum
@@ -125,11 +162,7 @@ class Trainer(TrainingRun):
         # presumed dead cannot overwrite the checkpoints of the one that took over.
         self.fence: Callable[[], contextlib.AbstractContextManager] | None = None
 
-        checkpoints = list_checkpoints(self.output) if resume else []
-        if checkpoints:
-            latest = Path(checkpoints[-1]["path"])
-            source = ModelSource("directory", info.name, path=latest / "model")
-            info = describe(source, **overrides)
+        info, latest = trained_model(source, spec, resume)
         self.info = info
         parts, handles = open_model(
             info,
@@ -138,6 +171,7 @@ class Trainer(TrainingRun):
             offload=runtime.offload,
             timing=runtime.timing,
             only=self.family.training_components(info, run.expert),
+            shared=parallel.shared if parallel is not None else None,
         )
         for module in parts.values():
             module.train()
@@ -151,12 +185,12 @@ class Trainer(TrainingRun):
             time_sampling=clips.time_sampling,
         )
         handle = handles.get(model.blocks_owner)
-        self.blockwise = BlockwiseStep(model, runtime.device, step_config, handle)
-        if checkpoints:
+        self.blockwise = BlockwiseStep(model, runtime.device, step_config, handle, parallel)
+        if latest is not None:
             self._restore(latest)
-        else:
+        elif self.owner:
             (self.output / METRICS).write_text("")  # a fresh run: no metrics from an earlier one
-        self._metrics = open(self.output / METRICS, "a")
+        self._metrics = open(self.output / METRICS, "a") if self.owner else None
 
     # -- training ---------------------------------------------------------------------------------
 
@@ -171,12 +205,24 @@ class Trainer(TrainingRun):
         start = time.perf_counter()
         h2d0, d2h0 = self.blockwise.h2d_bytes, self.blockwise.d2h_bytes
         losses, norm = [], 0.0
-        self.blockwise.optimizer.lr = learning_rate(self.spec, self.step, self.total_steps)
+        lr = learning_rate(self.spec, self.step, self.total_steps)
+        if self.blockwise.optimizer is not None:
+            self.blockwise.optimizer.lr = lr
         for _ in range(self.spec.optimizer.grad_accum):
             batch = next(self.loader)
             # Dropped captions teach the model the unconditional velocity guidance extrapolates from.
             dropout = self.spec.clips.caption_dropout
             drop = torch.rand(len(batch.text), generator=self.generator) < dropout
+            if self.parallel is not None:
+                # Every rank draws for the whole batch (the same numbers), then keeps its rows.
+                rows = self.parallel.rows(len(batch.text))
+                batch = dataclasses.replace(
+                    batch,
+                    video=batch.video[rows],
+                    text=batch.text[rows],
+                    indices=batch.indices[rows],
+                )
+                drop = drop[rows]
             condition = self.data.condition(batch, drop.tolist())
             out = self.blockwise.micro_step(self.data.x0(batch), condition, self.generator)
             losses.append(out["loss"])
@@ -185,7 +231,7 @@ class Trainer(TrainingRun):
         metrics = {
             "step": self.step,
             "loss": sum(losses) / len(losses),
-            "lr": self.blockwise.optimizer.lr,
+            "lr": lr,
             "grad_norm": norm,
             "step_time_s": time.perf_counter() - start,
             "h2d_bytes": self.blockwise.h2d_bytes - h2d0,
@@ -193,6 +239,8 @@ class Trainer(TrainingRun):
             "epoch": self.loader.state_dict()["epoch"],
             "time": time.time(),
         }
+        if not self.owner:
+            return metrics  # rank 0's are the run's: the whole batch's loss and gradient norm
         self._metrics.write(json.dumps(metrics) + "\n")
         self._metrics.flush()
         if self.step % self.spec.run.save_every == 0:
@@ -213,6 +261,8 @@ class Trainer(TrainingRun):
     def save_checkpoint(self) -> Path:
         """Write `checkpoints/step-N` atomically: the model, the optimizer's state and the run's
         position (step, data order, noise generator), all or nothing."""
+        if not self.owner:
+            raise RuntimeError("rank 0 of a data-parallel run writes its checkpoints")
         final = self.output / CHECKPOINTS / f"step-{self.step:06d}"
         with atomic_directory(final, guard=self.fence) as tmp:
             self._save_model(tmp / "model")
@@ -230,13 +280,16 @@ class Trainer(TrainingRun):
         return list_checkpoints(self.output)
 
     def _restore(self, path: Path) -> None:
-        self.blockwise.optimizer.load_state_dict(
-            torch.load(path / "optimizer.pt", weights_only=True)
-        )
+        if self.blockwise.optimizer is not None:
+            self.blockwise.optimizer.load_state_dict(
+                torch.load(path / "optimizer.pt", weights_only=True)
+            )
         state = torch.load(path / "state.pt", weights_only=True)
         self.step = int(state["step"])
         self.loader.load_state_dict(state["loader"])
         self.generator.set_state(state["generator"])
+        if not self.owner:
+            return
         # Metrics past the checkpoint belong to the lost part of the killed run.
         metrics = self.output / METRICS
         lines = metrics.read_text().splitlines() if metrics.exists() else []
@@ -249,6 +302,8 @@ class Trainer(TrainingRun):
     def export(self, path: str | os.PathLike | None = None) -> Path:
         """Write the current weights as a servable model directory (default `<output>/model`),
         atomically: a server may pick it up the moment it appears."""
+        if not self.owner:
+            raise RuntimeError("rank 0 of a data-parallel run writes its exports")
         path = Path(path) if path is not None else self.output / "model"
         with atomic_directory(path, guard=self.fence) as tmp:
             self._save_model(tmp)
@@ -257,7 +312,8 @@ class Trainer(TrainingRun):
     def close(self) -> None:
         self.data.close()
         self.blockwise.close()
-        self._metrics.close()
+        if self._metrics is not None:
+            self._metrics.close()
 
     def __enter__(self) -> Trainer:
         return self

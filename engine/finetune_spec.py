@@ -85,6 +85,10 @@ class RuntimeSpec:
 
     device: str = "cpu"
     offload: str = "none"  # OFFLOADS: "stream" keeps the blocks in host RAM, streamed
+    # Data parallel over these devices ("cpu", "cpu" or "cuda:0", "cuda:1"), a process each, in
+    # place of `device`: the batch is split over them, one optimizer updates one master in host
+    # RAM (data_parallel.py). Needs offload "stream" and a batch the devices divide.
+    devices: tuple[str, ...] | None = None
     timing: bool = False  # streamer timings for stats and traces
     cache_mb: int = 1024  # decoded training clips kept in RAM (a small dataset decodes once)
 
@@ -155,6 +159,21 @@ class FinetuneSpec:
             ),
             (self.runtime.cache_mb >= 0, "runtime.cache_mb must be >= 0", self.runtime.cache_mb),
         ]
+        devices = self.runtime.devices
+        if devices is not None:
+            checks += [
+                (len(devices) >= 2, "runtime.devices must name two or more", devices),
+                (
+                    self.runtime.offload == "stream",
+                    "runtime.devices streams every rank from one master: runtime.offload 'stream'",
+                    self.runtime.offload,
+                ),
+                (
+                    c.batch_size % max(len(devices), 1) == 0,
+                    f"clips.batch_size must be a multiple of the {len(devices)} runtime.devices",
+                    c.batch_size,
+                ),
+            ]
         for ok, rule, value in checks:
             if not ok:
                 raise ValueError(f"{rule}, got {value!r}")

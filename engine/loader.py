@@ -236,12 +236,14 @@ def open_model(
     return {c.name: c.module for c in components}, handles
 
 
-def share_weights(info: ModelInfo, dtype: torch.dtype) -> SharedWeights:
+def share_weights(
+    info: ModelInfo, dtype: torch.dtype, only: set[str] | None = None
+) -> SharedWeights:
     """The weights of `info` in `dtype`, in shared memory, for processes this one spawns
     (`open_pipeline(shared=...)` in each): the blocks of every streamed component in one host
     buffer each, filled once here, block by block (as `open_model` streams), then moved into
-    shared memory (a block at a time is held twice meanwhile)."""
-    parts, handles = open_model(info, device="cpu", dtype=dtype, offload="stream")
+    shared memory (a block at a time is held twice meanwhile). `only`: these components."""
+    parts, handles = open_model(info, device="cpu", dtype=dtype, offload="stream", only=only)
     tensors: dict[str, dict[str, torch.Tensor]] = {}
     blocks: dict[str, list[torch.Tensor]] = {}
     for name, module in parts.items():

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import numpy as np
 import pytest
@@ -21,6 +22,7 @@ from megaslide.engine.family import family
 from megaslide.engine.host_store import SharedWeights
 from megaslide.engine.loader import open_pipeline, share_weights
 from megaslide.engine.multidevice import RankFailed, generate_on_devices, parse_devices
+from megaslide.engine.ranks import join_group, run_ranks
 from megaslide.engine.request import VideoRequest, resolve
 from megaslide.engine.sources import describe, resolve_source
 
@@ -87,6 +89,26 @@ def test_rank_killed_mid_job_fails_the_job_naming_the_rank():
     for pid in pids:  # the launcher stopped the survivor too
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def _barrier_after_rank_1_dies(link, job) -> None:
+    import torch.distributed as dist
+
+    join_group(link)
+    if link.rank == 1:
+        # Its connections close first, its exit comes a moment later: rank 0's error is seen
+        # first, as it may be when a process dies (its sockets close before it is reaped).
+        dist.destroy_process_group()
+        time.sleep(0.3)
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.barrier()  # rank 0 raises here: its peer's connection closed
+
+
+def test_a_rank_whose_peer_died_names_the_dead_rank_not_itself():
+    # Rank 0 reports an error of its own (the closed connection) as rank 1 dies: the job's
+    # failure is rank 1's death.
+    with pytest.raises(RankFailed, match=r"rank 1 \(cpu\) failed: killed by SIGKILL"):
+        run_ranks(_barrier_after_rank_1_dies, None, ["cpu", "cpu"], timeout_s=TIMEOUT_S)
 
 
 def test_a_rank_that_raises_fails_the_job_with_its_error(monkeypatch):

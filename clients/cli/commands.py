@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import sys
@@ -577,7 +578,17 @@ def register_finetune(sub) -> None:
         help="which expert of a two-expert model (Wan2.2-A14B) to train: high or low noise",
     )
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--offload", choices=("none", "stream"), default="none")
+    p.add_argument(
+        "--devices",
+        metavar="DEV,DEV,...",
+        help="data parallel over these devices, one process each: the batch split over them, one "
+        "optimizer on one fp32 master in host RAM: cpu,cpu or cuda:0,cuda:1",
+    )
+    p.add_argument(
+        "--offload",
+        choices=("none", "stream"),
+        help="stream block weights from host RAM (default: none; stream with --devices)",
+    )
     p.add_argument("--stats", help="write streaming stats of the run as JSON here")
     p.add_argument(
         "--trace", help="write a Chrome trace of the last step's block copies and computes"
@@ -595,6 +606,11 @@ def finetune_spec(args) -> FinetuneSpec:
     from megaslide.engine.request import parse_size
 
     width, height = parse_size(args.size, "--size") if args.size else (None, None)
+    devices = None
+    if args.devices:
+        from megaslide.engine.ranks import parse_devices
+
+        devices = tuple(parse_devices(args.devices))
     return FinetuneSpec(
         run=RunSpec(
             output=args.output,
@@ -626,9 +642,10 @@ def finetune_spec(args) -> FinetuneSpec:
         ),
         runtime=RuntimeSpec(
             device=args.device,
-            offload=args.offload,
+            offload=args.offload or ("stream" if args.devices else "none"),
             timing=bool(args.stats or args.trace),
             cache_mb=args.cache_mb,
+            devices=devices,
         ),
     )
 
@@ -642,6 +659,8 @@ def run_finetune(args) -> int:
 
     if not args.output:
         raise UsageError("--output is required for a local run")
+    if args.devices:
+        return run_finetune_on_devices(args)
     spec = finetune_spec(args)
     with open_trainer(model_source(args), args.data, spec, resume=args.resume) as trainer:
         if trainer.done:
@@ -669,6 +688,57 @@ def run_finetune(args) -> int:
                 file=sys.stderr,
             )
     print(f"fine-tuned model written to {path}", file=sys.stderr)
+    return 0
+
+
+def run_finetune_on_devices(args) -> int:
+    """`finetune --devices`: data parallel, one process per device (engine/data_parallel.py)."""
+    from megaslide.engine.data_parallel import RankFailed, finetune_on_devices
+
+    if args.stats or args.trace:
+        raise UsageError("--devices takes neither --stats nor --trace")
+    if args.device != "cpu":
+        raise UsageError("--devices names the devices itself: leave out --device")
+    try:
+        spec = finetune_spec(args)
+    except ValueError as e:
+        raise UsageError(f"--devices: {e}") from None
+    bar = None
+    with contextlib.ExitStack() as stack:
+
+        def start(step, total):
+            nonlocal bar
+            if step >= total:
+                print(f"already at step {step} of {total}", file=sys.stderr)
+            bar = stack.enter_context(progress_bar(total, "fine-tuning", disable=args.no_progress))
+            bar.update(step)
+
+        def report(m):
+            bar.update(1)
+            if hasattr(bar, "set_postfix"):
+                bar.set_postfix(loss=f"{m['loss']:.4f}", step_s=f"{m['step_time_s']:.2f}")
+
+        try:
+            result = finetune_on_devices(
+                model_source(args),
+                args.data,
+                spec,
+                resume=args.resume,
+                on_start=start,
+                progress=report,
+            )
+        except RankFailed as e:  # every rank was stopped; complete checkpoints are kept
+            print(f"megaslide finetune: error: {e}", file=sys.stderr)
+            return 1
+    if result["step"] < result["total_steps"]:
+        print(
+            f"stopped at step {result['step']} of {result['total_steps']}; --resume continues",
+            file=sys.stderr,
+        )
+    print(
+        f"fine-tuned model written to {result['model']} ({len(spec.runtime.devices)} devices)",
+        file=sys.stderr,
+    )
     return 0
 
 

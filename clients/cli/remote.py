@@ -38,7 +38,7 @@ LOCAL_ONLY_FINETUNE = {
     "save_every": RunSpec.save_every,
     "resume": False,
     **LOCAL_ONLY_GENERATE,
-    "offload": "none",  # finetune's own default
+    "devices": None,
 }
 # `finetune --lr` defaults to the spec's rate; the server's rate at learning_rate_multiplier=1 is
 # its own setting (MEGASLIDE_FINETUNE_LR, the same unless changed), so --lr travels as a ratio.
