@@ -30,6 +30,7 @@ import itertools
 import os
 import sys
 import tempfile
+import time
 import traceback
 import weakref
 from collections.abc import Sequence
@@ -46,12 +47,15 @@ from .multidevice import (
     COLLECTIVE_TIMEOUT_S,
     STOP_GRACE_S,
     RankFailed,
-    _exit_reason,
-    _stop,
+    exit_reason,
     parse_devices,
+    stop_ranks,
 )
 from .request import RequestError, ResolvedVideo
 from .sources import ModelInfo
+
+# How long a rank's failed step waits for news of a peer's death, which its error may follow.
+PEER_GRACE_S = 1.0
 
 
 class RanksDown(RuntimeError):
@@ -167,8 +171,12 @@ class RankGroup:
                 conn.send(("close", []))
             except OSError:
                 pass  # that rank is gone already
+        deadline = time.monotonic() + STOP_GRACE_S
+        for proc in self._procs:  # each leaves the group; the stragglers are stopped below
+            proc.join(max(0.0, deadline - time.monotonic()))
         _stop_all(self._procs)
         self._conns = []
+        self._shared = None  # its pages go with the last process that maps them
         self._tmp.cleanup()
 
     # -- the ranks ------------------------------------------------------------------------------
@@ -211,6 +219,8 @@ class RankGroup:
         self._gather("ready")
 
     def _restart(self) -> None:
+        if self._shared is None:
+            raise RuntimeError(f"the ranks of {self.name} were closed")
         try:
             self._start()
         except RankFailed as e:
@@ -244,14 +254,15 @@ class RankGroup:
                         answers[rank] = conn.recv()
                     except (EOFError, OSError):  # it exited: its status says how
                         proc.join(STOP_GRACE_S)
-                        self._down(rank, _exit_reason(proc.exitcode or 1))
+                        code = proc.exitcode
+                        self._down(rank, "closed its pipe" if code is None else exit_reason(code))
                     del pending[rank]
                     if answers[rank][0] == "error" and command in ("ready", "step"):
                         # Its peers may wait for it in a collective: stop them all.
-                        self._down(rank, _error_text(answers[rank]))
+                        self._down(*self._blame(rank, _error_text(answers[rank])))
                 elif proc.sentinel in ready and not conn.poll():  # gone without a word
                     proc.join()
-                    self._down(rank, _exit_reason(proc.exitcode))
+                    self._down(rank, exit_reason(proc.exitcode))
         errors = {r: a for r, a in answers.items() if a[0] == "error"}
         if errors and len(errors) < len(answers) and command == "prepare":
             rank = min(errors)  # the ranks disagree about the same requests: their states too
@@ -262,6 +273,16 @@ class RankGroup:
                 raise RequestError(text, param=param, code=code)
             raise RuntimeError(_error_text(errors[0]))
         return [answers[r][1] for r in range(len(answers))]
+
+    def _blame(self, rank: int, reason: str) -> tuple[int, str]:
+        """The rank to name for a failed step: a peer that died rather than `rank`, whose error
+        may only be its collective noticing that peer gone (gloo's "connection closed")."""
+        others = [p for r, p in enumerate(self._procs) if r != rank]
+        wait([p.sentinel for p in others], timeout=PEER_GRACE_S)
+        for r, proc in enumerate(self._procs):
+            if r != rank and proc.exitcode is not None:
+                return r, exit_reason(proc.exitcode)
+        return rank, reason
 
     def _down(self, rank: int, reason: str):
         """Stop every rank; raise `RankFailed` for `rank`, and for the states stepped later."""
@@ -291,7 +312,7 @@ def check_video(info: ModelInfo, video: ResolvedVideo, devices: Sequence[str]) -
 
 
 def _stop_all(procs: list) -> None:
-    _stop(procs)
+    stop_ranks(procs)
     procs.clear()
 
 

@@ -43,6 +43,10 @@ class VideoModel(Protocol):
     def finish_batch(self, states: list) -> list:
         """Decode finished states, in bounded chunks, to uint8 frames `(F, H, W, 3)` each."""
 
+    def close(self) -> None:
+        """Free what the model holds beyond its memory (a group of devices: its processes);
+        called once the worker is done with it."""
+
 
 class TrainingRun(ABC):
     """A fine-tuning run as the worker drives it (see `megaslide.engine.finetune.Trainer`)."""

@@ -108,10 +108,11 @@ class Worker(WorkerContext):
             self.heartbeat.send()
 
     def close(self) -> None:
-        """Leave the registry (after `run` returned)."""
+        """Leave the registry and close the loaded models (after `run` returned)."""
         self.stop.set()
         self.videos.close()
         self.heartbeat.deregister()
+        self.models.close()
 
     def _leases(self) -> list[str]:
         """The claims this worker still works on (read from the heartbeat thread)."""

@@ -40,6 +40,13 @@ class Models:
             log.info("loading model %s (%s)", name, card.source)
             self._loaded[name] = self.ctx.backend.load(card)
 
+    def close(self) -> None:
+        """Close every loaded model (a group of devices stops its processes now)."""
+        for model in [*self._loaded.values(), *self._loaded_ft.values()]:
+            model.close()
+        self._loaded.clear()
+        self._loaded_ft.clear()
+
     def published(self) -> list[dict]:
         """The base models' cards as the registry stores them."""
         return [card_to_dict(c) for c in self.cards.values()]
