@@ -140,6 +140,29 @@ def test_a_rank_killed_mid_job_fails_that_job_and_the_worker_serves_the_next(tmp
         assert group.pids and set(group.pids).isdisjoint(first)
 
 
+def test_a_video_cancelled_on_two_devices_stops_and_the_next_runs(tmp_path, monkeypatch):
+    step = RankGroup.denoise_step
+
+    def slow_step(self, states):  # a window for the cancel to land mid-video
+        time.sleep(0.2)
+        return step(self, states)
+
+    monkeypatch.setattr(RankGroup, "denoise_step", slow_step)
+    with serve(tmp_path) as c:
+        ready(c)
+        long = c.post("/v1/videos", json={"prompt": "long", **CLIP, "num_inference_steps": 40})
+        video_id = long.json()["id"]
+        deadline = time.monotonic() + 30
+        while c.get(f"/v1/videos/{video_id}").json()["progress"] == 0:
+            assert time.monotonic() < deadline, "the video never started"
+            time.sleep(0.05)
+        assert c.post(f"/v1/videos/{video_id}/cancel").status_code == 200
+        v = wait(c, video_id)
+        assert v["status"] == "cancelled" and v["progress"] < 90, v
+        after = c.post("/v1/videos", json={"prompt": "after", "seed": 3, **CLIP}).json()
+        assert wait(c, after["id"])["status"] == "completed"
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
