@@ -33,6 +33,7 @@ from .atomic import atomic_directory, remove_stale
 from .blockwise import BlockwiseStep, StepConfig, master_state_dicts
 from .family import TrainingShape, family
 from .finetune_spec import FinetuneSpec
+from .interfaces import TrainingRun
 from .loader import as_source, open_model
 from .sources import ModelSource, describe
 
@@ -79,7 +80,7 @@ def open_trainer(
     return Trainer(as_source(source), data, spec, resume=resume)
 
 
-class Trainer:
+class Trainer(TrainingRun):
     """A fine-tuning run, one optimizer step per `train_step()`."""
 
     def __init__(

@@ -157,7 +157,7 @@ def generate_on_devices(
                 on_spawn([p.pid for p in procs])
             _watch(procs, readers, names, progress, timeout_s)
         finally:
-            stop_ranks(procs)
+            _stop(procs)
         return np.load(job.frames_path)
 
 
@@ -189,17 +189,16 @@ def _watch(procs, readers: list[Connection], names, progress, timeout_s) -> None
             if proc.sentinel in ready and rank not in done and proc.exitcode is not None:
                 if rank in open_readers and open_readers[rank].poll():
                     continue  # read its last words (an error, or done) first
-                raise RankFailed(rank, names[rank], exit_reason(proc.exitcode))
+                raise RankFailed(rank, names[rank], _exit_reason(proc.exitcode))
 
 
-def exit_reason(code: int) -> str:
-    """How a rank process ended, from its exit code ("killed by SIGKILL")."""
+def _exit_reason(code: int) -> str:
     if code < 0:
         return f"killed by {signal.Signals(-code).name}"
     return f"exited with status {code}"
 
 
-def stop_ranks(procs) -> None:
+def _stop(procs) -> None:
     """Stop every rank still running: SIGTERM, then SIGKILL after a grace period."""
     for proc in procs:
         if proc.is_alive():

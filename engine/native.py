@@ -27,7 +27,7 @@ from .family import Component, Family, TrainingShape
 from .flow import SampleState, sample_step, shifted_schedule
 from .host_store import SafetensorsFile
 from .parallel import SequenceGroup, check_shardable, parallelize_dit
-from .pipeline import Pipeline, decode_chunks
+from .pipeline import Pipeline, decode_chunks, distinct
 from .request import ResolvedVideo
 from .sources import ModelInfo
 from .step_cache import StepCache
@@ -129,11 +129,12 @@ class DiTPipeline(Pipeline):
 
     def prepare_batch(self, videos: list[ResolvedVideo]) -> list[SampleState]:
         rows = [[v.prompt, v.negative_prompt] if v.guidance != 1.0 else [v.prompt] for v in videos]
-        if self.batched:  # every prompt of every request in one pass of the text encoder
+        if self.batched:  # every distinct prompt of every request in one pass of the encoder
+            prompts, where = distinct([p for r in rows for p in r])
             with torch.no_grad():
-                ctx, mask = self.text_encoder.encode([p for r in rows for p in r])  # (B, L, D)
-            sizes = [len(r) for r in rows]
-            encoded = list(zip(ctx.split(sizes), mask.split(sizes)))
+                ctx, mask = self.text_encoder.encode(prompts)  # (distinct, L, D)
+            where, sizes = torch.tensor(where), [len(r) for r in rows]
+            encoded = list(zip(ctx[where].split(sizes), mask[where].split(sizes)))
         else:  # each request's prompts in a pass of their own
             with torch.no_grad():
                 encoded = [self.text_encoder.encode(r) for r in rows]  # (1 or 2, L, text_dim)

@@ -4,9 +4,9 @@ A `Pipeline` is a model opened for sampling (see `loader.open_pipeline`). It exp
 step-wise, `prepare` -> `denoise_step` ... -> `finish`, so a scheduler can batch requests at
 denoising-step granularity (requests at different steps share one pass of the weights), and
 `generate` for the simple case. The ends batch too: `prepare_batch` encodes the prompts of the
-requests that arrive together in one pass of the text encoder, `finish_batch` decodes the clips
-that finish together, `DECODE_CHUNK` requests per pass of the autoencoder. Requests come in
-resolved (`request.ResolvedVideo`); `resolve` checks a `VideoRequest` against this model's limits.
+requests that arrive together in one pass of the text encoder (each distinct prompt once),
+`finish_batch` decodes the clips that finish together, `DECODE_CHUNK` requests per pass of the
+autoencoder. Requests come in resolved (`request.ResolvedVideo`); `resolve` checks a `VideoRequest` against this model's limits.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .interfaces import VideoModel
 from .request import ResolvedVideo, VideoRequest, resolve
 from .sources import ModelInfo
 from .streaming import StreamHandle
@@ -49,7 +50,15 @@ def decode_chunks(shapes: Sequence[tuple], size: int = DECODE_CHUNK) -> Iterator
             yield indices[start : start + size]
 
 
-class Pipeline(ABC):
+def distinct(items: Sequence[str]) -> tuple[list[str], list[int]]:
+    """The distinct `items` in first-seen order, and each item's index among them: requests that
+    share a prompt (most share the empty negative) have it encoded once."""
+    index: dict[str, int] = {}
+    where = [index.setdefault(item, len(index)) for item in items]
+    return list(index), where
+
+
+class Pipeline(VideoModel, ABC):
     """A loaded model ready to sample clips; `handles` are its streamed modules (may be empty).
     `adapters` holds the LoRA adapters registered on it, for a family that takes them."""
 

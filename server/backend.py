@@ -1,18 +1,16 @@
 """What the worker needs from the model side: a `Backend` that describes, loads and trains models.
 
 The worker (the worker/ package) drives these interfaces and never imports torch; `TorchBackend`
-(torch_backend.py) implements them on the engine, and the tests plug in a fake. A loaded video
-model is anything with the engine pipeline's step-wise methods (`VideoModel`).
+(torch_backend.py) implements them on the engine, and the tests plug in a fake. What a backend
+loads and opens are the engine's own contracts (engine/interfaces.py): a `VideoModel`, sampled a
+step at a time, and a `TrainingRun`.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 from megaslide.engine.finetune_spec import (
     ClipSpec,
@@ -21,55 +19,10 @@ from megaslide.engine.finetune_spec import (
     RunSpec,
     ScheduleSpec,
 )
-from megaslide.engine.request import ResolvedVideo
+from megaslide.engine.interfaces import TrainingRun, VideoModel
 
 from .protocol import ModelCard
 from .settings import Settings
-
-
-class VideoModel(Protocol):
-    """A loaded video model, stepped one denoising step at a time (`engine.pipeline.Pipeline`).
-    Each method takes the requests that reach it together; when it raises, the worker calls it
-    again on each request alone, so that only the one at fault fails."""
-
-    def prepare_batch(self, videos: list[ResolvedVideo]) -> list:
-        """Sampling states for requests that arrive together (their prompts encoded in one pass),
-        each with `.step`, `.num_steps`, `.done` and `.passes` (steps that ran a pass of the
-        model: fewer than `.step` when a step cache reused)."""
-
-    def denoise_step(self, states: list) -> dict:
-        """Advance every state one step in one batched pass; return transfer counters."""
-
-    def finish_batch(self, states: list) -> list:
-        """Decode finished states, in bounded chunks, to uint8 frames `(F, H, W, 3)` each."""
-
-    def close(self) -> None:
-        """Free what the model holds beyond its memory (a group of devices: its processes);
-        called once the worker is done with it."""
-
-
-class TrainingRun(ABC):
-    """A fine-tuning run as the worker drives it (see `megaslide.engine.finetune.Trainer`)."""
-
-    step: int
-    total_steps: int
-    # The context its checkpoints and exports are published in; it raises to refuse them.
-    fence: Callable[[], AbstractContextManager] | None
-
-    @abstractmethod
-    def train_step(self) -> dict: ...
-
-    @abstractmethod
-    def save_checkpoint(self) -> Path: ...
-
-    @abstractmethod
-    def checkpoints(self) -> list[dict]: ...
-
-    @abstractmethod
-    def export(self, path: Path) -> Path: ...
-
-    @abstractmethod
-    def close(self) -> None: ...
 
 
 @dataclass(frozen=True)

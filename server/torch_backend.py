@@ -15,12 +15,13 @@ import torch
 
 from megaslide.engine.atomic import atomic_write_bytes
 from megaslide.engine.finetune import open_trainer
+from megaslide.engine.interfaces import TrainingRun, VideoModel
 from megaslide.engine.loader import open_pipeline, resolve_device, resolve_dtype
 from megaslide.engine.multidevice import parse_devices
 from megaslide.engine.rank_group import RankGroup, RanksDown
 from megaslide.engine.sources import ModelInfo, ModelSource, describe, resolve_source
 
-from .backend import Backend, FinetuneJob, TrainingRun, VideoModel
+from .backend import Backend, FinetuneJob
 from .protocol import ModelCard
 from .settings import Settings
 

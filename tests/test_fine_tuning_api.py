@@ -17,17 +17,14 @@ from server_fakes import FakeBackend, until
 def test_a_fine_tune_taken_over_cannot_publish_another_checkpoint(make_client):
     """A worker presumed dead whose fine-tune another worker took over: its next checkpoint is
     refused at the moment of writing (the claim's fence), and it drops the job."""
-    # Each step sleeps 0.5 s before its gate: once step 2 is seen, clearing the gate holds
-    # step 3 there.
-    backend = FakeBackend(train_step_s=0.5)
+    backend = FakeBackend(train_step_s=0.05)
+    backend.hold_from = 3  # the worker's step 3 waits for the takeover
     c = make_client(backend, finetune_save_every=1)
     file_id = processed(c, upload(c, dataset_zip(clips=8)).json())["id"]
     hyper = {"n_epochs": 4, "batch_size": 1}
     body = {"model": "fake", "training_file": file_id, "hyperparameters": hyper}
     job = c.post("/v1/fine_tuning/jobs", json=body).json()
     store = c.app.state.store.sync
-    until(lambda: ("train", 2) in backend.timeline, what="two steps")
-    backend.gate.clear()  # the worker's next step waits here
     # Step 2's checkpoint and progress are recorded before step 3 begins: take over after them.
     until(lambda: store.get_finetune(job["id"]).step >= 2, what="step 2 recorded")
     row = store.get_finetune(job["id"])
@@ -35,7 +32,8 @@ def test_a_fine_tune_taken_over_cannot_publish_another_checkpoint(make_client):
     store.requeue_finetune(job["id"], row.lease_token, "taken over")
     assert store.claim_finetune("elsewhere", ["fake"], lease_s=60).id == job["id"]
     written = {p.name for p in output.glob("step-*.ckpt")}
-    backend.gate.set()
+    assert written == {"step-1.ckpt", "step-2.ckpt"}
+    backend.train_gate.set()
     until(lambda: max(s for kind, s in backend.timeline if kind == "train") > len(written))
     time.sleep(0.3)
     assert {p.name for p in output.glob("step-*.ckpt")} == written  # nothing after the takeover

@@ -129,9 +129,10 @@ def test_parity_holds_on_other_cpus_code_paths(variant):
 
 
 def test_requests_share_one_pass_and_one_weight_crossing_per_step(wan, monkeypatch):
-    """Three requests (two guided pairs and one unguided row) in one batch: their five prompts in
-    one UMT5 pass, one forward per step, each streamed block copied to the device once per step,
-    the clips decoded two per VAE pass, and each clip within one level of its run alone."""
+    """Three requests (two guided pairs and one unguided row) in one batch: their five prompts,
+    three distinct (one negative for both pairs, the first's prompt again), in one UMT5 pass,
+    one forward per step, each streamed block copied to the device once per step, the clips
+    decoded two per VAE pass, and each clip within one level of its run alone."""
     pipe = open_pipeline(wan["deep"], offload="stream")
     handle = pipe.handles["transformer"]
     plan = handle.plan
@@ -148,7 +149,7 @@ def test_requests_share_one_pass_and_one_weight_crossing_per_step(wan, monkeypat
     )
     states = pipe.prepare_batch([pipe.resolve(r) for r in requests])
     text_hook.remove()
-    assert encoded == [5]
+    assert encoded == [3]
     passes = []
 
     def count_rows(_module, _args, kwargs):
@@ -181,10 +182,10 @@ def test_resident_cpu_passes_hold_a_few_rows(wan):
     passes of at most CPU_ROWS_PER_PASS rows (a guidance pair never split), each clip within a
     level of its run alone."""
     pipe = open_pipeline(wan["deep"], offload="none")
-    requests = [
+    requests = [  # five distinct prompts
         request(seed=1),
-        request(seed=2, prompt="a blue square"),
-        request(seed=5, guidance=1.0),
+        request(seed=2, prompt="a blue square", negative_prompt="dark"),
+        request(seed=5, prompt="a green circle", guidance=1.0),
     ]
     alone = [pipe.generate(r) for r in requests]
     encoded, passes = [], []

@@ -48,7 +48,7 @@ from torch import nn
 from ..family import Component, Family
 from ..host_store import RenamedWeights, SafetensorsFile
 from ..lora import Adapter, AdapterRouter, linear_targets
-from ..pipeline import CPU_ROWS_PER_PASS, Pipeline, decode_chunks
+from ..pipeline import CPU_ROWS_PER_PASS, Pipeline, decode_chunks, distinct
 from ..request import ResolvedVideo, check_image, check_loras
 from ..sources import ModelInfo
 from ..step_cache import StepCache
@@ -421,13 +421,14 @@ class WanVideoPipeline(Pipeline):
 
     def _contexts(self, videos: list[ResolvedVideo]) -> list[torch.Tensor]:
         """Each request's prompt embeddings `(1 or 2, 512, text_dim)`: the prompt, then the
-        negative prompt when guided. Batched, every prompt of every request together (`encode`:
-        a streamed encoder's weights cross once for all); the reference mode encodes each prompt
-        alone, as WanPipeline does."""
+        negative prompt when guided. Batched, every distinct prompt of every request together
+        (`encode`: a streamed encoder's weights cross once for all); the reference mode encodes
+        each prompt alone, as WanPipeline does."""
         rows = [[v.prompt, v.negative_prompt][: 1 + (v.guidance > 1.0)] for v in videos]
         if not self.batched:
             return [torch.cat([self.encode([p]) for p in prompts]) for prompts in rows]
-        context = self.encode([p for prompts in rows for p in prompts])  # (sum rows, 512, D)
+        unique, where = distinct([p for prompts in rows for p in prompts])
+        context = self.encode(unique)[torch.tensor(where)]  # (sum rows, 512, D)
         return list(context.split([len(prompts) for prompts in rows]))
 
     def _prepare(self, video: ResolvedVideo, context: torch.Tensor) -> WanState:

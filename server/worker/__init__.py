@@ -2,8 +2,9 @@
 
 `megaslide serve` runs one inside the API's process (`Fleet.embedded`); `megaslide worker` runs
 one per device (or per group of devices each video is split over) on any host that reaches the
-store (`serve_jobs`). The models sit behind the `Backend` a worker is given (backend.py), so this
-package, like the routers, never imports torch (only `serve_jobs` builds the torch backend).
+store (`serve_jobs`). The models sit behind the `Backend` a worker is given (backend.py) and the
+engine's contracts (engine/interfaces.py), so this package, like the routers, never imports torch
+(only `serve_jobs` builds the torch backend).
 
   loop.py       `Worker`: the scheduling loop at denoising-step boundaries
   context.py    what a worker's parts share; the rules for a failing store or a lost device

@@ -9,7 +9,9 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..backend import FinetuneJob, TrainingRun, finetune_spec
+from megaslide.engine.interfaces import TrainingRun
+
+from ..backend import FinetuneJob, finetune_spec
 from ..records import FineTuneRecord
 from ..store import UNAVAILABLE, ClaimLost
 from .context import WorkerContext, message

@@ -11,7 +11,8 @@ import time
 from collections import OrderedDict
 from pathlib import Path
 
-from ..backend import VideoModel
+from megaslide.engine.interfaces import VideoModel
+
 from ..protocol import ModelCard, card_to_dict
 from ..records import ModelRecord, VideoRecord
 from .context import WorkerContext

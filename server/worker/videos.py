@@ -16,9 +16,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from megaslide.engine.interfaces import VideoModel
 from megaslide.engine.request import RequestError, ResolvedVideo
 
-from ..backend import VideoModel
 from ..store import UNAVAILABLE, is_disk_full, now
 from .context import WorkerContext, backoff, message
 from .models import Models

@@ -23,9 +23,10 @@ import httpx
 import numpy as np
 
 from megaslide.engine.config import SamplingDefaults
+from megaslide.engine.interfaces import TrainingRun, VideoModel
 from megaslide.engine.request import ModelLimits, ResolvedVideo
 from megaslide.server import Settings
-from megaslide.server.backend import Backend, FinetuneJob, TrainingRun
+from megaslide.server.backend import Backend, FinetuneJob
 from megaslide.server.protocol import ModelCard
 
 
@@ -75,7 +76,7 @@ class FakeState:
         return self.step
 
 
-class FakeModel:
+class FakeModel(VideoModel):
     def __init__(self, backend: FakeBackend, name: str):
         self.backend, self.name = backend, name
 
@@ -145,8 +146,11 @@ class FakeTrainer(TrainingRun):
         self.fence = None
 
     def train_step(self):
-        time.sleep(self.backend.train_step_s)
-        self.backend.gate.wait(30)
+        b = self.backend
+        time.sleep(b.train_step_s)
+        b.gate.wait(30)
+        if b.hold_from is not None and self.step + 1 >= b.hold_from:
+            b.train_gate.wait(30)
         self.step += 1
         with self.backend.lock:
             self.backend.timeline.append(("train", self.step))
@@ -200,6 +204,9 @@ class FakeBackend(Backend):
         self.fail_load = fail_load
         self.gate = threading.Event()
         self.gate.set()
+        # Fine-tune steps from `hold_from` on wait for `train_gate` (a test sets both).
+        self.hold_from: int | None = None
+        self.train_gate = threading.Event()
         self.lock = threading.Lock()
         self.passes: list[tuple[str, list[int]]] = []
         self.timeline: list[tuple] = []

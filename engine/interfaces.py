@@ -1,0 +1,69 @@
+"""What a server drives: a video model sampled a step at a time, and a fine-tuning run.
+
+The engine owns these contracts and its classes declare them (`pipeline.Pipeline` is a
+`VideoModel`, `finetune.Trainer` a `TrainingRun`); a server types against them without importing
+the tensor library, and its tests plug in fakes that declare them too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Protocol
+
+from .request import ResolvedVideo
+
+
+class VideoModel(Protocol):
+    """A loaded video model, stepped one denoising step at a time. Each method takes the
+    requests that reach it together; when it raises, a caller may retry each request alone, so
+    that only the one at fault fails."""
+
+    def prepare_batch(self, videos: list[ResolvedVideo]) -> list:
+        """Sampling states for requests that arrive together (their prompts encoded in one pass),
+        each with `.step`, `.num_steps`, `.done` and `.passes` (steps that ran a pass of the
+        model: fewer than `.step` when a step cache reused)."""
+        ...
+
+    def denoise_step(self, states: list) -> dict[str, int]:
+        """Advance every unfinished state one step; return the step's transfer counters."""
+        ...
+
+    def finish_batch(self, states: list) -> list:
+        """Decode finished states, in bounded chunks, to uint8 frames `(F, H, W, 3)` each."""
+        ...
+
+    def close(self) -> None:
+        """Free what the model holds beyond its memory (a group of devices: its processes);
+        called once the caller is done with it."""
+        ...
+
+
+class TrainingRun(Protocol):
+    """A fine-tuning run, one optimizer step per `train_step()`."""
+
+    step: int
+    total_steps: int
+    # The context its checkpoints and exports are published in; it raises to refuse them.
+    fence: Callable[[], AbstractContextManager] | None
+
+    def train_step(self) -> dict:
+        """One optimizer step; its metrics (loss, lr, timings)."""
+        ...
+
+    def save_checkpoint(self) -> Path:
+        """Write a checkpoint of the run as it stands, atomically; its directory."""
+        ...
+
+    def checkpoints(self) -> list[dict]:
+        """The checkpoints written so far, oldest first."""
+        ...
+
+    def export(self, path: Path) -> Path:
+        """Write the fine-tuned model, servable, at `path`."""
+        ...
+
+    def close(self) -> None:
+        """Release the run's memory and workers."""
+        ...
