@@ -34,6 +34,11 @@ class VideoModel(Protocol):
         """Decode finished states, in bounded chunks, to uint8 frames `(F, H, W, 3)` each."""
         ...
 
+    def close(self) -> None:
+        """Free what the model holds beyond its memory (a group of devices: its processes);
+        called once the caller is done with it."""
+        ...
+
 
 class TrainingRun(Protocol):
     """A fine-tuning run, one optimizer step per `train_step()`."""

@@ -62,8 +62,15 @@ class Backend(ABC):
 
     @property
     def device_name(self) -> str:
-        """The device the models run on, as the worker registers it ("cuda:0", "cpu")."""
+        """The device the models run on, as the worker registers it ("cuda:0", "cpu"; the
+        devices a video is split over, comma-separated: "cuda:0,cuda:1")."""
         return "cpu"
+
+    @property
+    def takes_adapters(self) -> bool:
+        """Whether the models served here take LoRA adapters at all: a worker whose backend
+        does not leaves uploaded adapters to the others (and never refuses them for all)."""
+        return True
 
     @abstractmethod
     def cards(self) -> list[ModelCard]:

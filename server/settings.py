@@ -70,6 +70,11 @@ class Settings(BaseSettings):
     # Named keys, stored as SHA-256 digests, one `NAME DIGEST [admin]` per line (`megaslide keys`).
     api_keys_file: Path | None = None
     device: str = "auto"  # "auto" = cuda when available, else cpu
+    # Two or more devices ("cuda:0,cuda:1", "cpu,cpu"; comma-separated in MEGASLIDE_DEVICES):
+    # each video's tokens split over them, one process per device kept between jobs
+    # (engine/rank_group.py). Their blocks always stream from one shared host copy (as with
+    # offload="stream"); fine-tunes run on the first device.
+    devices: Annotated[list[str], NoDecode] = Field(default_factory=list)
     dtype: str = "auto"  # "auto" = bfloat16 on cuda, float32 on cpu
     # "stream": keep the DiT's blocks in host RAM and stream them to the device each step, so a
     # model larger than the device serves; gpu_budget (bytes) keeps as many blocks resident as fit.
@@ -187,7 +192,22 @@ class Settings(BaseSettings):
             )
         return self
 
-    @field_validator("models", "api_keys", "loras", "transformers", mode="before")
+    @model_validator(mode="after")
+    def _devices_alone(self):
+        if not self.devices:
+            return self
+        if self.device != "auto":
+            raise ValueError("devices names the devices itself: leave out device")
+        if self.gpu_budget is not None or self.weights != "raw" or self.host_tier == "disk":
+            raise ValueError(
+                "devices streams raw blocks from one shared copy in RAM: no gpu_budget, "
+                "weights or host_tier disk"
+            )
+        if self.loras:
+            raise ValueError("LoRA adapters do not run on several devices yet: no loras")
+        return self
+
+    @field_validator("models", "api_keys", "loras", "transformers", "devices", mode="before")
     @classmethod
     def _split_commas(cls, value):
         if isinstance(value, str):

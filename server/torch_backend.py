@@ -17,6 +17,8 @@ from megaslide.engine.atomic import atomic_write_bytes
 from megaslide.engine.finetune import open_trainer
 from megaslide.engine.interfaces import TrainingRun, VideoModel
 from megaslide.engine.loader import open_pipeline, resolve_device, resolve_dtype
+from megaslide.engine.multidevice import parse_devices
+from megaslide.engine.rank_group import RankGroup, RanksDown
 from megaslide.engine.sources import ModelInfo, ModelSource, describe, resolve_source
 
 from .backend import Backend, FinetuneJob
@@ -25,7 +27,8 @@ from .settings import Settings
 
 
 class TorchBackend(Backend):
-    """Serves the models named in the settings on one device."""
+    """Serves the models named in the settings on one device, or each video split over several
+    (`settings.devices`: a `RankGroup` of processes per loaded model)."""
 
     def __init__(self, settings: Settings):
         self.settings = settings
@@ -33,7 +36,12 @@ class TorchBackend(Backend):
             # Process-wide, and only the engine computes with torch here: the API's threads
             # keep the cores the engine leaves them.
             torch.set_num_threads(settings.engine_threads)
-        self.device = resolve_device(settings.device)
+        # ValueError naming a device that is not there, before anything loads.
+        self.devices = parse_devices(settings.devices) if settings.devices else []
+        # Fine-tunes run here, on the first of several devices.
+        self.device = (
+            torch.device(self.devices[0]) if self.devices else resolve_device(settings.device)
+        )
         self.dtype = resolve_dtype(settings.dtype, self.device)
         self._infos: dict[str, ModelInfo] = {}  # by served name: what `load` opens
         started = int(time.time())
@@ -93,7 +101,11 @@ class TorchBackend(Backend):
 
     @property
     def device_name(self) -> str:
-        return str(self.device)
+        return ",".join(self.devices) if self.devices else str(self.device)
+
+    @property
+    def takes_adapters(self) -> bool:
+        return not self.devices
 
     # --- models ------------------------------------------------------------------------------
 
@@ -106,6 +118,11 @@ class TorchBackend(Backend):
 
     def load(self, card: ModelCard) -> VideoModel:
         s = self.settings
+        if self.devices:
+            # The ranks stay up, the model open in each, until the group is closed or dropped.
+            return RankGroup(
+                self._infos[card.name], self.devices, dtype=self.dtype, threads=s.engine_threads
+            )
         pipe = open_pipeline(
             self._infos[card.name],
             device=self.device,
@@ -170,6 +187,8 @@ class TorchBackend(Backend):
         return None
 
     def is_fatal(self, exc: BaseException) -> bool:
+        if isinstance(exc, RanksDown):  # a rank failed and the group would not start again
+            return True
         if isinstance(exc, torch.cuda.OutOfMemoryError):
             return False
         accelerator_error = getattr(torch, "AcceleratorError", ())  # torch >= 2.8

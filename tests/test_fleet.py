@@ -168,6 +168,43 @@ def test_a_worker_process_that_stops_by_itself_is_left_down(settings):
     asyncio.run(fleet.shutdown())
 
 
+class NoAdapters(FakeBackend):
+    """A backend that takes no LoRA adapters (a worker of several devices)."""
+
+    takes_adapters = False
+
+
+def test_a_worker_that_takes_no_adapters_leaves_them_to_the_others(settings):
+    """It never registers (or refuses, for all) an uploaded adapter, and passes over a video
+    naming one while another live worker serves its model; with none, it takes it to fail."""
+    store = JobStore(settings.database_url)
+    split = Worker(settings, NoAdapters(), store, "split")
+    split.register()
+    try:
+        folder = split.data.adapters("fake")
+        folder.path.mkdir(parents=True)
+        folder.file("style").write_bytes(b"not a safetensors file")
+        split.models.last_adapter_scan = float("-inf")
+        split.models.scan_adapters(set())
+        assert folder.error("style") is None and split.cards["fake"].adapters == ()
+
+        def row(*names):
+            spec = {"model": "fake", "loras": [{"name": n, "scale": 1.0} for n in names]}
+            return store.insert_video(f"video_{'_'.join(names)}_{time.monotonic_ns()}", spec)
+
+        assert split.models.runnable(row()) and split.models.runnable(row("style"))
+        other = Worker(settings, FakeBackend(), store, "other")
+        other.register()
+        try:
+            assert split.models.runnable(row())
+            assert not split.models.runnable(row("style"))
+        finally:
+            other.close()
+    finally:
+        split.close()
+        store.close()
+
+
 def test_a_job_naming_an_adapter_waits_for_a_worker_that_has_it(settings):
     """Routing by adapter: a worker passes over a queued video naming an adapter uploaded but
     not yet taken up here (and scans at once), or one that only another live worker has; one

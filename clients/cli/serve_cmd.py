@@ -60,9 +60,10 @@ def register(sub) -> None:
 
     worker = sub.add_parser(
         "worker",
-        help="run jobs from a job store on one device (many hosts, one PostgreSQL)",
+        help="run jobs from a job store on one device, or several (many hosts, one PostgreSQL)",
         description="Run the jobs of a job store on this host's device: load the models, claim "
-        f"queued jobs for them, run them, repeat. One per device. {SETTINGS_HELP}",
+        "queued jobs for them, run them, repeat. One per device, or one per group of devices "
+        f"each video is split over (--devices). {SETTINGS_HELP}",
     )
     _store_args(worker)
     _worker_args(worker)
@@ -128,6 +129,13 @@ def _worker_args(p) -> None:
         "--max-batch", type=int, help="video jobs sharing one denoising pass (default: 8)"
     )
     p.add_argument("--device", help="auto (default: cuda when available), cpu, cuda or cuda:N")
+    p.add_argument(
+        "--devices",
+        metavar="DEV,DEV,...",
+        help="split each video's tokens over these devices (cuda:0,cuda:1 or cpu,cpu): one "
+        "process per device, started once and kept with the model loaded; implies --offload "
+        "stream; fine-tunes run on the first",
+    )
     p.add_argument(
         "--engine-threads",
         type=int,
@@ -197,6 +205,7 @@ def _settings(args):
         "max_queue",
         "max_batch",
         "device",
+        "devices",
         "offload",
         "gpu_budget",
         "weights",
@@ -225,6 +234,10 @@ def _settings(args):
     except ValidationError as e:
         err = e.errors()[0]
         raise UsageError(f"{'.'.join(map(str, err['loc']))}: {err['msg']}") from None
+    if settings.devices and getattr(args, "offload", None) == "none":
+        raise UsageError("--devices streams the blocks from one shared host copy: --offload stream")
+    if settings.devices:
+        return settings  # the rest is checked by Settings (the blocks always stream)
     if settings.gpu_budget is not None and settings.offload != "stream":
         raise UsageError("--gpu-budget needs --offload stream")
     if settings.weights != "raw" and settings.offload != "stream":

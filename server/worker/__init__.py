@@ -1,9 +1,10 @@
 """The workers: the threads that own a device's models, claim jobs from the store and run them.
 
 `megaslide serve` runs one inside the API's process (`Fleet.embedded`); `megaslide worker` runs
-one per device on any host that reaches the store (`serve_jobs`). The models sit behind the
-`Backend` a worker is given (backend.py) and the engine's contracts (engine/interfaces.py), so
-this package, like the routers, never imports torch (only `serve_jobs` builds the torch backend).
+one per device (or per group of devices each video is split over) on any host that reaches the
+store (`serve_jobs`). The models sit behind the `Backend` a worker is given (backend.py) and the
+engine's contracts (engine/interfaces.py), so this package, like the routers, never imports torch
+(only `serve_jobs` builds the torch backend).
 
   loop.py       `Worker`: the scheduling loop at denoising-step boundaries
   context.py    what a worker's parts share; the rules for a failing store or a lost device

@@ -1,5 +1,5 @@
-"""The worker's loop: one thread that owns one device's models, claims jobs from the store and runs
-them step by step.
+"""The worker's loop: one thread that owns one device's models (or drives the ranks of several, see
+`engine/rank_group.py`), claims jobs from the store and runs them step by step.
 
 Scheduling happens at denoising-step boundaries. At each boundary the worker
 
@@ -49,8 +49,9 @@ RECOVERY_INTERVAL_S = 1.0  # how often a worker requeues jobs whose leases expir
 
 
 class Worker(WorkerContext):
-    """Runs the jobs of one job store on the models of one backend (one device): `register`,
-    then `run` on a thread of its own until `stop` is set, then `close`."""
+    """Runs the jobs of one job store on the models of one backend (one device, or a group of
+    devices each video is split over): `register`, then `run` on a thread of its own until
+    `stop` is set, then `close`."""
 
     def __init__(self, settings: Settings, backend: Backend, store: JobStore, name: str):
         super().__init__(settings, backend, store, name)
@@ -107,10 +108,11 @@ class Worker(WorkerContext):
             self.heartbeat.send()
 
     def close(self) -> None:
-        """Leave the registry (after `run` returned)."""
+        """Leave the registry and close the loaded models (after `run` returned)."""
         self.stop.set()
         self.videos.close()
         self.heartbeat.deregister()
+        self.models.close()
 
     def _leases(self) -> list[str]:
         """The claims this worker still works on (read from the heartbeat thread)."""

@@ -41,6 +41,13 @@ class Models:
             log.info("loading model %s (%s)", name, card.source)
             self._loaded[name] = self.ctx.backend.load(card)
 
+    def close(self) -> None:
+        """Close every loaded model (a group of devices stops its processes now)."""
+        for model in [*self._loaded.values(), *self._loaded_ft.values()]:
+            model.close()
+        self._loaded.clear()
+        self._loaded_ft.clear()
+
     def published(self) -> list[dict]:
         """The base models' cards as the registry stores them."""
         return [card_to_dict(c) for c in self.cards.values()]
@@ -88,6 +95,8 @@ class Models:
         models served here (`DataDir.adapters`), unregister those deleted (once no running
         video applies them: `in_use`), and publish the cards when they changed. A file that
         does not fit gets its refusal written beside it. Never counts as work done."""
+        if not self.ctx.backend.takes_adapters:
+            return False  # left to the workers that do: a refusal here would be one for all
         if time.monotonic() - self.last_adapter_scan < ADAPTER_SCAN_S:
             return False
         self.last_adapter_scan = time.monotonic()
@@ -129,13 +138,20 @@ class Models:
         """Whether this worker can take the queued video `row` now: not while it names an
         adapter uploaded here but not yet taken up (the scan runs at the next tick), or one
         another live worker has and this one does not. One that no worker has is taken, to
-        fail naming the adapter."""
+        fail naming the adapter. A worker whose backend takes no adapters (several devices)
+        leaves a video that names any to another live worker of its model."""
         names = {c["name"] for c in row.spec.get("loras") or ()}
+        ctx = self.ctx
+        if names and not ctx.backend.takes_adapters:
+            # Left to a worker that takes adapters; with none live, taken here to fail naming why.
+            return not any(
+                w.name != ctx.name and not w.dead and any(c["name"] == row.model for c in w.models)
+                for w in ctx.store.live_workers(ctx.settings.lease_s)
+            )
         card = self.cards.get(row.model)
         missing = names - {a["name"] for a in card.adapters} if card is not None else set()
         if not missing:
             return True
-        ctx = self.ctx
         folder = ctx.data.adapters(row.model)
         if any(folder.file(n).exists() and folder.error(n) is None for n in missing):
             self.last_adapter_scan = -math.inf  # take it up at once

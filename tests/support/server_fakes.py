@@ -119,6 +119,9 @@ class FakeModel(VideoModel):
             for s in specs
         ]
 
+    def close(self):
+        pass  # holds nothing beyond its memory
+
 
 class FakeTrainer(TrainingRun):
     """Counts steps, checkpoints every `save_every`, resumes from the newest checkpoint file."""
