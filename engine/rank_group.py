@@ -28,7 +28,6 @@ import collections
 import datetime
 import itertools
 import os
-import signal
 import sys
 import tempfile
 import time
@@ -45,7 +44,14 @@ from .family import family
 from .host_store import SharedWeights
 from .interfaces import VideoModel
 from .loader import resolve_dtype, share_weights
-from .multidevice import COLLECTIVE_TIMEOUT_S, STOP_GRACE_S, RankFailed, parse_devices
+from .ranks import (
+    COLLECTIVE_TIMEOUT_S,
+    STOP_GRACE_S,
+    RankFailed,
+    exit_reason,
+    parse_devices,
+    stop_ranks,
+)
 from .request import RequestError, ResolvedVideo
 from .sources import ModelInfo
 
@@ -250,14 +256,14 @@ class RankGroup(VideoModel):
                     except (EOFError, OSError):  # it exited: its status says how
                         proc.join(STOP_GRACE_S)
                         code = proc.exitcode
-                        self._down(rank, "closed its pipe" if code is None else _exit_reason(code))
+                        self._down(rank, "closed its pipe" if code is None else exit_reason(code))
                     del pending[rank]
                     if answers[rank][0] == "error" and command in ("ready", "step"):
                         # Its peers may wait for it in a collective: stop them all.
                         self._down(*self._blame(rank, _error_text(answers[rank])))
                 elif proc.sentinel in ready and not conn.poll():  # gone without a word
                     proc.join()
-                    self._down(rank, _exit_reason(proc.exitcode))
+                    self._down(rank, exit_reason(proc.exitcode))
         errors = {r: a for r, a in answers.items() if a[0] == "error"}
         if errors and len(errors) < len(answers) and command == "prepare":
             rank = min(errors)  # the ranks disagree about the same requests: their states too
@@ -276,7 +282,7 @@ class RankGroup(VideoModel):
         wait([p.sentinel for p in others], timeout=PEER_GRACE_S)
         for r, proc in enumerate(self._procs):
             if r != rank and proc.exitcode is not None:
-                return r, _exit_reason(proc.exitcode)
+                return r, exit_reason(proc.exitcode)
         return rank, reason
 
     def _down(self, rank: int, reason: str):
@@ -306,24 +312,9 @@ def check_video(info: ModelInfo, video: ResolvedVideo, devices: Sequence[str]) -
         raise RequestError(f"{size} does not split {where}: {e}", param="size") from None
 
 
-def _exit_reason(code: int) -> str:
-    """How a rank process ended, from its exit code ("killed by SIGKILL")."""
-    if code < 0:
-        return f"killed by {signal.Signals(-code).name}"
-    return f"exited with status {code}"
-
-
 def _stop_all(procs: list) -> None:
-    """Stop every rank still running (SIGTERM, then SIGKILL after a grace period); forget them."""
-    for proc in procs:
-        if proc.is_alive():
-            proc.terminate()
-    deadline = time.monotonic() + STOP_GRACE_S
-    for proc in procs:
-        proc.join(max(0.0, deadline - time.monotonic()))
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
+    """Stop every rank still running (`ranks.stop_ranks`) and forget them."""
+    stop_ranks(procs)
     procs.clear()
 
 

@@ -145,7 +145,7 @@ def run_ranks(
                 on_spawn([p.pid for p in procs])
             return _watch(procs, readers, names, progress, timeout_s)
         finally:
-            _stop(procs)
+            stop_ranks(procs)
 
 
 def _rank_main(target, job, rank: int, names, rendezvous: str, conn: Connection) -> None:
@@ -194,7 +194,7 @@ def _watch(procs, readers: list[Connection], names, progress, timeout_s) -> Any:
             if proc.sentinel in ready and rank not in done and proc.exitcode is not None:
                 if rank in open_readers and open_readers[rank].poll():
                     continue  # read its last words (an error, or done) first
-                raise RankFailed(rank, names[rank], _exit_reason(proc.exitcode))
+                raise RankFailed(rank, names[rank], exit_reason(proc.exitcode))
     return result
 
 
@@ -209,7 +209,7 @@ def _cause(procs, readers: dict[int, Connection], names, rank: int, reason: str)
         if r == rank or proc.exitcode in (None, 0):
             continue
         if not any(m[0] == "error" for m in _last_words(readers.get(r))):
-            return RankFailed(r, names[r], _exit_reason(proc.exitcode))
+            return RankFailed(r, names[r], exit_reason(proc.exitcode))
     return RankFailed(rank, names[rank], reason)
 
 
@@ -224,13 +224,14 @@ def _last_words(reader: Connection | None) -> list[tuple]:
     return words
 
 
-def _exit_reason(code: int) -> str:
+def exit_reason(code: int) -> str:
+    """How a rank process ended, from its exit code ("killed by SIGKILL")."""
     if code < 0:
         return f"killed by {signal.Signals(-code).name}"
     return f"exited with status {code}"
 
 
-def _stop(procs) -> None:
+def stop_ranks(procs) -> None:
     """Stop every rank still running: SIGTERM, then SIGKILL after a grace period."""
     for proc in procs:
         if proc.is_alive():
