@@ -190,7 +190,7 @@ def test_a_worker_that_takes_no_adapters_leaves_them_to_the_others(settings):
 
         def row(*names):
             spec = {"model": "fake", "loras": [{"name": n, "scale": 1.0} for n in names]}
-            return store.insert_video(f"video_{'_'.join(names)}_{time.monotonic_ns()}", spec)
+            return store.videos.insert(f"video_{'_'.join(names)}_{time.monotonic_ns()}", spec)
 
         assert split.models.runnable(row()) and split.models.runnable(row("style"))
         other = Worker(settings, FakeBackend(), store, "other")

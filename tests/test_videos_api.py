@@ -27,7 +27,9 @@ from server_fakes import FakeBackend, until
 
 
 def test_video_lifecycle_json_and_multipart(make_client):
-    c = make_client(FakeBackend(encode_s=0.2))
+    backend = FakeBackend()
+    backend.encode_gate.clear()  # the MP4s wait until the poll below has seen 95
+    c = make_client(backend)
     a = create(c, seed=7)
     assert a["object"] == "video" and a["status"] == "queued" and a["progress"] == 0
     assert (
@@ -55,6 +57,8 @@ def test_video_lifecycle_json_and_multipart(make_client):
         r = c.get(f"/v1/videos/{a['id']}")
         v = r.json()
         seen.append((v["status"], v["progress"], mp4.exists()))
+        if v["progress"] == 95:
+            backend.encode_gate.set()
         if v["status"] in TERMINAL:
             assert "openai-poll-after-ms" not in r.headers
             break

@@ -146,7 +146,7 @@ class Models:
             # Left to a worker that takes adapters; with none live, taken here to fail naming why.
             return not any(
                 w.name != ctx.name and not w.dead and any(c["name"] == row.model for c in w.models)
-                for w in ctx.store.live_workers(ctx.settings.lease_s)
+                for w in ctx.store.workers.live(ctx.settings.lease_s)
             )
         card = self.cards.get(row.model)
         missing = names - {a["name"] for a in card.adapters} if card is not None else set()

@@ -207,6 +207,8 @@ class FakeBackend(Backend):
         # Fine-tune steps from `hold_from` on wait for `train_gate` (a test sets both).
         self.hold_from: int | None = None
         self.train_gate = threading.Event()
+        self.encode_gate = threading.Event()  # a test clears it to hold MP4s unwritten
+        self.encode_gate.set()
         self.lock = threading.Lock()
         self.passes: list[tuple[str, list[int]]] = []
         self.timeline: list[tuple] = []
@@ -257,6 +259,7 @@ class FakeBackend(Backend):
         from PIL import Image
 
         time.sleep(self.encode_s)
+        self.encode_gate.wait(30)
         Image.fromarray(frames[0]).save(thumbnail_path, format="PNG")
         tmp = mp4_path.with_name(mp4_path.name + ".part")
         tmp.write_bytes(b"FAKEMP4" + frames.tobytes())
