@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 import warnings
 
 import numpy as np
@@ -23,6 +22,7 @@ from megaslide.engine.sources import resolve_source
 from megaslide.engine.video import read_video
 from megaslide.server import Settings
 
+from api_helpers import wait_status
 from server_fakes import torch_app
 
 CLIP = {"num_frames": 4, "size": "32x32", "num_inference_steps": 2}
@@ -35,20 +35,10 @@ def serve(tmp_path, **overrides):
     return TestClient(torch_app(settings))
 
 
-def wait(client, video_id, timeout=120.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = client.get(f"/v1/videos/{video_id}").json()
-        if v["status"] in ("completed", "failed", "cancelled"):
-            return v
-        time.sleep(0.05)
-    raise AssertionError(f"{video_id} still {v['status']} after {timeout}s")
-
-
 def test_streamed_serving_equals_resident_and_counts_h2d_bytes(tmp_path):
     with serve(tmp_path, offload="stream") as c:
         v = c.post("/v1/videos", json={"prompt": "streamed", "seed": 3, **CLIP}).json()
-        assert wait(c, v["id"])["status"] == "completed"
+        assert wait_status(c, v["id"], timeout=120)["status"] == "completed"
         (tmp_path / "served.mp4").write_bytes(c.get(f"/v1/videos/{v['id']}/content").content)
         metrics = c.get("/metrics").text
     h2d = float(
@@ -84,10 +74,10 @@ def test_cuda_out_of_memory_fails_only_its_job(tmp_path, monkeypatch):
     with serve(tmp_path) as c:
         big = c.post("/v1/videos", json={"prompt": "big", **CLIP, "size": "64x64"}).json()
         small = c.post("/v1/videos", json={"prompt": "small", **CLIP}).json()
-        failed = wait(c, big["id"])
+        failed = wait_status(c, big["id"], timeout=120)
         assert failed["status"] == "failed" and failed["error"]["code"] == "out_of_memory"
         assert "CUDA out of memory" in failed["error"]["message"]
-        assert wait(c, small["id"])["status"] == "completed"
+        assert wait_status(c, small["id"], timeout=120)["status"] == "completed"
         assert c.get("/healthz").status_code == 200
 
 

@@ -26,6 +26,7 @@ from megaslide.engine.sources import describe, resolve_source
 from megaslide.engine.video import read_video, write_mp4
 from megaslide.server import Settings
 
+from api_helpers import wait_status
 from server_fakes import torch_app
 
 CLIP = {"num_frames": 4, "size": "16x16", "num_inference_steps": 2}
@@ -36,16 +37,6 @@ def serve(tmp_path) -> TestClient:
         data_dir=tmp_path / "data", preset="tiny", devices=["cpu", "cpu"], poll_after_ms=50
     )
     return TestClient(torch_app(settings))
-
-
-def wait(client, video_id, timeout=60.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = client.get(f"/v1/videos/{video_id}").json()
-        if v["status"] in ("completed", "failed", "cancelled"):
-            return v
-        time.sleep(0.05)
-    raise AssertionError(f"{video_id} still {v['status']} after {timeout}s")
 
 
 def ready(client) -> None:
@@ -75,7 +66,7 @@ def test_a_worker_on_two_devices_serves_what_one_process_samples(tmp_path):
         ]
         served = []
         for video_id in ids:
-            v = wait(c, video_id)
+            v = wait_status(c, video_id, timeout=60)
             assert v["status"] == "completed", v
             path = tmp_path / f"{video_id}.mp4"
             path.write_bytes(c.get(f"/v1/videos/{video_id}/content").content)
@@ -86,7 +77,7 @@ def test_a_worker_on_two_devices_serves_what_one_process_samples(tmp_path):
             "/v1/videos",
             json={"prompt": "x", **CLIP, "cache": {"policy": "output-change", "threshold": 1.0}},
         ).json()
-        err = wait(c, cached["id"])["error"]
+        err = wait_status(c, cached["id"], timeout=60)["error"]
         metrics = c.get("/metrics").text
     assert err["code"] == "invalid_request"
     assert "step caches do not run on 2 devices (cpu,cpu)" in err["message"]
@@ -124,7 +115,7 @@ def test_a_rank_killed_mid_job_fails_that_job_and_the_worker_serves_the_next(tmp
         group = c.app.state.workers._here.models.video_model("tiny")
         first = list(group.pids)
         doomed = c.post("/v1/videos", json={"prompt": "doomed", **CLIP, "num_inference_steps": 8})
-        v = wait(c, doomed.json()["id"])
+        v = wait_status(c, doomed.json()["id"], timeout=60)
         assert v["status"] == "failed", v
         assert v["error"]["code"] == "generation_failed"
         assert "rank 1 (cpu) failed: killed by SIGKILL" in v["error"]["message"]
@@ -135,7 +126,7 @@ def test_a_rank_killed_mid_job_fails_that_job_and_the_worker_serves_the_next(tmp
                 time.sleep(0.05)
         # The worker lives on: the next video starts the ranks again and completes.
         after = c.post("/v1/videos", json={"prompt": "after", "seed": 3, **CLIP}).json()
-        assert wait(c, after["id"])["status"] == "completed"
+        assert wait_status(c, after["id"], timeout=60)["status"] == "completed"
         assert c.get("/healthz").status_code == 200
         assert group.pids and set(group.pids).isdisjoint(first)
 
@@ -157,10 +148,10 @@ def test_a_video_cancelled_on_two_devices_stops_and_the_next_runs(tmp_path, monk
             assert time.monotonic() < deadline, "the video never started"
             time.sleep(0.05)
         assert c.post(f"/v1/videos/{video_id}/cancel").status_code == 200
-        v = wait(c, video_id)
+        v = wait_status(c, video_id, timeout=60)
         assert v["status"] == "cancelled" and v["progress"] < 90, v
         after = c.post("/v1/videos", json={"prompt": "after", "seed": 3, **CLIP}).json()
-        assert wait(c, after["id"])["status"] == "completed"
+        assert wait_status(c, after["id"], timeout=60)["status"] == "completed"
 
 
 def _alive(pid: int) -> bool:
