@@ -25,7 +25,6 @@ here as the rank raised it and the group goes on.
 from __future__ import annotations
 
 import collections
-import datetime
 import itertools
 import os
 import sys
@@ -45,10 +44,11 @@ from .host_store import SharedWeights
 from .interfaces import VideoModel
 from .loader import resolve_dtype, share_weights
 from .ranks import (
-    COLLECTIVE_TIMEOUT_S,
     STOP_GRACE_S,
     RankFailed,
+    RankLink,
     exit_reason,
+    join_group,
     parse_devices,
     stop_ranks,
 )
@@ -329,16 +329,9 @@ def _rank_main(rank: int, spec: _Spec, conn: Connection) -> None:
     states: dict[int, object] = {}
     try:
         torch.set_num_threads(spec.threads)
-        device = torch.device(spec.devices[rank])
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        dist.init_process_group(
-            "nccl" if device.type == "cuda" else "gloo",
-            init_method=f"file://{spec.rendezvous}",
-            rank=rank,
-            world_size=len(spec.devices),
-            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
-        )
+        link = RankLink(rank, spec.devices, spec.rendezvous, conn)
+        join_group(link)
+        device = link.device
         pipe = open_pipeline(
             spec.info,
             device=device,
