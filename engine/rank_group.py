@@ -47,6 +47,7 @@ from .ranks import (
     STOP_GRACE_S,
     RankFailed,
     RankLink,
+    blame,
     exit_reason,
     join_group,
     parse_devices,
@@ -54,9 +55,6 @@ from .ranks import (
 )
 from .request import RequestError, ResolvedVideo
 from .sources import ModelInfo
-
-# How long a rank's failed step waits for news of a peer's death, which its error may follow.
-PEER_GRACE_S = 1.0
 
 
 class RanksDown(RuntimeError):
@@ -260,7 +258,8 @@ class RankGroup(VideoModel):
                     del pending[rank]
                     if answers[rank][0] == "error" and command in ("ready", "step"):
                         # Its peers may wait for it in a collective: stop them all.
-                        self._down(*self._blame(rank, _error_text(answers[rank])))
+                        failure = blame(self._procs, self.devices, rank, _error_text(answers[rank]))
+                        self._down(failure.rank, failure.reason)
                 elif proc.sentinel in ready and not conn.poll():  # gone without a word
                     proc.join()
                     self._down(rank, exit_reason(proc.exitcode))
@@ -274,16 +273,6 @@ class RankGroup(VideoModel):
                 raise RequestError(text, param=param, code=code)
             raise RuntimeError(_error_text(errors[0]))
         return [answers[r][1] for r in range(len(answers))]
-
-    def _blame(self, rank: int, reason: str) -> tuple[int, str]:
-        """The rank to name for a failed step: a peer that died rather than `rank`, whose error
-        may only be its collective noticing that peer gone (gloo's "connection closed")."""
-        others = [p for r, p in enumerate(self._procs) if r != rank]
-        wait([p.sentinel for p in others], timeout=PEER_GRACE_S)
-        for r, proc in enumerate(self._procs):
-            if r != rank and proc.exitcode is not None:
-                return r, exit_reason(proc.exitcode)
-        return rank, reason
 
     def _down(self, rank: int, reason: str):
         """Stop every rank; raise `RankFailed` for `rank`, and for the states stepped later."""

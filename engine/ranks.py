@@ -185,7 +185,7 @@ def _watch(procs, readers: list[Connection], names, progress, timeout_s) -> Any:
             if message[0] == "progress" and progress is not None:
                 progress(*message[1:])
             elif message[0] == "error":
-                raise _cause(procs, open_readers, names, rank, message[1])
+                raise blame(procs, names, rank, message[1], open_readers)
             elif message[0] == "done":
                 done.add(rank)
                 if rank == 0:
@@ -198,17 +198,20 @@ def _watch(procs, readers: list[Connection], names, progress, timeout_s) -> Any:
     return result
 
 
-def _cause(procs, readers: dict[int, Connection], names, rank: int, reason: str) -> RankFailed:
+def blame(
+    procs, names, rank: int, reason: str, readers: dict[int, Connection] | None = None
+) -> RankFailed:
     """The failure to report for rank `rank`'s error: a peer that ended without a word (killed,
     or exited) at about the same time, if any, since a collective fails on every rank once one
-    of them is gone, and the survivors' errors (a closed connection) only echo it."""
+    of them is gone, and the survivors' errors (a closed connection) only echo it. `readers`:
+    the pipes of ranks whose unread words may say they failed on their own."""
     running = [p.sentinel for r, p in enumerate(procs) if r != rank and p.exitcode is None]
     if running:
         wait(running, timeout=CAUSE_GRACE_S)
     for r, proc in enumerate(procs):
         if r == rank or proc.exitcode in (None, 0):
             continue
-        if not any(m[0] == "error" for m in _last_words(readers.get(r))):
+        if not any(m[0] == "error" for m in _last_words((readers or {}).get(r))):
             return RankFailed(r, names[r], exit_reason(proc.exitcode))
     return RankFailed(rank, names[rank], reason)
 
