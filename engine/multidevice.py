@@ -1,8 +1,9 @@
 """One video on several devices: a process per device, spawned here, sampling in lock step.
 
 `generate_on_devices(info, video, ["cuda:0", "cuda:1"])` (or `["cpu", "cpu"]`) starts one process
-per device with `torch.multiprocessing` (no torchrun; forkserver, so no CUDA state is forked), joins them into a `torch.distributed` group
-(NCCL on CUDA, gloo on the CPU; rendezvous through a file), and has each open the model, apply
+per device with `torch.multiprocessing` (no torchrun; forkserver, so no CUDA state is forked),
+joins them into a `torch.distributed` group (NCCL on CUDA, gloo on the CPU; rendezvous through a
+file), and has each open the model, apply
 sequence parallelism (`Pipeline.parallelize`, see parallel.py) and sample the same request. Every
 rank holds the full latents and ends with the same frames; rank 0 writes them.
 

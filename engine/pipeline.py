@@ -6,7 +6,8 @@ denoising-step granularity (requests at different steps share one pass of the we
 `generate` for the simple case. The ends batch too: `prepare_batch` encodes the prompts of the
 requests that arrive together in one pass of the text encoder (each distinct prompt once),
 `finish_batch` decodes the clips that finish together, `DECODE_CHUNK` requests per pass of the
-autoencoder. Requests come in resolved (`request.ResolvedVideo`); `resolve` checks a `VideoRequest` against this model's limits.
+autoencoder. Requests come in resolved (`request.ResolvedVideo`); `resolve` checks a
+`VideoRequest` against this model's limits.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def decode_chunks(shapes: Sequence[tuple], size: int = DECODE_CHUNK) -> Iterator
 
 def distinct(items: Sequence[str]) -> tuple[list[str], list[int]]:
     """The distinct `items` in first-seen order, and each item's index among them: requests that
-    share a prompt (most share the empty negative) have it encoded once."""
+    share a prompt (most share one negative prompt) have it encoded once."""
     index: dict[str, int] = {}
     where = [index.setdefault(item, len(index)) for item in items]
     return list(index), where

@@ -47,8 +47,8 @@ Policies (`threshold` 0 never reuses; larger reuses more):
   the first seven, where a few prompts decide their shape, and the last) compute, the settled
   middle reuses. Why (docs/benchmarks.md): the measured rate of the last two steps said nothing
   of the sensitive steps ahead; scaling the curve by the row's own measured change, or by the
-  motion term, did not improve on it consistently. A model without a curve falls back to the measured rate
-  scaled by the predicted clip's motion `m` (MoReg: `r (1 + m / MOTION_SCALE)`), its drift
+  motion term, did not improve on it consistently. A model without a curve falls back to the
+  measured rate scaled by the predicted clip's motion `m` (MoReg: `r (1 + m / MOTION_SCALE)`), its drift
   `r (1 + m / MOTION_SCALE) sum_j |dt_j| |t_a - t_j|`, the last tenth of flow time always
   computing (`LAST_TIME`).
 - ``first-block`` (after FBCache, ParaAttention's First Block Cache, as diffusers'
