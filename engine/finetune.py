@@ -1,9 +1,10 @@
 """Adaptation mode: full-parameter fine-tuning of a video DiT on a directory of captioned clips.
 
 `open_trainer(source, data, spec)` opens a run (`FinetuneSpec`: finetune_spec.py); the `Trainer`
-owns it: it validates the dataset before the first step, opens the model through the loader (fp32, streamed or resident), streams
-decoded clips from a background loader, runs `BlockwiseStep` (see blockwise.py), appends one JSON
-line of metrics per step to `<output>/metrics.jsonl`, and writes checkpoints atomically:
+owns it: it validates the dataset before the first step, opens the model through the loader
+(fp32, streamed or resident), streams decoded clips from a background loader, runs
+`BlockwiseStep` (see blockwise.py), appends one JSON line of metrics per step to
+`<output>/metrics.jsonl`, and writes checkpoints atomically:
 
     <output>/checkpoints/step-000050/
         model/            fp32 master weights, a servable model directory

@@ -3,9 +3,9 @@
 `generate_on_devices(info, video, ["cuda:0", "cuda:1"])` (or `["cpu", "cpu"]`) starts one process
 per device with `torch.multiprocessing` (no torchrun; forkserver, so no CUDA state is forked),
 joins them into a `torch.distributed` group (NCCL on CUDA, gloo on the CPU; rendezvous through a
-file), and has each open the model, apply
-sequence parallelism (`Pipeline.parallelize`, see parallel.py) and sample the same request. Every
-rank holds the full latents and ends with the same frames; rank 0 writes them.
+file), and has each open the model, apply sequence parallelism (`Pipeline.parallelize`, see
+parallel.py) and sample the same request. Every rank holds the full latents and ends with the
+same frames; rank 0 writes them.
 
 Weights: this process fills the streamed blocks' host buffers once, in shared memory
 (`loader.share_weights`), and every rank streams from those same pages (`open_pipeline(shared=)`):
