@@ -310,7 +310,7 @@ class BlockwiseStep:
             future = self.worker.submit(self._update, NON_BLOCK, host_grads, landed, last)
             pending.append(self.drain.attach(future))
         loss = loss.detach()
-        whole = self._reduce({"loss": loss}) if self.parallel is not None else None
+        whole = self._reduce({"loss": loss})
         if whole is not None:
             loss = whole["loss"]  # rank 0 reports the whole batch's loss; a rank its own rows'
         for f in pending:
