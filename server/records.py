@@ -2,9 +2,9 @@
 
 A record is what a row holds, with its JSON text columns (a video's resolved request, a
 fine-tune's hyperparameters, a worker's model cards and metrics, an event's data, a checkpoint's
-metrics) parsed and its 0/1 flags made booleans; callers read attributes, never keys. Videos and
-fine-tunes share their lease's fields (`LeasedRecord`). What the API shows of a record is made in
-one place, the response schemas (schemas.py).
+metrics, an idempotency key's recorded answer) parsed and its 0/1 flags made booleans; callers
+read attributes, never keys. Videos and fine-tunes share their lease's fields (`LeasedRecord`).
+What the API shows of a record is made in one place, the response schemas (schemas.py).
 """
 
 from __future__ import annotations
@@ -157,6 +157,28 @@ class FileRecord:
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> Self:
         return _decode(cls, row)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class IdempotencyRecord:
+    """What an Idempotency-Key holds (the `idempotency` table): the request it was first used
+    with, and that request's outcome once there is one."""
+
+    scope: str  # the principal's: two principals' keys never meet
+    key: str  # "METHOD /path:key"
+    request_hash: str  # a digest of the first request's body
+    resource_id: str | None  # what the first request made (videos, files, fine-tunes)
+    response: dict[str, Any] | None  # or what it answered (cancel, delete, an adapter upload)
+    created_at: int
+
+    @property
+    def settled(self) -> bool:
+        """Whether the first request's outcome is recorded (False: it is still at work)."""
+        return self.resource_id is not None or self.response is not None
+
+    @classmethod
+    def from_row(cls, row: Mapping[str, Any]) -> Self:
+        return _decode(cls, row, response=_json(row["response"]))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -95,7 +95,8 @@ def test_create_once_finds_the_first_resource_and_makes_a_deleted_one_again(stor
     first, again, remade = asyncio.run(scenario())
     assert first == ({"id": "video_1"}, False) and again == ({"id": "video_1"}, True)
     assert remade == ({"id": "video_2"}, False)
-    assert reservations[0][:2] == ("scope", key.name) and reservations[1] is None
+    assert (reservations[0].scope, reservations[0].key) == ("scope", key.name)
+    assert reservations[1] is None
     assert len(reservations) == 2
 
 

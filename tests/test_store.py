@@ -3,7 +3,6 @@ test on both): schema and migrations, state machines, claims, leases and the wor
 
 from __future__ import annotations
 
-import json
 import sqlite3
 import threading
 import time
@@ -14,7 +13,13 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 
 from megaslide.server.records import VideoRecord
-from megaslide.server.store import ClaimLost, JobStore, database_url, schema_revision
+from megaslide.server.store import (
+    ClaimLost,
+    JobStore,
+    Reservation,
+    database_url,
+    schema_revision,
+)
 from megaslide.server.tables import metadata
 
 LEASE = 60.0
@@ -478,31 +483,33 @@ def test_finetune_cancel(store):
 
 
 def test_an_idempotency_key_is_reserved_before_the_work_and_answers_its_retries(store):
-    key = ("k", "/v1/videos:1", "hash-a")
-    assert store.keys.reserve(*key) is None  # ours: do the work
-    pending = store.keys.reserve(*key)  # a retry meanwhile: the first request is still at work
-    assert pending["resource_id"] is None and pending["request_hash"] == "hash-a"
+    key = Reservation("k", "/v1/videos:1", "hash-a")
+    assert store.keys.reserve(key) is None  # ours: do the work
+    pending = store.keys.reserve(key)  # a retry meanwhile: the first request is still at work
+    assert not pending.settled and pending.resource_id is None
+    assert pending.request_hash == "hash-a"
     store.videos.insert("video_a", spec(0), idempotency=key)
-    assert store.keys.reserve(*key)["resource_id"] == "video_a"
-    assert store.keys.reserve("other-scope", "/v1/videos:1", "hash-a") is None
+    assert store.keys.reserve(key).resource_id == "video_a"
+    assert store.keys.reserve(Reservation("other-scope", "/v1/videos:1", "hash-a")) is None
 
 
 def test_a_failed_request_frees_its_key_and_a_stale_one_expires(store):
-    assert store.keys.reserve("k", "DELETE /v1/videos/v:1", "h") is None
-    store.keys.release("k", "DELETE /v1/videos/v:1")  # the request failed: a retry starts over
-    assert store.keys.reserve("k", "DELETE /v1/videos/v:1", "h") is None
-    store.keys.record_response("k", "DELETE /v1/videos/v:1", {"deleted": True})
-    store.keys.release("k", "DELETE /v1/videos/v:1")  # answered keys are never freed
-    assert json.loads(store.keys.reserve("k", "DELETE /v1/videos/v:1", "h")["response"]) == {
-        "deleted": True
-    }
-    assert store.keys.reserve("k", "abandoned", "h") is None
+    delete = Reservation("k", "DELETE /v1/videos/v:1", "h")
+    assert store.keys.reserve(delete) is None
+    store.keys.release(delete)  # the request failed: a retry starts over
+    assert store.keys.reserve(delete) is None
+    store.keys.record_response(delete, {"deleted": True})
+    store.keys.release(delete)  # answered keys are never freed
+    answered = store.keys.reserve(delete)
+    assert answered.settled and answered.response == {"deleted": True}
+    abandoned = Reservation("k", "abandoned", "h")
+    assert store.keys.reserve(abandoned) is None
     with store.db.tx() as conn:
         conn.execute(sa.text("UPDATE idempotency SET created_at = created_at - 3600"))
-    assert store.keys.reserve("k", "abandoned", "h") is None  # its request never finished
+    assert store.keys.reserve(abandoned) is None  # its request never finished
     with store.db.tx() as conn:
         conn.execute(sa.text("UPDATE idempotency SET created_at = 0"))
-    assert store.keys.reserve("k", "DELETE /v1/videos/v:1", "h") is None  # past its lifetime
+    assert store.keys.reserve(delete) is None  # past its lifetime
     assert store.keys.forget_expired() == 1
 
 

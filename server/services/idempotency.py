@@ -21,11 +21,12 @@ from typing import TypeVar
 from pydantic import BaseModel
 
 from ..errors import Conflict
-from ..store import AsyncStore
+from ..store import AsyncStore, Reservation
 
 IDEMPOTENCY_WAIT_S = 30.0  # how long a retry waits for its first request to finish
 
 M = TypeVar("M", bound=BaseModel)
+R = TypeVar("R")  # a store record
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,7 @@ class Replay:
     """What an Idempotency-Key says of a request: the work is this request's to do (`key`, to
     record its outcome under), or was done by an earlier one (`resource_id`, or `response`)."""
 
-    key: tuple[str, str, str] | None = None
+    reservation: Reservation | None = None
     resource_id: str | None = None
     response: dict | None = None
     store: AsyncStore | None = None
@@ -58,8 +59,9 @@ class Replay:
     async def answer(self, response: M) -> M:
         """Record `response` as this request's answer, for its retries (a no-op without a
         key); returns it."""
-        if self.key is not None:
-            await self.store.keys.record_response(*self.key[:2], response.model_dump(mode="json"))
+        if self.reservation is not None:
+            answer = response.model_dump(mode="json")
+            await self.store.keys.record_response(self.reservation, answer)
         return response
 
 
@@ -78,17 +80,16 @@ async def idempotent(
     if key is None:
         yield Replay()
         return
-    reservation = (key.scope, key.name, payload_hash)
+    reservation = Reservation(key.scope, key.name, payload_hash)
     deadline = time.monotonic() + IDEMPOTENCY_WAIT_S
-    while (prior := await store.keys.reserve(*reservation)) is not None:
-        if prior["request_hash"] != payload_hash:
+    while (prior := await store.keys.reserve(reservation)) is not None:
+        if prior.request_hash != payload_hash:
             raise Conflict(
                 "Idempotency-Key was already used with a different request body",
                 code="idempotency_key_reused",
             )
-        if prior["resource_id"] is not None or prior["response"] is not None:
-            response = json.loads(prior["response"]) if prior["response"] else None
-            yield Replay(resource_id=prior["resource_id"], response=response)
+        if prior.settled:
+            yield Replay(resource_id=prior.resource_id, response=prior.response)
             return
         if time.monotonic() > deadline:
             raise Conflict(
@@ -97,10 +98,10 @@ async def idempotent(
             )
         await asyncio.sleep(0.1)
     try:
-        yield Replay(key=reservation, store=store)
+        yield Replay(reservation=reservation, store=store)
     finally:
         # A no-op once the outcome is recorded; otherwise the request failed: free the key.
-        await store.keys.release(*reservation[:2])
+        await store.keys.release(reservation)
 
 
 async def answer_once(
@@ -122,15 +123,15 @@ async def create_once(
     store: AsyncStore,
     key: IdempotencyKey | None,
     payload: object,
-    find: Callable[[str], Awaitable[dict | None]],
-    create: Callable[[tuple[str, str, str] | None], Awaitable[dict]],
-) -> tuple[dict, bool]:
-    """The row an earlier request with `key` made (found by `find`) and True, or the row that
-    `create(reservation)` makes now, recorded under the key, and False.
+    find: Callable[[str], Awaitable[R | None]],
+    create: Callable[[Reservation | None], Awaitable[R]],
+) -> tuple[R, bool]:
+    """The record an earlier request with `key` made (found by `find`) and True, or the record
+    that `create(reservation)` makes now, recorded under the key, and False.
 
     A resource deleted since its first request is made again, for a retry means to have one.
     """
     async with idempotent(store, key, request_hash(payload)) as replay:
         if replay.replayed and (row := await find(replay.resource_id)) is not None:
             return row, True
-        return await create(replay.key), False
+        return await create(replay.reservation), False

@@ -46,6 +46,7 @@ from .database import (
     schema_revision,
 )
 from .job_store import JobStore
+from .keys import Reservation
 
 __all__ = [
     "UNAVAILABLE",
@@ -54,6 +55,7 @@ __all__ = [
     "ClaimLost",
     "Database",
     "JobStore",
+    "Reservation",
     "WorkerNameInUse",
     "database_url",
     "is_disk_full",

@@ -8,7 +8,7 @@ import sqlalchemy as sa
 from ..records import FileRecord
 from ..tables import files, fine_tunes
 from .database import FINETUNE_ACTIVE, Database, now, record, visible_to
-from .keys import remember
+from .keys import Reservation, remember
 
 
 class FileStore:
@@ -17,7 +17,7 @@ class FileStore:
     def __init__(self, db: Database):
         self.db = db
 
-    def insert(self, row: dict, idempotency=None) -> FileRecord:
+    def insert(self, row: dict, idempotency: Reservation | None = None) -> FileRecord:
         """An upload, `uploaded` until validated (`claim_validation`)."""
         keys = ("id", "filename", "purpose", "bytes", "path")
         with self.db.tx() as conn:

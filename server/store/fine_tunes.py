@@ -30,7 +30,7 @@ from .database import (
     record,
     visible_to,
 )
-from .keys import remember
+from .keys import Reservation, remember
 
 
 class FineTuneStore:
@@ -42,7 +42,7 @@ class FineTuneStore:
 
     # --- the API's side ----------------------------------------------------------------------
 
-    def insert(self, row: dict, idempotency=None) -> FineTuneRecord:
+    def insert(self, row: dict, idempotency: Reservation | None = None) -> FineTuneRecord:
         """Queue a fine-tune (`row`: its columns, hyperparameters resolved)."""
         keys = ("id", "model", "training_file", "seed", "suffix", "output_dir")
         with self.db.tx() as conn:

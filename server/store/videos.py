@@ -27,7 +27,7 @@ from .database import (
     record,
     visible_to,
 )
-from .keys import remember
+from .keys import Reservation, remember
 
 CLAIM_LOOKAHEAD = 32  # queued videos a worker looks past for ones it can run
 # The status poll's read, built once: building a select costs more than running it on SQLite.
@@ -55,7 +55,7 @@ class VideoStore:
         video_id: str,
         spec: dict,
         priority: int = 0,
-        idempotency=None,
+        idempotency: Reservation | None = None,
         owner: str | None = None,
     ) -> VideoRecord:
         """Queue a resolved video request (`ResolvedVideo.to_dict()`) for `owner`."""
