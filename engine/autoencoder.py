@@ -13,16 +13,14 @@ import torch
 
 
 class Autoencoder(ABC):
-    """Maps pixel clips to latents and back, and says how shapes change between the two."""
+    """Decodes latents to pixel clips, and says how shapes change between the two. (Fine-tuning
+    trains pixel-space models only, so nothing encodes pixels yet.)"""
 
     latent_channels: int
 
     @abstractmethod
     def latent_shape(self, frames: int, height: int, width: int) -> tuple[int, int, int, int]:
         """`(C, F', H', W')` of the latent for a clip of this many frames and pixels."""
-
-    @abstractmethod
-    def encode(self, pixels: torch.Tensor) -> torch.Tensor: ...
 
     @abstractmethod
     def decode(self, latents: torch.Tensor) -> torch.Tensor: ...
@@ -35,9 +33,6 @@ class IdentityAutoencoder(Autoencoder):
 
     def latent_shape(self, frames, height, width):
         return (3, frames, height, width)
-
-    def encode(self, pixels):
-        return pixels
 
     def decode(self, latents):
         return latents
@@ -72,12 +67,6 @@ class WanVAE(Autoencoder):
         if self.mean.device != x.device:
             self.vae.to(x.device)
             self.mean, self.std = self.mean.to(x.device), self.std.to(x.device)
-
-    @torch.no_grad()
-    def encode(self, pixels):
-        self._to(pixels)
-        latents = self.vae.encode(pixels.float()).latent_dist.mode()
-        return (latents - self.mean) / self.std
 
     @torch.no_grad()
     def decode(self, latents):
