@@ -11,6 +11,8 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from .initialization import seeded
+
 
 class Autoencoder(ABC):
     """Decodes latents to pixel clips, and says how shapes change between the two. (Fine-tuning
@@ -53,8 +55,7 @@ class WanVAE(Autoencoder):
                 "the 'wan-vae' autoencoder is diffusers' AutoencoderKLWan: "
                 "pip install 'megaslide[wan]'"
             ) from exc
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
+        with seeded(seed):
             self.vae = AutoencoderKLWan().eval()
         config = self.vae.config
         self.mean = torch.tensor(config.latents_mean).view(1, -1, 1, 1, 1)

@@ -9,11 +9,35 @@ the CPU after the same `torch.manual_seed`: the same weights, bitwise.
 
 A module whose constructor draws in another order (a parameter created between two children)
 defines `init_weights()` for its whole tree instead.
+
+Layers draw from torch's global CPU generator (`reset_parameters` takes none), which every thread
+of a process shares: two models drawn at once (a server's worker opening a preset while another
+thread opens one too) would interleave their draws and both get other weights. `seeded` holds a
+process-wide lock for the whole draw.
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Iterator
+
+import torch
 from torch import nn
+
+# Held while a model's weights are drawn from the global generator. Reentrant: a model's
+# constructor may build a part that seeds its own draw (`autoencoder.WanVAE`).
+_GLOBAL_GENERATOR = threading.RLock()
+
+
+@contextlib.contextmanager
+def seeded(seed: int) -> Iterator[None]:
+    """The global CPU generator seeded with `seed`, for this thread alone, until the block ends;
+    its state is restored afterwards. Other threads' seeded draws wait; a thread drawing random
+    numbers without `seeded` meanwhile still changes what this one draws."""
+    with _GLOBAL_GENERATOR, torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
 
 
 def init_module(module: nn.Module) -> None:

@@ -32,7 +32,7 @@ from torch import nn
 from .disk_store import HOST_TIERS
 from .family import Component, family
 from .host_store import BoundTensor, SharedWeights, collect_tensors, layout_nbytes, repoint
-from .initialization import init_module, init_parts
+from .initialization import init_module, init_parts, seeded
 from .lora import Adapter, AdapterError
 from .ordering import Ordering
 from .pipeline import Pipeline
@@ -198,8 +198,8 @@ def open_model(
         if unshared:
             raise ValueError(f"the shared weights lack component {unshared[0]!r}")
     handles: dict[str, StreamHandle] = {}
-    seeded = shared is None and any(c.weights is None for c in components)
-    with _seeded(info.source.seed) if seeded else contextlib.nullcontext():
+    draw = shared is None and any(c.weights is None for c in components)  # a preset's weights
+    with seeded(info.source.seed) if draw else contextlib.nullcontext():
         for c in components:
             # A meta twin to draw a preset's random weights in, one part at a time.
             template = copy.deepcopy(c.module) if c.weights is None and not shared else None
@@ -311,14 +311,6 @@ def load_adapter(info: ModelInfo, name: str, path: str | Path) -> Adapter:
     for t in targets:
         adapter.check(t)
     return adapter
-
-
-@contextlib.contextmanager
-def _seeded(seed: int):
-    """The global CPU generator seeded for a preset's weights, and restored afterwards."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        yield
 
 
 def _kept_fp32(bound: BoundTensor, keep: tuple[str, ...]) -> bool:

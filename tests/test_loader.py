@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -42,6 +43,24 @@ def test_a_presets_weights_are_the_eagerly_constructed_ones(name, offload):
         a, b = state(eager), state(loaded)
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert torch.initial_seed() == 3  # the caller's generator is left as it was
+
+
+def test_presets_opened_at_once_by_two_threads_each_get_their_weights():
+    """Layers draw from the one global generator: two threads drawing presets at once would
+    interleave their draws (a server's worker and a caller opening the same preset, say)."""
+    alone = state(open_pipeline(resolve_source(preset="tiny")).dit)
+    opened = [None, None]
+
+    def open_one(i: int) -> None:
+        opened[i] = state(open_pipeline(resolve_source(preset="tiny")).dit)
+
+    threads = [threading.Thread(target=open_one, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for weights in opened:
+        assert all(torch.equal(weights[k], alone[k]) for k in alone)
 
 
 class DevicePlacements(TorchFunctionMode):
