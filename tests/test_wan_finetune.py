@@ -175,7 +175,7 @@ def test_two_experts_train_one_at_a_time(wan, tmp_path):
 def test_data_parallel_on_two_processes_equals_one(wan, tmp_path):
     """A Wan fine-tune split over two gloo processes (each half of every batch, one AdamW over one
     fp32 master) ends where one process does, to the bound tests/test_data_parallel.py derives:
-    a ten-thousandth of how far training moved the weights (measured here: 3e-6)."""
+    a ten-thousandth of how far training moved the weights."""
     runs = {}
     for name, devices in (("one", None), ("split", ["cpu", "cpu"])):
         spec = config(tmp_path / name, steps=2, save_every=100)
