@@ -53,7 +53,7 @@ from ..request import ResolvedVideo, check_image, check_loras
 from ..sources import ModelInfo
 from ..step_cache import StepCache
 from .config import TEXT_TOKENS, WanConfig, weight_files
-from .encoders import WanEncoders, libraries
+from .encoders import WanEncoders, fast_vae_norms, libraries
 from .prompt_cache import PromptCache, PromptKV, entry_bytes
 
 # Bytes of cross-attention keys and values the batched mode keeps across steps (prompt_cache.py):
@@ -379,6 +379,8 @@ class WanVideoPipeline(Pipeline):
         # The batched mode keeps each row's cross-attention keys and values across steps; the
         # reference mode recomputes them, as WanPipeline does.
         self.prompt_caches = [PromptCache(m) for m in self.experts] if batched else None
+        if batched:  # the reference mode decodes with diffusers' own norms: bitwise its frames
+            fast_vae_norms(self.encoders.vae)
 
     @property
     def device(self) -> torch.device:
