@@ -1,6 +1,7 @@
 """Wan's cross-attention keys and values kept per row across steps (engine/wan/prompt_cache.py):
 bitwise the frames of recomputing them, with rows joining and leaving, with LoRA adapters (one
-registered again mid-run), streamed, and within a memory budget; and the VAE's faster norms."""
+registered again mid-run), streamed, and within a memory budget; compact entries (a prompt's
+tokens and one padding token) within one uint8 level; and the VAE's faster norms."""
 
 from __future__ import annotations
 
@@ -38,10 +39,12 @@ def key_passes(pipe) -> list[int]:
     return calls
 
 
-def run(pipe, schedule, *, cache: bool, between=None) -> list[np.ndarray]:
+def run(pipe, schedule, *, cache: bool, compact=False, between=None) -> list[np.ndarray]:
     """Step the requests of `schedule` (`{step: [requests joining then]}`) together until all
-    finish, each decoded alone as it finishes; `between(step)` runs before each step."""
+    finish, each decoded alone as it finishes; `between(step)` runs before each step. The kept
+    keys are all 512 tokens' unless `compact` (which is not bitwise)."""
     pipe.prompt_cache_bytes = type(pipe).prompt_cache_bytes if cache else 0
+    pipe.prompt_cache_compact = compact
     states, frames, step = [], {}, 0
     while step in schedule or any(not s.done for s in states):
         for r in schedule.get(step, []):
@@ -147,6 +150,30 @@ def test_the_budget_bounds_the_kept_bytes(wan):
     assert calls == [4] + [2] * requests[0].steps
     for a, s in zip(plain, states):
         assert np.array_equal(a, pipe.finish(s))
+
+
+def test_compact_entries_keep_one_padding_token_within_one_level(wan):
+    """Compact entries (the default in fp32) keep each prompt's tokens and one padding token,
+    its scores raised by log(count): every clip within one uint8 level of recomputing the 512
+    tokens' keys, the entries' bytes (L + 1) / 512 of the full ones."""
+    pipe = open_pipeline(wan["model"], offload="none")
+    assert type(pipe).prompt_cache_compact
+    requests = [
+        request(seed=1),
+        request(seed=2, prompt="a blue square", negative_prompt="dark"),
+        request(seed=5, guidance=1.0),
+    ]
+    plain = run(pipe, {0: requests}, cache=False)
+    compact = run(pipe, {0: requests}, cache=True, compact=True)
+    assert (
+        max(int(np.abs(a.astype(int) - b.astype(int)).max()) for a, b in zip(plain, compact)) <= 1
+    )
+    state = pipe.prepare(pipe.resolve(requests[1]))
+    pipe.denoise_step([state])
+    full = entry_bytes(pipe.experts[0], 512, pipe.dtype)
+    for half, length in enumerate(state.lengths):
+        assert 1 < length < 20  # a few words: a few UMT5 tokens and the end token
+        assert state.prompt_kv[0, half].nbytes * 512 == full * (length + 1)
 
 
 def test_vae_norms_within_one_level_of_diffusers_decode(wan):

@@ -52,7 +52,7 @@ from ..pipeline import CPU_ROWS_PER_PASS, Pipeline, decode_chunks, distinct
 from ..request import ResolvedVideo, check_image, check_loras
 from ..sources import ModelInfo
 from ..step_cache import StepCache
-from .config import TEXT_TOKENS, WanConfig, weight_files
+from .config import WanConfig, weight_files
 from .encoders import WanEncoders, fast_vae_norms, libraries
 from .prompt_cache import PromptCache, PromptKV, entry_bytes
 
@@ -298,11 +298,17 @@ class WanState:
     cache: StepCache | None = None  # a step cache: may reuse an earlier output instead of a pass
     # Cross-attention keys and values of its rows by (expert, half), kept across steps.
     prompt_kv: dict[tuple[int, int], PromptKV] = field(default_factory=dict)
+    lengths: tuple[int, ...] = field(init=False)  # each prompt's tokens in `context`
     step: int = 0
     num_steps: int = field(init=False)
 
     def __post_init__(self):
         self.num_steps = len(self.scheduler.timesteps)
+        # The encoder zeroes the positions past a prompt's end (encoders.py): its length is up
+        # to the last token that is not all zeros.
+        tokens = self.context.ne(0).any(dim=-1)  # (rows, 512)
+        last = torch.arange(1, tokens.shape[1] + 1, device=tokens.device) * tokens
+        self.lengths = tuple(int(n) for n in last.amax(dim=1))  # host sync: once per request
 
     @property
     def done(self) -> bool:
@@ -348,6 +354,9 @@ class WanVideoPipeline(Pipeline):
     """Text-to-video sampling of a Wan model, batched at denoising-step granularity."""
 
     prompt_cache_bytes: int = PROMPT_CACHE_BYTES  # 0: recompute the prompt's keys every step
+    # Kept keys hold a prompt's tokens and one padding token (prompt_cache.py, fp32 passes only):
+    # within a level of recomputing them, not bitwise.
+    prompt_cache_compact: bool = True
 
     def __init__(self, info: ModelInfo, parts: dict[str, nn.Module], handles, *, batched: bool):
         super().__init__(info, handles)
@@ -564,7 +573,9 @@ class WanVideoPipeline(Pipeline):
         rows, fill = self._prompt_rows(e, group, halves, adapters, keep)
         cache = contextlib.nullcontext()
         if rows is not None:
-            cache = self.prompt_caches[e].rows(rows, fill=fill)
+            cache = self.prompt_caches[e].rows(
+                rows, fill=fill, dtype=self.dtype, device=self.device
+            )
             if not fill:  # no text or image token to embed: the keys and values are kept
                 context, image = context[:, :0], None  # (B, 0, text_dim)
         with torch.no_grad(), self.adapters.rows(adapters), cache:
@@ -581,10 +592,15 @@ class WanVideoPipeline(Pipeline):
         while their entries' total fits `prompt_cache_bytes`; the others drop theirs."""
         if self.prompt_caches is None:
             return set()
+        compact = self.prompt_cache_compact and self.dtype == torch.float32
         total, keep = 0, set()
         for s in states:
-            tokens = TEXT_TOKENS + (0 if s.image_embeds is None else s.image_embeds.shape[1])
-            need = (1 + s.guided) * entry_bytes(self.experts[self._expert(s)], tokens, self.dtype)
+            image = 0 if s.image_embeds is None else s.image_embeds.shape[1]
+            model = self.experts[self._expert(s)]
+            need = sum(
+                entry_bytes(model, image + PromptKV(length=n, compact=compact).kept, self.dtype)
+                for n in s.lengths
+            )
             if total + need <= self.prompt_cache_bytes:
                 total += need
                 keep.add(id(s))
@@ -612,8 +628,10 @@ class WanVideoPipeline(Pipeline):
                 fill = fill or entry is None or not entry.valid(signature, depth)
                 slots.append((s, half, signature, entry))
         if fill:  # every row refilled: the pass computes them all anyway
+            compact = self.prompt_cache_compact and self.dtype == torch.float32
             for s, half, signature, _ in slots:
-                s.prompt_kv[(e, half)] = PromptKV(signature)
+                length = s.lengths[half]
+                s.prompt_kv[(e, half)] = PromptKV(signature, length, compact)
         return [s.prompt_kv[(e, half)] for s, half, _, _ in slots], fill
 
     def _inputs(self, model: nn.Module, group: list[WanState], halves):

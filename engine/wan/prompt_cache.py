@@ -30,6 +30,7 @@ while its requests' total stays within its budget (`WanVideoPipeline.prompt_cach
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -46,7 +47,14 @@ class PromptKV:
     `(Adapter, scale)` the row ran with when they were computed."""
 
     adapters: tuple = ()
+    length: int = TEXT_CONTEXT  # the prompt's tokens: the rest of the 512 are its padding
+    compact: bool = False  # keep the prompt's tokens and one padding token (see above)
     blocks: dict[int, tuple] = field(default_factory=dict)
+
+    @property
+    def kept(self) -> int:
+        """Text tokens kept: 512, or compact the prompt's and one padding token."""
+        return min(self.length + 1, TEXT_CONTEXT) if self.compact else TEXT_CONTEXT
 
     def valid(self, adapters: tuple, depth: int) -> bool:
         same = len(adapters) == len(self.adapters) and all(
@@ -78,6 +86,7 @@ class PromptCacheProcessor:
         self.index, self.base = index, base
         self.rows: Sequence[PromptKV] | None = None
         self.fill = False
+        self.mask: torch.Tensor | None = None  # compact rows' scores bias `(B, 1, 1, tokens)`
 
     @property
     def _attention_backend(self):
@@ -106,14 +115,22 @@ class PromptCacheProcessor:
         if self.fill:
             k, v, k_img, v_img = _keys_values(attn, encoder_hidden_states)
             for i, row in enumerate(self.rows):
-                row.blocks[self.index] = tuple(
-                    None if t is None else t[i : i + 1].clone() for t in (k, v, k_img, v_img)
+                text = slice(i, i + 1), slice(0, row.kept)
+                row.blocks[self.index] = (
+                    k[text].clone(),
+                    v[text].clone(),
+                    *(None if t is None else t[i : i + 1].clone() for t in (k_img, v_img)),
                 )
         else:
-            k, v, k_img, v_img = (
-                None if parts[0] is None else torch.cat(parts)
-                for parts in zip(*(row.blocks[self.index] for row in self.rows))
-            )  # (B, tokens, heads, d)
+            kept = [row.blocks[self.index] for row in self.rows]
+            width = max(kv[0].shape[1] for kv in kept)
+            k, v = (  # (B, tokens, heads, d): rows of fewer tokens padded, masked out below
+                torch.cat([_pad(kv[j], width) for kv in kept]) for j in (0, 1)
+            )
+            k_img, v_img = (
+                None if kept[0][j] is None else torch.cat([kv[j] for kv in kept]) for j in (2, 3)
+            )
+            attention_mask = self.mask
         # From here on as WanAttnProcessor (cross-attention: no rotary, no context parallel).
         query = attn.norm_q(attn.to_q(hidden_states)).unflatten(2, (attn.heads, -1))  # (B, N, h, d)
         image = None
@@ -143,6 +160,29 @@ class PromptCacheProcessor:
         if image is not None:
             out = out + image
         return attn.to_out[1](attn.to_out[0](out))
+
+
+def _pad(t: torch.Tensor, tokens: int) -> torch.Tensor:
+    """`(1, n, heads, d)` -> `(1, tokens, heads, d)`, zeros after."""
+    return (
+        t
+        if t.shape[1] == tokens
+        else torch.nn.functional.pad(t, (0, 0, 0, 0, 0, tokens - t.shape[1]))
+    )
+
+
+def padding_mask(rows: Sequence[PromptKV], dtype: torch.dtype, device) -> torch.Tensor | None:
+    """The scores' bias of a pass over compact rows `(B, 1, 1, tokens)`: 0 on a row's prompt
+    tokens, `log(512 - L)` on its padding token, -inf past its kept tokens; None when no row is
+    compact (every row keeps all 512)."""
+    if not any(row.compact for row in rows):
+        return None
+    mask = torch.full((len(rows), 1, 1, max(row.kept for row in rows)), -math.inf)
+    for i, row in enumerate(rows):
+        mask[i, ..., : row.kept] = 0
+        if row.compact and row.length < TEXT_CONTEXT:
+            mask[i, ..., row.length] = math.log(TEXT_CONTEXT - row.length)
+    return mask.to(device, dtype)
 
 
 def _keys_values(attn: nn.Module, context: torch.Tensor):
@@ -176,17 +216,21 @@ class PromptCache:
         return len(self.processors)
 
     @contextlib.contextmanager
-    def rows(self, rows: Sequence[PromptKV] | None, *, fill: bool) -> Iterator[None]:
+    def rows(
+        self, rows: Sequence[PromptKV] | None, *, fill: bool, dtype=torch.float32, device="cpu"
+    ) -> Iterator[None]:
         """Inside, the cross-attentions of a pass over `rows` write each row's keys and values
         (`fill`, from the prompt embeddings they are given) or read them (the embeddings they
-        are given are ignored). None: diffusers' own processor."""
+        are given are ignored); `dtype` and `device` are the pass's. None: diffusers' own
+        processor."""
+        mask = None if fill or rows is None else padding_mask(rows, dtype, device)
         for p in self.processors:
-            p.rows, p.fill = rows, fill
+            p.rows, p.fill, p.mask = rows, fill, mask
         try:
             yield
         finally:
             for p in self.processors:
-                p.rows, p.fill = None, False
+                p.rows, p.fill, p.mask = None, False, None
 
     def remove(self, model: nn.Module) -> None:
         """Put diffusers' processors back."""
