@@ -30,6 +30,9 @@ of its decode alone.
 With `batched` (the default) one forward pass per step and expert carries every request and both
 halves of every guidance pair, so a streamed model moves its weights once per step for all of
 them; the reference mode runs each row alone, as WanPipeline does, and equals it bitwise.
+The batched mode also keeps each row's cross-attention keys and values from its first pass
+(prompt_cache.py: the prompt does not change across steps) and decodes with the VAE's channel
+norms summed directly (encoders.py `fast_vae_norms`), both within a level of diffusers' frames.
 """
 
 from __future__ import annotations
