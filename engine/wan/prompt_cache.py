@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-TEXT_CONTEXT = 512  # text tokens after Wan2.1-I2V's image tokens, as diffusers' processor assumes
+from .config import TEXT_TOKENS  # the text follows Wan2.1-I2V's image tokens, as in diffusers
 
 
 @dataclass
@@ -47,16 +47,17 @@ class PromptKV:
     `(Adapter, scale)` the row ran with when they were computed."""
 
     adapters: tuple = ()
-    length: int = TEXT_CONTEXT  # the prompt's tokens: the rest of the 512 are its padding
+    length: int = TEXT_TOKENS  # the prompt's tokens: the rest of the 512 are its padding
     compact: bool = False  # keep the prompt's tokens and one padding token (see above)
     blocks: dict[int, tuple] = field(default_factory=dict)
 
     @property
     def kept(self) -> int:
         """Text tokens kept: 512, or compact the prompt's and one padding token."""
-        return min(self.length + 1, TEXT_CONTEXT) if self.compact else TEXT_CONTEXT
+        return min(self.length + 1, TEXT_TOKENS) if self.compact else TEXT_TOKENS
 
     def valid(self, adapters: tuple, depth: int) -> bool:
+        """Whether it holds every block's keys, computed with these adapters and scales."""
         same = len(adapters) == len(self.adapters) and all(
             a is b and s == t for (a, s), (b, t) in zip(adapters, self.adapters)
         )
@@ -180,8 +181,8 @@ def padding_mask(rows: Sequence[PromptKV], dtype: torch.dtype, device) -> torch.
     mask = torch.full((len(rows), 1, 1, max(row.kept for row in rows)), -math.inf)
     for i, row in enumerate(rows):
         mask[i, ..., : row.kept] = 0
-        if row.compact and row.length < TEXT_CONTEXT:
-            mask[i, ..., row.length] = math.log(TEXT_CONTEXT - row.length)
+        if row.compact and row.length < TEXT_TOKENS:
+            mask[i, ..., row.length] = math.log(TEXT_TOKENS - row.length)
     return mask.to(device, dtype)
 
 
@@ -190,7 +191,7 @@ def _keys_values(attn: nn.Module, context: torch.Tensor):
     tokens, heads, d)`: the text's, then the image's (None without image features)."""
     image = None
     if attn.add_k_proj is not None:
-        split = context.shape[1] - TEXT_CONTEXT
+        split = context.shape[1] - TEXT_TOKENS
         image, context = context[:, :split], context[:, split:]
     k = attn.norm_k(attn.to_k(context)).unflatten(2, (attn.heads, -1))
     v = attn.to_v(context).unflatten(2, (attn.heads, -1))
