@@ -9,8 +9,9 @@ per request. Three contenders sample the same requests:
 
 - `megaslide`: the pipeline driven as the worker drives it (server/worker/videos.py): the requests
   claimed together prepared in one call (their prompts in one UMT5 pass), every row of every
-  request stepped together (resident on a CPU: in passes of `CPU_ROWS_PER_PASS` rows), the clips
-  decoded together `DECODE_CHUNK` per VAE pass;
+  request stepped together (resident on a CPU: in passes of `CPU_ROWS_PER_PASS` rows), each
+  row's cross-attention keys and values computed at its first step and kept (engine/wan/
+  prompt_cache.py), the clips decoded together `DECODE_CHUNK` per VAE pass;
 - `diffusers_per_request`: `WanPipeline.__call__` once per request;
 - `diffusers_batched`: `WanPipeline.__call__` once with every prompt (one generator each).
 

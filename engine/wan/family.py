@@ -30,6 +30,9 @@ of its decode alone.
 With `batched` (the default) one forward pass per step and expert carries every request and both
 halves of every guidance pair, so a streamed model moves its weights once per step for all of
 them; the reference mode runs each row alone, as WanPipeline does, and equals it bitwise.
+The batched mode also keeps each row's cross-attention keys and values from its first pass
+(prompt_cache.py: the prompt does not change across steps) and decodes with the VAE's channel
+norms summed directly (encoders.py `fast_vae_norms`), both within a level of diffusers' frames.
 """
 
 from __future__ import annotations
@@ -53,7 +56,13 @@ from ..request import ResolvedVideo, check_image, check_loras
 from ..sources import ModelInfo
 from ..step_cache import StepCache
 from .config import WanConfig, weight_files
-from .encoders import WanEncoders, libraries
+from .encoders import WanEncoders, fast_vae_norms, libraries
+from .prompt_cache import PromptCache, PromptKV, entry_bytes
+
+# Bytes of cross-attention keys and values the batched mode keeps across steps (prompt_cache.py):
+# the requests of a step fill entries in order while their total fits. 1 GiB holds 8 guided
+# requests of a 1.3B Wan in bf16 at 512 text tokens (189 MB each), one of a 14B (839 MB).
+PROMPT_CACHE_BYTES = 1 << 30
 
 
 class WanFamily(Family):
@@ -290,11 +299,19 @@ class WanState:
     mask: torch.Tensor | None = None
     image_embeds: torch.Tensor | None = None
     cache: StepCache | None = None  # a step cache: may reuse an earlier output instead of a pass
+    # Cross-attention keys and values of its rows by (expert, half), kept across steps.
+    prompt_kv: dict[tuple[int, int], PromptKV] = field(default_factory=dict)
+    lengths: tuple[int, ...] = field(init=False)  # each prompt's tokens in `context`
     step: int = 0
     num_steps: int = field(init=False)
 
     def __post_init__(self):
         self.num_steps = len(self.scheduler.timesteps)
+        # The encoder zeroes the positions past a prompt's end (encoders.py): its length is up
+        # to the last token that is not all zeros.
+        tokens = self.context.ne(0).any(dim=-1)  # (rows, 512)
+        last = torch.arange(1, tokens.shape[1] + 1, device=tokens.device) * tokens
+        self.lengths = tuple(int(n) for n in last.amax(dim=1))  # host sync: once per request
 
     @property
     def done(self) -> bool:
@@ -339,6 +356,11 @@ class WanState:
 class WanVideoPipeline(Pipeline):
     """Text-to-video sampling of a Wan model, batched at denoising-step granularity."""
 
+    prompt_cache_bytes: int = PROMPT_CACHE_BYTES  # 0: recompute the prompt's keys every step
+    # Kept keys hold a prompt's tokens and one padding token (prompt_cache.py, fp32 passes only):
+    # within a level of recomputing them, not bitwise.
+    prompt_cache_compact: bool = True
+
     def __init__(self, info: ModelInfo, parts: dict[str, nn.Module], handles, *, batched: bool):
         super().__init__(info, handles)
         diffusers, _ = libraries()
@@ -366,6 +388,11 @@ class WanVideoPipeline(Pipeline):
         )
         self.load_adapter = WanFamily().load_adapter
         self.expert_names = ("high", "low") if len(self.experts) > 1 else (None,)
+        # The batched mode keeps each row's cross-attention keys and values across steps; the
+        # reference mode recomputes them, as WanPipeline does.
+        self.prompt_caches = [PromptCache(m) for m in self.experts] if batched else None
+        if batched:  # the reference mode decodes with diffusers' own norms: bitwise its frames
+            fast_vae_norms(self.encoders.vae)
 
     @property
     def device(self) -> torch.device:
@@ -484,6 +511,7 @@ class WanVideoPipeline(Pipeline):
 
     def _step(self, states: list[WanState]) -> None:
         states = [s for s in states if not s.done]
+        keep = self._prompt_kv_budget(states)
         for e in sorted({self._expert(s) for s in states}):
             group = [s for s in states if self._expert(s) == e]
             # A request whose step cache reuses (each expert keeps its own history) stays out of
@@ -509,7 +537,9 @@ class WanVideoPipeline(Pipeline):
                 outputs = None
             elif self.batched:
                 model = self.experts[e]
-                outputs = torch.cat([self._forward(model, p, (0, 1)) for p in self.passes(run)])
+                outputs = torch.cat(
+                    [self._forward(model, p, (0, 1), keep) for p in self.passes(run)]
+                )
             else:  # as WanPipeline does: each request alone, its conditional pass first
                 halves = [(s, half) for s in run for half in (0, 1)[: 1 + s.guided]]
                 outputs = torch.cat([self._forward(self.experts[e], [s], (h,)) for s, h in halves])
@@ -531,12 +561,27 @@ class WanVideoPipeline(Pipeline):
                         s.cache.record(s.flow_time(s.step), s.clip_latents(), noise, key=e)
                 s.latents = s.scheduler.step(noise, s.timestep, s.latents, return_dict=False)[0]
                 s.step += 1
+                if s.done:
+                    s.prompt_kv.clear()
 
-    def _forward(self, model: nn.Module, group: list[WanState], halves) -> torch.Tensor:
+    def _forward(
+        self, model: nn.Module, group: list[WanState], halves, keep: set[int] = frozenset()
+    ) -> torch.Tensor:
         """One pass of `model` over the rows of `group`: each request's conditional row and (when
-        guided) its unconditional row, for the halves asked for; `(rows, C, F', H', W')`."""
+        guided) its unconditional row, for the halves asked for; `(rows, C, F', H', W')`. When
+        every request of `group` is in `keep` (ids), the cross-attentions read the rows' kept
+        keys and values, or fill them in a pass on the prompt embeddings (prompt_cache.py)."""
         latents, timesteps, context, image, adapters = self._inputs(model, group, halves)
-        with torch.no_grad(), self.adapters.rows(adapters):
+        e = self.experts.index(model)
+        rows, fill = self._prompt_rows(e, group, halves, adapters, keep)
+        cache = contextlib.nullcontext()
+        if rows is not None:
+            cache = self.prompt_caches[e].rows(
+                rows, fill=fill, dtype=self.dtype, device=self.device
+            )
+            if not fill:  # no text or image token to embed: the keys and values are kept
+                context, image = context[:, :0], None  # (B, 0, text_dim)
+        with torch.no_grad(), self.adapters.rows(adapters), cache:
             return model(
                 hidden_states=latents,
                 timestep=timesteps,
@@ -544,6 +589,53 @@ class WanVideoPipeline(Pipeline):
                 encoder_hidden_states_image=image,
                 return_dict=False,
             )[0]
+
+    def _prompt_kv_budget(self, states: list[WanState]) -> set[int]:
+        """The ids of the states that keep cross-attention keys and values this step: in order,
+        while their entries' total fits `prompt_cache_bytes`; the others drop theirs."""
+        if self.prompt_caches is None:
+            return set()
+        compact = self.prompt_cache_compact and self.dtype == torch.float32
+        total, keep = 0, set()
+        for s in states:
+            image = 0 if s.image_embeds is None else s.image_embeds.shape[1]
+            model = self.experts[self._expert(s)]
+            need = sum(
+                entry_bytes(model, image + PromptKV(length=n, compact=compact).kept, self.dtype)
+                for n in s.lengths
+            )
+            if total + need <= self.prompt_cache_bytes:
+                total += need
+                keep.add(id(s))
+            else:
+                s.prompt_kv.clear()
+        return keep
+
+    def _prompt_rows(self, e: int, group: list[WanState], halves, adapters, keep: set[int]):
+        """The kept keys and values of a pass's rows (in `_inputs`' order) for expert `e`, and
+        whether the pass must fill them: some row has none, or one computed with other adapters.
+        None when a request of `group` keeps none."""
+        if not keep or any(id(s) not in keep for s in group):
+            return None, False
+        depth = self.prompt_caches[e].depth
+        slots, fill = [], False
+        for s in group:
+            for key in [k for k in s.prompt_kv if k[0] != e]:  # an expert it has left
+                del s.prompt_kv[key]
+            for half in halves:
+                if half == 1 and not s.guided:
+                    continue
+                named = adapters[len(slots)]
+                signature = tuple((self.adapters.adapters[n], float(c)) for n, c in named)
+                entry = s.prompt_kv.get((e, half))
+                fill = fill or entry is None or not entry.valid(signature, depth)
+                slots.append((s, half, signature, entry))
+        if fill:  # every row refilled: the pass computes them all anyway
+            compact = self.prompt_cache_compact and self.dtype == torch.float32
+            for s, half, signature, _ in slots:
+                length = s.lengths[half]
+                s.prompt_kv[(e, half)] = PromptKV(signature, length, compact)
+        return [s.prompt_kv[(e, half)] for s, half, _, _ in slots], fill
 
     def _inputs(self, model: nn.Module, group: list[WanState], halves):
         """The rows of a pass of `model` over `group` (the halves asked for): latents, timesteps,
