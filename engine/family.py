@@ -139,6 +139,11 @@ class Family(ABC):
         denoiser block), `blocks` (denoiser blocks in all), `denoiser` (what one step runs),
         `text_encoder`."""
 
+    def kept_across_steps(self, info: ModelInfo, rows: int, dtype_bytes: int) -> int:
+        """Device bytes a sampling pass over `rows` rows keeps from one step to the next, at most
+        (the planner counts them; none by default)."""
+        return 0
+
 
 # Families by the name `sources.describe` gives them, imported only when a model of theirs opens.
 FAMILIES = {

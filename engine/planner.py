@@ -248,6 +248,9 @@ def plan(info: ModelInfo, machine: Machine = Machine(), w: Workload = Workload()
     trainable = counts["trainable"]
     if not finetune:
         device.update(activations=act_block, attention_workspace=attn_ws)
+        kept = family(info.family).kept_across_steps(info, rows, b)
+        if kept:
+            device["kept_across_steps"] = kept  # e.g. Wan's prompt keys and values
         if lora:
             # The factors stay on the device; the low-rank products add rows x tokens x rank.
             device["lora_adapters"] = lora

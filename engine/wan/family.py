@@ -55,7 +55,7 @@ from ..pipeline import CPU_ROWS_PER_PASS, Pipeline, decode_chunks, distinct
 from ..request import ResolvedVideo, check_image, check_loras
 from ..sources import ModelInfo
 from ..step_cache import StepCache
-from .config import WanConfig, weight_files
+from .config import TEXT_TOKENS, WanConfig, weight_files
 from .encoders import WanEncoders, fast_vae_norms, libraries
 from .prompt_cache import PromptCache, PromptKV, entry_bytes
 
@@ -183,6 +183,15 @@ class WanFamily(Family):
                 f"sequence parallel over {world} devices needs the heads ({heads}) and the "
                 f"token count ({'x'.join(map(str, grid))}) to be multiples of {world}"
             )
+
+    def kept_across_steps(self, info: ModelInfo, rows: int, dtype_bytes: int) -> int:
+        # Each row's cross-attention keys and values of its 512 text tokens (prompt_cache.py;
+        # fp32 rows keep fewer) and Wan2.1-I2V's image tokens (its CLIP ViT-H/14 at 224 pixels:
+        # 256 patches and the class token), within the pipeline's budget.
+        c = info.config
+        tokens = TEXT_TOKENS + (257 if c.image_encoder else 0)
+        per_row = tokens * 2 * c.dim * c.depth * dtype_bytes
+        return min(WanVideoPipeline.prompt_cache_bytes, rows * per_row)
 
     def count_parameters(self, info: ModelInfo) -> dict[str, int]:
         diffusers, transformers = libraries()
