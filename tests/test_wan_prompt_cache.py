@@ -10,7 +10,10 @@ import pytest
 import torch
 
 from megaslide.engine.loader import open_pipeline
+from megaslide.engine.planner import Workload, plan
 from megaslide.engine.request import LoraChoice
+from megaslide.engine.sources import describe, resolve_source
+from megaslide.engine.wan.family import WanVideoPipeline
 from megaslide.engine.wan.prompt_cache import entry_bytes
 
 from lora_fixtures import write_musubi, write_peft
@@ -150,6 +153,18 @@ def test_the_budget_bounds_the_kept_bytes(wan):
     assert calls == [4] + [2] * requests[0].steps
     for a, s in zip(plain, states):
         assert np.array_equal(a, pipe.finish(s))
+
+
+def test_the_planner_counts_the_kept_keys_on_the_device(wan, monkeypatch):
+    """`plan` reserves on the device what a pass's rows keep across steps: a row's full entry
+    (`entry_bytes`, 512 tokens), within the pipeline's budget."""
+    info = describe(resolve_source(wan["model"]))
+    model = open_pipeline(wan["model"], offload="none").experts[0]
+    per_row = entry_bytes(model, 512, torch.float32)
+    kept = lambda batch: plan(info, w=Workload(batch=batch, dtype_bytes=4))["device"]  # noqa: E731
+    assert kept(1)["kept_across_steps"] == 2 * per_row  # a guided request: two rows
+    monkeypatch.setattr(WanVideoPipeline, "prompt_cache_bytes", 3 * per_row)
+    assert kept(4)["kept_across_steps"] == 3 * per_row
 
 
 def test_compact_entries_keep_one_padding_token_within_one_level(wan):
