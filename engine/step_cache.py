@@ -114,13 +114,14 @@ def extrapolate(times: Sequence[float], values: Sequence[torch.Tensor], t: float
     """The polynomial through `(times[i], values[i])` (degree `len(times) - 1`), at `t`: in
     Lagrange's form, `sum_i values[i] prod_{j != i} (t - times[j]) / (times[i] - times[j])`.
     With two points, `v1 + (v1 - v0) (t - t1) / (t1 - t0)`. The weights are computed in float64
-    on the host and the sum in fp32; the result has the values' dtype."""
+    on the host and the sum in fp32 at least (a bf16 output's rounding would otherwise be
+    multiplied by the weights, which exceed 1); the result has the values' dtype."""
     if len(times) != len(values) or not values:
         raise ValueError("extrapolate needs as many values as times, and at least one")
-    out = torch.zeros_like(values[-1], dtype=torch.float32)
+    out = torch.zeros_like(values[-1], dtype=torch.promote_types(values[-1].dtype, torch.float32))
     for i, (ti, vi) in enumerate(zip(times, values)):
         w = math.prod((t - tj) / (ti - tj) for j, tj in enumerate(times) if j != i)
-        out += w * vi.float()
+        out += w * vi.to(out.dtype)
     return out.to(values[-1].dtype)
 
 
