@@ -3,6 +3,7 @@
     python benchmarks/step_cache.py --json                      # the packaged megaslide-tiny
     python benchmarks/step_cache.py --model runs/x/model --count 60 --json
     python benchmarks/step_cache.py --model runs/x/model --calibrate 8   # writes its step curve
+    python benchmarks/step_cache.py --forecast none linear --policies adaptive --thresholds 0.02
 
 Every prompt of `prompt_adherence`'s list is sampled once without a cache (the reference) and
 once per policy and threshold, streamed (`offload="stream"`), from the same seed. Per setting:
@@ -10,12 +11,16 @@ the weight passes per clip (a reused step runs no pass and moves no weights, so 
 steps / passes is also the saving in weight transfer), the bytes the streamer moved, the median
 wall time per clip, PSNR and SSIM of each clip against its uncached clip (mean over clips, and the
 worst clip), and prompt adherence as `prompt_adherence` reads it (colour, shape, motion, and
-their mean, in percentage points, against the uncached clips' own).
+their mean, in percentage points, against the uncached clips' own). `--forecast` runs every
+policy and threshold once per forecast named (what a reused step takes: `none`, the last
+computed output; `linear` or `quadratic`, its extrapolation in flow time); `--thresholds`
+replaces the thresholds of every policy run.
 
 Goal: >= 1.8x fewer weight passes at PSNR >= 30 dB against uncached and adherence within
 2 points; the adaptive policy better than the fixed one at equal speed (`at_equal_speed`: each
-adaptive or first-block setting's PSNR, mean and worst clip, minus the output-change policy's,
-interpolated at the same passes).
+adaptive, first-block or forecasting setting's PSNR, mean and worst clip, minus the
+output-change policy's without a forecast, interpolated at the same passes; where that is not run,
+`at_equal_speed` is left out).
 
 `--calibrate N` measures the model's step curve instead (`step_cache.calibrate`, which the
 adaptive policy reads) on the last N prompts of the list, seeds 1000 + i, so that they share no
@@ -38,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from megaslide.engine.loader import open_pipeline
-from megaslide.engine.request import VideoRequest
+from megaslide.engine.request import CACHE_FORECASTS, VideoRequest
 from megaslide.engine.sources import DEFAULT_MODEL
 from megaslide.engine.step_cache import CURVE_FILE, calibrate
 from megaslide.engine.world import analyse_clip, benchmark_prompts
@@ -150,6 +155,16 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--policies", nargs="+", choices=tuple(THRESHOLDS), help="only these (default: all)"
     )
+    ap.add_argument(
+        "--thresholds", nargs="+", type=float, help="these for every policy (default: each its own)"
+    )
+    ap.add_argument(
+        "--forecast",
+        nargs="+",
+        choices=CACHE_FORECASTS,
+        default=["none"],
+        help="run every setting with each of these forecasts (default: none)",
+    )
     ap.add_argument("--calibrate", type=int, metavar="N", help="write the model's step curve")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
@@ -183,16 +198,26 @@ def main(argv=None) -> int:
     steps = args.steps or pipe.info.sampling.steps
     reference, ref_rows = run(None)
     ref_adherence = adherence([r["read"] for r in ref_rows], asked)
-    settings = [{"policy": "off", "threshold": None}]
+    settings = [{"policy": "off", "threshold": None, "forecast": "none"}]
     grid = QUICK_THRESHOLDS if args.quick else THRESHOLDS
     chosen = args.policies or tuple(grid)
-    settings += [{"policy": p, "threshold": t} for p, ts in grid.items() if p in chosen for t in ts]
+    settings += [
+        {"policy": p, "threshold": t, "forecast": f}
+        for f in args.forecast
+        for p, ts in grid.items()
+        if p in chosen
+        for t in args.thresholds or ts
+    ]
     results = []
     for setting in settings:
         if setting["policy"] == "off":
             clips, rows = reference, ref_rows
         else:
-            print(f"{setting['policy']} {setting['threshold']}", file=sys.stderr, flush=True)
+            print(
+                f"{setting['policy']} {setting['threshold']} {setting['forecast']}",
+                file=sys.stderr,
+                flush=True,
+            )
             clips, rows = run(setting)
         psnrs = [psnr(c, r) for c, r in zip(clips, reference)]
         passes = float(np.mean([r["passes"] for r in rows]))
@@ -217,9 +242,9 @@ def main(argv=None) -> int:
             and r["psnr_db"] >= GOALS["psnr_db"]
             and r["adherence_drop_points"] <= GOALS["adherence_drop_points"]
         )
-    fixed = [r for r in results if r["policy"] == "output-change"]
+    fixed = [r for r in results if r["policy"] == "output-change" and r["forecast"] == "none"]
     for r in results:
-        if r["policy"] not in ("off", "output-change"):
+        if r["policy"] != "off" and r not in fixed and fixed:
             for key, gain in (("psnr_db", "psnr_gain"), ("psnr_db_worst", "worst_psnr_gain")):
                 other = interpolate(
                     r["passes_per_clip"],
@@ -248,6 +273,7 @@ def main(argv=None) -> int:
             gain = r.get("psnr_gain_at_equal_speed_db")
             print(
                 f"{r['policy']:>13} {r['threshold'] if r['threshold'] is not None else '':>6} "
+                f"{r['forecast']:>9} "
                 f"passes {r['passes_per_clip']:5.2f} ({r['speedup']:.2f}x) "
                 f"{r['seconds_per_clip']:.3f} s  PSNR {r['psnr_db']:5.2f} dB "
                 f"(worst {r['psnr_db_worst']:5.2f})  SSIM {r['ssim']:.3f}  adherence "

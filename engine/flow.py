@@ -154,7 +154,7 @@ def sample_step(
         computed = iter((v, True) for v in _forward(model, run))
     for s, reused in zip(states, reuse):
         if reused:
-            v_s = s.cache.output()
+            v_s = s.cache.output(s.times[s.step])
         else:
             v_s, ran = next(computed)  # ran: False when a first-block cache reused in the pass
             if ran and s.cache is not None:
@@ -228,7 +228,7 @@ def _forward_probed(model, states, first_block_only) -> list[tuple[torch.Tensor,
             h[index] = part
         for s, r, u in zip(states, rows, reuse):
             if u:
-                h[r] = h1[r] + s.cache.tail()  # (rows, N, D)
+                h[r] = h1[r] + s.cache.tail(s.times[s.step])  # (rows, N, D)
     for s, r, u in zip(states, rows, reuse):
         if s.cache is not None and s.cache.probes and not u:
             s.cache.record_probed(h1[r] - h0[r], h[r] - h1[r])

@@ -28,13 +28,20 @@ RANDOM_SEED_BITS = 31  # an unseeded request gets a seed below 2**31, echoed bac
 # Step caches (engine/step_cache.py holds the policies and their maths): a request names a policy
 # and a threshold, or a preset. Off unless asked for. The presets are points measured on the
 # packaged model at 20 steps (benchmarks/step_cache.py, docs/benchmarks.md, 20 prompts): 2.00x,
-# 2.34x and 3.28x fewer passes at 41.1, 36.0 and 30.7 dB mean PSNR against the uncached clips.
-# The adaptive threshold is an RMS clip error over 255 per run of reuses on a model with a step
-# curve (engine/step_cache.py); balanced and fast stay output-change for their worst clip.
+# 2.37x and 3.28x fewer passes at 41.1, 38.8 and 30.7 dB mean PSNR against the uncached clips
+# (worst clip 23.8, 32.0 and 21.8 dB). The adaptive threshold is an RMS clip error over 255 per
+# run of reuses on a model with a step curve (engine/step_cache.py); balanced and fast stay
+# output-change for their worst clip. balanced forecasts its reuses linearly: at its short runs
+# of reuses that raised the worst clip from 23.3 dB (mean 36.0); quality and fast do not (with a
+# forecast, quality's adherence fell a clip-attribute, fast lost in PSNR).
 CACHE_POLICIES = ("output-change", "adaptive", "first-block")
+# What a reused step takes, with any policy: the last computed output as it is ("none"), or the
+# output forecast at the step's flow time from the last two ("linear") or three ("quadratic")
+# computed outputs (engine/step_cache.py, `extrapolate`).
+CACHE_FORECASTS = ("none", "linear", "quadratic")
 CACHE_PRESETS = {
     "quality": {"policy": "adaptive", "threshold": 0.006},
-    "balanced": {"policy": "output-change", "threshold": 0.05},
+    "balanced": {"policy": "output-change", "threshold": 0.05, "forecast": "linear"},
     "fast": {"policy": "output-change", "threshold": 0.1},
 }
 MAX_CACHE_THRESHOLD = 100.0
@@ -191,20 +198,28 @@ class VideoRequest:
     seed: int | None = None
     image: str | None = None  # a first-frame image file, for a model that takes one
     loras: tuple[LoraChoice, ...] = ()  # LoRA adapters to apply, in order
-    # A step cache: a preset's name ("fast", ...), or {"policy": ..., "threshold": ...}; None or
-    # "off": every step runs its pass.
+    # A step cache: a preset's name ("fast", ...), or {"policy": ..., "threshold": ...,
+    # "forecast": ...} (forecast optional, "none" by default); None or "off": every step runs
+    # its pass.
     cache: str | dict | None = None
 
 
 @dataclass(frozen=True)
 class CacheSpec:
-    """A step cache as resolved: which policy, and its threshold (0 reuses nothing)."""
+    """A step cache as resolved: which policy, its threshold (0 reuses nothing), and what a
+    reused step takes (`CACHE_FORECASTS`)."""
 
     policy: str
     threshold: float
+    forecast: str = "none"
 
     def to_dict(self) -> dict:
-        return {"policy": self.policy, "threshold": self.threshold}
+        """As a request spells it; `forecast` only when on, so that a cache without one reads
+        back as it always did."""
+        d = {"policy": self.policy, "threshold": self.threshold}
+        if self.forecast != "none":
+            d["forecast"] = self.forecast
+        return d
 
 
 def resolve_cache(value: str | dict | None) -> CacheSpec | None:
@@ -222,10 +237,11 @@ def resolve_cache(value: str | dict | None) -> CacheSpec | None:
         raise RequestError(
             "cache must be a preset name or an object with policy and threshold", param="cache"
         )
-    unknown = set(value) - {"policy", "threshold"}
+    unknown = set(value) - {"policy", "threshold", "forecast"}
     if unknown:
         raise RequestError(
-            f"cache: unknown field(s) {', '.join(sorted(unknown))}; give policy and threshold",
+            f"cache: unknown field(s) {', '.join(sorted(unknown))}; give policy and threshold "
+            "(and optionally forecast)",
             param="cache",
         )
     policy = value.get("policy")
@@ -248,7 +264,13 @@ def resolve_cache(value: str | dict | None) -> CacheSpec | None:
             f"cache threshold must be a number in [0, {MAX_CACHE_THRESHOLD:g}], got {threshold!r}",
             param="cache",
         )
-    return CacheSpec(policy, float(threshold))
+    forecast = value.get("forecast", "none")
+    if forecast not in CACHE_FORECASTS:
+        raise RequestError(
+            f"cache forecast {forecast!r} is unknown; known: {', '.join(CACHE_FORECASTS)}",
+            param="cache",
+        )
+    return CacheSpec(policy, float(threshold), forecast)
 
 
 @dataclass(frozen=True)
@@ -284,6 +306,7 @@ class ResolvedVideo:
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
+        d["cache"] = None if self.cache is None else self.cache.to_dict()
         d["loras"] = [dataclasses.asdict(c) for c in self.loras]
         return d
 

@@ -61,6 +61,18 @@ Policies (`threshold` 0 never reuses; larger reuses more):
   the result with this step's timestep. The decision needs block 0's output, so it is taken
   inside the pass (`StepCache.reuse_probed`): the sampler cuts the forward after block 0. For a
   streamed model a reuse step moves block 0's weights and no others.
+
+Forecasting (`CacheSpec.forecast`, with any policy; after FORA's feature reuse, Selvaraju et al.
+2024, arXiv:2407.01425, and TaylorSeer's forecast of it, Liu et al. 2025, arXiv:2503.06923).
+Without it (`none`, the default) a reuse takes the last computed output as it is. With it a
+reuse at flow time `t` takes the polynomial through the last computed outputs, extrapolated in
+flow time to `t` (`extrapolate`): `linear` through two, `v_a + (v_a - v_b) (t - t_a) / (t_a -
+t_b)`, `quadratic` through three (linear while only two are held). A first-block reuse forecasts
+the residual of the blocks after the first in the same way. The forecast comes from computed
+outputs only, never from an earlier forecast, and the policies decide as without one: the rate
+of change and the adaptive policy's step curve both describe a plain reuse, so with a forecast
+they overstate a reuse's error where the output changes smoothly (what the forecast follows)
+and understate it where it bends.
 """
 
 from __future__ import annotations
@@ -76,7 +88,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .request import CACHE_POLICIES, CacheSpec
+from .request import CACHE_FORECASTS, CACHE_POLICIES, CacheSpec
 
 
 def relative_l1(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -98,11 +110,31 @@ def frame_motion(x0: torch.Tensor) -> float:
     return (diff / x0.abs().mean().clamp_min(1e-12)).item()
 
 
+def extrapolate(times: Sequence[float], values: Sequence[torch.Tensor], t: float) -> torch.Tensor:
+    """The polynomial through `(times[i], values[i])` (degree `len(times) - 1`), at `t`: in
+    Lagrange's form, `sum_i values[i] prod_{j != i} (t - times[j]) / (times[i] - times[j])`.
+    With two points, `v1 + (v1 - v0) (t - t1) / (t1 - t0)`. The weights are computed in float64
+    on the host and the sum in fp32 at least (a bf16 output's rounding would otherwise be
+    multiplied by the weights, which exceed 1); the result has the values' dtype."""
+    if len(times) != len(values) or not values:
+        raise ValueError("extrapolate needs as many values as times, and at least one")
+    out = torch.zeros_like(values[-1], dtype=torch.promote_types(values[-1].dtype, torch.float32))
+    for i, (ti, vi) in enumerate(zip(times, values)):
+        w = math.prod((t - tj) / (ti - tj) for j, tj in enumerate(times) if j != i)
+        out += w * vi.to(out.dtype)
+    return out.to(values[-1].dtype)
+
+
+FORECAST_ORDERS = {"none": 0, "linear": 1, "quadratic": 2}  # request.CACHE_FORECASTS's degrees
+assert tuple(FORECAST_ORDERS) == CACHE_FORECASTS, "request.CACHE_FORECASTS names the orders here"
+
+
 @dataclass
 class History:
-    """What one expert of one request remembers: its last two computed steps and the drift
-    accumulated by the steps that reused since."""
+    """What one expert of one request remembers: its last computed steps (two, or `order + 1`
+    when a reuse forecasts from them) and the drift accumulated by the steps that reused since."""
 
+    order: int = 0  # the degree of the forecast a reuse takes (`FORECAST_ORDERS`); 0: none
     times: list[float] = field(
         default_factory=list
     )  # flow times of the computed steps, newest last
@@ -113,9 +145,14 @@ class History:
     motion: float = 0.0  # frame motion of the predicted clip at the newest computed step
     drift: float = 0.0  # adaptive: estimated relative drift of the reuses since the last compute
     # first-block: the first block's residual `(rows, N, D)` at the newest computed step, and the
-    # residual of the blocks after it, `h_N - h_1`, at that step.
+    # residuals of the blocks after it, `h_N - h_1`, at the computed steps held (newest last).
     first: torch.Tensor | None = None
-    tail: torch.Tensor | None = None
+    tails: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def depth(self) -> int:
+        """How many computed steps are held: two for the rate of change, more to forecast."""
+        return max(2, self.order + 1)
 
     def record(self, t: float, latents: torch.Tensor, output: torch.Tensor) -> None:
         if self.outputs:
@@ -124,14 +161,30 @@ class History:
             self.rate = self.change / span if span > 0 else float("inf")
             self.changes.append(self.change)
         self.motion = frame_motion(latents.float() - t * output.float())
-        self.times = [*self.times[-1:], t]
-        self.outputs = [*self.outputs[-1:], output]
+        self.times = [*self.times[1 - self.depth :], t]
+        self.outputs = [*self.outputs[1 - self.depth :], output]
         self.drift = 0.0
+
+    def record_probed(self, first: torch.Tensor, tail: torch.Tensor) -> None:
+        """A computed step's first-block residual and the residual of the blocks after it (its
+        `record` follows, with the step's flow time)."""
+        self.first = first
+        self.tails = [*self.tails[1 - self.depth :], tail]
 
     @property
     def measured(self) -> bool:
         """Two computed steps: a rate of change to go on."""
-        return len(self.outputs) == 2
+        return len(self.outputs) >= 2
+
+    def forecast(self, values: list[torch.Tensor], t: float) -> torch.Tensor:
+        """What a reuse at flow time `t` takes from `values` (outputs or tails, one per computed
+        step held, newest last): the newest as it is without a forecast (the very tensor); with
+        one, the polynomial of degree `order` through the newest `order + 1` (fewer while fewer
+        are held) extrapolated to `t`."""
+        n = min(self.order + 1, len(values))
+        if n == 1:
+            return values[-1]
+        return extrapolate(self.times[-n:], values[-n:], t)
 
 
 class StepPolicy(ABC):
@@ -281,10 +334,14 @@ assert set(POLICIES) == set(CACHE_POLICIES), "request.CACHE_POLICIES names the p
 
 
 class StepCache:
-    """One request's step cache: its policy, a history per expert, and what ran."""
+    """One request's step cache: its policy, what a reuse takes (`order`: the degree of the
+    forecast, 0 for the last computed output as it is), a history per expert, and what ran."""
 
-    def __init__(self, policy: StepPolicy):
+    def __init__(self, policy: StepPolicy, order: int = 0):
+        if order not in FORECAST_ORDERS.values():
+            raise ValueError(f"forecast order must be one of {sorted(FORECAST_ORDERS.values())}")
         self.policy = policy
+        self.order = order
         self.histories: dict[int, History] = {}
         self.passes = 0  # steps whose pass this request joined
         self.reused = 0  # steps that took a cached output
@@ -297,8 +354,10 @@ class StepCache:
         if spec is None:
             return None
         if spec.policy == Adaptive.name:
-            return cls(Adaptive(spec.threshold, curve))
-        return cls(POLICIES[spec.policy](spec.threshold))
+            policy = Adaptive(spec.threshold, curve)
+        else:
+            policy = POLICIES[spec.policy](spec.threshold)
+        return cls(policy, FORECAST_ORDERS[spec.forecast])
 
     def reuse(self, step: int, t: float, t_next: float, key: int = 0) -> bool:
         """Whether step `step`, from flow time `t` to `t_next`, reuses the cached output of
@@ -322,7 +381,7 @@ class StepCache:
         answer."""
         if self._decided is not None and self._decided[:2] == (step, key):
             return self._decided[2]
-        decision = ask(self.histories.setdefault(key, History()))
+        decision = ask(self.histories.setdefault(key, History(self.order)))
         if decision:
             self.reused += 1
         else:
@@ -330,17 +389,20 @@ class StepCache:
         self._decided = (step, key, decision)
         return decision
 
-    def tail(self, key: int = 0) -> torch.Tensor:
-        """The residual `h_N - h_1` `(rows, N, D)` of the blocks after the first, last computed."""
-        return self.histories[key].tail
+    def tail(self, t: float, key: int = 0) -> torch.Tensor:
+        """The residual `h_N - h_1` `(rows, N, D)` of the blocks after the first that a reuse at
+        flow time `t` takes: the last computed, or its forecast at `t`."""
+        history = self.histories[key]
+        return history.forecast(history.tails, float(t))
 
     def record_probed(self, first: torch.Tensor, tail: torch.Tensor, key: int = 0) -> None:
         """Remember a computed step's first-block residual and the residual of the blocks after."""
-        history = self.histories[key]
-        history.first, history.tail = first, tail
+        self.histories[key].record_probed(first, tail)
 
-    def output(self, key: int = 0) -> torch.Tensor:
-        return self.histories[key].outputs[-1]
+    def output(self, t: float, key: int = 0) -> torch.Tensor:
+        """The output a reuse at flow time `t` takes: the last computed, or its forecast at `t`."""
+        history = self.histories[key]
+        return history.forecast(history.outputs, float(t))
 
     def record(self, t: float, latents: torch.Tensor, output: torch.Tensor, key: int = 0) -> None:
         """Remember the output the step at flow time `t` computed from `latents`."""

@@ -155,9 +155,15 @@ class VideoCreate(Request):
     cache: str | dict[str, Any] | None = Field(
         None,
         description='step cache: a preset ("quality", "balanced", "fast"; "off", the default) or '
-        '{"policy": "output-change" | "adaptive" | "first-block", "threshold": number} (a model '
-        "lists the policies it takes in its limits' cache_policies)",
-        examples=["fast", {"policy": "adaptive", "threshold": 0.01}],
+        '{"policy": "output-change" | "adaptive" | "first-block", "threshold": number, '
+        '"forecast": "none" | "linear" | "quadratic"} (forecast optional, "none" by default: what '
+        "a reused step takes, the last computed output or its extrapolation; a model lists the "
+        "policies it takes in its limits' cache_policies)",
+        examples=[
+            "fast",
+            {"policy": "adaptive", "threshold": 0.01},
+            {"policy": "output-change", "threshold": 0.1, "forecast": "linear"},
+        ],
     )
     # Image-to-video: a first-frame image, uploaded as a multipart file (see the videos router).
     input_reference: Any = None

@@ -36,9 +36,12 @@ def test_step_cache_benchmark_quick():
         "--quick",
         "--threads",
         "1",
+        "--forecast",
+        "none",
+        "linear",
         "--json",
     )
-    by = {(s["policy"], s["threshold"]): s for s in r["settings"]}
+    by = {(s["policy"], s["threshold"]): s for s in r["settings"] if s["forecast"] == "none"}
     off = by[("off", None)]
     assert off["passes_per_clip"] == 5 and off["psnr_db"] == 100 and off["h2d_bytes_per_clip"] > 0
     # Threshold 100 reuses after two passes (first-block: after one pass, moving block 0 alone on
@@ -54,6 +57,14 @@ def test_step_cache_benchmark_quick():
         else:
             assert off["h2d_bytes_per_clip"] / 5 < loose["h2d_bytes_per_clip"]
             assert loose["h2d_bytes_per_clip"] < off["h2d_bytes_per_clip"] * 2 / 5
+    # With a forecast: the same passes at these thresholds (0: the uncached clips exactly), and
+    # the reuses take something else (first-block: one computed step, nothing to extrapolate).
+    ahead = {(s["policy"], s["threshold"]): s for s in r["settings"] if s["forecast"] == "linear"}
+    assert set(ahead) == set(by) - {("off", None)}
+    for key, s in ahead.items():
+        assert s["passes_per_clip"] == by[key]["passes_per_clip"]
+        same = key[1] == 0.0 or key[0] == "first-block"
+        assert (s["psnr_db"] == by[key]["psnr_db"]) == same, key
 
 
 def test_motion_prior_benchmark_quick():

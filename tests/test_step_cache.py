@@ -26,7 +26,9 @@ from megaslide.engine.step_cache import (
     History,
     StepCache,
     StepCurve,
+    StepPolicy,
     calibrate,
+    extrapolate,
 )
 
 from dit_fixtures import randomise_zero_inits
@@ -184,6 +186,97 @@ def test_rows_that_reuse_leave_the_pass():
     assert cached.cache.passes == 2 and cached.cache.reused == 3
 
 
+def test_extrapolate_is_the_polynomial_through_the_computed_outputs():
+    """A forecast is the line (or parabola) through the last computed outputs, at the reuse's
+    flow time; without one a reuse takes the last computed output itself."""
+    v0, v1, v2 = torch.randn(3, 2, 3, generator=torch.Generator().manual_seed(0)).unbind()
+    t0, t1, t2, t = 1.0, 0.8, 0.55, 0.4
+    expected = v1 + (v1 - v0) * (t - t1) / (t1 - t0)  # the first-order formula
+    assert torch.allclose(extrapolate([t0, t1], [v0, v1], t), expected, atol=1e-6)
+    assert torch.equal(extrapolate([t1], [v1], t), v1)
+
+    def f(x):  # quadratic in the flow time: the parabola through three of its points is itself
+        return v0 + x * v1 + x**2 * v2
+
+    got = extrapolate([t0, t1, t2], [f(t0), f(t1), f(t2)], t)
+    assert torch.allclose(got, f(t), atol=1e-5)
+    assert extrapolate([t0, t1], [v0.half(), v1.half()], t).dtype == torch.float16
+
+    def history(order):
+        h = History(order)
+        for ti in (t0, t1, t2):
+            h.record(ti, torch.zeros(1, 1, 2, 1, 1), f(ti).reshape(1, 1, 2, 1, 3))
+        return h
+
+    plain, linear, quadratic = history(0), history(1), history(2)
+    assert len(plain.outputs) == len(linear.outputs) == 2 and len(quadratic.outputs) == 3
+    assert plain.forecast(plain.outputs, t) is plain.outputs[-1]
+    line = f(t2) + (f(t2) - f(t1)) * (t - t2) / (t2 - t1)
+    assert torch.allclose(linear.forecast(linear.outputs, t).flatten(), line.flatten(), atol=1e-5)
+    assert torch.allclose(
+        quadratic.forecast(quadratic.outputs, t).flatten(), f(t).flatten(), atol=1e-5
+    )
+    early = History(2)  # two computed steps held: a quadratic forecast is the line until three
+    for ti in (t0, t1):
+        early.record(ti, torch.zeros(1, 1, 2, 1, 1), f(ti).reshape(1, 1, 2, 1, 3))
+    line = f(t1) + (f(t1) - f(t0)) * (t - t1) / (t1 - t0)
+    assert torch.allclose(early.forecast(early.outputs, t).flatten(), line.flatten(), atol=1e-5)
+
+
+class ReuseFrom(StepPolicy):
+    """Computes the steps before `first`, reuses every one from it on."""
+
+    name = "reuse-from"
+
+    def __init__(self, first: int):
+        super().__init__(0.0)
+        self.first, self.asked = first, 0
+
+    def reuse(self, history: History, t: float, t_next: float) -> bool:
+        self.asked += 1
+        return self.asked > self.first
+
+
+@pytest.mark.parametrize(
+    ("forecast", "degree"), [("none", 1), ("linear", 1), ("linear", 2), ("quadratic", 2)]
+)
+def test_a_reuse_forecasts_the_output_in_flow_time(forecast, degree):
+    """A model whose output is a polynomial of the flow time, three steps computed and three
+    reused: a forecast of the polynomial's degree reuses the very output the model would have
+    given (the latents of the uncached run), a lower one does not; without a forecast each reuse
+    takes the last computed output as it is."""
+
+    class Polynomial(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(()))
+
+        def forward(self, x, t, ctx, mask):
+            return x * 0 + (1 + t**degree).view(-1, 1, 1, 1, 1)  # (B, C, F, H, W)
+
+    ctx, mask = torch.zeros(2, 1, 1), torch.ones(2, 1, dtype=torch.bool)
+    times = torch.linspace(1, 0, 7)
+
+    def sample(cache):
+        s = SampleState(torch.zeros(1, 1, 2, 1, 1), ctx, mask, times, 3.0, cache=cache)
+        while not s.done:
+            sample_step(Polynomial(), [s])
+        return s.latents
+
+    order = {"none": 0, "linear": 1, "quadratic": 2}[forecast]
+    cache = StepCache(ReuseFrom(3), order)
+    latents, uncached = sample(cache), sample(None)
+    assert (cache.passes, cache.reused) == (3, 3)
+    gap = (latents - uncached).abs().max().item()
+    assert gap < 1e-6 if order >= degree else gap > 1e-3, gap
+    if forecast == "none":  # by hand: steps 3-5 take step 2's output
+        x = torch.zeros(1, 1, 2, 1, 1)
+        for k in range(6):
+            v = x * 0 + (1 + times[min(k, 2)] ** degree)
+            x = x + (times[k + 1] - times[k]) * v
+        assert torch.equal(latents, x)
+
+
 def test_mixed_batch_gives_each_request_its_video_alone():
     """Cached and uncached requests stepped together: each gets the video it gets alone, bitwise
     when each row runs alone, within one uint8 level when rows share a pass."""
@@ -195,6 +288,9 @@ def test_mixed_batch_gives_each_request_its_video_alone():
         VideoRequest(
             "a blue bar", seed=11, cache={"policy": "first-block", "threshold": 0.2}, **REQ
         ),
+        # Forecasting rows: each keeps its own computed outputs (or residuals) to extrapolate.
+        VideoRequest("a red circle", seed=13, cache={**LOOSE, "forecast": "linear"}, **REQ),
+        VideoRequest("a green bar", seed=15, cache={**FIRST_BLOCK, "forecast": "quadratic"}, **REQ),
     ]
     for batched, tolerance in ((False, 0), (True, 1)):
         pipe = open_pipeline(resolve_source(preset="tiny"), batched=batched)
@@ -217,6 +313,13 @@ def test_requests_name_a_cache_once_and_round_trip(pipe):
     assert pipe.resolve(VideoRequest("p")).cache is None
     assert pipe.resolve(VideoRequest("p", cache="off")).cache is None
     assert resolve_cache({"policy": "adaptive", "threshold": 0}) == CacheSpec("adaptive", 0.0)
+    forecast = pipe.resolve(VideoRequest("p", cache={**LOOSE, "forecast": "linear"}))
+    assert forecast.cache == CacheSpec("output-change", 100.0, "linear")
+    assert forecast.cache.to_dict() == {**LOOSE, "forecast": "linear"}
+    assert ResolvedVideo.from_dict(forecast.to_dict()) == forecast
+    # Without a forecast (or with "none") a cache reads back as it did before forecasts.
+    assert resolve_cache({**LOOSE, "forecast": "none"}) == CacheSpec(**LOOSE)
+    assert video.to_dict()["cache"] == CACHE_PRESETS["fast"]
     bad = [
         ("warp", "preset 'warp' is unknown"),
         ({"policy": "teacache", "threshold": 0.1}, "policy 'teacache' is unknown"),
@@ -224,6 +327,7 @@ def test_requests_name_a_cache_once_and_round_trip(pipe):
         ({"policy": "adaptive", "threshold": -1}, "threshold must be a number"),
         ({"policy": "adaptive", "threshold": "0.1"}, "threshold must be a number"),
         ({"policy": "adaptive", "threshold": 0.1, "k": 3}, "unknown field"),
+        ({**LOOSE, "forecast": "cubic"}, "forecast 'cubic' is unknown"),
         (3, "preset name or an object"),
     ]
     for value, message in bad:
@@ -375,6 +479,24 @@ def test_wan_first_block_in_a_mixed_batch(wan):
     assert states[0].cache.passes < 4 and states[1].passes == 4
 
 
+def test_wan_forecasts_in_a_mixed_batch(wan):
+    """Forecasting requests and a plain one stepped together get what they get alone (within a
+    uint8 level), and a forecast changes what a reuse takes."""
+    pipe = open_pipeline(wan["deep"])
+    requests = [
+        wan_request(steps=5, cache={**LOOSE, "forecast": "linear"}),
+        wan_request(steps=5, seed=4, cache={**FIRST_BLOCK, "forecast": "quadratic"}),
+        wan_request(steps=5, seed=5, prompt="a blue square"),
+    ]
+    alone = [pipe.generate(pipe.resolve(r)) for r in requests]
+    states = [pipe.prepare(pipe.resolve(r)) for r in requests]
+    together = run(pipe, states)
+    assert all(level_diff(a, b) <= 1 for a, b in zip(alone, together))
+    assert states[0].cache.passes < 5 and states[1].cache.passes < 5 and states[2].passes == 5
+    plain = pipe.generate(pipe.resolve(wan_request(steps=5, cache=LOOSE)))
+    assert level_diff(plain, alone[0]) > 0
+
+
 def test_wan_two_experts_keep_their_own_histories(wan):
     """An output of the high-noise expert is never reused for the low-noise one: each expert
     computes its own first two steps before it reuses."""
@@ -425,6 +547,12 @@ def test_command_line_cache_and_stats_count_the_passes(tmp_path, capsys):
     assert stats["steps"] == 6 and 2 <= stats["passes"] < 6
     assert stats["cache"] == {"policy": "output-change", "threshold": 100.0}
     assert f"{stats['passes']} passes for 6 steps" in capsys.readouterr().err
+    assert (
+        main([*argv, "--cache", "output-change:100:linear", "--stats", str(tmp_path / "s.json")])
+        == 0
+    )
+    stats = json.loads((tmp_path / "s.json").read_text())
+    assert stats["cache"] == {"policy": "output-change", "threshold": 100.0, "forecast": "linear"}
     assert main([*argv, "--stats", str(tmp_path / "s.json")]) == 0
     assert json.loads((tmp_path / "s.json").read_text())["passes"] == 6
     for value, message in (("warp", "preset 'warp' is unknown"), ("adaptive:x", "not a number")):
@@ -450,13 +578,17 @@ def test_the_api_takes_a_cache_and_answers_the_passes(tmp_path):
     with TestClient(torch_app(settings)) as c:
         cached = c.post("/v1/videos", json={"prompt": "a", **clip, "cache": LOOSE}).json()
         plain = c.post("/v1/videos", json={"prompt": "b", **clip}).json()
+        forecast = {**LOOSE, "forecast": "quadratic"}
+        ahead = c.post("/v1/videos", json={"prompt": "e", **clip, "cache": forecast}).json()
         bad = c.post("/v1/videos", json={"prompt": "c", **clip, "cache": "warp"})
         form = c.post("/v1/videos", data={"prompt": "d", "cache": '{"policy": "adaptive"}'})
         cached = wait_status(c, cached["id"], timeout=120)
         plain = wait_status(c, plain["id"], timeout=120)
+        ahead = wait_status(c, ahead["id"], timeout=120)
     assert cached["status"] == plain["status"] == "completed"
     assert cached["cache"] == LOOSE and 2 <= cached["passes"] < 6
     assert plain["cache"] is None and plain["passes"] == 6
+    assert ahead["status"] == "completed" and ahead["cache"] == forecast
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "cache"
     assert form.status_code == 400 and "needs a threshold" in form.json()["error"]["message"]
 
@@ -472,4 +604,6 @@ def test_the_sdk_sends_the_cache():
     )
     assert create_body(prompt="p", cache="fast", **base)["cache"] == "fast"
     assert create_body(prompt="p", cache=LOOSE, **base)["cache"] == LOOSE
+    forecast = {**LOOSE, "forecast": "linear"}
+    assert create_body(prompt="p", cache=forecast, **base)["cache"] == forecast
     assert "cache" not in create_body(prompt="p", cache=None, **base)

@@ -29,8 +29,9 @@ def parse_bytes(text: str) -> int:
 
 
 def parse_cache(text: str | None) -> str | dict | None:
-    """--cache as a request's `cache` field: a preset name ("fast", "off"), POLICY:THRESHOLD, or a
-    JSON object. Only the syntax is read here; the request's resolution checks the values."""
+    """--cache as a request's `cache` field: a preset name ("fast", "off"),
+    POLICY:THRESHOLD[:FORECAST], or a JSON object. Only the syntax is read here; the request's
+    resolution checks the values."""
     if text is None:
         return None
     text = text.strip()
@@ -43,11 +44,15 @@ def parse_cache(text: str | None) -> str | dict | None:
             raise UsageError("--cache: expected a JSON object with policy and threshold")
         return value
     if ":" in text:
-        policy, _, threshold = text.partition(":")
+        policy, _, rest = text.partition(":")
+        threshold, _, forecast = rest.partition(":")
         try:
-            return {"policy": policy.strip(), "threshold": float(threshold)}
+            value = {"policy": policy.strip(), "threshold": float(threshold)}
         except ValueError:
             raise UsageError(f"--cache: threshold {threshold!r} is not a number") from None
+        if forecast:
+            value["forecast"] = forecast.strip()
+        return value
     return text
 
 

@@ -55,8 +55,9 @@ def register_generate(sub) -> None:
     )
     p.add_argument(
         "--cache",
-        help="step cache: a preset (quality, balanced, fast; default off), POLICY:THRESHOLD "
-        "(output-change, adaptive or first-block, e.g. adaptive:0.01), or a JSON object",
+        help="step cache: a preset (quality, balanced, fast; default off), "
+        "POLICY:THRESHOLD[:FORECAST] (output-change, adaptive or first-block; forecast none, "
+        "linear or quadratic; e.g. adaptive:0.01 or adaptive:0.02:linear), or a JSON object",
     )
     p.add_argument(
         "--transformer",

@@ -555,7 +555,7 @@ class WanVideoPipeline(Pipeline):
             offset = 0
             for s in group:
                 if id(s) in reuse and id(s) not in probed:
-                    noise = s.cache.output(key=e)
+                    noise = s.cache.output(s.flow_time(s.step), key=e)
                 else:
                     if id(s) in probed:  # its rows reused the later blocks' residual
                         noise = probed[id(s)]
@@ -717,7 +717,7 @@ class WanVideoPipeline(Pipeline):
                 h[index] = part
             for s, r, u in zip(group, rows, reuse):
                 if u:
-                    h[r] = h1[r] + s.cache.tail(key=e)  # (rows, N, D)
+                    h[r] = h1[r] + s.cache.tail(s.flow_time(s.step), key=e)  # (rows, N, D)
         for s, r, u in zip(group, rows, reuse):
             if s.cache is not None and s.cache.probes and not u:
                 s.cache.record_probed(h1[r] - h0[r], h[r] - h1[r], key=e)

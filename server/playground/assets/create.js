@@ -231,7 +231,8 @@ export class CreateForm {
     body.num_inference_steps = number(f.num_inference_steps, "num_inference_steps");
     body.guidance_scale = number(f.guidance_scale, "guidance_scale");
     body.seed = number(f.seed, "seed");
-    // A preset's name, or a remixed video's own cache ({"policy", "threshold"} as JSON).
+    // A preset's name, or a remixed video's own cache ({"policy", "threshold"} as JSON, and
+    // "forecast" when it has one).
     const cache = f.cache.value;
     if (cache !== "off") body.cache = cache.startsWith("{") ? JSON.parse(cache) : cache;
     const loras = this.loras();
@@ -272,12 +273,13 @@ export class CreateForm {
 }
 
 // The Create form's choice for a video's step cache as resolved (null: off): an option holding
-// that policy and threshold, made the first time one is needed.
+// that policy, threshold and forecast (when it has one), made the first time one is needed.
 function cacheChoice(select, cache) {
   if (!cache) return "off";
-  const value = JSON.stringify({ policy: cache.policy, threshold: cache.threshold });
+  const { policy, threshold, forecast } = cache;
+  const value = JSON.stringify(forecast ? { policy, threshold, forecast } : { policy, threshold });
   if (![...select.options].some((option) => option.value === value)) {
-    select.add(new Option(`${cache.policy} ${cache.threshold}`, value));
+    select.add(new Option(`${policy} ${threshold}${forecast ? ` ${forecast}` : ""}`, value));
   }
   return value;
 }

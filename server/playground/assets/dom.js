@@ -101,7 +101,10 @@ export function describeVideo(v) {
     `${v.num_frames} frames @ ${v.fps} fps`,
     `${v.num_inference_steps} steps`,
     // With a step cache, the passes of the model those steps took.
-    v.cache ? `${v.passes} passes (cache ${v.cache.policy} ${v.cache.threshold})` : null,
+    v.cache
+      ? `${v.passes} passes (cache ${v.cache.policy} ${v.cache.threshold}` +
+        `${v.cache.forecast ? ` ${v.cache.forecast}` : ""})`
+      : null,
     `guidance ${v.guidance_scale}`,
     `seed ${v.seed}`,
   ];

@@ -157,8 +157,10 @@ class Videos:
 
         `size` is "WIDTHxHEIGHT"; `seconds` and `num_frames` are two ways to give the length.
         `cache` asks for a step cache: a preset ("quality", "balanced", "fast") or
-        `{"policy": "output-change" | "adaptive" | "first-block", "threshold": ...}` (see
-        `Video.passes`; a model lists the policies it takes in its limits' `cache_policies`).
+        `{"policy": "output-change" | "adaptive" | "first-block", "threshold": ..., "forecast":
+        "none" | "linear" | "quadratic"}` (forecast optional: what a reused step takes, the last
+        computed output or its extrapolation in flow time; see `Video.passes`; a model lists the
+        policies it takes in its limits' `cache_policies`).
         `loras` names adapters registered on the model, each as a name, `(name, scale)` or
         `{"name", "scale", "expert"}` (`expert`: "high" or "low" on a Wan2.2 two-expert model).
         `input_reference` is a first-frame image (a path, bytes, a binary file or `(filename,
