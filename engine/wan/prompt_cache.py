@@ -134,32 +134,23 @@ class PromptCacheProcessor:
             attention_mask = self.mask
         # From here on as WanAttnProcessor (cross-attention: no rotary, no context parallel).
         query = attn.norm_q(attn.to_q(hidden_states)).unflatten(2, (attn.heads, -1))  # (B, N, h, d)
-        image = None
-        if k_img is not None:
-            image = dispatch_attention_fn(
+
+        def attend(k: torch.Tensor, v: torch.Tensor, mask=None) -> torch.Tensor:
+            out = dispatch_attention_fn(
                 query,
-                k_img,
-                v_img,
-                attn_mask=None,
+                k,
+                v,
+                attn_mask=mask,
                 dropout_p=0.0,
                 is_causal=False,
                 backend=self._attention_backend,
                 parallel_config=None,
             )
-            image = image.flatten(2, 3).type_as(query)  # (B, N, h*d)
-        out = dispatch_attention_fn(
-            query,
-            k,
-            v,
-            attn_mask=attention_mask,
-            dropout_p=0.0,
-            is_causal=False,
-            backend=self._attention_backend,
-            parallel_config=None,
-        )
-        out = out.flatten(2, 3).type_as(query)  # (B, N, h*d)
-        if image is not None:
-            out = out + image
+            return out.flatten(2, 3).type_as(query)  # (B, N, h*d)
+
+        out = attend(k, v, attention_mask)
+        if k_img is not None:
+            out = out + attend(k_img, v_img)
         return attn.to_out[1](attn.to_out[0](out))
 
 
