@@ -24,7 +24,8 @@ Data parallel (`DataParallel`, launched by data_parallel.py): every rank runs th
 rows of the batch, with the same noise and flow times one process would draw for them. Each
 block's gradients are summed onto rank 0 (`torch.distributed.reduce`) as soon as the block's
 backward is done and divided by the ranks there: the mean of equal shares' mean losses is the
-whole batch's mean loss. Rank 0 alone holds the optimizer (one m and v) and updates the one fp32
+whole batch's mean loss. The reduction runs while the next block's backward computes: a block's
+gradients go to the optimizer once the block after it (in backward order) has been computed. Rank 0 alone holds the optimizer (one m and v) and updates the one fp32
 master, which every rank streams from: the blocks' host stores and the non-block masters are the
 same pages of shared memory in every process. A barrier at the end of each optimizer step keeps
 the other ranks from reading a master before rank 0 has written it.
@@ -85,6 +86,38 @@ class DataParallel:
 
     def barrier(self) -> None:
         dist.barrier()
+
+
+class _Reduction:
+    """Gradients on their way to rank 0: a flat copy of them summed by one asynchronous
+    `torch.distributed.reduce`, so that the device (or, on gloo, this process's threads) goes on
+    computing meanwhile. One process: the gradients as they are, nothing started."""
+
+    def __init__(self, grads: dict[str, torch.Tensor], parallel: DataParallel | None):
+        self.parallel = parallel
+        if parallel is None:
+            self.grads = grads
+            return
+        # Only the flat copy stays alive: the gradients themselves can go with their block.
+        self.shapes = {name: g.shape for name, g in grads.items()}
+        self.flat = torch.cat([g.reshape(-1) for g in grads.values()])
+        self.work = dist.reduce(self.flat, dst=0, op=dist.ReduceOp.SUM, async_op=True)
+
+    def gradients(self) -> dict[str, torch.Tensor] | None:
+        """The gradients (their mean over the ranks, on rank 0); None on the other ranks. Waits
+        for the reduction."""
+        if self.parallel is None:
+            return self.grads
+        self.work.wait()
+        if not self.parallel.owner:
+            return None
+        self.flat /= self.parallel.world
+        out, offset = {}, 0
+        for name, shape in self.shapes.items():
+            n = shape.numel()
+            out[name] = self.flat[offset : offset + n].view(shape)
+            offset += n
+        return out
 
 
 class _ResidentBlocks:
@@ -267,6 +300,25 @@ class BlockwiseStep:
         weight = torch.tensor(
             self.config.aux_loss_weight / self.config.optimizer.grad_accum, device=self.device
         )
+
+        def send(block_id, reduction: _Reduction):
+            # The block's (reduced) gradients on their way to the host: what `update` takes, or
+            # None on a rank whose share went to rank 0.
+            nonlocal sq_norm
+            grads = reduction.gradients()
+            if grads is None:
+                return None
+            sq_norm += sum(g.float().square().sum() for g in grads.values())
+            return (block_id, *self.drain.send(grads))
+
+        def update(sent) -> None:
+            # The optimizer's update of a block, once its gradients have landed on the host.
+            if sent is not None:
+                future = self.worker.submit(self._update, *sent, last)
+                pending.append(self.drain.attach(future))
+
+        # Data parallel: the block whose gradients are being reduced while the next computes.
+        reducing: tuple[int, _Reduction] | None = None
         with io.manual(order="reverse"):
             for i in reversed(range(len(blocks))):
                 io.load(i)
@@ -278,10 +330,9 @@ class BlockwiseStep:
                 grad = xi.grad
                 inputs[i] = None  # this boundary activation is no longer needed
                 params = dict(trainable(blocks[i]))
-                grads = self._reduce(_grads_or_zeros(params))
-                if grads is not None:
-                    sq_norm += sum(g.float().square().sum() for g in grads.values())
-                    host_grads, landed = self.drain.send(grads)
+                reduction = self._reduce(_grads_or_zeros(params))
+                # One process: the copy starts before the gradients' last reference goes below.
+                sent = send(i, reduction) if self.parallel is None else None
                 for p in params.values():
                     p.grad = None  # gradients exist only for the block being processed
                 io.release(i)
@@ -289,9 +340,12 @@ class BlockwiseStep:
                     # Re-fetch the host views: this also tells the streamer that block i's host copy
                     # is about to change, so a stale slot copy is never reused.
                     self.handle.host_tensors(i)
-                if grads is not None:
-                    future = self.worker.submit(self._update, i, host_grads, landed, last)
-                    pending.append(self.drain.attach(future))
+                if self.parallel is None:
+                    update(sent)
+                else:
+                    if reducing is not None:
+                        update(send(*reducing))
+                    reducing = (i, reduction)
 
         # 4. Through the prologue with everything the blocks and the epilogue sent back.
         sent_back = [
@@ -299,18 +353,15 @@ class BlockwiseStep:
             for leaf in leaves.values()
         ]
         torch.autograd.backward([h, *carried.values()], [grad, *sent_back])
+        if reducing is not None:
+            update(send(*reducing))
         named = self.non_block_params
-        grads = self._reduce(_grads_or_zeros(named))
-        if grads is not None:
-            sq_norm += sum(g.float().square().sum() for g in grads.values())
-            host_grads, landed = self.drain.send(grads)
+        sent = send(NON_BLOCK, self._reduce(_grads_or_zeros(named)))
         for p in named.values():
             p.grad = None
-        if grads is not None:
-            future = self.worker.submit(self._update, NON_BLOCK, host_grads, landed, last)
-            pending.append(self.drain.attach(future))
+        update(sent)
         loss = loss.detach()
-        whole = self._reduce({"loss": loss})
+        whole = self._reduce({"loss": loss}).gradients()
         if whole is not None:
             loss = whole["loss"]  # rank 0 reports the whole batch's loss; a rank its own rows'
         for f in pending:
@@ -337,22 +388,11 @@ class BlockwiseStep:
     def d2h_bytes(self) -> int:
         return self.drain.bytes
 
-    def _reduce(self, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
-        """Data parallel: the mean over ranks of `grads` on rank 0, None on the others (their
-        share is sent). One process: `grads` as they are."""
-        if self.parallel is None:
-            return grads
-        # One collective per block, not one per tensor: a flat copy of the block's gradients.
-        flat = torch.cat([g.reshape(-1) for g in grads.values()])
-        dist.reduce(flat, dst=0, op=dist.ReduceOp.SUM)
-        if not self.owner:
-            return None
-        flat /= self.parallel.world
-        out, offset = {}, 0
-        for name, g in grads.items():
-            out[name] = flat[offset : offset + g.numel()].view(g.shape)
-            offset += g.numel()
-        return out
+    def _reduce(self, grads: dict[str, torch.Tensor]) -> _Reduction:
+        """Data parallel: start summing `grads` onto rank 0 (one collective for them all); its
+        `gradients()` are their mean over the ranks on rank 0, None on the others. One process:
+        `grads` as they are."""
+        return _Reduction(grads, self.parallel)
 
     def _update(self, block_id, grads: dict[str, torch.Tensor], landed, last: bool) -> None:
         # The optimizer reads the pinned buffers the D2H copy is filling: wait for that copy
