@@ -232,10 +232,28 @@ class StepCurve:
     times: tuple[float, ...]  # flow times of the calibration schedule, from 1 down to 0
     change: tuple[float, ...]  # mean relative L1 change of the output over step k-1 -> k, k >= 1
     error: tuple[float, ...]  # mean clip MSE / 255^2 when step k alone reuses step k-1's output
+    # The same errors with step k's reuse forecasting (`linear`, `quadratic`), per forecast
+    # measured; a forecast not here reads `error`.
+    forecast_error: dict[str, tuple[float, ...]] = field(default_factory=dict)
 
     def __post_init__(self):
-        if not len(self.times) - 2 == len(self.change) == len(self.error):
+        errors = [self.error, *self.forecast_error.values()]
+        if not all(len(self.times) - 2 == len(self.change) == len(e) for e in errors):
             raise ValueError("a step curve has steps + 1 times and steps - 1 changes and errors")
+        unknown = set(self.forecast_error) - (set(FORECAST_ORDERS) - {"none"})
+        if unknown:
+            raise ValueError(f"forecast errors for {sorted(unknown)}: only linear, quadratic")
+
+    @property
+    def forecasts(self) -> tuple[str, ...]:
+        """The forecasts whose single reuses this curve measured (`none` always)."""
+        return ("none", *self.forecast_error)
+
+    def for_forecast(self, forecast: str) -> StepCurve:
+        """The curve of reuses that take `forecast` (`none`: plain reuses): the errors those single
+        reuses made, the same changes. Raises KeyError for a forecast not measured."""
+        error = self.error if forecast == "none" else self.forecast_error[forecast]
+        return StepCurve(self.times, self.change, error)
 
     def rate(self, t: float) -> float:
         """Relative change of the output per unit of flow time at `t` (constant within each
@@ -266,18 +284,27 @@ class StepCurve:
         return float(np.interp(-t, [-x for x in ts], gains))
 
     def to_json(self) -> dict:
-        return {"format": CURVE_FORMAT, **{k: list(getattr(self, k)) for k in _CURVE_KEYS}}
+        out = {"format": CURVE_FORMAT, **{k: list(getattr(self, k)) for k in _CURVE_KEYS}}
+        if self.forecast_error:  # left out without: such a file is the same as before
+            out["forecast_error"] = {f: list(e) for f, e in self.forecast_error.items()}
+        return out
 
     @classmethod
     def read(cls, directory: Path | str | None) -> StepCurve | None:
-        """A model directory's step curve; None without one."""
+        """A model directory's step curve; None without one. A file written before curves per
+        forecast (no `forecast_error`) reads as a curve of plain reuses only."""
         path = Path(directory) / CURVE_FILE if directory is not None else None
         if path is None or not path.is_file():
             return None
         raw = json.loads(path.read_text())
         if raw.get("format") != CURVE_FORMAT:
             raise ValueError(f"{path}: format {raw.get('format')!r}, expected {CURVE_FORMAT}")
-        return cls(**{k: tuple(float(x) for x in raw[k]) for k in _CURVE_KEYS})
+        return cls(
+            **{k: tuple(float(x) for x in raw[k]) for k in _CURVE_KEYS},
+            forecast_error={
+                f: tuple(float(x) for x in e) for f, e in raw.get("forecast_error", {}).items()
+            },
+        )
 
 
 _CURVE_KEYS = ("times", "change", "error")
@@ -291,9 +318,15 @@ class Adaptive(StepPolicy):
 
     name = "adaptive"
 
-    def __init__(self, threshold: float, curve: StepCurve | None = None):
+    def __init__(self, threshold: float, curve: StepCurve | None = None, forecast: str = "none"):
+        """`curve`: the model's step curve, None without one; `forecast`: what the request's
+        reuses take, whose curve is read where the model's has one (`curve_forecast` says
+        which was read: `none`, the plain reuses', where it has none for `forecast`)."""
         super().__init__(threshold)
-        self.curve = curve
+        self.curve_forecast = "none"
+        if curve is not None and forecast in curve.forecasts:
+            self.curve_forecast = forecast
+        self.curve = None if curve is None else curve.for_forecast(self.curve_forecast)
 
     def reuse(self, history: History, t: float, t_next: float) -> bool:
         if not history.measured:
@@ -354,7 +387,7 @@ class StepCache:
         if spec is None:
             return None
         if spec.policy == Adaptive.name:
-            policy = Adaptive(spec.threshold, curve)
+            policy = Adaptive(spec.threshold, curve, spec.forecast)
         else:
             policy = POLICIES[spec.policy](spec.threshold)
         return cls(policy, FORECAST_ORDERS[spec.forecast])
@@ -437,13 +470,19 @@ class _ReuseAt(StepPolicy):
         return self.asked - 1 == self.step
 
 
-def calibrate(pipe, requests: Sequence) -> StepCurve:
+def calibrate(pipe, requests: Sequence, forecasts: Sequence[str] = ("none",)) -> StepCurve:
     """Measure a model's step curve: each request (`VideoRequest`, no cache) is sampled once
-    uncached, noting the output's relative change at every step, and once per step k >= 1 with
-    only step k reusing step k-1's output, noting the clip's MSE against the uncached one. The
-    curve is the mean over the requests (deterministic: seeded requests, no randomness here).
-    Costs `steps` samples per request."""
-    changes, errors, times = [], [], None
+    uncached, noting the output's relative change at every step, and, per forecast in
+    `forecasts` (plain reuse, `none`, always), once per step k >= 1 with only step k reusing
+    (step k-1's output as it is, or forecast from the steps before), noting the clip's MSE
+    against the uncached one. The curve is the mean over the requests (deterministic: seeded
+    requests, no randomness here). Costs `1 + (steps - 1) * forecasts` samples per request."""
+    forecasts = ["none", *(f for f in dict.fromkeys(forecasts) if f != "none")]
+    unknown = set(forecasts) - set(FORECAST_ORDERS)
+    if unknown:
+        raise ValueError(f"forecasts {sorted(unknown)} are unknown; known: {CACHE_FORECASTS}")
+    changes, times = [], None
+    errors: dict[str, list[list[float]]] = {f: [] for f in forecasts}
     for request in requests:
         video = pipe.resolve(request)
         state = pipe.prepare(video)
@@ -452,16 +491,20 @@ def calibrate(pipe, requests: Sequence) -> StepCurve:
         reference = _run(pipe, state)
         times = times or trace.times
         changes.append(state.cache.histories[0].changes)
-        errors.append([])
-        for k in range(1, len(trace.times) - 1):
-            state = pipe.prepare(video)
-            state.cache = StepCache(_ReuseAt(k))
-            clip = _run(pipe, state)
-            errors[-1].append(float(np.mean((clip.astype(np.float64) - reference) ** 2)) / 255**2)
+        for forecast in forecasts:
+            errors[forecast].append([])
+            for k in range(1, len(trace.times) - 1):
+                state = pipe.prepare(video)
+                state.cache = StepCache(_ReuseAt(k), FORECAST_ORDERS[forecast])
+                clip = _run(pipe, state)
+                mse = float(np.mean((clip.astype(np.float64) - reference) ** 2)) / 255**2
+                errors[forecast][-1].append(mse)
+    mean = {f: tuple(np.mean(e, axis=0).tolist()) for f, e in errors.items()}
     return StepCurve(
         tuple(times),
         tuple(np.mean(changes, axis=0).tolist()),
-        tuple(np.mean(errors, axis=0).tolist()),
+        mean.pop("none"),
+        forecast_error=mean,
     )
 
 
