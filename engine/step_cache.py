@@ -35,7 +35,7 @@ Policies (`threshold` 0 never reuses; larger reuses more):
   `StepCurve` holds them, measured once (`calibrate`, a few prompts: each sampled uncached, and
   once per step with that step alone reusing the step before) and stored beside the weights
   (`step_cache.json`): per step k, the mean relative change `c_k` of the output and the clip's
-  MSE `e_k` (over 255^2) when step k alone reuses. From them, the rate of change per unit of
+  MSE `e_k` (over 255^2) when step k alone reuses (one `e` per forecast calibrated, below). From them, the rate of change per unit of
   flow time, and the gain `g(t) = sqrt(e_k) / (dt_k c_k)`: RMS clip error per unit of latent
   error `dt |dv| / |v|` made at that point of the schedule. Reusing `v_a` (computed at `t_a`) at
   a step from `t` to `t_next` is predicted to cost the clip `g(t) |t_next - t| C(t_a, t)`, with
@@ -69,10 +69,14 @@ reuse at flow time `t` takes the polynomial through the last computed outputs, e
 flow time to `t` (`extrapolate`): `linear` through two, `v_a + (v_a - v_b) (t - t_a) / (t_a -
 t_b)`, `quadratic` through three (linear while only two are held). A first-block reuse forecasts
 the residual of the blocks after the first in the same way. The forecast comes from computed
-outputs only, never from an earlier forecast, and the policies decide as without one: the rate
-of change and the adaptive policy's step curve both describe a plain reuse, so with a forecast
-they overstate a reuse's error where the output changes smoothly (what the forecast follows)
-and understate it where it bends.
+outputs only, never from an earlier forecast. The adaptive policy reads the step curve of the
+request's forecast: a curve holds the single-reuse clip errors measured without a forecast and,
+per forecast calibrated (`calibrate(..., forecasts)`; the packaged model's has `linear`), with
+it; a forecast reuse costs more than a plain one where the output bends (the first steps) and
+less where it changes smoothly (the middle). Where a model's curve lacks the request's forecast
+it reads the plain errors (`Adaptive.curve_forecast` says which), as the other policies decide
+as without a forecast: their rate of change describes a plain reuse, so with a forecast they
+overstate a reuse's error where the output changes smoothly and understate it where it bends.
 """
 
 from __future__ import annotations
