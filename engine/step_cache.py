@@ -480,7 +480,8 @@ def calibrate(pipe, requests: Sequence, forecasts: Sequence[str] = ("none",)) ->
     `forecasts` (plain reuse, `none`, always), once per step k >= 1 with only step k reusing
     (step k-1's output as it is, or forecast from the steps before), noting the clip's MSE
     against the uncached one. The curve is the mean over the requests (deterministic: seeded
-    requests, no randomness here). Costs `1 + (steps - 1) * forecasts` samples per request."""
+    requests, no randomness here). Costs `1 + (steps - 1) n` samples per request, `n` the
+    forecasts measured (`none` counted)."""
     forecasts = ["none", *(f for f in dict.fromkeys(forecasts) if f != "none")]
     unknown = set(forecasts) - set(FORECAST_ORDERS)
     if unknown:
