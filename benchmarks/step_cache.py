@@ -3,6 +3,7 @@
     python benchmarks/step_cache.py --json                      # the packaged megaslide-tiny
     python benchmarks/step_cache.py --model runs/x/model --count 60 --json
     python benchmarks/step_cache.py --model runs/x/model --calibrate 8   # writes its step curve
+    python benchmarks/step_cache.py --calibrate 8 --forecast none linear   # and per forecast
     python benchmarks/step_cache.py --forecast none linear --policies adaptive --thresholds 0.02
 
 Every prompt of `prompt_adherence`'s list is sampled once without a cache (the reference) and
@@ -24,7 +25,11 @@ output-change policy's without a forecast, interpolated at the same passes; wher
 
 `--calibrate N` measures the model's step curve instead (`step_cache.calibrate`, which the
 adaptive policy reads) on the last N prompts of the list, seeds 1000 + i, so that they share no
-clip with the measured ones, and writes it into the model directory (`step_cache.json`).
+clip with the measured ones, and writes it into the model directory (`step_cache.json`): the
+single reuses' clip errors without a forecast and, for each other forecast that `--forecast`
+names, with it (`--calibrate 8 --forecast none linear`: the curve the packaged model ships).
+An adaptive setting reads the errors of its own forecast where the curve has them, the plain
+reuses' where not (`curve_forecast` in its JSON row says which).
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ import torch.nn.functional as F
 from megaslide.engine.loader import open_pipeline
 from megaslide.engine.request import CACHE_FORECASTS, VideoRequest
 from megaslide.engine.sources import DEFAULT_MODEL
-from megaslide.engine.step_cache import CURVE_FILE, calibrate
+from megaslide.engine.step_cache import CURVE_FILE, Adaptive, calibrate
 from megaslide.engine.world import analyse_clip, benchmark_prompts
 
 THRESHOLDS = {
@@ -130,11 +135,13 @@ def write_curve(args) -> int:
         for i, p in enumerate(prompts)
     ]
     start = time.perf_counter()
-    curve = calibrate(pipe, requests)
+    curve = calibrate(pipe, requests, args.forecast)
     path = pipe.info.source.path / CURVE_FILE
     path.write_text(json.dumps(curve.to_json(), indent=1) + "\n")
     print(
-        f"{path}: {len(requests)} prompts in {time.perf_counter() - start:.0f} s", file=sys.stderr
+        f"{path}: {len(requests)} prompts, forecasts {', '.join(curve.forecasts)}, in "
+        f"{time.perf_counter() - start:.0f} s",
+        file=sys.stderr,
     )
     return 0
 
@@ -163,7 +170,8 @@ def main(argv=None) -> int:
         nargs="+",
         choices=CACHE_FORECASTS,
         default=["none"],
-        help="run every setting with each of these forecasts (default: none)",
+        help="run every setting with each of these forecasts; with --calibrate, measure the "
+        "curve of each (default: none)",
     )
     ap.add_argument("--calibrate", type=int, metavar="N", help="write the model's step curve")
     ap.add_argument("--json", action="store_true")
@@ -222,6 +230,10 @@ def main(argv=None) -> int:
         psnrs = [psnr(c, r) for c, r in zip(clips, reference)]
         passes = float(np.mean([r["passes"] for r in rows]))
         adh = adherence([r["read"] for r in rows], asked)
+        if setting["policy"] == "adaptive" and pipe.step_curve is not None:
+            # Which single reuses' errors it read: its forecast's, or the plain ones without.
+            policy = Adaptive(setting["threshold"], pipe.step_curve, setting["forecast"])
+            setting = {**setting, "curve_forecast": policy.curve_forecast}
         results.append(
             {
                 **setting,
@@ -258,6 +270,7 @@ def main(argv=None) -> int:
         "steps": steps,
         "offload": args.offload,
         "step_curve": pipe.step_curve is not None,
+        "step_curve_forecasts": list(pipe.step_curve.forecasts) if pipe.step_curve else [],
         "goals": GOALS,
         "settings": results,
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),

@@ -71,7 +71,8 @@ class Pipeline(VideoModel, ABC):
     def __init__(self, info: ModelInfo, handles: dict[str, StreamHandle]):
         self.info = info
         self.handles = handles
-        # The adaptive step cache's calibration, when the model directory has one (`calibrate`).
+        # The adaptive step cache's calibration, when the model directory has one (`calibrate`),
+        # with the single-reuse errors of each forecast it measured.
         self.step_curve = StepCurve.read(info.source.path)
 
     @property

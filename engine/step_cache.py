@@ -35,7 +35,7 @@ Policies (`threshold` 0 never reuses; larger reuses more):
   `StepCurve` holds them, measured once (`calibrate`, a few prompts: each sampled uncached, and
   once per step with that step alone reusing the step before) and stored beside the weights
   (`step_cache.json`): per step k, the mean relative change `c_k` of the output and the clip's
-  MSE `e_k` (over 255^2) when step k alone reuses. From them, the rate of change per unit of
+  MSE `e_k` (over 255^2) when step k alone reuses (one `e` per forecast calibrated, below). From them, the rate of change per unit of
   flow time, and the gain `g(t) = sqrt(e_k) / (dt_k c_k)`: RMS clip error per unit of latent
   error `dt |dv| / |v|` made at that point of the schedule. Reusing `v_a` (computed at `t_a`) at
   a step from `t` to `t_next` is predicted to cost the clip `g(t) |t_next - t| C(t_a, t)`, with
@@ -69,10 +69,14 @@ reuse at flow time `t` takes the polynomial through the last computed outputs, e
 flow time to `t` (`extrapolate`): `linear` through two, `v_a + (v_a - v_b) (t - t_a) / (t_a -
 t_b)`, `quadratic` through three (linear while only two are held). A first-block reuse forecasts
 the residual of the blocks after the first in the same way. The forecast comes from computed
-outputs only, never from an earlier forecast, and the policies decide as without one: the rate
-of change and the adaptive policy's step curve both describe a plain reuse, so with a forecast
-they overstate a reuse's error where the output changes smoothly (what the forecast follows)
-and understate it where it bends.
+outputs only, never from an earlier forecast. The adaptive policy reads the step curve of the
+request's forecast: a curve holds the single-reuse clip errors measured without a forecast and,
+per forecast calibrated (`calibrate(..., forecasts)`; the packaged model's has `linear`), with
+it; a forecast reuse costs more than a plain one where the output bends (the first steps) and
+less where it changes smoothly (the middle). Where a model's curve lacks the request's forecast
+it reads the plain errors (`Adaptive.curve_forecast` says which), as the other policies decide
+as without a forecast: their rate of change describes a plain reuse, so with a forecast they
+overstate a reuse's error where the output changes smoothly and understate it where it bends.
 """
 
 from __future__ import annotations
@@ -232,10 +236,28 @@ class StepCurve:
     times: tuple[float, ...]  # flow times of the calibration schedule, from 1 down to 0
     change: tuple[float, ...]  # mean relative L1 change of the output over step k-1 -> k, k >= 1
     error: tuple[float, ...]  # mean clip MSE / 255^2 when step k alone reuses step k-1's output
+    # The same errors with step k's reuse forecasting (`linear`, `quadratic`), per forecast
+    # measured; a forecast not here reads `error`.
+    forecast_error: dict[str, tuple[float, ...]] = field(default_factory=dict)
 
     def __post_init__(self):
-        if not len(self.times) - 2 == len(self.change) == len(self.error):
+        errors = [self.error, *self.forecast_error.values()]
+        if not all(len(self.times) - 2 == len(self.change) == len(e) for e in errors):
             raise ValueError("a step curve has steps + 1 times and steps - 1 changes and errors")
+        unknown = set(self.forecast_error) - (set(FORECAST_ORDERS) - {"none"})
+        if unknown:
+            raise ValueError(f"forecast errors for {sorted(unknown)}: only linear, quadratic")
+
+    @property
+    def forecasts(self) -> tuple[str, ...]:
+        """The forecasts whose single reuses this curve measured (`none` always)."""
+        return ("none", *self.forecast_error)
+
+    def for_forecast(self, forecast: str) -> StepCurve:
+        """The curve of reuses that take `forecast` (`none`: plain reuses): the errors those single
+        reuses made, the same changes. Raises KeyError for a forecast not measured."""
+        error = self.error if forecast == "none" else self.forecast_error[forecast]
+        return StepCurve(self.times, self.change, error)
 
     def rate(self, t: float) -> float:
         """Relative change of the output per unit of flow time at `t` (constant within each
@@ -266,18 +288,27 @@ class StepCurve:
         return float(np.interp(-t, [-x for x in ts], gains))
 
     def to_json(self) -> dict:
-        return {"format": CURVE_FORMAT, **{k: list(getattr(self, k)) for k in _CURVE_KEYS}}
+        out = {"format": CURVE_FORMAT, **{k: list(getattr(self, k)) for k in _CURVE_KEYS}}
+        if self.forecast_error:  # left out without: such a file is the same as before
+            out["forecast_error"] = {f: list(e) for f, e in self.forecast_error.items()}
+        return out
 
     @classmethod
     def read(cls, directory: Path | str | None) -> StepCurve | None:
-        """A model directory's step curve; None without one."""
+        """A model directory's step curve; None without one. A file written before curves per
+        forecast (no `forecast_error`) reads as a curve of plain reuses only."""
         path = Path(directory) / CURVE_FILE if directory is not None else None
         if path is None or not path.is_file():
             return None
         raw = json.loads(path.read_text())
         if raw.get("format") != CURVE_FORMAT:
             raise ValueError(f"{path}: format {raw.get('format')!r}, expected {CURVE_FORMAT}")
-        return cls(**{k: tuple(float(x) for x in raw[k]) for k in _CURVE_KEYS})
+        return cls(
+            **{k: tuple(float(x) for x in raw[k]) for k in _CURVE_KEYS},
+            forecast_error={
+                f: tuple(float(x) for x in e) for f, e in raw.get("forecast_error", {}).items()
+            },
+        )
 
 
 _CURVE_KEYS = ("times", "change", "error")
@@ -291,9 +322,15 @@ class Adaptive(StepPolicy):
 
     name = "adaptive"
 
-    def __init__(self, threshold: float, curve: StepCurve | None = None):
+    def __init__(self, threshold: float, curve: StepCurve | None = None, forecast: str = "none"):
+        """`curve`: the model's step curve, None without one; `forecast`: what the request's
+        reuses take, whose curve is read where the model's has one (`curve_forecast` says
+        which was read: `none`, the plain reuses', where it has none for `forecast`)."""
         super().__init__(threshold)
-        self.curve = curve
+        self.curve_forecast = "none"
+        if curve is not None and forecast in curve.forecasts:
+            self.curve_forecast = forecast
+        self.curve = None if curve is None else curve.for_forecast(self.curve_forecast)
 
     def reuse(self, history: History, t: float, t_next: float) -> bool:
         if not history.measured:
@@ -354,7 +391,7 @@ class StepCache:
         if spec is None:
             return None
         if spec.policy == Adaptive.name:
-            policy = Adaptive(spec.threshold, curve)
+            policy = Adaptive(spec.threshold, curve, spec.forecast)
         else:
             policy = POLICIES[spec.policy](spec.threshold)
         return cls(policy, FORECAST_ORDERS[spec.forecast])
@@ -437,13 +474,20 @@ class _ReuseAt(StepPolicy):
         return self.asked - 1 == self.step
 
 
-def calibrate(pipe, requests: Sequence) -> StepCurve:
+def calibrate(pipe, requests: Sequence, forecasts: Sequence[str] = ("none",)) -> StepCurve:
     """Measure a model's step curve: each request (`VideoRequest`, no cache) is sampled once
-    uncached, noting the output's relative change at every step, and once per step k >= 1 with
-    only step k reusing step k-1's output, noting the clip's MSE against the uncached one. The
-    curve is the mean over the requests (deterministic: seeded requests, no randomness here).
-    Costs `steps` samples per request."""
-    changes, errors, times = [], [], None
+    uncached, noting the output's relative change at every step, and, per forecast in
+    `forecasts` (plain reuse, `none`, always), once per step k >= 1 with only step k reusing
+    (step k-1's output as it is, or forecast from the steps before), noting the clip's MSE
+    against the uncached one. The curve is the mean over the requests (deterministic: seeded
+    requests, no randomness here). Costs `1 + (steps - 1) n` samples per request, `n` the
+    forecasts measured (`none` counted)."""
+    forecasts = ["none", *(f for f in dict.fromkeys(forecasts) if f != "none")]
+    unknown = set(forecasts) - set(FORECAST_ORDERS)
+    if unknown:
+        raise ValueError(f"forecasts {sorted(unknown)} are unknown; known: {CACHE_FORECASTS}")
+    changes, times = [], None
+    errors: dict[str, list[list[float]]] = {f: [] for f in forecasts}
     for request in requests:
         video = pipe.resolve(request)
         state = pipe.prepare(video)
@@ -452,16 +496,20 @@ def calibrate(pipe, requests: Sequence) -> StepCurve:
         reference = _run(pipe, state)
         times = times or trace.times
         changes.append(state.cache.histories[0].changes)
-        errors.append([])
-        for k in range(1, len(trace.times) - 1):
-            state = pipe.prepare(video)
-            state.cache = StepCache(_ReuseAt(k))
-            clip = _run(pipe, state)
-            errors[-1].append(float(np.mean((clip.astype(np.float64) - reference) ** 2)) / 255**2)
+        for forecast in forecasts:
+            errors[forecast].append([])
+            for k in range(1, len(trace.times) - 1):
+                state = pipe.prepare(video)
+                state.cache = StepCache(_ReuseAt(k), FORECAST_ORDERS[forecast])
+                clip = _run(pipe, state)
+                mse = float(np.mean((clip.astype(np.float64) - reference) ** 2)) / 255**2
+                errors[forecast][-1].append(mse)
+    mean = {f: tuple(np.mean(e, axis=0).tolist()) for f, e in errors.items()}
     return StepCurve(
         tuple(times),
         tuple(np.mean(changes, axis=0).tolist()),
-        tuple(np.mean(errors, axis=0).tolist()),
+        mean.pop("none"),
+        forecast_error=mean,
     )
 
 

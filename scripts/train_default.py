@@ -2,7 +2,7 @@
 
     python scripts/train_default.py                # write the world, train both phases, package
     python scripts/train_default.py                # again after an interruption: continues where it stopped
-    python benchmarks/step_cache.py --calibrate 8  # then: packaging drops the old step curve
+    python benchmarks/step_cache.py --calibrate 8 --forecast none linear  # packaging drops the old step curve
 
 The training set is the procedural world (engine/world.py): 10000 clips of coloured shapes moving
 on a black background, with captions, none showing the held-out colour x shape x motion

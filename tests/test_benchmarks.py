@@ -65,6 +65,10 @@ def test_step_cache_benchmark_quick():
         assert s["passes_per_clip"] == by[key]["passes_per_clip"]
         same = key[1] == 0.0 or key[0] == "first-block"
         assert (s["psnr_db"] == by[key]["psnr_db"]) == same, key
+    # The packaged curve has the linear forecast's errors: each adaptive setting reads its own.
+    assert r["step_curve_forecasts"] == ["none", "linear"]
+    assert by[("adaptive", 100.0)]["curve_forecast"] == "none"
+    assert ahead[("adaptive", 100.0)]["curve_forecast"] == "linear"
 
 
 def test_motion_prior_benchmark_quick():

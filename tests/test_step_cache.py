@@ -11,6 +11,7 @@ import torch
 from megaslide.engine.flow import SampleState, cfg_combine, sample_step
 from megaslide.engine.loader import open_pipeline
 from megaslide.engine.request import (
+    CACHE_FORECASTS,
     CACHE_PRESETS,
     CacheSpec,
     RequestError,
@@ -21,6 +22,7 @@ from megaslide.engine.request import (
 from megaslide.engine.sources import resolve_source
 from megaslide.engine.step_cache import (
     CURVE_FILE,
+    FORECAST_ORDERS,
     POLICIES,
     Adaptive,
     History,
@@ -366,6 +368,47 @@ def test_a_step_curve_predicts_each_calibrated_single_reuse():
         assert Adaptive(threshold, curve).reuse(history, 0.5, 0.25) is reuses
 
 
+def test_the_adaptive_policy_reads_the_curve_of_its_forecast(tmp_path):
+    """A curve with a linear forecast's errors: a linear request reads them, a plain one the plain
+    errors, a quadratic one (not measured) the plain errors and says so; a file without them (as
+    written before curves per forecast) reads as plain only, and the file keeps that format."""
+    times = (1.0, 0.75, 0.5, 0.25, 0.0)
+    plain = StepCurve(times, change=(0.2, 0.05, 0.4), error=(1e-4, 4e-6, 1e-2))
+    curve = StepCurve(
+        times, plain.change, plain.error, forecast_error={"linear": (2e-4, 1e-8, 1e-2)}
+    )
+    assert curve.forecasts == ("none", "linear") and plain.forecasts == ("none",)
+    picked = {}
+    for forecast in CACHE_FORECASTS:
+        spec = CacheSpec(policy="adaptive", threshold=0.001, forecast=forecast)
+        policy = StepCache.from_spec(spec, curve).policy
+        picked[forecast] = (policy.curve_forecast, policy.curve.error)
+    assert picked == {
+        "none": ("none", plain.error),
+        "linear": ("linear", (2e-4, 1e-8, 1e-2)),
+        "quadratic": ("none", plain.error),
+    }
+    # Step 2's plain reuse costs 0.002 RMS, its linear one 0.0001: only the latter is under 0.001.
+    x = torch.ones(1, 1, 2, 1, 1)
+    for forecast, reuses in (("none", False), ("linear", True)):
+        history = History(FORECAST_ORDERS[forecast])
+        history.record(1.0, x, x)
+        history.record(0.75, x, x * 1.1)
+        assert Adaptive(0.001, curve, forecast).reuse(history, 0.5, 0.25) is reuses
+    (tmp_path / CURVE_FILE).write_text(json.dumps(plain.to_json()))
+    old = json.loads((tmp_path / CURVE_FILE).read_text())
+    assert set(old) == {"format", "times", "change", "error"}  # the format as before
+    assert StepCurve.read(tmp_path) == plain
+    assert Adaptive(0.001, StepCurve.read(tmp_path), "linear").curve_forecast == "none"
+    (tmp_path / CURVE_FILE).write_text(json.dumps(curve.to_json()))
+    assert StepCurve.read(tmp_path) == curve
+    assert {k: v for k, v in curve.to_json().items() if k != "forecast_error"} == old
+    with pytest.raises(ValueError, match="steps - 1 changes and errors"):
+        StepCurve(times, plain.change, plain.error, forecast_error={"linear": (1e-4,)})
+    with pytest.raises(ValueError, match="forecast errors for"):
+        StepCurve(times, plain.change, plain.error, forecast_error={"none": plain.error})
+
+
 def test_calibrate_measures_a_curve_the_pipeline_reads(tmp_path, pipe):
     """A calibration of a few steps: one change and one clip error per step that can reuse, read
     back from a model directory; the adaptive policy reading it keeps threshold 0 uncached and a
@@ -373,11 +416,21 @@ def test_calibrate_measures_a_curve_the_pipeline_reads(tmp_path, pipe):
     short = {**REQ, "steps": 4}  # a calibration costs `steps` samples a request
     requests = [VideoRequest("a red circle", seed=1, **short)]
     curve = calibrate(pipe, requests)
-    assert len(curve.times) == 5 and len(curve.error) == 3
+    assert len(curve.times) == 5 and len(curve.error) == 3 and curve.forecasts == ("none",)
     assert all(c > 0 for c in curve.change) and all(e > 0 for e in curve.error)
-    assert calibrate(pipe, requests) == curve  # deterministic
     (tmp_path / CURVE_FILE).write_text(json.dumps(curve.to_json()))
     assert StepCurve.read(tmp_path) == curve and StepCurve.read(tmp_path / "none") is None
+    # Per forecast: the plain errors as without it (deterministic); the linear ones the same at
+    # step 1 (one computed output: nothing to extrapolate), their own after; read back.
+    both = calibrate(pipe, requests, ("none", "linear"))
+    assert both.forecasts == ("none", "linear") and both.for_forecast("none") == curve
+    linear = both.forecast_error["linear"]
+    assert linear[0] == curve.error[0] and linear[1:] != curve.error[1:]
+    assert calibrate(pipe, requests, ("linear",)) == both  # deterministic; `none` always
+    (tmp_path / CURVE_FILE).write_text(json.dumps(both.to_json()))
+    assert StepCurve.read(tmp_path) == both
+    with pytest.raises(ValueError, match="unknown"):
+        calibrate(pipe, requests, ("cubic",))
     assert pipe.step_curve is None  # a preset has no directory, so no curve
     assert open_pipeline("megaslide-tiny").step_curve is not None  # the packaged model has one
     pipe.step_curve = curve
@@ -385,7 +438,7 @@ def test_calibrate_measures_a_curve_the_pipeline_reads(tmp_path, pipe):
         zero = pipe.prepare(
             pipe.resolve(VideoRequest("a red circle", seed=1, cache=ADAPTIVE_0, **short))
         )
-        assert zero.cache.policy.curve is curve
+        assert zero.cache.policy.curve == curve
         assert np.array_equal(run(pipe, [zero])[0], pipe.generate(pipe.resolve(requests[0])))
         assert zero.cache.reused == 0
         cached = VideoRequest("a bar", seed=2, cache=ADAPTIVE_1, **short)
