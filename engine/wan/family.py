@@ -599,12 +599,18 @@ class WanVideoPipeline(Pipeline):
                 return_dict=False,
             )[0]
 
+    @property
+    def _compact_prompt_kv(self) -> bool:
+        """Whether kept entries hold a prompt's tokens and one padding token (fp32 passes only:
+        in bf16 the padding token's `log n` bias would be rounded)."""
+        return self.prompt_cache_compact and self.dtype == torch.float32
+
     def _prompt_kv_budget(self, states: list[WanState]) -> set[int]:
         """The ids of the states that keep cross-attention keys and values this step: in order,
         while their entries' total fits `prompt_cache_bytes`; the others drop theirs."""
         if self.prompt_caches is None:
             return set()
-        compact = self.prompt_cache_compact and self.dtype == torch.float32
+        compact = self._compact_prompt_kv
         total, keep = 0, set()
         for s in states:
             image = 0 if s.image_embeds is None else s.image_embeds.shape[1]
@@ -640,7 +646,7 @@ class WanVideoPipeline(Pipeline):
                 fill = fill or entry is None or not entry.valid(signature, depth)
                 slots.append((s, half, signature, entry))
         if fill:  # every row refilled: the pass computes them all anyway
-            compact = self.prompt_cache_compact and self.dtype == torch.float32
+            compact = self._compact_prompt_kv
             for s, half, signature, _ in slots:
                 length = s.lengths[half]
                 s.prompt_kv[(e, half)] = PromptKV(signature, length, compact)
