@@ -108,6 +108,8 @@ class _Reduction:
         for the reduction."""
         if self.parallel is None:
             return self.grads
+        # NCCL: the compute stream waits for the reduce's stream (no host sync); gloo: this
+        # thread waits for the sum, which the flat buffer holds only then.
         self.work.wait()
         if not self.parallel.owner:
             return None
