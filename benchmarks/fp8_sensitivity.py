@@ -83,7 +83,7 @@ def main(argv=None) -> int:
     if where == "trained":
         from tiny_wan import trained_tiny_wan
 
-        where = str(trained_tiny_wan(ROOT / "runs" / "tiny-wan", steps=600))
+        where = str(trained_tiny_wan(ROOT / "runs" / "tiny-wan"))
     pipe = open_pipeline(where, dtype="bfloat16")
     weights = linears(pipe)
     original = {n: p.detach().clone() for n, p in weights.items()}

@@ -183,3 +183,25 @@ def test_wan_batch_benchmark_quick():
     assert set(row["cpu_seconds"]) == set(s) and all(t > 0 for t in row["cpu_seconds"].values())
     # One pass of the 4 rows timed in passes of 1, 2 and 4 rows.
     assert set(r["pass_cpu_seconds_by_rows_per_pass"]) == {"1", "2", "4"}
+
+
+def test_tiny_wan_benchmark_trains_and_measures_held_out_loss(tmp_path):
+    out = tmp_path / "tiny-wan"
+    r = run_json(
+        "benchmarks/tiny_wan.py",
+        "--steps",
+        "2",
+        "--clips",
+        "4",
+        "--heldout-clips",
+        "2",
+        "--out",
+        str(out),
+        "--json",
+    )
+    assert (out / "model" / "model_index.json").is_file() and r["model"] == str(out / "model")
+    assert r["settings"]["steps"] == 2 and r["settings"]["clips"] == 4
+    held = r["heldout_loss"]
+    times = [k for k in held if k != "mean"]
+    assert len(times) == 7 and all(0 < held[k] < 100 for k in times)
+    assert abs(held["mean"] - sum(held[k] for k in times) / 7) < 1e-12

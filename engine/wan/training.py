@@ -131,18 +131,18 @@ class LatentCache(TrainingData):
     def __init__(self, root: Path, captions: list[str], shape: TrainingShape):
         self.root = root
         self.files = SafetensorsFile(sorted(root.glob("*.safetensors")))
-        self.empty = self._embedding("empty")
+        self.empty = self.embedding("empty")
         self.loader = BackgroundLoader(
             LatentDataset(self.files, captions), batch_size=shape.batch_size, seed=shape.seed
         )
 
-    def _embedding(self, key: str) -> torch.Tensor:
+    def embedding(self, key: str) -> torch.Tensor:
         """A caption's embedding `(512, text_dim)`: zero past its end, as the pipelines make it."""
         e = self.files[f"text.{key}"].float()
         return torch.cat([e, e.new_zeros(TEXT_TOKENS - e.shape[0], e.shape[1])])
 
     def condition(self, batch: Batch, drop: list[bool]) -> torch.Tensor:
-        rows = [self.empty if d else self._embedding(str(i)) for d, i in zip(drop, batch.indices)]
+        rows = [self.empty if d else self.embedding(str(i)) for d, i in zip(drop, batch.indices)]
         return torch.stack(rows)  # (B, 512, text_dim)
 
 
