@@ -27,22 +27,21 @@ RANDOM_SEED_BITS = 31  # an unseeded request gets a seed below 2**31, echoed bac
 
 # Step caches (engine/step_cache.py holds the policies and their maths): a request names a policy
 # and a threshold, or a preset. Off unless asked for. The presets are points measured on the
-# packaged model at 20 steps (benchmarks/step_cache.py, docs/benchmarks.md, 20 prompts): 2.00x,
-# 2.37x and 3.28x fewer passes at 43.2, 38.8 and 30.7 dB mean PSNR against the uncached clips
-# (worst clip 27.4, 32.0 and 21.8 dB). The adaptive threshold is an RMS clip error over 255 per
-# run of reuses on a model with a step curve (engine/step_cache.py); balanced and fast stay
-# output-change for their worst clip. quality and balanced forecast their reuses linearly:
-# quality reads the curve of linear-forecast reuses (the packaged model's has one; 0.0043 is its
-# 10-pass point: 0.0042 computes 11 steps, 0.0044 nine), which beat adaptive 0.006 without a
-# forecast (41.1 dB, worst 23.8) at the same passes and adherence; balanced's short runs of
-# reuses raised the worst clip from 23.3 dB (mean 36.0). fast does not (it lost in PSNR).
+# packaged model at 20 steps (benchmarks/step_cache.py, docs/benchmarks.md, 60 prompts): 2.00x,
+# 2.40x and 3.30x fewer passes at 44.9, 39.0 and 31.4 dB mean PSNR against the uncached clips
+# (worst clip 33.1, 29.8 and 21.8 dB), adherence unchanged. All three are output-change: it
+# decides per clip from the clip's own measured change, which protects the few clips that settle
+# late; the adaptive policy's calibrated curve gives every clip the same steps, and at 2.00x
+# (adaptive 0.0043, linear) its worst clip was 27.4 dB. Output-change needs no curve, so the
+# presets mean the same on any model. quality and balanced forecast their reuses linearly (short
+# runs of reuses: the worst clip of 0.05 rose from 23.3 dB); fast does not (it lost in PSNR).
 CACHE_POLICIES = ("output-change", "adaptive", "first-block")
 # What a reused step takes, with any policy: the last computed output as it is ("none"), or the
 # output forecast at the step's flow time from the last two ("linear") or three ("quadratic")
 # computed outputs (engine/step_cache.py, `extrapolate`).
 CACHE_FORECASTS = ("none", "linear", "quadratic")
 CACHE_PRESETS = {
-    "quality": {"policy": "adaptive", "threshold": 0.0043, "forecast": "linear"},
+    "quality": {"policy": "output-change", "threshold": 0.035, "forecast": "linear"},
     "balanced": {"policy": "output-change", "threshold": 0.05, "forecast": "linear"},
     "fast": {"policy": "output-change", "threshold": 0.1},
 }
