@@ -27,9 +27,9 @@ RANDOM_SEED_BITS = 31  # an unseeded request gets a seed below 2**31, echoed bac
 
 # Step caches (engine/step_cache.py holds the policies and their maths): a request names a policy
 # and a threshold, or a preset. Off unless asked for. The presets are points measured on the
-# packaged model at 20 steps (benchmarks/step_cache.py, docs/benchmarks.md, 60 prompts): 2.00x,
-# 2.40x and 3.30x fewer passes at 44.9, 39.0 and 31.4 dB mean PSNR against the uncached clips
-# (worst clip 33.1, 29.8 and 21.8 dB), adherence unchanged. All three are output-change: it
+# packaged model at 20 steps (benchmarks/step_cache.py, docs/benchmarks.md, 60 prompts): 1.96x,
+# 2.28x and 3.21x fewer passes at 46.7, 42.2 and 33.8 dB mean PSNR against the uncached clips
+# (worst clip 37.3, 32.0 and 22.8 dB), adherence unchanged. All three are output-change: it
 # decides per clip from the clip's own measured change, which protects the few clips that settle
 # late; the adaptive policy's calibrated curve gives every clip the same steps, and at 2.00x
 # (adaptive 0.0043, linear) its worst clip was 27.4 dB. Output-change needs no curve, so the
@@ -43,7 +43,7 @@ CACHE_FORECASTS = ("none", "linear", "quadratic")
 CACHE_PRESETS = {
     "quality": {"policy": "output-change", "threshold": 0.035, "forecast": "linear"},
     "balanced": {"policy": "output-change", "threshold": 0.05, "forecast": "linear"},
-    "fast": {"policy": "output-change", "threshold": 0.1},
+    "fast": {"policy": "output-change", "threshold": 0.13},
 }
 MAX_CACHE_THRESHOLD = 100.0
 

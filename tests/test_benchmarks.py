@@ -44,10 +44,11 @@ def test_step_cache_benchmark_quick():
     by = {(s["policy"], s["threshold"]): s for s in r["settings"] if s["forecast"] == "none"}
     off = by[("off", None)]
     assert off["passes_per_clip"] == 5 and off["psnr_db"] == 100 and off["h2d_bytes_per_clip"] > 0
-    # Threshold 100 reuses after two passes (first-block: after one pass, moving block 0 alone on
-    # the steps that reuse); the packaged model has a step curve, so adaptive reads it.
+    # Threshold 100 reuses after two passes (output-change computes the final step too;
+    # first-block: after one pass, moving block 0 alone on the steps that reuse); the packaged
+    # model has a step curve, so adaptive reads it.
     assert r["step_curve"]
-    for policy, passes in (("output-change", 2), ("adaptive", 2), ("first-block", 1)):
+    for policy, passes in (("output-change", 3), ("adaptive", 2), ("first-block", 1)):
         zero, loose = by[(policy, 0.0)], by[(policy, 100.0)]
         # Threshold 0 reuses nothing: the uncached clips exactly.
         assert zero["passes_per_clip"] == 5 and zero["psnr_db"] == 100 and zero["ssim"] == 1
