@@ -33,14 +33,29 @@ class LinkSigner:
     def __init__(self, root: Path):
         self.path = Path(root) / SECRET_FILE
         self._secret: bytes | None = None
+        self._identity: tuple[int, ...] | None = None
 
     @property
     def secret(self) -> bytes:
-        if self._secret is None:
-            if not self.path.exists():
+        """The secret the file holds now. A stat per use keeps the copy in memory honest: once
+        the file is deleted or replaced (on this host or another sharing the directory), links
+        signed with the old secret stop opening at once, not at the next restart."""
+        for _ in range(3):
+            try:
+                if self._secret is not None and _identity(os.stat(self.path)) == self._identity:
+                    return self._secret
+                return self._load()
+            except FileNotFoundError:
                 self._make()
-            self._secret = bytes.fromhex(self.path.read_text().strip())
-        return self._secret
+        raise OSError(f"{SECRET_FILE} keeps disappearing while it is being read")
+
+    def _load(self) -> bytes:
+        # The identity comes from the descriptor read, so a file replaced between the stat and
+        # the read is never cached under the old file's identity.
+        with open(self.path, "rb") as f:
+            secret = bytes.fromhex(f.read().decode().strip())
+            self._secret, self._identity = secret, _identity(os.fstat(f.fileno()))
+        return secret
 
     def _make(self) -> None:
         path = self.path
@@ -79,3 +94,8 @@ class LinkSigner:
             return False
         expected = self._signature(video_id, variant, int(expires))
         return hmac.compare_digest(expected, signature)
+
+
+def _identity(st: os.stat_result) -> tuple[int, ...]:
+    # Inode and device name the file; the times and size catch one recreated on a reused inode.
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)

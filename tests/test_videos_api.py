@@ -164,6 +164,23 @@ def test_link_signers_sharing_a_data_dir_agree(tmp_path):
         assert not first.valid("video_1", "video", expires_text, signature)
 
 
+def test_deleting_the_signing_key_revokes_links_on_every_host(make_client, tmp_path):
+    from megaslide.server.links import SECRET_FILE
+
+    one, two = make_client(), make_client(worker_name="two")  # two hosts, one data directory
+    v = create(one)
+    wait_status(one, v["id"])
+    path = f"/v1/videos/{v['id']}/content"
+    old = one.post(f"{path}/link").json()["url"]
+    assert one.get(old).status_code == 200 and two.get(old).status_code == 200
+    (tmp_path / "data" / SECRET_FILE).unlink()
+    assert_error(one.get(old), 401)
+    assert_error(two.get(old), 401)
+    new = two.post(f"{path}/link").json()["url"]  # a new secret, which both hosts then share
+    assert one.get(new).status_code == 200 and two.get(new).status_code == 200
+    assert_error(one.get(old), 401)
+
+
 def test_expired_content_is_gone(make_client):
     c = make_client()
     v = create(c)
