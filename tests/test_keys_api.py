@@ -91,9 +91,21 @@ def test_each_key_sees_only_what_it_made(make_client, tmp_path):
     assert [m["id"] for m in c.get("/v1/models", headers=bob).json()["data"]] == ["fake"]
     theirs = {"prompt": "p", "model": tuned, **SMALL}
     assert_error(c.post("/v1/videos", json=theirs, headers=bob), 404, "model")
-    assert c.post("/v1/videos", json=theirs, headers=alice).status_code == 200
+    first = c.post("/v1/videos", json=theirs, headers=alice)
+    assert first.status_code == 200
+    wait_status(c, first.json()["id"])
     # The key-less readiness probe names base models only, not a tenant's fine-tunes.
     assert c.get("/readyz", headers={"Authorization": ""}).json()["models"] == ["fake"]
+    # The metrics any key scrapes count Alice's queued video under the base model, never naming
+    # her model or job: the worker is held in Bob's step, so hers waits in the queue.
+    c.backend.gate.clear()
+    held = c.post("/v1/videos", json={"prompt": "p", **SMALL}, headers=bob).json()
+    until(lambda: c.get(f"/v1/videos/{held['id']}", headers=bob).json()["status"] == "in_progress")
+    assert c.post("/v1/videos", json=theirs, headers=alice).status_code == 200
+    scraped = c.get("/metrics", headers=bob).text
+    c.backend.gate.set()
+    assert tuned not in scraped and made["id"].removeprefix("ftjob-") not in scraped
+    assert 'megaslide_queued_jobs{model="fake"} 1' in scraped, scraped
     # A cursor at another key's id pages as one at an unknown id: nothing tells it exists.
     bobs = c.post("/v1/videos", json={"prompt": "p", **SMALL}, headers=bob).json()
     assert bobs["id"]

@@ -212,6 +212,17 @@ def test_claims_take_only_the_models_a_worker_serves(store):
     assert claim(store, served=[]) == [] and claim(store, served=["a"], room=0) == []
 
 
+def test_the_queue_depth_counts_fine_tuned_models_under_their_base(store):
+    from megaslide.server.store.models import register
+
+    with store.db.tx() as conn:  # a fine-tune of "a", and a fine-tune of that one
+        for name, parent in (("ft:a:x:job1", "a"), ("ft:ft:a:x:job1:y:job2", "ft:a:x:job1")):
+            register(conn, {"name": name, "parent": parent, "path": "p"}, job_id="j", owner="o")
+    for i, model in enumerate(("a", "ft:a:x:job1", "ft:ft:a:x:job1:y:job2", "b")):
+        store.videos.insert(f"v{i}", spec(i, model=model))
+    assert store.jobs.queue_depth_by_model() == {"a": 3, "b": 1}
+
+
 def test_concurrent_claims_take_each_job_exactly_once(database_url):
     stores = [JobStore(database_url) for _ in range(4)]
     jobs = set(queue(stores[0], 120))

@@ -59,7 +59,7 @@ async def metrics(request: Request, workers: WorkersDep, store: StoreDep):
     for model, n in sorted(by_model.items()):
         gauges.set(
             "megaslide_queued_jobs",
-            "Jobs waiting for a worker, by the model they need",
+            "Jobs waiting for a worker, by the base model they need (fine-tunes under theirs)",
             n,
             model=model,
         )

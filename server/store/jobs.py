@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sqlalchemy as sa
 
-from ..tables import events, fine_tunes, videos
+from ..tables import events, fine_tunes, models, videos
 from .database import FINETUNE_ACTIVE, VIDEO_ACTIVE, Database, now
 
 
@@ -27,7 +27,9 @@ class Jobs:
         return total
 
     def queue_depth_by_model(self) -> dict[str, int]:
-        """Queued jobs (videos and fine-tunes) per model they need."""
+        """Queued jobs (videos and fine-tunes) per base model they need. A fine-tuned model's
+        jobs count under the base model it was tuned from: its name carries its owner's suffix
+        and job id, which the metrics every key may scrape must not show."""
         out: dict[str, int] = {}
         for table in (videos, fine_tunes):
             stmt = (
@@ -37,7 +39,28 @@ class Jobs:
             )
             for row in self.db.all(stmt):
                 out[row["model"]] = out.get(row["model"], 0) + row["n"]
-        return out
+        base = self._bases(set(out))
+        counts: dict[str, int] = {}
+        for model, n in out.items():
+            counts[base[model]] = counts.get(base[model], 0) + n
+        return counts
+
+    def _bases(self, names: set[str]) -> dict[str, str]:
+        """Each of `names` mapped to the base model under it: a fine-tune of a fine-tune is
+        walked up to the first name that no fine-tune registered, the base it was made from."""
+        # One level per round; it ends, as a model's parent was registered before it.
+        base = {name: name for name in names}
+        parents: dict[str, str] = {}
+        asked: set[str] = set()
+        while True:
+            if pending := set(base.values()) - asked:
+                asked |= pending
+                stmt = sa.select(models.c.name, models.c.parent).where(models.c.name.in_(pending))
+                parents.update((row["name"], row["parent"]) for row in self.db.all(stmt))
+            up = {name: parents.get(top, top) for name, top in base.items()}
+            if up == base:
+                return base
+            base = up
 
     def counts_by_state(self) -> dict[tuple[str, str], int]:
         """Jobs per `(kind, status)`, kind "video" or "fine_tune"."""
