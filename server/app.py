@@ -119,12 +119,13 @@ def build_app(settings: Settings, workers: WorkerClient) -> FastAPI:
         app.include_router(
             router,
             dependencies=[Depends(require_api_key)],
-            # Any route may meet a store that is briefly unavailable, or a full disk.
-            responses=error_responses(401, 413, 500, 503, 507),
+            # Any route may meet a store that is briefly unavailable, or a full disk, and a NUL
+            # in any request's path or query is refused 400 (RefuseNul).
+            responses=error_responses(400, 401, 413, 500, 503, 507),
         )
     app.include_router(
         videos.content_router,
         dependencies=[Depends(require_key_or_link)],
-        responses=error_responses(401, 413, 500, 503, 507),
+        responses=error_responses(400, 401, 413, 500, 503, 507),
     )
     return app

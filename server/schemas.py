@@ -110,6 +110,27 @@ def error_responses(*statuses: int) -> dict:
     }
 
 
+def body_schema(model: type[BaseModel]) -> dict:
+    """`model`'s JSON schema with its `$defs` written in place, for a body an operation declares
+    by hand (`openapi_extra`): pydantic's `#/$defs/...` references would otherwise be looked up
+    at the root of the OpenAPI document, which holds none. Caution: `model` must not refer to
+    itself, which could not be written out."""
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def inline(node):
+        if isinstance(node, list):
+            return [inline(item) for item in node]
+        if not isinstance(node, dict):
+            return node
+        if (ref := node.get("$ref", "")).startswith("#/$defs/"):
+            rest = {k: v for k, v in node.items() if k != "$ref"}
+            return {**inline(defs[ref.removeprefix("#/$defs/")]), **inline(rest)}
+        return {key: inline(value) for key, value in node.items()}
+
+    return inline(schema)
+
+
 def page(items: list, has_more: bool) -> dict:
     return {
         "data": items,

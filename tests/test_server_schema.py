@@ -5,6 +5,8 @@ operation from a fixed seed, so a run takes seconds and repeats itself."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, seed, settings
@@ -98,3 +100,47 @@ def test_the_schema_is_as_strict_as_the_server(make_client):
     ]:
         r = c.request(method, path)
         assert r.status_code == 405 and r.headers["allow"] == allowed, (path, r.headers)
+
+
+def test_every_reference_in_the_schema_resolves(make_client):
+    """Code generators follow each `$ref` from the document's root: none may point nowhere."""
+    schema = make_client().get("/openapi.json").json()
+    refs = []
+
+    def walk(node, where):
+        if isinstance(node, dict):
+            if isinstance(node.get("$ref"), str):
+                refs.append((where, node["$ref"]))
+            for key, value in node.items():
+                walk(value, f"{where}/{key}")
+        elif isinstance(node, list):
+            for i, value in enumerate(node):
+                walk(value, f"{where}/{i}")
+
+    walk(schema, "")
+    assert refs, "the document refers to its components"
+    unresolved = []
+    for where, ref in refs:
+        target = schema if ref.startswith("#/") else None
+        for part in ref.removeprefix("#/").split("/") if target is not None else ():
+            part = part.replace("~1", "/").replace("~0", "~")
+            target = target.get(part) if isinstance(target, dict) else None
+        if target is None:
+            unresolved.append(f"{where}: {ref}")
+    assert not unresolved, "\n".join(unresolved)
+
+
+def test_the_refusal_any_request_can_meet_is_documented(make_client):
+    """A NUL in a request's query or path is refused 400 before any route runs: every operation
+    documents that answer."""
+    c = make_client()
+    schema = c.get("/openapi.json").json()
+    for template, operations in schema["paths"].items():
+        for method, operation in operations.items():
+            urls = [(re.sub(r"\{[^}]+\}", "x", template), {"q": "\x00"})]
+            if "{" in template:
+                urls.append((re.sub(r"\{[^}]+\}", "x%00", template), {}))
+            for url, params in urls:
+                r = c.request(method.upper(), url, params=params)
+                assert r.status_code == 400, (method, url, r.text)
+                assert "400" in operation["responses"], (method, template)

@@ -11,7 +11,8 @@ from ..errors import NotReady, WorkerDead
 from ..metrics import Gauges, exposition
 from ..schemas import error_responses
 
-router = APIRouter(tags=["health"], responses=error_responses(413, 500))
+# 400: a NUL in the query is refused before any route runs (RefuseNul), even here.
+router = APIRouter(tags=["health"], responses=error_responses(400, 413, 500))
 
 
 @router.get("/healthz", responses=error_responses(503))

@@ -22,6 +22,7 @@ from ..schemas import (
     Video,
     VideoCreate,
     VideoDeleted,
+    body_schema,
     error_responses,
     video_object,
 )
@@ -86,8 +87,8 @@ CREATE_BODY_DOC = {
     "requestBody": {
         "required": True,
         "content": {
-            "application/json": {"schema": VideoCreate.model_json_schema()},
-            "multipart/form-data": {"schema": VideoCreate.model_json_schema()},
+            "application/json": {"schema": body_schema(VideoCreate)},
+            "multipart/form-data": {"schema": body_schema(VideoCreate)},
         },
     }
 }
