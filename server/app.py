@@ -42,7 +42,8 @@ STALE_AFTER_S = 3600.0  # a temporary file untouched this long was left by a kil
 def housekeeping(store: JobStore, data: DataDir) -> None:
     """Start-up cleaning: expired videos' files, and what a killed process left half-written
     (temporary MP4/PNG files, uploads that never got a row). Other hosts may be writing at this
-    moment, so only what has been left alone for `STALE_AFTER_S` goes."""
+    moment: a temporary file goes once no live writer holds it, the rest once left alone for
+    `STALE_AFTER_S`."""
     for video_id in store.videos.expired():
         for path in data.video_files(video_id):
             path.unlink(missing_ok=True)

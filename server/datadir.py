@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from megaslide.engine.atomic import atomic_write_text, remove_stale
+from megaslide.engine.atomic import atomic_write_text, remove_abandoned, remove_stale
 
 
 @dataclass(frozen=True)
@@ -85,9 +85,15 @@ class DataDir:
         return self._folder("models") / job_id
 
     def remove_stale(self, min_age_s: float) -> None:
-        """Delete the temporary files a killed process left half-written, once older than
-        `min_age_s` (another host may be writing the newer ones)."""
+        """Delete the temporary files a killed process left half-written: at once those no live
+        writer holds, the rest once older than `min_age_s` (another host may be writing them)."""
+        self.remove_abandoned()
         remove_stale(self.videos, min_age_s=min_age_s)
+
+    def remove_abandoned(self) -> int:
+        """Delete the temporary MP4s and PNGs whose writers died mid-write (no live writer, here
+        or on another host, holds them); returns how many."""
+        return remove_abandoned(self.videos)
 
 
 ORPHAN_S = 60.0  # an adapter's record without its file for this long is an upload that died

@@ -19,6 +19,7 @@ with warnings.catch_warnings():  # starlette's notice that its TestClient will m
     from fastapi.testclient import TestClient
 
 from megaslide.server import Settings, build_app
+from megaslide.server.datadir import DataDir
 from megaslide.server.protocol import card_from_dict, card_to_dict
 from megaslide.server.store import JobStore
 from megaslide.server.worker import Fleet, Worker, WorkerProcess
@@ -129,9 +130,15 @@ def test_a_silent_worker_drops_out_and_its_job_moves_to_another(api, settings):
     video = api.post("/v1/videos", json={"prompt": "p", **SMALL}).json()
     until(lambda: first.store.videos.get(video["id"]).worker_id == "w1", what="the claim")
     first.worker.stop.set()  # its heartbeat stops too: it is silent from now on
+    # What a writer killed mid-MP4 leaves (no process holds it), a minute old: it goes as soon
+    # as the job moves on, not an hour later.
+    left = DataDir(settings.storage_dir).videos / f".{video['id']}.mp4.k1ll3d.tmp"
+    left.write_bytes(b"half an mp4")
+    os.utime(left, (time.time() - 60, time.time() - 60))
     second = Running(settings, "w2")
     assert wait_status(api, video["id"], timeout=15)["status"] == "completed"
     assert first.store.videos.get(video["id"]).worker_id == "w2"
+    assert not left.exists()
     first.worker.backend.gate.set()  # the first one wakes: its late outcome is refused
     first.thread.join(30)
     time.sleep(0.2)

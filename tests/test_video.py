@@ -262,6 +262,51 @@ def test_a_write_that_fails_for_want_of_space_leaves_no_temporary_file(tmp_path)
     assert list(tmp_path.iterdir()) == []
 
 
+WRITER = """
+import sys, time
+from megaslide.engine.atomic import atomic_write
+
+def write(tmp):
+    tmp.write_bytes(b"half an mp4")
+    print("writing", flush=True)
+    time.sleep(60)  # killed here, mid-write
+
+atomic_write(sys.argv[1], write)
+"""
+
+
+def test_a_killed_writers_temporary_file_goes_at_once_and_a_live_ones_stays(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from megaslide.engine.atomic import LOCK_GRACE_S, remove_abandoned
+
+    def age(path, seconds):
+        os.utime(path, (time.time() - seconds, time.time() - seconds))
+
+    writer = subprocess.Popen(
+        [sys.executable, "-c", WRITER, str(tmp_path / "clip.mp4")], stdout=subprocess.PIPE
+    )
+    try:
+        assert writer.stdout.readline() == b"writing\n"
+        (tmp,) = tmp_path.glob(".clip.mp4.*.tmp")
+        age(tmp, 2 * LOCK_GRACE_S)
+        assert remove_abandoned(tmp_path) == 0 and tmp.exists()  # its writer is alive
+    finally:
+        writer.send_signal(signal.SIGKILL)
+        writer.wait()
+    assert remove_abandoned(tmp_path) == 1 and not tmp.exists()  # its writer is gone
+    # One just made may not be locked yet by its writer: it stays until the grace is over.
+    young = tmp_path / ".clip.png.abc.tmp"
+    young.write_bytes(b"x")
+    assert remove_abandoned(tmp_path) == 0 and young.exists()
+    age(young, 2 * LOCK_GRACE_S)
+    assert remove_abandoned(tmp_path) == 1 and list(tmp_path.iterdir()) == []
+
+
 def test_a_guard_that_refuses_leaves_the_old_directory_as_it_was(tmp_path):
     """The guard around an atomic directory's renames (a fine-tune's claim, a lock): refusing,
     it leaves what was at the path and no temporary directory; letting it, the new one is in."""

@@ -75,6 +75,7 @@ class Worker(WorkerContext):
         """Load the models, then run jobs until `stop` is set; parks unfinished work on the way
         out. Errors outside any job end the loop and are kept in `dead`."""
         try:
+            self._remove_abandoned()  # what this worker's previous life was writing when killed
             self.models.load()
             self.ready = True
             self.heartbeat.send()
@@ -133,6 +134,7 @@ class Worker(WorkerContext):
             recovered = self.store.workers.recover_expired()
             if any(recovered.values()):
                 log.warning("requeued jobs whose workers went silent: %s", recovered)
+                self._remove_abandoned()  # the MP4s they were writing, if they were killed
         self.videos.drop_cancelled()
         self.finetunes.cancel_if_requested()
         self.videos.claim()
@@ -144,7 +146,8 @@ class Worker(WorkerContext):
 
     def _housekeeping(self) -> bool:
         """When idle, now and then: delete the files of videos whose `expires_at` has passed,
-        old events of finished jobs and expired idempotency keys. Never counts as work done."""
+        old events of finished jobs, expired idempotency keys and temporary files whose writers
+        died. Never counts as work done."""
         if time.monotonic() - self._last_housekeeping < HOUSEKEEPING_INTERVAL_S:
             return False
         self._last_housekeeping = time.monotonic()
@@ -153,7 +156,16 @@ class Worker(WorkerContext):
                 path.unlink(missing_ok=True)
         self.store.jobs.prune_events(self.settings.event_ttl_s)
         self.store.keys.forget_expired()
+        self._remove_abandoned()
         return False
+
+    def _remove_abandoned(self) -> None:
+        """Delete the temporary files of writers that died mid-write (a live one's stay)."""
+        try:
+            if removed := self.data.remove_abandoned():
+                log.info("removed %d temporary files that killed writers left", removed)
+        except OSError as exc:  # the storage's trouble, not the worker's: the next try may do
+            log.warning("could not clear temporary files: %s", exc)
 
     def _park(self) -> None:
         """Graceful stop: running videos go back to the queue, a running fine-tune checkpoints
