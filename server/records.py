@@ -51,6 +51,7 @@ class VideoRecord(LeasedRecord):
     cancel_requested: bool
     attempts: int
     crashes: int
+    suspect: bool  # a worker died while it shared it with others: it runs alone (store/videos.py)
     started_at: int | None
     completed_at: int | None
     expires_at: int | None
@@ -65,6 +66,7 @@ class VideoRecord(LeasedRecord):
             row,
             spec=json.loads(row["spec"]),
             cancel_requested=bool(row["cancel_requested"]),
+            suspect=bool(row["suspect"]),
         )
 
 

@@ -51,6 +51,9 @@ videos = sa.Table(
     # Claims that ended with the worker dead (lease expired, or it restarted): at the store's
     # crash_limit the job fails instead of running again.
     sa.Column("crashes", sa.Integer, nullable=False, server_default="0"),
+    # 1 once a worker died while the video shared it with other videos: which of them killed it
+    # is unknown, so none is counted; each runs alone from then on, where a death is its own.
+    sa.Column("suspect", sa.Integer, nullable=False, server_default="0"),
     sa.Column("started_at", sa.Integer),
     sa.Column("completed_at", sa.Integer),
     sa.Column("expires_at", sa.Integer),

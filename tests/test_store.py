@@ -421,6 +421,43 @@ def test_a_job_that_keeps_killing_its_worker_fails_at_the_crash_limit(database_u
         store.close()
 
 
+def test_a_death_in_a_shared_batch_is_charged_to_the_video_that_causes_it(database_url):
+    """A worker that dies running a batch does not charge its videos: they become suspect and
+    each runs alone, where a death is the video's own. The innocent one completes; the poison
+    one fails at the limit, having shared no pass since its first death."""
+    store = JobStore(database_url, crash_limit=2)
+    try:
+        poison, innocent, later = queue(store, 3)
+        assert [v.id for v in claim(store, worker="a", room=2)] == [poison, innocent]
+        register(store, name="a", token="restarted")  # it died running both: neither counted
+        for video_id in (poison, innocent):
+            v = store.videos.get(video_id)
+            assert (v.status, v.crashes) == ("queued", 0) and v.suspect
+        assert "runs alone" in store.videos.events_after(poison, 0)[-1].message
+        assert not store.videos.get(later).suspect
+        # A suspect is claimed alone, nothing joins it, and it joins no other worker's batch.
+        assert [v.id for v in claim(store, worker="a")] == [poison]
+        assert claim(store, worker="a") == []
+        assert [v.id for v in claim(store, worker="b")] == [innocent]
+        assert claim(store, worker="b") == []
+        register(store, name="a", token="again")  # it died running the poison alone: counted
+        v = store.videos.get(poison)
+        assert (v.status, v.crashes) == ("queued", 1)
+        token = store.videos.get(innocent).lease_token
+        assert store.videos.finish(innocent, token, "completed") == "completed"
+        [third] = claim(store, worker="c")  # `later` waits behind it only while it runs
+        assert third.id == later
+        assert claim(store, worker="c") == []  # the suspect does not join c's batch
+        assert [v.id for v in claim(store, worker="a")] == [poison]
+        register(store, name="a", token="once more")
+        failed = store.videos.get(poison)
+        assert failed.status == "failed" and failed.error_code == "worker_crashed"
+        assert "died 2 times" in failed.error_message
+        assert store.videos.get(innocent).status == "completed"
+    finally:
+        store.close()
+
+
 # ---------------------------------------------------------------------------------------------
 # fine-tunes, files, idempotency
 

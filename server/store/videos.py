@@ -209,21 +209,29 @@ class VideoStore:
         claimed when nothing runs). Stops at the first that cannot: a later compatible job never
         overtakes an earlier one. Rows `runnable` refuses (jobs this worker cannot run yet, such
         as one naming an adapter it has not registered) are passed over, left to other workers,
-        among the next `CLAIM_LOOKAHEAD`. Each video comes back in progress, with its
-        `lease_token`."""
+        among the next `CLAIM_LOOKAHEAD`. A suspect video (see `requeue_where`) runs alone: it
+        is claimed only by a worker that holds no other video, and nothing joins it. Each video
+        comes back in progress, with its `lease_token`."""
         if room <= 0 or not served:
             return []
         stmt = _queue_order(sa.select(videos).where(videos.c.model.in_(served)))
         lookahead = CLAIM_LOOKAHEAD if runnable is not None else 0
         stmt = stmt.limit(room + lookahead).with_for_update(skip_locked=True)
+        held = sa.select(sa.func.count().label("n"), sa.func.max(videos.c.suspect).label("s"))
+        held = held.where(videos.c.status == "in_progress", videos.c.worker_id == worker)
         claimed = []
         with self.db.tx() as conn:
+            holding = conn.execute(held).mappings().one()
+            if holding["s"]:
+                return []  # a suspect runs alone
             for row in conn.execute(stmt).mappings().all():
-                if len(claimed) == room:
+                if len(claimed) == room or (claimed and claimed[-1].suspect):
                     break
                 video = VideoRecord.from_row(row)
                 if runnable is not None and not runnable(video):
                     continue
+                if video.suspect and (claimed or holding["n"]):
+                    break  # it waits for this worker to be free, keeping its place
                 key = batch_key(video)
                 if running_key is None:
                     running_key = key
@@ -349,17 +357,29 @@ class VideoStore:
         skip_locked: bool = False,
     ) -> int:
         """Running videos matching `where` back to the queue (from noise), or to cancelled.
-        `crashed`: their worker died under them; that counts, and at `crash_limit` a video fails
-        instead. `skip_locked`: leave rows another transaction holds (a recovery pass racing
-        another). Returns how many went back to the queue."""
+        `crashed`: their worker died under them. A death counts against a video that ran alone
+        (or among suspects only), and at `crash_limit` it fails instead; one that shared its
+        worker with others that were not all suspect is not counted but made suspect: it runs
+        alone from now on, so that the next death names the video at fault. `skip_locked`:
+        leave rows another transaction holds (a recovery pass racing another). Returns how many
+        went back to the queue."""
         stmt = (
-            sa.select(videos.c.id, videos.c.cancel_requested, videos.c.crashes)
+            sa.select(
+                videos.c.id,
+                videos.c.cancel_requested,
+                videos.c.crashes,
+                videos.c.suspect,
+                videos.c.worker_id,
+            )
             .where(videos.c.status == "in_progress", where)
             .with_for_update(skip_locked=skip_locked)
         )
+        rows = conn.execute(stmt).mappings().all()
+        shared = self._shared(conn, {row["worker_id"] for row in rows}) if crashed else set()
         requeued = 0
-        for row in conn.execute(stmt).mappings().all():
-            crashes = row["crashes"] + int(crashed)
+        for row in rows:
+            blamed = crashed and row["worker_id"] not in shared
+            crashes = row["crashes"] + int(blamed)
             data = {"status": "queued", "progress": 0, "step": 0}
             if row["cancel_requested"]:
                 status, message = "cancelled", ""
@@ -370,11 +390,30 @@ class VideoStore:
                 data["error"] = {"code": changes["error_code"], "message": message}
             else:
                 status, message = "queued", reason
+                if crashed and not blamed:
+                    message += "; it shared the worker with other videos, so it runs alone next"
                 changes = dict(status=status, progress=0, step=0, **RELEASED)
                 requeued += 1
             changes["crashes"] = crashes
+            if crashed:
+                changes["suspect"] = 1
             conn.execute(videos.update().where(videos.c.id == row["id"]).values(**changes))
             data["status"] = status
             level = "error" if status == "failed" else "info"
             append_event(conn, row["id"], f"video.{status}", message, data, level=level)
         return requeued
+
+    def _shared(self, conn: sa.Connection, workers: set[str | None]) -> set[str]:
+        """Those of `workers` that died holding several videos, not all of them suspect: which
+        one killed it is unknown. Counted over every video the worker held, not only those
+        `where` matched (one whose lease had not yet run out shared its death too)."""
+        named = {w for w in workers if w is not None}
+        if not named:
+            return set()
+        stmt = (
+            sa.select(videos.c.worker_id)
+            .where(videos.c.status == "in_progress", videos.c.worker_id.in_(named))
+            .group_by(videos.c.worker_id)
+            .having(sa.func.count() > 1, sa.func.min(videos.c.suspect) == 0)
+        )
+        return {row["worker_id"] for row in conn.execute(stmt).mappings()}
