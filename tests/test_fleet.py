@@ -25,7 +25,7 @@ from megaslide.server.store import JobStore
 from megaslide.server.worker import Fleet, Worker, WorkerProcess
 
 from api_helpers import SMALL, assert_error, scrape, wait_status
-from server_fakes import FAKE_CARD, FakeBackend, until
+from server_fakes import FAKE_CARD, FakeBackend, serve_fake_jobs, until
 
 
 @pytest.fixture
@@ -242,4 +242,32 @@ def test_a_job_naming_an_adapter_waits_for_a_worker_that_has_it(settings):
     finally:
         for worker in (here, there):
             worker.close()
+        store.close()
+
+
+def test_a_video_that_kills_its_worker_process_is_the_only_one_charged(tmp_path, monkeypatch):
+    """A worker process killed (SIGKILL) in a pass two videos share charges neither: each runs
+    alone next, the innocent one completes, and the one that kills fails at the crash limit (one
+    death here, so a charge for the shared pass would have failed both)."""
+    for var in ("MEGASLIDE_API_KEYS", "MEGASLIDE_MODELS", "MEGASLIDE_PRESET"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(WorkerProcess, "RESTART_DELAY_S", 0.05)
+    settings = Settings(data_dir=tmp_path / "data", heartbeat_s=0.1, lease_s=2.0, crash_limit=1)
+    go = tmp_path / "go"
+    child = WorkerProcess(functools.partial(serve_fake_jobs, settings, "child", go))
+    with TestClient(build_app(settings, Fleet(settings, lambda root: 0, child))) as api:
+        until(lambda: api.get("/v1/models").json()["data"], timeout=30, what="the child's card")
+        poison = api.post("/v1/videos", json={"prompt": "kill9", **SMALL}).json()
+        innocent = api.post("/v1/videos", json={"prompt": "p", **SMALL}).json()
+        go.touch()  # both are queued: the child claims them into one pass
+        assert wait_status(api, innocent["id"], timeout=60)["status"] == "completed"
+        failed = wait_status(api, poison["id"], timeout=60)
+        assert failed["error"]["code"] == "worker_crashed", failed
+        assert "died once" in failed["error"]["message"]
+    store = JobStore(settings.database_url)
+    try:  # they did share the first pass, and its death was charged to neither
+        shared = [e.message for e in store.videos.events_after(innocent["id"], 0)]
+        assert any("runs alone next" in m for m in shared), shared
+        assert store.videos.get(innocent["id"]).crashes == 0
+    finally:
         store.close()

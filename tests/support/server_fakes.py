@@ -7,13 +7,16 @@ every call to prepare or decode as the seeds it took (`prepared`, `decoded`).
 
 Prompts steer failures: "explode" raises in the denoising step, "nomem" raises an error with the type
 name CUDA uses, "badprep" raises while preparing, "baddecode" while decoding, and "poison" raises
-an error that leaves the (pretend) device unusable.
+an error that leaves the (pretend) device unusable. "kill9" kills the process the step runs in
+with SIGKILL: only for a worker in a child process (`serve_fake_jobs`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
+import signal
 import socket
 import threading
 import time
@@ -98,6 +101,8 @@ class FakeModel(VideoModel):
             raise RuntimeError("the denoiser exploded")
         if any("poison" in p for p in prompts):
             raise DeviceError("CUDA error: an illegal memory access was encountered")
+        if any("kill9" in p for p in prompts):
+            os.kill(os.getpid(), signal.SIGKILL)  # a crash no handler sees: the process is gone
         with b.lock:
             b.passes.append((self.name, [s.spec.seed for s in states]))
             b.timeline.append(("video", [s.spec.seed for s in states]))
@@ -323,3 +328,17 @@ def live_server(app, settings=None):
         server.should_exit = True
         thread.join(30)
         sock.close()
+
+
+def serve_fake_jobs(settings: Settings, name: str, go: Path) -> None:
+    """A worker process on fake models (a `WorkerProcess` main, as `serve_jobs` is one): it
+    registers, publishing its cards, then waits for the file `go` before it runs jobs, so a test
+    can queue several to be claimed together."""
+    from megaslide.server.store import JobStore
+    from megaslide.server.worker import Worker
+
+    store = JobStore(settings.database_url, crash_limit=settings.crash_limit)
+    worker = Worker(settings, FakeBackend(), store, name)
+    worker.register()
+    until(go.exists, timeout=60, what="the go file")
+    worker.run()
