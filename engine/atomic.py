@@ -55,7 +55,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[Path], object]) -> Pa
     path = Path(path)
     fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=TMP_SUFFIX)
     tmp = Path(name)
-    _writing.add(name)
+    _writing.add(os.path.abspath(name))
     try:
         _lock(fd)  # held until the rename: while it is, `remove_abandoned` leaves the file
         write(tmp)
@@ -68,7 +68,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[Path], object]) -> Pa
         raise
     finally:
         os.close(fd)
-        _writing.discard(name)
+        _writing.discard(os.path.abspath(name))
     fsync_dir(path.parent)
     return path
 
@@ -146,7 +146,7 @@ def remove_abandoned(folder: str | os.PathLike, grace_s: float = LOCK_GRACE_S) -
         return 0
     removed = 0
     for item in folder.glob(f".*{TMP_SUFFIX}"):
-        if str(item) not in _writing and _remove_if_unlocked(item, grace_s):
+        if os.path.abspath(item) not in _writing and _remove_if_unlocked(item, grace_s):
             removed += 1
     return removed
 
