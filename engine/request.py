@@ -457,6 +457,18 @@ def resolve(
     )
 
 
+def check_adapter_defaults(defaults: Mapping, max_steps: int | None) -> None:
+    """RequestError when an adapter's sampling defaults (see `resolve`) ask for more steps than
+    a request may: every video naming it would be refused, so it is refused once instead."""
+    steps = defaults.get("steps")
+    if steps is not None and max_steps is not None and steps > max_steps:
+        raise RequestError(
+            f"sampling default steps={steps} exceeds this server's limit of {max_steps} "
+            "num_inference_steps",
+            param="steps",
+        )
+
+
 def check_image(image: str | None, limits: ModelLimits) -> None:
     """RequestError unless the model takes this first-frame image (a file that exists), or does
     without one."""

@@ -53,7 +53,7 @@ UPLOAD_BODY_DOC = {
     "",
     response_model=AdapterObject,
     openapi_extra=UPLOAD_BODY_DOC,
-    responses=error_responses(400, 404, 409),
+    responses=error_responses(400, 404, 409, 429),
 )
 async def create_adapter(
     request: Request,
