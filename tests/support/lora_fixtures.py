@@ -49,11 +49,12 @@ def write_peft(
     only=None,
     time_embedder: bool = False,
     extra: dict | None = None,
+    metadata_extra: dict | None = None,
 ) -> Path:
     """diffusers / PEFT layout: `transformer.<module>.lora_A.weight`; with `alpha`, the file's
     `lora_adapter_metadata` says so (as diffusers' save_lora_weights writes it). `time_embedder`
     adapts the timestep embedder too (which runs once per token with per-token timesteps);
-    `extra` adds tensors as they are."""
+    `extra` adds tensors as they are, `metadata_extra` header metadata as it is."""
     g = torch.Generator().manual_seed(seed)
     state = {}
     targets = layers(blocks)
@@ -75,6 +76,7 @@ def write_peft(
         metadata["lora_adapter_metadata"] = json.dumps(
             {f"transformer.{k}": v for k, v in config.items()}
         )
+    metadata.update(metadata_extra or {})
     save_file(state, str(path), metadata=metadata)
     return path
 
@@ -137,4 +139,16 @@ def write_musubi(
         state[f"{key}.lora_up.weight"] = up
         state[f"{key}.alpha"] = torch.tensor(float(alpha))
     save_file(state, str(path))
+    return path
+
+
+def rewrite(path: Path, change) -> Path:
+    """The file at `path` with `change(state)` applied to its tensors (metadata kept)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        metadata = f.metadata()
+        state = {k: f.get_tensor(k) for k in f.keys()}
+    change(state)
+    save_file(state, str(path), metadata=metadata)
     return path
