@@ -11,7 +11,7 @@ import pytest
 
 from megaslide.server import Settings
 
-from lora_fixtures import write_peft
+from lora_fixtures import hostile_files, write_peft
 from server_fakes import live_server, torch_app
 from wan_fixtures import build_tiny_wan
 
@@ -297,50 +297,6 @@ def until(condition, timeout=30.0):
         time.sleep(0.05)
 
 
-def hostile_uploads(tmp_path) -> dict:
-    """Files that once passed the upload check and then stopped every worker of the model as it
-    scanned them, and others that must never become `ready`, by adapter name."""
-    import torch
-    from lora_fixtures import rewrite, write_musubi, write_original
-
-    def alpha(n):  # the first `.alpha` of the file, as a tensor of n elements
-        def change(state):
-            key = next(k for k in sorted(state) if k.endswith(".alpha"))
-            state[key] = torch.ones(n)
-
-        return change
-
-    def first_factor(value=None, dtype=None):
-        def change(state):
-            key = next(k for k in sorted(state) if k.endswith(".lora_A.weight"))
-            t = state[key].clone()
-            if value is not None:
-                t[0, 0] = value
-            state[key] = t if dtype is None else t.to(dtype)
-
-        return change
-
-    p = tmp_path
-    deep = "[" * 100_000 + "]" * 100_000
-    return {
-        "meta_list": write_peft(p / "a", metadata_extra={"lora_adapter_metadata": "[1]"}),
-        "alpha_list": write_peft(p / "b", alpha=[1]),
-        "alpha_nan": write_peft(p / "c", alpha="nan"),
-        "deep_sampling": write_peft(p / "d", metadata_extra={"megaslide.sampling": deep}),
-        "many_steps": write_peft(p / "e", metadata_extra={"megaslide.sampling": '{"steps": 1e9}'}),
-        "original_alpha2": rewrite(write_original(p / "f"), alpha(2)),
-        "original_alpha0": rewrite(write_original(p / "g"), alpha(0)),
-        "musubi_alpha2": rewrite(write_musubi(p / "h"), alpha(2)),
-        "musubi_alpha0": rewrite(write_musubi(p / "i"), alpha(0)),
-        "rank0": write_peft(p / "j", rank=0),
-        "nan_factor": rewrite(write_peft(p / "k"), first_factor(float("nan"))),
-        "inf_factor": rewrite(write_peft(p / "l"), first_factor(float("inf"))),
-        "int_factors": rewrite(write_peft(p / "m"), first_factor(dtype=torch.int32)),
-        "bool_factors": rewrite(write_peft(p / "n"), first_factor(dtype=torch.bool)),
-        "fp8_factors": rewrite(write_peft(p / "o"), first_factor(dtype=torch.float8_e4m3fn)),
-    }
-
-
 def test_a_stored_upload_never_stops_the_worker(served, tmp_path):
     """Whatever a stored upload holds (these were written before the upload check refused
     them), the worker's scan turns it into that adapter's `error` with a reason that names no
@@ -349,8 +305,8 @@ def test_a_stored_upload_never_stops_the_worker(served, tmp_path):
 
     data = tmp_path / "data"
     folder = DataDir(data).adapters("wan")
-    hostile = hostile_uploads(tmp_path)
-    for name, path in hostile.items():
+    hostile = hostile_files(tmp_path)
+    for name, (path, _) in hostile.items():
         partial = folder.partial(name)
         partial.write_bytes(path.read_bytes())
         folder.publish(name, partial, None, name)
@@ -362,12 +318,8 @@ def test_a_stored_upload_never_stops_the_worker(served, tmp_path):
         refused = {name: wait_adapter(c, "wan", name, timeout=30) for name in hostile}
         assert {n: a["status"] for n, a in refused.items()} == dict.fromkeys(hostile, "error")
         for name, adapter in refused.items():
-            assert adapter["status_details"], name
+            assert hostile[name][1] in adapter["status_details"], adapter
             assert str(tmp_path) not in adapter["status_details"], adapter
-        assert "steps=1000000000" in refused["many_steps"]["status_details"]
-        assert "rank 0" in refused["rank0"]["status_details"]
-        assert "NaN or infinite" in refused["inf_factor"]["status_details"]
-        assert "int32" in refused["int_factors"]["status_details"]
 
         plain = c.post("/v1/videos", json={"model": "wan", "prompt": "a cat", "seed": 1})
         assert wait(c, plain.json()["id"])["status"] == "completed"
