@@ -490,10 +490,12 @@ def check_image(image: str | None, limits: ModelLimits) -> None:
 
 
 def check_loras(
-    loras, limits: ModelLimits, adapters: Mapping[str, Mapping] | None
+    loras, limits: ModelLimits, adapters: Mapping[str, Mapping] | None, *, list_known: bool = True
 ) -> tuple[LoraChoice, ...]:
     """A request's adapters as `LoraChoice`s, each checked: a known name (when `adapters` says
-    which are known), a finite scale, an expert the model has, no adapter twice on one expert."""
+    which are known), a finite scale, an expert the model has, no adapter twice on one expert.
+    `list_known=False` names none of the known ones in the refusal (a pipeline serving several
+    tenants holds adapters the requester may not know of)."""
     choices = tuple(LoraChoice.parse(c) for c in loras or ())
     if len(choices) > MAX_LORAS:
         raise RequestError(
@@ -506,7 +508,8 @@ def check_loras(
         if adapters is not None and c.name not in adapters:
             known = ", ".join(sorted(adapters)) or "none are registered"
             raise RequestError(
-                f"loras: no adapter named {c.name!r} for this model (known: {known})",
+                f"loras: no adapter named {c.name!r} for this model"
+                + (f" (known: {known})" if list_known else ""),
                 param="loras",
                 code="unknown_adapter",
             )

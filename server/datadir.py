@@ -160,7 +160,7 @@ class AdapterFolder:
     def error(self, name: str) -> str | None:
         """Why a worker refused the adapter, or None."""
         try:
-            return (self.path / f"{name}.error").read_text()
+            return (self.path / f"{name}.error").read_text(errors="replace")
         except FileNotFoundError:
             return None
 

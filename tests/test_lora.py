@@ -375,3 +375,16 @@ def test_sampling_defaults_beyond_the_servers_limits_are_refused(hostile, tmp_pa
     )
     with pytest.raises(AdapterError, match="steps=True is not a valid number"):
         load_wan_adapter("flag", flag)
+
+
+def test_a_pipelines_refusal_names_no_other_tenants_adapter(wan):
+    """A worker's pipeline holds every key's adapters: a video that reaches it naming one it
+    has not registered fails without listing them (the API lists only the requester's)."""
+    import dataclasses
+
+    pipe = open_pipeline(wan["model"])
+    pipe.add_adapter("bob~secret", wan["peft"])
+    video = dataclasses.replace(pipe.resolve(request()), loras=(LoraChoice("mine"),))
+    with pytest.raises(RequestError, match="no adapter named 'mine'") as e:
+        pipe.prepare_batch([video])
+    assert "secret" not in str(e.value)

@@ -310,10 +310,14 @@ def test_a_stored_upload_never_stops_the_worker(served, tmp_path):
         partial = folder.partial(name)
         partial.write_bytes(path.read_bytes())
         folder.publish(name, partial, None, name)
+    good = write_peft(tmp_path / "good.safetensors", seed=14).read_bytes()
+    partial = folder.partial("damaged")
+    partial.write_bytes(good)
+    folder.publish("damaged", partial, None, "0" * 64)
+    (folder.path / "damaged.json").write_text("[" * 100_000)  # its record, damaged
     settings = Settings(
         data_dir=data, models=[f"wan={served['model']}"], device="cpu", poll_after_ms=50
     )
-    good = write_peft(tmp_path / "good.safetensors", seed=14).read_bytes()
     with TestClient(torch_app(settings)) as c:
         refused = {name: wait_adapter(c, "wan", name, timeout=30) for name in hostile}
         assert {n: a["status"] for n, a in refused.items()} == dict.fromkeys(hostile, "error")
@@ -334,7 +338,8 @@ def test_a_stored_upload_never_stops_the_worker(served, tmp_path):
             "/v1/videos", json={"model": "wan", "prompt": "a cat", "loras": [{"name": "good"}]}
         )
         assert wait(c, styled.json()["id"])["status"] == "completed"
-        for name in hostile:
+        assert wait_adapter(c, "wan", "damaged")["status"] == "ready"  # an owner-less upload
+        for name in [*hostile, "damaged"]:
             assert c.delete(f"/v1/adapters/wan/{name}").status_code == 200, name
         assert {a["id"] for a in c.get("/v1/adapters").json()["data"]} == {"good"}
 

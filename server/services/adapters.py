@@ -174,7 +174,8 @@ class Adapters:
         ready = {  # an upload is ready until deleted, even while a worker still holds it
             a["name"]: a
             for a in registered
-            if "sha256" not in a or uploads.get(a["name"], {}).get("sha256") == a["sha256"]
+            if "sha256" not in a
+            or (a["name"] in uploads and uploads[a["name"]]["sha256"] == a["sha256"])
         }
         out = [
             (
