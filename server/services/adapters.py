@@ -225,6 +225,7 @@ FACTOR_DTYPES = {"F16": 2, "BF16": 2, "F32": 4}
 ALPHA_DTYPES = {**FACTOR_DTYPES, "F64": 8, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1}
 JSON_METADATA = ("lora_adapter_metadata", "megaslide.sampling")  # metadata entries holding JSON
 MAX_HEADER_BYTES = 100_000_000
+MAX_DIMS = 4  # a LoRA factor is a matrix (a convolution's, 4-d); bounds the work of its size
 
 
 def check_safetensors(path: Path) -> None:
@@ -243,7 +244,7 @@ def check_safetensors(path: Path) -> None:
             raise InvalidRequest(
                 "the file is not a safetensors file (its header length is wrong)", param="file"
             )
-        header = _json(f.read(n), "its header")
+        header = _json(f.read(n), "its safetensors header")
     if not isinstance(header, dict):
         raise InvalidRequest("the file is not a safetensors file (no JSON header)", param="file")
     _check_metadata(header.pop("__metadata__", {}))
@@ -257,12 +258,10 @@ def _json(raw: bytes | str, what: str):
     try:
         return json.loads(raw)
     except (ValueError, UnicodeDecodeError):
-        raise InvalidRequest(
-            f"the file is not a safetensors file ({what} is not JSON)", param="file"
-        ) from None
+        raise InvalidRequest(f"the file is refused: {what} is not JSON", param="file") from None
     except RecursionError:  # the parser's guard against a stack overflow: 400, not 500
         raise InvalidRequest(
-            f"the safetensors file is refused: {what} is nested too deeply", param="file"
+            f"the file is refused: {what} is nested too deeply", param="file"
         ) from None
 
 
@@ -272,7 +271,7 @@ def _check_metadata(metadata) -> None:
             "the safetensors file's __metadata__ must map names to strings", param="file"
         )
     for entry in JSON_METADATA:
-        if entry in metadata and not isinstance(_json(metadata[entry], entry), dict):
+        if entry in metadata and not isinstance(_json(metadata[entry], f"its {entry}"), dict):
             raise InvalidRequest(
                 f"the safetensors file's {entry} metadata must be a JSON object", param="file"
             )
@@ -287,13 +286,15 @@ def _check_tensor(key: str, info, data_bytes: int) -> None:
     dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
     alpha = key.endswith(".alpha")
     sizes = ALPHA_DTYPES if alpha else FACTOR_DTYPES
-    if dtype not in sizes:
+    if not isinstance(dtype, str) or dtype not in sizes:
         allowed = "a number" if alpha else ", ".join(FACTOR_DTYPES)
         raise InvalidRequest(
             f"{shown}: dtype {str(dtype)[:20]}; it must be {allowed}", param="file"
         )
-    if not isinstance(shape, list) or not all(_count(d) for d in shape):
-        raise InvalidRequest(f"{shown}: its shape is not a list of sizes", param="file")
+    if not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(map(_count, shape)):
+        raise InvalidRequest(
+            f"{shown}: its shape is not a list of at most {MAX_DIMS} sizes", param="file"
+        )
     elements = math.prod(shape)
     if elements == 0 or (alpha and elements != 1):
         need = "one number" if alpha else "at least one element (a factor of rank 0?)"
