@@ -35,6 +35,9 @@ from torch.nn import functional as F
 ADAPTER_SUFFIXES = (".lora_A.weight", ".lora_B.weight", ".lora_B.bias")
 MAX_ADAPTERS_PER_REQUEST = 8
 DEFAULT_KEYS = ("steps", "guidance", "shift")  # sampling defaults an adapter may carry
+# What a factor may be stored as: the dtypes a pipeline computes in. An integer or boolean factor
+# is no trained adapter, and fp8 ones would need a scale the file does not carry.
+FACTOR_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 class AdapterError(ValueError):
@@ -167,18 +170,13 @@ def sidecar_defaults(path: str | Path, metadata: Mapping[str, str]) -> dict:
     "sampling" object. Only steps, guidance and shift are taken; anything else is an error."""
     found: dict = {}
     if "megaslide.sampling" in metadata:
-        try:
-            found = json.loads(metadata["megaslide.sampling"])
-        except json.JSONDecodeError as e:
-            raise AdapterError(f"{path}: megaslide.sampling metadata is not JSON ({e})") from None
+        found = json_object(metadata["megaslide.sampling"], f"{path}: megaslide.sampling metadata")
     side = Path(str(path) + ".json")
     if side.is_file():
-        try:
-            found = {**found, **json.loads(side.read_text()).get("sampling", {})}
-        except (json.JSONDecodeError, AttributeError) as e:
-            raise AdapterError(f"{side}: not a JSON object with a sampling entry ({e})") from None
-    if not isinstance(found, dict):
-        raise AdapterError(f"{path}: sampling defaults must be a JSON object")
+        sampling = json_object(side.read_text(), str(side)).get("sampling", {})
+        if not isinstance(sampling, dict):
+            raise AdapterError(f"{side}: its sampling entry must be a JSON object")
+        found = {**found, **sampling}
     unknown = sorted(set(found) - set(DEFAULT_KEYS))
     if unknown:
         raise AdapterError(
@@ -186,19 +184,33 @@ def sidecar_defaults(path: str | Path, metadata: Mapping[str, str]) -> dict:
         )
     for k, v in found.items():
         low = {"steps": 1, "guidance": 0}.get(k, 1e-6)  # a shift must be positive
-        if not isinstance(v, int | float) or not math.isfinite(v) or v < low:
+        number = isinstance(v, int | float) and not isinstance(v, bool)
+        if not number or not math.isfinite(v) or v < low:
             raise AdapterError(f"{path}: sampling default {k}={v!r} is not a valid number")
     if "steps" in found and found["steps"] != int(found["steps"]):
         raise AdapterError(f"{path}: sampling default steps must be a whole number")
     return {k: (int(v) if k == "steps" else float(v)) for k, v in found.items()}
 
 
+def json_object(text: str, what: str) -> dict:
+    """`text` parsed as a JSON object, or AdapterError saying what it is instead (a file may
+    nest it deeper than the parser recurses)."""
+    try:
+        found = json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as e:
+        raise AdapterError(f"{what} is not JSON ({type(e).__name__})") from None
+    if not isinstance(found, dict):
+        raise AdapterError(f"{what} must be a JSON object, not {type(found).__name__}")
+    return found
+
+
 def deltas_from_peft(
     state: Mapping[str, torch.Tensor], alphas: Mapping[str, float] | None = None
 ) -> dict[str, LoraDelta]:
     """Group a state dict in PEFT's names (`<module>.lora_A.weight`, `.lora_B.weight`,
-    `.lora_B.bias`) into deltas by module; AdapterError naming the first key that is not one, or a
-    module missing a factor."""
+    `.lora_B.bias`) into deltas by module; AdapterError naming the first key that is not one, a
+    module missing a factor, a factor of rank 0, of another dtype than `FACTOR_DTYPES` or holding
+    a NaN or infinity, or an alpha that is not a finite number."""
     parts: dict[str, dict[str, torch.Tensor]] = {}
     for key in sorted(state, key=_natural):
         suffix = next((s for s in ADAPTER_SUFFIXES if key.endswith(s)), None)
@@ -208,6 +220,7 @@ def deltas_from_peft(
                 ".lora_B.bias)",
                 key=key,
             )
+        _check_factor(key, state[key])
         parts.setdefault(key.removesuffix(suffix), {})[suffix] = state[key]
     deltas = {}
     for module, p in parts.items():
@@ -221,9 +234,30 @@ def deltas_from_peft(
                 "factors of one low-rank delta",
                 key=f"{module}.lora_A.weight",
             )
+        if down.shape[0] == 0:
+            raise AdapterError(f"{module}: rank 0 (an empty delta)", key=f"{module}.lora_A.weight")
         alpha = None if alphas is None else alphas.get(module)
+        if alpha is not None and (
+            isinstance(alpha, bool)
+            or not isinstance(alpha, int | float)
+            or not math.isfinite(alpha)
+        ):
+            raise AdapterError(f"{module}: alpha {alpha!r} is not a finite number", key=module)
         deltas[module] = LoraDelta(down, up, p.get(".lora_B.bias"), alpha)
     return deltas
+
+
+def _check_factor(key: str, t: torch.Tensor) -> None:
+    """AdapterError unless `t` can be a trained factor: a float dtype we compute in, all finite
+    (one NaN would turn every video naming the adapter into noise)."""
+    if t.dtype not in FACTOR_DTYPES:
+        allowed = ", ".join(str(d).removeprefix("torch.") for d in FACTOR_DTYPES)
+        raise AdapterError(
+            f"{key} is {str(t.dtype).removeprefix('torch.')}; LoRA factors must be {allowed}",
+            key=key,
+        )
+    if not bool(torch.isfinite(t).all()):
+        raise AdapterError(f"{key} holds NaN or infinite values", key=key)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -457,6 +457,18 @@ def resolve(
     )
 
 
+def check_adapter_defaults(defaults: Mapping, max_steps: int | None) -> None:
+    """RequestError when an adapter's sampling defaults (see `resolve`) ask for more steps than
+    a request may: every video naming it would be refused, so it is refused once instead."""
+    steps = defaults.get("steps")
+    if steps is not None and max_steps is not None and steps > max_steps:
+        raise RequestError(
+            f"sampling default steps={steps} exceeds this server's limit of {max_steps} "
+            "num_inference_steps",
+            param="steps",
+        )
+
+
 def check_image(image: str | None, limits: ModelLimits) -> None:
     """RequestError unless the model takes this first-frame image (a file that exists), or does
     without one."""
@@ -478,10 +490,12 @@ def check_image(image: str | None, limits: ModelLimits) -> None:
 
 
 def check_loras(
-    loras, limits: ModelLimits, adapters: Mapping[str, Mapping] | None
+    loras, limits: ModelLimits, adapters: Mapping[str, Mapping] | None, *, list_known: bool = True
 ) -> tuple[LoraChoice, ...]:
     """A request's adapters as `LoraChoice`s, each checked: a known name (when `adapters` says
-    which are known), a finite scale, an expert the model has, no adapter twice on one expert."""
+    which are known), a finite scale, an expert the model has, no adapter twice on one expert.
+    `list_known=False` names none of the known ones in the refusal (a pipeline serving several
+    tenants holds adapters the requester may not know of)."""
     choices = tuple(LoraChoice.parse(c) for c in loras or ())
     if len(choices) > MAX_LORAS:
         raise RequestError(
@@ -494,7 +508,8 @@ def check_loras(
         if adapters is not None and c.name not in adapters:
             known = ", ".join(sorted(adapters)) or "none are registered"
             raise RequestError(
-                f"loras: no adapter named {c.name!r} for this model (known: {known})",
+                f"loras: no adapter named {c.name!r} for this model"
+                + (f" (known: {known})" if list_known else ""),
                 param="loras",
                 code="unknown_adapter",
             )

@@ -23,6 +23,8 @@ from pathlib import Path
 
 from megaslide.engine.atomic import atomic_write_text, remove_abandoned, remove_stale
 
+from .protocol import OWNER_MARK
+
 
 @dataclass(frozen=True)
 class DataDir:
@@ -60,6 +62,11 @@ class DataDir:
     def adapters(self, model: str) -> AdapterFolder:
         """The LoRA adapters uploaded for base model `model`."""
         return AdapterFolder(self.root / "adapters" / model)
+
+    def adapter_models(self) -> list[str]:
+        """The base models that have an adapters folder, in name order."""
+        root = self.root / "adapters"
+        return sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
 
     def video(self, video_id: str) -> tuple[Path, Path]:
         """Where a video's MP4 and thumbnail live."""
@@ -101,7 +108,8 @@ ORPHAN_S = 60.0  # an adapter's record without its file for this long is an uplo
 
 @dataclass(frozen=True)
 class AdapterFolder:
-    """The LoRA adapters uploaded for one base model. `NAME.json` (who uploaded it, when) is
+    """The LoRA adapters uploaded for one base model, each under its id (`protocol.adapter_id`:
+    `OWNER~NAME`, so that each key has its own names). `NAME.json` (who uploaded it, when) is
     written before `NAME.safetensors` appears whole, so a worker that sees the adapter also sees
     its owner; `NAME.error` is what a worker said when it refused the file. Deleting removes the
     safetensors first: from then on no worker takes it up."""
@@ -141,17 +149,24 @@ class AdapterFolder:
         partial.rename(self.file(name))  # the workers see only whole files
 
     def record(self, name: str) -> dict:
-        """`owner` and `created_at` of an uploaded adapter (both None for one uploaded before
-        adapters had owners)."""
+        """`owner`, `created_at` and `sha256` of an uploaded adapter (None each for one uploaded
+        before adapters had owners, or whose record cannot be read: a damaged record must not
+        stop the listing or a worker's scan)."""
+        found = {"owner": None, "created_at": None, "sha256": None}
         try:
-            return json.loads((self.path / f"{name}.json").read_text())
-        except FileNotFoundError:
-            return {"owner": None, "created_at": None, "sha256": None}
+            record = json.loads((self.path / f"{name}.json").read_text())
+        except (OSError, ValueError, RecursionError):
+            record = None
+        if isinstance(record, dict):
+            found.update((k, record[k]) for k in found if isinstance(record.get(k), str | int))
+        if OWNER_MARK in name:  # the id names its owner, whatever the record says
+            found["owner"] = name.rpartition(OWNER_MARK)[0]
+        return found
 
     def error(self, name: str) -> str | None:
         """Why a worker refused the adapter, or None."""
         try:
-            return (self.path / f"{name}.error").read_text()
+            return (self.path / f"{name}.error").read_text(errors="replace")
         except FileNotFoundError:
             return None
 

@@ -134,7 +134,7 @@ async def get_fine_tuning(request: Request) -> FineTuning:
 
 async def get_adapters(request: Request) -> Adapters:
     state = request.app.state
-    return Adapters(state.store, state.workers, state.data)
+    return Adapters(state.store, state.workers, state.settings, state.data)
 
 
 VideosDep = Annotated[Videos, Depends(get_videos)]

@@ -86,6 +86,13 @@ class TooManyStreams(QueueFull):
     default_code = "too_many_streams"
 
 
+class QuotaExceeded(APIError):
+    """The key holds as much of something as it may keep (adapters): it must delete some first;
+    waiting does not help, so no Retry-After."""
+
+    status, type, default_code = 429, "rate_limit_error", "quota_exceeded"
+
+
 class NotReady(APIError):
     status, type, default_code = 503, "server_error", "not_ready"
 

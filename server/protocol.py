@@ -53,11 +53,34 @@ class ModelCard:
     def replace(self, **changes) -> ModelCard:
         return dataclasses.replace(self, **changes)
 
-    def seen_by(self, may_see: Callable[[str | None], bool]) -> ModelCard:
-        """The card with only the adapters whose owner `may_see` allows (an uploaded adapter is
-        its uploader's; one registered at start, owner None, everyone's)."""
-        adapters = tuple(a for a in self.adapters if may_see(a.get("owner")))
-        return self if len(adapters) == len(self.adapters) else self.replace(adapters=adapters)
+    def seen_by(self, may_see: Callable[[str | None], bool], owner: str | None = None) -> ModelCard:
+        """The card as `owner` sees it: only the adapters whose owner `may_see` allows (an
+        uploaded adapter is its uploader's; one registered at start, owner None, everyone's),
+        each under the name its viewer knows it by, its `id` beside it. Its own and those
+        registered at start go by their names (its own first, should both share one); another
+        key's, which only an admin sees, by their ids."""
+        shown: dict[str, dict] = {}
+        for a in sorted(self.adapters, key=lambda a: a.get("owner") is not None):
+            if not may_see(a.get("owner")):
+                continue
+            name = adapter_name(a["name"]) if a.get("owner") in (None, owner) else a["name"]
+            shown[name] = {**a, "name": name, "id": a["name"]}
+        return self.replace(adapters=tuple(shown.values()))
+
+
+OWNER_MARK = "~"  # in an uploaded adapter's id, between its owner and its name (in neither)
+
+
+def adapter_id(owner: str | None, name: str) -> str:
+    """The id an uploaded adapter is stored and registered under: its name qualified by its
+    owner, so that each key has its own namespace (two keys may each have a `style`, and neither
+    learns of the other's). Without keys there is no owner and the id is the name."""
+    return name if owner is None else f"{owner}{OWNER_MARK}{name}"
+
+
+def adapter_name(adapter_id: str) -> str:
+    """The name an adapter's owner knows it by."""
+    return adapter_id.rpartition(OWNER_MARK)[2]
 
 
 def card_to_dict(card: ModelCard) -> dict:

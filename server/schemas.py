@@ -22,7 +22,7 @@ from megaslide.engine.request import (
 )
 
 from .plain_text import NUL, NUL_MESSAGE
-from .protocol import ModelCard
+from .protocol import ModelCard, adapter_name
 from .records import CheckpointRecord, EventRecord, FileRecord, FineTuneRecord, VideoRecord
 
 T = TypeVar("T")
@@ -95,7 +95,7 @@ ERROR_STATUSES = {
     413: "The request body, or the file in it, is over this server's limit",
     416: "The range lies outside the file",
     429: "The queue, or this API key's share of it (or of event streams), is full; retry "
-    "after Retry-After seconds",
+    "after Retry-After seconds. Or the key keeps as many adapters as it may: delete one",
     500: "An unexpected server error",
     503: "The models are still loading, the worker stopped, or the job store is unavailable",
     507: "The server's disk is full",
@@ -336,7 +336,8 @@ def video_object(video: VideoRecord) -> Video:
         step=video.step,
         cache=spec.get("cache"),
         passes=video.step if video.passes is None else video.passes,
-        loras=spec.get("loras") or [],
+        # An adapter under the name its owner gave it, not the id the workers know it by.
+        loras=[{**c, "name": adapter_name(c["name"])} for c in spec.get("loras") or ()],
     )
 
 
@@ -617,5 +618,5 @@ def model_object(card: ModelCard) -> Model:
             "guidance_scale": defaults.guidance,
         },
         limits=limits.to_dict(),
-        adapters=[dict(a) for a in card.adapters],
+        adapters=[{k: v for k, v in a.items() if k != "id"} for a in card.adapters],
     )

@@ -149,6 +149,17 @@ class Settings(BaseSettings):
     max_upload_bytes: int = Field(
         2 * 1024**3, ge=1, description="largest training archive (413 above)"
     )
+    max_adapters_per_key: int = Field(
+        20,
+        ge=0,
+        description="LoRA adapters one API key may keep uploaded, all models together (429 "
+        "past that; admin keys and a server without keys: no cap)",
+    )
+    max_adapter_bytes_per_key: int = Field(
+        8 * 1024**3,
+        ge=0,
+        description="bytes of LoRA adapter files one API key may keep uploaded (429 past that)",
+    )
     max_extracted_bytes: int = Field(8 * 1024**3, ge=1, description="largest unpacked archive")
     max_dataset_clips: int = Field(
         10_000, ge=1, description="clips (lines of metadata.jsonl) in one training file"

@@ -5,6 +5,7 @@ and an adapter that does not fit is refused naming its first bad key."""
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ from megaslide.engine.loader import open_pipeline
 from megaslide.engine.lora import AdapterError
 from megaslide.engine.request import LoraChoice, RequestError, VideoRequest
 
-from lora_fixtures import write_musubi, write_original, write_peft
+from lora_fixtures import hostile_files, write_musubi, write_original, write_peft
 from wan_fixtures import CLIP, build_tiny_wan
 from wan_reference import diffusers_run
 
@@ -324,3 +325,66 @@ def test_a_resolved_request_keeps_its_adapters_through_the_store(wan):
     video = pipe.resolve(request([LoraChoice("a", 0.25)]))
     assert ResolvedVideo.from_dict(json.loads(json.dumps(video.to_dict()))) == video
     assert video.batch_key == pipe.resolve(request()).batch_key  # adapters do not split a batch
+
+
+@pytest.fixture(scope="module")
+def hostile(tmp_path_factory):
+    return hostile_files(tmp_path_factory.mktemp("hostile"))
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "meta_list",
+        "alpha_list",
+        "deep_sampling",
+        "original_alpha2",
+        "original_alpha0",
+        "musubi_alpha2",
+        "musubi_alpha0",
+        "alpha_nan",
+        "rank0",
+        "nan_factor",
+        "inf_factor",
+        "int_factors",
+        "bool_factors",
+        "fp8_factors",
+    ],
+)
+def test_a_hostile_adapter_file_is_an_adapter_error(hostile, name):
+    """Whatever the file holds, reading and converting it either gives factors a video can use
+    (float, finite, rank >= 1, finite alphas) or raises AdapterError saying why: never another
+    exception, and never an adapter that fails every video naming it."""
+    from megaslide.engine.wan.lora import load_wan_adapter
+
+    path, match = hostile[name]
+    with pytest.raises(AdapterError, match=re.escape(match)):
+        load_wan_adapter(name, path)
+
+
+def test_sampling_defaults_beyond_the_servers_limits_are_refused(hostile, tmp_path):
+    from megaslide.engine.request import check_adapter_defaults
+    from megaslide.engine.wan.lora import load_wan_adapter
+
+    adapter = load_wan_adapter("many", hostile["many_steps"][0])
+    with pytest.raises(RequestError, match="steps=1000000000 exceeds this server's limit of 200"):
+        check_adapter_defaults(adapter.defaults, max_steps=200)
+    check_adapter_defaults({"steps": 200}, max_steps=200)
+    flag = write_peft(
+        tmp_path / "flag.safetensors", metadata_extra={"megaslide.sampling": '{"steps": true}'}
+    )
+    with pytest.raises(AdapterError, match="steps=True is not a valid number"):
+        load_wan_adapter("flag", flag)
+
+
+def test_a_pipelines_refusal_names_no_other_tenants_adapter(wan):
+    """A worker's pipeline holds every key's adapters: a video that reaches it naming one it
+    has not registered fails without listing them (the API lists only the requester's)."""
+    import dataclasses
+
+    pipe = open_pipeline(wan["model"])
+    pipe.add_adapter("bob~secret", wan["peft"])
+    video = dataclasses.replace(pipe.resolve(request()), loras=(LoraChoice("mine"),))
+    with pytest.raises(RequestError, match="no adapter named 'mine'") as e:
+        pipe.prepare_batch([video])
+    assert "secret" not in str(e.value)

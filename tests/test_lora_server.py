@@ -11,7 +11,7 @@ import pytest
 
 from megaslide.server import Settings
 
-from lora_fixtures import write_peft
+from lora_fixtures import hostile_files, write_peft
 from server_fakes import live_server, torch_app
 from wan_fixtures import build_tiny_wan
 
@@ -295,3 +295,178 @@ def until(condition, timeout=30.0):
     while not condition():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.05)
+
+
+def test_a_stored_upload_never_stops_the_worker(served, tmp_path):
+    """Whatever a stored upload holds (these were written before the upload check refused
+    them), the worker's scan turns it into that adapter's `error` with a reason that names no
+    server path, keeps serving videos, takes up good uploads, and each can be deleted."""
+    from megaslide.server.datadir import DataDir
+
+    data = tmp_path / "data"
+    folder = DataDir(data).adapters("wan")
+    hostile = hostile_files(tmp_path)
+    for name, (path, _) in hostile.items():
+        partial = folder.partial(name)
+        partial.write_bytes(path.read_bytes())
+        folder.publish(name, partial, None, name)
+    good = write_peft(tmp_path / "good.safetensors", seed=14).read_bytes()
+    partial = folder.partial("damaged")
+    partial.write_bytes(good)
+    folder.publish("damaged", partial, None, "0" * 64)
+    (folder.path / "damaged.json").write_text("[" * 100_000)  # its record, damaged
+    settings = Settings(
+        data_dir=data, models=[f"wan={served['model']}"], device="cpu", poll_after_ms=50
+    )
+    with TestClient(torch_app(settings)) as c:
+        refused = {name: wait_adapter(c, "wan", name, timeout=30) for name in hostile}
+        assert {n: a["status"] for n, a in refused.items()} == dict.fromkeys(hostile, "error")
+        for name, adapter in refused.items():
+            assert hostile[name][1] in adapter["status_details"], adapter
+            assert str(tmp_path) not in adapter["status_details"], adapter
+
+        plain = c.post("/v1/videos", json={"model": "wan", "prompt": "a cat", "seed": 1})
+        assert wait(c, plain.json()["id"])["status"] == "completed"
+        answer = c.post(
+            "/v1/adapters",
+            data={"model": "wan", "name": "good"},
+            files={"file": ("good.safetensors", good, "application/octet-stream")},
+        )
+        assert answer.status_code == 200, answer.text
+        assert wait_adapter(c, "wan", "good")["status"] == "ready"
+        styled = c.post(
+            "/v1/videos", json={"model": "wan", "prompt": "a cat", "loras": [{"name": "good"}]}
+        )
+        assert wait(c, styled.json()["id"])["status"] == "completed"
+        assert wait_adapter(c, "wan", "damaged")["status"] == "ready"  # an owner-less upload
+        for name in [*hostile, "damaged"]:
+            assert c.delete(f"/v1/adapters/wan/{name}").status_code == 200, name
+        assert {a["id"] for a in c.get("/v1/adapters").json()["data"]} == {"good"}
+
+
+def upload_as(c, name, content, headers=None, model="wan"):
+    return c.post(
+        "/v1/adapters",
+        data={"model": model, "name": name},
+        files={"file": (f"{name}.safetensors", content, "application/octet-stream")},
+        headers=headers,
+    )
+
+
+def test_the_upload_check_refuses_what_no_worker_could_use(served, tmp_path):
+    """Checked at upload, without reading a tensor: the header's nesting depth, dtypes (factors
+    float16, bfloat16 or float32), shapes (no empty factor, one-number alphas) and the metadata
+    holding JSON. Each is a 400 naming no server path; nothing is stored."""
+    import struct
+
+    hostile = hostile_files(tmp_path)
+    deep = b"[" * 200_000 + b"]" * 200_000
+    files = {"deep_header": struct.pack("<Q", len(deep)) + deep}
+    for name in (
+        "meta_list",
+        "deep_sampling",
+        "original_alpha2",
+        "original_alpha0",
+        "musubi_alpha2",
+        "musubi_alpha0",
+        "rank0",
+        "int_factors",
+        "bool_factors",
+        "fp8_factors",
+    ):
+        files[name] = hostile[name][0].read_bytes()
+    with TestClient(served["app"]) as c:
+        before = c.get("/v1/adapters").json()["data"]
+        for name, content in files.items():
+            answer = upload_as(c, name, content)
+            assert answer.status_code == 400, (name, answer.text)
+            error = answer.json()["error"]
+            assert error["param"] == "file" and str(served["root"]) not in error["message"]
+        assert "nested too deeply" in upload_as(c, "x", files["deep_header"]).text
+        assert c.get("/v1/adapters").json()["data"] == before
+
+
+def test_an_upload_can_be_deleted_while_no_worker_serves_its_model(make_client, tmp_path):
+    """An upload that stopped the workers of an earlier version left no live worker serving its
+    model: its owner still sees it and deletes it; another key does neither."""
+    from megaslide.server.auth import digest
+    from megaslide.server.datadir import DataDir
+    from megaslide.server.protocol import adapter_id
+
+    owner = f"key-{digest('alice-key')[:12]}"
+    folder = DataDir(tmp_path / "data").adapters("wan")  # the fake worker serves no "wan"
+    partial = folder.partial("x")
+    partial.write_bytes(b"stored by an earlier version")
+    folder.publish(adapter_id(owner, "x"), partial, owner, "0" * 64)
+    c = make_client(api_keys=["alice-key", "bob-key"])
+    alice, bob = {"Authorization": "Bearer alice-key"}, {"Authorization": "Bearer bob-key"}
+    assert c.get("/v1/adapters/wan/x", headers=bob).status_code == 404
+    assert c.delete("/v1/adapters/wan/x", headers=bob).status_code == 404
+    found = c.get("/v1/adapters/wan/x", headers=alice)
+    assert (found.status_code, found.json()["status"]) == (200, "uploaded"), found.text
+    assert [a["id"] for a in c.get("/v1/adapters", headers=alice).json()["data"]] == ["x"]
+    gone = c.delete("/v1/adapters/wan/x", headers=alice)
+    assert gone.json() == {"id": "x", "object": "adapter", "model": "wan", "deleted": True}
+    assert folder.names() == []
+    assert c.get("/v1/adapters", headers=alice).json()["data"] == []
+
+
+def test_adapter_names_are_per_key_and_each_key_has_a_quota(served, tmp_path):
+    """Two keys each upload an adapter `mine`: neither is refused nor told of the other's, and
+    each key's requests apply its own. A key that is not an admin's keeps at most
+    `max_adapters_per_key` adapters of `max_adapter_bytes_per_key` bytes (429)."""
+    big = write_peft(tmp_path / "big.safetensors", seed=15).read_bytes()
+    small = write_peft(tmp_path / "small.safetensors", seed=16, only=("attn1.to_q",)).read_bytes()
+    settings = Settings(
+        data_dir=tmp_path / "data",
+        models=[f"wan={served['model']}"],
+        loras=[f"style={served['adapter']}"],
+        api_keys=["alice-key", "bob-key"],
+        device="cpu",
+        poll_after_ms=50,
+        max_adapters_per_key=3,
+        max_adapter_bytes_per_key=len(big) * 3 // 2,
+    )
+    alice, bob = {"Authorization": "Bearer alice-key"}, {"Authorization": "Bearer bob-key"}
+    with TestClient(torch_app(settings)) as c:
+        assert upload_as(c, "mine", big, alice).status_code == 200
+        theirs = upload_as(c, "mine", small, bob)
+        assert theirs.status_code == 200, theirs.text
+        assert theirs.json()["id"] == "mine"
+        assert upload_as(c, "style", small, bob).json()["error"]["code"] == "adapter_exists"
+        mine = {k: wait_adapter(c, "wan", "mine", headers=h) for k, h in (("a", alice), ("b", bob))}
+        assert mine["a"]["status"] == mine["b"]["status"] == "ready"
+        assert mine["a"]["bytes"] > mine["b"]["bytes"]  # each key sees its own
+        for headers in (alice, bob):
+            listed = c.get("/v1/adapters", headers=headers).json()["data"]
+            assert sorted(a["id"] for a in listed) == ["mine", "style"]
+            assert adapter_names(c, headers) == {"mine", "style"}
+
+        ids = []
+        for headers in (alice, bob):
+            body = {"model": "wan", "prompt": "a cat", "seed": 3, "loras": [{"name": "mine"}]}
+            v = c.post("/v1/videos", json=body, headers=headers)
+            assert v.status_code == 200, v.text
+            assert v.json()["loras"] == [{"name": "mine", "scale": 1.0, "expert": None}]
+            ids.append(v.json()["id"])
+        done = [wait(c, i, headers=h) for i, h in zip(ids, (alice, bob))]
+        assert [v["status"] for v in done] == ["completed", "completed"]
+        thumbs = [
+            c.get(f"/v1/videos/{i}/content?variant=thumbnail", headers=h).content
+            for i, h in zip(ids, (alice, bob))
+        ]
+        assert thumbs[0] != thumbs[1]  # each applied its own key's adapter
+
+        over = upload_as(c, "big2", big, alice)  # 2 x big > 1.5 x big
+        assert over.status_code == 429 and over.json()["error"]["code"] == "quota_exceeded"
+        assert "max_adapter_bytes_per_key" in over.json()["error"]["message"]
+        assert upload_as(c, "small2", small, alice).status_code == 200
+        assert upload_as(c, "small3", small, alice).status_code == 200
+        full = upload_as(c, "small4", small, alice)
+        assert full.status_code == 429 and "max_adapters_per_key=3" in full.text
+        assert str(tmp_path) not in full.text
+        assert upload_as(c, "small2", small, bob).status_code == 200  # bob's own share
+
+        assert c.delete("/v1/adapters/wan/mine", headers=bob).status_code == 200
+        assert c.get("/v1/adapters/wan/mine", headers=alice).json()["status"] == "ready"
+        assert c.get("/v1/adapters/wan/mine", headers=bob).status_code == 404

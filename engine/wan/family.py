@@ -449,8 +449,8 @@ class WanVideoPipeline(Pipeline):
     def prepare_batch(self, videos: list[ResolvedVideo]) -> list[WanState]:
         for video in videos:
             # The adapters it names must be registered here (a request stored elsewhere may not
-            # know).
-            check_loras(video.loras, self.info.limits, self.adapter_defaults())
+            # know); those registered are every tenant's, so the refusal lists none.
+            check_loras(video.loras, self.info.limits, self.adapter_defaults(), list_known=False)
             check_image(video.image, self.info.limits)  # nor its image rule (an older card's)
         contexts = self._contexts(videos)
         return [self._prepare(video, context) for video, context in zip(videos, contexts)]

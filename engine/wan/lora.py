@@ -14,13 +14,20 @@ bias delta without its weight, DoRA magnitudes) is refused here instead, naming 
 
 from __future__ import annotations
 
-import json
+import math
 from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 
-from ..lora import Adapter, AdapterError, deltas_from_peft, read_adapter_file, sidecar_defaults
+from ..lora import (
+    Adapter,
+    AdapterError,
+    deltas_from_peft,
+    json_object,
+    read_adapter_file,
+    sidecar_defaults,
+)
 
 PEFT_PREFIXES = ("transformer.", "base_model.model.")
 
@@ -71,6 +78,7 @@ def _convert_with_diffusers(tensors: dict[str, torch.Tensor], where: str) -> dic
         raise AdapterError(f"{where}{stray}: not a key of a Wan transformer's LoRA", key=stray)
     if original:
         _refuse_dropped(tensors, where)
+    _check_alphas(tensors, where)
     try:
         if original:
             converted = _convert_non_diffusers_wan_lora_to_diffusers(dict(tensors))
@@ -85,7 +93,26 @@ def _convert_with_diffusers(tensors: dict[str, torch.Tensor], where: str) -> dic
         ) from None
     except ValueError as e:
         raise AdapterError(f"{where}keys diffusers' Wan converter cannot place: {e}") from None
+    except Exception as e:  # the converter's own assumptions about a file, broken by this one
+        raise AdapterError(
+            f"{where}diffusers' Wan converter cannot read this file ({type(e).__name__}: {e})"
+        ) from None
     return {k.removeprefix("transformer."): v for k, v in converted.items()}
+
+
+def _check_alphas(tensors: dict[str, torch.Tensor], where: str) -> None:
+    """Each `.alpha` must be one finite number: the converters take it with `.item()` and fold
+    it into the factors."""
+    for key in sorted(k for k in tensors if k.endswith(".alpha")):
+        t = tensors[key]
+        if t.numel() != 1 or t.dtype == torch.bool or t.is_complex():
+            raise AdapterError(
+                f"{where}{key} must be one number, not a {t.dtype} tensor of shape "
+                f"{tuple(t.shape)}",
+                key=key,
+            )
+        if not math.isfinite(float(t)):
+            raise AdapterError(f"{where}{key} is not a finite number", key=key)
 
 
 def _refuse_dropped(tensors: dict[str, torch.Tensor], where: str) -> None:
@@ -126,21 +153,32 @@ def _peft_state(tensors, metadata, where) -> tuple[dict, dict | None]:
     raw = metadata.get("lora_adapter_metadata")
     if not raw:
         return state, None
-    try:
-        config = json.loads(raw)
-    except json.JSONDecodeError as e:
-        raise AdapterError(f"{where}lora_adapter_metadata is not JSON ({e})") from None
+    config = json_object(raw, f"{where}lora_adapter_metadata")
     config = {k.removeprefix("transformer."): v for k, v in config.items()}
     for unsupported in ("use_rslora", "use_dora"):
         if config.get(unsupported):
             raise AdapterError(f"{where}{unsupported} adapters are not supported")
-    lora_alpha = config.get("lora_alpha")
+    lora_alpha = _alpha(config.get("lora_alpha"), "lora_alpha", where)
     patterns = config.get("alpha_pattern") or {}
+    if not isinstance(patterns, dict):
+        raise AdapterError(f"{where}lora_adapter_metadata: alpha_pattern must be a JSON object")
     alphas = {}
     for key in state:
         module = key.split(".lora_")[0]
         match = next((p for p in patterns if module == p or module.endswith("." + p)), None)
-        alpha = patterns[match] if match is not None else lora_alpha
+        alpha = lora_alpha
+        if match is not None:
+            alpha = _alpha(patterns[match], f"alpha_pattern {match!r}", where)
         if alpha is not None:
-            alphas[module] = float(alpha)
+            alphas[module] = alpha
     return state, alphas
+
+
+def _alpha(value, what: str, where: str) -> float | None:
+    """An alpha from the metadata as a finite float (None: not given); AdapterError otherwise
+    (a string such as "nan" included: JSON has numbers for numbers)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise AdapterError(f"{where}lora_adapter_metadata: {what} {value!r} is not a finite number")
+    return float(value)

@@ -7,8 +7,10 @@ is then `ready` and a video request may name it in `loras`. A file that does not
 `error`, with `status_details` naming the first bad key.
 
 An uploaded adapter belongs to the key that uploaded it: only that key (and admins) lists it,
-names it in a request, or deletes it; another key's answers 404, as if absent. Adapters
-registered at start (`--lora`) belong to no one: every key sees them, and they stay.
+names it in a request, or deletes it; another key's answers 404, as if absent. Names are per
+key (two keys may each have a `style`), and a key keeps at most `max_adapters_per_key` uploads
+of `max_adapter_bytes_per_key` bytes (429). Adapters registered at start (`--lora`) belong to
+no one: every key sees them, and they stay.
 
 Jobs naming an adapter run only on workers that have registered it: a worker passes over a
 queued video naming one it has not taken up yet (and scans for uploads at once), so a request
@@ -53,7 +55,7 @@ UPLOAD_BODY_DOC = {
     "",
     response_model=AdapterObject,
     openapi_extra=UPLOAD_BODY_DOC,
-    responses=error_responses(400, 404, 409),
+    responses=error_responses(400, 404, 409, 429),
 )
 async def create_adapter(
     request: Request,

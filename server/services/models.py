@@ -18,12 +18,16 @@ def find_model(workers: WorkerClient, name: str, principal: Principal) -> ModelC
             param="model",
             code="model_not_found",
         )
-    return card.seen_by(principal.may_see)
+    return card.seen_by(principal.may_see, principal.owner)
 
 
 def list_models(workers: WorkerClient, principal: Principal) -> list[Model]:
     """The models `principal` may use, each with only the adapters it may see."""
-    cards = [c.seen_by(principal.may_see) for c in workers.models() if principal.may_see(c.owner)]
+    cards = [
+        c.seen_by(principal.may_see, principal.owner)
+        for c in workers.models()
+        if principal.may_see(c.owner)
+    ]
     return [model_object(card) for card in cards]
 
 

@@ -71,6 +71,10 @@ class Videos:
                 max_prompt_chars=self.settings.max_prompt_chars,
                 adapters=card.adapter_defaults(),
             )
+            # The workers know each adapter by its id (an uploaded one's names its owner).
+            ids = {a["name"]: a["id"] for a in card.adapters}
+            loras = tuple(dataclasses.replace(c, name=ids[c.name]) for c in video.loras)
+            video = dataclasses.replace(video, loras=loras)
             # The image is named relative to the storage, which hosts mount where they like.
             if stored is not None:
                 video = dataclasses.replace(video, image=self.data.relative(stored))

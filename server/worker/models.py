@@ -12,8 +12,10 @@ from collections import OrderedDict
 from pathlib import Path
 
 from megaslide.engine.interfaces import VideoModel
+from megaslide.engine.request import RequestError, check_adapter_defaults
 
-from ..protocol import ModelCard, card_to_dict
+from ..datadir import AdapterFolder
+from ..protocol import ModelCard, adapter_name, card_to_dict
 from ..records import ModelRecord, VideoRecord
 from .context import WorkerContext
 
@@ -118,13 +120,8 @@ class Models:
             for name, record in uploaded.items():
                 if name in known or folder.error(name) is not None:
                     continue
-                try:
-                    entry = ctx.backend.add_adapter(
-                        card, self._loaded.get(model), name, folder.file(name)
-                    )
-                except (ValueError, OSError) as exc:
-                    folder.refuse(name, str(exc))
-                    log.warning("adapter %s for %s refused: %s", name, model, exc)
+                entry = self._take_up(card, folder, name)
+                if entry is None:
                     continue
                 card = card.replace(adapters=(*card.adapters, {**entry, **record}))
                 changed = True
@@ -133,6 +130,30 @@ class Models:
         if changed:
             ctx.store.workers.publish_cards(ctx.name, ctx.token, self.published())
         return False
+
+    def _take_up(self, card: ModelCard, folder: AdapterFolder, name: str) -> dict | None:
+        """Register the uploaded adapter `name` of `card`'s model and return its card entry, or
+        write why not beside it and return None. Whatever the file holds, the worker goes on: any
+        exception reading, converting, checking or registering it is that adapter's refusal (one
+        key's upload must not stop a worker, nor stop it again at every restart)."""
+        ctx, model = self.ctx, self._loaded.get(card.name)
+        path = folder.file(name)
+        try:
+            entry = ctx.backend.add_adapter(card, model, name, path)
+            try:
+                check_adapter_defaults(entry.get("defaults") or {}, ctx.settings.max_steps)
+            except RequestError:
+                ctx.backend.remove_adapter(card, model, name)
+                raise
+        except Exception as exc:
+            reason = refusal(exc, path, adapter_name(name), ctx.data.root)
+            log.warning("adapter %s for %s refused: %s", name, card.name, reason)
+            try:
+                folder.refuse(name, reason)
+            except OSError as e:  # the storage is full or gone: the next scan tries again
+                log.warning("adapter %s: could not record its refusal: %s", name, e)
+            return None
+        return entry
 
     def runnable(self, row: VideoRecord) -> bool:
         """Whether this worker can take the queued video `row` now: not while it names an
@@ -165,6 +186,14 @@ class Models:
             for a in c.get("adapters") or ()
         }
         return not missing & elsewhere
+
+
+def refusal(exc: BaseException, path: Path, shown: str, root: Path) -> str:
+    """Why an adapter was refused, as its owner reads it: the file called by the adapter's name,
+    and nothing of where the server keeps its storage."""
+    text = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
+    text = text.replace(str(path), shown).replace(str(root), "<storage>")
+    return text[:2000]  # an exception may quote much of a hostile file
 
 
 def fine_tuned_card(model: ModelRecord, parent: ModelCard) -> ModelCard:

@@ -4,6 +4,7 @@ share them in, written offline with safetensors."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -49,11 +50,12 @@ def write_peft(
     only=None,
     time_embedder: bool = False,
     extra: dict | None = None,
+    metadata_extra: dict | None = None,
 ) -> Path:
     """diffusers / PEFT layout: `transformer.<module>.lora_A.weight`; with `alpha`, the file's
     `lora_adapter_metadata` says so (as diffusers' save_lora_weights writes it). `time_embedder`
     adapts the timestep embedder too (which runs once per token with per-token timesteps);
-    `extra` adds tensors as they are."""
+    `extra` adds tensors as they are, `metadata_extra` header metadata as it is."""
     g = torch.Generator().manual_seed(seed)
     state = {}
     targets = layers(blocks)
@@ -75,6 +77,7 @@ def write_peft(
         metadata["lora_adapter_metadata"] = json.dumps(
             {f"transformer.{k}": v for k, v in config.items()}
         )
+    metadata.update(metadata_extra or {})
     save_file(state, str(path), metadata=metadata)
     return path
 
@@ -138,3 +141,75 @@ def write_musubi(
         state[f"{key}.alpha"] = torch.tensor(float(alpha))
     save_file(state, str(path))
     return path
+
+
+def rewrite(path: Path, change) -> Path:
+    """The file at `path` with `change(state)` applied to its tensors (metadata kept)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        metadata = f.metadata()
+        state = {k: f.get_tensor(k) for k in f.keys()}
+    change(state)
+    save_file(state, str(path), metadata=metadata)
+    return path
+
+
+def hostile_files(folder: Path) -> dict[str, tuple[Path, str]]:
+    """Adapter files that must never become `ready`, by name, each with what its refusal says.
+    The first seven once passed the server's upload check and then stopped every worker of the
+    model as it read them (exceptions other than ValueError inside the converters)."""
+
+    def alpha(n):  # the first `.alpha` as a tensor of n elements
+        def change(state):
+            state[next(k for k in sorted(state) if k.endswith(".alpha"))] = torch.ones(n)
+
+        return change
+
+    def first_factor(value=None, dtype=None):
+        def change(state):
+            key = next(k for k in sorted(state) if k.endswith(".lora_A.weight"))
+            t = state[key].clone()
+            if value is not None:
+                t[0, 0] = value
+            state[key] = t if dtype is None else t.to(dtype)
+
+        return change
+
+    p = folder
+    deep = "[" * 100_000 + "]" * 100_000
+    return {
+        "meta_list": (
+            write_peft(p / "a", metadata_extra={"lora_adapter_metadata": "[1]"}),
+            "lora_adapter_metadata must be a JSON object",
+        ),
+        "alpha_list": (write_peft(p / "b", alpha=[1]), "lora_alpha [1] is not a finite number"),
+        "deep_sampling": (
+            write_peft(p / "c", metadata_extra={"megaslide.sampling": deep}),
+            "megaslide.sampling metadata is not JSON (RecursionError)",
+        ),
+        "original_alpha2": (rewrite(write_original(p / "d"), alpha(2)), "must be one number"),
+        "original_alpha0": (rewrite(write_original(p / "e"), alpha(0)), "must be one number"),
+        "musubi_alpha2": (rewrite(write_musubi(p / "f"), alpha(2)), "must be one number"),
+        "musubi_alpha0": (rewrite(write_musubi(p / "g"), alpha(0)), "must be one number"),
+        "alpha_nan": (write_peft(p / "h", alpha="nan"), "lora_alpha 'nan' is not a finite number"),
+        "many_steps": (
+            write_peft(p / "i", metadata_extra={"megaslide.sampling": '{"steps": 1e9}'}),
+            "steps=1000000000 exceeds",
+        ),
+        "rank0": (write_peft(p / "j", rank=0), "rank 0"),
+        "nan_factor": (rewrite(write_peft(p / "k"), first_factor(math.nan)), "NaN or infinite"),
+        "inf_factor": (rewrite(write_peft(p / "l"), first_factor(math.inf)), "NaN or infinite"),
+        "int_factors": (
+            rewrite(write_peft(p / "m"), first_factor(dtype=torch.int32)),
+            "lora_A.weight is int32",
+        ),
+        "bool_factors": (
+            rewrite(write_peft(p / "n"), first_factor(dtype=torch.bool)),
+            "lora_A.weight is bool",
+        ),
+        "fp8_factors": (
+            rewrite(write_peft(p / "o"), first_factor(dtype=torch.float8_e4m3fn)),
+            "lora_A.weight is float8_e4m3fn",
+        ),
+    }
