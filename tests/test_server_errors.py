@@ -182,7 +182,17 @@ def test_slow_and_surplus_clients_are_cut_off(tmp_path):
             b"POST /v1/videos HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             b"Content-Length: 100\r\n\r\n{"
         )
-        body_timeout = answer(trickle)
+        trickle.settimeout(0.25)
+        body_timeout, sent = b"", 1
+        while not body_timeout and sent < 40:  # a byte each 0.25 s: each wait short, all late
+            try:
+                body_timeout = trickle.recv(4096)
+            except TimeoutError:
+                trickle.sendall(b" ")
+                sent += 1
+        assert body_timeout, "cut at the body's deadline while it still trickled"
+        trickle.settimeout(10)
+        body_timeout += answer(trickle)
         assert body_timeout.startswith(b"HTTP/1.1 408") and b"request_timeout" in body_timeout
         assert httpx.get(f"{url}/healthz").status_code == 200
         for s in (*idle, surplus, slowloris, trickle):
