@@ -215,11 +215,14 @@ def measure(port: int, path: str, clients: int, duration: float, client: str = "
 
 def _start(mode: str, data_dir: Path, logs: Path) -> tuple[Server, list[Child]]:
     store = ["--data-dir", str(data_dir)]
-    env = {"MEGASLIDE_ENGINE_THREADS": "1"} if mode == "embedded-1-thread" else {}
+    # Every client here is 127.0.0.1, one address: its caps are raised past the most clients.
+    env = {f"MEGASLIDE_MAX_{cap}_PER_CLIENT": "1000" for cap in ("CONNECTIONS", "PENDING")}
+    if mode == "embedded-1-thread":
+        env["MEGASLIDE_ENGINE_THREADS"] = "1"
     if mode != "split":
         child = ["--worker-process"] if mode == "worker-process" else []
         return Server([*store, "--device", "cpu", *child], logs / f"{mode}-serve.log", env), []
-    server = Server([*store, "--no-worker"], logs / f"{mode}-serve.log", ready_path="/healthz")
+    server = Server([*store, "--no-worker"], logs / f"{mode}-serve.log", env, ready_path="/healthz")
     worker = Child(["worker", *store, "--device", "cpu"], logs / f"{mode}-worker.log")
     server.wait_ready("/readyz")
     return server, [worker]
