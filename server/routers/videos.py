@@ -230,7 +230,7 @@ async def video_events(
     await videos.find(video_id, principal)
     last = event_seq(request.headers.get("last-event-id") or "0", "Last-Event-ID")
     feed: EventFeed = request.app.state.feed
-    feed.admit(principal.scope)  # a 429 past a limit, before the video is looked at further
+    feed.admit(principal.scope)  # an early 429; the stream checks again as it takes its place
     return _EventStream(
         feed, video_id, principal.scope, lambda sub: _sse(store, video_id, last, sub)
     )
