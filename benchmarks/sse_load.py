@@ -80,10 +80,19 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         data_dir = Path(tmp) / "sse"
         data_dir.mkdir()
-        # Room for every stream: the connection cap and the per-key stream limit (no keys here:
-        # every client is the same principal) raised past the largest count measured.
+        # Room for every stream: the connection cap (streams get half of it), the per-key
+        # stream limit (no keys here: every client is the same principal) and the per-address
+        # caps (every client is 127.0.0.1) raised past the largest count measured.
         room = str(2 * max(args.streams) + args.pollers + 100)
-        env = {"MEGASLIDE_MAX_CONNECTIONS": room, "MEGASLIDE_MAX_STREAMS_PER_KEY": room}
+        env = {
+            f"MEGASLIDE_{name}": room
+            for name in (
+                "MAX_CONNECTIONS",
+                "MAX_STREAMS_PER_KEY",
+                "MAX_CONNECTIONS_PER_CLIENT",
+                "MAX_PENDING_PER_CLIENT",
+            )
+        }
         server = Server(
             ["--data-dir", str(data_dir), "--device", "cpu"], Path(tmp) / "serve.log", env
         )

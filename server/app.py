@@ -67,7 +67,10 @@ def build_app(settings: Settings, workers: WorkerClient) -> FastAPI:
             housekeeping(store, data)
             app.state.store = AsyncStore(store)
             app.state.feed = EventFeed(
-                app.state.store, settings.sse_interval_s, settings.max_streams_per_key
+                app.state.store,
+                settings.sse_interval_s,
+                settings.max_streams_per_key,
+                settings.max_streams,
             )
             app.state.validator = Validator(settings, store, data, workers.check_dataset)
             validating = asyncio.create_task(app.state.validator.run())
@@ -104,6 +107,7 @@ def build_app(settings: Settings, workers: WorkerClient) -> FastAPI:
         max_body_bytes=settings.max_body_bytes,
         uploads=uploads,
         body_timeout_s=settings.body_timeout_s,
+        min_body_rate=settings.min_body_rate,
     )
     app.add_middleware(RefuseNul)
     app.add_middleware(UnexpectedErrors)  # added last, so outermost: it sees every failure

@@ -9,10 +9,13 @@ error envelope, as soon as a body crosses its limit; the rest of the body is nev
 A file upload (a multipart body to a route listed in `uploads`) may be as large as that route
 allows; every other body is held to one smaller default.
 
-A body must also keep coming: a wait of more than `body_timeout_s` for its next bytes is answered
-408 and the connection closed, so a client that trickles a body (or stops sending one) cannot
-hold a connection and a route's worker thread for ever. Once a body is whole, waits are the
-route's own (a stream waiting for its client to leave is no slow body).
+A body must also arrive whole in time: within `body_timeout_s` of the route's first read, plus
+one second for every `min_body_rate` bytes received, else 408 and the connection closed. The
+deadline is the body's, not each part's: a client that sent a byte every few seconds used to
+reset a per-part timer for ever, and 512 such sockets held every connection. The allowance per
+byte received lets a large upload at a fair rate run as long as it needs, while a trickle falls
+behind its deadline within about `body_timeout_s`. Once a body is whole, waits are the route's
+own (a stream waiting for its client to leave is no slow body).
 """
 
 from __future__ import annotations
@@ -52,10 +55,12 @@ class BodyLimit:
         max_body_bytes: int,
         uploads: list[Upload],
         body_timeout_s: float = 30.0,
+        min_body_rate: float = 64 * 1024,
     ):
         self.app = app
         self.max_body_bytes = max_body_bytes
         self.body_timeout_s = body_timeout_s
+        self.min_body_rate = min_body_rate
         self.uploads = {(u.method, u.path): u for u in uploads}
 
     def rule(self, scope: Scope) -> tuple[int, str, str | None]:
@@ -85,18 +90,23 @@ class BodyLimit:
             return
 
         received = 0
+        deadline: float | None = None  # set by the route's first read
         whole = False  # the last of the body arrived
         started = False  # the route began its answer: too late for a 413
         answered = False  # the 413 went out: the route's own answer, if any, goes nowhere
 
         async def counting_receive() -> Message:
-            nonlocal received, answered, whole
+            nonlocal received, answered, whole, deadline
             if answered:
                 return {"type": "http.disconnect"}
             if whole:
                 return await receive()
+            loop = asyncio.get_running_loop()
+            if deadline is None:
+                deadline = loop.time() + self.body_timeout_s
+            allowance = deadline + received / self.min_body_rate - loop.time()
             try:
-                message = await asyncio.wait_for(receive(), self.body_timeout_s)
+                message = await asyncio.wait_for(receive(), max(allowance, 0.0))
             except TimeoutError:
                 if not started:
                     await _too_slow(self.body_timeout_s)(scope, receive, send)
@@ -129,7 +139,9 @@ class BodyLimit:
 
 
 def _too_slow(timeout_s: float) -> JSONResponse:
-    error = RequestTimeout(f"no part of the request body arrived for {timeout_s:g} s")
+    error = RequestTimeout(
+        f"the request body did not arrive in time ({timeout_s:g} s, longer as its bytes come)"
+    )
     headers = {"Connection": "close"}  # the rest of the body is not wanted
     return envelope(error.status, error.message, error.type, error.param, error.code, headers)
 

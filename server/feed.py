@@ -6,7 +6,9 @@ status polls starved. Here one task polls the store for every job's new events a
 (one query; a second one for the queue's order when a video was queued, started or ended), while
 anyone listens, and hands each stream the events of its own job and its new queue position. A
 stream reads the store itself only to replay what came before it subscribed, and for the video
-object of its last event. Each principal may hold `max_streams` streams at once.
+object of its last event. Each principal may hold `max_streams` streams at once, and the
+process `max_total` (set well below its connection cap: ten keys within their own limits once
+held 511 of 512 connections, and every new client got 503).
 
 Events reach every API host this way, whichever worker wrote them: the feed reads the store.
 """
@@ -57,8 +59,11 @@ class Subscription:
 class EventFeed:
     """The store's new events, polled once per interval for all of this process's streams."""
 
-    def __init__(self, store: AsyncStore, interval_s: float, max_streams: int):
+    def __init__(
+        self, store: AsyncStore, interval_s: float, max_streams: int, max_total: int | None = None
+    ):
         self.store, self.interval_s, self.max_streams = store, interval_s, max_streams
+        self.max_total = max_total
         self._subscribers: dict[str, set[Subscription]] = defaultdict(set)
         self._open: Counter[str] = Counter()  # streams per principal scope
         self._task: asyncio.Task | None = None
@@ -70,18 +75,25 @@ class EventFeed:
         return sum(self._open.values())
 
     def admit(self, scope: str) -> None:
-        """429 when `scope` (a principal) already holds `max_streams`: checked by the route,
-        before its answer starts."""
+        """429 when `scope` (a principal) already holds `max_streams`, or this process
+        `max_total`."""
         if self._open[scope] >= self.max_streams:
             raise TooManyStreams(
                 f"this API key has {self._open[scope]} event streams open, its limit; close one",
+                retry_after=1,
+            )
+        if self.max_total is not None and self.streams >= self.max_total:
+            raise TooManyStreams(
+                f"this server holds {self.streams} event streams, its limit; retry shortly",
                 retry_after=1,
             )
 
     @contextlib.contextmanager
     def subscribe(self, job_id: str, scope: str) -> Iterator[Subscription]:
         """A subscription to `job_id`'s news for the length of the block, counted against
-        `scope`. Entered by the stream itself, so a stream that never starts holds nothing."""
+        `scope`; `TooManyStreams` past a limit. The check and the count share no `await`, so
+        a thousand streams opened at once cannot all pass the check before any counts."""
+        self.admit(scope)
         sub = Subscription(job_id, self._watching)
         self._open[scope] += 1
         self._subscribers[job_id].add(sub)

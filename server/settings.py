@@ -97,13 +97,36 @@ class Settings(BaseSettings):
         10.0, gt=0, description="a request's line and headers must arrive within this (408)"
     )
     body_timeout_s: float = Field(
-        30.0, gt=0, description="longest wait for the next bytes of a request body (408)"
+        30.0,
+        gt=0,
+        description="a request body must arrive whole within this, plus a second per "
+        "min_body_rate bytes received (408)",
+    )
+    min_body_rate: float = Field(
+        64 * 1024,
+        gt=0,
+        description="bytes per second that earn a body a second more than body_timeout_s: a "
+        "large upload at this rate or faster always has time",
     )
     max_connections: int = Field(
         512,
         ge=1,
         description="open connections beyond this are answered 503 at once (keep it below the "
-        "process's file descriptor limit)",
+        "process's file descriptor limit); at most half of them may be event streams",
+    )
+    # One address is one client here: behind a proxy every client has the proxy's address, so
+    # raise both to max_connections there and let the proxy bound each client.
+    max_connections_per_client: int = Field(
+        64,
+        ge=1,
+        description="open connections one client address may hold; past this its new ones are "
+        "answered 429 at once",
+    )
+    max_pending_per_client: int = Field(
+        32,
+        ge=1,
+        description="connections one client address may hold still sending their headers; past "
+        "this its new ones are answered 429 at once",
     )
 
     max_queue: int = Field(64, ge=1, description="queued jobs (videos + fine-tunes) before 429")
@@ -189,6 +212,12 @@ class Settings(BaseSettings):
     def database_url_shown(self) -> str:
         """The database URL without its password, for logs."""
         return make_url(self.database_url).render_as_string(hide_password=True)
+
+    @property
+    def max_streams(self) -> int:
+        """Event streams one API process holds at once: half its connections, so that streams
+        from many keys, each within its own limit, still leave room for every other client."""
+        return max(1, self.max_connections // 2)
 
     @property
     def storage_dir(self) -> Path:

@@ -140,6 +140,8 @@ def test_api_load_benchmark_polls_a_live_server_idle_and_generating():
         row = rows[key]
         assert row["errors"] == {} and row["requests"] > 0
         assert 0 < row["p50_ms"] <= row["p99_ms"] <= row["max_ms"]
+        # A probe of its own process timed the server alongside the load.
+        assert row["probe_requests"] > 0 and 0 < row["probe_p50_ms"] <= row["probe_p99_ms"]
     assert rows["generating", 4]["busy"]
     ratio = rows["generating", 4]["req_per_s"] / rows["idle", 4]["req_per_s"]
     assert r["goals"]["embedded"]["generating_over_idle_throughput"] == {"4": round(ratio, 2)}

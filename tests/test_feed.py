@@ -103,6 +103,26 @@ def test_each_key_may_hold_so_many_streams(tmp_path):
     store.close()
 
 
+def test_the_streams_of_all_keys_together_are_capped(tmp_path):
+    """Many keys each within its own limit still meet the process's cap, checked as a stream
+    takes its place (no await between check and count)."""
+    store = JobStore(f"sqlite:///{tmp_path / 'db'}")
+    feed = EventFeed(CountingStore(store), INTERVAL_S, max_streams=2, max_total=3)
+
+    async def scenario():
+        with feed.subscribe("a", "alice"), feed.subscribe("b", "alice"):
+            with feed.subscribe("c", "bob"):
+                with pytest.raises(TooManyStreams, match="this server holds 3 event streams"):
+                    with feed.subscribe("d", "carol"):
+                        pass
+                assert feed.streams == 3
+            with feed.subscribe("d", "carol"):  # a place freed
+                return feed.streams
+
+    assert asyncio.run(scenario()) == 3
+    store.close()
+
+
 def test_an_event_written_before_the_feed_first_looks_still_reaches_the_stream(tmp_path):
     """A stream replays the store, then takes what the feed hands it; the feed starts from where
     the log ends at its first poll. An event written after a replay's read but before that poll

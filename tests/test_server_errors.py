@@ -3,6 +3,7 @@ envelope 500 that leaves the connection open."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import logging
@@ -181,11 +182,164 @@ def test_slow_and_surplus_clients_are_cut_off(tmp_path):
             b"POST /v1/videos HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             b"Content-Length: 100\r\n\r\n{"
         )
-        body_timeout = answer(trickle)
+        trickle.settimeout(0.25)
+        body_timeout, sent = b"", 1
+        while not body_timeout and sent < 40:  # a byte each 0.25 s: each wait short, all late
+            try:
+                body_timeout = trickle.recv(4096)
+            except TimeoutError:
+                trickle.sendall(b" ")
+                sent += 1
+        assert body_timeout, "cut at the body's deadline while it still trickled"
+        trickle.settimeout(10)
+        body_timeout += answer(trickle)
         assert body_timeout.startswith(b"HTTP/1.1 408") and b"request_timeout" in body_timeout
         assert httpx.get(f"{url}/healthz").status_code == 200
         for s in (*idle, surplus, slowloris, trickle):
             s.close()
+
+
+def _connect(port: int, address: str = "127.0.0.1") -> socket.socket:
+    """A loopback connection from `address` (any of 127.0.0.0/8 is this host)."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=10, source_address=(address, 0))
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    return s
+
+
+def _exchange(s: socket.socket, request: bytes) -> bytes:
+    """Send `request` and read one answer's head (and a body with a length), leaving the
+    connection open."""
+    s.sendall(request)
+    got = b""
+    while b"\r\n\r\n" not in got:
+        chunk = s.recv(4096)
+        if not chunk:
+            return got
+        got += chunk
+    head, _, body = got.partition(b"\r\n\r\n")
+    fields = head.lower().split(b"\r\n")[1:]
+    length = [int(f.split(b":", 1)[1]) for f in fields if f.startswith(b"content-length:")]
+    while length and len(body) < length[0]:
+        body += s.recv(4096)
+    return head + b"\r\n\r\n" + body
+
+
+HEALTHZ = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
+
+
+def test_one_address_cannot_take_every_connection(tmp_path):
+    """One client address may hold `max_connections_per_client` connections, and
+    `max_pending_per_client` of them still sending headers; past that its new ones are answered
+    429 at once, and another address is still served. Before, one address could take the whole
+    global cap (a header trickler that reconnects needs no key) and every new client got 503."""
+    options = dict(max_connections=8, max_connections_per_client=5, max_pending_per_client=2)
+    settings = Settings(data_dir=tmp_path / "data", header_timeout_s=30.0, **options)
+    app = build_app(settings, Fleet.embedded(settings, FakeBackend()))
+    with live_server(app, settings) as url:
+        port = int(url.rsplit(":", 1)[1])
+        held = [_connect(port) for _ in range(2)]
+        for s in held:  # kept alive after a request: open, not sending headers
+            assert _exchange(s, HEALTHZ).startswith(b"HTTP/1.1 200")
+        held += [_connect(port) for _ in range(2)]  # still sending headers
+        surplus = [_connect(port)]
+        refusal = _exchange(surplus[-1], HEALTHZ)
+        assert refusal.startswith(b"HTTP/1.1 429") and b"still sending headers" in refusal
+        assert _exchange(held[2], HEALTHZ).startswith(b"HTTP/1.1 200")  # one place frees
+        held.append(_connect(port))
+        assert _exchange(held[-1], HEALTHZ).startswith(b"HTTP/1.1 200")  # the fifth
+        surplus.append(_connect(port))
+        refusal = _exchange(surplus[-1], HEALTHZ)
+        assert refusal.startswith(b"HTTP/1.1 429") and b"open connections" in refusal
+        assert b"retry-after: 1" in refusal.lower()
+        for address in ("127.0.0.2", "127.0.0.3"):  # other clients: served, up to the cap
+            held.append(_connect(port, address))
+            assert _exchange(held[-1], HEALTHZ).startswith(b"HTTP/1.1 200")
+        for s in (*held, *surplus):
+            s.close()
+
+
+def test_streams_of_many_keys_leave_room_for_new_clients(tmp_path):
+    """Event streams are capped at half the connections in all, not only per key: three keys
+    each within their own limit could hold every connection, and a new client got 503."""
+    keys = ["k-a", "k-b", "k-c"]
+    settings = Settings(
+        data_dir=tmp_path / "data", api_keys=keys, max_connections=6, max_streams_per_key=2
+    )
+    backend = FakeBackend()
+    backend.gate.clear()  # the videos stay unfinished, so their streams stay open
+    app = build_app(settings, Fleet.embedded(settings, backend))
+    with live_server(app, settings) as url:
+        port = int(url.rsplit(":", 1)[1])
+        answers, sockets = [], []
+        for key in keys:
+            auth = {"Authorization": f"Bearer {key}"}
+            r = httpx.post(f"{url}/v1/videos", json={"prompt": "a", **SMALL}, headers=auth)
+            video = r.json()["id"]
+            for _ in range(2):  # this key's own limit
+                sockets.append(_connect(port))
+                request = (
+                    f"GET /v1/videos/{video}/events HTTP/1.1\r\nHost: x\r\n"
+                    f"Authorization: Bearer {key}\r\n\r\n"
+                ).encode()
+                answers.append(_exchange(sockets[-1], request))
+        streaming = [a for a in answers if a.startswith(b"HTTP/1.1 200")]
+        refusals = [a for a in answers if a.startswith(b"HTTP/1.1 429")]
+        assert len(streaming) == settings.max_streams == 3
+        assert len(refusals) == 3
+        assert all(b"this server holds 3 event streams" in a for a in refusals)
+        for answer, s in zip(answers, sockets):
+            if answer in refusals:
+                s.close()
+        r = httpx.get(f"{url}/v1/videos", headers={"Authorization": f"Bearer {keys[2]}"})
+        assert r.status_code == 200, "a new client is served while the streams stay open"
+        backend.gate.set()
+        for s in sockets:
+            s.close()
+
+
+def test_a_body_must_arrive_whole_within_its_deadline():
+    """A body's deadline is the whole body's: a byte every 0.1 s once reset a per-part timer for
+    ever. A body at or above `min_body_rate` earns time with each byte and arrives whole."""
+    from megaslide.server.body_limit import BodyLimit
+
+    async def read_all(scope, receive, send):
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            size += len(message.get("body", b""))
+            if not message.get("more_body"):
+                break
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": str(size).encode()})
+
+    limit = BodyLimit(
+        read_all, max_body_bytes=10**6, uploads=[], body_timeout_s=0.3, min_body_rate=1000
+    )
+    scope = {"type": "http", "method": "POST", "path": "/v1/videos", "headers": []}
+
+    def run(chunk: bytes, gap_s: float, chunks: int) -> tuple[list, int]:
+        sent, taken = [], 0
+
+        async def receive():
+            nonlocal taken
+            await asyncio.sleep(gap_s)
+            taken += 1
+            return {"type": "http.request", "body": chunk, "more_body": taken < chunks}
+
+        async def send(message):
+            sent.append(message)
+
+        asyncio.run(limit(scope, receive, send))
+        return sent, taken
+
+    sent, taken = run(b"x", 0.1, 100)  # one byte every 0.1 s: each wait is short, the whole long
+    assert sent[0]["status"] == 408 and taken < 100
+    assert b"did not arrive in time" in sent[1]["body"]
+    # 2,000 bytes every 0.1 s for 0.5 s, longer than body_timeout_s: each chunk earns 2 s more.
+    sent, taken = run(b"x" * 2000, 0.1, 5)
+    assert sent[0]["status"] == 200 and sent[1]["body"] == b"10000" and taken == 5
 
 
 def test_event_numbers_out_of_range_are_400s(make_client):

@@ -231,18 +231,29 @@ async def video_events(
     await videos.find(video_id, principal)
     last = event_seq(request.headers.get("last-event-id") or "0", "Last-Event-ID")
     feed: EventFeed = request.app.state.feed
-    feed.admit(principal.scope)  # a 429 past the key's limit, before the answer starts
-
-    async def stream():
-        # Subscribed here, not in the route: a response that never starts (its client gone
-        # first) never runs this, and would otherwise hold its place for ever.
-        with feed.subscribe(video_id, principal.scope) as sub:
-            async for chunk in _sse(store, video_id, last, sub):
-                yield chunk
-
-    return StreamingResponse(
-        stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+    feed.admit(principal.scope)  # an early 429; the stream checks again as it takes its place
+    return _EventStream(
+        feed, video_id, principal.scope, lambda sub: _sse(store, video_id, last, sub)
     )
+
+
+class _EventStream(StreamingResponse):
+    """A stream that holds its place in the feed exactly while its answer is being sent.
+
+    Subscribed here, not in the route nor in the body's generator: a place taken in the route
+    is held for ever by a response whose client left before it started (its generator never
+    runs), and one taken in the generator is taken after the 200 went out, too late for a 429,
+    and after other requests' checks in between. `feed.subscribe` raises `TooManyStreams` before
+    the answer starts, which the error handlers turn into the 429."""
+
+    def __init__(self, feed: EventFeed, video_id: str, scope: str, body):
+        super().__init__((), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.feed, self.video_id, self.principal_scope, self.body = feed, video_id, scope, body
+
+    async def __call__(self, scope, receive, send) -> None:
+        with self.feed.subscribe(self.video_id, self.principal_scope) as sub:
+            self.body_iterator = self.body(sub)
+            await super().__call__(scope, receive, send)
 
 
 def _sse_event(seq: int | None, kind: str, body: dict) -> str:
