@@ -203,6 +203,8 @@ def test_what_the_disk_tier_refuses():
 def test_auto_picks_disk_when_ram_is_short(monkeypatch):
     import megaslide.engine.planner as planner
 
+    # The tier's choice alone (1 MB would fit no tier: the refusal is test_host_memory.py's).
+    monkeypatch.setenv(planner.HOST_MEMORY_CHECK_ENV, "off")
     monkeypatch.setattr(planner, "available_ram_bytes", lambda: 1_000_000)  # 1 MB free
     pipe = open_pipeline(offload="stream", host_tier="auto")
     assert pipe.stats()["dit"]["host_tier"] == "disk"
