@@ -36,7 +36,7 @@ from .initialization import init_module, init_parts, seeded
 from .lora import Adapter, AdapterError
 from .ordering import Ordering
 from .pipeline import Pipeline
-from .planner import choose_host_tier
+from .planner import check_host_memory, choose_host_tier
 from .sources import ModelInfo, ModelSource, describe, resolve_source
 from .streaming import StreamHandle, stream_module
 from .weight_formats import codec
@@ -185,6 +185,17 @@ def open_model(
         components = [c for c in components if c.name in only]
     streamed = [c for c in components if offload == "stream" and c.blocks]
     host_tier = _resolve_host_tier(host_tier, streamed, dtype, weights)
+    if shared is None and only is None:  # (shared weights are in memory already)
+        # Refused now, on the meta device: loading weights the host cannot hold ends with the
+        # kernel killing the process minutes later, or the allocator failing halfway.
+        check_host_memory(
+            info,
+            device=device.type,
+            dtype_bytes=dtype.itemsize,
+            offload=offload,
+            weights=weights,
+            host_tier=host_tier,
+        )
     block_bytes = {c.name: sum(layout_nbytes(b) for b in c.blocks) for c in streamed}
     if shared is not None:
         if offload != "stream":

@@ -36,7 +36,9 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import asdict, dataclass
+import resource
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 
 from .disk_store import DEFAULT_RING_DEPTH, HOST_TIERS
 from .family import family
@@ -64,6 +66,63 @@ def available_ram_bytes() -> int:
     except OSError:
         pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def host_memory_available() -> tuple[int, str]:
+    """Host bytes a new allocation can get, and the limit that bounds it: the least of the RAM
+    available (`MemAvailable`), what the process's memory cgroup has left (a container's limit,
+    its reclaimable page cache counted as free) and what RLIMIT_AS leaves of the address space.
+    """
+    limits = {"MemAvailable": available_ram_bytes()}
+    cgroup = _cgroup_memory_left()
+    if cgroup is not None:
+        limits["the memory cgroup's limit"] = cgroup
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft != resource.RLIM_INFINITY:
+        limits["RLIMIT_AS"] = max(0, soft - _address_space_used())
+    bound = min(limits, key=limits.get)
+    return limits[bound], bound
+
+
+def _cgroup_memory_left() -> int | None:
+    """Limit minus usage (less the inactive page cache, which the kernel reclaims first) of the
+    memory cgroup this process is in, v2 or v1; None without a limit."""
+    for limit_file, usage_file in (
+        ("memory.max", "memory.current"),  # v2
+        ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes"),  # v1
+    ):
+        root = Path("/sys/fs/cgroup")
+        try:
+            limit = (root / limit_file).read_text().strip()
+            usage = int((root / usage_file).read_text())
+        except (OSError, ValueError):
+            continue
+        # v2 says "max"; v1 says a number near 2**63 (rounded down to pages) for no limit.
+        if limit == "max" or int(limit) >= 2**62:
+            return None
+        stat = (root / limit_file).with_name("memory.stat")
+        inactive = 0
+        try:
+            for line in stat.read_text().splitlines():
+                key, value = line.split()
+                if key in ("inactive_file", "total_inactive_file"):
+                    inactive = int(value)
+        except (OSError, ValueError):
+            pass
+        return max(0, int(limit) - usage + inactive)
+    return None
+
+
+def _address_space_used() -> int:
+    """This process's virtual address space in bytes (what RLIMIT_AS counts)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmSize:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
 def choose_host_tier(requested: str, needed_bytes: int, available_bytes: int | None = None) -> str:
@@ -395,6 +454,57 @@ def plan(info: ModelInfo, machine: Machine = Machine(), w: Workload = Workload()
         "machine": asdict(machine),
         "workload": asdict(w),
     }
+
+
+class HostMemoryError(ValueError):
+    """The model's weights do not fit in the host memory available: the planner's verdict."""
+
+
+# Skips `check_host_memory` for a user who knows better (swap, memory freed before the weights
+# load, a limit read wrongly).
+HOST_MEMORY_CHECK_ENV = "MEGASLIDE_HOST_MEMORY_CHECK"
+
+
+def check_host_memory(
+    info: ModelInfo,
+    *,
+    device: str,
+    dtype_bytes: int,
+    offload: str = "none",
+    weights: str = "raw",
+    host_tier: str = "ram",
+    available: tuple[int, str] | None = None,
+) -> None:
+    """HostMemoryError, before anything is allocated, when the weights `open_pipeline` would keep
+    in host memory (`plan`'s host total) exceed what is available (`host_memory_available`): a
+    process would otherwise be killed by the kernel halfway through loading. The message names
+    the need, what is available and the options that would fit. Weights resident on a CUDA
+    device take no host memory to speak of; `MEGASLIDE_HOST_MEMORY_CHECK=off` skips the check."""
+    if (device != "cpu" and offload != "stream") or os.environ.get(HOST_MEMORY_CHECK_ENV) == "off":
+        return
+    free, bound = available or host_memory_available()
+    w = Workload(dtype_bytes=dtype_bytes, weights=weights, host_tier=host_tier)
+    verdict = plan(info, Machine(host_mem=free), w)
+    need = verdict["host"]["total"]
+    if need <= free:
+        return
+    options = []
+    for flags, alt in (
+        ("--offload stream --weights fp8", replace(w, weights="fp8", host_tier="ram")),
+        ("--offload stream --weights lossless", replace(w, weights="lossless", host_tier="ram")),
+        ("--offload stream --host-tier disk", replace(w, weights="raw", host_tier="disk")),
+    ):
+        alt_need = plan(info, Machine(host_mem=free), alt)["host"]["total"]
+        if alt_need <= free and alt != w:
+            options.append(f"{flags} ({alt_need / GB:.1f} GB)")
+    fits = "options that fit: " + ", ".join(options) if options else "no option fits this host"
+    auto = " (auto)" if host_tier == "auto" else ""
+    raise HostMemoryError(
+        f"{info.name} does not fit in host memory: its weights ({weights}, {dtype_bytes} bytes "
+        f"a parameter, host tier {verdict['host_tier']}{auto}) need {need / GB:.1f} GB, "
+        f"{free / GB:.1f} GB is available (bounded by {bound}); {fits}. "
+        f"{HOST_MEMORY_CHECK_ENV}=off skips this check"
+    )
 
 
 def format_plan(p: dict) -> str:

@@ -18,6 +18,7 @@ from megaslide.engine.finetune import open_trainer
 from megaslide.engine.interfaces import TrainingRun, VideoModel
 from megaslide.engine.loader import open_pipeline, resolve_device, resolve_dtype
 from megaslide.engine.multidevice import parse_devices
+from megaslide.engine.planner import check_host_memory
 from megaslide.engine.rank_group import RankGroup, RanksDown
 from megaslide.engine.sources import ModelInfo, ModelSource, describe, resolve_source
 
@@ -53,6 +54,8 @@ class TorchBackend(Backend):
         self._cards = [
             self._register(describe(s, **files.get(s.name, {})), started) for s in sources
         ]
+        for card in self._cards:  # HostMemoryError now, in one line, not a worker killed later
+            self.check_host_memory(self._infos[card.name])
         names = [c.name for c in self._cards]
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
@@ -98,6 +101,17 @@ class TorchBackend(Backend):
             defaults=info.sampling,
             parent=parent,
         )
+
+    def check_host_memory(self, info: ModelInfo) -> None:
+        """The planner's refusal of a model whose weights the host cannot hold, as `load` would
+        open it (several devices share one host copy of the streamed blocks)."""
+        s = self.settings
+        if self.devices:
+            where = {"device": "cpu", "offload": "stream"}
+        else:
+            where = {"device": self.device.type, "offload": s.offload}
+            where.update(weights=s.weights, host_tier=s.host_tier)
+        check_host_memory(info, dtype_bytes=self.dtype.itemsize, **where)
 
     @property
     def device_name(self) -> str:

@@ -203,6 +203,8 @@ def test_what_the_disk_tier_refuses():
 def test_auto_picks_disk_when_ram_is_short(monkeypatch):
     import megaslide.engine.planner as planner
 
+    # The tier's choice alone (1 MB would fit no tier: the refusal is test_host_memory.py's).
+    monkeypatch.setenv(planner.HOST_MEMORY_CHECK_ENV, "off")
     monkeypatch.setattr(planner, "available_ram_bytes", lambda: 1_000_000)  # 1 MB free
     pipe = open_pipeline(offload="stream", host_tier="auto")
     assert pipe.stats()["dit"]["host_tier"] == "disk"
@@ -254,12 +256,13 @@ class _Stack(torch.nn.Module):
         return x
 
 
-def test_ring_reuse_waits_for_the_copy_on_the_simulated_device(tmp_path):
-    """Copies land as late as the recorded waits allow (a copy reads its source when it lands):
-    a ring buffer refilled before the copy out of it had landed would send the wrong block."""
+def _ring_on_sim(tmp_path, deleted=(), seeds=6):
+    """A six-block stack streamed from disk through a two-buffer ring on a simulated device, run
+    under `seeds` landing schedules with the `deleted` ordering call sites: the device and whether
+    each run matched the resident stack."""
     from safetensors.torch import save_file
 
-    from simulated_device import SimulatedDevice
+    from simulated_device import SimulatedDevice, watch_ring
 
     torch.manual_seed(0)
     ref = _Stack()
@@ -267,13 +270,45 @@ def test_ring_reuse_waits_for_the_copy_on_the_simulated_device(tmp_path):
     with torch.device("meta"):
         model = _Stack()
     sim = SimulatedDevice()
+    sim.deleted = set(deleted)
     handle = stream_module(
         model, model.blocks, "cpu", ordering=sim.ordering(), host_tier="disk", ring_depth=2
     )
     handle.load_weights(tmp_path / "stack.safetensors")
-    for seed in range(6):
+    watch_ring(sim, handle._blocks[0].store)
+    equal = []
+    for seed in range(seeds):
         sim.reseed(seed)
         x = torch.randn(3, 40)
-        assert torch.equal(model(x), ref(x)), seed
+        equal.append(torch.equal(model(x), ref(x)))
     handle.remove()
     sim.finish()
+    return sim, equal
+
+
+def test_ring_reuse_waits_for_the_copy_on_the_simulated_device(tmp_path):
+    """Copies land as late as the recorded waits allow (a copy reads its source when it lands):
+    a ring buffer refilled before the copy out of it had landed would send the wrong block."""
+    sim, equal = _ring_on_sim(tmp_path)
+    sim.check()
+    assert all(equal), equal
+
+
+# The ring's ordering calls: the copy out of a buffer records an event, and the reader waits on it
+# before refilling the buffer. On CUDA a wait on an event never recorded returns at once.
+RING_WAITS = [("record_on_copy", "_RingCore.release"), ("host_wait", "_RingCore.run")]
+
+
+def test_the_ring_table_lists_every_ordering_call_of_the_disk_tier():
+    from simulated_device import call_sites
+
+    methods = {"record_on_copy", "record_on_compute", "compute_wait", "copy_wait", "host_wait"}
+    methods |= {"keep_alive", "drain_copies", "synchronize"}
+    assert call_sites(ROOT / "engine/disk_store.py", methods) == set(RING_WAITS)
+
+
+@pytest.mark.parametrize("site", RING_WAITS, ids=lambda s: f"{s[0]}@{s[1]}")
+def test_deleting_a_ring_wait_is_caught(tmp_path, site):
+    sim, _ = _ring_on_sim(tmp_path, deleted={site}, seeds=2)
+    assert sim.calls[site] > 0, f"{site} never ran: the deletion proves nothing"
+    assert sim.races, f"deleting {site} went unnoticed"

@@ -106,6 +106,24 @@ def test_wait_on_an_event_never_recorded_orders_nothing():
     ring.copy(0, record_ready=False)
     ring.compute(0)
     assert "before copy host store of block 0 -> slot 0" in ring.races()
+    # On CUDA such a wait returns at once: the missing record is reported at the wait itself.
+    assert "compute_wait in Ring.compute (op #" in ring.races()
+    assert "waits on an event never recorded" in ring.races()
+
+
+def test_host_wait_on_an_event_never_recorded_is_reported_even_without_a_race():
+    """A host thread that waits for a copy's event before reusing its source: with the record
+    missing the wait orders nothing, whatever the buffers it guards are declared to be."""
+    sim = SimulatedDevice()
+    ord_ = sim.ordering()
+    event = ord_.new_event()
+    ord_.host_wait(event)
+    assert sim.races and "host_wait in " in sim.races[0]
+    assert "waits on an event never recorded" in sim.races[0]
+    recorded = ord_.new_event()
+    ord_.record_on_copy(recorded)
+    ord_.host_wait(recorded)
+    assert len(sim.races) == 1
 
 
 def test_compute_that_finds_another_blocks_bytes():

@@ -7,7 +7,6 @@ The scenarios are benchmarks/stream_protocol.py's, which runs them on CUDA with 
 docs/streaming.md).
 """
 
-import ast
 import json
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import pytest
 import torch
 
 import stream_protocol
-from simulated_device import SimulatedDevice, watch_handle, watch_training
+from simulated_device import SimulatedDevice, call_sites, watch_handle, watch_training
 from stream_protocol import SCENARIOS, Probe, identical, reference, run, write_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -111,27 +110,6 @@ ORDERING_CALLS = {
     "drain_copies",
     "synchronize",
 }
-
-
-def call_sites(path: Path, methods: set[str]) -> set[tuple[str, str]]:
-    """(method, qualified name of the calling function) for every call of `methods` in `path`."""
-    sites = set()
-
-    def visit(node, scope):
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, (ast.FunctionDef, ast.ClassDef)):
-                visit(child, [*scope, child.name])
-            else:
-                if (
-                    isinstance(child, ast.Call)
-                    and isinstance(child.func, ast.Attribute)
-                    and child.func.attr in methods
-                ):
-                    sites.add((child.func.attr, ".".join(scope)))
-                visit(child, scope)
-
-    visit(ast.parse(path.read_text()), [])
-    return sites
 
 
 def test_the_table_lists_every_wait_in_the_ordering_code():

@@ -328,3 +328,45 @@ def test_a_guard_that_refuses_leaves_the_old_directory_as_it_was(tmp_path):
     with atomic_directory(target, guard=contextlib.nullcontext) as tmp:
         (tmp / "which").write_text("new")
     assert (target / "which").read_text() == "new"
+
+
+_ENCODE = """
+import sys
+import numpy as np
+from megaslide.engine.video import write_mp4
+write_mp4(sys.argv[2], np.load(sys.argv[1]), fps=16)
+"""
+
+
+def test_the_same_frames_give_the_same_mp4_bytes_in_separate_processes(tmp_path):
+    """Two processes encode the same frames as generate and the worker do (`write_mp4`), each
+    with a different heap: glibc's MALLOC_PERTURB_ fills memory malloc hands out with a byte of
+    its own, as a long-lived process's reused memory holds leftovers. Same bytes, both times."""
+    import os
+    import subprocess
+    import sys
+
+    # A bright spot moving over stripes, with noise: x264's macroblock tree has work to do.
+    rng = np.random.default_rng(1)
+    yy, xx = np.mgrid[0:64, 0:64].astype(np.float64)
+    frames = [
+        np.stack(
+            [
+                255 * np.exp(-((xx - 13 - 2.5 * t) ** 2 + (yy - 32) ** 2) / 228),
+                128 + 100 * np.sin(xx / 5 + t / 3),
+                80 + 60 * np.cos(yy / 7),
+            ],
+            -1,
+        )
+        + rng.normal(0, 6, (64, 64, 3))
+        for t in range(16)
+    ]
+    np.save(tmp_path / "frames.npy", np.stack(frames).round().clip(0, 255).astype(np.uint8))
+    outputs = []
+    for perturb in ("1", "200"):
+        out = tmp_path / f"heap{perturb}.mp4"
+        env = {**os.environ, "MALLOC_PERTURB_": perturb}
+        args = [sys.executable, "-c", _ENCODE, str(tmp_path / "frames.npy"), str(out)]
+        subprocess.run(args, env=env, check=True, timeout=120)
+        outputs.append(out.read_bytes())
+    assert outputs[0] == outputs[1]

@@ -291,13 +291,24 @@ def until(predicate, timeout=10.0, what="condition", interval=0.01):
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
-def torch_app(settings):
-    """The app as `megaslide serve` builds it: the embedded worker on the torch backend."""
+def torch_app(settings, frames: dict | None = None):
+    """The app as `megaslide serve` builds it: the embedded worker on the torch backend. With
+    `frames`, each video's frames as sampled (before the MP4 encoder) are kept there by video id:
+    tests compare those, since an encoding says nothing more about the sampling."""
     from megaslide.server import build_app
     from megaslide.server.torch_backend import TorchBackend
     from megaslide.server.worker import Fleet
 
-    return build_app(settings, Fleet.embedded(settings, TorchBackend(settings)))
+    backend = TorchBackend(settings)
+    if frames is not None:
+        save_video = backend.save_video
+
+        def keep(sampled, fps, mp4_path, thumbnail_path):
+            frames[mp4_path.stem] = np.array(sampled)
+            save_video(sampled, fps, mp4_path, thumbnail_path)
+
+        backend.save_video = keep
+    return build_app(settings, Fleet.embedded(settings, backend))
 
 
 @contextlib.contextmanager

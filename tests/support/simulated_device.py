@@ -10,7 +10,9 @@ Ordering (the oracle). Actors are the compute stream, each copy stream and each 
 every actor keeps a vector clock. Work on one actor happens in issue order. A stream operation
 happens after everything its host thread did before issuing it. Recording an event stores the
 stream's clock in it; a stream that waits on it, or a host thread that waits on it, joins that
-clock (an event never recorded orders nothing, as on CUDA). `drain_copies` joins the copy
+clock. A wait on an event never recorded orders nothing (on CUDA it returns at once), so it
+is reported as a race: the engine creates events only to record them before any wait, and a wait
+that finds one unrecorded means a record went missing. `drain_copies` joins the copy
 stream into the host, `synchronize` every stream. A task submitted to a worker thread happens
 after the submit, and `result()` joins the task back (`executor`). Nothing else orders anything:
 a copy may land arbitrarily late unless something waited on it, a kernel may run arbitrarily late
@@ -46,6 +48,7 @@ deletes each in turn). `calls` counts every call site seen.
 
 from __future__ import annotations
 
+import ast
 import collections
 import dataclasses
 import random
@@ -54,6 +57,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -421,6 +425,16 @@ class SimOrdering:
             self.sim.calls[site] += 1
         return site in self.sim.deleted
 
+    def _recorded(self, event: Event, method: str) -> bool:
+        """Is `event` recorded? A wait on one that is not returns at once on CUDA, ordering
+        nothing: the record it was meant to follow is missing (call with the lock held)."""
+        if event.clock is not None:
+            return True
+        caller = sys._getframe(2).f_code.co_qualname
+        where = f"op #{self.sim.ops}" + (f", {self.sim.context}" if self.sim.context else "")
+        self.sim._race(f"{method} in {caller} ({where}) waits on an event never recorded")
+        return False
+
     def sibling(self) -> SimOrdering:
         return self.sim.ordering()
 
@@ -487,7 +501,7 @@ class SimOrdering:
         with self.sim._lock:
             self.sim._enter()
             clock = self.sim._issue(COMPUTE)
-            if event.clock is not None:
+            if self._recorded(event, "compute_wait"):
                 _join(clock, event.clock)
                 # Compute runs eagerly, when Python calls it: what it waits for lands now.
                 self.sim._land_through(event.clock)
@@ -498,7 +512,7 @@ class SimOrdering:
         with self.sim._lock:
             self.sim._enter()
             clock = self.sim._issue(self.stream)
-            if event.clock is not None:
+            if self._recorded(event, "copy_wait"):
                 _join(clock, event.clock)
 
     def keep_alive(self, tensor: torch.Tensor) -> None:
@@ -519,7 +533,7 @@ class SimOrdering:
         sim = self.sim
         with sim._lock:
             sim._enter()
-            if event.clock is not None:
+            if self._recorded(event, "host_wait"):
                 _join(sim.clocks[sim._host()], event.clock)
                 sim._land_through(event.clock)
 
@@ -699,3 +713,54 @@ def watch_training(sim: SimulatedDevice, step) -> None:
 
     drain.send = watched_send
     opt.accumulate, opt.step_block = watched_accumulate, watched_step_block
+
+
+def watch_ring(sim: SimulatedDevice, store) -> None:
+    """Declare a disk tier's memory use (disk_store.py), given one of its stores: the ring's reader
+    thread writes a block's bytes into a ring buffer, and the thread that acquires that block
+    happens after the write (the ring's lock and condition hand the buffer over)."""
+    core = store.ring._core
+    filled: dict[int, Clock] = {}  # ring buffer (its address) -> the reader's clock after filling
+    names = {b.data.data_ptr(): f"ring buffer {k}" for k, b in enumerate(core.buffers)}
+    acquire = core.acquire
+
+    def watch_read(store) -> None:
+        read_into = store.read_into
+
+        def watched_read_into(out: torch.Tensor, direct: bool = False) -> None:
+            sim.name(out, names.get(out.data_ptr(), "a ring buffer"), block=store.index)
+            sim.host_writes([out], f"disk read of block {store.index}")
+            read_into(out, direct)
+            filled[out.data_ptr()] = sim._snapshot()
+
+        store.read_into = watched_read_into
+
+    def watched_acquire(i: int) -> torch.Tensor:
+        data = acquire(i)
+        sim._adopt(filled[data.data_ptr()])
+        return data
+
+    for s in core.stores:
+        watch_read(s)
+    core.acquire = watched_acquire
+
+
+def call_sites(path: Path, methods: set[str]) -> set[tuple[str, str]]:
+    """(method, qualified name of the calling function) for every call of `methods` in `path`."""
+    sites = set()
+
+    def visit(node, scope):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.ClassDef)):
+                visit(child, [*scope, child.name])
+            else:
+                if (
+                    isinstance(child, ast.Call)
+                    and isinstance(child.func, ast.Attribute)
+                    and child.func.attr in methods
+                ):
+                    sites.add((child.func.attr, ".".join(scope)))
+                visit(child, scope)
+
+    visit(ast.parse(path.read_text()), [])
+    return sites
