@@ -1,3 +1,6 @@
+import multiprocessing.process
+import os
+import subprocess
 import warnings
 
 import pytest
@@ -11,6 +14,53 @@ from megaslide.server import Settings, build_app
 from megaslide.server.worker import Fleet
 
 from server_fakes import FakeBackend, until
+
+# The `slow` tier: tests that start child processes (servers, workers, ranks, benchmarks, Triton's
+# interpreter, ruff), drive a browser or use PostgreSQL. `pytest -m "not slow"` is the developer's
+# loop; CI runs every test. Tests that take these fixtures are marked here; the rest carry the marker.
+SLOW_FIXTURES = {"postgres_server", "interpret_results"}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items):
+    for item in items:
+        params = item.callspec.params if hasattr(item, "callspec") else {}
+        if SLOW_FIXTURES & set(item.fixturenames) or params.get("database_url") == "postgresql":
+            item.add_marker(pytest.mark.slow)
+
+
+# Every way a test can start a child process; each start is noted, so that a test outside the slow
+# tier that starts one fails and the tier stays exact as tests are added.
+_started: list[str] = []
+
+
+def _noted(name, start):
+    def noting(*args, **kwargs):
+        _started.append(name)
+        return start(*args, **kwargs)
+
+    return noting
+
+
+def pytest_configure(config):
+    subprocess.Popen._execute_child = _noted("a subprocess", subprocess.Popen._execute_child)
+    process = multiprocessing.process.BaseProcess
+    process.start = _noted("a multiprocessing process", process.start)
+    os.fork = _noted("os.fork", os.fork)
+    os.posix_spawn = _noted("os.posix_spawn", os.posix_spawn)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    _started.clear()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item):
+    yield
+    if _started and item.get_closest_marker("slow") is None:
+        started, _started[:] = sorted(set(_started)), []
+        pytest.fail(f"started {', '.join(started)}: mark the test @pytest.mark.slow")
 
 
 @pytest.fixture(autouse=True)

@@ -2,7 +2,11 @@
 
 from pathlib import Path
 
+import pytest
+
 from processes import run_json
+
+pytestmark = pytest.mark.slow  # each runs a benchmark script as a child process
 
 ROOT = Path(__file__).resolve().parent.parent
 

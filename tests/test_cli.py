@@ -95,6 +95,7 @@ def test_plan_105b(capsys):
     assert abs(p["time_s"]["transfer"] / (210e9 / 55e9) - 1) < 0.05
 
 
+@pytest.mark.slow
 def test_console_script_version():
     out = subprocess.run(
         [sys.executable, "-P", "-m", "megaslide.cli", "--version"], capture_output=True, text=True

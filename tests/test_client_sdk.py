@@ -604,6 +604,7 @@ def test_async_client_retries_and_paginates(sleeps):
 # packaging
 
 
+@pytest.mark.slow
 def test_package_imports_without_torch():
     env = dict(os.environ, PYTHONPATH=str(ROOT / "clients" / "python"))
     code = (

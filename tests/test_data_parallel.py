@@ -99,6 +99,7 @@ def reference(world, tmp_path_factory):
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
+@pytest.mark.slow
 def test_data_parallel_equals_one_process(ranks, world, reference, tmp_path):
     weights, steps, initial = reference
     started, seen = [], []
@@ -125,6 +126,7 @@ def test_data_parallel_equals_one_process(ranks, world, reference, tmp_path):
     assert not list(tmp_path.rglob(f"*{TMP_SUFFIX}"))
 
 
+@pytest.mark.slow
 def test_rank_killed_mid_run_fails_the_run_and_leaves_whole_checkpoints(world, tmp_path):
     pids: list[int] = []
 
@@ -148,6 +150,7 @@ def test_rank_killed_mid_run_fails_the_run_and_leaves_whole_checkpoints(world, t
         assert (Path(c["path"]) / "optimizer.pt").is_file()
 
 
+@pytest.mark.slow
 def test_checkpoints_carry_a_run_between_one_device_and_several(world, reference, tmp_path):
     """A split run writes one process's checkpoints and resumes from them: steps 1, 2 and 3 on
     one process, two, and one again end where one process alone does."""
@@ -187,6 +190,7 @@ def test_runs_that_cannot_split_are_refused_before_anything_starts(world, tmp_pa
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
+@pytest.mark.slow
 def test_a_bad_dataset_fails_the_run_with_its_error(tmp_path):
     bad = tmp_path / "bad"
     bad.mkdir()
@@ -197,6 +201,7 @@ def test_a_bad_dataset_fails_the_run_with_its_error(tmp_path):
         finetune_on_devices(TINY, bad, spec(tmp_path / "out", ("cpu", "cpu")), timeout_s=TIMEOUT_S)
 
 
+@pytest.mark.slow
 def test_cli_finetune_on_two_cpu_processes(world, reference, tmp_path, capsys):
     from megaslide.cli.main import main
 

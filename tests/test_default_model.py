@@ -1,5 +1,6 @@
 """The packaged default model loads, fits the size limit, generates a clip and follows its prompt."""
 
+import pytest
 import torch
 
 from megaslide.engine.loader import open_pipeline
@@ -49,6 +50,7 @@ def test_readme_prompt_is_followed():
     ), reads
 
 
+@pytest.mark.slow
 def test_packaged_model_draws_the_prompted_direction_from_noise():
     """From pure noise the model predicts the prompt's mean clip, direction of motion included
     (benchmarks/motion_prior.py: 1 = the world's mean clip for the direction, 0 = ignored)."""

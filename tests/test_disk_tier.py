@@ -129,6 +129,7 @@ def peak_rss(path: Path, tier: str) -> dict:
     return json.loads(done.stdout)
 
 
+@pytest.mark.slow
 def test_host_ram_for_blocks_is_bounded_by_the_ring(tmp_path):
     """Streaming 32 blocks (135 MB) from disk holds a ring of 4 blocks (17 MB): peak RSS grows by
     the ring, the two slots of the CPU "device", activations and the non-block weights (0.34x the

@@ -342,6 +342,7 @@ def test_triton_backend_rejects_head_dims_it_cannot_tile():
                 os.environ["TRITON_INTERPRET"] = old
 
 
+@pytest.mark.slow
 def test_package_imports_and_runs_the_reference_without_triton():
     script = textwrap.dedent("""
         import sys

@@ -150,6 +150,7 @@ def test_a_silent_worker_drops_out_and_its_job_moves_to_another(api, settings):
     second.stop()
 
 
+@pytest.mark.slow
 def test_a_worker_process_that_keeps_dying_is_restarted_ever_more_slowly(
     settings, monkeypatch, caplog
 ):
@@ -166,6 +167,7 @@ def test_a_worker_process_that_keeps_dying_is_restarted_ever_more_slowly(
     ]
 
 
+@pytest.mark.slow
 def test_a_worker_process_that_stops_by_itself_is_left_down(settings):
     child = WorkerProcess(functools.partial(os._exit, 2), keep_down=(0, 2))
     fleet = Fleet(settings, lambda root: 0, child)
@@ -245,6 +247,7 @@ def test_a_job_naming_an_adapter_waits_for_a_worker_that_has_it(settings):
         store.close()
 
 
+@pytest.mark.slow
 def test_a_video_that_kills_its_worker_process_is_the_only_one_charged(tmp_path, monkeypatch):
     """A worker process killed (SIGKILL) in a pass two videos share charges neither: each runs
     alone next, the innocent one completes, and the one that kills fails at the crash limit (one

@@ -23,6 +23,7 @@ def _cap_address_space() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (CAP, CAP))
 
 
+@pytest.mark.slow
 def test_generate_refuses_the_105b_preset_under_an_address_space_cap_before_allocating():
     """The real preset, in a child whose RLIMIT_AS would make any large allocation fail: the
     refusal is the planner's one line (exit 2), not the allocator's traceback."""

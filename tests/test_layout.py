@@ -23,6 +23,7 @@ def ruff(*args: str) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize(
     "args", [("format", "--check", "."), ("check", ".")], ids=["format", "lint"]
 )
+@pytest.mark.slow
 def test_ruff(args):
     done = ruff(*args)
     assert done.returncode == 0, done.stdout + done.stderr

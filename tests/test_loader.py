@@ -148,6 +148,7 @@ def peak_rss_growth(source: str, kind: str) -> dict:
     return json.loads(done.stdout)
 
 
+@pytest.mark.slow
 def test_opening_a_streamed_model_holds_about_one_copy_of_its_weights(tmp_path):
     """Peak RSS growth while opening the small preset streamed (1.09x here: the weights, the two
     slots on the CPU "device" and one block being drawn), and the same model from a directory

@@ -43,6 +43,7 @@ def tiny(attention: str = "dense", size: int = 16, **request):
     "attention, size, world",
     [("dense", 16, 2), ("dsa", 24, 2)],
 )
+@pytest.mark.slow
 def test_sequence_parallel_equals_one_process_bitwise(attention, size, world):
     info, video = tiny(attention, size)
     one = open_pipeline(info, offload="stream").generate(video)
@@ -59,6 +60,7 @@ def test_sequence_parallel_equals_one_process_bitwise(attention, size, world):
     assert steps == [(1, 2), (2, 2)]
 
 
+@pytest.mark.slow
 def test_wan_sequence_parallel_equals_one_process_bitwise(tmp_path):
     from wan_fixtures import build_tiny_wan
 
@@ -73,6 +75,7 @@ def test_wan_sequence_parallel_equals_one_process_bitwise(tmp_path):
         family("wan").check_parallel(dsa, video.frames, video.height, video.width, 2)
 
 
+@pytest.mark.slow
 def test_rank_killed_mid_job_fails_the_job_naming_the_rank():
     info, video = tiny(steps=50)
     pids: list[int] = []
@@ -104,6 +107,7 @@ def _barrier_after_rank_1_dies(link, job) -> None:
     dist.barrier()  # rank 0 raises here: its peer's connection closed
 
 
+@pytest.mark.slow
 def test_a_rank_whose_peer_died_names_the_dead_rank_not_itself():
     # Rank 0 reports an error of its own (the closed connection) as rank 1 dies: the job's
     # failure is rank 1's death.
@@ -111,6 +115,7 @@ def test_a_rank_whose_peer_died_names_the_dead_rank_not_itself():
         run_ranks(_barrier_after_rank_1_dies, None, ["cpu", "cpu"], timeout_s=TIMEOUT_S)
 
 
+@pytest.mark.slow
 def test_a_rank_that_raises_fails_the_job_with_its_error(monkeypatch):
     from megaslide.engine import multidevice
 
@@ -162,6 +167,7 @@ def test_shared_weights_are_one_copy_in_shared_memory():
         assert torch.equal(a, b)
 
 
+@pytest.mark.slow
 def test_cli_generate_on_two_cpu_processes_writes_the_same_mp4(tmp_path, capsys):
     from megaslide.cli.main import main
 

@@ -37,10 +37,13 @@ def find_chromium() -> str | None:
 
 
 CHROMIUM = find_chromium()
-pytestmark = pytest.mark.skipif(
-    CHROMIUM is None,
-    reason="Chromium is not installed (/usr/bin/chromium); .ci/run installs Debian's `chromium`",
-)
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        CHROMIUM is None,
+        reason="Chromium is not installed (/usr/bin/chromium); .ci/run installs Debian's `chromium`",
+    ),
+]
 
 # Playwright starts the browser with a fresh temporary profile; these keep it off the network.
 CHROMIUM_ARGS = [

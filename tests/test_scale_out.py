@@ -17,6 +17,7 @@ from processes import JOB_TIMEOUT_S, TERMINAL, Child, Server, noise_dataset_arch
 
 pytest.importorskip("uvicorn")
 pytest.importorskip("av")
+pytestmark = pytest.mark.slow  # servers and workers as child processes, on PostgreSQL
 
 LEASE = {"MEGASLIDE_LEASE_S": "3", "MEGASLIDE_HEARTBEAT_S": "0.3"}
 # Long enough to be caught running: 60 steps of a 64x64 clip (a few seconds on one thread).

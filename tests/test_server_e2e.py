@@ -22,6 +22,7 @@ from processes import JOB_TIMEOUT_S, TERMINAL, Child, Server, noise_dataset_arch
 
 pytest.importorskip("uvicorn")
 pytest.importorskip("av")
+pytestmark = pytest.mark.slow  # `megaslide serve` as a child process
 
 CLIP = {"num_frames": 4, "size": "32x32", "num_inference_steps": 2}
 

@@ -8,6 +8,8 @@ import sys
 import warnings
 from pathlib import Path
 
+import pytest
+
 with warnings.catch_warnings():  # starlette's notice that its TestClient will move to httpx2
     warnings.simplefilter("ignore")
 
@@ -60,6 +62,7 @@ def test_models_list(make_client):
     assert_error(c.get("/v1/models/none"), 404, "model")
 
 
+@pytest.mark.slow
 def test_routers_never_import_torch():
     code = (
         "import sys; sys.modules['torch'] = None\n"

@@ -275,6 +275,7 @@ atomic_write(sys.argv[1], write)
 """
 
 
+@pytest.mark.slow
 def test_a_killed_writers_temporary_file_goes_at_once_and_a_live_ones_stays(tmp_path):
     import os
     import signal
@@ -338,6 +339,7 @@ write_mp4(sys.argv[2], np.load(sys.argv[1]), fps=16)
 """
 
 
+@pytest.mark.slow
 def test_the_same_frames_give_the_same_mp4_bytes_in_separate_processes(tmp_path):
     """Two processes encode the same frames as generate and the worker do (`write_mp4`), each
     with a different heap: glibc's MALLOC_PERTURB_ fills memory malloc hands out with a byte of

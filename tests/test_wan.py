@@ -116,6 +116,7 @@ def test_plain_from_pretrained_within_one_level(wan):
 
 
 @pytest.mark.parametrize("variant", sorted(CPU_VARIANTS))
+@pytest.mark.slow
 def test_parity_holds_on_other_cpus_code_paths(variant):
     """The parity tests above and test_wan_i2v.py's, again in a child process on the kernels an
     AVX2-only or an SSE4.2 machine would run (MKL, ATen and oneDNN told to use no wider

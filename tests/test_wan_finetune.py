@@ -205,6 +205,7 @@ def run_cli(*args: str) -> subprocess.Popen:
     )
 
 
+@pytest.mark.slow
 def test_kill_9_and_resume_equal_an_uninterrupted_run(wan, tmp_path):
     args = [
         "finetune",

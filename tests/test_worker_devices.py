@@ -64,6 +64,7 @@ def served_clip(c, video_id: str, tmp_path) -> tuple[np.ndarray, np.ndarray]:
     return np.asarray(Image.open(io.BytesIO(thumbnail)).convert("RGB")), read_video(path)
 
 
+@pytest.mark.slow
 def test_a_worker_on_two_devices_serves_what_one_process_samples(tmp_path):
     sampled = {}  # video id -> frames as the worker sampled them (compared, not the MP4s)
     with serve(tmp_path, sampled) as c:
@@ -116,6 +117,7 @@ def _counter(metrics: str, name: str) -> float:
     return next(float(line.split()[1]) for line in lines if line.startswith(f"{name}_total"))
 
 
+@pytest.mark.slow
 def test_a_rank_killed_mid_job_fails_that_job_and_the_worker_serves_the_next(tmp_path, monkeypatch):
     step = RankGroup.denoise_step
 
@@ -147,6 +149,7 @@ def test_a_rank_killed_mid_job_fails_that_job_and_the_worker_serves_the_next(tmp
         assert group.pids and set(group.pids).isdisjoint(first)
 
 
+@pytest.mark.slow
 def test_a_video_cancelled_on_two_devices_stops_and_the_next_runs(tmp_path, monkeypatch):
     step = RankGroup.denoise_step
 

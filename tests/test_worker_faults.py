@@ -168,6 +168,7 @@ def test_a_hung_worker_loop_lets_its_leases_expire(make_client):
     assert [e.type for e in store.videos.events_after(video["id"], 0)].count("video.completed") == 1
 
 
+@pytest.mark.slow
 def test_restart_requeues_interrupted_work_and_resumes_finetunes(make_client, tmp_path):
     # The database and output folder as a kill -9 leaves them: the server's worker (its pid gone,
     # its heartbeat still fresh) holds a running video and fine-tune.
