@@ -116,7 +116,7 @@ def interleaved(fns: dict, repeats: int) -> tuple[dict, dict, dict]:
     return best, {k: statistics.median(v) for k, v in times.items()}, outs
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--blocks", type=int, default=2)
     ap.add_argument("--rank", type=int, default=32)
@@ -131,12 +131,14 @@ def main(argv=None) -> int:
     if args.quick:
         args.blocks, args.rank, args.frames, args.size, args.repeats = 2, 4, 2, "4x4", 2
         args.text_tokens = 16
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    from megaslide.engine.lora import AdapterRouter, linear_targets
-    from megaslide.engine.wan.lora import load_wan_adapter
 
-    device, dtype = torch.device("cpu"), torch.float32
     model = build(args.blocks, args.quick)
     layers = targets(model)
     rows = 4
@@ -151,62 +153,13 @@ def main(argv=None) -> int:
         return_dict=False,
     )
     states = [adapter_state(layers, args.rank, seed) for seed in range(4)]
-
     twin = copy.deepcopy(model)  # for diffusers, before any hook is attached to `model`
-
-    # -- MegaSlide: adapters registered from an original-Wan file, applied per row -------------
-    router = AdapterRouter([model], linear_targets, device, dtype)
-    registration = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for k, state in enumerate(states):
-            file = original_file(state, layers, Path(tmp) / f"a{k}.safetensors")
-            start = time.perf_counter()
-            router.register(load_wan_adapter(f"a{k}", file))
-            registration.append(time.perf_counter() - start)
-
-    def ours(sets):
-        def run():
-            with router.rows(sets):
-                return model(**inputs)[0]
-
-        return run
-
-    # -- diffusers: the same adapters as PEFT layers, on a twin of the model (PEFT wraps the
-    # Linear layers MegaSlide's hooks sit on, so the two cannot share one module).
-    for k, state in enumerate(states):
-        twin.load_lora_adapter(
-            {f"transformer.{n}": t for n, t in state.items()},
-            prefix="transformer",
-            adapter_name=f"a{k}",
-        )
-
-    def active(names):
-        def run():
-            if names:
-                twin.enable_lora()
-                twin.set_adapters(names, [1.0] * len(names))
-            else:
-                twin.disable_lora()
-            return twin(**inputs)[0]
-
-        return run
-
-    def one_row_each():
-        twin.enable_lora()
-        for k in range(rows):
-            twin.set_adapters([f"a{k}"], [1.0])
-            row = {n: v[k : k + 1] for n, v in inputs.items() if n != "return_dict"}
-            twin(**{**inputs, **row})
-
+    router, registration = register_ours(model, layers, states)
     # All six variants round-robin, so load from elsewhere falls on each alike.
     best, median, outs = interleaved(
         {
-            "none": ours([[]] * rows),
-            "one": ours([[("a0", 1.0)]] * rows),
-            "four_distinct": ours([[(f"a{k}", 1.0)] for k in range(rows)]),
-            "diffusers_none": active([]),
-            "diffusers_one": active(["a0"]),
-            "diffusers_four_distinct_one_pass_each": one_row_each,
+            **ours_variants(router, model, inputs, rows),
+            **diffusers_variants(twin, states, inputs, rows),
         },
         args.repeats,
     )
@@ -258,6 +211,75 @@ def main(argv=None) -> int:
         for k, v in result.items():
             print(f"{k}: {v}")
     return 0
+
+
+def register_ours(model, layers: dict, states: list[dict]):
+    """MegaSlide's router on `model`, with the adapters registered from original-Wan files: the
+    router, and the seconds each registration took."""
+    from megaslide.engine.lora import AdapterRouter, linear_targets
+    from megaslide.engine.wan.lora import load_wan_adapter
+
+    router = AdapterRouter([model], linear_targets, torch.device("cpu"), torch.float32)
+    registration = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for k, state in enumerate(states):
+            file = original_file(state, layers, Path(tmp) / f"a{k}.safetensors")
+            start = time.perf_counter()
+            router.register(load_wan_adapter(f"a{k}", file))
+            registration.append(time.perf_counter() - start)
+    return router, registration
+
+
+def ours_variants(router, model, inputs: dict, rows: int) -> dict:
+    """MegaSlide's forwards: no adapter, one for every row, a distinct one per row."""
+
+    def ours(sets):
+        def run():
+            with router.rows(sets):
+                return model(**inputs)[0]
+
+        return run
+
+    return {
+        "none": ours([[]] * rows),
+        "one": ours([[("a0", 1.0)]] * rows),
+        "four_distinct": ours([[(f"a{k}", 1.0)] for k in range(rows)]),
+    }
+
+
+def diffusers_variants(twin, states: list[dict], inputs: dict, rows: int) -> dict:
+    """diffusers' forwards with the same adapters as PEFT layers, on a twin of the model (PEFT
+    wraps the Linear layers MegaSlide's hooks sit on, so the two cannot share one module)."""
+    for k, state in enumerate(states):
+        twin.load_lora_adapter(
+            {f"transformer.{n}": t for n, t in state.items()},
+            prefix="transformer",
+            adapter_name=f"a{k}",
+        )
+
+    def active(names):
+        def run():
+            if names:
+                twin.enable_lora()
+                twin.set_adapters(names, [1.0] * len(names))
+            else:
+                twin.disable_lora()
+            return twin(**inputs)[0]
+
+        return run
+
+    def one_row_each():
+        twin.enable_lora()
+        for k in range(rows):
+            twin.set_adapters([f"a{k}"], [1.0])
+            row = {n: v[k : k + 1] for n, v in inputs.items() if n != "return_dict"}
+            twin(**{**inputs, **row})
+
+    return {
+        "diffusers_none": active([]),
+        "diffusers_one": active(["a0"]),
+        "diffusers_four_distinct_one_pass_each": one_row_each,
+    }
 
 
 if __name__ == "__main__":

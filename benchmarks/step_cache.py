@@ -146,7 +146,7 @@ def write_curve(args) -> int:
     return 0
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=DEFAULT_MODEL, help="model directory or packaged name")
     ap.add_argument("--count", type=int, default=60, help="prompts (the held-out ones first)")
@@ -175,7 +175,11 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--calibrate", type=int, metavar="N", help="write the model's step curve")
     ap.add_argument("--json", action="store_true")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.calibrate:
@@ -185,39 +189,11 @@ def main(argv=None) -> int:
     pipe = open_pipeline(args.model, offload=args.offload)
     prompts = list(benchmark_prompts(args.count))
     asked = [p[1:] for p in prompts]
-
-    def run(cache):
-        clips, rows = [], []
-        for i, (prompt, *_) in enumerate(prompts):
-            request = VideoRequest(prompt, steps=args.steps, seed=args.seed + i, cache=cache)
-            frames, passes, moved, seconds = sample(pipe, request)
-            a = analyse_clip(frames, "black")
-            clips.append(frames)
-            rows.append(
-                {
-                    "passes": passes,
-                    "h2d_bytes": moved,
-                    "seconds": seconds,
-                    "read": {"colour": a.colour, "shape": a.shape, "motion": a.motion},
-                }
-            )
-        return clips, rows
-
     steps = args.steps or pipe.info.sampling.steps
-    reference, ref_rows = run(None)
+    reference, ref_rows = run_prompts(pipe, prompts, args, None)
     ref_adherence = adherence([r["read"] for r in ref_rows], asked)
-    settings = [{"policy": "off", "threshold": None, "forecast": "none"}]
-    grid = QUICK_THRESHOLDS if args.quick else THRESHOLDS
-    chosen = args.policies or tuple(grid)
-    settings += [
-        {"policy": p, "threshold": t, "forecast": f}
-        for f in args.forecast
-        for p, ts in grid.items()
-        if p in chosen
-        for t in args.thresholds or ts
-    ]
     results = []
-    for setting in settings:
+    for setting in settings_grid(args):
         if setting["policy"] == "off":
             clips, rows = reference, ref_rows
         else:
@@ -226,44 +202,14 @@ def main(argv=None) -> int:
                 file=sys.stderr,
                 flush=True,
             )
-            clips, rows = run(setting)
-        psnrs = [psnr(c, r) for c, r in zip(clips, reference)]
-        passes = float(np.mean([r["passes"] for r in rows]))
+            clips, rows = run_prompts(pipe, prompts, args, setting)
         adh = adherence([r["read"] for r in rows], asked)
         if setting["policy"] == "adaptive" and pipe.step_curve is not None:
             # Which single reuses' errors it read: its forecast's, or the plain ones without.
             policy = Adaptive(setting["threshold"], pipe.step_curve, setting["forecast"])
             setting = {**setting, "curve_forecast": policy.curve_forecast}
-        results.append(
-            {
-                **setting,
-                "passes_per_clip": passes,
-                "speedup": steps / passes,
-                "h2d_bytes_per_clip": float(np.mean([r["h2d_bytes"] for r in rows])),
-                "seconds_per_clip": float(np.median([r["seconds"] for r in rows])),
-                "psnr_db": float(np.mean(psnrs)),
-                "psnr_db_worst": float(min(psnrs)),
-                "ssim": float(np.mean([ssim(c, r) for c, r in zip(clips, reference)])),
-                "adherence": adh,
-                "adherence_drop_points": ref_adherence["mean"] - adh["mean"],
-            }
-        )
-    for r in results:
-        r["meets_goal"] = (
-            r["speedup"] >= GOALS["speedup"]
-            and r["psnr_db"] >= GOALS["psnr_db"]
-            and r["adherence_drop_points"] <= GOALS["adherence_drop_points"]
-        )
-    fixed = [r for r in results if r["policy"] == "output-change" and r["forecast"] == "none"]
-    for r in results:
-        if r["policy"] != "off" and r not in fixed and fixed:
-            for key, gain in (("psnr_db", "psnr_gain"), ("psnr_db_worst", "worst_psnr_gain")):
-                other = interpolate(
-                    r["passes_per_clip"],
-                    [f["passes_per_clip"] for f in fixed],
-                    [f[key] for f in fixed],
-                )
-                r[f"{gain}_at_equal_speed_db"] = None if other is None else r[key] - other
+        results.append(summarise(setting, clips, rows, reference, steps, adh, ref_adherence))
+    compare(results)
     result = {
         "model": args.model,
         "prompts": len(prompts),
@@ -281,20 +227,98 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
     else:
-        print(f"{args.model}: {len(prompts)} prompts, {steps} steps")
-        for r in results:
-            gain = r.get("psnr_gain_at_equal_speed_db")
-            print(
-                f"{r['policy']:>13} {r['threshold'] if r['threshold'] is not None else '':>6} "
-                f"{r['forecast']:>9} "
-                f"passes {r['passes_per_clip']:5.2f} ({r['speedup']:.2f}x) "
-                f"{r['seconds_per_clip']:.3f} s  PSNR {r['psnr_db']:5.2f} dB "
-                f"(worst {r['psnr_db_worst']:5.2f})  SSIM {r['ssim']:.3f}  adherence "
-                f"{r['adherence']['mean']:5.1f} ({-r['adherence_drop_points']:+.1f})"
-                + (f"  vs fixed at equal speed {gain:+.2f} dB" if gain is not None else "")
-                + ("  GOAL" if r["meets_goal"] else "")
-            )
+        print_table(result)
     return 0
+
+
+def run_prompts(pipe, prompts: list, args, cache) -> tuple[list, list[dict]]:
+    """Every prompt sampled with `cache` (None: off): the clips, and each one's passes, bytes
+    moved, seconds and what the analyser reads in it."""
+    clips, rows = [], []
+    for i, (prompt, *_) in enumerate(prompts):
+        request = VideoRequest(prompt, steps=args.steps, seed=args.seed + i, cache=cache)
+        frames, passes, moved, seconds = sample(pipe, request)
+        a = analyse_clip(frames, "black")
+        clips.append(frames)
+        rows.append(
+            {
+                "passes": passes,
+                "h2d_bytes": moved,
+                "seconds": seconds,
+                "read": {"colour": a.colour, "shape": a.shape, "motion": a.motion},
+            }
+        )
+    return clips, rows
+
+
+def settings_grid(args) -> list[dict]:
+    """The settings to run: the cache off first, then each chosen policy, threshold, forecast."""
+    settings = [{"policy": "off", "threshold": None, "forecast": "none"}]
+    grid = QUICK_THRESHOLDS if args.quick else THRESHOLDS
+    chosen = args.policies or tuple(grid)
+    settings += [
+        {"policy": p, "threshold": t, "forecast": f}
+        for f in args.forecast
+        for p, ts in grid.items()
+        if p in chosen
+        for t in args.thresholds or ts
+    ]
+    return settings
+
+
+def summarise(setting, clips, rows, reference, steps: int, adh: dict, ref_adherence: dict) -> dict:
+    """One setting's row of the table: speed, closeness to the uncached clips, adherence."""
+    psnrs = [psnr(c, r) for c, r in zip(clips, reference)]
+    passes = float(np.mean([r["passes"] for r in rows]))
+    return {
+        **setting,
+        "passes_per_clip": passes,
+        "speedup": steps / passes,
+        "h2d_bytes_per_clip": float(np.mean([r["h2d_bytes"] for r in rows])),
+        "seconds_per_clip": float(np.median([r["seconds"] for r in rows])),
+        "psnr_db": float(np.mean(psnrs)),
+        "psnr_db_worst": float(min(psnrs)),
+        "ssim": float(np.mean([ssim(c, r) for c, r in zip(clips, reference)])),
+        "adherence": adh,
+        "adherence_drop_points": ref_adherence["mean"] - adh["mean"],
+    }
+
+
+def compare(results: list[dict]) -> None:
+    """Marks the rows that meet the goals, and adds each row's PSNR gain over the fixed
+    threshold's curve at the same number of passes."""
+    for r in results:
+        r["meets_goal"] = (
+            r["speedup"] >= GOALS["speedup"]
+            and r["psnr_db"] >= GOALS["psnr_db"]
+            and r["adherence_drop_points"] <= GOALS["adherence_drop_points"]
+        )
+    fixed = [r for r in results if r["policy"] == "output-change" and r["forecast"] == "none"]
+    for r in results:
+        if r["policy"] != "off" and r not in fixed and fixed:
+            for key, gain in (("psnr_db", "psnr_gain"), ("psnr_db_worst", "worst_psnr_gain")):
+                other = interpolate(
+                    r["passes_per_clip"],
+                    [f["passes_per_clip"] for f in fixed],
+                    [f[key] for f in fixed],
+                )
+                r[f"{gain}_at_equal_speed_db"] = None if other is None else r[key] - other
+
+
+def print_table(result: dict) -> None:
+    print(f"{result['model']}: {result['prompts']} prompts, {result['steps']} steps")
+    for r in result["settings"]:
+        gain = r.get("psnr_gain_at_equal_speed_db")
+        print(
+            f"{r['policy']:>13} {r['threshold'] if r['threshold'] is not None else '':>6} "
+            f"{r['forecast']:>9} "
+            f"passes {r['passes_per_clip']:5.2f} ({r['speedup']:.2f}x) "
+            f"{r['seconds_per_clip']:.3f} s  PSNR {r['psnr_db']:5.2f} dB "
+            f"(worst {r['psnr_db_worst']:5.2f})  SSIM {r['ssim']:.3f}  adherence "
+            f"{r['adherence']['mean']:5.1f} ({-r['adherence_drop_points']:+.1f})"
+            + (f"  vs fixed at equal speed {gain:+.2f} dB" if gain is not None else "")
+            + ("  GOAL" if r["meets_goal"] else "")
+        )
 
 
 if __name__ == "__main__":

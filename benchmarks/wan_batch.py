@@ -196,6 +196,59 @@ def level_diff(a: list[np.ndarray], b: list[np.ndarray]) -> int:
     return max(int(np.abs(x.astype(int) - y.astype(int)).max()) for x, y in zip(a, b))
 
 
+def interleaved(contenders: dict, reqs: list[VideoRequest], rotate: int, repeats: int):
+    """Each contender's wall and CPU seconds over `repeats` rounds, who goes first rotating so
+    that load from elsewhere falls on each alike; and each one's frames."""
+    names = list(contenders)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    cpu: dict[str, list[float]] = {name: [] for name in names}
+    frames: dict[str, list[np.ndarray]] = {}
+    for k in range(rotate, rotate + repeats):
+        for name in names[k % len(names) :] + names[: k % len(names)]:
+            start, start_cpu = time.perf_counter(), time.process_time()
+            frames[name] = contenders[name](reqs)
+            times[name].append(time.perf_counter() - start)
+            cpu[name].append(time.process_time() - start_cpu)
+    return times, cpu, frames
+
+
+def count_row(n: int, times: dict, cpu: dict, frames: dict, bus: dict) -> dict:
+    """The table's row for `n` concurrent requests: medians and speedups, wall and CPU."""
+    median = {name: statistics.median(t) for name, t in times.items()}
+    median_cpu = {name: statistics.median(t) for name, t in cpu.items()}
+    return {
+        "requests": n,
+        "seconds": median,
+        "all_seconds": times,
+        "seconds_per_request": {k: v / n for k, v in median.items()},
+        "speedup_vs_per_request": median["diffusers_per_request"] / median["megaslide"],
+        "speedup_vs_batched": median["diffusers_batched"] / median["megaslide"],
+        "cpu_seconds": median_cpu,
+        "all_cpu_seconds": cpu,
+        "cpu_speedup_vs_per_request": median_cpu["diffusers_per_request"] / median_cpu["megaslide"],
+        "cpu_speedup_vs_batched": median_cpu["diffusers_batched"] / median_cpu["megaslide"],
+        # Our frames against diffusers' for the same seeds (a level: GEMM order).
+        "max_level_diff_vs_diffusers": level_diff(
+            frames["megaslide"], frames["diffusers_per_request"]
+        ),
+        **bus,
+    }
+
+
+def print_table(rows: list[dict], sweep: dict, counts) -> None:
+    for row in rows:
+        s = row["seconds"]
+        print(
+            f"{row['requests']} requests: megaslide {s['megaslide']:.2f} s, diffusers per "
+            f"request {s['diffusers_per_request']:.2f} s "
+            f"({row['speedup_vs_per_request']:.2f}x), batched {s['diffusers_batched']:.2f} s "
+            f"({row['speedup_vs_batched']:.2f}x); bus {row['bus_fraction_of_blocks']:.3f} "
+            "of the blocks per step per request; CPU time "
+            f"{row['cpu_speedup_vs_per_request']:.2f}x and {row['cpu_speedup_vs_batched']:.2f}x"
+        )
+    print(f"one pass of {2 * max(counts)} rows, CPU s by rows per pass: {sweep}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a tiny Wan, 2 requests, 2 steps")
@@ -235,41 +288,10 @@ def main(argv=None) -> int:
             "diffusers_per_request": lambda reqs: run_diffusers_per_request(theirs, reqs),
             "diffusers_batched": lambda reqs: run_diffusers_batched(theirs, reqs),
         }
-        names = list(contenders)
         for n in counts:
             reqs = requests(n, clip)
-            times: dict[str, list[float]] = {name: [] for name in names}
-            cpu: dict[str, list[float]] = {name: [] for name in names}
-            frames: dict[str, list[np.ndarray]] = {}
-            for k in range(args.rotate, args.rotate + repeats):
-                for name in names[k % len(names) :] + names[: k % len(names)]:
-                    start, start_cpu = time.perf_counter(), time.process_time()
-                    frames[name] = contenders[name](reqs)
-                    times[name].append(time.perf_counter() - start)
-                    cpu[name].append(time.process_time() - start_cpu)
-            median = {name: statistics.median(t) for name, t in times.items()}
-            median_cpu = {name: statistics.median(t) for name, t in cpu.items()}
-            rows.append(
-                {
-                    "requests": n,
-                    "seconds": median,
-                    "all_seconds": times,
-                    "seconds_per_request": {k: v / n for k, v in median.items()},
-                    "speedup_vs_per_request": median["diffusers_per_request"] / median["megaslide"],
-                    "speedup_vs_batched": median["diffusers_batched"] / median["megaslide"],
-                    "cpu_seconds": median_cpu,
-                    "all_cpu_seconds": cpu,
-                    "cpu_speedup_vs_per_request": median_cpu["diffusers_per_request"]
-                    / median_cpu["megaslide"],
-                    "cpu_speedup_vs_batched": median_cpu["diffusers_batched"]
-                    / median_cpu["megaslide"],
-                    # Our frames against diffusers' for the same seeds (a level: GEMM order).
-                    "max_level_diff_vs_diffusers": level_diff(
-                        frames["megaslide"], frames["diffusers_per_request"]
-                    ),
-                    **bus_bytes(path, reqs),
-                }
-            )
+            times, cpu, frames = interleaved(contenders, reqs, args.rotate, repeats)
+            rows.append(count_row(n, times, cpu, frames, bus_bytes(path, reqs)))
         sweep = rows_per_pass_sweep(ours.experts[0], 2 * max(counts), clip, repeats)
     for row in rows:
         row["goals_met"] = {
@@ -292,17 +314,7 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
     else:
-        for row in rows:
-            s = row["seconds"]
-            print(
-                f"{row['requests']} requests: megaslide {s['megaslide']:.2f} s, diffusers per "
-                f"request {s['diffusers_per_request']:.2f} s "
-                f"({row['speedup_vs_per_request']:.2f}x), batched {s['diffusers_batched']:.2f} s "
-                f"({row['speedup_vs_batched']:.2f}x); bus {row['bus_fraction_of_blocks']:.3f} "
-                "of the blocks per step per request; CPU time "
-                f"{row['cpu_speedup_vs_per_request']:.2f}x and {row['cpu_speedup_vs_batched']:.2f}x"
-            )
-        print(f"one pass of {2 * max(counts)} rows, CPU s by rows per pass: {sweep}")
+        print_table(rows, sweep, counts)
     return 0
 
 

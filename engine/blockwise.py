@@ -257,12 +257,57 @@ class BlockwiseStep:
         Data parallel: `x0` and `condition` are this rank's rows; the draws are the whole batch's.
         """
         start = time.perf_counter()
-        model, io = self.model, self.blocks_io
-        blocks = model.blocks
+        model = self.model
+        x_t, t, target = self._noised(x0, generator)
+        last = self.micro + 1 == self.config.optimizer.grad_accum
+
+        # 1. Prologue with autograd; blocks without, keeping each block's input.
+        with self.autocast():
+            h, carried, static = model.prologue(x_t, t, condition)  # (B, N, D)
+        # Leaves for what every block reads: blocks' gradients accumulate on them.
+        leaves = {k: v.detach().requires_grad_() for k, v in carried.items()}
+        x, inputs = self._blocks_forward(h.detach(), leaves, static)
+
+        # 2. Epilogue and loss with autograd.
+        x = x.detach().requires_grad_()
+        with self.autocast():
+            v = model.epilogue(x, leaves, static)  # (B, C, F, H, W)
+            loss = torch.nn.functional.mse_loss(v.float(), target.float())
+        (loss / self.config.optimizer.grad_accum).backward()
+
+        # 3. Blocks in reverse: recompute, backpropagate, hand gradients to the CPU optimizer.
+        outbox = _Outbox(self, last)
+        grad, reducing = self._blocks_backward(x.grad, inputs, leaves, static, outbox)
+
+        # 4. Through the prologue with everything the blocks and the epilogue sent back.
+        sent_back = [
+            leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+            for leaf in leaves.values()
+        ]
+        torch.autograd.backward([h, *carried.values()], [grad, *sent_back])
+        if reducing is not None:
+            outbox.update(outbox.send(*reducing))
+        named = self.non_block_params
+        sent = outbox.send(NON_BLOCK, self._reduce(_grads_or_zeros(named)))
+        for p in named.values():
+            p.grad = None
+        outbox.update(sent)
+        loss = self._finish_step(loss.detach(), outbox, last)
+        # One host read per micro-step for the metrics; the values are needed on the host anyway.
+        return {
+            "loss": loss.item(),
+            "grad_norm": outbox.sq_norm.sqrt().item() * self.config.optimizer.grad_accum,
+            "step_time_s": time.perf_counter() - start,
+            "stepped": last,
+        }
+
+    def _noised(self, x0: torch.Tensor, generator: torch.Generator):
+        """The flow-matching draws on this device: `x_t` `(B, C, F, H, W)`, the times `t` `(B,)`
+        and the velocity target, for this rank's rows of the whole batch's draws."""
         world = 1 if self.parallel is None else self.parallel.world
         B = x0.shape[0] * world  # the global batch: every rank draws it whole, as one process would
         t = sample_training_times(B, generator, self.config.time_sampling)  # (B,)
-        lo, hi = model.time_range
+        lo, hi = self.model.time_range
         if (lo, hi) != (0.0, 1.0):
             t = lo + (hi - lo) * t
         noise = torch.randn((B, *x0.shape[1:]), generator=generator)  # (B, C, F, H, W)
@@ -271,54 +316,28 @@ class BlockwiseStep:
             t, noise = t[rows], noise[rows]  # this rank's rows: (B / world, ...)
         x0, noise, t = x0.to(self.device), noise.to(self.device), t.to(self.device)
         x_t = noisy_sample(x0, noise, t)  # (B, C, F, H, W)
-        target = velocity_target(x0, noise)
-        last = self.micro + 1 == self.config.optimizer.grad_accum
+        return x_t, t, velocity_target(x0, noise)
 
-        # 1. Prologue with autograd; blocks without, keeping each block's input.
-        with self.autocast():
-            h, carried, static = model.prologue(x_t, t, condition)  # (B, N, D)
-        # Leaves for what every block reads: blocks' gradients accumulate on them.
-        leaves = {k: v.detach().requires_grad_() for k, v in carried.items()}
-        inputs = []
-        x = h.detach()
+    def _blocks_forward(self, x: torch.Tensor, leaves: dict, static) -> tuple[torch.Tensor, list]:
+        """The blocks without autograd, each loaded, run and released: the last block's output
+        `(B, N, D)` and every block's input, kept for the recompute in backward."""
+        io, inputs = self.blocks_io, []
         with torch.no_grad(), io.manual(order="forward"), self.autocast():
-            for i in range(len(blocks)):
+            for i in range(len(self.model.blocks)):
                 io.load(i)
                 inputs.append(x)
-                x = model.block(i, x, leaves, static)  # (B, N, D)
+                x = self.model.block(i, x, leaves, static)  # (B, N, D)
                 io.release(i)
+        return x, inputs
 
-        # 2. Epilogue and loss with autograd.
-        x = x.detach().requires_grad_()
-        with self.autocast():
-            v = model.epilogue(x, leaves, static)  # (B, C, F, H, W)
-            loss = torch.nn.functional.mse_loss(v.float(), target.float())
-        (loss / self.config.optimizer.grad_accum).backward()
-        grad = x.grad
-
-        # 3. Blocks in reverse: recompute, backpropagate, hand gradients to the CPU optimizer.
-        pending: list[Future] = []
-        sq_norm = torch.zeros((), device=self.device)
+    def _blocks_backward(self, grad, inputs: list, leaves: dict, static, outbox: _Outbox):
+        """Blocks in reverse: recompute each from its input, backpropagate `grad`, hand its
+        gradients to `outbox`. The gradient at the first block's input, and (data parallel) the
+        block whose reduction is still on its way."""
+        model, io, blocks = self.model, self.blocks_io, self.model.blocks
         weight = torch.tensor(
             self.config.aux_loss_weight / self.config.optimizer.grad_accum, device=self.device
         )
-
-        def send(block_id, reduction: _Reduction):
-            # The block's (reduced) gradients on their way to the host: what `update` takes, or
-            # None on a rank whose share went to rank 0.
-            nonlocal sq_norm
-            grads = reduction.gradients()
-            if grads is None:
-                return None
-            sq_norm += sum(g.float().square().sum() for g in grads.values())
-            return (block_id, *self.drain.send(grads))
-
-        def update(sent) -> None:
-            # The optimizer's update of a block, once its gradients have landed on the host.
-            if sent is not None:
-                future = self.worker.submit(self._update, *sent, last)
-                pending.append(self.drain.attach(future))
-
         # Data parallel: the block whose gradients are being reduced while the next computes.
         reducing: tuple[int, _Reduction] | None = None
         with io.manual(order="reverse"):
@@ -334,7 +353,7 @@ class BlockwiseStep:
                 params = dict(trainable(blocks[i]))
                 reduction = self._reduce(_grads_or_zeros(params))
                 # One process: the copy starts before the gradients' last reference goes below.
-                sent = send(i, reduction) if self.parallel is None else None
+                sent = outbox.send(i, reduction) if self.parallel is None else None
                 for p in params.values():
                     p.grad = None  # gradients exist only for the block being processed
                 io.release(i)
@@ -343,30 +362,20 @@ class BlockwiseStep:
                     # is about to change, so a stale slot copy is never reused.
                     self.handle.host_tensors(i)
                 if self.parallel is None:
-                    update(sent)
+                    outbox.update(sent)
                 else:
                     if reducing is not None:
-                        update(send(*reducing))
+                        outbox.update(outbox.send(*reducing))
                     reducing = (i, reduction)
+        return grad, reducing
 
-        # 4. Through the prologue with everything the blocks and the epilogue sent back.
-        sent_back = [
-            leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-            for leaf in leaves.values()
-        ]
-        torch.autograd.backward([h, *carried.values()], [grad, *sent_back])
-        if reducing is not None:
-            update(send(*reducing))
-        named = self.non_block_params
-        sent = send(NON_BLOCK, self._reduce(_grads_or_zeros(named)))
-        for p in named.values():
-            p.grad = None
-        update(sent)
-        loss = loss.detach()
+    def _finish_step(self, loss: torch.Tensor, outbox: _Outbox, last: bool) -> torch.Tensor:
+        """Waits for every update of this micro-step and, after the last micro-step of an
+        optimizer step, clips, meets the other ranks and publishes. The loss to report."""
         whole = self._reduce({"loss": loss}).gradients()
         if whole is not None:
             loss = whole["loss"]  # rank 0 reports the whole batch's loss; a rank its own rows'
-        for f in pending:
+        for f in outbox.pending:
             # The next forward reads the masters these updates write: wait for every one of them.
             f.result()
         if last and self.owner and self.config.optimizer.max_grad_norm is not None:
@@ -378,13 +387,7 @@ class BlockwiseStep:
         if last:
             self._publish()
         self.micro = 0 if last else self.micro + 1
-        # One host read per micro-step for the metrics; the values are needed on the host anyway.
-        return {
-            "loss": loss.item(),
-            "grad_norm": sq_norm.sqrt().item() * self.config.optimizer.grad_accum,
-            "step_time_s": time.perf_counter() - start,
-            "stepped": last,
-        }
+        return loss
 
     @property
     def d2h_bytes(self) -> int:
@@ -424,6 +427,31 @@ class BlockwiseStep:
         if self.handle is not None:
             self.handle.remove()
             self.handle = None
+
+
+class _Outbox:
+    """One micro-step's gradients on their way to the CPU optimizer: each block's (reduced)
+    gradients are copied to the host and updated there by the optimizer's worker."""
+
+    def __init__(self, step: BlockwiseStep, last: bool):
+        self.step, self.last = step, last
+        self.pending: list[Future] = []
+        self.sq_norm = torch.zeros((), device=step.device)
+
+    def send(self, block_id, reduction: _Reduction):
+        """The block's gradients on their way to the host: what `update` takes, or None on a rank
+        whose share went to rank 0."""
+        grads = reduction.gradients()
+        if grads is None:
+            return None
+        self.sq_norm += sum(g.float().square().sum() for g in grads.values())
+        return (block_id, *self.step.drain.send(grads))
+
+    def update(self, sent) -> None:
+        """The optimizer's update of a block, once its gradients have landed on the host."""
+        if sent is not None:
+            future = self.step.worker.submit(self.step._update, *sent, self.last)
+            self.pending.append(self.step.drain.attach(future))
 
 
 class _GradientDrain:

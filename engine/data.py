@@ -98,106 +98,16 @@ def validate_dataset(
     a dataset past one of them is refused as soon as that is known.
     """
     root = Path(root)
-    meta = root / METADATA
     if not root.is_dir():
         raise DatasetError(root, ["not a directory"])
-    if not meta.is_file():
+    if not (root / METADATA).is_file():
         raise DatasetError(
             root, [f'{METADATA}: missing (one {{"file": ..., "text": ...}} per line)']
         )
-
-    problems: list[tuple[int, str]] = []  # (line, message), sorted by line at the end
-    entries: list[tuple[int, str, str, Path]] = []  # (line, file as written, caption, path)
-    clips = 0  # lines that are not blank, good or bad
-    for lineno, raw in _metadata_lines(meta, limits.max_line_bytes):
-        if raw is not None and not raw.strip():
-            continue
-        clips += 1
-        if limits.max_clips is not None and clips > limits.max_clips:
-            raise DatasetError(
-                root,
-                [f"{METADATA}: more than {limits.max_clips} clips; at most that many are accepted"],
-            )
-        where = f"{METADATA} line {lineno}"
-        if raw is None:
-            problems.append((lineno, f"{where}: longer than {limits.max_line_bytes} bytes"))
-            continue
-        try:
-            row = json.loads(raw.decode("utf-8"))
-        except UnicodeDecodeError as e:
-            problems.append((lineno, f"{where}: not UTF-8 text ({e.reason} at byte {e.start})"))
-            continue
-        except json.JSONDecodeError as e:
-            problems.append((lineno, f"{where}: malformed JSON ({e.msg} at column {e.colno})"))
-            continue
-        except RecursionError:
-            problems.append((lineno, f"{where}: JSON nested too deeply"))
-            continue
-        if not isinstance(row, dict):
-            problems.append((lineno, f"{where}: expected a JSON object, got {type(row).__name__}"))
-            continue
-        missing = [k for k in ("file", "text") if k not in row]
-        if missing:
-            problems.append((lineno, f"{where}: missing key(s) {', '.join(missing)}"))
-            continue
-        file, text = row["file"], row["text"]
-        if not isinstance(file, str) or not file:
-            problems.append((lineno, f'{where}: "file" must be a non-empty string'))
-            continue
-        where = f"{METADATA} line {lineno} ({file})"
-        if not isinstance(text, str):
-            problems.append((lineno, f'{where}: "text" must be a string'))
-            continue
-        if not text.strip():
-            problems.append((lineno, f"{where}: empty caption"))
-            continue
-        if _escapes(file):
-            problems.append(
-                (
-                    lineno,
-                    f"{where}: path escapes the dataset root "
-                    "(absolute paths and '..' are not allowed)",
-                )
-            )
-            continue
-        path = root / file
-        if not path.exists():
-            problems.append((lineno, f"{where}: file not found"))
-            continue
-        entries.append((lineno, file, text, path.absolute()))
-
-    budget = _FrameBudget(limits.max_frames)
-
-    def check(entry) -> tuple[int, str | int | None]:
-        """The clip's frame count, or a problem, or None when the frame budget ran out."""
-        lineno, file, _, path = entry
-        where = f"{METADATA} line {lineno} ({file})"
-        n = 0
-        try:
-            for _ in decode_frames(path, max_pixels=limits.max_pixels):
-                if not budget.take():
-                    return lineno, None
-                n += 1
-        except ValueError as e:
-            # The decoders name the path they opened; the uploader knows the file as written.
-            return lineno, f"{where}: cannot decode video: {str(e).replace(str(path), file)}"
-        if n == 0:
-            return lineno, f"{where}: video has no frames"
-        if num_frames is not None and n < num_frames:
-            return lineno, f"{where}: video has {n} frames, training needs {num_frames}"
-        return lineno, n
-
-    # FFmpeg decodes without the GIL, so threads give real parallelism here.
-    n_workers = workers or min(8, os.cpu_count() or 1)
-    with ThreadPoolExecutor(n_workers, thread_name_prefix="validate") as pool:
-        results = list(pool.map(check, entries))
-    if any(res is None for _, res in results):
-        raise DatasetError(
-            root,
-            [f"the clips hold more than {limits.max_frames} frames in all; no more are accepted"],
-        )
+    entries, problems = _read_metadata(root, limits)
+    counts = _frame_counts(root, entries, num_frames, limits, workers)
     samples = []
-    for (lineno, _, text, path), (_, res) in zip(entries, results):
+    for (lineno, _, text, path), res in zip(entries, counts):
         if isinstance(res, str):
             problems.append((lineno, res))
         else:
@@ -209,6 +119,109 @@ def validate_dataset(
     if not samples:
         raise DatasetError(root, [f"{METADATA}: no samples"])
     return samples
+
+
+# One line of the metadata that names a clip: (line, file as written, caption, absolute path).
+_Entry = tuple[int, str, str, Path]
+
+
+def _read_metadata(root: Path, limits: DatasetLimits) -> tuple[list[_Entry], list[tuple[int, str]]]:
+    """The metadata's entries, and its problems as (line, message); raises `DatasetError` at
+    once past `limits.max_clips`."""
+    problems: list[tuple[int, str]] = []  # (line, message), sorted by line at the end
+    entries: list[_Entry] = []
+    clips = 0  # lines that are not blank, good or bad
+    for lineno, raw in _metadata_lines(root / METADATA, limits.max_line_bytes):
+        if raw is not None and not raw.strip():
+            continue
+        clips += 1
+        if limits.max_clips is not None and clips > limits.max_clips:
+            raise DatasetError(
+                root,
+                [f"{METADATA}: more than {limits.max_clips} clips; at most that many are accepted"],
+            )
+        entry = _entry(root, lineno, raw, limits.max_line_bytes)
+        if isinstance(entry, str):
+            problems.append((lineno, entry))
+        else:
+            entries.append(entry)
+    return entries, problems
+
+
+def _entry(root: Path, lineno: int, raw: bytes | None, max_line_bytes: int | None) -> _Entry | str:
+    """One line's entry, or what is wrong with it (None in place of a line that was too long)."""
+    where = f"{METADATA} line {lineno}"
+    if raw is None:
+        return f"{where}: longer than {max_line_bytes} bytes"
+    try:
+        row = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        return f"{where}: not UTF-8 text ({e.reason} at byte {e.start})"
+    except json.JSONDecodeError as e:
+        return f"{where}: malformed JSON ({e.msg} at column {e.colno})"
+    except RecursionError:
+        return f"{where}: JSON nested too deeply"
+    if not isinstance(row, dict):
+        return f"{where}: expected a JSON object, got {type(row).__name__}"
+    missing = [k for k in ("file", "text") if k not in row]
+    if missing:
+        return f"{where}: missing key(s) {', '.join(missing)}"
+    file, text = row["file"], row["text"]
+    if not isinstance(file, str) or not file:
+        return f'{where}: "file" must be a non-empty string'
+    where = f"{METADATA} line {lineno} ({file})"
+    if not isinstance(text, str):
+        return f'{where}: "text" must be a string'
+    if not text.strip():
+        return f"{where}: empty caption"
+    if _escapes(file):
+        return f"{where}: path escapes the dataset root (absolute paths and '..' are not allowed)"
+    path = root / file
+    if not path.exists():
+        return f"{where}: file not found"
+    return lineno, file, text, path.absolute()
+
+
+def _frame_counts(
+    root: Path,
+    entries: list[_Entry],
+    num_frames: int | None,
+    limits: DatasetLimits,
+    workers: int | None,
+) -> list[int | str]:
+    """Each entry's clip decoded in full: its frame count, or a problem. Raises `DatasetError`
+    when the clips hold more than `limits.max_frames` frames in all."""
+    budget = _FrameBudget(limits.max_frames)
+
+    def check(entry: _Entry) -> int | str | None:
+        """The clip's frame count, or a problem, or None when the frame budget ran out."""
+        lineno, file, _, path = entry
+        where = f"{METADATA} line {lineno} ({file})"
+        n = 0
+        try:
+            for _ in decode_frames(path, max_pixels=limits.max_pixels):
+                if not budget.take():
+                    return None
+                n += 1
+        except ValueError as e:
+            # The decoders name the path they opened; the uploader knows the file as written.
+            return f"{where}: cannot decode video: {str(e).replace(str(path), file)}"
+        if n == 0:
+            return f"{where}: video has no frames"
+        if num_frames is not None and n < num_frames:
+            return f"{where}: video has {n} frames, training needs {num_frames}"
+        return n
+
+    # FFmpeg decodes without the GIL, so threads give real parallelism here.
+    n_workers = workers or min(8, os.cpu_count() or 1)
+    with ThreadPoolExecutor(n_workers, thread_name_prefix="validate") as pool:
+        counts = list(pool.map(check, entries))
+    if any(res is None for res in counts):
+        raise DatasetError(
+            root,
+            [f"the clips hold more than {limits.max_frames} frames in all; no more are accepted"],
+        )
+    return counts
 
 
 def _metadata_lines(meta: Path, max_bytes: int | None) -> Iterator[tuple[int, bytes | None]]:

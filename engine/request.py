@@ -381,7 +381,36 @@ def resolve(
     height = defaults.height if request.height is None else request.height
     check_even(width, height)
     fps = request.fps or defaults.fps
-    frames = defaults.frames if request.frames is None else request.frames
+    frames = _clip_frames(request, limits, defaults.frames, fps, width, height)
+
+    steps, guidance = _steps_and_guidance(request, defaults, adapter_defaults, max_steps)
+    check_image(request.image, limits)
+    cache = _cache_for(request.cache, limits)
+    seed = _seed(request.seed)
+    return ResolvedVideo(
+        model=model,
+        prompt=request.prompt,
+        negative_prompt=negative,
+        frames=frames,
+        width=width,
+        height=height,
+        fps=fps,
+        steps=steps,
+        guidance=guidance,
+        seed=seed,
+        image=request.image,
+        cache=cache,
+        loras=loras,
+        shift=adapter_defaults.get("shift"),
+    )
+
+
+def _clip_frames(
+    request: VideoRequest, limits: ModelLimits, default: int, fps: int, width: int, height: int
+) -> int:
+    """The clip's frames, from `num_frames` or `seconds` at `fps`, checked against the model's
+    limits (a limit the seconds broke names `seconds`)."""
+    frames = default if request.frames is None else request.frames
     if request.seconds is not None:
         seconds = request.seconds
         if not math.isfinite(seconds) or seconds <= 0:
@@ -411,7 +440,17 @@ def resolve(
                 param="seconds",
             ) from None
         raise
+    return frames
 
+
+def _steps_and_guidance(
+    request: VideoRequest,
+    defaults: SamplingDefaults,
+    adapter_defaults: Mapping,
+    max_steps: int | None,
+) -> tuple[int, float]:
+    """The steps and guidance scale: the request's, else the first adapter's defaults, else the
+    model's; checked against the server's step cap."""
     steps = request.steps or adapter_defaults.get("steps") or defaults.steps
     if max_steps is not None and steps > max_steps:
         raise RequestError(
@@ -425,8 +464,12 @@ def resolve(
         raise RequestError(
             f"guidance_scale must be a finite number >= 0, got {guidance}", param="guidance_scale"
         )
-    check_image(request.image, limits)
-    cache = resolve_cache(request.cache)
+    return steps, guidance
+
+
+def _cache_for(value: str | dict | None, limits: ModelLimits) -> CacheSpec | None:
+    """The request's step cache, when the model takes its policy."""
+    cache = resolve_cache(value)
     if cache is not None and cache.policy not in limits.cache_policies:
         raise RequestError(
             f"cache policy {cache.policy!r} is not available for this model; it takes "
@@ -434,27 +477,16 @@ def resolve(
             param="cache",
             code="unsupported_parameter",
         )
-    seed = request.seed
+    return cache
+
+
+def _seed(seed: int | None) -> int:
+    """The request's seed, or a random one when it names none."""
     if seed is None:
         seed = secrets.randbelow(2**RANDOM_SEED_BITS)
     elif not 0 <= seed < SEED_LIMIT:
         raise RequestError(f"seed must be in [0, 2**53), got {seed}", param="seed")
-    return ResolvedVideo(
-        model=model,
-        prompt=request.prompt,
-        negative_prompt=negative,
-        frames=frames,
-        width=width,
-        height=height,
-        fps=fps,
-        steps=steps,
-        guidance=guidance,
-        seed=seed,
-        image=request.image,
-        cache=cache,
-        loras=loras,
-        shift=adapter_defaults.get("shift"),
-    )
+    return seed
 
 
 def check_adapter_defaults(defaults: Mapping, max_steps: int | None) -> None:

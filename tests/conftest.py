@@ -1,7 +1,9 @@
 import multiprocessing.process
-import os
 import subprocess
+import sys
+import sysconfig
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -29,14 +31,29 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.slow)
 
 
-# Every way a test can start a child process; each start is noted, so that a test outside the slow
-# tier that starts one fails and the tier stays exact as tests are added.
+# Each child process this repository's code starts (a test, its helpers, the engine's ranks and
+# worker processes) is noted, so that a test outside the slow tier that starts one fails and the
+# tier stays exact as tests are added. Children that libraries start on their own are not the
+# test's doing and come and go with caches: the platform probes of an SDK (once per session),
+# Triton compiling its launcher on a GPU (once per machine).
+ROOT = Path(__file__).resolve().parents[1]
+STDLIB = sysconfig.get_paths()["stdlib"]
 _started: list[str] = []
+
+
+def _by_this_repository() -> bool:
+    """Whether the innermost caller outside the standard library (and this hook) is ours."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename.startswith(STDLIB):
+        frame = frame.f_back
+    path = Path(frame.f_code.co_filename) if frame is not None else None
+    return path is not None and path.is_relative_to(ROOT) and "site-packages" not in path.parts
 
 
 def _noted(name, start):
     def noting(*args, **kwargs):
-        _started.append(name)
+        if _by_this_repository():
+            _started.append(name)
         return start(*args, **kwargs)
 
     return noting
@@ -46,8 +63,6 @@ def pytest_configure(config):
     subprocess.Popen._execute_child = _noted("a subprocess", subprocess.Popen._execute_child)
     process = multiprocessing.process.BaseProcess
     process.start = _noted("a multiprocessing process", process.start)
-    os.fork = _noted("os.fork", os.fork)
-    os.posix_spawn = _noted("os.posix_spawn", os.posix_spawn)
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -98,7 +98,7 @@ WAITS = {
     ("record_on_copy", "_GradientDrain.send"): "training",
     ("host_wait", "_GradientDrain.wait"): "training",
     ("result", "_GradientDrain.send"): "training",
-    ("result", "BlockwiseStep.micro_step"): "training",
+    ("result", "BlockwiseStep._finish_step"): "training",
 }
 ORDERING_CALLS = {
     "compute_wait",

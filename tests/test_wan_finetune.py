@@ -172,6 +172,7 @@ def test_two_experts_train_one_at_a_time(wan, tmp_path):
     assert describe(resolve_source(trained)).config.experts == ("transformer", "transformer_2")
 
 
+@pytest.mark.slow
 def test_data_parallel_on_two_processes_equals_one(wan, tmp_path):
     """A Wan fine-tune split over two gloo processes (each half of every batch, one AdamW over one
     fp32 master) ends where one process does, to the bound tests/test_data_parallel.py derives:
