@@ -59,6 +59,26 @@ def build_app(settings: Settings, workers: WorkerClient) -> FastAPI:
     """The API for `settings`, its jobs run by `workers`: `Fleet.embedded` on a `TorchBackend`
     for `megaslide serve`, a `Fleet` of workers elsewhere for `megaslide serve --no-worker`."""
     data = DataDir(settings.storage_dir)
+    app = FastAPI(
+        title="MegaSlide",
+        version=__version__,
+        lifespan=_lifespan(settings, workers, data),
+        description="OpenAI-compatible video generation and fine-tuning",
+    )
+    app.state.settings = settings
+    app.state.keyring = Keyring(settings.api_keys, settings.api_keys_file)
+    app.state.workers = workers
+    app.state.data = data
+    app.state.links = LinkSigner(data.root)
+    install_error_handlers(app)
+    _add_middleware(app, settings)
+    _include_routers(app)
+    return app
+
+
+def _lifespan(settings: Settings, workers: WorkerClient, data: DataDir):
+    """The app's lifespan: the job store opened and tidied, the event feed and the dataset
+    validator started, the workers started; all stopped in reverse at shutdown."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -85,18 +105,10 @@ def build_app(settings: Settings, workers: WorkerClient) -> FastAPI:
         finally:
             store.close()
 
-    app = FastAPI(
-        title="MegaSlide",
-        version=__version__,
-        lifespan=lifespan,
-        description="OpenAI-compatible video generation and fine-tuning",
-    )
-    app.state.settings = settings
-    app.state.keyring = Keyring(settings.api_keys, settings.api_keys_file)
-    app.state.workers = workers
-    app.state.data = data
-    app.state.links = LinkSigner(data.root)
-    install_error_handlers(app)
+    return lifespan
+
+
+def _add_middleware(app: FastAPI, settings: Settings) -> None:
     uploads = [
         Upload("POST", "/v1/files", settings.max_upload_bytes, "file"),
         Upload("POST", "/v1/adapters", settings.max_upload_bytes, "file"),
@@ -111,6 +123,9 @@ def build_app(settings: Settings, workers: WorkerClient) -> FastAPI:
     )
     app.add_middleware(RefuseNul)
     app.add_middleware(UnexpectedErrors)  # added last, so outermost: it sees every failure
+
+
+def _include_routers(app: FastAPI) -> None:
     app.include_router(health.router)
     app.include_router(web.router)
     app.mount("/assets", web.assets(), name="assets")
@@ -133,4 +148,3 @@ def build_app(settings: Settings, workers: WorkerClient) -> FastAPI:
         dependencies=[Depends(require_key_or_link)],
         responses=error_responses(400, 401, 413, 500, 503, 507),
     )
-    return app
