@@ -102,63 +102,13 @@ def build_tiny_wan(
 ) -> Path:
     """Write a tiny random Wan pipeline directory at `path` (as `save_pretrained` writes it), with
     sampling defaults a tiny model can take in `megaslide.json` (Wan's own are 480x832)."""
-    from diffusers import (
-        AutoencoderKLWan,
-        FlowMatchEulerDiscreteScheduler,
-        UniPCMultistepScheduler,
-        WanImageToVideoPipeline,
-        WanPipeline,
-    )
-    from transformers import UMT5Config, UMT5EncoderModel
+    from diffusers import WanImageToVideoPipeline, WanPipeline
 
     torch.manual_seed(seed)
     tok = tokenizer()
-    text = UMT5EncoderModel(
-        UMT5Config(
-            vocab_size=len(tok),
-            d_model=32,
-            d_kv=8,
-            d_ff=64,
-            num_layers=2,
-            num_heads=4,
-            relative_attention_num_buckets=8,
-            relative_attention_max_distance=16,
-        )
-    )
-    if ti2v:  # Wan2.2-TI2V: a residual VAE that patchifies 2x2, 16 pixels per latent
-        channels = 8
-        vae = AutoencoderKLWan(
-            base_dim=8,
-            decoder_base_dim=8,
-            z_dim=channels,
-            dim_mult=[1, 1, 1, 1],
-            num_res_blocks=1,
-            temperal_downsample=[False, True, True],
-            is_residual=True,
-            patch_size=2,
-            in_channels=12,  # 3 colours x a 2x2 patch
-            out_channels=12,
-            scale_factor_spatial=16,
-            latents_mean=[0.05 * i for i in range(channels)],
-            latents_std=[1.0 + 0.1 * i for i in range(channels)],
-        )
-    else:
-        channels = 4
-        vae = AutoencoderKLWan(
-            base_dim=8,
-            z_dim=channels,
-            dim_mult=[1, 1, 1, 1],
-            num_res_blocks=1,
-            temperal_downsample=[False, True, True],
-            latents_mean=[0.1, -0.2, 0.3, 0.0],
-            latents_std=[1.5, 0.8, 1.2, 1.0],
-        )
-    if scheduler == "unipc":
-        sched = UniPCMultistepScheduler(
-            prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0
-        )
-    else:
-        sched = FlowMatchEulerDiscreteScheduler(shift=3.0)
+    text = _text_encoder(len(tok))
+    channels, vae = _vae(ti2v)
+    sched = _scheduler(scheduler)
     # Wan2.1-I2V: a mask channel per pixel frame of a latent frame (4), then the image's latent.
     condition = 4 + channels if i2v else 0
     clip = i2v and experts == 1  # Wan2.2-I2V-A14B has no image encoder
@@ -196,6 +146,70 @@ def build_tiny_wan(
     }
     (Path(path) / "megaslide.json").write_text(json.dumps({"sampling": defaults}))
     return Path(path)
+
+
+def _text_encoder(vocab_size: int):
+    """A two-layer UMT5 encoder, 32 wide."""
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    return UMT5EncoderModel(
+        UMT5Config(
+            vocab_size=vocab_size,
+            d_model=32,
+            d_kv=8,
+            d_ff=64,
+            num_layers=2,
+            num_heads=4,
+            relative_attention_num_buckets=8,
+            relative_attention_max_distance=16,
+        )
+    )
+
+
+def _vae(ti2v: bool):
+    """The latent channels and a tiny Wan VAE: Wan2.1's, or Wan2.2-TI2V's residual one."""
+    from diffusers import AutoencoderKLWan
+
+    if ti2v:  # Wan2.2-TI2V: a residual VAE that patchifies 2x2, 16 pixels per latent
+        channels = 8
+        vae = AutoencoderKLWan(
+            base_dim=8,
+            decoder_base_dim=8,
+            z_dim=channels,
+            dim_mult=[1, 1, 1, 1],
+            num_res_blocks=1,
+            temperal_downsample=[False, True, True],
+            is_residual=True,
+            patch_size=2,
+            in_channels=12,  # 3 colours x a 2x2 patch
+            out_channels=12,
+            scale_factor_spatial=16,
+            latents_mean=[0.05 * i for i in range(channels)],
+            latents_std=[1.0 + 0.1 * i for i in range(channels)],
+        )
+    else:
+        channels = 4
+        vae = AutoencoderKLWan(
+            base_dim=8,
+            z_dim=channels,
+            dim_mult=[1, 1, 1, 1],
+            num_res_blocks=1,
+            temperal_downsample=[False, True, True],
+            latents_mean=[0.1, -0.2, 0.3, 0.0],
+            latents_std=[1.5, 0.8, 1.2, 1.0],
+        )
+    return channels, vae
+
+
+def _scheduler(name: str):
+    """Wan's UniPC scheduler, or (any other name) the flow-matching Euler scheduler."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
+
+    if name == "unipc":
+        return UniPCMultistepScheduler(
+            prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0
+        )
+    return FlowMatchEulerDiscreteScheduler(shift=3.0)
 
 
 # Small clips: 9 frames (3 latent frames) of 32x32 (a 2x2 token grid a frame).
