@@ -237,35 +237,38 @@ class VideoStore:
                     running_key = key
                 elif key != running_key:
                     break
-                token = new_token()
-                conn.execute(
-                    videos.update()
-                    .where(videos.c.id == video.id)
-                    .values(
-                        status="in_progress",
-                        progress=0,
-                        step=0,
-                        started_at=now(),
-                        attempts=videos.c.attempts + 1,
-                        worker_id=worker,
-                        lease_token=token,
-                        lease_expires_at=self.db.clock() + lease_s,
-                    )
-                )
-                data = {"status": "in_progress", "progress": 0, "step": 0}
-                append_event(conn, video.id, "video.in_progress", data=data)
-                claimed.append(
-                    dataclasses.replace(
-                        video,
-                        status="in_progress",
-                        progress=0,
-                        step=0,
-                        attempts=video.attempts + 1,
-                        worker_id=worker,
-                        lease_token=token,
-                    )
-                )
+                claimed.append(self._take(conn, video, worker, lease_s))
         return claimed
+
+    def _take(self, conn, video: VideoRecord, worker: str, lease_s: float) -> VideoRecord:
+        """Puts a queued video in progress on `worker` under a new lease, with its event; the
+        video as it now is."""
+        token = new_token()
+        conn.execute(
+            videos.update()
+            .where(videos.c.id == video.id)
+            .values(
+                status="in_progress",
+                progress=0,
+                step=0,
+                started_at=now(),
+                attempts=videos.c.attempts + 1,
+                worker_id=worker,
+                lease_token=token,
+                lease_expires_at=self.db.clock() + lease_s,
+            )
+        )
+        data = {"status": "in_progress", "progress": 0, "step": 0}
+        append_event(conn, video.id, "video.in_progress", data=data)
+        return dataclasses.replace(
+            video,
+            status="in_progress",
+            progress=0,
+            step=0,
+            attempts=video.attempts + 1,
+            worker_id=worker,
+            lease_token=token,
+        )
 
     def set_progress(self, updates: list[tuple], *, lease_s: float) -> set[str]:
         """`(id, lease_token, step, progress)` or `(id, lease_token, step, progress, passes)` for
