@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 import warnings
+from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
@@ -168,11 +169,9 @@ def test_a_hung_worker_loop_lets_its_leases_expire(make_client):
     assert [e.type for e in store.videos.events_after(video["id"], 0)].count("video.completed") == 1
 
 
-@pytest.mark.slow
-def test_restart_requeues_interrupted_work_and_resumes_finetunes(make_client, tmp_path):
-    # The database and output folder as a kill -9 leaves them: the server's worker (its pid gone,
-    # its heartbeat still fresh) holds a running video and fine-tune.
-    data = tmp_path / "data"
+def killed_mid_work(data: Path) -> str:
+    """The database and output folder under `data` as a kill -9 leaves them: the server's worker
+    (its pid gone, its heartbeat still fresh) holds a running video and fine-tune. Its name."""
     store = JobStore(f"sqlite:///{data / 'megaslide.db'}")
     gone = subprocess.run(
         [sys.executable, "-P", "-c", "import os; print(os.getpid())"],
@@ -189,6 +188,14 @@ def test_restart_requeues_interrupted_work_and_resumes_finetunes(make_client, tm
         capacity=8,
         cards=[],
     )
+    interrupted_videos(store, name)
+    interrupted_finetune(store, name, data)
+    store.close()
+    return name
+
+
+def interrupted_videos(store: JobStore, name: str) -> None:
+    """A video two steps in, one asked to cancel, one waiting: the first two held by `name`."""
     spec = ResolvedVideo(
         model="fake",
         prompt="p",
@@ -211,6 +218,10 @@ def test_restart_requeues_interrupted_work_and_resumes_finetunes(make_client, tm
     store.videos.insert("video_waiting", {**spec, "seed": 9})
     # Asked, not yet honoured at the kill.
     assert store.videos.cancel("video_cancelling") == "in_progress"
+
+
+def interrupted_finetune(store: JobStore, name: str, data: Path) -> None:
+    """A fine-tune held by `name`, reported at step 13, its last checkpoint at step 10."""
     root = data / "files" / "file-1" / "data"
     (root / "clips").mkdir(parents=True)
     (root / "metadata.jsonl").write_text(
@@ -245,7 +256,11 @@ def test_restart_requeues_interrupted_work_and_resumes_finetunes(make_client, tm
     out.mkdir(parents=True)
     for step in (5, 10):  # the last checkpoints the killed run saved; steps 11-13 were lost with it
         (out / f"step-{step}.ckpt").write_text("{}")
-    store.close()
+
+
+@pytest.mark.slow
+def test_restart_requeues_interrupted_work_and_resumes_finetunes(make_client, tmp_path):
+    name = killed_mid_work(tmp_path / "data")
 
     backend = FakeBackend()
     c = make_client(backend, finetune_save_every=5)
