@@ -35,7 +35,7 @@ DECODE_CHUNK = 4
 
 # Rows per pass of a resident model on a CPU (the denoiser's, and Wan's UMT5 prompts). Past a few
 # hundred tokens a row, one pass of many rows costs more per row than several passes of few: its
-# activations outgrow the caches (docs/benchmarks.md, "Passes of a few rows"). A streamed
+# activations outgrow the caches (docs/history.md, "Passes of a few rows"). A streamed
 # model, or one on a GPU, takes every row in one pass: there the weights cross once a pass, or a
 # wide batch is what the device wants.
 CPU_ROWS_PER_PASS = 4
