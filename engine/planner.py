@@ -188,15 +188,15 @@ class Workload:
     @classmethod
     def of(cls, placement: Placement, **fields) -> Workload:
         """The workload of `placement` (streamed: the planner plans streaming), with the
-        clip's and the run's `fields`."""
-        return cls(
+        clip's and the run's `fields` (`devices`, a count, in place of the placement's names)."""
+        derived = dict(
             prefetch=placement.prefetch,
             gpu_budget=placement.gpu_budget_bytes,
             weights=placement.weights,
             devices=len(placement.devices) if placement.devices else 1,
             host_tier=placement.host_tier,
-            **fields,
         )
+        return cls(**{**derived, **fields})
 
     @property
     def placement(self) -> Placement:

@@ -477,7 +477,16 @@ def run_plan(args) -> int:
         link_gbps=args.link_gbps,
         disk_gbps=args.disk_gbps,
     )
-    workload = Workload(
+    # The planner plans streaming, on `--devices` devices (a count: no names needed).
+    placement = Placement(
+        offload="stream",
+        gpu_budget_bytes=args.gpu_budget,
+        prefetch=args.prefetch,
+        weights=args.weights,
+        host_tier=args.host_tier,
+    )
+    workload = Workload.of(
+        placement,
         mode=args.mode,
         frames=args.frames,
         height=height,
@@ -485,15 +494,11 @@ def run_plan(args) -> int:
         batch=args.batch,
         guidance=not args.no_guidance,
         dtype_bytes=args.dtype_bytes,
-        prefetch=args.prefetch,
-        gpu_budget=args.gpu_budget,
         max_grad_norm=args.max_grad_norm,
         grad_accum=args.grad_accum,
         loras=args.loras,
         lora_rank=args.lora_rank,
-        weights=args.weights,
         devices=args.devices,
-        host_tier=args.host_tier,
     )
     result = plan(describe(model_source(args)), machine, workload)
     print_json(result) if args.json else print(format_plan(result))
