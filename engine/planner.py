@@ -11,7 +11,14 @@ and a few machine numbers, and named, so the accounting can be read and checked 
   masters are what streams (4 B/param per crossing) and the compute-dtype copy of a block is cast
   on the fly on the device, so no full compute-dtype copy exists anywhere. The forward keeps only
   block-boundary activations; the backward streams the blocks again in reverse, recomputes each
-  block and sends its fp32 gradients to the host.
+  block and sends its fp32 gradients to the host. Over several devices (data parallel) each
+  device runs its share of the batch's rows against the one master in host RAM, and each block's
+  gradients are reduced onto the first device as its backward ends.
+- Inference over several devices splits each clip's tokens over them (sequence parallel); each
+  streams every block from the one host copy.
+
+Where the weights live is a `Placement` (placement.py) seen as a `Workload` (`Workload.of`): the
+placement's lasting rules refuse what can never run; what only today's code lacks is planned.
 
 Time per step is `max(transfer, compute)` (copies overlap compute) with the bound named.
 
@@ -647,7 +654,13 @@ def format_plan(p: dict) -> str:
         f"(compute {t['compute']:.3f} s, transfer {t['transfer']:.3f} s, optimizer {t['optimizer']:.3f} s"
         + (f", disk {t['disk']:.3f} s)" if "disk" in t else ")")
     )
-    if p["devices"] > 1:
+    if p["devices"] > 1 and p["mode"] == "finetune":
+        lines.append(
+            f"per device of {p['devices']}: {p['batch_rows']} rows, "
+            f"{p['bytes_per_step']['gradient_reduce'] / GB:.2f} GB of gradients sent to the first "
+            f"device a step ({t['communication']:.3f} s of the compute time), one master in host RAM"
+        )
+    elif p["devices"] > 1:
         lines.append(
             f"per device of {p['devices']}: {p['bytes_per_step']['all_to_all'] / GB:.2f} GB sent "
             f"in all-to-alls a step ({t['communication']:.3f} s of the compute time), "

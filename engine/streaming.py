@@ -817,21 +817,13 @@ def stream_module(
     disk_stores = (
         make_disk_stores(per_block, plan.streamed, pinned, ring_depth, placement.disk_io)
         if placement.host_tier == "disk"
-        else {}
+        else None
     )
     records = []
     for i, (b, tensors, (entries, nbytes)) in enumerate(zip(blocks, per_block, layouts)):
         rec = _Block(i, names[id(b)], b, tensors, entries, nbytes, resident=i in plan.resident)
-        rec.missing = {k for k, t in enumerate(tensors) if t.tensor.is_meta}
-        if host_buffers is not None:
-            _attach_buffer(rec, host_buffers[i], device, pinned)
-        elif rec.resident:  # one flat device buffer per resident block, exactly as planned
-            rec.device_flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
-            move_into(tensors, [e.view(rec.device_flat) for e in entries])
-        elif placement.host_tier == "disk":  # nothing read yet: load_weights locates the tensors
-            rec.store = disk_stores[i]
-        else:  # block by block, so the host holds at most one block twice at a time
-            rec.store = make_store(tensors, pinned, placement.weights)
+        buffer = host_buffers[i] if host_buffers is not None else None
+        _place_block(rec, placement, device, pinned, buffer, disk_stores)
         records.append(rec)
     for t in non_block:
         repoint(
@@ -953,16 +945,32 @@ def _block_tensors(
     return per_block, non_block
 
 
-def _attach_buffer(rec: _Block, buffer: torch.Tensor, device: torch.device, pinned: bool) -> None:
-    """Block `rec` from a host buffer that holds its weights already (shared memory): copied
-    once to the device when resident, else its host store as it is."""
-    rec.missing = set()
-    if rec.resident:
-        rec.device_flat = buffer.to(device, copy=True)
-        for bound, entry in zip(rec.tensors, rec.entries):
-            repoint(bound.tensor, entry.view(rec.device_flat))
-    else:
-        rec.store = HostBlockStore.attach(rec.tensors, buffer, pinned)
+def _place_block(
+    rec: _Block,
+    placement: Placement,
+    device: torch.device,
+    pinned: bool,
+    buffer: torch.Tensor | None,
+    disk_stores: dict[int, DiskBlockStore] | None,
+) -> None:
+    """Give block `rec` its storage: a flat device buffer when resident, else its host store (in
+    `placement.weights`' format, on disk with the disk tier, or the shared `buffer` given)."""
+    rec.missing = {k for k, t in enumerate(rec.tensors) if t.tensor.is_meta}
+    if buffer is not None:  # it holds the block's weights already (shared memory)
+        rec.missing = set()
+        if rec.resident:
+            rec.device_flat = buffer.to(device, copy=True)
+            for bound, entry in zip(rec.tensors, rec.entries):
+                repoint(bound.tensor, entry.view(rec.device_flat))
+        else:
+            rec.store = HostBlockStore.attach(rec.tensors, buffer, pinned)
+    elif rec.resident:  # one flat device buffer per resident block, exactly as planned
+        rec.device_flat = torch.empty(rec.nbytes, dtype=torch.uint8, device=device)
+        move_into(rec.tensors, [e.view(rec.device_flat) for e in rec.entries])
+    elif disk_stores is not None:  # nothing read yet: load_weights locates the tensors
+        rec.store = disk_stores[rec.index]
+    else:  # block by block, so the host holds at most one block twice at a time
+        rec.store = make_store(rec.tensors, pinned, placement.weights)
 
 
 def _open_slots(handle: StreamHandle, plan: ResidencyPlan, ordering: Ordering) -> None:

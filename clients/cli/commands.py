@@ -445,7 +445,8 @@ def register_plan(sub) -> None:
         "--devices",
         type=int,
         default=1,
-        help="inference: one clip's tokens split over this many devices (default: 1)",
+        help="devices: inference splits one clip's tokens over them, fine-tuning the batch "
+        "(default: 1)",
     )
     p.add_argument(
         "--link-gbps",
