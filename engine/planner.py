@@ -658,7 +658,8 @@ def format_plan(p: dict) -> str:
         lines.append(
             f"per device of {p['devices']}: {p['batch_rows']} rows, "
             f"{p['bytes_per_step']['gradient_reduce'] / GB:.2f} GB of gradients sent to the first "
-            f"device a step ({t['communication']:.3f} s of the compute time), one master in host RAM"
+            f"device a step ({t['communication']:.3f} s of the compute time), "
+            "one master in host RAM"
         )
     elif p["devices"] > 1:
         lines.append(

@@ -88,6 +88,8 @@ class Settings(BaseSettings):
     # "disk" reads them from the model's safetensors files each step through a small ring (host
     # RAM smaller than the model); "auto" picks disk when they would not fit in available RAM.
     host_tier: Literal["ram", "disk", "auto"] = "auto"
+    # With host_tier="disk": read through the page cache ("buffered") or around it ("direct").
+    disk_io: Literal["buffered", "direct"] = "buffered"
     engine_threads: int | None = Field(
         None, ge=1, description="CPU threads for the engine's tensor math (None: torch's default)"
     )
@@ -235,9 +237,9 @@ class Settings(BaseSettings):
 
     @property
     def placement(self) -> Placement:
-        """Where the served models' weights live (engine/placement.py), from `device`, `devices`,
-        `offload`, `gpu_budget`, `weights` and `host_tier`. Several devices stream (unless
-        `offload` is set otherwise, which their placement refuses)."""
+        """Where the served models' weights live (engine/placement.py), from `device`,
+        `devices`, `offload`, `gpu_budget`, `weights`, `host_tier` and `disk_io`. Several devices
+        stream (unless `offload` is set otherwise, which their placement refuses)."""
         devices = tuple(self.devices) or None
         offload = self.offload
         if devices and "offload" not in self.model_fields_set:
@@ -249,6 +251,7 @@ class Settings(BaseSettings):
             gpu_budget_bytes=self.gpu_budget,
             weights=self.weights,
             host_tier=self.host_tier,
+            disk_io=self.disk_io,
         )
 
     @model_validator(mode="after")

@@ -129,6 +129,8 @@ def test_settings_and_fine_tunes_are_built_from_the_spec(tmp_path):
     assert s.placement.device is None
     with pytest.raises(ValueError, match="needs offload='stream'"):
         Settings(data_dir=tmp_path, host_tier="disk")
+    s = Settings(data_dir=tmp_path, offload="stream", host_tier="disk", disk_io="direct")
+    assert s.placement.disk_io == "direct" and s.placement.host_tier == "disk"
     with pytest.raises(ValueError, match="LoRA adapters are not applied on several devices"):
         Settings(data_dir=tmp_path, devices=["cpu", "cpu"], loras=["a=b.safetensors"])
     runtime = RuntimeSpec(devices=("cpu", "cpu"), offload="stream", timing=True)

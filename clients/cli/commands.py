@@ -20,7 +20,7 @@ from megaslide.engine.finetune_spec import (
     RuntimeSpec,
     ScheduleSpec,
 )
-from megaslide.engine.placement import Placement, refuse_on_devices
+from megaslide.engine.placement import DISK_IO, Placement, refuse_on_devices
 
 from .args import (
     UsageError,
@@ -128,6 +128,13 @@ def register_generate(sub) -> None:
         help="with --offload stream: keep streamed blocks in host RAM, or read them from the "
         "model's safetensors files each step through a small ring (host RAM smaller than the "
         "model); auto picks disk when the blocks would not fit in the available RAM (default: auto)",
+    )
+    p.add_argument(
+        "--disk-io",
+        choices=DISK_IO,
+        default="buffered",
+        help="with --host-tier disk: read blocks through the page cache (buffered) or around it "
+        "(direct, O_DIRECT where the filesystem takes it) (default: buffered)",
     )
     p.add_argument("--stats", help="write streaming and step-time stats as JSON here")
     p.add_argument(
@@ -285,6 +292,7 @@ def generate_placement(args) -> Placement:
         gpu_budget_bytes=args.gpu_budget,
         weights=args.weights,
         host_tier=args.host_tier,
+        disk_io=args.disk_io,
         timing=timing,
     )
     try:

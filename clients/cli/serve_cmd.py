@@ -10,6 +10,8 @@ import functools
 import signal
 import sys
 
+from megaslide.engine.placement import DISK_IO
+
 from .args import UsageError, in_flag_words, parse_bytes
 
 SETTINGS_HELP = (
@@ -165,6 +167,12 @@ def _worker_args(p) -> None:
         "when they would not fit in the available RAM (default: auto)",
     )
     p.add_argument(
+        "--disk-io",
+        choices=DISK_IO,
+        help="with --host-tier disk: read blocks through the page cache (buffered) or around it "
+        "(direct, O_DIRECT where the filesystem takes it) (default: buffered)",
+    )
+    p.add_argument(
         "--name",
         dest="worker_name",
         help="this worker's name in the registry, one per device slot (default: HOST/DEVICE); "
@@ -210,6 +218,7 @@ def _settings(args):
         "gpu_budget",
         "weights",
         "host_tier",
+        "disk_io",
         "engine_threads",
     )
     overrides = {k: getattr(args, k, None) for k in names}
