@@ -226,7 +226,10 @@ def test_cli_flags_need_streaming_and_name_the_formats(capsys):
     from megaslide.cli.main import main
 
     assert main(["serve", "--preset", "tiny", "--weights", "lossless"]) == 2
-    assert "--weights needs --offload stream" in capsys.readouterr().err
+    assert (
+        "--weights lossless is a format of the streamed host store: needs --offload stream"
+        in capsys.readouterr().err
+    )
     assert main(["plan", "--preset", "tiny", "--mode", "finetune", "--weights", "fp8"]) == 2
     assert "needs weights='raw'" in capsys.readouterr().err
     assert main(["plan", "--preset", "tiny", "--weights", "lossless", "--json"]) == 0
