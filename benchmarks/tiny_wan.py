@@ -10,7 +10,7 @@ By default it trains 6000 steps, where its loss on clips it never saw still impr
 and noise, recorded in `trained.json`). That matters for what the benchmarks read from it: a
 model stopped early (600 steps: held-out loss 0.27, against 0.11 at the default 6000) has not
 learnt the end of the schedule, where its guided output then grows and swings from step to
-step, and step caches look far worse on it than on a trained one (docs/benchmarks.md).
+step, and step caches look far worse on it than on a trained one (docs/history.md).
 Caution: only the transformer trains. The tiny VAE is random and stays frozen (as our trainer
 keeps every Wan VAE), so decoded frames are that VAE's rendering of latents the transformer has
 learned to denoise: figures computed on frames (PSNR, SSIM) measure how far a change moves the

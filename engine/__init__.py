@@ -1,9 +1,10 @@
 """MegaSlide's engine: the video DiT, its sampler, weight streaming, fine-tuning and video I/O.
 
 The front door is `open_pipeline` (sampling) and `open_trainer` (fine-tuning); a request is a
-`VideoRequest`, checked once by `resolve` against a model's limits. Importing this package costs
-nothing: the names below load their modules (and torch) on first use, and the configs, sources and
-requests (config.py, sources.py, request.py) never need torch, so the server reads them without it.
+`VideoRequest`, checked once by `resolve` against a model's limits; where the weights live is a
+`Placement`. Importing this package costs nothing: the names below load their modules (and torch)
+on first use, and the configs, sources, requests and placement (config.py, sources.py, request.py,
+placement.py) never need torch, so the server reads them without it.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ _EXPORTS = {
     "OptimizerSpec": "finetune_spec",
     "ClipSpec": "finetune_spec",
     "RuntimeSpec": "finetune_spec",
+    "Placement": "placement",
+    "PlacementError": "placement",
     "Trainer": "finetune",
     "Pipeline": "pipeline",
     "ModelSource": "sources",

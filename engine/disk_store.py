@@ -33,13 +33,12 @@ from typing import Any
 import torch
 
 from .host_store import BoundTensor, Extent, TensorEntry, pack, pin_exact, repoint, unpin
+from .placement import DISK_IO
 
-HOST_TIERS = ("ram", "disk", "auto")
 DEFAULT_RING_DEPTH = 4  # host buffers per streamed module: the block copied and 3 read ahead
-# How blocks are read: through the page cache ("buffered", the default: a model read again soon is
-# served from RAM while it fits) or around it ("direct", O_DIRECT; benchmarks/disk_streaming.py
-# measures both on a machine).
-DISK_IO = ("buffered", "direct")
+# How blocks are read (placement.DISK_IO): through the page cache ("buffered", the default: a model
+# read again soon is served from RAM while it fits) or around it ("direct", O_DIRECT;
+# benchmarks/disk_streaming.py measures both on a machine).
 
 
 class DiskTierError(ValueError):

@@ -167,10 +167,8 @@ class Trainer(TrainingRun):
         self.info = info
         parts, handles = open_model(
             info,
-            device=runtime.device,
+            runtime.placement.on(runtime.device),
             dtype=torch.float32,
-            offload=runtime.offload,
-            timing=runtime.timing,
             only=self.family.training_components(info, run.expert),
             shared=parallel.shared if parallel is not None else None,
         )

@@ -20,9 +20,9 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from .config import TIME_SAMPLING
+from .placement import Placement
 
 LR_SCHEDULES = ("constant", "cosine")
-OFFLOADS = ("none", "stream")
 
 
 @dataclass(frozen=True)
@@ -92,6 +92,17 @@ class RuntimeSpec:
     timing: bool = False  # streamer timings for stats and traces
     cache_mb: int = 1024  # decoded training clips kept in RAM (a small dataset decodes once)
 
+    @property
+    def placement(self) -> Placement:
+        """Where the run's weights live (placement.py); a rank of several opens
+        `placement.on(its device)`."""
+        return Placement(
+            device=None if self.devices is not None else self.device,
+            devices=self.devices,
+            offload=self.offload,
+            timing=self.timing,
+        )
+
 
 @dataclass(frozen=True)
 class FinetuneSpec:
@@ -152,28 +163,21 @@ class FinetuneSpec:
                 f"clips.time_sampling: {TIME_SAMPLING}",
                 c.time_sampling,
             ),
-            (
-                self.runtime.offload in OFFLOADS,
-                f"runtime.offload: {OFFLOADS}",
-                self.runtime.offload,
-            ),
             (self.runtime.cache_mb >= 0, "runtime.cache_mb must be >= 0", self.runtime.cache_mb),
         ]
         devices = self.runtime.devices
         if devices is not None:
-            checks += [
-                (len(devices) >= 2, "runtime.devices must name two or more", devices),
-                (
-                    self.runtime.offload == "stream",
-                    "runtime.devices streams every rank from one master: runtime.offload 'stream'",
-                    self.runtime.offload,
-                ),
+            checks.append(
                 (
                     c.batch_size % max(len(devices), 1) == 0,
                     f"clips.batch_size must be a multiple of the {len(devices)} runtime.devices",
                     c.batch_size,
-                ),
-            ]
+                )
+            )
         for ok, rule, value in checks:
             if not ok:
                 raise ValueError(f"{rule}, got {value!r}")
+        # Where the weights live: the placement's rules for a fine-tune (placement.py).
+        problems = self.runtime.placement.problems("finetune")
+        if problems:
+            raise ValueError(f"runtime: {problems[0]}")

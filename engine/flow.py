@@ -6,7 +6,8 @@ from t = 1 (noise) to t = 0 with Euler steps on a shifted schedule.
 
 The sampler is step-wise: each request is a `SampleState`, and `sample_step` advances any list of
 them by one step with one forward pass over all of them and both halves of their guidance pairs,
-so requests at different steps share one pass of the model's weights.
+so requests at different steps share one pass of the model's weights. The loop itself is
+sampling.py's, shared by every family; `EulerSampler` gives it our DiT's inputs and update rule.
 """
 
 from __future__ import annotations
@@ -18,7 +19,10 @@ from dataclasses import dataclass
 
 import torch
 
+from . import sampling
 from .config import TIME_SAMPLING
+from .sampling import ForwardCut, Sampler, row_slices
+from .sampling import cfg_combine as cfg_combine  # the guidance rule, where it was documented
 from .step_cache import StepCache
 
 
@@ -90,11 +94,6 @@ def sample_training_times(
     raise ValueError(f"time sampling must be one of {TIME_SAMPLING}, got {kind!r}")
 
 
-def cfg_combine(v_cond: torch.Tensor, v_uncond: torch.Tensor, guidance: float) -> torch.Tensor:
-    """Classifier-free guidance: extrapolate from the unconditional toward the conditional velocity."""
-    return v_uncond + guidance * (v_cond - v_uncond)
-
-
 @dataclass
 class SampleState:
     """One request on its way from noise to a clip."""
@@ -124,12 +123,74 @@ class SampleState:
         """Steps that ran a pass of the model (fewer than `step` when the cache reused)."""
         return self.step if self.cache is None else self.cache.passes
 
+    def flow_time(self, step: int) -> torch.Tensor:
+        return self.times[step]
 
-@torch.no_grad()
+    def clip_latents(self) -> torch.Tensor:
+        return self.latents
+
+
+class EulerSampler(Sampler):
+    """Our DiT's hooks for the sampler loop: rows of (latents, time, prompt, mask), the model's
+    velocity in fp32, and the Euler step along the shifted schedule. `passes` splits a step's
+    requests into passes (default: all in one)."""
+
+    def __init__(
+        self,
+        model,
+        passes: Callable[[list], list[list]] | None = None,
+        first_block_only: Callable[[], ContextManager] = nullcontext,
+    ):
+        self.model = model
+        self._passes = passes
+        self.first_block_only = first_block_only
+
+    def passes(self, states: list[SampleState]) -> list[list[SampleState]]:
+        return super().passes(states) if self._passes is None else self._passes(states)
+
+    def forward(self, expert: int, states: list[SampleState]) -> list[torch.Tensor]:
+        inputs, rows = _inputs(states, next(self.model.parameters()).dtype)
+        v = self.model(*inputs).float()  # (B', C, F, H, W)
+        return [v[r] for r in rows]
+
+    def cut(self, expert: int, states: list[SampleState]) -> DiTCut:
+        inputs, _ = _inputs(states, next(self.model.parameters()).dtype)
+        return DiTCut(self.model, inputs)
+
+    def update(self, s: SampleState, v: torch.Tensor) -> None:
+        dt = s.times[s.step + 1] - s.times[s.step]  # negative: walking from noise to data
+        s.latents = s.latents + dt * v  # (1, C, F, H, W)
+        s.step += 1
+
+
+class DiTCut(ForwardCut):
+    """`VideoDiT.forward` over a pass's rows, cut at its blocks (dit.py's own cut)."""
+
+    def __init__(self, model, inputs: tuple):
+        self.model, self.inputs = model, inputs
+
+    @property
+    def depth(self) -> int:
+        return len(self.model.blocks)
+
+    def prologue(self):
+        return self.model.prologue(*self.inputs)  # (B', N, D), BlockInputs
+
+    def block(self, i, h, c):
+        return self.model.blocks[i](h, c)  # (B', N, D)
+
+    def rows(self, c, index):
+        return c.rows(index)
+
+    def epilogue(self, h, c):
+        return self.model.epilogue(h, c).float()  # (B', C, F, H, W)
+
+
 def sample_step(
     model, states: list[SampleState], first_block_only: Callable[[], ContextManager] = nullcontext
 ) -> None:
-    """Advance every unfinished state by one Euler step, in one batched forward pass.
+    """Advance every unfinished state by one Euler step, in one batched forward pass of `model`
+    (sampling.py's loop with `EulerSampler`'s hooks).
 
     The batch holds each guided request twice (conditional and unconditional context), so a streamed
     model moves its weights once per step for all of them. A state whose step cache reuses an
@@ -138,99 +199,18 @@ def sample_step(
     first block and leaves it there when it reuses; `first_block_only` is entered around that
     first block (a streamed model's pipeline stops the streamer copying the next block ahead).
     """
-    states = [s for s in states if not s.done]
-    if not states:
-        return
-    reuse = [
-        s.cache is not None
-        and not s.cache.probes
-        and s.cache.reuse(s.step, s.times[s.step], s.times[s.step + 1])
-        for s in states
-    ]
-    run = [s for s, r in zip(states, reuse) if not r]
-    if any(s.cache is not None and s.cache.probes for s in run):
-        computed = iter(_forward_probed(model, run, first_block_only))
-    else:
-        computed = iter((v, True) for v in _forward(model, run))
-    for s, reused in zip(states, reuse):
-        if reused:
-            v_s = s.cache.output(s.times[s.step])
-        else:
-            v_s, ran = next(computed)  # ran: False when a first-block cache reused in the pass
-            if ran and s.cache is not None:
-                s.cache.record(s.times[s.step], s.latents, v_s)
-        dt = s.times[s.step + 1] - s.times[s.step]  # negative: walking from noise to data
-        s.latents = s.latents + dt * v_s  # (1, C, F, H, W)
-        s.step += 1
+    sampling.sample_step(EulerSampler(model, first_block_only=first_block_only), states)
 
 
 def _inputs(states: list[SampleState], dtype: torch.dtype):
     """The batch of a pass: every row of `states` (both halves of each guidance pair), and each
     state's rows in it as a slice."""
-    xs, ts, ctxs, masks, rows = [], [], [], [], []
-    offset = 0
+    xs, ts, ctxs, masks = [], [], [], []
     for s in states:
         copies = 2 if s.guided else 1
-        rows.append(slice(offset, offset + copies))
-        offset += copies
         xs.append(s.latents.expand(copies, *s.latents.shape[1:]))
         ts.append(s.times[s.step].expand(copies))
         ctxs.append(s.ctx[:copies])
         masks.append(s.ctx_mask[:copies])
     x = torch.cat(xs).to(dtype)  # (B', C, F, H, W)
-    return (x, torch.cat(ts).to(x.device), torch.cat(ctxs), torch.cat(masks)), rows
-
-
-def _combine(s: SampleState, v: torch.Tensor) -> torch.Tensor:
-    """A state's velocity `(1, C, F, H, W)` from its rows `(1 or 2, C, F, H, W)` of the pass."""
-    return cfg_combine(v[:1], v[1:2], s.guidance) if s.guided else v
-
-
-def _forward(model, states: list[SampleState]) -> list[torch.Tensor]:
-    """One forward pass over every row of `states` (both halves of each guidance pair): each
-    state's velocity `(1, C, F, H, W)`, guidance combined."""
-    if not states:
-        return []
-    inputs, rows = _inputs(states, next(model.parameters()).dtype)
-    v = model(*inputs).float()  # (B', C, F, H, W)
-    return [_combine(s, v[r]) for s, r in zip(states, rows)]
-
-
-def _forward_probed(model, states, first_block_only) -> list[tuple[torch.Tensor, bool]]:
-    """One forward pass cut after the first block, for a batch where some states decide there
-    (FBCache): each state's velocity `(1, C, F, H, W)` and whether its rows ran every block.
-
-    Every row runs the prologue and the first block; a probing state compares its rows' first
-    residual `h_1 - h_0` with its cache's, and when it reuses, its rows skip the remaining blocks
-    and take `h_1` plus the residual those blocks made at its last computed step. The other rows
-    run the remaining blocks as one smaller batch; the epilogue runs on every row. When no row
-    reuses this is the model's own forward, op for op."""
-    inputs, rows = _inputs(states, next(model.parameters()).dtype)
-    h0, c = model.prologue(*inputs)  # (B', N, D)
-    with first_block_only():
-        h1 = model.blocks[0](h0, c)  # (B', N, D)
-    reuse = [
-        s.cache is not None and s.cache.probes and s.cache.reuse_probed(s.step, h1[r] - h0[r])
-        for s, r in zip(states, rows)
-    ]
-    keep = [i for s, r, u in zip(states, rows, reuse) if not u for i in range(r.start, r.stop)]
-    if len(keep) == h1.shape[0]:
-        h = h1
-        for block in model.blocks[1:]:
-            h = block(h, c)  # (B', N, D)
-    else:
-        h = h1.clone()
-        if keep:
-            index = torch.tensor(keep, device=h1.device)
-            part, cp = h1[index], c.rows(index)  # (B'', N, D)
-            for block in model.blocks[1:]:
-                part = block(part, cp)  # (B'', N, D)
-            h[index] = part
-        for s, r, u in zip(states, rows, reuse):
-            if u:
-                h[r] = h1[r] + s.cache.tail(s.times[s.step])  # (rows, N, D)
-    for s, r, u in zip(states, rows, reuse):
-        if s.cache is not None and s.cache.probes and not u:
-            s.cache.record_probed(h1[r] - h0[r], h[r] - h1[r])
-    v = model.epilogue(h, c).float()  # (B', C, F, H, W)
-    return [(_combine(s, v[r]), not u) for s, r, u in zip(states, rows, reuse)]
+    return (x, torch.cat(ts).to(x.device), torch.cat(ctxs), torch.cat(masks)), row_slices(states)

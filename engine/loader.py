@@ -29,19 +29,17 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .disk_store import HOST_TIERS
 from .family import Component, family
 from .host_store import BoundTensor, SharedWeights, collect_tensors, layout_nbytes, repoint
 from .initialization import init_module, init_parts, seeded
 from .lora import Adapter, AdapterError
 from .ordering import Ordering
 from .pipeline import Pipeline
+from .placement import Placement
 from .planner import check_host_memory, choose_host_tier
 from .sources import ModelInfo, ModelSource, describe, resolve_source
 from .streaming import StreamHandle, stream_module
-from .weight_formats import codec
 
-OFFLOAD_MODES = ("none", "stream")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -83,57 +81,43 @@ def as_source(source: Source) -> ModelSource:
 
 def open_pipeline(
     source: Source = None,
+    placement: Placement | None = None,
     *,
-    device: str | torch.device = "cpu",
     dtype: str | torch.dtype = "auto",
-    offload: str = "none",
-    gpu_budget_bytes: int | None = None,
-    prefetch: int = 2,
-    timing: bool = False,
     batched: bool = True,
     ordering: Ordering | None = None,
-    weights: str = "raw",
     shared: SharedWeights | None = None,
-    host_tier: str = "ram",
-    disk_io: str = "buffered",
-    **overrides,
+    **options,
 ) -> Pipeline:
     """A model opened for sampling.
 
     `source`: a described model (`ModelInfo`), a `ModelSource`, a model directory or packaged
-    model name, or None for the packaged default. `offload="stream"` keeps block weights in host
-    RAM and streams them each step (`gpu_budget_bytes` keeps as many blocks resident as fit);
-    `timing` records per-block copy and compute times for the streamer's stats and trace.
+    model name, or None for the packaged default. `placement` is where and how its weights live
+    (placement.py: device, offload, budget, prefetch, weights format, host tier, disk I/O,
+    timing); its fields may be given as keywords instead (`device="cuda", offload="stream"`).
+    `offload="stream"` keeps block weights in host RAM and streams them each step
+    (`gpu_budget_bytes` keeps as many blocks resident as fit); `timing` records per-block copy
+    and compute times for the streamer's stats and trace. `weights` is the streamed blocks' host
+    format (`weight_formats.py`: "raw", "lossless" or "fp8"). `host_tier` is where streamed
+    blocks live between steps: "ram", "disk" (read from the model's safetensors files through a
+    bounded ring each step; disk_store.py) or "auto" (disk when the blocks would not fit in the
+    available RAM with a margin; `planner.choose_host_tier`); `disk_io` is how the disk tier
+    reads ("buffered" or "direct", O_DIRECT).
+
     `batched=False` runs each request's rows in passes of their own (a reference mode).
     `ordering` replaces the device's own streams and events for the streamed modules (see
-    `stream_module`; tests run on a simulated device this way). `weights` is the streamed
-    blocks' host format (`weight_formats.py`: "raw", "lossless" or "fp8"; needs
-    `offload="stream"` unless "raw"). `host_tier` is where streamed blocks live between steps:
-    "ram", "disk" (read from the model's safetensors files through a bounded ring each step;
-    disk_store.py) or "auto" (disk when the blocks would not fit in the available RAM with a
-    margin; `planner.choose_host_tier`); `disk_io` is how the disk tier reads ("buffered" or
-    "direct", O_DIRECT). `shared` takes the weights from a `share_weights` made by a
-    parent process instead of the model's files (streamed blocks stream from its buffers).
-    `overrides` replace architecture fields that leave the weights alone (`attention="dsa"`).
+    `stream_module`; tests run on a simulated device this way). `shared` takes the weights from
+    a `share_weights` made by a parent process instead of the model's files (streamed blocks
+    stream from its buffers). The other `options` replace architecture fields that leave the
+    weights alone (`attention="dsa"`).
     """
+    fields, overrides = Placement.split(options)
+    placement = Placement.of(placement, fields)
     if isinstance(source, ModelInfo) and not overrides:
         info = source
     else:
         info = describe(as_source(source), **overrides)
-    parts, handles = open_model(
-        info,
-        device=device,
-        dtype=dtype,
-        offload=offload,
-        gpu_budget_bytes=gpu_budget_bytes,
-        prefetch=prefetch,
-        timing=timing,
-        ordering=ordering,
-        weights=weights,
-        shared=shared,
-        host_tier=host_tier,
-        disk_io=disk_io,
-    )
+    parts, handles = open_model(info, placement, dtype=dtype, ordering=ordering, shared=shared)
     for module in parts.values():
         module.eval()
     return family(info.family).pipeline(info, parts, handles, batched=batched)
@@ -141,73 +125,40 @@ def open_pipeline(
 
 def open_model(
     info: ModelInfo,
+    placement: Placement | None = None,
     *,
-    device: str | torch.device = "cpu",
     dtype: str | torch.dtype = "auto",
-    offload: str = "none",
-    gpu_budget_bytes: int | None = None,
-    prefetch: int = 2,
-    timing: bool = False,
     only: set[str] | None = None,
     ordering: Ordering | None = None,
-    weights: str = "raw",
     shared: SharedWeights | None = None,
-    host_tier: str = "ram",
-    disk_io: str = "buffered",
+    **fields,
 ) -> tuple[dict[str, nn.Module], dict[str, StreamHandle]]:
-    """The modules of a described model, built on meta, filled and placed: `(modules by name,
-    stream handles of the streamed ones)`; `only` names the components to open (default: all).
-    Fine-tuning opens its model here in fp32.
+    """The modules of a described model, built on meta, filled and placed as `placement` says
+    (or its `fields` as keywords): `(modules by name, stream handles of the streamed ones)`;
+    `only` names the components to open (default: all). Fine-tuning opens its model here in fp32.
 
     With several streamed components (a text encoder and two denoising experts, say), the
     budget is shared in proportion to their block bytes. With `shared` (see `share_weights`),
     every streamed block streams from its shared host buffer and the other tensors are copied
     from it: nothing is read from files or drawn.
     """
-    if offload not in OFFLOAD_MODES:
-        raise ValueError(f"offload must be one of {OFFLOAD_MODES}, got {offload!r}")
-    if gpu_budget_bytes is not None and offload != "stream":
-        raise ValueError("gpu_budget_bytes needs offload='stream'")
-    if ordering is not None and offload != "stream":
+    placement = Placement.of(placement, fields).validate()
+    if placement.devices is not None:
+        raise ValueError("open_model opens on one device: a rank opens placement.on(its device)")
+    if ordering is not None and not placement.streams:
         raise ValueError("ordering needs offload='stream'")
-    codec(weights)  # ValueError naming the formats
-    if weights != "raw" and offload != "stream":
-        raise ValueError(
-            f"weights={weights!r} is a format of the streamed host store: needs offload='stream'"
-        )
-    device = resolve_device(device)
+    device = resolve_device(placement.device or "cpu")
     dtype = resolve_dtype(dtype, device)
-    components = family(info.family).components(info)
-    if only is not None:
-        unknown = only - {c.name for c in components}
-        if unknown:
-            raise ValueError(f"{info.name} has no component {sorted(unknown)[0]!r}")
-        components = [c for c in components if c.name in only]
-    streamed = [c for c in components if offload == "stream" and c.blocks]
-    host_tier = _resolve_host_tier(host_tier, streamed, dtype, weights)
+    components = _components(info, only)
+    streamed = [c for c in components if placement.streams and c.blocks]
+    tier = _resolve_host_tier(placement, streamed, dtype)
+    placement = placement.replace(device=str(device), host_tier=tier)
     if shared is None and only is None:  # (shared weights are in memory already)
         # Refused now, on the meta device: loading weights the host cannot hold ends with the
         # kernel killing the process minutes later, or the allocator failing halfway.
-        check_host_memory(
-            info,
-            device=device.type,
-            dtype_bytes=dtype.itemsize,
-            offload=offload,
-            weights=weights,
-            host_tier=host_tier,
-        )
-    block_bytes = {c.name: sum(layout_nbytes(b) for b in c.blocks) for c in streamed}
+        check_host_memory(info, placement, dtype_bytes=dtype.itemsize)
     if shared is not None:
-        if offload != "stream":
-            raise ValueError("shared weights hold streamed blocks: they need offload='stream'")
-        if weights != "raw":
-            raise ValueError(f"shared weights are raw blocks: weights={weights!r} does not apply")
-        if host_tier != "ram":
-            raise ValueError("shared weights are blocks in shared RAM: host_tier='ram'")
-        unshared = [c.name for c in streamed if c.name not in shared.blocks]
-        unshared += [c.name for c in components if c.name not in shared.tensors]
-        if unshared:
-            raise ValueError(f"the shared weights lack component {unshared[0]!r}")
+        _check_shared(shared, placement, components, streamed)
     handles: dict[str, StreamHandle] = {}
     draw = shared is None and any(c.weights is None for c in components)  # a preset's weights
     with seeded(info.source.seed) if draw else contextlib.nullcontext():
@@ -216,21 +167,12 @@ def open_model(
             template = copy.deepcopy(c.module) if c.weights is None and not shared else None
             _cast_floating(c.module, c.dtype or dtype, c.keep_fp32)  # on meta: costs nothing
             if c in streamed:
-                budget = gpu_budget_bytes
-                if budget is not None:
-                    budget = budget * block_bytes[c.name] // sum(block_bytes.values())
                 handle = stream_module(
                     c.module,
                     c.blocks,
-                    device,
-                    gpu_budget_bytes=budget,
-                    prefetch=prefetch,
-                    timing=timing,
+                    _share_budget(placement, c, streamed),
                     ordering=ordering,
-                    weights=weights,
                     host_buffers=shared.blocks[c.name] if shared is not None else None,
-                    host_tier=host_tier,
-                    disk_io=disk_io,
                 )
                 fill = handle.load_weights
                 handles[c.name] = handle
@@ -247,6 +189,50 @@ def open_model(
     return {c.name: c.module for c in components}, handles
 
 
+def _components(info: ModelInfo, only: set[str] | None) -> list[Component]:
+    """The family's components of `info`, those named in `only` (default: all)."""
+    components = family(info.family).components(info)
+    if only is None:
+        return components
+    unknown = only - {c.name for c in components}
+    if unknown:
+        raise ValueError(f"{info.name} has no component {sorted(unknown)[0]!r}")
+    return [c for c in components if c.name in only]
+
+
+def _share_budget(placement: Placement, c: Component, streamed: list[Component]) -> Placement:
+    """`placement` for streamed component `c`: its share of the device budget, in proportion to
+    its block bytes among the `streamed` components."""
+    budget = placement.gpu_budget_bytes
+    if budget is None:
+        return placement
+    block_bytes = {s.name: sum(layout_nbytes(b) for b in s.blocks) for s in streamed}
+    return placement.replace(
+        gpu_budget_bytes=budget * block_bytes[c.name] // sum(block_bytes.values())
+    )
+
+
+def _check_shared(
+    shared: SharedWeights,
+    placement: Placement,
+    components: list[Component],
+    streamed: list[Component],
+) -> None:
+    """ValueError unless `shared` can be what the components stream and copy from."""
+    if not placement.streams:
+        raise ValueError("shared weights hold streamed blocks: they need offload='stream'")
+    if placement.weights != "raw":
+        raise ValueError(
+            f"shared weights are raw blocks: weights={placement.weights!r} does not apply"
+        )
+    if placement.host_tier != "ram":
+        raise ValueError("shared weights are blocks in shared RAM: host_tier='ram'")
+    unshared = [c.name for c in streamed if c.name not in shared.blocks]
+    unshared += [c.name for c in components if c.name not in shared.tensors]
+    if unshared:
+        raise ValueError(f"the shared weights lack component {unshared[0]!r}")
+
+
 def share_weights(
     info: ModelInfo, dtype: torch.dtype, only: set[str] | None = None
 ) -> SharedWeights:
@@ -254,7 +240,7 @@ def share_weights(
     (`open_pipeline(shared=...)` in each): the blocks of every streamed component in one host
     buffer each, filled once here, block by block (as `open_model` streams), then moved into
     shared memory (a block at a time is held twice meanwhile). `only`: these components."""
-    parts, handles = open_model(info, device="cpu", dtype=dtype, offload="stream", only=only)
+    parts, handles = open_model(info, Placement(offload="stream"), dtype=dtype, only=only)
     tensors: dict[str, dict[str, torch.Tensor]] = {}
     blocks: dict[str, list[torch.Tensor]] = {}
     for name, module in parts.items():
@@ -269,23 +255,16 @@ def share_weights(
     return SharedWeights(tensors, blocks)
 
 
-def _resolve_host_tier(
-    host_tier: str, streamed: list[Component], dtype: torch.dtype, weights: str
-) -> str:
+def _resolve_host_tier(placement: Placement, streamed: list[Component], dtype: torch.dtype) -> str:
     """ "ram" or "disk" for the streamed components; ValueError for a tier they cannot use."""
-    if host_tier not in HOST_TIERS:
-        raise ValueError(f"host_tier must be one of {', '.join(HOST_TIERS)}, got {host_tier!r}")
-    if host_tier == "ram":
-        return "ram"
-    if not streamed:
-        if host_tier == "disk":
-            raise ValueError(
-                "host_tier='disk' keeps streamed blocks on disk: needs offload='stream'"
-            )
+    host_tier = placement.host_tier
+    if host_tier == "ram" or not streamed:
+        # (A placement that asks for disk without streaming is refused by its rules; a family
+        # with nothing to stream keeps everything where it is.)
         return "ram"
     from_files = all(c.weights is not None for c in streamed)
     if host_tier == "auto":
-        if not from_files or weights != "raw":
+        if not from_files or placement.weights != "raw":
             return "ram"  # the disk tier reads raw tensors from files: nothing else can go there
         needed = sum(
             _cast_nbytes(b, c.dtype or dtype, c.keep_fp32) for c in streamed for b in c.blocks

@@ -33,7 +33,8 @@ import torch
 from .family import family
 from .host_store import SharedWeights
 from .loader import resolve_dtype, share_weights
-from .ranks import RankFailed, RankLink, join_group, parse_devices, run_ranks
+from .placement import Placement
+from .ranks import RankFailed, RankLink, join_group, parse_devices, ranks_placement, run_ranks
 from .request import ResolvedVideo
 from .sources import ModelInfo
 
@@ -46,8 +47,8 @@ class _Job:
 
     info: ModelInfo
     video: ResolvedVideo
+    placement: Placement  # each rank opens `placement.on(its device)`
     dtype: torch.dtype
-    prefetch: int
     threads: int
     frames_path: str  # rank 0 writes the frames here (.npy): no pickling through a pipe
     output: str | None  # and the MP4 here, when asked
@@ -57,7 +58,7 @@ class _Job:
 def generate_on_devices(
     info: ModelInfo,
     video: ResolvedVideo,
-    devices: str | Sequence[str],
+    devices: str | Sequence[str] | Placement,
     *,
     dtype: str | torch.dtype = "auto",
     prefetch: int = 2,
@@ -69,14 +70,17 @@ def generate_on_devices(
 ) -> np.ndarray:
     """Sample one clip of `video` with its tokens split over `devices`: uint8 `(F, H, W, 3)`.
 
-    Block weights stream from one shared host store (see the module docstring); `output`: rank
+    `devices` names the devices, or is a whole `Placement` with `devices` (then its `prefetch`
+    is the one used). Block weights stream from one shared host store (see the module
+    docstring); `output`: rank
     0 also writes the MP4 there. `threads`: CPU threads per rank (default: this machine's cores
     shared out). `progress(step, total)` is called here as rank 0 finishes each step;
     `on_spawn(pids)` once the ranks have started. ValueError before anything starts if the
     video cannot be split over the devices; RankFailed if a rank fails; TimeoutError (every rank
     stopped) after `timeout_s`.
     """
-    names = parse_devices(devices)
+    placement = ranks_placement(devices, prefetch)
+    names = placement.devices
     world = len(names)
     family(info.family).check_parallel(info, video.frames, video.height, video.width, world)
     dtype = resolve_dtype(dtype, torch.device(names[0]))
@@ -87,8 +91,8 @@ def generate_on_devices(
         job = _Job(
             info,
             video,
+            placement,
             dtype,
-            prefetch,
             threads,
             str(Path(tmp) / "frames.npy"),
             None if output is None else os.fspath(output),
@@ -117,12 +121,7 @@ def _sample(link: RankLink, job: _Job) -> None:
     torch.set_num_threads(job.threads)
     join_group(link)
     pipe = open_pipeline(
-        job.info,
-        device=link.device,
-        dtype=job.dtype,
-        offload="stream",
-        prefetch=job.prefetch,
-        shared=job.shared,
+        job.info, job.placement.on(str(link.device)), dtype=job.dtype, shared=job.shared
     )
     pipe.parallelize(SequenceGroup.default())
     state = pipe.prepare(job.video)

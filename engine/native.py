@@ -9,9 +9,7 @@ checkpoint.py); a preset's random weights are drawn as constructing `VideoDiT` a
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -24,11 +22,12 @@ from .config import DiTConfig
 from .data import BackgroundLoader, Batch, VideoDataset, validate_dataset
 from .dit import BlockInputs, VideoDiT, pop_aux_losses
 from .family import Component, Family, TrainingShape
-from .flow import SampleState, sample_step, shifted_schedule
+from .flow import EulerSampler, SampleState, shifted_schedule
 from .host_store import SafetensorsFile
 from .parallel import SequenceGroup, check_shardable, parallelize_dit
 from .pipeline import Pipeline, decode_chunks, distinct
 from .request import ResolvedVideo
+from .sampling import sample_step
 from .sources import ModelInfo
 from .step_cache import StepCache
 from .streaming import StreamHandle
@@ -151,21 +150,7 @@ class DiTPipeline(Pipeline):
         return SampleState(noise.to(self.device), ctx, mask, times, video.guidance, cache=cache)
 
     def _step(self, states: list[SampleState]) -> None:
-        if self.batched:
-            for part in self.passes([s for s in states if not s.done]):
-                sample_step(self.dit, part, self._first_block_only)
-            return
-        for state in states:
-            sample_step(self.dit, [state], self._first_block_only)
-
-    @contextlib.contextmanager
-    def _first_block_only(self) -> Iterator[None]:
-        """Around a first-block cache's run of block 0: the streamer copies no block ahead of it,
-        since the step may reuse and run no other (it copies block 1 when block 1 loads)."""
-        with contextlib.ExitStack() as stack:
-            for handle in self.handles.values():
-                stack.enter_context(handle.ordered([0]))
-            yield
+        sample_step(EulerSampler(self.dit, self.passes, self.first_block_only), states)
 
     def finish_batch(self, states: list[SampleState]) -> list[np.ndarray]:
         for state in states:

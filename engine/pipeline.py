@@ -12,6 +12,7 @@ autoencoder. Requests come in resolved (`request.ResolvedVideo`); `resolve` chec
 
 from __future__ import annotations
 
+import contextlib
 import json
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
@@ -35,7 +36,7 @@ DECODE_CHUNK = 4
 
 # Rows per pass of a resident model on a CPU (the denoiser's, and Wan's UMT5 prompts). Past a few
 # hundred tokens a row, one pass of many rows costs more per row than several passes of few: its
-# activations outgrow the caches (docs/benchmarks.md, "Passes of a few rows"). A streamed
+# activations outgrow the caches (docs/history.md, "Passes of a few rows"). A streamed
 # model, or one on a GPU, takes every row in one pass: there the weights cross once a pass, or a
 # wide batch is what the device wants.
 CPU_ROWS_PER_PASS = 4
@@ -65,6 +66,7 @@ class Pipeline(VideoModel, ABC):
     `adapters` holds the LoRA adapters registered on it, for a family that takes them."""
 
     adapters: AdapterRouter | None = None
+    batched: bool = True  # False: the reference mode, each request's rows in passes of their own
     decode_chunk: int = DECODE_CHUNK  # clips per pass of the autoencoder in `finish_batch`
     load_adapter: Callable[[str, Any], Adapter] | None = None  # the family's `load_adapter`
 
@@ -157,7 +159,10 @@ class Pipeline(VideoModel, ABC):
 
     def passes(self, states: list) -> list[list]:
         """`states` in the passes of one step: all together, or on a CPU with the weights
-        resident, consecutive runs of at most CPU_ROWS_PER_PASS rows (two for a guided state)."""
+        resident, consecutive runs of at most CPU_ROWS_PER_PASS rows (two for a guided state).
+        The reference mode (`batched` False) runs each request in a pass of its own."""
+        if not self.batched:
+            return [[state] for state in states]
         if self.one_pass():
             return [states] if states else []
         parts, rows = [], CPU_ROWS_PER_PASS
@@ -169,6 +174,15 @@ class Pipeline(VideoModel, ABC):
             parts[-1].append(state)
             rows += n
         return parts
+
+    @contextlib.contextmanager
+    def first_block_only(self) -> Iterator[None]:
+        """Around a first-block cache's run of block 0: the streamer copies no block ahead of it,
+        since the step may reuse and run no other (it copies block 1 when block 1 loads)."""
+        with contextlib.ExitStack() as stack:
+            for handle in self.handles.values():
+                stack.enter_context(handle.ordered([0]))
+            yield
 
     def finish(self, state) -> np.ndarray:
         """Decode a finished state to uint8 frames `(F, H, W, 3)`."""

@@ -11,7 +11,14 @@ and a few machine numbers, and named, so the accounting can be read and checked 
   masters are what streams (4 B/param per crossing) and the compute-dtype copy of a block is cast
   on the fly on the device, so no full compute-dtype copy exists anywhere. The forward keeps only
   block-boundary activations; the backward streams the blocks again in reverse, recomputes each
-  block and sends its fp32 gradients to the host.
+  block and sends its fp32 gradients to the host. Over several devices (data parallel) each
+  device runs its share of the batch's rows against the one master in host RAM, and each block's
+  gradients are reduced onto the first device as its backward ends.
+- Inference over several devices splits each clip's tokens over them (sequence parallel); each
+  streams every block from the one host copy.
+
+Where the weights live is a `Placement` (placement.py) seen as a `Workload` (`Workload.of`): the
+placement's lasting rules refuse what can never run; what only today's code lacks is planned.
 
 Time per step is `max(transfer, compute)` (copies overlap compute) with the bound named.
 
@@ -40,9 +47,10 @@ import resource
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from .disk_store import DEFAULT_RING_DEPTH, HOST_TIERS
+from .disk_store import DEFAULT_RING_DEPTH
 from .family import family
 from .optim import grad_buffer_bytes
+from .placement import HOST_TIERS, Placement
 from .sources import ModelInfo
 
 GB = 1e9
@@ -162,7 +170,8 @@ class Machine:
 
 @dataclass(frozen=True)
 class Workload:
-    """What runs: mode, clip shape and batch."""
+    """What runs: mode, clip shape and batch, and where the weights live (the planner's view of
+    a `Placement`: `Workload.of` makes one from it, `placement` gives it back)."""
 
     mode: str = "infer"  # "infer" or "finetune"
     frames: int | None = None
@@ -178,8 +187,36 @@ class Workload:
     loras: int = 0  # inference: LoRA adapters registered (their factors live on the device)
     lora_rank: int = 0  # their rank, on every adaptable layer
     weights: str = "raw"  # inference: host format of streamed blocks (raw, lossless, fp8)
-    devices: int = 1  # inference: one clip's tokens split over this many devices (parallel.py)
+    # Inference: one clip's tokens split over this many devices (parallel.py); fine-tuning: the
+    # batch split over them, one master in host RAM (data_parallel.py).
+    devices: int = 1
     host_tier: str = "ram"  # inference: where streamed blocks live (ram, disk, auto)
+
+    @classmethod
+    def of(cls, placement: Placement, **fields) -> Workload:
+        """The workload of `placement` (streamed: the planner plans streaming), with the
+        clip's and the run's `fields` (`devices`, a count, in place of the placement's names)."""
+        derived = dict(
+            prefetch=placement.prefetch,
+            gpu_budget=placement.gpu_budget_bytes,
+            weights=placement.weights,
+            devices=len(placement.devices) if placement.devices else 1,
+            host_tier=placement.host_tier,
+        )
+        return cls(**{**derived, **fields})
+
+    @property
+    def placement(self) -> Placement:
+        """The placement this workload plans: streamed, over `devices` devices."""
+        budget = None if self.gpu_budget is None else int(self.gpu_budget)
+        return Placement(
+            devices=tuple(f"device:{i}" for i in range(self.devices)) if self.devices > 1 else None,
+            offload="stream",
+            gpu_budget_bytes=budget,
+            prefetch=self.prefetch,
+            weights=self.weights,
+            host_tier=self.host_tier,
+        )
 
 
 def tokens(info: ModelInfo, w: Workload) -> int:
@@ -216,28 +253,94 @@ def plan(info: ModelInfo, machine: Machine = Machine(), w: Workload = Workload()
     step), a text encoder (streamed block by block too when it has blocks, else resident), an
     image encoder when it has one (Wan2.1-I2V's CLIP: fp32, streamed like the text encoder) and a
     VAE (resident, fp32). Fine-tuning trains the parameters the family names trainable (one
-    expert of a multi-expert model).
+    expert of a multi-expert model). The workload's placement is checked by the placement's
+    lasting rules (placement.py): what only today's code lacks is still accounted for.
     """
-    config = info.config
-    if w.mode not in ("infer", "finetune"):
-        raise ValueError(f"mode must be 'infer' or 'finetune', got {w.mode!r}")
-    finetune = w.mode == "finetune"
-    if w.weights not in ("raw", "lossless", "fp8"):
-        raise ValueError(f"weights must be raw, lossless or fp8, got {w.weights!r}")
-    if finetune and w.weights != "raw":
-        raise ValueError("fine-tuning writes the host store every step: it needs weights='raw'")
-    P = w.devices
-    if P < 1:
-        raise ValueError(f"devices must be at least 1, got {P}")
-    if finetune and P > 1:
-        raise ValueError("fine-tuning runs on one device: devices > 1 is inference only")
-    if w.host_tier not in HOST_TIERS:
-        raise ValueError(f"host_tier must be one of {', '.join(HOST_TIERS)}, got {w.host_tier!r}")
-    if finetune and w.host_tier == "disk":
-        raise ValueError("fine-tuning writes the host store every step: it needs host_tier='ram'")
-    if w.host_tier == "disk" and w.weights != "raw":
-        raise ValueError("the disk tier streams the files' bytes as they are: weights='raw'")
+    if w.devices < 1:
+        raise ValueError(f"devices must be at least 1, got {w.devices}")
+    w.placement.validate(w.mode, lasting_only=True)
+    z = _sizes(info, w)
+    device, host = _memory(info, w, z)
+    device_limit = machine.gpu_mem * (1 - machine.reserve)
+    if z.finetune and sum(device.values()) > device_limit:
+        # Over the device budget: the block-boundary activations wait in pinned host memory instead
+        # (one block's worth comes back for each block's recompute, overlapped like a weight copy).
+        host["boundary_activations"] = device.pop("boundary_activations")
+    host_tier, disk_bytes = _disk_tier(w, z, host, machine)
+    device_total = sum(device.values())
+    host_total = sum(host.values())
+    t = _step_time(info, w, z, machine, host)
+    bounds = t["bounds"]
+    if host_tier == "disk":
+        bounds["disk"] = disk_bytes / (machine.disk_gbps * GB)
+    bound = max(bounds, key=bounds.get)
+    problems = _problems(info, w, z, device_total, host_total, machine)
+    return {
+        "model": info.name,
+        "mode": w.mode,
+        "parameters": z.n_params,
+        "trainable_parameters": z.counts["trainable"],
+        "per_block_parameters": z.n_block,
+        "blocks": z.depth,
+        "experts": z.counts["experts"],
+        "resident_blocks": z.resident,
+        "streamed_blocks": z.streamed,
+        "tokens": z.n_tok,
+        "batch_rows": z.rows,
+        "host_tier": host_tier,
+        "host": {**host, "total": host_total},
+        "device": {**device, "weights": z.weights_dev, "total": device_total},
+        "devices": w.devices,
+        "time_s": {
+            **bounds,
+            "decode": t["decode"],
+            "communication": t["communication"],
+            "step": max(bounds.values()),
+            "bound": bound,
+        },
+        # Per device: each streams every block over its own link, from one shared host copy.
+        "bytes_per_step": {
+            "h2d": t["h2d"],
+            "disk": disk_bytes,
+            "all_to_all": t["all_to_all"],
+            "gradient_reduce": t["gradient_reduce"],
+        },
+        "fits": not problems,
+        "problems": problems,
+        "machine": asdict(machine),
+        "workload": asdict(w),
+    }
+
+
+@dataclass(frozen=True)
+class _Sizes:
+    """The counts and sizes every part of the plan reads: the model's, as the workload runs it."""
+
+    counts: dict
+    finetune: bool
+    n_params: int
+    n_block: int  # parameters of one denoiser block
+    depth: int
+    experts: int  # experts held (fine-tuning holds one)
+    wb: int  # bytes per streamed parameter: the compute dtype, or fine-tuning's fp32 master
+    block_bytes: int
+    coded_block_bytes: int  # a block as the host store keeps it and it crosses the bus
+    matmul_params: int
+    nonblock_bytes: int
+    slots: int
+    lora: int
+    resident: int
+    streamed: int
+    weights_dev: int
+    n_tok: int
+    rows: int  # rows of one pass on each device
+    sp: int  # sequence-parallel ways (inference over several devices)
+    dp: int  # data-parallel ways (fine-tuning over several devices)
+
+
+def _sizes(info: ModelInfo, w: Workload) -> _Sizes:
     counts = family(info.family).count_parameters(info)
+    finetune = w.mode == "finetune"
     n_params, n_block, depth = counts["total"], counts["per_block"], counts["blocks"]
     experts = 1 if finetune else counts["experts"]  # fine-tuning holds one expert's blocks
     b = w.dtype_bytes
@@ -247,8 +350,7 @@ def plan(info: ModelInfo, machine: Machine = Machine(), w: Workload = Workload()
     block_bytes = n_block * wb
     # Resident outside the streamed blocks: each expert's embeddings and head, the text encoder's
     # embedding (its blocks stream like the denoiser's) or all of it, and the fp32 VAE.
-    text_blocks = counts["text_blocks"]
-    text_resident = counts["text_encoder"] - counts["text_per_block"] * text_blocks
+    text_resident = counts["text_encoder"] - counts["text_per_block"] * counts["text_blocks"]
     # An image encoder (Wan2.1-I2V's CLIP, fp32) streams its layers like the text encoder.
     image_per_block = counts.get("image_per_block", 0)
     image_resident = counts.get("image_encoder", 0) - image_per_block * counts.get(
@@ -260,20 +362,14 @@ def plan(info: ModelInfo, machine: Machine = Machine(), w: Workload = Workload()
         + image_resident * 4
         + counts["vae"] * 4
     )
-    n_tok = tokens(info, w)
-    rows = w.batch * (2 if (w.guidance and not finetune) else 1)
-    D, F, L = config.dim, config.ffn_dim, config.text_tokens
-    keys = attention_keys(config, n_tok)
-
     # A denoiser block as its host store keeps it and as it crosses the bus.
-    matmul_params = n_block - 6 * D  # everything in a block but its modulation table is a matmul
+    matmul_params = n_block - 6 * info.config.dim  # all but the modulation table is a matmul
     coded_block_bytes = {
         "raw": block_bytes,
         "lossless": math.ceil(LOSSLESS_RATIO * block_bytes),
         "fp8": matmul_params + (n_block - matmul_params) * wb,
     }[w.weights]
     staging = 0 if w.weights == "raw" else coded_block_bytes  # per slot: the payload lands here
-
     # Device: weights. Slots hold streamed blocks (one ring per expert, and one for the text
     # encoder's blocks); the rest of the budget keeps denoiser blocks resident.
     slots = experts * w.prefetch * (block_bytes + staging) + (
@@ -284,88 +380,123 @@ def plan(info: ModelInfo, machine: Machine = Machine(), w: Workload = Workload()
         resident = 0
     else:
         free = w.gpu_budget - nonblock_bytes - slots - lora
-        resident = int(max(0, free) // (experts * block_bytes))
-        resident = min(resident, depth)
-    streamed = depth - resident
-    weights_dev = nonblock_bytes + slots + experts * resident * block_bytes
+        resident = min(int(max(0, free) // (experts * block_bytes)), depth)
+    dp = w.devices if finetune else 1
+    rows = -(-w.batch // dp) * (2 if (w.guidance and not finetune) else 1)
+    return _Sizes(
+        counts=counts,
+        finetune=finetune,
+        n_params=n_params,
+        n_block=n_block,
+        depth=depth,
+        experts=experts,
+        wb=wb,
+        block_bytes=block_bytes,
+        coded_block_bytes=coded_block_bytes,
+        matmul_params=matmul_params,
+        nonblock_bytes=nonblock_bytes,
+        slots=slots,
+        lora=lora,
+        resident=resident,
+        streamed=depth - resident,
+        weights_dev=nonblock_bytes + slots + experts * resident * block_bytes,
+        n_tok=tokens(info, w),
+        rows=rows,
+        sp=1 if finetune else w.devices,
+        dp=dp,
+    )
 
+
+def _memory(info: ModelInfo, w: Workload, z: _Sizes) -> tuple[dict, dict]:
+    """(device bytes, host bytes) by what holds them, on each device and on the host."""
+    config, b, P = info.config, w.dtype_bytes, z.sp
+    D, F = config.dim, config.ffn_dim
     # Device: activations of one block's forward, the largest live set (hidden state, qkv, attention
     # output, MLP hidden), and the attention workspace (flash-style kernels keep O(N) per row).
     # With P devices (sequence parallel) each holds N/P tokens of every row, or all N tokens of
     # heads/P heads around attention, plus the all-to-all's send and receive buffers of q, k, v.
-    n_rank = -(-n_tok // P)
-    act_block = rows * n_rank * (2 * D + max(4 * D, F + D)) * b
+    n_rank = -(-z.n_tok // P)
+    act_block = z.rows * n_rank * (2 * D + max(4 * D, F + D)) * b
     if P > 1:
-        act_block += 2 * rows * n_rank * 3 * D * b
-    attn_ws = rows * config.heads * n_tok * 4 // P  # fp32 log-sum-exp per query row
+        act_block += 2 * z.rows * n_rank * 3 * D * b
+    attn_ws = z.rows * config.heads * z.n_tok * 4 // P  # fp32 log-sum-exp per query row
     device = {
-        "non_block_weights": nonblock_bytes,
-        "slots": slots,
-        "resident_blocks": experts * resident * block_bytes,
+        "non_block_weights": z.nonblock_bytes,
+        "slots": z.slots,
+        "resident_blocks": z.experts * z.resident * z.block_bytes,
     }
     host = {}
-    trainable = counts["trainable"]
-    if not finetune:
+    trainable = z.counts["trainable"]
+    if not z.finetune:
         device.update(activations=act_block, attention_workspace=attn_ws)
-        kept = family(info.family).kept_across_steps(info, rows, b)
+        kept = family(info.family).kept_across_steps(info, z.rows, b)
         if kept:
             device["kept_across_steps"] = kept  # e.g. Wan's prompt keys and values
-        if lora:
+        if z.lora:
             # The factors stay on the device; the low-rank products add rows x tokens x rank.
-            device["lora_adapters"] = lora
+            device["lora_adapters"] = z.lora
         if w.weights == "raw":
-            host["compute_dtype_weights"] = n_params * b  # pinned once at the exact size
+            host["compute_dtype_weights"] = z.n_params * b  # pinned once at the exact size
         else:
-            coded = experts * depth
-            host["compute_dtype_weights"] = (n_params - coded * n_block) * b
-            host["coded_block_weights"] = coded * coded_block_bytes
-    else:
-        # Backward: one block's recompute plus its saved tensors (about 3x the forward live set), the
-        # compute-dtype cast of that block, its fp32 gradients, and every block's boundary activation.
-        device.update(
-            activations=3 * act_block,
-            attention_workspace=attn_ws,
-            block_cast=n_block * b,
-            block_gradients=n_block * 4,
-            boundary_activations=rows * n_tok * D * b * depth,
-        )
-        host.update(
-            fp32_master=4 * trainable,  # pinned: the streamer's host store is the master
-            adam_m=4 * trainable,
-            adam_v=4 * trainable,
-            frozen_weights=(n_params - trainable) * b,  # the frozen text encoder, VAE, experts
-            # One block's fp32 gradients on their way to the optimizer.
-            pinned_gradients=n_block * 4,
-            # Accumulating micro-batches, or clipping by the global norm, holds every gradient.
-            grad_accumulation=grad_buffer_bytes(
-                trainable,
-                accumulation_steps=w.grad_accum,
-                max_grad_norm=1.0 if w.max_grad_norm else None,
-            ),
-        )
-    device_limit = machine.gpu_mem * (1 - machine.reserve)
-    if finetune and sum(device.values()) > device_limit:
-        # Over the device budget: the block-boundary activations wait in pinned host memory instead
-        # (one block's worth comes back for each block's recompute, overlapped like a weight copy).
-        host["boundary_activations"] = device.pop("boundary_activations")
-    host_tier = "ram"
-    if not finetune and w.weights == "raw" and w.host_tier != "ram":
-        host_tier = choose_host_tier(w.host_tier, sum(host.values()), machine.host_mem)
-    disk_bytes = 0
-    if host_tier == "disk":
-        # The blocks stay in the files; each streamed module keeps a ring of its blocks.
-        on_disk = experts * depth * n_block + text_blocks * counts["text_per_block"]
-        host["compute_dtype_weights"] = (n_params - on_disk) * b
-        host["disk_ring"] = RING_DEPTH * (experts * block_bytes + counts["text_per_block"] * wb)
-        disk_bytes = (depth - resident) * block_bytes  # one expert's streamed blocks per step
-    device_total = sum(device.values())
-    host_total = sum(host.values())
+            coded = z.experts * z.depth
+            host["compute_dtype_weights"] = (z.n_params - coded * z.n_block) * b
+            host["coded_block_weights"] = coded * z.coded_block_bytes
+        return device, host
+    # Backward: one block's recompute plus its saved tensors (about 3x the forward live set), the
+    # compute-dtype cast of that block, its fp32 gradients, and every block's boundary activation.
+    # Data parallel: each device does this for its share of the batch's rows.
+    device.update(
+        activations=3 * act_block,
+        attention_workspace=attn_ws,
+        block_cast=z.n_block * b,
+        block_gradients=z.n_block * 4,
+        boundary_activations=z.rows * z.n_tok * D * b * z.depth,
+    )
+    host.update(
+        # Pinned: the streamer's host store is the master, one for every device (shared pages).
+        fp32_master=4 * trainable,
+        adam_m=4 * trainable,
+        adam_v=4 * trainable,
+        frozen_weights=(z.n_params - trainable) * b,  # the frozen text encoder, VAE, experts
+        # One block's fp32 gradients on their way to the optimizer.
+        pinned_gradients=z.n_block * 4,
+        # Accumulating micro-batches, or clipping by the global norm, holds every gradient.
+        grad_accumulation=grad_buffer_bytes(
+            trainable,
+            accumulation_steps=w.grad_accum,
+            max_grad_norm=1.0 if w.max_grad_norm else None,
+        ),
+    )
+    return device, host
 
+
+def _disk_tier(w: Workload, z: _Sizes, host: dict, machine: Machine) -> tuple[str, int]:
+    """(the host tier streamed blocks live in, bytes read from disk a step); with the disk tier,
+    `host` is changed to hold the non-block weights and the rings."""
+    host_tier = "ram"
+    if not z.finetune and w.weights == "raw" and w.host_tier != "ram":
+        host_tier = choose_host_tier(w.host_tier, sum(host.values()), machine.host_mem)
+    if host_tier != "disk":
+        return host_tier, 0
+    # The blocks stay in the files; each streamed module keeps a ring of its blocks.
+    counts, b = z.counts, w.dtype_bytes
+    on_disk = z.experts * z.depth * z.n_block + counts["text_blocks"] * counts["text_per_block"]
+    host["compute_dtype_weights"] = (z.n_params - on_disk) * b
+    host["disk_ring"] = RING_DEPTH * (z.experts * z.block_bytes + counts["text_per_block"] * z.wb)
+    return "disk", (z.depth - z.resident) * z.block_bytes  # one expert's streamed blocks a step
+
+
+def _step_time(info: ModelInfo, w: Workload, z: _Sizes, machine: Machine, host: dict) -> dict:
+    """Seconds of one step by what bounds it (`bounds`), and the bytes that cross each link."""
+    config, b, P = info.config, w.dtype_bytes, z.sp
+    D, L = config.dim, config.text_tokens
+    keys = attention_keys(config, z.n_tok)
+    n_tok, rows = z.n_tok, z.rows
     # Time: FLOPs of one forward over the batch (matmuls 2*params*tokens, attention 4*N*keys*D).
     fwd_flops = (
-        depth * rows * (2 * matmul_params * n_tok + 4 * n_tok * keys * D + 4 * n_tok * L * D)
+        z.depth * rows * (2 * z.matmul_params * n_tok + 4 * n_tok * keys * D + 4 * n_tok * L * D)
     )
-    streamed_bytes = streamed * block_bytes  # one expert runs per step
+    streamed_bytes = z.streamed * z.block_bytes  # one expert runs per step
     # Sequence parallel: each device computes 1/P of every matmul and attention (the prologue and
     # epilogue it repeats are left out), and per block sends (P-1)/P of its q, k, v and attention
     # output (4 x rows x N/P x D values); the hidden states are gathered once per step. The
@@ -373,16 +504,20 @@ def plan(info: ModelInfo, machine: Machine = Machine(), w: Workload = Workload()
     fwd_flops = fwd_flops / P
     a2a_bytes = 0
     if P > 1:
+        n_rank = -(-n_tok // P)
         per_block = 4 * rows * n_rank * D * b * (P - 1) // P
-        a2a_bytes = depth * per_block + rows * n_rank * D * b * (P - 1)
-    comm_s = a2a_bytes / (machine.link_gbps * GB)
+        a2a_bytes = z.depth * per_block + rows * n_rank * D * b * (P - 1)
+    # Data parallel: each block's fp32 gradients are summed onto rank 0 as its backward ends (a
+    # reduce: (dp-1)/dp of them sent per device), not overlapped with compute either.
+    reduce_bytes = z.depth * z.n_block * 4 * (z.dp - 1) // z.dp
+    comm_s = (a2a_bytes + reduce_bytes) / (machine.link_gbps * GB)
     decode_s = 0.0
-    if not finetune:
+    if not z.finetune:
         # A coded block is decoded on the compute stream before it runs: compute time grows.
         if w.weights != "raw":
             decode_s = streamed_bytes / (machine.decode_gbps * GB)
         compute_s = fwd_flops / (machine.tflops * 1e12) + decode_s + comm_s
-        h2d_bytes = streamed * coded_block_bytes
+        h2d_bytes = z.streamed * z.coded_block_bytes
         # Each device has its own link; with several, they all read the one host copy, so host
         # memory bandwidth may bound first.
         transfer_s = max(
@@ -390,27 +525,41 @@ def plan(info: ModelInfo, machine: Machine = Machine(), w: Workload = Workload()
         )
         optimizer_s = 0.0
     else:
-        compute_s = 4 * fwd_flops / (machine.tflops * 1e12)  # forward, recompute, backward (2x)
+        # Forward, recompute, backward (2x), on each device's rows.
+        compute_s = 4 * fwd_flops / (machine.tflops * 1e12) + comm_s
         offloaded = host.get("boundary_activations", 0)  # down in the forward, up in the backward
         # Every block crosses in the forward and again in the backward, except those still in their
         # slots when the backward turns around.
-        h2d_bytes = (2 * streamed - min(w.prefetch, streamed)) * block_bytes + offloaded
-        d2h_bytes = depth * n_block * 4 + offloaded  # every block's fp32 gradients
+        h2d_bytes = (2 * z.streamed - min(w.prefetch, z.streamed)) * z.block_bytes + offloaded
+        d2h_bytes = z.depth * z.n_block * 4 + offloaded  # every block's fp32 gradients
         transfer_s = h2d_bytes / (machine.h2d_gbps * GB) + d2h_bytes / (machine.d2h_gbps * GB)
-        optimizer_s = 30 * trainable / (machine.host_gbps * GB)  # ~30 B/param through host memory
-    bounds = {"compute": compute_s, "transfer": transfer_s, "optimizer": optimizer_s}
-    if host_tier == "disk":
-        bounds["disk"] = disk_bytes / (machine.disk_gbps * GB)
-    bound = max(bounds, key=bounds.get)
+        # ~30 B/param through host memory
+        optimizer_s = 30 * z.counts["trainable"] / (machine.host_gbps * GB)
+    return {
+        "bounds": {"compute": compute_s, "transfer": transfer_s, "optimizer": optimizer_s},
+        "decode": decode_s,
+        "communication": comm_s,
+        "h2d": h2d_bytes,
+        "all_to_all": a2a_bytes,
+        "gradient_reduce": reduce_bytes,
+    }
 
+
+def _problems(
+    info: ModelInfo, w: Workload, z: _Sizes, device_total: int, host_total: int, machine: Machine
+) -> list[str]:
+    """What keeps the workload from running on the machine, each named; empty when it fits."""
     problems = []
-    if P > 1:
+    if z.sp > 1:
         s = info.sampling
         shape = (w.frames or s.frames, w.height or s.height, w.width or s.width)
         try:
-            family(info.family).check_parallel(info, *shape, P)
+            family(info.family).check_parallel(info, *shape, z.sp)
         except ValueError as e:
             problems.append(str(e))
+    if z.dp > 1 and w.batch % z.dp:
+        problems.append(f"batch {w.batch} does not split over {z.dp} devices: a multiple of it")
+    device_limit = machine.gpu_mem * (1 - machine.reserve)
     if device_total > device_limit:
         problems.append(
             f"device memory: needs {device_total / GB:.1f} GB of {device_limit / GB:.1f} GB usable"
@@ -419,41 +568,13 @@ def plan(info: ModelInfo, machine: Machine = Machine(), w: Workload = Workload()
         problems.append(
             f"host memory: needs {host_total / GB:.1f} GB of {machine.host_mem / GB:.1f} GB"
         )
-    if w.gpu_budget is not None and not finetune and w.gpu_budget < nonblock_bytes + slots:
+    floor = z.nonblock_bytes + z.slots
+    if w.gpu_budget is not None and not z.finetune and w.gpu_budget < floor:
         problems.append(
             f"gpu budget {w.gpu_budget / GB:.2f} GB is below non-block weights + slots "
-            f"({(nonblock_bytes + slots) / GB:.2f} GB)"
+            f"({floor / GB:.2f} GB)"
         )
-    return {
-        "model": info.name,
-        "mode": w.mode,
-        "parameters": n_params,
-        "trainable_parameters": trainable,
-        "per_block_parameters": n_block,
-        "blocks": depth,
-        "experts": counts["experts"],
-        "resident_blocks": resident,
-        "streamed_blocks": streamed,
-        "tokens": n_tok,
-        "batch_rows": rows,
-        "host_tier": host_tier,
-        "host": {**host, "total": host_total},
-        "device": {**device, "weights": weights_dev, "total": device_total},
-        "devices": P,
-        "time_s": {
-            **bounds,
-            "decode": decode_s,
-            "communication": comm_s,
-            "step": max(bounds.values()),
-            "bound": bound,
-        },
-        # Per device: each streams every block over its own link, from one shared host copy.
-        "bytes_per_step": {"h2d": h2d_bytes, "disk": disk_bytes, "all_to_all": a2a_bytes},
-        "fits": not problems,
-        "problems": problems,
-        "machine": asdict(machine),
-        "workload": asdict(w),
-    }
+    return problems
 
 
 class HostMemoryError(ValueError):
@@ -467,23 +588,25 @@ HOST_MEMORY_CHECK_ENV = "MEGASLIDE_HOST_MEMORY_CHECK"
 
 def check_host_memory(
     info: ModelInfo,
+    placement: Placement,
     *,
-    device: str,
     dtype_bytes: int,
-    offload: str = "none",
-    weights: str = "raw",
-    host_tier: str = "ram",
     available: tuple[int, str] | None = None,
 ) -> None:
     """HostMemoryError, before anything is allocated, when the weights `open_pipeline` would keep
-    in host memory (`plan`'s host total) exceed what is available (`host_memory_available`): a
-    process would otherwise be killed by the kernel halfway through loading. The message names
-    the need, what is available and the options that would fit. Weights resident on a CUDA
-    device take no host memory to speak of; `MEGASLIDE_HOST_MEMORY_CHECK=off` skips the check."""
-    if (device != "cpu" and offload != "stream") or os.environ.get(HOST_MEMORY_CHECK_ENV) == "off":
+    in host memory as `placement` places them (`plan`'s host total) exceed what is available
+    (`host_memory_available`): a process would otherwise be killed by the kernel halfway through
+    loading. The message names the need, what is available and the options that would fit.
+    Weights resident on a CUDA device take no host memory to speak of; several devices stream
+    from one host copy, counted once. `MEGASLIDE_HOST_MEMORY_CHECK=off` skips the check."""
+    device = placement.device or "cpu"
+    resident_on_gpu = not device.startswith("cpu") and not placement.streams
+    if resident_on_gpu or os.environ.get(HOST_MEMORY_CHECK_ENV) == "off":
         return
     free, bound = available or host_memory_available()
-    w = Workload(dtype_bytes=dtype_bytes, weights=weights, host_tier=host_tier)
+    # One device's host side: the ranks of several share it (the planner's `devices` changes
+    # the device side only).
+    w = Workload.of(placement.on(device), dtype_bytes=dtype_bytes)
     verdict = plan(info, Machine(host_mem=free), w)
     need = verdict["host"]["total"]
     if need <= free:
@@ -498,11 +621,11 @@ def check_host_memory(
         if alt_need <= free and alt != w:
             options.append(f"{flags} ({alt_need / GB:.1f} GB)")
     fits = "options that fit: " + ", ".join(options) if options else "no option fits this host"
-    auto = " (auto)" if host_tier == "auto" else ""
+    auto = " (auto)" if placement.host_tier == "auto" else ""
     raise HostMemoryError(
-        f"{info.name} does not fit in host memory: its weights ({weights}, {dtype_bytes} bytes "
-        f"a parameter, host tier {verdict['host_tier']}{auto}) need {need / GB:.1f} GB, "
-        f"{free / GB:.1f} GB is available (bounded by {bound}); {fits}. "
+        f"{info.name} does not fit in host memory: its weights ({placement.weights}, "
+        f"{dtype_bytes} bytes a parameter, host tier {verdict['host_tier']}{auto}) need "
+        f"{need / GB:.1f} GB, {free / GB:.1f} GB is available (bounded by {bound}); {fits}. "
         f"{HOST_MEMORY_CHECK_ENV}=off skips this check"
     )
 
@@ -531,7 +654,14 @@ def format_plan(p: dict) -> str:
         f"(compute {t['compute']:.3f} s, transfer {t['transfer']:.3f} s, optimizer {t['optimizer']:.3f} s"
         + (f", disk {t['disk']:.3f} s)" if "disk" in t else ")")
     )
-    if p["devices"] > 1:
+    if p["devices"] > 1 and p["mode"] == "finetune":
+        lines.append(
+            f"per device of {p['devices']}: {p['batch_rows']} rows, "
+            f"{p['bytes_per_step']['gradient_reduce'] / GB:.2f} GB of gradients sent to the first "
+            f"device a step ({t['communication']:.3f} s of the compute time), "
+            "one master in host RAM"
+        )
+    elif p["devices"] > 1:
         lines.append(
             f"per device of {p['devices']}: {p['bytes_per_step']['all_to_all'] / GB:.2f} GB sent "
             f"in all-to-alls a step ({t['communication']:.3f} s of the compute time), "

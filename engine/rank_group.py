@@ -43,6 +43,7 @@ from .family import family
 from .host_store import SharedWeights
 from .interfaces import VideoModel
 from .loader import resolve_dtype, share_weights
+from .placement import Placement
 from .ranks import (
     STOP_GRACE_S,
     RankFailed,
@@ -50,7 +51,7 @@ from .ranks import (
     blame,
     exit_reason,
     join_group,
-    parse_devices,
+    ranks_placement,
     stop_ranks,
 )
 from .request import RequestError, ResolvedVideo
@@ -68,8 +69,8 @@ class _Spec:
 
     info: ModelInfo
     devices: tuple[str, ...]
+    placement: Placement  # each rank opens `placement.on(its device)`
     dtype: torch.dtype
-    prefetch: int
     threads: int
     rendezvous: str  # a fresh file per start: torch.distributed's file:// rendezvous
     shared: SharedWeights
@@ -92,20 +93,23 @@ class RankGroup(VideoModel):
     def __init__(
         self,
         info: ModelInfo,
-        devices: str | Sequence[str],
+        devices: str | Sequence[str] | Placement,
         *,
         dtype: str | torch.dtype = "auto",
         prefetch: int = 2,
         threads: int | None = None,
     ):
+        """`devices` names the devices, or is a whole `Placement` with `devices` (then its
+        `prefetch` is the one used); ValueError for one its rules refuse."""
         self.info = info
-        self.devices = tuple(parse_devices(devices))
+        self.placement = ranks_placement(devices, prefetch)
+        self.devices = self.placement.devices
         self.dtype = resolve_dtype(dtype, torch.device(self.devices[0]))
         world = len(self.devices)
         if threads is None:
             cpu = self.devices[0] == "cpu"
             threads = max(1, (os.cpu_count() or 1) // world) if cpu else 1
-        self.prefetch, self.threads = prefetch, threads
+        self.prefetch, self.threads = self.placement.prefetch, threads
         self._shared = share_weights(info, self.dtype)  # held for restarts
         self._tmp = tempfile.TemporaryDirectory(prefix="megaslide-ranks-")
         self._procs: list = []
@@ -196,8 +200,8 @@ class RankGroup(VideoModel):
         spec = _Spec(
             self.info,
             self.devices,
+            self.placement,
             self.dtype,
-            self.prefetch,
             self.threads,
             str(Path(self._tmp.name) / f"rendezvous-{self._generation}"),
             self._shared,
@@ -322,12 +326,7 @@ def _rank_main(rank: int, spec: _Spec, conn: Connection) -> None:
         join_group(link)
         device = link.device
         pipe = open_pipeline(
-            spec.info,
-            device=device,
-            dtype=spec.dtype,
-            offload="stream",
-            prefetch=spec.prefetch,
-            shared=spec.shared,
+            spec.info, spec.placement.on(str(device)), dtype=spec.dtype, shared=spec.shared
         )
         pipe.parallelize(SequenceGroup.default())
     except BaseException as e:  # noqa: BLE001 - reported, then the rank exits

@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from .placement import Placement
+
 STOP_GRACE_S = 5.0  # how long a stopped rank gets to exit before it is killed
 COLLECTIVE_TIMEOUT_S = 600.0  # a collective waiting longer than this on a peer fails
 CAUSE_GRACE_S = 1.0  # how long a rank's error waits for a peer's death it may be the echo of
@@ -39,6 +41,20 @@ class RankFailed(RuntimeError):
     def __init__(self, rank: int, device: str, reason: str):
         super().__init__(f"rank {rank} ({device}) failed: {reason}")
         self.rank, self.device, self.reason = rank, device, reason
+
+
+def ranks_placement(devices: str | Sequence[str] | Placement, prefetch: int = 2) -> Placement:
+    """The placement of a job over several devices: `devices` as a whole `Placement` (its
+    `devices` set), or device names that stream every block (`prefetch` slots each). Its devices
+    are checked (`parse_devices`) and its rules too: PlacementError naming the one it breaks."""
+    if not isinstance(devices, Placement):
+        devices = Placement(
+            devices=tuple(parse_devices(devices)), offload="stream", prefetch=prefetch
+        )
+    if devices.devices is None:
+        raise ValueError("a job over several devices needs a placement with devices")
+    placement = devices.replace(devices=tuple(parse_devices(devices.devices)))
+    return placement.validate()
 
 
 def parse_devices(devices: str | Sequence[str]) -> list[str]:

@@ -27,14 +27,13 @@ RANDOM_SEED_BITS = 31  # an unseeded request gets a seed below 2**31, echoed bac
 
 # Step caches (engine/step_cache.py holds the policies and their maths): a request names a policy
 # and a threshold, or a preset. Off unless asked for. The presets are points measured on the
-# packaged model at 20 steps (benchmarks/step_cache.py, docs/benchmarks.md, 60 prompts): 1.96x,
-# 2.28x and 3.21x fewer passes at 46.7, 42.2 and 33.8 dB mean PSNR against the uncached clips
-# (worst clip 37.3, 32.0 and 22.8 dB), adherence unchanged. All three are output-change: it
+# packaged model at 20 steps (benchmarks/step_cache.py; their passes and PSNR are the table in
+# docs/benchmarks.md, "Step caches"), adherence unchanged. All three are output-change: it
 # decides per clip from the clip's own measured change, which protects the few clips that settle
-# late; the adaptive policy's calibrated curve gives every clip the same steps, and at 2.00x
-# (adaptive 0.0043, linear) its worst clip was 27.4 dB. Output-change needs no curve, so the
+# late; the adaptive policy's calibrated curve gives every clip the same steps, and its worst
+# clip fell behind at these speeds (docs/history.md). Output-change needs no curve, so the
 # presets mean the same on any model. quality and balanced forecast their reuses linearly (short
-# runs of reuses: the worst clip of 0.05 rose from 23.3 dB); fast does not (it lost in PSNR).
+# runs of reuses: the worst clip rose); fast does not (it lost in PSNR).
 CACHE_POLICIES = ("output-change", "adaptive", "first-block")
 # What a reused step takes, with any policy: the last computed output as it is ("none"), or the
 # output forecast at the step's flow time from the last two ("linear") or three ("quadratic")

@@ -4,7 +4,7 @@ Between neighbouring denoising steps a video DiT's output changes little over lo
 the schedule, so a step can reuse the output of an earlier one. For a streamed model a skipped
 pass is worth more than elsewhere: it skips the compute *and* the whole transfer of the weights.
 
-A cache sits in the sampler loop (flow.py for our DiT, wan/family.py for Wan), one per request:
+A cache sits in the sampler loop (sampling.py, shared by every family), one per request:
 before each step the sampler asks `StepCache.reuse(step, t, t_next)`; a request that reuses takes
 `StepCache.output()` as its model output and its rows stay out of the pass; a request that
 computes joins the pass and hands its output to `StepCache.record`. When every request of a step
@@ -31,7 +31,7 @@ Policies (`threshold` 0 never reuses; larger reuses more):
   The final step computes whatever the estimate (as in TeaCache): a reused output there goes
   into the clip undamped by later steps, and the output changes fastest there; on the packaged
   model one clip in five reused it at the `quality` threshold, its three worst among them
-  (docs/benchmarks.md).
+  (docs/history.md).
 - ``adaptive`` (after MagCache's calibrated curve, Ma et al. 2025, arXiv:2506.09045, and
   AdaCache's per-run error budget, Kahatapitiya et al. 2024, arXiv:2411.02397). How much a step's
   output changes, and how much of a wrong output at that step ends in the clip, both follow
@@ -49,7 +49,7 @@ Policies (`threshold` 0 never reuses; larger reuses more):
   the cost of one reuse is exactly the error it was measured to make; other step counts or
   shifts read the curves by flow time. Steps where the clip is sensitive (on the packaged model
   the first seven, where a few prompts decide their shape, and the last) compute, the settled
-  middle reuses. Why (docs/benchmarks.md): the measured rate of the last two steps said nothing
+  middle reuses. Why (docs/history.md): the measured rate of the last two steps said nothing
   of the sensitive steps ahead; scaling the curve by the row's own measured change, or by the
   motion term, did not improve on it consistently. A model without a curve falls back to the
   measured rate scaled by the predicted clip's motion `m` (MoReg: `r (1 + m / MOTION_SCALE)`), its drift

@@ -65,7 +65,8 @@ from .host_store import (
     repoint,
 )
 from .ordering import Ordering, make_ordering
-from .weight_formats import EncodedBlockStore, codec, make_store
+from .placement import Placement
+from .weight_formats import EncodedBlockStore, make_store
 
 __all__ = ["ResidencyPlan", "StreamHandle", "plan_residency", "stream_module"]
 
@@ -747,7 +748,7 @@ def _resolve_pinning(device: torch.device, host_pinned: bool | None) -> bool:
 def stream_module(
     module: nn.Module,
     blocks: Sequence[nn.Module] | nn.ModuleList,
-    device: str | torch.device,
+    device: str | torch.device | Placement,
     gpu_budget_bytes: int | None = None,
     prefetch: int = 2,
     timing: bool = False,
@@ -762,6 +763,8 @@ def stream_module(
 ) -> StreamHandle:
     """Stream `blocks` (submodules of `module`, in the order they run) from host RAM to `device`.
 
+    `device` is a device, or a whole `Placement` (placement.py) in place of it and of
+    `gpu_budget_bytes`, `prefetch`, `timing`, `weights`, `host_tier` and `disk_io`.
     After this call `module(...)` runs as usual. Tensors outside the blocks move to `device`.
     With `gpu_budget_bytes`, the most blocks that fit beside the `prefetch` slots, the non-block
     tensors and `activation_reserve_bytes` stay resident (see `plan_residency`); `None` streams all.
@@ -779,29 +782,124 @@ def stream_module(
     holding its weights (shared memory another process filled): they are used as they are, so
     several processes stream from one copy; their blocks count as filled.
     """
-    device = torch.device(device)
+    loose = dict(
+        gpu_budget_bytes=gpu_budget_bytes,
+        prefetch=prefetch,
+        timing=timing,
+        weights=weights,
+        host_tier=host_tier,
+        disk_io=disk_io,
+    )
+    placement = _stream_placement(device, loose)
+    device = torch.device(placement.device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    codec(weights)  # ValueError for an unknown format, before anything is allocated
-    if host_tier not in ("ram", "disk"):
-        raise ValueError(f"host_tier must be ram or disk, got {host_tier!r}")
-    if host_tier == "disk" and weights != "raw":
-        raise ValueError(
-            f"weights={weights!r} is a format of the host store in RAM: the disk tier streams "
-            "the files' bytes as they are (weights='raw')"
-        )
     if activation_reserve_bytes < 0:
         raise ValueError(f"activation_reserve_bytes={activation_reserve_bytes} must be >= 0")
     blocks = list(blocks)
+    if host_buffers is not None:
+        _check_host_buffers(host_buffers, blocks, placement)
+    names = _block_names(module, blocks)
+    per_block, non_block = _block_tensors(module, blocks)
+
+    layouts = [pack(ts) for ts in per_block]
+    non_block_bytes = sum(t.tensor.numel() * t.tensor.element_size() for t in non_block)
+    plan = plan_residency(
+        [nb for _, nb in layouts],
+        prefetch=placement.prefetch,
+        gpu_budget_bytes=placement.gpu_budget_bytes,
+        non_block_bytes=non_block_bytes,
+        activation_reserve_bytes=activation_reserve_bytes,
+    )
+    pinned = _resolve_pinning(device, host_pinned)
+    if ordering is None:
+        ordering = make_ordering(device)
+    disk_stores = (
+        make_disk_stores(per_block, plan.streamed, pinned, ring_depth, placement.disk_io)
+        if placement.host_tier == "disk"
+        else None
+    )
+    records = []
+    for i, (b, tensors, (entries, nbytes)) in enumerate(zip(blocks, per_block, layouts)):
+        rec = _Block(i, names[id(b)], b, tensors, entries, nbytes, resident=i in plan.resident)
+        buffer = host_buffers[i] if host_buffers is not None else None
+        _place_block(rec, placement, device, pinned, buffer, disk_stores)
+        records.append(rec)
+    for t in non_block:
+        repoint(
+            t.tensor,
+            torch.empty_like(t.tensor, device=device)
+            if t.tensor.is_meta
+            else t.tensor.detach().to(device),
+        )
+
+    handle = StreamHandle(
+        module,
+        records,
+        device,
+        plan,
+        pinned,
+        placement.prefetch,
+        placement.timing,
+        non_block,
+        ordering,
+    )
+    handle.placement = placement
+    handle.weights = placement.weights
+    handle.host_tier = placement.host_tier
+    _open_slots(handle, plan, ordering)
+    handle._install()
+    return handle
+
+
+def _stream_placement(device: str | torch.device | Placement, loose: dict) -> Placement:
+    """The placement `stream_module` streams by: the one given, or one of its loose keywords
+    (which must then be left at their defaults), checked by the placement's rules."""
+    if isinstance(device, Placement):
+        changed = sorted(k for k, v in loose.items() if v != _LOOSE_DEFAULTS[k])
+        if changed:
+            raise TypeError(f"give a placement or its fields, not both: {changed}")
+        placement = device
+        if not placement.streams:
+            raise ValueError("stream_module streams: the placement needs offload='stream'")
+    else:
+        placement = Placement(device=str(device), offload="stream", **loose)
+    placement.validate()
+    if placement.host_tier not in ("ram", "disk"):  # "auto" is the loader's to resolve
+        raise ValueError(f"host_tier must be ram or disk, got {placement.host_tier!r}")
+    if placement.devices is not None or placement.device is None:
+        raise ValueError("stream_module streams to one device: name it (placement.on(device))")
+    return placement
+
+
+_LOOSE_DEFAULTS = {
+    "gpu_budget_bytes": None,
+    "prefetch": 2,
+    "timing": False,
+    "weights": "raw",
+    "host_tier": "ram",
+    "disk_io": "buffered",
+}
+
+
+def _check_host_buffers(
+    host_buffers: Sequence[torch.Tensor], blocks: list[nn.Module], placement: Placement
+) -> None:
+    if placement.weights != "raw":
+        raise ValueError(
+            f"host_buffers hold raw blocks: weights={placement.weights!r} does not apply"
+        )
+    if len(host_buffers) != len(blocks):
+        raise ValueError(f"{len(host_buffers)} host buffers for {len(blocks)} blocks")
+    if placement.host_tier != "ram":
+        raise ValueError("host_buffers are the blocks' stores in RAM: host_tier='ram'")
+
+
+def _block_names(module: nn.Module, blocks: list[nn.Module]) -> dict[int, str]:
+    """Each submodule's qualified name by id; ValueError unless `blocks` are distinct, non-nested
+    submodules of `module`."""
     if not blocks:
         raise ValueError("blocks is empty: nothing to stream")
-    if host_buffers is not None:
-        if weights != "raw":
-            raise ValueError(f"host_buffers hold raw blocks: weights={weights!r} does not apply")
-        if len(host_buffers) != len(blocks):
-            raise ValueError(f"{len(host_buffers)} host buffers for {len(blocks)} blocks")
-        if host_tier != "ram":
-            raise ValueError("host_buffers are the blocks' stores in RAM: host_tier='ram'")
     names: dict[int, str] = {}
     for name, m in module.named_modules(remove_duplicate=False):
         names.setdefault(id(m), name)
@@ -816,7 +914,14 @@ def stream_module(
     for i, b in enumerate(blocks):
         if any(id(m) in block_ids for m in b.modules() if m is not b):
             raise ValueError(f"blocks[{i}] contains another block: blocks must not nest")
+    return names
 
+
+def _block_tensors(
+    module: nn.Module, blocks: list[nn.Module]
+) -> tuple[list[list[BoundTensor]], list[BoundTensor]]:
+    """(each block's tensors, the tensors outside every block); ValueError for a tensor two of
+    them share, or a non-persistent buffer not set yet."""
     per_block = [collect_tensors(b) for b in blocks]
     owner: dict[int, int] = {}
     for i, tensors in enumerate(per_block):
@@ -827,7 +932,7 @@ def stream_module(
             owner[id(t.tensor)] = i
     # Tensors reachable without entering a block; one also reachable through a block (tied weights,
     # a shared submodule) would be used while its block is not loaded, so it is refused.
-    non_block = collect_tensors(module, stop=frozenset(block_ids))
+    non_block = collect_tensors(module, stop=frozenset(id(b) for b in blocks))
     for t in non_block:
         if id(t.tensor) in owner:
             raise ValueError(
@@ -837,59 +942,40 @@ def stream_module(
     for t in non_block + [t for ts in per_block for t in ts]:
         if t.tensor.is_meta and not t.persistent:
             raise ValueError(f"non-persistent buffer {t.names[0]!r} is on meta: set it first")
+    return per_block, non_block
 
-    layouts = [pack(ts) for ts in per_block]
-    non_block_bytes = sum(t.tensor.numel() * t.tensor.element_size() for t in non_block)
-    plan = plan_residency(
-        [nb for _, nb in layouts],
-        prefetch=prefetch,
-        gpu_budget_bytes=gpu_budget_bytes,
-        non_block_bytes=non_block_bytes,
-        activation_reserve_bytes=activation_reserve_bytes,
-    )
-    pinned = _resolve_pinning(device, host_pinned)
-    if ordering is None:
-        ordering = make_ordering(device)
 
-    records = []
-    resident = set(plan.resident)
-    disk_stores = (
-        make_disk_stores(per_block, plan.streamed, pinned, ring_depth, disk_io)
-        if host_tier == "disk"
-        else {}
-    )
-    for i, (b, tensors, (entries, nbytes)) in enumerate(zip(blocks, per_block, layouts)):
-        rec = _Block(i, names[id(b)], b, tensors, entries, nbytes, resident=i in resident)
-        rec.missing = {k for k, t in enumerate(tensors) if t.tensor.is_meta}
-        if host_buffers is not None:
-            rec.missing = set()  # the buffer holds the block's weights already
-            if rec.resident:
-                rec.device_flat = host_buffers[i].to(device, copy=True)
-                for bound, entry in zip(tensors, entries):
-                    repoint(bound.tensor, entry.view(rec.device_flat))
-            else:
-                rec.store = HostBlockStore.attach(tensors, host_buffers[i], pinned)
-        elif rec.resident:  # one flat device buffer per resident block, exactly as planned
-            rec.device_flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
-            move_into(tensors, [e.view(rec.device_flat) for e in entries])
-        elif host_tier == "disk":  # nothing read yet: load_weights locates the tensors
-            rec.store = disk_stores[i]
-        else:  # block by block, so the host holds at most one block twice at a time
-            rec.store = make_store(tensors, pinned, weights)
-        records.append(rec)
-    for t in non_block:
-        repoint(
-            t.tensor,
-            torch.empty_like(t.tensor, device=device)
-            if t.tensor.is_meta
-            else t.tensor.detach().to(device),
-        )
+def _place_block(
+    rec: _Block,
+    placement: Placement,
+    device: torch.device,
+    pinned: bool,
+    buffer: torch.Tensor | None,
+    disk_stores: dict[int, DiskBlockStore] | None,
+) -> None:
+    """Give block `rec` its storage: a flat device buffer when resident, else its host store (in
+    `placement.weights`' format, on disk with the disk tier, or the shared `buffer` given)."""
+    rec.missing = {k for k, t in enumerate(rec.tensors) if t.tensor.is_meta}
+    if buffer is not None:  # it holds the block's weights already (shared memory)
+        rec.missing = set()
+        if rec.resident:
+            rec.device_flat = buffer.to(device, copy=True)
+            for bound, entry in zip(rec.tensors, rec.entries):
+                repoint(bound.tensor, entry.view(rec.device_flat))
+        else:
+            rec.store = HostBlockStore.attach(rec.tensors, buffer, pinned)
+    elif rec.resident:  # one flat device buffer per resident block, exactly as planned
+        rec.device_flat = torch.empty(rec.nbytes, dtype=torch.uint8, device=device)
+        move_into(rec.tensors, [e.view(rec.device_flat) for e in rec.entries])
+    elif disk_stores is not None:  # nothing read yet: load_weights locates the tensors
+        rec.store = disk_stores[rec.index]
+    else:  # block by block, so the host holds at most one block twice at a time
+        rec.store = make_store(rec.tensors, pinned, placement.weights)
 
-    handle = StreamHandle(
-        module, records, device, plan, pinned, prefetch, timing, non_block, ordering
-    )
-    handle.weights = weights
-    handle.host_tier = host_tier
+
+def _open_slots(handle: StreamHandle, plan: ResidencyPlan, ordering: Ordering) -> None:
+    """The ring of device slots the streamed blocks are copied into, and each block's views of
+    every slot."""
     for _ in range(plan.num_slots):
         slot = _Slot(
             ordering.device_buffer(plan.slot_bytes), ordering.new_event(), ordering.new_event()
@@ -899,8 +985,7 @@ def stream_module(
         ordering.record_on_compute(slot.free)
         handle._slots.append(slot)
     handle._size_staging()  # blocks with real tensors were encoded by make_store
-    for rec in records:  # views are built once here, outside any inference_mode a caller may use
+    # Views are built once here, outside any inference_mode a caller may use.
+    for rec in handle._blocks:
         if not rec.resident:
             rec.slot_views = [tuple(e.view(s.buffer) for e in rec.entries) for s in handle._slots]
-    handle._install()
-    return handle

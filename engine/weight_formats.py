@@ -52,8 +52,8 @@ from .host_store import (
     pin_exact,
     unpin,
 )
+from .placement import WEIGHT_FORMATS
 
-WEIGHT_FORMATS = ("raw", "lossless", "fp8")
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 

@@ -11,7 +11,7 @@ encoder (hashed word tokens) trained alongside: the first from random `megaslide
 (the tiny preset with 8x8 patches, predicting clean patches, with absolute positions) at flow
 times next to pure noise, where it learns what each prompt implies, its direction of motion
 included; the second fine-tunes the first's model with 3D-DSA self-attention over the whole path
-(see PHASES; the comparison with dense attention is in docs/benchmarks.md).
+(see PHASES; the comparison with dense attention is in docs/history.md, "How motion was learned").
 
 The record (`training.json` beside the weights) holds each phase's command, steps, final loss and
 training time, and the guidance scale the package samples with (see GUIDANCE).

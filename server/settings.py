@@ -14,6 +14,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from sqlalchemy import make_url
 
 from megaslide.engine.finetune_spec import OptimizerSpec, RunSpec
+from megaslide.engine.placement import Placement, refuse_on_devices
 
 DEFAULT_CRASH_LIMIT = 3  # a job whose worker died under it this many times fails
 
@@ -72,8 +73,8 @@ class Settings(BaseSettings):
     device: str = "auto"  # "auto" = cuda when available, else cpu
     # Two or more devices ("cuda:0,cuda:1", "cpu,cpu"; comma-separated in MEGASLIDE_DEVICES):
     # each video's tokens split over them, one process per device kept between jobs
-    # (engine/rank_group.py). Their blocks always stream from one shared host copy (as with
-    # offload="stream"); fine-tunes run on the first device.
+    # (engine/rank_group.py). Their blocks stream from one shared host copy (offload="stream"
+    # unless set); fine-tunes run on the first device. Every combination rule: `placement`.
     devices: Annotated[list[str], NoDecode] = Field(default_factory=list)
     dtype: str = "auto"  # "auto" = bfloat16 on cuda, float32 on cpu
     # "stream": keep the DiT's blocks in host RAM and stream them to the device each step, so a
@@ -87,6 +88,8 @@ class Settings(BaseSettings):
     # "disk" reads them from the model's safetensors files each step through a small ring (host
     # RAM smaller than the model); "auto" picks disk when they would not fit in available RAM.
     host_tier: Literal["ram", "disk", "auto"] = "auto"
+    # With host_tier="disk": read through the page cache ("buffered") or around it ("direct").
+    disk_io: Literal["buffered", "direct"] = "buffered"
     engine_threads: int | None = Field(
         None, ge=1, description="CPU threads for the engine's tensor math (None: torch's default)"
     )
@@ -232,19 +235,29 @@ class Settings(BaseSettings):
             )
         return self
 
+    @property
+    def placement(self) -> Placement:
+        """Where the served models' weights live (engine/placement.py), from `device`,
+        `devices`, `offload`, `gpu_budget`, `weights`, `host_tier` and `disk_io`. Several devices
+        stream (unless `offload` is set otherwise, which their placement refuses)."""
+        devices = tuple(self.devices) or None
+        offload = self.offload
+        if devices and "offload" not in self.model_fields_set:
+            offload = "stream"
+        return Placement(
+            device=None if devices and self.device == "auto" else self.device,
+            devices=devices,
+            offload=offload,
+            gpu_budget_bytes=self.gpu_budget,
+            weights=self.weights,
+            host_tier=self.host_tier,
+            disk_io=self.disk_io,
+        )
+
     @model_validator(mode="after")
-    def _devices_alone(self):
-        if not self.devices:
-            return self
-        if self.device != "auto":
-            raise ValueError("devices names the devices itself: leave out device")
-        if self.gpu_budget is not None or self.weights != "raw" or self.host_tier == "disk":
-            raise ValueError(
-                "devices streams raw blocks from one shared copy in RAM: no gpu_budget, "
-                "weights or host_tier disk"
-            )
-        if self.loras:
-            raise ValueError("LoRA adapters do not run on several devices yet: no loras")
+    def _placement_rules(self):
+        placement = self.placement.validate()
+        refuse_on_devices(placement, loras=bool(self.loras))
         return self
 
     @field_validator("models", "api_keys", "loras", "transformers", "devices", mode="before")

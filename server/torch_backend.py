@@ -44,6 +44,7 @@ class TorchBackend(Backend):
             torch.device(self.devices[0]) if self.devices else resolve_device(settings.device)
         )
         self.dtype = resolve_dtype(settings.dtype, self.device)
+        self.placement = settings.placement
         self._infos: dict[str, ModelInfo] = {}  # by served name: what `load` opens
         started = int(time.time())
         sources = [resolve_source(preset=settings.preset)] if settings.preset else []
@@ -105,13 +106,9 @@ class TorchBackend(Backend):
     def check_host_memory(self, info: ModelInfo) -> None:
         """The planner's refusal of a model whose weights the host cannot hold, as `load` would
         open it (several devices share one host copy of the streamed blocks)."""
-        s = self.settings
-        if self.devices:
-            where = {"device": "cpu", "offload": "stream"}
-        else:
-            where = {"device": self.device.type, "offload": s.offload}
-            where.update(weights=s.weights, host_tier=s.host_tier)
-        check_host_memory(info, dtype_bytes=self.dtype.itemsize, **where)
+        check_host_memory(
+            info, self.placement.on(self.device.type), dtype_bytes=self.dtype.itemsize
+        )
 
     @property
     def device_name(self) -> str:
@@ -131,21 +128,14 @@ class TorchBackend(Backend):
         return self._register(info, int(time.time()), kind="fine-tune", parent=parent.name)
 
     def load(self, card: ModelCard) -> VideoModel:
-        s = self.settings
+        info = self._infos[card.name]
         if self.devices:
             # The ranks stay up, the model open in each, until the group is closed or dropped.
+            placement = self.placement.replace(devices=tuple(self.devices))
             return RankGroup(
-                self._infos[card.name], self.devices, dtype=self.dtype, threads=s.engine_threads
+                info, placement, dtype=self.dtype, threads=self.settings.engine_threads
             )
-        pipe = open_pipeline(
-            self._infos[card.name],
-            device=self.device,
-            dtype=self.dtype,
-            offload=s.offload,
-            gpu_budget_bytes=s.gpu_budget,
-            weights=s.weights,
-            host_tier=s.host_tier,
-        )
+        pipe = open_pipeline(info, self.placement.on(str(self.device)), dtype=self.dtype)
         for adapter in self._adapters.get(card.name, ()):
             pipe.register_adapter(adapter)
         return pipe

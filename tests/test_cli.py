@@ -52,7 +52,7 @@ def test_generate_writes_a_deterministic_mp4(tmp_path, capsys):
         (["--preset", "nope"], "unknown preset"),
         (["--steps", "0"], "--steps must be at least 1"),
         (["--size", "big"], "WIDTHxHEIGHT"),
-        (["--weights", "lossless"], "need --offload stream"),
+        (["--weights", "lossless"], "needs --offload stream"),
     ],
 )
 def test_bad_generate_input_is_one_line_exit_2_and_no_file(tmp_path, capsys, extra, message):

@@ -179,7 +179,11 @@ def test_checkpoints_carry_a_run_between_one_device_and_several(world, reference
 def test_runs_that_cannot_split_are_refused_before_anything_starts(world, tmp_path):
     for devices, sections, message in [
         (("cpu", "cpu", "cpu"), {}, "clips.batch_size must be a multiple of the 3"),
-        (("cpu", "cpu"), {"runtime": {"offload": "none"}}, "runtime.offload 'stream'"),
+        (
+            ("cpu", "cpu"),
+            {"runtime": {"offload": "none"}},
+            "runtime: devices streams every rank from one shared host copy: needs offload='stream'",
+        ),
         (("cpu",), {}, "two or more"),
         (("cpu", "cuda:0"), {}, "all cpu, or all cuda"),
     ]:
@@ -214,7 +218,10 @@ def test_cli_finetune_on_two_cpu_processes(world, reference, tmp_path, capsys):
     assert off_by(exported(tmp_path), weights, initial) <= 1e-4
     for extra, message in [
         (["--devices", "cpu"], "two or more"),
-        (["--devices", "cpu,cpu", "--offload", "none"], "runtime.offload 'stream'"),
+        (
+            ["--devices", "cpu,cpu", "--offload", "none"],
+            "runtime: devices streams every rank from one shared host copy: needs offload='stream'",
+        ),
         (["--devices", "cpu,cpu", "--stats", "s.json"], "neither --stats nor --trace"),
         (["--devices", "cpu,cpu", "--batch-size", "3"], "multiple of the 2"),
     ]:

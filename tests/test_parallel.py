@@ -181,7 +181,7 @@ def test_cli_generate_on_two_cpu_processes_writes_the_same_mp4(tmp_path, capsys)
     for extra, message in [
         (["--devices", "cpu"], "two or more"),
         (["--devices", "cpu,cpu", "--offload", "none"], "--offload stream"),
-        (["--devices", "cpu,cpu", "--weights", "fp8"], "takes none of"),
+        (["--devices", "cpu,cpu", "--weights", "fp8"], "no --weights fp8 yet"),
     ]:
         assert main(["generate", *flags, "-o", str(tmp_path / "x.mp4"), *extra]) == 2
         assert message in capsys.readouterr().err

@@ -74,5 +74,23 @@ def test_sequence_parallel_splits_compute_and_counts_the_all_to_all():
     assert two["fits"]
     three = plan(info, Machine(), Workload(devices=3))
     assert not three["fits"] and "heads (40) to be a multiple of 3" in three["problems"][0]
-    with pytest.raises(ValueError, match="inference only"):
-        plan(info, Machine(), Workload(mode="finetune", devices=2))
+
+
+def test_data_parallel_finetuning_splits_the_batch_over_one_host_master():
+    info = preset("small")
+    one = plan(info, Machine(), Workload(mode="finetune", batch=4))
+    two = plan(info, Machine(), Workload(mode="finetune", batch=4, devices=2))
+    # Each device runs half of the rows; the master and AdamW's moments are one, in host RAM.
+    assert two["batch_rows"] == one["batch_rows"] // 2 == 2
+    assert two["device"]["activations"] == one["device"]["activations"] // 2
+    assert two["host"]["total"] == one["host"]["total"]
+    # Each block's fp32 gradients are reduced onto rank 0: half of them sent per device.
+    sent = info.config.depth * one["per_block_parameters"] * 4 // 2
+    assert two["bytes_per_step"]["gradient_reduce"] == sent
+    assert one["bytes_per_step"]["gradient_reduce"] == 0
+    comm = two["time_s"]["communication"]
+    assert comm == pytest.approx(sent / (Machine().link_gbps * 1e9))
+    assert two["time_s"]["compute"] == pytest.approx(one["time_s"]["compute"] / 2 + comm)
+    assert two["fits"]
+    odd = plan(info, Machine(), Workload(mode="finetune", batch=3, devices=2))
+    assert not odd["fits"] and "batch 3 does not split over 2 devices" in odd["problems"][0]

@@ -566,7 +566,7 @@ def test_wan_two_experts_keep_their_own_histories(wan):
     ]
     experts, computed = [], []
     while not state.done:
-        experts.append(pipe._expert(state))
+        experts.append(pipe.expert(state))
         before = len(ran)
         pipe.denoise_step([state])
         computed.append(len(ran) > before)

@@ -87,7 +87,7 @@ WAITS = {
     ("record_on_copy", "StreamHandle._place"): "prefetch2",
     ("copy_wait", "StreamHandle._place"): "prefetch1",
     ("record_on_compute", "StreamHandle.release"): "prefetch1",
-    ("record_on_compute", "stream_module"): "prefetch2",
+    ("record_on_compute", "_open_slots"): "prefetch2",
     ("record_on_compute", "StreamHandle._size_staging"): "lossless",
     ("drain_copies", "StreamHandle.host_tensors"): "training",
     ("drain_copies", "StreamHandle.load_weights"): "reload",

@@ -229,6 +229,21 @@ def test_two_experts_switch_at_the_boundary_and_stream_apart(wan):
         assert pipe.handles[name].stats()["resident_blocks"] == 0
 
 
+def test_a_request_crossing_the_boundary_in_a_mixed_batch_steps_once(wan):
+    """A step groups the requests by the expert each is at when it begins: one that crosses the
+    boundary during the high-noise expert's pass is not stepped again by the low-noise one."""
+    pipe = open_pipeline(wan["experts"])
+    crossing, low = (pipe.prepare(pipe.resolve(request(seed=s))) for s in (1, 2))
+    while pipe.expert(low) == 0:
+        pipe.denoise_step([low])
+    while crossing.scheduler.timesteps[crossing.step + 1] >= pipe.boundary:
+        pipe.denoise_step([crossing])  # to the high-noise expert's last step
+    steps = crossing.step, low.step
+    pipe.denoise_step([crossing, low])
+    assert (crossing.step, low.step) == (steps[0] + 1, steps[1] + 1)
+    assert pipe.expert(crossing) == 1
+
+
 def test_meta_build_and_fill_equal_from_pretrained(wan):
     for variant in ("unipc", "experts"):
         reference = diffusers.WanPipeline.from_pretrained(wan[variant])

@@ -4,11 +4,45 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 
 
 class UsageError(Exception):
     """Bad input from the user: printed as one line, exit status 2."""
+
+
+# The flags that set each field of an engine `Placement` (engine/placement.py), to name its
+# rules' reasons in the words the user typed.
+PLACEMENT_FLAGS = {
+    "device": "--device",
+    "devices": "--devices",
+    "offload": "--offload",
+    "gpu_budget_bytes": "--gpu-budget",
+    "gpu_budget": "--gpu-budget",
+    "prefetch": "--prefetch",
+    "weights": "--weights",
+    "host_tier": "--host-tier",
+    "disk_io": "--disk-io",
+    "timing": "--stats/--trace",
+}
+
+
+def in_flag_words(reason: str) -> str:
+    """A placement rule's reason with its fields spelled as flags: `weights='fp8'` becomes
+    `--weights fp8`, `gpu_budget_bytes` `--gpu-budget` (names that read as plain words, such as
+    "devices", are left alone unless they carry a value)."""
+
+    def valued(m: re.Match) -> str:
+        flag = PLACEMENT_FLAGS.get(m.group(1))
+        return f"{flag} {m.group(2)}" if flag else m.group(0)
+
+    reason = re.sub(r"\b(\w+)='([^']*)'", valued, reason)
+    return re.sub(
+        r"\b(gpu_budget_bytes|gpu_budget|host_tier|disk_io)\b",
+        lambda m: PLACEMENT_FLAGS[m.group(1)],
+        reason,
+    )
 
 
 def parse_bytes(text: str) -> int:

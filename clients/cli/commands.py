@@ -20,11 +20,13 @@ from megaslide.engine.finetune_spec import (
     RuntimeSpec,
     ScheduleSpec,
 )
+from megaslide.engine.placement import DISK_IO, Placement, refuse_on_devices
 
 from .args import (
     UsageError,
     add_model_args,
     check_positive,
+    in_flag_words,
     model_source,
     parse_bytes,
     parse_cache,
@@ -127,6 +129,13 @@ def register_generate(sub) -> None:
         "model's safetensors files each step through a small ring (host RAM smaller than the "
         "model); auto picks disk when the blocks would not fit in the available RAM (default: auto)",
     )
+    p.add_argument(
+        "--disk-io",
+        choices=DISK_IO,
+        default="buffered",
+        help="with --host-tier disk: read blocks through the page cache (buffered) or around it "
+        "(direct, O_DIRECT where the filesystem takes it) (default: buffered)",
+    )
     p.add_argument("--stats", help="write streaming and step-time stats as JSON here")
     p.add_argument(
         "--trace", help="write a Chrome trace (Perfetto) of block copies and computes here"
@@ -206,17 +215,13 @@ def run_generate(args) -> int:
         from .remote import generate_remote
 
         return generate_remote(args, request)
-    streamed_only = (
-        args.gpu_budget
-        or args.stats
-        or args.trace
-        or args.weights != "raw"
-        or args.host_tier == "disk"
-    )
-    if streamed_only and args.offload != "stream" and not args.devices:
-        raise UsageError(
-            "--gpu-budget, --weights, --host-tier disk, --stats and --trace need --offload stream"
+    placement = generate_placement(args)
+    try:
+        refuse_on_devices(
+            placement, loras=bool(lora_files), image=bool(request.image), cache=bool(request.cache)
         )
+    except ValueError as e:
+        raise UsageError(f"--devices: {e}") from None
     overrides = {"attention": args.attention} if args.attention else {}
     if args.transformer:
         if describe(model_source(args)).family != "wan":
@@ -225,22 +230,14 @@ def run_generate(args) -> int:
     info = describe(model_source(args), **overrides)
     from megaslide.engine.loader import load_adapter, open_pipeline
 
-    if args.devices:
-        return run_generate_on_devices(args, info, request, lora_files)
+    if placement.devices:
+        return run_generate_on_devices(args, info, request, placement)
     # Adapters are converted and checked against the model on the meta device, and the request
     # against the model and them, before any weights load.
     adapters = [load_adapter(info, name, path) for name, path in lora_files.items()]
     defaults = {a.name: a.defaults for a in adapters}
     video = resolve(request, info.limits, info.sampling, model=info.name, adapters=defaults)
-    pipe = open_pipeline(
-        info,
-        device=args.device,
-        offload=args.offload or "none",
-        gpu_budget_bytes=args.gpu_budget,
-        timing=bool(args.stats or args.trace),
-        weights=args.weights,
-        host_tier=args.host_tier,
-    )
+    pipe = open_pipeline(info, placement)
     for adapter in adapters:
         pipe.register_adapter(adapter)
     step_times = []
@@ -276,34 +273,50 @@ def run_generate(args) -> int:
     return 0
 
 
-def run_generate_on_devices(args, info, request, lora_files) -> int:
+def generate_placement(args) -> Placement:
+    """Where `generate`'s flags put the weights, checked by the placement's rules (a UsageError
+    naming the flags of the first one they break)."""
+    devices = None
+    if args.devices:
+        from megaslide.engine.ranks import parse_devices
+
+        try:
+            devices = tuple(parse_devices(args.devices))
+        except ValueError as e:
+            raise UsageError(f"--devices: {e}") from None
+    timing = bool(args.stats or args.trace)
+    placement = Placement(
+        device=None if devices and args.device == "cpu" else args.device,
+        devices=devices,
+        offload=args.offload or ("stream" if devices else "none"),
+        gpu_budget_bytes=args.gpu_budget,
+        weights=args.weights,
+        host_tier=args.host_tier,
+        disk_io=args.disk_io,
+        timing=timing,
+    )
+    try:
+        placement.validate()
+    except ValueError as e:
+        raise UsageError(in_flag_words(str(e))) from None
+    if timing and not placement.streams:  # what they write is the streamer's
+        raise UsageError("--stats and --trace record the streamed blocks: need --offload stream")
+    return placement
+
+
+def run_generate_on_devices(args, info, request, placement: Placement) -> int:
     """`generate --devices`: one video split over several devices (engine/multidevice.py)."""
-    from megaslide.engine.multidevice import RankFailed, generate_on_devices, parse_devices
+    from megaslide.engine.multidevice import RankFailed, generate_on_devices
     from megaslide.engine.request import resolve
 
-    if lora_files or request.image:
-        raise UsageError("--devices does not take --lora or --image yet")
-    if args.offload == "none":
-        raise UsageError("--devices streams the blocks from one shared host copy: --offload stream")
-    if args.host_tier == "disk":
-        raise UsageError("--devices streams from one shared copy in RAM: not --host-tier disk")
-    if args.gpu_budget or args.stats or args.trace or args.weights != "raw" or args.cache:
-        raise UsageError(
-            "--devices takes none of --gpu-budget, --weights, --stats, --trace, --cache"
-        )
-    if args.device != "cpu":
-        raise UsageError("--devices names the devices itself: leave out --device")
-    try:
-        devices = parse_devices(args.devices)
-    except ValueError as e:
-        raise UsageError(f"--devices: {e}") from None
+    devices = placement.devices
     video = resolve(request, info.limits, info.sampling, model=info.name)
     with progress_bar(video.steps, "denoising", disable=args.no_progress) as bar:
         try:
             frames = generate_on_devices(
                 info,
                 video,
-                devices,
+                placement,
                 output=args.output,  # rank 0 writes it
                 progress=lambda step, total: bar.update(1),
             )
@@ -440,7 +453,8 @@ def register_plan(sub) -> None:
         "--devices",
         type=int,
         default=1,
-        help="inference: one clip's tokens split over this many devices (default: 1)",
+        help="devices: inference splits one clip's tokens over them, fine-tuning the batch "
+        "(default: 1)",
     )
     p.add_argument(
         "--link-gbps",
@@ -472,7 +486,16 @@ def run_plan(args) -> int:
         link_gbps=args.link_gbps,
         disk_gbps=args.disk_gbps,
     )
-    workload = Workload(
+    # The planner plans streaming, on `--devices` devices (a count: no names needed).
+    placement = Placement(
+        offload="stream",
+        gpu_budget_bytes=args.gpu_budget,
+        prefetch=args.prefetch,
+        weights=args.weights,
+        host_tier=args.host_tier,
+    )
+    workload = Workload.of(
+        placement,
         mode=args.mode,
         frames=args.frames,
         height=height,
@@ -480,15 +503,11 @@ def run_plan(args) -> int:
         batch=args.batch,
         guidance=not args.no_guidance,
         dtype_bytes=args.dtype_bytes,
-        prefetch=args.prefetch,
-        gpu_budget=args.gpu_budget,
         max_grad_norm=args.max_grad_norm,
         grad_accum=args.grad_accum,
         loras=args.loras,
         lora_rank=args.lora_rank,
-        weights=args.weights,
         devices=args.devices,
-        host_tier=args.host_tier,
     )
     result = plan(describe(model_source(args)), machine, workload)
     print_json(result) if args.json else print(format_plan(result))

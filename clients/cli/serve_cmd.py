@@ -10,7 +10,9 @@ import functools
 import signal
 import sys
 
-from .args import UsageError, parse_bytes
+from megaslide.engine.placement import DISK_IO
+
+from .args import UsageError, in_flag_words, parse_bytes
 
 SETTINGS_HELP = (
     "Settings also come from MEGASLIDE_* variables (MEGASLIDE_API_KEYS=key1,key2, "
@@ -165,6 +167,12 @@ def _worker_args(p) -> None:
         "when they would not fit in the available RAM (default: auto)",
     )
     p.add_argument(
+        "--disk-io",
+        choices=DISK_IO,
+        help="with --host-tier disk: read blocks through the page cache (buffered) or around it "
+        "(direct, O_DIRECT where the filesystem takes it) (default: buffered)",
+    )
+    p.add_argument(
         "--name",
         dest="worker_name",
         help="this worker's name in the registry, one per device slot (default: HOST/DEVICE); "
@@ -210,6 +218,7 @@ def _settings(args):
         "gpu_budget",
         "weights",
         "host_tier",
+        "disk_io",
         "engine_threads",
     )
     overrides = {k: getattr(args, k, None) for k in names}
@@ -233,17 +242,12 @@ def _settings(args):
         settings = Settings(**overrides)
     except ValidationError as e:
         err = e.errors()[0]
-        raise UsageError(f"{'.'.join(map(str, err['loc']))}: {err['msg']}") from None
-    if settings.devices and getattr(args, "offload", None) == "none":
-        raise UsageError("--devices streams the blocks from one shared host copy: --offload stream")
-    if settings.devices:
-        return settings  # the rest is checked by Settings (the blocks always stream)
-    if settings.gpu_budget is not None and settings.offload != "stream":
-        raise UsageError("--gpu-budget needs --offload stream")
-    if settings.weights != "raw" and settings.offload != "stream":
-        raise UsageError("--weights needs --offload stream")
-    if settings.host_tier == "disk" and settings.offload != "stream":
-        raise UsageError("--host-tier disk needs --offload stream")
+        where = ".".join(map(str, err["loc"]))
+        if not where:  # a rule across fields: the placement's (engine/placement.py), in flags
+            raise UsageError(
+                in_flag_words(str(err.get("ctx", {}).get("error", err["msg"])))
+            ) from None
+        raise UsageError(f"{where}: {err['msg']}") from None
     return settings
 
 

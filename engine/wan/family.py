@@ -33,6 +33,11 @@ them; the reference mode runs each row alone, as WanPipeline does, and equals it
 The batched mode also keeps each row's cross-attention keys and values from its first pass
 (prompt_cache.py: the prompt does not change across steps) and decodes with the VAE's channel
 norms summed directly (encoders.py `fast_vae_norms`), both within a level of diffusers' frames.
+
+A step is the sampler loop every family shares (sampling.py: experts as groups of requests,
+guidance pairs, step caches, adapters' rows); Wan gives it its model inputs and each request's
+scheduler as the update rule, and cuts the transformer's forward once (forward.py), for the
+first-block cache and for fine-tuning alike.
 """
 
 from __future__ import annotations
@@ -40,7 +45,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,10 +57,12 @@ from ..host_store import RenamedWeights, SafetensorsFile
 from ..lora import Adapter, AdapterRouter, linear_targets
 from ..pipeline import CPU_ROWS_PER_PASS, Pipeline, decode_chunks, distinct
 from ..request import ResolvedVideo, check_image, check_loras
+from ..sampling import Sampler, sample_step
 from ..sources import ModelInfo
 from ..step_cache import StepCache
 from .config import TEXT_TOKENS, WanConfig, weight_files
 from .encoders import WanEncoders, fast_vae_norms, libraries
+from .forward import WanCut
 from .prompt_cache import PromptCache, PromptKV, entry_bytes
 
 # Bytes of cross-attention keys and values the batched mode keeps across steps (prompt_cache.py):
@@ -327,6 +333,10 @@ class WanState:
         return self.step >= self.num_steps
 
     @property
+    def guidance(self) -> float:
+        return self.video.guidance
+
+    @property
     def guided(self) -> bool:
         return self.video.guidance > 1.0  # WanPipeline's rule for classifier-free guidance
 
@@ -362,8 +372,9 @@ class WanState:
         return (1 - self.mask) * self.condition + self.mask * self.latents
 
 
-class WanVideoPipeline(Pipeline):
-    """Text-to-video sampling of a Wan model, batched at denoising-step granularity."""
+class WanVideoPipeline(Pipeline, Sampler):
+    """Text-to-video sampling of a Wan model, batched at denoising-step granularity: the shared
+    sampler loop (sampling.py) with Wan's inputs and the model's own scheduler as the update."""
 
     prompt_cache_bytes: int = PROMPT_CACHE_BYTES  # 0: recompute the prompt's keys every step
     # Kept keys hold a prompt's tokens and one padding token (prompt_cache.py, fp32 passes only):
@@ -400,6 +411,7 @@ class WanVideoPipeline(Pipeline):
         # The batched mode keeps each row's cross-attention keys and values across steps; the
         # reference mode recomputes them, as WanPipeline does.
         self.prompt_caches = [PromptCache(m) for m in self.experts] if batched else None
+        self._keep: set[int] = set()  # ids of the states keeping keys and values this step
         if batched:  # the reference mode decodes with diffusers' own norms: bitwise its frames
             fast_vae_norms(self.encoders.vae)
 
@@ -515,63 +527,38 @@ class WanVideoPipeline(Pipeline):
         if self.encoders.image_encoder is not None:
             state.image_embeds = self.encoders.image(image).to(self.device, self.dtype)
 
-    def _expert(self, state: WanState) -> int:
+    def expert(self, state: WanState) -> int:
+        """The expert that owns the state's timestep (Wan2.2-A14B: the high-noise one while
+        `t >= boundary_ratio * 1000`, then the low-noise one)."""
         return 0 if self.boundary is None or state.timestep >= self.boundary else 1
 
     def _step(self, states: list[WanState]) -> None:
-        states = [s for s in states if not s.done]
-        keep = self._prompt_kv_budget(states)
-        for e in sorted({self._expert(s) for s in states}):
-            group = [s for s in states if self._expert(s) == e]
-            # A request whose step cache reuses (each expert keeps its own history) stays out of
-            # the pass; when all of them do, this expert does not run.
-            reuse = {
-                id(s)
-                for s in group
-                if s.cache is not None
-                and not s.cache.probes
-                and s.cache.reuse(s.step, s.flow_time(s.step), s.flow_time(s.step + 1), key=e)
-            }
-            run = [s for s in group if id(s) not in reuse]
-            probed = {}
-            if any(s.cache is not None and s.cache.probes for s in run):
-                # first-block: decided inside the pass, after block 0; a request that reuses
-                # there leaves the pass and its output comes back like the others'.
-                outputs, ran = self._forward_probed(self.experts[e], run, e)
-                reuse |= {id(s) for s, r in zip(run, ran) if not r}
-                probed = {id(s): o for s, o, r in zip(run, outputs, ran) if not r}
-                run = [s for s, r in zip(run, ran) if r]
-                outputs = torch.cat([o for o, r in zip(outputs, ran) if r]) if run else None
-            elif not run:
-                outputs = None
-            elif self.batched:
-                model = self.experts[e]
-                outputs = torch.cat(
-                    [self._forward(model, p, (0, 1), keep) for p in self.passes(run)]
-                )
-            else:  # as WanPipeline does: each request alone, its conditional pass first
-                halves = [(s, half) for s in run for half in (0, 1)[: 1 + s.guided]]
-                outputs = torch.cat([self._forward(self.experts[e], [s], (h,)) for s, h in halves])
-            offset = 0
-            for s in group:
-                if id(s) in reuse and id(s) not in probed:
-                    noise = s.cache.output(s.flow_time(s.step), key=e)
-                else:
-                    if id(s) in probed:  # its rows reused the later blocks' residual
-                        noise = probed[id(s)]
-                    else:
-                        rows = 2 if s.guided else 1
-                        noise = outputs[offset : offset + rows]
-                        offset += rows
-                    if s.guided:
-                        cond, uncond = noise[:1], noise[1:]
-                        noise = uncond + s.video.guidance * (cond - uncond)
-                    if s.cache is not None and id(s) not in probed:
-                        s.cache.record(s.flow_time(s.step), s.clip_latents(), noise, key=e)
-                s.latents = s.scheduler.step(noise, s.timestep, s.latents, return_dict=False)[0]
-                s.step += 1
-                if s.done:
-                    s.prompt_kv.clear()
+        # The rows whose cross-attention keys and values are kept this step (prompt_cache.py).
+        self._keep = self._prompt_kv_budget([s for s in states if not s.done])
+        sample_step(self, states)
+
+    # -- the sampler loop's hooks (sampling.py) ----------------------------------------------------
+
+    def forward(self, e: int, states: list[WanState]) -> list[torch.Tensor]:
+        model = self.experts[e]
+        if not self.batched:  # as WanPipeline does: each request alone, its conditional pass first
+            (s,) = states
+            return [torch.cat([self._forward(model, [s], (h,)) for h in (0, 1)[: 1 + s.guided]])]
+        outputs = self._forward(model, states, (0, 1), self._keep)  # (rows, C, F', H', W')
+        return list(outputs.split([2 if s.guided else 1 for s in states]))
+
+    def cut(self, e: int, states: list[WanState]) -> WanCut:
+        """The pass of `forward` cut at its blocks (forward.py), for a first-block cache: its
+        inputs are those of a pass that keeps no cross-attention keys and values."""
+        model = self.experts[e]
+        *inputs, adapters = self._inputs(model, states, (0, 1))
+        return WanCut(model, self.config.patch, tuple(inputs), adapters, self.adapters)
+
+    def update(self, s: WanState, noise: torch.Tensor) -> None:
+        s.latents = s.scheduler.step(noise, s.timestep, s.latents, return_dict=False)[0]
+        s.step += 1
+        if s.done:
+            s.prompt_kv.clear()
 
     def _forward(
         self, model: nn.Module, group: list[WanState], halves, keep: set[int] = frozenset()
@@ -614,7 +601,7 @@ class WanVideoPipeline(Pipeline):
         total, keep = 0, set()
         for s in states:
             image = 0 if s.image_embeds is None else s.image_embeds.shape[1]
-            model = self.experts[self._expert(s)]
+            model = self.experts[self.expert(s)]
             need = sum(
                 entry_bytes(model, image + PromptKV(length=n, compact=compact).kept, self.dtype)
                 for n in s.lengths
@@ -677,103 +664,6 @@ class WanVideoPipeline(Pipeline):
         image = torch.cat(images) if images[0] is not None else None  # (rows, N, image_dim)
         latents = torch.cat(latents).to(self.dtype)
         return latents, torch.cat(timesteps), torch.cat(context), image, adapters
-
-    @torch.no_grad()
-    def _forward_probed(self, model: nn.Module, group: list[WanState], e: int):
-        """A pass of `model` over `group` cut after its first block, where some requests' step
-        caches decide (first-block, see flow._forward_probed): each request's output rows `(1 or
-        2, C, F', H', W')` and whether they ran every block. The cut follows
-        `WanTransformer3DModel.forward` op for op (prologue, blocks, output norm and projection),
-        so a pass where no row reuses is the model's own. In the reference mode (`batched`
-        False) each request runs alone, its guidance pair together."""
-        if not self.batched and len(group) > 1:
-            parts = [self._forward_probed(model, [s], e) for s in group]
-            return [o for out, _ in parts for o in out], [r for _, ran in parts for r in ran]
-        x, timestep, context, image, adapters = self._inputs(model, group, (0, 1))
-        rows, offset = [], 0
-        for s in group:
-            rows.append(slice(offset, offset + (2 if s.guided else 1)))
-            offset = rows[-1].stop
-        with self.adapters.rows(adapters):
-            h0, temb, projection, context, rotary = self._prologue(
-                model, x, timestep, context, image
-            )
-            with self._first_block_only():
-                h1 = model.blocks[0](h0, context, projection, rotary)  # (B, N, D)
-        reuse = [
-            s.cache is not None
-            and s.cache.probes
-            and s.cache.reuse_probed(s.step, h1[r] - h0[r], key=e)
-            for s, r in zip(group, rows)
-        ]
-        keep = [i for r, u in zip(rows, reuse) if not u for i in range(r.start, r.stop)]
-        if len(keep) == h1.shape[0]:
-            h = h1
-            with self.adapters.rows(adapters):
-                for block in model.blocks[1:]:
-                    h = block(h, context, projection, rotary)  # (B, N, D)
-        else:
-            h = h1.clone()
-            if keep:
-                index = torch.tensor(keep, device=h1.device)
-                part = h1[index]  # (B', N, D)
-                with self.adapters.rows([adapters[i] for i in keep]):
-                    for block in model.blocks[1:]:
-                        part = block(part, context[index], projection[index], rotary)
-                h[index] = part
-            for s, r, u in zip(group, rows, reuse):
-                if u:
-                    h[r] = h1[r] + s.cache.tail(s.flow_time(s.step), key=e)  # (rows, N, D)
-        for s, r, u in zip(group, rows, reuse):
-            if s.cache is not None and s.cache.probes and not u:
-                s.cache.record_probed(h1[r] - h0[r], h[r] - h1[r], key=e)
-        with self.adapters.rows(adapters):
-            out = self._epilogue(model, h, temb, x.shape)  # (B, C, F', H', W')
-        return [out[r] for r in rows], [not u for u in reuse]
-
-    @staticmethod
-    def _prologue(model: nn.Module, x, timestep, context, image=None):
-        """`WanTransformer3DModel.forward` up to its blocks: tokens `(B, N, D)`, the time
-        embedding, the blocks' modulation, the embedded text (after Wan2.1-I2V's embedded image
-        features) and the rotary tables."""
-        rotary = model.rope(x)
-        h = model.patch_embedding(x).flatten(2).transpose(1, 2).contiguous()  # (B, N, D)
-        seq_len = None
-        if timestep.ndim == 2:  # one timestep per token (Wan2.2-TI2V)
-            seq_len = timestep.shape[1]
-            timestep = timestep.flatten()
-        temb, projection, context, image = model.condition_embedder(
-            timestep, context, image, timestep_seq_len=seq_len
-        )
-        if image is not None:  # the image's tokens first, as the model's cross-attention expects
-            context = torch.concat([image, context], dim=1)  # (B, N_image + 512, D)
-        projection = projection.unflatten(2 if seq_len else 1, (6, -1))  # (B, [N,] 6, D)
-        return h, temb, projection, context, rotary
-
-    def _epilogue(self, model: nn.Module, h, temb, shape) -> torch.Tensor:
-        """`WanTransformer3DModel.forward` after its blocks: the output norm and projection,
-        unpatchified to `shape` `(B, C, F', H', W')`."""
-        if temb.ndim == 3:  # one timestep per token
-            shift, scale = (model.scale_shift_table.unsqueeze(0) + temb.unsqueeze(2)).chunk(
-                2, dim=2
-            )
-            shift, scale = shift.squeeze(2), scale.squeeze(2)
-        else:
-            shift, scale = (model.scale_shift_table + temb.unsqueeze(1)).chunk(2, dim=1)
-        h = (model.norm_out(h.float()) * (1 + scale) + shift).type_as(h)
-        h = model.proj_out(h)  # (B, N, pt*ph*pw*C)
-        B, _, F, H, W = shape
-        pt, ph, pw = self.config.patch
-        h = h.reshape(B, F // pt, H // ph, W // pw, pt, ph, pw, -1).permute(0, 7, 1, 4, 2, 5, 3, 6)
-        return h.flatten(6, 7).flatten(4, 5).flatten(2, 3)  # (B, C, F', H', W')
-
-    @contextlib.contextmanager
-    def _first_block_only(self) -> Iterator[None]:
-        """Around a first-block cache's run of block 0: the streamer copies no block ahead."""
-        with contextlib.ExitStack() as stack:
-            for handle in self.handles.values():
-                stack.enter_context(handle.ordered([0]))
-            yield
 
     def _timestep(self, s: WanState) -> torch.Tensor:
         """The timestep input of one row: `(1,)`, or one per token with `expand_timesteps`."""

@@ -1,10 +1,10 @@
 """Full fine-tuning of a Wan denoiser: every transformer parameter trains, UMT5 and the VAE stay
 frozen and run once, ahead of training.
 
-`WanTrainingModel` cuts `WanTransformer3DModel.forward` where the block-wise step needs it: the
-prologue (rotary positions, patch embedding, the condition embedder fed `timestep = sigma * 1000`
-as Wan's pipelines feed it), the blocks, and the epilogue (the output norm and projection,
-unpatchified), whose output is Wan's flow-matching velocity `noise - x0`.
+`WanTrainingModel` runs `WanTransformer3DModel.forward` in the pieces forward.py cuts it into, as
+sampling does: the prologue (rotary positions, patch embedding, the condition embedder fed
+`timestep = sigma * 1000` as Wan's pipelines feed it), the blocks, and the epilogue (the output
+norm and projection, unpatchified), whose output is Wan's flow-matching velocity `noise - x0`.
 
 `LatentCache` encodes the dataset once, before the first step: every clip by the VAE (its mode,
 normalised by `latents_mean` / `latents_std`, as the pipelines normalise) and every caption by
@@ -31,6 +31,7 @@ from ..data import BackgroundLoader, Batch, VideoDataset, validate_dataset
 from ..family import TrainingShape
 from ..host_store import SafetensorsFile
 from ..training import TrainingData, TrainingModel
+from . import forward
 from .config import EXPERTS, SAMPLING_FILE, TEXT_TOKENS, WanConfig
 
 CACHE = "cache"
@@ -57,36 +58,20 @@ class WanTrainingModel(TrainingModel):
 
             set_grid(m, grid)
         timestep = t.float() * config.num_train_timesteps  # (B,): sigma * 1000, as in sampling
-        seq_len = None
         if config.expand_timesteps:  # one timestep per token (every token noised alike here)
-            seq_len = grid[0] * grid[1] * grid[2]
-            timestep = timestep[:, None].expand(B, seq_len).flatten()
-        rotary = m.rope(x_t)
-        h = m.patch_embedding(x_t).flatten(2).transpose(1, 2).contiguous()  # (B, N, D)
-        temb, projection, context, _ = m.condition_embedder(
-            timestep, embeddings, None, timestep_seq_len=seq_len
-        )
-        projection = projection.unflatten(2 if seq_len else 1, (6, -1))  # (B, [N,] 6, D)
+            timestep = timestep[:, None].expand(B, grid[0] * grid[1] * grid[2])  # (B, N)
+        h, temb, projection, context, rotary = forward.prologue(m, x_t, timestep, embeddings)
         carried = {"projection": projection, "context": context, "temb": temb}
-        return h, carried, (rotary, grid)
+        return h, carried, (rotary, grid)  # (B, N, D)
 
     def block(self, i, h, carried, static):
         rotary, _ = static
-        return self.transformer.blocks[i](h, carried["context"], carried["projection"], rotary)
+        context, projection = carried["context"], carried["projection"]
+        return forward.block(self.transformer, i, h, context, projection, rotary)  # (B, N, D)
 
     def epilogue(self, h, carried, static):
-        m, temb = self.transformer, carried["temb"]
-        _, (T, Y, X) = static
-        pt, ph, pw = self.config.patch
-        if temb.ndim == 3:  # one timestep per token
-            shift, scale = (m.scale_shift_table.unsqueeze(0) + temb.unsqueeze(2)).chunk(2, dim=2)
-            shift, scale = shift.squeeze(2), scale.squeeze(2)
-        else:
-            shift, scale = (m.scale_shift_table + temb.unsqueeze(1)).chunk(2, dim=1)
-        h = (m.norm_out(h.float()) * (1 + scale) + shift).type_as(h)
-        h = m.proj_out(h)  # (B, N, pt*ph*pw*C)
-        h = h.reshape(h.shape[0], T, Y, X, pt, ph, pw, -1).permute(0, 7, 1, 4, 2, 5, 3, 6)
-        return h.flatten(6, 7).flatten(4, 5).flatten(2, 3)  # (B, C, F, H, W)
+        _, grid = static
+        return forward.epilogue(self.transformer, h, carried["temb"], grid, self.config.patch)
 
 
 def expert_for(config: WanConfig, expert: str | None) -> tuple[str, tuple[float, float]]:

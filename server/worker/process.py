@@ -94,8 +94,8 @@ class WorkerProcess:
     stopped at its shutdown.
 
     The child has its own interpreter, so the engine's Python and the API's event loop never wait
-    on one lock (benchmarks/api_load.py: under 20 clients polling back to back the engine keeps
-    3.7x the pace it keeps as a thread of the API's process). A child that dies is started
+    on one lock (benchmarks/api_load.py measures the engine's pace under 20 clients polling back
+    to back either way: docs/benchmarks.md, "The API under load"). A child that dies is started
     again, under the same worker name, so it takes back the jobs the dead one held: after
     `RESTART_DELAY_S`, doubled for each death in a row that came within `STEADY_S` of its start
     (a crash loop, say a model that fails to load) up to `MAX_RESTART_DELAY_S`. One that exits

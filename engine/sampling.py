@@ -1,0 +1,232 @@
+"""The sampler loop every model family shares: one denoising step over a batch of requests.
+
+A step groups the unfinished requests by the expert that owns their current time (one group for
+a model with one denoiser; Wan2.2-A14B's high- and low-noise experts are two), asks each
+request's step cache whether it reuses an earlier output, runs the rest through the expert in
+passes, both halves of every guidance pair together, combines each guidance pair, records the
+output in the request's cache and hands it to the family's update rule.
+
+A family supplies the hooks (`Sampler`): which expert a request is at, how a step's requests
+split into passes, a forward pass over some requests' rows, that pass cut at its blocks
+(`ForwardCut`, for a cache that decides after the first block) and its update rule (our Euler
+step, or the model's diffusers scheduler). A request's state declares `SamplingState`.
+
+The first-block cache (step_cache.py) decides inside the pass: `forward_probed` runs every row
+through the prologue and the first block, lets each probing request compare its first residual
+with its cache's, and runs the remaining blocks only over the rows that did not reuse.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, Protocol
+
+import torch
+
+from .step_cache import StepCache
+
+
+def cfg_combine(v_cond: torch.Tensor, v_uncond: torch.Tensor, guidance: float) -> torch.Tensor:
+    """Classifier-free guidance: extrapolate from the unconditional toward the conditional
+    output, in the outputs' dtype."""
+    return v_uncond + guidance * (v_cond - v_uncond)
+
+
+class SamplingState(Protocol):
+    """One request as the loop sees it; a family's state adds its latents and conditions."""
+
+    step: int
+    cache: StepCache | None
+    guidance: float
+
+    @property
+    def done(self) -> bool: ...
+
+    @property
+    def guided(self) -> bool:
+        """Whether the request runs a guidance pair: its conditional and unconditional rows."""
+        ...
+
+    def flow_time(self, step: int) -> Any:
+        """The flow time (1: noise, 0: data) at `step`, as the step cache reads it."""
+        ...
+
+    def clip_latents(self) -> torch.Tensor:
+        """The clip's latents as they stand, `(1, C, F, H, W)`, as the step cache records them."""
+        ...
+
+
+class ForwardCut(ABC):
+    """A denoiser's forward pass over the rows of some requests, cut at its blocks.
+
+    Made for one pass (it holds the pass's inputs); `prologue`, then `block(i)` for each block,
+    then `epilogue` is the model's own forward, op for op. `adapters` names each row's LoRA
+    adapters for `router` (an `AdapterRouter`; None: the model takes none)."""
+
+    router: Any = None
+    adapters: list | None = None
+
+    @property
+    @abstractmethod
+    def depth(self) -> int:
+        """The number of blocks."""
+
+    @abstractmethod
+    def prologue(self) -> tuple[torch.Tensor, Any]:
+        """Everything before the first block: tokens `(B, N, D)` and what the blocks read."""
+
+    @abstractmethod
+    def block(self, i: int, h: torch.Tensor, carry: Any) -> torch.Tensor:
+        """Block `i` on tokens `(B, N, D)`."""
+
+    @abstractmethod
+    def rows(self, carry: Any, index: torch.Tensor) -> Any:
+        """What the blocks read, for some rows of the pass (`index`: row numbers)."""
+
+    @abstractmethod
+    def epilogue(self, h: torch.Tensor, carry: Any) -> torch.Tensor:
+        """Everything after the last block: the model's output `(B, C, F, H, W)`."""
+
+    def scope(self, index: Sequence[int] | None = None) -> AbstractContextManager:
+        """Around a part of the pass: each row's adapters applied (`index`: of some rows only)."""
+        if self.router is None or self.adapters is None:
+            return nullcontext()
+        rows = self.adapters if index is None else [self.adapters[i] for i in index]
+        return self.router.rows(rows)
+
+
+class Sampler(ABC):
+    """What a family supplies to the sampler loop."""
+
+    def expert(self, state) -> int:
+        """The expert that runs `state`'s current step (its step cache keeps one history each)."""
+        return 0
+
+    def passes(self, states: list) -> list[list]:
+        """How the requests that run an expert this step split into passes."""
+        return [states] if states else []
+
+    @abstractmethod
+    def forward(self, expert: int, states: list) -> list[torch.Tensor]:
+        """One pass of `expert` over the rows of `states` (each request's conditional row, then its
+        unconditional one when guided): each request's output rows `(1 or 2, C, F, H, W)`."""
+
+    def cut(self, expert: int, states: list) -> ForwardCut:
+        """The same pass, cut at its blocks, for a step cache that decides inside it."""
+        raise ValueError("this model's forward is not cut at its blocks: no first-block cache")
+
+    def first_block_only(self) -> AbstractContextManager:
+        """Entered around the first block of a cut pass, which may be the only block the step
+        runs (a streamed model's pipeline stops the streamer copying the next block ahead)."""
+        return nullcontext()
+
+    @abstractmethod
+    def update(self, state, output: torch.Tensor) -> None:
+        """Advance `state` by one step given its model output `(1, C, F, H, W)`, guidance
+        combined: the family's update rule (it also counts the step)."""
+
+
+@torch.no_grad()
+def sample_step(sampler: Sampler, states: list) -> None:
+    """Advance every unfinished state of `states` by one step of its own schedule.
+
+    Requests at different steps share the pass of their expert, so a streamed model moves its
+    weights once per step and expert for all of them. A request whose step cache reuses an
+    earlier output stays out of the pass; when every request of an expert reuses, the expert does
+    not run. The experts run in order; each request is in the group of the expert it is at when
+    the step begins, so it advances once."""
+    states = [s for s in states if not s.done]
+    experts = [sampler.expert(s) for s in states]
+    for e in sorted(set(experts)):
+        group = [s for s, x in zip(states, experts) if x == e]
+        reuse = [
+            s.cache is not None
+            and not s.cache.probes
+            and s.cache.reuse(s.step, s.flow_time(s.step), s.flow_time(s.step + 1), key=e)
+            for s in group
+        ]
+        computed = iter(_compute(sampler, e, [s for s, r in zip(group, reuse) if not r]))
+        for s, reused in zip(group, reuse):
+            t = s.flow_time(s.step)
+            if reused:
+                output = s.cache.output(t, key=e)
+            else:
+                output, ran = next(computed)  # ran: False when a first-block cache reused
+                if s.guided:
+                    output = cfg_combine(output[:1], output[1:2], s.guidance)
+                if ran and s.cache is not None:
+                    s.cache.record(t, s.clip_latents(), output, key=e)
+            sampler.update(s, output)
+
+
+def _compute(sampler: Sampler, e: int, run: list) -> Iterator[tuple[torch.Tensor, bool]]:
+    """Each request of `run`'s output rows from the passes of expert `e`, and whether its rows
+    ran every block. A pass holding a request whose cache decides after the first block is cut."""
+    for part in sampler.passes(run):
+        if any(s.cache is not None and s.cache.probes for s in part):
+            yield from forward_probed(sampler.cut(e, part), part, e, sampler.first_block_only)
+        else:
+            yield from ((output, True) for output in sampler.forward(e, part))
+
+
+def row_slices(states: list) -> list[slice]:
+    """Each request's rows in a pass over `states`: its conditional row, then its unconditional
+    one when guided."""
+    rows, offset = [], 0
+    for s in states:
+        rows.append(slice(offset, offset + (2 if s.guided else 1)))
+        offset = rows[-1].stop
+    return rows
+
+
+def forward_probed(
+    cut: ForwardCut,
+    states: list,
+    e: int,
+    first_block_only: Callable[[], AbstractContextManager] = nullcontext,
+) -> list[tuple[torch.Tensor, bool]]:
+    """A pass cut after the first block, for requests some of whose caches decide there
+    (FBCache): each request's output rows `(1 or 2, C, F, H, W)` and whether they ran every block.
+
+    Every row runs the prologue and the first block; a probing request compares its rows' first
+    residual `h_1 - h_0` with its cache's, and when it reuses, its rows skip the remaining blocks
+    and take `h_1` plus the residual those blocks made at its last computed step. The other rows
+    run the remaining blocks as one smaller batch; the epilogue runs on every row. When no row
+    reuses this is the model's own forward, op for op."""
+    rows = row_slices(states)
+    with cut.scope():
+        h0, carry = cut.prologue()  # (B, N, D)
+        with first_block_only():
+            h1 = cut.block(0, h0, carry)  # (B, N, D)
+    reuse = [
+        s.cache is not None
+        and s.cache.probes
+        and s.cache.reuse_probed(s.step, h1[r] - h0[r], key=e)
+        for s, r in zip(states, rows)
+    ]
+    keep = [i for r, u in zip(rows, reuse) if not u for i in range(r.start, r.stop)]
+    if len(keep) == h1.shape[0]:
+        h = h1
+        with cut.scope():
+            for i in range(1, cut.depth):
+                h = cut.block(i, h, carry)  # (B, N, D)
+    else:
+        h = h1.clone()
+        if keep:
+            index = torch.tensor(keep, device=h1.device)
+            part, part_carry = h1[index], cut.rows(carry, index)  # (B', N, D)
+            with cut.scope(keep):
+                for i in range(1, cut.depth):
+                    part = cut.block(i, part, part_carry)  # (B', N, D)
+            h[index] = part
+        for s, r, u in zip(states, rows, reuse):
+            if u:
+                h[r] = h1[r] + s.cache.tail(s.flow_time(s.step), key=e)  # (rows, N, D)
+    for s, r, u in zip(states, rows, reuse):
+        if s.cache is not None and s.cache.probes and not u:
+            s.cache.record_probed(h1[r] - h0[r], h[r] - h1[r], key=e)
+    with cut.scope():
+        out = cut.epilogue(h, carry)  # (B, C, F, H, W)
+    return [(out[r], not u) for r, u in zip(rows, reuse)]

@@ -1,0 +1,152 @@
+"""The placement spec: every combination rule once, and every front end built from it."""
+
+import pytest
+import torch
+
+from megaslide.cli.args import in_flag_words
+from megaslide.engine.finetune_spec import ClipSpec, FinetuneSpec, RunSpec, RuntimeSpec
+from megaslide.engine.loader import open_pipeline
+from megaslide.engine.placement import (
+    RULES,
+    Placement,
+    PlacementError,
+    refuse_on_devices,
+)
+from megaslide.engine.planner import Machine, Workload, plan
+from megaslide.engine.ranks import ranks_placement
+from megaslide.engine.sources import describe, resolve_source
+from megaslide.engine.streaming import stream_module
+from megaslide.server.settings import Settings
+
+STREAM = Placement(offload="stream")
+TWO = Placement(devices=("cpu", "cpu"), offload="stream")
+
+
+@pytest.mark.parametrize(
+    "placement, mode, reason",
+    [
+        (Placement(offload="disk"), "infer", "offload must be one of none, stream"),
+        (Placement(weights="zip"), "infer", "weights must be one of raw, lossless, fp8"),
+        (Placement(host_tier="nvme"), "infer", "host_tier must be one of ram, disk, auto"),
+        (Placement(disk_io="mmap"), "infer", "disk_io must be one of buffered, direct"),
+        (STREAM, "train", "mode must be one of infer, finetune"),
+        (STREAM.replace(prefetch=0), "infer", "prefetch must be at least 1"),
+        (STREAM.replace(gpu_budget_bytes=-1), "infer", "gpu_budget_bytes must be >= 0"),
+        (Placement(gpu_budget_bytes=1), "infer", "gpu_budget_bytes needs offload='stream'"),
+        (Placement(weights="fp8"), "infer", "streamed host store: needs offload='stream'"),
+        (Placement(host_tier="disk"), "infer", "on disk: needs offload='stream'"),
+        (STREAM.replace(host_tier="disk", weights="lossless"), "infer", "(weights='raw')"),
+        (STREAM.replace(weights="fp8"), "finetune", "it needs weights='raw'"),
+        (STREAM.replace(host_tier="disk"), "finetune", "it needs host_tier='ram'"),
+        (TWO.replace(devices=("cpu",)), "infer", "devices must name two or more"),
+        (TWO.replace(device="cuda"), "infer", "leave out device"),
+        (TWO.replace(offload="none"), "infer", "one shared host copy: needs offload='stream'"),
+        (TWO.replace(gpu_budget_bytes=10), "infer", "no gpu_budget_bytes yet"),
+        (TWO.replace(weights="fp8"), "infer", "no weights='fp8' yet"),
+        (TWO.replace(host_tier="disk"), "infer", "no host_tier='disk' yet"),
+        (TWO.replace(timing=True), "infer", "no timing"),
+    ],
+)
+def test_each_rule_refuses_with_its_reason(placement, mode, reason):
+    with pytest.raises(PlacementError) as refused:
+        placement.validate(mode)
+    assert reason in str(refused.value)
+
+
+def test_what_runs_passes_and_every_rule_is_reachable():
+    for placement in (
+        Placement(),
+        Placement(device="cuda", timing=True),  # timing without streaming records nothing
+        STREAM.replace(gpu_budget_bytes=0, weights="lossless", prefetch=1),
+        STREAM.replace(host_tier="disk", disk_io="direct"),
+        STREAM.replace(host_tier="auto", weights="fp8"),
+        TWO,
+        TWO.replace(host_tier="auto"),
+    ):
+        assert placement.validate() is placement
+    assert STREAM.validate("finetune") and TWO.validate("finetune")
+    assert len(RULES) == 15  # each case above names one: a new rule gets a case
+
+
+def test_the_planner_accounts_for_what_only_todays_code_lacks():
+    lacking = TWO.replace(weights="fp8")
+    assert lacking.problems() and not lacking.problems(lasting_only=True)
+    with pytest.raises(PlacementError, match="no weights='fp8' yet"):
+        ranks_placement(lacking)
+    info = describe(resolve_source(preset="small"))
+    p = plan(info, Machine(), Workload.of(lacking))
+    assert p["devices"] == 2 and p["workload"]["weights"] == "fp8"
+    with pytest.raises(PlacementError, match="disk tier streams the files' bytes"):
+        plan(info, Machine(), Workload.of(STREAM.replace(host_tier="disk", weights="fp8")))
+    assert Workload.of(lacking).placement == lacking.replace(devices=("device:0", "device:1"))
+
+
+def test_fields_travel_as_keywords_or_whole():
+    fields, rest = Placement.split({"device": "cpu", "offload": "stream", "attention": "dsa"})
+    assert fields == {"device": "cpu", "offload": "stream"} and rest == {"attention": "dsa"}
+    made = Placement.of(None, {"device": torch.device("cpu"), "devices": ["cpu", "cpu"]})
+    assert made.device == "cpu" and made.devices == ("cpu", "cpu")
+    with pytest.raises(TypeError, match="not both"):
+        Placement.of(STREAM, {"prefetch": 3})
+    # One rank of several streams from the shared copy in RAM: "auto" is "ram" there.
+    rank = TWO.replace(host_tier="auto").on("cpu")
+    assert rank == STREAM.replace(device="cpu") and rank.validate()
+    assert Placement(host_tier="auto").on("cpu").host_tier == "auto"
+
+
+def test_levers_several_devices_lack_are_refused_by_name():
+    refuse_on_devices(STREAM, loras=True, image=True, cache=True)  # one device: all of them run
+    refuse_on_devices(TWO, loras=False, image=False)
+    with pytest.raises(PlacementError, match="step caches do not run on several devices"):
+        refuse_on_devices(TWO, loras=False, cache=True)
+
+
+def test_a_pipeline_opened_by_placement_is_the_one_opened_by_keywords():
+    info = describe(resolve_source(preset="tiny"))
+    whole = open_pipeline(info, STREAM.replace(prefetch=3, timing=True))
+    loose = open_pipeline(info, offload="stream", prefetch=3, timing=True)
+    assert whole.handles["dit"].placement == loose.handles["dit"].placement
+    assert whole.handles["dit"].placement == STREAM.replace(device="cpu", prefetch=3, timing=True)
+    for a, b in zip(whole.dit.state_dict().values(), loose.dit.state_dict().values()):
+        assert torch.equal(a, b)
+    with pytest.raises(TypeError, match="not both"):
+        open_pipeline(info, STREAM, prefetch=3)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    with pytest.raises(TypeError, match="not both"):
+        stream_module(model, list(model), STREAM.replace(device="cpu"), prefetch=1)
+    handle = stream_module(model, list(model), STREAM.replace(device="cpu", prefetch=1))
+    assert handle.placement.prefetch == 1 and len(handle._slots) == 1
+
+
+def test_settings_and_fine_tunes_are_built_from_the_spec(tmp_path):
+    s = Settings(data_dir=tmp_path, offload="stream", weights="lossless", gpu_budget=10)
+    assert s.placement == Placement(
+        device="auto", offload="stream", gpu_budget_bytes=10, weights="lossless", host_tier="auto"
+    )
+    # Several devices stream unless told otherwise; the ranks' device is theirs to name.
+    s = Settings(data_dir=tmp_path, devices=["cpu", "cpu"])
+    assert s.placement.devices == ("cpu", "cpu") and s.placement.streams
+    assert s.placement.device is None
+    with pytest.raises(ValueError, match="needs offload='stream'"):
+        Settings(data_dir=tmp_path, host_tier="disk")
+    s = Settings(data_dir=tmp_path, offload="stream", host_tier="disk", disk_io="direct")
+    assert s.placement.disk_io == "direct" and s.placement.host_tier == "disk"
+    with pytest.raises(ValueError, match="LoRA adapters are not applied on several devices"):
+        Settings(data_dir=tmp_path, devices=["cpu", "cpu"], loras=["a=b.safetensors"])
+    runtime = RuntimeSpec(devices=("cpu", "cpu"), offload="stream", timing=True)
+    assert runtime.placement == TWO.replace(timing=True)
+    spec = FinetuneSpec(
+        run=RunSpec(output="x"),
+        clips=ClipSpec(batch_size=2),
+        runtime=RuntimeSpec(devices=("cpu", "cpu")),
+    )
+    with pytest.raises(ValueError, match="runtime: devices streams every rank"):
+        spec.validate()
+
+
+def test_the_cli_names_a_rule_in_its_flags():
+    said = in_flag_words(
+        "weights='fp8' is a format of the streamed host store: needs offload='stream'"
+    )
+    assert said == "--weights fp8 is a format of the streamed host store: needs --offload stream"
+    assert in_flag_words("gpu_budget_bytes needs offload='stream'").startswith("--gpu-budget needs")
