@@ -2,6 +2,7 @@ import multiprocessing.process
 import subprocess
 import sys
 import sysconfig
+import threading
 import warnings
 from pathlib import Path
 
@@ -39,6 +40,7 @@ def pytest_collection_modifyitems(items):
 ROOT = Path(__file__).resolve().parents[1]
 STDLIB = sysconfig.get_paths()["stdlib"]
 _started: list[str] = []
+_leftover: set[threading.Thread] = set()  # threads alive when the test began
 
 
 def _by_this_repository() -> bool:
@@ -52,7 +54,9 @@ def _by_this_repository() -> bool:
 
 def _noted(name, start):
     def noting(*args, **kwargs):
-        if _by_this_repository():
+        # A thread an earlier test left running (a fleet restarting its worker, say) is not this
+        # test's doing: only the test's own thread and the threads it started count.
+        if threading.current_thread() not in _leftover and _by_this_repository():
             _started.append(name)
         return start(*args, **kwargs)
 
@@ -68,6 +72,8 @@ def pytest_configure(config):
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
     _started.clear()
+    _leftover.clear()
+    _leftover.update(t for t in threading.enumerate() if t is not threading.main_thread())
 
 
 @pytest.hookimpl(wrapper=True)
