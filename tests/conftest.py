@@ -4,6 +4,7 @@ import sys
 import sysconfig
 import threading
 import warnings
+import weakref
 from pathlib import Path
 
 import pytest
@@ -40,30 +41,43 @@ def pytest_collection_modifyitems(items):
 ROOT = Path(__file__).resolve().parents[1]
 STDLIB = sysconfig.get_paths()["stdlib"]
 _started: list[str] = []
-_leftover: set[threading.Thread] = set()  # threads alive when the test began
+_ours: weakref.WeakSet[threading.Thread] = weakref.WeakSet()  # the test's thread and its offspring
 
 
-def _by_this_repository() -> bool:
-    """Whether the innermost caller outside the standard library (and this hook) is ours."""
+def _caller_here() -> str | None:
+    """Where in this repository the innermost caller outside the standard library (and this
+    hook) is, as `file:line`, or None when it is not ours."""
     frame = sys._getframe(2)
     while frame is not None and frame.f_code.co_filename.startswith(STDLIB):
         frame = frame.f_back
     path = Path(frame.f_code.co_filename) if frame is not None else None
-    return path is not None and path.is_relative_to(ROOT) and "site-packages" not in path.parts
+    if path is None or not path.is_relative_to(ROOT) or "site-packages" in path.parts:
+        return None
+    return f"{path.relative_to(ROOT)}:{frame.f_lineno}"
 
 
 def _noted(name, start):
     def noting(*args, **kwargs):
-        # A thread an earlier test left running (a fleet restarting its worker, say) is not this
-        # test's doing: only the test's own thread and the threads it started count.
-        if threading.current_thread() not in _leftover and _by_this_repository():
-            _started.append(name)
+        # A thread an earlier test left running (a fleet restarting its worker, say), or one such
+        # a thread started, is not this test's doing: only the test's thread and its offspring count.
+        if threading.current_thread() in _ours and (where := _caller_here()):
+            _started.append(f"{name} ({where}, thread {threading.current_thread().name})")
         return start(*args, **kwargs)
 
     return noting
 
 
+def _adopting(start):
+    def adopting(thread):
+        if threading.current_thread() in _ours:
+            _ours.add(thread)
+        return start(thread)
+
+    return adopting
+
+
 def pytest_configure(config):
+    threading.Thread.start = _adopting(threading.Thread.start)
     subprocess.Popen._execute_child = _noted("a subprocess", subprocess.Popen._execute_child)
     process = multiprocessing.process.BaseProcess
     process.start = _noted("a multiprocessing process", process.start)
@@ -72,8 +86,8 @@ def pytest_configure(config):
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
     _started.clear()
-    _leftover.clear()
-    _leftover.update(t for t in threading.enumerate() if t is not threading.main_thread())
+    _ours.clear()
+    _ours.add(threading.current_thread())
 
 
 @pytest.hookimpl(wrapper=True)
