@@ -92,9 +92,11 @@ def pytest_runtest_setup(item):
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(item):
+    # What the test's setup and call started; teardown stops things (the last test's teardown
+    # also ends the session's fixtures: PostgreSQL's `pg_ctl stop`).
+    started, _started[:] = sorted(set(_started)), []
     yield
-    if _started and item.get_closest_marker("slow") is None:
-        started, _started[:] = sorted(set(_started)), []
+    if started and item.get_closest_marker("slow") is None:
         pytest.fail(f"started {', '.join(started)}: mark the test @pytest.mark.slow")
 
 
