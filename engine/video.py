@@ -29,6 +29,7 @@ Decoding uses PyAV (FFmpeg): mp4, webm, gif and anything else FFmpeg reads, plus
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from collections.abc import Iterator
@@ -174,6 +175,7 @@ def write_mp4(
     return atomic_write(path, encode)
 
 
+@functools.cache  # the CPU's flags do not change while the process runs: read them once
 def _x264_params() -> str:
     """x264 settings that make its bytes reproducible (see the module docstring): a fixed number
     of frame threads and, on a CPU with AVX-512, x264's features without it (only those the CPU
