@@ -20,36 +20,32 @@ master of each block; on CUDA the compute happens under bf16 autocast, so the bf
 the fly on the device and no host copy in the compute dtype exists (12 B/param on the host with m
 and v). With `offload="none"` the blocks stay on the device and masters are separate host copies.
 
-Data parallel (`DataParallel`, launched by data_parallel.py): every rank runs the step above on its
-rows of the batch, with the same noise and flow times one process would draw for them. Each
-block's gradients are summed onto rank 0 (`torch.distributed.reduce`) as soon as the block's
-backward is done and divided by the ranks there: the mean of equal shares' mean losses is the
-whole batch's mean loss. The reduction runs while the next block's backward computes: a block's
-gradients go to the optimizer once the block after it (in backward order) has been computed. Rank 0 alone holds the optimizer (one m and v) and updates the one fp32
-master, which every rank streams from: the blocks' host stores and the non-block masters are the
-same pages of shared memory in every process. A barrier at the end of each optimizer step keeps
-the other ranks from reading a master before rank 0 has written it.
+Who else trains the same batch is a `TrainingGroup` (training_group.py) the step calls
+unconditionally: which rows it trains, how a block's gradients reach the optimizer, what ends an
+optimizer step, where the non-block masters come from. `OneProcess` by default; `DataParallel`
+for a rank of several, whose blocks' gradients are summed onto rank 0 while the next block's
+backward computes, and whose masters are one copy in shared memory that rank 0 alone updates.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from .finetune_spec import OptimizerSpec
 from .flow import noisy_sample, sample_training_times, velocity_target
-from .host_store import SharedWeights
 from .optim import CPUAdamW
 from .ordering import Ordering, make_ordering
 from .streaming import StreamHandle
 from .training import TrainingModel
+from .training_group import OneProcess, Reduction, TrainingGroup, host_masters
 
 NON_BLOCK = "non_block"  # optimizer block id of everything outside the blocks
 
@@ -62,64 +58,6 @@ class StepConfig:
     timing: bool = False  # per-block copy and compute times in the streamer's stats and trace
     aux_loss_weight: float = 0.1  # weight of the layers' auxiliary losses (3D-DSA motion heads)
     time_sampling: str = "logit-normal"  # distribution of training flow times (flow.TIME_SAMPLING)
-
-
-@dataclass(frozen=True)
-class DataParallel:
-    """This process's place in a data-parallel group (joined already): it trains rows
-    `rows(batch_size)` of each batch; rank 0 owns the optimizer. `shared` holds the fp32 weights
-    every rank opened its model from (`open_model(shared=...)`): the one master."""
-
-    rank: int
-    world: int
-    shared: SharedWeights
-
-    @property
-    def owner(self) -> bool:
-        """Whether this rank holds the optimizer and writes checkpoints."""
-        return self.rank == 0
-
-    def rows(self, batch_size: int) -> slice:
-        """This rank's rows of a global batch of `batch_size` (equal shares)."""
-        share = batch_size // self.world
-        return slice(self.rank * share, (self.rank + 1) * share)
-
-    def barrier(self) -> None:
-        dist.barrier()
-
-
-class _Reduction:
-    """Gradients on their way to rank 0: a flat copy of them summed by one asynchronous
-    `torch.distributed.reduce`, so that the device (or, on gloo, this process's threads) goes on
-    computing meanwhile. One process: the gradients as they are, nothing started."""
-
-    def __init__(self, grads: dict[str, torch.Tensor], parallel: DataParallel | None):
-        self.parallel = parallel
-        if parallel is None:
-            self.grads = grads
-            return
-        # Only the flat copy stays alive: the gradients themselves can go with their block.
-        self.shapes = {name: g.shape for name, g in grads.items()}
-        self.flat = torch.cat([g.reshape(-1) for g in grads.values()])
-        self.work = dist.reduce(self.flat, dst=0, op=dist.ReduceOp.SUM, async_op=True)
-
-    def gradients(self) -> dict[str, torch.Tensor] | None:
-        """The gradients (their mean over the ranks, on rank 0); None on the other ranks. Waits
-        for the reduction."""
-        if self.parallel is None:
-            return self.grads
-        # NCCL: the compute stream waits for the reduce's stream (no host sync); gloo: this
-        # thread waits for the sum, which the flat buffer holds only then.
-        self.work.wait()
-        if not self.parallel.owner:
-            return None
-        self.flat /= self.parallel.world
-        out, offset = {}, 0
-        for name, shape in self.shapes.items():
-            n = shape.numel()
-            out[name] = self.flat[offset : offset + n].view(shape)
-            offset += n
-        return out
 
 
 class _ResidentBlocks:
@@ -151,7 +89,7 @@ class BlockwiseStep:
         device: str | torch.device,
         config: StepConfig,
         handle: StreamHandle | None = None,
-        parallel: DataParallel | None = None,
+        group: TrainingGroup | None = None,
     ):
         if config.offload not in ("none", "stream"):
             raise ValueError(f"offload must be 'none' or 'stream', got {config.offload!r}")
@@ -159,18 +97,18 @@ class BlockwiseStep:
             raise ValueError(
                 "offload='stream' trains a streamed model: pass its handle (and only then)"
             )
-        if parallel is not None and handle is None:
-            raise ValueError("data parallel streams every rank's blocks from one shared master")
-        self.model, self.config, self.parallel = model, config, parallel
-        self.owner = parallel is None or parallel.owner
+        group = OneProcess() if group is None else group
+        if group.shared is not None and handle is None:
+            raise ValueError("a shared master is streamed from: every rank's blocks stream")
+        self.model, self.config, self.group = model, config, group
+        self.owner = group.owner
         self.device = torch.device(device)
         owner, prefix = model.blocks_owner, model.blocks_prefix
         for name, module in model.modules.items():
             for p in module.parameters():
                 if p.dtype != torch.float32:
                     raise ValueError(f"{name} must come in fp32: its host copy is the fp32 master")
-        # Host masters of the non-block parameters (and, unless streamed, of the blocks), named
-        # "<module>.<parameter>".
+        # Masters of the non-block parameters, named "<module>.<parameter>": the group's.
         named = {
             f"{name}.{n}": p
             for name, module in model.modules.items()
@@ -178,10 +116,7 @@ class BlockwiseStep:
             if not (name == owner and n.startswith(prefix))
         }
         self.non_block_params = named
-        if parallel is None:
-            non_block_master = self._host_master(named)
-        else:
-            non_block_master = self._shared_master(named, parallel.shared)
+        non_block_master = group.non_block_masters(named, self.device)
         # Frozen parameters never change: a host copy of each is all checkpoints need.
         self.frozen = {
             f"{name}.{n}": p.detach().to("cpu", copy=True)
@@ -189,22 +124,11 @@ class BlockwiseStep:
             for n, p in module.named_parameters()
             if not p.requires_grad
         }
-        blocks = model.blocks
         self.handle = handle
-        if handle is not None:
-            self.blocks_io = handle
-            # The streamer's host store of each block is its fp32 master: AdamW updates it in place
-            # and the next load copies the new values.
-            block_masters = {}
-            for i, block in enumerate(blocks):
-                names = {n for n, _ in trainable(block)}
-                block_masters[i] = {n: t for n, t in handle.host_tensors(i).items() if n in names}
-        else:
-            self.blocks_io = _ResidentBlocks()
-            block_masters = {i: self._host_master(dict(trainable(b))) for i, b in enumerate(blocks)}
+        self.blocks_io = handle if handle is not None else _ResidentBlocks()
         # Block masters are keyed by names inside the block ("attn.qkv.weight").
-        self.masters = {**block_masters, NON_BLOCK: non_block_master}
-        # One optimizer (one m and v) for the whole group: rank 0's.
+        self.masters = {**self._block_masters(), NON_BLOCK: non_block_master}
+        # One optimizer (one m and v) for the whole group: its owner's.
         self.optimizer = CPUAdamW.from_spec(self.masters, config.optimizer) if self.owner else None
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megaslide-adamw")
         largest = max(sum(t.numel() for t in named.values()) for named in self.masters.values())
@@ -215,28 +139,16 @@ class BlockwiseStep:
         self.drain = _GradientDrain(ordering, largest)
         self.micro = 0
 
-    def _host_master(self, named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        if self.device.type == "cpu":
-            return {n: p.data for n, p in named.items()}  # the parameters are the masters
-        return {n: p.detach().to("cpu", copy=True) for n, p in named.items()}
-
-    def _shared_master(
-        self, named: dict[str, nn.Parameter], shared: SharedWeights
-    ) -> dict[str, torch.Tensor]:
-        """The non-block masters in shared memory; on the CPU the parameters become them."""
+    def _block_masters(self) -> dict[int, dict[str, torch.Tensor]]:
+        """Each block's fp32 masters: streamed, the streamer's host store of the block (AdamW
+        updates it in place and the next load copies the new values); resident, host copies."""
+        blocks, handle = self.model.blocks, self.handle
+        if handle is None:
+            return {i: host_masters(dict(trainable(b)), self.device) for i, b in enumerate(blocks)}
         masters = {}
-        for key, p in named.items():
-            module, _, name = key.partition(".")
-            master = shared.tensors[module][name]
-            if master.dtype != torch.float32 or master.shape != p.shape:
-                raise ValueError(
-                    f"shared {key} is {master.dtype} {tuple(master.shape)}, the parameter "
-                    f"fp32 {tuple(p.shape)}: not the master of this model"
-                )
-            masters[key] = master
-            if self.device.type == "cpu":
-                # Every rank's parameter is the master's pages: rank 0's update is everyone's.
-                p.data = master
+        for i, block in enumerate(blocks):
+            names = {n for n, _ in trainable(block)}
+            masters[i] = {n: t for n, t in handle.host_tensors(i).items() if n in names}
         return masters
 
     @property
@@ -254,7 +166,8 @@ class BlockwiseStep:
         `x0` `(B, C, F, H, W)` clean clips as the model takes them (pixels, or VAE latents);
         `condition` what the model's prologue conditions on (prompts, or text embeddings); noise
         and flow times come from `generator`, the times mapped into the model's `time_range`.
-        Data parallel: `x0` and `condition` are this rank's rows; the draws are the whole batch's.
+        In a group of several, `x0` and `condition` are this process's rows (`group.rows`); the
+        draws are the whole batch's.
         """
         start = time.perf_counter()
         model = self.model
@@ -277,21 +190,10 @@ class BlockwiseStep:
 
         # 3. Blocks in reverse: recompute, backpropagate, hand gradients to the CPU optimizer.
         outbox = _Outbox(self, last)
-        grad, reducing = self._blocks_backward(x.grad, inputs, leaves, static, outbox)
+        grad = self._blocks_backward(x.grad, inputs, leaves, static, outbox)
 
         # 4. Through the prologue with everything the blocks and the epilogue sent back.
-        sent_back = [
-            leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-            for leaf in leaves.values()
-        ]
-        torch.autograd.backward([h, *carried.values()], [grad, *sent_back])
-        if reducing is not None:
-            outbox.update(outbox.send(*reducing))
-        named = self.non_block_params
-        sent = outbox.send(NON_BLOCK, self._reduce(_grads_or_zeros(named)))
-        for p in named.values():
-            p.grad = None
-        outbox.update(sent)
+        self._prologue_backward(h, carried, grad, leaves, outbox)
         loss = self._finish_step(loss.detach(), outbox, last)
         # One host read per micro-step for the metrics; the values are needed on the host anyway.
         return {
@@ -303,17 +205,15 @@ class BlockwiseStep:
 
     def _noised(self, x0: torch.Tensor, generator: torch.Generator):
         """The flow-matching draws on this device: `x_t` `(B, C, F, H, W)`, the times `t` `(B,)`
-        and the velocity target, for this rank's rows of the whole batch's draws."""
-        world = 1 if self.parallel is None else self.parallel.world
-        B = x0.shape[0] * world  # the global batch: every rank draws it whole, as one process would
+        and the velocity target, for this process's rows of the whole batch's draws."""
+        B = x0.shape[0] * self.group.world  # the whole batch: every rank draws it, as one process
         t = sample_training_times(B, generator, self.config.time_sampling)  # (B,)
         lo, hi = self.model.time_range
         if (lo, hi) != (0.0, 1.0):
             t = lo + (hi - lo) * t
         noise = torch.randn((B, *x0.shape[1:]), generator=generator)  # (B, C, F, H, W)
-        if self.parallel is not None:
-            rows = self.parallel.rows(B)
-            t, noise = t[rows], noise[rows]  # this rank's rows: (B / world, ...)
+        rows = self.group.rows(B)
+        t, noise = t[rows], noise[rows]  # this process's rows: (B / world, ...)
         x0, noise, t = x0.to(self.device), noise.to(self.device), t.to(self.device)
         x_t = noisy_sample(x0, noise, t)  # (B, C, F, H, W)
         return x_t, t, velocity_target(x0, noise)
@@ -332,14 +232,12 @@ class BlockwiseStep:
 
     def _blocks_backward(self, grad, inputs: list, leaves: dict, static, outbox: _Outbox):
         """Blocks in reverse: recompute each from its input, backpropagate `grad`, hand its
-        gradients to `outbox`. The gradient at the first block's input, and (data parallel) the
-        block whose reduction is still on its way."""
+        gradients to `outbox` (the group's `in_flight` latest may still be on their way). The
+        gradient at the first block's input."""
         model, io, blocks = self.model, self.blocks_io, self.model.blocks
         weight = torch.tensor(
             self.config.aux_loss_weight / self.config.optimizer.grad_accum, device=self.device
         )
-        # Data parallel: the block whose gradients are being reduced while the next computes.
-        reducing: tuple[int, _Reduction] | None = None
         with io.manual(order="reverse"):
             for i in reversed(range(len(blocks))):
                 io.load(i)
@@ -351,9 +249,7 @@ class BlockwiseStep:
                 grad = xi.grad
                 inputs[i] = None  # this boundary activation is no longer needed
                 params = dict(trainable(blocks[i]))
-                reduction = self._reduce(_grads_or_zeros(params))
-                # One process: the copy starts before the gradients' last reference goes below.
-                sent = outbox.send(i, reduction) if self.parallel is None else None
+                outbox.post(i, self.group.reduce(_grads_or_zeros(params)))
                 for p in params.values():
                     p.grad = None  # gradients exist only for the block being processed
                 io.release(i)
@@ -361,30 +257,39 @@ class BlockwiseStep:
                     # Re-fetch the host views: this also tells the streamer that block i's host copy
                     # is about to change, so a stale slot copy is never reused.
                     self.handle.host_tensors(i)
-                if self.parallel is None:
-                    outbox.update(sent)
-                else:
-                    if reducing is not None:
-                        outbox.update(outbox.send(*reducing))
-                    reducing = (i, reduction)
-        return grad, reducing
+                outbox.flush()
+        return grad
+
+    def _prologue_backward(self, h, carried: dict, grad, leaves: dict, outbox: _Outbox) -> None:
+        """Backpropagate through the prologue the gradient at the first block's input and what the
+        blocks and the epilogue sent back to the leaves; hand every gradient left to `outbox`."""
+        sent_back = [
+            leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+            for leaf in leaves.values()
+        ]
+        torch.autograd.backward([h, *carried.values()], [grad, *sent_back])
+        outbox.flush(keep=0)  # the last block's gradients, if still on their way
+        named = self.non_block_params
+        outbox.post(NON_BLOCK, self.group.reduce(_grads_or_zeros(named)))
+        for p in named.values():
+            p.grad = None
+        outbox.flush(keep=0)
 
     def _finish_step(self, loss: torch.Tensor, outbox: _Outbox, last: bool) -> torch.Tensor:
         """Waits for every update of this micro-step and, after the last micro-step of an
-        optimizer step, clips, meets the other ranks and publishes. The loss to report."""
-        whole = self._reduce({"loss": loss}).gradients()
+        optimizer step, clips, ends the group's step and publishes. The loss to report: in a
+        group, the owner's is the whole batch's, another process's its own rows'."""
+        whole = self.group.reduce({"loss": loss}).gradients()
         if whole is not None:
-            loss = whole["loss"]  # rank 0 reports the whole batch's loss; a rank its own rows'
+            loss = whole["loss"]
         for f in outbox.pending:
             # The next forward reads the masters these updates write: wait for every one of them.
             f.result()
         if last and self.owner and self.config.optimizer.max_grad_norm is not None:
             for block_id in self.masters:  # clipping needs every gradient before any update
                 self.optimizer.step_block(block_id)
-        if last and self.parallel is not None:
-            # No rank may read a master (its next forward) before rank 0 has updated every one.
-            self.parallel.barrier()
         if last:
+            self.group.end_step()
             self._publish()
         self.micro = 0 if last else self.micro + 1
         return loss
@@ -392,12 +297,6 @@ class BlockwiseStep:
     @property
     def d2h_bytes(self) -> int:
         return self.drain.bytes
-
-    def _reduce(self, grads: dict[str, torch.Tensor]) -> _Reduction:
-        """Data parallel: start summing `grads` onto rank 0 (one collective for them all); its
-        `gradients()` are their mean over the ranks on rank 0, None on the others. One process:
-        `grads` as they are."""
-        return _Reduction(grads, self.parallel)
 
     def _update(self, block_id, grads: dict[str, torch.Tensor], landed, last: bool) -> None:
         # The optimizer reads the pinned buffers the D2H copy is filling: wait for that copy
@@ -430,28 +329,53 @@ class BlockwiseStep:
 
 
 class _Outbox:
-    """One micro-step's gradients on their way to the CPU optimizer: each block's (reduced)
-    gradients are copied to the host and updated there by the optimizer's worker."""
+    """One micro-step's gradients on their way to the CPU optimizer: each block's gradients, once
+    the group has reduced them, are copied to the host and updated there by the optimizer's worker.
+
+    `post` queues a block's reduction and `flush` updates all but the group's `in_flight` newest:
+    in a group whose reductions overlap the next block's backward, a block is copied and updated
+    one block later. With nothing in flight the copy starts at `post`, before the caller drops the
+    gradients, and `flush` must follow before the next `post` (the drain's ring holds one copy
+    that no update reads yet)."""
 
     def __init__(self, step: BlockwiseStep, last: bool):
         self.step, self.last = step, last
+        self.keep = step.group.in_flight
+        self.queue: deque[tuple[Any, Reduction, Any]] = deque()  # (block id, reduction, sent)
         self.pending: list[Future] = []
         self.sq_norm = torch.zeros((), device=step.device)
 
-    def send(self, block_id, reduction: _Reduction):
-        """The block's gradients on their way to the host: what `update` takes, or None on a rank
-        whose share went to rank 0."""
+    def post(self, block_id, reduction: Reduction) -> None:
+        sent = self._send(block_id, reduction) if self.keep == 0 else _NOT_SENT
+        self.queue.append((block_id, reduction, sent))
+
+    def flush(self, keep: int | None = None) -> None:
+        """Hand every queued block but the newest `keep` (default: the group's `in_flight`) to
+        the optimizer, waiting for its reduction if need be."""
+        keep = self.keep if keep is None else keep
+        while len(self.queue) > keep:
+            block_id, reduction, sent = self.queue.popleft()
+            if sent is _NOT_SENT:
+                sent = self._send(block_id, reduction)
+            self._update(sent)
+
+    def _send(self, block_id, reduction: Reduction):
+        """The block's gradients on their way to the host: what `_update` takes, or None in a
+        process whose share went to the optimizer's."""
         grads = reduction.gradients()
         if grads is None:
             return None
         self.sq_norm += sum(g.float().square().sum() for g in grads.values())
         return (block_id, *self.step.drain.send(grads))
 
-    def update(self, sent) -> None:
+    def _update(self, sent) -> None:
         """The optimizer's update of a block, once its gradients have landed on the host."""
         if sent is not None:
             future = self.step.worker.submit(self.step._update, *sent, self.last)
             self.pending.append(self.step.drain.attach(future))
+
+
+_NOT_SENT = object()  # a queued block whose reduction `flush` waits for
 
 
 class _GradientDrain:
@@ -540,4 +464,4 @@ def master_state_dicts(step: BlockwiseStep) -> dict[str, dict[str, torch.Tensor]
     return states
 
 
-__all__ = ["BlockwiseStep", "DataParallel", "StepConfig", "NON_BLOCK", "master_state_dicts"]
+__all__ = ["BlockwiseStep", "StepConfig", "NON_BLOCK", "master_state_dicts"]

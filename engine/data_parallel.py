@@ -9,7 +9,7 @@
   The streamed blocks' host stores are then the same pages in every process, as are the non-block
   masters (on the CPU the parameters themselves; on CUDA each rank copies them to its device after
   each step). One fp32 master per host, page-locked per rank on CUDA for its DMA, not copied.
-* The step (blockwise.py, "Data parallel"). Every rank reads the same batch and draws the same
+* The step (training_group.py, `DataParallel`). Every rank reads the same batch and draws the same
   noise, flow times and dropped captions as one process would, and keeps its rows
   (`batch_size / ranks` of them). Each block's gradients are summed onto rank 0 as its backward
   ends and averaged there; rank 0's CPU AdamW (the only m and v) updates the shared master while
@@ -33,7 +33,6 @@ from pathlib import Path
 import torch
 
 from .atomic import remove_stale
-from .blockwise import DataParallel
 from .family import family
 from .finetune import CHECKPOINTS, Trainer, trained_model
 from .finetune_spec import FinetuneSpec
@@ -41,6 +40,7 @@ from .host_store import SharedWeights
 from .loader import as_source, share_weights
 from .ranks import RankFailed, RankLink, join_group, parse_devices, run_ranks
 from .sources import ModelSource
+from .training_group import DataParallel
 
 __all__ = ["RankFailed", "finetune_on_devices"]
 
@@ -126,7 +126,7 @@ def _train(link: RankLink, job: _Job) -> dict | None:
     spec = job.spec.replace(runtime={"device": str(link.device)})
     parallel = DataParallel(link.rank, link.world, job.shared)
     owner = parallel.owner
-    with Trainer(job.source, job.data, spec, resume=job.resume, parallel=parallel) as trainer:
+    with Trainer(job.source, job.data, spec, resume=job.resume, group=parallel) as trainer:
         if owner:
             link.progress("start", trainer.step, trainer.total_steps)
         last = trainer.run((lambda m: link.progress("step", m)) if owner else None)

@@ -17,8 +17,8 @@ bitwise the weights of an uninterrupted run (same machine, CPU), because the mas
 the noise generator and the data position are all restored.
 
 A run over several devices (`runtime.devices`) is launched by data_parallel.py: a `Trainer` per
-rank, each given its `DataParallel` place; rank 0 alone holds the optimizer and writes metrics,
-checkpoints and exports.
+rank, each given its `DataParallel` place (training_group.py); rank 0 alone holds the optimizer
+and writes metrics, checkpoints and exports.
 """
 
 from __future__ import annotations
@@ -36,12 +36,13 @@ from pathlib import Path
 import torch
 
 from .atomic import atomic_directory, remove_stale
-from .blockwise import BlockwiseStep, DataParallel, StepConfig, master_state_dicts
+from .blockwise import BlockwiseStep, StepConfig, master_state_dicts
 from .family import TrainingShape, family
 from .finetune_spec import FinetuneSpec
 from .interfaces import TrainingRun
 from .loader import as_source, open_model
 from .sources import ModelInfo, ModelSource, describe
+from .training_group import OneProcess, TrainingGroup
 
 CHECKPOINTS = "checkpoints"
 METRICS = "metrics.jsonl"
@@ -105,8 +106,9 @@ def open_trainer(
 
 
 class Trainer(TrainingRun):
-    """A fine-tuning run, one optimizer step per `train_step()`; with `parallel`, one rank's part
-    of a data-parallel run (its model opened from the group's shared master)."""
+    """A fine-tuning run, one optimizer step per `train_step()`; with `group`, one process's part
+    of a run several train together (a `DataParallel` rank's: its model opened from the group's
+    shared master)."""
 
     def __init__(
         self,
@@ -115,11 +117,11 @@ class Trainer(TrainingRun):
         spec: FinetuneSpec,
         *,
         resume: bool,
-        parallel: DataParallel | None = None,
+        group: TrainingGroup | None = None,
     ):
         spec.validate()
-        self.spec, self.parallel = spec, parallel
-        self.owner = parallel is None or parallel.owner
+        group = OneProcess() if group is None else group
+        self.spec, self.group, self.owner = spec, group, group.owner
         run, clips, runtime = spec.run, spec.clips, spec.runtime
         self.output = Path(run.output)
         overrides = {"attention": run.attention} if run.attention else {}
@@ -147,11 +149,8 @@ class Trainer(TrainingRun):
         # The dataset is checked (and, for a family with frozen encoders, encoded) before anything
         # else happens: a bad file fails the run now. Rank 0 first: the other ranks then find the
         # encoded dataset in the run instead of encoding it again, at the same time, in one place.
-        if parallel is not None and not self.owner:
-            parallel.barrier()
-        self.data = self.family.training_data(info, Path(data), self.output, shape)
-        if parallel is not None and self.owner:
-            parallel.barrier()
+        with group.owner_first():
+            self.data = self.family.training_data(info, Path(data), self.output, shape)
         self.loader = self.data.loader
         steps, epochs = spec.schedule.length
         per_step = clips.batch_size * spec.optimizer.grad_accum
@@ -170,7 +169,7 @@ class Trainer(TrainingRun):
             runtime.placement.on(runtime.device),
             dtype=torch.float32,
             only=self.family.training_components(info, run.expert),
-            shared=parallel.shared if parallel is not None else None,
+            shared=group.shared,
         )
         for module in parts.values():
             module.train()
@@ -184,7 +183,7 @@ class Trainer(TrainingRun):
             time_sampling=clips.time_sampling,
         )
         handle = handles.get(model.blocks_owner)
-        self.blockwise = BlockwiseStep(model, runtime.device, step_config, handle, parallel)
+        self.blockwise = BlockwiseStep(model, runtime.device, step_config, handle, group)
         if latest is not None:
             self._restore(latest)
         elif self.owner:
@@ -212,16 +211,13 @@ class Trainer(TrainingRun):
             # Dropped captions teach the model the unconditional velocity guidance extrapolates from.
             dropout = self.spec.clips.caption_dropout
             drop = torch.rand(len(batch.text), generator=self.generator) < dropout
-            if self.parallel is not None:
-                # Every rank draws for the whole batch (the same numbers), then keeps its rows.
-                rows = self.parallel.rows(len(batch.text))
-                batch = dataclasses.replace(
-                    batch,
-                    video=batch.video[rows],
-                    text=batch.text[rows],
-                    indices=batch.indices[rows],
-                )
-                drop = drop[rows]
+            # Every process of a group draws for the whole batch (the same numbers), then keeps
+            # its rows.
+            rows = self.group.rows(len(batch.text))
+            batch = dataclasses.replace(
+                batch, video=batch.video[rows], text=batch.text[rows], indices=batch.indices[rows]
+            )
+            drop = drop[rows]
             condition = self.data.condition(batch, drop.tolist())
             out = self.blockwise.micro_step(self.data.x0(batch), condition, self.generator)
             losses.append(out["loss"])
