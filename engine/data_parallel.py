@@ -123,7 +123,8 @@ def _train(link: RankLink, job: _Job) -> dict | None:
 
     torch.set_num_threads(job.threads)
     join_group(link)
-    spec = job.spec.replace(runtime={"device": str(link.device)})
+    # This rank's part of the placement: its device alone, streaming from the shared master.
+    spec = job.spec.replace(runtime={"placement": job.spec.runtime.placement.on(str(link.device))})
     parallel = DataParallel(link.rank, link.world, job.shared)
     owner = parallel.owner
     with Trainer(job.source, job.data, spec, resume=job.resume, group=parallel) as trainer:

@@ -30,7 +30,6 @@ import math
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -266,7 +265,7 @@ class Trainer(TrainingRun):
                 "step": self.step,
                 "loader": self.loader.state_dict(),
                 "generator": self.generator.get_state(),
-                "spec": asdict(self.spec),
+                "spec": self.spec.to_dict(),
             }
             torch.save(state, tmp / "state.pt")
         return final

@@ -5,19 +5,24 @@
         schedule=ScheduleSpec(epochs=2),      # how long, and the learning rate along the way
         optimizer=OptimizerSpec(lr=2e-5),     # AdamW on the fp32 masters, gradient clipping
         clips=ClipSpec(frames=17),            # the training clips and the batch
-        runtime=RuntimeSpec(device="cuda"),   # where and how it runs (no effect on the maths)
+        runtime=RuntimeSpec(Placement(device="cuda", offload="stream")),  # where and how it runs
     )
 
 Every front end maps onto it in one place: `megaslide finetune`'s flags (clients/cli), the API's
 `hyperparameters` (server/finetunes.py), and a benchmark or test building one by hand. The trainer
-(finetune.py) reads it; the optimizer section goes to `CPUAdamW` as it is. Plain data, no torch:
-the server imports it.
+(finetune.py) reads it; the optimizer section goes to `CPUAdamW` as it is. Where the weights live
+is the one placement spec sampling takes too (placement.py): its fine-tuning rules refuse what
+cannot train, and nothing in the runtime changes what the run computes. `to_dict` / `from_dict`
+are its plain-data form; `from_dict` also reads a spec saved before the runtime held a placement.
+Plain data, no torch: the server imports it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from .config import TIME_SAMPLING
 from .placement import Placement
@@ -79,29 +84,70 @@ class RunSpec:
     expert: str | None = None  # a two-expert model (Wan2.2-A14B): "high" or "low" noise
 
 
-@dataclass(frozen=True)
-class RuntimeSpec:
-    """Where and how the run executes: none of it changes what it computes."""
+# RuntimeSpec's flat fields before it held a `Placement`: still taken as keywords (a spec saved
+# then, `spec.replace(runtime={"device": "cuda"})`), laid over the placement.
+FLAT_PLACEMENT = ("device", "offload", "devices", "timing")
+CACHE_MB = 1024
 
-    device: str = "cpu"
-    offload: str = "none"  # OFFLOADS: "stream" keeps the blocks in host RAM, streamed
-    # Data parallel over these devices ("cpu", "cpu" or "cuda:0", "cuda:1"), a process each, in
-    # place of `device`: the batch is split over them, one optimizer updates one master in host
-    # RAM (data_parallel.py). Needs offload "stream" and a batch the devices divide.
-    devices: tuple[str, ...] | None = None
-    timing: bool = False  # streamer timings for stats and traces
-    cache_mb: int = 1024  # decoded training clips kept in RAM (a small dataset decodes once)
+
+@dataclass(frozen=True, init=False)
+class RuntimeSpec:
+    """Where and how the run executes: none of it changes what it computes.
+
+    `placement` is where the weights live (placement.py), refused with its fine-tuning rules
+    (`problems("finetune")`); a rank of several devices opens `placement.on(its device)`.
+    `RuntimeSpec(device=, offload=, devices=, timing=)` still builds one: see `with_flat`."""
+
+    placement: Placement = Placement(device="cpu")
+    cache_mb: int = CACHE_MB  # decoded training clips kept in RAM (a small dataset decodes once)
+
+    def __init__(
+        self, placement: Placement | None = None, cache_mb: int = CACHE_MB, **flat: Any
+    ) -> None:
+        base = RuntimeSpec.placement if placement is None else placement
+        object.__setattr__(self, "placement", with_flat(base, flat))
+        object.__setattr__(self, "cache_mb", cache_mb)
 
     @property
-    def placement(self) -> Placement:
-        """Where the run's weights live (placement.py); a rank of several opens
-        `placement.on(its device)`."""
-        return Placement(
-            device=None if self.devices is not None else self.device,
-            devices=self.devices,
-            offload=self.offload,
-            timing=self.timing,
-        )
+    def device(self) -> str:
+        """The one device the run trains on ("cpu" unless named; a rank's, in a rank's spec)."""
+        return self.placement.device or "cpu"
+
+    @property
+    def offload(self) -> str:
+        return self.placement.offload
+
+    @property
+    def devices(self) -> tuple[str, ...] | None:
+        """Data parallel over these devices, a process each, in place of `device` (see
+        data_parallel.py): the batch is split over them, one optimizer updates one master."""
+        return self.placement.devices
+
+    @property
+    def timing(self) -> bool:
+        return self.placement.timing
+
+
+def with_flat(placement: Placement, flat: Mapping[str, Any]) -> Placement:
+    """`placement` with RuntimeSpec's old flat fields `flat` laid over it, as they meant: `devices`
+    stand in for `device` (which an old spec always held, "cpu" by default)."""
+    unknown = sorted(set(flat) - set(FLAT_PLACEMENT))
+    if unknown:
+        raise TypeError(f"RuntimeSpec has no field {unknown[0]!r}")
+    if not flat:
+        return placement
+    old = {
+        "device": placement.device,
+        "devices": placement.devices,
+        "offload": placement.offload,
+        "timing": placement.timing,
+    }
+    new = old | dict(flat)
+    devices = tuple(new["devices"]) if new["devices"] is not None else None
+    device = None if devices is not None else new["device"] or "cpu"
+    return placement.replace(
+        device=device, devices=devices, offload=new["offload"], timing=new["timing"]
+    )
 
 
 @dataclass(frozen=True)
@@ -122,6 +168,29 @@ class FinetuneSpec:
             for name, fields in sections.items()
         }
         return dataclasses.replace(self, **changed)
+
+    def to_dict(self) -> dict:
+        """Plain data (JSON once its tuples are lists): what a checkpoint records."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> FinetuneSpec:
+        """A spec from `to_dict()`'s form, or from the one before the runtime held a placement
+        (its device, offload, devices and timing flat in `runtime`); lists for tuples."""
+        optimizer = dict(d.get("optimizer", {}))
+        if "betas" in optimizer:
+            optimizer["betas"] = tuple(optimizer["betas"])
+        runtime = dict(d.get("runtime", {}))
+        placement = runtime.pop("placement", None)
+        return cls(
+            run=RunSpec(**d["run"]),
+            schedule=ScheduleSpec(**d.get("schedule", {})),
+            optimizer=OptimizerSpec(**optimizer),
+            clips=ClipSpec(**d.get("clips", {})),
+            runtime=RuntimeSpec(
+                Placement.of(None, placement) if placement is not None else None, **runtime
+            ),
+        )
 
     def validate(self) -> None:
         """ValueError naming the first field out of range, as `section.field`."""

@@ -174,6 +174,11 @@ RULES: tuple[Rule, ...] = (
         lambda p, mode: mode == "finetune" and p.host_tier == "disk",
         "fine-tuning writes the host store every step: it needs host_tier='ram'",
     ),
+    Rule(
+        lambda p, mode: mode == "finetune" and p.gpu_budget_bytes is not None,
+        "fine-tuning updates every streamed block's host store: no gpu_budget_bytes yet",
+        lasting=False,
+    ),
     # Several devices: a process each, every rank streaming from one shared host copy.
     Rule(
         lambda p, mode: p.devices is not None and len(p.devices) < 2,

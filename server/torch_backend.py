@@ -18,6 +18,7 @@ from megaslide.engine.finetune import open_trainer
 from megaslide.engine.interfaces import TrainingRun, VideoModel
 from megaslide.engine.loader import open_pipeline, resolve_device, resolve_dtype
 from megaslide.engine.multidevice import parse_devices
+from megaslide.engine.placement import Placement
 from megaslide.engine.planner import check_host_memory
 from megaslide.engine.rank_group import RankGroup, RanksDown
 from megaslide.engine.sources import ModelInfo, ModelSource, describe, resolve_source
@@ -164,9 +165,8 @@ class TorchBackend(Backend):
         return check_dataset(root, self.settings)
 
     def trainer(self, job: FinetuneJob) -> TrainingRun:
-        spec = job.spec.replace(
-            runtime={"device": str(self.device), "offload": self.settings.offload}
-        )
+        placement = Placement(device=str(self.device), offload=self.settings.offload)
+        spec = job.spec.replace(runtime={"placement": placement})
         # A fine-tune starts from the weights served under the base model's name: a preset's are
         # drawn from its own seed, whatever the run's seed is.
         return open_trainer(self._infos[job.base.name], job.data_dir, spec, resume=job.resume)

@@ -3,6 +3,7 @@
 import copy
 import json
 import math
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ from megaslide.engine.finetune_spec import (
 from megaslide.engine.flow import sample_training_times
 from megaslide.engine.loader import open_model, open_pipeline
 from megaslide.engine.native import DiTTrainingModel
+from megaslide.engine.placement import Placement
 from megaslide.engine.request import VideoRequest
 from megaslide.engine.sources import describe, resolve_source
 from megaslide.engine.text import BuiltinTextEncoder
@@ -194,6 +196,52 @@ def test_learning_rate_schedules():
         spec.replace(optimizer={"lr": 0.0}).validate()
     with pytest.raises(ValueError, match="at most one of schedule.steps and schedule.epochs"):
         spec.replace(schedule={"epochs": 1.0}).validate()
+
+
+# A spec as `asdict` wrote it into a checkpoint's state.pt (and JSON reads it back) before the
+# runtime section held a placement: device, offload, devices and timing flat.
+OLD_SPEC = {
+    "run": {"output": "runs/a", "seed": 3, "save_every": 50, "attention": None, "expert": None},
+    "schedule": {"steps": 8, "epochs": None, "lr_schedule": "cosine", "warmup_steps": 1},
+    "optimizer": {"lr": 2e-5, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.0},
+    "clips": {"frames": 17, "height": 32, "width": 32, "batch_size": 2},
+    "runtime": {
+        "device": "cpu",
+        "offload": "stream",
+        "devices": ["cpu", "cpu"],
+        "timing": False,
+        "cache_mb": 512,
+    },
+}
+
+
+def test_old_specs_load_and_the_runtime_is_one_placement():
+    spec = FinetuneSpec.from_dict(json.loads(json.dumps(OLD_SPEC)))
+    two = Placement(devices=("cpu", "cpu"), offload="stream")
+    assert spec.runtime == RuntimeSpec(two, cache_mb=512)
+    assert spec.optimizer.betas == (0.9, 0.95) and spec.schedule.until is None
+    # What a spec writes now reads back whole, through JSON too.
+    assert FinetuneSpec.from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
+    assert spec.to_dict()["runtime"] == {"placement": asdict(two), "cache_mb": 512}
+    # The flat keywords still build and change it, meaning what they meant.
+    assert RuntimeSpec(offload="stream", devices=("cpu", "cpu"), cache_mb=512) == spec.runtime
+    one = spec.replace(runtime={"devices": None, "device": "cuda:1", "timing": True})
+    assert one.runtime.placement == Placement(device="cuda:1", offload="stream", timing=True)
+    assert RuntimeSpec().placement == Placement(device="cpu") and RuntimeSpec().device == "cpu"
+    with pytest.raises(TypeError, match="no field 'prefetch'"):
+        RuntimeSpec(prefetch=3)
+    # The combination rules are the placement's, for a fine-tune.
+    for placement, reason in [
+        (Placement(offload="stream", weights="fp8"), "it needs weights='raw'"),
+        (Placement(offload="stream", gpu_budget_bytes=0), "no gpu_budget_bytes yet"),
+        (Placement(devices=("cpu", "cpu")), "devices streams every rank"),
+    ]:
+        with pytest.raises(ValueError, match=f"runtime: .*{reason}"):
+            spec.replace(runtime={"placement": placement}).validate()
+    # A rank of several trains its device's part of the placement.
+    rank = spec.replace(runtime={"placement": spec.runtime.placement.on("cpu")})
+    rank.validate()
+    assert rank.runtime.device == "cpu" and rank.runtime.devices is None
 
 
 def test_loss_falls_and_export_serves(world, tmp_path):

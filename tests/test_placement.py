@@ -38,6 +38,7 @@ TWO = Placement(devices=("cpu", "cpu"), offload="stream")
         (STREAM.replace(host_tier="disk", weights="lossless"), "infer", "(weights='raw')"),
         (STREAM.replace(weights="fp8"), "finetune", "it needs weights='raw'"),
         (STREAM.replace(host_tier="disk"), "finetune", "it needs host_tier='ram'"),
+        (STREAM.replace(gpu_budget_bytes=0), "finetune", "host store: no gpu_budget_bytes yet"),
         (TWO.replace(devices=("cpu",)), "infer", "devices must name two or more"),
         (TWO.replace(device="cuda"), "infer", "leave out device"),
         (TWO.replace(offload="none"), "infer", "one shared host copy: needs offload='stream'"),
@@ -65,7 +66,7 @@ def test_what_runs_passes_and_every_rule_is_reachable():
     ):
         assert placement.validate() is placement
     assert STREAM.validate("finetune") and TWO.validate("finetune")
-    assert len(RULES) == 15  # each case above names one: a new rule gets a case
+    assert len(RULES) == 16  # each case above names one: a new rule gets a case
 
 
 def test_the_planner_accounts_for_what_only_todays_code_lacks():

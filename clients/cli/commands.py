@@ -661,11 +661,13 @@ def finetune_spec(args) -> FinetuneSpec:
             time_sampling=args.time_sampling,
         ),
         runtime=RuntimeSpec(
-            device=args.device,
-            offload=args.offload or ("stream" if args.devices else "none"),
-            timing=bool(args.stats or args.trace),
+            Placement(
+                device=None if devices else args.device,
+                devices=devices,
+                offload=args.offload or ("stream" if devices else "none"),
+                timing=bool(args.stats or args.trace),
+            ),
             cache_mb=args.cache_mb,
-            devices=devices,
         ),
     )
 
