@@ -99,7 +99,7 @@ class BlockwiseStep:
             )
         group = OneProcess() if group is None else group
         if group.shared is not None and handle is None:
-            raise ValueError("a shared master is streamed from: every rank's blocks stream")
+            raise ValueError("a group sharing one master streams every rank's blocks from it")
         self.model, self.config, self.group = model, config, group
         self.owner = group.owner
         self.device = torch.device(device)

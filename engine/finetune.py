@@ -163,31 +163,37 @@ class Trainer(TrainingRun):
 
         info, latest = trained_model(source, spec, resume)
         self.info = info
+        self.blockwise = self._open_step(info)
+        if latest is not None:
+            self._restore(latest)
+        elif self.owner:
+            (self.output / METRICS).write_text("")  # a fresh run: no metrics from an earlier one
+        self._metrics = open(self.output / METRICS, "a") if self.owner else None
+
+    def _open_step(self, info: ModelInfo) -> BlockwiseStep:
+        """The model `info` describes, opened in fp32 where the placement says (from the group's
+        shared master, in a group that shares one), and the blockwise step that trains it."""
+        spec, runtime = self.spec, self.spec.runtime
         parts, handles = open_model(
             info,
             runtime.placement.on(runtime.device),
             dtype=torch.float32,
-            only=self.family.training_components(info, run.expert),
-            shared=group.shared,
+            only=self.family.training_components(info, spec.run.expert),
+            shared=self.group.shared,
         )
         for module in parts.values():
             module.train()
-        model = self.family.training_model(info, parts, run.expert)
+        model = self.family.training_model(info, parts, spec.run.expert)
         cuda = torch.device(runtime.device).type == "cuda"
         step_config = StepConfig(
             optimizer=spec.optimizer,
             offload=runtime.offload,
             autocast=torch.bfloat16 if cuda else None,
             timing=runtime.timing,
-            time_sampling=clips.time_sampling,
+            time_sampling=spec.clips.time_sampling,
         )
         handle = handles.get(model.blocks_owner)
-        self.blockwise = BlockwiseStep(model, runtime.device, step_config, handle, group)
-        if latest is not None:
-            self._restore(latest)
-        elif self.owner:
-            (self.output / METRICS).write_text("")  # a fresh run: no metrics from an earlier one
-        self._metrics = open(self.output / METRICS, "a") if self.owner else None
+        return BlockwiseStep(model, runtime.device, step_config, handle, self.group)
 
     # -- training ---------------------------------------------------------------------------------
 

@@ -29,6 +29,7 @@ from megaslide.engine.placement import Placement
 from megaslide.engine.request import VideoRequest
 from megaslide.engine.sources import describe, resolve_source
 from megaslide.engine.text import BuiltinTextEncoder
+from megaslide.engine.training_group import OneProcess
 from megaslide.engine.world import write_dataset
 
 from dit_fixtures import randomise_zero_inits
@@ -110,6 +111,35 @@ def test_streamed_training_matches_torch_adamw(preset, steps, lr, tmp_path):
     # in their slots when the backward turns around, which are reused.
     n, per_block = len(dit.blocks), stats["streamed_block_bytes"] // len(dit.blocks)
     assert stats["h2d_bytes"] == steps * (2 * n - stats["num_slots"]) * per_block
+
+
+class HandsOverLate(OneProcess):
+    """One process whose blocks' gradients reach the optimizer a block late, as a data-parallel
+    rank's do while their reduction runs: the step's other path through its outbox."""
+
+    in_flight = 1
+
+
+def test_gradients_handed_over_a_block_late_train_the_same_weights(tmp_path):
+    config = PRESETS["tiny"]
+    dit = VideoDiT(config.model)
+    randomise_zero_inits(dit)  # every block then has gradients from the first step
+    save_model(tmp_path / "m", dit, BuiltinTextEncoder(config.model.text), config.sampling)
+    info = describe(resolve_source(tmp_path / "m"))
+    x0 = torch.randn(2, 3, 2, 16, 16, generator=torch.Generator().manual_seed(1))
+    optimizer = OptimizerSpec(lr=1e-3, weight_decay=0.01, max_grad_norm=1.0, grad_accum=2)
+    masters, norms = [], []
+    for group in (OneProcess(), HandsOverLate()):
+        parts, handles = open_model(info, dtype=torch.float32, offload="stream")
+        model = DiTTrainingModel(parts["dit"].train(), parts["text_encoder"].train())
+        config = StepConfig(optimizer, offload="stream")
+        step = BlockwiseStep(model, "cpu", config, handles["dit"], group)
+        g = torch.Generator().manual_seed(0)
+        norms.append([step.micro_step(x0, PROMPTS, g)["grad_norm"] for _ in range(4)])
+        masters.append({k: v.clone() for k, v in master_state_dicts(step)["dit"].items()})
+        step.close()
+    assert norms[0] == norms[1]
+    assert all(torch.equal(masters[0][k], masters[1][k]) for k in masters[0])
 
 
 @pytest.fixture(scope="module")
