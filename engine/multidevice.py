@@ -53,6 +53,7 @@ class _Job:
     frames_path: str  # rank 0 writes the frames here (.npy): no pickling through a pipe
     output: str | None  # and the MP4 here, when asked
     shared: SharedWeights
+    stats: bool = False  # every rank reports its streamers' stats once sampled
 
 
 def generate_on_devices(
@@ -67,6 +68,7 @@ def generate_on_devices(
     timeout_s: float | None = None,
     progress: Callable[[int, int], None] | None = None,
     on_spawn: Callable[[list[int]], None] | None = None,
+    stats: Callable[[list[dict]], None] | None = None,
 ) -> np.ndarray:
     """Sample one clip of `video` with its tokens split over `devices`: uint8 `(F, H, W, 3)`.
 
@@ -75,7 +77,8 @@ def generate_on_devices(
     docstring); `output`: rank
     0 also writes the MP4 there. `threads`: CPU threads per rank (default: this machine's cores
     shared out). `progress(step, total)` is called here as rank 0 finishes each step;
-    `on_spawn(pids)` once the ranks have started. ValueError before anything starts if the
+    `on_spawn(pids)` once the ranks have started; `stats(per_rank)` once sampled, with each
+    rank's `Pipeline.stats()` in rank order (its streamers' timings with `timing`). ValueError before anything starts if the
     video cannot be split over the devices; RankFailed if a rank fails; TimeoutError (every rank
     stopped) after `timeout_s`.
     """
@@ -86,7 +89,16 @@ def generate_on_devices(
     dtype = resolve_dtype(dtype, torch.device(names[0]))
     if threads is None:
         threads = max(1, (os.cpu_count() or 1) // world) if names[0] == "cpu" else 1
-    shared = share_weights(info, dtype)
+    # One copy for the host, in the placement's format and tier ("auto" resolved here, once).
+    shared = share_weights(info, dtype, placement=placement)
+    per_rank: dict[int, dict] = {}
+
+    def report(*args) -> None:
+        if args[0] == "stats":
+            per_rank[args[1]] = args[2]
+        elif progress is not None:
+            progress(*args)
+
     with tempfile.TemporaryDirectory(prefix="megaslide-frames-") as tmp:
         job = _Job(
             info,
@@ -97,16 +109,19 @@ def generate_on_devices(
             str(Path(tmp) / "frames.npy"),
             None if output is None else os.fspath(output),
             shared,
+            stats=stats is not None,
         )
         run_ranks(
             _sample,
             job,
             names,
             preload=[__name__],
-            progress=progress,
+            progress=report,
             on_spawn=on_spawn,
             timeout_s=timeout_s,
         )
+        if stats is not None:
+            stats([per_rank[rank] for rank in range(world)])
         return np.load(job.frames_path)
 
 
@@ -129,6 +144,8 @@ def _sample(link: RankLink, job: _Job) -> None:
         pipe.denoise_step([state])
         if link.rank == 0:
             link.progress(state.step, state.num_steps)
+    if job.stats:  # before "done": the launcher reads a rank's messages in order
+        link.progress("stats", link.rank, pipe.stats())
     frames = pipe.finish(state)
     if link.rank == 0:
         np.save(job.frames_path, frames)

@@ -110,7 +110,9 @@ class RankGroup(VideoModel):
             cpu = self.devices[0] == "cpu"
             threads = max(1, (os.cpu_count() or 1) // world) if cpu else 1
         self.prefetch, self.threads = self.placement.prefetch, threads
-        self._shared = share_weights(info, self.dtype)  # held for restarts
+        # One copy for the host, in the placement's format and tier ("auto" resolved here, once);
+        # held for restarts.
+        self._shared = share_weights(info, self.dtype, placement=self.placement)
         self._tmp = tempfile.TemporaryDirectory(prefix="megaslide-ranks-")
         self._procs: list = []
         self._conns: list[Connection] = []
@@ -166,6 +168,14 @@ class RankGroup(VideoModel):
     def finish_batch(self, states: list[RankState]) -> list:
         """Rank 0 decodes the finished states to uint8 frames `(F, H, W, 3)` each."""
         return self._call("finish", self._keys_of(states))[0]
+
+    def stats(self) -> list[dict[str, dict]]:
+        """Each rank's streamer accounting (`Pipeline.stats()`: by streamed component, with
+        per-block copy and compute times when the placement has `timing`), rank order. Timing
+        figures wait for each rank's queued work, as on one device."""
+        if not self._procs:
+            raise RuntimeError(f"the ranks of {self.name} are not running")
+        return self._call("stats")
 
     def close(self) -> None:
         """Stop the ranks (they leave their group) and free the shared weights."""
@@ -352,6 +362,8 @@ def _rank_main(rank: int, spec: _Spec, conn: Connection) -> None:
                 chosen = [states[k] for k in args[0]]
                 transfers = pipe.denoise_step(chosen)
                 answer = (transfers, [_counters(s) for s in chosen])
+            elif command == "stats":
+                answer = pipe.stats()
             elif command == "finish":
                 # The decoder is not split: rank 0 alone decodes, the others hold no frames.
                 answer = pipe.finish_batch([states[k] for k in args[0]]) if rank == 0 else None

@@ -74,7 +74,8 @@ class Settings(BaseSettings):
     # Two or more devices ("cuda:0,cuda:1", "cpu,cpu"; comma-separated in MEGASLIDE_DEVICES):
     # each video's tokens split over them, one process per device kept between jobs
     # (engine/rank_group.py). Their blocks stream from one shared host copy (offload="stream"
-    # unless set); fine-tunes run on the first device. Every combination rule: `placement`.
+    # unless set) in `weights`' format, or from the files on the disk tier; `gpu_budget` is each
+    # device's; fine-tunes run on the first device. Every combination rule: `placement`.
     devices: Annotated[list[str], NoDecode] = Field(default_factory=list)
     dtype: str = "auto"  # "auto" = bfloat16 on cuda, float32 on cpu
     # "stream": keep the DiT's blocks in host RAM and stream them to the device each step, so a

@@ -121,7 +121,7 @@ def test_a_rank_that_raises_fails_the_job_with_its_error(monkeypatch):
 
     info, video = tiny()
     # Weights the ranks cannot open from: each raises (not hangs) while opening the model.
-    monkeypatch.setattr(multidevice, "share_weights", lambda info, dtype: SharedWeights({}, {}))
+    monkeypatch.setattr(multidevice, "share_weights", lambda *a, **kw: SharedWeights({}, {}))
     with pytest.raises(RankFailed, match=r"rank \d \(cpu\) failed: ValueError: .*lack component"):
         generate_on_devices(info, video, ["cpu", "cpu"], timeout_s=TIMEOUT_S)
 
@@ -181,7 +181,7 @@ def test_cli_generate_on_two_cpu_processes_writes_the_same_mp4(tmp_path, capsys)
     for extra, message in [
         (["--devices", "cpu"], "two or more"),
         (["--devices", "cpu,cpu", "--offload", "none"], "--offload stream"),
-        (["--devices", "cpu,cpu", "--weights", "fp8"], "no --weights fp8 yet"),
+        (["--devices", "cpu,cpu", "--trace", "t.json"], "--stats has each's"),
     ]:
         assert main(["generate", *flags, "-o", str(tmp_path / "x.mp4"), *extra]) == 2
         assert message in capsys.readouterr().err

@@ -96,7 +96,8 @@ def register_generate(sub) -> None:
         "--devices",
         metavar="DEV,DEV,...",
         help="split the video's tokens over these devices (sequence parallel, one process each, "
-        "streaming from one shared host copy of the blocks): cpu,cpu or cuda:0,cuda:1",
+        "streaming from one shared host copy of the blocks, in --weights' format, or from the "
+        "files with --host-tier disk): cpu,cpu or cuda:0,cuda:1",
     )
     p.add_argument(
         "--attention",
@@ -110,7 +111,9 @@ def register_generate(sub) -> None:
         "stream with --devices)",
     )
     p.add_argument(
-        "--gpu-budget", type=parse_bytes, help="device bytes for weights when streaming, e.g. 20GB"
+        "--gpu-budget",
+        type=parse_bytes,
+        help="device bytes for weights when streaming, e.g. 20GB (each device's, with --devices)",
     )
     p.add_argument(
         "--weights",
@@ -309,8 +312,17 @@ def run_generate_on_devices(args, info, request, placement: Placement) -> int:
     from megaslide.engine.multidevice import RankFailed, generate_on_devices
     from megaslide.engine.request import resolve
 
+    if args.trace:
+        raise UsageError("--trace draws one device's streams: with --devices, --stats has each's")
     devices = placement.devices
     video = resolve(request, info.limits, info.sampling, model=info.name)
+    per_rank: list[dict] = []
+    step_ends = [time.perf_counter()]
+
+    def stepped(step: int, total: int) -> None:
+        step_ends.append(time.perf_counter())
+        bar.update(1)
+
     with progress_bar(video.steps, "denoising", disable=args.no_progress) as bar:
         try:
             frames = generate_on_devices(
@@ -318,11 +330,21 @@ def run_generate_on_devices(args, info, request, placement: Placement) -> int:
                 video,
                 placement,
                 output=args.output,  # rank 0 writes it
-                progress=lambda step, total: bar.update(1),
+                progress=stepped,
+                stats=per_rank.extend if args.stats else None,
             )
         except RankFailed as e:  # the other ranks were stopped; no output was written
             print(f"megaslide generate: error: {e}", file=sys.stderr)
             return 1
+    if args.stats:
+        stats = {
+            "steps": video.steps,
+            "devices": list(devices),
+            # As rank 0 reported each step (the ranks step in lock step).
+            "step_times_s": [b - a for a, b in zip(step_ends, step_ends[1:])],
+            "ranks": per_rank,  # each rank's streamed components, rank order
+        }
+        Path(args.stats).write_text(json.dumps(stats, indent=2) + "\n")
     print(
         f"wrote {args.output} ({len(frames)} frames, {video.width}x{video.height}, {video.fps} fps, "
         f"{len(devices)} devices)",
