@@ -13,6 +13,11 @@ one copy of the blocks per host, not one per rank. Tensors outside the blocks (e
 final layer, an unstreamed text encoder) are small and each rank copies them to its device. On
 CUDA each rank page-locks the shared buffers for its own context (`cudaHostRegister` of the same
 physical pages: locked once in RAM, registered once per process), so its copies run as DMA.
+The placement's levers apply as on one device: a coded format (`weights`) is encoded once here
+and each rank decodes the shared payloads into its own slots; a budget keeps the same blocks
+resident on every device (shared raw); on the disk tier each rank reads the blocks from the files
+itself (the page cache is the host's one copy); "auto" is resolved here, once for the host; with
+`timing` each rank's streamer stats come back (`stats=`).
 
 A rank that fails (an exception, a signal, an exit) fails the job: the other ranks are stopped and
 `RankFailed` names the rank and its device (ranks.py: the process machinery, shared with

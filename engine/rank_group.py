@@ -2,8 +2,9 @@
 
 `generate_on_devices` (multidevice.py) starts its ranks for one video and stops them after it.
 A server samples video after video, so `RankGroup(info, ["cuda:0", "cuda:1"])` starts the ranks
-once, has each open the model from one shared host copy of the weights (as there) and apply
-sequence parallelism, and keeps them waiting for commands. Its `prepare_batch`, `denoise_step`
+once, has each open the model from one shared host copy of the weights (as there, in the
+placement's format and tier) and apply sequence parallelism, and keeps them waiting for commands;
+`stats()` gathers each rank's streamer accounting. Its `prepare_batch`, `denoise_step`
 and `finish_batch` are a `Pipeline`'s step-wise interface: each sends the same command to every
 rank, every rank runs it on its own copy of the states (collectives pair up by call order, so
 all ranks see the same calls in the same order), and this process keeps a `RankState` per state

@@ -22,7 +22,9 @@ the store to decode it, and neither it nor the model knows which format is in us
 `make_store(tensors, pinned, weights)` builds the store for a block; `EncodedBlockStore` is the
 coded one. Its `payload` is what one copy moves; `decode(staging, out)` queues the decode on the
 current stream, reading the payload's device copy in `staging` and writing the block's flat
-layout into `out` (a slot).
+layout into `out` (a slot). Over several devices one process encodes each block once and moves
+the payload into shared memory (`share`, a `SharedPayload`); every rank `attach`es a store to it
+and decodes into its own slots: one coded copy per host.
 
 Caution: a coded store is read-only between fills (`tensors()` raises): fine-tuning, which
 writes updated weights into the host store every step, needs `raw`. `fill` decodes, overwrites
