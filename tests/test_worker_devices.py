@@ -209,7 +209,10 @@ def test_worker_devices_flags_are_checked(tmp_path, capsys):
     for extra, message in [
         (["--devices", "cpu,cpu", "--device", "cpu"], "leave out device"),
         (["--devices", "cpu,cpu", "--offload", "none"], "--offload stream"),
-        (["--devices", "cpu,cpu", "--weights", "fp8"], "no --weights fp8 yet"),
+        (
+            ["--devices", "cpu,cpu", "--weights", "fp8", "--host-tier", "disk"],
+            "the disk tier streams the files' bytes as they are (--weights raw)",
+        ),
         (["--devices", "cpu"], "two or more"),
     ]:
         assert main([*common, *extra]) == 2
