@@ -671,10 +671,14 @@ def format_plan(p: dict) -> str:
             "one master in host RAM"
         )
     elif p["devices"] > 1:
+        source = "the shared host copy"
+        if p.get("host_tier") == "disk":
+            source = "the files (a ring each, one page cache)"
         lines.append(
             f"per device of {p['devices']}: {p['bytes_per_step']['all_to_all'] / GB:.2f} GB sent "
             f"in all-to-alls a step ({t['communication']:.3f} s of the compute time), "
-            f"{p['bytes_per_step']['h2d'] / GB:.2f} GB of blocks streamed from the shared host copy"
+            f"{p['bytes_per_step']['h2d'] / GB:.2f} GB of blocks streamed from {source}, "
+            f"{p['resident_blocks']} blocks resident on each"
         )
     if p.get("host_tier") == "disk":
         why = " (auto: the RAM tier does not fit)" if p["workload"]["host_tier"] == "auto" else ""

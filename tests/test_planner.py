@@ -4,7 +4,7 @@ import pytest
 
 from megaslide.engine.loader import open_pipeline
 from megaslide.engine.native import count_parameters
-from megaslide.engine.planner import Machine, Workload, plan
+from megaslide.engine.planner import Machine, Workload, format_plan, plan
 from megaslide.engine.sources import describe, resolve_source
 
 
@@ -123,6 +123,7 @@ def test_streaming_levers_on_several_devices_count_one_host_copy_and_each_device
     two = plan(info, Machine(), Workload(host_tier="disk", devices=2))
     assert two["host_tier"] == "disk" and two["host"]["disk_ring"] == 2 * one["host"]["disk_ring"]
     assert two["bytes_per_step"]["disk"] == one["bytes_per_step"]["disk"] > 0
+    assert "GB of blocks streamed from the files (a ring each" in format_plan(two)
     # "auto" counts one copy for the host, as the launcher resolves it: the same choice.
     small = Machine(host_mem=one["host"]["total"] * 1.1)
     for devices in (1, 2):
