@@ -19,12 +19,12 @@ import pytest
 import torch
 
 from megaslide.engine.family import family
-from megaslide.engine.host_store import SharedWeights
 from megaslide.engine.loader import open_pipeline, share_weights
-from megaslide.engine.multidevice import RankFailed, generate_on_devices, parse_devices
-from megaslide.engine.ranks import join_group, run_ranks
+from megaslide.engine.parallel.multidevice import RankFailed, generate_on_devices, parse_devices
+from megaslide.engine.parallel.ranks import join_group, run_ranks
 from megaslide.engine.request import VideoRequest, resolve
 from megaslide.engine.sources import describe, resolve_source
+from megaslide.engine.streaming.host_store import SharedWeights
 
 TIMEOUT_S = 120  # a hang fails the test instead of the suite
 
