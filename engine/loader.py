@@ -30,15 +30,21 @@ import torch
 from torch import nn
 
 from .family import Component, family
-from .host_store import BoundTensor, SharedWeights, collect_tensors, layout_nbytes, repoint
 from .initialization import init_module, init_parts, seeded
 from .lora import Adapter, AdapterError
-from .ordering import Ordering
-from .pipeline import Pipeline
 from .placement import Placement
 from .planner import check_host_memory, choose_host_tier
+from .sampling.pipeline import Pipeline
 from .sources import ModelInfo, ModelSource, describe, resolve_source
-from .streaming import StreamHandle, stream_module
+from .streaming.host_store import (
+    BoundTensor,
+    SharedWeights,
+    collect_tensors,
+    layout_nbytes,
+    repoint,
+)
+from .streaming.ordering import Ordering
+from .streaming.streamer import StreamHandle, stream_module
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

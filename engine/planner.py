@@ -49,11 +49,11 @@ import resource
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from .disk_store import DEFAULT_RING_DEPTH
 from .family import family
-from .optim import grad_buffer_bytes
 from .placement import HOST_TIERS, Placement
 from .sources import ModelInfo
+from .streaming.disk_store import DEFAULT_RING_DEPTH
+from .training.optim import grad_buffer_bytes
 
 GB = 1e9
 # Coded bytes / bf16 bytes of trained weights under `lossless`: 0.68 to 0.70 on the default model
@@ -189,8 +189,8 @@ class Workload:
     loras: int = 0  # inference: LoRA adapters registered (their factors live on the device)
     lora_rank: int = 0  # their rank, on every adaptable layer
     weights: str = "raw"  # inference: host format of streamed blocks (raw, lossless, fp8)
-    # Inference: one clip's tokens split over this many devices (parallel.py); fine-tuning: the
-    # batch split over them, one master in host RAM (data_parallel.py).
+    # Inference: one clip's tokens split over this many devices (parallel/sequence.py); fine-tuning: the
+    # batch split over them, one master in host RAM (parallel/data_parallel.py).
     devices: int = 1
     host_tier: str = "ram"  # inference: where streamed blocks live (ram, disk, auto)
 

@@ -17,14 +17,14 @@ import pytest
 import torch
 
 from megaslide.engine import planner
-from megaslide.engine.checkpoint import save_model
 from megaslide.engine.loader import open_pipeline, share_weights
-from megaslide.engine.multidevice import generate_on_devices
+from megaslide.engine.native.checkpoint import save_model
+from megaslide.engine.parallel.multidevice import generate_on_devices
+from megaslide.engine.parallel.rank_group import RankGroup
 from megaslide.engine.placement import Placement
-from megaslide.engine.rank_group import RankGroup
 from megaslide.engine.request import VideoRequest, resolve
 from megaslide.engine.sources import describe, resolve_source
-from megaslide.engine.weight_formats import SharedPayload
+from megaslide.engine.streaming.weight_formats import SharedPayload
 
 TIMEOUT_S = 120  # a hang fails the test instead of the suite
 TWO = Placement(devices=("cpu", "cpu"), offload="stream")

@@ -19,12 +19,12 @@ import pytest
 import torch
 
 from megaslide.engine.family import family
-from megaslide.engine.host_store import SharedWeights
 from megaslide.engine.loader import open_pipeline, share_weights
-from megaslide.engine.multidevice import RankFailed, generate_on_devices, parse_devices
-from megaslide.engine.ranks import join_group, run_ranks
+from megaslide.engine.parallel.multidevice import RankFailed, generate_on_devices, parse_devices
+from megaslide.engine.parallel.ranks import join_group, run_ranks
 from megaslide.engine.request import VideoRequest, resolve
 from megaslide.engine.sources import describe, resolve_source
+from megaslide.engine.streaming.host_store import SharedWeights
 
 TIMEOUT_S = 120  # a hang fails the test instead of the suite
 
@@ -117,7 +117,7 @@ def test_a_rank_whose_peer_died_names_the_dead_rank_not_itself():
 
 @pytest.mark.slow
 def test_a_rank_that_raises_fails_the_job_with_its_error(monkeypatch):
-    from megaslide.engine import multidevice
+    from megaslide.engine.parallel import multidevice
 
     info, video = tiny()
     # Weights the ranks cannot open from: each raises (not hangs) while opening the model.

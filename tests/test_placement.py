@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from megaslide.cli.args import in_flag_words
-from megaslide.engine.finetune_spec import ClipSpec, FinetuneSpec, RunSpec, RuntimeSpec
 from megaslide.engine.loader import open_pipeline
+from megaslide.engine.parallel.ranks import ranks_placement
 from megaslide.engine.placement import (
     RULES,
     Placement,
@@ -13,9 +13,9 @@ from megaslide.engine.placement import (
     refuse_on_devices,
 )
 from megaslide.engine.planner import Machine, Workload, plan
-from megaslide.engine.ranks import ranks_placement
 from megaslide.engine.sources import describe, resolve_source
-from megaslide.engine.streaming import stream_module
+from megaslide.engine.streaming.streamer import stream_module
+from megaslide.engine.training.finetune_spec import ClipSpec, FinetuneSpec, RunSpec, RuntimeSpec
 from megaslide.server.settings import Settings
 
 STREAM = Placement(offload="stream")

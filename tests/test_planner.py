@@ -3,7 +3,7 @@
 import pytest
 
 from megaslide.engine.loader import open_pipeline
-from megaslide.engine.native import count_parameters
+from megaslide.engine.native.family import count_parameters
 from megaslide.engine.planner import Machine, Workload, format_plan, plan
 from megaslide.engine.sources import describe, resolve_source
 

@@ -22,7 +22,7 @@ with warnings.catch_warnings():  # starlette's notice that its TestClient will m
     from fastapi.testclient import TestClient
 
 from megaslide.engine.loader import open_pipeline
-from megaslide.engine.rank_group import RankGroup, check_video
+from megaslide.engine.parallel.rank_group import RankGroup, check_video
 from megaslide.engine.request import RequestError, VideoRequest, resolve
 from megaslide.engine.sources import describe, resolve_source
 from megaslide.engine.video import read_video

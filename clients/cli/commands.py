@@ -10,8 +10,9 @@ import sys
 import time
 from pathlib import Path
 
-from megaslide.engine.config import TIME_SAMPLING
-from megaslide.engine.finetune_spec import (
+from megaslide.engine.native.config import TIME_SAMPLING
+from megaslide.engine.placement import DISK_IO, Placement, refuse_on_devices
+from megaslide.engine.training.finetune_spec import (
     LR_SCHEDULES,
     ClipSpec,
     FinetuneSpec,
@@ -20,7 +21,6 @@ from megaslide.engine.finetune_spec import (
     RuntimeSpec,
     ScheduleSpec,
 )
-from megaslide.engine.placement import DISK_IO, Placement, refuse_on_devices
 
 from .args import (
     UsageError,
@@ -281,7 +281,7 @@ def generate_placement(args) -> Placement:
     naming the flags of the first one they break)."""
     devices = None
     if args.devices:
-        from megaslide.engine.ranks import parse_devices
+        from megaslide.engine.parallel.ranks import parse_devices
 
         try:
             devices = tuple(parse_devices(args.devices))
@@ -308,8 +308,8 @@ def generate_placement(args) -> Placement:
 
 
 def run_generate_on_devices(args, info, request, placement: Placement) -> int:
-    """`generate --devices`: one video split over several devices (engine/multidevice.py)."""
-    from megaslide.engine.multidevice import RankFailed, generate_on_devices
+    """`generate --devices`: one video split over several devices (engine/parallel/multidevice.py)."""
+    from megaslide.engine.parallel.multidevice import RankFailed, generate_on_devices
     from megaslide.engine.request import resolve
 
     if args.trace:
@@ -650,7 +650,7 @@ def finetune_spec(args) -> FinetuneSpec:
     width, height = parse_size(args.size, "--size") if args.size else (None, None)
     devices = None
     if args.devices:
-        from megaslide.engine.ranks import parse_devices
+        from megaslide.engine.parallel.ranks import parse_devices
 
         devices = tuple(parse_devices(args.devices))
     return FinetuneSpec(
@@ -697,7 +697,7 @@ def run_finetune(args) -> int:
         from .remote import finetune_remote
 
         return finetune_remote(args)
-    from megaslide.engine.finetune import open_trainer
+    from megaslide.engine.training.finetune import open_trainer
 
     if not args.output:
         raise UsageError("--output is required for a local run")
@@ -734,8 +734,8 @@ def run_finetune(args) -> int:
 
 
 def run_finetune_on_devices(args) -> int:
-    """`finetune --devices`: data parallel, one process per device (engine/data_parallel.py)."""
-    from megaslide.engine.data_parallel import RankFailed, finetune_on_devices
+    """`finetune --devices`: data parallel, one process per device (engine/parallel/data_parallel.py)."""
+    from megaslide.engine.parallel.data_parallel import RankFailed, finetune_on_devices
 
     if args.stats or args.trace:
         raise UsageError("--devices takes neither --stats nor --trace")

@@ -35,8 +35,8 @@ from typing import Any
 
 import torch
 
+from ..placement import DISK_IO
 from .host_store import BoundTensor, Extent, TensorEntry, pack, pin_exact, repoint, unpin
-from .placement import DISK_IO
 
 DEFAULT_RING_DEPTH = 4  # host buffers per streamed module: the block copied and 3 read ahead
 # How blocks are read (placement.DISK_IO): through the page cache ("buffered", the default: a model

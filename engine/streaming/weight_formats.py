@@ -42,8 +42,9 @@ from typing import Any
 
 import torch
 
-from ..kernels.dfloat import dfloat_decode
-from ..kernels.dfloat_reference import dfloat_encode
+from ...kernels.dfloat import dfloat_decode
+from ...kernels.dfloat_reference import dfloat_encode
+from ..placement import WEIGHT_FORMATS
 from .host_store import (
     ALIGN_BYTES,
     BoundTensor,
@@ -54,7 +55,6 @@ from .host_store import (
     pin_exact,
     unpin,
 )
-from .placement import WEIGHT_FORMATS
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)

@@ -52,6 +52,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..placement import Placement
 from .disk_store import DEFAULT_RING_DEPTH, DiskBlockStore, make_disk_stores
 from .host_store import (
     BoundTensor,
@@ -65,7 +66,6 @@ from .host_store import (
     repoint,
 )
 from .ordering import Ordering, make_ordering
-from .placement import Placement
 from .weight_formats import EncodedBlockStore, SharedPayload, make_store
 
 __all__ = ["ResidencyPlan", "StreamHandle", "plan_residency", "stream_module"]

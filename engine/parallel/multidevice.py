@@ -4,7 +4,7 @@
 per device with `torch.multiprocessing` (no torchrun; forkserver, so no CUDA state is forked),
 joins them into a `torch.distributed` group (NCCL on CUDA, gloo on the CPU; rendezvous through a
 file), and has each open the model, apply sequence parallelism (`Pipeline.parallelize`, see
-parallel.py) and sample the same request. Every rank holds the full latents and ends with the
+sequence.py) and sample the same request. Every rank holds the full latents and ends with the
 same frames; rank 0 writes them.
 
 Weights: this process fills the streamed blocks' host buffers once, in shared memory
@@ -35,13 +35,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .family import family
-from .host_store import SharedWeights
-from .loader import resolve_dtype, share_weights
-from .placement import Placement
+from ..family import family
+from ..loader import resolve_dtype, share_weights
+from ..placement import Placement
+from ..request import ResolvedVideo
+from ..sources import ModelInfo
+from ..streaming.host_store import SharedWeights
 from .ranks import RankFailed, RankLink, join_group, parse_devices, ranks_placement, run_ranks
-from .request import ResolvedVideo
-from .sources import ModelInfo
 
 __all__ = ["RankFailed", "generate_on_devices", "parse_devices"]
 
@@ -135,8 +135,8 @@ def _sample(link: RankLink, job: _Job) -> None:
     rank 0 writes the frames."""
     import torch.distributed as dist
 
-    from .loader import open_pipeline
-    from .parallel import SequenceGroup
+    from ..loader import open_pipeline
+    from .sequence import SequenceGroup
 
     torch.set_num_threads(job.threads)
     join_group(link)
@@ -155,7 +155,7 @@ def _sample(link: RankLink, job: _Job) -> None:
     if link.rank == 0:
         np.save(job.frames_path, frames)
         if job.output is not None:
-            from .video import write_mp4
+            from ..video import write_mp4
 
             write_mp4(job.output, frames, fps=job.video.fps)
     pipe.close()

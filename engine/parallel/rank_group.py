@@ -40,11 +40,13 @@ from pathlib import Path
 
 import torch
 
-from .family import family
-from .host_store import SharedWeights
-from .interfaces import VideoModel
-from .loader import resolve_dtype, share_weights
-from .placement import Placement
+from ..family import family
+from ..interfaces import VideoModel
+from ..loader import resolve_dtype, share_weights
+from ..placement import Placement
+from ..request import RequestError, ResolvedVideo
+from ..sources import ModelInfo
+from ..streaming.host_store import SharedWeights
 from .ranks import (
     STOP_GRACE_S,
     RankFailed,
@@ -55,8 +57,6 @@ from .ranks import (
     ranks_placement,
     stop_ranks,
 )
-from .request import RequestError, ResolvedVideo
-from .sources import ModelInfo
 
 
 class RanksDown(RuntimeError):
@@ -327,8 +327,8 @@ def _rank_main(rank: int, spec: _Spec, conn: Connection) -> None:
     the commands it is sent until told to close (or this end of the pipe closes)."""
     import torch.distributed as dist
 
-    from .loader import open_pipeline
-    from .parallel import SequenceGroup
+    from ..loader import open_pipeline
+    from .sequence import SequenceGroup
 
     states: dict[int, object] = {}
     try:
