@@ -4,7 +4,7 @@ Between neighbouring denoising steps a video DiT's output changes little over lo
 the schedule, so a step can reuse the output of an earlier one. For a streamed model a skipped
 pass is worth more than elsewhere: it skips the compute *and* the whole transfer of the weights.
 
-A cache sits in the sampler loop (sampling.py, shared by every family), one per request:
+A cache sits in the sampler loop (loop.py, shared by every family), one per request:
 before each step the sampler asks `StepCache.reuse(step, t, t_next)`; a request that reuses takes
 `StepCache.output()` as its model output and its rows stay out of the pass; a request that
 computes joins the pass and hands its output to `StepCache.record`. When every request of a step
@@ -96,7 +96,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .request import CACHE_FORECASTS, CACHE_POLICIES, CacheSpec
+from ..request import CACHE_FORECASTS, CACHE_POLICIES, CacheSpec
 
 
 def relative_l1(a: torch.Tensor, b: torch.Tensor) -> float:

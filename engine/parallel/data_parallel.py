@@ -9,7 +9,7 @@
   The streamed blocks' host stores are then the same pages in every process, as are the non-block
   masters (on the CPU the parameters themselves; on CUDA each rank copies them to its device after
   each step). One fp32 master per host, page-locked per rank on CUDA for its DMA, not copied.
-* The step (training_group.py, `DataParallel`). Every rank reads the same batch and draws the same
+* The step (training/group.py, `DataParallel`). Every rank reads the same batch and draws the same
   noise, flow times and dropped captions as one process would, and keeps its rows
   (`batch_size / ranks` of them). Each block's gradients are summed onto rank 0 as its backward
   ends and averaged there; rank 0's CPU AdamW (the only m and v) updates the shared master while
@@ -32,15 +32,15 @@ from pathlib import Path
 
 import torch
 
-from .atomic import remove_stale
-from .family import family
-from .finetune import CHECKPOINTS, Trainer, trained_model
-from .finetune_spec import FinetuneSpec
-from .host_store import SharedWeights
-from .loader import as_source, share_weights
+from ..atomic import remove_stale
+from ..family import family
+from ..loader import as_source, share_weights
+from ..sources import ModelSource
+from ..streaming.host_store import SharedWeights
+from ..training.finetune import CHECKPOINTS, Trainer, trained_model
+from ..training.finetune_spec import FinetuneSpec
+from ..training.group import DataParallel
 from .ranks import RankFailed, RankLink, join_group, parse_devices, run_ranks
-from .sources import ModelSource
-from .training_group import DataParallel
 
 __all__ = ["RankFailed", "finetune_on_devices"]
 

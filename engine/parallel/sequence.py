@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .config import DiTConfig
+from ..native.config import DiTConfig
 
 
 @dataclass(frozen=True)
@@ -121,7 +121,7 @@ def parallelize_dit(dit: nn.Module, sp: SequenceGroup) -> nn.Module:
 
     Apply it after the weights are placed (streamed or resident): only bound methods change.
     """
-    from .dit import BlockInputs, SelfAttention
+    from ..native.dit import BlockInputs, SelfAttention
 
     config: DiTConfig = dit.config
 

@@ -5,7 +5,7 @@ The step never holds the whole model's gradients, or (when streamed) its weights
 1. Forward, no autograd inside the blocks: the prologue (text encoder, embeddings) runs with
    autograd; each block is loaded, run, and released, and only its input is kept (block-boundary
    activation checkpointing). What the model is comes from its family, as a `TrainingModel`
-   (training.py): the step knows prologue, blocks and epilogue, never the maths inside.
+   (model.py): the step knows prologue, blocks and epilogue, never the maths inside.
 2. The epilogue and the loss run with autograd, giving the gradient at the last block's output.
 3. Backward, blocks in reverse: load block i, recompute its forward from the saved input with
    autograd, backpropagate the incoming gradient, and hand block i's parameter gradients to the
@@ -20,7 +20,7 @@ master of each block; on CUDA the compute happens under bf16 autocast, so the bf
 the fly on the device and no host copy in the compute dtype exists (12 B/param on the host with m
 and v). With `offload="none"` the blocks stay on the device and masters are separate host copies.
 
-Who else trains the same batch is a `TrainingGroup` (training_group.py) the step calls
+Who else trains the same batch is a `TrainingGroup` (group.py) the step calls
 unconditionally: which rows it trains, how a block's gradients reach the optimizer, what ends an
 optimizer step, where the non-block masters come from. `OneProcess` by default; `DataParallel`
 for a rank of several, whose blocks' gradients are summed onto rank 0 while the next block's
@@ -39,13 +39,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..sampling.flow import noisy_sample, sample_training_times, velocity_target
+from ..streaming.ordering import Ordering, make_ordering
+from ..streaming.streamer import StreamHandle
 from .finetune_spec import OptimizerSpec
-from .flow import noisy_sample, sample_training_times, velocity_target
+from .group import OneProcess, Reduction, TrainingGroup, host_masters
+from .model import TrainingModel
 from .optim import CPUAdamW
-from .ordering import Ordering, make_ordering
-from .streaming import StreamHandle
-from .training import TrainingModel
-from .training_group import OneProcess, Reduction, TrainingGroup, host_masters
 
 NON_BLOCK = "non_block"  # optimizer block id of everything outside the blocks
 

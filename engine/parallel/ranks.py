@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from .placement import Placement
+from ..placement import Placement
 
 STOP_GRACE_S = 5.0  # how long a stopped rank gets to exit before it is killed
 COLLECTIVE_TIMEOUT_S = 600.0  # a collective waiting longer than this on a peer fails

@@ -24,15 +24,15 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .config import TIME_SAMPLING
-from .placement import Placement
+from ..native.config import TIME_SAMPLING
+from ..placement import Placement
 
 LR_SCHEDULES = ("constant", "cosine")
 
 
 @dataclass(frozen=True)
 class OptimizerSpec:
-    """AdamW (torch.optim.AdamW's algorithm, engine/optim.py) on the fp32 masters."""
+    """AdamW (torch.optim.AdamW's algorithm, engine/training/optim.py) on the fp32 masters."""
 
     lr: float = 1e-4  # the peak rate; the schedule scales it
     betas: tuple[float, float] = (0.9, 0.999)
@@ -120,7 +120,7 @@ class RuntimeSpec:
     @property
     def devices(self) -> tuple[str, ...] | None:
         """Data parallel over these devices, a process each, in place of `device` (see
-        data_parallel.py): the batch is split over them, one optimizer updates one master."""
+        parallel/data_parallel.py): the batch is split over them, one optimizer updates one master."""
         return self.placement.devices
 
     @property

@@ -14,12 +14,12 @@ differ:
 * `owner_first()`: the order in which the processes prepare what they share (the dataset).
 
 `OneProcess` is a run alone: its own rows, its own masters, gradients as they are. `DataParallel`
-is one rank of a group joined already (data_parallel.py launches them): each block's gradients
-are summed onto rank 0 (`torch.distributed.reduce`) as soon as the block's backward is done and
-divided by the ranks there: the mean of equal shares' mean losses is the whole batch's mean loss.
-The reduction runs while the next block's backward computes: a block's gradients go to the
-optimizer once the block after it (in backward order) has been computed. Rank 0 alone holds the
-optimizer (one m and v) and updates the one fp32 master, which every rank streams from: the
+is one rank of a group joined already (parallel/data_parallel.py launches them): each block's
+gradients are summed onto rank 0 (`torch.distributed.reduce`) as soon as the block's backward is
+done and divided by the ranks there: the mean of equal shares' mean losses is the whole batch's
+mean loss. The reduction runs while the next block's backward computes: a block's gradients go to
+the optimizer once the block after it (in backward order) has been computed. Rank 0 alone holds
+the optimizer (one m and v) and updates the one fp32 master, which every rank streams from: the
 blocks' host stores and the non-block masters are the same pages of shared memory in every
 process. A barrier at the end of each optimizer step keeps the other ranks from reading a master
 before rank 0 has written it.
@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .host_store import SharedWeights
+from ..streaming.host_store import SharedWeights
 
 
 class Reduction(ABC):

@@ -4,7 +4,7 @@
 per device with `torch.multiprocessing` (no torchrun; forkserver, so no CUDA state is forked),
 joins them into a `torch.distributed` group (NCCL on CUDA, gloo on the CPU; rendezvous through a
 file), and has each open the model, apply sequence parallelism (`Pipeline.parallelize`, see
-parallel.py) and sample the same request. Every rank holds the full latents and ends with the
+sequence.py) and sample the same request. Every rank holds the full latents and ends with the
 same frames; rank 0 writes them.
 
 Weights: this process fills the streamed blocks' host buffers once, in shared memory
@@ -13,6 +13,11 @@ one copy of the blocks per host, not one per rank. Tensors outside the blocks (e
 final layer, an unstreamed text encoder) are small and each rank copies them to its device. On
 CUDA each rank page-locks the shared buffers for its own context (`cudaHostRegister` of the same
 physical pages: locked once in RAM, registered once per process), so its copies run as DMA.
+The placement's levers apply as on one device: a coded format (`weights`) is encoded once here
+and each rank decodes the shared payloads into its own slots; a budget keeps the same blocks
+resident on every device (shared raw); on the disk tier each rank reads the blocks from the files
+itself (the page cache is the host's one copy); "auto" is resolved here, once for the host; with
+`timing` each rank's streamer stats come back (`stats=`).
 
 A rank that fails (an exception, a signal, an exit) fails the job: the other ranks are stopped and
 `RankFailed` names the rank and its device (ranks.py: the process machinery, shared with
@@ -30,13 +35,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .family import family
-from .host_store import SharedWeights
-from .loader import resolve_dtype, share_weights
-from .placement import Placement
+from ..family import family
+from ..loader import resolve_dtype, share_weights
+from ..placement import Placement
+from ..request import ResolvedVideo
+from ..sources import ModelInfo
+from ..streaming.host_store import SharedWeights
 from .ranks import RankFailed, RankLink, join_group, parse_devices, ranks_placement, run_ranks
-from .request import ResolvedVideo
-from .sources import ModelInfo
 
 __all__ = ["RankFailed", "generate_on_devices", "parse_devices"]
 
@@ -53,6 +58,7 @@ class _Job:
     frames_path: str  # rank 0 writes the frames here (.npy): no pickling through a pipe
     output: str | None  # and the MP4 here, when asked
     shared: SharedWeights
+    stats: bool = False  # every rank reports its streamers' stats once sampled
 
 
 def generate_on_devices(
@@ -67,6 +73,7 @@ def generate_on_devices(
     timeout_s: float | None = None,
     progress: Callable[[int, int], None] | None = None,
     on_spawn: Callable[[list[int]], None] | None = None,
+    stats: Callable[[list[dict]], None] | None = None,
 ) -> np.ndarray:
     """Sample one clip of `video` with its tokens split over `devices`: uint8 `(F, H, W, 3)`.
 
@@ -75,7 +82,8 @@ def generate_on_devices(
     docstring); `output`: rank
     0 also writes the MP4 there. `threads`: CPU threads per rank (default: this machine's cores
     shared out). `progress(step, total)` is called here as rank 0 finishes each step;
-    `on_spawn(pids)` once the ranks have started. ValueError before anything starts if the
+    `on_spawn(pids)` once the ranks have started; `stats(per_rank)` once sampled, with each
+    rank's `Pipeline.stats()` in rank order (its streamers' timings with `timing`). ValueError before anything starts if the
     video cannot be split over the devices; RankFailed if a rank fails; TimeoutError (every rank
     stopped) after `timeout_s`.
     """
@@ -86,7 +94,16 @@ def generate_on_devices(
     dtype = resolve_dtype(dtype, torch.device(names[0]))
     if threads is None:
         threads = max(1, (os.cpu_count() or 1) // world) if names[0] == "cpu" else 1
-    shared = share_weights(info, dtype)
+    # One copy for the host, in the placement's format and tier ("auto" resolved here, once).
+    shared = share_weights(info, dtype, placement=placement)
+    per_rank: dict[int, dict] = {}
+
+    def report(*args) -> None:
+        if args[0] == "stats":
+            per_rank[args[1]] = args[2]
+        elif progress is not None:
+            progress(*args)
+
     with tempfile.TemporaryDirectory(prefix="megaslide-frames-") as tmp:
         job = _Job(
             info,
@@ -97,16 +114,19 @@ def generate_on_devices(
             str(Path(tmp) / "frames.npy"),
             None if output is None else os.fspath(output),
             shared,
+            stats=stats is not None,
         )
         run_ranks(
             _sample,
             job,
             names,
             preload=[__name__],
-            progress=progress,
+            progress=report,
             on_spawn=on_spawn,
             timeout_s=timeout_s,
         )
+        if stats is not None:
+            stats([per_rank[rank] for rank in range(world)])
         return np.load(job.frames_path)
 
 
@@ -115,8 +135,8 @@ def _sample(link: RankLink, job: _Job) -> None:
     rank 0 writes the frames."""
     import torch.distributed as dist
 
-    from .loader import open_pipeline
-    from .parallel import SequenceGroup
+    from ..loader import open_pipeline
+    from .sequence import SequenceGroup
 
     torch.set_num_threads(job.threads)
     join_group(link)
@@ -129,11 +149,13 @@ def _sample(link: RankLink, job: _Job) -> None:
         pipe.denoise_step([state])
         if link.rank == 0:
             link.progress(state.step, state.num_steps)
+    if job.stats:  # before "done": the launcher reads a rank's messages in order
+        link.progress("stats", link.rank, pipe.stats())
     frames = pipe.finish(state)
     if link.rank == 0:
         np.save(job.frames_path, frames)
         if job.output is not None:
-            from .video import write_mp4
+            from ..video import write_mp4
 
             write_mp4(job.output, frames, fps=job.video.fps)
     pipe.close()
