@@ -5,7 +5,9 @@ per device with `torch.multiprocessing` (no torchrun; forkserver, so no CUDA sta
 joins them into a `torch.distributed` group (NCCL on CUDA, gloo on the CPU; rendezvous through a
 file), and has each open the model, apply sequence parallelism (`Pipeline.parallelize`, see
 parallel.py) and sample the same request. Every rank holds the full latents and ends with the
-same frames; rank 0 writes them.
+same latents; rank 0 decodes them. The ranks are a `RankGroup` (rank_group.py), started for this
+one video and closed after it: the server's model on several devices is the same group kept up,
+so one piece of code drives ranks.
 
 Weights: this process fills the streamed blocks' host buffers once, in shared memory
 (`loader.share_weights`), and every rank streams from those same pages (`open_pipeline(shared=)`):
@@ -22,37 +24,20 @@ data-parallel fine-tuning).
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from .family import family
-from .host_store import SharedWeights
-from .loader import resolve_dtype, share_weights
+from .lora import Adapter
 from .placement import Placement
-from .ranks import RankFailed, RankLink, join_group, parse_devices, ranks_placement, run_ranks
+from .rank_group import RankGroup
+from .ranks import RankFailed, parse_devices, ranks_placement
 from .request import ResolvedVideo
 from .sources import ModelInfo
 
 __all__ = ["RankFailed", "generate_on_devices", "parse_devices"]
-
-
-@dataclass(frozen=True)
-class _Job:
-    """What every rank is handed (pickled; the shared weights travel as handles)."""
-
-    info: ModelInfo
-    video: ResolvedVideo
-    placement: Placement  # each rank opens `placement.on(its device)`
-    dtype: torch.dtype
-    threads: int
-    frames_path: str  # rank 0 writes the frames here (.npy): no pickling through a pipe
-    output: str | None  # and the MP4 here, when asked
-    shared: SharedWeights
 
 
 def generate_on_devices(
@@ -62,6 +47,7 @@ def generate_on_devices(
     *,
     dtype: str | torch.dtype = "auto",
     prefetch: int = 2,
+    adapters: Sequence[Adapter] = (),
     output: str | os.PathLike | None = None,
     threads: int | None = None,
     timeout_s: float | None = None,
@@ -72,69 +58,32 @@ def generate_on_devices(
 
     `devices` names the devices, or is a whole `Placement` with `devices` (then its `prefetch`
     is the one used). Block weights stream from one shared host store (see the module
-    docstring); `output`: rank
-    0 also writes the MP4 there. `threads`: CPU threads per rank (default: this machine's cores
-    shared out). `progress(step, total)` is called here as rank 0 finishes each step;
-    `on_spawn(pids)` once the ranks have started. ValueError before anything starts if the
-    video cannot be split over the devices; RankFailed if a rank fails; TimeoutError (every rank
-    stopped) after `timeout_s`.
+    docstring). `adapters`: LoRA adapters (converted, `loader.load_adapter`) registered on every
+    rank before sampling, for the ones `video.loras` names. `output`: the MP4 is also written
+    there. `threads`: CPU threads per rank (default: this machine's cores shared out).
+    `progress(step, total)` is called here after each step; `on_spawn(pids)` once the ranks have
+    started. ValueError before anything starts if the video cannot be split over the devices;
+    RankFailed if a rank fails; TimeoutError (every rank stopped) after `timeout_s`.
     """
     placement = ranks_placement(devices, prefetch)
-    names = placement.devices
-    world = len(names)
+    world = len(placement.devices)
     family(info.family).check_parallel(info, video.frames, video.height, video.width, world)
-    dtype = resolve_dtype(dtype, torch.device(names[0]))
-    if threads is None:
-        threads = max(1, (os.cpu_count() or 1) // world) if names[0] == "cpu" else 1
-    shared = share_weights(info, dtype)
-    with tempfile.TemporaryDirectory(prefix="megaslide-frames-") as tmp:
-        job = _Job(
-            info,
-            video,
-            placement,
-            dtype,
-            threads,
-            str(Path(tmp) / "frames.npy"),
-            None if output is None else os.fspath(output),
-            shared,
-        )
-        run_ranks(
-            _sample,
-            job,
-            names,
-            preload=[__name__],
-            progress=progress,
-            on_spawn=on_spawn,
-            timeout_s=timeout_s,
-        )
-        return np.load(job.frames_path)
-
-
-def _sample(link: RankLink, job: _Job) -> None:
-    """One rank: join the group, open the model on its device from the shared weights, sample;
-    rank 0 writes the frames."""
-    import torch.distributed as dist
-
-    from .loader import open_pipeline
-    from .parallel import SequenceGroup
-
-    torch.set_num_threads(job.threads)
-    join_group(link)
-    pipe = open_pipeline(
-        job.info, job.placement.on(str(link.device)), dtype=job.dtype, shared=job.shared
+    group = RankGroup(
+        info, placement, dtype=dtype, threads=threads, on_spawn=on_spawn, timeout_s=timeout_s
     )
-    pipe.parallelize(SequenceGroup.default())
-    state = pipe.prepare(job.video)
-    while not state.done:
-        pipe.denoise_step([state])
-        if link.rank == 0:
-            link.progress(state.step, state.num_steps)
-    frames = pipe.finish(state)
-    if link.rank == 0:
-        np.save(job.frames_path, frames)
-        if job.output is not None:
-            from .video import write_mp4
+    try:
+        for adapter in adapters:
+            group.register_adapter(adapter)
+        (state,) = group.prepare_batch([video])
+        while not state.done:
+            group.denoise_step([state])
+            if progress is not None:
+                progress(state.step, state.num_steps)
+        (frames,) = group.finish_batch([state])
+    finally:
+        group.close()
+    if output is not None:
+        from .video import write_mp4
 
-            write_mp4(job.output, frames, fps=job.video.fps)
-    pipe.close()
-    dist.destroy_process_group()
+        write_mp4(output, frames, fps=video.fps)
+    return frames

@@ -8,7 +8,7 @@ its `RankLink`: progress, its result, or its error.
 
 A rank that fails (an exception, a signal, an exit) fails the job: the other ranks are stopped and
 `RankFailed` names the rank and its device, instead of the survivors waiting forever in a
-collective whose peer is gone. Sequence-parallel sampling (multidevice.py) and data-parallel
+collective whose peer is gone. Data-parallel
 fine-tuning (data_parallel.py) both run on it.
 """
 

@@ -14,7 +14,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from sqlalchemy import make_url
 
 from megaslide.engine.finetune_spec import OptimizerSpec, RunSpec
-from megaslide.engine.placement import Placement, refuse_on_devices
+from megaslide.engine.placement import Placement
 
 DEFAULT_CRASH_LIMIT = 3  # a job whose worker died under it this many times fails
 
@@ -256,8 +256,7 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _placement_rules(self):
-        placement = self.placement.validate()
-        refuse_on_devices(placement, loras=bool(self.loras))
+        self.placement.validate()
         return self
 
     @field_validator("models", "api_keys", "loras", "transformers", "devices", mode="before")

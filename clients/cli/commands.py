@@ -20,7 +20,7 @@ from megaslide.engine.finetune_spec import (
     RuntimeSpec,
     ScheduleSpec,
 )
-from megaslide.engine.placement import DISK_IO, Placement, refuse_on_devices
+from megaslide.engine.placement import DISK_IO, Placement
 
 from .args import (
     UsageError,
@@ -216,12 +216,6 @@ def run_generate(args) -> int:
 
         return generate_remote(args, request)
     placement = generate_placement(args)
-    try:
-        refuse_on_devices(
-            placement, loras=bool(lora_files), image=bool(request.image), cache=bool(request.cache)
-        )
-    except ValueError as e:
-        raise UsageError(f"--devices: {e}") from None
     overrides = {"attention": args.attention} if args.attention else {}
     if args.transformer:
         if describe(model_source(args)).family != "wan":
@@ -230,13 +224,13 @@ def run_generate(args) -> int:
     info = describe(model_source(args), **overrides)
     from megaslide.engine.loader import load_adapter, open_pipeline
 
-    if placement.devices:
-        return run_generate_on_devices(args, info, request, placement)
     # Adapters are converted and checked against the model on the meta device, and the request
     # against the model and them, before any weights load.
     adapters = [load_adapter(info, name, path) for name, path in lora_files.items()]
     defaults = {a.name: a.defaults for a in adapters}
     video = resolve(request, info.limits, info.sampling, model=info.name, adapters=defaults)
+    if placement.devices:
+        return run_generate_on_devices(args, info, video, placement, adapters)
     pipe = open_pipeline(info, placement)
     for adapter in adapters:
         pipe.register_adapter(adapter)
@@ -304,20 +298,20 @@ def generate_placement(args) -> Placement:
     return placement
 
 
-def run_generate_on_devices(args, info, request, placement: Placement) -> int:
-    """`generate --devices`: one video split over several devices (engine/multidevice.py)."""
+def run_generate_on_devices(args, info, video, placement: Placement, adapters) -> int:
+    """`generate --devices`: one video split over several devices (engine/multidevice.py), the
+    LoRA `adapters` registered on every rank."""
     from megaslide.engine.multidevice import RankFailed, generate_on_devices
-    from megaslide.engine.request import resolve
 
     devices = placement.devices
-    video = resolve(request, info.limits, info.sampling, model=info.name)
     with progress_bar(video.steps, "denoising", disable=args.no_progress) as bar:
         try:
             frames = generate_on_devices(
                 info,
                 video,
                 placement,
-                output=args.output,  # rank 0 writes it
+                adapters=adapters,
+                output=args.output,
                 progress=lambda step, total: bar.update(1),
             )
         except RankFailed as e:  # the other ranks were stopped; no output was written
