@@ -117,11 +117,11 @@ def test_a_rank_whose_peer_died_names_the_dead_rank_not_itself():
 
 @pytest.mark.slow
 def test_a_rank_that_raises_fails_the_job_with_its_error(monkeypatch):
-    from megaslide.engine import multidevice
+    from megaslide.engine import rank_group
 
     info, video = tiny()
     # Weights the ranks cannot open from: each raises (not hangs) while opening the model.
-    monkeypatch.setattr(multidevice, "share_weights", lambda info, dtype: SharedWeights({}, {}))
+    monkeypatch.setattr(rank_group, "share_weights", lambda info, dtype: SharedWeights({}, {}))
     with pytest.raises(RankFailed, match=r"rank \d \(cpu\) failed: ValueError: .*lack component"):
         generate_on_devices(info, video, ["cpu", "cpu"], timeout_s=TIMEOUT_S)
 

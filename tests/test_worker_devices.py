@@ -23,7 +23,7 @@ with warnings.catch_warnings():  # starlette's notice that its TestClient will m
 
 from megaslide.engine.loader import open_pipeline
 from megaslide.engine.rank_group import RankGroup, check_video
-from megaslide.engine.request import CacheSpec, RequestError, VideoRequest, resolve
+from megaslide.engine.request import RequestError, VideoRequest, resolve
 from megaslide.engine.sources import describe, resolve_source
 from megaslide.engine.video import read_video
 from megaslide.server import Settings
@@ -103,7 +103,7 @@ def test_a_worker_on_two_devices_serves_what_one_process_samples(tmp_path):
     # Alone, split over two ranks: every frame bitwise one process's, the thumbnail its first.
     assert np.array_equal(sampled[alone_id], frames)
     assert np.array_equal(alone[0], frames[0]) and alone[1].shape == frames.shape
-    cached = local_frames(pipe, "x", 5, CacheSpec("first-block", 1.0))
+    cached = local_frames(pipe, "x", 5, FIRST_BLOCK)
     assert np.array_equal(sampled[cached_id], cached)
     assert not np.array_equal(cached, local_frames(pipe, "x", 5))  # it reused a step
     for video_id, (prompt, seed) in zip(ids, [("split", 3), ("apart", 4)], strict=True):
