@@ -322,8 +322,10 @@ class RankGroup(VideoModel):
                         self._down(rank, "closed its pipe" if code is None else exit_reason(code))
                     del pending[rank]
                     if answers[rank][0] == "error" and command in ("ready", "step"):
-                        # Its peers may wait for it in a collective: stop them all.
-                        failure = blame(self._procs, self.devices, rank, _error_text(answers[rank]))
+                        # Its peers may wait for it in a collective: stop them all. A peer
+                        # that ended with an error of its own unread (`pending`) is not blamed.
+                        text = _error_text(answers[rank])
+                        failure = blame(self._procs, self.devices, rank, text, pending)
                         self._down(failure.rank, failure.reason)
                 elif proc.sentinel in ready and not conn.poll():  # gone without a word
                     proc.join()
