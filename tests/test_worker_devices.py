@@ -89,8 +89,8 @@ def test_a_worker_on_two_devices_serves_what_one_process_samples(tmp_path):
         with c.stream("GET", f"/v1/videos/{ids[0]}/events") as r:  # replayed, once done
             events = "".join(r.iter_text())
         metrics = c.get("/metrics").text  # (before the cached video's pass of block 0 alone)
-        # A step cache runs split too: the first-block one reuses the second step, deciding
-        # from block 0's residual summed over both ranks' tokens.
+        # A step cache runs split too: the first-block one decides from block 0's residual
+        # summed over both ranks' tokens (tests/test_parallel_levers.py shows it deciding).
         cached_id = c.post(
             "/v1/videos",
             json={"prompt": "x", "seed": 5, **CLIP, "cache": FIRST_BLOCK},
@@ -105,7 +105,6 @@ def test_a_worker_on_two_devices_serves_what_one_process_samples(tmp_path):
     assert np.array_equal(alone[0], frames[0]) and alone[1].shape == frames.shape
     cached = local_frames(pipe, "x", 5, FIRST_BLOCK)
     assert np.array_equal(sampled[cached_id], cached)
-    assert not np.array_equal(cached, local_frames(pipe, "x", 5))  # it reused a step
     for video_id, (prompt, seed) in zip(ids, [("split", 3), ("apart", 4)], strict=True):
         frames = local_frames(pipe, prompt, seed)
         assert np.abs(sampled[video_id].astype(int) - frames).max() <= 1
