@@ -172,7 +172,7 @@ def test_cli_generate_on_two_cpu_processes_writes_the_same_mp4(tmp_path, capsys)
     from megaslide.cli.main import main
 
     flags = ["a red circle", "--preset", "tiny", "--frames", "4", "--size", "16x16"]
-    flags += ["--steps", "2", "--no-progress"]
+    flags += ["--steps", "2", "--no-progress", "--cache", "first-block:1"]  # a cache: taken
     one, split = tmp_path / "one.mp4", tmp_path / "split.mp4"
     assert main(["generate", *flags, "-o", str(one)]) == 0
     assert main(["generate", *flags, "-o", str(split), "--devices", "cpu,cpu"]) == 0
