@@ -24,8 +24,8 @@ wait in a collective for it) fails the call with `RankFailed` naming it, and eve
 stopped. States of that group raise the same failure if stepped again; the next `prepare_batch`
 starts the ranks again from the shared weights still held here (no read from disk), and
 `RanksDown` says that restart failed. An error every rank raises alike while preparing (a
-request the model refuses), or rank 0 raises while decoding, touches no collective: it is raised
-here as the rank raised it and the group goes on.
+request the model refuses) or registering an adapter, or rank 0 raises while decoding, touches
+no collective: it is raised here as the rank raised it and the group goes on.
 """
 
 from __future__ import annotations
@@ -331,8 +331,10 @@ class RankGroup(VideoModel):
                     proc.join()
                     self._down(rank, exit_reason(proc.exitcode))
         errors = {r: a for r, a in answers.items() if a[0] == "error"}
-        if errors and len(errors) < len(answers) and command == "prepare":
-            rank = min(errors)  # the ranks disagree about the same requests: their states too
+        if errors and len(errors) < len(answers) and command in ("prepare", "adapter", "remove"):
+            # The ranks disagree about the same requests (their states too), or hold different
+            # adapters: the next step would not be the same model on every rank.
+            rank = min(errors)
             self._down(rank, _error_text(errors[rank]))
         if 0 in errors:
             _, kind, text, param, code = errors[0]
