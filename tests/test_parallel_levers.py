@@ -1,16 +1,17 @@
 """LoRA adapters, first-frame images and step caches on two CPU processes (gloo): each equals one
 process sampling the same batch (one device, streamed).
 
-Bitwise. Sequence parallelism changes no reduction of the model's (test_parallel.py says why),
-and the levers add none: an adapter's delta is computed row by row of the tokens, on each rank's
-own tokens, before the gather; an image conditions the latents every rank holds whole; the
-policies that decide before the pass read outputs and latents that are exactly equal on every
-rank. The first-block policy's measure is the one sum that changes: summed over the ranks'
-token shards instead of over one sequence, it differs from one process's in its last bits, so a
-decision could differ only for a threshold within that of the measure; the thresholds here are
-far from it, except the one chosen between the ranks' own measures to show that they decide
-together. Each batch is the same on both sides: a batch's composition may change a CPU kernel's
-rounding (test_worker_devices.py), which is not what is compared here.
+Bitwise for one video a batch, whatever its levers, and for our DiT's batches. Sequence
+parallelism changes no reduction of the model's (test_parallel.py says why), and the levers add
+none: an adapter's delta is computed row by row of the tokens, on each rank's own tokens, before
+the gather; an image conditions the latents every rank holds whole; the policies that decide
+before the pass read outputs and latents that are exactly equal on every rank. The first-block
+policy's measure is the one sum that changes: summed over the ranks' token shards instead of
+over one sequence, it may differ from one process's in its last bits, so a decision could differ
+only for a threshold within that of the measure; the thresholds here are far from it, except
+those chosen between a rank's own measure and the whole one, to show that the ranks decide
+together. A Wan batch of several videos is within one uint8 level, lever or not (the test says
+why). Each batch is the same on both sides.
 """
 
 from __future__ import annotations
@@ -70,7 +71,9 @@ def native_video(info, seed: int, steps: int = 4, cache: dict | None = None):
 @pytest.mark.slow
 def test_every_step_cache_policy_on_two_ranks_equals_one_process(native):
     """Each policy and forecast in one batch with an uncached video: the same frames and the
-    same passes as one process, and every cached video reused a step."""
+    same passes as one process, and every cached video reused a step. (The tiny preset's blocks
+    start as identities, adaLN-zero: its first-block measure is 0, and the Wan tests below are
+    the ones that put it between the ranks' own measures.)"""
     info, group, pipe = native
     caches = [
         cache("output-change", 100.0),
