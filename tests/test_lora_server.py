@@ -161,6 +161,20 @@ def test_cli_generate_with_a_lora(served, tmp_path):
     assert not (tmp_path / "x.mp4").exists()
 
 
+@pytest.mark.slow
+def test_cli_generate_with_a_lora_on_two_devices_writes_one_process_mp4(served, tmp_path):
+    """`--lora` with `--devices`: each rank registers the adapter; one video split over two gloo
+    processes encodes to the very bytes of one process's (tests/test_parallel_levers.py)."""
+    from megaslide.cli.main import main
+
+    args = ["generate", "a red circle", "--model", str(served["model"]), "--no-progress"]
+    args += ["--lora", f"style={served['adapter']}", "--lora-scale", "style=0.9"]
+    one, split = tmp_path / "one.mp4", tmp_path / "split.mp4"
+    assert main([*args, "-o", str(one)]) == 0
+    assert main([*args, "-o", str(split), "--devices", "cpu,cpu"]) == 0
+    assert split.read_bytes() == one.read_bytes()
+
+
 def test_cli_remote_generate_names_a_registered_adapter(served, tmp_path, capsys):
     from megaslide.cli.main import main
 
