@@ -41,13 +41,13 @@ ROOT = Path(__file__).resolve().parents[1]
 from prompt_adherence import accuracy, adherence  # noqa: E402
 
 from megaslide.engine.loader import open_pipeline  # noqa: E402
+from megaslide.engine.native.world import benchmark_prompts  # noqa: E402
 from megaslide.engine.request import VideoRequest  # noqa: E402
-from megaslide.engine.weight_formats import (  # noqa: E402
+from megaslide.engine.streaming.weight_formats import (  # noqa: E402
     fp8_dequantize,
     fp8_payload_nbytes,
     fp8_quantize,
 )
-from megaslide.engine.world import benchmark_prompts  # noqa: E402
 from megaslide.kernels.dfloat_reference import dfloat_decode_buffer, dfloat_encode  # noqa: E402
 
 GOALS = {"lossless_ratio_max": 0.72, "fp8_ratio_max": 0.51, "fp8_psnr_db_min": 35.0}
@@ -94,9 +94,9 @@ def store_ratios(source, weights: str) -> dict:
 def fp8_block_ratio(preset: str) -> float:
     """fp8 payload / bf16 bytes of one DiT block of `preset`, from its layout on the meta device
     (fp8's size depends on shapes only)."""
-    from megaslide.engine.dit import VideoDiT
-    from megaslide.engine.host_store import collect_tensors, pack
+    from megaslide.engine.native.dit import VideoDiT
     from megaslide.engine.sources import describe, resolve_source
+    from megaslide.engine.streaming.host_store import collect_tensors, pack
 
     config = describe(resolve_source(preset=preset)).config
     with torch.device("meta"):

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from megaslide.engine.checkpoint import save_model
 from megaslide.engine.loader import open_model, open_pipeline
+from megaslide.engine.native.checkpoint import save_model
 from megaslide.engine.request import VideoRequest
 from megaslide.engine.sources import describe, resolve_source
 
@@ -61,7 +61,7 @@ def streamed_equals_resident(model: Path, device: str) -> dict:
 
 
 def h2d_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> dict:
-    from megaslide.engine.host_store import pin_exact, unpin
+    from megaslide.engine.streaming.host_store import pin_exact, unpin
 
     device = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     pageable = torch.empty(nbytes, dtype=torch.uint8)
@@ -83,9 +83,9 @@ def h2d_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> dict:
 
 
 def training_step(model: Path, device: str) -> dict:
-    from megaslide.engine.blockwise import BlockwiseStep, StepConfig, master_state_dicts
-    from megaslide.engine.finetune_spec import OptimizerSpec
-    from megaslide.engine.native import DiTTrainingModel
+    from megaslide.engine.native.family import DiTTrainingModel
+    from megaslide.engine.training.blockwise import BlockwiseStep, StepConfig, master_state_dicts
+    from megaslide.engine.training.finetune_spec import OptimizerSpec
 
     info = describe(resolve_source(model))
     x0 = torch.randn(2, 3, 8, 64, 64, generator=torch.Generator().manual_seed(0))

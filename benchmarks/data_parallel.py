@@ -26,9 +26,13 @@ from pathlib import Path
 
 import torch
 
-from megaslide.engine.data_parallel import finetune_on_devices
-from megaslide.engine.finetune import open_trainer
-from megaslide.engine.finetune_spec import (
+from megaslide.engine.native.world import write_dataset
+from megaslide.engine.parallel.data_parallel import finetune_on_devices
+from megaslide.engine.parallel.ranks import parse_devices
+from megaslide.engine.sources import resolve_source
+from megaslide.engine.streaming.host_store import SafetensorsFile
+from megaslide.engine.training.finetune import open_trainer
+from megaslide.engine.training.finetune_spec import (
     ClipSpec,
     FinetuneSpec,
     OptimizerSpec,
@@ -36,10 +40,6 @@ from megaslide.engine.finetune_spec import (
     RuntimeSpec,
     ScheduleSpec,
 )
-from megaslide.engine.host_store import SafetensorsFile
-from megaslide.engine.ranks import parse_devices
-from megaslide.engine.sources import resolve_source
-from megaslide.engine.world import write_dataset
 
 
 def exported(path: Path) -> dict[str, torch.Tensor]:

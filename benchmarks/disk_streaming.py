@@ -31,12 +31,12 @@ from pathlib import Path
 
 import torch
 
-from megaslide.engine.checkpoint import save_model
-from megaslide.engine.config import DiTConfig
-from megaslide.engine.disk_store import DiskBlockStore, direct_io_supported
 from megaslide.engine.loader import open_pipeline
+from megaslide.engine.native.checkpoint import save_model
+from megaslide.engine.native.config import DiTConfig
 from megaslide.engine.request import VideoRequest, parse_size, resolve
 from megaslide.engine.sources import describe, resolve_source
+from megaslide.engine.streaming.disk_store import DiskBlockStore, direct_io_supported
 
 
 def drop_cache(paths: list[Path]) -> None:
@@ -61,7 +61,7 @@ def warm_cache(paths: list[Path]) -> None:
 def build_model(root: Path, quick: bool) -> Path:
     """A model directory: the small preset (or, quick, 32 blocks of width 256), saved in fp32."""
     if quick:
-        from megaslide.engine.dit import VideoDiT
+        from megaslide.engine.native.dit import VideoDiT
 
         tiny = open_pipeline(resolve_source(preset="tiny"))
         torch.manual_seed(0)

@@ -28,9 +28,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from compression import psnr  # noqa: E402
 
 from megaslide.engine.loader import open_pipeline  # noqa: E402
+from megaslide.engine.native.world import benchmark_prompts  # noqa: E402
 from megaslide.engine.request import VideoRequest  # noqa: E402
-from megaslide.engine.weight_formats import fp8_dequantize, fp8_quantize  # noqa: E402
-from megaslide.engine.world import benchmark_prompts  # noqa: E402
+from megaslide.engine.streaming.weight_formats import fp8_dequantize, fp8_quantize  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -8,7 +8,7 @@ prompt. A direction of motion lives only in how that mean depends on frame and p
 (a left-moving object is on the right early and on the left late), so it is the part a model learns
 last, and a model without it draws objects moving whichever way the noise suggests. For each
 one-object prompt (colour x shape x direction) this compares the model's predicted clean clip at
-flow time t with the world's own mean clips, rendered by `engine/world.py`: `mu_d` for the prompt's
+flow time t with the world's own mean clips, rendered by `engine/native/world.py`: `mu_d` for the prompt's
 direction and `mu_any`, the mean over the four directions. The score is the projection
 
     score = <pred - mu_any, mu_d - mu_any> / |mu_d - mu_any|^2
@@ -29,10 +29,17 @@ import numpy as np
 import torch
 
 from megaslide.engine.loader import open_pipeline
-from megaslide.engine.native import DiTPipeline
+from megaslide.engine.native.family import DiTPipeline
+from megaslide.engine.native.world import (
+    COLOURS,
+    SHAPES,
+    ClipSpec,
+    caption_for,
+    random_object,
+    render,
+)
 from megaslide.engine.sources import DEFAULT_MODEL
 from megaslide.engine.video import frames_to_float
-from megaslide.engine.world import COLOURS, SHAPES, ClipSpec, caption_for, random_object, render
 
 DIRECTIONS = ("left", "right", "up", "down")
 

@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from megaslide.engine.optim import CPUAdamW
+from megaslide.engine.training.optim import CPUAdamW
 
 BYTES_PER_PARAM_OURS = 30  # p, g, m, v read (16) + p, m, v written (12) + bf16 copy (2)
 BYTES_PER_PARAM_TORCH = 28  # same without the bf16 copy

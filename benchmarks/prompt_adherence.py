@@ -5,7 +5,7 @@
 
 One clip per prompt (every colour x shape x motion combination held out of training, then seen
 ones, on a black background), each read back by the world's rule-based analyser
-(`engine/world.py: analyse_clip`). Goals: colour >= 95%, motion >= 90%, shape >= 80%, and a default
+(`engine/native/world.py: analyse_clip`). Goals: colour >= 95%, motion >= 90%, shape >= 80%, and a default
 clip in at most 10 s on the CPU (`seconds_per_clip`).
 """
 
@@ -19,9 +19,9 @@ import time
 import torch
 
 from megaslide.engine.loader import open_pipeline
+from megaslide.engine.native.world import analyse_clip, benchmark_prompts, held_out
 from megaslide.engine.request import VideoRequest
 from megaslide.engine.sources import DEFAULT_MODEL
-from megaslide.engine.world import analyse_clip, benchmark_prompts, held_out
 
 GOALS = {"colour": 0.95, "motion": 0.90, "shape": 0.80}
 

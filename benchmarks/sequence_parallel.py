@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from megaslide.engine.loader import open_pipeline
-from megaslide.engine.multidevice import generate_on_devices, parse_devices
+from megaslide.engine.parallel.multidevice import generate_on_devices, parse_devices
 from megaslide.engine.request import VideoRequest, resolve
 from megaslide.engine.sources import describe, resolve_source
 

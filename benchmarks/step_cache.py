@@ -48,10 +48,10 @@ import torch
 import torch.nn.functional as F
 
 from megaslide.engine.loader import open_pipeline
+from megaslide.engine.native.world import analyse_clip, benchmark_prompts
 from megaslide.engine.request import CACHE_FORECASTS, VideoRequest
+from megaslide.engine.sampling.step_cache import CURVE_FILE, Adaptive, calibrate
 from megaslide.engine.sources import DEFAULT_MODEL
-from megaslide.engine.step_cache import CURVE_FILE, Adaptive, calibrate
-from megaslide.engine.world import analyse_clip, benchmark_prompts
 
 THRESHOLDS = {
     "output-change": (0.02, 0.05, 0.1, 0.2),

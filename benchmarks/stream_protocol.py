@@ -38,18 +38,23 @@ from pathlib import Path
 
 import torch
 
-from megaslide.engine.blockwise import NON_BLOCK, BlockwiseStep, StepConfig, master_state_dicts
-from megaslide.engine.checkpoint import save_model
-from megaslide.engine.config import PRESETS, DiTConfig, SamplingDefaults, TextEncoderConfig
-from megaslide.engine.dit import VideoDiT
-from megaslide.engine.finetune_spec import OptimizerSpec
-from megaslide.engine.host_store import layout_nbytes
 from megaslide.engine.loader import open_model, open_pipeline
-from megaslide.engine.native import DiTTrainingModel
+from megaslide.engine.native.checkpoint import save_model
+from megaslide.engine.native.config import PRESETS, DiTConfig, SamplingDefaults, TextEncoderConfig
+from megaslide.engine.native.dit import VideoDiT
+from megaslide.engine.native.family import DiTTrainingModel
+from megaslide.engine.native.text import BuiltinTextEncoder
 from megaslide.engine.request import VideoRequest
 from megaslide.engine.sources import describe, resolve_source
-from megaslide.engine.streaming import stream_module
-from megaslide.engine.text import BuiltinTextEncoder
+from megaslide.engine.streaming.host_store import layout_nbytes
+from megaslide.engine.streaming.streamer import stream_module
+from megaslide.engine.training.blockwise import (
+    NON_BLOCK,
+    BlockwiseStep,
+    StepConfig,
+    master_state_dicts,
+)
+from megaslide.engine.training.finetune_spec import OptimizerSpec
 
 # A model small enough for hundreds of simulated runs per scenario in seconds: four blocks, so a
 # ring of up to three slots is always refilled.

@@ -22,8 +22,8 @@ import time
 import torch
 
 from megaslide.engine.loader import open_pipeline
-from megaslide.engine.pipeline import Pipeline
 from megaslide.engine.request import ResolvedVideo, VideoRequest
+from megaslide.engine.sampling.pipeline import Pipeline
 from megaslide.engine.sources import describe, resolve_source
 
 

@@ -1,5 +1,5 @@
 """A tiny Wan trained here: the tests' tiny random Wan pipeline, fully fine-tuned with MegaSlide's own
-trainer on the procedural world (engine/world.py), for benchmarks that want trained weights in
+trainer on the procedural world (engine/native/world.py), for benchmarks that want trained weights in
 the Wan layout rather than random ones.
 
     python benchmarks/tiny_wan.py --out runs/tiny-wan --json
@@ -32,18 +32,18 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "support"))  # the tests' tiny Wan builder
 
 from megaslide.engine.family import TrainingShape  # noqa: E402
-from megaslide.engine.finetune import open_trainer  # noqa: E402
-from megaslide.engine.finetune_spec import (  # noqa: E402
+from megaslide.engine.native.world import write_dataset  # noqa: E402
+from megaslide.engine.sampling.flow import noisy_sample, velocity_target  # noqa: E402
+from megaslide.engine.sources import describe, resolve_source  # noqa: E402
+from megaslide.engine.training.finetune import open_trainer  # noqa: E402
+from megaslide.engine.training.finetune_spec import (  # noqa: E402
     ClipSpec,
     FinetuneSpec,
     OptimizerSpec,
     RunSpec,
     ScheduleSpec,
 )
-from megaslide.engine.flow import noisy_sample, velocity_target  # noqa: E402
-from megaslide.engine.sources import describe, resolve_source  # noqa: E402
 from megaslide.engine.wan.training import latent_cache  # noqa: E402
-from megaslide.engine.world import write_dataset  # noqa: E402
 
 from wan_fixtures import build_tiny_wan  # noqa: E402
 

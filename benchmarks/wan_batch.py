@@ -266,7 +266,7 @@ def main(argv=None) -> int:
     import transformers
     from diffusers import WanPipeline
 
-    from megaslide.engine.pipeline import CPU_ROWS_PER_PASS, DECODE_CHUNK
+    from megaslide.engine.sampling.pipeline import CPU_ROWS_PER_PASS, DECODE_CHUNK
 
     diffusers.utils.logging.disable_progress_bar()
     transformers.utils.logging.disable_progress_bar()

@@ -3,7 +3,7 @@
     python benchmarks/wan_dsa_finetune.py --json
 
 1. A tiny random Wan (tests/support/wan_fixtures.py) is trained, dense, on procedural world clips
-   (engine/world.py, 17 frames of 128x128: a 5x8x8 token grid) until it has learned something.
+   (engine/native/world.py, 17 frames of 128x128: a 5x8x8 token grid) until it has learned something.
 2. That model is evaluated on held-out clips: the flow-matching loss (velocity MSE at fixed noise
    and times), dense, with 3D-DSA swapped in untrained (tile 1x2x2, window 3x3x3), and with 3D-DSA
    after `megaslide finetune --attention dsa` for `--dsa-steps` steps on the training clips.
@@ -31,18 +31,18 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "support"))  # the tests' tiny Wan builder
 
 from megaslide.engine.family import TrainingShape  # noqa: E402
-from megaslide.engine.finetune import open_trainer  # noqa: E402
-from megaslide.engine.finetune_spec import (  # noqa: E402
+from megaslide.engine.loader import open_model  # noqa: E402
+from megaslide.engine.native.world import write_dataset  # noqa: E402
+from megaslide.engine.sources import describe, resolve_source  # noqa: E402
+from megaslide.engine.training.finetune import open_trainer  # noqa: E402
+from megaslide.engine.training.finetune_spec import (  # noqa: E402
     ClipSpec,
     FinetuneSpec,
     OptimizerSpec,
     RunSpec,
     ScheduleSpec,
 )
-from megaslide.engine.loader import open_model  # noqa: E402
-from megaslide.engine.sources import describe, resolve_source  # noqa: E402
 from megaslide.engine.wan.training import WanTrainingModel, latent_cache  # noqa: E402
-from megaslide.engine.world import write_dataset  # noqa: E402
 
 from wan_fixtures import build_tiny_wan  # noqa: E402
 

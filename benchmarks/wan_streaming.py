@@ -70,7 +70,7 @@ def main(argv=None) -> int:
         return 2
     from diffusers.hooks import apply_group_offloading
 
-    from megaslide.engine.streaming import stream_module
+    from megaslide.engine.streaming.streamer import stream_module
 
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     h, w = (int(v) for v in args.size.split("x"))

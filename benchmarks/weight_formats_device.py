@@ -28,7 +28,7 @@ import torch
 from megaslide.engine.loader import open_pipeline
 from megaslide.engine.request import VideoRequest
 from megaslide.engine.sources import resolve_source
-from megaslide.engine.weight_formats import fp8_dequantize, fp8_quantize
+from megaslide.engine.streaming.weight_formats import fp8_dequantize, fp8_quantize
 from megaslide.kernels.dfloat import dfloat_decode
 from megaslide.kernels.dfloat_reference import dfloat_encode
 

@@ -3,8 +3,8 @@
 The front door is `open_pipeline` (sampling) and `open_trainer` (fine-tuning); a request is a
 `VideoRequest`, checked once by `resolve` against a model's limits; where the weights live is a
 `Placement`. Importing this package costs nothing: the names below load their modules (and torch)
-on first use, and the configs, sources, requests and placement (config.py, sources.py, request.py,
-placement.py) never need torch, so the server reads them without it.
+on first use, and the configs, sources, requests and placement (native/config.py, sources.py,
+request.py, placement.py) never need torch, so the server reads them without it.
 """
 
 from __future__ import annotations
@@ -16,17 +16,17 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "open_pipeline": "loader",
     "open_model": "loader",
-    "open_trainer": "finetune",
-    "FinetuneSpec": "finetune_spec",
-    "RunSpec": "finetune_spec",
-    "ScheduleSpec": "finetune_spec",
-    "OptimizerSpec": "finetune_spec",
-    "ClipSpec": "finetune_spec",
-    "RuntimeSpec": "finetune_spec",
+    "open_trainer": "training.finetune",
+    "FinetuneSpec": "training.finetune_spec",
+    "RunSpec": "training.finetune_spec",
+    "ScheduleSpec": "training.finetune_spec",
+    "OptimizerSpec": "training.finetune_spec",
+    "ClipSpec": "training.finetune_spec",
+    "RuntimeSpec": "training.finetune_spec",
     "Placement": "placement",
     "PlacementError": "placement",
-    "Trainer": "finetune",
-    "Pipeline": "pipeline",
+    "Trainer": "training.finetune",
+    "Pipeline": "sampling.pipeline",
     "ModelSource": "sources",
     "ModelInfo": "sources",
     "describe": "sources",
@@ -37,13 +37,13 @@ _EXPORTS = {
     "RequestError": "request",
     "ModelLimits": "request",
     "resolve": "request",
-    "DiTConfig": "config",
-    "SamplingDefaults": "config",
-    "TextEncoderConfig": "config",
-    "PRESETS": "config",
-    "get_preset": "config",
-    "StreamHandle": "streaming",
-    "stream_module": "streaming",
+    "DiTConfig": "native.config",
+    "SamplingDefaults": "native.config",
+    "TextEncoderConfig": "native.config",
+    "PRESETS": "native.config",
+    "get_preset": "native.config",
+    "StreamHandle": "streaming.streamer",
+    "stream_module": "streaming.streamer",
 }
 
 __all__ = ["__version__", *_EXPORTS]

@@ -1,7 +1,7 @@
 """A model family behind one small interface: what the loader, the streamer, the worker and the
 optimizer need of a family, and nothing of its maths.
 
-A family (MegaSlide's own DiT in native.py; more can follow) says how a described model
+A family (MegaSlide's own DiT in native/family.py; more can follow) says how a described model
 (`sources.ModelInfo`) is built as `Component`s on the meta device and where each component's
 weights are, and how the placed components become a sampling `Pipeline`. The loader fills and
 places the components (loader.py); everything family-neutral stays out of the family.
@@ -21,10 +21,10 @@ from torch import nn
 
 if TYPE_CHECKING:
     from .lora import Adapter
-    from .pipeline import Pipeline
+    from .sampling.pipeline import Pipeline
     from .sources import ModelInfo
-    from .streaming import StreamHandle
-    from .training import TrainingData, TrainingModel
+    from .streaming.streamer import StreamHandle
+    from .training.model import TrainingData, TrainingModel
 
 
 @dataclass(frozen=True)
@@ -147,7 +147,7 @@ class Family(ABC):
 
 # Families by the name `sources.describe` gives them, imported only when a model of theirs opens.
 FAMILIES = {
-    "megaslide": "megaslide.engine.native:MegaSlideFamily",
+    "megaslide": "megaslide.engine.native.family:MegaSlideFamily",
     "wan": "megaslide.engine.wan.family:WanFamily",
 }
 

@@ -30,15 +30,21 @@ import torch
 from torch import nn
 
 from .family import Component, family
-from .host_store import BoundTensor, SharedWeights, collect_tensors, layout_nbytes, repoint
 from .initialization import init_module, init_parts, seeded
 from .lora import Adapter, AdapterError
-from .ordering import Ordering
-from .pipeline import Pipeline
 from .placement import Placement
 from .planner import check_host_memory, choose_host_tier
+from .sampling.pipeline import Pipeline
 from .sources import ModelInfo, ModelSource, describe, resolve_source
-from .streaming import StreamHandle, stream_module
+from .streaming.host_store import (
+    BoundTensor,
+    SharedWeights,
+    collect_tensors,
+    layout_nbytes,
+    repoint,
+)
+from .streaming.ordering import Ordering
+from .streaming.streamer import StreamHandle, stream_module
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -151,6 +157,9 @@ def open_model(
     dtype = resolve_dtype(dtype, device)
     components = _components(info, only)
     streamed = [c for c in components if placement.streams and c.blocks]
+    if shared is not None and placement.host_tier == "auto":
+        # Resolved once for the whole host, by the process that made the shared copy.
+        placement = placement.replace(host_tier=shared.host_tier)
     tier = _resolve_host_tier(placement, streamed, dtype)
     placement = placement.replace(device=str(device), host_tier=tier)
     if shared is None and only is None:  # (shared weights are in memory already)
@@ -172,14 +181,16 @@ def open_model(
                     c.blocks,
                     _share_budget(placement, c, streamed),
                     ordering=ordering,
-                    host_buffers=shared.blocks[c.name] if shared is not None else None,
+                    host_buffers=shared.blocks.get(c.name) if shared is not None else None,
                 )
                 fill = handle.load_weights
                 handles[c.name] = handle
             else:
                 _place(c.module, device)
                 fill = functools.partial(fill_module, c.module)
-            if shared is not None:  # the blocks' weights are in their shared buffers already
+            if shared is not None and c.name not in shared.blocks and c in streamed:
+                fill(c.weights)  # the disk tier: this process locates the blocks in the files
+            elif shared is not None:  # the blocks' weights are in their shared buffers already
                 fill(shared.tensors[c.name], strict=c not in streamed)
             elif c.weights is not None:
                 fill(c.weights)
@@ -218,41 +229,80 @@ def _check_shared(
     components: list[Component],
     streamed: list[Component],
 ) -> None:
-    """ValueError unless `shared` can be what the components stream and copy from."""
+    """ValueError unless `shared` can be what the components stream and copy from: made for
+    this placement's weights format and host tier (`share_weights`)."""
     if not placement.streams:
         raise ValueError("shared weights hold streamed blocks: they need offload='stream'")
-    if placement.weights != "raw":
+    if placement.weights != shared.weights:
         raise ValueError(
-            f"shared weights are raw blocks: weights={placement.weights!r} does not apply"
+            f"the shared weights are {shared.weights}: weights={placement.weights!r} does not "
+            "apply (share them with the placement the blocks stream by)"
         )
-    if placement.host_tier != "ram":
-        raise ValueError("shared weights are blocks in shared RAM: host_tier='ram'")
-    unshared = [c.name for c in streamed if c.name not in shared.blocks]
+    if placement.host_tier != shared.host_tier:
+        raise ValueError(
+            f"the shared weights were made for host_tier={shared.host_tier!r}, not "
+            f"{placement.host_tier!r}"
+        )
+    in_ram = placement.host_tier == "ram"
+    unshared = [c.name for c in streamed if in_ram and c.name not in shared.blocks]
     unshared += [c.name for c in components if c.name not in shared.tensors]
     if unshared:
         raise ValueError(f"the shared weights lack component {unshared[0]!r}")
 
 
 def share_weights(
-    info: ModelInfo, dtype: torch.dtype, only: set[str] | None = None
+    info: ModelInfo,
+    dtype: torch.dtype,
+    only: set[str] | None = None,
+    placement: Placement | None = None,
 ) -> SharedWeights:
     """The weights of `info` in `dtype`, in shared memory, for processes this one spawns
-    (`open_pipeline(shared=...)` in each): the blocks of every streamed component in one host
-    buffer each, filled once here, block by block (as `open_model` streams), then moved into
-    shared memory (a block at a time is held twice meanwhile). `only`: these components."""
-    parts, handles = open_model(info, Placement(offload="stream"), dtype=dtype, only=only)
+    (`open_pipeline(shared=...)` in each), as `placement` (a job's over several devices: its
+    weights format, budget, prefetch and host tier; default: raw blocks streamed from RAM) has
+    a rank keep them: one copy per host, whatever the number of ranks.
+
+    The streamed blocks' host stores are filled once here, block by block (as `open_model`
+    streams, on the CPU: a coded format is encoded here, once), then moved into shared memory
+    (a block at a time is held twice meanwhile); a block the budget keeps resident is shared
+    raw, as each rank copies it to its device. "auto" is resolved here, for the whole host (one
+    copy counted, not one a rank); on the disk tier the blocks stay in the model's files, each
+    rank reads them itself (the page cache is the host's one copy) and only the tensors outside
+    the blocks are shared. `only`: these components."""
+    if placement is None:
+        placement = Placement(offload="stream")
+    local = placement.on("cpu") if placement.devices else placement.replace(device="cpu")
+    local = local.replace(timing=False)
+    local = local.replace(host_tier=resolve_host_tier(info, local, dtype, only))
+    if local.host_tier == "disk":  # nothing of the blocks is read here
+        local = local.replace(gpu_budget_bytes=None)
+    parts, handles = open_model(info, local, dtype=dtype, only=only)
     tensors: dict[str, dict[str, torch.Tensor]] = {}
-    blocks: dict[str, list[torch.Tensor]] = {}
+    blocks: dict[str, list] = {}
     for name, module in parts.items():
         handle = handles.get(name)
         if handle is None:
             state = module.state_dict()
         else:
-            # `share_memory_` moves a storage in place: the module's views of it follow.
-            blocks[name] = [buffer.share_memory_() for buffer in handle.host_buffers()]
+            if local.host_tier == "ram":
+                # `share_memory_` moves a storage in place: the module's views of it follow.
+                blocks[name] = handle.share_blocks()
             state = handle.non_block_tensors()
         tensors[name] = {k: v.detach().share_memory_() for k, v in state.items()}
-    return SharedWeights(tensors, blocks)
+    return SharedWeights(tensors, blocks, local.weights, local.host_tier)
+
+
+def resolve_host_tier(
+    info: ModelInfo,
+    placement: Placement,
+    dtype: str | torch.dtype = "auto",
+    only: set[str] | None = None,
+) -> str:
+    """The host tier `open_model` streams `info`'s blocks from under `placement`: "ram" or
+    "disk" ("auto" resolved against the RAM available now), read on the meta device."""
+    device = resolve_device(placement.device or "cpu")
+    components = _components(info, only)
+    streamed = [c for c in components if placement.streams and c.blocks]
+    return _resolve_host_tier(placement, streamed, resolve_dtype(dtype, device))
 
 
 def _resolve_host_tier(placement: Placement, streamed: list[Component], dtype: torch.dtype) -> str:

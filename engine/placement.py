@@ -18,8 +18,14 @@ and the planner's `Workload` (planner.py) are built from it, so a combination is
 place with one reason, whichever front end asked. Plain data, no torch: the server imports it.
 
 A rule is `lasting` when the combination can never work (a format of the host store in RAM
-cannot live on disk), or not when it is what today's code lacks (a budget on several devices):
-the planner accounts for the latter, only the runtime refuses it.
+cannot live on disk), or not when it is what today's code lacks (streamer timings from the ranks
+of a fine-tune over several devices): the planner accounts for the latter, only the runtime
+refuses it.
+
+On several devices every streaming lever works as on one: each rank streams from one shared host
+copy (a coded format encoded once, in shared memory; a disk tier read by each rank through the
+shared page cache; "auto" resolved once for the host), keeps its budget's blocks resident on its
+own device, and reports its own streamer timings.
 """
 
 from __future__ import annotations
@@ -62,10 +68,10 @@ class Placement:
         return dataclasses.replace(self, **fields)
 
     def on(self, device: str) -> Placement:
-        """This placement on `device` alone: one rank's of several (whose streamed blocks are
-        the shared copy in RAM, so "auto" is "ram" there), or one device resolved."""
-        tier = "ram" if self.devices is not None and self.host_tier == "auto" else self.host_tier
-        return dataclasses.replace(self, device=device, devices=None, host_tier=tier)
+        """This placement on `device` alone: one rank's of several (an "auto" host tier there is
+        the one the shared copy was made for, resolved once for the host), or one device
+        resolved."""
+        return dataclasses.replace(self, device=device, devices=None)
 
     def problems(self, mode: str = "infer", *, lasting_only: bool = False) -> list[str]:
         """Why this placement cannot run `mode` ("infer" or "finetune"), each rule's reason; an
@@ -174,7 +180,8 @@ RULES: tuple[Rule, ...] = (
         lambda p, mode: mode == "finetune" and p.host_tier == "disk",
         "fine-tuning writes the host store every step: it needs host_tier='ram'",
     ),
-    # Several devices: a process each, every rank streaming from one shared host copy.
+    # Several devices: a process each, every rank streaming from one shared host copy (or, on
+    # the disk tier, from the files through the one page cache).
     Rule(
         lambda p, mode: p.devices is not None and len(p.devices) < 2,
         "devices must name two or more (one device: device), got {p.devices}",
@@ -188,23 +195,8 @@ RULES: tuple[Rule, ...] = (
         "devices streams every rank from one shared host copy: needs offload='stream'",
     ),
     Rule(
-        lambda p, mode: p.devices is not None and p.gpu_budget_bytes is not None,
-        "devices streams every block on every rank: no gpu_budget_bytes yet",
-        lasting=False,
-    ),
-    Rule(
-        lambda p, mode: p.devices is not None and _coded(p),
-        "devices streams raw blocks from one shared copy in RAM: no weights={p.weights!r} yet",
-        lasting=False,
-    ),
-    Rule(
-        lambda p, mode: p.devices is not None and p.host_tier == "disk",
-        "devices streams from one shared copy in RAM: no host_tier='disk' yet",
-        lasting=False,
-    ),
-    Rule(
-        lambda p, mode: p.devices is not None and p.timing,
-        "devices keeps no streamer timings of its ranks: no timing yet",
+        lambda p, mode: mode == "finetune" and p.devices is not None and p.timing,
+        "fine-tuning on several devices keeps no streamer timings of its ranks: no timing yet",
         lasting=False,
     ),
 )

@@ -15,7 +15,9 @@ and a few machine numbers, and named, so the accounting can be read and checked 
   device runs its share of the batch's rows against the one master in host RAM, and each block's
   gradients are reduced onto the first device as its backward ends.
 - Inference over several devices splits each clip's tokens over them (sequence parallel); each
-  streams every block from the one host copy.
+  streams its blocks from the one host copy (in the weights format, encoded once), keeps its
+  budget's blocks resident on its own device (the budget is per device), and on the disk tier
+  reads the files itself into rings of its own.
 
 Where the weights live is a `Placement` (placement.py) seen as a `Workload` (`Workload.of`): the
 placement's lasting rules refuse what can never run; what only today's code lacks is planned.
@@ -47,11 +49,11 @@ import resource
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from .disk_store import DEFAULT_RING_DEPTH
 from .family import family
-from .optim import grad_buffer_bytes
 from .placement import HOST_TIERS, Placement
 from .sources import ModelInfo
+from .streaming.disk_store import DEFAULT_RING_DEPTH
+from .training.optim import grad_buffer_bytes
 
 GB = 1e9
 # Coded bytes / bf16 bytes of trained weights under `lossless`: 0.68 to 0.70 on the default model
@@ -187,8 +189,8 @@ class Workload:
     loras: int = 0  # inference: LoRA adapters registered (their factors live on the device)
     lora_rank: int = 0  # their rank, on every adaptable layer
     weights: str = "raw"  # inference: host format of streamed blocks (raw, lossless, fp8)
-    # Inference: one clip's tokens split over this many devices (parallel.py); fine-tuning: the
-    # batch split over them, one master in host RAM (data_parallel.py).
+    # Inference: one clip's tokens split over this many devices (parallel/sequence.py); fine-tuning: the
+    # batch split over them, one master in host RAM (parallel/data_parallel.py).
     devices: int = 1
     host_tier: str = "ram"  # inference: where streamed blocks live (ram, disk, auto)
 
@@ -438,7 +440,10 @@ def _memory(info: ModelInfo, w: Workload, z: _Sizes) -> tuple[dict, dict]:
         if w.weights == "raw":
             host["compute_dtype_weights"] = z.n_params * b  # pinned once at the exact size
         else:
-            coded = z.experts * z.depth
+            # One coded copy for the host, however many devices stream from it. Over several,
+            # the blocks a budget keeps resident are in the shared copy raw (each rank copies
+            # them to its device as they are); on one device they leave the host.
+            coded = z.experts * (z.depth - (z.resident if z.sp > 1 else 0))
             host["compute_dtype_weights"] = (z.n_params - coded * z.n_block) * b
             host["coded_block_weights"] = coded * z.coded_block_bytes
         return device, host
@@ -482,8 +487,12 @@ def _disk_tier(w: Workload, z: _Sizes, host: dict, machine: Machine) -> tuple[st
     counts, b = z.counts, w.dtype_bytes
     on_disk = z.experts * z.depth * z.n_block + counts["text_blocks"] * counts["text_per_block"]
     host["compute_dtype_weights"] = (z.n_params - on_disk) * b
-    host["disk_ring"] = RING_DEPTH * (z.experts * z.block_bytes + counts["text_per_block"] * z.wb)
-    return "disk", (z.depth - z.resident) * z.block_bytes  # one expert's streamed blocks a step
+    # Each rank reads its blocks itself, into rings of its own; the page cache is the host's.
+    ring = RING_DEPTH * (z.experts * z.block_bytes + counts["text_per_block"] * z.wb)
+    host["disk_ring"] = z.sp * ring
+    # One expert's streamed blocks a step, read from disk once: the ranks read the same blocks
+    # at about the same time, the first from the disk and the others from the page cache.
+    return "disk", (z.depth - z.resident) * z.block_bytes
 
 
 def _step_time(info: ModelInfo, w: Workload, z: _Sizes, machine: Machine, host: dict) -> dict:
@@ -662,10 +671,14 @@ def format_plan(p: dict) -> str:
             "one master in host RAM"
         )
     elif p["devices"] > 1:
+        source = "the shared host copy"
+        if p.get("host_tier") == "disk":
+            source = "the files (a ring each, one page cache)"
         lines.append(
             f"per device of {p['devices']}: {p['bytes_per_step']['all_to_all'] / GB:.2f} GB sent "
             f"in all-to-alls a step ({t['communication']:.3f} s of the compute time), "
-            f"{p['bytes_per_step']['h2d'] / GB:.2f} GB of blocks streamed from the shared host copy"
+            f"{p['bytes_per_step']['h2d'] / GB:.2f} GB of blocks streamed from {source}, "
+            f"{p['resident_blocks']} blocks resident on each"
         )
     if p.get("host_tier") == "disk":
         why = " (auto: the RAM tier does not fit)" if p["workload"]["host_tier"] == "auto" else ""

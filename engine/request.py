@@ -18,14 +18,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import SamplingDefaults
+from .native.config import SamplingDefaults
 
 # Seeds are below 2**53, so that every client reads them back exactly: JavaScript's numbers (the
 # playground's, any browser's JSON.parse) hold integers up to 2**53 and round above it.
 SEED_LIMIT = 2**53
 RANDOM_SEED_BITS = 31  # an unseeded request gets a seed below 2**31, echoed back
 
-# Step caches (engine/step_cache.py holds the policies and their maths): a request names a policy
+# Step caches (engine/sampling/step_cache.py holds the policies and their maths): a request names a policy
 # and a threshold, or a preset. Off unless asked for. The presets are points measured on the
 # packaged model at 20 steps (benchmarks/step_cache.py; their passes and PSNR are the table in
 # docs/benchmarks.md, "Step caches"), adherence unchanged. All three are output-change: it
@@ -37,7 +37,7 @@ RANDOM_SEED_BITS = 31  # an unseeded request gets a seed below 2**31, echoed bac
 CACHE_POLICIES = ("output-change", "adaptive", "first-block")
 # What a reused step takes, with any policy: the last computed output as it is ("none"), or the
 # output forecast at the step's flow time from the last two ("linear") or three ("quadratic")
-# computed outputs (engine/step_cache.py, `extrapolate`).
+# computed outputs (engine/sampling/step_cache.py, `extrapolate`).
 CACHE_FORECASTS = ("none", "linear", "quadratic")
 CACHE_PRESETS = {
     "quality": {"policy": "output-change", "threshold": 0.035, "forecast": "linear"},
@@ -62,7 +62,7 @@ def count_utf8_bytes(prompt: str) -> int:
 @dataclass(frozen=True)
 class ModelLimits:
     """What a model accepts, in pixel-space units (what it fills in for an absent field is its
-    `SamplingDefaults`, config.py)."""
+    `SamplingDefaults`, native/config.py)."""
 
     max_frames: int
     max_size: int  # largest width or height

@@ -18,9 +18,9 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .config import DiTConfig, SamplingDefaults, get_preset
+from .native.config import DiTConfig, SamplingDefaults, get_preset
+from .native.tokens import TOKEN_UNITS, count_tokens
 from .request import ModelLimits
-from .tokens import TOKEN_UNITS, count_tokens
 
 if TYPE_CHECKING:
     from .wan.config import WanConfig

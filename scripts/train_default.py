@@ -4,7 +4,7 @@
     python scripts/train_default.py                # again after an interruption: continues where it stopped
     python benchmarks/step_cache.py --calibrate 8 --forecast none linear  # packaging drops the old step curve
 
-The training set is the procedural world (engine/world.py): 10000 clips of coloured shapes moving
+The training set is the procedural world (engine/native/world.py): 10000 clips of coloured shapes moving
 on a black background, with captions, none showing the held-out colour x shape x motion
 combinations. Both phases are `megaslide finetune` runs in pixel space, with the built-in text
 encoder (hashed word tokens) trained alongside: the first from random `megaslide-tiny` weights
@@ -88,7 +88,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-package", action="store_true", help="train only (comparison runs)")
     args = ap.parse_args(argv)
 
-    from megaslide.engine.world import write_dataset
+    from megaslide.engine.native.world import write_dataset
 
     work = Path(args.work)
     data = Path(args.world) if args.world else work / "world"
@@ -148,9 +148,9 @@ def main(argv=None) -> int:
 def package(work: Path, commands: list[list[str]], args) -> int:
     """Copy the last phase's final fp32 weights into the package, with the run's record."""
     from megaslide.engine.atomic import atomic_directory
-    from megaslide.engine.checkpoint import save_model
-    from megaslide.engine.finetune import list_checkpoints
     from megaslide.engine.loader import open_pipeline
+    from megaslide.engine.native.checkpoint import save_model
+    from megaslide.engine.training.finetune import list_checkpoints
 
     parts = []
     for phase, command in zip(PHASES, commands):

@@ -12,14 +12,14 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
 
-from megaslide.engine.finetune_spec import (
+from megaslide.engine.interfaces import TrainingRun, VideoModel
+from megaslide.engine.training.finetune_spec import (
     ClipSpec,
     FinetuneSpec,
     OptimizerSpec,
     RunSpec,
     ScheduleSpec,
 )
-from megaslide.engine.interfaces import TrainingRun, VideoModel
 
 from .protocol import ModelCard
 from .settings import Settings

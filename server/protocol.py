@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from megaslide.engine.config import SamplingDefaults
+from megaslide.engine.native.config import SamplingDefaults
 from megaslide.engine.request import ModelLimits, count_utf8_bytes
 
 if TYPE_CHECKING:

@@ -13,8 +13,8 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from sqlalchemy import make_url
 
-from megaslide.engine.finetune_spec import OptimizerSpec, RunSpec
 from megaslide.engine.placement import Placement
+from megaslide.engine.training.finetune_spec import OptimizerSpec, RunSpec
 
 DEFAULT_CRASH_LIMIT = 3  # a job whose worker died under it this many times fails
 
@@ -73,18 +73,20 @@ class Settings(BaseSettings):
     device: str = "auto"  # "auto" = cuda when available, else cpu
     # Two or more devices ("cuda:0,cuda:1", "cpu,cpu"; comma-separated in MEGASLIDE_DEVICES):
     # each video's tokens split over them, one process per device kept between jobs
-    # (engine/rank_group.py). Their blocks stream from one shared host copy (offload="stream"
-    # unless set); fine-tunes run on the first device. Every combination rule: `placement`.
+    # (engine/parallel/rank_group.py). Their blocks stream from one shared host copy
+    # (offload="stream" unless set) in `weights`' format, or from the files on the disk tier;
+    # `gpu_budget` is each device's; fine-tunes run on the first device. Every combination rule:
+    # `placement`.
     devices: Annotated[list[str], NoDecode] = Field(default_factory=list)
     dtype: str = "auto"  # "auto" = bfloat16 on cuda, float32 on cpu
     # "stream": keep the DiT's blocks in host RAM and stream them to the device each step, so a
     # model larger than the device serves; gpu_budget (bytes) keeps as many blocks resident as fit.
     offload: Literal["none", "stream"] = "none"
     gpu_budget: int | None = Field(None, ge=0)
-    # With offload="stream": the host format of the streamed blocks (engine/weight_formats.py):
+    # With offload="stream": the host format of the streamed blocks (engine/streaming/weight_formats.py):
     # "lossless" sends about 0.68x the bytes for bitwise the same video, "fp8" about half (lossy).
     weights: Literal["raw", "lossless", "fp8"] = "raw"
-    # With offload="stream": where streamed blocks live between steps (engine/disk_store.py):
+    # With offload="stream": where streamed blocks live between steps (engine/streaming/disk_store.py):
     # "disk" reads them from the model's safetensors files each step through a small ring (host
     # RAM smaller than the model); "auto" picks disk when they would not fit in available RAM.
     host_tier: Literal["ram", "disk", "auto"] = "auto"

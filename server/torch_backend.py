@@ -14,13 +14,13 @@ from pathlib import Path
 import torch
 
 from megaslide.engine.atomic import atomic_write_bytes
-from megaslide.engine.finetune import open_trainer
 from megaslide.engine.interfaces import TrainingRun, VideoModel
 from megaslide.engine.loader import open_pipeline, resolve_device, resolve_dtype
-from megaslide.engine.multidevice import parse_devices
+from megaslide.engine.parallel.multidevice import parse_devices
+from megaslide.engine.parallel.rank_group import RankGroup, RanksDown
 from megaslide.engine.planner import check_host_memory
-from megaslide.engine.rank_group import RankGroup, RanksDown
 from megaslide.engine.sources import ModelInfo, ModelSource, describe, resolve_source
+from megaslide.engine.training.finetune import open_trainer
 
 from .backend import Backend, FinetuneJob
 from .protocol import ModelCard
@@ -231,7 +231,7 @@ def parse_lora_spec(spec: str) -> tuple[str | None, str, Path]:
 def check_dataset(root: Path, settings: Settings) -> int:
     """An unpacked training set's clip count, or ValueError naming what is wrong with it, within
     the settings' bounds on what one upload may cost."""
-    from megaslide.engine.data import DatasetError, DatasetLimits, validate_dataset
+    from megaslide.engine.training.data import DatasetError, DatasetLimits, validate_dataset
 
     limits = DatasetLimits(
         max_clips=settings.max_dataset_clips,

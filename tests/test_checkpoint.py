@@ -6,13 +6,13 @@ import json
 import pytest
 import torch
 
-from megaslide.engine.checkpoint import MODEL_FILE, save_model
-from megaslide.engine.config import PRESETS
-from megaslide.engine.dit import VideoDiT
-from megaslide.engine.host_store import SafetensorsFile
 from megaslide.engine.loader import open_model, open_pipeline
+from megaslide.engine.native.checkpoint import MODEL_FILE, save_model
+from megaslide.engine.native.config import PRESETS
+from megaslide.engine.native.dit import VideoDiT
+from megaslide.engine.native.text import BuiltinTextEncoder
 from megaslide.engine.sources import describe, resolve_source
-from megaslide.engine.text import BuiltinTextEncoder
+from megaslide.engine.streaming.host_store import SafetensorsFile
 
 from dit_fixtures import randomise_zero_inits
 

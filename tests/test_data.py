@@ -12,8 +12,8 @@ import torch
 
 av = pytest.importorskip("av")
 
-import megaslide.engine.data as data_mod  # noqa: E402
-from megaslide.engine.data import (  # noqa: E402
+import megaslide.engine.training.data as data_mod  # noqa: E402
+from megaslide.engine.training.data import (  # noqa: E402
     BackgroundLoader,
     DatasetError,
     DatasetLimits,
@@ -264,7 +264,7 @@ def test_close_does_not_hang_on_a_full_queue():
 
 
 def test_cache_keeps_decoded_clips_up_to_its_budget(good_root, monkeypatch):
-    import megaslide.engine.data as data
+    import megaslide.engine.training.data as data
     from megaslide.engine.video import read_video
 
     plain = VideoDataset(good_root, FRAMES, SIZE)

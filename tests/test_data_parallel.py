@@ -21,9 +21,13 @@ import pytest
 import torch
 
 from megaslide.engine.atomic import TMP_SUFFIX
-from megaslide.engine.data_parallel import finetune_on_devices
-from megaslide.engine.finetune import list_checkpoints, open_trainer
-from megaslide.engine.finetune_spec import (
+from megaslide.engine.native.world import write_dataset
+from megaslide.engine.parallel.data_parallel import finetune_on_devices
+from megaslide.engine.parallel.ranks import RankFailed
+from megaslide.engine.sources import resolve_source
+from megaslide.engine.streaming.host_store import SafetensorsFile
+from megaslide.engine.training.finetune import list_checkpoints, open_trainer
+from megaslide.engine.training.finetune_spec import (
     ClipSpec,
     FinetuneSpec,
     OptimizerSpec,
@@ -31,10 +35,6 @@ from megaslide.engine.finetune_spec import (
     RuntimeSpec,
     ScheduleSpec,
 )
-from megaslide.engine.host_store import SafetensorsFile
-from megaslide.engine.ranks import RankFailed
-from megaslide.engine.sources import resolve_source
-from megaslide.engine.world import write_dataset
 
 TIMEOUT_S = 120  # a hang fails the test instead of the suite
 TINY = resolve_source(preset="tiny")

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from megaslide.engine.loader import open_pipeline
+from megaslide.engine.native.world import analyse_clip
 from megaslide.engine.request import VideoRequest
 from megaslide.engine.sources import DEFAULT_MODEL, packaged_models
-from megaslide.engine.world import analyse_clip
 
 from processes import run_json
 
@@ -25,8 +25,8 @@ def test_packaged_model_loads_and_generates():
 
 def test_default_shape_runs_with_3d_dsa():
     """megaslide-tiny's 3D-DSA geometry fits its own 16x32x32 clips (4x4 tokens a frame)."""
-    from megaslide.engine.config import PRESETS
-    from megaslide.engine.dit import VideoDiT
+    from megaslide.engine.native.config import PRESETS
+    from megaslide.engine.native.dit import VideoDiT
 
     preset = PRESETS["megaslide-tiny"]
     config, s = preset.model.replace(attention="dsa"), preset.sampling

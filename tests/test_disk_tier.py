@@ -20,13 +20,13 @@ import pytest
 import torch
 
 from megaslide.engine import VideoRequest, open_pipeline
-from megaslide.engine.checkpoint import save_model
-from megaslide.engine.config import DiTConfig
-from megaslide.engine.disk_store import DiskTierError
-from megaslide.engine.host_store import read_safetensors_header
+from megaslide.engine.native.checkpoint import save_model
+from megaslide.engine.native.config import DiTConfig
 from megaslide.engine.planner import Machine, Workload, format_plan, plan
 from megaslide.engine.sources import describe, packaged_models, resolve_source
-from megaslide.engine.streaming import stream_module
+from megaslide.engine.streaming.disk_store import DiskTierError
+from megaslide.engine.streaming.host_store import read_safetensors_header
+from megaslide.engine.streaming.streamer import stream_module
 
 ROOT = Path(__file__).resolve().parents[1]
 REQUEST = VideoRequest("a red circle moving left on a black background", seed=3, steps=2)
@@ -86,7 +86,7 @@ def test_tiny_wan_on_the_disk_tier_is_bitwise(tmp_path):
 def many_blocks(path: Path) -> Path:
     """A model directory whose blocks are most of its bytes: 32 blocks of width 256 (fp32,
     4.2 MB each), the tiny preset's text encoder."""
-    from megaslide.engine.dit import VideoDiT
+    from megaslide.engine.native.dit import VideoDiT
 
     tiny = open_pipeline(resolve_source(preset="tiny"))
     torch.manual_seed(0)
@@ -166,8 +166,8 @@ def test_a_missing_or_truncated_file_is_named(tmp_path):
 def test_a_shape_mismatch_names_the_tensor(tmp_path):
     from safetensors.torch import save_file
 
-    from megaslide.engine.host_store import SafetensorsFile
     from megaslide.engine.loader import open_model
+    from megaslide.engine.streaming.host_store import SafetensorsFile
 
     info = describe(resolve_source())
     parts, handles = open_model(info, offload="stream", host_tier="disk")
@@ -305,7 +305,7 @@ def test_the_ring_table_lists_every_ordering_call_of_the_disk_tier():
 
     methods = {"record_on_copy", "record_on_compute", "compute_wait", "copy_wait", "host_wait"}
     methods |= {"keep_alive", "drain_copies", "synchronize"}
-    assert call_sites(ROOT / "engine/disk_store.py", methods) == set(RING_WAITS)
+    assert call_sites(ROOT / "engine/streaming/disk_store.py", methods) == set(RING_WAITS)
 
 
 @pytest.mark.parametrize("site", RING_WAITS, ids=lambda s: f"{s[0]}@{s[1]}")

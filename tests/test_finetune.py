@@ -7,13 +7,20 @@ import math
 import pytest
 import torch
 
-from megaslide.engine.blockwise import BlockwiseStep, StepConfig, master_state_dicts
-from megaslide.engine.checkpoint import save_model
-from megaslide.engine.config import PRESETS
-from megaslide.engine.data import DatasetError
-from megaslide.engine.dit import VideoDiT
-from megaslide.engine.finetune import learning_rate, open_trainer
-from megaslide.engine.finetune_spec import (
+from megaslide.engine.loader import open_model, open_pipeline
+from megaslide.engine.native.checkpoint import save_model
+from megaslide.engine.native.config import PRESETS
+from megaslide.engine.native.dit import VideoDiT
+from megaslide.engine.native.family import DiTTrainingModel
+from megaslide.engine.native.text import BuiltinTextEncoder
+from megaslide.engine.native.world import write_dataset
+from megaslide.engine.request import VideoRequest
+from megaslide.engine.sampling.flow import sample_training_times
+from megaslide.engine.sources import describe, resolve_source
+from megaslide.engine.training.blockwise import BlockwiseStep, StepConfig, master_state_dicts
+from megaslide.engine.training.data import DatasetError
+from megaslide.engine.training.finetune import learning_rate, open_trainer
+from megaslide.engine.training.finetune_spec import (
     ClipSpec,
     FinetuneSpec,
     OptimizerSpec,
@@ -21,13 +28,6 @@ from megaslide.engine.finetune_spec import (
     RuntimeSpec,
     ScheduleSpec,
 )
-from megaslide.engine.flow import sample_training_times
-from megaslide.engine.loader import open_model, open_pipeline
-from megaslide.engine.native import DiTTrainingModel
-from megaslide.engine.request import VideoRequest
-from megaslide.engine.sources import describe, resolve_source
-from megaslide.engine.text import BuiltinTextEncoder
-from megaslide.engine.world import write_dataset
 
 from dit_fixtures import randomise_zero_inits
 

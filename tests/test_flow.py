@@ -3,8 +3,10 @@
 import pytest
 import torch
 
-from megaslide.engine.config import TIME_SAMPLING
-from megaslide.engine.flow import (
+from megaslide.engine.loader import open_pipeline
+from megaslide.engine.native.config import TIME_SAMPLING
+from megaslide.engine.request import VideoRequest
+from megaslide.engine.sampling.flow import (
     SampleState,
     cfg_combine,
     noisy_sample,
@@ -13,8 +15,6 @@ from megaslide.engine.flow import (
     shifted_schedule,
     velocity_target,
 )
-from megaslide.engine.loader import open_pipeline
-from megaslide.engine.request import VideoRequest
 from megaslide.engine.sources import resolve_source
 
 from dit_fixtures import randomise_zero_inits

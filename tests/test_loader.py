@@ -15,12 +15,12 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from megaslide.engine.checkpoint import save_model
-from megaslide.engine.config import PRESETS
-from megaslide.engine.dit import VideoDiT
 from megaslide.engine.loader import open_pipeline
+from megaslide.engine.native.checkpoint import save_model
+from megaslide.engine.native.config import PRESETS
+from megaslide.engine.native.dit import VideoDiT
+from megaslide.engine.native.text import BuiltinTextEncoder
 from megaslide.engine.sources import DEFAULT_MODEL, resolve_source
-from megaslide.engine.text import BuiltinTextEncoder
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -101,7 +101,7 @@ def test_a_streamed_model_never_puts_its_blocks_on_the_device(tmp_path):
     save_model(tmp_path / "m", pipe.dit, pipe.text_encoder, pipe.info.sampling)
     assert_blocks_never_placed(lambda: open_pipeline(tmp_path / "m", offload="stream"))
     # The checker sees a placement: a resident model moved as a whole, then streamed.
-    from megaslide.engine.streaming import stream_module
+    from megaslide.engine.streaming.streamer import stream_module
 
     def eager_then_streamed():
         pipe = open_pipeline(resolve_source(preset="tiny"))

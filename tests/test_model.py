@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from megaslide.engine.config import PRESETS, DiTConfig, TextEncoderConfig
-from megaslide.engine.dit import VideoDiT, apply_rope, rope_frequencies, sincos_positions
-from megaslide.engine.native import count_parameters
-from megaslide.engine.text import BuiltinTextEncoder, tokenize
+from megaslide.engine.native.config import PRESETS, DiTConfig, TextEncoderConfig
+from megaslide.engine.native.dit import VideoDiT, apply_rope, rope_frequencies, sincos_positions
+from megaslide.engine.native.family import count_parameters
+from megaslide.engine.native.text import BuiltinTextEncoder, tokenize
 
 from dit_fixtures import randomise_zero_inits
 
@@ -160,7 +160,7 @@ def test_dsa_with_a_window_covering_the_grid_equals_dense_attention():
 
 
 def test_dsa_motion_head_learns_from_the_key_flow_loss():
-    from megaslide.engine.dit import pop_aux_losses
+    from megaslide.engine.native.dit import pop_aux_losses
 
     config = TINY.replace(attention="dsa", dsa_tile=(1, 2, 2), dsa_window=(1, 3, 3))
     dit, text = make(config)
@@ -197,10 +197,10 @@ def test_models_in_wan_latent_space_decode_through_the_wan_vae(tmp_path):
     """A DiT in Wan's latent space (16 channels, the causal 4x8x8 VAE), as the wan-14b and
     megaslide-105b presets are, opens and samples: frames come out of diffusers' Wan VAE."""
     pytest.importorskip("diffusers")
-    from megaslide.engine.autoencoder import WanVAE, build_autoencoder
-    from megaslide.engine.checkpoint import save_model
-    from megaslide.engine.config import SamplingDefaults
     from megaslide.engine.loader import open_pipeline
+    from megaslide.engine.native.autoencoder import WanVAE, build_autoencoder
+    from megaslide.engine.native.checkpoint import save_model
+    from megaslide.engine.native.config import SamplingDefaults
     from megaslide.engine.request import VideoRequest
 
     assert PRESETS["megaslide-105b"].model.autoencoder == "wan-vae"

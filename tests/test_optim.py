@@ -12,7 +12,7 @@ import io
 import pytest
 import torch
 
-from megaslide.engine.optim import (
+from megaslide.engine.training.optim import (
     CPUAdamW,
     clipping_extra_bytes,
     grad_buffer_bytes,

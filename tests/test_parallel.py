@@ -19,12 +19,12 @@ import pytest
 import torch
 
 from megaslide.engine.family import family
-from megaslide.engine.host_store import SharedWeights
 from megaslide.engine.loader import open_pipeline, share_weights
-from megaslide.engine.multidevice import RankFailed, generate_on_devices, parse_devices
-from megaslide.engine.ranks import join_group, run_ranks
+from megaslide.engine.parallel.multidevice import RankFailed, generate_on_devices, parse_devices
+from megaslide.engine.parallel.ranks import join_group, run_ranks
 from megaslide.engine.request import VideoRequest, resolve
 from megaslide.engine.sources import describe, resolve_source
+from megaslide.engine.streaming.host_store import SharedWeights
 
 TIMEOUT_S = 120  # a hang fails the test instead of the suite
 
@@ -117,11 +117,11 @@ def test_a_rank_whose_peer_died_names_the_dead_rank_not_itself():
 
 @pytest.mark.slow
 def test_a_rank_that_raises_fails_the_job_with_its_error(monkeypatch):
-    from megaslide.engine import rank_group
+    from megaslide.engine.parallel import rank_group
 
     info, video = tiny()
     # Weights the ranks cannot open from: each raises (not hangs) while opening the model.
-    monkeypatch.setattr(rank_group, "share_weights", lambda info, dtype: SharedWeights({}, {}))
+    monkeypatch.setattr(rank_group, "share_weights", lambda *a, **kw: SharedWeights({}, {}))
     with pytest.raises(RankFailed, match=r"rank \d \(cpu\) failed: ValueError: .*lack component"):
         generate_on_devices(info, video, ["cpu", "cpu"], timeout_s=TIMEOUT_S)
 
@@ -181,7 +181,7 @@ def test_cli_generate_on_two_cpu_processes_writes_the_same_mp4(tmp_path, capsys)
     for extra, message in [
         (["--devices", "cpu"], "two or more"),
         (["--devices", "cpu,cpu", "--offload", "none"], "--offload stream"),
-        (["--devices", "cpu,cpu", "--weights", "fp8"], "no --weights fp8 yet"),
+        (["--devices", "cpu,cpu", "--trace", "t.json"], "--stats has each's"),
     ]:
         assert main(["generate", *flags, "-o", str(tmp_path / "x.mp4"), *extra]) == 2
         assert message in capsys.readouterr().err

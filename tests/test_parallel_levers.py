@@ -20,12 +20,12 @@ import numpy as np
 import pytest
 import torch
 
-from megaslide.engine import step_cache
 from megaslide.engine.loader import load_adapter, open_pipeline
 from megaslide.engine.lora import AdapterError
-from megaslide.engine.multidevice import generate_on_devices
-from megaslide.engine.rank_group import RankGroup
+from megaslide.engine.parallel.multidevice import generate_on_devices
+from megaslide.engine.parallel.rank_group import RankGroup
 from megaslide.engine.request import LoraChoice, RequestError, VideoRequest, resolve
+from megaslide.engine.sampling import step_cache
 from megaslide.engine.sources import describe, resolve_source
 
 TIMEOUT_S = 300  # a hang fails the test instead of the suite (a group's whole life)

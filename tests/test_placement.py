@@ -4,13 +4,13 @@ import pytest
 import torch
 
 from megaslide.cli.args import in_flag_words
-from megaslide.engine.finetune_spec import ClipSpec, FinetuneSpec, RunSpec, RuntimeSpec
 from megaslide.engine.loader import open_pipeline
+from megaslide.engine.parallel.ranks import ranks_placement
 from megaslide.engine.placement import RULES, Placement, PlacementError
 from megaslide.engine.planner import Machine, Workload, plan
-from megaslide.engine.ranks import ranks_placement
 from megaslide.engine.sources import describe, resolve_source
-from megaslide.engine.streaming import stream_module
+from megaslide.engine.streaming.streamer import stream_module
+from megaslide.engine.training.finetune_spec import ClipSpec, FinetuneSpec, RunSpec, RuntimeSpec
 from megaslide.server.settings import Settings
 
 STREAM = Placement(offload="stream")
@@ -36,10 +36,8 @@ TWO = Placement(devices=("cpu", "cpu"), offload="stream")
         (TWO.replace(devices=("cpu",)), "infer", "devices must name two or more"),
         (TWO.replace(device="cuda"), "infer", "leave out device"),
         (TWO.replace(offload="none"), "infer", "one shared host copy: needs offload='stream'"),
-        (TWO.replace(gpu_budget_bytes=10), "infer", "no gpu_budget_bytes yet"),
-        (TWO.replace(weights="fp8"), "infer", "no weights='fp8' yet"),
-        (TWO.replace(host_tier="disk"), "infer", "no host_tier='disk' yet"),
-        (TWO.replace(timing=True), "infer", "no timing"),
+        (TWO.replace(host_tier="disk", weights="fp8"), "infer", "(weights='raw')"),
+        (TWO.replace(timing=True), "finetune", "fine-tuning on several devices keeps no streamer"),
     ],
 )
 def test_each_rule_refuses_with_its_reason(placement, mode, reason):
@@ -57,23 +55,29 @@ def test_what_runs_passes_and_every_rule_is_reachable():
         STREAM.replace(host_tier="auto", weights="fp8"),
         TWO,
         TWO.replace(host_tier="auto"),
+        # Every streaming lever runs on several devices as on one.
+        TWO.replace(gpu_budget_bytes=10, weights="lossless", timing=True),
+        TWO.replace(weights="fp8", host_tier="auto"),
+        TWO.replace(host_tier="disk", disk_io="direct", gpu_budget_bytes=0),
     ):
         assert placement.validate() is placement
     assert STREAM.validate("finetune") and TWO.validate("finetune")
-    assert len(RULES) == 15  # each case above names one: a new rule gets a case
+    assert len(RULES) == 12  # each case above names one: a new rule gets a case
 
 
 def test_the_planner_accounts_for_what_only_todays_code_lacks():
-    lacking = TWO.replace(weights="fp8")
-    assert lacking.problems() and not lacking.problems(lasting_only=True)
-    with pytest.raises(PlacementError, match="no weights='fp8' yet"):
-        ranks_placement(lacking)
+    lacking = TWO.replace(timing=True)
+    assert lacking.problems("finetune") and not lacking.problems("finetune", lasting_only=True)
     info = describe(resolve_source(preset="small"))
-    p = plan(info, Machine(), Workload.of(lacking))
-    assert p["devices"] == 2 and p["workload"]["weights"] == "fp8"
+    p = plan(info, Machine(), Workload.of(lacking, mode="finetune", batch=2))
+    assert p["devices"] == 2 and p["mode"] == "finetune"
     with pytest.raises(PlacementError, match="disk tier streams the files' bytes"):
         plan(info, Machine(), Workload.of(STREAM.replace(host_tier="disk", weights="fp8")))
-    assert Workload.of(lacking).placement == lacking.replace(devices=("device:0", "device:1"))
+    runs = TWO.replace(weights="fp8", gpu_budget_bytes=10**9, timing=True)
+    assert ranks_placement(runs) == runs  # sampling on several devices runs every lever
+    assert Workload.of(runs).placement == runs.replace(
+        devices=("device:0", "device:1"), timing=False
+    )
 
 
 def test_fields_travel_as_keywords_or_whole():
@@ -83,10 +87,10 @@ def test_fields_travel_as_keywords_or_whole():
     assert made.device == "cpu" and made.devices == ("cpu", "cpu")
     with pytest.raises(TypeError, match="not both"):
         Placement.of(STREAM, {"prefetch": 3})
-    # One rank of several streams from the shared copy in RAM: "auto" is "ram" there.
-    rank = TWO.replace(host_tier="auto").on("cpu")
-    assert rank == STREAM.replace(device="cpu") and rank.validate()
-    assert Placement(host_tier="auto").on("cpu").host_tier == "auto"
+    # One rank of several: its "auto" is the tier its shared copy was made for (loader.py).
+    rank = TWO.replace(host_tier="auto", weights="lossless").on("cpu")
+    assert rank == STREAM.replace(device="cpu", host_tier="auto", weights="lossless")
+    assert rank.validate() and Placement(host_tier="auto").on("cpu").host_tier == "auto"
 
 
 def test_a_pipeline_opened_by_placement_is_the_one_opened_by_keywords():
@@ -124,6 +128,10 @@ def test_settings_and_fine_tunes_are_built_from_the_spec(tmp_path):
     assert s.loras == ["a=b.safetensors"] and s.placement.devices == ("cpu", "cpu")
     runtime = RuntimeSpec(devices=("cpu", "cpu"), offload="stream", timing=True)
     assert runtime.placement == TWO.replace(timing=True)
+    s = Settings(data_dir=tmp_path, devices=["cpu", "cpu"], weights="fp8", gpu_budget=10)
+    assert s.placement == TWO.replace(weights="fp8", gpu_budget_bytes=10, host_tier="auto")
+    s = Settings(data_dir=tmp_path, devices=["cpu", "cpu"], host_tier="disk")
+    assert s.placement.host_tier == "disk"
     spec = FinetuneSpec(
         run=RunSpec(output="x"),
         clips=ClipSpec(batch_size=2),

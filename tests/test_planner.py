@@ -3,8 +3,8 @@
 import pytest
 
 from megaslide.engine.loader import open_pipeline
-from megaslide.engine.native import count_parameters
-from megaslide.engine.planner import Machine, Workload, plan
+from megaslide.engine.native.family import count_parameters
+from megaslide.engine.planner import Machine, Workload, format_plan, plan
 from megaslide.engine.sources import describe, resolve_source
 
 
@@ -94,3 +94,37 @@ def test_data_parallel_finetuning_splits_the_batch_over_one_host_master():
     assert two["fits"]
     odd = plan(info, Machine(), Workload(mode="finetune", batch=3, devices=2))
     assert not odd["fits"] and "batch 3 does not split over 2 devices" in odd["problems"][0]
+
+
+def test_streaming_levers_on_several_devices_count_one_host_copy_and_each_devices_budget():
+    info = preset("wan-14b")
+    # A coded format: one coded copy for the host, each device its slots and staging.
+    for weights in ("lossless", "fp8"):
+        one = plan(info, Machine(), Workload(weights=weights))
+        two = plan(info, Machine(), Workload(weights=weights, devices=2))
+        assert two["host"] == one["host"] and two["device"]["weights"] == one["device"]["weights"]
+        assert two["fits"]
+    # A budget is each device's: the same blocks resident on each, the rest streamed by each.
+    one = plan(info, Machine(), Workload(gpu_budget=20e9))
+    two = plan(info, Machine(), Workload(gpu_budget=20e9, devices=2))
+    assert 0 < two["resident_blocks"] == one["resident_blocks"] < two["blocks"]
+    assert two["device"]["weights"] == one["device"]["weights"]
+    assert two["bytes_per_step"]["h2d"] == one["bytes_per_step"]["h2d"]
+    # Coded and a budget: the shared copy keeps the resident blocks raw (each rank copies them
+    # to its device as they are), where one device keeps them on the device alone.
+    one = plan(info, Machine(), Workload(gpu_budget=20e9, weights="fp8"))
+    two = plan(info, Machine(), Workload(gpu_budget=20e9, weights="fp8", devices=2))
+    raw = one["experts"] * one["resident_blocks"] * one["per_block_parameters"] * 2
+    host = "compute_dtype_weights"
+    assert two["host"][host] - one["host"][host] == raw
+    assert two["host"]["coded_block_weights"] < one["host"]["coded_block_weights"]
+    # The disk tier: each rank reads into rings of its own; the blocks come off the disk once.
+    one = plan(info, Machine(), Workload(host_tier="disk"))
+    two = plan(info, Machine(), Workload(host_tier="disk", devices=2))
+    assert two["host_tier"] == "disk" and two["host"]["disk_ring"] == 2 * one["host"]["disk_ring"]
+    assert two["bytes_per_step"]["disk"] == one["bytes_per_step"]["disk"] > 0
+    assert "GB of blocks streamed from the files (a ring each" in format_plan(two)
+    # "auto" counts one copy for the host, as the launcher resolves it: the same choice.
+    small = Machine(host_mem=one["host"]["total"] * 1.1)
+    for devices in (1, 2):
+        assert plan(info, small, Workload(host_tier="auto", devices=devices))["host_tier"] == "disk"

@@ -24,7 +24,7 @@ import pytest
 from playwright.sync_api import Page, Route, expect, sync_playwright
 
 from megaslide.cli.remote import pack_dataset
-from megaslide.engine.world import write_dataset
+from megaslide.engine.native.world import write_dataset
 
 ROOT = Path(__file__).resolve().parents[1]
 SCREENSHOTS = Path(os.environ.get("MEGASLIDE_SCREENSHOT_DIR") or ROOT / "out" / "playground")

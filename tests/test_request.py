@@ -4,9 +4,9 @@ import dataclasses
 
 import pytest
 
+from megaslide.engine.native.tokens import TOKEN_UNITS, count_tokens
 from megaslide.engine.request import RequestError, VideoRequest, resolve
 from megaslide.engine.sources import describe, resolve_source
-from megaslide.engine.tokens import TOKEN_UNITS, count_tokens
 
 from server_fakes import FAKE_LIMITS
 

@@ -1,4 +1,4 @@
-"""The sampler loop every family shares (engine/sampling.py), with a family of toy hooks."""
+"""The sampler loop every family shares (engine/sampling/loop.py), with a family of toy hooks."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megaslide.engine.sampling import Sampler, cfg_combine, sample_step
+from megaslide.engine.sampling.loop import Sampler, cfg_combine, sample_step
 
 
 @dataclass

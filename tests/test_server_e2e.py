@@ -132,7 +132,7 @@ def test_cancelling_a_running_job_stops_the_model(server):
 
 
 def test_finetune_through_the_files_api_yields_a_servable_model(server, tmp_path):
-    pytest.importorskip("megaslide.engine.finetune")
+    pytest.importorskip("megaslide.engine.training.finetune")
     archive = noise_dataset_archive(tmp_path, 2)
     f = server.http.post(
         "/v1/files", data={"purpose": "fine-tune"}, files={"file": ("data.tar.gz", archive)}

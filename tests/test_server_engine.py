@@ -16,7 +16,7 @@ with warnings.catch_warnings():  # starlette's notice that its TestClient will m
     from fastapi.testclient import TestClient
 
 from megaslide.engine.loader import open_pipeline
-from megaslide.engine.native import DiTPipeline
+from megaslide.engine.native.family import DiTPipeline
 from megaslide.engine.request import VideoRequest
 from megaslide.engine.sources import resolve_source
 from megaslide.engine.video import read_video

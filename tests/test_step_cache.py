@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 import torch
 
-from megaslide.engine.flow import SampleState, cfg_combine, sample_step
 from megaslide.engine.loader import open_pipeline
 from megaslide.engine.request import (
     CACHE_FORECASTS,
@@ -19,8 +18,8 @@ from megaslide.engine.request import (
     VideoRequest,
     resolve_cache,
 )
-from megaslide.engine.sources import resolve_source
-from megaslide.engine.step_cache import (
+from megaslide.engine.sampling.flow import SampleState, cfg_combine, sample_step
+from megaslide.engine.sampling.step_cache import (
     CURVE_FILE,
     FORECAST_ORDERS,
     POLICIES,
@@ -32,6 +31,7 @@ from megaslide.engine.step_cache import (
     calibrate,
     extrapolate,
 )
+from megaslide.engine.sources import resolve_source
 
 from dit_fixtures import randomise_zero_inits
 

@@ -113,8 +113,8 @@ ORDERING_CALLS = {
 
 
 def test_the_table_lists_every_wait_in_the_ordering_code():
-    sites = call_sites(ROOT / "engine/streaming.py", ORDERING_CALLS)
-    sites |= call_sites(ROOT / "engine/blockwise.py", ORDERING_CALLS | {"result"})
+    sites = call_sites(ROOT / "engine/streaming/streamer.py", ORDERING_CALLS)
+    sites |= call_sites(ROOT / "engine/training/blockwise.py", ORDERING_CALLS | {"result"})
     assert sites == set(WAITS)
 
 

@@ -10,14 +10,14 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from megaslide.engine.host_store import (
+from megaslide.engine.streaming.host_store import (
     ALIGN_BYTES,
     HostBlockStore,
     collect_tensors,
     layout_nbytes,
     pin_exact,
 )
-from megaslide.engine.streaming import plan_residency, stream_module
+from megaslide.engine.streaming.streamer import plan_residency, stream_module
 
 from simulated_device import SimulatedDevice, watch_handle
 

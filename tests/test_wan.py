@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from megaslide.engine.loader import open_model, open_pipeline
-from megaslide.engine.pipeline import CPU_ROWS_PER_PASS
 from megaslide.engine.request import RequestError, VideoRequest
+from megaslide.engine.sampling.pipeline import CPU_ROWS_PER_PASS
 from megaslide.engine.sources import describe, resolve_source
 
 from wan_fixtures import PROMPT, build_tiny_wan, request

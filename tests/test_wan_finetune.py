@@ -16,10 +16,16 @@ import numpy as np
 import pytest
 import torch
 
-from megaslide.engine.blockwise import BlockwiseStep, StepConfig, master_state_dicts
-from megaslide.engine.data_parallel import finetune_on_devices
-from megaslide.engine.finetune import open_trainer
-from megaslide.engine.finetune_spec import (
+from megaslide.engine.loader import open_model, open_pipeline
+from megaslide.engine.native.world import write_dataset
+from megaslide.engine.parallel.data_parallel import finetune_on_devices
+from megaslide.engine.request import VideoRequest
+from megaslide.engine.sampling.flow import sample_training_times
+from megaslide.engine.sources import describe, resolve_source
+from megaslide.engine.streaming.host_store import SafetensorsFile
+from megaslide.engine.training.blockwise import BlockwiseStep, StepConfig, master_state_dicts
+from megaslide.engine.training.finetune import open_trainer
+from megaslide.engine.training.finetune_spec import (
     ClipSpec,
     FinetuneSpec,
     OptimizerSpec,
@@ -27,13 +33,7 @@ from megaslide.engine.finetune_spec import (
     RuntimeSpec,
     ScheduleSpec,
 )
-from megaslide.engine.flow import sample_training_times
-from megaslide.engine.host_store import SafetensorsFile
-from megaslide.engine.loader import open_model, open_pipeline
-from megaslide.engine.request import VideoRequest
-from megaslide.engine.sources import describe, resolve_source
 from megaslide.engine.wan.training import WanTrainingModel
-from megaslide.engine.world import write_dataset
 
 from wan_fixtures import build_tiny_wan
 

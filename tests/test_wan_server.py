@@ -120,7 +120,7 @@ def test_the_openai_sdk_creates_and_polls(app):
 def test_a_fine_tuning_job_on_a_wan_base_is_served_at_once(app, tmp_path):
     import tarfile
 
-    from megaslide.engine.world import write_dataset
+    from megaslide.engine.native.world import write_dataset
 
     data = write_dataset(tmp_path / "world", 4, seed=1, frames=9, height=32, width=32)
     archive = tmp_path / "world.tar.gz"

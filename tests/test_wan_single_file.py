@@ -150,7 +150,7 @@ def write_fp8(wan, name: str, scale: str | None, fp8=torch.float8_e4m3fn) -> Pat
     ],
 )
 def test_fp8_files_stream_as_stored_and_give_the_upcast_output(wan, scale, fp8, dtype):
-    from megaslide.engine.weight_formats import Fp8Codec
+    from megaslide.engine.streaming.weight_formats import Fp8Codec
 
     file = write_fp8(wan, f"fp8-{scale}-{fp8}", scale, fp8)
     files = (str(file),)

@@ -18,11 +18,11 @@ import torch
 from torch import nn
 
 from megaslide.engine import VideoRequest, open_pipeline
-from megaslide.engine.host_store import TensorEntry
 from megaslide.engine.planner import Machine, Workload, plan
 from megaslide.engine.sources import describe, resolve_source
-from megaslide.engine.streaming import stream_module
-from megaslide.engine.weight_formats import (
+from megaslide.engine.streaming.host_store import TensorEntry
+from megaslide.engine.streaming.streamer import stream_module
+from megaslide.engine.streaming.weight_formats import (
     fp8_dequantize,
     fp8_payload_nbytes,
     fp8_quantizable,

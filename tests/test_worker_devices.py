@@ -22,7 +22,7 @@ with warnings.catch_warnings():  # starlette's notice that its TestClient will m
     from fastapi.testclient import TestClient
 
 from megaslide.engine.loader import open_pipeline
-from megaslide.engine.rank_group import RankGroup, check_video
+from megaslide.engine.parallel.rank_group import RankGroup, check_video
 from megaslide.engine.request import RequestError, VideoRequest, resolve
 from megaslide.engine.sources import describe, resolve_source
 from megaslide.engine.video import read_video
@@ -214,7 +214,10 @@ def test_worker_devices_flags_are_checked(tmp_path, capsys):
     for extra, message in [
         (["--devices", "cpu,cpu", "--device", "cpu"], "leave out device"),
         (["--devices", "cpu,cpu", "--offload", "none"], "--offload stream"),
-        (["--devices", "cpu,cpu", "--weights", "fp8"], "no --weights fp8 yet"),
+        (
+            ["--devices", "cpu,cpu", "--weights", "fp8", "--host-tier", "disk"],
+            "the disk tier streams the files' bytes as they are (--weights raw)",
+        ),
         (["--devices", "cpu"], "two or more"),
     ]:
         assert main([*common, *extra]) == 2

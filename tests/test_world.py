@@ -6,7 +6,7 @@ import random
 
 import numpy as np
 
-from megaslide.engine.world import (
+from megaslide.engine.native.world import (
     BACKGROUNDS,
     COLOURS,
     MOTIONS,

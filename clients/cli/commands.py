@@ -10,8 +10,9 @@ import sys
 import time
 from pathlib import Path
 
-from megaslide.engine.config import TIME_SAMPLING
-from megaslide.engine.finetune_spec import (
+from megaslide.engine.native.config import TIME_SAMPLING
+from megaslide.engine.placement import DISK_IO, Placement
+from megaslide.engine.training.finetune_spec import (
     LR_SCHEDULES,
     ClipSpec,
     FinetuneSpec,
@@ -20,7 +21,6 @@ from megaslide.engine.finetune_spec import (
     RuntimeSpec,
     ScheduleSpec,
 )
-from megaslide.engine.placement import DISK_IO, Placement
 
 from .args import (
     UsageError,
@@ -96,7 +96,8 @@ def register_generate(sub) -> None:
         "--devices",
         metavar="DEV,DEV,...",
         help="split the video's tokens over these devices (sequence parallel, one process each, "
-        "streaming from one shared host copy of the blocks): cpu,cpu or cuda:0,cuda:1",
+        "streaming from one shared host copy of the blocks, in --weights' format, or from the "
+        "files with --host-tier disk): cpu,cpu or cuda:0,cuda:1",
     )
     p.add_argument(
         "--attention",
@@ -110,7 +111,9 @@ def register_generate(sub) -> None:
         "stream with --devices)",
     )
     p.add_argument(
-        "--gpu-budget", type=parse_bytes, help="device bytes for weights when streaming, e.g. 20GB"
+        "--gpu-budget",
+        type=parse_bytes,
+        help="device bytes for weights when streaming, e.g. 20GB (each device's, with --devices)",
     )
     p.add_argument(
         "--weights",
@@ -272,7 +275,7 @@ def generate_placement(args) -> Placement:
     naming the flags of the first one they break)."""
     devices = None
     if args.devices:
-        from megaslide.engine.ranks import parse_devices
+        from megaslide.engine.parallel.ranks import parse_devices
 
         try:
             devices = tuple(parse_devices(args.devices))
@@ -299,11 +302,20 @@ def generate_placement(args) -> Placement:
 
 
 def run_generate_on_devices(args, info, video, placement: Placement, adapters) -> int:
-    """`generate --devices`: one video split over several devices (engine/multidevice.py), the
-    LoRA `adapters` registered on every rank."""
-    from megaslide.engine.multidevice import RankFailed, generate_on_devices
+    """`generate --devices`: one video split over several devices
+    (engine/parallel/multidevice.py), the LoRA `adapters` registered on every rank."""
+    from megaslide.engine.parallel.multidevice import RankFailed, generate_on_devices
 
+    if args.trace:
+        raise UsageError("--trace draws one device's streams: with --devices, --stats has each's")
     devices = placement.devices
+    per_rank: list[dict] = []
+    step_ends = [time.perf_counter()]
+
+    def stepped(step: int, total: int) -> None:
+        step_ends.append(time.perf_counter())
+        bar.update(1)
+
     with progress_bar(video.steps, "denoising", disable=args.no_progress) as bar:
         try:
             frames = generate_on_devices(
@@ -312,11 +324,21 @@ def run_generate_on_devices(args, info, video, placement: Placement, adapters) -
                 placement,
                 adapters=adapters,
                 output=args.output,
-                progress=lambda step, total: bar.update(1),
+                progress=stepped,
+                stats=per_rank.extend if args.stats else None,
             )
         except RankFailed as e:  # the other ranks were stopped; no output was written
             print(f"megaslide generate: error: {e}", file=sys.stderr)
             return 1
+    if args.stats:
+        stats = {
+            "steps": video.steps,
+            "devices": list(devices),
+            # As each step came back here (the ranks step in lock step).
+            "step_times_s": [b - a for a, b in zip(step_ends, step_ends[1:])],
+            "ranks": per_rank,  # each rank's streamed components, rank order
+        }
+        Path(args.stats).write_text(json.dumps(stats, indent=2) + "\n")
     print(
         f"wrote {args.output} ({len(frames)} frames, {video.width}x{video.height}, {video.fps} fps, "
         f"{len(devices)} devices)",
@@ -622,7 +644,7 @@ def finetune_spec(args) -> FinetuneSpec:
     width, height = parse_size(args.size, "--size") if args.size else (None, None)
     devices = None
     if args.devices:
-        from megaslide.engine.ranks import parse_devices
+        from megaslide.engine.parallel.ranks import parse_devices
 
         devices = tuple(parse_devices(args.devices))
     return FinetuneSpec(
@@ -669,7 +691,7 @@ def run_finetune(args) -> int:
         from .remote import finetune_remote
 
         return finetune_remote(args)
-    from megaslide.engine.finetune import open_trainer
+    from megaslide.engine.training.finetune import open_trainer
 
     if not args.output:
         raise UsageError("--output is required for a local run")
@@ -706,8 +728,8 @@ def run_finetune(args) -> int:
 
 
 def run_finetune_on_devices(args) -> int:
-    """`finetune --devices`: data parallel, one process per device (engine/data_parallel.py)."""
-    from megaslide.engine.data_parallel import RankFailed, finetune_on_devices
+    """`finetune --devices`: data parallel, one process per device (engine/parallel/data_parallel.py)."""
+    from megaslide.engine.parallel.data_parallel import RankFailed, finetune_on_devices
 
     if args.stats or args.trace:
         raise UsageError("--devices takes neither --stats nor --trace")

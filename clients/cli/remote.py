@@ -13,7 +13,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from megaslide.engine.finetune_spec import OptimizerSpec, RunSpec
+from megaslide.engine.training.finetune_spec import OptimizerSpec, RunSpec
 
 from .args import UsageError
 

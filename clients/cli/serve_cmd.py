@@ -135,7 +135,8 @@ def _worker_args(p) -> None:
         "--devices",
         metavar="DEV,DEV,...",
         help="split each video's tokens over these devices (cuda:0,cuda:1 or cpu,cpu): one "
-        "process per device, started once and kept with the model loaded; implies --offload "
+        "process per device, started once and kept with the model loaded, streaming from one "
+        "host copy (--weights, --host-tier and --gpu-budget apply to each); implies --offload "
         "stream; fine-tunes run on the first",
     )
     p.add_argument(
@@ -151,7 +152,8 @@ def _worker_args(p) -> None:
     p.add_argument(
         "--gpu-budget",
         type=parse_bytes,
-        help="with --offload stream: device bytes for weights, e.g. 20GB",
+        help="with --offload stream: device bytes for weights, e.g. 20GB (each device's, with "
+        "--devices)",
     )
     p.add_argument(
         "--weights",

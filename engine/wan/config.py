@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-from ..config import ATTENTION_BACKENDS, SamplingDefaults
+from ..native.config import ATTENTION_BACKENDS, SamplingDefaults
 from ..request import ModelLimits
 
 PIPELINES = ("WanPipeline", "WanImageToVideoPipeline")

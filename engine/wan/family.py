@@ -34,7 +34,7 @@ The batched mode also keeps each row's cross-attention keys and values from its 
 (prompt_cache.py: the prompt does not change across steps) and decodes with the VAE's channel
 norms summed directly (encoders.py `fast_vae_norms`), both within a level of diffusers' frames.
 
-A step is the sampler loop every family shares (sampling.py: experts as groups of requests,
+A step is the sampler loop every family shares (sampling/loop.py: experts as groups of requests,
 guidance pairs, step caches, adapters' rows); Wan gives it its model inputs and each request's
 scheduler as the update rule, and cuts the transformer's forward once (forward.py), for the
 first-block cache and for fine-tuning alike.
@@ -53,13 +53,13 @@ import torch
 from torch import nn
 
 from ..family import Component, Family
-from ..host_store import RenamedWeights, SafetensorsFile
 from ..lora import Adapter, AdapterRouter, linear_targets
-from ..pipeline import CPU_ROWS_PER_PASS, Pipeline, decode_chunks, distinct
 from ..request import ResolvedVideo, check_image, check_loras
-from ..sampling import Sampler, sample_step
+from ..sampling.loop import Sampler, sample_step
+from ..sampling.pipeline import CPU_ROWS_PER_PASS, Pipeline, decode_chunks, distinct
+from ..sampling.step_cache import StepCache
 from ..sources import ModelInfo
-from ..step_cache import StepCache
+from ..streaming.host_store import RenamedWeights, SafetensorsFile
 from .config import TEXT_TOKENS, WanConfig, weight_files
 from .encoders import WanEncoders, fast_vae_norms, libraries
 from .forward import WanCut
@@ -374,7 +374,7 @@ class WanState:
 
 class WanVideoPipeline(Pipeline, Sampler):
     """Text-to-video sampling of a Wan model, batched at denoising-step granularity: the shared
-    sampler loop (sampling.py) with Wan's inputs and the model's own scheduler as the update."""
+    sampler loop (sampling/loop.py) with Wan's inputs and the model's own scheduler as the update."""
 
     prompt_cache_bytes: int = PROMPT_CACHE_BYTES  # 0: recompute the prompt's keys every step
     # Kept keys hold a prompt's tokens and one padding token (prompt_cache.py, fp32 passes only):
@@ -437,7 +437,7 @@ class WanVideoPipeline(Pipeline, Sampler):
         from diffusers.models._modeling_parallel import ParallelConfig
         from torch.distributed.device_mesh import init_device_mesh
 
-        from ..parallel import gather_tokens
+        from ..parallel.sequence import gather_tokens
 
         if sp.group is not None:
             raise ValueError("Wan sequence parallel runs over the default process group")
@@ -549,7 +549,7 @@ class WanVideoPipeline(Pipeline, Sampler):
         self._keep = self._prompt_kv_budget([s for s in states if not s.done])
         sample_step(self, states)
 
-    # -- the sampler loop's hooks (sampling.py) ----------------------------------------------------
+    # -- the sampler loop's hooks (sampling/loop.py) ----------------------------------------------------
 
     def forward(self, e: int, states: list[WanState]) -> list[torch.Tensor]:
         model = self.experts[e]

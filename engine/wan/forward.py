@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from ..sampling import ForwardCut
+from ..sampling.loop import ForwardCut
 
 
 def prologue(model: nn.Module, x, timestep, context, image=None):

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import torch
 
-from ..host_store import SafetensorsFile
-from ..weight_formats import FP8_DTYPES as FP8
-from ..weight_formats import Fp8Weight
+from ..streaming.host_store import SafetensorsFile
+from ..streaming.weight_formats import FP8_DTYPES as FP8
+from ..streaming.weight_formats import Fp8Weight
 from .config import WanFormatError
 
 PREFIXES = ("model.diffusion_model.", "diffusion_model.")

@@ -27,10 +27,10 @@ import torch
 from torch import nn
 
 from ..atomic import atomic_directory, atomic_write_text
-from ..data import BackgroundLoader, Batch, VideoDataset, validate_dataset
 from ..family import TrainingShape
-from ..host_store import SafetensorsFile
-from ..training import TrainingData, TrainingModel
+from ..streaming.host_store import SafetensorsFile
+from ..training.data import BackgroundLoader, Batch, VideoDataset, validate_dataset
+from ..training.model import TrainingData, TrainingModel
 from . import forward
 from .config import EXPERTS, SAMPLING_FILE, TEXT_TOKENS, WanConfig
 

@@ -11,12 +11,12 @@ from typing import BinaryIO
 from starlette.concurrency import run_in_threadpool
 
 from megaslide.engine.atomic import atomic_write_bytes
-from megaslide.engine.request import RequestError, resolve
+from megaslide.engine.request import RequestError, ResolvedVideo, resolve
 
 from ..auth import Principal
 from ..datadir import DataDir
 from ..errors import InvalidRequest, NotFound, NotReady
-from ..protocol import WorkerClient
+from ..protocol import ModelCard, WorkerClient
 from ..records import VideoRecord
 from ..schemas import Video, VideoCreate, VideoDeleted, page, video_object
 from ..settings import Settings
@@ -51,33 +51,9 @@ class Videos:
             raise NotReady("no live worker serves a model yet; retry shortly")
         card = find_model(self.workers, body.model or served[0].name, principal)
         video_id = new_id("video_")
-        stored = None
-        if image is not None:
-            if not card.limits.image_input:
-                raise RequestError(
-                    f"model {card.name} does not take a first-frame image (input_reference)",
-                    param="input_reference",
-                    code="unsupported_parameter",
-                )
-            stored = self.data.reference(video_id)
-            await run_in_threadpool(save_image, image, stored, self.settings.max_image_pixels)
+        stored = await self._store_image(card, video_id, image) if image is not None else None
         try:
-            video = resolve(
-                body.to_request(image=str(stored) if stored else None),
-                card.limits,
-                card.defaults,
-                model=card.name,
-                max_steps=self.settings.max_steps,
-                max_prompt_chars=self.settings.max_prompt_chars,
-                adapters=card.adapter_defaults(),
-            )
-            # The workers know each adapter by its id (an uploaded one's names its owner).
-            ids = {a["name"]: a["id"] for a in card.adapters}
-            loras = tuple(dataclasses.replace(c, name=ids[c.name]) for c in video.loras)
-            video = dataclasses.replace(video, loras=loras)
-            # The image is named relative to the storage, which hosts mount where they like.
-            if stored is not None:
-                video = dataclasses.replace(video, image=self.data.relative(stored))
+            video = self._resolve(body, card, stored)
 
             async def insert(idempotency) -> VideoRecord:
                 await admit(self.store, self.workers, self.settings, principal)
@@ -101,6 +77,39 @@ class Videos:
         else:
             self.workers.wake()
         return video_object(row)
+
+    async def _store_image(self, card: ModelCard, video_id: str, image: BinaryIO) -> Path:
+        """The uploaded first frame, checked and stored as the video's reference image."""
+        if not card.limits.image_input:
+            raise RequestError(
+                f"model {card.name} does not take a first-frame image (input_reference)",
+                param="input_reference",
+                code="unsupported_parameter",
+            )
+        stored = self.data.reference(video_id)
+        await run_in_threadpool(save_image, image, stored, self.settings.max_image_pixels)
+        return stored
+
+    def _resolve(self, body: VideoCreate, card: ModelCard, stored: Path | None) -> ResolvedVideo:
+        """The request resolved against the model, as the workers will read it: adapters by id,
+        the image relative to the storage."""
+        video = resolve(
+            body.to_request(image=str(stored) if stored else None),
+            card.limits,
+            card.defaults,
+            model=card.name,
+            max_steps=self.settings.max_steps,
+            max_prompt_chars=self.settings.max_prompt_chars,
+            adapters=card.adapter_defaults(),
+        )
+        # The workers know each adapter by its id (an uploaded one's names its owner).
+        ids = {a["name"]: a["id"] for a in card.adapters}
+        loras = tuple(dataclasses.replace(c, name=ids[c.name]) for c in video.loras)
+        video = dataclasses.replace(video, loras=loras)
+        # The image is named relative to the storage, which hosts mount where they like.
+        if stored is not None:
+            video = dataclasses.replace(video, image=self.data.relative(stored))
+        return video
 
     async def find(self, video_id: str, principal: Principal) -> VideoRecord:
         """The video, if `principal` may see it; another key's answers 404 as if absent."""

@@ -1,5 +1,5 @@
 """The worker's loop: one thread that owns one device's models (or drives the ranks of several, see
-`engine/rank_group.py`), claims jobs from the store and runs them step by step.
+`engine/parallel/rank_group.py`), claims jobs from the store and runs them step by step.
 
 Scheduling happens at denoising-step boundaries. At each boundary the worker
 

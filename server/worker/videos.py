@@ -155,15 +155,30 @@ class Videos:
     def step(self) -> None:
         """One batched denoising step; records progress (which renews the leases) and finishes
         the clips done at it."""
-        ctx, backend = self.ctx, self.ctx.backend
         model = self.models.video_model(self.batch[0].video.model)
         start = time.perf_counter()
+        transfers, advanced, passes = self._denoise(model)
+        if not advanced:
+            return
+        lost = self._record(advanced, transfers, passes, time.perf_counter() - start)
+        finished = []
+        for run in [r for r in self.batch if r.id in lost or r.state.done]:
+            self.batch.remove(run)
+            if run.id not in lost:
+                finished.append(run)
+        if finished:
+            self._finish(model, finished)
+
+    def _denoise(self, model: VideoModel) -> tuple[dict[str, int], list[Running], int]:
+        """Step the batch: the bytes moved, the runs that advanced and the passes that ran. A
+        run whose step fails is failed and leaves the batch."""
+        backend = self.ctx.backend
         joined = sum(r.state.passes for r in self.batch)
         try:
             transfers = model.denoise_step([r.state for r in self.batch])
             advanced = list(self.batch)
             # No pass ran when every request's step cache reused an earlier output.
-            passes = int(sum(r.state.passes for r in advanced) > joined)
+            return transfers, advanced, int(sum(r.state.passes for r in advanced) > joined)
         except Exception as exc:  # noqa: BLE001
             # The batched pass raised before any state moved (the update follows the forward
             # pass), so each job is retried alone: one bad or oversized job fails without taking
@@ -172,19 +187,24 @@ class Videos:
             if len(self.batch) == 1:
                 run = self.batch.pop()
                 self._fail(run.id, run.token, exc)
-                return
-            transfers, advanced, passes = {}, [], len(self.batch)
-            for run in list(self.batch):
-                try:
-                    model.denoise_step([run.state])
-                    advanced.append(run)
-                except Exception as single_exc:  # noqa: BLE001
-                    backend.release_memory()
-                    self.batch.remove(run)
-                    self._fail(run.id, run.token, single_exc)
-        if not advanced:
-            return
-        elapsed = time.perf_counter() - start
+                return {}, [], 0
+        advanced, passes = [], len(self.batch)  # one pass each
+        for run in list(self.batch):
+            try:
+                model.denoise_step([run.state])
+                advanced.append(run)
+            except Exception as single_exc:  # noqa: BLE001
+                backend.release_memory()
+                self.batch.remove(run)
+                self._fail(run.id, run.token, single_exc)
+        return {}, advanced, passes
+
+    def _record(
+        self, advanced: list[Running], transfers: dict[str, int], passes: int, elapsed: float
+    ) -> set[str]:
+        """The step's metrics, and each advanced run's progress in the store (renewing its
+        lease); the ids of the runs whose lease was lost meanwhile."""
+        ctx = self.ctx
         metrics = ctx.metrics
         metrics.passes.inc(passes)
         metrics.steps.inc(len(advanced))
@@ -193,26 +213,12 @@ class Videos:
         metrics.h2d_bytes.inc(transfers.get("h2d_bytes", 0))
         metrics.d2h_bytes.inc(transfers.get("d2h_bytes", 0))
         ctx.publish_metrics()
-        lost = ctx.store.videos.set_progress(
-            [
-                (
-                    r.id,
-                    r.token,
-                    r.state.step,
-                    DENOISE_SHARE * r.state.step // r.state.num_steps,
-                    r.state.passes,
-                )
-                for r in advanced
-            ],
-            lease_s=ctx.settings.lease_s,
-        )
-        finished = []
-        for run in [r for r in self.batch if r.id in lost or r.state.done]:
-            self.batch.remove(run)
-            if run.id not in lost:
-                finished.append(run)
-        if finished:
-            self._finish(model, finished)
+        progress = []
+        for run in advanced:
+            state = run.state
+            share = DENOISE_SHARE * state.step // state.num_steps
+            progress.append((run.id, run.token, state.step, share, state.passes))
+        return ctx.store.videos.set_progress(progress, lease_s=ctx.settings.lease_s)
 
     def _finish(self, model: VideoModel, runs: list[Running]) -> None:
         """Decode the clips that finished at this step together (the model bounds how many per

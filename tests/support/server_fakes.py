@@ -25,8 +25,8 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from megaslide.engine.config import SamplingDefaults
 from megaslide.engine.interfaces import TrainingRun, VideoModel
+from megaslide.engine.native.config import SamplingDefaults
 from megaslide.engine.request import ModelLimits, ResolvedVideo
 from megaslide.server import Settings
 from megaslide.server.backend import Backend, FinetuneJob

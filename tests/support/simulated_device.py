@@ -1,7 +1,7 @@
 """A simulated device for the streaming protocol: streams as queues, events as vector clocks, and a
 race detector that checks every interleaving the recorded waits allow.
 
-`SimulatedDevice().ordering()` implements `megaslide.engine.ordering.Ordering` on CPU tensors, so
+`SimulatedDevice().ordering()` implements `megaslide.engine.streaming.ordering.Ordering` on CPU tensors, so
 the real streamer and the training step's gradient drain run on it unchanged
 (`stream_module(..., ordering=...)`, `open_pipeline(..., ordering=...)`). Two things are
 simulated, separately, and both are kept small enough to be checked by eye:
@@ -298,7 +298,7 @@ class SimulatedDevice:
     # -- the engine's orderings ------------------------------------------------------------------
 
     def ordering(self) -> SimOrdering:
-        """An ordering with a copy stream of its own (`megaslide.engine.ordering.Ordering`)."""
+        """An ordering with a copy stream of its own (`megaslide.engine.streaming.ordering.Ordering`)."""
         with self._lock:
             name = f"copy stream {self._copy_streams}"
             self._copy_streams += 1

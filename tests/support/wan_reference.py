@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from megaslide.engine.host_store import ALIGN_BYTES
+from megaslide.engine.streaming.host_store import ALIGN_BYTES
 
 # Code paths of other x86 CPUs, by the environment variables each library reads at start:
 # MKL's kernels, torch's own vectorised kernels (ATen) and oneDNN's.

@@ -415,10 +415,17 @@ class SharedWeights:
     """A model's weights in shared memory, made once by a parent process for the processes it
     spawns (`loader.share_weights`); pickled, the tensors travel as handles, not bytes.
 
-    `blocks[c]`: component c's streamed blocks' host buffers, flat uint8 in the packed layout
-    (`pack`) each process derives from its own meta-built blocks; `tensors[c]`: the rest of
-    component c's tensors by state-dict name (for an unstreamed component, all of them).
+    `blocks[c]`: component c's blocks as every process holds them, one entry per block: a flat
+    uint8 buffer in the packed layout (`pack`) each process derives from its own meta-built
+    blocks (a raw store, or a block the device budget keeps resident), or a coded store's
+    `weight_formats.SharedPayload`. A component whose blocks stay in the model's files (the disk
+    tier) has none: each process reads them itself. `tensors[c]`: the rest of component c's
+    tensors by state-dict name (for an unstreamed component, all of them). `weights` and
+    `host_tier` are the placement's they were made for (the host tier resolved: "ram" or
+    "disk").
     """
 
     tensors: dict[str, dict[str, torch.Tensor]]
-    blocks: dict[str, list[torch.Tensor]]
+    blocks: dict[str, list]
+    weights: str = "raw"
+    host_tier: str = "ram"

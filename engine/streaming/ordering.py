@@ -1,6 +1,6 @@
 """Ordering primitives: the streams and events that order copies against compute.
 
-Streaming (streaming.py) and the training step's gradient drain (blockwise.py) make every ordering
+Streaming (streamer.py) and the training step's gradient drain (training/blockwise.py) make every ordering
 call through one small interface, `Ordering`: on CUDA a dedicated copy stream beside the compute
 stream, ordered by events (`_CudaOrdering`); on the CPU synchronous memcpy, where every wait is a
 no-op (`_HostOrdering`). Because nothing else orders their work, a simulated device that implements

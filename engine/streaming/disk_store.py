@@ -16,6 +16,9 @@ output is bitwise that of RAM streaming. A tensor whose dtype differs from the m
 file opened in fp32) is read into a scratch buffer and cast with the same `copy_` the RAM store's
 fill uses. Reads go through the page cache (buffered); a model read twice in a row is served from
 it while it fits, and the kernel evicts it when RAM runs short, which is the point of this tier.
+Over several devices each rank has its own stores and ring and reads the files itself: buffered,
+the ranks reading the same blocks at about the same time share the page cache (one copy for the
+host, read from the disk once); direct, each rank reads them from the disk.
 
 Caution: the disk store is read-only (fine-tuning, which writes the host store every step, needs
 `host_tier="ram"`), holds the raw format only (not `lossless`/`fp8`), and the files must not
@@ -32,8 +35,8 @@ from typing import Any
 
 import torch
 
+from ..placement import DISK_IO
 from .host_store import BoundTensor, Extent, TensorEntry, pack, pin_exact, repoint, unpin
-from .placement import DISK_IO
 
 DEFAULT_RING_DEPTH = 4  # host buffers per streamed module: the block copied and 3 read ahead
 # How blocks are read (placement.DISK_IO): through the page cache ("buffered", the default: a model

@@ -18,10 +18,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .atomic import atomic_write, atomic_write_text
+from ..atomic import atomic_write, atomic_write_text
+from ..sources import CONFIG_FILE, NATIVE_FORMAT
 from .config import SamplingDefaults
 from .dit import VideoDiT
-from .sources import CONFIG_FILE, NATIVE_FORMAT
 
 MODEL_FILE, TEXT_FILE = "model.safetensors", "text_encoder.safetensors"
 

@@ -7,7 +7,7 @@ and an MLP, modulated by the timestep through adaLN-Zero. The velocity for recti
 out of a zero-initialised final layer and is folded back into a clip of the input's shape.
 
 The model knows nothing of devices, streaming or I/O: those are transforms applied to a built
-model (see `streaming.py`). A layer with an initialisation of its own says so in
+model (see `streaming/streamer.py`). A layer with an initialisation of its own says so in
 `reset_parameters`, which runs after its children's (as the constructor does), so a model built on
 the meta device can be given the same random weights part by part (see `initialization.py`).
 """
@@ -136,7 +136,7 @@ class SelfAttention(nn.Module):
 
     def attend(self, q, k, v, grid, motion=None) -> torch.Tensor:
         """The attention itself, `(B, h, N, d)` x3 -> `(B, h, N, d)`: heads are independent here,
-        the one place a transform may regroup tokens and heads (see `parallel.py`)."""
+        the one place a transform may regroup tokens and heads (see `parallel/sequence.py`)."""
         if self.backend == "dense":
             return F.scaled_dot_product_attention(q, k, v)  # (B, h, N, d)
         from megaslide.kernels import dsa_attention

@@ -32,15 +32,15 @@ from pathlib import Path
 
 import torch
 
-from .atomic import remove_stale
-from .blockwise import DataParallel
-from .family import family
-from .finetune import CHECKPOINTS, Trainer, trained_model
-from .finetune_spec import FinetuneSpec
-from .host_store import SharedWeights
-from .loader import as_source, share_weights
+from ..atomic import remove_stale
+from ..family import family
+from ..loader import as_source, share_weights
+from ..sources import ModelSource
+from ..streaming.host_store import SharedWeights
+from ..training.blockwise import DataParallel
+from ..training.finetune import CHECKPOINTS, Trainer, trained_model
+from ..training.finetune_spec import FinetuneSpec
 from .ranks import RankFailed, RankLink, join_group, parse_devices, run_ranks
-from .sources import ModelSource
 
 __all__ = ["RankFailed", "finetune_on_devices"]
 

@@ -7,7 +7,7 @@ from t = 1 (noise) to t = 0 with Euler steps on a shifted schedule.
 The sampler is step-wise: each request is a `SampleState`, and `sample_step` advances any list of
 them by one step with one forward pass over all of them and both halves of their guidance pairs,
 so requests at different steps share one pass of the model's weights. The loop itself is
-sampling.py's, shared by every family; `EulerSampler` gives it our DiT's inputs and update rule.
+loop.py's, shared by every family; `EulerSampler` gives it our DiT's inputs and update rule.
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ from dataclasses import dataclass
 
 import torch
 
-from . import sampling
-from .config import TIME_SAMPLING
-from .parallel import gather_tokens, shard_tokens
-from .sampling import ForwardCut, Sampler, row_slices
-from .sampling import cfg_combine as cfg_combine  # the guidance rule, where it was documented
+from ..native.config import TIME_SAMPLING
+from ..parallel.sequence import gather_tokens, shard_tokens
+from . import loop
+from .loop import ForwardCut, Sampler, row_slices
+from .loop import cfg_combine as cfg_combine  # the guidance rule, where it was documented
 from .step_cache import StepCache
 
 
@@ -203,7 +203,7 @@ def sample_step(
     model, states: list[SampleState], first_block_only: Callable[[], ContextManager] = nullcontext
 ) -> None:
     """Advance every unfinished state by one Euler step, in one batched forward pass of `model`
-    (sampling.py's loop with `EulerSampler`'s hooks).
+    (loop.py's loop with `EulerSampler`'s hooks).
 
     The batch holds each guided request twice (conditional and unconditional context), so a streamed
     model moves its weights once per step for all of them. A state whose step cache reuses an
@@ -212,7 +212,7 @@ def sample_step(
     first block and leaves it there when it reuses; `first_block_only` is entered around that
     first block (a streamed model's pipeline stops the streamer copying the next block ahead).
     """
-    sampling.sample_step(EulerSampler(model, first_block_only=first_block_only), states)
+    loop.sample_step(EulerSampler(model, first_block_only=first_block_only), states)
 
 
 def _inputs(states: list[SampleState], dtype: torch.dtype):

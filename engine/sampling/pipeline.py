@@ -20,14 +20,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .interfaces import VideoModel
-from .request import ResolvedVideo, VideoRequest, resolve
-from .sources import ModelInfo
+from ..interfaces import VideoModel
+from ..request import ResolvedVideo, VideoRequest, resolve
+from ..sources import ModelInfo
+from ..streaming.streamer import StreamHandle
 from .step_cache import StepCurve
-from .streaming import StreamHandle
 
 if TYPE_CHECKING:
-    from .lora import Adapter, AdapterRouter
+    from ..lora import Adapter, AdapterRouter
 
 # Clips decoded in one pass of the autoencoder. Decoding's activations grow with the rows of a
 # pass (a 3D VAE's are many times its latents), so more finished requests than this decode in
@@ -100,7 +100,7 @@ class Pipeline(VideoModel, ABC):
         """Register the LoRA file at `path` under `name`: converted once from its key layout,
         checked against this model (AdapterError naming the first key that does not fit), its
         factors kept on the device. Returns its card (name, base, rank, bytes, defaults)."""
-        from .lora import AdapterError
+        from ..lora import AdapterError
 
         if self.adapters is None or self.load_adapter is None:
             raise AdapterError(f"{self.name} takes no LoRA adapters")
@@ -109,7 +109,7 @@ class Pipeline(VideoModel, ABC):
 
     def register_adapter(self, adapter: Adapter, *, replace: bool = False) -> dict:
         """Register an adapter already converted (`loader.load_adapter`); returns its card."""
-        from .lora import AdapterError
+        from ..lora import AdapterError
 
         if self.adapters is None:
             raise AdapterError(f"{self.name} takes no LoRA adapters")

@@ -14,7 +14,7 @@ step, or the model's diffusers scheduler). A request's state declares `SamplingS
 The first-block cache (step_cache.py) decides inside the pass: `forward_probed` runs every row
 through the prologue and the first block, lets each probing request compare its first residual
 with its cache's, and runs the remaining blocks only over the rows that did not reuse. Under
-sequence parallel (parallel.py) the cut's blocks run on this rank's share of the tokens, as the
+sequence parallel (parallel/sequence.py) the cut's blocks run on this rank's share of the tokens, as the
 model's own forward does: block 0 takes the whole sequence and keeps this rank's tokens, the
 epilogue gathers them; a probing request's measure is reduced over the ranks (step_cache.py).
 """

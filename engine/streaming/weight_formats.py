@@ -22,7 +22,9 @@ the store to decode it, and neither it nor the model knows which format is in us
 `make_store(tensors, pinned, weights)` builds the store for a block; `EncodedBlockStore` is the
 coded one. Its `payload` is what one copy moves; `decode(staging, out)` queues the decode on the
 current stream, reading the payload's device copy in `staging` and writing the block's flat
-layout into `out` (a slot).
+layout into `out` (a slot). Over several devices one process encodes each block once and moves
+the payload into shared memory (`share`, a `SharedPayload`); every rank `attach`es a store to it
+and decodes into its own slots: one coded copy per host.
 
 Caution: a coded store is read-only between fills (`tensors()` raises): fine-tuning, which
 writes updated weights into the host store every step, needs `raw`. `fill` decodes, overwrites
@@ -40,8 +42,9 @@ from typing import Any
 
 import torch
 
-from ..kernels.dfloat import dfloat_decode
-from ..kernels.dfloat_reference import dfloat_encode
+from ...kernels.dfloat import dfloat_decode
+from ...kernels.dfloat_reference import dfloat_encode
+from ..placement import WEIGHT_FORMATS
 from .host_store import (
     ALIGN_BYTES,
     BoundTensor,
@@ -52,7 +55,6 @@ from .host_store import (
     pin_exact,
     unpin,
 )
-from .placement import WEIGHT_FORMATS
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -285,6 +287,18 @@ def codec(name: str) -> WeightCodec | None:
         ) from None
 
 
+@dataclasses.dataclass(frozen=True)
+class SharedPayload:
+    """A coded block's host store as another process can adopt it (`EncodedBlockStore.attach`):
+    its payload in shared memory and what decoding it needs (pickled, the payload travels as a
+    handle, the rest as small host-side metadata)."""
+
+    weights: str  # the codec's name
+    payload: torch.Tensor  # flat uint8, in shared memory
+    parts: tuple[Part, ...]
+    meta: Any
+
+
 def _placeholder(entry: TensorEntry) -> torch.Tensor:
     """What a released tensor of a coded block points at: its shape and dtype, no memory
     (stride 0), NaN where the dtype has one, so a stray use outside the block's load shows."""
@@ -334,9 +348,41 @@ class EncodedBlockStore:
             _repoint_placeholder(bound.tensor, view)
         return store
 
+    @classmethod
+    def attach(
+        cls, tensors: Sequence[BoundTensor], shared: SharedPayload, pinned: bool = False
+    ) -> EncodedBlockStore:
+        """A store over `shared`, a coded payload another process encoded from `tensors`' block
+        (`share`), with the tensors pointed at placeholders: nothing is encoded or copied."""
+        entries, nbytes = pack(tensors)
+        store = cls(entries, nbytes, codec(shared.weights), pinned)
+        store._adopt_payload(shared.payload, shared.parts, shared.meta)
+        for bound, view in zip(tensors, store.views):
+            _repoint_placeholder(bound.tensor, view)
+        return store
+
+    def share(self) -> SharedPayload:
+        """This store's payload moved into shared memory (in place: the store keeps using it),
+        for processes this one spawns to `attach`; ValueError for a store never filled."""
+        if not self.filled or self._pending is not None:
+            raise ValueError("a coded store is shared once its block is filled")
+        # `share_memory_` moves the storage in place; a pinned payload would lose its pinning.
+        if self.pinned:
+            raise ValueError("share a coded store before pinning it (open it on the CPU)")
+        return SharedPayload(self.codec.name, self.payload.share_memory_(), self.parts, self.meta)
+
     @property
     def payload_nbytes(self) -> int:
         return self.payload.numel()
+
+    def _adopt_payload(self, payload: torch.Tensor, parts: Sequence[Part], meta: Any) -> None:
+        """Make `payload` (encoded as `parts` and `meta` say) the store's, pinned if asked."""
+        self.close()
+        if self.pinned:
+            pin_exact(payload)
+            self._finalizer = weakref.finalize(self, unpin, payload.data_ptr(), payload.numel())
+            self._finalizer.atexit = False  # at exit the driver unpins; the context may be gone
+        self.payload, self.parts, self.meta, self.filled = payload, tuple(parts), meta, True
 
     def _encode(self, raw: torch.Tensor, stored: Mapping[int, Fp8Weight] = {}) -> None:  # noqa: B006
         tensors, meta = self.codec.encode(raw, self.entries, stored)
@@ -345,15 +391,10 @@ class EncodedBlockStore:
             offset = _round_up(cursor, ALIGN_BYTES)
             parts.append(Part(offset, t.dtype, t.numel()))
             cursor = offset + t.numel() * t.element_size()
-        self.close()
         payload = torch.empty(_round_up(cursor, ALIGN_BYTES), dtype=torch.uint8)
         for part, t in zip(parts, tensors):
             part.view(payload).copy_(t.reshape(-1))
-        if self.pinned:
-            pin_exact(payload)
-            self._finalizer = weakref.finalize(self, unpin, payload.data_ptr(), payload.numel())
-            self._finalizer.atexit = False  # at exit the driver unpins; the context may be gone
-        self.payload, self.parts, self.meta, self.filled = payload, tuple(parts), meta, True
+        self._adopt_payload(payload, parts, meta)
 
     def after_copy(self, ordering) -> None:
         """The copy from `payload` has been queued (nothing to do: the payload is the store's)."""

@@ -52,6 +52,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..placement import Placement
 from .disk_store import DEFAULT_RING_DEPTH, DiskBlockStore, make_disk_stores
 from .host_store import (
     BoundTensor,
@@ -65,8 +66,7 @@ from .host_store import (
     repoint,
 )
 from .ordering import Ordering, make_ordering
-from .placement import Placement
-from .weight_formats import EncodedBlockStore, make_store
+from .weight_formats import EncodedBlockStore, SharedPayload, make_store
 
 __all__ = ["ResidencyPlan", "StreamHandle", "plan_residency", "stream_module"]
 
@@ -433,6 +433,28 @@ class StreamHandle:
             raise ValueError("host buffers are raw stores of streamed blocks: no resident blocks")
         return [b.store.buffer for b in self._blocks]
 
+    def share_blocks(self) -> list[torch.Tensor | SharedPayload]:
+        """Every block's host copy moved into shared memory (in place: this handle keeps using
+        it), in block order, for `stream_module(host_buffers=...)` in processes this one spawns:
+        a raw store's buffer, a resident block's flat buffer (the handle must be on the CPU) or
+        a coded store's `SharedPayload`. ValueError on the disk tier (the blocks are in files)."""
+        self._check_open()
+        if self.host_tier == "disk":
+            raise ValueError(
+                "the disk tier keeps the blocks in the model's files: nothing to share"
+            )
+        if any(b.resident for b in self._blocks) and self.device.type != "cpu":
+            raise ValueError("resident blocks are shared from a handle on the CPU")
+        shared = []
+        for b in self._blocks:
+            if b.resident:
+                shared.append(b.device_flat.share_memory_())  # moved in place: views follow
+            elif b.store.encoded:
+                shared.append(b.store.share())
+            else:
+                shared.append(b.store.buffer.share_memory_())
+        return shared
+
     def non_block_tensors(self) -> dict[str, torch.Tensor]:
         """The streamed module's tensors outside its blocks, by every name they go by."""
         return {n: t.tensor for t in self._non_block for n in t.names}
@@ -756,7 +778,7 @@ def stream_module(
     activation_reserve_bytes: int = 0,
     ordering: Ordering | None = None,
     weights: str = "raw",
-    host_buffers: Sequence[torch.Tensor] | None = None,
+    host_buffers: Sequence[torch.Tensor | SharedPayload] | None = None,
     host_tier: str = "ram",
     ring_depth: int = DEFAULT_RING_DEPTH,
     disk_io: str = "buffered",
@@ -778,9 +800,12 @@ def stream_module(
     where each tensor lies (a `SafetensorsFile` or path), and a reader thread reads the next blocks
     into a ring of `ring_depth` host buffers (disk_store.py; `disk_io`: "buffered" through the page
     cache or "direct", O_DIRECT where the filesystem takes it); raw weights only. `host_buffers`
-    (raw format, RAM tier) are the blocks' host stores, one flat uint8 buffer per block already
-    holding its weights (shared memory another process filled): they are used as they are, so
-    several processes stream from one copy; their blocks count as filled.
+    (RAM tier) are the blocks' host copies, one per block already holding its weights (shared
+    memory another process filled, `StreamHandle.share_blocks`): a flat uint8 buffer for a
+    block kept raw or resident, a `SharedPayload` for a block streamed in a coded `weights`
+    format. They are used as they are, so several processes stream from one copy; their blocks
+    count as filled. The residency plan must keep the blocks the other process kept (the same
+    budget and prefetch) where the format makes them differ.
     """
     loose = dict(
         gpu_budget_bytes=gpu_budget_bytes,
@@ -883,12 +908,10 @@ _LOOSE_DEFAULTS = {
 
 
 def _check_host_buffers(
-    host_buffers: Sequence[torch.Tensor], blocks: list[nn.Module], placement: Placement
+    host_buffers: Sequence[torch.Tensor | SharedPayload],
+    blocks: list[nn.Module],
+    placement: Placement,
 ) -> None:
-    if placement.weights != "raw":
-        raise ValueError(
-            f"host_buffers hold raw blocks: weights={placement.weights!r} does not apply"
-        )
     if len(host_buffers) != len(blocks):
         raise ValueError(f"{len(host_buffers)} host buffers for {len(blocks)} blocks")
     if placement.host_tier != "ram":
@@ -957,11 +980,14 @@ def _place_block(
     `placement.weights`' format, on disk with the disk tier, or the shared `buffer` given)."""
     rec.missing = {k for k, t in enumerate(rec.tensors) if t.tensor.is_meta}
     if buffer is not None:  # it holds the block's weights already (shared memory)
+        _check_shared_block(rec, placement, buffer)
         rec.missing = set()
         if rec.resident:
             rec.device_flat = buffer.to(device, copy=True)
             for bound, entry in zip(rec.tensors, rec.entries):
                 repoint(bound.tensor, entry.view(rec.device_flat))
+        elif isinstance(buffer, SharedPayload):
+            rec.store = EncodedBlockStore.attach(rec.tensors, buffer, pinned)
         else:
             rec.store = HostBlockStore.attach(rec.tensors, buffer, pinned)
     elif rec.resident:  # one flat device buffer per resident block, exactly as planned
@@ -971,6 +997,23 @@ def _place_block(
         rec.store = disk_stores[rec.index]
     else:  # block by block, so the host holds at most one block twice at a time
         rec.store = make_store(rec.tensors, pinned, placement.weights)
+
+
+def _check_shared_block(
+    rec: _Block, placement: Placement, buffer: torch.Tensor | SharedPayload
+) -> None:
+    """ValueError unless `buffer` is block `rec`'s host copy as this placement keeps it: raw
+    bytes for a resident block or the raw format, else a payload in `placement.weights`."""
+    coded = isinstance(buffer, SharedPayload)
+    want = "raw" if rec.resident else placement.weights
+    have = buffer.weights if coded else "raw"
+    if have != want:
+        kept = "resident" if rec.resident else "streamed"
+        raise ValueError(
+            f"block {rec.index} ({rec.name}) is shared as {have} weights, and this placement "
+            f"keeps it {kept} as {want}: share the weights with the placement the blocks stream "
+            "by (the same weights, gpu_budget_bytes and prefetch)"
+        )
 
 
 def _open_slots(handle: StreamHandle, plan: ResidencyPlan, ordering: Ordering) -> None:

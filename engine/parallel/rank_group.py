@@ -1,9 +1,10 @@
 """A model held open on several devices: a process per device, driven step by step.
 
 `RankGroup(info, ["cuda:0", "cuda:1"])` starts the ranks once, has each open the model from one
-shared host copy of the weights (multidevice.py) and apply sequence parallelism, and keeps them
-waiting for commands: a server samples video after video on it, and `generate_on_devices` drives
-one video on it and closes it. Its `prepare_batch`, `denoise_step`
+shared host copy of the weights (multidevice.py; in the placement's format and tier) and apply
+sequence parallelism, and keeps them waiting for commands: a server samples video after video on
+it, and `generate_on_devices` drives one video on it and closes it; `stats()` gathers each rank's
+streamer accounting. Its `prepare_batch`, `denoise_step`
 and `finish_batch` are a `Pipeline`'s step-wise interface: each sends the same command to every
 rank, every rank runs it on its own copy of the states (collectives pair up by call order, so
 all ranks see the same calls in the same order), and this process keeps a `RankState` per state
@@ -45,12 +46,14 @@ from pathlib import Path
 
 import torch
 
-from .family import family
-from .host_store import SharedWeights
-from .interfaces import VideoModel
-from .loader import load_adapter, resolve_dtype, share_weights
-from .lora import Adapter, AdapterError
-from .placement import Placement
+from ..family import family
+from ..interfaces import VideoModel
+from ..loader import load_adapter, resolve_dtype, share_weights
+from ..lora import Adapter, AdapterError
+from ..placement import Placement
+from ..request import RequestError, ResolvedVideo
+from ..sources import ModelInfo
+from ..streaming.host_store import SharedWeights
 from .ranks import (
     STOP_GRACE_S,
     RankFailed,
@@ -61,8 +64,6 @@ from .ranks import (
     ranks_placement,
     stop_ranks,
 )
-from .request import RequestError, ResolvedVideo
-from .sources import ModelInfo
 
 
 class RanksDown(RuntimeError):
@@ -122,7 +123,9 @@ class RankGroup(VideoModel):
             cpu = self.devices[0] == "cpu"
             threads = max(1, (os.cpu_count() or 1) // world) if cpu else 1
         self.prefetch, self.threads = self.placement.prefetch, threads
-        self._shared = share_weights(info, self.dtype)  # held for restarts
+        # One copy for the host, in the placement's format and tier ("auto" resolved here, once);
+        # held for restarts.
+        self._shared = share_weights(info, self.dtype, placement=self.placement)
         self._tmp = tempfile.TemporaryDirectory(prefix="megaslide-ranks-")
         self._procs: list = []
         self._conns: list[Connection] = []
@@ -215,6 +218,14 @@ class RankGroup(VideoModel):
     def adapter_defaults(self) -> dict[str, dict]:
         """Registered adapters by name, each with the sampling defaults it carries."""
         return {n: dict(a.defaults) for n, a in self._adapters.items()}
+
+    def stats(self) -> list[dict[str, dict]]:
+        """Each rank's streamer accounting (`Pipeline.stats()`: by streamed component, with
+        per-block copy and compute times when the placement has `timing`), rank order. Timing
+        figures wait for each rank's queued work, as on one device."""
+        if not self._procs:
+            raise RuntimeError(f"the ranks of {self.name} are not running")
+        return self._call("stats")
 
     def close(self) -> None:
         """Stop the ranks (they leave their group) and free the shared weights."""
@@ -376,8 +387,8 @@ def _rank_main(rank: int, spec: _Spec, conn: Connection) -> None:
     the commands it is sent until told to close (or this end of the pipe closes)."""
     import torch.distributed as dist
 
-    from .loader import open_pipeline
-    from .parallel import SequenceGroup
+    from ..loader import open_pipeline
+    from .sequence import SequenceGroup
 
     states: dict[int, object] = {}
     try:
@@ -412,6 +423,8 @@ def _rank_main(rank: int, spec: _Spec, conn: Connection) -> None:
                 chosen = [states[k] for k in args[0]]
                 transfers = pipe.denoise_step(chosen)
                 answer = (transfers, [_counters(s) for s in chosen])
+            elif command == "stats":
+                answer = pipe.stats()
             elif command == "finish":
                 # The decoder is not split: rank 0 alone decodes, the others hold no frames.
                 answer = pipe.finish_batch([states[k] for k in args[0]]) if rank == 0 else None

@@ -19,15 +19,15 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from .config import TIME_SAMPLING
-from .placement import Placement
+from ..native.config import TIME_SAMPLING
+from ..placement import Placement
 
 LR_SCHEDULES = ("constant", "cosine")
 
 
 @dataclass(frozen=True)
 class OptimizerSpec:
-    """AdamW (torch.optim.AdamW's algorithm, engine/optim.py) on the fp32 masters."""
+    """AdamW (torch.optim.AdamW's algorithm, engine/training/optim.py) on the fp32 masters."""
 
     lr: float = 1e-4  # the peak rate; the schedule scales it
     betas: tuple[float, float] = (0.9, 0.999)
@@ -87,7 +87,7 @@ class RuntimeSpec:
     offload: str = "none"  # OFFLOADS: "stream" keeps the blocks in host RAM, streamed
     # Data parallel over these devices ("cpu", "cpu" or "cuda:0", "cuda:1"), a process each, in
     # place of `device`: the batch is split over them, one optimizer updates one master in host
-    # RAM (data_parallel.py). Needs offload "stream" and a batch the devices divide.
+    # RAM (parallel/data_parallel.py). Needs offload "stream" and a batch the devices divide.
     devices: tuple[str, ...] | None = None
     timing: bool = False  # streamer timings for stats and traces
     cache_mb: int = 1024  # decoded training clips kept in RAM (a small dataset decodes once)

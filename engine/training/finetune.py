@@ -16,7 +16,7 @@ Resuming from a checkpoint continues exactly: a run killed after step k and resu
 bitwise the weights of an uninterrupted run (same machine, CPU), because the masters, the moments,
 the noise generator and the data position are all restored.
 
-A run over several devices (`runtime.devices`) is launched by data_parallel.py: a `Trainer` per
+A run over several devices (`runtime.devices`) is launched by parallel/data_parallel.py: a `Trainer` per
 rank, each given its `DataParallel` place; rank 0 alone holds the optimizer and writes metrics,
 checkpoints and exports.
 """
@@ -35,13 +35,13 @@ from pathlib import Path
 
 import torch
 
-from .atomic import atomic_directory, remove_stale
+from ..atomic import atomic_directory, remove_stale
+from ..family import TrainingShape, family
+from ..interfaces import TrainingRun
+from ..loader import as_source, open_model
+from ..sources import ModelInfo, ModelSource, describe
 from .blockwise import BlockwiseStep, DataParallel, StepConfig, master_state_dicts
-from .family import TrainingShape, family
 from .finetune_spec import FinetuneSpec
-from .interfaces import TrainingRun
-from .loader import as_source, open_model
-from .sources import ModelInfo, ModelSource, describe
 
 CHECKPOINTS = "checkpoints"
 METRICS = "metrics.jsonl"

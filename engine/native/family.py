@@ -16,24 +16,24 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..family import Component, Family, TrainingShape
+from ..parallel.sequence import SequenceGroup, check_shardable, parallelize_dit
+from ..request import ResolvedVideo
+from ..sampling.flow import EulerSampler, SampleState, shifted_schedule
+from ..sampling.loop import sample_step
+from ..sampling.pipeline import Pipeline, decode_chunks, distinct
+from ..sampling.step_cache import StepCache
+from ..sources import ModelInfo
+from ..streaming.host_store import SafetensorsFile
+from ..streaming.streamer import StreamHandle
+from ..training.data import BackgroundLoader, Batch, VideoDataset, validate_dataset
+from ..training.model import TrainingData, TrainingModel
+from ..video import float_to_frames
 from .autoencoder import build_autoencoder, check_autoencoder
 from .checkpoint import MODEL_FILE, TEXT_FILE, save_model
 from .config import DiTConfig
-from .data import BackgroundLoader, Batch, VideoDataset, validate_dataset
 from .dit import BlockInputs, VideoDiT, pop_aux_losses
-from .family import Component, Family, TrainingShape
-from .flow import EulerSampler, SampleState, shifted_schedule
-from .host_store import SafetensorsFile
-from .parallel import SequenceGroup, check_shardable, parallelize_dit
-from .pipeline import Pipeline, decode_chunks, distinct
-from .request import ResolvedVideo
-from .sampling import sample_step
-from .sources import ModelInfo
-from .step_cache import StepCache
-from .streaming import StreamHandle
 from .text import BuiltinTextEncoder
-from .training import TrainingData, TrainingModel
-from .video import float_to_frames
 
 
 class MegaSlideFamily(Family):

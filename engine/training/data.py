@@ -39,7 +39,7 @@ from pathlib import Path, PurePosixPath, PureWindowsPath
 import numpy as np
 import torch
 
-from .video import decode_frames, frames_to_float, read_video
+from ..video import decode_frames, frames_to_float, read_video
 
 METADATA = "metadata.jsonl"
 COPY_CHUNK = 1 << 20  # how much of an overlong metadata line is read at a time, to skip it

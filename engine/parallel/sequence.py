@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .config import DiTConfig
+from ..native.config import DiTConfig
 
 
 @dataclass(frozen=True)
@@ -122,7 +122,7 @@ def parallelize_dit(dit: nn.Module, sp: SequenceGroup) -> nn.Module:
 
     Apply it after the weights are placed (streamed or resident): only bound methods change.
     """
-    from .dit import SelfAttention
+    from ..native.dit import SelfAttention
 
     config: DiTConfig = dit.config
 

@@ -163,7 +163,7 @@ def write_dataset(
     backgrounds=tuple(BACKGROUNDS),
 ) -> Path:
     """Write `count` clips and their captions in the fine-tuning dataset layout (metadata.jsonl + MP4s)."""
-    from .video import write_mp4
+    from ..video import write_mp4
 
     root = Path(root)
     (root / "clips").mkdir(parents=True, exist_ok=True)

@@ -5,7 +5,7 @@ The step never holds the whole model's gradients, or (when streamed) its weights
 1. Forward, no autograd inside the blocks: the prologue (text encoder, embeddings) runs with
    autograd; each block is loaded, run, and released, and only its input is kept (block-boundary
    activation checkpointing). What the model is comes from its family, as a `TrainingModel`
-   (training.py): the step knows prologue, blocks and epilogue, never the maths inside.
+   (model.py): the step knows prologue, blocks and epilogue, never the maths inside.
 2. The epilogue and the loss run with autograd, giving the gradient at the last block's output.
 3. Backward, blocks in reverse: load block i, recompute its forward from the saved input with
    autograd, backpropagate the incoming gradient, and hand block i's parameter gradients to the
@@ -20,7 +20,7 @@ master of each block; on CUDA the compute happens under bf16 autocast, so the bf
 the fly on the device and no host copy in the compute dtype exists (12 B/param on the host with m
 and v). With `offload="none"` the blocks stay on the device and masters are separate host copies.
 
-Data parallel (`DataParallel`, launched by data_parallel.py): every rank runs the step above on its
+Data parallel (`DataParallel`, launched by parallel/data_parallel.py): every rank runs the step above on its
 rows of the batch, with the same noise and flow times one process would draw for them. Each
 block's gradients are summed onto rank 0 (`torch.distributed.reduce`) as soon as the block's
 backward is done and divided by the ranks there: the mean of equal shares' mean losses is the
@@ -43,13 +43,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..sampling.flow import noisy_sample, sample_training_times, velocity_target
+from ..streaming.host_store import SharedWeights
+from ..streaming.ordering import Ordering, make_ordering
+from ..streaming.streamer import StreamHandle
 from .finetune_spec import OptimizerSpec
-from .flow import noisy_sample, sample_training_times, velocity_target
-from .host_store import SharedWeights
+from .model import TrainingModel
 from .optim import CPUAdamW
-from .ordering import Ordering, make_ordering
-from .streaming import StreamHandle
-from .training import TrainingModel
 
 NON_BLOCK = "non_block"  # optimizer block id of everything outside the blocks
 

@@ -4,10 +4,11 @@
 per device with `torch.multiprocessing` (no torchrun; forkserver, so no CUDA state is forked),
 joins them into a `torch.distributed` group (NCCL on CUDA, gloo on the CPU; rendezvous through a
 file), and has each open the model, apply sequence parallelism (`Pipeline.parallelize`, see
-parallel.py) and sample the same request. Every rank holds the full latents and ends with the
+sequence.py) and sample the same request. Every rank holds the full latents and ends with the
 same latents; rank 0 decodes them. The ranks are a `RankGroup` (rank_group.py), started for this
 one video and closed after it: the server's model on several devices is the same group kept up,
-so one piece of code drives ranks.
+so one piece of code drives ranks, and every lever of a request (LoRA adapters, a first-frame
+image, a step cache) runs here as it runs there.
 
 Weights: this process fills the streamed blocks' host buffers once, in shared memory
 (`loader.share_weights`), and every rank streams from those same pages (`open_pipeline(shared=)`):
@@ -15,6 +16,11 @@ one copy of the blocks per host, not one per rank. Tensors outside the blocks (e
 final layer, an unstreamed text encoder) are small and each rank copies them to its device. On
 CUDA each rank page-locks the shared buffers for its own context (`cudaHostRegister` of the same
 physical pages: locked once in RAM, registered once per process), so its copies run as DMA.
+The placement's levers apply as on one device: a coded format (`weights`) is encoded once here
+and each rank decodes the shared payloads into its own slots; a budget keeps the same blocks
+resident on every device (shared raw); on the disk tier each rank reads the blocks from the files
+itself (the page cache is the host's one copy); "auto" is resolved here, once for the host; with
+`timing` each rank's streamer stats come back (`stats=`).
 
 A rank that fails (an exception, a signal, an exit) fails the job: the other ranks are stopped and
 `RankFailed` names the rank and its device (ranks.py: the process machinery, shared with
@@ -29,13 +35,13 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from .family import family
-from .lora import Adapter
-from .placement import Placement
+from ..family import family
+from ..lora import Adapter
+from ..placement import Placement
+from ..request import ResolvedVideo
+from ..sources import ModelInfo
 from .rank_group import RankGroup
 from .ranks import RankFailed, parse_devices, ranks_placement
-from .request import ResolvedVideo
-from .sources import ModelInfo
 
 __all__ = ["RankFailed", "generate_on_devices", "parse_devices"]
 
@@ -53,6 +59,7 @@ def generate_on_devices(
     timeout_s: float | None = None,
     progress: Callable[[int, int], None] | None = None,
     on_spawn: Callable[[list[int]], None] | None = None,
+    stats: Callable[[list[dict]], None] | None = None,
 ) -> np.ndarray:
     """Sample one clip of `video` with its tokens split over `devices`: uint8 `(F, H, W, 3)`.
 
@@ -62,8 +69,10 @@ def generate_on_devices(
     rank before sampling, for the ones `video.loras` names. `output`: the MP4 is also written
     there. `threads`: CPU threads per rank (default: this machine's cores shared out).
     `progress(step, total)` is called here after each step; `on_spawn(pids)` once the ranks have
-    started. ValueError before anything starts if the video cannot be split over the devices;
-    RankFailed if a rank fails; TimeoutError (every rank stopped) after `timeout_s`.
+    started; `stats(per_rank)` once sampled, with each rank's `Pipeline.stats()` in rank order
+    (its streamers' timings with `timing`). ValueError before anything starts if the video cannot
+    be split over the devices; RankFailed if a rank fails; TimeoutError (every rank stopped)
+    after `timeout_s`.
     """
     placement = ranks_placement(devices, prefetch)
     world = len(placement.devices)
@@ -79,11 +88,13 @@ def generate_on_devices(
             group.denoise_step([state])
             if progress is not None:
                 progress(state.step, state.num_steps)
+        if stats is not None:
+            stats(group.stats())
         (frames,) = group.finish_batch([state])
     finally:
         group.close()
     if output is not None:
-        from .video import write_mp4
+        from ..video import write_mp4
 
         write_mp4(output, frames, fps=video.fps)
     return frames

@@ -4,7 +4,7 @@ Between neighbouring denoising steps a video DiT's output changes little over lo
 the schedule, so a step can reuse the output of an earlier one. For a streamed model a skipped
 pass is worth more than elsewhere: it skips the compute *and* the whole transfer of the weights.
 
-A cache sits in the sampler loop (sampling.py, shared by every family), one per request:
+A cache sits in the sampler loop (loop.py, shared by every family), one per request:
 before each step the sampler asks `StepCache.reuse(step, t, t_next)`; a request that reuses takes
 `StepCache.output()` as its model output and its rows stay out of the pass; a request that
 computes joins the pass and hands its output to `StepCache.record`. When every request of a step
@@ -66,7 +66,7 @@ Policies (`threshold` 0 never reuses; larger reuses more):
   inside the pass (`StepCache.reuse_probed`): the sampler cuts the forward after block 0. For a
   streamed model a reuse step moves block 0's weights and no others.
 
-Several devices (sequence parallel, parallel.py). Every rank holds the whole latents and, after
+Several devices (sequence parallel, parallel/sequence.py). Every rank holds the whole latents and, after
 the gather before the epilogue, the whole outputs, exactly equal on every rank: the policies that
 decide from them decide alike on every rank, and the forecasts are element-wise. Only block 0's
 residual is each rank's own shard of the tokens, so the first-block policy reduces its measure
@@ -104,7 +104,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .request import CACHE_FORECASTS, CACHE_POLICIES, CacheSpec
+from ..request import CACHE_FORECASTS, CACHE_POLICIES, CacheSpec
 
 
 def relative_l1(a: torch.Tensor, b: torch.Tensor, sp=None) -> float:

@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..initialization import init_module
 from .config import TextEncoderConfig
-from .initialization import init_module
 from .tokens import TOKEN_UNITS, token_ids
 
 

@@ -11,7 +11,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from .initialization import seeded
+from ..initialization import seeded
 
 
 class Autoencoder(ABC):
