@@ -390,7 +390,10 @@ class AdapterRouter:
     def _attach(self) -> None:
         for targets in self.targets:
             for name, layer in targets.items():
-                self._hooks.append(layer.register_forward_hook(self._hook(name)))
+                # First of the layer's forward hooks: the delta belongs to the layer's own
+                # output (under sequence parallel, before the gather after Wan's `proj_out`).
+                hook = layer.register_forward_hook(self._hook(name), prepend=True)
+                self._hooks.append(hook)
 
     def detach(self) -> None:
         for h in self._hooks:

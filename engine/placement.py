@@ -205,21 +205,3 @@ RULES: tuple[Rule, ...] = (
         lasting=False,
     ),
 )
-
-# What a request or a server may ask for that sampling on several devices does not run yet, and
-# why: the front ends refuse it up front (`refuse_on_devices`), the ranks never see it.
-NOT_ON_DEVICES = {
-    "loras": "LoRA adapters are not applied on several devices yet",
-    "image": "first-frame (image) conditioning is not split over several devices yet",
-    "cache": "step caches do not run on several devices yet",
-}
-
-
-def refuse_on_devices(placement: Placement, **levers: bool) -> None:
-    """PlacementError naming the first lever in use (`loras=True`, `image=...`, `cache=...`)
-    that several devices do not run yet; nothing on one device."""
-    if placement.devices is None:
-        return
-    for lever, used in levers.items():
-        if used:
-            raise PlacementError(NOT_ON_DEVICES[lever])

@@ -13,7 +13,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from sqlalchemy import make_url
 
-from megaslide.engine.placement import Placement, refuse_on_devices
+from megaslide.engine.placement import Placement
 from megaslide.engine.training.finetune_spec import OptimizerSpec, RunSpec
 
 DEFAULT_CRASH_LIMIT = 3  # a job whose worker died under it this many times fails
@@ -258,8 +258,7 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _placement_rules(self):
-        placement = self.placement.validate()
-        refuse_on_devices(placement, loras=bool(self.loras))
+        self.placement.validate()
         return self
 
     @field_validator("models", "api_keys", "loras", "transformers", "devices", mode="before")

@@ -115,10 +115,6 @@ class TorchBackend(Backend):
     def device_name(self) -> str:
         return ",".join(self.devices) if self.devices else str(self.device)
 
-    @property
-    def takes_adapters(self) -> bool:
-        return not self.devices
-
     # --- models ------------------------------------------------------------------------------
 
     def cards(self) -> list[ModelCard]:
@@ -133,13 +129,14 @@ class TorchBackend(Backend):
         if self.devices:
             # The ranks stay up, the model open in each, until the group is closed or dropped.
             placement = self.placement.replace(devices=tuple(self.devices))
-            return RankGroup(
+            model = RankGroup(
                 info, placement, dtype=self.dtype, threads=self.settings.engine_threads
             )
-        pipe = open_pipeline(info, self.placement.on(str(self.device)), dtype=self.dtype)
-        for adapter in self._adapters.get(card.name, ()):
-            pipe.register_adapter(adapter)
-        return pipe
+        else:
+            model = open_pipeline(info, self.placement.on(str(self.device)), dtype=self.dtype)
+        for adapter in self._adapters.get(card.name, ()):  # on every rank of a RankGroup
+            model.register_adapter(adapter)
+        return model
 
     def add_adapter(self, card: ModelCard, model, name: str, path: Path) -> dict:
         from megaslide.engine.loader import load_adapter

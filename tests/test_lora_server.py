@@ -115,6 +115,35 @@ def test_a_bad_adapter_is_refused_at_start_naming_the_key(served, tmp_path):
         TorchBackend(settings)
 
 
+def test_a_server_on_several_devices_registers_its_adapters_on_every_rank(
+    served, tmp_path, monkeypatch
+):
+    """`--lora` with `--devices`: taken, and registered on the model's rank group as it loads
+    (tests/test_parallel_levers.py runs an adapter on real ranks)."""
+    from megaslide.server import torch_backend
+
+    class Group:  # records what the backend registers; starts no process
+        def __init__(self, info, placement, **kwargs):
+            self.placement, self.registered = placement, []
+
+        def register_adapter(self, adapter, *, replace=False):
+            self.registered.append(adapter.name)
+
+    monkeypatch.setattr(torch_backend, "RankGroup", Group)
+    settings = Settings(
+        data_dir=tmp_path / "data",
+        models=[f"wan={served['model']}"],
+        loras=[f"style={served['adapter']}"],
+        devices=["cpu", "cpu"],
+    )
+    backend = torch_backend.TorchBackend(settings)
+    assert backend.takes_adapters
+    (card,) = backend.cards()
+    assert [a["name"] for a in card.adapters] == ["style"]
+    group = backend.load(card)
+    assert group.registered == ["style"] and group.placement.devices == ("cpu", "cpu")
+
+
 def test_cli_generate_with_a_lora(served, tmp_path):
     from megaslide.cli.main import main
 
@@ -130,6 +159,20 @@ def test_cli_generate_with_a_lora(served, tmp_path):
     wrong = write_peft(tmp_path / "deep.safetensors", blocks=3)
     assert main([*args, "-o", str(tmp_path / "x.mp4"), "--lora", f"deep={wrong}"]) == 2
     assert not (tmp_path / "x.mp4").exists()
+
+
+@pytest.mark.slow
+def test_cli_generate_with_a_lora_on_two_devices_writes_one_process_mp4(served, tmp_path):
+    """`--lora` with `--devices`: each rank registers the adapter; one video split over two gloo
+    processes encodes to the very bytes of one process's (tests/test_parallel_levers.py)."""
+    from megaslide.cli.main import main
+
+    args = ["generate", "a red circle", "--model", str(served["model"]), "--no-progress"]
+    args += ["--lora", f"style={served['adapter']}", "--lora-scale", "style=0.9"]
+    one, split = tmp_path / "one.mp4", tmp_path / "split.mp4"
+    assert main([*args, "-o", str(one)]) == 0
+    assert main([*args, "-o", str(split), "--devices", "cpu,cpu"]) == 0
+    assert split.read_bytes() == one.read_bytes()
 
 
 def test_cli_remote_generate_names_a_registered_adapter(served, tmp_path, capsys):

@@ -117,11 +117,11 @@ def test_a_rank_whose_peer_died_names_the_dead_rank_not_itself():
 
 @pytest.mark.slow
 def test_a_rank_that_raises_fails_the_job_with_its_error(monkeypatch):
-    from megaslide.engine.parallel import multidevice
+    from megaslide.engine.parallel import rank_group
 
     info, video = tiny()
     # Weights the ranks cannot open from: each raises (not hangs) while opening the model.
-    monkeypatch.setattr(multidevice, "share_weights", lambda *a, **kw: SharedWeights({}, {}))
+    monkeypatch.setattr(rank_group, "share_weights", lambda *a, **kw: SharedWeights({}, {}))
     with pytest.raises(RankFailed, match=r"rank \d \(cpu\) failed: ValueError: .*lack component"):
         generate_on_devices(info, video, ["cpu", "cpu"], timeout_s=TIMEOUT_S)
 
@@ -172,7 +172,7 @@ def test_cli_generate_on_two_cpu_processes_writes_the_same_mp4(tmp_path, capsys)
     from megaslide.cli.main import main
 
     flags = ["a red circle", "--preset", "tiny", "--frames", "4", "--size", "16x16"]
-    flags += ["--steps", "2", "--no-progress"]
+    flags += ["--steps", "2", "--no-progress", "--cache", "first-block:1"]  # a cache: taken
     one, split = tmp_path / "one.mp4", tmp_path / "split.mp4"
     assert main(["generate", *flags, "-o", str(one)]) == 0
     assert main(["generate", *flags, "-o", str(split), "--devices", "cpu,cpu"]) == 0

@@ -6,12 +6,7 @@ import torch
 from megaslide.cli.args import in_flag_words
 from megaslide.engine.loader import open_pipeline
 from megaslide.engine.parallel.ranks import ranks_placement
-from megaslide.engine.placement import (
-    RULES,
-    Placement,
-    PlacementError,
-    refuse_on_devices,
-)
+from megaslide.engine.placement import RULES, Placement, PlacementError
 from megaslide.engine.planner import Machine, Workload, plan
 from megaslide.engine.sources import describe, resolve_source
 from megaslide.engine.streaming.streamer import stream_module
@@ -99,13 +94,6 @@ def test_fields_travel_as_keywords_or_whole():
     assert rank.validate() and Placement(host_tier="auto").on("cpu").host_tier == "auto"
 
 
-def test_levers_several_devices_lack_are_refused_by_name():
-    refuse_on_devices(STREAM, loras=True, image=True, cache=True)  # one device: all of them run
-    refuse_on_devices(TWO, loras=False, image=False)
-    with pytest.raises(PlacementError, match="step caches do not run on several devices"):
-        refuse_on_devices(TWO, loras=False, cache=True)
-
-
 def test_a_pipeline_opened_by_placement_is_the_one_opened_by_keywords():
     info = describe(resolve_source(preset="tiny"))
     whole = open_pipeline(info, STREAM.replace(prefetch=3, timing=True))
@@ -136,8 +124,9 @@ def test_settings_and_fine_tunes_are_built_from_the_spec(tmp_path):
         Settings(data_dir=tmp_path, host_tier="disk")
     s = Settings(data_dir=tmp_path, offload="stream", host_tier="disk", disk_io="direct")
     assert s.placement.disk_io == "direct" and s.placement.host_tier == "disk"
-    with pytest.raises(ValueError, match="LoRA adapters are not applied on several devices"):
-        Settings(data_dir=tmp_path, devices=["cpu", "cpu"], loras=["a=b.safetensors"])
+    # Adapters given at start run on several devices too (each rank registers them).
+    s = Settings(data_dir=tmp_path, devices=["cpu", "cpu"], loras=["a=b.safetensors"])
+    assert s.loras == ["a=b.safetensors"] and s.placement.devices == ("cpu", "cpu")
     runtime = RuntimeSpec(devices=("cpu", "cpu"), offload="stream", timing=True)
     assert runtime.placement == TWO.replace(timing=True)
     s = Settings(data_dir=tmp_path, devices=["cpu", "cpu"], weights="fp8", gpu_budget=10)

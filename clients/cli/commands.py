@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from megaslide.engine.native.config import TIME_SAMPLING
-from megaslide.engine.placement import DISK_IO, Placement, refuse_on_devices
+from megaslide.engine.placement import DISK_IO, Placement
 from megaslide.engine.training.finetune_spec import (
     LR_SCHEDULES,
     ClipSpec,
@@ -41,6 +41,21 @@ from .args import (
 def register_generate(sub) -> None:
     p = sub.add_parser("generate", help="generate a video from a prompt")
     p.add_argument("prompt")
+    _add_sampling_args(p)
+    _add_conditioning_args(p)
+    _add_placement_args(p)
+    p.add_argument("--stats", help="write streaming and step-time stats as JSON here")
+    p.add_argument(
+        "--trace", help="write a Chrome trace (Perfetto) of block copies and computes here"
+    )
+    p.add_argument("--server", help="generate on a MegaSlide server at this URL instead of locally")
+    p.add_argument("--api-key", help="API key for --server (default: $MEGASLIDE_API_KEY)")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    p.set_defaults(run=run_generate)
+
+
+def _add_sampling_args(p) -> None:
+    """What a video is: its output, model, length, size and sampling."""
     p.add_argument("-o", "--output", default="out.mp4", help="MP4 file to write (default: out.mp4)")
     add_model_args(p)
     p.add_argument("--steps", type=int, help="denoising steps (default: the model's)")
@@ -50,6 +65,11 @@ def register_generate(sub) -> None:
     p.add_argument("--fps", type=int, help="frames per second of the MP4 (default: the model's)")
     p.add_argument("--guidance", type=float, help="classifier-free guidance scale (1 = off)")
     p.add_argument("--negative-prompt", default="", help="what to steer away from")
+
+
+def _add_conditioning_args(p) -> None:
+    """What steers it besides the prompt: a first frame, a step cache, single-file
+    transformers and LoRA adapters."""
     p.add_argument(
         "--image",
         help="first-frame image, for a model that takes one (Wan2.2-TI2V) or needs one (the I2V "
@@ -91,6 +111,10 @@ def register_generate(sub) -> None:
         metavar="NAME=high|low",
         help="apply an adapter to one expert of a Wan2.2 two-expert model only (default: both)",
     )
+
+
+def _add_placement_args(p) -> None:
+    """Where the weights live (a `Placement`) and how the model attends."""
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument(
         "--devices",
@@ -139,14 +163,6 @@ def register_generate(sub) -> None:
         help="with --host-tier disk: read blocks through the page cache (buffered) or around it "
         "(direct, O_DIRECT where the filesystem takes it) (default: buffered)",
     )
-    p.add_argument("--stats", help="write streaming and step-time stats as JSON here")
-    p.add_argument(
-        "--trace", help="write a Chrome trace (Perfetto) of block copies and computes here"
-    )
-    p.add_argument("--server", help="generate on a MegaSlide server at this URL instead of locally")
-    p.add_argument("--api-key", help="API key for --server (default: $MEGASLIDE_API_KEY)")
-    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-    p.set_defaults(run=run_generate)
 
 
 def lora_flags(args, *, remote: bool) -> tuple[dict[str, str], tuple]:
@@ -219,12 +235,6 @@ def run_generate(args) -> int:
 
         return generate_remote(args, request)
     placement = generate_placement(args)
-    try:
-        refuse_on_devices(
-            placement, loras=bool(lora_files), image=bool(request.image), cache=bool(request.cache)
-        )
-    except ValueError as e:
-        raise UsageError(f"--devices: {e}") from None
     overrides = {"attention": args.attention} if args.attention else {}
     if args.transformer:
         if describe(model_source(args)).family != "wan":
@@ -233,13 +243,13 @@ def run_generate(args) -> int:
     info = describe(model_source(args), **overrides)
     from megaslide.engine.loader import load_adapter, open_pipeline
 
-    if placement.devices:
-        return run_generate_on_devices(args, info, request, placement)
     # Adapters are converted and checked against the model on the meta device, and the request
     # against the model and them, before any weights load.
     adapters = [load_adapter(info, name, path) for name, path in lora_files.items()]
     defaults = {a.name: a.defaults for a in adapters}
     video = resolve(request, info.limits, info.sampling, model=info.name, adapters=defaults)
+    if placement.devices:
+        return run_generate_on_devices(args, info, video, placement, adapters)
     pipe = open_pipeline(info, placement)
     for adapter in adapters:
         pipe.register_adapter(adapter)
@@ -307,15 +317,14 @@ def generate_placement(args) -> Placement:
     return placement
 
 
-def run_generate_on_devices(args, info, request, placement: Placement) -> int:
-    """`generate --devices`: one video split over several devices (engine/parallel/multidevice.py)."""
+def run_generate_on_devices(args, info, video, placement: Placement, adapters) -> int:
+    """`generate --devices`: one video split over several devices
+    (engine/parallel/multidevice.py), the LoRA `adapters` registered on every rank."""
     from megaslide.engine.parallel.multidevice import RankFailed, generate_on_devices
-    from megaslide.engine.request import resolve
 
     if args.trace:
         raise UsageError("--trace draws one device's streams: with --devices, --stats has each's")
     devices = placement.devices
-    video = resolve(request, info.limits, info.sampling, model=info.name)
     per_rank: list[dict] = []
     step_ends = [time.perf_counter()]
 
@@ -329,7 +338,8 @@ def run_generate_on_devices(args, info, request, placement: Placement) -> int:
                 info,
                 video,
                 placement,
-                output=args.output,  # rank 0 writes it
+                adapters=adapters,
+                output=args.output,
                 progress=stepped,
                 stats=per_rank.extend if args.stats else None,
             )
@@ -340,7 +350,7 @@ def run_generate_on_devices(args, info, request, placement: Placement) -> int:
         stats = {
             "steps": video.steps,
             "devices": list(devices),
-            # As rank 0 reported each step (the ranks step in lock step).
+            # As each step came back here (the ranks step in lock step).
             "step_times_s": [b - a for a, b in zip(step_ends, step_ends[1:])],
             "ranks": per_rank,  # each rank's streamed components, rank order
         }
@@ -397,6 +407,15 @@ def run_info(args) -> int:
 
 def register_plan(sub) -> None:
     p = sub.add_parser("plan", help="memory and time accounting of a model on a machine")
+    _add_plan_workload_args(p)
+    _add_plan_machine_args(p)
+    _add_plan_training_args(p)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=run_plan)
+
+
+def _add_plan_workload_args(p) -> None:
+    """The model and the clips it runs."""
     add_model_args(p)
     p.add_argument("--mode", choices=("infer", "finetune"), default="infer")
     p.add_argument(
@@ -409,6 +428,10 @@ def register_plan(sub) -> None:
     p.add_argument(
         "--no-guidance", action="store_true", help="inference without the unconditional pass"
     )
+
+
+def _add_plan_machine_args(p) -> None:
+    """The machine: its memories, links and speeds, and the streamer's placement."""
     p.add_argument(
         "--gpu-mem", type=parse_bytes, default="141GB", help="device memory (default: 141GB)"
     )
@@ -457,6 +480,10 @@ def register_plan(sub) -> None:
     p.add_argument(
         "--prefetch", type=int, default=2, help="device slots for streamed blocks (default: 2)"
     )
+
+
+def _add_plan_training_args(p) -> None:
+    """Fine-tuning's optimizer step, LoRA adapters and several devices."""
     p.add_argument(
         "--max-grad-norm", action="store_true", help="fine-tuning with global-norm clipping"
     )
@@ -484,8 +511,6 @@ def register_plan(sub) -> None:
         default=300.0,
         help="all-to-all GB/s sent per device between devices (default: 300, assumed NVLink)",
     )
-    p.add_argument("--json", action="store_true")
-    p.set_defaults(run=run_plan)
 
 
 def run_plan(args) -> int:

@@ -125,6 +125,7 @@ class DiTPipeline(Pipeline):
 
     def parallelize(self, sp: SequenceGroup) -> None:
         parallelize_dit(self.dit, sp)
+        self.sp = sp
 
     def prepare_batch(self, videos: list[ResolvedVideo]) -> list[SampleState]:
         rows = [[v.prompt, v.negative_prompt] if v.guidance != 1.0 else [v.prompt] for v in videos]
@@ -150,7 +151,7 @@ class DiTPipeline(Pipeline):
         return SampleState(noise.to(self.device), ctx, mask, times, video.guidance, cache=cache)
 
     def _step(self, states: list[SampleState]) -> None:
-        sample_step(EulerSampler(self.dit, self.passes, self.first_block_only), states)
+        sample_step(EulerSampler(self.dit, self.passes, self.first_block_only, self.sp), states)
 
     def finish_batch(self, states: list[SampleState]) -> list[np.ndarray]:
         for state in states:

@@ -5,7 +5,10 @@ per device with `torch.multiprocessing` (no torchrun; forkserver, so no CUDA sta
 joins them into a `torch.distributed` group (NCCL on CUDA, gloo on the CPU; rendezvous through a
 file), and has each open the model, apply sequence parallelism (`Pipeline.parallelize`, see
 sequence.py) and sample the same request. Every rank holds the full latents and ends with the
-same frames; rank 0 writes them.
+same latents; rank 0 decodes them. The ranks are a `RankGroup` (rank_group.py), started for this
+one video and closed after it: the server's model on several devices is the same group kept up,
+so one piece of code drives ranks, and every lever of a request (LoRA adapters, a first-frame
+image, a step cache) runs here as it runs there.
 
 Weights: this process fills the streamed blocks' host buffers once, in shared memory
 (`loader.share_weights`), and every rank streams from those same pages (`open_pipeline(shared=)`):
@@ -27,38 +30,20 @@ data-parallel fine-tuning).
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from ..family import family
-from ..loader import resolve_dtype, share_weights
+from ..lora import Adapter
 from ..placement import Placement
 from ..request import ResolvedVideo
 from ..sources import ModelInfo
-from ..streaming.host_store import SharedWeights
-from .ranks import RankFailed, RankLink, join_group, parse_devices, ranks_placement, run_ranks
+from .rank_group import RankGroup
+from .ranks import RankFailed, parse_devices, ranks_placement
 
 __all__ = ["RankFailed", "generate_on_devices", "parse_devices"]
-
-
-@dataclass(frozen=True)
-class _Job:
-    """What every rank is handed (pickled; the shared weights travel as handles)."""
-
-    info: ModelInfo
-    video: ResolvedVideo
-    placement: Placement  # each rank opens `placement.on(its device)`
-    dtype: torch.dtype
-    threads: int
-    frames_path: str  # rank 0 writes the frames here (.npy): no pickling through a pipe
-    output: str | None  # and the MP4 here, when asked
-    shared: SharedWeights
-    stats: bool = False  # every rank reports its streamers' stats once sampled
 
 
 def generate_on_devices(
@@ -68,6 +53,7 @@ def generate_on_devices(
     *,
     dtype: str | torch.dtype = "auto",
     prefetch: int = 2,
+    adapters: Sequence[Adapter] = (),
     output: str | os.PathLike | None = None,
     threads: int | None = None,
     timeout_s: float | None = None,
@@ -79,84 +65,36 @@ def generate_on_devices(
 
     `devices` names the devices, or is a whole `Placement` with `devices` (then its `prefetch`
     is the one used). Block weights stream from one shared host store (see the module
-    docstring); `output`: rank
-    0 also writes the MP4 there. `threads`: CPU threads per rank (default: this machine's cores
-    shared out). `progress(step, total)` is called here as rank 0 finishes each step;
-    `on_spawn(pids)` once the ranks have started; `stats(per_rank)` once sampled, with each
-    rank's `Pipeline.stats()` in rank order (its streamers' timings with `timing`). ValueError before anything starts if the
-    video cannot be split over the devices; RankFailed if a rank fails; TimeoutError (every rank
-    stopped) after `timeout_s`.
+    docstring). `adapters`: LoRA adapters (converted, `loader.load_adapter`) registered on every
+    rank before sampling, for the ones `video.loras` names. `output`: the MP4 is also written
+    there. `threads`: CPU threads per rank (default: this machine's cores shared out).
+    `progress(step, total)` is called here after each step; `on_spawn(pids)` once the ranks have
+    started; `stats(per_rank)` once sampled, with each rank's `Pipeline.stats()` in rank order
+    (its streamers' timings with `timing`). ValueError before anything starts if the video cannot
+    be split over the devices; RankFailed if a rank fails; TimeoutError (every rank stopped)
+    after `timeout_s`.
     """
     placement = ranks_placement(devices, prefetch)
-    names = placement.devices
-    world = len(names)
+    world = len(placement.devices)
     family(info.family).check_parallel(info, video.frames, video.height, video.width, world)
-    dtype = resolve_dtype(dtype, torch.device(names[0]))
-    if threads is None:
-        threads = max(1, (os.cpu_count() or 1) // world) if names[0] == "cpu" else 1
-    # One copy for the host, in the placement's format and tier ("auto" resolved here, once).
-    shared = share_weights(info, dtype, placement=placement)
-    per_rank: dict[int, dict] = {}
-
-    def report(*args) -> None:
-        if args[0] == "stats":
-            per_rank[args[1]] = args[2]
-        elif progress is not None:
-            progress(*args)
-
-    with tempfile.TemporaryDirectory(prefix="megaslide-frames-") as tmp:
-        job = _Job(
-            info,
-            video,
-            placement,
-            dtype,
-            threads,
-            str(Path(tmp) / "frames.npy"),
-            None if output is None else os.fspath(output),
-            shared,
-            stats=stats is not None,
-        )
-        run_ranks(
-            _sample,
-            job,
-            names,
-            preload=[__name__],
-            progress=report,
-            on_spawn=on_spawn,
-            timeout_s=timeout_s,
-        )
-        if stats is not None:
-            stats([per_rank[rank] for rank in range(world)])
-        return np.load(job.frames_path)
-
-
-def _sample(link: RankLink, job: _Job) -> None:
-    """One rank: join the group, open the model on its device from the shared weights, sample;
-    rank 0 writes the frames."""
-    import torch.distributed as dist
-
-    from ..loader import open_pipeline
-    from .sequence import SequenceGroup
-
-    torch.set_num_threads(job.threads)
-    join_group(link)
-    pipe = open_pipeline(
-        job.info, job.placement.on(str(link.device)), dtype=job.dtype, shared=job.shared
+    group = RankGroup(
+        info, placement, dtype=dtype, threads=threads, on_spawn=on_spawn, timeout_s=timeout_s
     )
-    pipe.parallelize(SequenceGroup.default())
-    state = pipe.prepare(job.video)
-    while not state.done:
-        pipe.denoise_step([state])
-        if link.rank == 0:
-            link.progress(state.step, state.num_steps)
-    if job.stats:  # before "done": the launcher reads a rank's messages in order
-        link.progress("stats", link.rank, pipe.stats())
-    frames = pipe.finish(state)
-    if link.rank == 0:
-        np.save(job.frames_path, frames)
-        if job.output is not None:
-            from ..video import write_mp4
+    try:
+        for adapter in adapters:
+            group.register_adapter(adapter)
+        (state,) = group.prepare_batch([video])
+        while not state.done:
+            group.denoise_step([state])
+            if progress is not None:
+                progress(state.step, state.num_steps)
+        if stats is not None:
+            stats(group.stats())
+        (frames,) = group.finish_batch([state])
+    finally:
+        group.close()
+    if output is not None:
+        from ..video import write_mp4
 
-            write_mp4(job.output, frames, fps=job.video.fps)
-    pipe.close()
-    dist.destroy_process_group()
+        write_mp4(output, frames, fps=video.fps)
+    return frames

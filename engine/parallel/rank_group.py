@@ -1,10 +1,10 @@
-"""A model held open on several devices between videos: a process per device, driven step by step.
+"""A model held open on several devices: a process per device, driven step by step.
 
-`generate_on_devices` (multidevice.py) starts its ranks for one video and stops them after it.
-A server samples video after video, so `RankGroup(info, ["cuda:0", "cuda:1"])` starts the ranks
-once, has each open the model from one shared host copy of the weights (as there, in the
-placement's format and tier) and apply sequence parallelism, and keeps them waiting for commands;
-`stats()` gathers each rank's streamer accounting. Its `prepare_batch`, `denoise_step`
+`RankGroup(info, ["cuda:0", "cuda:1"])` starts the ranks once, has each open the model from one
+shared host copy of the weights (multidevice.py; in the placement's format and tier) and apply
+sequence parallelism, and keeps them waiting for commands: a server samples video after video on
+it, and `generate_on_devices` drives one video on it and closes it; `stats()` gathers each rank's
+streamer accounting. Its `prepare_batch`, `denoise_step`
 and `finish_batch` are a `Pipeline`'s step-wise interface: each sends the same command to every
 rank, every rank runs it on its own copy of the states (collectives pair up by call order, so
 all ranks see the same calls in the same order), and this process keeps a `RankState` per state
@@ -14,13 +14,19 @@ drives one device: requests join a running batch between steps, and a request it
 
 Only rank 0 decodes (the decoder is not split); the others hold the same latents and skip it.
 
+LoRA adapters are a Pipeline's: `register_adapter` (or `add_adapter`, a file) sends the converted
+adapter to every rank, which registers it on its own pipeline; this process keeps the adapters
+for the cards and defaults it answers, and registers them again on ranks started again. Every
+other lever (a first-frame image, a step cache) travels in the request and runs on the ranks as
+on one device (step_cache.py says how the first-block cache decides alike on every rank).
+
 Failures: a rank that exits, is killed, or raises inside a step (where its peers may already
 wait in a collective for it) fails the call with `RankFailed` naming it, and every rank is
 stopped. States of that group raise the same failure if stepped again; the next `prepare_batch`
 starts the ranks again from the shared weights still held here (no read from disk), and
 `RanksDown` says that restart failed. An error every rank raises alike while preparing (a
-request the model refuses), or rank 0 raises while decoding, touches no collective: it is raised
-here as the rank raised it and the group goes on.
+request the model refuses) or registering an adapter, or rank 0 raises while decoding, touches
+no collective: it is raised here as the rank raised it and the group goes on.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ import tempfile
 import time
 import traceback
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
@@ -42,7 +48,8 @@ import torch
 
 from ..family import family
 from ..interfaces import VideoModel
-from ..loader import resolve_dtype, share_weights
+from ..loader import load_adapter, resolve_dtype, share_weights
+from ..lora import Adapter, AdapterError
 from ..placement import Placement
 from ..request import RequestError, ResolvedVideo
 from ..sources import ModelInfo
@@ -89,7 +96,7 @@ class RankState:
 class RankGroup(VideoModel):
     """The model `info` opened on each of `devices` by a process of its own, its tokens split over
     them (see the module docstring). Implements the Pipeline's `prepare_batch`, `denoise_step`
-    and `finish_batch`; `close` stops the ranks."""
+    and `finish_batch` and its adapters' methods; `close` stops the ranks."""
 
     def __init__(
         self,
@@ -99,9 +106,14 @@ class RankGroup(VideoModel):
         dtype: str | torch.dtype = "auto",
         prefetch: int = 2,
         threads: int | None = None,
+        on_spawn: Callable[[list[int]], None] | None = None,
+        timeout_s: float | None = None,
     ):
         """`devices` names the devices, or is a whole `Placement` with `devices` (then its
-        `prefetch` is the one used); ValueError for one its rules refuse."""
+        `prefetch` is the one used); ValueError for one its rules refuse. `on_spawn(pids)` is
+        called each time the ranks have started. `timeout_s`: a group for one job; a call still
+        waiting for the ranks `timeout_s` after the group was made stops them all and raises
+        TimeoutError (None: calls wait as long as the ranks take)."""
         self.info = info
         self.placement = ranks_placement(devices, prefetch)
         self.devices = self.placement.devices
@@ -123,6 +135,11 @@ class RankGroup(VideoModel):
         # Keys of states no longer referenced here, for the ranks to drop with the next command
         # (appended by finalizers, on whichever thread drops the last reference).
         self._forgotten: collections.deque[int] = collections.deque()
+        self._adapters: dict[str, Adapter] = {}  # registered on every rank, in order
+        self._cards: dict[str, dict] = {}  # each one's card, as rank 0 registered it
+        self._on_spawn = on_spawn
+        self._deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        self._timeout_s = timeout_s
         self._finalizer = weakref.finalize(self, _stop_all, self._procs)
         self._start()
 
@@ -169,6 +186,38 @@ class RankGroup(VideoModel):
     def finish_batch(self, states: list[RankState]) -> list:
         """Rank 0 decodes the finished states to uint8 frames `(F, H, W, 3)` each."""
         return self._call("finish", self._keys_of(states))[0]
+
+    # -- LoRA adapters: a Pipeline's, registered on every rank --------------------------------------
+
+    def add_adapter(self, name: str, path, *, replace: bool = False) -> dict:
+        """Register the LoRA file at `path` under `name` on every rank: converted and checked
+        here, once (`loader.load_adapter`; AdapterError naming the first key that does not fit).
+        Returns its card."""
+        return self.register_adapter(load_adapter(self.info, name, path), replace=replace)
+
+    def register_adapter(self, adapter: Adapter, *, replace: bool = False) -> dict:
+        """Register an adapter already converted on every rank; returns its card."""
+        if adapter.name in self._adapters and not replace:
+            raise AdapterError(f"an adapter named {adapter.name!r} is already registered")
+        if not self._procs:
+            self._restart()  # which registers the others again
+        card = self._call("adapter", adapter, replace)[0]
+        self._adapters[adapter.name], self._cards[adapter.name] = adapter, card
+        return dict(card)
+
+    def remove_adapter(self, name: str) -> None:
+        """Unregister adapter `name` on every rank (ranks stopped forget it as they restart)."""
+        self._adapters.pop(name, None)
+        self._cards.pop(name, None)
+        if self._procs:
+            self._call("remove", name)
+
+    def adapter_cards(self) -> list[dict]:
+        return [dict(card) for card in self._cards.values()]
+
+    def adapter_defaults(self) -> dict[str, dict]:
+        """Registered adapters by name, each with the sampling defaults it carries."""
+        return {n: dict(a.defaults) for n, a in self._adapters.items()}
 
     def stats(self) -> list[dict[str, dict]]:
         """Each rank's streamer accounting (`Pipeline.stats()`: by streamed component, with
@@ -230,6 +279,8 @@ class RankGroup(VideoModel):
             theirs.close()  # the child holds its own end; ours would hide its EOF
             self._procs.append(proc)
             self._conns.append(ours)
+        if self._on_spawn is not None:
+            self._on_spawn(self.pids)
         self._gather("ready")
 
     def _restart(self) -> None:
@@ -237,6 +288,8 @@ class RankGroup(VideoModel):
             raise RuntimeError(f"the ranks of {self.name} were closed")
         try:
             self._start()
+            for adapter in self._adapters.values():  # what the stopped ranks had registered
+                self._call("adapter", adapter, True)
         except RankFailed as e:
             raise RanksDown(
                 f"the ranks on {','.join(self.devices)} could not start again: {e}"
@@ -260,7 +313,15 @@ class RankGroup(VideoModel):
         answers: dict[int, tuple] = {}
         pending = dict(enumerate(self._conns))
         while pending:
-            ready = wait(list(pending.values()) + [self._procs[r].sentinel for r in pending])
+            left = None if self._deadline is None else self._deadline - time.monotonic()
+            if left is not None and left <= 0:
+                _stop_all(self._procs)
+                self._conns = []
+                raise TimeoutError(
+                    f"the job on {','.join(self.devices)} ran past {self._timeout_s} s: stopped"
+                )
+            waited = list(pending.values()) + [self._procs[r].sentinel for r in pending]
+            ready = wait(waited, timeout=left)
             for rank, conn in list(pending.items()):
                 proc = self._procs[rank]
                 if conn in ready:
@@ -272,20 +333,26 @@ class RankGroup(VideoModel):
                         self._down(rank, "closed its pipe" if code is None else exit_reason(code))
                     del pending[rank]
                     if answers[rank][0] == "error" and command in ("ready", "step"):
-                        # Its peers may wait for it in a collective: stop them all.
-                        failure = blame(self._procs, self.devices, rank, _error_text(answers[rank]))
+                        # Its peers may wait for it in a collective: stop them all. A peer
+                        # that ended with an error of its own unread (`pending`) is not blamed.
+                        text = _error_text(answers[rank])
+                        failure = blame(self._procs, self.devices, rank, text, pending)
                         self._down(failure.rank, failure.reason)
                 elif proc.sentinel in ready and not conn.poll():  # gone without a word
                     proc.join()
                     self._down(rank, exit_reason(proc.exitcode))
         errors = {r: a for r, a in answers.items() if a[0] == "error"}
-        if errors and len(errors) < len(answers) and command == "prepare":
-            rank = min(errors)  # the ranks disagree about the same requests: their states too
+        if errors and len(errors) < len(answers) and command in ("prepare", "adapter", "remove"):
+            # The ranks disagree about the same requests (their states too), or hold different
+            # adapters: the next step would not be the same model on every rank.
+            rank = min(errors)
             self._down(rank, _error_text(errors[rank]))
         if 0 in errors:
             _, kind, text, param, code = errors[0]
             if kind == "RequestError":
                 raise RequestError(text, param=param, code=code)
+            if kind == "AdapterError":
+                raise AdapterError(text)
             raise RuntimeError(_error_text(errors[0]))
         return [answers[r][1] for r in range(len(answers))]
 
@@ -298,17 +365,10 @@ class RankGroup(VideoModel):
 
 
 def check_video(info: ModelInfo, video: ResolvedVideo, devices: Sequence[str]) -> None:
-    """RequestError naming the field if `video` cannot run split over `devices`: what the ranks
-    do not take yet (LoRA adapters, a first frame, a step cache), or a token grid that does not
-    split (`Family.check_parallel`)."""
+    """RequestError naming the field if `video` cannot run split over `devices`: a token grid
+    that does not split (`Family.check_parallel`)."""
     world = len(devices)
     where = f"on {world} devices ({','.join(devices)})"
-    if video.loras:
-        raise RequestError(f"LoRA adapters do not run {where} yet", param="loras")
-    if video.image is not None:
-        raise RequestError(f"image-to-video does not run {where} yet", param="input_reference")
-    if video.cache is not None:
-        raise RequestError(f"step caches do not run {where} yet", param="cache")
     try:
         family(info.family).check_parallel(info, video.frames, video.height, video.width, world)
     except ValueError as e:
@@ -368,6 +428,12 @@ def _rank_main(rank: int, spec: _Spec, conn: Connection) -> None:
             elif command == "finish":
                 # The decoder is not split: rank 0 alone decodes, the others hold no frames.
                 answer = pipe.finish_batch([states[k] for k in args[0]]) if rank == 0 else None
+            elif command == "adapter":
+                adapter, replace = args
+                answer = pipe.register_adapter(adapter, replace=replace)
+            elif command == "remove":
+                pipe.remove_adapter(args[0])
+                answer = None
             else:
                 raise ValueError(f"unknown command {command!r}")
         except Exception as e:  # noqa: BLE001 - the parent decides whether the group goes on

@@ -8,8 +8,8 @@ its `RankLink`: progress, its result, or its error.
 
 A rank that fails (an exception, a signal, an exit) fails the job: the other ranks are stopped and
 `RankFailed` names the rank and its device, instead of the survivors waiting forever in a
-collective whose peer is gone. Sequence-parallel sampling (multidevice.py) and data-parallel
-fine-tuning (data_parallel.py) both run on it.
+collective whose peer is gone. Sequence-parallel sampling (rank_group.py: its joining, blame and
+stopping) and data-parallel fine-tuning (data_parallel.py) both run on it.
 """
 
 from __future__ import annotations

@@ -18,7 +18,8 @@ The transform (`parallelize_dit`) re-points a few bound methods of one built `Vi
 forward shards the tokens after the prologue and gathers them before the epilogue, and each
 self-attention's `attend` and `motion_field` are wrapped with the all-to-alls. Parameter names,
 the block list and the streamer's hooks are untouched, so streaming composes with it: each rank
-streams the same blocks. Every rank runs the sampler on the full latents (the prologue, the
+streams the same blocks. A pass cut at its blocks (a first-block step cache, flow.py's `DiTCut`)
+shards and gathers in the same places with the same helpers. Every rank runs the sampler on the full latents (the prologue, the
 epilogue and the Euler update are replicated, and exactly equal on every rank since the gathered
 tokens are), so no rank ever waits for another's sampler state.
 
@@ -121,7 +122,7 @@ def parallelize_dit(dit: nn.Module, sp: SequenceGroup) -> nn.Module:
 
     Apply it after the weights are placed (streamed or resident): only bound methods change.
     """
-    from ..native.dit import BlockInputs, SelfAttention
+    from ..native.dit import SelfAttention
 
     config: DiTConfig = dit.config
 
@@ -129,10 +130,7 @@ def parallelize_dit(dit: nn.Module, sp: SequenceGroup) -> nn.Module:
         if torch.is_grad_enabled():
             raise RuntimeError("sequence parallel runs inference only: call under torch.no_grad()")
         h, c = self.prologue(x, t, ctx, ctx_mask)  # (B, N, D), replicated on every rank
-        check_shardable(config, c.grid, sp.world)
-        part = sp.shard(h.shape[1])
-        local: BlockInputs = dataclasses.replace(c, angles=c.angles[part])  # (n, d/2)
-        h = h[:, part]  # (B, n, D)
+        h, local = shard_tokens(config, h, c, sp)  # (B, n, D)
         for block in self.blocks:
             h = block(h, local)  # (B, n, D)
         return self.epilogue(gather_tokens(h, sp), c)  # (B, C, F, H, W)
@@ -142,6 +140,15 @@ def parallelize_dit(dit: nn.Module, sp: SequenceGroup) -> nn.Module:
         if isinstance(module, SelfAttention):
             _parallelize_attention(module, sp)
     return dit
+
+
+def shard_tokens(config: DiTConfig, h: torch.Tensor, c, sp: SequenceGroup):
+    """This rank's tokens `(B, n, D)` of the prologue's output `h` `(B, N, D)`, and what its
+    blocks read besides (`c`, a `dit.BlockInputs`, with the rotary angles of those tokens);
+    ValueError if the token grid does not split (`check_shardable`)."""
+    check_shardable(config, c.grid, sp.world)
+    part = sp.shard(h.shape[1])
+    return h[:, part], dataclasses.replace(c, angles=c.angles[part])  # angles (n, d/2)
 
 
 def _parallelize_attention(attn: nn.Module, sp: SequenceGroup) -> None:

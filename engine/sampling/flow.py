@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from ..native.config import TIME_SAMPLING
+from ..parallel.sequence import gather_tokens, shard_tokens
 from . import loop
 from .loop import ForwardCut, Sampler, row_slices
 from .loop import cfg_combine as cfg_combine  # the guidance rule, where it was documented
@@ -140,10 +141,14 @@ class EulerSampler(Sampler):
         model,
         passes: Callable[[list], list[list]] | None = None,
         first_block_only: Callable[[], ContextManager] = nullcontext,
+        sp=None,
     ):
+        """`sp`: the ranks `model`'s tokens are split over (`parallel.parallelize_dit`), for the
+        passes cut at its blocks; None on one process."""
         self.model = model
         self._passes = passes
         self.first_block_only = first_block_only
+        self.sp = sp
 
     def passes(self, states: list[SampleState]) -> list[list[SampleState]]:
         return super().passes(states) if self._passes is None else self._passes(states)
@@ -155,7 +160,7 @@ class EulerSampler(Sampler):
 
     def cut(self, expert: int, states: list[SampleState]) -> DiTCut:
         inputs, _ = _inputs(states, next(self.model.parameters()).dtype)
-        return DiTCut(self.model, inputs)
+        return DiTCut(self.model, inputs, self.sp)
 
     def update(self, s: SampleState, v: torch.Tensor) -> None:
         dt = s.times[s.step + 1] - s.times[s.step]  # negative: walking from noise to data
@@ -164,25 +169,33 @@ class EulerSampler(Sampler):
 
 
 class DiTCut(ForwardCut):
-    """`VideoDiT.forward` over a pass's rows, cut at its blocks (dit.py's own cut)."""
+    """`VideoDiT.forward` over a pass's rows, cut at its blocks (dit.py's own cut); under sequence
+    parallel (`sp`), `parallelize_dit`'s forward cut the same way."""
 
-    def __init__(self, model, inputs: tuple):
-        self.model, self.inputs = model, inputs
+    def __init__(self, model, inputs: tuple, sp=None):
+        self.model, self.inputs, self.sp = model, inputs, sp
 
     @property
     def depth(self) -> int:
         return len(self.model.blocks)
 
     def prologue(self):
-        return self.model.prologue(*self.inputs)  # (B', N, D), BlockInputs
+        h, c = self.model.prologue(*self.inputs)  # (B', N, D), BlockInputs
+        if self.sp is not None:  # the blocks read the rotary angles of this rank's tokens
+            _, c = shard_tokens(self.model.config, h, c, self.sp)
+        return h, c
 
     def block(self, i, h, c):
-        return self.model.blocks[i](h, c)  # (B', N, D)
+        if i == 0 and self.sp is not None:
+            h = self.local(h)  # (B', n, D): this rank's tokens, as `shard_tokens` keeps them
+        return self.model.blocks[i](h, c)  # (B', n, D)
 
     def rows(self, c, index):
         return c.rows(index)
 
     def epilogue(self, h, c):
+        if self.sp is not None:
+            h = gather_tokens(h, self.sp)  # (B', N, D)
         return self.model.epilogue(h, c).float()  # (B', C, F, H, W)
 
 

@@ -13,7 +13,10 @@ step, or the model's diffusers scheduler). A request's state declares `SamplingS
 
 The first-block cache (step_cache.py) decides inside the pass: `forward_probed` runs every row
 through the prologue and the first block, lets each probing request compare its first residual
-with its cache's, and runs the remaining blocks only over the rows that did not reuse.
+with its cache's, and runs the remaining blocks only over the rows that did not reuse. Under
+sequence parallel (parallel/sequence.py) the cut's blocks run on this rank's share of the tokens, as the
+model's own forward does: block 0 takes the whole sequence and keeps this rank's tokens, the
+epilogue gathers them; a probing request's measure is reduced over the ranks (step_cache.py).
 """
 
 from __future__ import annotations
@@ -63,10 +66,14 @@ class ForwardCut(ABC):
 
     Made for one pass (it holds the pass's inputs); `prologue`, then `block(i)` for each block,
     then `epilogue` is the model's own forward, op for op. `adapters` names each row's LoRA
-    adapters for `router` (an `AdapterRouter`; None: the model takes none)."""
+    adapters for `router` (an `AdapterRouter`; None: the model takes none). `sp` (a
+    `parallel.SequenceGroup`; None: one process): the model's tokens are split over its ranks,
+    `block(0)` takes every token and returns this rank's, later blocks take and return this
+    rank's, and `epilogue` gathers them."""
 
     router: Any = None
     adapters: list | None = None
+    sp: Any = None
 
     @property
     @abstractmethod
@@ -88,6 +95,13 @@ class ForwardCut(ABC):
     @abstractmethod
     def epilogue(self, h: torch.Tensor, carry: Any) -> torch.Tensor:
         """Everything after the last block: the model's output `(B, C, F, H, W)`."""
+
+    def local(self, h: torch.Tensor) -> torch.Tensor:
+        """This rank's tokens `(B, n, D)` of the whole sequence `h` `(B, N, D)`, as block 0 keeps
+        them (contiguous equal shards in rank order); `h` itself on one process."""
+        if self.sp is None:
+            return h
+        return h.chunk(self.sp.world, dim=1)[self.sp.rank]  # (B, N / P, D)
 
     def scope(self, index: Sequence[int] | None = None) -> AbstractContextManager:
         """Around a part of the pass: each row's adapters applied (`index`: of some rows only)."""
@@ -199,11 +213,12 @@ def forward_probed(
     with cut.scope():
         h0, carry = cut.prologue()  # (B, N, D)
         with first_block_only():
-            h1 = cut.block(0, h0, carry)  # (B, N, D)
+            h1 = cut.block(0, h0, carry)  # (B, n, D): n = N on one process, this rank's else
+    h0 = cut.local(h0)  # (B, n, D)
     reuse = [
         s.cache is not None
         and s.cache.probes
-        and s.cache.reuse_probed(s.step, h1[r] - h0[r], key=e)
+        and s.cache.reuse_probed(s.step, h1[r] - h0[r], key=e, sp=cut.sp)
         for s, r in zip(states, rows)
     ]
     keep = [i for r, u in zip(rows, reuse) if not u for i in range(r.start, r.stop)]
@@ -211,19 +226,19 @@ def forward_probed(
         h = h1
         with cut.scope():
             for i in range(1, cut.depth):
-                h = cut.block(i, h, carry)  # (B, N, D)
+                h = cut.block(i, h, carry)  # (B, n, D)
     else:
         h = h1.clone()
         if keep:
             index = torch.tensor(keep, device=h1.device)
-            part, part_carry = h1[index], cut.rows(carry, index)  # (B', N, D)
+            part, part_carry = h1[index], cut.rows(carry, index)  # (B', n, D)
             with cut.scope(keep):
                 for i in range(1, cut.depth):
-                    part = cut.block(i, part, part_carry)  # (B', N, D)
+                    part = cut.block(i, part, part_carry)  # (B', n, D)
             h[index] = part
         for s, r, u in zip(states, rows, reuse):
             if u:
-                h[r] = h1[r] + s.cache.tail(s.flow_time(s.step), key=e)  # (rows, N, D)
+                h[r] = h1[r] + s.cache.tail(s.flow_time(s.step), key=e)  # (rows, n, D)
     for s, r, u in zip(states, rows, reuse):
         if s.cache is not None and s.cache.probes and not u:
             s.cache.record_probed(h1[r] - h0[r], h[r] - h1[r], key=e)

@@ -69,6 +69,7 @@ class Pipeline(VideoModel, ABC):
     batched: bool = True  # False: the reference mode, each request's rows in passes of their own
     decode_chunk: int = DECODE_CHUNK  # clips per pass of the autoencoder in `finish_batch`
     load_adapter: Callable[[str, Any], Adapter] | None = None  # the family's `load_adapter`
+    sp: Any = None  # the ranks its tokens are split over (`parallelize`); None: one process
 
     def __init__(self, info: ModelInfo, handles: dict[str, StreamHandle]):
         self.info = info
@@ -132,7 +133,8 @@ class Pipeline(VideoModel, ABC):
 
     def parallelize(self, sp) -> None:
         """Split each step's tokens over the ranks of `sp` (a `parallel.SequenceGroup`), in place;
-        a family that supports it applies its transform here (see `Family.check_parallel`)."""
+        a family that supports it applies its transform here and keeps `sp` (see
+        `Family.check_parallel`)."""
         raise ValueError(f"{self.name}: this model family has no sequence-parallel transform")
 
     def prepare(self, video: ResolvedVideo) -> Any:

@@ -66,6 +66,14 @@ Policies (`threshold` 0 never reuses; larger reuses more):
   inside the pass (`StepCache.reuse_probed`): the sampler cuts the forward after block 0. For a
   streamed model a reuse step moves block 0's weights and no others.
 
+Several devices (sequence parallel, parallel/sequence.py). Every rank holds the whole latents and, after
+the gather before the epilogue, the whole outputs, exactly equal on every rank: the policies that
+decide from them decide alike on every rank, and the forecasts are element-wise. Only block 0's
+residual is each rank's own shard of the tokens, so the first-block policy reduces its measure
+over the ranks (`relative_l1` with `sp`: the sums of `|a - b|` and of `|b|` all-reduced), and
+every rank takes the decision one process would (up to the order of the float sums); each keeps
+the residuals of its own tokens. A rank deciding alone could skip a collective its peers wait in.
+
 Forecasting (`CacheSpec.forecast`, with any policy; after FORA's feature reuse, Selvaraju et al.
 2024, arXiv:2407.01425, and TaylorSeer's forecast of it, Liu et al. 2025, arXiv:2503.06923).
 Without it (`none`, the default) a reuse takes the last computed output as it is. With it a
@@ -99,12 +107,21 @@ import torch
 from ..request import CACHE_FORECASTS, CACHE_POLICIES, CacheSpec
 
 
-def relative_l1(a: torch.Tensor, b: torch.Tensor) -> float:
-    """`|a - b|_1 / |b|_1`, in fp32."""
+def relative_l1(a: torch.Tensor, b: torch.Tensor, sp=None) -> float:
+    """`|a - b|_1 / |b|_1`, in fp32. `sp` (a `parallel.SequenceGroup`): `a` and `b` are this
+    rank's shards of the tensors compared, and the norms are summed over the ranks (every rank
+    calls it, in the same order: it is a collective), so every rank gets the same answer."""
     a, b = a.float(), b.float()
-    # .item(): the answer decides on the host which rows join the next pass, so it must be read
-    # back; one read per computed request and step.
-    return ((a - b).abs().mean() / b.abs().mean().clamp_min(1e-12)).item()
+    if sp is None:
+        # .item(): the answer decides on the host which rows join the next pass, so it must be
+        # read back; one read per computed request and step.
+        return ((a - b).abs().mean() / b.abs().mean().clamp_min(1e-12)).item()
+    import torch.distributed as dist
+
+    sums = torch.stack([(a - b).abs().sum(), b.abs().sum()])  # (2,) of this rank's tokens
+    dist.all_reduce(sums, group=sp.group)
+    # .item(): read on the host as above; after the all-reduce, the same on every rank.
+    return (sums[0] / sums[1].clamp_min(1e-12)).item()
 
 
 def frame_motion(x0: torch.Tensor) -> float:
@@ -365,10 +382,11 @@ class FirstBlock(StepPolicy):
     def reuse(self, history: History, t: float, t_next: float) -> bool:
         raise TypeError("first-block decides inside the pass: use StepCache.reuse_probed")
 
-    def reuse_probed(self, history: History, residual: torch.Tensor) -> bool:
+    def reuse_probed(self, history: History, residual: torch.Tensor, sp=None) -> bool:
+        """`sp`: the residual is this rank's shard of the tokens (see the module docstring)."""
         if history.first is None:
             return False
-        return relative_l1(residual, history.first) < self.threshold
+        return relative_l1(residual, history.first, sp) < self.threshold
 
 
 POLICIES: dict[str, type[StepPolicy]] = {p.name: p for p in (OutputChange, Adaptive, FirstBlock)}
@@ -412,11 +430,13 @@ class StepCache:
         """Whether this cache decides inside the pass, from the first block's residual."""
         return self.policy.probes
 
-    def reuse_probed(self, step: int, residual: torch.Tensor, key: int = 0) -> bool:
+    def reuse_probed(self, step: int, residual: torch.Tensor, key: int = 0, sp=None) -> bool:
         """Whether step `step` reuses the cached residual of the blocks after the first, decided
         from this step's first-block residual `(rows, N, D)` (a probing policy's `reuse`); a
-        False must be followed by `record_probed` (and `record`) once the pass ran."""
-        return self._decide(step, key, lambda h: self.policy.reuse_probed(h, residual))
+        False must be followed by `record_probed` (and `record`) once the pass ran. `sp` (a
+        `parallel.SequenceGroup`): the residual holds this rank's `n` of the `N` tokens, and every
+        rank of it asks in the same order (the measure is reduced over them)."""
+        return self._decide(step, key, lambda h: self.policy.reuse_probed(h, residual, sp))
 
     def _decide(self, step: int, key: int, ask) -> bool:
         """`ask(history)` once per (step, expert), counted once; a retried pass gets the same

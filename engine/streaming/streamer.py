@@ -816,9 +816,7 @@ def stream_module(
         disk_io=disk_io,
     )
     placement = _stream_placement(device, loose)
-    device = torch.device(placement.device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = _resolve_device(placement.device)
     if activation_reserve_bytes < 0:
         raise ValueError(f"activation_reserve_bytes={activation_reserve_bytes} must be >= 0")
     blocks = list(blocks)
@@ -826,14 +824,12 @@ def stream_module(
         _check_host_buffers(host_buffers, blocks, placement)
     names = _block_names(module, blocks)
     per_block, non_block = _block_tensors(module, blocks)
-
     layouts = [pack(ts) for ts in per_block]
-    non_block_bytes = sum(t.tensor.numel() * t.tensor.element_size() for t in non_block)
     plan = plan_residency(
         [nb for _, nb in layouts],
         prefetch=placement.prefetch,
         gpu_budget_bytes=placement.gpu_budget_bytes,
-        non_block_bytes=non_block_bytes,
+        non_block_bytes=sum(t.tensor.numel() * t.tensor.element_size() for t in non_block),
         activation_reserve_bytes=activation_reserve_bytes,
     )
     pinned = _resolve_pinning(device, host_pinned)
@@ -850,14 +846,7 @@ def stream_module(
         buffer = host_buffers[i] if host_buffers is not None else None
         _place_block(rec, placement, device, pinned, buffer, disk_stores)
         records.append(rec)
-    for t in non_block:
-        repoint(
-            t.tensor,
-            torch.empty_like(t.tensor, device=device)
-            if t.tensor.is_meta
-            else t.tensor.detach().to(device),
-        )
-
+    _move_to(non_block, device)
     handle = StreamHandle(
         module,
         records,
@@ -875,6 +864,21 @@ def stream_module(
     _open_slots(handle, plan, ordering)
     handle._install()
     return handle
+
+
+def _resolve_device(name: str) -> torch.device:
+    """`name` as a device; plain "cuda" as the current CUDA device (its slots need an index)."""
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _move_to(tensors: list[BoundTensor], device: torch.device) -> None:
+    """The tensors outside the blocks, moved to `device` for good (left empty if on meta)."""
+    for bound in tensors:
+        t = bound.tensor
+        repoint(t, torch.empty_like(t, device=device) if t.is_meta else t.detach().to(device))
 
 
 def _stream_placement(device: str | torch.device | Placement, loose: dict) -> Placement:

@@ -426,11 +426,18 @@ class WanVideoPipeline(Pipeline, Sampler):
     def parallelize(self, sp) -> None:
         """Each expert's tokens split over the ranks of `sp` by diffusers' own Ulysses context
         parallelism (its `_cp_plan` hooks shard the tokens and rotary tables at the first block
-        and gather them at `proj_out`; its attention dispatch does the all-to-alls)."""
+        and gather them at `proj_out`; its attention dispatch does the all-to-alls).
+
+        The gather after `proj_out` is a forward hook of ours in place of diffusers' (which wraps
+        the layer's forward): an adapter's delta on `proj_out` (a forward hook put first,
+        lora.py) then adds to this rank's tokens' output, from this rank's tokens, before the
+        gather, as every other adapted layer does."""
         from diffusers import ContextParallelConfig
         from diffusers.hooks.context_parallel import apply_context_parallel
         from diffusers.models._modeling_parallel import ParallelConfig
         from torch.distributed.device_mesh import init_device_mesh
+
+        from ..parallel.sequence import gather_tokens
 
         if sp.group is not None:
             raise ValueError("Wan sequence parallel runs over the default process group")
@@ -445,7 +452,12 @@ class WanVideoPipeline(Pipeline, Sampler):
             for module in expert.modules():
                 if hasattr(getattr(module, "processor", None), "_parallel_config"):
                     module.processor._parallel_config = config
-            apply_context_parallel(expert, cp, expert._cp_plan)
+            plan = {k: v for k, v in expert._cp_plan.items() if k != "proj_out"}
+            apply_context_parallel(expert, cp, plan)
+            expert.proj_out.register_forward_hook(
+                lambda module, args, out: gather_tokens(out, sp)  # (B, N, pt*ph*pw*C)
+            )
+        self.sp = sp
 
     def encode(self, prompts: list[str]) -> torch.Tensor:
         """UMT5 embeddings `(B, 512, text_dim)` in the denoiser's dtype, zero past each prompt:
@@ -552,7 +564,7 @@ class WanVideoPipeline(Pipeline, Sampler):
         inputs are those of a pass that keeps no cross-attention keys and values."""
         model = self.experts[e]
         *inputs, adapters = self._inputs(model, states, (0, 1))
-        return WanCut(model, self.config.patch, tuple(inputs), adapters, self.adapters)
+        return WanCut(model, self.config.patch, tuple(inputs), adapters, self.adapters, self.sp)
 
     def update(self, s: WanState, noise: torch.Tensor) -> None:
         s.latents = s.scheduler.step(noise, s.timestep, s.latents, return_dict=False)[0]

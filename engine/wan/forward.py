@@ -68,20 +68,30 @@ class Carry:
 
 
 class WanCut(ForwardCut):
-    """One pass of a Wan expert over some rows, cut at its blocks (for the sampler loop)."""
+    """One pass of a Wan expert over some rows, cut at its blocks (for the sampler loop).
 
-    def __init__(self, model, patch, inputs: tuple, adapters: list, router):
+    Under sequence parallel (`sp`: the expert carries diffusers' context-parallel hooks, see
+    `WanVideoPipeline.parallelize`) the hooks on the modules split as in the model's forward: the
+    rotary tables at `rope`, the tokens entering block 0, the gather after `proj_out`. The one
+    split made at the model's own forward, per-token timesteps (`expand_timesteps`), the cut
+    makes itself in `prologue`, so the modulation and the epilogue's time embedding are this
+    rank's tokens'."""
+
+    def __init__(self, model, patch, inputs: tuple, adapters: list, router, sp=None):
         self.model, self.patch = model, patch
         self.x, self.timestep, self.context, self.image = inputs
-        self.adapters, self.router = adapters, router
+        self.adapters, self.router, self.sp = adapters, router, sp
 
     @property
     def depth(self) -> int:
         return len(self.model.blocks)
 
     def prologue(self):
+        timestep = self.timestep
+        if timestep.ndim == 2:  # (B, N) one per token: (B, n), this rank's
+            timestep = self.local(timestep)
         h, temb, projection, context, rotary = prologue(
-            self.model, self.x, self.timestep, self.context, self.image
+            self.model, self.x, timestep, self.context, self.image
         )
         return h, Carry(temb, projection, context, rotary)  # (B, N, D)
 

@@ -159,8 +159,7 @@ class Models:
         """Whether this worker can take the queued video `row` now: not while it names an
         adapter uploaded here but not yet taken up (the scan runs at the next tick), or one
         another live worker has and this one does not. One that no worker has is taken, to
-        fail naming the adapter. A worker whose backend takes no adapters (several devices)
-        leaves a video that names any to another live worker of its model."""
+        fail naming the adapter. A worker whose backend takes no adapters leaves a video that names any to another live worker of its model."""
         names = {c["name"] for c in row.spec.get("loras") or ()}
         ctx = self.ctx
         if names and not ctx.backend.takes_adapters:
