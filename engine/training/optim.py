@@ -650,19 +650,24 @@ class CPUAdamW:
         torch._fused_adamw_(p, g, m, v, [], [b.step] * len(g), weight_decay=c.weight_decay, **hyper)
 
         if fmt.moments == "8bit":
-            compact.quantize_8bit(mv, codes, absmax, s)
+            noise = s.noise[:n]  # sqrt(v)'s stochastic rounding, keyed like the master's
+            for o, cv, (_, a, _), t in zip(c.offsets, c.codes, c.slices, c.keys):
+                key = compact.sr_key(self.seed, step, b.index, t, compact.MOMENT_STREAM)
+                compact.sr_fill(noise[o : o + cv.shape[1]], s.golden, a, key)
+            compact.sr_finish(noise, s.tmp, compact.W_NOISE_BITS)
+            compact.quantize_8bit(mv, codes, absmax, s, noise)
             for o, cv, av in zip(c.offsets, c.codes, c.absmax):
                 cv.copy_(codes[:, o : o + cv.shape[1]])
                 av.copy_(absmax[:, o // q : o // q + av.shape[1]])
         if fmt.master == "bf16-split":
             for (o, k), hi, lo in zip(spans, c.params, c.lo):
-                compact.split_halves(s.p[o : o + k], hi, lo, s.i[0, :k])
+                compact.split_halves(s.p[o : o + k], hi, lo, s.tmp[:k])
         elif fmt.master == "bf16-sr":
             for (o, k), hi, (_, a, _), t in zip(spans, c.params, c.slices, c.keys):
-                noise = s.i[0, :k]
+                noise = s.noise[:k]
                 key = compact.sr_key(self.seed, step, b.index, t)
                 compact.sr_fill(noise, s.golden, a, key)
-                compact.sr_finish(noise, s.j[0])
+                compact.sr_finish(noise, s.tmp)
                 compact.stochastic_round(s.p[o : o + k], hi, noise)
         elif fmt.master == "bf16":
             for (o, k), hi in zip(spans, c.params):
