@@ -54,8 +54,8 @@ class StateFormat:
     def parse(cls, text: str) -> StateFormat:
         """``"fp32"``, or ``"<master>/<moments>"`` such as ``"bf16-sr/8bit"``; ValueError
         naming the choices otherwise."""
-        master, _, moments = text.partition("/")
-        fmt = cls(master, moments or "fp32")
+        master, slash, moments = text.partition("/")
+        fmt = cls(master, moments if slash else "fp32")
         if fmt.master not in MASTERS or fmt.moments not in MOMENTS:
             raise ValueError(
                 f"optimizer state format {text!r}: expected '<master>/<moments>' with master in "
