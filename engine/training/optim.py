@@ -120,6 +120,7 @@ class _Chunk:
     # Compact formats: where each slice sits in the worker's scratch (slices padded to
     # QUANT_BLOCK), the scratch length, and views of the stored halves and codes.
     offsets: list[int] | None = None
+    widths: list[int] | None = None  # slice lengths padded to QUANT_BLOCK
     padded: int = 0
     lo: list[Tensor] | None = None  # bf16-split: low halves, int16
     codes: list[Tensor] | None = None  # 8-bit: (2, padded slice) uint8 views of m and sqrt(v)
@@ -334,9 +335,10 @@ class CPUAdamW:
         order = {n: i for i, n in enumerate(params)}
         for s in chunks:
             real = [(n, a, min(e, params[n].numel())) for n, a, e in s]
+            widths = [e - a for _, a, e in s]  # padded
             offsets = [0]
-            for _, a, e in s:
-                offsets.append(offsets[-1] + e - a)
+            for w in widths:
+                offsets.append(offsets[-1] + w)
             c = _Chunk(
                 weight_decay,
                 real,
@@ -344,6 +346,7 @@ class CPUAdamW:
                 [b.m[n].view(-1)[a:e] for n, a, e in real] if b.m else [],
                 [b.v[n].view(-1)[a:e] for n, a, e in real] if b.v else [],
                 offsets=offsets[:-1],
+                widths=widths,
                 padded=offsets[-1],
                 keys=[order[n] for n, _, _ in s],
             )
@@ -629,7 +632,7 @@ class CPUAdamW:
             p = [s.p[o : o + k] for o, k in spans]
             for dst, hi, i in zip(p, c.params, range(len(p))):
                 if fmt.master == "bf16-split":
-                    compact.join_halves(hi, c.lo[i], dst)
+                    compact.join_halves(hi, c.lo[i], dst, s)
                 else:
                     dst.copy_(hi)  # bf16 -> fp32 is exact
         if fmt.moments == "fp32":
@@ -649,26 +652,26 @@ class CPUAdamW:
 
         torch._fused_adamw_(p, g, m, v, [], [b.step] * len(g), weight_decay=c.weight_decay, **hyper)
 
+        # Random bits for stochastic rounding, one 32-bit draw per element (padding included):
+        # the low 16 round a bf16-sr master, the high 16 the 8-bit v.
+        rand = None
+        if fmt.master == "bf16-sr" or fmt.moments == "8bit":
+            rand = s.bits[:n]
+            for o, (_, a, _), width, t in zip(c.offsets, c.slices, c.widths, c.keys):
+                key = compact.sr_key(self.seed, step, b.index, t)
+                compact.hash_start(rand[o : o + width], s, a, key)
+            compact.hash_finish(rand, s.tmp, s)
         if fmt.moments == "8bit":
-            noise = s.noise[:n]  # sqrt(v)'s stochastic rounding, keyed like the master's
-            for o, cv, (_, a, _), t in zip(c.offsets, c.codes, c.slices, c.keys):
-                key = compact.sr_key(self.seed, step, b.index, t, compact.MOMENT_STREAM)
-                compact.sr_fill(noise[o : o + cv.shape[1]], s.golden, a, key)
-            compact.sr_finish(noise, s.tmp, compact.W_NOISE_BITS)
-            compact.quantize_8bit(mv, codes, absmax, s, noise)
+            compact.quantize_8bit(mv, codes, absmax, s, rand)
             for o, cv, av in zip(c.offsets, c.codes, c.absmax):
                 cv.copy_(codes[:, o : o + cv.shape[1]])
                 av.copy_(absmax[:, o // q : o // q + av.shape[1]])
         if fmt.master == "bf16-split":
             for (o, k), hi, lo in zip(spans, c.params, c.lo):
-                compact.split_halves(s.p[o : o + k], hi, lo, s.tmp[:k])
+                compact.split_halves(s.p[o : o + k], hi, lo, s.tmp[:k], s)
         elif fmt.master == "bf16-sr":
-            for (o, k), hi, (_, a, _), t in zip(spans, c.params, c.slices, c.keys):
-                noise = s.noise[:k]
-                key = compact.sr_key(self.seed, step, b.index, t)
-                compact.sr_fill(noise, s.golden, a, key)
-                compact.sr_finish(noise, s.tmp)
-                compact.stochastic_round(s.p[o : o + k], hi, noise)
+            for (o, k), hi in zip(spans, c.params):
+                compact.stochastic_round(s.p[o : o + k], hi, rand[o : o + k], s.tmp[:k], s)
         elif fmt.master == "bf16":
             for (o, k), hi in zip(spans, c.params):
                 hi.copy_(s.p[o : o + k])  # round to nearest even
