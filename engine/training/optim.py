@@ -1,4 +1,4 @@
-"""CPU AdamW for host-resident fp32 master weights, updated one block at a time.
+"""CPU AdamW for host-resident master weights (fp32, or a compact format), one block at a time.
 
 The math is torch.optim.AdamW exactly as documented at
 https://pytorch.org/docs/stable/generated/torch.optim.AdamW.html (amsgrad=False, maximize=False).
@@ -30,7 +30,23 @@ module adds is the machinery the fine-tuning loop needs around it:
   uses the mean of the micro-batch gradients (the gradient of the mean loss, what torch users get by
   calling ``(loss / k).backward()`` k times).
 * Optional global-norm clipping as `torch.nn.utils.clip_grad_norm_` does it (see "Clipping" below).
-* `state_dict` / `load_state_dict` with m, v and the step counts, for exact resume.
+* `state_dict` / `load_state_dict` with m, v (or a compact format's stores) and the step
+  counts, for exact resume.
+
+State formats (`state=`, state_format.py; the codecs in compact.py). The default "fp32" is the
+above: fp32 master, m and v, 12 B/param plus the 2 B compute copy. A compact format
+"<master>/<moments>" stores less and runs the same fused kernel on fp32 scratch: per chunk, each
+worker decodes the master (bf16 halves joined, or bf16 widened) and the moments (8-bit codes
+times their block absmax) into its own fp32 buffers, calls `torch._fused_adamw_` on them, and
+encodes the result back (split into halves, or rounded to bf16 stochastically; m and v
+re-quantized). The update's arithmetic is torch's; only storage and rounding differ. With a bf16
+master ("bf16-split", "bf16-sr") the caller hands bf16 tensors, which the optimizer updates in
+place and which are the compute copy themselves: `master_dtype` says so and `out=` is refused.
+Chunks of a compact format are cut at multiples of 256 elements inside each tensor (a tensor's
+tail is padded in scratch), so quantization blocks never straddle tensors and the result does
+not depend on chunk size or thread count. Stochastic rounding draws its bits from a hash of
+(seed, step, block, tensor, element), so a resumed run rounds exactly as an uninterrupted one.
+Cost: about forty torch ops per chunk instead of one kernel call; see benchmarks/optimizer.py.
 
 Clipping: the clipping coefficient depends on the norm of the gradient of *every* block, and no
 block may be updated before it is known. We hold all gradients: with clipping on, every block's
@@ -80,8 +96,9 @@ _CHUNK_ALIGN = 64
 
 FP32_CHUNK_NUMEL = 1 << 19  # fp32 state: one streaming pass, large chunks amortize the calls
 # Compact formats decode a chunk into fp32 scratch (master, m, v and integer temporaries, about
-# 30 B per element): 64K elements keep that within a core's L2 and L3 share.
-COMPACT_CHUNK_NUMEL = 1 << 16
+# 50 B per element) with ~40 torch ops per chunk: 128K elements (6 MB, in L3) was the fastest
+# here; smaller chunks pay more per-op dispatch, larger ones fall out of cache.
+COMPACT_CHUNK_NUMEL = 1 << 17
 
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 
