@@ -89,7 +89,6 @@ class Scratch:
         self.i = torch.empty(2, n, dtype=torch.int32)
         self.j = torch.empty(2, n, dtype=torch.int32)
         self.k = torch.empty(2, n, dtype=torch.int32)
-        self.codes = torch.empty(2, n, dtype=torch.uint8)
         self.absmax = torch.empty(2, n // QUANT_BLOCK, dtype=torch.float32)
         self.inv = torch.empty(2, n // QUANT_BLOCK, dtype=torch.float32)
         self.bits = torch.empty(n, dtype=torch.int32)  # hash_bits output
@@ -170,9 +169,15 @@ def sr_key(seed: int, step: int, block: int, tensor: int) -> int:
 
 def dequantize_8bit(codes: Tensor, absmax: Tensor, out: Tensor, s: Scratch) -> None:
     """(2, n) uint8 codes and (2, n / 256) absmax -> m (row 0) and v (row 1) in fp32 `out`."""
-    n, c = codes.shape[1], s.c
+    s.i[:, : codes.shape[1]].copy_(codes)
+    decode_8bit(absmax, out, s)
+
+
+def decode_8bit(absmax: Tensor, out: Tensor, s: Scratch) -> None:
+    """`dequantize_8bit` of the codes already widened into ``s.i[:, :n]`` (n = out.shape[1]):
+    a caller with codes in several pieces copies each straight in, with no uint8 staging."""
+    n, c = out.shape[1], s.c
     i, j, nz = s.i[:, :n], s.j[:, :n], s.k[:, :n]
-    i.copy_(codes)
     torch.bitwise_and(i, c["sign"], out=j).bitwise_left_shift_(c["k24"])  # the fp32 sign bit
     i.bitwise_and_(c["kmask"])
     # 0 for m's code 0, else 1 (integer ops: a bool mask would cost a slow dtype promotion)
@@ -192,6 +197,13 @@ def quantize_8bit(
 
     m is rounded to nearest; v stochastically when `rand` (int32 from `hash_bits`, one per
     element of a row: its high 16 bits are used) is given, else to nearest too."""
+    encode_8bit(mv, absmax, s, rand)
+    codes.copy_(s.i[:, : mv.shape[1]])
+
+
+def encode_8bit(mv: Tensor, absmax: Tensor, s: Scratch, rand: Tensor | None = None) -> None:
+    """`quantize_8bit` leaving the codes as int32 in ``s.i[:, :n]``, for the caller to narrow
+    into its pieces of uint8 storage."""
     n, c = mv.shape[1], s.c
     i, j = s.i[:, :n], s.j[:, :n]
     scaled = i.view(torch.float32)
@@ -211,7 +223,6 @@ def quantize_8bit(
         torch.bitwise_right_shift(rand, c["k16"], out=tmp).bitwise_and_(c["low16"])
         i[1].add_(tmp.bitwise_left_shift_(c["k4"]))
     i.bitwise_right_shift_(c["k20"]).sub_(c["bias"]).clamp_(min=0).bitwise_or_(j)
-    codes.copy_(i)
 
 
 # ---------------------------------------------------------------------- allocating forms

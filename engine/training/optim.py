@@ -655,12 +655,12 @@ class CPUAdamW:
         if fmt.moments == "fp32":
             m, v = c.m, c.v
         else:
-            codes, absmax, mv = s.codes[:, :n], s.absmax[:, : n // QUANT_BLOCK], s.mv[:, :n]
+            absmax, mv = s.absmax[:, : n // QUANT_BLOCK], s.mv[:, :n]
             q = QUANT_BLOCK
             for o, cv, av in zip(c.offsets, c.codes, c.absmax):
-                codes[:, o : o + cv.shape[1]].copy_(cv)
+                s.i[:, o : o + cv.shape[1]].copy_(cv)  # uint8 -> int32, straight into scratch
                 absmax[:, o // q : o // q + av.shape[1]].copy_(av)
-            compact.dequantize_8bit(codes, absmax, mv, s)
+            compact.decode_8bit(absmax, mv, s)
             for (o, k), cv in zip(spans, c.codes):
                 if k < cv.shape[1]:  # a tensor's tail: zero the padding, kept out of absmax
                     mv[:, o + k : o + cv.shape[1]].zero_()
@@ -679,9 +679,9 @@ class CPUAdamW:
                 compact.hash_start(rand[o : o + width], s, a, key)
             compact.hash_finish(rand, s.tmp, s)
         if fmt.moments == "8bit":
-            compact.quantize_8bit(mv, codes, absmax, s, rand)
+            compact.encode_8bit(mv, absmax, s, rand)
             for o, cv, av in zip(c.offsets, c.codes, c.absmax):
-                cv.copy_(codes[:, o : o + cv.shape[1]])
+                cv.copy_(s.i[:, o : o + cv.shape[1]])  # int32 codes -> uint8 storage
                 av.copy_(absmax[:, o // q : o // q + av.shape[1]])
         if fmt.master == "bf16-split":
             for (o, k), hi, lo in zip(spans, c.params, c.lo):
