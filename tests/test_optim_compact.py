@@ -102,6 +102,21 @@ def test_format_names_and_bytes_per_param():
             OptimizerSpec(state=bad)
 
 
+@pytest.mark.parametrize("state", ["fp32"] + COMPACT)
+def test_bytes_per_param_match_the_allocations(state):
+    shapes = {"w": (64, 256), "b": (256,), "s": (512,)}  # multiples of 256: no padding
+    dtype = torch.bfloat16 if is_bf16(state) else torch.float32
+    params = {n: torch.zeros(s, dtype=dtype) for n, s in shapes.items()}
+    opt = CPUAdamW({0: params}, state=state)
+    numel = sum(t.numel() for t in params.values())
+    held = sum(t.nbytes for t in params.values())
+    for key in opt._stores():
+        held += sum(t.nbytes for t in getattr(opt._blocks[0], key).values())
+    if not opt.format.master_is_compute_copy:
+        held += 2 * numel  # the bf16 compute copy the caller keeps for an fp32 master
+    assert held / numel == state_bytes_per_param(state)
+
+
 def test_from_spec_and_master_dtype_checks():
     opt = CPUAdamW.from_spec(make_params("bf16-sr/8bit"), OptimizerSpec(state="bf16-sr/8bit"))
     assert opt.format.name == "bf16-sr/8bit" and opt.master_dtype == torch.bfloat16

@@ -27,7 +27,8 @@ Moments:
 * ``8bit``: block-wise dynamic quantization after Dettmers et al. 2021, "8-bit Optimizers via
   Block-wise Quantization" (https://arxiv.org/abs/2110.02861): blocks of 256 elements of one
   tensor, each with its fp32 absmax, values coded relative to it by a float-like 8-bit code
-  (compact.py). m is stored as it is, v as sqrt(v) (same range as m's). 2 B + 2 * 4 / 256 B.
+  (compact.py: 3 mantissa bits; m signed, v with the sign bit spent on exponent range; m
+  rounded to nearest, v stochastically). 2 B + 2 * 4 / 256 B.
 """
 
 from __future__ import annotations
