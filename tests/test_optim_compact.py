@@ -102,6 +102,32 @@ def test_format_names_and_bytes_per_param():
             OptimizerSpec(state=bad)
 
 
+@pytest.mark.parametrize("state", ["fp32", "fp32/fp32"])
+def test_fp32_format_is_bitwise_torch_fused_adamw(state):
+    params = make_params("fp32")
+    ref = [torch.nn.Parameter(t.clone()) for named in params.values() for t in named.values()]
+    decayed = [p for p in ref if p.ndim >= 2]
+    plain = [p for p in ref if p.ndim < 2]
+    topt = torch.optim.AdamW(
+        [{"params": decayed, "weight_decay": WD}, {"params": plain, "weight_decay": 0.0}],
+        lr=LR,
+        betas=BETAS,
+        eps=EPS,
+        fused=True,
+    )
+    opt = opt_for(params, state)
+    assert not opt.format.compact and opt.chunk_numel == 1 << 19
+    for step in range(4):
+        grads = make_grads(step)
+        for p, g in zip(ref, [t for named in grads.values() for t in named.values()]):
+            p.grad = g.clone()
+        topt.step()
+        opt.step(grads)
+    ours = [t for named in params.values() for t in named.values()]
+    for p, t in zip(ref, ours):
+        assert torch.equal(p.detach(), t)
+
+
 @pytest.mark.parametrize("state", ["fp32"] + COMPACT)
 def test_bytes_per_param_match_the_allocations(state):
     shapes = {"w": (64, 256), "b": (256,), "s": (512,)}  # multiples of 256: no padding
