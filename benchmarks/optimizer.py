@@ -13,13 +13,19 @@ line before writing it (write-allocate), a cost AdamW's in-place writes to p, m,
 AdamW can exceed this "roofline". `inplace_gbps` (``a.add_(b)``, 12 B/element, no write-allocate)
 is reported as a stricter reference, with `roofline_fraction_inplace` against it.
 
+Compact state formats (`--states`, default all; engine/training/state_format.py): each runs on
+its own copy of the parameters (bf16 for a bf16 master, which is then the compute copy and gets
+no separate one), interleaved with the rest. Reported per format: params/s, the ratio to ours
+in the fp32 format with its bf16 copy (the job a compact format replaces), and host bytes per
+parameter.
+
 Usage: python benchmarks/optimizer.py --json [--sizes 50e6,200e6] [--rounds 7] [--threads N]
+           [--states bf16-sr/8bit,...]
 """
 
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import os
 import platform
@@ -29,7 +35,10 @@ import time
 
 import torch
 
-from megaslide.engine.training.optim import CPUAdamW
+from megaslide.engine.training.optim import FP32_CHUNK_NUMEL, CPUAdamW
+from megaslide.engine.training.state_format import MASTERS, MOMENTS, StateFormat
+
+COMPACT_STATES = [f"{m}/{v}" for m in MASTERS for v in MOMENTS if m != "bf16"][1:]
 
 BYTES_PER_PARAM_OURS = 30  # p, g, m, v read (16) + p, m, v written (12) + bf16 copy (2)
 BYTES_PER_PARAM_TORCH = 28  # same without the bf16 copy
@@ -77,7 +86,9 @@ def bandwidth(numel: int, rounds: int) -> tuple[float, float]:
     return 8 * numel / copy / 1e9, 12 * numel / add / 1e9
 
 
-def bench_size(num_params: int, rounds: int, threads: int | None, chunk_numel: int) -> dict:
+def bench_size(
+    num_params: int, rounds: int, threads: int | None, chunk_numel: int, states: list[str]
+) -> dict:
     params, grads = make_params(num_params)
     n = sum(p.numel() for p in params)
 
@@ -108,6 +119,19 @@ def bench_size(num_params: int, rounds: int, threads: int | None, chunk_numel: i
         "torch_fused": torch_opts["fused"].step,
         "torch_foreach": torch_opts["foreach"].step,
     }
+    compact = {}
+    for state in states:
+        fmt = StateFormat.parse(state)
+        dtype = torch.bfloat16 if fmt.master_is_compute_copy else torch.float32
+        blocks = group_blocks([p.to(dtype, copy=True) for p in params])
+        opt = CPUAdamW(blocks, lr=1e-4, weight_decay=0.01, threads=threads, state=state)
+        compact[state] = opt
+
+        def step_compact(opt=opt, blocks=blocks, copy=not fmt.master_is_compute_copy):
+            for bid in blocks:
+                opt.step_block(bid, g_blocks[bid], out=outs[bid] if copy else None)
+
+        variants[state] = step_compact
     for fn in variants.values():  # warm-up: allocates torch's state, faults pages in
         fn()
     times: dict[str, list[float]] = {k: [] for k in variants}
@@ -118,6 +142,17 @@ def bench_size(num_params: int, rounds: int, threads: int | None, chunk_numel: i
     rate = {k: n / t for k, t in med.items()}
     copy_gbps, inplace_gbps = bandwidth(min(n, 64 << 20), rounds)
     ours.close()
+    for opt in compact.values():
+        opt.close()
+    formats = {
+        state: {
+            "params_per_s": rate[state],
+            "ratio_vs_fp32": rate[state] / rate["ours"],
+            "bytes_per_param": StateFormat.parse(state).bytes_per_param(),
+            "chunk_numel": opt.chunk_numel,
+        }
+        for state, opt in compact.items()
+    }
     return {
         "params": n,
         "ours_params_per_s": rate["ours"],
@@ -132,6 +167,8 @@ def bench_size(num_params: int, rounds: int, threads: int | None, chunk_numel: i
         "torch_fused_gbps": BYTES_PER_PARAM_TORCH * rate["torch_fused"] / 1e9,
         "roofline_fraction": BYTES_PER_PARAM_OURS * rate["ours"] / 1e9 / copy_gbps,
         "roofline_fraction_inplace": BYTES_PER_PARAM_OURS * rate["ours"] / 1e9 / inplace_gbps,
+        "bytes_per_param_fp32": StateFormat().bytes_per_param(),
+        "states": formats,
         "median_step_s": med,
         "min_step_s": {k: min(v) for k, v in times.items()},
     }
@@ -154,10 +191,16 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="CPUAdamW chunk size in elements (default: the optimizer's default)",
     )
+    ap.add_argument(
+        "--states",
+        default=",".join(COMPACT_STATES),
+        help="compact state formats to measure beside fp32 ('' for none)",
+    )
     args = ap.parse_args(argv)
+    states = [s for s in args.states.split(",") if s]
     sizes = [int(float(s)) for s in args.sizes.split(",")]
-    chunk = args.chunk_numel or inspect.signature(CPUAdamW).parameters["chunk_numel"].default
-    results = [bench_size(s, args.rounds, args.threads, chunk) for s in sizes]
+    chunk = args.chunk_numel or FP32_CHUNK_NUMEL
+    results = [bench_size(s, args.rounds, args.threads, chunk, states) for s in sizes]
     report = {
         "benchmark": "cpu_adamw",
         "torch": torch.__version__,
@@ -184,6 +227,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"(in-place {100 * r['roofline_fraction_inplace']:.0f}%)",
                 file=sys.stdout,
             )
+            for state, f in r["states"].items():
+                print(
+                    f"{'':16}{state:16} {f['params_per_s'] / 1e6:7.0f}M/s, "
+                    f"ratio to fp32 {f['ratio_vs_fp32']:.3f}, {f['bytes_per_param']:.2f} B/param"
+                )
     return 0
 
 

@@ -26,6 +26,7 @@ from typing import Any
 
 from ..native.config import TIME_SAMPLING
 from ..placement import Placement
+from .state_format import StateFormat
 
 LR_SCHEDULES = ("constant", "cosine")
 
@@ -40,6 +41,17 @@ class OptimizerSpec:
     weight_decay: float = 0.0
     max_grad_norm: float | None = None  # clip the global gradient norm to this
     grad_accum: int = 1  # micro-batches per optimizer step
+    # How the optimizer stores master and moments on the host: "fp32", or "<master>/<moments>"
+    # such as "bf16-sr/8bit" (state_format.py: the formats and their bytes per parameter).
+    state: str = "fp32"
+
+    def __post_init__(self) -> None:
+        StateFormat.parse(self.state)  # ValueError naming the formats
+
+    @property
+    def state_bytes_per_param(self) -> float:
+        """Host bytes per trained parameter of this state format (master, m, v, compute copy)."""
+        return StateFormat.parse(self.state).bytes_per_param()
 
 
 @dataclass(frozen=True)

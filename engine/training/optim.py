@@ -1,4 +1,4 @@
-"""CPU AdamW for host-resident fp32 master weights, updated one block at a time.
+"""CPU AdamW for host-resident master weights (fp32, or a compact format), one block at a time.
 
 The math is torch.optim.AdamW exactly as documented at
 https://pytorch.org/docs/stable/generated/torch.optim.AdamW.html (amsgrad=False, maximize=False).
@@ -30,7 +30,23 @@ module adds is the machinery the fine-tuning loop needs around it:
   uses the mean of the micro-batch gradients (the gradient of the mean loss, what torch users get by
   calling ``(loss / k).backward()`` k times).
 * Optional global-norm clipping as `torch.nn.utils.clip_grad_norm_` does it (see "Clipping" below).
-* `state_dict` / `load_state_dict` with m, v and the step counts, for exact resume.
+* `state_dict` / `load_state_dict` with m, v (or a compact format's stores) and the step
+  counts, for exact resume.
+
+State formats (`state=`, state_format.py; the codecs in compact.py). The default "fp32" is the
+above: fp32 master, m and v, 12 B/param plus the 2 B compute copy. A compact format
+"<master>/<moments>" stores less and runs the same fused kernel on fp32 scratch: per chunk, each
+worker decodes the master (bf16 halves joined, or bf16 widened) and the moments (8-bit codes
+times their block absmax) into its own fp32 buffers, calls `torch._fused_adamw_` on them, and
+encodes the result back (split into halves, or rounded to bf16 stochastically; m and v
+re-quantized). The update's arithmetic is torch's; only storage and rounding differ. With a bf16
+master ("bf16-split", "bf16-sr") the caller hands bf16 tensors, which the optimizer updates in
+place and which are the compute copy themselves: `master_dtype` says so and `out=` is refused.
+Chunks of a compact format are cut at multiples of 256 elements inside each tensor (a tensor's
+tail is padded in scratch), so quantization blocks never straddle tensors and the result does
+not depend on chunk size or thread count. Stochastic rounding draws its bits from a hash of
+(seed, step, block, tensor, element), so a resumed run rounds exactly as an uninterrupted one.
+Cost: about forty torch ops per chunk instead of one kernel call; see benchmarks/optimizer.py.
 
 Clipping: the clipping coefficient depends on the norm of the gradient of *every* block, and no
 block may be updated before it is known. We hold all gradients: with clipping on, every block's
@@ -67,7 +83,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from . import compact
 from .finetune_spec import OptimizerSpec
+from .state_format import QUANT_BLOCK, StateFormat
 
 FP32_BYTES = 4
 
@@ -75,6 +93,14 @@ FP32_BYTES = 4
 # vectors with a scalar tail; cutting tensors at multiples of 64 elements keeps the vector/tail
 # split, and therefore the rounding, identical to one call on the whole tensor.
 _CHUNK_ALIGN = 64
+
+FP32_CHUNK_NUMEL = 1 << 19  # fp32 state: one streaming pass, large chunks amortize the calls
+# Compact formats decode a chunk into fp32 scratch (master, m, v and integer temporaries, about
+# 50 B per element) with ~40 torch ops per chunk: 128K elements (6 MB, in L3) was the fastest
+# here; smaller chunks pay more per-op dispatch, larger ones fall out of cache.
+COMPACT_CHUNK_NUMEL = 1 << 17
+
+_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 
 
 def default_decay_filter(name: str, param: Tensor) -> bool:
@@ -105,20 +131,33 @@ class _Chunk:
     weight_decay: float
     slices: list[tuple[str, int, int]]  # (name, start, end) in the flattened parameter
     params: list[Tensor]
-    m: list[Tensor]
+    m: list[Tensor]  # fp32 moments; empty with 8-bit moments
     v: list[Tensor]
     g: list[Tensor] | None = None  # views of the block's gradient buffer, once it exists
+    # Compact formats: where each slice sits in the worker's scratch (slices padded to
+    # QUANT_BLOCK), the scratch length, and views of the stored halves and codes.
+    offsets: list[int] | None = None
+    widths: list[int] | None = None  # slice lengths padded to QUANT_BLOCK
+    padded: int = 0
+    lo: list[Tensor] | None = None  # bf16-split: low halves, int16
+    codes: list[Tensor] | None = None  # 8-bit: (2, padded slice) uint8 views of m and sqrt(v)
+    absmax: list[Tensor] | None = None  # 8-bit: (2, padded slice / 256) fp32 views
+    keys: list[int] | None = None  # bf16-sr: tensor index within the block, for the hash
 
 
 @dataclass
 class _Block:
     """Optimizer state of one block."""
 
-    params: dict[str, Tensor]  # fp32 masters, owned by the caller, updated in place
-    m: dict[str, Tensor]
+    params: dict[str, Tensor]  # masters (fp32, or bf16), owned by the caller, updated in place
+    m: dict[str, Tensor]  # fp32 moments (empty with 8-bit moments)
     v: dict[str, Tensor]
     step: Tensor  # 0-dim fp32: the form the fused kernel reads the step count in
     chunks: list[_Chunk]
+    index: int = 0  # registration order, for the stochastic rounding key
+    lo: dict[str, Tensor] | None = None  # bf16-split: the masters' low halves
+    codes: dict[str, Tensor] | None = None  # 8-bit: (2, numel padded to 256) uint8
+    absmax: dict[str, Tensor] | None = None  # 8-bit: (2, padded numel / 256) fp32
     grad_buf: dict[str, Tensor] | None = None  # fp32 sums of micro-batch gradients
     micro: int = 0  # micro-batches accumulated since the last step of this block
     norms: Tensor | None = None  # (n_tensors,) per-tensor norms of grad_buf, for clipping
@@ -156,6 +195,7 @@ class CPUAdamW:
             weight_decay=spec.weight_decay,
             accumulation_steps=spec.grad_accum,
             max_grad_norm=spec.max_grad_norm,
+            state=spec.state,
             **options,
         )
 
@@ -171,7 +211,9 @@ class CPUAdamW:
         max_grad_norm: float | None = None,
         decay_filter: Callable[[str, Tensor], bool] = default_decay_filter,
         threads: int | None = None,
-        chunk_numel: int = 1 << 19,
+        chunk_numel: int | None = None,
+        state: str = "fp32",
+        seed: int = 0,
     ):
         if not 0.0 <= betas[0] < 1.0 or not 0.0 <= betas[1] < 1.0:
             raise ValueError(f"betas must be in [0, 1), got {betas}")
@@ -185,8 +227,12 @@ class CPUAdamW:
             raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
         if threads is not None and threads < 1:
             raise ValueError(f"threads must be >= 1 or None, got {threads}")
-        if chunk_numel < _CHUNK_ALIGN or chunk_numel % _CHUNK_ALIGN:
-            raise ValueError(f"chunk_numel must be a positive multiple of {_CHUNK_ALIGN}")
+        self.format = StateFormat.parse(state)
+        if chunk_numel is None:
+            chunk_numel = COMPACT_CHUNK_NUMEL if self.format.compact else FP32_CHUNK_NUMEL
+        align = QUANT_BLOCK if self.format.compact else _CHUNK_ALIGN
+        if chunk_numel < align or chunk_numel % align:
+            raise ValueError(f"chunk_numel must be a positive multiple of {align}")
 
         self.lr = float(lr)  # may be changed between steps (schedules); read at each step_block
         self.betas = (float(betas[0]), float(betas[1]))
@@ -196,55 +242,89 @@ class CPUAdamW:
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.threads = threads if threads is not None else torch.get_num_threads()
         self.chunk_numel = int(chunk_numel)
+        self.seed = int(seed)  # keys the stochastic rounding of a bf16-sr master
         self.last_grad_norm: float | None = None  # global norm of the last clipped step
 
         self._blocks: dict[Hashable, _Block] = {}
-        for block_id, named in blocks.items():
+        for index, (block_id, named) in enumerate(blocks.items()):
             self._blocks[block_id] = self._build_block(block_id, named, decay_filter)
+            self._blocks[block_id].index = index
         # Clipping bookkeeping for the current step: the clip coefficient, once every block's
         # gradients are in, and the blocks that still have to be stepped with it.
         self._clip_scale: Tensor | None = None
         self._pending: set[Hashable] = set()
 
         self._scratch: list[Tensor | None] = [None] * self.threads
+        self._compact: list[compact.Scratch | None] = [None] * self.threads
         self._pool: ThreadPoolExecutor | None = _single_threaded_pool(self.threads)
 
     # ------------------------------------------------------------------ setup
 
     def _build_block(self, block_id, named: Mapping[str, Tensor], decay_filter) -> _Block:
         params: dict[str, Tensor] = {}
+        dtype = self.master_dtype
         for name, p in named.items():
-            if p.dtype != torch.float32 or p.device.type != "cpu" or not p.is_contiguous():
+            if p.dtype != dtype or p.device.type != "cpu" or not p.is_contiguous():
                 raise ValueError(
-                    f"block {block_id!r} param {name!r}: master weights must be contiguous fp32 "
-                    f"CPU tensors, got {p.dtype} on {p.device}, contiguous={p.is_contiguous()}"
+                    f"block {block_id!r} param {name!r}: master weights of state "
+                    f"{self.format.name!r} must be contiguous {_DTYPE_NAMES[dtype]} CPU tensors, "
+                    f"got {p.dtype} on {p.device}, contiguous={p.is_contiguous()}"
                 )
             params[name] = p
-        m = {n: torch.zeros_like(p) for n, p in params.items()}
-        v = {n: torch.zeros_like(p) for n, p in params.items()}
+        fmt = self.format
+        f32 = torch.float32
+        m, v, lo, codes, absmax = {}, {}, None, None, None
+        if fmt.moments == "fp32":
+            m = {n: torch.zeros(p.shape, dtype=f32) for n, p in params.items()}
+            v = {n: torch.zeros(p.shape, dtype=f32) for n, p in params.items()}
+        else:  # zero codes under a zero absmax decode to m = v = 0
+            padded = {n: _round_up(p.numel(), QUANT_BLOCK) for n, p in params.items()}
+            codes = {n: torch.zeros(2, k, dtype=torch.uint8) for n, k in padded.items()}
+            absmax = {n: torch.zeros(2, k // QUANT_BLOCK, dtype=f32) for n, k in padded.items()}
+        if fmt.master == "bf16-split":  # the given bf16 weights are the master exactly
+            lo = {n: torch.zeros(p.shape, dtype=torch.int16) for n, p in params.items()}
+        b = _Block(
+            params=params,
+            m=m,
+            v=v,
+            step=torch.zeros((), dtype=f32),
+            chunks=[],
+            lo=lo,
+            codes=codes,
+            absmax=absmax,
+        )
         decayed = [n for n, p in params.items() if decay_filter(n, p)]
         plain = [n for n, p in params.items() if not decay_filter(n, p)]
-        chunks = self._make_chunks(decayed, self.weight_decay, params, m, v) + self._make_chunks(
-            plain, 0.0, params, m, v
+        b.chunks = self._make_chunks(decayed, self.weight_decay, b) + self._make_chunks(
+            plain, 0.0, b
         )
-        return _Block(
-            params=params, m=m, v=v, step=torch.zeros((), dtype=torch.float32), chunks=chunks
-        )
+        return b
 
-    def _make_chunks(self, names, weight_decay, params, m, v) -> list[_Chunk]:
-        """Cut tensors into <= chunk_numel slices (at multiples of 64); pack small ones together."""
+    @property
+    def master_dtype(self) -> torch.dtype:
+        """The dtype of the master tensors the optimizer is given and updates: fp32, or bf16
+        for the bf16 masters, whose tensors are then the compute copy itself (`out=` is refused;
+        a trainer streams these tensors to the device as they are)."""
+        return torch.bfloat16 if self.format.master_is_compute_copy else torch.float32
+
+    def _make_chunks(self, names, weight_decay, b: _Block) -> list[_Chunk]:
+        """Cut tensors into <= chunk_numel slices (at multiples of 64; of 256 in a compact
+        format, where each tensor's tail is padded to 256 in scratch); pack small ones together."""
+        params = b.params
+        pad = QUANT_BLOCK if self.format.compact else 1
+        align = QUANT_BLOCK if self.format.compact else _CHUNK_ALIGN
         chunks: list[_Chunk] = []
         cur: list[tuple[str, int, int]] = []
         cur_numel = 0
         for name in names:
-            numel = params[name].numel()
+            numel = _round_up(params[name].numel(), pad)
             start = 0
             while start < numel:
                 room = self.chunk_numel - cur_numel
                 if numel - start <= room:
                     end = numel
                 else:
-                    end = start + (room // _CHUNK_ALIGN) * _CHUNK_ALIGN
+                    end = start + (room // align) * align
                 if end == start:  # no aligned room left in this chunk: close it
                     chunks.append(cur)
                     cur, cur_numel = [], 0
@@ -258,10 +338,43 @@ class CPUAdamW:
         if cur:
             chunks.append(cur)
 
-        def views(store, s):
-            return [store[n].view(-1)[a:b] for n, a, b in s]
+        if not pad > 1:
 
-        return [_Chunk(weight_decay, s, views(params, s), views(m, s), views(v, s)) for s in chunks]
+            def views(store, s):
+                return [store[n].view(-1)[a:e] for n, a, e in s]
+
+            return [
+                _Chunk(weight_decay, s, views(params, s), views(b.m, s), views(b.v, s))
+                for s in chunks
+            ]
+        # Compact: slices end at the real end of their tensor; the padding is scratch only.
+        out = []
+        order = {n: i for i, n in enumerate(params)}
+        for s in chunks:
+            real = [(n, a, min(e, params[n].numel())) for n, a, e in s]
+            widths = [e - a for _, a, e in s]  # padded
+            offsets = [0]
+            for w in widths:
+                offsets.append(offsets[-1] + w)
+            c = _Chunk(
+                weight_decay,
+                real,
+                [params[n].view(-1)[a:e] for n, a, e in real],
+                [b.m[n].view(-1)[a:e] for n, a, e in real] if b.m else [],
+                [b.v[n].view(-1)[a:e] for n, a, e in real] if b.v else [],
+                offsets=offsets[:-1],
+                widths=widths,
+                padded=offsets[-1],
+                keys=[order[n] for n, _, _ in s],
+            )
+            if b.lo is not None:
+                c.lo = [b.lo[n].view(-1)[a:e] for n, a, e in real]
+            if b.codes is not None:
+                q = QUANT_BLOCK
+                c.codes = [b.codes[n][:, a:e] for n, a, e in s]
+                c.absmax = [b.absmax[n][:, a // q : e // q] for n, a, e in s]
+            out.append(c)
+        return out
 
     # ------------------------------------------------------------------ public API
 
@@ -295,7 +408,7 @@ class CPUAdamW:
             )
         self._check_tensors(block_id, b, grads, "grads", allow_any_float=True)
         if b.grad_buf is None:
-            b.grad_buf = {n: torch.empty_like(p) for n, p in b.params.items()}
+            b.grad_buf = {n: torch.empty(p.shape, dtype=torch.float32) for n, p in b.params.items()}
             for c in b.chunks:
                 c.g = [b.grad_buf[n].view(-1)[a:e] for n, a, e in c.slices]
         first = b.micro == 0
@@ -337,6 +450,11 @@ class CPUAdamW:
                 "call step_block(block_id) without grads once all blocks are in"
             )
         if out is not None:
+            if self.format.master_is_compute_copy:
+                raise ValueError(
+                    f"state {self.format.name!r} keeps a bf16 master: the tensors given to the "
+                    "optimizer are the compute copy, updated in place; pass no out="
+                )
             self._check_tensors(block_id, b, out, "out", allow_any_float=True)
         if grads is not None and (k > 1 or b.micro > 0):
             self.accumulate(block_id, grads)
@@ -377,6 +495,17 @@ class CPUAdamW:
             if out is not None:  # cast this chunk now, while it is still in cache
                 torch._foreach_copy_([out[n].view(-1)[a:e] for n, a, e in c.slices], c.params)
 
+        if self.format.compact:
+            step = int(b.step.item())  # a host CPU scalar, no device sync: keys the SR hash
+
+            def update(c: _Chunk, worker: int) -> None:
+                g = [src[n].view(-1)[a:e] for n, a, e in c.slices]
+                if any(t.dtype != torch.float32 for t in g):
+                    g = self._widen(g, worker)
+                self._update_compact(b, c, g, step, hyper, worker)
+                if out is not None:  # an fp32 master with 8-bit moments: as in the fp32 format
+                    torch._foreach_copy_([out[n].view(-1)[a:e] for n, a, e in c.slices], c.params)
+
         self._parallel(b.chunks, update)
         b.micro = 0
         b.norms = None
@@ -402,10 +531,22 @@ class CPUAdamW:
     def state_dict(self) -> dict:
         """m, v and step per block plus the hyperparameters. Tensors are the live state (no copy:
         at 12 B/param a copy may not fit); serialize them before the next step. Must be taken
-        between optimizer steps, not in the middle of an accumulation."""
+        between optimizer steps, not in the middle of an accumulation.
+
+        The master weights are the caller's tensors and not in here, except for what a compact
+        format keeps beside them: a bf16-split master's low halves (`lo`). With 8-bit moments,
+        `m` and `v` are absent and `codes` (uint8, (2, numel padded to 256): m and sqrt(v)) and
+        `absmax` (fp32, one per 256 of each) take their place. `state` names the format and
+        `seed` keys a bf16-sr master's rounding; a state dict loads only into the same format."""
         self._check_idle("state_dict")
+        stores = {
+            key: {bid: dict(getattr(b, key)) for bid, b in self._blocks.items()}
+            for key in self._stores()
+        }
         return {
             "format": "megaslide.cpu_adamw.v1",
+            "state": self.format.name,
+            "seed": self.seed,
             "hparams": {
                 "lr": self.lr,
                 "betas": list(self.betas),
@@ -415,22 +556,33 @@ class CPUAdamW:
                 "max_grad_norm": self.max_grad_norm,
             },
             "step": {bid: int(b.step.item()) for bid, b in self._blocks.items()},
-            "m": {bid: dict(b.m) for bid, b in self._blocks.items()},
-            "v": {bid: dict(b.v) for bid, b in self._blocks.items()},
+            **stores,
         }
+
+    def _stores(self) -> tuple[str, ...]:
+        """The per-tensor state this format keeps, by _Block attribute name."""
+        moments = ("m", "v") if self.format.moments == "fp32" else ("codes", "absmax")
+        return moments + (("lo",) if self.format.master == "bf16-split" else ())
 
     def load_state_dict(self, state: Mapping) -> None:
         """Restore m, v, steps and lr saved by `state_dict` (copied into our own tensors)."""
         self._check_idle("load_state_dict")
         if state.get("format") != "megaslide.cpu_adamw.v1":
             raise ValueError(f"not a CPUAdamW state dict (format={state.get('format')!r})")
+        saved_format = state.get("state", "fp32")  # dicts from before compact formats: fp32
+        if saved_format != self.format.name:
+            raise ValueError(
+                f"state dict of state format {saved_format!r}, optimizer of {self.format.name!r}"
+            )
         if set(state["step"]) != set(self._blocks):
             raise ValueError(
                 f"state dict blocks {sorted(map(str, state['step']))} do not match "
                 f"optimizer blocks {sorted(map(str, self._blocks))}"
             )
+        keys = self._stores()
         for bid, b in self._blocks.items():
-            for key, store in (("m", b.m), ("v", b.v)):
+            for key in keys:
+                store = getattr(b, key)
                 saved = state[key][bid]
                 if set(saved) != set(store):
                     raise ValueError(f"block {bid!r}: state dict {key} names do not match params")
@@ -441,11 +593,12 @@ class CPUAdamW:
                             f"{tuple(saved[name].shape)} != {tuple(t.shape)}"
                         )
         for bid, b in self._blocks.items():
-            for key, store in (("m", b.m), ("v", b.v)):
-                for name, t in store.items():
+            for key in keys:
+                for name, t in getattr(b, key).items():
                     t.copy_(state[key][bid][name])
             b.step.fill_(float(state["step"][bid]))
         self.lr = float(state["hparams"]["lr"])
+        self.seed = int(state.get("seed", 0))
 
     def __enter__(self) -> CPUAdamW:
         return self
@@ -479,6 +632,66 @@ class CPUAdamW:
         futures = [self._pool.submit(loop, w) for w in range(self.threads)]
         for f in futures:
             f.result()  # waits for the worker and re-raises its exception, if any
+
+    def _update_compact(
+        self, b: _Block, c: _Chunk, g: list[Tensor], step: int, hyper: dict, worker: int
+    ) -> None:
+        """One chunk of a compact format: decode into fp32 scratch, the fused kernel, encode."""
+        s = self._compact[worker]
+        if s is None:
+            s = self._compact[worker] = compact.Scratch(self.chunk_numel)
+        fmt, n = self.format, c.padded
+        spans = [(o, e - a) for o, (_, a, e) in zip(c.offsets, c.slices)]
+
+        if fmt.master == "fp32":
+            p = c.params  # updated in place, as in the fp32 format
+        else:
+            p = [s.p[o : o + k] for o, k in spans]
+            for dst, hi, i in zip(p, c.params, range(len(p))):
+                if fmt.master == "bf16-split":
+                    compact.join_halves(hi, c.lo[i], dst, s)
+                else:
+                    dst.copy_(hi)  # bf16 -> fp32 is exact
+        if fmt.moments == "fp32":
+            m, v = c.m, c.v
+        else:
+            absmax, mv = s.absmax[:, : n // QUANT_BLOCK], s.mv[:, :n]
+            q = QUANT_BLOCK
+            for o, cv, av in zip(c.offsets, c.codes, c.absmax):
+                s.i[:, o : o + cv.shape[1]].copy_(cv)  # uint8 -> int32, straight into scratch
+                absmax[:, o // q : o // q + av.shape[1]].copy_(av)
+            compact.decode_8bit(absmax, mv, s)
+            for (o, k), cv in zip(spans, c.codes):
+                if k < cv.shape[1]:  # a tensor's tail: zero the padding, kept out of absmax
+                    mv[:, o + k : o + cv.shape[1]].zero_()
+            m = [mv[0, o : o + k] for o, k in spans]
+            v = [mv[1, o : o + k] for o, k in spans]
+
+        torch._fused_adamw_(p, g, m, v, [], [b.step] * len(g), weight_decay=c.weight_decay, **hyper)
+
+        # Random bits for stochastic rounding, one 32-bit draw per element (padding included):
+        # the low 16 round a bf16-sr master, the high 16 the 8-bit v.
+        rand = None
+        if fmt.master == "bf16-sr" or fmt.moments == "8bit":
+            rand = s.bits[:n]
+            for o, (_, a, _), width, t in zip(c.offsets, c.slices, c.widths, c.keys):
+                key = compact.sr_key(self.seed, step, b.index, t)
+                compact.hash_start(rand[o : o + width], s, a, key)
+            compact.hash_finish(rand, s.tmp, s)
+        if fmt.moments == "8bit":
+            compact.encode_8bit(mv, absmax, s, rand)
+            for o, cv, av in zip(c.offsets, c.codes, c.absmax):
+                cv.copy_(s.i[:, o : o + cv.shape[1]])  # int32 codes -> uint8 storage
+                av.copy_(absmax[:, o // q : o // q + av.shape[1]])
+        if fmt.master == "bf16-split":
+            for (o, k), hi, lo in zip(spans, c.params, c.lo):
+                compact.split_halves(s.p[o : o + k], hi, lo, s.tmp[:k], s)
+        elif fmt.master == "bf16-sr":
+            for (o, k), hi in zip(spans, c.params):
+                compact.stochastic_round(s.p[o : o + k], hi, rand[o : o + k], s.tmp[:k], s)
+        elif fmt.master == "bf16":
+            for (o, k), hi in zip(spans, c.params):
+                hi.copy_(s.p[o : o + k])  # round to nearest even
 
     def _widen(self, grads: list[Tensor], worker: int) -> list[Tensor]:
         """Copy bf16/fp16 gradient slices into this worker's fp32 scratch (exact widening)."""
@@ -572,6 +785,10 @@ class _Cursor:
             i = self._next
             self._next += 1
             return i
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
 
 
 def _single_threaded_pool(threads: int) -> ThreadPoolExecutor:
