@@ -83,7 +83,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from . import compact
+from . import compact, compact_kernel
 from .finetune_spec import OptimizerSpec
 from .state_format import QUANT_BLOCK, StateFormat
 
@@ -99,6 +99,10 @@ FP32_CHUNK_NUMEL = 1 << 19  # fp32 state: one streaming pass, large chunks amort
 # 50 B per element) with ~40 torch ops per chunk: 128K elements (6 MB, in L3) was the fastest
 # here; smaller chunks pay more per-op dispatch, larger ones fall out of cache.
 COMPACT_CHUNK_NUMEL = 1 << 17
+# The fused kernel (compact_kernel.py) needs no scratch and keeps each 256-element block in
+# registers and L1, so chunk size only sets the per-call overhead (a few microseconds of Python
+# per slice) against the balance between workers.
+NATIVE_CHUNK_NUMEL = 1 << 18
 
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 
@@ -228,8 +232,20 @@ class CPUAdamW:
         if threads is not None and threads < 1:
             raise ValueError(f"threads must be >= 1 or None, got {threads}")
         self.format = StateFormat.parse(state)
+        # A compact format runs the fused kernel when it builds (or is cached), else torch ops.
+        self._kernel = compact_kernel.load() if self.format.compact else None
+        if not self.format.compact:
+            self.update_path = "torch-fused"  # torch._fused_adamw_ on the fp32 state
+        else:
+            self.update_path = "native" if self._kernel is not None else "torch-ops"
         if chunk_numel is None:
-            chunk_numel = COMPACT_CHUNK_NUMEL if self.format.compact else FP32_CHUNK_NUMEL
+            chunk_numel = (
+                FP32_CHUNK_NUMEL
+                if not self.format.compact
+                else NATIVE_CHUNK_NUMEL
+                if self._kernel is not None
+                else COMPACT_CHUNK_NUMEL
+            )
         align = QUANT_BLOCK if self.format.compact else _CHUNK_ALIGN
         if chunk_numel < align or chunk_numel % align:
             raise ValueError(f"chunk_numel must be a positive multiple of {align}")
@@ -497,12 +513,26 @@ class CPUAdamW:
 
         if self.format.compact:
             step = int(b.step.item())  # a host CPU scalar, no device sync: keys the SR hash
+            native = None
+            if self._kernel is not None:
+                # .item() of a CPU scalar: the kernel takes the divisor as a number
+                scale = None if grad_scale is None else float(grad_scale.item())
+                native = {  # per weight decay: chunks with and without it
+                    c.weight_decay: compact_kernel.hyper(
+                        self.lr, *self.betas, self.eps, c.weight_decay, step, scale
+                    )
+                    for c in b.chunks
+                }
+            direct = (torch.float32, torch.bfloat16) if native is not None else (torch.float32,)
 
             def update(c: _Chunk, worker: int) -> None:
                 g = [src[n].view(-1)[a:e] for n, a, e in c.slices]
-                if any(t.dtype != torch.float32 for t in g):
+                if any(t.dtype not in direct for t in g):
                     g = self._widen(g, worker)
-                self._update_compact(b, c, g, step, hyper, worker)
+                if native is not None:
+                    self._update_native(b, c, g, step, native[c.weight_decay])
+                else:
+                    self._update_compact(b, c, g, step, hyper, worker)
                 if out is not None:  # an fp32 master with 8-bit moments: as in the fp32 format
                     torch._foreach_copy_([out[n].view(-1)[a:e] for n, a, e in c.slices], c.params)
 
@@ -692,6 +722,27 @@ class CPUAdamW:
         elif fmt.master == "bf16":
             for (o, k), hi in zip(spans, c.params):
                 hi.copy_(s.p[o : o + k])  # round to nearest even
+
+    def _update_native(self, b: _Block, c: _Chunk, g: list[Tensor], step: int, hyper) -> None:
+        """One chunk of a compact format in the fused kernel, slice by slice."""
+        fmt, kernel = self.format, self._kernel
+        kind = compact_kernel.MASTER_KINDS[fmt.master]
+        keyed = fmt.master == "bf16-sr" or fmt.moments == "8bit"
+        for i, ((_, start, _), p, grad) in enumerate(zip(c.slices, c.params, g)):
+            key = compact.sr_key(self.seed, step, b.index, c.keys[i]) if keyed else 0
+            kernel.update(
+                kind,
+                p,
+                c.lo[i] if c.lo is not None else None,
+                c.m[i] if c.m else None,
+                c.v[i] if c.v else None,
+                c.codes[i] if c.codes is not None else None,
+                c.absmax[i] if c.absmax is not None else None,
+                grad,
+                start,
+                key,
+                hyper,
+            )
 
     def _widen(self, grads: list[Tensor], worker: int) -> list[Tensor]:
         """Copy bf16/fp16 gradient slices into this worker's fp32 scratch (exact widening)."""

@@ -1,0 +1,230 @@
+// One fused pass per slice of a parameter for CPUAdamW's compact state formats: decode the
+// master and the moments, AdamW, encode them back. The codes, the rounding and the random bits
+// are those of compact.py; the AdamW arithmetic is that of the vectorized loop of torch's fused
+// CPU kernel (aten/src/ATen/native/cpu/FusedAdamKernel.cpp), operation for operation in fp32:
+//
+//     p = p * (1 - lr * wd)
+//     m = fma(w, g - m, m)               w = 1 - beta1 < 0.5 (else fma(w - 1, g - m, g))
+//     v = v * beta2 + ((1 - beta2) * g) * g
+//     p = p + (-lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps)
+//
+// Built with -ffp-contract=off: no multiply-add is fused but the one written as std::fma, as
+// torch's vector loop does; the compiler vectorizes the element loops (-O3 -march=native) and
+// may not reassociate (no -ffast-math), so every element's result is fixed by its inputs alone.
+// It differs from torch's kernel only where torch runs its scalar tail (the last < 16 elements
+// of a tensor piece), whose lerp is not fused: at most an ulp of m there.
+//
+// Plain C ABI, no torch headers: compact_kernel.py builds it with the system compiler in a few
+// seconds and calls it through ctypes, which releases the GIL for the call.
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+constexpr int64_t kBlock = 256;  // QUANT_BLOCK: elements per absmax of the 8-bit moments
+
+enum Master { kFp32 = 0, kSplit = 1, kStochastic = 2, kBf16 = 3 };
+
+inline uint32_t bits_of(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  return u;
+}
+
+inline float float_of(uint32_t u) {
+  float x;
+  std::memcpy(&x, &u, sizeof x);
+  return x;
+}
+
+// murmur3's 32-bit finalizer of (element index * golden ratio + key): compact.hash_bits.
+inline uint32_t hash_bits(uint32_t index, uint32_t key) {
+  uint32_t h = index * 0x9E3779B1u + key;
+  h ^= h >> 16;
+  h *= 0x85EBCA6Bu;
+  h ^= h >> 13;
+  h *= 0xC2B2AE35u;
+  return h ^ (h >> 16);
+}
+
+// 8-bit codes (compact.py): decode and encode of one element, y = x / absmax.
+inline float decode_m(uint8_t code) {
+  uint32_t k = code & 127u;
+  uint32_t bits = k ? (k + 889u) << 20 : 0u;  // m's code 0 is 0
+  return float_of(bits | (uint32_t(code & 128u) << 24));
+}
+
+inline float decode_v(uint8_t code) { return float_of((uint32_t(code) + 761u) << 20); }
+
+inline uint8_t encode_m(float y) {  // signed, to nearest, below 2**-16 flushed to 0
+  uint32_t bits = bits_of(y);
+  int32_t t = int32_t((bits & 0x7FFFFFFFu) + (1u << 19));
+  int32_t k = (t >> 20) - 889;
+  return uint8_t((k < 0 ? 0 : k) | int32_t((bits >> 24) & 128u));
+}
+
+inline uint8_t encode_v(float y, uint32_t rand) {  // stochastic by rand's high 16 bits, never 0
+  uint32_t bits = bits_of(y);
+  int32_t t = int32_t((bits & 0x7FFFFFFFu) + ((rand >> 16) << 4));
+  int32_t k = (t >> 20) - 761;
+  return uint8_t(k < 0 ? 0 : k);
+}
+
+// 1 / absmax, a block of zeros (or an absmax whose reciprocal overflows) scaled by 0:
+// compact.encode_8bit's reciprocal().nan_to_num_(posinf=0).
+inline float inverse(float absmax) {
+  float inv = 1.0f / absmax;
+  return inv <= 3.4028234663852886e38f ? inv : 0.0f;
+}
+
+struct Hyper {  // as torch's kernel rounds them to fp32 (compact_kernel.py computes them)
+  float decay;  // 1 - lr * weight_decay
+  float lerp;  // 1 - beta1
+  float beta2;
+  float sq_coeff;  // 1 - beta2
+  float bc2_sqrt;  // sqrt(1 - beta2 ** step)
+  float eps;
+  float neg_step;  // -lr / (1 - beta1 ** step)
+  float grad_scale;  // the gradient is divided by it (1: unscaled)
+};
+
+template <int kMaster, bool k8bit, typename G>
+void update(void* p_, int16_t* lo, float* m_, float* v_, uint8_t* code_m, uint8_t* code_v,
+            float* absmax_m, float* absmax_v, const G* g, int64_t n, int64_t start,
+            uint32_t key, const Hyper& h) {
+  const bool small = std::fabs(h.lerp) < 0.5f;
+  const float coeff = small ? h.lerp : h.lerp - 1.0f;
+  for (int64_t b0 = 0; b0 < n; b0 += kBlock) {
+    const int64_t len = n - b0 < kBlock ? n - b0 : kBlock;
+    float mb[kBlock], vb[kBlock];
+    uint32_t rand[kBlock];
+    float* m = k8bit ? mb : m_ + b0;
+    float* v = k8bit ? vb : v_ + b0;
+    if (kMaster == kStochastic || k8bit) {
+      for (int64_t j = 0; j < kBlock; ++j) rand[j] = hash_bits(uint32_t(start + b0 + j), key);
+    }
+    float am = 0.0f, av = 0.0f;
+    if (k8bit) {
+      am = absmax_m[b0 / kBlock];
+      av = absmax_v[b0 / kBlock];
+      for (int64_t j = 0; j < kBlock; ++j) {
+        mb[j] = decode_m(code_m[b0 + j]) * am;
+        vb[j] = decode_v(code_v[b0 + j]) * av;
+      }
+      for (int64_t j = len; j < kBlock; ++j) mb[j] = vb[j] = 0.0f;  // a tensor's padding
+    }
+    for (int64_t j = 0; j < len; ++j) {
+      const int64_t i = b0 + j;
+      float p;
+      if (kMaster == kFp32) {
+        p = static_cast<float*>(p_)[i];
+      } else {
+        uint32_t hi = static_cast<uint16_t*>(p_)[i];
+        uint32_t low = kMaster == kSplit ? uint32_t(int32_t(lo[i])) : 0u;
+        p = float_of((hi << 16) + low);
+      }
+      float grad;
+      if constexpr (sizeof(G) == 2) {
+        grad = float_of(uint32_t(g[i]) << 16);  // bf16 widened exactly
+      } else {
+        grad = g[i];
+      }
+      grad = grad / h.grad_scale;
+      p = p * h.decay;
+      float mj = m[j];
+      m[j] = std::fma(coeff, grad - mj, small ? mj : grad);
+      float vj = std::fma(h.sq_coeff * grad, grad, v[j] * h.beta2);
+      v[j] = vj;
+      float denom = std::sqrt(vj) / h.bc2_sqrt + h.eps;
+      p = p + h.neg_step * m[j] / denom;
+      uint32_t bits = bits_of(p);
+      if (kMaster == kFp32) {
+        static_cast<float*>(p_)[i] = p;
+      } else if (kMaster == kSplit) {  // high half to nearest, ties away; low half the rest
+        static_cast<uint16_t*>(p_)[i] = uint16_t((bits + 0x8000u) >> 16);
+        lo[i] = int16_t(uint16_t(bits));
+      } else if (kMaster == kStochastic) {
+        static_cast<uint16_t*>(p_)[i] = uint16_t((bits + (rand[j] & 0xFFFFu)) >> 16);
+      } else {  // to nearest even, as torch casts fp32 to bf16
+        uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+        static_cast<uint16_t*>(p_)[i] = std::isnan(p) ? uint16_t(0x7FC0) : uint16_t(rounded);
+      }
+    }
+    if (k8bit) {
+      // absmax as the largest magnitude's bit pattern: an integer max, exact and vectorizable
+      uint32_t top_m = 0, top_v = 0;
+      for (int64_t j = 0; j < kBlock; ++j) {
+        uint32_t a = bits_of(mb[j]) & 0x7FFFFFFFu, b = bits_of(vb[j]) & 0x7FFFFFFFu;
+        top_m = a > top_m ? a : top_m;
+        top_v = b > top_v ? b : top_v;
+      }
+      am = float_of(top_m);
+      av = float_of(top_v);
+      absmax_m[b0 / kBlock] = am;
+      absmax_v[b0 / kBlock] = av;
+      const float inv_m = inverse(am), inv_v = inverse(av);
+      for (int64_t j = 0; j < kBlock; ++j) {
+        code_m[b0 + j] = encode_m(mb[j] * inv_m);
+        code_v[b0 + j] = encode_v(vb[j] * inv_v, rand[j]);
+      }
+    }
+  }
+}
+
+template <int kMaster, bool k8bit>
+void dispatch_grad(int grad_bf16, void* p, int16_t* lo, float* m, float* v, uint8_t* code_m,
+                   uint8_t* code_v, float* absmax_m, float* absmax_v, const void* g, int64_t n,
+                   int64_t start, uint32_t key, const Hyper& h) {
+  if (grad_bf16) {
+    update<kMaster, k8bit>(p, lo, m, v, code_m, code_v, absmax_m, absmax_v,
+                           static_cast<const uint16_t*>(g), n, start, key, h);
+  } else {
+    update<kMaster, k8bit>(p, lo, m, v, code_m, code_v, absmax_m, absmax_v,
+                           static_cast<const float*>(g), n, start, key, h);
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// One slice: elements start .. start + n - 1 of one tensor (start a multiple of 256). The
+// pointers are at the slice's first element: p (fp32, or bf16 bits), lo (bf16-split's low
+// halves, else null), m and v (fp32 moments, else null), code_m / code_v and absmax_m /
+// absmax_v (8-bit moments: the slice's codes padded to a multiple of 256 and one absmax per
+// 256, else null), g (fp32 or bf16). hyper: the 8 floats of Hyper. Returns 0, or -1 for a
+// master kind it does not know.
+int megaslide_adamw_compact(int master, int eight_bit, int grad_bf16, void* p, int16_t* lo,
+                            float* m, float* v, uint8_t* code_m, uint8_t* code_v,
+                            float* absmax_m, float* absmax_v, const void* g, int64_t n,
+                            int64_t start, uint32_t key, const float* hyper) {
+  Hyper h;
+  std::memcpy(&h, hyper, sizeof h);
+#define MEGASLIDE_CASE(kind)                                                                   \
+  case kind:                                                                                   \
+    if (eight_bit) {                                                                           \
+      dispatch_grad<kind, true>(grad_bf16, p, lo, m, v, code_m, code_v, absmax_m, absmax_v, g, \
+                                n, start, key, h);                                             \
+    } else {                                                                                   \
+      dispatch_grad<kind, false>(grad_bf16, p, lo, m, v, code_m, code_v, absmax_m, absmax_v,   \
+                                 g, n, start, key, h);                                         \
+    }                                                                                          \
+    return 0;
+  switch (master) {
+    MEGASLIDE_CASE(kFp32)
+    MEGASLIDE_CASE(kSplit)
+    MEGASLIDE_CASE(kStochastic)
+    MEGASLIDE_CASE(kBf16)
+  }
+#undef MEGASLIDE_CASE
+  return -1;
+}
+
+// compact.hash_bits(n, start, key) into out: for the tests, which check the bits bitwise.
+void megaslide_hash_bits(uint32_t* out, int64_t n, int64_t start, uint32_t key) {
+  for (int64_t j = 0; j < n; ++j) out[j] = hash_bits(uint32_t(start + j), key);
+}
+
+}  // extern "C"
