@@ -74,6 +74,12 @@ inline uint8_t encode_v(float y, uint32_t rand) {  // stochastic by rand's high 
 
 // 1 / absmax, a block of zeros (or an absmax whose reciprocal overflows) scaled by 0:
 // compact.encode_8bit's reciprocal().nan_to_num_(posinf=0).
+inline uint16_t bf16_nearest(float x) {  // to nearest even, as torch casts fp32 to bf16
+  uint32_t bits = bits_of(x);
+  uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  return std::isnan(x) ? uint16_t(0x7FC0) : uint16_t(rounded);
+}
+
 inline float inverse(float absmax) {
   float inv = 1.0f / absmax;
   return inv <= 3.4028234663852886e38f ? inv : 0.0f;
@@ -90,18 +96,40 @@ struct Hyper {  // as torch's kernel rounds them to fp32 (compact_kernel.py comp
   float grad_scale;  // the gradient is divided by it (1: unscaled)
 };
 
+struct Slice {  // the arguments of megaslide_adamw_compact, below
+  void* p;
+  int16_t* lo;
+  uint16_t* copy;
+  float* m;
+  float* v;
+  uint8_t* code_m;
+  uint8_t* code_v;
+  float* absmax_m;
+  float* absmax_v;
+  const void* g;
+  int64_t n;
+  int64_t start;
+  uint32_t key;
+};
+
 template <int kMaster, bool k8bit, typename G>
-void update(void* p_, int16_t* lo, float* m_, float* v_, uint8_t* code_m, uint8_t* code_v,
-            float* absmax_m, float* absmax_v, const G* g, int64_t n, int64_t start,
-            uint32_t key, const Hyper& h) {
+void update(const Slice& s, const Hyper& h) {
+  void* const p_ = s.p;
+  int16_t* const lo = s.lo;
+  uint16_t* const copy = s.copy;
+  uint8_t *const code_m = s.code_m, *const code_v = s.code_v;
+  float *const absmax_m = s.absmax_m, *const absmax_v = s.absmax_v;
+  const G* const g = static_cast<const G*>(s.g);
+  const int64_t n = s.n, start = s.start;
+  const uint32_t key = s.key;
   const bool small = std::fabs(h.lerp) < 0.5f;
   const float coeff = small ? h.lerp : h.lerp - 1.0f;
   for (int64_t b0 = 0; b0 < n; b0 += kBlock) {
     const int64_t len = n - b0 < kBlock ? n - b0 : kBlock;
     float mb[kBlock], vb[kBlock];
     uint32_t rand[kBlock];
-    float* m = k8bit ? mb : m_ + b0;
-    float* v = k8bit ? vb : v_ + b0;
+    float* m = k8bit ? mb : s.m + b0;
+    float* v = k8bit ? vb : s.v + b0;
     if (kMaster == kStochastic || k8bit) {
       for (int64_t j = 0; j < kBlock; ++j) rand[j] = hash_bits(uint32_t(start + b0 + j), key);
     }
@@ -147,10 +175,10 @@ void update(void* p_, int16_t* lo, float* m_, float* v_, uint8_t* code_m, uint8_
         lo[i] = int16_t(uint16_t(bits));
       } else if (kMaster == kStochastic) {
         static_cast<uint16_t*>(p_)[i] = uint16_t((bits + (rand[j] & 0xFFFFu)) >> 16);
-      } else {  // to nearest even, as torch casts fp32 to bf16
-        uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
-        static_cast<uint16_t*>(p_)[i] = std::isnan(p) ? uint16_t(0x7FC0) : uint16_t(rounded);
+      } else {
+        static_cast<uint16_t*>(p_)[i] = bf16_nearest(p);
       }
+      if (kMaster == kFp32 && copy != nullptr) copy[i] = bf16_nearest(p);
     }
     if (k8bit) {
       // absmax as the largest magnitude's bit pattern: an integer max, exact and vectorizable
@@ -174,15 +202,20 @@ void update(void* p_, int16_t* lo, float* m_, float* v_, uint8_t* code_m, uint8_
 }
 
 template <int kMaster, bool k8bit>
-void dispatch_grad(int grad_bf16, void* p, int16_t* lo, float* m, float* v, uint8_t* code_m,
-                   uint8_t* code_v, float* absmax_m, float* absmax_v, const void* g, int64_t n,
-                   int64_t start, uint32_t key, const Hyper& h) {
+void dispatch_grad(bool grad_bf16, const Slice& s, const Hyper& h) {
   if (grad_bf16) {
-    update<kMaster, k8bit>(p, lo, m, v, code_m, code_v, absmax_m, absmax_v,
-                           static_cast<const uint16_t*>(g), n, start, key, h);
+    update<kMaster, k8bit, uint16_t>(s, h);
   } else {
-    update<kMaster, k8bit>(p, lo, m, v, code_m, code_v, absmax_m, absmax_v,
-                           static_cast<const float*>(g), n, start, key, h);
+    update<kMaster, k8bit, float>(s, h);
+  }
+}
+
+template <int kMaster>
+void dispatch_moments(bool eight_bit, bool grad_bf16, const Slice& s, const Hyper& h) {
+  if (eight_bit) {
+    dispatch_grad<kMaster, true>(grad_bf16, s, h);
+  } else {
+    dispatch_grad<kMaster, false>(grad_bf16, s, h);
   }
 }
 
@@ -192,33 +225,31 @@ extern "C" {
 
 // One slice: elements start .. start + n - 1 of one tensor (start a multiple of 256). The
 // pointers are at the slice's first element: p (fp32, or bf16 bits), lo (bf16-split's low
-// halves, else null), m and v (fp32 moments, else null), code_m / code_v and absmax_m /
-// absmax_v (8-bit moments: the slice's codes padded to a multiple of 256 and one absmax per
-// 256, else null), g (fp32 or bf16). hyper: the 8 floats of Hyper. Returns 0, or -1 for a
-// master kind it does not know.
+// halves, else null), copy (an fp32 master's bf16 compute copy to write, or null), m and v
+// (fp32 moments, else null), code_m / code_v and absmax_m / absmax_v (8-bit moments: the
+// slice's codes padded to a multiple of 256 and one absmax per 256, else null), g (fp32 or
+// bf16). hyper: the 8 floats of Hyper. Returns 0, or -1 for a master kind it does not know.
 int megaslide_adamw_compact(int master, int eight_bit, int grad_bf16, void* p, int16_t* lo,
-                            float* m, float* v, uint8_t* code_m, uint8_t* code_v,
+                            uint16_t* copy, float* m, float* v, uint8_t* code_m, uint8_t* code_v,
                             float* absmax_m, float* absmax_v, const void* g, int64_t n,
                             int64_t start, uint32_t key, const float* hyper) {
   Hyper h;
   std::memcpy(&h, hyper, sizeof h);
-#define MEGASLIDE_CASE(kind)                                                                   \
-  case kind:                                                                                   \
-    if (eight_bit) {                                                                           \
-      dispatch_grad<kind, true>(grad_bf16, p, lo, m, v, code_m, code_v, absmax_m, absmax_v, g, \
-                                n, start, key, h);                                             \
-    } else {                                                                                   \
-      dispatch_grad<kind, false>(grad_bf16, p, lo, m, v, code_m, code_v, absmax_m, absmax_v,   \
-                                 g, n, start, key, h);                                         \
-    }                                                                                          \
-    return 0;
+  const Slice s{p, lo, copy, m, v, code_m, code_v, absmax_m, absmax_v, g, n, start, key};
   switch (master) {
-    MEGASLIDE_CASE(kFp32)
-    MEGASLIDE_CASE(kSplit)
-    MEGASLIDE_CASE(kStochastic)
-    MEGASLIDE_CASE(kBf16)
+    case kFp32:
+      dispatch_moments<kFp32>(eight_bit, grad_bf16, s, h);
+      return 0;
+    case kSplit:
+      dispatch_moments<kSplit>(eight_bit, grad_bf16, s, h);
+      return 0;
+    case kStochastic:
+      dispatch_moments<kStochastic>(eight_bit, grad_bf16, s, h);
+      return 0;
+    case kBf16:
+      dispatch_moments<kBf16>(eight_bit, grad_bf16, s, h);
+      return 0;
   }
-#undef MEGASLIDE_CASE
   return -1;
 }
 

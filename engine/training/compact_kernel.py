@@ -67,7 +67,7 @@ class Kernel:
     def __post_init__(self) -> None:
         f = self.lib.megaslide_adamw_compact
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-        f.argtypes = [ctypes.c_int] * 3 + [ptr] * 8 + [ptr, i64, i64, ctypes.c_uint32, ptr]
+        f.argtypes = [ctypes.c_int] * 3 + [ptr] * 9 + [ptr, i64, i64, ctypes.c_uint32, ptr]
         f.restype = ctypes.c_int
         self._update = f
         h = self.lib.megaslide_hash_bits
@@ -79,6 +79,7 @@ class Kernel:
         master: int,
         p: Tensor,
         lo: Tensor | None,
+        copy: Tensor | None,
         m: Tensor | None,
         v: Tensor | None,
         codes: Tensor | None,
@@ -89,7 +90,8 @@ class Kernel:
         hyper: ctypes.Array,
     ) -> None:
         """One slice of one tensor, elements start .. start + p.numel() - 1 (start a multiple
-        of 256): master `p` (fp32 or bf16) and `lo` (bf16-split), fp32 moments `m`, `v` or 8-bit
+        of 256): master `p` (fp32 or bf16) and `lo` (bf16-split), `copy` (bf16: an fp32
+        master's compute copy, written after the update), fp32 moments `m`, `v` or 8-bit
         `codes` (2, slice padded to 256) and `absmax` (2, padded / 256), gradient `g` (fp32 or
         bf16), all updated in place. Every tensor must be a contiguous row (the caller's views
         are); `hyper` comes from `hyper`."""
@@ -100,6 +102,7 @@ class Kernel:
             g.dtype == torch.bfloat16,
             p.data_ptr(),
             _ptr(lo),
+            _ptr(copy),
             _ptr(m),
             _ptr(v),
             None if codes is None else codes[0].data_ptr(),

@@ -524,17 +524,26 @@ class CPUAdamW:
                     for c in b.chunks
                 }
             direct = (torch.float32, torch.bfloat16) if native is not None else (torch.float32,)
+            # An fp32 master with 8-bit moments writes its compute copy: the kernel writes a
+            # bf16 one in its pass, other dtypes are cast after it as in the fp32 format.
+            fused_copy = (
+                out is not None
+                and native is not None
+                and all(t.dtype == torch.bfloat16 for t in out.values())
+            )
 
             def update(c: _Chunk, worker: int) -> None:
                 g = [src[n].view(-1)[a:e] for n, a, e in c.slices]
                 if any(t.dtype not in direct for t in g):
                     g = self._widen(g, worker)
+                copy = [out[n].view(-1)[a:e] for n, a, e in c.slices] if out is not None else None
                 if native is not None:
-                    self._update_native(b, c, g, step, native[c.weight_decay])
+                    hyper_c = native[c.weight_decay]
+                    self._update_native(b, c, g, step, hyper_c, copy if fused_copy else None)
                 else:
                     self._update_compact(b, c, g, step, hyper, worker)
-                if out is not None:  # an fp32 master with 8-bit moments: as in the fp32 format
-                    torch._foreach_copy_([out[n].view(-1)[a:e] for n, a, e in c.slices], c.params)
+                if copy is not None and not fused_copy:
+                    torch._foreach_copy_(copy, c.params)
 
         self._parallel(b.chunks, update)
         b.micro = 0
@@ -723,8 +732,11 @@ class CPUAdamW:
             for (o, k), hi in zip(spans, c.params):
                 hi.copy_(s.p[o : o + k])  # round to nearest even
 
-    def _update_native(self, b: _Block, c: _Chunk, g: list[Tensor], step: int, hyper) -> None:
-        """One chunk of a compact format in the fused kernel, slice by slice."""
+    def _update_native(
+        self, b: _Block, c: _Chunk, g: list[Tensor], step: int, hyper, copy: list[Tensor] | None
+    ) -> None:
+        """One chunk of a compact format in the fused kernel, slice by slice; `copy`: bf16
+        slices to write an fp32 master's compute copy into, or None."""
         fmt, kernel = self.format, self._kernel
         kind = compact_kernel.MASTER_KINDS[fmt.master]
         keyed = fmt.master == "bf16-sr" or fmt.moments == "8bit"
@@ -734,6 +746,7 @@ class CPUAdamW:
                 kind,
                 p,
                 c.lo[i] if c.lo is not None else None,
+                copy[i] if copy is not None else None,
                 c.m[i] if c.m else None,
                 c.v[i] if c.v else None,
                 c.codes[i] if c.codes is not None else None,
