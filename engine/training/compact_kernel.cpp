@@ -112,13 +112,16 @@ struct Slice {  // the arguments of megaslide_adamw_compact, below
   uint32_t key;
 };
 
+// One 256-element block at a time (a tensor's last one may be shorter): the random bits first
+// (in a loop of their own: computed inside the others, the hash slowed them by ~15% here), then
+// the update loop decodes each element's state, updates it and encodes the master; with 8-bit
+// moments it keeps the new m and v in the block's buffers, whose absmax the encoding needs.
 template <int kMaster, bool k8bit, typename G>
 void update(const Slice& s, const Hyper& h) {
   void* const p_ = s.p;
   int16_t* const lo = s.lo;
   uint16_t* const copy = s.copy;
   uint8_t *const code_m = s.code_m, *const code_v = s.code_v;
-  float *const absmax_m = s.absmax_m, *const absmax_v = s.absmax_v;
   const G* const g = static_cast<const G*>(s.g);
   const int64_t n = s.n, start = s.start;
   const uint32_t key = s.key;
@@ -127,26 +130,19 @@ void update(const Slice& s, const Hyper& h) {
   for (int64_t b0 = 0; b0 < n; b0 += kBlock) {
     const int64_t len = n - b0 < kBlock ? n - b0 : kBlock;
     float mb[kBlock], vb[kBlock];
-    uint32_t rand[kBlock];
-    float* m = k8bit ? mb : s.m + b0;
-    float* v = k8bit ? vb : s.v + b0;
-    if (kMaster == kStochastic || k8bit) {
+    float* const m = k8bit ? mb : s.m + b0;
+    float* const v = k8bit ? vb : s.v + b0;
+    const float am = k8bit ? s.absmax_m[b0 / kBlock] : 0.0f;
+    const float av = k8bit ? s.absmax_v[b0 / kBlock] : 0.0f;
+    uint32_t rand[kBlock];  // low 16 bits round a bf16-sr master, high 16 the 8-bit v
+    if constexpr (kMaster == kStochastic || k8bit) {
       for (int64_t j = 0; j < kBlock; ++j) rand[j] = hash_bits(uint32_t(start + b0 + j), key);
     }
-    float am = 0.0f, av = 0.0f;
-    if (k8bit) {
-      am = absmax_m[b0 / kBlock];
-      av = absmax_v[b0 / kBlock];
-      for (int64_t j = 0; j < kBlock; ++j) {
-        mb[j] = decode_m(code_m[b0 + j]) * am;
-        vb[j] = decode_v(code_v[b0 + j]) * av;
-      }
-      for (int64_t j = len; j < kBlock; ++j) mb[j] = vb[j] = 0.0f;  // a tensor's padding
-    }
+    uint32_t top_m = 0, top_v = 0;  // absmax as the largest magnitude's bits: an integer max
     for (int64_t j = 0; j < len; ++j) {
       const int64_t i = b0 + j;
       float p;
-      if (kMaster == kFp32) {
+      if constexpr (kMaster == kFp32) {
         p = static_cast<float*>(p_)[i];
       } else {
         uint32_t hi = static_cast<uint16_t*>(p_)[i];
@@ -159,41 +155,47 @@ void update(const Slice& s, const Hyper& h) {
       } else {
         grad = g[i];
       }
+      float mj, vj;
+      if constexpr (k8bit) {
+        mj = decode_m(code_m[i]) * am;
+        vj = decode_v(code_v[i]) * av;
+      } else {
+        mj = m[j];
+        vj = v[j];
+      }
       grad = grad / h.grad_scale;
       p = p * h.decay;
-      float mj = m[j];
-      m[j] = std::fma(coeff, grad - mj, small ? mj : grad);
-      float vj = std::fma(h.sq_coeff * grad, grad, v[j] * h.beta2);
+      mj = std::fma(coeff, grad - mj, small ? mj : grad);
+      vj = std::fma(h.sq_coeff * grad, grad, vj * h.beta2);
+      m[j] = mj;
       v[j] = vj;
+      if constexpr (k8bit) {
+        uint32_t a = bits_of(mj) & 0x7FFFFFFFu, b = bits_of(vj) & 0x7FFFFFFFu;
+        top_m = a > top_m ? a : top_m;
+        top_v = b > top_v ? b : top_v;
+      }
       float denom = std::sqrt(vj) / h.bc2_sqrt + h.eps;
-      p = p + h.neg_step * m[j] / denom;
+      p = p + h.neg_step * mj / denom;
       uint32_t bits = bits_of(p);
-      if (kMaster == kFp32) {
+      if constexpr (kMaster == kFp32) {
         static_cast<float*>(p_)[i] = p;
-      } else if (kMaster == kSplit) {  // high half to nearest, ties away; low half the rest
+        if (copy != nullptr) copy[i] = bf16_nearest(p);
+      } else if constexpr (kMaster == kSplit) {  // high half to nearest, ties away; low: the rest
         static_cast<uint16_t*>(p_)[i] = uint16_t((bits + 0x8000u) >> 16);
         lo[i] = int16_t(uint16_t(bits));
-      } else if (kMaster == kStochastic) {
+      } else if constexpr (kMaster == kStochastic) {
         static_cast<uint16_t*>(p_)[i] = uint16_t((bits + (rand[j] & 0xFFFFu)) >> 16);
       } else {
         static_cast<uint16_t*>(p_)[i] = bf16_nearest(p);
       }
-      if (kMaster == kFp32 && copy != nullptr) copy[i] = bf16_nearest(p);
     }
-    if (k8bit) {
-      // absmax as the largest magnitude's bit pattern: an integer max, exact and vectorizable
-      uint32_t top_m = 0, top_v = 0;
-      for (int64_t j = 0; j < kBlock; ++j) {
-        uint32_t a = bits_of(mb[j]) & 0x7FFFFFFFu, b = bits_of(vb[j]) & 0x7FFFFFFFu;
-        top_m = a > top_m ? a : top_m;
-        top_v = b > top_v ? b : top_v;
-      }
-      am = float_of(top_m);
-      av = float_of(top_v);
-      absmax_m[b0 / kBlock] = am;
-      absmax_v[b0 / kBlock] = av;
-      const float inv_m = inverse(am), inv_v = inverse(av);
-      for (int64_t j = 0; j < kBlock; ++j) {
+    if constexpr (k8bit) {
+      for (int64_t j = len; j < kBlock; ++j) mb[j] = vb[j] = 0.0f;  // a tensor's padding
+      const float new_am = float_of(top_m), new_av = float_of(top_v);
+      s.absmax_m[b0 / kBlock] = new_am;
+      s.absmax_v[b0 / kBlock] = new_av;
+      const float inv_m = inverse(new_am), inv_v = inverse(new_av);
+      for (int64_t j = 0; j < kBlock; ++j) {  // v rounded by the high 16 random bits
         code_m[b0 + j] = encode_m(mb[j] * inv_m);
         code_v[b0 + j] = encode_v(vb[j] * inv_v, rand[j]);
       }
