@@ -5,14 +5,16 @@
 //
 //     p = p * (1 - lr * wd)
 //     m = fma(w, g - m, m)               w = 1 - beta1 < 0.5 (else fma(w - 1, g - m, g))
-//     v = v * beta2 + ((1 - beta2) * g) * g
+//     v = fma((1 - beta2) * g, g, v * beta2)
 //     p = p + (-lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps)
 //
-// Built with -ffp-contract=off: no multiply-add is fused but the one written as std::fma, as
-// torch's vector loop does; the compiler vectorizes the element loops (-O3 -march=native) and
-// may not reassociate (no -ffast-math), so every element's result is fixed by its inputs alone.
-// It differs from torch's kernel only where torch runs its scalar tail (the last < 16 elements
-// of a tensor piece), whose lerp is not fused: at most an ulp of m there.
+// torch writes v as v * beta2 + (1 - beta2) * g * g; its builds contract that into the fma above
+// (GCC's default), which this file writes out: on torch 2.13's x86 wheel the vector loop's
+// results are reproduced bit for bit (tests/test_optim_native.py). Built with -ffp-contract=off,
+// so no other multiply-add is fused; the compiler vectorizes the element loops (-O3
+// -march=native) and may not reassociate (no -ffast-math), so every element's result is fixed by
+// its inputs alone. Where torch runs its scalar tail instead (the last < 16 elements of a tensor
+// piece), its rounding of v differs in the last bit now and then.
 //
 // Plain C ABI, no torch headers: compact_kernel.py builds it with the system compiler in a few
 // seconds and calls it through ctypes, which releases the GIL for the call.

@@ -24,9 +24,10 @@ build does too, with the reason in `unavailable_reason()`. The optimizer then ru
 path (`CPUAdamW.update_path` says which one runs).
 
 Caution: the kernel's AdamW arithmetic is that of torch's vectorized loop, which torch runs on all
-but the last < 16 elements of each piece of a tensor; torch's scalar tail computes the lerp of m
-without a fused multiply-add, so there the two paths may differ in the last bit of m (and, through
-it, of the master and the codes). tests/test_optim_native.py bounds the difference.
+but the last < 16 elements of each piece of a tensor; torch's scalar tail rounds v differently now
+and then, so there the two paths may differ in the last bit of v (and, through it, of the master
+and the codes). tests/test_optim_native.py bounds the difference and checks that every other
+element is bitwise equal.
 """
 
 from __future__ import annotations

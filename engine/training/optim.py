@@ -11,11 +11,12 @@ For each parameter p with gradient g, at step t (counted from 1):
     v_hat = v / (1 - beta2 ** t)
     p   = p - lr * m_hat / (sqrt(v_hat) + eps)   # eps is added after the square root
 
-The arithmetic is not ours: every update runs torch's own fused CPU kernel
+The arithmetic is not ours: every update of the fp32 state runs torch's own fused CPU kernel
 (`torch._fused_adamw_`, the kernel behind `torch.optim.AdamW(fused=True)`; present on the CPU since
 torch 2.4, the project's floor, so there is no slower fallback path), and with one micro-batch and
-no clipping the result is bitwise that of `torch.optim.AdamW(fused=True)` (tested). What this
-module adds is the machinery the fine-tuning loop needs around it:
+no clipping the result is bitwise that of `torch.optim.AdamW(fused=True)` (tested); the compact
+formats' own kernel repeats that kernel's operations (below). What this module adds is the
+machinery the fine-tuning loop needs around it:
 
 * Blocks. Parameters come as an ordered mapping ``block_id -> {name: fp32 tensor}`` and
   `CPUAdamW.step_block` updates one block, so the loop can update block i while the GPU computes
@@ -35,18 +36,27 @@ module adds is the machinery the fine-tuning loop needs around it:
 
 State formats (`state=`, state_format.py; the codecs in compact.py). The default "fp32" is the
 above: fp32 master, m and v, 12 B/param plus the 2 B compute copy. A compact format
-"<master>/<moments>" stores less and runs the same fused kernel on fp32 scratch: per chunk, each
-worker decodes the master (bf16 halves joined, or bf16 widened) and the moments (8-bit codes
-times their block absmax) into its own fp32 buffers, calls `torch._fused_adamw_` on them, and
-encodes the result back (split into halves, or rounded to bf16 stochastically; m and v
-re-quantized). The update's arithmetic is torch's; only storage and rounding differ. With a bf16
+"<master>/<moments>" stores less and runs one of two update paths (`update_path` says which):
+
+* "native": a fused CPU kernel (compact_kernel.py), built with the system compiler on first use
+  and cached, does per element what the torch-ops path does per chunk (decode, AdamW, encode:
+  the same codes, the same random bits, the arithmetic of torch's vectorized kernel) in one pass
+  over memory, as fast as the fp32 format or faster. It may differ from the torch-ops path in
+  the last bit where torch's kernel runs its scalar tail (tests/test_optim_native.py).
+* "torch-ops", when the kernel cannot be built or ``MEGASLIDE_NATIVE_OPTIM=0``: per chunk, each
+  worker decodes the master (bf16 halves joined, or bf16 widened) and the moments (8-bit codes
+  times their block absmax) into its own fp32 buffers, calls `torch._fused_adamw_` on them, and
+  encodes the result back (split into halves, or rounded to bf16 stochastically; m and v
+  re-quantized): about forty torch ops per chunk instead of one kernel call, 0.1-0.6x the fp32
+  format's speed (benchmarks/optimizer.py).
+
+Either way the update's arithmetic is torch's AdamW; only storage and rounding differ. With a bf16
 master ("bf16-split", "bf16-sr") the caller hands bf16 tensors, which the optimizer updates in
 place and which are the compute copy themselves: `master_dtype` says so and `out=` is refused.
 Chunks of a compact format are cut at multiples of 256 elements inside each tensor (a tensor's
 tail is padded in scratch), so quantization blocks never straddle tensors and the result does
 not depend on chunk size or thread count. Stochastic rounding draws its bits from a hash of
 (seed, step, block, tensor, element), so a resumed run rounds exactly as an uninterrupted one.
-Cost: about forty torch ops per chunk instead of one kernel call; see benchmarks/optimizer.py.
 
 Clipping: the clipping coefficient depends on the norm of the gradient of *every* block, and no
 block may be updated before it is known. We hold all gradients: with clipping on, every block's
