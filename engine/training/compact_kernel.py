@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import math
 import os
 import platform
 import shutil
@@ -138,7 +139,7 @@ def hyper(
         1 - beta1,
         beta2,
         1 - beta2,
-        bc2**0.5,
+        math.sqrt(bc2),
         eps,
         -(lr / bc1),
         1.0 if scale is None else scale,
