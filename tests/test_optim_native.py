@@ -59,10 +59,15 @@ def signed_code(codes: torch.Tensor) -> torch.Tensor:
     return torch.where(c >= 128, -(c - 128), c)
 
 
+@pytest.mark.parametrize("accumulate", [False, True], ids=["plain", "accumulated-clipped"])
 @pytest.mark.parametrize("state", COMPACT)
-def test_one_step_matches_torch_ops_within_the_derived_bound(state, kernel, monkeypatch):
+def test_one_step_matches_torch_ops_within_the_derived_bound(
+    state, accumulate, kernel, monkeypatch
+):
     params = make_params(state)
     kw = dict(chunk_numel=512, threads=2, seed=3)
+    if accumulate:  # the gradient divided by k / clip coefficient in the kernel
+        kw.update(accumulation_steps=2, max_grad_norm=1.0)
     opt = opt_for(params, state, **kw)
     assert opt.update_path == "native"
     fmt = opt.format
@@ -71,8 +76,13 @@ def test_one_step_matches_torch_ops_within_the_derived_bound(state, kernel, monk
         twin, twin_params = twin_on_torch_ops(opt, params, monkeypatch, **kw)
         before = fp32_master(opt, params)
         grads = make_grads(step, torch.bfloat16 if step % 2 else torch.float32)
-        opt.step(grads)
-        twin.step(grads)
+        for o in (opt, twin):
+            if accumulate:
+                for b, g in make_grads(100 + step).items():
+                    o.accumulate(b, g)
+            o.step(grads)
+        if accumulate:
+            assert opt.last_grad_norm == twin.last_grad_norm > 1.0  # clipped
         ours, ref = fp32_master(opt, params), fp32_master(twin, twin_params)
         for key, r in ref.items():
             o, r = ours[key].double(), r.double()

@@ -118,7 +118,7 @@ struct Slice {  // the arguments of megaslide_adamw_compact, below
 // (in a loop of their own: computed inside the others, the hash slowed them by ~15% here), then
 // the update loop decodes each element's state, updates it and encodes the master; with 8-bit
 // moments it keeps the new m and v in the block's buffers, whose absmax the encoding needs.
-template <int kMaster, bool k8bit, typename G>
+template <int kMaster, bool k8bit, typename G, bool kScaled>
 void update(const Slice& s, const Hyper& h) {
   void* const p_ = s.p;
   int16_t* const lo = s.lo;
@@ -165,7 +165,7 @@ void update(const Slice& s, const Hyper& h) {
         mj = m[j];
         vj = v[j];
       }
-      grad = grad / h.grad_scale;
+      if constexpr (kScaled) grad = grad / h.grad_scale;
       p = p * h.decay;
       mj = std::fma(coeff, grad - mj, small ? mj : grad);
       vj = std::fma(h.sq_coeff * grad, grad, vj * h.beta2);
@@ -205,12 +205,22 @@ void update(const Slice& s, const Hyper& h) {
   }
 }
 
+// Unscaled gradients skip the division (x / 1 is x): ~5% of the time of a step here.
+template <int kMaster, bool k8bit, typename G>
+void dispatch_scale(const Slice& s, const Hyper& h) {
+  if (h.grad_scale != 1.0f) {
+    update<kMaster, k8bit, G, true>(s, h);
+  } else {
+    update<kMaster, k8bit, G, false>(s, h);
+  }
+}
+
 template <int kMaster, bool k8bit>
 void dispatch_grad(bool grad_bf16, const Slice& s, const Hyper& h) {
   if (grad_bf16) {
-    update<kMaster, k8bit, uint16_t>(s, h);
+    dispatch_scale<kMaster, k8bit, uint16_t>(s, h);
   } else {
-    update<kMaster, k8bit, float>(s, h);
+    dispatch_scale<kMaster, k8bit, float>(s, h);
   }
 }
 

@@ -528,10 +528,8 @@ class CPUAdamW:
                 # .item() of a CPU scalar: the kernel takes the divisor as a number
                 scale = None if grad_scale is None else float(grad_scale.item())
                 native = {  # per weight decay: chunks with and without it
-                    c.weight_decay: compact_kernel.hyper(
-                        self.lr, *self.betas, self.eps, c.weight_decay, step, scale
-                    )
-                    for c in b.chunks
+                    wd: compact_kernel.hyper(self.lr, *self.betas, self.eps, wd, step, scale)
+                    for wd in {c.weight_decay for c in b.chunks}
                 }
             direct = (torch.float32, torch.bfloat16) if native is not None else (torch.float32,)
             # An fp32 master with 8-bit moments writes its compute copy: the kernel writes a
