@@ -75,7 +75,8 @@ def test_one_step_matches_torch_ops_within_the_derived_bound(
     for step in range(4):
         twin, twin_params = twin_on_torch_ops(opt, params, monkeypatch, **kw)
         before = fp32_master(opt, params)
-        grads = make_grads(step, torch.bfloat16 if step % 2 else torch.float32)
+        dtype = (torch.float32, torch.bfloat16, torch.float32, torch.float16)[step]  # fp16: widened
+        grads = make_grads(step, dtype)
         for o in (opt, twin):
             if accumulate:
                 for b, g in make_grads(100 + step).items():

@@ -48,6 +48,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from . import compact
+
 SOURCE = Path(__file__).with_name("compact_kernel.cpp")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-std=c++17")
 BUILD_TIMEOUT_S = 300
@@ -215,9 +217,16 @@ def _build(directory: Path, compiler: str) -> Kernel | str:
             return f"building {SOURCE.name} failed ({' '.join(cmd)}):\n{done.stderr[-2000:]}"
         os.replace(tmp, path)  # atomic: another process sees no library or a whole one
     try:
-        return Kernel(path, build_s, ctypes.CDLL(str(path)))
+        kernel = Kernel(path, build_s, ctypes.CDLL(str(path)))
     except (OSError, AttributeError) as exc:
         return f"loading {path} failed: {exc}"
+    # A cheap check that the library computes what compact.py does (a stale or foreign file, a
+    # miscompile): the random bits of a few elements, bit for bit.
+    if not torch.equal(
+        kernel.hash_bits(512, 3 << 30, 12345), compact.hash_bits(512, 3 << 30, 12345)
+    ):
+        return f"{path} does not reproduce compact.hash_bits; not used"
+    return kernel
 
 
 def _cpu_identity() -> str:
