@@ -17,11 +17,11 @@ Compact state formats (`--states`, default all; engine/training/state_format.py)
 its own copy of the parameters (bf16 for a bf16 master, which is then the compute copy and gets
 no separate one), interleaved with the rest. Reported per format: params/s, the ratio to ours
 in the fp32 format with its bf16 copy (the job a compact format replaces), and host bytes per
-parameter; `best_ratio_vs_fp32` compares the fastest rounds instead of the medians (on a machine
-shared with other work, the rounds least disturbed by it). Each compact format runs on both update paths (`--paths`): the fused kernel
-("native", engine/training/compact_kernel.py) and torch ops ("torch-ops"); `update_path` says
-which one a plain CPUAdamW runs here, and `native_kernel` where the kernel was loaded from (or
-why it is unavailable).
+parameter; `best_ratio_vs_fp32` compares the fastest rounds instead of the medians (on a
+machine shared with other work, the rounds least disturbed by it). Each compact format runs on
+both update paths (`--paths`): the fused kernel ("native", engine/training/compact_kernel.py)
+and torch ops ("torch-ops"); `update_path` says which one a plain CPUAdamW runs here, and
+`native_kernel` where the kernel was loaded from (or why it is unavailable).
 
 Usage: python benchmarks/optimizer.py --json [--sizes 50e6,200e6] [--rounds 7] [--threads N]
            [--states bf16-sr/8bit,...] [--paths native,torch-ops]
