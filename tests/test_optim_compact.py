@@ -12,6 +12,9 @@ Every bound is derived from the format (state_format.py, compact.py), none fitte
   whole trajectory to stay within that single-step precision (errors must not compound) and its
   bias far below it.
 * Round to nearest bf16 ("bf16") is the baseline: an update below half an ulp is lost.
+
+The training tests run both update paths of a compact format: the fused kernel ("native") and
+torch ops (test_optim_native.py compares the two step by step).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import math
 
 import pytest
 import torch
+from native_kernel import PATHS, use_path
 
 from megaslide.engine.training import compact
 from megaslide.engine.training.finetune_spec import OptimizerSpec
@@ -315,26 +319,36 @@ def test_master_stochastic_rounding_is_unbiased_and_keyed():
 # ---------------------------------------------------------------------- training
 
 
-def test_bf16_split_is_the_fp32_master_bit_for_bit():
-    for moments in MOMENTS:
-        ref_p, split_p = make_params(f"fp32/{moments}"), make_params(f"bf16-split/{moments}")
-        kw = dict(accumulation_steps=2, max_grad_norm=5.0, chunk_numel=512, threads=2)
-        ref, split = (
-            opt_for(ref_p, f"fp32/{moments}", **kw),
-            opt_for(split_p, "bf16-split/" + moments, **kw),
-        )
-        for step in range(5):
-            for opt in (ref, split):
-                for micro in range(2):
-                    grads = make_grads(10 * step + micro, torch.bfloat16)
-                    for b in SHAPES:
-                        opt.accumulate(b, grads[b])
+@pytest.fixture(params=PATHS)
+def path(request, monkeypatch):
+    use_path(request.param, monkeypatch)
+    return request.param
+
+
+@pytest.mark.parametrize("moments", MOMENTS)
+def test_bf16_split_is_the_fp32_master_bit_for_bit(moments, monkeypatch):
+    # The reference is the fp32 master on the same path: torch's fused kernel for fp32 moments
+    # (so the torch-ops path, the same kernel on joined halves), either path for 8-bit moments.
+    if moments == "fp32":
+        use_path("torch-ops", monkeypatch)
+    ref_p, split_p = make_params(f"fp32/{moments}"), make_params(f"bf16-split/{moments}")
+    kw = dict(accumulation_steps=2, max_grad_norm=5.0, chunk_numel=512, threads=2)
+    ref, split = (
+        opt_for(ref_p, f"fp32/{moments}", **kw),
+        opt_for(split_p, "bf16-split/" + moments, **kw),
+    )
+    for step in range(5):
+        for opt in (ref, split):
+            for micro in range(2):
+                grads = make_grads(10 * step + micro, torch.bfloat16)
                 for b in SHAPES:
-                    opt.step_block(b)
-            assert ref.last_grad_norm == split.last_grad_norm
-            ref32, split32 = fp32_master(ref, ref_p), fp32_master(split, split_p)
-            for key, t in ref32.items():
-                assert torch.equal(t, split32[key]), (moments, step, key)
+                    opt.accumulate(b, grads[b])
+            for b in SHAPES:
+                opt.step_block(b)
+        assert ref.last_grad_norm == split.last_grad_norm
+        ref32, split32 = fp32_master(ref, ref_p), fp32_master(split, split_p)
+        for key, t in ref32.items():
+            assert torch.equal(t, split32[key]), (moments, step, key)
 
 
 def drifting_problem(n_rows=64, n_cols=32, seed=0):
@@ -355,7 +369,7 @@ def drifting_problem(n_rows=64, n_cols=32, seed=0):
 
 
 @pytest.mark.parametrize("state", ["fp32"] + COMPACT)
-def test_tracks_fp64_adamw_within_the_format_bound(state):
+def test_tracks_fp64_adamw_within_the_format_bound(state, path):
     steps, lr, ulp = 300, 5e-4, 2**-7
     w0, grad = drifting_problem()
     oracle = torch.nn.Parameter(w0.double())
@@ -399,7 +413,7 @@ def test_tracks_fp64_adamw_within_the_format_bound(state):
 
 
 @pytest.mark.parametrize("state", EIGHT_BIT)
-def test_8bit_zero_gradients_leave_weights_unchanged(state):
+def test_8bit_zero_gradients_leave_weights_unchanged(state, path):
     params = make_params(state)
     before = {(b, n): t.clone() for b, named in params.items() for n, t in named.items()}
     opt = CPUAdamW(params, lr=LR, weight_decay=0.0, state=state)
@@ -422,7 +436,7 @@ def train(opt, steps):
 
 
 @pytest.mark.parametrize("state", COMPACT)
-def test_state_dict_round_trip_resumes_bitwise(state):
+def test_state_dict_round_trip_resumes_bitwise(state, path):
     params = make_params(state)
     opt = opt_for(params, state, chunk_numel=512, seed=5)
     train(opt, range(3))
@@ -448,11 +462,12 @@ def test_state_dict_round_trip_resumes_bitwise(state):
 
 
 @pytest.mark.parametrize("state", COMPACT)
-def test_threads_and_chunk_size_do_not_change_the_result(state):
+def test_threads_and_chunk_size_do_not_change_the_result(state, path):
     results = []
     for threads, chunk in ((1, 256), (3, 512), (2, None)):
         params = make_params(state)
         opt = opt_for(params, state, threads=threads, chunk_numel=chunk)
+        assert opt.update_path == path
         for step in range(4):
             opt.step(make_grads(step, torch.bfloat16))
         opt.close()

@@ -11,11 +11,12 @@ For each parameter p with gradient g, at step t (counted from 1):
     v_hat = v / (1 - beta2 ** t)
     p   = p - lr * m_hat / (sqrt(v_hat) + eps)   # eps is added after the square root
 
-The arithmetic is not ours: every update runs torch's own fused CPU kernel
+The arithmetic is not ours: every update of the fp32 state runs torch's own fused CPU kernel
 (`torch._fused_adamw_`, the kernel behind `torch.optim.AdamW(fused=True)`; present on the CPU since
 torch 2.4, the project's floor, so there is no slower fallback path), and with one micro-batch and
-no clipping the result is bitwise that of `torch.optim.AdamW(fused=True)` (tested). What this
-module adds is the machinery the fine-tuning loop needs around it:
+no clipping the result is bitwise that of `torch.optim.AdamW(fused=True)` (tested); the compact
+formats' own kernel repeats that kernel's operations (below). What this module adds is the
+machinery the fine-tuning loop needs around it:
 
 * Blocks. Parameters come as an ordered mapping ``block_id -> {name: fp32 tensor}`` and
   `CPUAdamW.step_block` updates one block, so the loop can update block i while the GPU computes
@@ -35,18 +36,27 @@ module adds is the machinery the fine-tuning loop needs around it:
 
 State formats (`state=`, state_format.py; the codecs in compact.py). The default "fp32" is the
 above: fp32 master, m and v, 12 B/param plus the 2 B compute copy. A compact format
-"<master>/<moments>" stores less and runs the same fused kernel on fp32 scratch: per chunk, each
-worker decodes the master (bf16 halves joined, or bf16 widened) and the moments (8-bit codes
-times their block absmax) into its own fp32 buffers, calls `torch._fused_adamw_` on them, and
-encodes the result back (split into halves, or rounded to bf16 stochastically; m and v
-re-quantized). The update's arithmetic is torch's; only storage and rounding differ. With a bf16
+"<master>/<moments>" stores less and runs one of two update paths (`update_path` says which):
+
+* "native": a fused CPU kernel (compact_kernel.py), built with the system compiler on first use
+  and cached, does per element what the torch-ops path does per chunk (decode, AdamW, encode:
+  the same codes, the same random bits, the arithmetic of torch's vectorized kernel) in one pass
+  over memory, as fast as the fp32 format or faster. It may differ from the torch-ops path in
+  the last bit where torch's kernel runs its scalar tail (tests/test_optim_native.py).
+* "torch-ops", when the kernel cannot be built or ``MEGASLIDE_NATIVE_OPTIM=0``: per chunk, each
+  worker decodes the master (bf16 halves joined, or bf16 widened) and the moments (8-bit codes
+  times their block absmax) into its own fp32 buffers, calls `torch._fused_adamw_` on them, and
+  encodes the result back (split into halves, or rounded to bf16 stochastically; m and v
+  re-quantized): about forty torch ops per chunk instead of one kernel call, 0.1-0.6x the fp32
+  format's speed (benchmarks/optimizer.py).
+
+Either way the update's arithmetic is torch's AdamW; only storage and rounding differ. With a bf16
 master ("bf16-split", "bf16-sr") the caller hands bf16 tensors, which the optimizer updates in
 place and which are the compute copy themselves: `master_dtype` says so and `out=` is refused.
 Chunks of a compact format are cut at multiples of 256 elements inside each tensor (a tensor's
 tail is padded in scratch), so quantization blocks never straddle tensors and the result does
 not depend on chunk size or thread count. Stochastic rounding draws its bits from a hash of
 (seed, step, block, tensor, element), so a resumed run rounds exactly as an uninterrupted one.
-Cost: about forty torch ops per chunk instead of one kernel call; see benchmarks/optimizer.py.
 
 Clipping: the clipping coefficient depends on the norm of the gradient of *every* block, and no
 block may be updated before it is known. We hold all gradients: with clipping on, every block's
@@ -83,7 +93,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from . import compact
+from . import compact, compact_kernel
 from .finetune_spec import OptimizerSpec
 from .state_format import QUANT_BLOCK, StateFormat
 
@@ -99,6 +109,10 @@ FP32_CHUNK_NUMEL = 1 << 19  # fp32 state: one streaming pass, large chunks amort
 # 50 B per element) with ~40 torch ops per chunk: 128K elements (6 MB, in L3) was the fastest
 # here; smaller chunks pay more per-op dispatch, larger ones fall out of cache.
 COMPACT_CHUNK_NUMEL = 1 << 17
+# The fused kernel (compact_kernel.py) needs no scratch and keeps each 256-element block in
+# registers and L1, so chunk size only sets the per-call overhead (a few microseconds of Python
+# per slice) against the balance between workers.
+NATIVE_CHUNK_NUMEL = 1 << 18
 
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 
@@ -228,8 +242,20 @@ class CPUAdamW:
         if threads is not None and threads < 1:
             raise ValueError(f"threads must be >= 1 or None, got {threads}")
         self.format = StateFormat.parse(state)
+        # A compact format runs the fused kernel when it builds (or is cached), else torch ops.
+        self._kernel = compact_kernel.load() if self.format.compact else None
+        if not self.format.compact:
+            self.update_path = "torch-fused"  # torch._fused_adamw_ on the fp32 state
+        else:
+            self.update_path = "native" if self._kernel is not None else "torch-ops"
         if chunk_numel is None:
-            chunk_numel = COMPACT_CHUNK_NUMEL if self.format.compact else FP32_CHUNK_NUMEL
+            chunk_numel = (
+                FP32_CHUNK_NUMEL
+                if not self.format.compact
+                else NATIVE_CHUNK_NUMEL
+                if self._kernel is not None
+                else COMPACT_CHUNK_NUMEL
+            )
         align = QUANT_BLOCK if self.format.compact else _CHUNK_ALIGN
         if chunk_numel < align or chunk_numel % align:
             raise ValueError(f"chunk_numel must be a positive multiple of {align}")
@@ -497,14 +523,35 @@ class CPUAdamW:
 
         if self.format.compact:
             step = int(b.step.item())  # a host CPU scalar, no device sync: keys the SR hash
+            native = None
+            if self._kernel is not None:
+                # .item() of a CPU scalar: the kernel takes the divisor as a number
+                scale = None if grad_scale is None else float(grad_scale.item())
+                native = {  # per weight decay: chunks with and without it
+                    wd: compact_kernel.hyper(self.lr, *self.betas, self.eps, wd, step, scale)
+                    for wd in {c.weight_decay for c in b.chunks}
+                }
+            direct = (torch.float32, torch.bfloat16) if native is not None else (torch.float32,)
+            # An fp32 master with 8-bit moments writes its compute copy: the kernel writes a
+            # bf16 one in its pass, other dtypes are cast after it as in the fp32 format.
+            fused_copy = (
+                out is not None
+                and native is not None
+                and all(t.dtype == torch.bfloat16 for t in out.values())
+            )
 
             def update(c: _Chunk, worker: int) -> None:
                 g = [src[n].view(-1)[a:e] for n, a, e in c.slices]
-                if any(t.dtype != torch.float32 for t in g):
+                if any(t.dtype not in direct for t in g):
                     g = self._widen(g, worker)
-                self._update_compact(b, c, g, step, hyper, worker)
-                if out is not None:  # an fp32 master with 8-bit moments: as in the fp32 format
-                    torch._foreach_copy_([out[n].view(-1)[a:e] for n, a, e in c.slices], c.params)
+                copy = [out[n].view(-1)[a:e] for n, a, e in c.slices] if out is not None else None
+                if native is not None:
+                    hyper_c = native[c.weight_decay]
+                    self._update_native(b, c, g, step, hyper_c, copy if fused_copy else None)
+                else:
+                    self._update_compact(b, c, g, step, hyper, worker)
+                if copy is not None and not fused_copy:
+                    torch._foreach_copy_(copy, c.params)
 
         self._parallel(b.chunks, update)
         b.micro = 0
@@ -692,6 +739,31 @@ class CPUAdamW:
         elif fmt.master == "bf16":
             for (o, k), hi in zip(spans, c.params):
                 hi.copy_(s.p[o : o + k])  # round to nearest even
+
+    def _update_native(
+        self, b: _Block, c: _Chunk, g: list[Tensor], step: int, hyper, copy: list[Tensor] | None
+    ) -> None:
+        """One chunk of a compact format in the fused kernel, slice by slice; `copy`: bf16
+        slices to write an fp32 master's compute copy into, or None."""
+        fmt, kernel = self.format, self._kernel
+        kind = compact_kernel.MASTER_KINDS[fmt.master]
+        keyed = fmt.master == "bf16-sr" or fmt.moments == "8bit"
+        for i, ((_, start, _), p, grad) in enumerate(zip(c.slices, c.params, g)):
+            key = compact.sr_key(self.seed, step, b.index, c.keys[i]) if keyed else 0
+            kernel.update(
+                kind,
+                p,
+                c.lo[i] if c.lo is not None else None,
+                copy[i] if copy is not None else None,
+                c.m[i] if c.m else None,
+                c.v[i] if c.v else None,
+                c.codes[i] if c.codes is not None else None,
+                c.absmax[i] if c.absmax is not None else None,
+                grad,
+                start,
+                key,
+                hyper,
+            )
 
     def _widen(self, grads: list[Tensor], worker: int) -> list[Tensor]:
         """Copy bf16/fp16 gradient slices into this worker's fp32 scratch (exact widening)."""
