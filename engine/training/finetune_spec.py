@@ -3,7 +3,7 @@
     FinetuneSpec(
         run=RunSpec(output="runs/a"),         # where it writes, its seed, what trains
         schedule=ScheduleSpec(epochs=2),      # how long, and the learning rate along the way
-        optimizer=OptimizerSpec(lr=2e-5),     # AdamW on the fp32 masters, gradient clipping
+        optimizer=OptimizerSpec(lr=2e-5),     # AdamW, its state format, gradient clipping
         clips=ClipSpec(frames=17),            # the training clips and the batch
         runtime=RuntimeSpec(Placement(device="cuda", offload="stream")),  # where and how it runs
     )
@@ -33,7 +33,8 @@ LR_SCHEDULES = ("constant", "cosine")
 
 @dataclass(frozen=True)
 class OptimizerSpec:
-    """AdamW (torch.optim.AdamW's algorithm, engine/training/optim.py) on the fp32 masters."""
+    """AdamW (torch.optim.AdamW's algorithm, engine/training/optim.py) on the masters, stored
+    in the `state` format."""
 
     lr: float = 1e-4  # the peak rate; the schedule scales it
     betas: tuple[float, float] = (0.9, 0.999)
@@ -42,7 +43,9 @@ class OptimizerSpec:
     max_grad_norm: float | None = None  # clip the global gradient norm to this
     grad_accum: int = 1  # micro-batches per optimizer step
     # How the optimizer stores master and moments on the host: "fp32", or "<master>/<moments>"
-    # such as "bf16-sr/8bit" (state_format.py: the formats and their bytes per parameter).
+    # such as "bf16-sr/8bit" (state_format.py: the formats and their bytes per parameter). A
+    # bf16 master is the model's weights themselves: the trainer opens the model in bf16 and
+    # computes under bf16 autocast; "bf16-sr" rounds keyed by `run.seed`.
     state: str = "fp32"
 
     def __post_init__(self) -> None:
@@ -245,6 +248,13 @@ class FinetuneSpec:
                 c.time_sampling,
             ),
             (self.runtime.cache_mb >= 0, "runtime.cache_mb must be >= 0", self.runtime.cache_mb),
+            (
+                StateFormat.parse(o.state).master != "bf16",
+                "optimizer.state: a 'bf16' master rounds every update to nearest and loses those "
+                "under half a bf16 ulp (the baseline the compact formats are tested against); "
+                "train with 'bf16-sr' or 'bf16-split'",
+                o.state,
+            ),
         ]
         devices = self.runtime.devices
         if devices is not None:
