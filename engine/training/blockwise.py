@@ -477,12 +477,15 @@ def master_state_dicts(
     """Every parameter of the trained modules on the host, masters and frozen ones:
     `{module name: state dict}`. The masters as stored (what reopens the run exactly, with the
     optimizer's state), or with `values` their fp32 values (`CPUAdamW.master_values`: a
-    bf16-split master's halves joined), which only the optimizer's process can give."""
+    bf16-split master's halves joined) and the frozen ones widened to fp32, which only the
+    optimizer's process can give."""
     model = step.model
     flat = dict(step.frozen)
     masters = step.masters
     if values:
         masters = {block_id: step.optimizer.master_values(block_id) for block_id in masters}
+        # Frozen ones too (opened in a bf16 master's dtype): one dtype for the whole export.
+        flat = {k: t.float() if t.is_floating_point() else t for k, t in flat.items()}
     for block_id, named in masters.items():
         if block_id == NON_BLOCK:
             flat |= named
