@@ -43,7 +43,10 @@ def test_a_fine_tune_taken_over_cannot_publish_another_checkpoint(make_client):
 
 def test_finetune_produces_a_model_that_generates(make_client):
     backend = FakeBackend(train_step_s=0.01)
-    c = make_client(backend, finetune_save_every=2)
+    # "auto" hyperparameters take the server's defaults, its optimizer state format among them.
+    c = make_client(backend, finetune_save_every=2, finetune_optimizer_state="bf16-sr/8bit")
+    trained, trainer = [], backend.trainer
+    backend.trainer = lambda job: trained.append(job.spec) or trainer(job)
     f = processed(c, upload(c, dataset_zip(clips=3)).json())
     job = c.post(
         "/v1/fine_tuning/jobs",
@@ -63,6 +66,7 @@ def test_finetune_produces_a_model_that_generates(make_client):
         "n_epochs": 2,
         "batch_size": 1,
         "learning_rate_multiplier": 1.0,
+        "optimizer_state": "bf16-sr/8bit",
     }
     assert_error(c.delete(f"/v1/files/{f['id']}"), 409, fragment="cancel the job first")
     done = until(
@@ -74,6 +78,7 @@ def test_finetune_produces_a_model_that_generates(make_client):
         what="fine-tune",
     )
     assert done["status"] == "succeeded", done
+    assert [spec.optimizer.state for spec in trained] == ["bf16-sr/8bit"]
     short = job["id"].removeprefix("ftjob-")
     assert (
         done["fine_tuned_model"] == f"ft:fake:cats:{short}"
@@ -128,6 +133,14 @@ def test_finetune_requests_are_validated(make_client):
         400,
         "hyperparameters.n_epochs",
     )
+    for state in ("bf16", "bf16/8bit", "fp16/fp32"):
+        assert_error(
+            c.post(
+                "/v1/fine_tuning/jobs", json={**base, "hyperparameters": {"optimizer_state": state}}
+            ),
+            400,
+            "hyperparameters.optimizer_state",
+        )
     assert_error(
         c.post("/v1/fine_tuning/jobs", json={**base, "suffix": "no spaces"}), 400, "suffix"
     )

@@ -134,6 +134,25 @@ def test_bf16_sr_8bit_loss_falls(world, tmp_path):
 
 
 def test_a_bf16_master_without_rounding_is_refused(tmp_path):
-    with pytest.raises(ValueError, match="optimizer.state: a 'bf16' master"):
+    with pytest.raises(
+        ValueError, match="optimizer.state: optimizer state 'bf16/8bit': a 'bf16' master"
+    ):
         spec(tmp_path, "bf16/8bit").validate()
     spec(tmp_path, "bf16-sr/8bit").validate()
+
+
+def test_cli_finetune_optimizer_state(world, tmp_path, capsys):
+    from megaslide.cli.main import main
+
+    flags = ["finetune", "--preset", "tiny", "--data", str(world), "--frames", "4"]
+    flags += ["--size", "16x16", "--batch-size", "2", "--steps", "2", "--offload", "stream"]
+    flags += ["--output", str(tmp_path), "--no-progress", "--seed", "7"]
+    assert main([*flags, "--optimizer-state", "bf16-sr/8bit"]) == 0
+    saved = torch.load(tmp_path / "checkpoints/step-000002/optimizer.pt", weights_only=True)
+    assert saved["state"] == "bf16-sr/8bit" and saved["seed"] == 7
+    capsys.readouterr()
+    # The default is fp32: a run of another format does not resume from this one's checkpoint.
+    assert main([*flags, "--resume"]) == 2
+    assert "holds optimizer state 'bf16-sr/8bit'" in capsys.readouterr().err
+    assert main([*flags, "--optimizer-state", "bf16/fp32"]) == 2
+    assert "a 'bf16' master rounds every update" in capsys.readouterr().err

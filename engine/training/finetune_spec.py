@@ -26,9 +26,32 @@ from typing import Any
 
 from ..native.config import TIME_SAMPLING
 from ..placement import Placement
-from .state_format import StateFormat
+from .state_format import MASTERS, MOMENTS, StateFormat
 
 LR_SCHEDULES = ("constant", "cosine")
+
+
+def check_state(state: str) -> str:
+    """The canonical name of an optimizer state format fine-tuning trains with (`fp32` or
+    `<master>/<moments>`, state_format.py); ValueError naming the formats, or why a 'bf16'
+    master (rounded to nearest, no compensation) does not train."""
+    fmt = StateFormat.parse(state)
+    if fmt.master == "bf16":
+        raise ValueError(
+            f"optimizer state {state!r}: a 'bf16' master rounds every update to nearest and loses "
+            "those under half a bf16 ulp (the baseline the compact formats are tested against); "
+            f"train with one of {', '.join(TRAINING_STATES)}"
+        )
+    return fmt.name
+
+
+# Every format fine-tuning trains with, the default first.
+TRAINING_STATES = ("fp32",) + tuple(
+    f"{master}/{moments}"
+    for master in MASTERS
+    for moments in MOMENTS
+    if master != "bf16" and (master, moments) != ("fp32", "fp32")
+)
 
 
 @dataclass(frozen=True)
@@ -248,13 +271,6 @@ class FinetuneSpec:
                 c.time_sampling,
             ),
             (self.runtime.cache_mb >= 0, "runtime.cache_mb must be >= 0", self.runtime.cache_mb),
-            (
-                StateFormat.parse(o.state).master != "bf16",
-                "optimizer.state: a 'bf16' master rounds every update to nearest and loses those "
-                "under half a bf16 ulp (the baseline the compact formats are tested against); "
-                "train with 'bf16-sr' or 'bf16-split'",
-                o.state,
-            ),
         ]
         devices = self.runtime.devices
         if devices is not None:
@@ -268,6 +284,10 @@ class FinetuneSpec:
         for ok, rule, value in checks:
             if not ok:
                 raise ValueError(f"{rule}, got {value!r}")
+        try:
+            check_state(o.state)
+        except ValueError as e:
+            raise ValueError(f"optimizer.state: {e}") from None
         # Where the weights live: the placement's rules for a fine-tune (placement.py).
         problems = self.runtime.placement.problems("finetune")
         if problems:

@@ -60,6 +60,9 @@ def resolve_hyperparameters(h: Hyperparameters, card: ModelCard, settings: Setti
         "width": width,
         "height": height,
         "expert": h.expert,
+        "optimizer_state": settings.finetune_optimizer_state
+        if h.optimizer_state == "auto"
+        else h.optimizer_state,
     }
 
 
