@@ -414,7 +414,7 @@ class Hyperparameters(Request):
     optimizer_state: str = Field(
         "auto",
         description="how the optimizer keeps master weights and moments in host RAM: "
-        f"{', '.join(TRAINING_STATES)} ('auto': the server's default)",
+        f"{', '.join(TRAINING_STATES)} ('auto': fp32)",
     )
 
     @field_validator("n_epochs")

@@ -14,12 +14,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from sqlalchemy import make_url
 
 from megaslide.engine.placement import Placement
-from megaslide.engine.training.finetune_spec import (
-    TRAINING_STATES,
-    OptimizerSpec,
-    RunSpec,
-    check_state,
-)
+from megaslide.engine.training.finetune_spec import OptimizerSpec, RunSpec
 
 DEFAULT_CRASH_LIMIT = 3  # a job whose worker died under it this many times fails
 
@@ -213,11 +208,6 @@ class Settings(BaseSettings):
     finetune_save_every: int = Field(
         RunSpec.save_every, ge=1, description="checkpoint interval in optimizer steps"
     )
-    finetune_optimizer_state: str = Field(
-        OptimizerSpec.state,
-        description="how the optimizer keeps master weights and moments in host RAM when a "
-        f"job's optimizer_state is 'auto': {', '.join(TRAINING_STATES)}",
-    )
 
     @property
     def database_url(self) -> str:
@@ -270,11 +260,6 @@ class Settings(BaseSettings):
     def _placement_rules(self):
         self.placement.validate()
         return self
-
-    @field_validator("finetune_optimizer_state")
-    @classmethod
-    def _optimizer_state(cls, value: str) -> str:
-        return check_state(value)
 
     @field_validator("models", "api_keys", "loras", "transformers", "devices", mode="before")
     @classmethod

@@ -43,8 +43,7 @@ def test_a_fine_tune_taken_over_cannot_publish_another_checkpoint(make_client):
 
 def test_finetune_produces_a_model_that_generates(make_client):
     backend = FakeBackend(train_step_s=0.01)
-    # "auto" hyperparameters take the server's defaults, its optimizer state format among them.
-    c = make_client(backend, finetune_save_every=2, finetune_optimizer_state="bf16-sr/8bit")
+    c = make_client(backend, finetune_save_every=2)
     trained, trainer = [], backend.trainer
     backend.trainer = lambda job: trained.append(job.spec) or trainer(job)
     f = processed(c, upload(c, dataset_zip(clips=3)).json())
@@ -57,7 +56,13 @@ def test_finetune_produces_a_model_that_generates(make_client):
             "seed": 3,
             "method": {
                 "type": "supervised",
-                "supervised": {"hyperparameters": {"n_epochs": 2, "batch_size": 1}},
+                "supervised": {
+                    "hyperparameters": {
+                        "n_epochs": 2,
+                        "batch_size": 1,
+                        "optimizer_state": "bf16-sr/8bit",
+                    }
+                },
             },
         },
     ).json()
@@ -149,6 +154,8 @@ def test_finetune_requests_are_validated(make_client):
         400,
         "validation_file",
     )
+    job = c.post("/v1/fine_tuning/jobs", json=base).json()
+    assert job["hyperparameters"]["optimizer_state"] == "fp32"  # "auto"
     assert_error(c.get("/v1/fine_tuning/jobs/ftjob-none"), 404)
     assert_error(c.post("/v1/fine_tuning/jobs/ftjob-none/cancel"), 404)
 
