@@ -20,8 +20,8 @@ from megaslide.server.worker import Fleet
 from server_fakes import FakeBackend, until
 
 # The `slow` tier: tests that start child processes (servers, workers, ranks, benchmarks, Triton's
-# interpreter, ruff), drive a browser or use PostgreSQL. `pytest -m "not slow"` is the developer's
-# loop; CI runs every test. Tests that take these fixtures are marked here; the rest carry the marker.
+# interpreter, ruff), drive a browser or use PostgreSQL, and the few that train or sample for tens
+# of seconds. `pytest -m "not slow"` is the developer's loop; CI runs every test. Tests that take these fixtures are marked here; the rest carry the marker.
 SLOW_FIXTURES = {"postgres_server", "interpret_results"}
 
 

@@ -37,6 +37,7 @@ def test_default_shape_runs_with_3d_dsa():
         assert dit(x, torch.tensor([0.5]), ctx, mask).shape == x.shape
 
 
+@pytest.mark.slow  # tens of seconds: the developer loop leaves it out
 def test_readme_prompt_is_followed():
     """The README's main command's prompt, five seeds: the analyser reads what was asked in at
     least four (all ten of seeds 0-9 on the development machine)."""

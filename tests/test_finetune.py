@@ -65,7 +65,10 @@ def max_relative_difference(ours: dict, ref: dict) -> float:
     return max(((ours[k] - ref[k]).norm() / ref[k].norm().clamp_min(1e-30)).item() for k in ref)
 
 
-@pytest.mark.parametrize("preset, steps, lr", [("tiny", 3, 3e-4), ("small", 2, 3e-5)])
+@pytest.mark.parametrize(
+    "preset, steps, lr",
+    [("tiny", 3, 3e-4), pytest.param("small", 2, 3e-5, marks=pytest.mark.slow)],  # small: ~1 min
+)
 def test_streamed_training_matches_torch_adamw(preset, steps, lr, tmp_path):
     torch.manual_seed(0)
     config = PRESETS[preset]
@@ -174,6 +177,7 @@ def final_masters(trainer):
     }
 
 
+@pytest.mark.slow  # tens of seconds: the developer loop leaves it out
 def test_kill_and_resume_equals_uninterrupted(world, tmp_path):
     cosine = {"lr_schedule": "cosine", "warmup_steps": 1}  # the resumed part must follow it too
     schedule = {"schedule": cosine}
@@ -274,6 +278,7 @@ def test_old_specs_load_and_the_runtime_is_one_placement():
     assert rank.runtime.device == "cpu" and rank.runtime.devices is None
 
 
+@pytest.mark.slow  # tens of seconds: the developer loop leaves it out
 def test_loss_falls_and_export_serves(world, tmp_path):
     with run(
         world,

@@ -127,6 +127,7 @@ def test_requests_with_different_adapters_share_one_pass_per_step(wan):
     assert level_diff(alone[0], alone[2]) > 8 and level_diff(alone[1], alone[0]) > 8
 
 
+@pytest.mark.slow  # tens of seconds: the developer loop leaves it out
 def test_one_adapter_a_request_runs_as_one_grouped_product(wan):
     """Guided requests with one adapter each (or none) split the batch into equal runs of rows:
     the grouped path, each clip within one uint8 level of its run alone."""

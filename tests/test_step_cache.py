@@ -410,6 +410,7 @@ def test_the_adaptive_policy_reads_the_curve_of_its_forecast(tmp_path):
         StepCurve(times, plain.change, plain.error, forecast_error={"none": plain.error})
 
 
+@pytest.mark.slow  # tens of seconds: the developer loop leaves it out
 def test_calibrate_measures_a_curve_the_pipeline_reads(tmp_path, pipe):
     """A calibration of a few steps: one change and one clip error per step that can reuse, read
     back from a model directory; the adaptive policy reading it keeps threshold 0 uncached and a

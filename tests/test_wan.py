@@ -178,6 +178,7 @@ def test_requests_share_one_pass_and_one_weight_crossing_per_step(wan, monkeypat
     assert stats["peak_device_weight_bytes"] <= stats["non_block_bytes"] + 2 * plan.slot_bytes
 
 
+@pytest.mark.slow  # tens of seconds: the developer loop leaves it out
 def test_resident_cpu_passes_hold_a_few_rows(wan):
     """On a CPU with the weights resident, the same three requests are encoded and stepped in
     passes of at most CPU_ROWS_PER_PASS rows (a guidance pair never split), each clip within a

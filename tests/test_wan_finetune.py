@@ -158,6 +158,7 @@ def test_loss_falls_export_is_diffusers_and_generates_alike(wan, tmp_path):
     assert (tmp_path / "run" / "cache" / "manifest.json").stat().st_mtime_ns == before
 
 
+@pytest.mark.slow  # tens of seconds: the developer loop leaves it out
 def test_two_experts_train_one_at_a_time(wan, tmp_path):
     with pytest.raises(ValueError, match="choose --expert high or low"):
         open_trainer(wan["experts"], wan["world"], config(tmp_path / "a"))

@@ -170,6 +170,7 @@ def test_the_planner_counts_the_kept_keys_on_the_device(wan, monkeypatch):
     assert kept(4) == 3 * per_row
 
 
+@pytest.mark.slow  # tens of seconds: the developer loop leaves it out
 def test_compact_entries_keep_one_padding_token_within_one_level(wan):
     """Compact entries (the default in fp32) keep each prompt's tokens and one padding token,
     its scores raised by log(count): every clip within one uint8 level of recomputing the 512
