@@ -105,7 +105,14 @@ def test_bf16_split_trains_the_fp32_master_bit_for_bit(world, tmp_path):
     assert any(v.dtype == torch.float32 for v in saved.values())
 
 
-@pytest.mark.parametrize("state", [s for s in TRAINING_STATES if s != "fp32"])
+@pytest.mark.parametrize(
+    "state",
+    [
+        s if s in ("bf16-split/8bit", "bf16-sr/8bit") else pytest.param(s, marks=pytest.mark.slow)
+        for s in TRAINING_STATES
+        if s != "fp32"  # (test_finetune.py)
+    ],
+)
 def test_kill_and_resume_equals_uninterrupted(world, tmp_path, state):
     with open_trainer(TINY, world, spec(tmp_path / "a", state)) as t:
         t.run()
@@ -128,6 +135,7 @@ def test_kill_and_resume_equals_uninterrupted(world, tmp_path, state):
         open_trainer(TINY, world, spec(tmp_path / "b", other), resume=True)
 
 
+@pytest.mark.slow  # tens of seconds: the developer loop leaves it out
 def test_bf16_sr_8bit_loss_falls(world, tmp_path):
     sections = {"schedule": {"steps": 16}, "run": {"save_every": 100}, "optimizer": {"lr": 3e-3}}
     with open_trainer(TINY, world, spec(tmp_path, "bf16-sr/8bit", **sections)) as t:

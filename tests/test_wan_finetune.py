@@ -250,6 +250,7 @@ def test_kill_9_and_resume_equal_an_uninterrupted_run(wan, tmp_path):
     assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5, 6]
 
 
+@pytest.mark.slow  # tens of seconds: the developer loop leaves it out
 def test_a_bf16_master_trains_resumes_and_exports(wan, tmp_path):
     """bf16-sr/8bit on Wan: the modules diffusers keeps in fp32 are bf16 masters too; a resumed
     run ends with the uninterrupted run's weights; the export is fp32 and serves."""
