@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import functools
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -137,6 +138,7 @@ def open_model(
     only: set[str] | None = None,
     ordering: Ordering | None = None,
     shared: SharedWeights | None = None,
+    keep_fp32: bool = True,
     **fields,
 ) -> tuple[dict[str, nn.Module], dict[str, StreamHandle]]:
     """The modules of a described model, built on meta, filled and placed as `placement` says
@@ -146,7 +148,8 @@ def open_model(
     With several streamed components (a text encoder and two denoising experts, say), the
     budget is shared in proportion to their block bytes. With `shared` (see `share_weights`),
     every streamed block streams from its shared host buffer and the other tensors are copied
-    from it: nothing is read from files or drawn.
+    from it: nothing is read from files or drawn. `keep_fp32=False` casts the modules a family
+    keeps in fp32 to `dtype` too (a bf16 training master is one dtype throughout).
     """
     placement = Placement.of(placement, fields).validate()
     if placement.devices is not None:
@@ -156,6 +159,8 @@ def open_model(
     device = resolve_device(placement.device or "cpu")
     dtype = resolve_dtype(dtype, device)
     components = _components(info, only)
+    if not keep_fp32:
+        components = [dataclasses.replace(c, keep_fp32=()) for c in components]
     streamed = [c for c in components if placement.streams and c.blocks]
     if shared is not None and placement.host_tier == "auto":
         # Resolved once for the whole host, by the process that made the shared copy.
@@ -255,6 +260,7 @@ def share_weights(
     dtype: torch.dtype,
     only: set[str] | None = None,
     placement: Placement | None = None,
+    keep_fp32: bool = True,
 ) -> SharedWeights:
     """The weights of `info` in `dtype`, in shared memory, for processes this one spawns
     (`open_pipeline(shared=...)` in each), as `placement` (a job's over several devices: its
@@ -267,7 +273,7 @@ def share_weights(
     raw, as each rank copies it to its device. "auto" is resolved here, for the whole host (one
     copy counted, not one a rank); on the disk tier the blocks stay in the model's files, each
     rank reads them itself (the page cache is the host's one copy) and only the tensors outside
-    the blocks are shared. `only`: these components."""
+    the blocks are shared. `only`: these components; `keep_fp32` as for `open_model`."""
     if placement is None:
         placement = Placement(offload="stream")
     local = placement.on("cpu") if placement.devices else placement.replace(device="cpu")
@@ -275,7 +281,7 @@ def share_weights(
     local = local.replace(host_tier=resolve_host_tier(info, local, dtype, only))
     if local.host_tier == "disk":  # nothing of the blocks is read here
         local = local.replace(gpu_budget_bytes=None)
-    parts, handles = open_model(info, local, dtype=dtype, only=only)
+    parts, handles = open_model(info, local, dtype=dtype, only=only, keep_fp32=keep_fp32)
     tensors: dict[str, dict[str, torch.Tensor]] = {}
     blocks: dict[str, list] = {}
     for name, module in parts.items():

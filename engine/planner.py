@@ -7,9 +7,12 @@ and a few machine numbers, and named, so the accounting can be read and checked 
   streams each block into one of `prefetch` device slots; resident blocks and the non-block
   parameters stay on the device. Each denoising step moves every streamed block across the bus once
   (the whole batch, guidance pairs included, runs through a block while it is loaded).
-- Fine-tuning keeps fp32 master weights and AdamW's m and v in host RAM (12 B/param). The fp32
-  masters are what streams (4 B/param per crossing) and the compute-dtype copy of a block is cast
-  on the fly on the device, so no full compute-dtype copy exists anywhere. The forward keeps only
+- Fine-tuning keeps the master weights and AdamW's m and v in host RAM, in the optimizer's state
+  format (`Workload.optimizer_state`, state_format.py): fp32, 12 B/param; down to 4.03 with
+  "bf16-sr/8bit". The masters are what streams: an fp32 master at 4 B/param per crossing, its
+  compute-dtype copy cast on the fly on the device, so no full compute-dtype copy exists
+  anywhere; a bf16 master (bf16-split, bf16-sr) at 2 B/param, the compute copy itself (a
+  bf16-split master's low halves stay in the optimizer). The forward keeps only
   block-boundary activations; the backward streams the blocks again in reverse, recomputes each
   block and sends its fp32 gradients to the host. Over several devices (data parallel) each
   device runs its share of the batch's rows against the one master in host RAM, and each block's
@@ -53,7 +56,9 @@ from .family import family
 from .placement import HOST_TIERS, Placement
 from .sources import ModelInfo
 from .streaming.disk_store import DEFAULT_RING_DEPTH
+from .training.finetune_spec import check_state
 from .training.optim import grad_buffer_bytes
+from .training.state_format import StateFormat
 
 GB = 1e9
 # Coded bytes / bf16 bytes of trained weights under `lossless`: 0.68 to 0.70 on the default model
@@ -186,6 +191,7 @@ class Workload:
     gpu_budget: float | None = None  # device bytes for weights; None streams every block
     max_grad_norm: bool = False  # fine-tuning: global-norm clipping
     grad_accum: int = 1  # fine-tuning: micro-batches per optimizer step
+    optimizer_state: str = "fp32"  # fine-tuning: master and moments' format (state_format.py)
     loras: int = 0  # inference: LoRA adapters registered (their factors live on the device)
     lora_rank: int = 0  # their rank, on every adaptable layer
     weights: str = "raw"  # inference: host format of streamed blocks (raw, lossless, fp8)
@@ -261,6 +267,8 @@ def plan(info: ModelInfo, machine: Machine = Machine(), w: Workload = Workload()
     if w.devices < 1:
         raise ValueError(f"devices must be at least 1, got {w.devices}")
     w.placement.validate(w.mode, lasting_only=True)
+    if w.mode == "finetune":
+        check_state(w.optimizer_state)  # a format fine-tuning trains with
     z = _sizes(info, w)
     device, host = _memory(info, w, z)
     device_limit = machine.gpu_mem * (1 - machine.reserve)
@@ -290,6 +298,7 @@ def plan(info: ModelInfo, machine: Machine = Machine(), w: Workload = Workload()
         "tokens": z.n_tok,
         "batch_rows": z.rows,
         "host_tier": host_tier,
+        **({"optimizer_state": _optimizer_state(w)} if z.finetune else {}),
         "host": {**host, "total": host_total},
         "device": {**device, "weights": z.weights_dev, "total": device_total},
         "devices": w.devices,
@@ -340,15 +349,36 @@ class _Sizes:
     dp: int  # data-parallel ways (fine-tuning over several devices)
 
 
+def _optimizer_state(w: Workload) -> dict:
+    """A fine-tune's optimizer state format and its host bytes per trained parameter: the master
+    and m and v (gradient buffers apart)."""
+    fmt = StateFormat.parse(w.optimizer_state)
+    return {
+        "format": fmt.name,
+        "bytes_per_param": fmt.master_bytes + fmt.moment_bytes,
+        "master_bytes_per_param": fmt.master_bytes,
+        "moment_bytes_per_param": fmt.moment_bytes,
+    }
+
+
+def _master_stream_bytes(w: Workload) -> int:
+    """Bytes per parameter of a fine-tune's master as its host store keeps and streams it: the
+    bf16 high halves of a bf16-split master (its low halves stay in the optimizer), else the
+    master's own."""
+    fmt = StateFormat.parse(w.optimizer_state)
+    return 2 if fmt.master_is_compute_copy else 4
+
+
 def _sizes(info: ModelInfo, w: Workload) -> _Sizes:
     counts = family(info.family).count_parameters(info)
     finetune = w.mode == "finetune"
     n_params, n_block, depth = counts["total"], counts["per_block"], counts["blocks"]
     experts = 1 if finetune else counts["experts"]  # fine-tuning holds one expert's blocks
     b = w.dtype_bytes
-    # Inference streams compute-dtype weights; fine-tuning streams the fp32 masters themselves and
-    # casts to the compute dtype on the device (autocast), so no host copy in that dtype exists.
-    wb = 4 if finetune else b
+    # Inference streams compute-dtype weights; fine-tuning streams the masters themselves: fp32
+    # ones cast to the compute dtype on the device (autocast), so no host copy in that dtype
+    # exists, bf16 ones as they are.
+    wb = _master_stream_bytes(w) if finetune else b
     block_bytes = n_block * wb
     # Resident outside the streamed blocks: each expert's embeddings and head, the text encoder's
     # embedding (its blocks stream like the denoiser's) or all of it, and the fp32 VAE.
@@ -453,15 +483,17 @@ def _memory(info: ModelInfo, w: Workload, z: _Sizes) -> tuple[dict, dict]:
     device.update(
         activations=3 * act_block,
         attention_workspace=attn_ws,
-        block_cast=z.n_block * b,
-        block_gradients=z.n_block * 4,
+        # An fp32 master's block is cast to the compute dtype; a bf16 master's is that already.
+        block_cast=z.n_block * b if z.wb == 4 else 0,
+        block_gradients=z.n_block * z.wb,  # in the parameters' dtype: the master's
         boundary_activations=z.rows * z.n_tok * D * b * z.depth,
     )
+    fmt = StateFormat.parse(w.optimizer_state)
     host.update(
-        # Pinned: the streamer's host store is the master, one for every device (shared pages).
-        fp32_master=4 * trainable,
-        adam_m=4 * trainable,
-        adam_v=4 * trainable,
+        # Pinned: the streamer's host store is the master, one for every device (shared pages);
+        # a bf16-split master's low halves (2 B/param) are the optimizer's.
+        master=math.ceil(fmt.master_bytes * trainable),
+        adam_moments=math.ceil(fmt.moment_bytes * trainable),  # m and v (8-bit: and scales)
         frozen_weights=(z.n_params - trainable) * b,  # the frozen text encoder, VAE, experts
         # One block's fp32 gradients on their way to the optimizer.
         pinned_gradients=z.n_block * 4,
@@ -651,6 +683,13 @@ def format_plan(p: dict) -> str:
         f"({p['resident_blocks']} resident, {p['streamed_blocks']} streamed), "
         f"{p['tokens']:,} tokens x {p['batch_rows']} rows"
     ]
+    state = p.get("optimizer_state")
+    if state is not None:
+        lines.append(
+            f"optimizer state {state['format']}: {state['bytes_per_param']:.2f} B per trained "
+            f"parameter in host RAM (master {state['master_bytes_per_param']:g}, m and v "
+            f"{state['moment_bytes_per_param']:.2f}), gradient buffers apart"
+        )
     for side in ("host", "device"):
         lines.append(f"{side}:")
         for name, value in p[side].items():

@@ -47,7 +47,10 @@ def finetune_spec(hyper: dict, *, output: Path, seed: int, settings: Settings) -
             expert=hyper.get("expert"),
         ),
         schedule=ScheduleSpec(epochs=hyper["n_epochs"]),
-        optimizer=OptimizerSpec(lr=settings.finetune_lr * hyper["learning_rate_multiplier"]),
+        optimizer=OptimizerSpec(
+            lr=settings.finetune_lr * hyper["learning_rate_multiplier"],
+            state=hyper.get("optimizer_state", OptimizerSpec.state),  # (jobs stored before it)
+        ),
         clips=ClipSpec(
             frames=hyper.get("num_frames"),
             width=hyper.get("width"),

@@ -20,6 +20,7 @@ from megaslide.engine.request import (
     VideoRequest,
     parse_size,
 )
+from megaslide.engine.training.finetune_spec import TRAINING_STATES, OptimizerSpec, check_state
 
 from .plain_text import NUL, NUL_MESSAGE
 from .protocol import ModelCard, adapter_name
@@ -389,7 +390,8 @@ def _ranged(kind: str = "integer", **bounds) -> WithJsonSchema:
 
 
 class Hyperparameters(Request):
-    """OpenAI's three knobs ("auto" = the server's default) and the clip shape to train at."""
+    """OpenAI's three knobs ("auto" = the server's default), the clip shape to train at and the
+    optimizer's state format."""
 
     # The ranges are checked by the validators below, in their own words; `_ranged` documents
     # them in the schema too.
@@ -409,6 +411,11 @@ class Hyperparameters(Request):
     expert: Literal["high", "low"] | None = Field(
         None, description="a two-expert base (Wan2.2-A14B): which expert trains"
     )
+    optimizer_state: str = Field(
+        "auto",
+        description="how the optimizer keeps master weights and moments in host RAM: "
+        f"{', '.join(TRAINING_STATES)} ('auto': fp32)",
+    )
 
     @field_validator("n_epochs")
     @classmethod
@@ -423,6 +430,11 @@ class Hyperparameters(Request):
         if v != "auto" and not 1 <= v <= 256:
             raise ValueError("must be between 1 and 256")
         return v
+
+    @field_validator("optimizer_state")
+    @classmethod
+    def _state(cls, v):
+        return v if v == "auto" else check_state(v)
 
     @field_validator("learning_rate_multiplier")
     @classmethod
@@ -486,6 +498,7 @@ class FineTuningJob(BaseModel):
 def finetune_object(job: FineTuneRecord) -> FineTuningJob:
     hyper = job.hyperparameters
     public = {k: hyper[k] for k in ("n_epochs", "batch_size", "learning_rate_multiplier")}
+    public["optimizer_state"] = hyper.get("optimizer_state", OptimizerSpec.state)  # (older jobs)
     error = (
         FineTuningError(code=job.error_code, message=job.error_message)
         if job.error_message

@@ -9,6 +9,7 @@ import pytest
 
 from megaslide.cli.main import main
 from megaslide.engine import __version__
+from megaslide.engine.training.state_format import state_bytes_per_param
 
 GEN = [
     "generate",
@@ -87,12 +88,39 @@ def test_plan_105b(capsys):
     )
     p = json.loads(out)
     assert code == 0 and p["fits"], p["problems"]
-    assert (
-        p["host"]["fp32_master"] + p["host"]["adam_m"] + p["host"]["adam_v"] == 12 * p["parameters"]
-    )
+    assert p["optimizer_state"]["format"] == "fp32"
+    assert p["host"]["master"] + p["host"]["adam_moments"] == 12 * p["parameters"]
     code, out, _ = run(["plan", "--preset", "megaslide-105b", "--json"], capsys)
     p = json.loads(out)
     assert abs(p["time_s"]["transfer"] / (210e9 / 55e9) - 1) < 0.05
+
+
+def test_plan_a_compact_optimizer_state_fits_wan_14b_in_128_gb(capsys):
+    flags = ["plan", "--preset", "wan-14b", "--mode", "finetune", "--gpu-mem", "80GB"]
+    flags += ["--host-mem", "128GB"]
+    code, out, _ = run(flags, capsys)
+    assert code == 0 and "optimizer state fp32: 12.00 B per trained parameter" in out
+    assert "does not fit: host memory: needs 178.2 GB of 128.0 GB" in out
+    hosts = {}
+    for state in ("fp32", "fp32/8bit", "bf16-split/8bit", "bf16-sr/8bit"):
+        code, out, _ = run([*flags, "--optimizer-state", state, "--json"], capsys)
+        p = json.loads(out)
+        trained = p["trainable_parameters"]
+        assert p["optimizer_state"]["bytes_per_param"] == state_bytes_per_param(state) - (
+            2 if state.startswith("fp32") else 0  # an fp32 master streams: no bf16 copy kept
+        )
+        assert p["host"]["master"] + p["host"]["adam_moments"] == pytest.approx(
+            p["optimizer_state"]["bytes_per_param"] * trained, abs=2
+        )
+        hosts[state] = p["host"]["total"]
+        assert p["fits"] == (state != "fp32"), p["problems"]
+    # bf16-sr/8bit: 2 + 2.03 B/param where fp32 takes 12, a third (gradient buffers apart).
+    assert (
+        hosts["bf16-sr/8bit"] < hosts["bf16-split/8bit"] == hosts["fp32/8bit"] < hosts["fp32"] / 1.9
+    )
+    assert hosts["bf16-sr/8bit"] < 0.35 * hosts["fp32"]
+    code, out, err = run([*flags, "--optimizer-state", "bf16/8bit"], capsys)
+    assert code == 2 and "a 'bf16' master rounds every update to nearest" in err
 
 
 @pytest.mark.slow

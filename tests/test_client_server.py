@@ -417,6 +417,8 @@ def test_cli_finetune_remote(server_url, tmp_path, capsys):
         "32x32",
         "--lr",
         "2e-4",
+        "--optimizer-state",
+        "bf16-sr/8bit",
         "--server",
         server_url,
         "--api-key",
@@ -429,6 +431,7 @@ def test_cli_finetune_remote(server_url, tmp_path, capsys):
     with megaslide_client.Client(base_url=server_url, api_key=KEY) as client:
         job = client.fine_tuning.jobs.retrieve(model.rsplit(":", 1)[1].join(["ftjob-", ""]))
         assert job.hyperparameters.learning_rate_multiplier == pytest.approx(2.0)
+        assert job.hyperparameters.optimizer_state == "bf16-sr/8bit"
         assert model in {m.id for m in client.models.list()}
     assert cli_main(argv + ["--resume"]) == 2 and "--resume" in capsys.readouterr().err
 

@@ -227,3 +227,27 @@ def test_cli_finetune_on_two_cpu_processes(world, reference, tmp_path, capsys):
     ]:
         assert main([*flags, "--output", str(tmp_path / "x"), *extra]) == 2
         assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("state", ["bf16-split/8bit", "bf16-sr/8bit"])
+@pytest.mark.slow
+def test_data_parallel_trains_a_bf16_master(state, world, tmp_path):
+    """Rank 0 updates the one bf16 master in shared memory (its low halves and 8-bit moments in
+    its optimizer), every rank streams from it; a checkpoint resumes it on one process."""
+    optimizer = {"lr": 2e-3, "weight_decay": 0.01, "state": state}
+    one = tmp_path / "one"
+    one_process(world, one, optimizer=optimizer)
+    split = spec(tmp_path / "two", ("cpu", "cpu"), optimizer=optimizer, schedule={"until": 2})
+    finetune_on_devices(TINY, world, split, timeout_s=TIMEOUT_S, threads=1)
+    assert [c["step"] for c in list_checkpoints(tmp_path / "two")] == [2]
+    with open_trainer(TINY, world, spec(tmp_path / "two", optimizer=optimizer), resume=True) as t:
+        t.run()
+        t.export()
+    ours, ref, initial = exported(tmp_path / "two"), exported(one), exported(one, "initial")
+    assert {t.dtype for t in ours.values()} == {torch.float32}  # the masters' fp32 values
+    # bf16 compute and its rounding of the weights carry the reduction order further than fp32
+    # does: measured 0.014 (bf16-split/8bit) and 0.020 (bf16-sr/8bit) here; a lost share is of
+    # the order of 1 (module docstring).
+    assert off_by(ours, ref, initial) <= 0.1
+    written, steps = metrics(tmp_path / "two"), metrics(one)
+    assert [m["loss"] for m in written] == pytest.approx([m["loss"] for m in steps], rel=1e-2)

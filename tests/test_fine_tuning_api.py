@@ -44,6 +44,8 @@ def test_a_fine_tune_taken_over_cannot_publish_another_checkpoint(make_client):
 def test_finetune_produces_a_model_that_generates(make_client):
     backend = FakeBackend(train_step_s=0.01)
     c = make_client(backend, finetune_save_every=2)
+    trained, trainer = [], backend.trainer
+    backend.trainer = lambda job: trained.append(job.spec) or trainer(job)
     f = processed(c, upload(c, dataset_zip(clips=3)).json())
     job = c.post(
         "/v1/fine_tuning/jobs",
@@ -54,7 +56,13 @@ def test_finetune_produces_a_model_that_generates(make_client):
             "seed": 3,
             "method": {
                 "type": "supervised",
-                "supervised": {"hyperparameters": {"n_epochs": 2, "batch_size": 1}},
+                "supervised": {
+                    "hyperparameters": {
+                        "n_epochs": 2,
+                        "batch_size": 1,
+                        "optimizer_state": "bf16-sr/8bit",
+                    }
+                },
             },
         },
     ).json()
@@ -63,6 +71,7 @@ def test_finetune_produces_a_model_that_generates(make_client):
         "n_epochs": 2,
         "batch_size": 1,
         "learning_rate_multiplier": 1.0,
+        "optimizer_state": "bf16-sr/8bit",
     }
     assert_error(c.delete(f"/v1/files/{f['id']}"), 409, fragment="cancel the job first")
     done = until(
@@ -74,6 +83,7 @@ def test_finetune_produces_a_model_that_generates(make_client):
         what="fine-tune",
     )
     assert done["status"] == "succeeded", done
+    assert [spec.optimizer.state for spec in trained] == ["bf16-sr/8bit"]
     short = job["id"].removeprefix("ftjob-")
     assert (
         done["fine_tuned_model"] == f"ft:fake:cats:{short}"
@@ -128,6 +138,14 @@ def test_finetune_requests_are_validated(make_client):
         400,
         "hyperparameters.n_epochs",
     )
+    for state in ("bf16", "bf16/8bit", "fp16/fp32"):
+        assert_error(
+            c.post(
+                "/v1/fine_tuning/jobs", json={**base, "hyperparameters": {"optimizer_state": state}}
+            ),
+            400,
+            "hyperparameters.optimizer_state",
+        )
     assert_error(
         c.post("/v1/fine_tuning/jobs", json={**base, "suffix": "no spaces"}), 400, "suffix"
     )
@@ -136,6 +154,8 @@ def test_finetune_requests_are_validated(make_client):
         400,
         "validation_file",
     )
+    job = c.post("/v1/fine_tuning/jobs", json=base).json()
+    assert job["hyperparameters"]["optimizer_state"] == "fp32"  # "auto"
     assert_error(c.get("/v1/fine_tuning/jobs/ftjob-none"), 404)
     assert_error(c.post("/v1/fine_tuning/jobs/ftjob-none/cancel"), 404)
 

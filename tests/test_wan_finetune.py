@@ -248,3 +248,40 @@ def test_kill_9_and_resume_equal_an_uninterrupted_run(wan, tmp_path):
         for line in (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()
     ]
     assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5, 6]
+
+
+@pytest.mark.slow  # tens of seconds: the developer loop leaves it out
+def test_a_bf16_master_trains_resumes_and_exports(wan, tmp_path):
+    """bf16-sr/8bit on Wan: the modules diffusers keeps in fp32 are bf16 masters too; a resumed
+    run ends with the uninterrupted run's weights; the export is fp32 and serves."""
+
+    def run(output, steps=3):
+        spec = config(output, steps=steps).replace(optimizer={"state": "bf16-sr/8bit"})
+        return open_trainer(wan["one"], wan["world"], spec, resume=output.exists())
+
+    def values(t):
+        states = master_state_dicts(t.blockwise, values=True)
+        return {f"{m}.{k}": v.clone() for m, sd in states.items() for k, v in sd.items()}
+
+    with run(tmp_path / "a") as t:
+        trained = [p for m in t.blockwise.model.modules.values() for p in m.parameters()]
+        assert {p.dtype for p in trained if p.requires_grad} == {torch.bfloat16}
+        t.run()
+        uninterrupted = values(t)
+        path = t.export()
+    t = run(tmp_path / "b", steps=4)
+    for _ in range(3):
+        t.train_step()
+    t.loader.close()
+    with run(tmp_path / "b") as resumed:
+        assert resumed.step == 2
+        resumed.run()
+        after = values(resumed)
+    assert after.keys() == uninterrupted.keys()
+    assert all(torch.equal(after[k], uninterrupted[k]) for k in after)
+    exported = SafetensorsFile(path / "transformer" / "diffusion_pytorch_model.safetensors")
+    assert {exported[k].dtype for k in exported} == {torch.float32}
+    frames = open_pipeline(path).generate(
+        VideoRequest("a red circle", height=32, width=32, frames=9, steps=2, seed=0)
+    )
+    assert frames.shape == (9, 32, 32, 3)

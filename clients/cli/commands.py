@@ -14,6 +14,7 @@ from megaslide.engine.native.config import TIME_SAMPLING
 from megaslide.engine.placement import DISK_IO, Placement
 from megaslide.engine.training.finetune_spec import (
     LR_SCHEDULES,
+    TRAINING_STATES,
     ClipSpec,
     FinetuneSpec,
     OptimizerSpec,
@@ -482,11 +483,22 @@ def _add_plan_machine_args(p) -> None:
     )
 
 
+def _add_optimizer_state_arg(p) -> None:
+    p.add_argument(
+        "--optimizer-state",
+        metavar="FORMAT",
+        help="how the optimizer keeps master weights and moments in host RAM: "
+        f"{', '.join(TRAINING_STATES)} (default: fp32; bf16-sr/8bit needs about a third of "
+        "fp32's bytes per parameter)",
+    )
+
+
 def _add_plan_training_args(p) -> None:
     """Fine-tuning's optimizer step, LoRA adapters and several devices."""
     p.add_argument(
         "--max-grad-norm", action="store_true", help="fine-tuning with global-norm clipping"
     )
+    _add_optimizer_state_arg(p)
     p.add_argument("--grad-accum", type=int, default=1, help="fine-tuning micro-batches per step")
     p.add_argument(
         "--dtype-bytes",
@@ -552,6 +564,7 @@ def run_plan(args) -> int:
         dtype_bytes=args.dtype_bytes,
         max_grad_norm=args.max_grad_norm,
         grad_accum=args.grad_accum,
+        optimizer_state=args.optimizer_state or OptimizerSpec.state,
         loras=args.loras,
         lora_rank=args.lora_rank,
         devices=args.devices,
@@ -599,6 +612,7 @@ def register_finetune(sub) -> None:
     )
     p.add_argument("--weight-decay", type=float, default=OptimizerSpec.weight_decay)
     p.add_argument("--max-grad-norm", type=float, help="clip the global gradient norm to this")
+    _add_optimizer_state_arg(p)
     p.add_argument(
         "--save-every",
         type=int,
@@ -649,7 +663,7 @@ def register_finetune(sub) -> None:
         "--devices",
         metavar="DEV,DEV,...",
         help="data parallel over these devices, one process each: the batch split over them, one "
-        "optimizer on one fp32 master in host RAM: cpu,cpu or cuda:0,cuda:1",
+        "optimizer on one master in host RAM: cpu,cpu or cuda:0,cuda:1",
     )
     p.add_argument(
         "--offload",
@@ -698,6 +712,7 @@ def finetune_spec(args) -> FinetuneSpec:
             weight_decay=args.weight_decay,
             max_grad_norm=args.max_grad_norm,
             grad_accum=args.grad_accum,
+            state=args.optimizer_state or OptimizerSpec.state,
         ),
         clips=ClipSpec(
             frames=args.frames,

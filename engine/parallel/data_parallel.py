@@ -1,14 +1,15 @@
-"""Fine-tuning over several devices: data parallel, one optimizer, one fp32 master in host RAM.
+"""Fine-tuning over several devices: data parallel, one optimizer, one master in host RAM.
 
 `finetune_on_devices(source, data, spec)` with `spec.runtime.devices = ("cpu", "cpu")` (or
 `("cuda:0", "cuda:1")`) runs the fine-tune `open_trainer` would run, in one process per device
 (ranks.py: spawned, joined in a gloo or NCCL group, a failed rank fails the job):
 
-* Weights. This process fills the trained components' fp32 weights once into shared memory
+* Weights. This process fills the trained components' weights once into shared memory, in the
+  masters' dtype (fp32, or bf16 for a bf16 master state format: optimizer.state)
   (`loader.share_weights`); every rank opens its model from those pages (`open_model(shared=)`).
   The streamed blocks' host stores are then the same pages in every process, as are the non-block
   masters (on the CPU the parameters themselves; on CUDA each rank copies them to its device after
-  each step). One fp32 master per host, page-locked per rank on CUDA for its DMA, not copied.
+  each step). One master per host, page-locked per rank on CUDA for its DMA, not copied.
 * The step (training/group.py, `DataParallel`). Every rank reads the same batch and draws the same
   noise, flow times and dropped captions as one process would, and keeps its rows
   (`batch_size / ranks` of them). Each block's gradients are summed onto rank 0 as its backward
@@ -37,6 +38,7 @@ from ..family import family
 from ..loader import as_source, share_weights
 from ..sources import ModelSource
 from ..streaming.host_store import SharedWeights
+from ..training.blockwise import master_dtype
 from ..training.finetune import CHECKPOINTS, Trainer, trained_model
 from ..training.finetune_spec import FinetuneSpec
 from ..training.group import DataParallel
@@ -90,7 +92,8 @@ def finetune_on_devices(
     if threads is None:
         threads = max(1, (os.cpu_count() or 1) // len(names)) if names[0] == "cpu" else 1
     only = family(info.family).training_components(info, spec.run.expert)
-    shared = share_weights(info, torch.float32, only=only)
+    dtype = master_dtype(spec.optimizer)  # the one master's, in the optimizer's state format
+    shared = share_weights(info, dtype, only=only, keep_fp32=dtype == torch.float32)
     job = _Job(source, os.fspath(data), spec, resume, export, threads, shared)
 
     def report(event: str, *args) -> None:

@@ -9,16 +9,20 @@ The step never holds the whole model's gradients, or (when streamed) its weights
 2. The epilogue and the loss run with autograd, giving the gradient at the last block's output.
 3. Backward, blocks in reverse: load block i, recompute its forward from the saved input with
    autograd, backpropagate the incoming gradient, and hand block i's parameter gradients to the
-   host: a CPU worker runs AdamW on block i's fp32 master while the device goes on to block i - 1.
+   host: a CPU worker runs AdamW on block i's master while the device goes on to block i - 1.
    Gradients for what every block reads (timestep modulation, projected text) accumulate on leaf
    tensors across blocks.
 4. Those accumulated gradients flow back through the prologue; the non-block parameters are
    updated last.
 
-fp32 master weights live on the host. When streamed, the streamer's host store *is* the fp32
-master of each block; on CUDA the compute happens under bf16 autocast, so the bf16 copy is cast on
-the fly on the device and no host copy in the compute dtype exists (12 B/param on the host with m
-and v). With `offload="none"` the blocks stay on the device and masters are separate host copies.
+Master weights live on the host, in the optimizer's state format (`OptimizerSpec.state`,
+state_format.py). When streamed, the streamer's host store *is* the master of each block: fp32 by
+default, on CUDA cast to bf16 on the fly by autocast, so no host copy in the compute dtype exists
+(12 B/param on the host with m and v). With a bf16 master ("bf16-split", "bf16-sr") the model
+comes in bf16: the host store's bf16 buffers are the master and the compute copy at once, updated
+in place after each block's backward, and the step computes under bf16 autocast on every device
+(a "bf16-split" master's low halves and the moments stay in the optimizer). With
+`offload="none"` the blocks stay on the device and masters are separate host copies.
 
 Who else trains the same batch is a `TrainingGroup` (group.py) the step calls
 unconditionally: which rows it trains, how a block's gradients reach the optimizer, what ends an
@@ -46,6 +50,7 @@ from .finetune_spec import OptimizerSpec
 from .group import OneProcess, Reduction, TrainingGroup, host_masters
 from .model import TrainingModel
 from .optim import CPUAdamW
+from .state_format import StateFormat
 
 NON_BLOCK = "non_block"  # optimizer block id of everything outside the blocks
 
@@ -58,6 +63,7 @@ class StepConfig:
     timing: bool = False  # per-block copy and compute times in the streamer's stats and trace
     aux_loss_weight: float = 0.1  # weight of the layers' auxiliary losses (3D-DSA motion heads)
     time_sampling: str = "logit-normal"  # distribution of training flow times (flow.TIME_SAMPLING)
+    seed: int = 0  # keys a bf16-sr master's stochastic rounding (the run's seed)
 
 
 class _ResidentBlocks:
@@ -75,12 +81,13 @@ class _ResidentBlocks:
 
 
 class BlockwiseStep:
-    """Owns the device copy of a model, its host fp32 masters and the CPU AdamW that updates them.
+    """Owns the device copy of a model, its host masters and the CPU AdamW that updates them.
 
-    The model comes placed in fp32 by the loader (`loader.open_model`), as its family's
-    `TrainingModel`: with `offload="stream"`, its blocks streamed (`handle`) and their host stores
-    the masters; otherwise everything on `device`, with host copies as masters (the parameters
-    themselves on the CPU). Every parameter of the model's modules that requires grad trains.
+    The model comes placed by the loader (`loader.open_model`) in the masters' dtype
+    (`master_dtype`: fp32, or bf16 for a bf16 master), as its family's `TrainingModel`: with
+    `offload="stream"`, its blocks streamed (`handle`) and their host stores the masters;
+    otherwise everything on `device`, with host copies as masters (the parameters themselves on
+    the CPU). Every parameter of the model's modules that requires grad trains.
     """
 
     def __init__(
@@ -104,10 +111,19 @@ class BlockwiseStep:
         self.owner = group.owner
         self.device = torch.device(device)
         owner, prefix = model.blocks_owner, model.blocks_prefix
+        dtype = master_dtype(config.optimizer)
+        if dtype != torch.float32 and config.autocast != dtype:
+            raise ValueError(
+                f"optimizer state {config.optimizer.state!r}: the blocks compute from the bf16 "
+                "master, under autocast=torch.bfloat16"
+            )
         for name, module in model.modules.items():
-            for p in module.parameters():
-                if p.dtype != torch.float32:
-                    raise ValueError(f"{name} must come in fp32: its host copy is the fp32 master")
+            for n, p in trainable(module):
+                if p.dtype != dtype:
+                    raise ValueError(
+                        f"{name}.{n} is {p.dtype}: optimizer state {config.optimizer.state!r} "
+                        f"keeps {dtype} masters, and the parameter's host copy is its master"
+                    )
         # Masters of the non-block parameters, named "<module>.<parameter>": the group's.
         named = {
             f"{name}.{n}": p
@@ -129,7 +145,11 @@ class BlockwiseStep:
         # Block masters are keyed by names inside the block ("attn.qkv.weight").
         self.masters = {**self._block_masters(), NON_BLOCK: non_block_master}
         # One optimizer (one m and v) for the whole group: its owner's.
-        self.optimizer = CPUAdamW.from_spec(self.masters, config.optimizer) if self.owner else None
+        self.optimizer = (
+            CPUAdamW.from_spec(self.masters, config.optimizer, seed=config.seed)
+            if self.owner
+            else None
+        )
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megaslide-adamw")
         largest = max(sum(t.numel() for t in named.values()) for named in self.masters.values())
         largest = largest if self.owner else 0  # only the optimizer's rank brings gradients home
@@ -140,7 +160,7 @@ class BlockwiseStep:
         self.micro = 0
 
     def _block_masters(self) -> dict[int, dict[str, torch.Tensor]]:
-        """Each block's fp32 masters: streamed, the streamer's host store of the block (AdamW
+        """Each block's masters: streamed, the streamer's host store of the block (AdamW
         updates it in place and the next load copies the new values); resident, host copies."""
         blocks, handle = self.model.blocks, self.handle
         if handle is None:
@@ -446,12 +466,27 @@ def _grads_or_zeros(params: dict[str, nn.Parameter]) -> dict[str, torch.Tensor]:
     return {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in params.items()}
 
 
-def master_state_dicts(step: BlockwiseStep) -> dict[str, dict[str, torch.Tensor]]:
-    """Every parameter of the trained modules on the host, fp32 masters and frozen ones:
-    `{module name: state dict}`."""
+def master_dtype(spec: OptimizerSpec) -> torch.dtype:
+    """The dtype a model trained with `spec` comes in: its masters', fp32 or bf16."""
+    return torch.bfloat16 if StateFormat.parse(spec.state).master_is_compute_copy else torch.float32
+
+
+def master_state_dicts(
+    step: BlockwiseStep, *, values: bool = False
+) -> dict[str, dict[str, torch.Tensor]]:
+    """Every parameter of the trained modules on the host, masters and frozen ones:
+    `{module name: state dict}`. The masters as stored (what reopens the run exactly, with the
+    optimizer's state), or with `values` their fp32 values (`CPUAdamW.master_values`: a
+    bf16-split master's halves joined) and the frozen ones widened to fp32, which only the
+    optimizer's process can give."""
     model = step.model
     flat = dict(step.frozen)
-    for block_id, named in step.masters.items():
+    masters = step.masters
+    if values:
+        masters = {block_id: step.optimizer.master_values(block_id) for block_id in masters}
+        # Frozen ones too (opened in a bf16 master's dtype): one dtype for the whole export.
+        flat = {k: t.float() if t.is_floating_point() else t for k, t in flat.items()}
+    for block_id, named in masters.items():
         if block_id == NON_BLOCK:
             flat |= named
         else:
@@ -464,4 +499,4 @@ def master_state_dicts(step: BlockwiseStep) -> dict[str, dict[str, torch.Tensor]
     return states
 
 
-__all__ = ["BlockwiseStep", "StepConfig", "NON_BLOCK", "master_state_dicts"]
+__all__ = ["BlockwiseStep", "StepConfig", "NON_BLOCK", "master_dtype", "master_state_dicts"]

@@ -2,19 +2,22 @@
 
 `open_trainer(source, data, spec)` opens a run (`FinetuneSpec`: finetune_spec.py); the `Trainer`
 owns it: it validates the dataset before the first step, opens the model through the loader
-(fp32, streamed or resident), streams decoded clips from a background loader, runs
+(in its masters' dtype: fp32, or bf16 for a bf16 master state format; streamed or resident),
+streams decoded clips from a background loader, runs
 `BlockwiseStep` (see blockwise.py), appends one JSON line of metrics per step to
 `<output>/metrics.jsonl`, and writes checkpoints atomically:
 
     <output>/checkpoints/step-000050/
-        model/            fp32 master weights, a servable model directory
-        optimizer.pt      AdamW m, v and step counts of every block
+        model/            master weights as stored (fp32, or bf16), a servable model directory
+        optimizer.pt      AdamW's state in its format (m, v, step counts; a bf16-split master's
+                          low halves), and the seed of a bf16-sr master's rounding
         state.pt          step, data-loader position and RNG state
     <output>/model/       the final export (`export()`), in the same servable format
 
 Resuming from a checkpoint continues exactly: a run killed after step k and resumed ends with
 bitwise the weights of an uninterrupted run (same machine, CPU), because the masters, the moments,
-the noise generator and the data position are all restored.
+the noise generator and the data position are all restored, in every optimizer state format. The
+export holds the masters' fp32 values (a bf16-split master's halves joined: the fp32 master).
 
 A run over several devices (`runtime.devices`) is launched by parallel/data_parallel.py: a
 `Trainer` per rank, each given its `DataParallel` place (group.py); rank 0 alone holds the
@@ -39,7 +42,7 @@ from ..family import TrainingShape, family
 from ..interfaces import TrainingRun
 from ..loader import as_source, open_model
 from ..sources import ModelInfo, ModelSource, describe
-from .blockwise import BlockwiseStep, StepConfig, master_state_dicts
+from .blockwise import BlockwiseStep, StepConfig, master_dtype, master_state_dicts
 from .finetune_spec import FinetuneSpec
 from .group import OneProcess, TrainingGroup
 
@@ -84,6 +87,15 @@ def trained_model(
     if not checkpoints:
         return describe(source, **overrides), None
     latest = Path(checkpoints[-1]["path"])
+    # A checkpoint's masters and optimizer state are in its run's format: refused now, before
+    # a model is opened in another dtype.
+    saved = torch.load(latest / "state.pt", weights_only=True)["spec"]
+    state = saved.get("optimizer", {}).get("state", "fp32")
+    if state != spec.optimizer.state:
+        raise ValueError(
+            f"{latest} holds optimizer state {state!r}, the run asks for "
+            f"{spec.optimizer.state!r}: resume with the format it was trained in"
+        )
     base = describe(source, **overrides)
     source = ModelSource("directory", base.name, path=latest / "model")
     return describe(source, **overrides), latest
@@ -171,15 +183,18 @@ class Trainer(TrainingRun):
         self._metrics = open(self.output / METRICS, "a") if self.owner else None
 
     def _open_step(self, info: ModelInfo) -> BlockwiseStep:
-        """The model `info` describes, opened in fp32 where the placement says (from the group's
-        shared master, in a group that shares one), and the blockwise step that trains it."""
+        """The model `info` describes, opened in its masters' dtype where the placement says
+        (from the group's shared master, in a group that shares one), and the blockwise step that
+        trains it. A bf16 master computes under bf16 autocast on every device."""
         spec, runtime = self.spec, self.spec.runtime
+        dtype = master_dtype(spec.optimizer)
         parts, handles = open_model(
             info,
             runtime.placement.on(runtime.device),
-            dtype=torch.float32,
+            dtype=dtype,
             only=self.family.training_components(info, spec.run.expert),
             shared=self.group.shared,
+            keep_fp32=dtype == torch.float32,  # every trained tensor is a master of one dtype
         )
         for module in parts.values():
             module.train()
@@ -188,9 +203,10 @@ class Trainer(TrainingRun):
         step_config = StepConfig(
             optimizer=spec.optimizer,
             offload=runtime.offload,
-            autocast=torch.bfloat16 if cuda else None,
+            autocast=torch.bfloat16 if cuda or dtype == torch.bfloat16 else None,
             timing=runtime.timing,
             time_sampling=spec.clips.time_sampling,
+            seed=spec.run.seed,
         )
         handle = handles.get(model.blocks_owner)
         return BlockwiseStep(model, runtime.device, step_config, handle, self.group)
@@ -296,8 +312,11 @@ class Trainer(TrainingRun):
         kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= self.step]
         metrics.write_text("".join(line + "\n" for line in kept))
 
-    def _save_model(self, path: Path) -> None:
-        self.family.save_trained(self.info, master_state_dicts(self.blockwise), path)
+    def _save_model(self, path: Path, values: bool = False) -> None:
+        """The masters as stored (a checkpoint: with optimizer.pt, exactly the run's state), or
+        with `values` their fp32 values (an export)."""
+        states = master_state_dicts(self.blockwise, values=values)
+        self.family.save_trained(self.info, states, path)
 
     def export(self, path: str | os.PathLike | None = None) -> Path:
         """Write the current weights as a servable model directory (default `<output>/model`),
@@ -306,7 +325,7 @@ class Trainer(TrainingRun):
             raise RuntimeError("rank 0 of a data-parallel run writes its exports")
         path = Path(path) if path is not None else self.output / "model"
         with atomic_directory(path, guard=self.fence) as tmp:
-            self._save_model(tmp)
+            self._save_model(tmp, values=True)
         return path
 
     def close(self) -> None:

@@ -3,7 +3,7 @@
     FinetuneSpec(
         run=RunSpec(output="runs/a"),         # where it writes, its seed, what trains
         schedule=ScheduleSpec(epochs=2),      # how long, and the learning rate along the way
-        optimizer=OptimizerSpec(lr=2e-5),     # AdamW on the fp32 masters, gradient clipping
+        optimizer=OptimizerSpec(lr=2e-5),     # AdamW, its state format, gradient clipping
         clips=ClipSpec(frames=17),            # the training clips and the batch
         runtime=RuntimeSpec(Placement(device="cuda", offload="stream")),  # where and how it runs
     )
@@ -26,14 +26,38 @@ from typing import Any
 
 from ..native.config import TIME_SAMPLING
 from ..placement import Placement
-from .state_format import StateFormat
+from .state_format import MASTERS, MOMENTS, StateFormat
 
 LR_SCHEDULES = ("constant", "cosine")
 
 
+def check_state(state: str) -> str:
+    """The canonical name of an optimizer state format fine-tuning trains with (`fp32` or
+    `<master>/<moments>`, state_format.py); ValueError naming the formats, or why a 'bf16'
+    master (rounded to nearest, no compensation) does not train."""
+    fmt = StateFormat.parse(state)
+    if fmt.master == "bf16":
+        raise ValueError(
+            f"optimizer state {state!r}: a 'bf16' master rounds every update to nearest and loses "
+            "those under half a bf16 ulp (the baseline the compact formats are tested against); "
+            f"train with one of {', '.join(TRAINING_STATES)}"
+        )
+    return fmt.name
+
+
+# Every format fine-tuning trains with, the default first.
+TRAINING_STATES = ("fp32",) + tuple(
+    f"{master}/{moments}"
+    for master in MASTERS
+    for moments in MOMENTS
+    if master != "bf16" and (master, moments) != ("fp32", "fp32")
+)
+
+
 @dataclass(frozen=True)
 class OptimizerSpec:
-    """AdamW (torch.optim.AdamW's algorithm, engine/training/optim.py) on the fp32 masters."""
+    """AdamW (torch.optim.AdamW's algorithm, engine/training/optim.py) on the masters, stored
+    in the `state` format."""
 
     lr: float = 1e-4  # the peak rate; the schedule scales it
     betas: tuple[float, float] = (0.9, 0.999)
@@ -42,7 +66,9 @@ class OptimizerSpec:
     max_grad_norm: float | None = None  # clip the global gradient norm to this
     grad_accum: int = 1  # micro-batches per optimizer step
     # How the optimizer stores master and moments on the host: "fp32", or "<master>/<moments>"
-    # such as "bf16-sr/8bit" (state_format.py: the formats and their bytes per parameter).
+    # such as "bf16-sr/8bit" (state_format.py: the formats and their bytes per parameter). A
+    # bf16 master is the model's weights themselves: the trainer opens the model in bf16 and
+    # computes under bf16 autocast; "bf16-sr" rounds keyed by `run.seed`.
     state: str = "fp32"
 
     def __post_init__(self) -> None:
@@ -258,6 +284,10 @@ class FinetuneSpec:
         for ok, rule, value in checks:
             if not ok:
                 raise ValueError(f"{rule}, got {value!r}")
+        try:
+            check_state(o.state)
+        except ValueError as e:
+            raise ValueError(f"optimizer.state: {e}") from None
         # Where the weights live: the placement's rules for a fine-tune (placement.py).
         problems = self.runtime.placement.problems("finetune")
         if problems:

@@ -6,7 +6,7 @@ differ:
 
 * `rows(batch_size)`: which rows of the whole batch this process trains (every rank draws the
   whole batch's noise, times and dropped captions, as one process would, and keeps its rows);
-* `non_block_masters(named, device)`: where the fp32 masters of the parameters outside the
+* `non_block_masters(named, device)`: where the masters of the parameters outside the
   blocks come from (host copies, or the group's shared memory);
 * `reduce(grads)`: a block's gradients on their way to the optimizer, and `in_flight`, how many
   blocks' gradients may still be on their way while the next block's backward computes;
@@ -19,7 +19,7 @@ gradients are summed onto rank 0 (`torch.distributed.reduce`) as soon as the blo
 done and divided by the ranks there: the mean of equal shares' mean losses is the whole batch's
 mean loss. The reduction runs while the next block's backward computes: a block's gradients go to
 the optimizer once the block after it (in backward order) has been computed. Rank 0 alone holds
-the optimizer (one m and v) and updates the one fp32 master, which every rank streams from: the
+the optimizer (one m and v) and updates the one master, which every rank streams from: the
 blocks' host stores and the non-block masters are the same pages of shared memory in every
 process. A barrier at the end of each optimizer step keeps the other ranks from reading a master
 before rank 0 has written it.
@@ -54,7 +54,7 @@ class TrainingGroup(ABC):
     owner: bool  # this process holds the optimizer and writes metrics, checkpoints and exports
     world: int  # processes in the group: the whole batch is `world` times this process's rows
     in_flight: int  # blocks whose reduction may still be running while the next one computes
-    shared: SharedWeights | None  # the fp32 weights the model is opened from, if shared
+    shared: SharedWeights | None  # the weights (masters) the model is opened from, if shared
 
     @abstractmethod
     def rows(self, batch_size: int) -> slice:
@@ -64,7 +64,8 @@ class TrainingGroup(ABC):
     def non_block_masters(
         self, named: dict[str, nn.Parameter], device: torch.device
     ) -> dict[str, torch.Tensor]:
-        """The fp32 masters of the parameters outside the blocks, named "<module>.<parameter>"."""
+        """The masters (in the parameters' dtype) of the parameters outside the blocks, named
+        "<module>.<parameter>"."""
 
     @abstractmethod
     def reduce(self, grads: dict[str, torch.Tensor]) -> Reduction:
@@ -81,7 +82,8 @@ class TrainingGroup(ABC):
 
 
 def host_masters(named: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    """Host fp32 copies of `named`; on the CPU the parameters themselves are the masters."""
+    """Host copies of `named` (their dtype: the masters'); on the CPU the parameters themselves
+    are the masters."""
     if device.type == "cpu":
         return {n: p.data for n, p in named.items()}
     return {n: p.detach().to("cpu", copy=True) for n, p in named.items()}
@@ -128,7 +130,9 @@ class _Summed(Reduction):
         self.group = group
         # Only the flat copy stays alive: the gradients themselves can go with their block.
         self.shapes = {name: g.shape for name, g in grads.items()}
-        self.flat = torch.cat([g.reshape(-1) for g in grads.values()])
+        # Summed in fp32 whatever the gradients' dtype (a bf16 master's are bf16): the sum and
+        # the division by the ranks then round once, in the optimizer's widening, not per rank.
+        self.flat = torch.cat([g.reshape(-1).float() for g in grads.values()])
         self.work = dist.reduce(self.flat, dst=0, op=dist.ReduceOp.SUM, async_op=True)
 
     def gradients(self) -> dict[str, torch.Tensor] | None:
@@ -149,7 +153,7 @@ class _Summed(Reduction):
 @dataclass(frozen=True)
 class DataParallel(TrainingGroup):
     """This process's place in a data-parallel group (joined already): it trains rows
-    `rows(batch_size)` of each batch; rank 0 owns the optimizer. `shared` holds the fp32 weights
+    `rows(batch_size)` of each batch; rank 0 owns the optimizer. `shared` holds the weights
     every rank opened its model from (`open_model(shared=...)`): the one master."""
 
     rank: int
@@ -174,10 +178,10 @@ class DataParallel(TrainingGroup):
         for key, p in named.items():
             module, _, name = key.partition(".")
             master = self.shared.tensors[module][name]
-            if master.dtype != torch.float32 or master.shape != p.shape:
+            if master.dtype != p.dtype or master.shape != p.shape:
                 raise ValueError(
                     f"shared {key} is {master.dtype} {tuple(master.shape)}, the parameter "
-                    f"fp32 {tuple(p.shape)}: not the master of this model"
+                    f"{p.dtype} {tuple(p.shape)}: not the master of this model"
                 )
             masters[key] = master
             if device.type == "cpu":

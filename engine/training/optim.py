@@ -420,6 +420,21 @@ class CPUAdamW:
         names = list(b.params)
         torch._foreach_copy_([out[n] for n in names], [b.params[n] for n in names])
 
+    def master_values(self, block_id: Hashable) -> dict[str, Tensor]:
+        """The fp32 value of each master of one block: a bf16-split master's halves joined (the
+        fp32 master exactly), a bf16 master widened (exact), an fp32 master itself (no copy)."""
+        b = self._blocks[block_id]
+        if self.format.master == "fp32":
+            return dict(b.params)
+        if self.format.master != "bf16-split":
+            return {n: p.float() for n, p in b.params.items()}
+        s = compact.Scratch(QUANT_BLOCK)  # join_halves reads only its constants
+        out = {}
+        for n, hi in b.params.items():
+            out[n] = torch.empty(hi.shape, dtype=torch.float32)
+            compact.join_halves(hi, b.lo[n], out[n], s)
+        return out
+
     def accumulate(self, block_id: Hashable, grads: Mapping[str, Tensor]) -> None:
         """Add one micro-batch's gradients of one block into its fp32 host buffer.
 

@@ -78,6 +78,16 @@ class StateFormat:
         """Anything but fp32/fp32: updated through fp32 scratch (optim.py)."""
         return self != StateFormat()
 
+    @property
+    def master_bytes(self) -> float:
+        """Host bytes per parameter of the master (a bf16-split master's two halves: 4)."""
+        return _MASTER_BYTES[self.master]
+
+    @property
+    def moment_bytes(self) -> float:
+        """Host bytes per parameter of m and v together (8-bit: codes and absmax scales)."""
+        return _MOMENT_BYTES[self.moments]
+
     def bytes_per_param(self) -> float:
         """Host bytes per trained parameter: master, m and v, and the bf16 compute copy (an
         fp32 master's separate copy; a bf16 master's own bytes). Gradient buffers are apart

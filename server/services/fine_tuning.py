@@ -6,6 +6,7 @@ from __future__ import annotations
 import secrets
 
 from megaslide.engine.request import RANDOM_SEED_BITS, RequestError, parse_size
+from megaslide.engine.training.finetune_spec import OptimizerSpec
 
 from ..auth import Principal
 from ..datadir import DataDir
@@ -60,6 +61,9 @@ def resolve_hyperparameters(h: Hyperparameters, card: ModelCard, settings: Setti
         "width": width,
         "height": height,
         "expert": h.expert,
+        "optimizer_state": OptimizerSpec.state
+        if h.optimizer_state == "auto"
+        else h.optimizer_state,
     }
 
 

@@ -228,11 +228,13 @@ class FileDeleted(APIObject):
 
 @dataclass
 class Hyperparameters(APIObject):
-    """A fine-tune's hyperparameters; "auto" or a number each."""
+    """A fine-tune's hyperparameters; "auto" or a number each, and the optimizer's state format
+    ("fp32", or "<master>/<moments>" such as "bf16-sr/8bit")."""
 
     n_epochs: Any = None
     batch_size: Any = None
     learning_rate_multiplier: Any = None
+    optimizer_state: str | None = None
 
 
 @dataclass
