@@ -23,6 +23,9 @@ export class Gallery {
     this.page = 0;
     this.hasMore = false;
     this.loading = null;
+    // Videos whose Delete waits for its second click: kept here, not on the button, so that a
+    // reload that redraws the cards meanwhile (a video finishing) keeps the button armed.
+    this.armed = new Set();
     this.size.addEventListener("change", () => this.first());
     this.newer.addEventListener("click", () => this.go(this.page - 1));
     this.older.addEventListener("click", () => this.go(this.page + 1));
@@ -112,26 +115,39 @@ export class Gallery {
           done && action("Play", "play", () => play(media, video.id).catch(report)),
           done && action("Download", "download", () => download(video.id).catch(report)),
           action("Remix", "remix", () => this.onRemix(video)),
-          action(TERMINAL.has(video.status) ? "Delete" : "Cancel", "delete danger", (button) =>
-            this.remove(video, button).catch(report),
+          this.armedLabel(
+            video.id,
+            action(TERMINAL.has(video.status) ? "Delete" : "Cancel", "delete danger", (button) =>
+              this.remove(video, button).catch(report),
+            ),
           ),
         ),
       ),
     );
   }
 
-  // Delete asks twice: the first click arms the button for a few seconds.
+  // A card's Delete button as the video's armed state says: "Really?" while it is armed.
+  armedLabel(id, button) {
+    button.dataset.label = button.textContent;
+    if (this.armed.has(id)) button.textContent = "Really?";
+    return button;
+  }
+
+  // Delete asks twice: the first click arms the video's button for a few seconds.
   async remove(video, button) {
-    if (!button.dataset.armed) {
-      const label = button.textContent;
-      button.dataset.armed = "true";
+    if (!this.armed.has(video.id)) {
+      this.armed.add(video.id);
       button.textContent = "Really?";
       setTimeout(() => {
-        delete button.dataset.armed;
-        button.textContent = label;
+        this.armed.delete(video.id);
+        const shown = this.list.querySelector(
+          `.video-card[data-id="${CSS.escape(video.id)}"] button.delete`,
+        );
+        if (shown) shown.textContent = shown.dataset.label;
       }, CONFIRM_MS);
       return;
     }
+    this.armed.delete(video.id);
     button.disabled = true;
     try {
       await request("DELETE", `v1/videos/${encodeURIComponent(video.id)}`);
