@@ -146,7 +146,14 @@ class BlockwiseStep:
         self.masters = {**self._block_masters(), NON_BLOCK: non_block_master}
         # One optimizer (one m and v) for the whole group: its owner's.
         self.optimizer = (
-            CPUAdamW.from_spec(self.masters, config.optimizer, seed=config.seed)
+            CPUAdamW.from_spec(
+                self.masters,
+                config.optimizer,
+                seed=config.seed,
+                # The order updates come in: the blocks backward, then the rest (the disk tier
+                # reads each block's state ahead of its update in this order).
+                state_order=[*reversed(range(len(model.blocks))), NON_BLOCK],
+            )
             if self.owner
             else None
         )
