@@ -9,6 +9,10 @@ checkpoint holds.
 from __future__ import annotations
 
 import io
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -142,3 +146,65 @@ def test_from_spec_and_checks(tmp_path):
         CPUAdamW(params, state_tier="disk")
     with pytest.raises(ValueError, match="state_tier"):
         OptimizerSpec(state_tier="ssd")
+
+
+@pytest.mark.parametrize("state", ["fp32", "bf16-sr/8bit"])
+def test_clipping_and_accumulation_on_the_disk_tier(state, tmp_path):
+    """Clipped and accumulated steps: every block accumulates, then all are stepped in the
+    forward order (against the ring's), bitwise the RAM tier."""
+    kw = dict(max_grad_norm=0.5, accumulation_steps=2)
+    ram_p, disk_p = make_params(state), make_params(state)
+    with (
+        make_opt(ram_p, state, "ram", tmp_path, **kw) as ram,
+        make_opt(disk_p, state, "disk", tmp_path, **kw) as disk,
+    ):
+        for t in range(2):
+            for opt in (ram, disk):
+                for micro in range(2):
+                    grads = make_grads(10 * t + micro)
+                    for b in [3, 2, 1, 0]:
+                        opt.accumulate(b, grads[b])
+                for b in [0, 1, 2, 3]:
+                    opt.step_block(b)
+        assert same(ram_p, disk_p)
+        assert ram.last_grad_norm == disk.last_grad_norm
+
+
+CHILD = """
+import os, signal, sys, torch
+sys.path.insert(0, {tests!r})
+from megaslide.engine.atomic import atomic_write
+from test_optim_disk import make_opt, make_params, train
+from pathlib import Path
+state, tmp = {state!r}, Path({tmp!r})
+params = make_params(state)
+opt = make_opt(params, state, "disk", tmp)
+train(opt, params, 2, [3, 2, 1, 0])
+atomic_write(tmp / "optimizer.pt", lambda p: torch.save(opt.state_dict(), p))
+atomic_write(tmp / "params.pt", lambda p: torch.save(params, p))
+writes, real = [0], os.pwritev
+def dying(*args):  # the third write-behind of step 3: killed in the middle of it
+    writes[0] += 1
+    if writes[0] == 3:
+        real(args[0], [bytes(len(args[1][0]) // 2)], args[2])
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(*args)
+os.pwritev = dying
+train(opt, params, 1, [3, 2, 1, 0], first=2)
+"""
+
+
+@pytest.mark.slow  # starts a process
+def test_kill_9_during_write_behind_loses_nothing_the_checkpoint_holds(tmp_path):
+    state, order = "bf16-split/8bit", [3, 2, 1, 0]
+    code = CHILD.format(tests=str(Path(__file__).parent), state=state, tmp=str(tmp_path))
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert child.returncode == -signal.SIGKILL, child.stderr
+    ref_p = make_params(state)
+    with make_opt(ref_p, state, "ram", tmp_path / "ref") as ref:
+        train(ref, ref_p, 4, order)
+    params = torch.load(tmp_path / "params.pt", weights_only=True)
+    with make_opt(params, state, "disk", tmp_path) as resumed:  # the killed run's directory
+        resumed.load_state_dict(torch.load(tmp_path / "optimizer.pt", weights_only=True))
+        train(resumed, params, 2, order, first=2)
+    assert same(params, ref_p)

@@ -306,7 +306,9 @@ class Trainer(TrainingRun):
     def _restore(self, path: Path) -> None:
         if self.blockwise.optimizer is not None:
             self.blockwise.optimizer.load_state_dict(
-                torch.load(path / "optimizer.pt", weights_only=True)
+                # Mapped, not read: the state is copied into the optimizer's own tensors (or its
+                # disk tier's files) a tensor at a time, so RAM never holds a second copy of it.
+                torch.load(path / "optimizer.pt", weights_only=True, mmap=True)
             )
         state = torch.load(path / "state.pt", weights_only=True)
         self.step = int(state["step"])

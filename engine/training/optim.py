@@ -58,6 +58,15 @@ tail is padded in scratch), so quantization blocks never straddle tensors and th
 not depend on chunk size or thread count. Stochastic rounding draws its bits from a hash of
 (seed, step, block, tensor, element), so a resumed run rounds exactly as an uninterrupted one.
 
+The disk tier (``state_tier="disk"``, optim_disk.py): the per-tensor state only the optimizer
+reads (m and v or their codes; a bf16-split master's low halves) lives in files under
+`state_dir`, and `step_block` runs on a ring buffer its I/O thread read ahead of the update and
+writes back behind it. `state_order` is the order the caller steps blocks in (default: the
+backward's, last block first); stepping out of it is correct, only slower (a block is then read
+on demand). The update is the same code on the same bytes, so results are bitwise the RAM
+tier's; `state_dict` returns views of the files (mapped, after everything was written back) and
+`load_state_dict` writes into them. Host RAM for that state: `ring_nbytes`.
+
 Clipping: the clipping coefficient depends on the norm of the gradient of *every* block, and no
 block may be updated before it is known. We hold all gradients: with clipping on, every block's
 gradients (all micro-batches) go into its fp32 host buffer via `accumulate`, the global norm is
@@ -217,7 +226,7 @@ class CPUAdamW:
         cls, blocks: Mapping[Hashable, Mapping[str, Tensor]], spec: OptimizerSpec, **options
     ) -> CPUAdamW:
         """The optimizer a fine-tuning spec's optimizer section asks for (`options`: threads,
-        chunk_numel, decay_filter)."""
+        chunk_numel, decay_filter, seed, state_order, ring_depth)."""
         return cls(
             blocks,
             lr=spec.lr,
