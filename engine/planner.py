@@ -42,6 +42,13 @@ the host holds the non-block weights and one ring of `ring_depth` blocks per str
 `Machine.disk_gbps`; warm page cache reads are faster, so this is the cold bound). `auto` picks
 disk when the RAM tier's host total exceeds `RAM_MARGIN` of the host's RAM
 (`choose_host_tier`, which the loader calls with the RAM available now).
+
+The optimizer's disk tier (`Workload.optimizer_state_tier`, training/optim_disk.py) is separate:
+a fine-tune's moments (and a bf16-split master's low halves) live in files, and the host holds
+a ring of `STATE_RING_DEPTH` buffers of the largest optimizer block's state instead. Every step
+reads and writes the whole state once (`optimizer_disk` time, at `Machine.disk_gbps` both ways:
+the write-behind goes to the page cache first, so this is the bound when the disk keeps up
+with nothing else). It overlaps the updates as they overlap the backward.
 """
 
 from __future__ import annotations
@@ -56,8 +63,9 @@ from .family import family
 from .placement import HOST_TIERS, Placement
 from .sources import ModelInfo
 from .streaming.disk_store import DEFAULT_RING_DEPTH
-from .training.finetune_spec import check_state
+from .training.finetune_spec import STATE_TIERS, check_state
 from .training.optim import grad_buffer_bytes
+from .training.optim_disk import DEFAULT_STATE_RING_DEPTH
 from .training.state_format import StateFormat
 
 GB = 1e9
@@ -68,6 +76,7 @@ LOSSLESS_RATIO = 0.70
 # the rest is the activations' host side, the page cache and everything else on the machine.
 RAM_MARGIN = 0.8
 RING_DEPTH = DEFAULT_RING_DEPTH  # disk tier: host buffers per streamed module
+STATE_RING_DEPTH = DEFAULT_STATE_RING_DEPTH  # optimizer disk tier: host buffers of block state
 
 
 def available_ram_bytes() -> int:
@@ -192,6 +201,7 @@ class Workload:
     max_grad_norm: bool = False  # fine-tuning: global-norm clipping
     grad_accum: int = 1  # fine-tuning: micro-batches per optimizer step
     optimizer_state: str = "fp32"  # fine-tuning: master and moments' format (state_format.py)
+    optimizer_state_tier: str = "ram"  # fine-tuning: the optimizer's own state in RAM or on disk
     loras: int = 0  # inference: LoRA adapters registered (their factors live on the device)
     lora_rank: int = 0  # their rank, on every adaptable layer
     weights: str = "raw"  # inference: host format of streamed blocks (raw, lossless, fp8)
@@ -269,6 +279,10 @@ def plan(info: ModelInfo, machine: Machine = Machine(), w: Workload = Workload()
     w.placement.validate(w.mode, lasting_only=True)
     if w.mode == "finetune":
         check_state(w.optimizer_state)  # a format fine-tuning trains with
+        if w.optimizer_state_tier not in STATE_TIERS:
+            raise ValueError(
+                f"optimizer_state_tier must be one of {STATE_TIERS}, got {w.optimizer_state_tier!r}"
+            )
     z = _sizes(info, w)
     device, host = _memory(info, w, z)
     device_limit = machine.gpu_mem * (1 - machine.reserve)
@@ -283,6 +297,9 @@ def plan(info: ModelInfo, machine: Machine = Machine(), w: Workload = Workload()
     bounds = t["bounds"]
     if host_tier == "disk":
         bounds["disk"] = disk_bytes / (machine.disk_gbps * GB)
+    state_disk = _state_disk_bytes(w, z)
+    if state_disk:
+        bounds["optimizer_disk"] = state_disk / (machine.disk_gbps * GB)
     bound = max(bounds, key=bounds.get)
     problems = _problems(info, w, z, device_total, host_total, machine)
     return {
@@ -313,6 +330,7 @@ def plan(info: ModelInfo, machine: Machine = Machine(), w: Workload = Workload()
         "bytes_per_step": {
             "h2d": t["h2d"],
             "disk": disk_bytes,
+            "optimizer_disk": state_disk,
             "all_to_all": t["all_to_all"],
             "gradient_reduce": t["gradient_reduce"],
         },
@@ -355,10 +373,26 @@ def _optimizer_state(w: Workload) -> dict:
     fmt = StateFormat.parse(w.optimizer_state)
     return {
         "format": fmt.name,
+        "tier": w.optimizer_state_tier,
         "bytes_per_param": fmt.master_bytes + fmt.moment_bytes,
         "master_bytes_per_param": fmt.master_bytes,
         "moment_bytes_per_param": fmt.moment_bytes,
+        "disk_bytes_per_param": _state_file_bytes(w),
     }
+
+
+def _state_file_bytes(w: Workload) -> float:
+    """Bytes per trained parameter the optimizer's disk tier keeps in files: m and v, and a
+    bf16-split master's low halves (only the optimizer reads them); the streamed master stays."""
+    fmt = StateFormat.parse(w.optimizer_state)
+    return fmt.moment_bytes + (2 if fmt.master == "bf16-split" else 0)
+
+
+def _state_disk_bytes(w: Workload, z: _Sizes) -> int:
+    """Bytes the optimizer's disk tier reads and writes a step: its whole state, each way once."""
+    if not z.finetune or w.optimizer_state_tier != "disk":
+        return 0
+    return 2 * math.ceil(_state_file_bytes(w) * z.counts["trainable"])
 
 
 def _master_stream_bytes(w: Workload) -> int:
@@ -489,11 +523,24 @@ def _memory(info: ModelInfo, w: Workload, z: _Sizes) -> tuple[dict, dict]:
         boundary_activations=z.rows * z.n_tok * D * b * z.depth,
     )
     fmt = StateFormat.parse(w.optimizer_state)
+    if w.optimizer_state_tier == "disk":
+        # The host store (the streamed master) stays; the rest of the state is in files, read
+        # into a ring of the largest optimizer block's state (a denoiser block, or everything
+        # outside the blocks, one optimizer block).
+        per_param = _state_file_bytes(w)
+        largest = max(z.n_block, trainable - z.depth * z.n_block)
+        host.update(
+            master=math.ceil((fmt.master_bytes - (per_param - fmt.moment_bytes)) * trainable),
+            optimizer_state_ring=STATE_RING_DEPTH * math.ceil(per_param * largest),
+        )
+    else:
+        host.update(
+            # Pinned: the streamer's host store is the master, one for every device (shared
+            # pages); a bf16-split master's low halves (2 B/param) are the optimizer's.
+            master=math.ceil(fmt.master_bytes * trainable),
+            adam_moments=math.ceil(fmt.moment_bytes * trainable),  # m and v (8-bit: and scales)
+        )
     host.update(
-        # Pinned: the streamer's host store is the master, one for every device (shared pages);
-        # a bf16-split master's low halves (2 B/param) are the optimizer's.
-        master=math.ceil(fmt.master_bytes * trainable),
-        adam_moments=math.ceil(fmt.moment_bytes * trainable),  # m and v (8-bit: and scales)
         frozen_weights=(z.n_params - trainable) * b,  # the frozen text encoder, VAE, experts
         # One block's fp32 gradients on their way to the optimizer.
         pinned_gradients=z.n_block * 4,
@@ -690,6 +737,11 @@ def format_plan(p: dict) -> str:
             f"parameter in host RAM (master {state['master_bytes_per_param']:g}, m and v "
             f"{state['moment_bytes_per_param']:.2f}), gradient buffers apart"
         )
+        if state["tier"] == "disk":
+            lines.append(
+                f"optimizer state tier disk: {state['disk_bytes_per_param']:.2f} B per trained "
+                "parameter in files instead, through a ring of a few blocks' state in RAM"
+            )
     for side in ("host", "device"):
         lines.append(f"{side}:")
         for name, value in p[side].items():
@@ -725,6 +777,13 @@ def format_plan(p: dict) -> str:
             f"host tier disk{why}: {p['bytes_per_step']['disk'] / GB:.2f} GB read from disk per "
             f"step at {p['machine']['disk_gbps']:g} GB/s: {t['disk']:.3f} s per step "
             "(cold page cache)"
+        )
+    if "optimizer_disk" in t:
+        lines.append(
+            f"optimizer state on disk: {p['bytes_per_step']['optimizer_disk'] / GB:.2f} GB read "
+            f"and written per step at {p['machine']['disk_gbps']:g} GB/s: "
+            f"{t['optimizer_disk']:.3f} s per step"
+            + (" (it bounds the step)" if t["bound"] == "optimizer_disk" else "")
         )
     if p["workload"]["weights"] != "raw":
         lines.append(

@@ -50,6 +50,7 @@ def finetune_spec(hyper: dict, *, output: Path, seed: int, settings: Settings) -
         optimizer=OptimizerSpec(
             lr=settings.finetune_lr * hyper["learning_rate_multiplier"],
             state=hyper.get("optimizer_state", OptimizerSpec.state),  # (jobs stored before it)
+            state_tier=hyper.get("optimizer_state_tier", OptimizerSpec.state_tier),
         ),
         clips=ClipSpec(
             frames=hyper.get("num_frames"),

@@ -416,6 +416,11 @@ class Hyperparameters(Request):
         description="how the optimizer keeps master weights and moments in host RAM: "
         f"{', '.join(TRAINING_STATES)} ('auto': fp32)",
     )
+    optimizer_state_tier: Literal["ram", "disk", "auto"] = Field(
+        "auto",
+        description="where the optimizer keeps its moments between updates: host RAM, or files "
+        "on the server's local disk read ahead and written behind per block ('auto': ram)",
+    )
 
     @field_validator("n_epochs")
     @classmethod
@@ -499,6 +504,7 @@ def finetune_object(job: FineTuneRecord) -> FineTuningJob:
     hyper = job.hyperparameters
     public = {k: hyper[k] for k in ("n_epochs", "batch_size", "learning_rate_multiplier")}
     public["optimizer_state"] = hyper.get("optimizer_state", OptimizerSpec.state)  # (older jobs)
+    public["optimizer_state_tier"] = hyper.get("optimizer_state_tier", OptimizerSpec.state_tier)
     error = (
         FineTuningError(code=job.error_code, message=job.error_message)
         if job.error_message

@@ -61,6 +61,7 @@ def test_finetune_produces_a_model_that_generates(make_client):
                         "n_epochs": 2,
                         "batch_size": 1,
                         "optimizer_state": "bf16-sr/8bit",
+                        "optimizer_state_tier": "disk",
                     }
                 },
             },
@@ -72,6 +73,7 @@ def test_finetune_produces_a_model_that_generates(make_client):
         "batch_size": 1,
         "learning_rate_multiplier": 1.0,
         "optimizer_state": "bf16-sr/8bit",
+        "optimizer_state_tier": "disk",
     }
     assert_error(c.delete(f"/v1/files/{f['id']}"), 409, fragment="cancel the job first")
     done = until(
@@ -83,7 +85,9 @@ def test_finetune_produces_a_model_that_generates(make_client):
         what="fine-tune",
     )
     assert done["status"] == "succeeded", done
-    assert [spec.optimizer.state for spec in trained] == ["bf16-sr/8bit"]
+    assert [(s.optimizer.state, s.optimizer.state_tier) for s in trained] == [
+        ("bf16-sr/8bit", "disk")
+    ]
     short = job["id"].removeprefix("ftjob-")
     assert (
         done["fine_tuned_model"] == f"ft:fake:cats:{short}"
@@ -147,6 +151,14 @@ def test_finetune_requests_are_validated(make_client):
             "hyperparameters.optimizer_state",
         )
     assert_error(
+        c.post(
+            "/v1/fine_tuning/jobs",
+            json={**base, "hyperparameters": {"optimizer_state_tier": "ssd"}},
+        ),
+        400,
+        "hyperparameters.optimizer_state_tier",
+    )
+    assert_error(
         c.post("/v1/fine_tuning/jobs", json={**base, "suffix": "no spaces"}), 400, "suffix"
     )
     assert_error(
@@ -156,6 +168,7 @@ def test_finetune_requests_are_validated(make_client):
     )
     job = c.post("/v1/fine_tuning/jobs", json=base).json()
     assert job["hyperparameters"]["optimizer_state"] == "fp32"  # "auto"
+    assert job["hyperparameters"]["optimizer_state_tier"] == "ram"  # "auto"
     assert_error(c.get("/v1/fine_tuning/jobs/ftjob-none"), 404)
     assert_error(c.post("/v1/fine_tuning/jobs/ftjob-none/cancel"), 404)
 

@@ -128,3 +128,32 @@ def test_streaming_levers_on_several_devices_count_one_host_copy_and_each_device
     small = Machine(host_mem=one["host"]["total"] * 1.1)
     for devices in (1, 2):
         assert plan(info, small, Workload(host_tier="auto", devices=devices))["host_tier"] == "disk"
+
+
+@pytest.mark.parametrize("state", ["fp32", "bf16-split/fp32", "bf16-sr/8bit"])
+def test_optimizer_disk_tier_swaps_the_state_for_a_ring_and_counts_its_traffic(state):
+    info, machine = preset("megaslide-105b"), Machine(gpu_mem=80e9, host_mem=512e9)
+    ram = plan(info, machine, Workload(mode="finetune", optimizer_state=state))
+    disk = plan(
+        info,
+        machine,
+        Workload(mode="finetune", optimizer_state=state, optimizer_state_tier="disk"),
+    )
+    per_param = disk["optimizer_state"]["disk_bytes_per_param"]
+    trainable = disk["trainable_parameters"]
+    moved = ram["host"]["total"] - disk["host"]["total"]
+    ring = disk["host"]["optimizer_state_ring"]
+    assert "adam_moments" not in disk["host"] and 0 < ring < 0.1 * per_param * trainable
+    assert moved == pytest.approx(per_param * trainable - ring, rel=1e-6)
+    # Read and written once a step, at the disk's bandwidth; named when it bounds the step.
+    assert disk["bytes_per_step"]["optimizer_disk"] == pytest.approx(2 * per_param * trainable)
+    t = disk["time_s"]
+    assert t["optimizer_disk"] == pytest.approx(2 * per_param * trainable / 3e9)
+    slow = plan(
+        info,
+        Machine(disk_gbps=0.5),
+        Workload(mode="finetune", optimizer_state=state, optimizer_state_tier="disk"),
+    )
+    assert slow["time_s"]["bound"] == "optimizer_disk"
+    assert "it bounds the step" in format_plan(slow)
+    assert "optimizer_disk" not in ram["time_s"] and ram["bytes_per_step"]["optimizer_disk"] == 0

@@ -491,6 +491,13 @@ def _add_optimizer_state_arg(p) -> None:
         f"{', '.join(TRAINING_STATES)} (default: fp32; bf16-sr/8bit needs about a third of "
         "fp32's bytes per parameter)",
     )
+    p.add_argument(
+        "--optimizer-state-tier",
+        choices=("ram", "disk"),
+        help="where the optimizer keeps its moments (and a bf16-split master's low halves) "
+        "between updates: host RAM, or files on local disk read ahead and written behind "
+        "per block (default: ram)",
+    )
 
 
 def _add_plan_training_args(p) -> None:
@@ -565,6 +572,7 @@ def run_plan(args) -> int:
         max_grad_norm=args.max_grad_norm,
         grad_accum=args.grad_accum,
         optimizer_state=args.optimizer_state or OptimizerSpec.state,
+        optimizer_state_tier=args.optimizer_state_tier or OptimizerSpec.state_tier,
         loras=args.loras,
         lora_rank=args.lora_rank,
         devices=args.devices,
@@ -613,6 +621,12 @@ def register_finetune(sub) -> None:
     p.add_argument("--weight-decay", type=float, default=OptimizerSpec.weight_decay)
     p.add_argument("--max-grad-norm", type=float, help="clip the global gradient norm to this")
     _add_optimizer_state_arg(p)
+    p.add_argument(
+        "--optimizer-state-dir",
+        metavar="DIR",
+        help="with --optimizer-state-tier disk: where the state's files go, on a local disk "
+        "(default: <output>/optimizer-state)",
+    )
     p.add_argument(
         "--save-every",
         type=int,
@@ -713,6 +727,8 @@ def finetune_spec(args) -> FinetuneSpec:
             max_grad_norm=args.max_grad_norm,
             grad_accum=args.grad_accum,
             state=args.optimizer_state or OptimizerSpec.state,
+            state_tier=args.optimizer_state_tier or OptimizerSpec.state_tier,
+            state_dir=args.optimizer_state_dir,
         ),
         clips=ClipSpec(
             frames=args.frames,

@@ -1,4 +1,5 @@
-"""Full fine-tuning through the streamer: master weights and optimizer state in host RAM.
+"""Full fine-tuning through the streamer: master weights and optimizer state in host RAM (or
+the optimizer's own state on local disk, through a ring of a few blocks: `optim_disk.py`).
 
 `finetune.py` is the run (`Trainer`, `open_trainer`), `finetune_spec.py` what it is asked to do.
 `blockwise.py` is the step: forward block by block, backward block by block, each block's

@@ -144,9 +144,14 @@ class BlockwiseStep:
         self.blocks_io = handle if handle is not None else _ResidentBlocks()
         # Block masters are keyed by names inside the block ("attn.qkv.weight").
         self.masters = {**self._block_masters(), NON_BLOCK: non_block_master}
+        # The order updates come in: the blocks backward, then the rest. The optimizer's disk
+        # tier reads each block's state ahead of its update in this order.
+        self.update_order = [*reversed(range(len(model.blocks))), NON_BLOCK]
         # One optimizer (one m and v) for the whole group: its owner's.
         self.optimizer = (
-            CPUAdamW.from_spec(self.masters, config.optimizer, seed=config.seed)
+            CPUAdamW.from_spec(
+                self.masters, config.optimizer, seed=config.seed, state_order=self.update_order
+            )
             if self.owner
             else None
         )
@@ -306,7 +311,9 @@ class BlockwiseStep:
             # The next forward reads the masters these updates write: wait for every one of them.
             f.result()
         if last and self.owner and self.config.optimizer.max_grad_norm is not None:
-            for block_id in self.masters:  # clipping needs every gradient before any update
+            # Clipping needs every gradient before any update; then the updates go in the usual
+            # order (any order gives the same result; this one is the disk tier's read-ahead).
+            for block_id in self.update_order:
                 self.optimizer.step_block(block_id)
         if last:
             self.group.end_step()

@@ -13,6 +13,9 @@ streams decoded clips from a background loader, runs
                           low halves), and the seed of a bf16-sr master's rounding
         state.pt          step, data-loader position and RNG state
     <output>/model/       the final export (`export()`), in the same servable format
+    <output>/optimizer-state/   with `optimizer.state_tier="disk"`: the optimizer's working
+                          state files (optim_disk.py); optimizer.pt holds their copy, so a
+                          killed run's half-written files are simply overwritten on resume
 
 Resuming from a checkpoint continues exactly: a run killed after step k and resumed ends with
 bitwise the weights of an uninterrupted run (same machine, CPU), because the masters, the moments,
@@ -48,6 +51,7 @@ from .group import OneProcess, TrainingGroup
 
 CHECKPOINTS = "checkpoints"
 METRICS = "metrics.jsonl"
+STATE_DIR = "optimizer-state"  # the disk tier's optimizer state files (OptimizerSpec.state_tier)
 
 
 def learning_rate(spec: FinetuneSpec, step: int, total_steps: int) -> float:
@@ -200,8 +204,12 @@ class Trainer(TrainingRun):
             module.train()
         model = self.family.training_model(info, parts, spec.run.expert)
         cuda = torch.device(runtime.device).type == "cuda"
+        optimizer = spec.optimizer
+        if optimizer.state_tier == "disk" and optimizer.state_dir is None:
+            # The state's working files (a checkpoint holds a copy, optimizer.pt): the run's.
+            optimizer = dataclasses.replace(optimizer, state_dir=str(self.output / STATE_DIR))
         step_config = StepConfig(
-            optimizer=spec.optimizer,
+            optimizer=optimizer,
             offload=runtime.offload,
             autocast=torch.bfloat16 if cuda or dtype == torch.bfloat16 else None,
             timing=runtime.timing,
@@ -298,7 +306,9 @@ class Trainer(TrainingRun):
     def _restore(self, path: Path) -> None:
         if self.blockwise.optimizer is not None:
             self.blockwise.optimizer.load_state_dict(
-                torch.load(path / "optimizer.pt", weights_only=True)
+                # Mapped, not read: the state is copied into the optimizer's own tensors (or its
+                # disk tier's files) a tensor at a time, so RAM never holds a second copy of it.
+                torch.load(path / "optimizer.pt", weights_only=True, mmap=True)
             )
         state = torch.load(path / "state.pt", weights_only=True)
         self.step = int(state["step"])

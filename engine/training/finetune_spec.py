@@ -54,6 +54,9 @@ TRAINING_STATES = ("fp32",) + tuple(
 )
 
 
+STATE_TIERS = ("ram", "disk")
+
+
 @dataclass(frozen=True)
 class OptimizerSpec:
     """AdamW (torch.optim.AdamW's algorithm, engine/training/optim.py) on the masters, stored
@@ -70,9 +73,17 @@ class OptimizerSpec:
     # bf16 master is the model's weights themselves: the trainer opens the model in bf16 and
     # computes under bf16 autocast; "bf16-sr" rounds keyed by `run.seed`.
     state: str = "fp32"
+    # Where the state that only the optimizer reads (moments; a bf16-split master's low halves)
+    # lives between updates: "ram", or "disk": one file per block under `state_dir` (default
+    # `<run.output>/optimizer-state`), read ahead and written behind through a ring of a few
+    # blocks' buffers (optim_disk.py). The masters stay in RAM either way.
+    state_tier: str = "ram"
+    state_dir: str | None = None
 
     def __post_init__(self) -> None:
         StateFormat.parse(self.state)  # ValueError naming the formats
+        if self.state_tier not in STATE_TIERS:
+            raise ValueError(f"state_tier must be one of {STATE_TIERS}, got {self.state_tier!r}")
 
     @property
     def state_bytes_per_param(self) -> float:

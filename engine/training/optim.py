@@ -58,6 +58,15 @@ tail is padded in scratch), so quantization blocks never straddle tensors and th
 not depend on chunk size or thread count. Stochastic rounding draws its bits from a hash of
 (seed, step, block, tensor, element), so a resumed run rounds exactly as an uninterrupted one.
 
+The disk tier (``state_tier="disk"``, optim_disk.py): the per-tensor state only the optimizer
+reads (m and v or their codes; a bf16-split master's low halves) lives in files under
+`state_dir`, and `step_block` runs on a ring buffer its I/O thread read ahead of the update and
+writes back behind it. `state_order` is the order the caller steps blocks in (default: the
+backward's, last block first); stepping out of it is correct, only slower (a block is then read
+on demand). The update is the same code on the same bytes, so results are bitwise the RAM
+tier's; `state_dict` returns views of the files (mapped, after everything was written back) and
+`load_state_dict` writes into them. Host RAM for that state: `ring_nbytes`.
+
 Clipping: the clipping coefficient depends on the norm of the gradient of *every* block, and no
 block may be updated before it is known. We hold all gradients: with clipping on, every block's
 gradients (all micro-batches) go into its fp32 host buffer via `accumulate`, the global norm is
@@ -85,8 +94,9 @@ being constructed.
 from __future__ import annotations
 
 import math
+import os
 import threading
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -95,6 +105,7 @@ from torch import Tensor
 
 from . import compact, compact_kernel
 from .finetune_spec import OptimizerSpec
+from .optim_disk import DEFAULT_STATE_RING_DEPTH, StateLayout, StateRing
 from .state_format import QUANT_BLOCK, StateFormat
 
 FP32_BYTES = 4
@@ -159,6 +170,20 @@ class _Chunk:
     keys: list[int] | None = None  # bf16-sr: tensor index within the block, for the hash
 
 
+def _bind_chunk(c: _Chunk, b: _Block) -> None:
+    """Point a chunk's state views (m, v; lo; codes, absmax) at its block's state tensors."""
+    c.m = [b.m[n].view(-1)[a:e] for n, a, e in c.slices] if b.m else []
+    c.v = [b.v[n].view(-1)[a:e] for n, a, e in c.slices] if b.v else []
+    c.lo = [b.lo[n].view(-1)[a:e] for n, a, e in c.slices] if b.lo is not None else None
+    c.codes = c.absmax = None
+    if b.codes is not None:  # 8-bit state is stored padded: the chunk's padded widths
+        q = QUANT_BLOCK
+        c.codes = [b.codes[n][:, a : a + w] for (n, a, _), w in zip(c.slices, c.widths)]
+        c.absmax = [
+            b.absmax[n][:, a // q : (a + w) // q] for (n, a, _), w in zip(c.slices, c.widths)
+        ]
+
+
 @dataclass
 class _Block:
     """Optimizer state of one block."""
@@ -175,6 +200,7 @@ class _Block:
     grad_buf: dict[str, Tensor] | None = None  # fp32 sums of micro-batch gradients
     micro: int = 0  # micro-batches accumulated since the last step of this block
     norms: Tensor | None = None  # (n_tensors,) per-tensor norms of grad_buf, for clipping
+    layout: StateLayout | None = None  # disk tier: the state's flat layout in its file
 
 
 class CPUAdamW:
@@ -200,7 +226,7 @@ class CPUAdamW:
         cls, blocks: Mapping[Hashable, Mapping[str, Tensor]], spec: OptimizerSpec, **options
     ) -> CPUAdamW:
         """The optimizer a fine-tuning spec's optimizer section asks for (`options`: threads,
-        chunk_numel, decay_filter)."""
+        chunk_numel, decay_filter, seed, state_order, ring_depth)."""
         return cls(
             blocks,
             lr=spec.lr,
@@ -210,6 +236,8 @@ class CPUAdamW:
             accumulation_steps=spec.grad_accum,
             max_grad_norm=spec.max_grad_norm,
             state=spec.state,
+            state_tier=spec.state_tier,
+            state_dir=spec.state_dir,
             **options,
         )
 
@@ -228,6 +256,10 @@ class CPUAdamW:
         chunk_numel: int | None = None,
         state: str = "fp32",
         seed: int = 0,
+        state_tier: str = "ram",
+        state_dir: str | os.PathLike | None = None,
+        state_order: Sequence[Hashable] | None = None,
+        ring_depth: int = DEFAULT_STATE_RING_DEPTH,
     ):
         if not 0.0 <= betas[0] < 1.0 or not 0.0 <= betas[1] < 1.0:
             raise ValueError(f"betas must be in [0, 1), got {betas}")
@@ -241,6 +273,10 @@ class CPUAdamW:
             raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
         if threads is not None and threads < 1:
             raise ValueError(f"threads must be >= 1 or None, got {threads}")
+        if state_tier not in ("ram", "disk"):
+            raise ValueError(f"state_tier must be 'ram' or 'disk', got {state_tier!r}")
+        if state_tier == "disk" and state_dir is None:
+            raise ValueError("state_tier='disk' needs a state_dir for the state's files")
         self.format = StateFormat.parse(state)
         # A compact format runs the fused kernel when it builds (or is cached), else torch ops.
         self._kernel = compact_kernel.load() if self.format.compact else None
@@ -270,11 +306,19 @@ class CPUAdamW:
         self.chunk_numel = int(chunk_numel)
         self.seed = int(seed)  # keys the stochastic rounding of a bf16-sr master
         self.last_grad_norm: float | None = None  # global norm of the last clipped step
+        self.state_tier = state_tier
 
         self._blocks: dict[Hashable, _Block] = {}
         for index, (block_id, named) in enumerate(blocks.items()):
             self._blocks[block_id] = self._build_block(block_id, named, decay_filter)
             self._blocks[block_id].index = index
+        # Disk tier: the state lives in files, read into a ring in the order blocks are stepped
+        # (by default the backward's, last block first) and written back behind.
+        self._disk: StateRing | None = None
+        if state_tier == "disk":
+            order = list(reversed(self._blocks)) if state_order is None else list(state_order)
+            layouts = {bid: b.layout for bid, b in self._blocks.items()}
+            self._disk = StateRing(state_dir, layouts, order, ring_depth)
         # Clipping bookkeeping for the current step: the clip coefficient, once every block's
         # gradients are in, and the blocks that still have to be stepped with it.
         self._clip_scale: Tensor | None = None
@@ -297,34 +341,47 @@ class CPUAdamW:
                     f"got {p.dtype} on {p.device}, contiguous={p.is_contiguous()}"
                 )
             params[name] = p
-        fmt = self.format
-        f32 = torch.float32
-        m, v, lo, codes, absmax = {}, {}, None, None, None
-        if fmt.moments == "fp32":
-            m = {n: torch.zeros(p.shape, dtype=f32) for n, p in params.items()}
-            v = {n: torch.zeros(p.shape, dtype=f32) for n, p in params.items()}
-        else:  # zero codes under a zero absmax decode to m = v = 0
-            padded = {n: _round_up(p.numel(), QUANT_BLOCK) for n, p in params.items()}
-            codes = {n: torch.zeros(2, k, dtype=torch.uint8) for n, k in padded.items()}
-            absmax = {n: torch.zeros(2, k // QUANT_BLOCK, dtype=f32) for n, k in padded.items()}
-        if fmt.master == "bf16-split":  # the given bf16 weights are the master exactly
-            lo = {n: torch.zeros(p.shape, dtype=torch.int16) for n, p in params.items()}
-        b = _Block(
-            params=params,
-            m=m,
-            v=v,
-            step=torch.zeros((), dtype=f32),
-            chunks=[],
-            lo=lo,
-            codes=codes,
-            absmax=absmax,
-        )
+        b = _Block(params=params, m={}, v={}, step=torch.zeros((), dtype=torch.float32), chunks=[])
+        shapes = self._state_shapes(params)
+        if self.state_tier == "disk":
+            b.layout = StateLayout(shapes)  # bound to a ring buffer around each update
+        else:  # zeros: m = v = 0, and zero codes under a zero absmax decode to m = v = 0
+            zeros = {
+                key: {n: torch.zeros(shape, dtype=dtype) for n, (shape, dtype) in named.items()}
+                for key, named in shapes.items()
+            }
+            self._bind(b, zeros)
         decayed = [n for n, p in params.items() if decay_filter(n, p)]
         plain = [n for n, p in params.items() if not decay_filter(n, p)]
         b.chunks = self._make_chunks(decayed, self.weight_decay, b) + self._make_chunks(
             plain, 0.0, b
         )
+        if b.layout is None:
+            for c in b.chunks:
+                _bind_chunk(c, b)
         return b
+
+    def _state_shapes(self, params: Mapping[str, Tensor]) -> dict[str, dict[str, tuple]]:
+        """(shape, dtype) of each per-tensor state this format keeps, by store and name."""
+        f32, out = torch.float32, {}
+        if self.format.moments == "fp32":
+            out["m"] = {n: (tuple(p.shape), f32) for n, p in params.items()}
+            out["v"] = {n: (tuple(p.shape), f32) for n, p in params.items()}
+        else:  # (2, numel padded to 256): m and sqrt(v), and one absmax per 256 of each
+            padded = {n: _round_up(p.numel(), QUANT_BLOCK) for n, p in params.items()}
+            out["codes"] = {n: ((2, k), torch.uint8) for n, k in padded.items()}
+            out["absmax"] = {n: ((2, k // QUANT_BLOCK), f32) for n, k in padded.items()}
+        if self.format.master == "bf16-split":  # the given bf16 weights are the master exactly
+            out["lo"] = {n: (tuple(p.shape), torch.int16) for n, p in params.items()}
+        return out
+
+    def _bind(self, b: _Block, stores: Mapping[str, Mapping[str, Tensor]] | None) -> None:
+        """Make `stores` (by _Block attribute name) the block's state, or none (None)."""
+        stores = stores or {}
+        b.m, b.v = dict(stores.get("m", {})), dict(stores.get("v", {}))
+        b.lo = dict(stores["lo"]) if "lo" in stores else None
+        b.codes = dict(stores["codes"]) if "codes" in stores else None
+        b.absmax = dict(stores["absmax"]) if "absmax" in stores else None
 
     @property
     def master_dtype(self) -> torch.dtype:
@@ -369,10 +426,7 @@ class CPUAdamW:
             def views(store, s):
                 return [store[n].view(-1)[a:e] for n, a, e in s]
 
-            return [
-                _Chunk(weight_decay, s, views(params, s), views(b.m, s), views(b.v, s))
-                for s in chunks
-            ]
+            return [_Chunk(weight_decay, s, views(params, s), [], []) for s in chunks]
         # Compact: slices end at the real end of their tensor; the padding is scratch only.
         out = []
         order = {n: i for i, n in enumerate(params)}
@@ -386,19 +440,13 @@ class CPUAdamW:
                 weight_decay,
                 real,
                 [params[n].view(-1)[a:e] for n, a, e in real],
-                [b.m[n].view(-1)[a:e] for n, a, e in real] if b.m else [],
-                [b.v[n].view(-1)[a:e] for n, a, e in real] if b.v else [],
+                [],
+                [],
                 offsets=offsets[:-1],
                 widths=widths,
                 padded=offsets[-1],
                 keys=[order[n] for n, _, _ in s],
             )
-            if b.lo is not None:
-                c.lo = [b.lo[n].view(-1)[a:e] for n, a, e in real]
-            if b.codes is not None:
-                q = QUANT_BLOCK
-                c.codes = [b.codes[n][:, a:e] for n, a, e in s]
-                c.absmax = [b.absmax[n][:, a // q : e // q] for n, a, e in s]
             out.append(c)
         return out
 
@@ -408,6 +456,11 @@ class CPUAdamW:
     def block_ids(self) -> list[Hashable]:
         """Block ids in registration order."""
         return list(self._blocks)
+
+    @property
+    def ring_nbytes(self) -> int:
+        """Host RAM the disk tier's ring of state buffers holds (0 on the RAM tier)."""
+        return self._disk.ring_nbytes if self._disk is not None else 0
 
     def num_steps(self, block_id: Hashable) -> int:
         """Optimizer steps taken by one block."""
@@ -428,12 +481,22 @@ class CPUAdamW:
             return dict(b.params)
         if self.format.master != "bf16-split":
             return {n: p.float() for n, p in b.params.items()}
+        lo = self._state_of(block_id)["lo"]
         s = compact.Scratch(QUANT_BLOCK)  # join_halves reads only its constants
         out = {}
         for n, hi in b.params.items():
             out[n] = torch.empty(hi.shape, dtype=torch.float32)
-            compact.join_halves(hi, b.lo[n], out[n], s)
+            compact.join_halves(hi, lo[n], out[n], s)
         return out
+
+    def _state_of(self, block_id: Hashable) -> dict[str, dict[str, Tensor]]:
+        """A block's per-tensor state by store, between steps: the live tensors, or on the disk
+        tier views of its file (mapped, once the ring has written everything back)."""
+        if self._disk is None:
+            b = self._blocks[block_id]
+            return {key: dict(getattr(b, key)) for key in self._stores()}
+        self._disk.flush()
+        return self._disk.mapped(block_id)
 
     def accumulate(self, block_id: Hashable, grads: Mapping[str, Tensor]) -> None:
         """Add one micro-batch's gradients of one block into its fp32 host buffer.
@@ -568,7 +631,20 @@ class CPUAdamW:
                 if copy is not None and not fused_copy:
                     torch._foreach_copy_(copy, c.params)
 
-        self._parallel(b.chunks, update)
+        if self._disk is None:
+            self._parallel(b.chunks, update)
+        else:
+            # Disk tier: the state in a ring buffer for this update, then written back behind.
+            self._bind(b, self._disk.acquire(block_id))
+            for c in b.chunks:
+                _bind_chunk(c, b)
+            try:
+                self._parallel(b.chunks, update)
+            finally:
+                self._bind(b, None)
+                for c in b.chunks:
+                    _bind_chunk(c, b)  # no views of the buffer left behind
+                self._disk.release(block_id)
         b.micro = 0
         b.norms = None
 
@@ -601,10 +677,8 @@ class CPUAdamW:
         `absmax` (fp32, one per 256 of each) take their place. `state` names the format and
         `seed` keys a bf16-sr master's rounding; a state dict loads only into the same format."""
         self._check_idle("state_dict")
-        stores = {
-            key: {bid: dict(getattr(b, key)) for bid, b in self._blocks.items()}
-            for key in self._stores()
-        }
+        states = {bid: self._state_of(bid) for bid in self._blocks}
+        stores = {key: {bid: states[bid][key] for bid in self._blocks} for key in self._stores()}
         return {
             "format": "megaslide.cpu_adamw.v1",
             "state": self.format.name,
@@ -642,9 +716,10 @@ class CPUAdamW:
                 f"optimizer blocks {sorted(map(str, self._blocks))}"
             )
         keys = self._stores()
-        for bid, b in self._blocks.items():
+        live = {bid: self._state_of(bid) for bid in self._blocks}
+        for bid in self._blocks:
             for key in keys:
-                store = getattr(b, key)
+                store = live[bid][key]
                 saved = state[key][bid]
                 if set(saved) != set(store):
                     raise ValueError(f"block {bid!r}: state dict {key} names do not match params")
@@ -656,9 +731,11 @@ class CPUAdamW:
                         )
         for bid, b in self._blocks.items():
             for key in keys:
-                for name, t in getattr(b, key).items():
+                for name, t in live[bid][key].items():
                     t.copy_(state[key][bid][name])
             b.step.fill_(float(state["step"][bid]))
+        if self._disk is not None:
+            self._disk.invalidate()  # the files were written: the ring's copies are stale
         self.lr = float(state["hparams"]["lr"])
         self.seed = int(state.get("seed", 0))
 
@@ -669,7 +746,11 @@ class CPUAdamW:
         self.close()
 
     def close(self) -> None:
-        """Stop the worker threads; the optimizer cannot step afterwards."""
+        """Stop the worker threads (on the disk tier, after writing the state back); the
+        optimizer cannot step afterwards."""
+        if self._disk is not None:
+            self._disk.close()
+            self._disk = None
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None

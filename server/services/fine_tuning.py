@@ -64,6 +64,9 @@ def resolve_hyperparameters(h: Hyperparameters, card: ModelCard, settings: Setti
         "optimizer_state": OptimizerSpec.state
         if h.optimizer_state == "auto"
         else h.optimizer_state,
+        "optimizer_state_tier": OptimizerSpec.state_tier
+        if h.optimizer_state_tier == "auto"
+        else h.optimizer_state_tier,
     }
 
 

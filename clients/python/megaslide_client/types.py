@@ -235,6 +235,7 @@ class Hyperparameters(APIObject):
     batch_size: Any = None
     learning_rate_multiplier: Any = None
     optimizer_state: str | None = None
+    optimizer_state_tier: str | None = None  # "ram" or "disk": where the moments live
 
 
 @dataclass

@@ -140,7 +140,9 @@ class Jobs:
 
         `hyperparameters`: `n_epochs`, `batch_size`, `learning_rate_multiplier` (or "auto"),
         and `optimizer_state`: how the server's optimizer keeps the weights and moments in host
-        RAM ("fp32", or e.g. "bf16-sr/8bit": about a third of the bytes; "auto": the server's).
+        RAM ("fp32", or e.g. "bf16-sr/8bit": about a third of the bytes; "auto": the server's),
+        and `optimizer_state_tier`: "ram", or "disk" to keep the moments in files on the
+        server's local disk ("auto": ram).
         A job that succeeds registers the model `ft:<model>:<suffix>:<job id>`.
         """
         body = create_body(
