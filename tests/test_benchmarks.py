@@ -224,5 +224,7 @@ def test_finetune_state_quality_benchmark_quick():
         assert len(run["train_loss_curve"]) == 3
         assert entry["heldout_loss"]["mean"] == run["heldout_loss"]["mean"] > 0
     assert sr["within_fp32_spread"] in (True, False)
+    (d,) = sr["heldout_minus_fp32_same_seed"]
+    assert d == sr["heldout_loss"]["mean"] - fp32["heldout_loss"]["mean"]
     (p,) = sr["psnr_vs_fp32_same_seed"]
     assert p > 0 and "psnr_vs_fp32_same_seed" not in fp32
