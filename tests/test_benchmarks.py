@@ -212,3 +212,19 @@ def test_tiny_wan_benchmark_trains_and_measures_held_out_loss(tmp_path):
     times = [k for k in held if k != "mean"]
     assert len(times) == 7 and all(0 < held[k] < 100 for k in times)
     assert abs(held["mean"] - sum(held[k] for k in times) / 7) < 1e-12
+
+
+def test_finetune_state_quality_benchmark_quick():
+    r = run_json("benchmarks/finetune_state_quality.py", "--quick", "--json")
+    assert list(r["results"]) == ["fp32", "bf16-sr/8bit"] and r["seeds"] == [0]
+    fp32, sr = r["results"]["fp32"], r["results"]["bf16-sr/8bit"]
+    assert sr["bytes_per_param"] < fp32["bytes_per_param"]
+    for entry in (fp32, sr):
+        (run,) = entry["runs"]
+        assert len(run["train_loss_curve"]) == 3
+        assert entry["heldout_loss"]["mean"] == run["heldout_loss"]["mean"] > 0
+    assert sr["within_fp32_spread"] in (True, False)
+    (d,) = sr["heldout_minus_fp32_same_seed"]
+    assert d == sr["heldout_loss"]["mean"] - fp32["heldout_loss"]["mean"]
+    (p,) = sr["psnr_vs_fp32_same_seed"]
+    assert p > 0 and "psnr_vs_fp32_same_seed" not in fp32
