@@ -546,9 +546,57 @@ class CPUAdamW:
         (typically bf16, possibly pinned); it receives ``master.to(out.dtype)`` after the update.
         """
         b = self._blocks[block_id]
+        grads = self._step_inputs(block_id, b, grads, out)
+        # The fused kernel divides the gradients by grad_scale (and writes the quotient back, which
+        # is harmless: it only ever sees our own buffer here): sum / k is the mean, and clipping
+        # divides by 1 / clip_coef.
+        grad_scale = None
+        if self.max_grad_norm is not None:
+            grad_scale = self._clip_grad_scale(block_id)
+        elif self.accumulation_steps > 1:
+            grad_scale = torch.tensor(float(self.accumulation_steps), dtype=torch.float32)
+        src = grads if grads is not None else b.grad_buf
+
+        b.step.add_(1)  # torch increments the step before the update; t starts at 1
+        hyper = dict(
+            lr=self.lr,
+            beta1=self.betas[0],
+            beta2=self.betas[1],
+            eps=self.eps,
+            amsgrad=False,
+            maximize=False,
+            grad_scale=grad_scale,
+        )
+        if self.format.compact:
+            update = self._compact_update(b, src, out, hyper)
+        else:
+
+            def update(c: _Chunk, worker: int) -> None:
+                g = [src[n].view(-1)[a:e] for n, a, e in c.slices]
+                if any(t.dtype != torch.float32 for t in g):
+                    g = self._widen(g, worker)
+                torch._fused_adamw_(
+                    c.params,
+                    g,
+                    c.m,
+                    c.v,
+                    [],
+                    [b.step] * len(g),
+                    weight_decay=c.weight_decay,
+                    **hyper,
+                )
+                if out is not None:  # cast this chunk now, while it is still in cache
+                    torch._foreach_copy_([out[n].view(-1)[a:e] for n, a, e in c.slices], c.params)
+
+        self._run_on_state(block_id, b, update)
+        b.micro = 0
+        b.norms = None
+
+    def _step_inputs(self, block_id, b: _Block, grads, out) -> Mapping[str, Tensor] | None:
+        """`step_block`'s arguments checked; the gradients to update with (None: the block's
+        accumulated buffer, which the given micro-batch has joined)."""
         k = self.accumulation_steps
-        clipping = self.max_grad_norm is not None
-        if clipping and grads is not None:
+        if self.max_grad_norm is not None and grads is not None:
             raise ValueError(
                 "with max_grad_norm set, pass every micro-batch to accumulate() and "
                 "call step_block(block_id) without grads once all blocks are in"
@@ -567,86 +615,61 @@ class CPUAdamW:
             raise RuntimeError(f"block {block_id!r} has {b.micro} of {k} micro-batch gradients")
         if grads is not None:
             self._check_tensors(block_id, b, grads, "grads", allow_any_float=True)
+        return grads
 
-        # The fused kernel divides the gradients by grad_scale (and writes the quotient back, which
-        # is harmless: it only ever sees our own buffer here): sum / k is the mean, and clipping
-        # divides by 1 / clip_coef.
-        grad_scale = None
-        if clipping:
-            grad_scale = self._clip_grad_scale(block_id)
-        elif k > 1:
-            grad_scale = torch.tensor(float(k), dtype=torch.float32)
-        src = grads if grads is not None else b.grad_buf
-
-        b.step.add_(1)  # torch increments the step before the update; t starts at 1
-        hyper = dict(
-            lr=self.lr,
-            beta1=self.betas[0],
-            beta2=self.betas[1],
-            eps=self.eps,
-            amsgrad=False,
-            maximize=False,
-            grad_scale=grad_scale,
+    def _compact_update(self, b: _Block, src, out, hyper: dict) -> Callable[[_Chunk, int], None]:
+        """The per-chunk update of a compact format: the native kernel where it is built, else
+        the torch-ops reference; the compute copy into `out` for an fp32 master."""
+        grad_scale = hyper["grad_scale"]
+        step = int(b.step.item())  # a host CPU scalar, no device sync: keys the SR hash
+        native = None
+        if self._kernel is not None:
+            # .item() of a CPU scalar: the kernel takes the divisor as a number
+            scale = None if grad_scale is None else float(grad_scale.item())
+            native = {  # per weight decay: chunks with and without it
+                wd: compact_kernel.hyper(self.lr, *self.betas, self.eps, wd, step, scale)
+                for wd in {c.weight_decay for c in b.chunks}
+            }
+        direct = (torch.float32, torch.bfloat16) if native is not None else (torch.float32,)
+        # An fp32 master with 8-bit moments writes its compute copy: the kernel writes a
+        # bf16 one in its pass, other dtypes are cast after it as in the fp32 format.
+        fused_copy = (
+            out is not None
+            and native is not None
+            and all(t.dtype == torch.bfloat16 for t in out.values())
         )
 
         def update(c: _Chunk, worker: int) -> None:
             g = [src[n].view(-1)[a:e] for n, a, e in c.slices]
-            if any(t.dtype != torch.float32 for t in g):
+            if any(t.dtype not in direct for t in g):
                 g = self._widen(g, worker)
-            torch._fused_adamw_(
-                c.params, g, c.m, c.v, [], [b.step] * len(g), weight_decay=c.weight_decay, **hyper
-            )
-            if out is not None:  # cast this chunk now, while it is still in cache
-                torch._foreach_copy_([out[n].view(-1)[a:e] for n, a, e in c.slices], c.params)
+            copy = [out[n].view(-1)[a:e] for n, a, e in c.slices] if out is not None else None
+            if native is not None:
+                hyper_c = native[c.weight_decay]
+                self._update_native(b, c, g, step, hyper_c, copy if fused_copy else None)
+            else:
+                self._update_compact(b, c, g, step, hyper, worker)
+            if copy is not None and not fused_copy:
+                torch._foreach_copy_(copy, c.params)
 
-        if self.format.compact:
-            step = int(b.step.item())  # a host CPU scalar, no device sync: keys the SR hash
-            native = None
-            if self._kernel is not None:
-                # .item() of a CPU scalar: the kernel takes the divisor as a number
-                scale = None if grad_scale is None else float(grad_scale.item())
-                native = {  # per weight decay: chunks with and without it
-                    wd: compact_kernel.hyper(self.lr, *self.betas, self.eps, wd, step, scale)
-                    for wd in {c.weight_decay for c in b.chunks}
-                }
-            direct = (torch.float32, torch.bfloat16) if native is not None else (torch.float32,)
-            # An fp32 master with 8-bit moments writes its compute copy: the kernel writes a
-            # bf16 one in its pass, other dtypes are cast after it as in the fp32 format.
-            fused_copy = (
-                out is not None
-                and native is not None
-                and all(t.dtype == torch.bfloat16 for t in out.values())
-            )
+        return update
 
-            def update(c: _Chunk, worker: int) -> None:
-                g = [src[n].view(-1)[a:e] for n, a, e in c.slices]
-                if any(t.dtype not in direct for t in g):
-                    g = self._widen(g, worker)
-                copy = [out[n].view(-1)[a:e] for n, a, e in c.slices] if out is not None else None
-                if native is not None:
-                    hyper_c = native[c.weight_decay]
-                    self._update_native(b, c, g, step, hyper_c, copy if fused_copy else None)
-                else:
-                    self._update_compact(b, c, g, step, hyper, worker)
-                if copy is not None and not fused_copy:
-                    torch._foreach_copy_(copy, c.params)
-
+    def _run_on_state(self, block_id, b: _Block, update: Callable[[_Chunk, int], None]) -> None:
+        """`update` over the block's chunks, on its state in RAM or, with the disk tier, in a
+        ring buffer read ahead for it and written back behind it."""
         if self._disk is None:
             self._parallel(b.chunks, update)
-        else:
-            # Disk tier: the state in a ring buffer for this update, then written back behind.
-            self._bind(b, self._disk.acquire(block_id))
+            return
+        self._bind(b, self._disk.acquire(block_id))
+        for c in b.chunks:
+            _bind_chunk(c, b)
+        try:
+            self._parallel(b.chunks, update)
+        finally:
+            self._bind(b, None)
             for c in b.chunks:
-                _bind_chunk(c, b)
-            try:
-                self._parallel(b.chunks, update)
-            finally:
-                self._bind(b, None)
-                for c in b.chunks:
-                    _bind_chunk(c, b)  # no views of the buffer left behind
-                self._disk.release(block_id)
-        b.micro = 0
-        b.norms = None
+                _bind_chunk(c, b)  # no views of the buffer left behind
+            self._disk.release(block_id)
 
     def step(
         self,
