@@ -590,6 +590,24 @@ def register_finetune(sub) -> None:
     p = sub.add_parser(
         "finetune", help="full-parameter fine-tuning on a directory of captioned clips"
     )
+    _add_finetune_data_args(p)
+    _add_finetune_optimizer_args(p)
+    _add_finetune_run_args(p)
+    _add_finetune_placement_args(p)
+    p.add_argument("--stats", help="write streaming stats of the run as JSON here")
+    p.add_argument(
+        "--trace", help="write a Chrome trace of the last step's block copies and computes"
+    )
+    p.add_argument(
+        "--server", help="run the job on a MegaSlide server at this URL instead of locally"
+    )
+    p.add_argument("--api-key", help="API key for --server (default: $MEGASLIDE_API_KEY)")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(run=run_finetune)
+
+
+def _add_finetune_data_args(p) -> None:
+    """The model, the data set and how long the run trains, at which learning rates."""
     add_model_args(p)
     p.add_argument("--data", required=True, help="dataset directory with metadata.jsonl")
     p.add_argument("--output", help="run directory: metrics, checkpoints and the final model")
@@ -611,6 +629,10 @@ def register_finetune(sub) -> None:
         default=ScheduleSpec.warmup_steps,
         help="linear learning-rate warm-up (default: 0)",
     )
+
+
+def _add_finetune_optimizer_args(p) -> None:
+    """Batches, the optimizer step and where its state lives."""
     p.add_argument("--batch-size", type=int, default=ClipSpec.batch_size)
     p.add_argument(
         "--grad-accum",
@@ -627,6 +649,10 @@ def register_finetune(sub) -> None:
         help="with --optimizer-state-tier disk: where the state's files go, on a local disk "
         "(default: <output>/optimizer-state)",
     )
+
+
+def _add_finetune_run_args(p) -> None:
+    """Checkpoints, seeds, caption dropout, flow times, the clip cache, stopping and resuming."""
     p.add_argument(
         "--save-every",
         type=int,
@@ -662,6 +688,10 @@ def register_finetune(sub) -> None:
     p.add_argument(
         "--resume", action="store_true", help="continue from the newest checkpoint in --output"
     )
+
+
+def _add_finetune_placement_args(p) -> None:
+    """The clips' shape, the attention trained with, the expert, and where the weights live."""
     p.add_argument("--frames", type=int, help="training clip frames (default: the model's)")
     p.add_argument("--size", help="training clip WIDTHxHEIGHT (default: the model's)")
     p.add_argument(
@@ -684,16 +714,6 @@ def register_finetune(sub) -> None:
         choices=("none", "stream"),
         help="stream block weights from host RAM (default: none; stream with --devices)",
     )
-    p.add_argument("--stats", help="write streaming stats of the run as JSON here")
-    p.add_argument(
-        "--trace", help="write a Chrome trace of the last step's block copies and computes"
-    )
-    p.add_argument(
-        "--server", help="run the job on a MegaSlide server at this URL instead of locally"
-    )
-    p.add_argument("--api-key", help="API key for --server (default: $MEGASLIDE_API_KEY)")
-    p.add_argument("--no-progress", action="store_true")
-    p.set_defaults(run=run_finetune)
 
 
 def finetune_spec(args) -> FinetuneSpec:
