@@ -64,6 +64,9 @@ class Family(ABC):
     """How one model family is built and sampled."""
 
     name: str
+    # Components that decode finished clips: a fine-tune kept as a delta over its base
+    # (deltas.py) may not change them, since clips of several fine-tunes decode together.
+    decoders: tuple[str, ...] = ()
 
     @abstractmethod
     def components(self, info: ModelInfo) -> list[Component]:

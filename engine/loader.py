@@ -205,6 +205,33 @@ def open_model(
     return {c.name: c.module for c in components}, handles
 
 
+def held_tensors(info: ModelInfo, dtype: torch.dtype) -> Iterator[tuple[str, str, torch.Tensor]]:
+    """Every persistent tensor of the model's components as a pipeline opened in `dtype` holds
+    it (a component's own dtype, fp32 where the family keeps it), read one at a time from the
+    model's files: `(component, name, tensor)`, a tied tensor once under its first stored name.
+    ValueError for a preset, whose weights are drawn rather than stored."""
+    for c in _components(info, None):
+        if c.weights is None:
+            raise ValueError(f"{info.name}: a preset's weights are drawn, not stored in files")
+        _cast_floating(c.module, c.dtype or dtype, c.keep_fp32)  # on meta: costs nothing
+        for bound in collect_tensors(c.module):
+            if not bound.persistent:
+                continue
+            name = next((n for n in bound.names if n in c.weights), None)
+            if name is None:
+                raise KeyError(f"{info.name}: {c.name}.{bound.names[0]} is not in its files")
+            yield c.name, name, c.weights[name].to(bound.tensor.dtype)
+
+
+def held_nbytes(info: ModelInfo, dtype: torch.dtype) -> dict[str, int]:
+    """Bytes of each component's tensors as a pipeline opened in `dtype` holds them (from the
+    config alone)."""
+    return {
+        c.name: _cast_nbytes(c.module, c.dtype or dtype, c.keep_fp32)
+        for c in _components(info, None)
+    }
+
+
 def _components(info: ModelInfo, only: set[str] | None) -> list[Component]:
     """The family's components of `info`, those named in `only` (default: all)."""
     components = family(info.family).components(info)

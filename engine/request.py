@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import secrets
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -202,6 +202,9 @@ class VideoRequest:
     # "forecast": ...} (forecast optional, "none" by default); None or "off": every step runs
     # its pass.
     cache: str | dict | None = None
+    # A fine-tune of the model kept as a delta over it (deltas.py), by the name it was
+    # registered under; None: the model itself.
+    fine_tune: str | None = None
 
 
 @dataclass(frozen=True)
@@ -293,11 +296,13 @@ class ResolvedVideo:
     # The sampling schedule's shift when an adapter sets one (a step-distilled adapter); None:
     # the model's own.
     shift: float | None = None
+    fine_tune: str | None = None  # a fine-tune served as a delta over `model`'s base weights
 
     @property
     def batch_key(self) -> tuple:
         """Requests with equal keys can share one denoising pass: same base weights, latent shape
-        and schedule length (adapters are applied per row, so they do not split a batch)."""
+        and schedule length (adapters are applied per row, and fine-tunes kept as deltas per
+        group of rows, so neither splits a batch)."""
         return (self.model, self.frames, self.height, self.width, self.steps)
 
     @property
@@ -355,6 +360,7 @@ def resolve(
     max_steps: int | None = None,
     max_prompt_chars: int | None = None,
     adapters: Mapping[str, Mapping] | None = None,
+    fine_tunes: Collection[str] = (),
 ) -> ResolvedVideo:
     """Fill `request`'s absent fields from the model's `defaults` and check every `limits`.
 
@@ -362,9 +368,13 @@ def resolve(
     maps the model's registered LoRA adapters to the sampling defaults each carries (a
     step-distilled adapter: few steps, no guidance, its own shift); the first adapter a request
     names that has defaults fills the steps and guidance the request leaves out, and sets the
-    schedule's shift. Raises RequestError naming the
-    parameter at fault (as the HTTP API spells it).
+    schedule's shift. `fine_tunes` names the fine-tunes registered on the model as deltas.
+    Raises RequestError naming the parameter at fault (as the HTTP API spells it).
     """
+    if request.fine_tune is not None and request.fine_tune not in fine_tunes:
+        raise RequestError(
+            f"{model} has no fine-tune {request.fine_tune!r} registered", param="fine_tune"
+        )
     loras = check_loras(request.loras, limits, adapters)
     adapter_defaults = next((adapters[c.name] for c in loras if adapters and adapters[c.name]), {})
     if not request.prompt.strip():
@@ -401,6 +411,7 @@ def resolve(
         cache=cache,
         loras=loras,
         shift=adapter_defaults.get("shift"),
+        fine_tune=request.fine_tune,
     )
 
 

@@ -86,6 +86,13 @@ class Backend(ABC):
     @abstractmethod
     def load(self, card: ModelCard) -> VideoModel: ...
 
+    def add_fine_tune(self, model: VideoModel, card: ModelCard) -> bool:
+        """Serve the fine-tune `card` from its base's loaded `model`, kept as a delta over it:
+        True when `model` now takes requests for it (they name it in `fine_tune`), False when
+        it must load whole instead (this backend, or that model, keeps no deltas; or the
+        fine-tune cannot be one, which is logged)."""
+        return False
+
     def add_adapter(self, card: ModelCard, model: VideoModel | None, name: str, path: Path) -> dict:
         """Convert and check the LoRA file at `path` for the base model `card` and register it
         under `name` (on `model` too when it is loaded); returns the adapter's card (name, rank,

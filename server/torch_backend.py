@@ -7,6 +7,7 @@ and the scheduler run without torch.
 from __future__ import annotations
 
 import io
+import logging
 import os
 import time
 from pathlib import Path
@@ -26,6 +27,8 @@ from megaslide.engine.training.finetune import open_trainer
 from .backend import Backend, FinetuneJob
 from .protocol import ModelCard
 from .settings import Settings
+
+log = logging.getLogger("megaslide.server")
 
 
 class TorchBackend(Backend):
@@ -137,6 +140,26 @@ class TorchBackend(Backend):
         for adapter in self._adapters.get(card.name, ()):  # on every rank of a RankGroup
             model.register_adapter(adapter)
         return model
+
+    def add_fine_tune(self, model, card: ModelCard) -> bool:
+        from megaslide.engine.deltas import DeltaError, read_delta, write_delta
+
+        if isinstance(model, RankGroup):  # each rank would need it: it loads whole there
+            return False
+        tuned = describe(ModelSource("directory", card.name, path=Path(card.source)))
+        dtype = model.compute_dtype
+        try:
+            delta = read_delta(tuned.source.path, dtype)
+            if delta is None:  # made once, beside the fine-tune's files, for the next worker
+                _, delta = write_delta(tuned, model.info, dtype)
+            model.add_fine_tune(card.name, delta)
+        except (DeltaError, OSError) as exc:
+            log.warning("fine-tune %s loads whole: %s", card.name, exc)
+            return False
+        log.info(
+            "fine-tune %s served as a %d-byte delta over %s", card.name, delta.nbytes, model.name
+        )
+        return True
 
     def add_adapter(self, card: ModelCard, model, name: str, path: Path) -> dict:
         from megaslide.engine.loader import load_adapter

@@ -862,9 +862,77 @@ def run_finetune_on_devices(args) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------------------------
+# delta
+
+
+def register_delta(sub) -> None:
+    p = sub.add_parser(
+        "delta",
+        help="keep a fine-tuned model as a lossless delta over its base",
+        description="Write MODEL's weights as an entropy-coded delta over BASE's, in "
+        "MODEL/delta/<dtype>/: a server holding BASE then serves MODEL for the delta's bytes. "
+        "Refused, naming why, when MODEL is not a fine-tune of BASE.",
+    )
+    p.add_argument("model", help="the fine-tuned model directory")
+    p.add_argument("--base", required=True, help="the base model directory or packaged name")
+    p.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=["bfloat16", "float16", "float32"],
+        help="the dtype the model is served in: a delta codes that dtype's words (default: "
+        "bfloat16)",
+    )
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(run=run_delta)
+
+
+def run_delta(args) -> int:
+    import torch
+
+    from megaslide.engine.deltas import DeltaError, write_delta
+    from megaslide.engine.loader import held_nbytes
+    from megaslide.engine.sources import describe, resolve_source
+
+    tuned = describe(resolve_source(args.model))
+    if tuned.source.kind != "directory":
+        raise UsageError(f"{args.model}: a delta is written into a model directory")
+    base = describe(resolve_source(args.base))
+    start = time.perf_counter()
+    try:
+        path, delta = write_delta(tuned, base, getattr(torch, args.dtype))
+    except DeltaError as exc:
+        raise UsageError(str(exc)) from exc
+    held = held_nbytes(tuned, getattr(torch, args.dtype))
+    full = sum(held.values())
+    changed = sum(held[c] for c in delta.deltas)
+    out = {
+        "path": str(path),
+        "base": base.name,
+        "dtype": args.dtype,
+        "delta_bytes": delta.nbytes,
+        "model_bytes": full,
+        "ratio": delta.nbytes / full,
+        # Against the components the fine-tune changed (the denoiser, say) alone.
+        "changed_components": sorted(delta.deltas),
+        "ratio_changed_components": delta.nbytes / changed if changed else 0.0,
+        "changed_tensors": sum(len(d) for d in delta.deltas.values()),
+        "seconds": time.perf_counter() - start,
+    }
+    if args.json:
+        print_json(out)
+    else:
+        print(
+            f"wrote {path}: {delta.nbytes / 1e6:.1f} MB, {out['ratio']:.3f}x the "
+            f"{full / 1e6:.1f} MB of {tuned.name}'s weights in {args.dtype}, over {base.name}"
+        )
+    return 0
+
+
 def register(sub: argparse._SubParsersAction) -> None:
-    """Add the local commands: generate, info, plan and finetune."""
+    """Add the local commands: generate, info, plan, finetune and delta."""
     register_generate(sub)
     register_info(sub)
     register_plan(sub)
     register_finetune(sub)
+    register_delta(sub)

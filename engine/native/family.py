@@ -113,7 +113,7 @@ class DiTPipeline(Pipeline):
         *,
         batched: bool = True,
     ):
-        super().__init__(info, handles)
+        super().__init__(info, handles, {"dit": dit, "text_encoder": text_encoder})
         self.dit, self.text_encoder = dit, text_encoder
         self.batched = batched
         self.config: DiTConfig = dit.config
@@ -127,7 +127,7 @@ class DiTPipeline(Pipeline):
         parallelize_dit(self.dit, sp)
         self.sp = sp
 
-    def prepare_batch(self, videos: list[ResolvedVideo]) -> list[SampleState]:
+    def _prepare_batch(self, videos: list[ResolvedVideo]) -> list[SampleState]:
         rows = [[v.prompt, v.negative_prompt] if v.guidance != 1.0 else [v.prompt] for v in videos]
         if self.batched:  # every distinct prompt of every request in one pass of the encoder
             prompts, where = distinct([p for r in rows for p in r])
@@ -148,10 +148,19 @@ class DiTPipeline(Pipeline):
         noise = torch.randn(shape, generator=generator, dtype=torch.float32)
         times = shifted_schedule(video.steps, self.info.sampling.shift)
         cache = StepCache.from_spec(video.cache, self.step_curve)
-        return SampleState(noise.to(self.device), ctx, mask, times, video.guidance, cache=cache)
+        return SampleState(
+            noise.to(self.device),
+            ctx,
+            mask,
+            times,
+            video.guidance,
+            cache=cache,
+            fine_tune=video.fine_tune,
+        )
 
     def _step(self, states: list[SampleState]) -> None:
-        sample_step(EulerSampler(self.dit, self.passes, self.first_block_only, self.sp), states)
+        sampler = EulerSampler(self.dit, self.passes, self.first_block_only, self.sp, self.weights)
+        sample_step(sampler, states)
 
     def finish_batch(self, states: list[SampleState]) -> list[np.ndarray]:
         for state in states:

@@ -106,6 +106,7 @@ class SampleState:
     guidance: float
     step: int = 0
     cache: StepCache | None = None  # a step cache: may reuse an earlier output instead of a pass
+    fine_tune: str | None = None  # the fine-tune (kept as a delta) whose weights it samples with
 
     @property
     def num_steps(self) -> int:
@@ -142,13 +143,19 @@ class EulerSampler(Sampler):
         passes: Callable[[list], list[list]] | None = None,
         first_block_only: Callable[[], ContextManager] = nullcontext,
         sp=None,
+        weights: Callable[[list], ContextManager] | None = None,
     ):
         """`sp`: the ranks `model`'s tokens are split over (`parallel.parallelize_dit`), for the
-        passes cut at its blocks; None on one process."""
+        passes cut at its blocks; None on one process. `weights`: what a pass's weights are
+        (the pipeline's fine-tune selection; default the model's own)."""
         self.model = model
         self._passes = passes
         self.first_block_only = first_block_only
         self.sp = sp
+        self._weights = weights
+
+    def weights(self, states: list[SampleState]) -> ContextManager:
+        return nullcontext() if self._weights is None else self._weights(states)
 
     def passes(self, states: list[SampleState]) -> list[list[SampleState]]:
         return super().passes(states) if self._passes is None else self._passes(states)

@@ -22,7 +22,7 @@ epilogue gathers them; a probing request's measure is reduced over the ranks (st
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Protocol
 
@@ -136,6 +136,11 @@ class Sampler(ABC):
         runs (a streamed model's pipeline stops the streamer copying the next block ahead)."""
         return nullcontext()
 
+    def weights(self, states: list) -> AbstractContextManager:
+        """Entered around a pass over `states`: the weights it computes with (a fine-tune kept
+        as a delta, which all of a pass's requests share: see `passes`)."""
+        return nullcontext()
+
     @abstractmethod
     def update(self, state, output: torch.Tensor) -> None:
         """Advance `state` by one step given its model output `(1, C, F, H, W)`, guidance
@@ -175,14 +180,19 @@ def sample_step(sampler: Sampler, states: list) -> None:
             sampler.update(s, output)
 
 
-def _compute(sampler: Sampler, e: int, run: list) -> Iterator[tuple[torch.Tensor, bool]]:
-    """Each request of `run`'s output rows from the passes of expert `e`, and whether its rows
-    ran every block. A pass holding a request whose cache decides after the first block is cut."""
+def _compute(sampler: Sampler, e: int, run: list) -> list[tuple[torch.Tensor, bool]]:
+    """Each request of `run`'s output rows from the passes of expert `e`, in `run`'s order, and
+    whether its rows ran every block. A pass holding a request whose cache decides after the
+    first block is cut. (Passes may group the requests in another order: by fine-tune.)"""
+    outputs = {}
     for part in sampler.passes(run):
-        if any(s.cache is not None and s.cache.probes for s in part):
-            yield from forward_probed(sampler.cut(e, part), part, e, sampler.first_block_only)
-        else:
-            yield from ((output, True) for output in sampler.forward(e, part))
+        with sampler.weights(part):
+            if any(s.cache is not None and s.cache.probes for s in part):
+                done = forward_probed(sampler.cut(e, part), part, e, sampler.first_block_only)
+            else:
+                done = [(output, True) for output in sampler.forward(e, part)]
+        outputs.update(zip(map(id, part), done))
+    return [outputs[id(s)] for s in run]
 
 
 def row_slices(states: list) -> list[slice]:

@@ -8,6 +8,12 @@ requests that arrive together in one pass of the text encoder (each distinct pro
 `finish_batch` decodes the clips that finish together, `DECODE_CHUNK` requests per pass of the
 autoencoder. Requests come in resolved (`request.ResolvedVideo`); `resolve` checks a
 `VideoRequest` against this model's limits.
+
+Fine-tunes of the model kept as deltas over it (`deltas.py`) are registered by name
+(`add_fine_tune`) and named per request (`fine_tune`): the model's weights stay the base's on the
+host, and each pass computes with one fine-tune's, its delta added on the device as each block
+loads (`streaming/variants.py`). The requests of a step are grouped by fine-tune, a pass per
+group; prompts are encoded per group too, for a fine-tune may change the text encoder.
 """
 
 from __future__ import annotations
@@ -19,14 +25,18 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import torch
+from torch import nn
 
 from ..interfaces import VideoModel
 from ..request import ResolvedVideo, VideoRequest, resolve
 from ..sources import ModelInfo
 from ..streaming.streamer import StreamHandle
+from ..streaming.variants import ResidentVariants
 from .step_cache import StepCurve
 
 if TYPE_CHECKING:
+    from ..deltas import ModelDelta
     from ..lora import Adapter, AdapterRouter
 
 # Clips decoded in one pass of the autoencoder. Decoding's activations grow with the rows of a
@@ -53,6 +63,14 @@ def decode_chunks(shapes: Sequence[tuple], size: int = DECODE_CHUNK) -> Iterator
             yield indices[start : start + size]
 
 
+def _grouped(items, key: Callable[[Any], Any]) -> list[tuple[Any, list]]:
+    """`items` grouped by `key`, groups in order of first appearance, items in order."""
+    groups: dict[Any, list] = {}
+    for item in items:
+        groups.setdefault(key(item), []).append(item)
+    return list(groups.items())
+
+
 def distinct(items: Sequence[str]) -> tuple[list[str], list[int]]:
     """The distinct `items` in first-seen order, and each item's index among them: requests that
     share a prompt (most share one negative prompt) have it encoded once."""
@@ -71,12 +89,18 @@ class Pipeline(VideoModel, ABC):
     load_adapter: Callable[[str, Any], Adapter] | None = None  # the family's `load_adapter`
     sp: Any = None  # the ranks its tokens are split over (`parallelize`); None: one process
 
-    def __init__(self, info: ModelInfo, handles: dict[str, StreamHandle]):
+    def __init__(
+        self, info: ModelInfo, handles: dict[str, StreamHandle], parts: dict[str, nn.Module]
+    ):
         self.info = info
         self.handles = handles
+        self.parts = parts  # the model's modules by component name
         # The adaptive step cache's calibration, when the model directory has one (`calibrate`),
         # with the single-reuse errors of each forecast it measured.
         self.step_curve = StepCurve.read(info.source.path)
+        self.fine_tunes: dict[str, ModelDelta] = {}
+        self._variants: dict[str, StreamHandle | ResidentVariants] = {}  # by component
+        self._digests: dict | None = None  # the base's tensors' SHA-256, once a delta needs them
 
     @property
     def name(self) -> str:
@@ -91,8 +115,76 @@ class Pipeline(VideoModel, ABC):
             info.sampling,
             model=self.name,
             adapters=self.adapter_defaults(),
+            fine_tunes=self.fine_tunes,
             **caps,
         )
+
+    # -- fine-tunes kept as deltas over this model -------------------------------------------------
+
+    def add_fine_tune(self, name: str, delta: ModelDelta) -> dict:
+        """Register the fine-tune `delta` (`deltas.read_delta` / `make_delta`) under `name`:
+        checked against this model's weights (DeltaError naming the first tensor that is not
+        its base's), its deltas kept in host memory. Returns its card."""
+        from ..deltas import DeltaError, base_digests
+
+        if name in self.fine_tunes:
+            raise DeltaError(f"{self.name} already has a fine-tune {name!r}")
+        dtype = self.compute_dtype
+        if delta.dtype != dtype:
+            raise DeltaError(
+                f"this delta codes {delta.dtype} weights; {self.name} computes in {dtype}: make "
+                "one for that dtype"
+            )
+        if self._digests is None:
+            self._digests = base_digests(self.info, dtype)
+        delta.check(self._digests, self.name)
+        added = []
+        try:
+            for component, deltas in delta.deltas.items():
+                owner = self._variants.get(component)
+                if owner is None:
+                    owner = self.handles.get(component) or ResidentVariants(self.parts[component])
+                    self._variants[component] = owner
+                owner.add_variant(name, deltas)
+                added.append(owner)
+        except Exception:
+            for owner in added:
+                owner.remove_variant(name)
+            raise
+        self.fine_tunes[name] = delta
+        return self.fine_tune_card(name)
+
+    def remove_fine_tune(self, name: str) -> None:
+        """Unregister fine-tune `name` (the model computes with the base's weights after)."""
+        for owner in self._variants.values():
+            owner.remove_variant(name)
+        self.fine_tunes.pop(name, None)
+
+    def fine_tune_card(self, name: str) -> dict:
+        delta = self.fine_tunes[name]
+        changed = sum(len(d) for d in delta.deltas.values())
+        return {"name": name, "base": self.name, "bytes": delta.nbytes, "tensors": changed}
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype the model computes in (its first floating parameter's)."""
+        for module in self.parts.values():
+            for p in module.parameters():
+                if p.is_floating_point() and p.dtype != torch.float32:
+                    return p.dtype
+        return torch.float32
+
+    @contextlib.contextmanager
+    def using(self, fine_tune: str | None) -> Iterator[None]:
+        """Compute with fine-tune `fine_tune`'s weights (None: the model's own) from here on."""
+        changed = self.fine_tunes[fine_tune].deltas if fine_tune is not None else {}
+        for component, owner in self._variants.items():
+            owner.select_variant(fine_tune if component in changed else None)
+        yield
+
+    def weights(self, states: list) -> contextlib.AbstractContextManager:
+        """The weights a pass over `states` computes with (they share a fine-tune: `passes`)."""
+        return self.using(states[0].fine_tune if states else None)
 
     # -- LoRA adapters ----------------------------------------------------------------------------
 
@@ -139,14 +231,28 @@ class Pipeline(VideoModel, ABC):
 
     def prepare(self, video: ResolvedVideo) -> Any:
         """Encode the prompts and draw the starting noise of one request: a sampling state with
-        `.step`, `.num_steps`, `.done` and `.passes` (steps that ran a pass of the model)."""
+        `.step`, `.num_steps`, `.done`, `.passes` (steps that ran a pass of the model) and
+        `.fine_tune`."""
         return self.prepare_batch([video])[0]
 
-    @abstractmethod
     def prepare_batch(self, videos: list[ResolvedVideo]) -> list:
-        """`prepare` for requests that arrive together: their prompts in one pass of the text
-        encoder. Each state is the one `prepare` makes (its noise from its own seed); a request
-        that cannot be prepared raises for all (retry them alone to find it)."""
+        """`prepare` for requests that arrive together: the prompts of those of one fine-tune in
+        one pass of the text encoder. Each state is the one `prepare` makes (its noise from its
+        own seed); a request that cannot be prepared raises for all (retry them alone to find
+        it)."""
+        unknown = {v.fine_tune for v in videos} - {None, *self.fine_tunes}
+        if unknown:
+            raise ValueError(f"{self.name} has no fine-tune {sorted(unknown)[0]!r} registered")
+        states: list = [None] * len(videos)
+        for fine_tune, group in _grouped(range(len(videos)), lambda i: videos[i].fine_tune):
+            with self.using(fine_tune):
+                for i, state in zip(group, self._prepare_batch([videos[i] for i in group])):
+                    states[i] = state
+        return states
+
+    @abstractmethod
+    def _prepare_batch(self, videos: list[ResolvedVideo]) -> list:
+        """The family's `prepare_batch` for requests of one fine-tune (selected already)."""
 
     @abstractmethod
     def _step(self, states: list) -> None:
@@ -162,9 +268,18 @@ class Pipeline(VideoModel, ABC):
     def passes(self, states: list) -> list[list]:
         """`states` in the passes of one step: all together, or on a CPU with the weights
         resident, consecutive runs of at most CPU_ROWS_PER_PASS rows (two for a guided state).
-        The reference mode (`batched` False) runs each request in a pass of its own."""
+        The reference mode (`batched` False) runs each request in a pass of its own. Requests
+        of different fine-tunes never share a pass."""
         if not self.batched:
             return [[state] for state in states]
+        return [
+            part
+            for _, group in _grouped(states, lambda s: s.fine_tune)
+            for part in self._passes(group)
+        ]
+
+    def _passes(self, states: list) -> list[list]:
+        """`passes` for requests of one fine-tune."""
         if self.one_pass():
             return [states] if states else []
         parts, rows = [], CPU_ROWS_PER_PASS

@@ -52,6 +52,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ...kernels.delta_reference import DeltaBuffer
 from ..placement import Placement
 from .disk_store import DEFAULT_RING_DEPTH, DiskBlockStore, make_disk_stores
 from .host_store import (
@@ -66,6 +67,7 @@ from .host_store import (
     repoint,
 )
 from .ordering import Ordering, make_ordering
+from .variants import add_delta, pinned
 from .weight_formats import EncodedBlockStore, SharedPayload, make_store
 
 __all__ = ["ResidencyPlan", "StreamHandle", "plan_residency", "stream_module"]
@@ -160,6 +162,7 @@ class _Block:
     loaded: bool = False  # tensors point at the device copy and compute may use them
     open_span: _Span | None = None
     missing: set[int] = dataclasses.field(default_factory=set)  # entries never filled (meta)
+    variant: str | None = None  # resident blocks: the weight variant their device copy holds
 
 
 @dataclasses.dataclass
@@ -174,6 +177,16 @@ class _Slot:
     # Coded weight formats: the payload lands here and is decoded into `buffer` at load.
     staging: torch.Tensor | None = None
     undecoded: bool = False  # `buffer` does not yet hold the decoded copy of `block`
+    variant: str | None = None  # the weight variant `buffer` holds (variants.py; None: the base)
+
+
+@dataclasses.dataclass
+class _Variant:
+    """One weight variant as the streamer applies it: deltas by block and entry, and by index
+    of the tensors outside the blocks."""
+
+    blocks: dict[int, list[tuple[int, DeltaBuffer]]]
+    non_block: list[tuple[int, DeltaBuffer]]
 
 
 @dataclasses.dataclass
@@ -233,6 +246,10 @@ class StreamHandle:
         self._hooks_on = True
         self._tick = 0
         self._closed = False
+        # Weight variants (variants.py): by name, each block's deltas by entry and the non-block
+        # tensors' by index; `variant` is the one the module computes with (None: the base).
+        self._variants: dict[str, _Variant] = {}
+        self.variant: str | None = None
         self.set_order("forward")
         self.reset_stats()
 
@@ -326,10 +343,13 @@ class StreamHandle:
                 if self.timing:
                     end = self.ordering.stamp(False)
                     self._spans.append(_Span("decode", i, slot, self._forwards, start, end))
+            s.variant = self._vary(block, s.buffer, s.variant)
             for bound, view in zip(block.tensors, block.slot_views[slot]):
                 bound.tensor.data = view
             self._tick += 1
             s.last_use = self._tick
+        else:
+            block.variant = self._vary(block, block.device_flat, block.variant)
         block.loaded = True
         if self.timing:
             start = self.ordering.stamp(False)
@@ -404,6 +424,8 @@ class StreamHandle:
         loaded = [b.index for b in self._blocks if b.loaded]
         if loaded:
             raise RuntimeError(f"blocks {loaded} are loaded: release them before load_weights")
+        if self._variants:  # their deltas are differences from the weights loaded so far
+            raise RuntimeError("remove the weight variants before load_weights")
         self.ordering.drain_copies()  # host stores are about to change under queued DMAs
         for b in self._blocks:
             prefix = f"{b.name}." if b.name else ""
@@ -458,6 +480,87 @@ class StreamHandle:
     def non_block_tensors(self) -> dict[str, torch.Tensor]:
         """The streamed module's tensors outside its blocks, by every name they go by."""
         return {n: t.tensor for t in self._non_block for n in t.names}
+
+    # -- weight variants (variants.py) ---------------------------------------------------------
+
+    def add_variant(self, name: str, deltas: Mapping[str, DeltaBuffer]) -> None:
+        """Register weight variant `name`: a coded delta for each tensor it changes, by name as
+        in `module.state_dict()`. Its deltas stay in host memory (page-locked for a GPU) and
+        are applied to a block as it loads (`select_variant`)."""
+        self._check_open()
+        if name in self._variants:
+            raise ValueError(f"variant {name!r} is registered already")
+        where: dict[str, tuple[int | None, int]] = {}
+        for k, t in enumerate(self._non_block):
+            where.update({n: (None, k) for n in t.names})
+        for b in self._blocks:
+            for k, e in enumerate(b.entries):
+                where.update({n: (b.index, k) for n in self._qualified(b, e.names)})
+        unknown = sorted(set(deltas) - set(where))
+        if unknown:
+            raise KeyError(f"variant {name!r} changes tensors the module lacks: {unknown[:4]}")
+        variant = _Variant({}, [])
+        for key, delta in deltas.items():
+            i, k = where[key]
+            if i is None:
+                size = self._non_block[k].tensor.numel() * self._non_block[k].tensor.element_size()
+            else:
+                size = self._blocks[i].entries[k].nbytes
+            if delta.num_words * 2 != size:
+                raise ValueError(
+                    f"variant {name!r}: {key} has {size} bytes, its delta codes {delta.num_words * 2}"
+                )
+            delta = pinned(delta, self.device)
+            if i is None:
+                variant.non_block.append((k, delta))
+            else:
+                variant.blocks.setdefault(i, []).append((k, delta))
+        self._variants[name] = variant
+
+    def remove_variant(self, name: str) -> None:
+        """Unregister variant `name`; what holds it now gets the base's bytes back."""
+        self._check_open()
+        if name not in self._variants:
+            return
+        loaded = [b.index for b in self._blocks if b.loaded]
+        if loaded:
+            raise RuntimeError(f"blocks {loaded} are loaded: release them before remove_variant")
+        if self.variant == name:
+            self.select_variant(None)
+        for b in self._blocks:
+            if b.resident and b.variant == name:
+                b.variant = self._vary(b, b.device_flat, name, None)
+            elif b.slot is not None and self._slots[b.slot].variant == name:
+                self._forget_copy(b)  # copied again, as the base, when next loaded
+        del self._variants[name]
+
+    def select_variant(self, name: str | None) -> None:
+        """Compute with variant `name` (None: the base) from now on: the tensors outside the
+        blocks change now (queued on the compute stream), each block when it loads next."""
+        self._check_open()
+        if name is not None and name not in self._variants:
+            raise KeyError(f"no variant {name!r} is registered")
+        if name == self.variant:
+            return
+        for old, sign in ((self.variant, -1), (name, 1)):
+            for k, delta in self._variants[old].non_block if old is not None else ():
+                self._h2d_bytes += add_delta(self._non_block[k].tensor.data, delta, sign)
+        self.variant = name
+
+    def _vary(
+        self, block: _Block, flat: torch.Tensor, held: str | None, target: str | None = ...
+    ) -> str | None:
+        """Turn block `block`'s bytes in `flat` (its slot or resident buffer) from variant `held`
+        into `target` (default: the selected one), on the compute stream; returns `target`."""
+        target = self.variant if target is ... else target
+        if held == target:
+            return held
+        for name, sign in ((held, -1), (target, 1)):
+            variant = self._variants.get(name) if name is not None else None
+            for k, delta in variant.blocks.get(block.index, ()) if variant else ():
+                e = block.entries[k]
+                self._h2d_bytes += add_delta(flat[e.offset : e.offset + e.nbytes], delta, sign)
+        return target
 
     @staticmethod
     def _qualified(block: _Block, names: Sequence[str]) -> list[str]:
@@ -614,6 +717,8 @@ class StreamHandle:
         """Undo streaming: hooks removed, every tensor back on its original device as an ordinary
         tensor with the same values (bitwise) and strides (meta-built tensors come back on CPU)."""
         self._check_open()
+        for name in list(self._variants):  # the module goes back to the base's values
+            self.remove_variant(name)
         self.ordering.synchronize()  # see _CudaOrdering.synchronize
         for hook in self._hooks:
             hook.remove()
@@ -684,6 +789,7 @@ class StreamHandle:
         else:
             self.ordering.copy(slot.buffer[: block.nbytes], payload)
             slot.undecoded = False
+        slot.variant = None  # the base's bytes: load() puts the selected variant on
         # Recorded after the copy so load() can make compute wait for exactly this copy.
         self.ordering.record_on_copy(slot.ready)
         store.after_copy(self.ordering)  # disk tier: the ring buffer is reused after this copy

@@ -179,6 +179,7 @@ class Trainer(TrainingRun):
 
         info, latest = trained_model(source, spec, resume)
         self.info = info
+        self.base = source  # what exports are deltas over (`info` may be a checkpoint's)
         self.blockwise = self._open_step(info)
         if latest is not None:
             self._restore(latest)
@@ -336,7 +337,23 @@ class Trainer(TrainingRun):
         path = Path(path) if path is not None else self.output / "model"
         with atomic_directory(path, guard=self.fence) as tmp:
             self._save_model(tmp, values=True)
+        self.export_delta(path)
         return path
+
+    def export_delta(self, path: Path) -> Path | None:
+        """Beside the export at `path`, its lossless delta over the base in bf16 (deltas.py: what
+        a GPU serves it as, for a fraction of a copy's bytes); None when the base is a preset
+        (no files to be a delta over) or the run changed its architecture (3D-DSA)."""
+        from ..deltas import DeltaError, write_delta
+
+        base = describe(self.base)
+        if base.source.kind != "directory":
+            return None
+        tuned = describe(ModelSource("directory", base.name, path=Path(path)))
+        try:
+            return write_delta(tuned, base, torch.bfloat16)[0]
+        except DeltaError:
+            return None  # served whole, as before
 
     def close(self) -> None:
         self.data.close()

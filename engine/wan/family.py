@@ -73,6 +73,7 @@ PROMPT_CACHE_BYTES = 1 << 30
 
 class WanFamily(Family):
     name = "wan"
+    decoders = ("vae",)
 
     def components(self, info: ModelInfo) -> list[Component]:
         diffusers, transformers = libraries()
@@ -346,6 +347,10 @@ class WanState:
         return self.step if self.cache is None else self.cache.passes
 
     @property
+    def fine_tune(self) -> str | None:
+        return self.video.fine_tune
+
+    @property
     def timestep(self) -> torch.Tensor:
         return self.scheduler.timesteps[self.step]
 
@@ -382,7 +387,7 @@ class WanVideoPipeline(Pipeline, Sampler):
     prompt_cache_compact: bool = True
 
     def __init__(self, info: ModelInfo, parts: dict[str, nn.Module], handles, *, batched: bool):
-        super().__init__(info, handles)
+        super().__init__(info, handles, parts)
         diffusers, _ = libraries()
         config: WanConfig = info.config
         path = info.source.path
@@ -470,7 +475,7 @@ class WanVideoPipeline(Pipeline, Sampler):
 
     # -- sampling ------------------------------------------------------------------------------
 
-    def prepare_batch(self, videos: list[ResolvedVideo]) -> list[WanState]:
+    def _prepare_batch(self, videos: list[ResolvedVideo]) -> list[WanState]:
         for video in videos:
             # The adapters it names must be registered here (a request stored elsewhere may not
             # know); those registered are every tenant's, so the refusal lists none.

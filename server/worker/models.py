@@ -35,6 +35,9 @@ class Models:
         self._loaded: dict[str, VideoModel] = {}
         self._loaded_ft: OrderedDict[str, VideoModel] = OrderedDict()
         self._ft_cards: dict[str, ModelCard] = {}
+        # Fine-tunes served from their base's loaded model, kept as deltas over it: by name,
+        # the base's name.
+        self._deltas: dict[str, str] = {}
         self.last_adapter_scan = -ADAPTER_SCAN_S
 
     def load(self) -> None:
@@ -78,17 +81,35 @@ class Models:
         return self._ft_cards[name]
 
     def video_model(self, name: str) -> VideoModel:
-        """The loaded model `name`; a fine-tune loads now, evicting the least recently used."""
+        """The loaded model that runs `name`'s videos: a base model; for a fine-tune, its base's
+        when the fine-tune is (or can now be) kept as a delta over it (`runs_on`), else its own
+        copy, loaded now, evicting the least recently used."""
         if name in self._loaded:
             return self._loaded[name]
+        if name in self._deltas:
+            return self._loaded[self._deltas[name]]
         if name in self._loaded_ft:
             self._loaded_ft.move_to_end(name)
             return self._loaded_ft[name]
-        model = self.ctx.backend.load(self.card(name))
+        card = self.card(name)
+        base = self._loaded.get(card.parent)
+        if base is not None and self.ctx.backend.add_fine_tune(base, card):
+            self._deltas[name] = card.parent
+            return base
+        model = self.ctx.backend.load(card)
         self._loaded_ft[name] = model
         while len(self._loaded_ft) > MAX_LOADED_FINE_TUNES:
             self._loaded_ft.popitem(last=False)
         return model
+
+    def runs_on(self, name: str) -> str:
+        """The model whose weight passes `name`'s videos share: a fine-tune kept as a delta
+        runs on its base's (its rows join the base's batches), any other model on its own."""
+        return self._deltas.get(name, name)
+
+    def as_delta(self, name: str) -> bool:
+        """Whether the fine-tune `name` is served as a delta over its base's loaded model."""
+        return name in self._deltas
 
     # --- adapters ----------------------------------------------------------------------------
 

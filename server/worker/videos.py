@@ -88,12 +88,12 @@ class Videos:
         it (see `Videos.claim`), and prepare them together."""
         ctx = self.ctx
         room = ctx.settings.max_batch - len(self.batch)
-        running = self.batch[0].video.batch_key if self.batch else None
+        running = self._batch_key(self.batch[0].video) if self.batch else None
         rows = ctx.store.videos.claim(
             ctx.name,
             self.models.served(),
             room,
-            lambda row: ResolvedVideo.from_dict(row.spec).batch_key,
+            lambda row: self._batch_key(ResolvedVideo.from_dict(row.spec)),
             running,
             lease_s=ctx.settings.lease_s,
             runnable=self.models.runnable,
@@ -105,6 +105,8 @@ class Videos:
                 video = dataclasses.replace(video, image=str(ctx.data.resolve(video.image)))
             try:
                 model = self.models.video_model(video.model)
+                if self.models.as_delta(video.model):  # its base's model, with its delta
+                    video = dataclasses.replace(video, fine_tune=video.model)
                 self._check(video)
             except Exception as exc:  # noqa: BLE001 - this job fails, the batch goes on
                 self._fail(row.id, row.lease_token, exc)
@@ -121,6 +123,11 @@ class Videos:
             for (row, video), state in prepared:
                 run = Running(row.id, row.lease_token, video, state, time.perf_counter())
                 self.batch.append(run)
+
+    def _batch_key(self, video: ResolvedVideo) -> tuple:
+        """Videos with equal keys share a step: `batch_key` with the model whose weights run
+        (fine-tunes kept as deltas share their base's passes)."""
+        return (self.models.runs_on(video.model), *video.batch_key[1:])
 
     def _together(self, call, items: list, fail) -> list[tuple[Any, Any]]:
         """`call(items)`, one result per item, in one go; when that raises, `call([item])` for

@@ -1,0 +1,103 @@
+"""Weight variants: coded deltas added to a module's tensors in place on the device, and taken
+off again.
+
+A variant is a set of lossless deltas (`kernels/delta_reference.py`), one per tensor it changes,
+keyed by the tensor's name in the module: the 16-bit words of the variant's tensor minus the
+base's, mod 2**16. Adding a delta to the base's words gives the variant's, bitwise, and
+subtracting it gives the base's back, bitwise, so one copy of a module serves every variant of
+it: selecting one takes the previous one off and puts the new one on. Fine-tunes kept as deltas
+over their base (`engine/deltas.py`) are served this way.
+
+Two owners apply variants: `StreamHandle` (streamer.py), to each streamed block when it is
+loaded into a slot and to the tensors it keeps resident, and `ResidentVariants` here, to a module
+whose tensors all live on its device. Both take `add_variant`, `remove_variant` and
+`select_variant`; `variant` is the one selected (None: the base).
+
+Caution: a tensor is changed in place. Nothing may read it while a selection runs (the device
+work is queued on the current stream, in order with the module's own kernels), and its bytes
+must be contiguous with an even size (every floating dtype is).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from ...kernels.delta import delta_apply
+from ...kernels.delta_reference import PARTS, DeltaBuffer
+from .host_store import collect_tensors
+
+
+def words(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s bytes as 16-bit words `(numel * itemsize / 2,)`: a view, written through."""
+    if not t.is_contiguous():
+        raise ValueError("a variant changes contiguous tensors only")
+    return t.detach().reshape(-1).view(torch.uint8).view(torch.int16)
+
+
+def add_delta(target: torch.Tensor, delta: DeltaBuffer, sign: int) -> int:
+    """Add (`sign` 1) or subtract (-1) `delta` to the words of `target`, in place, on its
+    device; returns the bytes of the delta sent to the device (0 when it is on the CPU)."""
+    flat = words(target)
+    if flat.numel() != delta.num_words:
+        raise ValueError(f"a delta of {delta.num_words} words for a tensor of {flat.numel()}")
+    if flat.device.type == "cpu":
+        delta_apply(delta, flat, sign)
+        return 0
+    # From pinned host memory, queued on the current stream like the kernel that reads it.
+    delta_apply(delta.to(flat.device, non_blocking=True), flat, sign)
+    return delta.nbytes
+
+
+def pinned(delta: DeltaBuffer, device: torch.device) -> DeltaBuffer:
+    """`delta` in page-locked host memory when `device` is a GPU (its copies are then
+    asynchronous), else as it is."""
+    if device.type != "cuda":
+        return delta
+    return dataclasses.replace(delta, **{n: t.pin_memory() for n, t in zip(PARTS, delta.parts())})
+
+
+class ResidentVariants:
+    """The variants of a module whose tensors all live on its device (a model not streamed)."""
+
+    def __init__(self, module: nn.Module):
+        self._tensors = {n: b.tensor for b in collect_tensors(module) for n in b.names}
+        self._device = next((t.device for t in self._tensors.values()), torch.device("cpu"))
+        self._variants: dict[str, dict[str, DeltaBuffer]] = {}
+        self.variant: str | None = None
+        self.h2d_bytes = 0  # bytes of deltas sent to the device
+
+    def add_variant(self, name: str, deltas: Mapping[str, DeltaBuffer]) -> None:
+        """Register variant `name`: a delta for each tensor it changes, by name."""
+        unknown = sorted(set(deltas) - set(self._tensors))
+        if unknown:
+            raise KeyError(f"variant {name!r} changes tensors the module lacks: {unknown[:4]}")
+        for key, delta in deltas.items():
+            size = self._tensors[key].numel() * self._tensors[key].element_size()
+            if delta.num_words * 2 != size:
+                raise ValueError(
+                    f"variant {name!r}: {key} has {size} bytes, its delta codes "
+                    f"{delta.num_words * 2}"
+                )
+        if name in self._variants:
+            raise ValueError(f"variant {name!r} is registered already")
+        self._variants[name] = {k: pinned(d, self._device) for k, d in deltas.items()}
+
+    def remove_variant(self, name: str) -> None:
+        if self.variant == name:
+            self.select_variant(None)
+        self._variants.pop(name, None)
+
+    def select_variant(self, name: str | None) -> None:
+        """Make the module's tensors those of variant `name` (None: the base's)."""
+        if name == self.variant:
+            return
+        if name is not None and name not in self._variants:
+            raise KeyError(f"no variant {name!r} is registered")
+        for old, sign in ((self.variant, -1), (name, 1)):
+            for key, delta in self._variants.get(old, {}).items():
+                self.h2d_bytes += add_delta(self._tensors[key], delta, sign)
+        self.variant = name
