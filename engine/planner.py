@@ -12,11 +12,15 @@ and a few machine numbers, and named, so the accounting can be read and checked 
   "bf16-sr/8bit". The masters are what streams: an fp32 master at 4 B/param per crossing, its
   compute-dtype copy cast on the fly on the device, so no full compute-dtype copy exists
   anywhere; a bf16 master (bf16-split, bf16-sr) at 2 B/param, the compute copy itself (a
-  bf16-split master's low halves stay in the optimizer). The forward keeps only
-  block-boundary activations; the backward streams the blocks again in reverse, recomputes each
-  block and sends its fp32 gradients to the host. Over several devices (data parallel) each
-  device runs its share of the batch's rows against the one master in host RAM, and each block's
-  gradients are reduced onto the first device as its backward ends.
+  bf16-split master's low halves stay in the optimizer). The update (`optimizer` time) moves
+  the format's bytes through host memory (`StateFormat.update_bytes`: 28 B/param for fp32,
+  12.06 for bf16-sr/8bit) at `Machine.host_gbps`; with 8-bit moments the codecs may bound it
+  instead, at `CODEC_PARAMS_PER_S` per thread on `Machine.cpu_threads` (`_optimizer_update`,
+  both shown by `format_plan`). The forward keeps only block-boundary activations; the backward
+  streams the blocks again in reverse, recomputes each block and sends its fp32 gradients to
+  the host. Over several devices (data parallel) each device runs its share of the batch's rows
+  against the one master in host RAM, and each block's gradients are reduced onto the first
+  device as its backward ends.
 - Inference over several devices splits each clip's tokens over them (sequence parallel); each
   streams its blocks from the one host copy (in the weights format, encoded once), keeps its
   budget's blocks resident on its own device (the budget is per device), and on the disk tier
@@ -77,6 +81,11 @@ LOSSLESS_RATIO = 0.70
 RAM_MARGIN = 0.8
 RING_DEPTH = DEFAULT_RING_DEPTH  # disk tier: host buffers per streamed module
 STATE_RING_DEPTH = DEFAULT_STATE_RING_DEPTH  # optimizer disk tier: host buffers of block state
+# Parameters per second one optimizer thread updates with 8-bit moments in the fused kernel
+# (compact_kernel.cpp), where the codecs, not memory, bound it: about 55 vector operations per
+# 16 elements, 1.1 to 1.2e9 params/s per thread (docs/benchmarks.md, "Optimizer state formats",
+# benchmarks/optimizer.py); planned at the low end.
+CODEC_PARAMS_PER_S = 1.1e9
 
 
 def available_ram_bytes() -> int:
@@ -171,6 +180,10 @@ class Machine:
     d2h_gbps: float = 55.0
     tflops: float = 790.0  # achieved dense bf16 TFLOP/s
     host_gbps: float = 200.0  # host memory bandwidth the CPU optimizer streams through, GB/s
+    # Threads the CPU optimizer updates on (CPUAdamW's `threads`; its default is torch's
+    # intra-op count, the physical cores): what the 8-bit codecs' compute bound scales with. 32
+    # is an assumption for the cores a GPU server leaves its optimizer, not a measurement.
+    cpu_threads: int = 32
     reserve: float = 0.05  # fraction of device memory kept free for the allocator and CUDA context
     # Decoded bytes per second a coded weight format's decode writes on the device: the design
     # goal of the lossless kernel on an H200 (benchmarks/gpu_check.sh measures it), not a
@@ -276,6 +289,8 @@ def plan(info: ModelInfo, machine: Machine = Machine(), w: Workload = Workload()
     """
     if w.devices < 1:
         raise ValueError(f"devices must be at least 1, got {w.devices}")
+    if machine.cpu_threads < 1:
+        raise ValueError(f"cpu_threads must be at least 1, got {machine.cpu_threads}")
     w.placement.validate(w.mode, lasting_only=True)
     if w.mode == "finetune":
         check_state(w.optimizer_state)  # a format fine-tuning trains with
@@ -315,7 +330,7 @@ def plan(info: ModelInfo, machine: Machine = Machine(), w: Workload = Workload()
         "tokens": z.n_tok,
         "batch_rows": z.rows,
         "host_tier": host_tier,
-        **({"optimizer_state": _optimizer_state(w)} if z.finetune else {}),
+        **({"optimizer_state": _optimizer_state(w, z, machine)} if z.finetune else {}),
         "host": {**host, "total": host_total},
         "device": {**device, "weights": z.weights_dev, "total": device_total},
         "devices": w.devices,
@@ -367,10 +382,11 @@ class _Sizes:
     dp: int  # data-parallel ways (fine-tuning over several devices)
 
 
-def _optimizer_state(w: Workload) -> dict:
-    """A fine-tune's optimizer state format and its host bytes per trained parameter: the master
-    and m and v (gradient buffers apart)."""
+def _optimizer_state(w: Workload, z: _Sizes, machine: Machine) -> dict:
+    """A fine-tune's optimizer state format, its host bytes per trained parameter (the master
+    and m and v; gradient buffers apart) and what its update costs a step (`_optimizer_update`)."""
     fmt = StateFormat.parse(w.optimizer_state)
+    update = _optimizer_update(w, z.counts["trainable"], machine)
     return {
         "format": fmt.name,
         "tier": w.optimizer_state_tier,
@@ -378,6 +394,31 @@ def _optimizer_state(w: Workload) -> dict:
         "master_bytes_per_param": fmt.master_bytes,
         "moment_bytes_per_param": fmt.moment_bytes,
         "disk_bytes_per_param": _state_file_bytes(w),
+        "update_bytes_per_param": update["bytes_per_param"],
+        "update_memory_s": update["memory_s"],
+        "update_compute_s": update["compute_s"],
+        "update_bound": update["bound"],
+    }
+
+
+def _optimizer_update(w: Workload, trainable: int, machine: Machine) -> dict:
+    """Seconds of one optimizer step over `trainable` parameters: the bytes the format's update
+    moves through host memory (`StateFormat.update_bytes`) at `Machine.host_gbps`, or, with
+    8-bit moments, the codecs' compute on `Machine.cpu_threads` threads if that is slower
+    (`compute_s` is None for the formats whose kernel keeps up with memory)."""
+    fmt = StateFormat.parse(w.optimizer_state)
+    per_param = fmt.update_bytes()
+    memory_s = per_param * trainable / (machine.host_gbps * GB)
+    compute_s = None
+    if fmt.moments == "8bit":
+        compute_s = trainable / (CODEC_PARAMS_PER_S * machine.cpu_threads)
+    bound = "compute" if compute_s is not None and compute_s > memory_s else "memory"
+    return {
+        "bytes_per_param": per_param,
+        "memory_s": memory_s,
+        "compute_s": compute_s,
+        "seconds": max(memory_s, compute_s or 0.0),
+        "bound": bound,
     }
 
 
@@ -621,8 +662,8 @@ def _step_time(info: ModelInfo, w: Workload, z: _Sizes, machine: Machine, host: 
         h2d_bytes = (2 * z.streamed - min(w.prefetch, z.streamed)) * z.block_bytes + offloaded
         d2h_bytes = z.depth * z.n_block * 4 + offloaded  # every block's fp32 gradients
         transfer_s = h2d_bytes / (machine.h2d_gbps * GB) + d2h_bytes / (machine.d2h_gbps * GB)
-        # ~30 B/param through host memory
-        optimizer_s = 30 * z.counts["trainable"] / (machine.host_gbps * GB)
+        # The format's bytes through host memory, or the 8-bit codecs' compute.
+        optimizer_s = _optimizer_update(w, z.counts["trainable"], machine)["seconds"]
     return {
         "bounds": {"compute": compute_s, "transfer": transfer_s, "optimizer": optimizer_s},
         "decode": decode_s,
@@ -736,6 +777,17 @@ def format_plan(p: dict) -> str:
             f"optimizer state {state['format']}: {state['bytes_per_param']:.2f} B per trained "
             f"parameter in host RAM (master {state['master_bytes_per_param']:g}, m and v "
             f"{state['moment_bytes_per_param']:.2f}), gradient buffers apart"
+        )
+        compute = ""
+        if state["update_compute_s"] is not None:
+            compute = (
+                f", codecs {state['update_compute_s']:.3f} s on {p['machine']['cpu_threads']} "
+                "threads"
+            )
+        lines.append(
+            f"optimizer update: {state['update_bytes_per_param']:.2f} B per trained parameter "
+            f"through host memory a step, {state['update_memory_s']:.3f} s at "
+            f"{p['machine']['host_gbps']:g} GB/s{compute}: {state['update_bound']}-bound"
         )
         if state["tier"] == "disk":
             lines.append(

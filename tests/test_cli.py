@@ -123,6 +123,22 @@ def test_plan_a_compact_optimizer_state_fits_wan_14b_in_128_gb(capsys):
     assert code == 2 and "a 'bf16' master rounds every update to nearest" in err
 
 
+def test_plan_shows_the_optimizer_update_of_the_state_format(capsys):
+    flags = ["plan", "--preset", "wan-14b", "--mode", "finetune", "--gpu-mem", "80GB"]
+    flags += ["--host-mem", "128GB", "--optimizer-state", "bf16-sr/8bit"]
+    code, out, _ = run(flags, capsys)
+    assert code == 0 and "optimizer update: 12.06 B per trained parameter" in out
+    assert "memory-bound" in out
+    # On 4 threads the 8-bit codecs bound the update, and the step's optimizer time is theirs.
+    code, out, _ = run([*flags, "--cpu-threads", "4", "--json"], capsys)
+    p = json.loads(out)
+    assert code == 0 and p["machine"]["cpu_threads"] == 4
+    assert p["optimizer_state"]["update_bound"] == "compute"
+    assert p["time_s"]["optimizer"] == p["optimizer_state"]["update_compute_s"]
+    code, _, err = run([*flags, "--cpu-threads", "0"], capsys)
+    assert code == 2 and "--cpu-threads must be at least 1" in err
+
+
 @pytest.mark.slow
 def test_console_script_version():
     out = subprocess.run(

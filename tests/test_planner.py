@@ -1,5 +1,7 @@
 """The planner's accounting: each figure follows from the config and the machine."""
 
+from dataclasses import replace
+
 import pytest
 
 from megaslide.engine.loader import open_pipeline
@@ -157,3 +159,67 @@ def test_optimizer_disk_tier_swaps_the_state_for_a_ring_and_counts_its_traffic(s
     assert slow["time_s"]["bound"] == "optimizer_disk"
     assert "it bounds the step" in format_plan(slow)
     assert "optimizer_disk" not in ram["time_s"] and ram["bytes_per_step"]["optimizer_disk"] == 0
+
+
+# Bytes one update moves per parameter, counted from the kernels' reads and writes
+# (state_format.py, "Traffic"): master and moments read and written back, the fp32 gradient read.
+UPDATE_BYTES = {
+    "fp32": 28.0,
+    "fp32/8bit": 16.0625,
+    "bf16-split/fp32": 28.0,
+    "bf16-split/8bit": 16.0625,
+    "bf16-sr/fp32": 24.0,
+    "bf16-sr/8bit": 12.0625,
+}
+
+
+@pytest.mark.parametrize("state", sorted(UPDATE_BYTES))
+def test_optimizer_time_is_the_formats_bytes_through_host_memory(state):
+    info = preset("megaslide-105b")
+    # Threads enough that the 8-bit codecs keep up with memory: the bytes bound every format.
+    machine = Machine(gpu_mem=80e9, host_mem=512e9, host_gbps=100.0, cpu_threads=1000)
+    p = plan(info, machine, Workload(mode="finetune", optimizer_state=state))
+    trainable, update = p["trainable_parameters"], p["optimizer_state"]
+    assert update["update_bytes_per_param"] == UPDATE_BYTES[state]
+    assert p["time_s"]["optimizer"] == pytest.approx(UPDATE_BYTES[state] * trainable / 100e9)
+    assert update["update_memory_s"] == p["time_s"]["optimizer"]
+    assert update["update_bound"] == "memory"
+    assert (update["update_compute_s"] is not None) == state.endswith("/8bit")
+    assert f"optimizer update: {UPDATE_BYTES[state]:.2f} B per trained parameter" in format_plan(p)
+
+
+def test_compact_formats_plan_less_optimizer_time_than_fp32():
+    info, machine = preset("megaslide-105b"), Machine(gpu_mem=80e9, host_mem=512e9)
+    seconds = {
+        state: plan(info, machine, Workload(mode="finetune", optimizer_state=state))["time_s"][
+            "optimizer"
+        ]
+        for state in UPDATE_BYTES
+    }
+    assert seconds["bf16-sr/8bit"] < seconds["bf16-sr/fp32"] < seconds["fp32"]
+    assert seconds["bf16-split/8bit"] < seconds["bf16-split/fp32"] == seconds["fp32"]
+    # Not one figure for every format (the planner once charged 30 B/param to each).
+    assert len(set(seconds.values())) == 4
+
+
+def test_eight_bit_update_on_few_threads_is_bound_by_the_codecs():
+    info = preset("megaslide-105b")
+    few = Machine(gpu_mem=80e9, host_mem=512e9, cpu_threads=2)
+    p = plan(info, few, Workload(mode="finetune", optimizer_state="bf16-sr/8bit"))
+    trainable, update = p["trainable_parameters"], p["optimizer_state"]
+    codecs = trainable / (2 * 1.1e9)
+    assert update["update_bound"] == "compute"
+    assert update["update_compute_s"] == pytest.approx(codecs)
+    assert p["time_s"]["optimizer"] == pytest.approx(codecs)
+    assert codecs > update["update_memory_s"] == pytest.approx(12.0625 * trainable / 200e9)
+    assert "codecs" in format_plan(p) and "compute-bound" in format_plan(p)
+    # Twice the threads, half the codecs' time; fp32 moments have no codecs to wait for.
+    more = plan(
+        info, replace(few, cpu_threads=4), Workload(mode="finetune", optimizer_state="bf16-sr/8bit")
+    )
+    assert more["time_s"]["optimizer"] == pytest.approx(codecs / 2)
+    fp32 = plan(info, few, Workload(mode="finetune", optimizer_state="bf16-sr/fp32"))
+    assert fp32["optimizer_state"]["update_bound"] == "memory"
+    assert fp32["time_s"]["optimizer"] == pytest.approx(24 * trainable / 200e9)
+    with pytest.raises(ValueError, match="cpu_threads"):
+        plan(info, replace(few, cpu_threads=0), Workload(mode="finetune"))

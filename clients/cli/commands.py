@@ -479,6 +479,13 @@ def _add_plan_machine_args(p) -> None:
         "--host-gbps", type=float, default=200.0, help="host memory GB/s for the CPU optimizer"
     )
     p.add_argument(
+        "--cpu-threads",
+        type=int,
+        default=32,
+        help="threads the CPU optimizer updates on: the 8-bit moments' codecs bound the "
+        "update when too few (default: 32)",
+    )
+    p.add_argument(
         "--prefetch", type=int, default=2, help="device slots for streamed blocks (default: 2)"
     )
 
@@ -539,7 +546,11 @@ def run_plan(args) -> int:
 
     width, height = parse_size(args.size, "--size") if args.size else (None, None)
     check_positive(
-        batch=args.batch, prefetch=args.prefetch, frames=args.frames, devices=args.devices
+        batch=args.batch,
+        prefetch=args.prefetch,
+        frames=args.frames,
+        devices=args.devices,
+        cpu_threads=args.cpu_threads,
     )
     machine = Machine(
         gpu_mem=args.gpu_mem,
@@ -548,6 +559,7 @@ def run_plan(args) -> int:
         d2h_gbps=args.d2h_gbps,
         tflops=args.tflops,
         host_gbps=args.host_gbps,
+        cpu_threads=args.cpu_threads,
         decode_gbps=args.decode_gbps,
         link_gbps=args.link_gbps,
         disk_gbps=args.disk_gbps,

@@ -29,6 +29,24 @@ Moments:
   tensor, each with its fp32 absmax, values coded relative to it by a float-like 8-bit code
   (compact.py: 3 mantissa bits; m signed, v with the sign bit spent on exponent range; m
   rounded to nearest, v stochastically). 2 B + 2 * 4 / 256 B.
+
+Traffic of one update (`update_bytes`): the fused kernels (torch's for fp32, compact_kernel.cpp
+for the rest) read every stored byte of the master and the moments once and write it back once,
+and read the fp32 gradient the trainer's pinned buffer holds. Each written line was just read,
+so no store misses the cache and costs a second read. Bytes per parameter:
+
+    format            master   m and v   gradient   total
+    fp32              4 + 4    8 + 8        4       28
+    fp32/8bit         4 + 4    2.03 x 2     4       16.06
+    bf16-split/fp32   4 + 4    8 + 8        4       28
+    bf16-split/8bit   4 + 4    2.03 x 2     4       16.06
+    bf16-sr/fp32      2 + 2    8 + 8        4       24
+    bf16-sr/8bit      2 + 2    2.03 x 2     4       12.06
+
+(2.03 x 2: the codes and the block absmax, read and written.) Not counted: the bf16 compute copy
+`step_block(out=...)` writes beside an fp32 master (2 B; the trainer casts on the device
+instead) and what accumulating micro-batches or clipping adds (`accumulate`'s passes over the
+gradient buffer; torch's fp32 kernel also writes the scaled gradient back).
 """
 
 from __future__ import annotations
@@ -42,6 +60,7 @@ QUANT_BLOCK = 256  # elements per absmax scale of the 8-bit moments
 _MASTER_BYTES = {"fp32": 4.0, "bf16-split": 4.0, "bf16-sr": 2.0, "bf16": 2.0}
 _MOMENT_BYTES = {"fp32": 8.0, "8bit": 2.0 + 2 * 4 / QUANT_BLOCK}
 COMPUTE_COPY_BYTES = 2.0  # the bf16 copy an fp32 master needs beside it
+GRAD_BYTES = 4.0  # the gradient an update reads: the trainer lands them in fp32 pinned buffers
 
 
 @dataclass(frozen=True)
@@ -87,6 +106,11 @@ class StateFormat:
     def moment_bytes(self) -> float:
         """Host bytes per parameter of m and v together (8-bit: codes and absmax scales)."""
         return _MOMENT_BYTES[self.moments]
+
+    def update_bytes(self) -> float:
+        """Bytes per parameter one update moves through host memory: the master and the
+        moments read and written back, the fp32 gradient read (see "Traffic" above)."""
+        return 2 * (self.master_bytes + self.moment_bytes) + GRAD_BYTES
 
     def bytes_per_param(self) -> float:
         """Host bytes per trained parameter: master, m and v, and the bf16 compute copy (an
