@@ -76,6 +76,9 @@ GB = 1e9
 # Coded bytes / bf16 bytes of trained weights under `lossless`: 0.68 to 0.70 on the default model
 # and Gaussian-like weights (benchmarks/compression.py); planned a little above.
 LOSSLESS_RATIO = 0.70
+# Coded delta bytes / bf16 bytes of a fine-tune's denoiser kept as a delta over its base
+# (deltas.py); `plan --delta-ratio` for another (benchmarks/deltas.py measures fine-tunes).
+DELTA_RATIO = 0.30
 # `auto` keeps streamed blocks in RAM while they need at most this fraction of the RAM available:
 # the rest is the activations' host side, the page cache and everything else on the machine.
 RAM_MARGIN = 0.8
@@ -217,6 +220,10 @@ class Workload:
     optimizer_state_tier: str = "ram"  # fine-tuning: the optimizer's own state in RAM or on disk
     loras: int = 0  # inference: LoRA adapters registered (their factors live on the device)
     lora_rank: int = 0  # their rank, on every adaptable layer
+    # Inference: fine-tunes of the model served as deltas over it (deltas.py), each holding
+    # `delta_ratio` of the denoiser blocks' bytes in host RAM.
+    fine_tunes: int = 0
+    delta_ratio: float = DELTA_RATIO
     weights: str = "raw"  # inference: host format of streamed blocks (raw, lossless, fp8)
     # Inference: one clip's tokens split over this many devices (parallel/sequence.py); fine-tuning: the
     # batch split over them, one master in host RAM (parallel/data_parallel.py).
@@ -291,6 +298,11 @@ def plan(info: ModelInfo, machine: Machine = Machine(), w: Workload = Workload()
         raise ValueError(f"devices must be at least 1, got {w.devices}")
     if machine.cpu_threads < 1:
         raise ValueError(f"cpu_threads must be at least 1, got {machine.cpu_threads}")
+    if w.fine_tunes < 0 or w.delta_ratio <= 0:
+        raise ValueError(
+            f"fine_tunes must be at least 0 and delta_ratio above 0, got {w.fine_tunes} and "
+            f"{w.delta_ratio}"
+        )
     w.placement.validate(w.mode, lasting_only=True)
     if w.mode == "finetune":
         check_state(w.optimizer_state)  # a format fine-tuning trains with
@@ -542,6 +554,10 @@ def _memory(info: ModelInfo, w: Workload, z: _Sizes) -> tuple[dict, dict]:
         if z.lora:
             # The factors stay on the device; the low-rank products add rows x tokens x rank.
             device["lora_adapters"] = z.lora
+        if w.fine_tunes:
+            # Their coded deltas, in host RAM beside the base's one copy (pinned on a GPU).
+            denoisers = z.experts * z.depth * z.n_block * b
+            host["fine_tune_deltas"] = math.ceil(w.fine_tunes * w.delta_ratio * denoisers)
         if w.weights == "raw":
             host["compute_dtype_weights"] = z.n_params * b  # pinned once at the exact size
         else:

@@ -142,7 +142,7 @@ class TorchBackend(Backend):
         return model
 
     def add_fine_tune(self, model, card: ModelCard) -> bool:
-        from megaslide.engine.deltas import DeltaError, read_delta, write_delta
+        from megaslide.engine.deltas import read_delta, write_delta
 
         if isinstance(model, RankGroup):  # each rank would need it: it loads whole there
             return False
@@ -153,7 +153,7 @@ class TorchBackend(Backend):
             if delta is None:  # made once, beside the fine-tune's files, for the next worker
                 _, delta = write_delta(tuned, model.info, dtype)
             model.add_fine_tune(card.name, delta)
-        except (DeltaError, OSError) as exc:
+        except (ValueError, OSError) as exc:  # DeltaError; a base drawn from a preset has no files
             log.warning("fine-tune %s loads whole: %s", card.name, exc)
             return False
         log.info(

@@ -19,7 +19,7 @@ from megaslide.engine.loader import open_pipeline
 from megaslide.engine.request import RequestError, VideoRequest
 from megaslide.engine.sources import DEFAULT_MODEL, describe, packaged_models, resolve_source
 
-SHAPE = dict(frames=12, width=32, height=32, steps=3)
+SHAPE = dict(frames=12, width=32, height=32, steps=2, guidance=1.0)  # 3D-DSA: 3 tiles of 4 frames
 
 
 def fine_tuned_copy(base: Path, out: Path, seed: int, files=("model.safetensors",)) -> Path:
@@ -101,8 +101,9 @@ def test_requests_of_several_fine_tunes_share_a_step(models):
             name, make_delta(info(models[name]), info(models["base"]), pipe.compute_dtype)
         )
     asked = [(None, 0), ("a", 1), ("b", 2), ("a", 3)]
+    guided = {**SHAPE, "guidance": 2.5}  # guidance pairs grouped by fine-tune too
     videos = [
-        pipe.resolve(VideoRequest("a blue cube", seed=s, fine_tune=f, **SHAPE)) for f, s in asked
+        pipe.resolve(VideoRequest("a blue cube", seed=s, fine_tune=f, **guided)) for f, s in asked
     ]
     states = pipe.prepare_batch(videos)
     while not all(s.done for s in states):
@@ -110,7 +111,7 @@ def test_requests_of_several_fine_tunes_share_a_step(models):
     together = pipe.finish_batch(states)
     for (name, seed), got in zip(asked, together):
         alone = open_pipeline(str(models[name or "base"]), offload="stream")
-        want = alone.generate(VideoRequest("a blue cube", seed=seed, **SHAPE))
+        want = alone.generate(VideoRequest("a blue cube", seed=seed, **guided))
         assert np.abs(got.astype(int) - want.astype(int)).max() <= 1, name
 
 
@@ -161,3 +162,118 @@ def test_cli_writes_a_delta(models, tmp_path, capsys):
     (other / "config.json").write_text(json.dumps(config))
     assert main(["delta", str(model), "--base", str(other)]) == 2
     assert "not one architecture" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # a fine-tuning job, then three videos, in process
+def test_the_server_serves_a_finished_fine_tune_as_a_delta_over_its_base(tmp_path):
+    import warnings
+
+    from api_helpers import processed, upload, wait_status
+    from processes import noise_dataset_archive
+    from server_fakes import torch_app
+
+    from megaslide.server import Settings
+
+    with warnings.catch_warnings():  # starlette's notice that its TestClient will move to httpx2
+        warnings.simplefilter("ignore")
+        from fastapi.testclient import TestClient
+
+    base = packaged_models()[DEFAULT_MODEL]
+    data = tmp_path / "data"
+    settings = Settings(data_dir=data, models=[str(base)], device="cpu", poll_after_ms=50)
+    sampled: dict[str, np.ndarray] = {}
+    clip = {"num_frames": 12, "size": "32x32", "num_inference_steps": 2}
+    with TestClient(torch_app(settings, sampled)) as c:
+        f = processed(
+            c, upload(c, noise_dataset_archive(tmp_path, 2, frames=12), "d.tar.gz").json()
+        )
+        hyper = {"n_epochs": 1, "batch_size": 1, "num_frames": 12, "size": "32x32"}
+        job = c.post(
+            "/v1/fine_tuning/jobs",
+            json={
+                "model": base.name,
+                "training_file": f["id"],
+                "seed": 1,
+                "hyperparameters": hyper,
+            },
+        ).json()
+        done = until_done(c, job["id"])
+        assert done["status"] == "succeeded", done
+        tuned = done["fine_tuned_model"]
+        asked = [(base.name, 1), (tuned, 2), (tuned, 3)]
+        ids = [
+            c.post(
+                "/v1/videos", json={"prompt": "a tuned clip", "model": m, "seed": s, **clip}
+            ).json()["id"]
+            for m, s in asked
+        ]
+        for video_id in ids:
+            assert wait_status(c, video_id, timeout=120)["status"] == "completed"
+    (exported,) = {p.parents[2] for p in data.rglob("delta/bfloat16/delta.json")}
+    # The worker made the delta it serves (in its own dtype) beside the trainer's bf16 one.
+    assert read_delta(exported, torch.float32) is not None
+    for (model, seed), video_id in zip(asked, ids):
+        own = open_pipeline(str(base if model == base.name else exported))
+        want = own.generate(
+            VideoRequest("a tuned clip", seed=seed, frames=12, width=32, height=32, steps=2)
+        )
+        assert np.abs(sampled[video_id].astype(int) - want.astype(int)).max() <= 1, model
+
+
+def until_done(c, job_id: str) -> dict:
+    from server_fakes import until
+
+    return until(
+        lambda: (
+            (j := c.get(f"/v1/fine_tuning/jobs/{job_id}").json())["status"]
+            in ("succeeded", "failed", "cancelled")
+            and j
+        ),
+        120,
+        f"{job_id} to finish",
+    )
+
+
+@pytest.fixture(scope="module")
+def wan(tmp_path_factory):
+    from lora_fixtures import write_peft
+    from wan_fixtures import build_tiny_wan
+
+    root = tmp_path_factory.mktemp("wan-deltas")
+    base = build_tiny_wan(root / "base", experts=2)
+    weights = [f"{e}/diffusion_pytorch_model.safetensors" for e in ("transformer", "transformer_2")]
+    return {
+        "base": base,
+        "tuned": fine_tuned_copy(base, root / "tuned", seed=4, files=weights),
+        "vae": fine_tuned_copy(
+            base, root / "vae", seed=5, files=("vae/diffusion_pytorch_model.safetensors",)
+        ),
+        "peft": write_peft(root / "peft.safetensors", alpha=8),
+    }
+
+
+def wan_request(**changes) -> VideoRequest:
+    from wan_fixtures import request
+
+    return request(steps=3, **changes)
+
+
+@pytest.mark.parametrize("offload", ["none", "stream"])
+def test_a_wan_fine_tune_is_bitwise_its_full_copy_with_adapters_and_caches(wan, offload):
+    from megaslide.engine.request import LoraChoice
+
+    pipe = open_pipeline(wan["base"], offload=offload)
+    delta = make_delta(info(wan["tuned"]), info(wan["base"]), pipe.compute_dtype)
+    assert delta.deltas.keys() == {"transformer", "transformer_2"}  # both experts changed
+    pipe.add_fine_tune("t", delta)
+    pipe.add_adapter("lora", wan["peft"])
+    own = open_pipeline(wan["tuned"], offload=offload)
+    own.add_adapter("lora", wan["peft"])
+    for changes in ({}, {"loras": (LoraChoice("lora", 0.7),)}, {"cache": "fast"}):
+        got = pipe.generate(wan_request(fine_tune="t", **changes))
+        np.testing.assert_array_equal(got, own.generate(wan_request(**changes)), str(changes))
+
+
+def test_a_fine_tune_may_not_change_the_decoder(wan):
+    with pytest.raises(DeltaError, match="may not change the vae"):
+        make_delta(info(wan["vae"]), info(wan["base"]), torch.float32)

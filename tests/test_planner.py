@@ -223,3 +223,18 @@ def test_eight_bit_update_on_few_threads_is_bound_by_the_codecs():
     assert fp32["time_s"]["optimizer"] == pytest.approx(24 * trainable / 200e9)
     with pytest.raises(ValueError, match="cpu_threads"):
         plan(info, replace(few, cpu_threads=0), Workload(mode="finetune"))
+
+
+def test_fine_tunes_kept_as_deltas_cost_their_delta_bytes_in_host_ram():
+    from megaslide.engine.planner import DELTA_RATIO
+
+    info = describe(resolve_source(preset="wan-14b"))
+    alone = plan(info, Machine(), Workload(frames=81, height=480, width=832))
+    ten = plan(info, Machine(), Workload(frames=81, height=480, width=832, fine_tunes=10))
+    added = ten["host"]["total"] - alone["host"]["total"]
+    assert added == ten["host"]["fine_tune_deltas"] > 0
+    # Ten fine-tunes in about three copies' worth of a denoiser, not ten more models.
+    blocks = ten["host"]["compute_dtype_weights"]
+    assert 10 * DELTA_RATIO * 0.8 * blocks < added < 10 * DELTA_RATIO * blocks
+    with pytest.raises(ValueError, match="fine_tunes must be at least 0"):
+        plan(info, Machine(), Workload(fine_tunes=-1))

@@ -525,6 +525,18 @@ def _add_plan_training_args(p) -> None:
     )
     p.add_argument("--lora-rank", type=int, default=32, help="their rank (default: 32)")
     p.add_argument(
+        "--fine-tunes",
+        type=int,
+        default=0,
+        help="fine-tunes of the model served as deltas over it (inference)",
+    )
+    p.add_argument(
+        "--delta-ratio",
+        type=float,
+        default=None,
+        help="each one's delta bytes over its denoiser's bf16 bytes (default: the planner's)",
+    )
+    p.add_argument(
         "--devices",
         type=int,
         default=1,
@@ -587,6 +599,8 @@ def run_plan(args) -> int:
         optimizer_state_tier=args.optimizer_state_tier or OptimizerSpec.state_tier,
         loras=args.loras,
         lora_rank=args.lora_rank,
+        fine_tunes=args.fine_tunes,
+        **({"delta_ratio": args.delta_ratio} if args.delta_ratio is not None else {}),
         devices=args.devices,
     )
     result = plan(describe(model_source(args)), machine, workload)

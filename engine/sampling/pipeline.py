@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -126,6 +127,7 @@ class Pipeline(VideoModel, ABC):
         checked against this model's weights (DeltaError naming the first tensor that is not
         its base's), its deltas kept in host memory. Returns its card."""
         from ..deltas import DeltaError, base_digests
+        from ..planner import HOST_MEMORY_CHECK_ENV, host_memory_available
 
         if name in self.fine_tunes:
             raise DeltaError(f"{self.name} already has a fine-tune {name!r}")
@@ -134,6 +136,12 @@ class Pipeline(VideoModel, ABC):
             raise DeltaError(
                 f"this delta codes {delta.dtype} weights; {self.name} computes in {dtype}: make "
                 "one for that dtype"
+            )
+        free, bound = host_memory_available()
+        if delta.nbytes > free and os.environ.get(HOST_MEMORY_CHECK_ENV) != "off":
+            raise DeltaError(
+                f"host memory: fine-tune {name!r} needs {delta.nbytes / 1e9:.2f} GB for its "
+                f"delta, {free / 1e9:.2f} GB is available ({bound})"
             )
         if self._digests is None:
             self._digests = base_digests(self.info, dtype)

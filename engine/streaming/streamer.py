@@ -67,7 +67,7 @@ from .host_store import (
     repoint,
 )
 from .ordering import Ordering, make_ordering
-from .variants import add_delta, pinned
+from .variants import add_delta, flat_delta, pinned
 from .weight_formats import EncodedBlockStore, SharedPayload, make_store
 
 __all__ = ["ResidencyPlan", "StreamHandle", "plan_residency", "stream_module"]
@@ -182,10 +182,10 @@ class _Slot:
 
 @dataclasses.dataclass
 class _Variant:
-    """One weight variant as the streamer applies it: deltas by block and entry, and by index
-    of the tensors outside the blocks."""
+    """One weight variant as the streamer applies it: one delta over each block's flat buffer
+    it changes (one decode as the block loads), and one per tensor outside the blocks."""
 
-    blocks: dict[int, list[tuple[int, DeltaBuffer]]]
+    blocks: dict[int, DeltaBuffer]
     non_block: list[tuple[int, DeltaBuffer]]
 
 
@@ -499,7 +499,7 @@ class StreamHandle:
         unknown = sorted(set(deltas) - set(where))
         if unknown:
             raise KeyError(f"variant {name!r} changes tensors the module lacks: {unknown[:4]}")
-        variant = _Variant({}, [])
+        variant, by_block = _Variant({}, []), {}
         for key, delta in deltas.items():
             i, k = where[key]
             if i is None:
@@ -510,11 +510,12 @@ class StreamHandle:
                 raise ValueError(
                     f"variant {name!r}: {key} has {size} bytes, its delta codes {delta.num_words * 2}"
                 )
-            delta = pinned(delta, self.device)
             if i is None:
-                variant.non_block.append((k, delta))
+                variant.non_block.append((k, pinned(delta, self.device)))
             else:
-                variant.blocks.setdefault(i, []).append((k, delta))
+                by_block.setdefault(i, []).append((self._blocks[i].entries[k], delta))
+        for i, parts in by_block.items():
+            variant.blocks[i] = pinned(flat_delta(self._blocks[i].nbytes, parts), self.device)
         self._variants[name] = variant
 
     def remove_variant(self, name: str) -> None:
@@ -557,9 +558,9 @@ class StreamHandle:
             return held
         for name, sign in ((held, -1), (target, 1)):
             variant = self._variants.get(name) if name is not None else None
-            for k, delta in variant.blocks.get(block.index, ()) if variant else ():
-                e = block.entries[k]
-                self._h2d_bytes += add_delta(flat[e.offset : e.offset + e.nbytes], delta, sign)
+            delta = variant.blocks.get(block.index) if variant is not None else None
+            if delta is not None:
+                self._h2d_bytes += add_delta(flat[: block.nbytes], delta, sign)
         return target
 
     @staticmethod

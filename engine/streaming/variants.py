@@ -21,14 +21,14 @@ must be contiguous with an even size (every floating dtype is).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
 
 from ...kernels.delta import delta_apply
-from ...kernels.delta_reference import PARTS, DeltaBuffer
-from .host_store import collect_tensors
+from ...kernels.delta_reference import PARTS, DeltaBuffer, delta_encode
+from .host_store import TensorEntry, collect_tensors
 
 
 def words(t: torch.Tensor) -> torch.Tensor:
@@ -58,6 +58,16 @@ def pinned(delta: DeltaBuffer, device: torch.device) -> DeltaBuffer:
     if device.type != "cuda":
         return delta
     return dataclasses.replace(delta, **{n: t.pin_memory() for n, t in zip(PARTS, delta.parts())})
+
+
+def flat_delta(nbytes: int, parts: Sequence[tuple[TensorEntry, DeltaBuffer]]) -> DeltaBuffer:
+    """One delta over a block's whole flat buffer of `nbytes` from its tensors' deltas (each
+    with the entry saying where the tensor lies): applied with one decode as the block loads,
+    rather than one per tensor. Decodes and codes again: a registration's cost, once."""
+    words = torch.zeros(nbytes // 2, dtype=torch.int16)
+    for entry, delta in parts:
+        delta_apply(delta, words[entry.offset // 2 : (entry.offset + entry.nbytes) // 2], 1)
+    return delta_encode(torch.zeros_like(words), words)
 
 
 class ResidentVariants:

@@ -127,8 +127,9 @@ class Server(Child):
         return float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))
 
 
-def noise_dataset_archive(tmp_path: Path, clips: int) -> bytes:
-    """A .tar.gz fine-tuning dataset of `clips` random 4-frame 32x32 clips, for `POST /v1/files`."""
+def noise_dataset_archive(tmp_path: Path, clips: int, frames: int = 4) -> bytes:
+    """A .tar.gz fine-tuning dataset of `clips` random `frames`-frame 32x32 clips, for `POST
+    /v1/files`."""
     from megaslide.engine.video import write_mp4
 
     root = tmp_path / "dataset"
@@ -136,7 +137,7 @@ def noise_dataset_archive(tmp_path: Path, clips: int) -> bytes:
     rng = np.random.default_rng(0)
     lines = []
     for i in range(clips):
-        clip = rng.integers(0, 256, (4, 32, 32, 3), dtype=np.uint8)
+        clip = rng.integers(0, 256, (frames, 32, 32, 3), dtype=np.uint8)
         write_mp4(root / "clips" / f"{i}.mp4", clip, fps=8)
         lines.append(json.dumps({"file": f"clips/{i}.mp4", "text": f"noise clip {i}"}))
     (root / "metadata.jsonl").write_text("\n".join(lines) + "\n")
