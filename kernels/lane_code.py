@@ -125,35 +125,53 @@ def encode_lanes(
     padded[:num_words] = symbols
     # Word order -> lane order: group g, step t, lane w  ->  lane g*LANES + w, position t.
     padded = padded.reshape(-1, SYMBOLS, LANES).transpose(0, 2, 1).reshape(lanes, SYMBOLS)
-    # Narrow integer types throughout: this loop is the encoder's cost (bits within a lane stay
-    # below 256 * MAX_CODE_BITS = 2560, so int16; codes shifted into a 24-bit field, int32).
-    length = lengths.astype(np.int16)[padded]  # (lanes, SYMBOLS) bits of each code
-    if num_words and length.min() == 0:
-        raise AssertionError("a coded symbol has no code")  # pad_symbol always occurs
+    if num_words and lengths[pad_symbol] == 0:
+        raise AssertionError("the padding symbol has no code")  # pad_symbol always occurs
+    # Codes are packed four at a time (four codes: at most 4 * MAX_CODE_BITS = 40 bits, plus a
+    # bit offset of at most 7, fit a 64-bit word), so the costly steps below run on a quarter of
+    # the words. First two: the lane-order bytes read as little-endian uint16 index a table of
+    # every pair's code and length (65536 entries, built from the 256 codes).
+    codes = canonical_codes(lengths)
+    first_of, second_of = np.arange(65536) & 0xFF, np.arange(65536) >> 8
+    pair_length = (lengths[first_of] + lengths[second_of]).astype(np.int16)
+    pair_code = (codes[first_of] << lengths[second_of]) | codes[second_of]
+    pairs = np.ascontiguousarray(padded).view(
+        "<u2"
+    )  # (lanes, SYMBOLS // 2): symbol 2i | symbol 2i+1 << 8
+    code2 = pair_code.astype(np.uint64)[pairs]
+    length2 = pair_length[pairs]
+    code = (code2[:, 0::2] << length2[:, 1::2].astype(np.uint64)) | code2[:, 1::2]
+    length = length2[:, 0::2] + length2[:, 1::2]  # (lanes, SYMBOLS // 4) bits of each quad
+    # Bits within a lane stay below SYMBOLS * MAX_CODE_BITS = 2560: int16.
     within = np.cumsum(length, axis=1, dtype=np.int16)
-    within -= length  # (lanes, SYMBOLS) bit position of each code inside its lane's stream
+    within -= length  # bit position of each quad inside its lane's stream
     lane_bytes = (within[:, -1].astype(np.int64) + length[:, -1] + 7) // 8
     offsets = np.zeros(lanes, dtype=np.int64)
     np.cumsum(lane_bytes[:-1], out=offsets[1:])
     total = int(lane_bytes.sum())
     if total + STREAM_PAD >= 2**31:
         raise ValueError("a stream of 2**31 bytes or more: lane offsets overflow int32")
-    # Each code fits in the 24-bit window of the 3 bytes from its first byte (bit offset <= 7,
-    # length <= MAX_CODE_BITS <= 17). Codes never overlap, and first bytes never decrease in
-    # stream order (lane after lane, code after code), so OR-ing the windows of codes that share
-    # a first byte (one reduceat over runs) and then the three bytes of every window into the
-    # stream builds it exactly.
-    field = canonical_codes(lengths).astype(np.int32)[padded]
-    field <<= 24 - (within & 7) - length
-    first = (offsets.astype(np.int32)[:, None] + (within >> 3)).reshape(-1)
+    # Each quad fits in the 64-bit window of the 8 bytes from its first byte. Quads never
+    # overlap and first bytes never decrease in stream order (lane after lane, quad after quad);
+    # a quad has at least 4 bits, so at most two start in one byte. The windows of the first
+    # quads in their bytes are stored, the second ones OR-ed in (no index repeats within either
+    # set), then the eight bytes of every window OR-ed into the stream: that builds it exactly.
+    field = code << (64 - (within & 7) - length).astype(np.uint64)
+    first = (offsets[:, None] + (within >> 3)).reshape(-1)
     field = field.reshape(-1)
-    windows = np.zeros(total + STREAM_PAD, dtype=np.int32)
-    if first.size:
-        starts = np.flatnonzero(np.concatenate(([True], first[1:] != first[:-1])))
-        windows[first[starts]] = np.bitwise_or.reduceat(field, starts)
-    stream = (windows >> 16).astype(np.uint8)  # each byte: its own window's top byte,
-    stream[1:] |= ((windows[:-1] >> 8) & 0xFF).astype(np.uint8)  # the previous one's middle,
-    stream[2:] |= (windows[:-2] & 0xFF).astype(np.uint8)  # and the one before's low byte
+    windows = np.zeros(total + STREAM_PAD, dtype=np.uint64)
+    shares = np.zeros(first.size, dtype=bool)  # a quad starting in its predecessor's byte
+    np.equal(first[1:], first[:-1], out=shares[1:])
+    if shares.any():
+        leads = ~shares
+        windows[first[leads]] = field[leads]
+        windows[first[shares]] |= field[shares]
+    else:
+        windows[first] = field
+    window_bytes = windows.astype(">u8").view(np.uint8).reshape(-1, 8)  # MSB first
+    stream = window_bytes[:, 0].copy()  # each byte: its own window's top byte,
+    for j in range(1, 8):  # and byte j of the window j bytes before
+        stream[j:] |= window_bytes[:-j, j]
     return lengths, decode_table(lengths), offsets.astype(np.int32), stream
 
 
