@@ -61,20 +61,24 @@ def code_lengths(counts: np.ndarray, max_bits: int = MAX_CODE_BITS) -> np.ndarra
         lengths[seen[0]] = 1  # a one-symbol alphabet still needs one bit per symbol
         return lengths
     while True:
-        # Heap of (count, tiebreak, symbols in the subtree); merging adds one bit to each symbol.
-        heap = [(int(counts[s]), int(s), [int(s)]) for s in seen]
+        # Heap of (count, node): leaves are the symbols, merged nodes numbered from 256 on (the
+        # number breaks ties between equal counts); a symbol's length is its depth in the tree.
+        heap = list(zip(counts[seen].tolist(), seen.tolist()))
         heapq.heapify(heap)
-        depth = np.zeros(256, dtype=np.int64)
-        tiebreak = 256
+        parent = [0] * 512
+        node = 256
         while len(heap) > 1:
-            c1, _, s1 = heapq.heappop(heap)
-            c2, _, s2 = heapq.heappop(heap)
-            depth[s1] += 1
-            depth[s2] += 1
-            heapq.heappush(heap, (c1 + c2, tiebreak, s1 + s2))
-            tiebreak += 1
-        if depth.max() <= max_bits:
-            return depth
+            c1, n1 = heapq.heappop(heap)
+            c2, n2 = heapq.heappop(heap)
+            parent[n1] = parent[n2] = node
+            heapq.heappush(heap, (c1 + c2, node))
+            node += 1
+        depth = [0] * node  # the root, node - 1, has depth 0; parents come after children
+        for m in range(node - 2, 255, -1):
+            depth[m] = depth[parent[m]] + 1
+        lengths[seen] = [depth[parent[s]] + 1 for s in seen.tolist()]
+        if lengths.max() <= max_bits:
+            return lengths
         counts[seen] = (counts[seen] + 1) // 2
 
 
@@ -109,15 +113,16 @@ def stream_nbytes(counts: np.ndarray, lengths: np.ndarray) -> int:
 
 
 def encode_lanes(
-    symbols: np.ndarray, counts: np.ndarray | None = None
+    symbols: np.ndarray, counts: np.ndarray | None = None, lengths: np.ndarray | None = None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Code `(num_words,)` uint8 symbols: `(code_lengths (256,), table (2**MAX_CODE_BITS,) int16,
-    lane_offsets (num_lanes,) int32, stream (bytes + STREAM_PAD,) uint8)`. `counts`, the
-    symbols' histogram, when the caller has it already."""
+    lane_offsets (num_lanes,) int32, stream (bytes + STREAM_PAD,) uint8)`. `counts` (the
+    symbols' histogram) and `lengths` (`code_lengths(counts)`) when the caller has them."""
     num_words = symbols.size
     if counts is None:
         counts = np.bincount(symbols, minlength=256)
-    lengths = code_lengths(counts)
+    if lengths is None:
+        lengths = code_lengths(counts)
     lanes = num_lanes(num_words)
     # Padding words get the most common symbol's code (the shortest) and are never stored.
     pad_symbol = int(np.argmax(counts)) if num_words else 0
