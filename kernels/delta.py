@@ -32,12 +32,13 @@ from torch import Tensor
 from .delta_reference import (
     BIAS,
     ESCAPE,
+    MAX_CODE_BITS,
     DeltaBuffer,
     apply_escapes,
     check_delta_apply,
     delta_apply_reference,
 )
-from .lane_code import LANES, MAX_CODE_BITS, SYMBOLS, lane_start, next_code
+from .lane_code import LANES, SYMBOLS, lane_start, next_code
 from .triton_import import TRITON_IMPORT_ERROR, interpreting, tl, triton
 
 

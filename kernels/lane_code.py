@@ -1,7 +1,7 @@
 """Lane-parallel canonical Huffman code of byte symbols: what the entropy-coded formats share.
 
 One symbol per word, one canonical Huffman code per buffer with code lengths at most
-`MAX_CODE_BITS`. The formats built on it (`dfloat_reference.py`: bf16 exponents,
+`max_bits`, a format's choice up to `LONGEST_CODE_BITS` (DFloat's is `MAX_CODE_BITS`). The formats built on it (`dfloat_reference.py`: bf16 exponents,
 `delta_reference.py`: fine-tune deltas) decide what a word's symbol is; this module builds the
 code, writes the streams and reads them back.
 
@@ -11,12 +11,12 @@ most common symbol, decoded and never stored); within group g, lane w owns words
 group decode `LANES` consecutive words (coalesced device loads and stores). Each lane's codes form
 its own bit stream, starting at a byte boundary, MSB first; the byte offset of every lane's stream
 is stored (`lane_offsets`, int32), so every lane decodes on its own with no search. The decode
-table `table` has `2**MAX_CODE_BITS` int16 entries: indexed by the next `MAX_CODE_BITS` bits of
+table `table` has `2**max_bits` int16 entries: indexed by the next `max_bits` bits of
 a stream, it gives `symbol | code_length << 8`. The stream is followed by `STREAM_PAD` zero
 bytes, so a lane may always read the 3 bytes at its position.
 
 Overhead per word: 4 bytes of lane offset per `SYMBOLS` words (0.125 bits at 256) and under one
-byte of stream padding per lane; per buffer a 2 KiB table.
+byte of stream padding per lane; per buffer a table of `2**(max_bits + 1)` bytes (2 KiB at 10).
 
 Also here: the Triton helpers every decode kernel of this layout uses (where a lane starts, the
 table entry of the code at a bit position), and the check of a kernel's 1-D operands.
@@ -31,7 +31,10 @@ import torch
 
 from .triton_import import tl, triton
 
-MAX_CODE_BITS = 10  # longest code; the decode table has 2**MAX_CODE_BITS entries
+MAX_CODE_BITS = 10  # DFloat's longest code; the decode table has 2**MAX_CODE_BITS entries
+# Longer codes would not fit: a code and its bit offset (<= 7) must fit the 24-bit window a lane
+# reads (<= 17 bits), four codes and an offset the 64-bit word the encoder packs (<= 14).
+LONGEST_CODE_BITS = 14
 LANES = 32  # lanes per group: consecutive words decoded together
 SYMBOLS = 256  # words per lane
 STREAM_PAD = 3  # zero bytes after the stream: a lane always reads 3 bytes at its position
@@ -113,16 +116,22 @@ def stream_nbytes(counts: np.ndarray, lengths: np.ndarray) -> int:
 
 
 def encode_lanes(
-    symbols: np.ndarray, counts: np.ndarray | None = None, lengths: np.ndarray | None = None
+    symbols: np.ndarray,
+    counts: np.ndarray | None = None,
+    lengths: np.ndarray | None = None,
+    max_bits: int = MAX_CODE_BITS,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Code `(num_words,)` uint8 symbols: `(code_lengths (256,), table (2**MAX_CODE_BITS,) int16,
+    """Code `(num_words,)` uint8 symbols: `(code_lengths (256,), table (2**max_bits,) int16,
     lane_offsets (num_lanes,) int32, stream (bytes + STREAM_PAD,) uint8)`. `counts` (the
-    symbols' histogram) and `lengths` (`code_lengths(counts)`) when the caller has them."""
+    symbols' histogram) and `lengths` (`code_lengths(counts, max_bits)`) when the caller has
+    them."""
+    if max_bits > LONGEST_CODE_BITS:
+        raise ValueError(f"max_bits={max_bits}: codes of at most {LONGEST_CODE_BITS} bits")
     num_words = symbols.size
     if counts is None:
         counts = np.bincount(symbols, minlength=256)
     if lengths is None:
-        lengths = code_lengths(counts)
+        lengths = code_lengths(counts, max_bits)
     lanes = num_lanes(num_words)
     # Padding words get the most common symbol's code (the shortest) and are never stored.
     pad_symbol = int(np.argmax(counts)) if num_words else 0
@@ -132,8 +141,8 @@ def encode_lanes(
     padded = padded.reshape(-1, SYMBOLS, LANES).transpose(0, 2, 1).reshape(lanes, SYMBOLS)
     if num_words and lengths[pad_symbol] == 0:
         raise AssertionError("the padding symbol has no code")  # pad_symbol always occurs
-    # Codes are packed four at a time (four codes: at most 4 * MAX_CODE_BITS = 40 bits, plus a
-    # bit offset of at most 7, fit a 64-bit word), so the costly steps below run on a quarter of
+    # Codes are packed four at a time (four codes: at most 4 * LONGEST_CODE_BITS = 56 bits, plus
+    # a bit offset of at most 7, fit a 64-bit word), so the costly steps below run on a quarter of
     # the words. First two: the lane-order bytes read as little-endian uint16 index a table of
     # every pair's code and length (65536 entries, built from the 256 codes).
     codes = canonical_codes(lengths)
@@ -147,7 +156,7 @@ def encode_lanes(
     length2 = pair_length[pairs]
     code = (code2[:, 0::2] << length2[:, 1::2].astype(np.uint64)) | code2[:, 1::2]
     length = length2[:, 0::2] + length2[:, 1::2]  # (lanes, SYMBOLS // 4) bits of each quad
-    # Bits within a lane stay below SYMBOLS * MAX_CODE_BITS = 2560: int16.
+    # Bits within a lane stay below SYMBOLS * LONGEST_CODE_BITS = 3584: int16.
     within = np.cumsum(length, axis=1, dtype=np.int16)
     within -= length  # bit position of each quad inside its lane's stream
     lane_bytes = (within[:, -1].astype(np.int64) + length[:, -1] + 7) // 8
@@ -177,14 +186,15 @@ def encode_lanes(
     stream = window_bytes[:, 0].copy()  # each byte: its own window's top byte,
     for j in range(1, 8):  # and byte j of the window j bytes before
         stream[j:] |= window_bytes[:-j, j]
-    return lengths, decode_table(lengths), offsets.astype(np.int32), stream
+    return lengths, decode_table(lengths, max_bits), offsets.astype(np.int32), stream
 
 
 def decode_lanes_reference(
     table: torch.Tensor, lane_offsets: torch.Tensor, stream: torch.Tensor, num_words: int
 ) -> torch.Tensor:
-    """The `(num_words,)` uint8 symbols of a coded buffer, in word order, on the parts' device.
-    One step per word of a lane, all lanes at once (vectorised torch)."""
+    """The `(num_words,)` uint8 symbols of a coded buffer, in word order, on the parts' device
+    (the longest code: log2 of the table's size). One step per word of a lane, all lanes at once
+    (vectorised torch)."""
     lanes = lane_offsets.numel()
     if lanes != num_lanes(num_words):
         raise ValueError(f"{lanes} lane offsets do not describe {num_words} words")
@@ -195,10 +205,11 @@ def decode_lanes_reference(
     length_of = table.to(torch.int32) >> 8
     position = lane_offsets.to(torch.int64) * 8  # (lanes,) bit position in the stream
     symbols = torch.empty(SYMBOLS, lanes, dtype=torch.uint8, device=stream.device)
-    mask = (1 << MAX_CODE_BITS) - 1
+    max_bits = table.numel().bit_length() - 1
+    mask = (1 << max_bits) - 1
     for t in range(SYMBOLS):
         window = windows.index_select(0, position >> 3)  # index_select: the fast CPU gather
-        index = (window >> (24 - MAX_CODE_BITS - (position & 7))) & mask
+        index = (window >> (24 - max_bits - (position & 7))) & mask
         symbols[t] = symbol_of.index_select(0, index)
         position += length_of.index_select(0, index)
     # (step, group, lane) -> word order (group, step, lane), padding dropped.

@@ -174,15 +174,15 @@ def test_bad_input_is_refused_with_a_message():
         delta_encode(torch.zeros(3, dtype=torch.uint8), torch.ones(3, dtype=torch.uint8))
     with pytest.raises(ValueError, match="CPU"):
         delta_encode(x.to("meta"), x.to("meta"))
-    coded = delta_encode(*fine_tune(1000, torch.bfloat16, 0.01, 8))
+    coded = delta_encode(*fine_tune(10_000, torch.bfloat16, 0.01, 8))
     assert coded.coded
-    w = words(x.repeat(10))
+    w = words(x.repeat(100))
     with pytest.raises(ValueError, match="words has"):
-        delta_apply(coded, w[:999].clone())
+        delta_apply(coded, w[:9999].clone())
     with pytest.raises(ValueError, match="words: need a contiguous 1-D"):
         delta_apply(coded, w.view(torch.bfloat16))
     with pytest.raises(ValueError, match="words: need a contiguous 1-D"):
-        delta_apply(coded, torch.zeros(2000, dtype=torch.int16)[::2])
+        delta_apply(coded, torch.zeros(20_000, dtype=torch.int16)[::2])
     with pytest.raises(ValueError, match="sign"):
         delta_apply(coded, w, sign=2)
     with pytest.raises(ValueError, match="sign"):
@@ -191,7 +191,7 @@ def test_bad_input_is_refused_with_a_message():
     with pytest.raises(ValueError, match="lane_offsets"):
         delta_apply_reference(wrong, w)
     short = DeltaBuffer(**{**coded.__dict__, "lane_offsets": coded.lane_offsets[:-1]})
-    with pytest.raises(ValueError, match="lane offsets for 1000 words"):
+    with pytest.raises(ValueError, match="lane offsets for 10000 words"):
         delta_apply_reference(short, w)
     if not os.environ.get("TRITON_INTERPRET") == "1":
         with pytest.raises((ValueError, RuntimeError), match="CUDA|triton"):
