@@ -39,6 +39,10 @@ Caution:
   against (the base for sign=1, the fine-tune for sign=-1); other words are shifted by the same
   delta without any error.
 - Fewer than 2**31 words per buffer (int32 lane offsets and escape indices; checked).
+- Made for bf16. Measured on 1M Gaussian weights moved by 1% of their RMS: 0.32x the tensor's
+  bytes in bf16, 0.66x in fp16 (three more mantissa bits: deltas 8x as many units, 7% escapes),
+  1.72x in fp32 (the low words change at random: half the words escape). A caller compares
+  `nbytes` with the tensor's bytes and keeps a tensor whole where its delta is larger.
 """
 
 from __future__ import annotations
