@@ -10,6 +10,7 @@ for why a subprocess); integer arithmetic only, so the interpreter is exact.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -187,10 +188,10 @@ def test_bad_input_is_refused_with_a_message():
         delta_apply(coded, w, sign=2)
     with pytest.raises(ValueError, match="sign"):
         delta_apply(coded, w, sign=True)
-    wrong = DeltaBuffer(**{**coded.__dict__, "lane_offsets": coded.lane_offsets.long()})
+    wrong = dataclasses.replace(coded, lane_offsets=coded.lane_offsets.long())
     with pytest.raises(ValueError, match="lane_offsets"):
         delta_apply_reference(wrong, w)
-    short = DeltaBuffer(**{**coded.__dict__, "lane_offsets": coded.lane_offsets[:-1]})
+    short = dataclasses.replace(coded, lane_offsets=coded.lane_offsets[:-1])
     with pytest.raises(ValueError, match="lane offsets for 10000 words"):
         delta_apply_reference(short, w)
     if not os.environ.get("TRITON_INTERPRET") == "1":
