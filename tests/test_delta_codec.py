@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import sys
 
 import pytest
 import torch
@@ -29,7 +28,7 @@ from megaslide.kernels.delta_reference import (
 )
 from megaslide.kernels.lane_code import LANES, SYMBOLS
 
-from interpreted import interpreted_results
+from interpreted import interpreted_results, worker_main
 
 GROUP = LANES * SYMBOLS  # words per lane group
 
@@ -245,8 +244,4 @@ def test_triton_cases_cover_the_stream_and_its_escapes(interpret_results):
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["--interpret-worker"]:
-        assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
-        _interpret_worker()
-    else:
-        sys.exit(f"usage: TRITON_INTERPRET=1 {sys.argv[0]} --interpret-worker")
+    worker_main(_interpret_worker)
