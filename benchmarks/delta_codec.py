@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from weight_formats_device import timed  # noqa: E402
 
 from megaslide.kernels.delta import delta_apply  # noqa: E402
-from megaslide.kernels.delta_reference import BIAS, ESCAPE_NBYTES, delta_encode  # noqa: E402
+from megaslide.kernels.delta_reference import BIAS, delta_encode  # noqa: E402
 from megaslide.kernels.dfloat_reference import dfloat_encode  # noqa: E402
 
 
@@ -63,7 +63,10 @@ def measure(words: int, fraction: float, repeats: int, device: torch.device) -> 
     )  # mod 2**16
     symbols = np.minimum((delta + BIAS) % 2**16, 255)
     raw = 2 * words
-    escape_nbytes = ESCAPE_NBYTES * coded.num_escapes
+    escape_nbytes = sum(
+        t.numel() * t.element_size()
+        for t in (coded.escape_offsets, coded.escape_index, coded.escape_value)
+    )
 
     def apply_both(dev: torch.device) -> tuple[float, bool]:
         """Seconds of one apply (timed as a switch there and back, which needs no reset), and

@@ -12,12 +12,15 @@ Design: the kernel decodes the lane-parallel Huffman stream the way the DFloat k
 stored byte offset, 256 steps each, and at every step the lanes of a group touch consecutive
 words (coalesced). A word whose symbol says "no change" is neither loaded nor stored, so an
 update that moves few words costs little more than reading the stream. Escaped words (deltas
-outside [-BIAS, BIAS], rare) are skipped by the kernel and applied after it with one torch
-index op on the same stream; a delta in the sparse form (no stream) is only that index op.
+outside [-BIAS, BIAS], rare in bf16) take their deltas from `escape_value`, each lane from its
+own run (`escape_offsets`) with a counter, so no word index is stored and no second pass runs.
+A delta in the sparse form (no stream) is one torch index op.
 
 Caution:
 - In place: `words` must hold the words the delta was coded against; nothing can check that.
   All parts on the device of `words` (CUDA, or the CPU under TRITON_INTERPRET=1), contiguous.
+- The parts must be those `delta_encode` wrote: the launcher checks their dtypes and sizes, but
+  that `escape_value` holds every escape the stream names is only known by decoding it.
 - Decoding is serial within a lane (256 steps); parallelism is num_words / 256 lanes, plenty for
   the large tensors of a model, not for tiny ones (those are usually in the sparse form).
 - Triton is optional at import time; `delta_apply` raises on CUDA tensors without it and uses
@@ -34,7 +37,7 @@ from .delta_reference import (
     ESCAPE,
     MAX_CODE_BITS,
     DeltaBuffer,
-    apply_escapes,
+    apply_sparse,
     check_delta_apply,
     delta_apply_reference,
 )
@@ -44,21 +47,25 @@ from .triton_import import TRITON_IMPORT_ERROR, interpreting, tl, triton
 
 @triton.jit
 def _delta_apply_kernel(
-    TABLE, OFFSETS, STREAM, WORDS,
+    TABLE, OFFSETS, STREAM, ESCAPE_OFFSETS, ESCAPE_VALUES, WORDS,
     num_words, num_lanes, sign,
     LANES: tl.constexpr, SYMBOLS: tl.constexpr, CODE_BITS: tl.constexpr,
     BIAS: tl.constexpr, ESCAPE: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    live, first_word, position = lane_start(OFFSETS, num_lanes, LANES, SYMBOLS, BLOCK)
+    lane, live, first_word, position = lane_start(OFFSETS, num_lanes, LANES, SYMBOLS, BLOCK)
+    next_escape = tl.load(ESCAPE_OFFSETS + lane, mask=live, other=0)  # (BLOCK,) int32
     for t in range(SYMBOLS):
         entry = next_code(STREAM, TABLE, position, live, CODE_BITS)  # symbol | length << 8
         symbol = entry & 0xFF
         word = first_word + t * LANES
-        # The last group's padding is decoded, never stored; unchanged and escaped words are
-        # not touched at all.
-        keep = live & (word < num_words) & (symbol != BIAS) & (symbol != ESCAPE)
+        real = live & (word < num_words)  # the last group's padding is decoded, never applied
+        escaped = real & (symbol == ESCAPE)
+        value = tl.load(ESCAPE_VALUES + next_escape, mask=escaped, other=0).to(tl.int32)
+        next_escape += escaped.to(tl.int32)
+        delta = tl.where(escaped, value, symbol - BIAS)
+        keep = real & (delta != 0)  # unchanged words are neither loaded nor stored
         old = tl.load(WORDS + word, mask=keep, other=0).to(tl.int32)
-        new = old + sign * (symbol - BIAS)
+        new = old + sign * delta
         tl.store(WORDS + word, new.to(tl.int16), mask=keep)  # low 16 bits: mod 2**16
         position += (entry >> 8).to(tl.int64)
 
@@ -66,33 +73,39 @@ def _delta_apply_kernel(
 def delta_apply_triton(
     buffer: DeltaBuffer, words: Tensor, sign: int = 1, block: int = 128
 ) -> Tensor:
-    """`words += sign * delta` in place with the Triton kernel, then the escapes (CUDA tensors,
-    or CPU tensors under TRITON_INTERPRET=1). Queued on the current stream; returns `words`."""
+    """`words += sign * delta` in place with the Triton kernel (CUDA tensors, or CPU tensors
+    under TRITON_INTERPRET=1); a sparse delta with one index op. Queued on the current stream;
+    returns `words`."""
     if TRITON_IMPORT_ERROR is not None:
         raise RuntimeError(f"the delta kernel needs triton: {TRITON_IMPORT_ERROR}")
     check_delta_apply(buffer, words, sign)
     if words.device.type != "cuda" and not interpreting():
         raise ValueError("delta_apply_triton needs CUDA tensors (or TRITON_INTERPRET=1 on the CPU)")
+    if not buffer.coded:
+        return apply_sparse(buffer, words, sign)
     lanes = buffer.lane_offsets.numel()
-    if lanes:
-        grid = (triton.cdiv(lanes, block),)
-        _delta_apply_kernel[grid](
-            buffer.table,
-            buffer.lane_offsets,
-            buffer.stream,
-            words,
-            words.numel(),
-            lanes,
-            sign,
-            LANES=LANES,
-            SYMBOLS=SYMBOLS,
-            CODE_BITS=MAX_CODE_BITS,
-            BIAS=BIAS,
-            ESCAPE=ESCAPE,
-            BLOCK=block,
-        )
-    # Same stream as the kernel: the escapes' read-modify-write runs after it.
-    return apply_escapes(buffer, words, sign)
+    values = buffer.escape_value
+    if values.numel() == 0:  # no escapes: never read, but an empty tensor has no address
+        values = torch.zeros(1, dtype=torch.int16, device=words.device)
+    grid = (triton.cdiv(lanes, block),)
+    _delta_apply_kernel[grid](
+        buffer.table,
+        buffer.lane_offsets,
+        buffer.stream,
+        buffer.escape_offsets,
+        values,
+        words,
+        words.numel(),
+        lanes,
+        sign,
+        LANES=LANES,
+        SYMBOLS=SYMBOLS,
+        CODE_BITS=MAX_CODE_BITS,
+        BIAS=BIAS,
+        ESCAPE=ESCAPE,
+        BLOCK=block,
+    )
+    return words
 
 
 def delta_apply(buffer: DeltaBuffer, words: Tensor, sign: int = 1) -> Tensor:

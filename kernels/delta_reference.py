@@ -14,23 +14,27 @@ int16. Each word gets one byte symbol:
 
 - `d + BIAS` for `d` in `[-BIAS, BIAS]` (symbols 0 .. 2 * BIAS = 254; `BIAS` is symbol 0's
   delta, the untouched word);
-- `ESCAPE` (255) otherwise: the word's index goes to `escape_index` (int32, ascending) and its
-  delta to `escape_value` (int16), applied after the stream by an index op.
+- `ESCAPE` (255) otherwise: the word's delta goes to `escape_value` (int16).
 
 The symbols are coded with the lane-parallel canonical Huffman code of `lane_code.py` (the
-layout DFloat uses) with codes of at most `MAX_CODE_BITS` = 12 bits: `table` (4096 int16), `lane_offsets` (int32), `stream` (uint8,
-with `STREAM_PAD` zero bytes).
+layout DFloat uses) with codes of at most `MAX_CODE_BITS` = 12 bits: `table` (4096 int16),
+`lane_offsets` (int32), `stream` (uint8, with `STREAM_PAD` zero bytes). Escaped deltas are kept
+in lane order (lane by lane, step by step within a lane) and `escape_offsets` (int32, one per
+lane) says where each lane's first one is: a lane that decodes an escape takes the next value of
+its own, so escapes cost two bytes and their symbol's code, and need no word index.
 
 Why this symbol map: a Huffman code's size does not depend on which byte names which delta, so
 any other one-to-one map of the same deltas (zigzag, sign-magnitude) codes to exactly the same
 bytes; only the window of deltas a symbol can carry matters, and one byte carries at most 255
 of them besides the escape. Escapes are words near zero, where an update of a given size spans
-many more units in the last place, and sign flips (benchmarks/delta_codec.py counts them).
+many more units in the last place, and sign flips (benchmarks/delta_codec.py counts them); the
+low words of fp32 weights, whose deltas are close to uniform, are nearly all escapes.
 
-The sparse form. When storing every changed word as an escape is smaller than the coded
-stream (an untouched tensor, a few changed rows, a tiny tensor), the encoder writes no code at
-all: `table`, `lane_offsets` and `stream` are empty and every non-zero delta is an escape. An
-untouched tensor costs nothing but its word count.
+The sparse form. When storing each changed word's index (`escape_index`, int32, ascending) and
+delta (`escape_value`, in word order) is smaller than the coded stream (an untouched tensor, a
+few changed rows, a tiny tensor), the encoder writes no code at all: `table`, `lane_offsets`,
+`stream` and `escape_offsets` are empty, and the deltas are applied by one index op. An untouched
+tensor costs nothing but its word count. In the coded form `escape_index` is empty.
 
 Caution:
 - Lossless means bitwise: NaN payloads, infinities and signed zeros of either side round-trip;
@@ -39,10 +43,11 @@ Caution:
   against (the base for sign=1, the fine-tune for sign=-1); other words are shifted by the same
   delta without any error.
 - Fewer than 2**31 words per buffer (int32 lane offsets and escape indices; checked).
-- Made for bf16. Measured on 1M Gaussian weights moved by 1% of their RMS: 0.32x the tensor's
-  bytes in bf16, 0.66x in fp16 (three more mantissa bits: deltas 8x as many units, 7% escapes),
-  1.72x in fp32 (the low words change at random: half the words escape). A caller compares
-  `nbytes` with the tensor's bytes and keeps a tensor whole where its delta is larger.
+- Made for bf16. Measured on 1M Gaussian weights moved by 1% of their RMS: 0.31x the tensor's
+  bytes in bf16, 0.52x in fp16 (three more mantissa bits: deltas 8x as many units, 7% escapes),
+  0.72x in fp32 (the low words change at random: half the words escape, at about 17 bits each).
+  A delta can cost more than its tensor (random words: up to about 1.1x); a caller that cares
+  compares `nbytes` with the tensor's bytes.
 """
 
 from __future__ import annotations
@@ -54,35 +59,38 @@ import torch
 
 from .lane_code import (
     STREAM_PAD,
+    SYMBOLS,
     check_operands,
     code_lengths,
     decode_lanes_reference,
     encode_lanes,
+    lane_position,
     num_lanes,
     stream_nbytes,
 )
 
 BIAS = 127  # symbols 0 .. 2 * BIAS carry the deltas -BIAS .. BIAS
 ESCAPE = 255  # the word's delta is in escape_value
-ESCAPE_NBYTES = 6  # an escape's int32 index and int16 value
+SPARSE_NBYTES = 6  # a changed word in the sparse form: its int32 index and int16 delta
 # Longest code. Deltas spread over all 256 symbols, and limiting codes by halving counts
 # (`lane_code.code_lengths`) costs more bits the tighter the limit: measured on 4M bf16 words of
 # Adam-like updates of 0.3% / 1% / 3% of the RMS, 10 bits (DFloat's) cost 0.35 / 0.21 / 0.14 bits
 # a word over the symbols' entropy, 12 bits 0.08 / 0.06 / 0.03, for an 8 KiB table instead of 2.
 MAX_CODE_BITS = 12
-PARTS = ("table", "lane_offsets", "stream", "escape_index", "escape_value")
+PARTS = ("table", "lane_offsets", "stream", "escape_offsets", "escape_index", "escape_value")
 
 
 @dataclasses.dataclass(frozen=True)
 class DeltaBuffer:
-    """One coded delta: the decode table, lane offsets and stream, and the escaped words."""
+    """One coded delta: the decode table, lane offsets and stream, and the escaped deltas."""
 
     num_words: int
     table: torch.Tensor  # (2**MAX_CODE_BITS,) int16: symbol | length << 8; (0,) when sparse
     lane_offsets: torch.Tensor  # (num_lanes,) int32; (0,) when sparse
     stream: torch.Tensor  # (stream bytes + STREAM_PAD,) uint8; (0,) when sparse
-    escape_index: torch.Tensor  # (num_escapes,) int32, ascending
-    escape_value: torch.Tensor  # (num_escapes,) int16, the delta of each escaped word
+    escape_offsets: torch.Tensor  # (num_lanes,) int32, each lane's first escape; (0,) when sparse
+    escape_index: torch.Tensor  # (num_escapes,) int32, ascending, when sparse; (0,) when coded
+    escape_value: torch.Tensor  # (num_escapes,) int16: lane order when coded, word order if sparse
 
     @property
     def coded(self) -> bool:
@@ -91,11 +99,11 @@ class DeltaBuffer:
 
     @property
     def num_escapes(self) -> int:
-        return self.escape_index.numel()
+        return self.escape_value.numel()
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the five parts together: what the delta costs in RAM or on the bus."""
+        """Bytes of the six parts together: what the delta costs in RAM or on the bus."""
         return sum(t.numel() * t.element_size() for t in self.parts())
 
     def parts(self) -> tuple[torch.Tensor, ...]:
@@ -108,7 +116,7 @@ class DeltaBuffer:
 
     def to_tensors(self, prefix: str = "") -> dict[str, torch.Tensor]:
         """Named tensors for a safetensors file: `{prefix}num_words` (int64 scalar) and
-        `{prefix}<part>` for the five parts."""
+        `{prefix}<part>` for the six parts."""
         tensors = {f"{prefix}{name}": t for name, t in self._named()}
         tensors[f"{prefix}num_words"] = torch.tensor(self.num_words, dtype=torch.int64)
         return tensors
@@ -158,41 +166,52 @@ def delta_encode(base: torch.Tensor, tuned: torch.Tensor) -> DeltaBuffer:
     symbols = np.minimum(shifted, ESCAPE).astype(np.uint8)
     counts = np.bincount(symbols, minlength=256)
     changed = num_words - int(counts[BIAS])
-    escaped = ESCAPE_NBYTES * int(counts[ESCAPE])
-    # The code's fixed costs and at least one bit a word: when the changed words as escapes
-    # cost no more than that, there is no need to build the code to know the sparse form wins.
-    overhead = 2 * (1 << MAX_CODE_BITS) + 4 * num_lanes(num_words) + STREAM_PAD + escaped
-    if ESCAPE_NBYTES * changed <= overhead + num_words // 8:
+    lanes = num_lanes(num_words)
+    # The code's fixed costs and at least one bit a word: when the changed words in the sparse
+    # form cost no more than that, there is no need to build the code to know the sparse form
+    # wins.
+    overhead = 2 * (1 << MAX_CODE_BITS) + 8 * lanes + STREAM_PAD + 2 * int(counts[ESCAPE])
+    if SPARSE_NBYTES * changed <= overhead + num_words // 8:
         return _sparse(num_words, symbols, shifted)
     lengths = code_lengths(counts, MAX_CODE_BITS)
-    if ESCAPE_NBYTES * changed <= overhead + stream_nbytes(counts, lengths):
+    if SPARSE_NBYTES * changed <= overhead + stream_nbytes(counts, lengths):
         return _sparse(num_words, symbols, shifted)
     _, table, offsets, stream = encode_lanes(symbols, counts, lengths, MAX_CODE_BITS)
-    escape_index = np.flatnonzero(symbols == ESCAPE).astype(np.int32)
+    # Escapes in lane order, and where each lane's first one is.
+    escaped = np.flatnonzero(symbols == ESCAPE)  # word order
+    position = lane_position(escaped)
+    order = np.argsort(position, kind="stable")
+    per_lane = np.bincount(position // SYMBOLS, minlength=lanes)
+    escape_offsets = np.zeros(lanes, dtype=np.int32)
+    np.cumsum(per_lane[:-1], out=escape_offsets[1:])
     return DeltaBuffer(
         num_words=num_words,
         table=torch.from_numpy(table),
         lane_offsets=torch.from_numpy(offsets),
         stream=torch.from_numpy(stream),
-        **_escapes(escape_index, shifted),
+        escape_offsets=torch.from_numpy(escape_offsets),
+        escape_index=torch.empty(0, dtype=torch.int32),
+        escape_value=torch.from_numpy(_deltas(escaped[order], shifted)),
     )
 
 
 def _sparse(num_words: int, symbols: np.ndarray, shifted: np.ndarray) -> DeltaBuffer:
-    """The sparse form: no code, every word with a non-zero delta an escape."""
-    changed = np.flatnonzero(symbols != BIAS).astype(np.int32)
+    """The sparse form: no code, the index and delta of every word with a non-zero delta."""
+    changed = np.flatnonzero(symbols != BIAS)
     return DeltaBuffer(
         num_words=num_words,
         table=torch.empty(0, dtype=torch.int16),
         lane_offsets=torch.empty(0, dtype=torch.int32),
         stream=torch.empty(0, dtype=torch.uint8),
-        **_escapes(changed, shifted),
+        escape_offsets=torch.empty(0, dtype=torch.int32),
+        escape_index=torch.from_numpy(changed.astype(np.int32)),
+        escape_value=torch.from_numpy(_deltas(changed, shifted)),
     )
 
 
-def _escapes(index: np.ndarray, shifted: np.ndarray) -> dict[str, torch.Tensor]:
-    value = (shifted[index] - BIAS).view(np.int16)  # back to the delta, mod 2**16
-    return {"escape_index": torch.from_numpy(index), "escape_value": torch.from_numpy(value)}
+def _deltas(index: np.ndarray, shifted: np.ndarray) -> np.ndarray:
+    """The int16 deltas of the words at `index`."""
+    return (shifted[index] - BIAS).view(np.int16)  # back to the delta, mod 2**16
 
 
 def check_delta_apply(buffer: DeltaBuffer, words: torch.Tensor, sign: int) -> None:
@@ -204,6 +223,7 @@ def check_delta_apply(buffer: DeltaBuffer, words: torch.Tensor, sign: int) -> No
             "table": (buffer.table, torch.int16),
             "lane_offsets": (buffer.lane_offsets, torch.int32),
             "stream": (buffer.stream, torch.uint8),
+            "escape_offsets": (buffer.escape_offsets, torch.int32),
             "escape_index": (buffer.escape_index, torch.int32),
             "escape_value": (buffer.escape_value, torch.int16),
             "words": (words, torch.int16),
@@ -213,28 +233,31 @@ def check_delta_apply(buffer: DeltaBuffer, words: torch.Tensor, sign: int) -> No
     n = buffer.num_words
     if words.numel() != n:
         raise ValueError(f"words has {words.numel()} elements, the delta covers {n} words")
-    if buffer.escape_value.numel() != buffer.num_escapes:
-        raise ValueError(
-            f"{buffer.num_escapes} escape indices but {buffer.escape_value.numel()} values"
-        )
     if not buffer.coded:
-        if buffer.table.numel() or buffer.stream.numel():
-            raise ValueError("a delta with no lane offsets must have no table and no stream")
+        if buffer.table.numel() or buffer.stream.numel() or buffer.escape_offsets.numel():
+            raise ValueError("a delta with no lane offsets has no table, stream, escape offsets")
+        if buffer.escape_index.numel() != buffer.escape_value.numel():
+            raise ValueError(
+                f"{buffer.escape_index.numel()} escape indices for "
+                f"{buffer.escape_value.numel()} values"
+            )
         return
-    if buffer.lane_offsets.numel() != num_lanes(n):
-        raise ValueError(
-            f"{buffer.lane_offsets.numel()} lane offsets for {n} words: need {num_lanes(n)}"
-        )
+    lanes = num_lanes(n)
+    for name in ("lane_offsets", "escape_offsets"):
+        if getattr(buffer, name).numel() != lanes:
+            raise ValueError(f"{getattr(buffer, name).numel()} {name} for {n} words: need {lanes}")
+    if buffer.escape_index.numel():
+        raise ValueError("a coded delta keeps its escapes in lane order, with no escape_index")
     if buffer.table.numel() != 1 << MAX_CODE_BITS:
         raise ValueError(f"table has {buffer.table.numel()} entries, need {1 << MAX_CODE_BITS}")
     if buffer.stream.numel() < STREAM_PAD:
         raise ValueError("stream is shorter than its padding")
 
 
-def apply_escapes(buffer: DeltaBuffer, words: torch.Tensor, sign: int) -> torch.Tensor:
-    """`words[i] += sign * value` mod 2**16 for the escaped words (after the stream's words;
-    an escaped word's symbol adds nothing). Queued on the current stream; returns `words`."""
-    if buffer.num_escapes:
+def apply_sparse(buffer: DeltaBuffer, words: torch.Tensor, sign: int) -> torch.Tensor:
+    """`words[i] += sign * value` mod 2**16 for the words of a sparse delta, in place (one
+    index op, queued on the current stream); returns `words`."""
+    if buffer.escape_index.numel():
         index = buffer.escape_index
         moved = words.index_select(0, index).to(torch.int32) + sign * buffer.escape_value
         words.index_put_((index,), moved.to(torch.int16))  # int32 -> int16 keeps the low bits
@@ -245,11 +268,16 @@ def delta_apply_reference(buffer: DeltaBuffer, words: torch.Tensor, sign: int = 
     """`words += sign * delta` mod 2**16, in place: `words` is a contiguous `(num_words,)` int16
     tensor on the buffer's device. All lanes at once (vectorised torch); returns `words`."""
     check_delta_apply(buffer, words, sign)
-    if buffer.coded:
-        symbols = decode_lanes_reference(
-            buffer.table, buffer.lane_offsets, buffer.stream, buffer.num_words
-        )
-        delta = symbols.to(torch.int32) - BIAS
-        delta.masked_fill_(symbols == ESCAPE, 0)
-        words.copy_((words.to(torch.int32) + sign * delta).to(torch.int16))  # low 16 bits
-    return apply_escapes(buffer, words, sign)
+    if not buffer.coded:
+        return apply_sparse(buffer, words, sign)
+    symbols = decode_lanes_reference(
+        buffer.table, buffer.lane_offsets, buffer.stream, buffer.num_words
+    )
+    delta = symbols.to(torch.int32) - BIAS
+    escaped = (symbols == ESCAPE).nonzero().reshape(-1)  # word order
+    if escaped.numel():
+        # escape_value is in lane order; lane_position sorts the escaped words the same way.
+        order = torch.argsort(lane_position(escaped), stable=True)
+        delta[escaped[order]] = buffer.escape_value.to(torch.int32)
+    words.copy_((words.to(torch.int32) + sign * delta).to(torch.int16))  # low 16 bits
+    return words

@@ -49,7 +49,7 @@ def _dfloat_decode_kernel(
     num_words, num_lanes,
     LANES: tl.constexpr, SYMBOLS: tl.constexpr, CODE_BITS: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    live, first_word, position = lane_start(OFFSETS, num_lanes, LANES, SYMBOLS, BLOCK)
+    _, live, first_word, position = lane_start(OFFSETS, num_lanes, LANES, SYMBOLS, BLOCK)
     for t in range(SYMBOLS):
         entry = next_code(STREAM, TABLE, position, live, CODE_BITS)  # symbol | length << 8
         word = first_word + t * LANES

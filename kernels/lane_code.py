@@ -45,6 +45,12 @@ def num_lanes(num_words: int) -> int:
     return groups * LANES
 
 
+def lane_position(word):
+    """Where words (integer indices, numpy or torch) sit in lane order: `lane * SYMBOLS + step`."""
+    group, within = word // (LANES * SYMBOLS), word % (LANES * SYMBOLS)
+    return (group * LANES + within % LANES) * SYMBOLS + within // LANES
+
+
 def code_lengths(counts: np.ndarray, max_bits: int = MAX_CODE_BITS) -> np.ndarray:
     """Huffman code lengths (<= max_bits) for 256 symbol counts; 0 for symbols never seen.
 
@@ -231,13 +237,14 @@ def check_operands(operands: dict[str, tuple[torch.Tensor, torch.dtype]], target
 
 @triton.jit
 def lane_start(OFFSETS, num_lanes, LANES: tl.constexpr, SYMBOLS: tl.constexpr, BLOCK: tl.constexpr):
-    """This program's `BLOCK` lanes: (live mask, word of step 0 (int64), bit position (int64))."""
+    """This program's `BLOCK` lanes: (lane, live mask, word of step 0 (int64), bit position
+    (int64))."""
     lane = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # (BLOCK,) lanes of this program
     live = lane < num_lanes
     group = lane // LANES
     first_word = group.to(tl.int64) * (LANES * SYMBOLS) + lane % LANES
     position = tl.load(OFFSETS + lane, mask=live, other=0).to(tl.int64) * 8  # bits
-    return live, first_word, position
+    return lane, live, first_word, position
 
 
 @triton.jit

@@ -21,12 +21,13 @@ from safetensors.torch import load, save
 from megaslide.kernels.delta import delta_apply, delta_apply_, delta_apply_triton
 from megaslide.kernels.delta_reference import (
     BIAS,
-    ESCAPE_NBYTES,
+    PARTS,
+    SPARSE_NBYTES,
     DeltaBuffer,
     delta_apply_reference,
     delta_encode,
 )
-from megaslide.kernels.lane_code import LANES, SYMBOLS
+from megaslide.kernels.lane_code import LANES, SYMBOLS, lane_position
 
 from interpreted import interpreted_results, worker_main
 
@@ -117,8 +118,15 @@ def test_symbol_window_and_escapes():
     delta = (tuned.to(torch.int32) - base.to(torch.int32) + 2**15) % 2**16 - 2**15
     outside = (delta.abs() > BIAS).nonzero().reshape(-1)
     assert coded.coded and outside.numel() == 7 * 400
-    assert torch.equal(coded.escape_index.long(), outside)
-    assert torch.equal(coded.escape_value, delta[outside].to(torch.int16))
+    # Escaped deltas in lane order, each lane's run starting at its escape offset.
+    lane_order = outside[torch.argsort(lane_position(outside))]
+    assert torch.equal(coded.escape_value, delta[lane_order].to(torch.int16))
+    per_lane = torch.bincount(
+        lane_position(outside) // SYMBOLS, minlength=coded.lane_offsets.numel()
+    )
+    starts = torch.cumsum(per_lane, 0) - per_lane
+    assert torch.equal(coded.escape_offsets, starts.to(torch.int32))
+    assert coded.escape_index.numel() == 0
 
 
 def test_untouched_and_sparse_deltas_cost_only_their_changes():
@@ -128,7 +136,7 @@ def test_untouched_and_sparse_deltas_cost_only_their_changes():
     base, tuned = cases()["few_changed"]
     coded = delta_encode(base, tuned)
     changed = int((words(base) != words(tuned)).sum())
-    assert not coded.coded and coded.nbytes == ESCAPE_NBYTES * changed
+    assert not coded.coded and coded.nbytes == SPARSE_NBYTES * changed
 
 
 def test_fine_tune_delta_compresses():
@@ -142,7 +150,7 @@ def test_stored_as_named_tensors_and_moved():
     base, tuned = cases()["bf16_1pct"]
     coded = delta_encode(base, tuned)
     stored = load(save(coded.to_tensors("blocks.0.delta.")))
-    assert sorted(stored) == sorted(f"blocks.0.delta.{k}" for k in ["num_words", *_parts()])
+    assert sorted(stored) == sorted(f"blocks.0.delta.{k}" for k in ["num_words", *PARTS])
     back = DeltaBuffer.from_tensors(stored, "blocks.0.delta.").to("cpu")
     assert back.num_words == coded.num_words and back.nbytes == coded.nbytes
     assert all(torch.equal(a, b) for a, b in zip(back.parts(), coded.parts()))
@@ -151,10 +159,6 @@ def test_stored_as_named_tensors_and_moved():
     assert_words_equal(w, words(tuned))
     with pytest.raises(KeyError, match="missing"):
         DeltaBuffer.from_tensors(stored, "blocks.1.delta.")
-
-
-def _parts() -> list[str]:
-    return ["table", "lane_offsets", "stream", "escape_index", "escape_value"]
 
 
 def test_apply_to_a_weight_in_place():
@@ -191,7 +195,7 @@ def test_bad_input_is_refused_with_a_message():
     with pytest.raises(ValueError, match="lane_offsets"):
         delta_apply_reference(wrong, w)
     short = dataclasses.replace(coded, lane_offsets=coded.lane_offsets[:-1])
-    with pytest.raises(ValueError, match="lane offsets for 10000 words"):
+    with pytest.raises(ValueError, match="lane_offsets for 10000 words"):
         delta_apply_reference(short, w)
     if not os.environ.get("TRITON_INTERPRET") == "1":
         with pytest.raises((ValueError, RuntimeError), match="CUDA|triton"):
