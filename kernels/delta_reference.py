@@ -12,8 +12,8 @@ The format (what `delta_encode` writes, `delta_apply_reference` and the Triton k
 even: bf16, fp16, fp32 ...); word i's delta is `d = (tuned[i] - base[i]) mod 2**16` read as
 int16. Each word gets one byte symbol:
 
-- `d + BIAS` for `d` in `[-BIAS, BIAS]` (symbols 0 .. 2 * BIAS = 254; `BIAS` is symbol 0's
-  delta, the untouched word);
+- `d + BIAS` for `d` in `[-BIAS, BIAS]` (symbols 0 .. 2 * BIAS = 254; symbol `BIAS` is an
+  untouched word);
 - `ESCAPE` (255) otherwise: the word's delta goes to `escape_value` (int16).
 
 The symbols are coded with the lane-parallel canonical Huffman code of `lane_code.py` (the
@@ -21,7 +21,8 @@ layout DFloat uses) with codes of at most `MAX_CODE_BITS` = 12 bits: `table` (40
 `lane_offsets` (int32), `stream` (uint8, with `STREAM_PAD` zero bytes). Escaped deltas are kept
 in lane order (lane by lane, step by step within a lane) and `escape_offsets` (int32, one per
 lane) says where each lane's first one is: a lane that decodes an escape takes the next value of
-its own, so escapes cost two bytes and their symbol's code, and need no word index.
+its own, so an escape costs two bytes and its symbol's code, and needs no word index (the
+offsets cost 4 bytes per lane of 256 words).
 
 Why this symbol map: a Huffman code's size does not depend on which byte names which delta, so
 any other one-to-one map of the same deltas (zigzag, sign-magnitude) codes to exactly the same
