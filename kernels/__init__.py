@@ -8,9 +8,16 @@ them read, and `dsa_dense_oracle` is the dense masked attention the tests hold t
 DFloat, lossless bf16 weights: `dfloat_encode` (CPU, numpy) codes a buffer's exponents,
 `dfloat_decode` decodes on the device (the Triton kernel on CUDA, the reference on the CPU).
 
+Fine-tune deltas, lossless: `delta_encode(base, tuned)` (CPU, numpy) codes a fine-tune's words
+minus its base's as a `DeltaBuffer`; `delta_apply(buffer, words, sign)` adds it into the base's
+words in place, or subtracts it back (the Triton kernel on CUDA, the reference on the CPU). Both
+formats share the lane-parallel Huffman code of `lane_code.py`.
+
 The package needs torch, with Triton optional, and imports nothing from `engine/` or `server/`.
 """
 
+from .delta import delta_apply
+from .delta_reference import DeltaBuffer, delta_encode
 from .dfloat import dfloat_decode
 from .dfloat_reference import dfloat_encode
 from .dsa import dsa_attention, dsa_triton
@@ -25,6 +32,9 @@ from .dsa_reference import (
 
 __all__ = [
     "DSAGeometry",
+    "DeltaBuffer",
+    "delta_apply",
+    "delta_encode",
     "dfloat_decode",
     "dfloat_encode",
     "dsa_attention",

@@ -29,12 +29,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .dfloat_reference import (
+from .dfloat_reference import dfloat_decode_reference
+from .lane_code import (
     LANES,
     MAX_CODE_BITS,
     STREAM_PAD,
     SYMBOLS,
-    dfloat_decode_reference,
+    check_operands,
+    lane_start,
+    next_code,
     num_lanes,
 )
 from .triton_import import TRITON_IMPORT_ERROR, interpreting, tl, triton
@@ -46,20 +49,9 @@ def _dfloat_decode_kernel(
     num_words, num_lanes,
     LANES: tl.constexpr, SYMBOLS: tl.constexpr, CODE_BITS: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    lane = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # (BLOCK,) lanes of this program
-    live = lane < num_lanes
-    group = lane // LANES
-    first_word = group.to(tl.int64) * (LANES * SYMBOLS) + lane % LANES  # word of step 0
-    position = tl.load(OFFSETS + lane, mask=live, other=0).to(tl.int64) * 8  # bits
+    _, live, first_word, position = lane_start(OFFSETS, num_lanes, LANES, SYMBOLS, BLOCK)
     for t in range(SYMBOLS):
-        byte = position >> 3
-        b0 = tl.load(STREAM + byte, mask=live, other=0).to(tl.int32)
-        b1 = tl.load(STREAM + byte + 1, mask=live, other=0).to(tl.int32)
-        b2 = tl.load(STREAM + byte + 2, mask=live, other=0).to(tl.int32)
-        window = (b0 << 16) | (b1 << 8) | b2  # 24 bits, MSB first
-        shift = (24 - CODE_BITS - (position & 7)).to(tl.int32)
-        index = (window >> shift) & ((1 << CODE_BITS) - 1)
-        entry = tl.load(TABLE + index, mask=live, other=0).to(tl.int32)
+        entry = next_code(STREAM, TABLE, position, live, CODE_BITS)  # symbol | length << 8
         word = first_word + t * LANES
         keep = live & (word < num_words)  # the last group's padding is decoded, never stored
         sm = tl.load(SM + word, mask=keep, other=0).to(tl.int32)
@@ -69,20 +61,16 @@ def _dfloat_decode_kernel(
 
 
 def _check(sm: Tensor, table: Tensor, lane_offsets: Tensor, stream: Tensor, out: Tensor) -> None:
-    expected = {
-        "sm": (sm, torch.uint8),
-        "table": (table, torch.int16),
-        "lane_offsets": (lane_offsets, torch.int32),
-        "stream": (stream, torch.uint8),
-        "out": (out, torch.int16),
-    }
-    for name, (t, dtype) in expected.items():
-        if t.dtype != dtype or t.dim() != 1 or not t.is_contiguous():
-            raise ValueError(
-                f"{name}: need a contiguous 1-D {dtype} tensor, got {t.dtype} {tuple(t.shape)}"
-            )
-        if t.device != out.device:
-            raise ValueError(f"{name} is on {t.device}, out on {out.device}: use one device")
+    check_operands(
+        {
+            "sm": (sm, torch.uint8),
+            "table": (table, torch.int16),
+            "lane_offsets": (lane_offsets, torch.int32),
+            "stream": (stream, torch.uint8),
+            "out": (out, torch.int16),
+        },
+        "out",
+    )
     n = out.numel()
     if sm.numel() != n:
         raise ValueError(f"sm has {sm.numel()} bytes for {n} words")

@@ -174,6 +174,18 @@ def test_compression_benchmark_quick():
     assert r["cpu_throughput"]["lossless_decode_gbps"] > 0
 
 
+def test_delta_codec_benchmark_quick():
+    r = run_json("benchmarks/delta_codec.py", "--quick", "--json")
+    rows = r["rows"]
+    assert [row["fraction_of_rms"] for row in rows] == [0.003, 0.01, 0.03]
+    assert all(row["reference_bitwise"] for row in rows)
+    ratios = [row["ratio"] for row in rows]
+    assert 0 < ratios[0] < ratios[1] < ratios[2] < 1  # larger updates cost more bytes
+    for row in rows:  # no code of one word at a time beats the delta's entropy
+        assert row["bits_per_word"] >= row["delta_entropy_bits"] >= row["symbol_entropy_bits"]
+        assert row["encode_words_per_s"] > 0 and row["reference_apply_words_per_s"] > 0
+
+
 def test_wan_batch_benchmark_quick():
     r = run_json("benchmarks/wan_batch.py", "--quick", "--json")
     (row,) = r["rows"]

@@ -32,3 +32,13 @@ def interpreted_results(test_file: str, triton_import_error: ImportError | None)
         f"worker failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     )
     return json.loads(lines[-1][len("RESULTS ") :])
+
+
+def worker_main(worker) -> None:
+    """A kernel test file's `__main__`: run `worker` (which prints its `RESULTS ` line) when
+    started by `interpreted_results`, otherwise say how to start it."""
+    if sys.argv[1:] == ["--interpret-worker"]:
+        assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+        worker()
+    else:
+        sys.exit(f"usage: TRITON_INTERPRET=1 {sys.argv[0]} --interpret-worker")
