@@ -59,12 +59,14 @@ import numpy as np
 import torch
 
 from .lane_code import (
+    LANES,
     STREAM_PAD,
     SYMBOLS,
     check_operands,
     code_lengths,
-    decode_lanes_reference,
+    decode_lane_steps,
     encode_lanes,
+    in_word_order,
     lane_position,
     num_lanes,
     stream_nbytes,
@@ -271,14 +273,16 @@ def delta_apply_reference(buffer: DeltaBuffer, words: torch.Tensor, sign: int = 
     check_delta_apply(buffer, words, sign)
     if not buffer.coded:
         return apply_sparse(buffer, words, sign)
-    symbols = decode_lanes_reference(
-        buffer.table, buffer.lane_offsets, buffer.stream, buffer.num_words
-    )
-    delta = symbols.to(torch.int32) - BIAS
-    escaped = (symbols == ESCAPE).nonzero().reshape(-1)  # word order
-    if escaped.numel():
-        # escape_value is in lane order; lane_position sorts the escaped words the same way.
-        order = torch.argsort(lane_position(escaped), stable=True)
-        delta[escaped[order]] = buffer.escape_value.to(torch.int32)
+    steps = decode_lane_steps(buffer.table, buffer.lane_offsets, buffer.stream, buffer.num_words)
+    lanes = steps.t()  # (lanes, SYMBOLS): lane order, the escapes' order
+    delta = lanes.to(torch.int32) - BIAS
+    escaped = lanes == ESCAPE
+    lane = torch.arange(lanes.shape[0], device=lanes.device)[:, None]
+    step = torch.arange(SYMBOLS, device=lanes.device)[None, :]
+    word = (lane // LANES) * (LANES * SYMBOLS) + step * LANES + lane % LANES
+    escaped &= word < buffer.num_words  # the last group's padding is decoded, never applied
+    if buffer.num_escapes:
+        delta[escaped] = buffer.escape_value.to(torch.int32)  # a mask assigns in lane order
+    delta = in_word_order(delta.t(), buffer.num_words)
     words.copy_((words.to(torch.int32) + sign * delta).to(torch.int16))  # low 16 bits
     return words

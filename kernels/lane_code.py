@@ -201,6 +201,20 @@ def decode_lanes_reference(
     """The `(num_words,)` uint8 symbols of a coded buffer, in word order, on the parts' device
     (the longest code: log2 of the table's size). One step per word of a lane, all lanes at once
     (vectorised torch)."""
+    symbols = decode_lane_steps(table, lane_offsets, stream, num_words)
+    return in_word_order(symbols, num_words)
+
+
+def in_word_order(steps: torch.Tensor, num_words: int) -> torch.Tensor:
+    """`(SYMBOLS, lanes)` values, one per step of each lane, in word order `(num_words,)`:
+    (step, group, lane) -> (group, step, lane), padding dropped. (`steps.t()` is lane order.)"""
+    return steps.reshape(SYMBOLS, -1, LANES).transpose(0, 1).reshape(-1)[:num_words]
+
+
+def decode_lane_steps(
+    table: torch.Tensor, lane_offsets: torch.Tensor, stream: torch.Tensor, num_words: int
+) -> torch.Tensor:
+    """The symbols of a coded buffer as `(SYMBOLS, lanes)` uint8: step t of every lane."""
     lanes = lane_offsets.numel()
     if lanes != num_lanes(num_words):
         raise ValueError(f"{lanes} lane offsets do not describe {num_words} words")
@@ -218,8 +232,7 @@ def decode_lanes_reference(
         index = (window >> (24 - max_bits - (position & 7))) & mask
         symbols[t] = symbol_of.index_select(0, index)
         position += length_of.index_select(0, index)
-    # (step, group, lane) -> word order (group, step, lane), padding dropped.
-    return symbols.view(SYMBOLS, -1, LANES).transpose(0, 1).reshape(-1)[:num_words]
+    return symbols
 
 
 def check_operands(operands: dict[str, tuple[torch.Tensor, torch.dtype]], target: str) -> None:

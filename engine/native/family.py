@@ -115,6 +115,7 @@ class DiTPipeline(Pipeline):
     ):
         super().__init__(info, handles, {"dit": dit, "text_encoder": text_encoder})
         self.dit, self.text_encoder = dit, text_encoder
+        self.denoisers = ("dit",)
         self.batched = batched
         self.config: DiTConfig = dit.config
         self.autoencoder = build_autoencoder(self.config.autoencoder, info.source.seed)
@@ -159,7 +160,9 @@ class DiTPipeline(Pipeline):
         )
 
     def _step(self, states: list[SampleState]) -> None:
-        sampler = EulerSampler(self.dit, self.passes, self.first_block_only, self.sp, self.weights)
+        sampler = EulerSampler(
+            self.dit, self.passes, self.first_block_only, self.sp, self.weights, self.interleaves
+        )
         sample_step(sampler, states)
 
     def finish_batch(self, states: list[SampleState]) -> list[np.ndarray]:

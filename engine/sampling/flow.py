@@ -143,7 +143,8 @@ class EulerSampler(Sampler):
         passes: Callable[[list], list[list]] | None = None,
         first_block_only: Callable[[], ContextManager] = nullcontext,
         sp=None,
-        weights: Callable[[list], ContextManager] | None = None,
+        weights: Callable[..., ContextManager] | None = None,
+        interleaves: Callable[[list], bool] | None = None,
     ):
         """`sp`: the ranks `model`'s tokens are split over (`parallel.parallelize_dit`), for the
         passes cut at its blocks; None on one process. `weights`: what a pass's weights are
@@ -152,10 +153,13 @@ class EulerSampler(Sampler):
         self._passes = passes
         self.first_block_only = first_block_only
         self.sp = sp
-        self._weights = weights
+        self._weights, self._interleaves = weights, interleaves
 
-    def weights(self, states: list[SampleState]) -> ContextManager:
-        return nullcontext() if self._weights is None else self._weights(states)
+    def weights(self, states: list[SampleState], blocks_only: bool = False) -> ContextManager:
+        return nullcontext() if self._weights is None else self._weights(states, blocks_only)
+
+    def interleaves(self, parts: list[list[SampleState]]) -> bool:
+        return self._interleaves is not None and self._interleaves(parts)
 
     def passes(self, states: list[SampleState]) -> list[list[SampleState]]:
         return super().passes(states) if self._passes is None else self._passes(states)

@@ -136,10 +136,15 @@ class Sampler(ABC):
         runs (a streamed model's pipeline stops the streamer copying the next block ahead)."""
         return nullcontext()
 
-    def weights(self, states: list) -> AbstractContextManager:
+    def weights(self, states: list, blocks_only: bool = False) -> AbstractContextManager:
         """Entered around a pass over `states`: the weights it computes with (a fine-tune kept
-        as a delta, which all of a pass's requests share: see `passes`)."""
+        as a delta, which all of a pass's requests share: see `passes`); `blocks_only`: around
+        its blocks alone (see `interleaves`)."""
         return nullcontext()
+
+    def interleaves(self, parts: list[list]) -> bool:
+        """Whether the passes `parts` of one step run block by block (`forward_interleaved`)."""
+        return False
 
     @abstractmethod
     def update(self, state, output: torch.Tensor) -> None:
@@ -185,7 +190,13 @@ def _compute(sampler: Sampler, e: int, run: list) -> list[tuple[torch.Tensor, bo
     whether its rows ran every block. A pass holding a request whose cache decides after the
     first block is cut. (Passes may group the requests in another order: by fine-tune.)"""
     outputs = {}
-    for part in sampler.passes(run):
+    parts = sampler.passes(run)
+    probed = any(s.cache is not None and s.cache.probes for s in run)
+    if not probed and sampler.interleaves(parts):
+        for part, done in zip(parts, forward_interleaved(sampler, e, parts)):
+            outputs.update(zip(map(id, part), done))
+        return [outputs[id(s)] for s in run]
+    for part in parts:
         with sampler.weights(part):
             if any(s.cache is not None and s.cache.probes for s in part):
                 done = forward_probed(sampler.cut(e, part), part, e, sampler.first_block_only)
@@ -193,6 +204,32 @@ def _compute(sampler: Sampler, e: int, run: list) -> list[tuple[torch.Tensor, bo
                 done = [(output, True) for output in sampler.forward(e, part)]
         outputs.update(zip(map(id, part), done))
     return [outputs[id(s)] for s in run]
+
+
+def forward_interleaved(
+    sampler: Sampler, e: int, parts: list[list]
+) -> list[list[tuple[torch.Tensor, bool]]]:
+    """The passes of expert `e` over `parts` (each of requests that share weights: a fine-tune
+    kept as a delta), cut at their blocks and run block by block: block i runs for every part
+    before block i + 1 runs for any, so a streamed block crosses to the device once a step and
+    each part's delta is put on it in turn. Each part's prologue and epilogue run with its own
+    weights. Per part, each request's output rows, as `forward` gives them."""
+    cuts = [sampler.cut(e, part) for part in parts]
+    carried = []
+    for part, cut in zip(parts, cuts):
+        with sampler.weights(part), cut.scope():
+            carried.append(cut.prologue())  # (B, N, D), what the blocks read
+    for i in range(cuts[0].depth):
+        for k, (part, cut) in enumerate(zip(parts, cuts)):
+            h, c = carried[k]
+            with sampler.weights(part, blocks_only=True), cut.scope():
+                carried[k] = (cut.block(i, h, c), c)  # (B, n, D)
+    outputs = []
+    for part, cut, (h, c) in zip(parts, cuts, carried):
+        with sampler.weights(part), cut.scope():
+            out = cut.epilogue(h, c)  # (B, C, F, H, W)
+        outputs.append([(out[r], True) for r in row_slices(part)])
+    return outputs
 
 
 def row_slices(states: list) -> list[slice]:

@@ -89,6 +89,7 @@ class Pipeline(VideoModel, ABC):
     decode_chunk: int = DECODE_CHUNK  # clips per pass of the autoencoder in `finish_batch`
     load_adapter: Callable[[str, Any], Adapter] | None = None  # the family's `load_adapter`
     sp: Any = None  # the ranks its tokens are split over (`parallelize`); None: one process
+    denoisers: tuple[str, ...] = ()  # the components a denoising pass runs (set by the family)
 
     def __init__(
         self, info: ModelInfo, handles: dict[str, StreamHandle], parts: dict[str, nn.Module]
@@ -131,6 +132,9 @@ class Pipeline(VideoModel, ABC):
 
         if name in self.fine_tunes:
             raise DeltaError(f"{self.name} already has a fine-tune {name!r}")
+        if any(h.weights == "fp8" for h in self.handles.values()):
+            # A delta is exact over the base's own words, not over their fp8 rounding.
+            raise DeltaError("fine-tunes kept as deltas need the base's weights raw or lossless")
         dtype = self.compute_dtype
         if delta.dtype != dtype:
             raise DeltaError(
@@ -183,16 +187,28 @@ class Pipeline(VideoModel, ABC):
         return torch.float32
 
     @contextlib.contextmanager
-    def using(self, fine_tune: str | None) -> Iterator[None]:
-        """Compute with fine-tune `fine_tune`'s weights (None: the model's own) from here on."""
+    def using(self, fine_tune: str | None, blocks_only: bool = False) -> Iterator[None]:
+        """Compute with fine-tune `fine_tune`'s weights (None: the model's own) from here on;
+        with `blocks_only` in the streamed blocks only (see `interleaves`)."""
         changed = self.fine_tunes[fine_tune].deltas if fine_tune is not None else {}
         for component, owner in self._variants.items():
-            owner.select_variant(fine_tune if component in changed else None)
+            owner.select_variant(fine_tune if component in changed else None, blocks_only)
         yield
 
-    def weights(self, states: list) -> contextlib.AbstractContextManager:
+    def weights(self, states: list, blocks_only: bool = False) -> contextlib.AbstractContextManager:
         """The weights a pass over `states` computes with (they share a fine-tune: `passes`)."""
-        return self.using(states[0].fine_tune if states else None)
+        return self.using(states[0].fine_tune if states else None, blocks_only)
+
+    def interleaves(self, parts: list[list]) -> bool:
+        """Whether the passes `parts` of one step run block by block (`loop.forward_interleaved`):
+        when they are of several fine-tunes and every denoiser streams, so each block crosses
+        to the device once for all of them and each fine-tune's delta is put on it in turn."""
+        return (
+            self.batched
+            and len({p[0].fine_tune for p in parts}) > 1
+            and bool(self.denoisers)
+            and all(name in self.handles for name in self.denoisers)
+        )
 
     # -- LoRA adapters ----------------------------------------------------------------------------
 

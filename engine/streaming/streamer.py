@@ -67,7 +67,7 @@ from .host_store import (
     repoint,
 )
 from .ordering import Ordering, make_ordering
-from .variants import add_delta, flat_delta, pinned
+from .variants import TensorsDelta, add_delta, flat_delta, pinned
 from .weight_formats import EncodedBlockStore, SharedPayload, make_store
 
 __all__ = ["ResidencyPlan", "StreamHandle", "plan_residency", "stream_module"]
@@ -186,7 +186,7 @@ class _Variant:
     it changes (one decode as the block loads), and one per tensor outside the blocks."""
 
     blocks: dict[int, DeltaBuffer]
-    non_block: list[tuple[int, DeltaBuffer]]
+    non_block: TensorsDelta
 
 
 @dataclasses.dataclass
@@ -250,6 +250,7 @@ class StreamHandle:
         # tensors' by index; `variant` is the one the module computes with (None: the base).
         self._variants: dict[str, _Variant] = {}
         self.variant: str | None = None
+        self._non_block_variant: str | None = None  # the one the tensors outside blocks hold
         self.set_order("forward")
         self.reset_stats()
 
@@ -499,7 +500,7 @@ class StreamHandle:
         unknown = sorted(set(deltas) - set(where))
         if unknown:
             raise KeyError(f"variant {name!r} changes tensors the module lacks: {unknown[:4]}")
-        variant, by_block = _Variant({}, []), {}
+        blocks, by_block, outside = {}, {}, {}
         for key, delta in deltas.items():
             i, k = where[key]
             if i is None:
@@ -511,12 +512,16 @@ class StreamHandle:
                     f"variant {name!r}: {key} has {size} bytes, its delta codes {delta.num_words * 2}"
                 )
             if i is None:
-                variant.non_block.append((k, pinned(delta, self.device)))
+                outside[k] = delta
             else:
                 by_block.setdefault(i, []).append((self._blocks[i].entries[k], delta))
         for i, parts in by_block.items():
-            variant.blocks[i] = pinned(flat_delta(self._blocks[i].nbytes, parts), self.device)
-        self._variants[name] = variant
+            blocks[i] = pinned(flat_delta(self._blocks[i].nbytes, parts), self.device)
+        ks = sorted(outside)
+        non_block = TensorsDelta(
+            [self._non_block[k].tensor.data for k in ks], [outside[k] for k in ks]
+        )
+        self._variants[name] = _Variant(blocks, non_block)
 
     def remove_variant(self, name: str) -> None:
         """Unregister variant `name`; what holds it now gets the base's bytes back."""
@@ -526,7 +531,7 @@ class StreamHandle:
         loaded = [b.index for b in self._blocks if b.loaded]
         if loaded:
             raise RuntimeError(f"blocks {loaded} are loaded: release them before remove_variant")
-        if self.variant == name:
+        if name in (self.variant, self._non_block_variant):
             self.select_variant(None)
         for b in self._blocks:
             if b.resident and b.variant == name:
@@ -535,18 +540,21 @@ class StreamHandle:
                 self._forget_copy(b)  # copied again, as the base, when next loaded
         del self._variants[name]
 
-    def select_variant(self, name: str | None) -> None:
+    def select_variant(self, name: str | None, blocks_only: bool = False) -> None:
         """Compute with variant `name` (None: the base) from now on: the tensors outside the
-        blocks change now (queued on the compute stream), each block when it loads next."""
+        blocks change now (queued on the compute stream), each block when it loads next. With
+        `blocks_only` the tensors outside the blocks stay as they are (a pass that runs only
+        blocks, between passes over the same rows' prologue and epilogue)."""
         self._check_open()
         if name is not None and name not in self._variants:
             raise KeyError(f"no variant {name!r} is registered")
-        if name == self.variant:
-            return
-        for old, sign in ((self.variant, -1), (name, 1)):
-            for k, delta in self._variants[old].non_block if old is not None else ():
-                self._h2d_bytes += add_delta(self._non_block[k].tensor.data, delta, sign)
         self.variant = name
+        if blocks_only or name == self._non_block_variant:
+            return
+        for old, sign in ((self._non_block_variant, -1), (name, 1)):
+            if old is not None:
+                self._h2d_bytes += self._variants[old].non_block.apply(sign)
+        self._non_block_variant = name
 
     def _vary(
         self, block: _Block, flat: torch.Tensor, held: str | None, target: str | None = ...

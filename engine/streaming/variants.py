@@ -70,13 +70,47 @@ def flat_delta(nbytes: int, parts: Sequence[tuple[TensorEntry, DeltaBuffer]]) ->
     return delta_encode(torch.zeros_like(words), words)
 
 
+class TensorsDelta:
+    """One variant's deltas over several separate tensors, coded again as one: a switch decodes
+    it once into a scratch buffer on the tensors' device and adds each tensor's part to its
+    words (rather than one decode per tensor, most of them small)."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor], deltas: Sequence[DeltaBuffer]):
+        self.tensors = list(tensors)
+        self.sizes = [d.num_words for d in deltas]
+        for t, size in zip(self.tensors, self.sizes):
+            if words(t).numel() != size:
+                raise ValueError(f"a delta of {size} words for a tensor of {words(t).numel()}")
+        joined = torch.zeros(sum(self.sizes), dtype=torch.int16)
+        for part, delta in zip(joined.split(self.sizes), deltas):
+            delta_apply(delta, part, 1)
+        device = self.tensors[0].device if self.tensors else torch.device("cpu")
+        self.delta = pinned(delta_encode(torch.zeros_like(joined), joined), device)
+
+    def apply(self, sign: int) -> int:
+        """Add (`sign` 1) or subtract (-1) the deltas; returns the bytes sent to the device."""
+        if not self.tensors:
+            return 0
+        scratch = torch.zeros(
+            self.delta.num_words, dtype=torch.int16, device=self.tensors[0].device
+        )
+        sent = add_delta(scratch, self.delta, 1)
+        for t, part in zip(self.tensors, scratch.split(self.sizes)):
+            # int16 arithmetic wraps mod 2**16, as the delta's words do.
+            words(t).add_(part) if sign > 0 else words(t).sub_(part)
+        return sent
+
+    @property
+    def nbytes(self) -> int:
+        return self.delta.nbytes
+
+
 class ResidentVariants:
     """The variants of a module whose tensors all live on its device (a model not streamed)."""
 
     def __init__(self, module: nn.Module):
         self._tensors = {n: b.tensor for b in collect_tensors(module) for n in b.names}
-        self._device = next((t.device for t in self._tensors.values()), torch.device("cpu"))
-        self._variants: dict[str, dict[str, DeltaBuffer]] = {}
+        self._variants: dict[str, TensorsDelta] = {}
         self.variant: str | None = None
         self.h2d_bytes = 0  # bytes of deltas sent to the device
 
@@ -85,29 +119,26 @@ class ResidentVariants:
         unknown = sorted(set(deltas) - set(self._tensors))
         if unknown:
             raise KeyError(f"variant {name!r} changes tensors the module lacks: {unknown[:4]}")
-        for key, delta in deltas.items():
-            size = self._tensors[key].numel() * self._tensors[key].element_size()
-            if delta.num_words * 2 != size:
-                raise ValueError(
-                    f"variant {name!r}: {key} has {size} bytes, its delta codes "
-                    f"{delta.num_words * 2}"
-                )
         if name in self._variants:
             raise ValueError(f"variant {name!r} is registered already")
-        self._variants[name] = {k: pinned(d, self._device) for k, d in deltas.items()}
+        keys = sorted(deltas)
+        self._variants[name] = TensorsDelta(
+            [self._tensors[k].data for k in keys], [deltas[k] for k in keys]
+        )
 
     def remove_variant(self, name: str) -> None:
         if self.variant == name:
             self.select_variant(None)
         self._variants.pop(name, None)
 
-    def select_variant(self, name: str | None) -> None:
-        """Make the module's tensors those of variant `name` (None: the base's)."""
-        if name == self.variant:
+    def select_variant(self, name: str | None, blocks_only: bool = False) -> None:
+        """Make the module's tensors those of variant `name` (None: the base's); it has no
+        blocks of its own, so `blocks_only` is a no-op."""
+        if blocks_only or name == self.variant:
             return
         if name is not None and name not in self._variants:
             raise KeyError(f"no variant {name!r} is registered")
         for old, sign in ((self.variant, -1), (name, 1)):
-            for key, delta in self._variants.get(old, {}).items():
-                self.h2d_bytes += add_delta(self._tensors[key], delta, sign)
+            if old is not None:
+                self.h2d_bytes += self._variants[old].apply(sign)
         self.variant = name

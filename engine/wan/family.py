@@ -397,6 +397,7 @@ class WanVideoPipeline(Pipeline, Sampler):
             path, config, parts["text_encoder"], parts["vae"], parts.get("image_encoder")
         )
         self.experts = [parts[name] for name in config.experts]
+        self.denoisers = tuple(config.experts)
         scheduler_class = getattr(diffusers, config.scheduler)
         self.scheduler = scheduler_class.from_pretrained(
             path, subfolder="scheduler", local_files_only=True
