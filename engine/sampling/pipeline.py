@@ -173,9 +173,17 @@ class Pipeline(VideoModel, ABC):
         self.fine_tunes.pop(name, None)
 
     def fine_tune_card(self, name: str) -> dict:
+        """A registered fine-tune: its name, base, the host bytes its deltas hold here (coded
+        again per streamed block: a little less than the file's per-tensor ones) and the
+        tensors it changes."""
         delta = self.fine_tunes[name]
+        held = sum(
+            owner.variant_nbytes(name)
+            for component, owner in self._variants.items()
+            if component in delta.deltas
+        )
         changed = sum(len(d) for d in delta.deltas.values())
-        return {"name": name, "base": self.name, "bytes": delta.nbytes, "tensors": changed}
+        return {"name": name, "base": self.name, "bytes": held, "tensors": changed}
 
     @property
     def compute_dtype(self) -> torch.dtype:

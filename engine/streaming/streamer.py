@@ -523,6 +523,11 @@ class StreamHandle:
         )
         self._variants[name] = _Variant(blocks, non_block)
 
+    def variant_nbytes(self, name: str) -> int:
+        """Host bytes variant `name` holds (its blocks' deltas and the one outside them)."""
+        variant = self._variants[name]
+        return sum(d.nbytes for d in variant.blocks.values()) + variant.non_block.nbytes
+
     def remove_variant(self, name: str) -> None:
         """Unregister variant `name`; what holds it now gets the base's bytes back."""
         self._check_open()

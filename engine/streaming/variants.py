@@ -126,6 +126,10 @@ class ResidentVariants:
             [self._tensors[k].data for k in keys], [deltas[k] for k in keys]
         )
 
+    def variant_nbytes(self, name: str) -> int:
+        """Host bytes variant `name` holds."""
+        return self._variants[name].nbytes
+
     def remove_variant(self, name: str) -> None:
         if self.variant == name:
             self.select_variant(None)
