@@ -303,6 +303,13 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="a smoke run: 3 steps, 2 formats, 1 seed, 2 sampling steps",
     )
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=2,
+        help="CPU threads (1 on a machine other work keeps busy: a tiny model's many small "
+        "parallel regions wait on a preempted thread)",
+    )
     args = ap.parse_args(argv)
     if args.quick:
         args.steps, args.seeds, args.states = 3, "0", "fp32,bf16-sr/8bit"
@@ -315,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--adherence reads pixels of the world: the tiny Wan's VAE is random")
     seeds = [int(s) for s in args.seeds.split(",")]
     states = args.states.split(",")
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.work or tmp)

@@ -129,8 +129,15 @@ def main(argv=None) -> int:
     ap.add_argument("--clips", type=int, default=CLIPS)
     ap.add_argument("--heldout-clips", type=int, default=HELDOUT_CLIPS)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=2,
+        help="CPU threads (1 on a machine other work keeps busy: a tiny model's many small "
+        "parallel regions wait on a preempted thread)",
+    )
     args = ap.parse_args(argv)
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     path = trained_tiny_wan(
         Path(args.out), steps=args.steps, clips=args.clips, heldout_clips=args.heldout_clips
     )

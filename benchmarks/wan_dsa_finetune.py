@@ -144,10 +144,11 @@ def main(argv=None) -> int:
         default="fp32",
         help="state format(s) of the fine-tune and its control, comma-separated (dense: fp32)",
     )
+    ap.add_argument("--threads", type=int, default=2, help="CPU threads")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     states = args.optimizer_state.split(",")
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
