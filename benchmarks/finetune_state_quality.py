@@ -117,7 +117,7 @@ class Subject:
     shape: dict[str, int]
     time_sampling: str
     heldout_times: tuple[float, ...]
-    heldout: Callable[[Path, Path, Path, int], dict[str, float]]
+    heldout: Callable[[str | Path, Path, Path, int], dict[str, float]]
     prime: Callable[[Path, Path], None] | None = None  # (data, run output): before it trains
 
 
@@ -150,7 +150,7 @@ def finetune_spec(
 
 
 @torch.no_grad()
-def heldout_loss(model: Path, data: Path, work: Path, clips: int) -> dict[str, float]:
+def heldout_loss(model: str | Path, data: Path, work: Path, clips: int) -> dict[str, float]:
     """The flow-matching loss of the packaged model's fine-tune `model` (fp32, no autocast) on
     all `clips` clips of `data`, at each of `HELDOUT_TIMES` with noise drawn from seed 0; and
     their mean. The clips are read through a trainer's own data path (one batch of all of them,
@@ -336,7 +336,11 @@ def main(argv: list[str] | None = None) -> int:
         heldout = shifted_dataset(work / "heldout", args.heldout_clips, HELDOUT_SEED, subject.shape)
         prompt_rng = random.Random(0)
         prompts = [caption_for(*prompt_rng.choice(UNSEEN), "gray") for _ in range(args.prompts)]
-        before = None  # the model before fine-tuning, read back the same way
+        # The model before fine-tuning, measured the same way: what the fine-tunes moved.
+        heldout_before = subject.heldout(
+            subject.model, heldout, work / "base-eval", args.heldout_clips
+        )
+        before = None
         if args.adherence:
             pipe = open_pipeline(str(subject.model), dtype="float32")
             before = read_back(pipe, args.adherence, args.sample_steps)
@@ -397,6 +401,7 @@ def main(argv: list[str] | None = None) -> int:
         "prompts": prompts,
         "sample_steps": args.sample_steps,
         "adherence_prompts": args.adherence,
+        "heldout_loss_before_finetune": heldout_before,
         "adherence_before_finetune": before,
         "seeds": seeds,
         "fp32_cross_seed_psnr": cross,
