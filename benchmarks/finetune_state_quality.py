@@ -16,7 +16,8 @@ same seed by PSNR.
 
 Reported per format: held-out loss per seed and as mean [min, max], whether that interval lies
 within the fp32 seeds' [min, max], its difference from the fp32 run of the same seed, and the
-PSNR against fp32.
+PSNR against fp32; and, once, the held-out loss of the model before fine-tuning (what the
+fine-tunes moved, against which a format's difference is small or not).
 
 `--model tiny-wan` runs the same measurement on the trained tiny Wan (benchmarks/tiny_wan.py:
 diffusers layout, 4 blocks, 9x64x64 clips, built once under `--tiny-wan` and reused), fine-tuned
