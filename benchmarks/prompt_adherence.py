@@ -26,15 +26,19 @@ from megaslide.engine.sources import DEFAULT_MODEL
 GOALS = {"colour": 0.95, "motion": 0.90, "shape": 0.80}
 
 
-def adherence(pipe, count, steps=None, guidance=None, seed=0) -> tuple[list[dict], list[float]]:
-    """One clip per benchmark prompt, read back by the analyser: (rows, seconds per clip)."""
+def adherence(
+    pipe, count, steps=None, guidance=None, seed=0, background="black"
+) -> tuple[list[dict], list[float]]:
+    """One clip per benchmark prompt on `background`, read back by the analyser: (rows,
+    seconds per clip)."""
     rows, seconds = [], []
-    for i, (prompt, colour, shape, motion) in enumerate(benchmark_prompts(count)):
+    prompts = benchmark_prompts(count, background=background)
+    for i, (prompt, colour, shape, motion) in enumerate(prompts):
         request = VideoRequest(prompt, steps=steps, guidance=guidance, seed=seed + i)
         start = time.perf_counter()
         frames = pipe.generate(request)
         seconds.append(time.perf_counter() - start)
-        a = analyse_clip(frames, "black")
+        a = analyse_clip(frames, background)
         rows.append(
             {
                 "prompt": prompt,

@@ -94,14 +94,18 @@ def trained_tiny_wan(
 
 
 @torch.no_grad()
-def heldout_loss(model: Path, work: Path, clips: int = HELDOUT_CLIPS) -> dict[str, float]:
+def heldout_loss(
+    model: Path, work: Path, clips: int = HELDOUT_CLIPS, data: Path | None = None
+) -> dict[str, float]:
     """The model's flow-matching loss (MSE of its flow prediction against `noise - x0`) on
-    `clips` clips of a world seed training never uses, encoded as training encodes its
-    clips, at each of `HELDOUT_TIMES` with noise drawn from seed 0; and their mean."""
+    `clips` clips of a world seed training never uses (or the first `clips` of the dataset
+    `data`, clips of `SHAPE`), encoded as training encodes its clips, at each of
+    `HELDOUT_TIMES` with noise drawn from seed 0; and their mean."""
     from diffusers import WanTransformer3DModel
 
     info = describe(resolve_source(str(model)))
-    data = write_dataset(work / "world", clips, seed=HELDOUT_SEED, **SHAPE)
+    if data is None:
+        data = write_dataset(work / "world", clips, seed=HELDOUT_SEED, **SHAPE)
     cache = latent_cache(info, data, work, TrainingShape(**SHAPE))
     x0 = torch.stack([cache.files[f"latent.{i}"].float() for i in range(clips)])
     text = torch.stack([cache.embedding(str(i)) for i in range(clips)])
@@ -125,8 +129,15 @@ def main(argv=None) -> int:
     ap.add_argument("--clips", type=int, default=CLIPS)
     ap.add_argument("--heldout-clips", type=int, default=HELDOUT_CLIPS)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=2,
+        help="CPU threads (1 on a machine other work keeps busy: a tiny model's many small "
+        "parallel regions wait on a preempted thread)",
+    )
     args = ap.parse_args(argv)
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     path = trained_tiny_wan(
         Path(args.out), steps=args.steps, clips=args.clips, heldout_clips=args.heldout_clips
     )

@@ -14,6 +14,14 @@ The gap is what the swap costs: loss(DSA untrained) - loss(dense). After the sam
 further steps, "recovered" = 1 - (loss(DSA fine-tuned) - loss(dense trained further)) / gap: 1
 when the DSA model ends where the dense one does with the same training, 0 when the fine-tune
 closes none of the swap's cost. The velocities' distance to the dense model's is reported too.
+
+`--optimizer-state` names the optimizer state format of steps 2 and 3 (engine/training/
+state_format.py; several, comma-separated, each fine-tune and control starting from the same
+dense model, which always trains in fp32): a compact format is then measured by the cost it
+recovers against its own control. Every run uses `--seed` (batch order, flow times, noise,
+bf16-sr's rounding).
+
+    python benchmarks/wan_dsa_finetune.py --optimizer-state fp32,bf16-sr/8bit --json
 """
 
 from __future__ import annotations
@@ -51,12 +59,20 @@ DSA = {"attention": "dsa", "dsa_tile": (1, 2, 2), "dsa_window": (3, 3, 3)}
 
 
 def train(
-    model: Path, data: Path, output: Path, steps: int, lr: float, attention: str | None = None
+    model: Path,
+    data: Path,
+    output: Path,
+    steps: int,
+    lr: float,
+    attention: str | None = None,
+    *,
+    state: str = "fp32",
+    seed: int = 0,
 ) -> tuple[Path, list]:
     spec = FinetuneSpec(
-        run=RunSpec(output=str(output), save_every=10**6, attention=attention),
+        run=RunSpec(output=str(output), save_every=10**6, attention=attention, seed=seed),
         schedule=ScheduleSpec(steps=steps),
-        optimizer=OptimizerSpec(lr=lr),
+        optimizer=OptimizerSpec(lr=lr, state=state),
         clips=ClipSpec(**SHAPE, batch_size=4, caption_dropout=0.0),
     )
     with open_trainer(model, data, spec) as t:
@@ -91,62 +107,87 @@ def evaluate(model_dir: Path, held_out, overrides: dict, reference=None) -> dict
     return out
 
 
+def adapt(dense: Path, data: Path, work: Path, held_out, before, untrained, state, args) -> dict:
+    """The 3D-DSA fine-tune of `dense` and its dense control, both in `state`, evaluated."""
+    start = time.perf_counter()
+    work = work / state.replace("/", "_")
+    dsa, dsa_curve = train(
+        dense, data, work / "dsa", args.dsa_steps, args.lr, "dsa", state=state, seed=args.seed
+    )
+    tuned = evaluate(dsa, held_out, DSA, before["velocities"])
+    more, _ = train(
+        dense, data, work / "more", args.dsa_steps, args.lr, state=state, seed=args.seed
+    )
+    control = evaluate(more, held_out, {}, before["velocities"])
+    gap = untrained["loss"] - before["loss"]
+    return {
+        "held_out_loss": {"dsa_finetuned": tuned["loss"], "dense_trained_further": control["loss"]},
+        "velocity_relative_l2_to_dense": {
+            "dsa_finetuned": tuned["velocity_relative_l2_to_dense"],
+            "dense_trained_further": control["velocity_relative_l2_to_dense"],
+        },
+        "recovered": 1 - (tuned["loss"] - control["loss"]) / gap if gap > 0 else None,
+        "dsa_curve_every_25": dsa_curve[::25],
+        "seconds": time.perf_counter() - start,
+    }
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--clips", type=int, default=48)
     ap.add_argument("--dense-steps", type=int, default=300)
     ap.add_argument("--dsa-steps", type=int, default=150)
     ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--optimizer-state",
+        default="fp32",
+        help="state format(s) of the fine-tune and its control, comma-separated (dense: fp32)",
+    )
+    ap.add_argument("--threads", type=int, default=2, help="CPU threads")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
-    torch.set_num_threads(2)
+    states = args.optimizer_state.split(",")
+    torch.set_num_threads(args.threads)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         base = build_tiny_wan(tmp / "base", layers=4)
         train_data = write_dataset(tmp / "train", args.clips, seed=0, **SHAPE)
         test_data = write_dataset(tmp / "test", 8, seed=99, **SHAPE)
-        dense, dense_curve = train(base, train_data, tmp / "dense", args.dense_steps, args.lr)
+        dense, dense_curve = train(
+            base, train_data, tmp / "dense", args.dense_steps, args.lr, seed=args.seed
+        )
         shape = TrainingShape(**SHAPE, batch_size=4)
         cache = latent_cache(describe(resolve_source(dense)), test_data, tmp / "eval", shape)
         held_out = []
         for start_i in range(0, len(cache), 4):
             idx = list(range(start_i, min(start_i + 4, len(cache))))
             x0 = torch.stack([cache.loader.dataset[i][0] for i in idx])
-            emb = torch.stack([cache._embedding(str(i)) for i in idx])
+            emb = torch.stack([cache.embedding(str(i)) for i in idx])
             held_out.append((x0, emb))
         cache.close()
         before = evaluate(dense, held_out, {})
         untrained = evaluate(dense, held_out, DSA, before["velocities"])
-        dsa, dsa_curve = train(
-            dense, train_data, tmp / "dsa", args.dsa_steps, args.lr, attention="dsa"
-        )
-        tuned = evaluate(dsa, held_out, DSA, before["velocities"])
-        more, _ = train(dense, train_data, tmp / "more", args.dsa_steps, args.lr)
-        control = evaluate(more, held_out, {}, before["velocities"])
-    gap = untrained["loss"] - before["loss"]
+        adapted = {
+            state: adapt(dense, train_data, tmp, held_out, before, untrained, state, args)
+            for state in states
+        }
     result = {
         "clips": args.clips,
         "dense_steps": args.dense_steps,
         "dsa_steps": args.dsa_steps,
+        "seed": args.seed,
         "token_grid": [5, 8, 8],
         "dsa_tile": list(DSA["dsa_tile"]),
         "dsa_window": list(DSA["dsa_window"]),
-        "held_out_loss": {
-            "dense": before["loss"],
-            "dsa_untrained": untrained["loss"],
-            "dsa_finetuned": tuned["loss"],
-            "dense_trained_further": control["loss"],
-        },
+        "held_out_loss": {"dense": before["loss"], "dsa_untrained": untrained["loss"]},
         "velocity_relative_l2_to_dense": {
-            "dsa_untrained": untrained["velocity_relative_l2_to_dense"],
-            "dsa_finetuned": tuned["velocity_relative_l2_to_dense"],
-            "dense_trained_further": control["velocity_relative_l2_to_dense"],
+            "dsa_untrained": untrained["velocity_relative_l2_to_dense"]
         },
-        "gap": gap,
-        "recovered": 1 - (tuned["loss"] - control["loss"]) / gap if gap > 0 else None,
+        "gap": untrained["loss"] - before["loss"],
         "dense_curve_every_25": dense_curve[::25],
-        "dsa_curve_every_25": dsa_curve[::25],
+        "optimizer_states": adapted,  # per format: its fine-tune, its control, what it recovers
         "seconds": time.perf_counter() - start,
     }
     print(json.dumps(result, indent=2) if args.json else result)

@@ -240,3 +240,8 @@ def test_finetune_state_quality_benchmark_quick():
     assert d == sr["heldout_loss"]["mean"] - fp32["heldout_loss"]["mean"]
     (p,) = sr["psnr_vs_fp32_same_seed"]
     assert p > 0 and "psnr_vs_fp32_same_seed" not in fp32
+    # Prompt adherence: the unseen combinations read back, before and after each fine-tune.
+    assert r["adherence_prompts"] == 2 and r["adherence_before_finetune"]["unseen_prompts"] == 2
+    for attr in ("colour", "shape", "motion"):
+        rows = sr["runs"][0]["adherence"]["rows"]
+        assert sr["adherence"][attr]["per_seed"] == [sum(row[attr] for row in rows) / 2]

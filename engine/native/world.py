@@ -178,15 +178,17 @@ def write_dataset(
     return root
 
 
-def benchmark_prompts(count: int = 60, *, seed: int = 1) -> list[tuple[str, str, str, str]]:
+def benchmark_prompts(
+    count: int = 60, *, seed: int = 1, background: str = "black"
+) -> list[tuple[str, str, str, str]]:
     """`(caption, colour, shape, motion)` of one-object prompts: every held-out combination, then
-    seen ones, on a black background; `count` in all."""
+    seen ones, on `background`; `count` in all."""
     combos = list(itertools.product(COLOURS, SHAPES, MOTIONS))
     unseen = [c for c in combos if held_out(*c)]
     seen = [c for c in combos if not held_out(*c)]
     random.Random(seed).shuffle(seen)
     chosen = (unseen + seen)[:count]
-    return [(caption_for(*c), *c) for c in chosen]
+    return [(caption_for(*c, background), *c) for c in chosen]
 
 
 # ---------------------------------------------------------------------------------------------
