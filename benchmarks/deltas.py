@@ -63,7 +63,9 @@ def info(model) -> object:
 
 def fine_tune(base, data: Path, out: Path, lr: float, steps: int, clips: dict) -> Path:
     """An export of `base` fine-tuned `steps` steps at `lr` on `data` (batch 4, cosine, fp32
-    AdamW), its clips as `clips` says."""
+    AdamW), its clips as `clips` says; one made before (`--work`) is taken as it is."""
+    if (out / "model" / "delta").exists():
+        return out / "model"
     spec = FinetuneSpec(
         run=RunSpec(output=str(out / "run"), save_every=10**6, seed=0),
         schedule=ScheduleSpec(steps=steps, lr_schedule="cosine", warmup_steps=max(1, steps // 10)),
@@ -108,21 +110,21 @@ def sweep(base, data: Path, work: Path, lrs, lengths, clips: dict) -> list[dict]
     return rows
 
 
-def host_ram(base, models: list[str]) -> dict:
-    """Bytes the registered deltas of `models` hold on one pipeline of `base`, against as many
-    full copies of the model in the same dtype."""
-    pipe = open_pipeline(str(base), offload="stream")
-    dtype = pipe.compute_dtype
+def host_ram(base, models: list[str], dtype: torch.dtype) -> dict:
+    """Bytes the deltas of `models` hold registered on one streamed pipeline of `base` in
+    `dtype` (coded again per block: `fine_tune_card`), against as many full copies."""
+    pipe = open_pipeline(str(base), offload="stream", dtype=dtype)
     for k, model in enumerate(models):
         pipe.add_fine_tune(f"ft{k}", read_delta(model, dtype))
     model_bytes = sum(held_nbytes(info(base), dtype).values())
-    deltas = sum(d.nbytes for d in pipe.fine_tunes.values())
+    deltas = sum(pipe.fine_tune_card(name)["bytes"] for name in pipe.fine_tunes)
     pipe.close()
     return {
         "fine_tunes": len(models),
         "dtype": str(dtype).removeprefix("torch."),
         "model_bytes": model_bytes,
         "deltas_bytes": deltas,
+        "delta_per_model": deltas / len(models) / model_bytes,
         "base_and_deltas_bytes": model_bytes + deltas,
         "full_copies_bytes": (len(models) + 1) * model_bytes,
         "ratio": (model_bytes + deltas) / ((len(models) + 1) * model_bytes),
@@ -195,18 +197,22 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--mix", type=int, default=4, help="fine-tunes in the mixed batch")
     ap.add_argument("--rounds", type=int, default=3, help="timed steps per batch")
-    ap.add_argument("--work", help="keep the runs here (default: a temporary directory)")
+    ap.add_argument(
+        "--work", help="keep the runs here, and reuse them (default: a temporary directory)"
+    )
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     ap.add_argument("--quick", action="store_true", help="a smoke run: one short fine-tune")
     args = ap.parse_args(argv)
     lrs = [float(x) for x in args.lrs.split(",")]
     lengths = [int(x) for x in args.steps.split(",")]
     if args.quick:
         lrs, lengths, args.mix, args.rounds = [1e-4], [2], 1, 1
-    torch.set_num_threads(2)
-    request = {"prompt": "a red ball moves right", "steps": 2}
+    torch.set_num_threads(args.threads)
+    # A warm-up step, then the timed ones: each a step of the schedule.
+    request = {"prompt": "a red ball moves right", "steps": args.rounds + 1}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.work or tmp)
-        data = shifted_dataset(work / "data", 16 if args.quick else 64, seed=1)
+        data = shifted_dataset(work / "data", 16 if args.quick else 64, seed=1, shape=SHAPE)
         clips = {**SHAPE, "time_sampling": TIME_SAMPLING}  # the packaged model's own
         result = {"packaged": sweep(DEFAULT_MODEL, data, work / "packaged", lrs, lengths, clips)}
         if args.tiny_wan:
@@ -219,7 +225,15 @@ def main(argv=None) -> int:
             )
         models = [row["model"] for row in result["packaged"]]
         mixed = (models * args.mix)[: args.mix]
-        result["host_ram"] = host_ram(DEFAULT_MODEL, models)
+        result["host_ram"] = {
+            str(d).removeprefix("torch."): host_ram(DEFAULT_MODEL, models, d) for d in DTYPES
+        }
+        if args.tiny_wan:
+            wan_models = [row["model"] for row in result["tiny_wan"]]
+            result["host_ram_tiny_wan"] = {
+                str(d).removeprefix("torch."): host_ram(args.tiny_wan, wan_models, d)
+                for d in DTYPES
+            }
         result["throughput"] = throughput(DEFAULT_MODEL, mixed, request, args.rounds)
         result["first_video"] = first_video(DEFAULT_MODEL, models[-1], request)
     if args.json:

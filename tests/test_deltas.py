@@ -104,6 +104,14 @@ def test_fine_tune_served_as_delta_is_bitwise_its_full_copy(models, alone, place
     np.testing.assert_array_equal(frames(pipe), alone["base"])
 
 
+def test_deltas_applied_per_tensor_as_on_a_gpu(models, alone):
+    pipe = open_pipeline(str(models["base"]), offload="stream")
+    pipe.handles["dit"].deltas_per_block = False  # a GPU's way: a decode per tensor
+    pipe.add_fine_tune("a", make_delta(info(models["a"]), info(models["base"]), pipe.compute_dtype))
+    np.testing.assert_array_equal(frames(pipe, "a"), alone["a"])
+    np.testing.assert_array_equal(frames(pipe), alone["base"])
+
+
 def test_requests_of_several_fine_tunes_share_a_step_moving_each_block_once(models):
     pipe = open_pipeline(str(models["base"]), offload="stream")
     for name in ("a", "b"):

@@ -182,10 +182,10 @@ class _Slot:
 
 @dataclasses.dataclass
 class _Variant:
-    """One weight variant as the streamer applies it: one delta over each block's flat buffer
-    it changes (one decode as the block loads), and one per tensor outside the blocks."""
+    """One weight variant as the streamer applies it: the deltas of each block it changes, as
+    (byte offset, bytes, delta) in the block's flat buffer, and those outside the blocks."""
 
-    blocks: dict[int, DeltaBuffer]
+    blocks: dict[int, list[tuple[int, int, DeltaBuffer]]]
     non_block: TensorsDelta
 
 
@@ -251,6 +251,10 @@ class StreamHandle:
         self._variants: dict[str, _Variant] = {}
         self.variant: str | None = None
         self._non_block_variant: str | None = None  # the one the tensors outside blocks hold
+        # A variant's block deltas coded again as one per block: one decode as a block loads.
+        # On the CPU, whose (reference) decode costs much per call; on a GPU a kernel per
+        # tensor costs little, and coding a model again at registration a lot.
+        self.deltas_per_block = device.type == "cpu"
         self.set_order("forward")
         self.reset_stats()
 
@@ -516,7 +520,11 @@ class StreamHandle:
             else:
                 by_block.setdefault(i, []).append((self._blocks[i].entries[k], delta))
         for i, parts in by_block.items():
-            blocks[i] = pinned(flat_delta(self._blocks[i].nbytes, parts), self.device)
+            if self.deltas_per_block:
+                nbytes = self._blocks[i].nbytes
+                blocks[i] = [(0, nbytes, flat_delta(nbytes, parts))]
+            else:
+                blocks[i] = [(e.offset, e.nbytes, pinned(d, self.device)) for e, d in parts]
         ks = sorted(outside)
         non_block = TensorsDelta(
             [self._non_block[k].tensor.data for k in ks], [outside[k] for k in ks]
@@ -526,7 +534,8 @@ class StreamHandle:
     def variant_nbytes(self, name: str) -> int:
         """Host bytes variant `name` holds (its blocks' deltas and the one outside them)."""
         variant = self._variants[name]
-        return sum(d.nbytes for d in variant.blocks.values()) + variant.non_block.nbytes
+        blocks = sum(d.nbytes for parts in variant.blocks.values() for _, _, d in parts)
+        return blocks + variant.non_block.nbytes
 
     def remove_variant(self, name: str) -> None:
         """Unregister variant `name`; what holds it now gets the base's bytes back."""
@@ -571,9 +580,8 @@ class StreamHandle:
             return held
         for name, sign in ((held, -1), (target, 1)):
             variant = self._variants.get(name) if name is not None else None
-            delta = variant.blocks.get(block.index) if variant is not None else None
-            if delta is not None:
-                self._h2d_bytes += add_delta(flat[: block.nbytes], delta, sign)
+            for offset, nbytes, delta in variant.blocks.get(block.index, ()) if variant else ():
+                self._h2d_bytes += add_delta(flat[offset : offset + nbytes], delta, sign)
         return target
 
     @staticmethod
