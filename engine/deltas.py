@@ -26,118 +26,18 @@ changes the text encoders and denoisers, which run per request group (`Family.de
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import json
 from pathlib import Path
 
 import torch
 
 from ..kernels.delta_reference import DeltaBuffer, delta_encode
-from .atomic import atomic_directory
+from .delta_format import META_FILE, ModelDelta, delta_dir
 from .family import family
 from .loader import held_tensors
 from .sources import ModelInfo
+from .streaming.variants import DeltaError, digest
 
-FORMAT = "megaslide-delta/1"
-DELTA_DIR = "delta"
-TENSORS_FILE, META_FILE = "delta.safetensors", "delta.json"
-
-
-class DeltaError(ValueError):
-    """A delta that does not belong to the model it is given to, or cannot be read."""
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def delta_dir(model: str | Path, dtype: torch.dtype) -> Path:
-    """Where the delta of the model directory `model` in `dtype` lives."""
-    return Path(model) / DELTA_DIR / dtype_name(dtype)
-
-
-def digest(t: torch.Tensor) -> str:
-    """SHA-256 of a host tensor's bytes."""
-    return hashlib.sha256(t.contiguous().reshape(-1).view(torch.uint8).numpy()).hexdigest()
-
-
-@dataclasses.dataclass
-class ModelDelta:
-    """A fine-tune as the coded deltas of the tensors it changed, and the base they apply to."""
-
-    base: str  # the base's name, as shown
-    dtype: torch.dtype  # the compute dtype whose words are coded
-    deltas: dict[str, dict[str, DeltaBuffer]]  # component -> tensor name -> coded delta
-    digests: dict[str, dict[str, str]]  # component -> tensor name -> the base tensor's SHA-256
-
-    @property
-    def nbytes(self) -> int:
-        """Host bytes of the coded deltas."""
-        return sum(d.nbytes for part in self.deltas.values() for d in part.values())
-
-    def check(self, digests: dict[str, dict[str, str]], base: str) -> None:
-        """DeltaError unless `digests` (a model's own, `base_digests`) are this delta's base's."""
-        for component, mine in self.digests.items():
-            theirs = digests.get(component)
-            if theirs is None:
-                raise DeltaError(f"this delta changes {component!r}, which {base} does not have")
-            for name, sha in mine.items():
-                if theirs.get(name) != sha:
-                    what = "lacks" if name not in theirs else "has another"
-                    raise DeltaError(
-                        f"this delta is over {self.base}, not {base}: {base} {what} "
-                        f"{component}.{name}"
-                    )
-
-    def save(self, path: str | Path) -> Path:
-        """Write the delta to the folder `path` (atomically)."""
-        from safetensors.torch import save_file
-
-        tensors = {
-            f"{component}/{name}/{part}": t
-            for component, deltas in self.deltas.items()
-            for name, delta in deltas.items()
-            for part, t in delta.to_tensors().items()
-        }
-        meta = {
-            "format": FORMAT,
-            "dtype": dtype_name(self.dtype),
-            "base": self.base,
-            "changed": {c: sorted(d) for c, d in self.deltas.items()},
-            "digests": self.digests,
-        }
-        path = Path(path)
-        with atomic_directory(path) as tmp:
-            save_file(tensors, str(tmp / TENSORS_FILE))
-            (tmp / META_FILE).write_text(json.dumps(meta, indent=1))
-        return path
-
-    @classmethod
-    def load(cls, path: str | Path) -> ModelDelta:
-        """The delta in the folder `path`; DeltaError naming what is wrong with it."""
-        from safetensors.torch import load_file
-
-        path = Path(path)
-        try:
-            meta = json.loads((path / META_FILE).read_text())
-            if meta.get("format") != FORMAT:
-                raise DeltaError(f"{path}: format {meta.get('format')!r}, expected {FORMAT!r}")
-            tensors = load_file(str(path / TENSORS_FILE))
-            parts: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
-            for key, t in tensors.items():
-                component, name, part = key.split("/")
-                parts.setdefault((component, name), {})[part] = t
-            deltas: dict[str, dict[str, DeltaBuffer]] = {}
-            for component, names in meta["changed"].items():
-                deltas[component] = {
-                    n: DeltaBuffer.from_tensors(parts[(component, n)]) for n in names
-                }
-            return cls(meta["base"], getattr(torch, meta["dtype"]), deltas, meta["digests"])
-        except (OSError, KeyError, ValueError, TypeError, AttributeError) as exc:
-            if isinstance(exc, DeltaError):
-                raise
-            raise DeltaError(f"{path}: not a readable delta ({type(exc).__name__}: {exc})") from exc
+__all__ = ["DeltaError", "ModelDelta", "base_digests", "make_delta", "read_delta", "write_delta"]
 
 
 def base_digests(info: ModelInfo, dtype: torch.dtype) -> dict[str, dict[str, str]]:

@@ -144,8 +144,6 @@ class TorchBackend(Backend):
     def add_fine_tune(self, model, card: ModelCard) -> bool:
         from megaslide.engine.deltas import read_delta, write_delta
 
-        if isinstance(model, RankGroup):  # each rank would need it: it loads whole there
-            return False
         tuned = describe(ModelSource("directory", card.name, path=Path(card.source)))
         dtype = model.compute_dtype
         try:

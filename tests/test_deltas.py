@@ -315,3 +315,38 @@ def test_wan_requests_of_a_fine_tune_and_its_base_share_a_step(wan):
 def test_a_fine_tune_may_not_change_the_decoder(wan):
     with pytest.raises(DeltaError, match="may not change the vae"):
         make_delta(info(wan["vae"]), info(wan["base"]), torch.float32)
+
+
+@pytest.mark.slow  # two processes (gloo)
+def test_fine_tunes_on_two_ranks_equal_one_process(wan):
+    from megaslide.engine.parallel.rank_group import RankGroup
+    from megaslide.engine.request import resolve
+
+    base = info(wan["base"])
+    group = RankGroup(base, ["cpu", "cpu"], timeout_s=300)
+    try:
+        delta = make_delta(info(wan["tuned"]), base, group.compute_dtype)
+        group.add_fine_tune("t", delta)
+        with pytest.raises(DeltaError, match="already has a fine-tune 't'"):
+            group.add_fine_tune("t", delta)
+        asked = [(None, 1), ("t", 2)]
+        videos = [
+            resolve(
+                wan_request(seed=s, fine_tune=f),
+                base.limits,
+                base.sampling,
+                model=base.name,
+                fine_tunes={"t"},
+            )
+            for f, s in asked
+        ]
+        states = group.prepare_batch(videos)
+        while not all(s.done for s in states):
+            group.denoise_step(states)
+        split = group.finish_batch(states)
+    finally:
+        group.close()
+    own = {None: open_pipeline(wan["base"]), "t": open_pipeline(wan["tuned"])}
+    for (name, seed), got in zip(asked, split):
+        want = own[name].generate(wan_request(seed=seed))
+        assert np.abs(got.astype(int) - want.astype(int)).max() <= 1, name

@@ -46,6 +46,8 @@ from pathlib import Path
 
 import torch
 
+from ..delta_format import ModelDelta
+from ..deltas import DeltaError, base_digests
 from ..family import family
 from ..interfaces import VideoModel
 from ..loader import load_adapter, resolve_dtype, share_weights
@@ -137,6 +139,8 @@ class RankGroup(VideoModel):
         self._forgotten: collections.deque[int] = collections.deque()
         self._adapters: dict[str, Adapter] = {}  # registered on every rank, in order
         self._cards: dict[str, dict] = {}  # each one's card, as rank 0 registered it
+        self.fine_tunes: dict[str, ModelDelta] = {}  # registered on every rank, in order
+        self._digests: dict | None = None  # the base's tensors' SHA-256, once a delta needs them
         self._on_spawn = on_spawn
         self._deadline = None if timeout_s is None else time.monotonic() + timeout_s
         self._timeout_s = timeout_s
@@ -219,6 +223,31 @@ class RankGroup(VideoModel):
         """Registered adapters by name, each with the sampling defaults it carries."""
         return {n: dict(a.defaults) for n, a in self._adapters.items()}
 
+    # -- fine-tunes kept as deltas: a Pipeline's, registered on every rank ------------------------
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.dtype
+
+    def add_fine_tune(self, name: str, delta: ModelDelta) -> dict:
+        """Register the fine-tune `delta` under `name` on every rank (`Pipeline.add_fine_tune`),
+        checked against the base here, once. Each rank holds its own copy of the deltas."""
+        if name in self.fine_tunes:
+            raise DeltaError(f"{self.name} already has a fine-tune {name!r}")
+        if self._digests is None:
+            self._digests = base_digests(self.info, self.dtype)
+        delta.check(self._digests, self.name)
+        if not self._procs:
+            self._restart()
+        card = self._call("fine_tune", name, delta)[0]
+        self.fine_tunes[name] = delta
+        return dict(card)
+
+    def remove_fine_tune(self, name: str) -> None:
+        """Unregister fine-tune `name` on every rank."""
+        if self.fine_tunes.pop(name, None) is not None and self._procs:
+            self._call("remove_fine_tune", name)
+
     def stats(self) -> list[dict[str, dict]]:
         """Each rank's streamer accounting (`Pipeline.stats()`: by streamed component, with
         per-block copy and compute times when the placement has `timing`), rank order. Timing
@@ -290,6 +319,8 @@ class RankGroup(VideoModel):
             self._start()
             for adapter in self._adapters.values():  # what the stopped ranks had registered
                 self._call("adapter", adapter, True)
+            for name, delta in self.fine_tunes.items():
+                self._call("fine_tune", name, delta)
         except RankFailed as e:
             raise RanksDown(
                 f"the ranks on {','.join(self.devices)} could not start again: {e}"
@@ -433,6 +464,12 @@ def _rank_main(rank: int, spec: _Spec, conn: Connection) -> None:
                 answer = pipe.register_adapter(adapter, replace=replace)
             elif command == "remove":
                 pipe.remove_adapter(args[0])
+                answer = None
+            elif command == "fine_tune":
+                name, delta = args
+                answer = pipe.add_fine_tune(name, delta, checked=True)  # by the parent, once
+            elif command == "remove_fine_tune":
+                pipe.remove_fine_tune(args[0])
                 answer = None
             else:
                 raise ValueError(f"unknown command {command!r}")

@@ -29,15 +29,16 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..host_memory import HOST_MEMORY_CHECK_ENV, host_memory_available
 from ..interfaces import VideoModel
 from ..request import ResolvedVideo, VideoRequest, resolve
 from ..sources import ModelInfo
 from ..streaming.streamer import StreamHandle
-from ..streaming.variants import ResidentVariants
+from ..streaming.variants import DeltaError, ResidentVariants, digest
 from .step_cache import StepCurve
 
 if TYPE_CHECKING:
-    from ..deltas import ModelDelta
+    from ..delta_format import ModelDelta
     from ..lora import Adapter, AdapterRouter
 
 # Clips decoded in one pass of the autoencoder. Decoding's activations grow with the rows of a
@@ -123,13 +124,11 @@ class Pipeline(VideoModel, ABC):
 
     # -- fine-tunes kept as deltas over this model -------------------------------------------------
 
-    def add_fine_tune(self, name: str, delta: ModelDelta) -> dict:
+    def add_fine_tune(self, name: str, delta: ModelDelta, *, checked: bool = False) -> dict:
         """Register the fine-tune `delta` (`deltas.read_delta` / `make_delta`) under `name`:
         checked against this model's weights (DeltaError naming the first tensor that is not
-        its base's), its deltas kept in host memory. Returns its card."""
-        from ..deltas import DeltaError, base_digests
-        from ..planner import HOST_MEMORY_CHECK_ENV, host_memory_available
-
+        its base's; `checked`: done already, by a group's parent), its deltas kept in host
+        memory. Returns its card."""
         if name in self.fine_tunes:
             raise DeltaError(f"{self.name} already has a fine-tune {name!r}")
         if any(h.weights == "fp8" for h in self.handles.values()):
@@ -147,9 +146,10 @@ class Pipeline(VideoModel, ABC):
                 f"host memory: fine-tune {name!r} needs {delta.nbytes / 1e9:.2f} GB for its "
                 f"delta, {free / 1e9:.2f} GB is available ({bound})"
             )
-        if self._digests is None:
-            self._digests = base_digests(self.info, dtype)
-        delta.check(self._digests, self.name)
+        if not checked:
+            if self._digests is None:
+                self._digests = self._held_digests()
+            delta.check(self._digests, self.name)
         added = []
         try:
             for component, deltas in delta.deltas.items():
@@ -165,6 +165,17 @@ class Pipeline(VideoModel, ABC):
             raise
         self.fine_tunes[name] = delta
         return self.fine_tune_card(name)
+
+    def _held_digests(self) -> dict[str, dict[str, str]]:
+        """The SHA-256 of every tensor of every component as this model holds it, by every
+        name it goes by (what a delta over it records: `deltas.base_digests`). Reads every
+        weight once: made before any fine-tune is registered, and kept."""
+        out = {}
+        for component, module in self.parts.items():
+            handle = self.handles.get(component)
+            tensors = handle.held_tensors() if handle else module.state_dict().items()
+            out[component] = {name: digest(t) for name, t in tensors}
+        return out
 
     def remove_fine_tune(self, name: str) -> None:
         """Unregister fine-tune `name` (the model computes with the base's weights after)."""

@@ -531,6 +531,19 @@ class StreamHandle:
         )
         self._variants[name] = _Variant(blocks, non_block)
 
+    def held_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The module's tensors as held now, by every name they go by, on the host (copied
+        from the device, decoded or read from disk as needed): one at a time."""
+        self._check_open()
+        for t in self._non_block:
+            yield from ((n, t.tensor.detach().cpu()) for n in t.names)
+        for b in self._blocks:
+            # The store's own buffer, or decoded / read from disk into host memory.
+            flat = b.device_flat.cpu() if b.resident else b.store.read()
+            for e in b.entries:
+                view = e.view(flat)
+                yield from ((n, view) for n in self._qualified(b, e.names))
+
     def variant_nbytes(self, name: str) -> int:
         """Host bytes variant `name` holds (its blocks' deltas and the one outside them)."""
         variant = self._variants[name]

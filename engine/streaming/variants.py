@@ -21,6 +21,7 @@ must be contiguous with an even size (every floating dtype is).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -29,6 +30,16 @@ from torch import nn
 from ...kernels.delta import delta_apply
 from ...kernels.delta_reference import PARTS, DeltaBuffer, delta_encode
 from .host_store import TensorEntry, collect_tensors
+
+
+class DeltaError(ValueError):
+    """A delta that does not belong to the model it is given to, or cannot be read."""
+
+
+def digest(t: torch.Tensor) -> str:
+    """SHA-256 of a tensor's bytes (copied to the host first when it is on a device)."""
+    flat = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+    return hashlib.sha256(flat.numpy()).hexdigest()
 
 
 def words(t: torch.Tensor) -> torch.Tensor:
