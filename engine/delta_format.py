@@ -12,10 +12,12 @@ import dataclasses
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ..kernels.delta_reference import DeltaBuffer
 from .atomic import atomic_directory
+from .streaming.host_store import read_safetensors_header
 from .streaming.variants import DeltaError
 
 FORMAT = "megaslide-delta/1"
@@ -40,6 +42,7 @@ class ModelDelta:
     dtype: torch.dtype  # the compute dtype whose words are coded
     deltas: dict[str, dict[str, DeltaBuffer]]  # component -> tensor name -> coded delta
     digests: dict[str, dict[str, str]]  # component -> tensor name -> the base tensor's SHA-256
+    mapped: bool = False  # its bytes are a memory map of its file (`load(mapped=True)`)
 
     @property
     def nbytes(self) -> int:
@@ -84,8 +87,10 @@ class ModelDelta:
         return path
 
     @classmethod
-    def load(cls, path: str | Path) -> ModelDelta:
-        """The delta in the folder `path`; DeltaError naming what is wrong with it."""
+    def load(cls, path: str | Path, *, mapped: bool = False) -> ModelDelta:
+        """The delta in the folder `path`; DeltaError naming what is wrong with it. `mapped`:
+        its coded streams stay a memory map of the file (`_mapped`), read from disk as they are
+        used, rather than read into RAM now."""
         from safetensors.torch import load_file
 
         path = Path(path)
@@ -93,7 +98,8 @@ class ModelDelta:
             meta = json.loads((path / META_FILE).read_text())
             if meta.get("format") != FORMAT:
                 raise DeltaError(f"{path}: format {meta.get('format')!r}, expected {FORMAT!r}")
-            tensors = load_file(str(path / TENSORS_FILE))
+            file = path / TENSORS_FILE
+            tensors = _mapped(file) if mapped else load_file(str(file))
             parts: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
             for key, t in tensors.items():
                 component, name, part = key.split("/")
@@ -103,8 +109,26 @@ class ModelDelta:
                 deltas[component] = {
                     n: DeltaBuffer.from_tensors(parts[(component, n)]) for n in names
                 }
-            return cls(meta["base"], getattr(torch, meta["dtype"]), deltas, meta["digests"])
+            dtype = getattr(torch, meta["dtype"])
+            return cls(meta["base"], dtype, deltas, meta["digests"], mapped=mapped)
         except (OSError, KeyError, ValueError, TypeError, AttributeError) as exc:
             if isinstance(exc, DeltaError):
                 raise
             raise DeltaError(f"{path}: not a readable delta ({type(exc).__name__}: {exc})") from exc
+
+
+def _mapped(file: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a .safetensors file as views of one private, read-only memory map of it:
+    the kernel reads their pages as they are used and drops them again under memory pressure.
+    A tensor whose bytes do not lie at a multiple of its element size is copied (the small
+    parts: tables, offsets, escapes; a delta's bulk, its uint8 stream, stays mapped)."""
+    flat = torch.from_numpy(
+        np.memmap(file, dtype=np.uint8, mode="c")
+    )  # copy-on-write: never written
+    out = {}
+    for key, e in read_safetensors_header(str(file)).items():
+        part = flat[e.offset : e.offset + e.nbytes]
+        if e.offset % e.dtype.itemsize:
+            part = part.clone()
+        out[key] = part.view(e.dtype).reshape(e.shape)
+    return out

@@ -90,7 +90,8 @@ def write_delta(tuned: ModelInfo, base: ModelInfo, dtype: torch.dtype) -> tuple[
     return delta.save(delta_dir(tuned.source.path, dtype)), delta
 
 
-def read_delta(model: str | Path, dtype: torch.dtype) -> ModelDelta | None:
-    """The delta saved in the model directory `model` for `dtype`, or None when it has none."""
+def read_delta(model: str | Path, dtype: torch.dtype, *, mapped: bool = False) -> ModelDelta | None:
+    """The delta saved in the model directory `model` for `dtype`, or None when it has none
+    (`mapped`: see `ModelDelta.load`)."""
     path = delta_dir(model, dtype)
-    return ModelDelta.load(path) if (path / META_FILE).exists() else None
+    return ModelDelta.load(path, mapped=mapped) if (path / META_FILE).exists() else None

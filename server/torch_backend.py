@@ -147,9 +147,10 @@ class TorchBackend(Backend):
         tuned = describe(ModelSource("directory", card.name, path=Path(card.source)))
         dtype = model.compute_dtype
         try:
-            delta = read_delta(tuned.source.path, dtype)
-            if delta is None:  # made once, beside the fine-tune's files, for the next worker
-                _, delta = write_delta(tuned, model.info, dtype)
+            if read_delta(tuned.source.path, dtype) is None:
+                write_delta(tuned, model.info, dtype)  # beside its files, for the next worker
+            # Mapped: held in RAM while it fits there, served from its file beyond.
+            delta = read_delta(tuned.source.path, dtype, mapped=True)
             model.add_fine_tune(card.name, delta)
         except (ValueError, OSError) as exc:  # DeltaError; a base drawn from a preset has no files
             log.warning("fine-tune %s loads whole: %s", card.name, exc)

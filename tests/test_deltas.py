@@ -158,6 +158,20 @@ def test_an_fp8_base_takes_no_deltas(models):
         pipe.add_fine_tune("a", delta)
 
 
+def test_a_delta_the_host_cannot_hold_is_served_from_its_file(models, alone, monkeypatch):
+    from megaslide.engine.sampling import pipeline as pipeline_module
+
+    write_delta(info(models["a"]), info(models["base"]), torch.float32)
+    monkeypatch.setattr(pipeline_module, "host_memory_available", lambda: (1000, "MemAvailable"))
+    pipe = open_pipeline(str(models["base"]), offload="stream")
+    with pytest.raises(DeltaError, match="host memory: fine-tune 'a' needs"):
+        pipe.add_fine_tune("a", read_delta(models["a"], torch.float32))
+    card = pipe.add_fine_tune("a", read_delta(models["a"], torch.float32, mapped=True))
+    assert card["tier"] == "disk" and card["bytes"] == 0
+    np.testing.assert_array_equal(frames(pipe, "a"), alone["a"])
+    np.testing.assert_array_equal(frames(pipe), alone["base"])
+
+
 def test_unknown_fine_tune_is_a_request_error(models):
     pipe = open_pipeline(str(models["base"]))
     with pytest.raises(RequestError, match="no fine-tune 'nope'") as err:

@@ -104,6 +104,7 @@ class Pipeline(VideoModel, ABC):
         self.fine_tunes: dict[str, ModelDelta] = {}
         self._variants: dict[str, StreamHandle | ResidentVariants] = {}  # by component
         self._digests: dict | None = None  # the base's tensors' SHA-256, once a delta needs them
+        self._on_disk: dict[str, bool] = {}  # by fine-tune: its deltas read from their file
 
     @property
     def name(self) -> str:
@@ -128,7 +129,8 @@ class Pipeline(VideoModel, ABC):
         """Register the fine-tune `delta` (`deltas.read_delta` / `make_delta`) under `name`:
         checked against this model's weights (DeltaError naming the first tensor that is not
         its base's; `checked`: done already, by a group's parent), its deltas kept in host
-        memory. Returns its card."""
+        memory, or when they do not fit there and `delta.mapped`, left in their file (a memory
+        map: the disk tier; pageable copies, read as blocks load). Returns its card."""
         if name in self.fine_tunes:
             raise DeltaError(f"{self.name} already has a fine-tune {name!r}")
         if any(h.weights == "fp8" for h in self.handles.values()):
@@ -141,10 +143,12 @@ class Pipeline(VideoModel, ABC):
                 "one for that dtype"
             )
         free, bound = host_memory_available()
-        if delta.nbytes > free and os.environ.get(HOST_MEMORY_CHECK_ENV) != "off":
+        on_disk = delta.nbytes > free and os.environ.get(HOST_MEMORY_CHECK_ENV) != "off"
+        if on_disk and not delta.mapped:
             raise DeltaError(
                 f"host memory: fine-tune {name!r} needs {delta.nbytes / 1e9:.2f} GB for its "
-                f"delta, {free / 1e9:.2f} GB is available ({bound})"
+                f"delta, {free / 1e9:.2f} GB is available ({bound}); load it mapped "
+                "(ModelDelta.load(mapped=True)) to serve it from disk"
             )
         if not checked:
             if self._digests is None:
@@ -157,13 +161,14 @@ class Pipeline(VideoModel, ABC):
                 if owner is None:
                     owner = self.handles.get(component) or ResidentVariants(self.parts[component])
                     self._variants[component] = owner
-                owner.add_variant(name, deltas)
+                owner.add_variant(name, deltas, on_disk)
                 added.append(owner)
         except Exception:
             for owner in added:
                 owner.remove_variant(name)
             raise
         self.fine_tunes[name] = delta
+        self._on_disk[name] = on_disk
         return self.fine_tune_card(name)
 
     def _held_digests(self) -> dict[str, dict[str, str]]:
@@ -182,6 +187,7 @@ class Pipeline(VideoModel, ABC):
         for owner in self._variants.values():
             owner.remove_variant(name)
         self.fine_tunes.pop(name, None)
+        self._on_disk.pop(name, None)
 
     def fine_tune_card(self, name: str) -> dict:
         """A registered fine-tune: its name, base, the host bytes its deltas hold here (coded
@@ -194,7 +200,8 @@ class Pipeline(VideoModel, ABC):
             if component in delta.deltas
         )
         changed = sum(len(d) for d in delta.deltas.values())
-        return {"name": name, "base": self.name, "bytes": held, "tensors": changed}
+        tier = "disk" if self._on_disk[name] else "ram"
+        return {"name": name, "base": self.name, "bytes": held, "tensors": changed, "tier": tier}
 
     @property
     def compute_dtype(self) -> torch.dtype:

@@ -255,6 +255,7 @@ class StreamHandle:
         # On the CPU, whose (reference) decode costs much per call; on a GPU a kernel per
         # tensor costs little, and coding a model again at registration a lot.
         self.deltas_per_block = device.type == "cpu"
+        self._on_disk: dict[str, bool] = {}  # by variant: its deltas a memory map of a file
         self.set_order("forward")
         self.reset_stats()
 
@@ -488,10 +489,13 @@ class StreamHandle:
 
     # -- weight variants (variants.py) ---------------------------------------------------------
 
-    def add_variant(self, name: str, deltas: Mapping[str, DeltaBuffer]) -> None:
+    def add_variant(
+        self, name: str, deltas: Mapping[str, DeltaBuffer], on_disk: bool = False
+    ) -> None:
         """Register weight variant `name`: a coded delta for each tensor it changes, by name as
         in `module.state_dict()`. Its deltas stay in host memory (page-locked for a GPU) and
-        are applied to a block as it loads (`select_variant`)."""
+        are applied to a block as it loads (`select_variant`). `on_disk`: the deltas are a
+        memory map of their file and stay so (pageable, read from disk as blocks load)."""
         self._check_open()
         if name in self._variants:
             raise ValueError(f"variant {name!r} is registered already")
@@ -520,15 +524,17 @@ class StreamHandle:
             else:
                 by_block.setdefault(i, []).append((self._blocks[i].entries[k], delta))
         for i, parts in by_block.items():
-            if self.deltas_per_block:
+            if self.deltas_per_block and not on_disk:
                 nbytes = self._blocks[i].nbytes
                 blocks[i] = [(0, nbytes, flat_delta(nbytes, parts))]
             else:
-                blocks[i] = [(e.offset, e.nbytes, pinned(d, self.device)) for e, d in parts]
+                keep = (lambda d: d) if on_disk else (lambda d: pinned(d, self.device))
+                blocks[i] = [(e.offset, e.nbytes, keep(d)) for e, d in parts]
         ks = sorted(outside)
         non_block = TensorsDelta(
-            [self._non_block[k].tensor.data for k in ks], [outside[k] for k in ks]
+            [self._non_block[k].tensor.data for k in ks], [outside[k] for k in ks], on_disk
         )
+        self._on_disk[name] = on_disk
         self._variants[name] = _Variant(blocks, non_block)
 
     def held_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -547,6 +553,8 @@ class StreamHandle:
     def variant_nbytes(self, name: str) -> int:
         """Host bytes variant `name` holds (its blocks' deltas and the one outside them)."""
         variant = self._variants[name]
+        if self._on_disk.get(name):
+            return 0
         blocks = sum(d.nbytes for parts in variant.blocks.values() for _, _, d in parts)
         return blocks + variant.non_block.nbytes
 
@@ -566,6 +574,7 @@ class StreamHandle:
             elif b.slot is not None and self._slots[b.slot].variant == name:
                 self._forget_copy(b)  # copied again, as the base, when next loaded
         del self._variants[name]
+        self._on_disk.pop(name, None)
 
     def select_variant(self, name: str | None, blocks_only: bool = False) -> None:
         """Compute with variant `name` (None: the base) from now on: the tensors outside the

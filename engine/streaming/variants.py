@@ -84,14 +84,21 @@ def flat_delta(nbytes: int, parts: Sequence[tuple[TensorEntry, DeltaBuffer]]) ->
 class TensorsDelta:
     """One variant's deltas over several separate tensors, coded again as one: a switch decodes
     it once into a scratch buffer on the tensors' device and adds each tensor's part to its
-    words (rather than one decode per tensor, most of them small)."""
+    words (rather than one decode per tensor, most of them small). With `on_disk` the deltas
+    stay as given (a memory map of their file: nothing in RAM), one decode each."""
 
-    def __init__(self, tensors: Sequence[torch.Tensor], deltas: Sequence[DeltaBuffer]):
+    def __init__(
+        self, tensors: Sequence[torch.Tensor], deltas: Sequence[DeltaBuffer], on_disk=False
+    ):
         self.tensors = list(tensors)
         self.sizes = [d.num_words for d in deltas]
         for t, size in zip(self.tensors, self.sizes):
             if words(t).numel() != size:
                 raise ValueError(f"a delta of {size} words for a tensor of {words(t).numel()}")
+        self.separate = list(deltas) if on_disk else None
+        if on_disk:
+            self.delta = None
+            return
         joined = torch.zeros(sum(self.sizes), dtype=torch.int16)
         for part, delta in zip(joined.split(self.sizes), deltas):
             delta_apply(delta, part, 1)
@@ -102,6 +109,8 @@ class TensorsDelta:
         """Add (`sign` 1) or subtract (-1) the deltas; returns the bytes sent to the device."""
         if not self.tensors:
             return 0
+        if self.separate is not None:
+            return sum(add_delta(t, d, sign) for t, d in zip(self.tensors, self.separate))
         scratch = torch.zeros(
             self.delta.num_words, dtype=torch.int16, device=self.tensors[0].device
         )
@@ -113,7 +122,8 @@ class TensorsDelta:
 
     @property
     def nbytes(self) -> int:
-        return self.delta.nbytes
+        """Bytes it holds in RAM (none on disk)."""
+        return 0 if self.delta is None else self.delta.nbytes
 
 
 class ResidentVariants:
@@ -125,8 +135,11 @@ class ResidentVariants:
         self.variant: str | None = None
         self.h2d_bytes = 0  # bytes of deltas sent to the device
 
-    def add_variant(self, name: str, deltas: Mapping[str, DeltaBuffer]) -> None:
-        """Register variant `name`: a delta for each tensor it changes, by name."""
+    def add_variant(
+        self, name: str, deltas: Mapping[str, DeltaBuffer], on_disk: bool = False
+    ) -> None:
+        """Register variant `name`: a delta for each tensor it changes, by name (`on_disk`:
+        kept as given, a memory map of its file)."""
         unknown = sorted(set(deltas) - set(self._tensors))
         if unknown:
             raise KeyError(f"variant {name!r} changes tensors the module lacks: {unknown[:4]}")
@@ -134,7 +147,7 @@ class ResidentVariants:
             raise ValueError(f"variant {name!r} is registered already")
         keys = sorted(deltas)
         self._variants[name] = TensorsDelta(
-            [self._tensors[k].data for k in keys], [deltas[k] for k in keys]
+            [self._tensors[k].data for k in keys], [deltas[k] for k in keys], on_disk
         )
 
     def variant_nbytes(self, name: str) -> int:
