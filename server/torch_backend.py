@@ -147,16 +147,21 @@ class TorchBackend(Backend):
         tuned = describe(ModelSource("directory", card.name, path=Path(card.source)))
         dtype = model.compute_dtype
         try:
-            if read_delta(tuned.source.path, dtype) is None:
-                write_delta(tuned, model.info, dtype)  # beside its files, for the next worker
             # Mapped: held in RAM while it fits there, served from its file beyond.
             delta = read_delta(tuned.source.path, dtype, mapped=True)
-            model.add_fine_tune(card.name, delta)
+            if delta is None:
+                write_delta(tuned, model.info, dtype)  # beside its files, for the next worker
+                delta = read_delta(tuned.source.path, dtype, mapped=True)
+            registered = model.add_fine_tune(card.name, delta)
         except (ValueError, OSError) as exc:  # DeltaError; a base drawn from a preset has no files
             log.warning("fine-tune %s loads whole: %s", card.name, exc)
             return False
         log.info(
-            "fine-tune %s served as a %d-byte delta over %s", card.name, delta.nbytes, model.name
+            "fine-tune %s served as a %d-byte delta over %s, from %s",
+            card.name,
+            delta.nbytes,
+            model.name,
+            "RAM" if registered.get("tier") == "ram" else "its file",
         )
         return True
 

@@ -112,6 +112,15 @@ def test_deltas_applied_per_tensor_as_on_a_gpu(models, alone):
     np.testing.assert_array_equal(frames(pipe), alone["base"])
 
 
+def test_ten_fine_tunes_registered_at_once(models, alone):
+    pipe = open_pipeline(str(models["base"]))
+    delta = make_delta(info(models["a"]), info(models["base"]), pipe.compute_dtype)
+    for k in range(10):
+        pipe.add_fine_tune(f"a{k}", delta)
+    np.testing.assert_array_equal(frames(pipe, "a9"), alone["a"])
+    np.testing.assert_array_equal(frames(pipe, "a0"), alone["a"])
+
+
 def test_requests_of_several_fine_tunes_share_a_step_moving_each_block_once(models):
     pipe = open_pipeline(str(models["base"]), offload="stream")
     for name in ("a", "b"):
