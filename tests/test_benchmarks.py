@@ -245,3 +245,16 @@ def test_finetune_state_quality_benchmark_quick():
     for attr in ("colour", "shape", "motion"):
         rows = sr["runs"][0]["adherence"]["rows"]
         assert sr["adherence"][attr]["per_seed"] == [sum(row[attr] for row in rows) / 2]
+
+
+def test_deltas_benchmark_quick():
+    r = run_json("benchmarks/deltas.py", "--quick", "--json")
+    (row,) = r["packaged"]
+    bf16, fp32 = row["bfloat16"], row["float32"]
+    assert 0 < bf16["ratio_changed_components"] < fp32["ratio_changed_components"] < 1
+    assert bf16["changed_components"] == ["dit", "text_encoder"]
+    held = r["host_ram"]["bfloat16"]
+    assert held["base_and_deltas_bytes"] == held["model_bytes"] + held["deltas_bytes"]
+    assert 0 < held["ratio"] < 1
+    assert r["throughput"]["mixed_batch_rows_per_s"] > 0
+    assert r["first_video"]["first_registration"]["register_s"] > 0
