@@ -93,8 +93,8 @@ from megaslide.engine.wan.training import CACHE, latent_cache
 
 from tiny_wan import HELDOUT_TIMES as WAN_HELDOUT_TIMES
 from tiny_wan import SHAPE as WAN_SHAPE
+from tiny_wan import add_threads_arg, trained_tiny_wan
 from tiny_wan import heldout_loss as wan_heldout_loss
-from tiny_wan import trained_tiny_wan
 
 STATES = ["fp32", "fp32/8bit", "bf16-split/8bit", "bf16-sr/8bit"]
 SHAPE = {"frames": 16, "height": 32, "width": 32}  # the packaged model's own clips
@@ -304,13 +304,7 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="a smoke run: 3 steps, 2 formats, 1 seed, 2 sampling steps",
     )
-    ap.add_argument(
-        "--threads",
-        type=int,
-        default=2,
-        help="CPU threads (1 on a machine other work keeps busy: a tiny model's many small "
-        "parallel regions wait on a preempted thread)",
-    )
+    add_threads_arg(ap)
     args = ap.parse_args(argv)
     if args.quick:
         args.steps, args.seeds, args.states = 3, "0", "fp32,bf16-sr/8bit"

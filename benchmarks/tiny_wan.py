@@ -122,13 +122,8 @@ def heldout_loss(
     return out
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=str(ROOT / "runs" / "tiny-wan"))
-    ap.add_argument("--steps", type=int, default=STEPS)
-    ap.add_argument("--clips", type=int, default=CLIPS)
-    ap.add_argument("--heldout-clips", type=int, default=HELDOUT_CLIPS)
-    ap.add_argument("--json", action="store_true")
+def add_threads_arg(ap: argparse.ArgumentParser) -> None:
+    """`--threads`, the torch CPU threads of a benchmark of tiny models."""
     ap.add_argument(
         "--threads",
         type=int,
@@ -136,6 +131,16 @@ def main(argv=None) -> int:
         help="CPU threads (1 on a machine other work keeps busy: a tiny model's many small "
         "parallel regions wait on a preempted thread)",
     )
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(ROOT / "runs" / "tiny-wan"))
+    ap.add_argument("--steps", type=int, default=STEPS)
+    ap.add_argument("--clips", type=int, default=CLIPS)
+    ap.add_argument("--heldout-clips", type=int, default=HELDOUT_CLIPS)
+    ap.add_argument("--json", action="store_true")
+    add_threads_arg(ap)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     path = trained_tiny_wan(
