@@ -25,8 +25,11 @@ def test_a_fine_tune_taken_over_cannot_publish_another_checkpoint(make_client):
     body = {"model": "fake", "training_file": file_id, "hyperparameters": hyper}
     job = c.post("/v1/fine_tuning/jobs", json=body).json()
     store = c.app.state.store.sync
-    # Step 2's checkpoint and progress are recorded before step 3 begins: take over after them.
-    until(lambda: store.fine_tunes.get(job["id"]).step >= 2, what="step 2 recorded")
+    # Step 2's checkpoint and progress are recorded before step 3 begins: take over once step 3
+    # waits (after the progress alone, the worker may still be recording step 2's checkpoint,
+    # and would find its claim gone there, before step 3).
+    until(backend.held.is_set, what="step 3 to wait")
+    assert store.fine_tunes.get(job["id"]).step == 2
     row = store.fine_tunes.get(job["id"])
     output = c.app.state.data.resolve(row.output_dir)
     store.fine_tunes.requeue(job["id"], row.lease_token, "taken over")

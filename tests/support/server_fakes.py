@@ -155,6 +155,7 @@ class FakeTrainer(TrainingRun):
         time.sleep(b.train_step_s)
         b.gate.wait(30)
         if b.hold_from is not None and self.step + 1 >= b.hold_from:
+            b.held.set()  # the step before has been recorded whole: the worker waits here
             b.train_gate.wait(30)
         self.step += 1
         with self.backend.lock:
@@ -212,6 +213,7 @@ class FakeBackend(Backend):
         # Fine-tune steps from `hold_from` on wait for `train_gate` (a test sets both).
         self.hold_from: int | None = None
         self.train_gate = threading.Event()
+        self.held = threading.Event()  # set once a step waits for `train_gate`
         self.encode_gate = threading.Event()  # a test clears it to hold MP4s unwritten
         self.encode_gate.set()
         self.lock = threading.Lock()
