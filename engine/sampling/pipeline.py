@@ -13,7 +13,9 @@ Fine-tunes of the model kept as deltas over it (`deltas.py`) are registered by n
 (`add_fine_tune`) and named per request (`fine_tune`): the model's weights stay the base's on the
 host, and each pass computes with one fine-tune's, its delta added on the device as each block
 loads (`streaming/variants.py`). The requests of a step are grouped by fine-tune, a pass per
-group; prompts are encoded per group too, for a fine-tune may change the text encoder.
+group; with the denoisers streamed the groups' passes run block by block (`interleaves`), so a
+block crosses once a step. Prompts are encoded per group too, for a fine-tune may change the
+text encoder.
 """
 
 from __future__ import annotations

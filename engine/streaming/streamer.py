@@ -187,6 +187,7 @@ class _Variant:
 
     blocks: dict[int, list[tuple[int, int, DeltaBuffer]]]
     non_block: TensorsDelta
+    on_disk: bool = False  # its deltas are a memory map of their file: no host RAM of its own
 
 
 @dataclasses.dataclass
@@ -246,8 +247,8 @@ class StreamHandle:
         self._hooks_on = True
         self._tick = 0
         self._closed = False
-        # Weight variants (variants.py): by name, each block's deltas by entry and the non-block
-        # tensors' by index; `variant` is the one the module computes with (None: the base).
+        # Weight variants (variants.py) by name; `variant` is the one the blocks compute with
+        # (None: the base).
         self._variants: dict[str, _Variant] = {}
         self.variant: str | None = None
         self._non_block_variant: str | None = None  # the one the tensors outside blocks hold
@@ -255,7 +256,6 @@ class StreamHandle:
         # On the CPU, whose (reference) decode costs much per call; on a GPU a kernel per
         # tensor costs little, and coding a model again at registration a lot.
         self.deltas_per_block = device.type == "cpu"
-        self._on_disk: dict[str, bool] = {}  # by variant: its deltas a memory map of a file
         self.set_order("forward")
         self.reset_stats()
 
@@ -534,13 +534,14 @@ class StreamHandle:
         non_block = TensorsDelta(
             [self._non_block[k].tensor.data for k in ks], [outside[k] for k in ks], on_disk
         )
-        self._on_disk[name] = on_disk
-        self._variants[name] = _Variant(blocks, non_block)
+        self._variants[name] = _Variant(blocks, non_block, on_disk)
 
     def held_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The module's tensors as held now, by every name they go by, on the host (copied
         from the device, decoded or read from disk as needed): one at a time."""
         self._check_open()
+        # `.cpu()` of a device tensor waits for the work queued on it: the caller reads the
+        # bytes on the host now (to hash them), and must see those the queued work leaves.
         for t in self._non_block:
             yield from ((n, t.tensor.detach().cpu()) for n in t.names)
         for b in self._blocks:
@@ -553,7 +554,7 @@ class StreamHandle:
     def variant_nbytes(self, name: str) -> int:
         """Host bytes variant `name` holds (its blocks' deltas and the one outside them)."""
         variant = self._variants[name]
-        if self._on_disk.get(name):
+        if variant.on_disk:
             return 0
         blocks = sum(d.nbytes for parts in variant.blocks.values() for _, _, d in parts)
         return blocks + variant.non_block.nbytes
@@ -574,7 +575,6 @@ class StreamHandle:
             elif b.slot is not None and self._slots[b.slot].variant == name:
                 self._forget_copy(b)  # copied again, as the base, when next loaded
         del self._variants[name]
-        self._on_disk.pop(name, None)
 
     def select_variant(self, name: str | None, blocks_only: bool = False) -> None:
         """Compute with variant `name` (None: the base) from now on: the tensors outside the

@@ -37,7 +37,8 @@ class DeltaError(ValueError):
 
 
 def digest(t: torch.Tensor) -> str:
-    """SHA-256 of a tensor's bytes (copied to the host first when it is on a device)."""
+    """SHA-256 of a tensor's bytes (copied to the host first when it is on a device: that
+    `.cpu()` waits for the work queued on it, whose result is what is hashed)."""
     flat = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
     return hashlib.sha256(flat.numpy()).hexdigest()
 
