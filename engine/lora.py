@@ -32,9 +32,13 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from .native.config import SAMPLERS
+from .request import RequestError, check_timesteps
+
 ADAPTER_SUFFIXES = (".lora_A.weight", ".lora_B.weight", ".lora_B.bias")
 MAX_ADAPTERS_PER_REQUEST = 8
-DEFAULT_KEYS = ("steps", "guidance", "shift")  # sampling defaults an adapter may carry
+# Sampling defaults an adapter may carry (a step-distilled one: its sampler and timesteps).
+DEFAULT_KEYS = ("steps", "guidance", "shift", "sampler", "timesteps")
 # What a factor may be stored as: the dtypes a pipeline computes in. An integer or boolean factor
 # is no trained adapter, and fp8 ones would need a scale the file does not carry.
 FACTOR_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -165,9 +169,10 @@ def read_adapter_file(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[s
 
 
 def sidecar_defaults(path: str | Path, metadata: Mapping[str, str]) -> dict:
-    """Sampling defaults an adapter carries (a step-distilled one: few steps, no guidance): a
-    `megaslide.sampling` JSON entry in the file's metadata, or `<file>.json` beside it with a
-    "sampling" object. Only steps, guidance and shift are taken; anything else is an error."""
+    """Sampling defaults an adapter carries (a step-distilled one: few steps, no guidance, its
+    sampler and timesteps): a `megaslide.sampling` JSON entry in the file's metadata, or
+    `<file>.json` beside it with a "sampling" object. Only `DEFAULT_KEYS` are taken; anything else
+    is an error."""
     found: dict = {}
     if "megaslide.sampling" in metadata:
         found = json_object(metadata["megaslide.sampling"], f"{path}: megaslide.sampling metadata")
@@ -182,14 +187,34 @@ def sidecar_defaults(path: str | Path, metadata: Mapping[str, str]) -> dict:
         raise AdapterError(
             f"{path}: unknown sampling default {unknown[0]!r} (known: {', '.join(DEFAULT_KEYS)})"
         )
+    defaults = {}
     for k, v in found.items():
+        if k == "sampler":
+            if v not in SAMPLERS:
+                raise AdapterError(
+                    f"{path}: sampling default sampler={v!r} is not one of {', '.join(SAMPLERS)}"
+                )
+            defaults[k] = v
+            continue
+        if k == "timesteps":
+            try:
+                defaults[k] = list(check_timesteps(v, param="timesteps"))
+            except RequestError as e:
+                raise AdapterError(f"{path}: sampling default {e}") from None
+            continue
         low = {"steps": 1, "guidance": 0}.get(k, 1e-6)  # a shift must be positive
         number = isinstance(v, int | float) and not isinstance(v, bool)
         if not number or not math.isfinite(v) or v < low:
             raise AdapterError(f"{path}: sampling default {k}={v!r} is not a valid number")
-    if "steps" in found and found["steps"] != int(found["steps"]):
-        raise AdapterError(f"{path}: sampling default steps must be a whole number")
-    return {k: (int(v) if k == "steps" else float(v)) for k, v in found.items()}
+        if k == "steps" and v != int(v):
+            raise AdapterError(f"{path}: sampling default steps must be a whole number")
+        defaults[k] = int(v) if k == "steps" else float(v)
+    if "timesteps" in defaults:  # a list of timesteps alone is a step-distilled Euler schedule
+        if defaults.setdefault("sampler", "euler") == "scheduler":
+            raise AdapterError(
+                f"{path}: sampling default timesteps need the euler or consistency sampler"
+            )
+    return defaults
 
 
 def json_object(text: str, what: str) -> dict:

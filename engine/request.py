@@ -18,7 +18,7 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from .native.config import SamplingDefaults
+from .native.config import SAMPLERS, SamplingDefaults
 
 # Seeds are below 2**53, so that every client reads them back exactly: JavaScript's numbers (the
 # playground's, any browser's JSON.parse) hold integers up to 2**53 and round above it.
@@ -45,6 +45,8 @@ CACHE_PRESETS = {
     "fast": {"policy": "output-change", "threshold": 0.13},
 }
 MAX_CACHE_THRESHOLD = 100.0
+
+TRAIN_TIMESTEPS = 1000  # the flow-matching models' timestep scale: 1000 is pure noise
 
 
 class RequestError(ValueError):
@@ -205,6 +207,13 @@ class VideoRequest:
     # A fine-tune of the model kept as a delta over it (deltas.py), by the name it was
     # registered under; None: the model itself.
     fine_tune: str | None = None
+    sampler: str | None = None  # one of SAMPLERS
+    # The timesteps an "euler" or "consistency" sampler visits, from 1000 (noise) down.
+    timesteps: tuple[int, ...] | None = None
+    shift: float | None = None  # the schedule's timestep shift
+    # (start, end): classifier-free guidance only on the steps in this fraction of the
+    # schedule, e.g. (0, 0.5) on the first half; None: on every step.
+    guidance_interval: tuple[float, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -293,10 +302,17 @@ class ResolvedVideo:
     image: str | None = None
     cache: CacheSpec | None = None  # rows with and without a cache share a pass
     loras: tuple[LoraChoice, ...] = ()
-    # The sampling schedule's shift when an adapter sets one (a step-distilled adapter); None:
-    # the model's own.
+    # The sampling schedule's shift when the request or an adapter sets one (a step-distilled
+    # adapter); None: the model's own.
     shift: float | None = None
     fine_tune: str | None = None  # a fine-tune served as a delta over `model`'s base weights
+    sampler: str = "scheduler"  # one of SAMPLERS
+    timesteps: tuple[int, ...] | None = None  # an explicit schedule's: one per step
+    guidance_interval: tuple[float, float] | None = None  # None: guidance on every step
+
+    def guided_at(self, step: int) -> bool:
+        """Whether step `step` is in the guidance interval (`guided_at` below)."""
+        return guided_at(self.guidance_interval, step, self.steps)
 
     @property
     def batch_key(self) -> tuple:
@@ -322,7 +338,20 @@ class ResolvedVideo:
         if d.get("cache") is not None:
             d["cache"] = CacheSpec(**d["cache"])
         d["loras"] = tuple(LoraChoice(**c) for c in d.get("loras") or ())
+        for key in ("timesteps", "guidance_interval"):  # JSON gives lists
+            if d.get(key) is not None:
+                d[key] = tuple(d[key])
         return cls(**d)
+
+
+def guided_at(interval: tuple[float, float] | None, step: int, steps: int) -> bool:
+    """Whether step `step` of `steps` lies in a guidance interval (start, end), fractions of the
+    schedule: step i of n does when `start * n <= i < end * n`; every step does when `interval`
+    is None. (The guidance scale decides whether a request is guided at all.)"""
+    if interval is None:
+        return True
+    start, end = interval
+    return start * steps <= step < end * steps
 
 
 def parse_size(text: str, param: str = "size") -> tuple[int, int]:
@@ -392,7 +421,9 @@ def resolve(
     fps = request.fps or defaults.fps
     frames = _clip_frames(request, limits, defaults.frames, fps, width, height)
 
-    steps, guidance = _steps_and_guidance(request, defaults, adapter_defaults, max_steps)
+    sampler, timesteps, steps, shift = _schedule(request, defaults, adapter_defaults, max_steps)
+    guidance = _guidance(request, defaults, adapter_defaults)
+    interval = _guidance_interval(request.guidance_interval)
     check_image(request.image, limits)
     cache = _cache_for(request.cache, limits)
     seed = _seed(request.seed)
@@ -410,8 +441,11 @@ def resolve(
         image=request.image,
         cache=cache,
         loras=loras,
-        shift=adapter_defaults.get("shift"),
+        shift=shift,
         fine_tune=request.fine_tune,
+        sampler=sampler,
+        timesteps=timesteps,
+        guidance_interval=interval,
     )
 
 
@@ -453,20 +487,93 @@ def _clip_frames(
     return frames
 
 
-def _steps_and_guidance(
+def _schedule(
     request: VideoRequest,
     defaults: SamplingDefaults,
     adapter_defaults: Mapping,
     max_steps: int | None,
-) -> tuple[int, float]:
-    """The steps and guidance scale: the request's, else the first adapter's defaults, else the
-    model's; checked against the server's step cap."""
-    steps = request.steps or adapter_defaults.get("steps") or defaults.steps
+) -> tuple[str, tuple[int, ...] | None, int, float | None]:
+    """The sampler, its timesteps, the number of steps and the shift: each the request's, else
+    the first adapter's defaults, else the model's. An explicit schedule's steps are its
+    timesteps; one left out is spread evenly over `steps` (`even_timesteps`). A default list of
+    timesteps is kept only while the request asks for as many steps as it holds."""
+    sampler = request.sampler or adapter_defaults.get("sampler") or defaults.sampler
+    if sampler not in SAMPLERS:
+        raise RequestError(
+            f"sampler {sampler!r} is unknown; known: {', '.join(SAMPLERS)}", param="sampler"
+        )
+    if request.shift is not None and not (math.isfinite(request.shift) and request.shift > 0):
+        raise RequestError(f"shift must be a positive number, got {request.shift}", param="shift")
+    shift = request.shift if request.shift is not None else adapter_defaults.get("shift")
+    timesteps = None
+    if request.timesteps is not None:
+        if sampler == "scheduler":
+            raise RequestError(
+                "timesteps need the euler or consistency sampler (the model's scheduler spaces "
+                "its own)",
+                param="timesteps",
+            )
+        timesteps = check_timesteps(request.timesteps, param="timesteps")
+        if request.steps is not None and request.steps != len(timesteps):
+            raise RequestError(
+                f"num_inference_steps ({request.steps}) and timesteps ({len(timesteps)} of them) "
+                "disagree; give one of them",
+                param="num_inference_steps",
+            )
+    elif sampler != "scheduler":
+        listed = adapter_defaults.get("timesteps") or defaults.timesteps
+        if listed is not None and request.steps in (None, len(listed)):
+            timesteps = tuple(listed)
+    steps = (
+        len(timesteps)
+        if timesteps is not None
+        else request.steps or adapter_defaults.get("steps") or defaults.steps
+    )
     if max_steps is not None and steps > max_steps:
         raise RequestError(
             f"num_inference_steps ({steps}) exceeds this server's limit of {max_steps}",
             param="num_inference_steps",
         )
+    if sampler != "scheduler" and timesteps is None:
+        timesteps = even_timesteps(steps)
+    return sampler, timesteps, steps, shift
+
+
+def even_timesteps(steps: int) -> tuple[int, ...]:
+    """`steps` timesteps spread evenly from 1000 down: 4 -> (1000, 750, 500, 250)."""
+    return tuple(int(TRAIN_TIMESTEPS - i * TRAIN_TIMESTEPS / steps) for i in range(steps))
+
+
+def check_timesteps(value, *, param: str) -> tuple[int, ...]:
+    """An explicit schedule: whole numbers in [1, 1000], strictly decreasing (RequestError
+    naming `param` otherwise)."""
+    if isinstance(value, str | bytes) or not hasattr(value, "__iter__"):
+        raise RequestError(f"{param} must be a list of whole numbers", param=param)
+    steps = list(value)
+    whole = all(
+        isinstance(t, int | float) and not isinstance(t, bool) and float(t).is_integer()
+        for t in steps
+    )
+    if not steps or not whole:
+        raise RequestError(
+            f"{param} must be a non-empty list of whole numbers, got {value!r}", param=param
+        )
+    steps = [int(t) for t in steps]
+    if not all(1 <= t <= TRAIN_TIMESTEPS for t in steps):
+        raise RequestError(
+            f"{param} must lie in [1, {TRAIN_TIMESTEPS}] ({TRAIN_TIMESTEPS}: pure noise), got "
+            f"{steps}",
+            param=param,
+        )
+    if any(a <= b for a, b in zip(steps, steps[1:])):
+        raise RequestError(f"{param} must be strictly decreasing, got {steps}", param=param)
+    return tuple(steps)
+
+
+def _guidance(
+    request: VideoRequest, defaults: SamplingDefaults, adapter_defaults: Mapping
+) -> float:
+    """The guidance scale: the request's, else the first adapter's default, else the model's."""
     guidance = request.guidance
     if guidance is None:
         guidance = adapter_defaults.get("guidance", defaults.guidance)
@@ -474,7 +581,27 @@ def _steps_and_guidance(
         raise RequestError(
             f"guidance_scale must be a finite number >= 0, got {guidance}", param="guidance_scale"
         )
-    return steps, guidance
+    return guidance
+
+
+def _guidance_interval(value) -> tuple[float, float] | None:
+    """`guidance_interval` as (start, end) with 0 <= start < end <= 1; None: every step."""
+    if value is None:
+        return None
+    try:
+        start, end = (float(v) for v in value)
+    except (TypeError, ValueError):
+        raise RequestError(
+            f"guidance_interval must be two numbers [start, end], got {value!r}",
+            param="guidance_interval",
+        ) from None
+    if not 0 <= start < end <= 1:
+        raise RequestError(
+            f"guidance_interval [{start:g}, {end:g}] must satisfy 0 <= start < end <= 1 "
+            "(fractions of the schedule)",
+            param="guidance_interval",
+        )
+    return None if (start, end) == (0.0, 1.0) else (start, end)
 
 
 def _cache_for(value: str | dict | None, limits: ModelLimits) -> CacheSpec | None:
@@ -502,7 +629,7 @@ def _seed(seed: int | None) -> int:
 def check_adapter_defaults(defaults: Mapping, max_steps: int | None) -> None:
     """RequestError when an adapter's sampling defaults (see `resolve`) ask for more steps than
     a request may: every video naming it would be refused, so it is refused once instead."""
-    steps = defaults.get("steps")
+    steps = len(defaults["timesteps"]) if defaults.get("timesteps") else defaults.get("steps")
     if steps is not None and max_steps is not None and steps > max_steps:
         raise RequestError(
             f"sampling default steps={steps} exceeds this server's limit of {max_steps} "

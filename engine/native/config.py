@@ -159,6 +159,15 @@ class DiTConfig:
         return cls(**d)
 
 
+# Samplers (engine/sampling/samplers.py holds their maths): "scheduler" walks the model's own
+# schedule with its own update rule (its diffusers scheduler; our DiT's shifted Euler steps);
+# "euler" and "consistency" walk an explicit list of training timesteps (a step-distilled model's
+# `denoising_step_list`, 1000 = pure noise) mapped through a shift: "euler" moves along the
+# predicted velocity, "consistency" predicts the clean clip and re-noises it at the next level
+# with fresh noise from the request's generator (rCM, DMD and LCM samplers).
+SAMPLERS = ("scheduler", "euler", "consistency")
+
+
 @dataclass(frozen=True)
 class SamplingDefaults:
     """What a request gets for a field it leaves out, and the schedule a model samples with."""
@@ -170,19 +179,34 @@ class SamplingDefaults:
     steps: int = 20
     guidance: float = 4.0
     shift: float = 3.0  # timestep shift of the Euler schedule (SD3 / Wan convention)
+    # The sampler (one of SAMPLERS) and, for "euler" or "consistency", the timesteps it
+    # visits (a step-distilled checkpoint's own schedule); None: spread evenly over `steps`.
+    sampler: str = "scheduler"
+    timesteps: tuple[int, ...] | None = None
+
+    def __post_init__(self):
+        if self.sampler not in SAMPLERS:
+            raise ValueError(f"sampler {self.sampler!r} is unknown; known: {', '.join(SAMPLERS)}")
 
     def replace(self, **changes) -> SamplingDefaults:
+        if changes.get("timesteps") is not None:  # JSON gives a list
+            changes["timesteps"] = tuple(changes["timesteps"])
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """As a config file stores it; the sampler only when it is not the model's scheduler,
+        so that a model's file reads as it always did."""
+        d = dataclasses.asdict(self)
+        if self.sampler == "scheduler" and self.timesteps is None:
+            del d["sampler"], d["timesteps"]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> SamplingDefaults:
         unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
             raise ValueError(f"unknown sampling config keys: {unknown}")
-        return cls(**d)
+        return cls().replace(**d)
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from ..request import ResolvedVideo
 from ..sampling.flow import EulerSampler, SampleState, shifted_schedule
 from ..sampling.loop import sample_step
 from ..sampling.pipeline import Pipeline, decode_chunks, distinct
+from ..sampling.samplers import flow_times, timestep_sigmas
 from ..sampling.step_cache import StepCache
 from ..sources import ModelInfo
 from ..streaming.host_store import SafetensorsFile
@@ -147,7 +148,11 @@ class DiTPipeline(Pipeline):
         # starting point on every device and whatever else is in the batch.
         generator = torch.Generator().manual_seed(video.seed)
         noise = torch.randn(shape, generator=generator, dtype=torch.float32)
-        times = shifted_schedule(video.steps, self.info.sampling.shift)
+        shift = self.info.sampling.shift if video.shift is None else video.shift
+        if video.sampler == "scheduler":
+            times = shifted_schedule(video.steps, shift)
+        else:  # an explicit list of timesteps (samplers.py)
+            times = flow_times(timestep_sigmas(video.timesteps, shift))
         cache = StepCache.from_spec(video.cache, self.step_curve)
         return SampleState(
             noise.to(self.device),
@@ -157,6 +162,9 @@ class DiTPipeline(Pipeline):
             video.guidance,
             cache=cache,
             fine_tune=video.fine_tune,
+            # A consistency sampler's fresh noise continues the request's own generator.
+            renoise=generator if video.sampler == "consistency" else None,
+            guidance_interval=video.guidance_interval,
         )
 
     def _step(self, states: list[SampleState]) -> None:

@@ -21,9 +21,11 @@ import torch
 
 from ..native.config import TIME_SAMPLING
 from ..parallel.sequence import gather_tokens, shard_tokens
+from ..request import guided_at
 from . import loop
 from .loop import ForwardCut, Sampler, row_slices
 from .loop import cfg_combine as cfg_combine  # the guidance rule, where it was documented
+from .samplers import consistency_step, euler_step
 from .step_cache import StepCache
 
 
@@ -107,6 +109,11 @@ class SampleState:
     step: int = 0
     cache: StepCache | None = None  # a step cache: may reuse an earlier output instead of a pass
     fine_tune: str | None = None  # the fine-tune (kept as a delta) whose weights it samples with
+    # A consistency sampler's source of fresh noise (samplers.py); None: Euler steps.
+    renoise: torch.Generator | None = None
+    # (start, end): guided only on the steps in this fraction of the schedule; None: on all.
+    guidance_interval: tuple[float, float] | None = None
+    row_passes: int = 0  # rows of the model's passes it ran: two a guided step, one otherwise
 
     @property
     def num_steps(self) -> int:
@@ -118,7 +125,9 @@ class SampleState:
 
     @property
     def guided(self) -> bool:
-        return self.guidance != 1.0
+        """Whether this step runs the guidance pair (`ctx` holds both rows whenever the scale
+        is not 1)."""
+        return self.guidance != 1.0 and guided_at(self.guidance_interval, self.step, self.num_steps)
 
     @property
     def passes(self) -> int:
@@ -174,8 +183,11 @@ class EulerSampler(Sampler):
         return DiTCut(self.model, inputs, self.sp)
 
     def update(self, s: SampleState, v: torch.Tensor) -> None:
-        dt = s.times[s.step + 1] - s.times[s.step]  # negative: walking from noise to data
-        s.latents = s.latents + dt * v  # (1, C, F, H, W)
+        t, t_next = s.times[s.step], s.times[s.step + 1]  # t_next < t: from noise to data
+        if s.renoise is None:
+            s.latents = euler_step(s.latents, v, t, t_next)  # (1, C, F, H, W)
+        else:
+            s.latents = consistency_step(s.latents, v, t, t_next, s.renoise)
         s.step += 1
 
 

@@ -43,13 +43,15 @@ class SamplingState(Protocol):
     step: int
     cache: StepCache | None
     guidance: float
+    row_passes: int  # rows of the passes it ran (two a guided step): the loop counts them
 
     @property
     def done(self) -> bool: ...
 
     @property
     def guided(self) -> bool:
-        """Whether the request runs a guidance pair: its conditional and unconditional rows."""
+        """Whether the request runs a guidance pair this step: its conditional and unconditional
+        rows (a guidance interval turns it off on some steps)."""
         ...
 
     def flow_time(self, step: int) -> Any:
@@ -178,6 +180,8 @@ def sample_step(sampler: Sampler, states: list) -> None:
                 output = s.cache.output(t, key=e)
             else:
                 output, ran = next(computed)  # ran: False when a first-block cache reused
+                if ran:
+                    s.row_passes += 2 if s.guided else 1
                 if s.guided:
                     output = cfg_combine(output[:1], output[1:2], s.guidance)
                 if ran and s.cache is not None:

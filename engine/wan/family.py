@@ -57,6 +57,7 @@ from ..lora import Adapter, AdapterRouter, linear_targets
 from ..request import ResolvedVideo, check_image, check_loras
 from ..sampling.loop import Sampler, sample_step
 from ..sampling.pipeline import CPU_ROWS_PER_PASS, Pipeline, decode_chunks, distinct
+from ..sampling.samplers import flow_scheduler, timestep_sigmas
 from ..sampling.step_cache import StepCache
 from ..sources import ModelInfo
 from ..streaming.host_store import RenamedWeights, SafetensorsFile
@@ -317,9 +318,13 @@ class WanState:
     cache: StepCache | None = None  # a step cache: may reuse an earlier output instead of a pass
     # Cross-attention keys and values of its rows by (expert, half), kept across steps.
     prompt_kv: dict[tuple[int, int], PromptKV] = field(default_factory=dict)
+    # What the scheduler's step takes besides the output: a consistency sampler's generator
+    # (samplers.py), the request's own, continued past its starting noise.
+    step_args: dict = field(default_factory=dict)
     lengths: tuple[int, ...] = field(init=False)  # each prompt's tokens in `context`
     step: int = 0
     num_steps: int = field(init=False)
+    row_passes: int = 0  # rows of the model's passes it ran: two a guided step, one otherwise
 
     def __post_init__(self):
         self.num_steps = len(self.scheduler.timesteps)
@@ -339,7 +344,9 @@ class WanState:
 
     @property
     def guided(self) -> bool:
-        return self.video.guidance > 1.0  # WanPipeline's rule for classifier-free guidance
+        """Whether this step runs the guidance pair: WanPipeline's rule (a scale above 1), on
+        the steps of the request's guidance interval."""
+        return self.video.guidance > 1.0 and self.video.guided_at(self.step)
 
     @property
     def passes(self) -> int:
@@ -503,18 +510,31 @@ class WanVideoPipeline(Pipeline, Sampler):
         # every device and whatever else is in the batch (WanPipeline with a CPU generator).
         generator = torch.Generator().manual_seed(video.seed)
         latents = torch.randn(shape, generator=generator, dtype=torch.float32).to(self.device)
+        scheduler = self._scheduler(video)
+        grid = self.config.token_grid(video.frames, video.height, video.width)
+        cache = StepCache.from_spec(video.cache, self.step_curve)
+        state = WanState(video, latents, context, scheduler, grid, cache=cache)
+        if video.sampler == "consistency":
+            state.step_args["generator"] = generator
+        if video.image is not None:
+            self._condition(state)
+        return state
+
+    def _scheduler(self, video: ResolvedVideo):
+        """The request's own scheduler, at its first step: the model's (with the request's or an
+        adapter's shift), or a flow scheduler over the request's timesteps (samplers.py)."""
+        if video.sampler != "scheduler":
+            shift = self.info.sampling.shift if video.shift is None else video.shift
+            train = self.config.num_train_timesteps
+            sigmas = timestep_sigmas(video.timesteps, shift, train)
+            return flow_scheduler(video.sampler, sigmas, train, self.device)
         scheduler = copy.deepcopy(self.scheduler)
-        if video.shift is not None:  # an adapter's own schedule (a step-distilled one)
+        if video.shift is not None:  # the request's or an adapter's own shift
             key = "flow_shift" if "flow_shift" in scheduler.config else "shift"
             scheduler = type(scheduler).from_config(scheduler.config, **{key: video.shift})
         scheduler.set_timesteps(video.steps, device=self.device)
         scheduler.set_begin_index(0)
-        grid = self.config.token_grid(video.frames, video.height, video.width)
-        cache = StepCache.from_spec(video.cache, self.step_curve)
-        state = WanState(video, latents, context, scheduler, grid, cache=cache)
-        if video.image is not None:
-            self._condition(state)
-        return state
+        return scheduler
 
     @torch.no_grad()
     def _condition(self, state: WanState) -> None:
@@ -573,7 +593,9 @@ class WanVideoPipeline(Pipeline, Sampler):
         return WanCut(model, self.config.patch, tuple(inputs), adapters, self.adapters, self.sp)
 
     def update(self, s: WanState, noise: torch.Tensor) -> None:
-        s.latents = s.scheduler.step(noise, s.timestep, s.latents, return_dict=False)[0]
+        s.latents = s.scheduler.step(
+            noise, s.timestep, s.latents, return_dict=False, **s.step_args
+        )[0]
         s.step += 1
         if s.done:
             s.prompt_kv.clear()

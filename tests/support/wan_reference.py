@@ -73,11 +73,13 @@ def misaligned(*modules: nn.Module) -> list[str]:
 
 
 def diffusers_run(
-    path, request, image=None, *, aligned: bool = True
+    path, request, image=None, *, aligned: bool = True, step_generator: bool = False
 ) -> tuple[list[torch.Tensor], np.ndarray]:
     """diffusers' pipeline at `path` (or a pipeline already loaded, with adapters say) on
     `request` (a VideoRequest), its weights re-homed unless not `aligned`: the latents after
-    every step, and the frames as uint8, rounded as MegaSlide rounds."""
+    every step, and the frames as uint8, rounded as MegaSlide rounds. `step_generator`: the
+    scheduler's steps draw their noise from the generator that drew the starting noise
+    (WanPipeline passes none: a consistency scheduler would draw from the global one)."""
     import diffusers
 
     cls = diffusers.WanPipeline if image is None else diffusers.WanImageToVideoPipeline
@@ -92,6 +94,10 @@ def diffusers_run(
         rehome(*modules)
         assert not misaligned(*modules)
     pipe.set_progress_bar_config(disable=True)
+    generator = torch.Generator().manual_seed(request.seed)
+    if step_generator:
+        step = pipe.scheduler.step
+        pipe.scheduler.step = lambda *args, **kw: step(*args, generator=generator, **kw)
     latents = []
 
     def keep(_pipe, _i, _t, tensors):
@@ -106,7 +112,7 @@ def diffusers_run(
         num_frames=request.frames,
         num_inference_steps=request.steps,
         guidance_scale=request.guidance,
-        generator=torch.Generator().manual_seed(request.seed),
+        generator=generator,
         output_type="np",
         callback_on_step_end=keep,
         callback_on_step_end_tensor_inputs=["latents"],
