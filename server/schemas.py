@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validat
 
 from megaslide.engine.request import (
     MAX_LORAS,
+    SAMPLERS,
     SEED_LIMIT,
     LoraChoice,
     RequestError,
@@ -187,6 +188,31 @@ class VideoCreate(Request):
             {"policy": "output-change", "threshold": 0.1, "forecast": "linear"},
         ],
     )
+    sampler: Literal[SAMPLERS] | None = Field(
+        None,
+        description='"scheduler" (the model\'s own schedule and update rule), "euler" (flow Euler '
+        'steps over `timesteps`) or "consistency" (predict the clean clip, re-noise it at the '
+        "next timestep with the request's own generator: rCM, DMD and LCM samplers); default: "
+        "the first adapter's sampling defaults, else the model's",
+    )
+    timesteps: list[int] | None = Field(
+        None,
+        min_length=1,
+        description="the training timesteps an euler or consistency sampler visits, strictly "
+        "decreasing in [1, 1000] (1000: pure noise), e.g. [1000, 750, 500, 250]; their count is "
+        "the steps (a JSON list in a multipart form field)",
+    )
+    shift: float | None = Field(
+        None, gt=0, le=100, description="the schedule's timestep shift (default: the model's)"
+    )
+    guidance_interval: list[float] | None = Field(
+        None,
+        min_length=2,
+        max_length=2,
+        description="[start, end]: classifier-free guidance only on the steps in this fraction "
+        "of the schedule (step i of n when start * n <= i < end * n), e.g. [0, 0.5]; the other "
+        "steps run the conditional row alone (default: every step)",
+    )
     # Image-to-video: a first-frame image, uploaded as a multipart file (see the videos router).
     input_reference: Any = None
     loras: list[LoraRef] | None = Field(
@@ -196,15 +222,16 @@ class VideoCreate(Request):
         "multipart form field)",
     )
 
-    @field_validator("loras", mode="before")
+    @field_validator("loras", "timesteps", "guidance_interval", mode="before")
     @classmethod
-    def _loras(cls, value):
-        # A multipart form sends every field as a string: the list comes as JSON text.
+    def _lists(cls, value, info):
+        # A multipart form sends every field as a string: a list comes as JSON text.
         if isinstance(value, str):
             try:
                 return json.loads(value)
             except json.JSONDecodeError:
-                raise ValueError("must be a JSON list of {name, scale, expert}") from None
+                what = {"loras": "{name, scale, expert}"}.get(info.field_name, "numbers")
+                raise ValueError(f"must be a JSON list of {what}") from None
         return value
 
     @field_validator("seconds", mode="before")
@@ -253,6 +280,12 @@ class VideoCreate(Request):
             image=image,
             cache=self.cache,
             loras=tuple(LoraChoice(r.name, r.scale, r.expert) for r in self.loras or ()),
+            sampler=self.sampler,
+            timesteps=None if self.timesteps is None else tuple(self.timesteps),
+            shift=self.shift,
+            guidance_interval=(
+                None if self.guidance_interval is None else tuple(self.guidance_interval)
+            ),
         )
 
 
@@ -286,6 +319,12 @@ class Video(BaseModel):
     cache: dict[str, Any] | None = Field(None, description="the step cache, as resolved; null: off")
     passes: int = Field(description="steps that ran a pass of the model (fewer with a step cache)")
     loras: list[dict] = Field(default_factory=list)
+    sampler: str = "scheduler"
+    timesteps: list[int] | None = Field(None, description="an euler or consistency sampler's")
+    shift: float | None = Field(
+        None, description="the request's or an adapter's; null: the model's"
+    )
+    guidance_interval: list[float] | None = Field(None, description="null: guided on every step")
 
 
 class ContentLink(BaseModel):
@@ -339,6 +378,10 @@ def video_object(video: VideoRecord) -> Video:
         passes=video.step if video.passes is None else video.passes,
         # An adapter under the name its owner gave it, not the id the workers know it by.
         loras=[{**c, "name": adapter_name(c["name"])} for c in spec.get("loras") or ()],
+        sampler=spec.get("sampler", "scheduler"),
+        timesteps=spec.get("timesteps"),
+        shift=spec.get("shift"),
+        guidance_interval=spec.get("guidance_interval"),
     )
 
 
@@ -635,6 +678,8 @@ def model_object(card: ModelCard) -> Model:
             "fps": defaults.fps,
             "num_inference_steps": defaults.steps,
             "guidance_scale": defaults.guidance,
+            "sampler": defaults.sampler,
+            **({"timesteps": list(defaults.timesteps)} if defaults.timesteps else {}),
         },
         limits=limits.to_dict(),
         adapters=[{k: v for k, v in a.items() if k != "id"} for a in card.adapters],

@@ -442,6 +442,26 @@ def test_sse_events(make_client):
     assert_error(c.get("/v1/videos/video_nope/events"), 404)
 
 
+def test_a_sampler_and_guidance_interval_reach_the_stored_request(make_client):
+    """JSON and multipart (lists as JSON text) alike; echoed as resolved."""
+    c = make_client()
+    v = create(c, sampler="consistency", timesteps=[1000, 500], shift=5, guidance_interval=[0, 0.5])
+    assert (v["sampler"], v["timesteps"], v["shift"]) == ("consistency", [1000, 500], 5.0)
+    assert v["num_inference_steps"] == 2 and v["guidance_interval"] == [0.0, 0.5]
+    fields = {"prompt": "p", "model": "fake", "sampler": "euler", "timesteps": "[1000, 750, 500]"}
+    r = c.post("/v1/videos", data={**fields, "guidance_interval": "[0, 0.75]"})
+    assert r.status_code == 200, r.text
+    assert r.json()["timesteps"] == [1000, 750, 500] and r.json()["guidance_interval"] == [0, 0.75]
+    plain = create(c)
+    assert (plain["sampler"], plain["timesteps"], plain["guidance_interval"]) == (
+        "scheduler",
+        None,
+        None,
+    )
+    for v in (v, r.json(), plain):
+        wait_status(c, v["id"])
+
+
 def test_validation_errors_name_the_field(make_client):
     c = make_client(max_steps=50)
     cases = [
@@ -463,6 +483,10 @@ def test_validation_errors_name_the_field(make_client):
         ({"model": "nope"}, 404, "model", "does not exist"),
         ({"colour": "red"}, 400, "colour", "Unrecognized request argument"),
         ({"input_reference": "img.png"}, 400, "input_reference", "uploaded as multipart"),
+        ({"sampler": "ddim"}, 400, "sampler", None),
+        ({"timesteps": [1000, 500]}, 400, "timesteps", "euler or consistency"),
+        ({"sampler": "euler", "timesteps": [500, 1000]}, 400, "timesteps", "decreasing"),
+        ({"guidance_interval": [0.5, 0.2]}, 400, "guidance_interval", "start < end"),
     ]
     for fields, status, param, fragment in cases:
         body = {"prompt": "ok", **SMALL, **fields}

@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from megaslide.engine.native.config import TIME_SAMPLING
+from megaslide.engine.native.config import SAMPLERS, TIME_SAMPLING
 from megaslide.engine.placement import DISK_IO, Placement
 from megaslide.engine.training.finetune_spec import (
     LR_SCHEDULES,
@@ -65,7 +65,27 @@ def _add_sampling_args(p) -> None:
     p.add_argument("--size", help="WIDTHxHEIGHT, both even (default: the model's)")
     p.add_argument("--fps", type=int, help="frames per second of the MP4 (default: the model's)")
     p.add_argument("--guidance", type=float, help="classifier-free guidance scale (1 = off)")
+    p.add_argument(
+        "--guidance-interval",
+        metavar="START,END",
+        help="guide only the steps in this fraction of the schedule, e.g. 0,0.5 (default: all)",
+    )
     p.add_argument("--negative-prompt", default="", help="what to steer away from")
+    p.add_argument(
+        "--sampler",
+        choices=SAMPLERS,
+        help="the model's own scheduler, flow Euler or consistency sampling over --timesteps "
+        "(default: an adapter's, else the model's)",
+    )
+    p.add_argument(
+        "--timesteps",
+        metavar="T,T,...",
+        help="the timesteps an euler or consistency sampler visits, from 1000 (noise) down, e.g. "
+        "1000,750,500,250 (default: spread evenly over --steps)",
+    )
+    p.add_argument(
+        "--shift", type=float, help="the schedule's timestep shift (default: the model's)"
+    )
 
 
 def _add_conditioning_args(p) -> None:
@@ -205,6 +225,16 @@ def lora_flags(args, *, remote: bool) -> tuple[dict[str, str], tuple]:
     return files, tuple(LoraChoice(n, **options[n]) for n in names)
 
 
+def parse_numbers(text: str | None, flag: str, kind: type) -> tuple | None:
+    """A comma-separated list of numbers (`kind`), or a UsageError naming `flag`."""
+    if text is None:
+        return None
+    try:
+        return tuple(kind(v) for v in text.split(","))
+    except ValueError:
+        raise UsageError(f"{flag} must be comma-separated numbers, got {text!r}") from None
+
+
 def run_generate(args) -> int:
     from megaslide.engine.request import VideoRequest, parse_size, resolve
     from megaslide.engine.sources import describe
@@ -228,6 +258,10 @@ def run_generate(args) -> int:
         seed=args.seed,
         image=args.image,
         cache=parse_cache(args.cache),
+        sampler=args.sampler,
+        timesteps=parse_numbers(args.timesteps, "--timesteps", int),
+        shift=args.shift,
+        guidance_interval=parse_numbers(args.guidance_interval, "--guidance-interval", float),
     )
     lora_files, choices = lora_flags(args, remote=bool(args.server))
     request = dataclasses.replace(request, loras=choices)
@@ -271,6 +305,11 @@ def run_generate(args) -> int:
         stats = {
             "steps": video.steps,
             "passes": state.passes,  # fewer than steps when a step cache reused outputs
+            # Rows through the model: two a guided step, one otherwise (a guidance interval).
+            "row_passes": state.row_passes,
+            "sampler": video.sampler,
+            "timesteps": video.timesteps,
+            "guidance_interval": video.guidance_interval,
             "cache": video.cache.to_dict() if video.cache else None,
             "step_times_s": step_times,
             "components": pipe.stats(),

@@ -118,6 +118,10 @@ def generate_remote(args, request) -> int:
                     {"name": c.name, "scale": c.scale, "expert": c.expert} for c in request.loras
                 ]
                 or None,
+                sampler=request.sampler,
+                timesteps=request.timesteps,
+                shift=request.shift,
+                guidance_interval=request.guidance_interval,
                 input_reference=request.image,  # uploaded; the server checks the model takes it
             )
             print(

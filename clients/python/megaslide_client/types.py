@@ -125,6 +125,10 @@ class Video(APIObject):
     passes: int | None = None  # steps that ran a pass of the model (fewer with a step cache)
     remixed_from_video_id: str | None = None
     loras: list[dict[str, Any]] | None = None  # the adapters applied: name, scale, expert
+    sampler: str | None = None  # scheduler | euler | consistency
+    timesteps: list[int] | None = None  # an euler or consistency sampler's
+    shift: float | None = None  # the request's or an adapter's; None: the model's
+    guidance_interval: list[float] | None = None  # None: guided on every step
 
     @property
     def done(self) -> bool:

@@ -197,6 +197,10 @@ export class CreateForm {
       seed: video.seed,
     });
     this.fields.cache.value = cacheChoice(this.fields.cache, video.cache);
+    this.fields.sampler.value = video.sampler === "scheduler" ? "" : video.sampler || "";
+    const interval = JSON.stringify(video.guidance_interval || "");
+    const known = [...this.fields.guidance_interval.options].some((o) => o.value === interval);
+    this.fields.guidance_interval.value = video.guidance_interval && known ? interval : "";
     for (const choice of video.loras || []) {
       const box = this.form.querySelector(`input[data-lora="${choice.name}"]`);
       const scale = this.form.querySelector(`input[data-lora-scale="${choice.name}"]`);
@@ -235,6 +239,8 @@ export class CreateForm {
     // "forecast" when it has one).
     const cache = f.cache.value;
     if (cache !== "off") body.cache = cache.startsWith("{") ? JSON.parse(cache) : cache;
+    if (f.sampler.value) body.sampler = f.sampler.value;
+    if (f.guidance_interval.value) body.guidance_interval = JSON.parse(f.guidance_interval.value);
     const loras = this.loras();
     if (loras.length) body.loras = loras;
     for (const name of Object.keys(body)) if (body[name] === undefined) delete body[name];

@@ -39,6 +39,10 @@ def create_body(
     cache: str | Mapping[str, Any] | None,
     extra_body: Mapping[str, Any] | None,
     loras: Sequence[LoraSpec] | None = None,
+    sampler: str | None = None,
+    timesteps: Sequence[int] | None = None,
+    shift: float | None = None,
+    guidance_interval: Sequence[float] | None = None,
 ) -> dict[str, Any]:
     """The JSON body of POST /v1/videos; unset fields are left for the server's defaults."""
     body = {
@@ -55,6 +59,10 @@ def create_body(
         "priority": priority,
         "cache": cache if cache is None or isinstance(cache, str) else dict(cache),
         "loras": None if loras is None else [lora_entry(x) for x in loras],
+        "sampler": sampler,
+        "timesteps": None if timesteps is None else list(timesteps),
+        "shift": shift,
+        "guidance_interval": None if guidance_interval is None else list(guidance_interval),
     }
     body = {k: v for k, v in body.items() if v is not None}
     body.update(extra_body or {})
@@ -149,6 +157,10 @@ class Videos:
         priority: int | None = None,
         cache: str | Mapping[str, Any] | None = None,
         loras: Sequence[LoraSpec] | None = None,
+        sampler: str | None = None,
+        timesteps: Sequence[int] | None = None,
+        shift: float | None = None,
+        guidance_interval: Sequence[float] | None = None,
         input_reference: FileInput | None = None,
         extra_body: Mapping[str, Any] | None = None,
         idempotency_key: str | None = None,
@@ -163,6 +175,9 @@ class Videos:
         policies it takes in its limits' `cache_policies`).
         `loras` names adapters registered on the model, each as a name, `(name, scale)` or
         `{"name", "scale", "expert"}` (`expert`: "high" or "low" on a Wan2.2 two-expert model).
+        `sampler` is "scheduler" (the model's own), "euler" or "consistency" (a step-distilled
+        model's), the last two over `timesteps` (e.g. `[1000, 750, 500, 250]`) with `shift`;
+        `guidance_interval` `(start, end)` guides only that fraction of the steps.
         `input_reference` is a first-frame image (a path, bytes, a binary file or `(filename,
         content)`; PNG, JPEG or WebP) for a model that takes one (`Model.inputs`); with it the
         request goes as multipart form fields. Every retry of this call carries the same Idempotency-Key, so it makes at most one job.
@@ -182,6 +197,10 @@ class Videos:
             cache=cache,
             extra_body=extra_body,
             loras=loras,
+            sampler=sampler,
+            timesteps=timesteps,
+            shift=shift,
+            guidance_interval=guidance_interval,
         )
         if input_reference is None:
             response = self._client.post("/v1/videos", json=body, idempotency_key=idempotency_key)
@@ -309,6 +328,10 @@ class AsyncVideos:
         priority: int | None = None,
         cache: str | Mapping[str, Any] | None = None,
         loras: Sequence[LoraSpec] | None = None,
+        sampler: str | None = None,
+        timesteps: Sequence[int] | None = None,
+        shift: float | None = None,
+        guidance_interval: Sequence[float] | None = None,
         input_reference: FileInput | None = None,
         extra_body: Mapping[str, Any] | None = None,
         idempotency_key: str | None = None,
@@ -329,6 +352,10 @@ class AsyncVideos:
             cache=cache,
             extra_body=extra_body,
             loras=loras,
+            sampler=sampler,
+            timesteps=timesteps,
+            shift=shift,
+            guidance_interval=guidance_interval,
         )
         if input_reference is None:
             response = await self._client.post(
