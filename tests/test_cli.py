@@ -54,6 +54,9 @@ def test_generate_writes_a_deterministic_mp4(tmp_path, capsys):
         (["--steps", "0"], "--steps must be at least 1"),
         (["--size", "big"], "WIDTHxHEIGHT"),
         (["--weights", "lossless"], "needs --offload stream"),
+        (["--timesteps", "1000,500"], "need the euler or consistency sampler"),
+        (["--sampler", "euler", "--timesteps", "1000,x"], "--timesteps must be comma-separated"),
+        (["--guidance-interval", "0.5,0.1"], "start < end"),
     ],
 )
 def test_bad_generate_input_is_one_line_exit_2_and_no_file(tmp_path, capsys, extra, message):
@@ -62,6 +65,20 @@ def test_bad_generate_input_is_one_line_exit_2_and_no_file(tmp_path, capsys, ext
     assert code == 2
     assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_generate_stats_count_the_rows_a_guidance_interval_saves(tmp_path, capsys):
+    stats = tmp_path / "stats.json"
+    code, _, err = run(
+        [*GEN, "-o", str(tmp_path / "a.mp4"), "--steps", "4", "--guidance", "4"]
+        + ["--guidance-interval", "0,0.5", "--sampler", "euler", "--offload", "stream"]
+        + ["--stats", str(stats)],
+        capsys,
+    )
+    assert code == 0, err
+    got = json.loads(stats.read_text())
+    assert (got["passes"], got["row_passes"], got["sampler"]) == (4, 6, "euler")
+    assert got["timesteps"] == [1000, 750, 500, 250] and got["guidance_interval"] == [0, 0.5]
 
 
 def test_empty_prompt_and_missing_model_are_rejected(tmp_path, capsys):

@@ -342,6 +342,9 @@ def test_a_first_frame_image_goes_as_multipart_and_a_retry_resends_it(twin, slee
             guidance_scale=4.5,
             loras=[("style", 0.8)],
             cache={"policy": "adaptive", "threshold": 0.01},
+            sampler="euler",
+            timesteps=(1000, 500),
+            guidance_interval=(0, 0.5),
             input_reference=("first.png", image),
         ),
     )
@@ -360,6 +363,8 @@ def test_a_first_frame_image_goes_as_multipart_and_a_retry_resends_it(twin, slee
         assert json.loads(fields["loras"]) == [{"name": "style", "scale": 0.8}]
         assert json.loads(fields["cache"]) == {"policy": "adaptive", "threshold": 0.01}
         assert fields["prompt"] == "a cat" and fields["model"] == "i2v"
+        assert fields["sampler"] == "euler" and json.loads(fields["timesteps"]) == [1000, 500]
+        assert json.loads(fields["guidance_interval"]) == [0, 0.5]
 
 
 # ---------------------------------------------------------------------------------------------
