@@ -266,3 +266,18 @@ def test_wan_guidance_interval_in_a_mixed_batch(wan):
     assert [s.row_passes for s in states] == [8, 6]
     for ours, theirs in zip(pipe.finish_batch(states), alone):
         assert np.abs(ours.astype(int) - theirs.astype(int)).max() <= 1
+
+
+@pytest.mark.parametrize("policy", ["output-change", "first-block"])
+def test_a_guidance_interval_composes_with_step_caches(dit, policy):
+    """Through a step cache that reuses nothing (threshold 0), first-block's cut pass included,
+    a guidance interval gives the latents it gives alone; one that reuses runs fewer rows."""
+    half = dict(steps=4, guidance_interval=(0, 0.5), **REQ)
+    (plain,), trail = run(dit, VideoRequest("a red circle", **half))
+    zero = {"policy": policy, "threshold": 0.0}
+    (cached,), cached_trail = run(dit, VideoRequest("a red circle", cache=zero, **half))
+    assert cached.row_passes == plain.row_passes == 6
+    torch.testing.assert_close(cached_trail[-1][0], trail[-1][0], rtol=0, atol=1e-6)
+    loose = {"policy": policy, "threshold": 100.0}
+    (reused,), _ = run(dit, VideoRequest("a red circle", cache=loose, **half))
+    assert reused.row_passes < 6

@@ -194,6 +194,8 @@ class History:
         """A computed step's first-block residual and the residual of the blocks after it (its
         `record` follows, with the step's flow time)."""
         self.first = first
+        if self.tails and self.tails[-1].shape != tail.shape:  # other rows: a new history
+            self.tails = []
         self.tails = [*self.tails[1 - self.depth :], tail]
 
     @property
@@ -383,8 +385,10 @@ class FirstBlock(StepPolicy):
         raise TypeError("first-block decides inside the pass: use StepCache.reuse_probed")
 
     def reuse_probed(self, history: History, residual: torch.Tensor, sp=None) -> bool:
-        """`sp`: the residual is this rank's shard of the tokens (see the module docstring)."""
-        if history.first is None:
+        """`sp`: the residual is this rank's shard of the tokens (see the module docstring).
+        A step with other rows than the last computed one (a guidance interval ended: one row
+        where there were two) has nothing to compare with, and computes."""
+        if history.first is None or history.first.shape != residual.shape:
             return False
         return relative_l1(residual, history.first, sp) < self.threshold
 
