@@ -458,8 +458,8 @@ def test_a_sampler_and_guidance_interval_reach_the_stored_request(make_client):
         None,
         None,
     )
-    for v in (v, r.json(), plain):
-        wait_status(c, v["id"])
+    for video in (v, r.json(), plain):
+        wait_status(c, video["id"])
 
 
 def test_validation_errors_name_the_field(make_client):
