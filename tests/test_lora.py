@@ -226,6 +226,36 @@ def test_distilled_adapter_defaults(wan):
         pipe.add_adapter("odd", file)
 
 
+def test_a_distilled_adapter_samples_its_own_timesteps_bitwise_as_diffusers(wan):
+    """An adapter distilled on four timesteps names them and its sampler: a request naming it
+    runs four passes at those levels, bitwise diffusers' WanPipeline with the adapter loaded and
+    FlowMatchEulerDiscreteScheduler set to the same sigmas."""
+    from megaslide.engine.sampling.samplers import flow_scheduler, timestep_sigmas
+
+    timesteps, shift = [1000, 750, 500, 250], 5.0
+    file = write_peft(wan["root"] / "four.safetensors", seed=11)
+    sampling = {"sampler": "euler", "timesteps": timesteps, "shift": shift, "guidance": 1.0}
+    (wan["root"] / "four.safetensors.json").write_text(json.dumps({"sampling": sampling}))
+    pipe = open_pipeline(wan["model"], batched=False)
+    pipe.add_adapter("four", file)
+    video = pipe.resolve(request([LoraChoice("four")], steps=None, guidance=None))
+    assert (video.sampler, video.timesteps, video.steps) == ("euler", tuple(timesteps), 4)
+    passes = []
+    hook = pipe.experts[0].register_forward_hook(lambda m, a, o: passes.append(a))
+    ours = pipe.generate(video)
+    hook.remove()
+    assert len(passes) == 4
+
+    reference = diffusers.WanPipeline.from_pretrained(wan["model"])
+    sigmas = timestep_sigmas(tuple(timesteps), shift)
+    scheduler = flow_scheduler("euler", sigmas, 1000, torch.device("cpu"))
+    set_timesteps = scheduler.set_timesteps
+    scheduler.set_timesteps = lambda n, device=None: set_timesteps(sigmas=sigmas.tolist())
+    reference.scheduler = scheduler
+    theirs = diffusers_frames(None, {"four": (file, 1.0)}, reference, steps=4, guidance=1.0)
+    assert np.array_equal(ours, theirs)
+
+
 def _bad(wan, name, **kw):
     return write_peft(wan["root"] / f"{name}.safetensors", **kw)
 

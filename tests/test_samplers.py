@@ -281,3 +281,15 @@ def test_a_guidance_interval_composes_with_step_caches(dit, policy):
     loose = {"policy": policy, "threshold": 100.0}
     (reused,), _ = run(dit, VideoRequest("a red circle", cache=loose, **half))
     assert reused.row_passes < 6
+
+
+def test_a_models_own_defaults_name_its_sampler():
+    """A step-distilled checkpoint's config says how it samples; a model that says nothing keeps
+    its config as it was."""
+    distilled = SamplingDefaults.from_dict({"sampler": "consistency", "timesteps": [1000, 500]})
+    video = resolve(VideoRequest("a circle"), LIMITS, distilled, model="m")
+    assert (video.sampler, video.timesteps, video.steps) == ("consistency", (1000, 500), 2)
+    assert SamplingDefaults.from_dict(distilled.to_dict()) == distilled
+    assert "sampler" not in SamplingDefaults().to_dict()
+    with pytest.raises(ValueError, match="sampler 'ddim' is unknown"):
+        SamplingDefaults.from_dict({"sampler": "ddim"})
