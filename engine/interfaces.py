@@ -34,6 +34,11 @@ class VideoModel(Protocol):
         """Decode finished states, in bounded chunks, to uint8 frames `(F, H, W, 3)` each."""
         ...
 
+    def preview_batch(self, states: list) -> list:
+        """A small uint8 frame `(H, W, 3)` of each state's clip as its last step predicts it, or
+        None where there is none (a model that keeps no predictions: every one)."""
+        return [None] * len(states)
+
     def close(self) -> None:
         """Free what the model holds beyond its memory (a group of devices: its processes);
         called once the caller is done with it."""

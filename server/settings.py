@@ -161,6 +161,15 @@ class Settings(BaseSettings):
     max_streams_per_key: int = Field(
         100, ge=1, description="SSE streams one API key (or, without keys, everyone) may hold"
     )
+    preview_every: int = Field(
+        5,
+        ge=0,
+        description="send a running video's SSE stream a small image of its clean clip as "
+        "predicted every this many denoising steps (a video.preview event); 0: never",
+    )
+    preview_size: int = Field(
+        160, ge=16, le=1024, description="longest side of a preview image, in pixels"
+    )
     event_ttl_s: int = Field(
         30 * 24 * 3600, ge=60, description="how long the events of a finished job are kept"
     )

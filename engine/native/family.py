@@ -173,6 +173,13 @@ class DiTPipeline(Pipeline):
         )
         sample_step(sampler, states)
 
+    def decode_preview(self, x0: torch.Tensor) -> np.ndarray:
+        """The middle frame of the decoded clips (the autoencoder is small)."""
+        with torch.no_grad():
+            pixels = self.autoencoder.decode(x0.float())  # (B, 3, F, H, W) in [-1, 1]
+        middle = pixels[:, :, pixels.shape[2] // 2]  # (B, 3, H, W)
+        return np.stack([float_to_frames(m[:, None], layout="CFHW")[0] for m in middle])
+
     def finish_batch(self, states: list[SampleState]) -> list[np.ndarray]:
         for state in states:
             if not state.done:

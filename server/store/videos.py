@@ -270,12 +270,16 @@ class VideoStore:
             lease_token=token,
         )
 
-    def set_progress(self, updates: list[tuple], *, lease_s: float) -> set[str]:
+    def set_progress(
+        self, updates: list[tuple], *, lease_s: float, previews: dict[str, str] | None = None
+    ) -> set[str]:
         """`(id, lease_token, step, progress)` or `(id, lease_token, step, progress, passes)` for
         running videos, in one transaction; extends their leases. `passes`: the steps that ran a
-        pass of the model (fewer than `step` when a step cache reused). Returns the ids whose
-        lease is no longer this claim's (stop working on them: another worker has them, or they
-        ended)."""
+        pass of the model (fewer than `step` when a step cache reused). `previews`: by video, an
+        image of its clip as predicted at this step (a data URI), logged after its progress as a
+        `video.preview` event. Returns the ids whose lease is no longer this claim's (stop
+        working on them: another worker has them, or they ended)."""
+        previews = previews or {}
         lost = set()
         with self.db.tx() as conn:
             for video_id, token, step, progress, *rest in updates:
@@ -296,6 +300,9 @@ class VideoStore:
                     continue
                 data = {"status": "in_progress", **values}
                 append_event(conn, video_id, "video.progress", data=data)
+                if video_id in previews:
+                    data = {"step": step, "preview": previews[video_id]}
+                    append_event(conn, video_id, "video.preview", data=data)
         return lost
 
     def finish(

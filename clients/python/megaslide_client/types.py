@@ -7,6 +7,7 @@ also readable as attributes (`video.some_new_field`); `to_dict()` gives back the
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
@@ -168,6 +169,15 @@ class VideoEvent:
     data: Any
     id: str | None = None
     video: Video | None = None
+
+    @property
+    def preview(self) -> bytes | None:
+        """A `video.preview` event's JPEG: one frame of the clip as its step `data["step"]`
+        predicts it, while it renders; None for any other event."""
+        uri = self.data.get("preview") if isinstance(self.data, dict) else None
+        if self.event != "video.preview" or not isinstance(uri, str) or "," not in uri:
+            return None
+        return base64.b64decode(uri.partition(",")[2])
 
 
 # ---------------------------------------------------------------------------------------------
