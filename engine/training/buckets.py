@@ -149,6 +149,14 @@ class BucketPlan:
         shuffle = np.random.default_rng([seed, epoch, 0]).permutation(len(batches))
         return [batches[j] for j in shuffle]
 
+    def summary(self) -> str:
+        """The plan in one line."""
+        each = "; ".join(
+            f"{b} ({len(c)} clip(s), {self.tokens[b]} tokens, {self.batches(b)} batch(es))"
+            for b, c in sorted(self.buckets.items())
+        )
+        return f"{self.lines()[0][:-1]}: {each}"
+
     def lines(self) -> list[str]:
         """The plan as a table: a line per bucket, then the totals."""
         clips = sum(len(c) for c in self.buckets.values())

@@ -230,6 +230,9 @@ class Trainer(TrainingRun):
         handle = handles.get(model.blocks_owner)
         return BlockwiseStep(model, runtime.device, step_config, handle, self.group)
 
+    def clip_plan(self) -> str | None:
+        return None if self.plan is None else self.plan.summary()
+
     # -- training ---------------------------------------------------------------------------------
 
     @property
