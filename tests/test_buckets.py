@@ -19,7 +19,7 @@ from megaslide.engine.training.buckets import (
     training_clips,
 )
 from megaslide.engine.training.data import BackgroundLoader, DatasetError, Sample
-from megaslide.engine.training.finetune import open_trainer
+from megaslide.engine.training.finetune import open_trainer, resumed_in_buckets
 from megaslide.engine.training.finetune_spec import (
     ClipSpec,
     FinetuneSpec,
@@ -295,3 +295,14 @@ def test_bucket_options_are_checked():
         spec.replace(clips={"buckets": False, "token_budget": 100}).validate()
     old = FinetuneSpec.from_dict({"run": {"output": "o"}, "clips": {"frames": 4}})
     assert old.clips.buckets is None and old.clips.token_budget is None
+
+
+def test_a_resumed_run_left_to_choose_keeps_how_it_started(tmp_path):
+    assert resumed_in_buckets(tmp_path) is None  # no checkpoint: the dataset decides
+    step = tmp_path / "checkpoints" / "step-000002"
+    step.mkdir(parents=True)
+    position = {"seed": 0, "epoch": 0, "index": 2}
+    torch.save({"loader": position}, step / "state.pt")
+    assert resumed_in_buckets(tmp_path) is False  # one size (a run from before buckets too)
+    torch.save({"loader": {**position, "plan": "0123456789abcdef"}}, step / "state.pt")
+    assert resumed_in_buckets(tmp_path) is True

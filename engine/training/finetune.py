@@ -82,6 +82,17 @@ def list_checkpoints(output: str | os.PathLike) -> list[dict]:
     return sorted(found, key=lambda c: c["step"])
 
 
+def resumed_in_buckets(output: Path) -> bool | None:
+    """Whether the run at `output` trained its clips in buckets, by its newest checkpoint's data
+    position (a bucket plan's counts batches); None without a checkpoint. A resumed run left to
+    choose keeps how it started, a run started before buckets existed included."""
+    checkpoints = list_checkpoints(output)
+    if not checkpoints:
+        return None
+    state = torch.load(Path(checkpoints[-1]["path"]) / "state.pt", weights_only=True)
+    return "plan" in state["loader"]
+
+
 def trained_model(
     source: ModelSource, spec: FinetuneSpec, resume: bool
 ) -> tuple[ModelInfo, Path | None]:
@@ -156,6 +167,8 @@ class Trainer(TrainingRun):
         buckets = clips.buckets
         if buckets is None and (clips.width or clips.height):
             buckets = False  # a size asked for is one size for every clip, unless buckets are too
+        if buckets is None and resume:
+            buckets = resumed_in_buckets(self.output)
         shape = TrainingShape(
             frames=self.frames,
             width=self.width,
