@@ -12,12 +12,13 @@ Layout (the convention of Hugging Face `datasets` "videofolder" and the diffuser
 `validate_dataset` checks everything before a step runs: malformed JSON, a line that is not an
 object, missing or non-string keys, an empty caption, a path that is absolute or uses ``..``, a
 missing file, a video that does not decode or holds no frames or frames of different sizes, and
-a clip shorter than the frame count training needs. Each sample keeps its frame count and size,
-which aspect and length buckets (buckets.py) are planned from. All problems (up to `max_problems`) are reported in one `DatasetError`, each
-naming the line of metadata.jsonl and the file as the dataset spells it, never where the dataset
-lies. Symlinks are followed (the Hugging Face cache stores files as symlinks), so only the written
-path is checked for escaping the root. A server checking an upload also bounds what the check may
-cost (`DatasetLimits`): lines, clips, frames decoded, and pixels per frame.
+a clip shorter than the frame count training needs. All problems (up to `max_problems`) are
+reported in one `DatasetError`, each naming the line of metadata.jsonl and the file as the
+dataset spells it, never where the dataset lies. Each sample keeps its frame count and frame
+size, which aspect and length buckets (buckets.py) are planned from. Symlinks are followed (the
+Hugging Face cache stores files as symlinks), so only the written path is checked for escaping
+the root. A server checking an upload also bounds what the check may cost (`DatasetLimits`):
+lines, clips, frames decoded, and pixels per frame.
 
 Order: the sample stream is epoch 0's permutation, then epoch 1's, and so on; the permutation of
 epoch e depends only on (seed, e, dataset size). A batch is the next `batch_size` samples of that
