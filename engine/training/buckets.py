@@ -72,6 +72,11 @@ class BucketRules:
         n = offset + (frames - offset) // multiple * multiple if frames >= offset else 0
         return n if n >= 1 else None
 
+    @property
+    def shortest(self) -> int:
+        """The fewest frames the model takes."""
+        return self.legal_frames(self.limits.frames_offset) or self.limits.frames_multiple
+
     def bucket(self, frames: int, width: int, height: int) -> Bucket | str:
         """The bucket of a clip of `frames` frames of `width` x `height`, or why it has none."""
         limits = self.limits
@@ -80,8 +85,9 @@ class BucketRules:
             return f"{width}x{height} is smaller than the smallest size the model takes ({mw}x{mh})"
         f = self.legal_frames(min(frames, self.max_frames, limits.max_frames))
         if f is None:
-            shortest = self.legal_frames(limits.frames_offset + limits.frames_multiple)
-            return f"{frames} frames: fewer than the shortest clip the model takes ({shortest})"
+            return (
+                f"{frames} frames: fewer than the shortest clip the model takes ({self.shortest})"
+            )
         # The smallest frame, one multiple a side, must fit: else fewer frames.
         while self.tokens(f, mh, mw) > self.budget:
             f = self.legal_frames(f - 1)
@@ -158,7 +164,7 @@ class BucketPlan:
         return f"{self.lines()[0][:-1]}: {each}"
 
     def lines(self) -> list[str]:
-        """The plan as a table: a line per bucket, then the totals."""
+        """The plan as a table: the totals, then a line per bucket."""
         clips = sum(len(c) for c in self.buckets.values())
         out = [
             f"{len(self.buckets)} bucket(s) of at most {self.budget} tokens, {clips} clip(s), "
@@ -206,8 +212,8 @@ def plan_buckets(
 
 def check_lengths(root: Path, samples: list[Sample], frames: int) -> None:
     """DatasetError naming each clip shorter than `frames` (one clip size for the whole run)."""
-    problems = [too_short(sample_name(root, s), s.num_frames, frames) for s in samples]
-    problems = [p for s, p in zip(samples, problems) if s.num_frames < frames]
+    short = [s for s in samples if s.num_frames < frames]
+    problems = [too_short(sample_name(root, s), s.num_frames, frames) for s in short]
     if problems:
         raise DatasetError(root, problems[:20], total=len(problems))
 
