@@ -57,6 +57,11 @@ class TrainingRun(Protocol):
         """One optimizer step; its metrics (loss, lr, timings)."""
         ...
 
+    def clip_plan(self) -> str | None:
+        """How the clips train, in a line a job's log shows before the first step: their aspect
+        and length buckets (training/buckets.py); None for one clip size."""
+        return None
+
     def save_checkpoint(self) -> Path:
         """Write a checkpoint of the run as it stands, atomically; its directory."""
         ...

@@ -449,7 +449,20 @@ class Hyperparameters(Request):
         None, ge=1, description="frames per training clip (default: the trainer's)"
     )
     size: str | None = Field(
-        None, description="WIDTHxHEIGHT of training clips (default: the trainer's)"
+        None,
+        description="WIDTHxHEIGHT of training clips (default: the trainer's): every clip "
+        "resized and cropped to it, unless buckets is true",
+    )
+    buckets: bool | None = Field(
+        None,
+        description="train clips as they come, each batch one aspect and length bucket (default: "
+        "when the clips differ in size or length and no size is given); false: one size",
+    )
+    token_budget: int | None = Field(
+        None,
+        ge=1,
+        description="in buckets, a clip's most tokens (default: those of one num_frames x size "
+        "clip)",
     )
     expert: Literal["high", "low"] | None = Field(
         None, description="a two-expert base (Wan2.2-A14B): which expert trains"
@@ -477,6 +490,13 @@ class Hyperparameters(Request):
     def _batch(cls, v):
         if v != "auto" and not 1 <= v <= 256:
             raise ValueError("must be between 1 and 256")
+        return v
+
+    @field_validator("token_budget")
+    @classmethod
+    def _budget(cls, v, info):
+        if v is not None and info.data.get("buckets") is False:
+            raise ValueError("bounds buckets: not with buckets false")
         return v
 
     @field_validator("optimizer_state")
@@ -548,6 +568,9 @@ def finetune_object(job: FineTuneRecord) -> FineTuningJob:
     public = {k: hyper[k] for k in ("n_epochs", "batch_size", "learning_rate_multiplier")}
     public["optimizer_state"] = hyper.get("optimizer_state", OptimizerSpec.state)  # (older jobs)
     public["optimizer_state_tier"] = hyper.get("optimizer_state_tier", OptimizerSpec.state_tier)
+    for asked in ("buckets", "token_budget"):  # shown when asked for
+        if hyper.get(asked) is not None:
+            public[asked] = hyper[asked]
     error = (
         FineTuningError(code=job.error_code, message=job.error_message)
         if job.error_message

@@ -178,6 +178,11 @@ class FakeTrainer(TrainingRun):
             "d2h_bytes": 0,
         }
 
+    def clip_plan(self):
+        if not self.spec.clips.buckets:
+            return None
+        return f"1 bucket(s) of at most {self.spec.clips.token_budget} tokens"
+
     def save_checkpoint(self):
         path = self.output / f"step-{self.step}.ckpt"
         with self.fence() if self.fence is not None else contextlib.nullcontext():

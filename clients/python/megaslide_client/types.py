@@ -250,6 +250,8 @@ class Hyperparameters(APIObject):
     learning_rate_multiplier: Any = None
     optimizer_state: str | None = None
     optimizer_state_tier: str | None = None  # "ram" or "disk": where the moments live
+    buckets: bool | None = None  # clips in aspect and length buckets (shown when asked for)
+    token_budget: int | None = None  # a bucketed clip's most tokens (shown when asked for)
 
 
 @dataclass
