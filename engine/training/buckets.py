@@ -35,9 +35,9 @@ import numpy as np
 
 from ..request import ModelLimits
 from .data import DatasetError, Sample, sample_name, too_short, validate_dataset
+from .shape import TrainingShape
 
 if TYPE_CHECKING:
-    from ..family import TrainingShape
     from ..sources import ModelInfo
 
 # Tokens of a clip of (frames, height, width) pixels: the model's token grid, multiplied out.

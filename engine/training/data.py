@@ -39,18 +39,26 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath, PureWindowsPath
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from ..video import decode_frames, frames_to_float, read_video
 
-if TYPE_CHECKING:
-    from .buckets import BucketPlan
-
 METADATA = "metadata.jsonl"
 COPY_CHUNK = 1 << 20  # how much of an overlong metadata line is read at a time, to skip it
+
+
+class BatchPlan(Protocol):
+    """Batches planned ahead for a loader (buckets.py's `BucketPlan`): each epoch's batches of
+    sample indices, a pure function of (seed, epoch)."""
+
+    batch_size: int
+    batches_per_epoch: int
+    fingerprint: str
+
+    def epoch_batches(self, seed: int, epoch: int) -> list[list[int]]: ...
 
 
 class DatasetError(ValueError):
@@ -394,7 +402,7 @@ class BackgroundLoader:
         batch_size: int = 1,
         seed: int = 0,
         prefetch: int = 2,
-        plan: BucketPlan | None = None,
+        plan: BatchPlan | None = None,
     ):
         if plan is not None:
             batch_size = plan.batch_size
