@@ -158,7 +158,7 @@ class WebhookStore:
         )
         clock = self.db.clock()
         stmt = (
-            sa.select(d, *(c.label(f"endpoint_{c.name}") for c in e.c))
+            sa.select(d)
             .join(e, e.c.id == d.c.endpoint_id)
             .where(
                 d.c.status == PENDING,
@@ -180,14 +180,11 @@ class WebhookStore:
                     .where(d.c.id == row["id"])
                     .values(lease_token=token, lease_expires_at=clock + lease_s)
                 )
-                endpoint = {
-                    k.removeprefix("endpoint_"): v
-                    for k, v in row.items()
-                    if k.startswith("endpoint_")
-                }
-                delivery = WebhookDeliveryRecord.from_row({**row, "lease_token": token})
-                claimed.append((delivery, WebhookEndpointRecord.from_row(endpoint)))
-        return claimed
+                claimed.append(WebhookDeliveryRecord.from_row({**row, "lease_token": token}))
+            ids = {delivery.endpoint_id for delivery in claimed}
+            rows = conn.execute(sa.select(e).where(e.c.id.in_(ids))).mappings()
+            endpoints = {row["id"]: WebhookEndpointRecord.from_row(row) for row in rows}
+        return [(delivery, endpoints[delivery.endpoint_id]) for delivery in claimed]
 
     def record_attempt(
         self,
