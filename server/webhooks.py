@@ -101,18 +101,21 @@ def check_url(url: str, *, allow_private: bool) -> None:
     """Refuse (`UnsafeURL`) a URL that is not http(s) with a host, or whose host resolves to an
     address outside the public internet while `allow_private` is off. Resolves the name: run it
     off the event loop."""
-    parts = urllib.parse.urlsplit(url)
+    try:  # a malformed IPv6 literal, or a port out of range, is a ValueError here
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError as exc:
+        raise UnsafeURL(f"{url[:200]!r} is not a URL: {exc}") from None
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise UnsafeURL(f"a webhook URL is http:// or https:// with a host, got {url!r}")
+        raise UnsafeURL(f"a webhook URL is http:// or https:// with a host, got {url[:200]!r}")
     if parts.username or parts.password:
         raise UnsafeURL("a webhook URL carries no user name or password")
     if allow_private:
         return
     try:
-        port = parts.port or (443 if parts.scheme == "https" else 80)
         found = socket.getaddrinfo(parts.hostname, port, proto=socket.IPPROTO_TCP)
     except (socket.gaierror, UnicodeError, ValueError) as exc:
-        raise UnsafeURL(f"the host of {url!r} does not resolve: {exc}") from None
+        raise UnsafeURL(f"the host {parts.hostname[:200]!r} does not resolve: {exc}") from None
     for *_, sockaddr in found:
         address = ipaddress.ip_address(sockaddr[0].split("%", 1)[0])
         if _refused(address):
@@ -191,8 +194,8 @@ class Sender:
     ) -> None:
         try:
             await self.send(http, delivery, endpoint)
-        except UNAVAILABLE:
-            log.exception("webhooks: could not record a try of %s", delivery.id)
+        except Exception:  # the loop goes on: the delivery is tried again when its claim ends
+            log.exception("webhooks: could not send or record a try of %s", delivery.id)
         finally:
             free.release()
         self.wake()  # the job's next delivery may be due now
@@ -220,7 +223,7 @@ class Sender:
             error = f"refused: {exc}"
         except httpx.TimeoutException:
             error = f"no answer within {self.settings.webhook_timeout_s:g} s"
-        except httpx.HTTPError as exc:
+        except (httpx.HTTPError, httpx.InvalidURL) as exc:
             error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         status = await self.store.webhooks.record_attempt(
             delivery,
