@@ -8,6 +8,7 @@ to a receiver on 127.0.0.1 (tests/support/webhook_receiver.py), which the tests 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
@@ -15,13 +16,17 @@ import pytest
 from standardwebhooks.webhooks import Webhook
 from webhook_receiver import Receiver
 
+import megaslide_client
+from megaslide.server import Settings, build_app
 from megaslide.server.store import JobStore
 from megaslide.server.store.webhooks import emit
 from megaslide.server.webhooks import headers, new_secret, sign
+from megaslide.server.worker import Fleet
 from megaslide_client import WebhookVerificationError, verify_webhook
+from megaslide_client.types import WebhookAttempt
 
 from api_helpers import SMALL, assert_error, dataset_zip, upload, wait_status
-from server_fakes import FakeBackend, until
+from server_fakes import FakeBackend, live_server, until
 
 ALL = [
     "video.completed",
@@ -292,6 +297,40 @@ def test_a_slow_receiver_holds_up_neither_videos_nor_other_jobs_deliveries(make_
         # Both videos ran and their events were sent while the first answer was still awaited.
         until(lambda: len(r.all()) == 3, timeout=1.5, what="the other jobs' deliveries")
         assert time.monotonic() - started < 1.8
+
+
+def test_the_sdk_registers_endpoints_and_reads_deliveries(tmp_path):
+    settings = Settings(data_dir=tmp_path / "data", poll_after_ms=50, **FAST)
+    app = build_app(settings, Fleet.embedded(settings, FakeBackend()))
+    with live_server(app, settings) as url, Receiver() as r:
+        sdk = megaslide_client.Client(base_url=url)
+        endpoint = sdk.webhooks.endpoints.create(url=r.url, events=["video.completed"])
+        assert endpoint.secret.startswith("whsec_") and endpoint.events == ["video.completed"]
+        assert [e.id for e in sdk.webhooks.endpoints.list()] == [endpoint.id]
+        assert sdk.webhooks.endpoints.retrieve(endpoint.id).secret is None
+        sdk.videos.create_and_poll(prompt="a red ball", size="32x32", num_frames=4)
+        until(lambda: r.all(), what="a delivery")
+        got = r.all()[0]
+        assert verify_webhook(got.body, got.headers, endpoint.secret)["type"] == "video.completed"
+
+        def delivered():
+            rows = list(sdk.webhooks.endpoints.deliveries(endpoint.id))
+            return rows if rows and rows[0].status == "delivered" else None
+
+        [d] = until(delivered, what="the delivery recorded")
+        assert d.id == got.id and isinstance(d.attempts[0], WebhookAttempt)
+        assert d.attempts[0].status_code == 200
+        sdk.close()
+
+        async def twin():
+            async with megaslide_client.AsyncClient(base_url=url) as a:
+                page = await a.webhooks.endpoints.deliveries(endpoint.id)
+                assert [x.id for x in page.data] == [d.id]
+                assert (await a.webhooks.endpoints.retrieve(endpoint.id)).url == r.url
+                assert (await a.webhooks.endpoints.delete(endpoint.id)).deleted is True
+                assert [e async for e in a.webhooks.endpoints.list()] == []
+
+        asyncio.run(twin())
 
 
 # ---------------------------------------------------------------------------------------------
