@@ -723,7 +723,9 @@ class WebhookEndpoint(BaseModel):
     url: str
     events: list[str]
     description: str | None
-    disabled: bool
+    disabled: bool = Field(
+        description="set once a delivery failed for good; its events wait until it is enabled"
+    )
     secret: str | None = Field(
         None,
         description="whsec_...: what its deliveries are signed with (Standard Webhooks); "

@@ -171,7 +171,10 @@ class Settings(BaseSettings):
         160, ge=16, le=1024, description="longest side of a preview image, in pixels"
     )
     event_ttl_s: int = Field(
-        30 * 24 * 3600, ge=60, description="how long the events of a finished job are kept"
+        30 * 24 * 3600,
+        ge=60,
+        description="how long the events of a finished job are kept, and webhook deliveries "
+        "once delivered or failed",
     )
 
     # Request bodies, counted as they arrive (413 above).

@@ -49,6 +49,7 @@ from .store import UNAVAILABLE, AsyncStore
 
 log = logging.getLogger("megaslide.server")
 
+PRUNE_INTERVAL_S = 3600.0  # how often a sender deletes settled deliveries past event_ttl_s
 SECRET_PREFIX = "whsec_"
 SECRET_BYTES = 32
 MAX_ERROR_CHARS = 500  # what a try's record keeps of an error message
@@ -170,9 +171,13 @@ class Sender:
             anyio.create_task_group() as tasks,
         ):
             free = anyio.Semaphore(limit)
+            pruned_at = -PRUNE_INTERVAL_S
             while True:
                 room = free.value
                 try:
+                    if time.monotonic() - pruned_at > PRUNE_INTERVAL_S:
+                        pruned_at = time.monotonic()
+                        await self.store.webhooks.prune(self.settings.event_ttl_s)
                     claimed = await self.store.webhooks.claim(room, lease_s=self.lease_s)
                 except UNAVAILABLE:
                     log.exception("webhooks: the job store fails; retrying")

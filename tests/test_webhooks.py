@@ -133,13 +133,25 @@ def test_the_outbox_keeps_each_jobs_order_and_a_lost_claim_comes_back(database_u
         assert hooks.record_attempt(again[0][2], **ok, retry_s=[0.0]) is None  # lost claim
         assert hooks.record_attempt(taken[0][2], **ok, retry_s=[0.0]) == "delivered"
         assert hooks.record_attempt(b1, **ok, retry_s=[0.0]) == "delivered"
-        assert [(j, n) for j, n, _ in claim()] == [("video_a", 2)]
+        [(_, _, a2)] = claim()
+        assert a2.job_id == "video_a" and a2.snapshot["n"] == 2
         rows, more = hooks.deliveries("we_a", None, 10)
         tries = {
             d.snapshot["n"]: [a.status_code for a in t] for d, t in rows if d.job_id == "video_a"
         }
         assert tries == {1: [500, 200], 2: [], 3: []} and not more
         assert hooks.deliveries("we_other", None, 10) == ([], False)  # bob's saw nothing
+
+        # Failed for good: the endpoint is disabled, and what it is owed waits for it.
+        assert hooks.record_attempt(a2, **retry, retry_s=[]) == "failed"
+        assert hooks.get_endpoint("we_a").disabled
+        with store.db.tx() as conn:
+            emit(store.db, conn, "video.completed", "video_b", "alice", {"n": 5})
+        assert claim() == []
+        assert hooks.enable("we_a") and not hooks.get_endpoint("we_a").disabled
+        assert [(j, n) for j, n, _ in claim()] == [("video_a", 3), ("video_b", 5)]
+        assert hooks.prune(older_than_s=-1) == 3  # the settled ones: a1, b1, a2
+        assert len(hooks.deliveries("we_a", None, 10)[0]) == 2
         assert hooks.delete_endpoint("we_a") and hooks.deliveries("we_a", None, 10)[0] == []
     finally:
         store.close()
@@ -261,6 +273,10 @@ def test_a_url_is_checked_again_before_each_try(make_client):
         assert d["status"] == "failed" and len(d["attempts"]) == 3  # once, then each retry
         assert all(a["error"].startswith("refused:") for a in d["attempts"])
         assert r.all() == []
+        assert c.get("/v1/webhooks/endpoints/we_rebound").json()["disabled"] is True
+        enabled = c.post("/v1/webhooks/endpoints/we_rebound/enable")
+        assert enabled.status_code == 200 and enabled.json()["disabled"] is False
+        assert_error(c.post("/v1/webhooks/endpoints/we_none/enable"), 404, "endpoint_id")
 
 
 def test_a_failing_receiver_is_retried_with_back_off(make_client):
@@ -308,6 +324,7 @@ def test_the_sdk_registers_endpoints_and_reads_deliveries(tmp_path):
         assert endpoint.secret.startswith("whsec_") and endpoint.events == ["video.completed"]
         assert [e.id for e in sdk.webhooks.endpoints.list()] == [endpoint.id]
         assert sdk.webhooks.endpoints.retrieve(endpoint.id).secret is None
+        assert sdk.webhooks.endpoints.enable(endpoint.id).disabled is False
         sdk.videos.create_and_poll(prompt="a red ball", size="32x32", num_frames=4)
         until(lambda: r.all(), what="a delivery")
         got = r.all()[0]

@@ -1,5 +1,6 @@
-"""`/v1/webhooks/endpoints`: register, list, retrieve and delete a key's webhook endpoints, and
-read the deliveries of one with their tries (webhooks.py says what is sent, and how)."""
+"""`/v1/webhooks/endpoints`: register, list, retrieve, delete and enable a key's webhook
+endpoints, and read the deliveries of one with their tries (webhooks.py says what is sent, and
+how)."""
 
 from __future__ import annotations
 
@@ -50,6 +51,15 @@ async def retrieve_endpoint(endpoint_id: str, webhooks: WebhooksDep, principal: 
 async def delete_endpoint(endpoint_id: str, webhooks: WebhooksDep, principal: PrincipalDep):
     """Delete the endpoint; what it is still owed is dropped."""
     return await webhooks.delete(endpoint_id, principal)
+
+
+@router.post(
+    "/{endpoint_id}/enable", response_model=WebhookEndpoint, responses=error_responses(404)
+)
+async def enable_endpoint(endpoint_id: str, webhooks: WebhooksDep, principal: PrincipalDep):
+    """An endpoint is disabled once a delivery to it fails for good (its retries spent); its
+    events are still kept for it. Enabling it sends them, each job's in order."""
+    return await webhooks.enable(endpoint_id, principal)
 
 
 @router.get(

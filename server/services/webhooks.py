@@ -69,6 +69,14 @@ class Webhooks:
             raise NotFound(f"No such webhook endpoint: {endpoint_id}", param="endpoint_id")
         return WebhookEndpointDeleted(id=endpoint_id, deleted=True)
 
+    async def enable(self, endpoint_id: str, principal: Principal) -> WebhookEndpoint:
+        """Send to an endpoint again after a delivery to it failed for good: what it was owed
+        meanwhile goes out first, in order."""
+        await self.find(endpoint_id, principal)
+        if not await self.store.webhooks.enable(endpoint_id):
+            raise NotFound(f"No such webhook endpoint: {endpoint_id}", param="endpoint_id")
+        return await self.retrieve(endpoint_id, principal)
+
     async def deliveries(
         self, endpoint_id: str, principal: Principal, after: str | None, limit: int
     ) -> dict:

@@ -118,6 +118,8 @@ class AsyncWebhookStore(_Async):
     get_endpoint = _InThread(WebhookStore.get_endpoint)
     page_endpoints = _InThread(WebhookStore.page_endpoints)
     delete_endpoint = _InThread(WebhookStore.delete_endpoint)
+    enable = _InThread(WebhookStore.enable)
+    prune = _InThread(WebhookStore.prune)
     deliveries = _InThread(WebhookStore.deliveries)
     claim = _InThread(WebhookStore.claim)
     record_attempt = _InThread(WebhookStore.record_attempt)

@@ -29,15 +29,14 @@ PENDING, DELIVERED, FAILED = "pending", "delivered", "failed"
 def emit(
     db: Database, conn: sa.Connection, type_: str, job_id: str, owner: str | None, snapshot: dict
 ) -> int:
-    """Owe `type_` of job `job_id` to every live endpoint of `owner` that subscribed to it, in
+    """Owe `type_` of job `job_id` to every endpoint of `owner` that subscribed to it, in
     the caller's transaction; `snapshot` is the rows the payload is made from (webhooks.py), as
     they are now. Another owner's endpoints never see it. Returns how many deliveries."""
     mine = (
         webhook_endpoints.c.owner.is_(None) if owner is None else webhook_endpoints.c.owner == owner
     )
-    stmt = sa.select(webhook_endpoints.c.id, webhook_endpoints.c.events).where(
-        mine, webhook_endpoints.c.disabled == 0
-    )
+    # A disabled endpoint is owed its events too: they wait for it to be enabled again.
+    stmt = sa.select(webhook_endpoints.c.id, webhook_endpoints.c.events).where(mine)
     subscribed = [r.id for r in conn.execute(stmt) if type_ in json.loads(r.events)]
     text = json.dumps(snapshot)
     for endpoint_id in subscribed:
@@ -114,6 +113,28 @@ class WebhookStore:
                 webhook_deliveries.delete().where(webhook_deliveries.c.endpoint_id == endpoint_id)
             )
         return n > 0
+
+    def enable(self, endpoint_id: str) -> bool:
+        """Send to a disabled endpoint again, from the deliveries it was owed meanwhile; False
+        when there is no such endpoint."""
+        with self.db.tx() as conn:
+            return bool(
+                conn.execute(
+                    webhook_endpoints.update()
+                    .where(webhook_endpoints.c.id == endpoint_id)
+                    .values(disabled=0)
+                ).rowcount
+            )
+
+    def prune(self, older_than_s: float) -> int:
+        """Delete settled deliveries (delivered, or failed for good) older than `older_than_s`
+        with their tries; returns how many. Pending ones stay, however old."""
+        d = webhook_deliveries
+        stale = sa.and_(d.c.status != PENDING, d.c.created_at < now() - older_than_s)
+        with self.db.tx() as conn:
+            ids = sa.select(d.c.id).where(stale)
+            conn.execute(webhook_attempts.delete().where(webhook_attempts.c.delivery_id.in_(ids)))
+            return conn.execute(d.delete().where(stale)).rowcount
 
     def deliveries(
         self, endpoint_id: str, after: str | None, limit: int
@@ -198,8 +219,9 @@ class WebhookStore:
     ) -> str | None:
         """Record a try of a delivery claimed as `delivery.lease_token`: delivered, or due again
         after `retry_s[n - 1]` seconds at its n-th failure, or failed for good once `retry_s` is
-        spent. Returns its status after, or None when the claim is no longer this one (its
-        lease ran out and another sender took it, or its endpoint was deleted)."""
+        spent, which disables its endpoint (a receiver that failed for that long is gone until
+        someone enables it). Returns its status after, or None when the claim is no longer this
+        one (its lease ran out and another sender took it, or its endpoint was deleted)."""
         d = webhook_deliveries
         with self.db.tx() as conn:
             held = d.c.id == delivery.id, d.c.lease_token == delivery.lease_token
@@ -221,6 +243,11 @@ class WebhookStore:
                 changes |= dict(status=DELIVERED, delivered_at=now())
             elif attempts > len(retry_s):
                 changes |= dict(status=FAILED)
+                conn.execute(
+                    webhook_endpoints.update()
+                    .where(webhook_endpoints.c.id == delivery.endpoint_id)
+                    .values(disabled=1)
+                )
             else:
                 changes |= dict(next_attempt_at=self.db.clock() + retry_s[attempts - 1])
             conn.execute(d.update().where(*held).values(**changes))

@@ -1,5 +1,5 @@
-"""`client.webhooks.endpoints`: register, list, retrieve and delete webhook endpoints, and read
-an endpoint's deliveries with their tries. Check what arrives with `verify_webhook`."""
+"""`client.webhooks.endpoints`: register, list, retrieve, delete and enable webhook endpoints,
+and read an endpoint's deliveries with their tries. Check what arrives with `verify_webhook`."""
 
 from __future__ import annotations
 
@@ -41,6 +41,12 @@ class Endpoints:
         response = self._client.delete(f"{PATH}/{endpoint_id}")
         return WebhookEndpointDeleted.from_dict(response.json())
 
+    def enable(self, endpoint_id: str) -> WebhookEndpoint:
+        """Send to an endpoint disabled after a delivery failed for good: what it was owed
+        meanwhile goes out first."""
+        response = self._client.post(f"{PATH}/{endpoint_id}/enable")
+        return WebhookEndpoint.from_dict(response.json())
+
     def deliveries(
         self, endpoint_id: str, *, after: str | None = None, limit: int | None = None
     ) -> SyncCursorPage[WebhookDelivery]:
@@ -75,6 +81,11 @@ class AsyncEndpoints:
     async def delete(self, endpoint_id: str) -> WebhookEndpointDeleted:
         response = await self._client.delete(f"{PATH}/{endpoint_id}")
         return WebhookEndpointDeleted.from_dict(response.json())
+
+    async def enable(self, endpoint_id: str) -> WebhookEndpoint:
+        """Send to a disabled endpoint again (see `Endpoints.enable`)."""
+        response = await self._client.post(f"{PATH}/{endpoint_id}/enable")
+        return WebhookEndpoint.from_dict(response.json())
 
     def deliveries(
         self, endpoint_id: str, *, after: str | None = None, limit: int | None = None
