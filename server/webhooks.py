@@ -220,13 +220,17 @@ class Sender:
             )
             content = body(delivery)
             signed = headers(endpoint.secret, delivery.id, int(time.time()), content)
-            response = await http.post(endpoint.url, content=content, headers=signed)
-            status_code = response.status_code
+            # One deadline for the whole try (httpx's applies to each read, which a receiver
+            # trickling bytes could stretch past the claim); the answer's body is never read.
+            with anyio.fail_after(self.settings.webhook_timeout_s):
+                request = http.stream("POST", endpoint.url, content=content, headers=signed)
+                async with request as response:
+                    status_code = response.status_code
             if not 200 <= status_code < 300:
                 error = f"the receiver answered {status_code}"
         except UnsafeURL as exc:
             error = f"refused: {exc}"
-        except httpx.TimeoutException:
+        except (httpx.TimeoutException, TimeoutError):
             error = f"no answer within {self.settings.webhook_timeout_s:g} s"
         except (httpx.HTTPError, httpx.InvalidURL) as exc:
             error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
