@@ -109,8 +109,10 @@ def test_the_outbox_keeps_each_jobs_order_and_a_lost_claim_comes_back(database_u
         hooks.create_endpoint({"id": "we_other", "secret": new_secret(), **row, "owner": "bob"})
         with store.db.tx() as conn:
             for job, n in (("video_a", 1), ("video_a", 2), ("video_b", 1), ("video_a", 3)):
-                emit(store.db, conn, "video.completed", job, "alice", {"n": n})
-            emit(store.db, conn, "video.failed", "video_a", "alice", {"n": 4})  # not subscribed
+                emit(store.db, conn, "video.completed", job, "alice", lambda n=n: {"n": n})
+            emit(
+                store.db, conn, "video.failed", "video_a", "alice", lambda: {"n": 4}
+            )  # not subscribed
 
         def claim(lease_s=30.0):
             claimed = hooks.claim(10, lease_s=lease_s)
@@ -146,7 +148,7 @@ def test_the_outbox_keeps_each_jobs_order_and_a_lost_claim_comes_back(database_u
         assert hooks.record_attempt(a2, **retry, retry_s=[]) == "failed"
         assert hooks.get_endpoint("we_a").disabled
         with store.db.tx() as conn:
-            emit(store.db, conn, "video.completed", "video_b", "alice", {"n": 5})
+            emit(store.db, conn, "video.completed", "video_b", "alice", lambda: {"n": 5})
         assert claim() == []
         assert hooks.enable("we_a") and not hooks.get_endpoint("we_a").disabled
         assert [(j, n) for j, n, _ in claim()] == [("video_a", 3), ("video_b", 5)]

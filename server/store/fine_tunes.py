@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 from collections.abc import Iterator
 
@@ -259,9 +260,15 @@ class FineTuneStore:
                 metrics=json.dumps(metrics) if metrics else None,
             )
             if conn.execute(stmt.on_conflict_do_nothing()).rowcount:  # a first record of it
-                snapshot = {"checkpoint": row_of(conn, checkpoints, checkpoint_id), "job": held}
                 type_ = "fine_tuning.job.checkpoint.created"
-                emit(self.db, conn, type_, job_id, held["owner"], snapshot)
+                emit(
+                    self.db,
+                    conn,
+                    type_,
+                    job_id,
+                    held["owner"],
+                    lambda: {"checkpoint": row_of(conn, checkpoints, checkpoint_id), "job": held},
+                )
         return True
 
     def cancel_requested(self, job_id: str) -> bool:
@@ -307,7 +314,7 @@ class FineTuneStore:
     def _notify(self, conn: sa.Connection, job_id: str, status: str, owner: str | None) -> None:
         """Owe the webhooks of a job that succeeded or failed, in its transaction."""
         if status in ("succeeded", "failed"):
-            snapshot = row_of(conn, fine_tunes, job_id)
+            snapshot = functools.partial(row_of, conn, fine_tunes, job_id)
             emit(self.db, conn, f"fine_tuning.job.{status}", job_id, owner, snapshot)
 
     def requeue(self, job_id: str, token: str, reason: str) -> None:

@@ -8,6 +8,7 @@ SSE streams read.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from collections.abc import Callable, Hashable
 
@@ -344,7 +345,8 @@ class VideoStore:
     def _notify(self, conn: sa.Connection, video_id: str, status: str, owner: str | None) -> None:
         """Owe the webhooks of a video that completed or failed, in its transaction."""
         if status in ("completed", "failed"):
-            emit(self.db, conn, f"video.{status}", video_id, owner, row_of(conn, videos, video_id))
+            snapshot = functools.partial(row_of, conn, videos, video_id)
+            emit(self.db, conn, f"video.{status}", video_id, owner, snapshot)
 
     def cancel_requested(self, ids: list[str]) -> set[str]:
         """Those of `ids` whose cancellation is pending."""

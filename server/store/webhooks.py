@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import secrets
+from collections.abc import Callable
 
 import sqlalchemy as sa
 
@@ -27,18 +28,26 @@ PENDING, DELIVERED, FAILED = "pending", "delivered", "failed"
 
 
 def emit(
-    db: Database, conn: sa.Connection, type_: str, job_id: str, owner: str | None, snapshot: dict
+    db: Database,
+    conn: sa.Connection,
+    type_: str,
+    job_id: str,
+    owner: str | None,
+    snapshot: Callable[[], dict],
 ) -> int:
     """Owe `type_` of job `job_id` to every endpoint of `owner` that subscribed to it, in
-    the caller's transaction; `snapshot` is the rows the payload is made from (webhooks.py), as
-    they are now. Another owner's endpoints never see it. Returns how many deliveries."""
+    the caller's transaction; `snapshot()` reads the rows the payload is made from
+    (webhooks.py) as they are now, only when some endpoint subscribed. Another owner's endpoints
+    never see it. Returns how many deliveries."""
     mine = (
         webhook_endpoints.c.owner.is_(None) if owner is None else webhook_endpoints.c.owner == owner
     )
     # A disabled endpoint is owed its events too: they wait for it to be enabled again.
     stmt = sa.select(webhook_endpoints.c.id, webhook_endpoints.c.events).where(mine)
     subscribed = [r.id for r in conn.execute(stmt) if type_ in json.loads(r.events)]
-    text = json.dumps(snapshot)
+    if not subscribed:
+        return 0
+    text = json.dumps(snapshot())
     for endpoint_id in subscribed:
         conn.execute(
             webhook_deliveries.insert().values(
