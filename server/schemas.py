@@ -25,7 +25,16 @@ from megaslide.engine.training.finetune_spec import TRAINING_STATES, OptimizerSp
 
 from .plain_text import NUL, NUL_MESSAGE
 from .protocol import ModelCard, adapter_name
-from .records import CheckpointRecord, EventRecord, FileRecord, FineTuneRecord, VideoRecord
+from .records import (
+    CheckpointRecord,
+    EventRecord,
+    FileRecord,
+    FineTuneRecord,
+    VideoRecord,
+    WebhookAttemptRecord,
+    WebhookDeliveryRecord,
+    WebhookEndpointRecord,
+)
 
 T = TypeVar("T")
 
@@ -706,4 +715,107 @@ def model_object(card: ModelCard) -> Model:
         },
         limits=limits.to_dict(),
         adapters=[{k: v for k, v in a.items() if k != "id"} for a in card.adapters],
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# webhooks
+
+WebhookEvent = Literal[
+    "video.completed",
+    "video.failed",
+    "fine_tuning.job.succeeded",
+    "fine_tuning.job.failed",
+    "fine_tuning.job.checkpoint.created",
+]
+MAX_URL_CHARS = 2048
+
+
+class WebhookEndpointCreate(Request):
+    """`POST /v1/webhooks/endpoints`: where to send which events of this key's jobs."""
+
+    url: str = Field(min_length=1, max_length=MAX_URL_CHARS, description="http:// or https://")
+    events: list[WebhookEvent] = Field(min_length=1, max_length=16)
+    description: str | None = Field(None, max_length=512)
+
+
+class WebhookEndpoint(BaseModel):
+    id: str
+    object: Literal["webhook_endpoint"] = "webhook_endpoint"
+    created_at: int
+    url: str
+    events: list[str]
+    description: str | None
+    disabled: bool = Field(
+        description="set once a delivery failed for good; its events wait until it is enabled"
+    )
+    secret: str | None = Field(
+        None,
+        description="whsec_...: what its deliveries are signed with (Standard Webhooks); "
+        "shown once, in the answer that creates the endpoint",
+    )
+
+
+class WebhookEndpointDeleted(BaseModel):
+    id: str
+    object: Literal["webhook_endpoint"] = "webhook_endpoint"
+    deleted: bool
+
+
+class WebhookAttempt(BaseModel):
+    created_at: int
+    status_code: int | None = Field(description="the receiver's answer; null: none came")
+    error: str | None = Field(description="why the try failed; null: it was delivered")
+    duration_ms: int
+
+
+class WebhookDelivery(BaseModel):
+    id: str = Field(description="the message id, sent as webhook-id on every try")
+    object: Literal["webhook_delivery"] = "webhook_delivery"
+    endpoint_id: str
+    type: str
+    job_id: str
+    created_at: int
+    status: Literal["pending", "delivered", "failed"]
+    attempts: list[WebhookAttempt]
+    next_attempt_at: int | None = Field(description="when it is tried next, while pending")
+    delivered_at: int | None
+
+
+def webhook_endpoint_object(
+    endpoint: WebhookEndpointRecord, *, with_secret: bool = False
+) -> WebhookEndpoint:
+    return WebhookEndpoint(
+        id=endpoint.id,
+        created_at=endpoint.created_at,
+        url=endpoint.url,
+        events=endpoint.events,
+        description=endpoint.description,
+        disabled=endpoint.disabled,
+        secret=endpoint.secret if with_secret else None,
+    )
+
+
+def webhook_delivery_object(
+    delivery: WebhookDeliveryRecord, attempts: list[WebhookAttemptRecord]
+) -> WebhookDelivery:
+    pending = delivery.status == "pending"
+    return WebhookDelivery(
+        id=delivery.id,
+        endpoint_id=delivery.endpoint_id,
+        type=delivery.type,
+        job_id=delivery.job_id,
+        created_at=delivery.created_at,
+        status=delivery.status,
+        attempts=[
+            WebhookAttempt(
+                created_at=a.created_at,
+                status_code=a.status_code,
+                error=a.error,
+                duration_ms=a.duration_ms,
+            )
+            for a in attempts
+        ],
+        next_attempt_at=int(delivery.next_attempt_at) if pending else None,
+        delivered_at=delivery.delivered_at,
     )
