@@ -4,13 +4,22 @@ differs, another tenant, an opt-out, or an original that failed, expired or went
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import json
+import re
 
+import httpx
+
+import megaslide_client
+from megaslide.cli.main import main as cli_main
 from megaslide.engine.request import CacheSpec, LoraChoice, ResolvedVideo
+from megaslide.server import Settings, build_app
 from megaslide.server.services.repeats import NOT_PIXELS, pixel_key
+from megaslide.server.worker import Fleet
 
 from api_helpers import SMALL, assert_error, create, wait_status
-from server_fakes import FAKE_CARD, FakeBackend, until
+from server_fakes import FAKE_CARD, FakeBackend, live_server, until
 
 VIDEO = ResolvedVideo(
     model="fake",
@@ -24,6 +33,8 @@ VIDEO = ResolvedVideo(
     guidance=1.0,
     seed=3,
 )
+RUNS = ("queued", "in_progress")  # a worker may have claimed it before the answer was read
+SDK_SMALL = dict(num_frames=4, size="32x32", num_inference_steps=2)
 # A value other than VIDEO's for the fields whose type a plain string would not fit; any other
 # field, including one added after this test, is changed to a string.
 OTHER = {
@@ -111,7 +122,7 @@ def test_what_differs_or_opts_out_runs_again(make_client):
     ]
     for fields in differing:
         video = create(c, **{"seed": 3, **fields})
-        assert video["cached_from"] is None and video["status"] == "queued", fields
+        assert video["cached_from"] is None and video["status"] in RUNS, fields
     # An unseeded request gets a seed of its own: it runs.
     assert create(c)["cached_from"] is None
     # The opt-out as a multipart form field, as the openai SDK sends it.
@@ -130,7 +141,7 @@ def test_another_tenants_video_is_never_the_answer(make_client):
     first = c.post("/v1/videos", json=body, headers=one).json()
     until(lambda: c.get(f"/v1/videos/{first['id']}", headers=one).json()["status"] == "completed")
     theirs = c.post("/v1/videos", json=body, headers=two).json()
-    assert theirs["cached_from"] is None and theirs["status"] == "queued"
+    assert theirs["cached_from"] is None and theirs["status"] in RUNS
     mine = c.post("/v1/videos", json=body, headers=one).json()
     assert mine["cached_from"] == first["id"]
 
@@ -185,3 +196,53 @@ def test_the_metrics_count_repeats(make_client):
     create(c, seed=3, reuse=False)
     create(c, seed=3)
     assert "megaslide_video_repeats 1.0" in c.get("/metrics").text
+
+
+def test_the_sdk_reads_cached_from_and_sends_the_opt_out(make_client):
+    c = make_client()
+
+    def to_app(request):  # the sync SDK's requests, through the app's test client
+        r = c.request(
+            request.method, request.url.path, content=request.content, headers=request.headers
+        )
+        return httpx.Response(r.status_code, content=r.content, headers=r.headers)
+
+    with megaslide_client.Client(base_url="http://t", transport=httpx.MockTransport(to_app)) as sdk:
+        first = sdk.videos.create_and_poll(prompt="a red ball", seed=3, **SDK_SMALL)
+        again = sdk.videos.create(prompt="a red ball", seed=3, **SDK_SMALL)
+        assert first.cached_from is None and again.cached_from == first.id
+        assert again.status == "completed" and again.passes == 0
+        fresh = sdk.videos.create(prompt="a red ball", seed=3, reuse=False, **SDK_SMALL)
+        assert fresh.cached_from is None
+    sent = []
+
+    def handler(request):  # the async twin, and the opt-out as a multipart field
+        sent.append(request)
+        return httpx.Response(200, json={"id": "video_2", "status": "completed"})
+
+    async def main():
+        transport = httpx.MockTransport(handler)
+        async with megaslide_client.AsyncClient(base_url="http://t", transport=transport) as sdk:
+            await sdk.videos.create(prompt="p", reuse=False)
+            await sdk.videos.create(prompt="p", reuse=False, input_reference=b"\x89PNG")
+
+    asyncio.run(main())
+    assert json.loads(sent[0].content)["reuse"] is False
+    assert b'name="reuse"\r\n\r\nfalse\r\n' in sent[1].content
+
+
+def test_the_cli_says_what_answered_and_takes_the_opt_out(tmp_path, monkeypatch, capsys):
+    for var in ("MEGASLIDE_API_KEYS", "MEGASLIDE_API_KEY", "MEGASLIDE_MODELS", "MEGASLIDE_PRESET"):
+        monkeypatch.delenv(var, raising=False)
+    settings = Settings(data_dir=tmp_path / "data", poll_after_ms=50)
+    app = build_app(settings, Fleet.embedded(settings, FakeBackend()))
+    with live_server(app) as url:
+        out = tmp_path / "a.mp4"
+        argv = ["generate", "a red ball", "-o", str(out), "--model", "fake", "--frames", "4"]
+        argv += ["--size", "32x32", "--steps", "2", "--server", url, "--no-progress"]
+        assert cli_main(argv) == 0 and "the MP4 of" not in capsys.readouterr().err
+        first = out.read_bytes()
+        assert cli_main(argv) == 0 and "completed" in (err := capsys.readouterr().err)
+        assert re.search(r"the MP4 of video_\w+", err) and out.read_bytes() == first
+        assert cli_main([*argv, "--no-reuse"]) == 0
+        assert "the MP4 of" not in capsys.readouterr().err
