@@ -47,9 +47,11 @@ REQUEST = {
 
 
 def summary(samples_ms: list[float]) -> dict:
+    ordered = sorted(samples_ms)
     return {
-        "median": round(statistics.median(samples_ms), 3),
-        "max": round(max(samples_ms), 3),
+        "median": round(statistics.median(ordered), 3),
+        "p95": round(ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))], 3),
+        "max": round(ordered[-1], 3),
         "min": round(min(samples_ms), 3),
         "n": len(samples_ms),
     }
