@@ -132,6 +132,10 @@ def test_what_differs_or_opts_out_runs_again(make_client):
     r = c.post("/v1/videos", data={**form, "num_inference_steps": "2"})
     assert r.json()["cached_from"] == first["id"]
     assert_error(c.post("/v1/videos", json={"prompt": "p", "reuse": "maybe"}), 400, "reuse")
+    api = c.get("/openapi.json").json()
+    body = api["paths"]["/v1/videos"]["post"]["requestBody"]["content"]["application/json"]
+    assert body["schema"]["properties"]["reuse"]["default"] is True
+    assert "cached_from" in api["components"]["schemas"]["Video"]["properties"]
 
 
 def test_another_tenants_video_is_never_the_answer(make_client):
@@ -184,6 +188,8 @@ def test_an_idempotency_key_answers_its_retries_with_its_own_video(make_client):
     repeat = c.post("/v1/videos", json=body, headers=headers).json()
     assert repeat["cached_from"] == first["id"]
     assert c.post("/v1/videos", json=body, headers=headers).json()["id"] == repeat["id"]
+    explicit = c.post("/v1/videos", json={**body, "reuse": True}, headers=headers)
+    assert explicit.json()["id"] == repeat["id"]  # the default, said or not, is one request
     # The opt-out is part of the request: the same key with it is another request.
     opted = c.post("/v1/videos", json={**body, "reuse": False}, headers=headers)
     assert_error(opted, 409, fragment="different request body")

@@ -76,7 +76,10 @@ class Videos:
                     pixel_key=pixels,
                 )
 
-            payload = {**body.model_dump(exclude_none=True), "image": image_sha256}
+            # `reuse` counts only when off: a request that leaves it out hashes as it did
+            # before the field, so a key reserved then still answers its retries.
+            fields = body.model_dump(exclude_none=True, exclude={"reuse"} if body.reuse else None)
+            payload = {**fields, "image": image_sha256}
             row, replayed = await create_once(
                 self.store, key, payload, self.store.videos.get, insert
             )
