@@ -70,6 +70,11 @@ def test_the_weights_count_by_their_revision():
     assert key(other_scale, card) != key(styled, card)
     reuploaded = card.replace(adapters=({**adapter, "sha256": "b" * 64},))
     assert key(styled, reuploaded) != key(styled, card)
+    # One given at start (`--lora`), its file rewritten before the server restarted.
+    given = {"name": "style", "id": "style", "rank": 4, "modified_at": 1_700_000_000}
+    at_start = dataclasses.replace(styled, loras=(LoraChoice("style", 0.5),))
+    rewritten = card.replace(adapters=({**given, "modified_at": 1_700_000_001},))
+    assert key(at_start, rewritten) != key(at_start, card.replace(adapters=(given,)))
     # A model registered again (a directory changed, a preset's server restarted), and the base
     # a fine-tune stands on.
     assert key(card=FAKE_CARD.replace(created=FAKE_CARD.created + 1)) != key()

@@ -30,9 +30,8 @@ NOT_PIXELS: frozenset[str] = frozenset()
 # (a preset's weights are drawn when its server starts), a fine-tune's registration.
 MODEL_REVISION = ("name", "kind", "source", "created", "parent")
 # What names an adapter's weights on its card: an uploaded one's file digest and upload time; one
-# registered at start, its shape (it is read again only when the server restarts, and a preset's
-# revision changes then).
-ADAPTER_REVISION = ("sha256", "created_at", "rank", "modules", "bytes", "defaults")
+# given at start, its file's modification time; either, its shape and sampling defaults.
+ADAPTER_REVISION = ("sha256", "created_at", "modified_at", "rank", "modules", "bytes", "defaults")
 
 
 def pixel_key(
