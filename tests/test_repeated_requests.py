@@ -123,6 +123,7 @@ def test_what_differs_or_opts_out_runs_again(make_client):
         {"num_inference_steps": 3},
         {"fps": 16},
         {"cache": "fast"},
+        {"guidance_interval": [0, 0.5]},
         {"reuse": False},
     ]
     for fields in differing:
