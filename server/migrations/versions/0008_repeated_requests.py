@@ -5,15 +5,15 @@ indexed with the owner, so that a tenant's request equal to one of its finished 
 `cached_from`: the video whose MP4 answered the request, when no pass ran for it. NULL for videos
 made before: they are never found as repeats.
 
-Revision ID: 0007
-Revises: 0006
+Revision ID: 0008
+Revises: 0007
 """
 
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0007"
-down_revision = "0006"
+revision = "0008"
+down_revision = "0007"
 branch_labels = None
 depends_on = None
 
