@@ -45,7 +45,8 @@ from ..family import TrainingShape, family
 from ..interfaces import TrainingRun
 from ..loader import as_source, open_model
 from ..sources import ModelInfo, ModelSource, describe
-from .blockwise import BlockwiseStep, StepConfig, master_dtype, master_state_dicts
+from .blockwise import BlockwiseStep, StepConfig, master_dtype
+from .experts import ExpertSteps
 from .finetune_spec import FinetuneSpec
 from .group import OneProcess, TrainingGroup
 
@@ -187,10 +188,11 @@ class Trainer(TrainingRun):
             (self.output / METRICS).write_text("")  # a fresh run: no metrics from an earlier one
         self._metrics = open(self.output / METRICS, "a") if self.owner else None
 
-    def _open_step(self, info: ModelInfo) -> BlockwiseStep:
+    def _open_step(self, info: ModelInfo) -> BlockwiseStep | ExpertSteps:
         """The model `info` describes, opened in its masters' dtype where the placement says
         (from the group's shared master, in a group that shares one), and the blockwise step that
-        trains it. A bf16 master computes under bf16 autocast on every device."""
+        trains it (several experts: a step each, experts.py). A bf16 master computes under bf16
+        autocast on every device."""
         spec, runtime = self.spec, self.spec.runtime
         dtype = master_dtype(spec.optimizer)
         parts, handles = open_model(
@@ -203,7 +205,7 @@ class Trainer(TrainingRun):
         )
         for module in parts.values():
             module.train()
-        model = self.family.training_model(info, parts, spec.run.expert)
+        models = self.family.training_models(info, parts, spec.run.expert)
         cuda = torch.device(runtime.device).type == "cuda"
         optimizer = spec.optimizer
         if optimizer.state_tier == "disk" and optimizer.state_dir is None:
@@ -217,8 +219,18 @@ class Trainer(TrainingRun):
             time_sampling=spec.clips.time_sampling,
             seed=spec.run.seed,
         )
-        handle = handles.get(model.blocks_owner)
-        return BlockwiseStep(model, runtime.device, step_config, handle, self.group)
+
+        def step(label: str, model) -> BlockwiseStep:
+            config = step_config
+            if label and optimizer.state_dir is not None:  # an expert's state files: its own
+                expert = dataclasses.replace(optimizer, state_dir=f"{optimizer.state_dir}/{label}")
+                config = dataclasses.replace(step_config, optimizer=expert)
+            handle = handles.get(model.blocks_owner)
+            return BlockwiseStep(model, runtime.device, config, handle, self.group)
+
+        if len(models) == 1:
+            return step("", *models.values())
+        return ExpertSteps({k: step(k, m) for k, m in models.items()}, spec.clips.time_sampling)
 
     # -- training ---------------------------------------------------------------------------------
 
@@ -232,7 +244,7 @@ class Trainer(TrainingRun):
         """One optimizer step (`grad_accum` micro-batches); checkpoints every `save_every` steps."""
         start = time.perf_counter()
         h2d0, d2h0 = self.blockwise.h2d_bytes, self.blockwise.d2h_bytes
-        losses, norm = [], 0.0
+        losses, norm, experts = [], 0.0, {}
         lr = learning_rate(self.spec, self.step, self.total_steps)
         if self.blockwise.optimizer is not None:
             self.blockwise.optimizer.lr = lr
@@ -252,10 +264,14 @@ class Trainer(TrainingRun):
             out = self.blockwise.micro_step(self.data.x0(batch), condition, self.generator)
             losses.append(out["loss"])
             norm = out["grad_norm"]
+            for key in [k for k in out if k.startswith("loss_")]:  # several experts: each one's
+                experts.setdefault(key, []).append(out[key])
         self.step += 1
         metrics = {
             "step": self.step,
             "loss": sum(losses) / len(losses),
+            # Several experts: each one's loss over its rows (None: no row's time was its own).
+            **{k: None if None in v else sum(v) / len(v) for k, v in experts.items()},
             "lr": lr,
             "grad_norm": norm,
             "step_time_s": time.perf_counter() - start,
@@ -326,7 +342,7 @@ class Trainer(TrainingRun):
     def _save_model(self, path: Path, values: bool = False) -> None:
         """The masters as stored (a checkpoint: with optimizer.pt, exactly the run's state), or
         with `values` their fp32 values (an export)."""
-        states = master_state_dicts(self.blockwise, values=values)
+        states = self.blockwise.state_dicts(values=values)
         self.family.save_trained(self.info, states, path)
 
     def export(self, path: str | os.PathLike | None = None) -> Path:
