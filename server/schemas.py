@@ -451,8 +451,10 @@ class Hyperparameters(Request):
     size: str | None = Field(
         None, description="WIDTHxHEIGHT of training clips (default: the trainer's)"
     )
-    expert: Literal["high", "low"] | None = Field(
-        None, description="a two-expert base (Wan2.2-A14B): which expert trains"
+    expert: Literal["high", "low", "both"] | None = Field(
+        None,
+        description="a two-expert base (Wan2.2-A14B): which expert trains, the high- or "
+        "low-noise one, or both in one job, each on its own noise levels (the default)",
     )
     optimizer_state: str = Field(
         "auto",
@@ -548,6 +550,8 @@ def finetune_object(job: FineTuneRecord) -> FineTuningJob:
     public = {k: hyper[k] for k in ("n_epochs", "batch_size", "learning_rate_multiplier")}
     public["optimizer_state"] = hyper.get("optimizer_state", OptimizerSpec.state)  # (older jobs)
     public["optimizer_state_tier"] = hyper.get("optimizer_state_tier", OptimizerSpec.state_tier)
+    if hyper.get("expert") is not None:  # a two-expert base: which trains (high, low or both)
+        public["expert"] = hyper["expert"]
     error = (
         FineTuningError(code=job.error_code, message=job.error_message)
         if job.error_message

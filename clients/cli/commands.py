@@ -554,6 +554,12 @@ def _add_plan_training_args(p) -> None:
     _add_optimizer_state_arg(p)
     p.add_argument("--grad-accum", type=int, default=1, help="fine-tuning micro-batches per step")
     p.add_argument(
+        "--expert",
+        choices=("high", "low", "both"),
+        help="fine-tuning a two-expert model (Wan2.2-A14B): one expert, or both in one run "
+        "(default: both)",
+    )
+    p.add_argument(
         "--dtype-bytes",
         type=int,
         default=2,
@@ -634,6 +640,7 @@ def run_plan(args) -> int:
         dtype_bytes=args.dtype_bytes,
         max_grad_norm=args.max_grad_norm,
         grad_accum=args.grad_accum,
+        expert=args.expert,
         optimizer_state=args.optimizer_state or OptimizerSpec.state,
         optimizer_state_tier=args.optimizer_state_tier or OptimizerSpec.state_tier,
         loras=args.loras,
@@ -764,8 +771,9 @@ def _add_finetune_placement_args(p) -> None:
     )
     p.add_argument(
         "--expert",
-        choices=("high", "low"),
-        help="which expert of a two-expert model (Wan2.2-A14B) to train: high or low noise",
+        choices=("high", "low", "both"),
+        help="which expert of a two-expert model (Wan2.2-A14B) to train: high or low noise, or "
+        "both in one run, each on its own noise levels (default: both)",
     )
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument(
