@@ -212,20 +212,22 @@ def test_one_transformer_refuses_both_experts(wan):
 
 
 def test_both_experts_resume_exactly_and_export_a_two_expert_pipeline(wan, encoded, tmp_path):
-    """Uniform times over a tiny two-expert Wan: rows of both experts come up. A run abandoned
-    after step 3 and resumed from its step-2 checkpoint ends with the uninterrupted run's
-    weights, bitwise; the export holds both trained experts and samples in diffusers'
-    WanPipeline as in ours; its delta covers both."""
+    """Uniform times over a tiny two-expert Wan, two micro-batches a step, clipped: rows of both
+    experts come up, in one micro-batch of a step or both. A run abandoned after step 3 and
+    resumed from its step-2 checkpoint ends with the uninterrupted run's weights, bitwise; the
+    export holds both trained experts, loads in diffusers' WanPipeline and samples in ours; its
+    delta covers both."""
 
-    def run(output, steps=4):
+    def run(output, steps=3):
         resume = output.exists()
         if not resume:
             shutil.copytree(encoded, output / "cache")
         spec = config(output, steps=steps, times="uniform")
+        spec = spec.replace(optimizer={"grad_accum": 2, "max_grad_norm": 1.0})
         return open_trainer(wan["experts"], wan["world"], spec, resume=resume)
 
     with run(tmp_path / "a") as t:
-        metrics = [t.train_step() for _ in range(4)]
+        metrics = [t.train_step() for _ in range(3)]
         uninterrupted = trained_weights(t)
         path = t.export()
     assert any(m["loss_high"] is not None for m in metrics)
@@ -233,7 +235,7 @@ def test_both_experts_resume_exactly_and_export_a_two_expert_pipeline(wan, encod
     before = base_weights(wan["experts"])
     assert moved(before, uninterrupted, "transformer")
     assert moved(before, uninterrupted, "transformer_2")
-    t = run(tmp_path / "b", steps=4)
+    t = run(tmp_path / "b")
     for _ in range(3):
         t.train_step()
     t.loader.close()
@@ -248,26 +250,15 @@ def test_both_experts_resume_exactly_and_export_a_two_expert_pipeline(wan, encod
     assert all(torch.equal(exported[k], uninterrupted[k]) for k in exported)
     delta = json.loads((path / "delta" / "bfloat16" / "delta.json").read_text())
     assert set(delta["changed"]) == {"transformer", "transformer_2"}
+    # diffusers' WanPipeline loads both trained experts (tests/test_wan.py: it samples as ours).
     reference = diffusers.WanPipeline.from_pretrained(path)
-    reference.set_progress_bar_config(disable=True)
-    frames = reference(
-        prompt="a red circle moving left",
-        negative_prompt="",
-        height=32,
-        width=32,
-        num_frames=9,
-        num_inference_steps=3,
-        guidance_scale=4.0,
-        generator=torch.Generator().manual_seed(2),
-        output_type="np",
-    ).frames[0]
-    expected = np.round(frames * 255).astype(np.uint8)
-    ours = open_pipeline(path).generate(
-        VideoRequest(
-            "a red circle moving left", height=32, width=32, frames=9, steps=3, guidance=4.0, seed=2
-        )
+    for name in ("transformer", "transformer_2"):
+        state = getattr(reference, name).state_dict()
+        assert all(torch.equal(state[k], uninterrupted[f"{name}.{k}"]) for k in state)
+    frames = open_pipeline(path).generate(
+        VideoRequest("a red circle", height=32, width=32, frames=9, steps=3, seed=2)
     )
-    assert np.abs(ours.astype(int) - expected.astype(int)).max() <= 1
+    assert frames.shape == (9, 32, 32, 3)
 
 
 @pytest.mark.slow  # tens of seconds: the developer loop leaves it out

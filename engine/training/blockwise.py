@@ -34,6 +34,7 @@ backward computes, and whose masters are one copy in shared memory that rank 0 a
 from __future__ import annotations
 
 import contextlib
+import itertools
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -335,6 +336,42 @@ class BlockwiseStep:
     @property
     def d2h_bytes(self) -> int:
         return self.drain.bytes
+
+    def skip_micro_steps(self, count: int) -> None:
+        """`count` micro-steps of this optimizer step in which the model had no rows (experts.py:
+        no time of the micro-batch was this expert's): zero gradients join the accumulation, as
+        a micro-batch whose loss does not depend on the model would give. When that completes the
+        optimizer step, the step ends as `micro_step`'s last would."""
+        if count < 1:
+            return
+        if self.micro + count > self.config.optimizer.grad_accum:
+            raise RuntimeError(
+                f"{self.micro} + {count} micro-steps exceed grad_accum "
+                f"{self.config.optimizer.grad_accum}"
+            )
+        largest = max(sum(t.numel() for t in named.values()) for named in self.masters.values())
+        zero = torch.zeros(largest)
+        for block_id in self.update_order:
+            named = self.masters[block_id]
+            offsets = [0, *itertools.accumulate(t.numel() for t in named.values())]
+            zeros = {
+                n: zero[a : a + t.numel()].view(t.shape)
+                for (n, t), a in zip(named.items(), offsets)
+            }
+            for _ in range(count):
+                self.optimizer.accumulate(block_id, zeros)
+        self.micro += count
+        if self.micro < self.config.optimizer.grad_accum:
+            return
+        for block_id in self.update_order:
+            if self.handle is not None and block_id != NON_BLOCK:
+                # Tells the streamer that the block's host copy is about to change, so a stale
+                # slot copy is never reused (as the backward does before each block's update).
+                self.handle.host_tensors(block_id)
+            self.optimizer.step_block(block_id)
+        self.group.end_step()
+        self._publish()
+        self.micro = 0
 
     def state_dicts(self, *, values: bool = False) -> dict[str, dict[str, torch.Tensor]]:
         """`master_state_dicts` of this step: every trained module's state by module name."""

@@ -7,16 +7,16 @@ sampling once, as a one-model run does, and each row goes to the expert whose `t
 its time. A batch may hold rows of both: each expert's `BlockwiseStep` (blockwise.py) runs on its
 rows, with its own masters, moments and optimizer, exactly as if those rows were its whole batch
 (its loss their mean). An expert none of whose rows came up in an optimizer step does not step:
-its weights and moments move only for samples in its own range.
+its weights and moments move only for samples in its own range. With accumulated micro-batches,
+one that held none of an expert's rows adds zero to its gradient (each micro-batch weighs alike,
+as in a one-model run), if any other micro-batch of the step held some.
 
 Why rows and not whole batches by turn: the experts then see exactly the times the sampling
 draws, each its share, with no rule to keep them in proportion; what the split costs is a step
 that holds rows of both streaming both experts' blocks.
 
-Caution: one process and one micro-batch per optimizer step. Accumulated micro-batches would leave
-an expert with rows in some of them and none in others, which its optimizer (a fixed count of
-micro-batches per step) does not take; over several devices, a rank with no rows for an expert
-would leave the others waiting in its gradient reduction. Both are refused when the run opens.
+Caution: one process. Over several devices, a rank with no rows for an expert would leave the
+others waiting in that expert's gradient reduction: refused when the run opens.
 """
 
 from __future__ import annotations
@@ -40,31 +40,40 @@ class ExpertSteps:
                 "training several experts in one run runs in one process: name one expert to "
                 "train over several devices"
             )
-        if first.config.optimizer.grad_accum != 1:
-            raise ValueError(
-                "training several experts in one run takes one micro-batch per optimizer step: "
-                "use a larger batch size, or name one expert, to accumulate"
-            )
         # Lowest times first: a row belongs to the last expert whose range starts at or below it.
         self.steps = dict(sorted(steps.items(), key=lambda kv: kv[1].model.time_range[0]))
         self.starts = torch.tensor([s.model.time_range[0] for s in self.steps.values()][1:])
         self.time_sampling = time_sampling
+        self.grad_accum = first.config.optimizer.grad_accum
+        self.micro = 0
+        # Each expert's micro-steps of this optimizer step that held none of its rows, not yet
+        # given to its step: given (as zeros) once it has rows, or dropped if it never does.
+        self.owed = dict.fromkeys(self.steps, 0)
         self.optimizer = _Optimizers({k: s.optimizer for k, s in self.steps.items()})
 
     def micro_step(self, x0: torch.Tensor, condition: Any, generator: torch.Generator) -> dict:
-        """One optimizer step of every expert that owns a row of the batch `x0` `(B, C, F, H,
-        W)`. The loss is the batch's mean, `loss_<label>` each expert's over its rows (None for
-        an expert with none), `grad_norm` over the experts that trained."""
+        """One micro-step of every expert that owns a row of the batch `x0` `(B, C, F, H, W)`
+        (after `grad_accum` of them, the experts' optimizer steps). The loss is the batch's mean,
+        `loss_<label>` each expert's over its rows (None for an expert with none), `grad_norm`
+        over the experts that trained."""
         B = x0.shape[0]
         t = sample_training_times(B, generator, self.time_sampling)  # (B,)
         noise = torch.randn(x0.shape, generator=generator)  # (B, C, F, H, W)
         owner = torch.bucketize(t, self.starts, right=True)  # (B,): the expert of each row
-        out = {"loss": 0.0, "grad_norm": 0.0, "step_time_s": 0.0, "stepped": True}
+        last = self.micro + 1 == self.grad_accum
+        out = {"loss": 0.0, "grad_norm": 0.0, "step_time_s": 0.0, "stepped": last}
         for e, (label, step) in enumerate(self.steps.items()):
             rows = (owner == e).nonzero()[:, 0]
             if len(rows) == 0:
                 out[f"loss_{label}"] = None
+                self.owed[label] += 1
+                if last and step.micro > 0:  # it had rows earlier in this optimizer step
+                    step.skip_micro_steps(self.owed[label])
+                if last:
+                    self.owed[label] = 0
                 continue
+            step.skip_micro_steps(self.owed[label])
+            self.owed[label] = 0
             got = step.micro_step(
                 x0[rows], _rows(condition, rows), None, drawn=(t[rows], noise[rows])
             )
@@ -72,6 +81,7 @@ class ExpertSteps:
             out["loss"] += got["loss"] * len(rows) / B  # the batch's mean squared error
             out["grad_norm"] = (out["grad_norm"] ** 2 + got["grad_norm"] ** 2) ** 0.5
             out["step_time_s"] += got["step_time_s"]
+        self.micro = 0 if last else self.micro + 1
         return out
 
     @property

@@ -68,6 +68,10 @@ def learning_rate(spec: FinetuneSpec, step: int, total_steps: int) -> float:
     return lr * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
 def list_checkpoints(output: str | os.PathLike) -> list[dict]:
     """Complete checkpoints of a run, oldest first: `{"step", "path", "created_at"}`."""
     root = Path(output) / CHECKPOINTS
@@ -271,7 +275,7 @@ class Trainer(TrainingRun):
             "step": self.step,
             "loss": sum(losses) / len(losses),
             # Several experts: each one's loss over its rows (None: no row's time was its own).
-            **{k: None if None in v else sum(v) / len(v) for k, v in experts.items()},
+            **{k: _mean([x for x in v if x is not None]) for k, v in experts.items()},
             "lr": lr,
             "grad_norm": norm,
             "step_time_s": time.perf_counter() - start,
