@@ -13,6 +13,8 @@ streams decoded clips from a background loader, runs
                           low halves), and the seed of a bf16-sr master's rounding
         state.pt          step, data-loader position and RNG state
     <output>/model/       the final export (`export()`), in the same servable format
+                          (several experts trained in one run, experts.py: model/ holds them
+                          all and optimizer.pt each one's state)
     <output>/optimizer-state/   with `optimizer.state_tier="disk"`: the optimizer's working
                           state files (optim_disk.py); optimizer.pt holds their copy, so a
                           killed run's half-written files are simply overwritten on resume
