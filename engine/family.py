@@ -19,25 +19,14 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from .training.shape import TrainingShape as TrainingShape  # where the families read it
+
 if TYPE_CHECKING:
     from .lora import Adapter
     from .sampling.pipeline import Pipeline
     from .sources import ModelInfo
     from .streaming.streamer import StreamHandle
     from .training.model import TrainingData, TrainingModel
-
-
-@dataclass(frozen=True)
-class TrainingShape:
-    """The clips a fine-tuning run trains on and how its loader serves them."""
-
-    frames: int
-    width: int
-    height: int
-    batch_size: int = 1
-    seed: int = 0
-    cache_mb: int = 1024  # decoded clips kept in RAM
-    device: str = "cpu"  # where frozen encoders run, when the data is encoded ahead
 
 
 @dataclass(eq=False)  # compared by identity: `weights` may be a lazy mapping of a whole file

@@ -34,6 +34,11 @@ class VideoModel(Protocol):
         """Decode finished states, in bounded chunks, to uint8 frames `(F, H, W, 3)` each."""
         ...
 
+    def preview_batch(self, states: list) -> list:
+        """A small uint8 frame `(H, W, 3)` of each state's clip as its last step predicts it, or
+        None where there is none (a model that keeps no predictions: every one)."""
+        return [None] * len(states)
+
     def close(self) -> None:
         """Free what the model holds beyond its memory (a group of devices: its processes);
         called once the caller is done with it."""
@@ -51,6 +56,11 @@ class TrainingRun(Protocol):
     def train_step(self) -> dict:
         """One optimizer step; its metrics (loss, lr, timings)."""
         ...
+
+    def clip_plan(self) -> str | None:
+        """How the clips train, in a line a job's log shows before the first step: their aspect
+        and length buckets (training/buckets.py); None for one clip size."""
+        return None
 
     def save_checkpoint(self) -> Path:
         """Write a checkpoint of the run as it stands, atomically; its directory."""

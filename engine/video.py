@@ -237,9 +237,12 @@ def count_frames(path: str | os.PathLike, *, max_pixels: int | None = None) -> i
     return sum(1 for _ in decode_frames(path, max_pixels=max_pixels))
 
 
-def decode_frames(path: str | os.PathLike, *, max_pixels: int | None = None) -> Iterator[None]:
-    """Decode every frame of a video file or frame folder, yielding once per frame and keeping
-    none: a caller can count, or stop, as it goes. Raises ValueError like `count_frames`.
+def decode_frames(
+    path: str | os.PathLike, *, max_pixels: int | None = None
+) -> Iterator[tuple[int, int]]:
+    """Decode every frame of a video file or frame folder, yielding each frame's size `(W, H)`
+    and keeping none: a caller can count, or stop, as it goes. Raises ValueError like
+    `count_frames`.
 
     The frame size is read from the stream's header and checked against `max_pixels` before
     anything is decoded: a PNG of a few kilobytes can declare a frame of gigabytes.
@@ -247,11 +250,11 @@ def decode_frames(path: str | os.PathLike, *, max_pixels: int | None = None) -> 
     path = Path(path)
     if path.is_dir():
         for f in list_frame_files(path):
-            _decode_image(f, max_pixels)
-            yield
+            h, w, _ = _decode_image(f, max_pixels).shape
+            yield w, h
     else:
-        for _ in _iter_frames(path, max_pixels):
-            yield
+        for frame in _iter_frames(path, max_pixels):
+            yield frame.width, frame.height
 
 
 def sample_indices(total: int, num_frames: int | None, sampling: str) -> list[int]:

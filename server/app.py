@@ -27,11 +27,12 @@ from .feed import EventFeed
 from .links import LinkSigner
 from .plain_text import RefuseNul
 from .protocol import WorkerClient
-from .routers import adapters, files, fine_tuning, health, models, videos, web
+from .routers import adapters, files, fine_tuning, health, models, videos, web, webhooks
 from .schemas import error_responses
 from .settings import Settings
 from .store import AsyncStore, JobStore
 from .uploads import Validator
+from .webhooks import Sender
 
 log = logging.getLogger("megaslide.server")
 
@@ -77,8 +78,9 @@ def build_app(settings: Settings, workers: WorkerClient) -> FastAPI:
 
 
 def _lifespan(settings: Settings, workers: WorkerClient, data: DataDir):
-    """The app's lifespan: the job store opened and tidied, the event feed and the dataset
-    validator started, the workers started; all stopped in reverse at shutdown."""
+    """The app's lifespan: the job store opened and tidied, the event feed, the dataset
+    validator and the webhook sender started, the workers started; all stopped in reverse at
+    shutdown."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -94,14 +96,18 @@ def _lifespan(settings: Settings, workers: WorkerClient, data: DataDir):
             )
             app.state.validator = Validator(settings, store, data, workers.check_dataset)
             validating = asyncio.create_task(app.state.validator.run())
+            app.state.sender = Sender(settings, app.state.store)
+            sending = asyncio.create_task(app.state.sender.run())
             await workers.start(store)
             try:
                 yield
             finally:
                 validating.cancel()
+                sending.cancel()
                 await workers.shutdown()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await validating
+                for task in (validating, sending):
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
         finally:
             store.close()
 
@@ -135,6 +141,7 @@ def _include_routers(app: FastAPI) -> None:
         fine_tuning.router,
         models.router,
         adapters.router,
+        webhooks.router,
     ):
         app.include_router(
             router,

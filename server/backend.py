@@ -57,6 +57,8 @@ def finetune_spec(hyper: dict, *, output: Path, seed: int, settings: Settings) -
             width=hyper.get("width"),
             height=hyper.get("height"),
             batch_size=hyper["batch_size"],
+            buckets=hyper.get("buckets"),
+            token_budget=hyper.get("token_budget"),
         ),
     )
 

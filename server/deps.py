@@ -18,6 +18,7 @@ from .services.files import Files
 from .services.fine_tuning import FineTuning
 from .services.idempotency import IdempotencyKey
 from .services.videos import Videos
+from .services.webhooks import Webhooks
 from .settings import Settings
 from .store import AsyncStore
 
@@ -137,7 +138,13 @@ async def get_adapters(request: Request) -> Adapters:
     return Adapters(state.store, state.workers, state.settings, state.data)
 
 
+async def get_webhooks(request: Request) -> Webhooks:
+    state = request.app.state
+    return Webhooks(state.store, state.settings)
+
+
 VideosDep = Annotated[Videos, Depends(get_videos)]
 FilesDep = Annotated[Files, Depends(get_files)]
 FineTuningDep = Annotated[FineTuning, Depends(get_fine_tuning)]
 AdaptersDep = Annotated[Adapters, Depends(get_adapters)]
+WebhooksDep = Annotated[Webhooks, Depends(get_webhooks)]

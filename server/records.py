@@ -239,3 +239,60 @@ __all__ = [
     "VideoRecord",
     "WorkerRecord",
 ]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class WebhookEndpointRecord:
+    """A key's webhook endpoint (the `webhook_endpoints` table)."""
+
+    seq: int
+    id: str
+    created_at: int
+    owner: str | None
+    url: str
+    events: list[str]  # the event types it receives
+    secret: str  # whsec_<base64>: what its deliveries are signed with
+    description: str | None
+    disabled: bool
+
+    @classmethod
+    def from_row(cls, row: Mapping[str, Any]) -> Self:
+        return _decode(cls, row, events=json.loads(row["events"]), disabled=bool(row["disabled"]))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class WebhookAttemptRecord:
+    """One try of a delivery (the `webhook_attempts` table)."""
+
+    seq: int
+    delivery_id: str
+    created_at: int
+    status_code: int | None  # the receiver's answer; None when there was none
+    error: str | None
+    duration_ms: int
+
+    @classmethod
+    def from_row(cls, row: Mapping[str, Any]) -> Self:
+        return _decode(cls, row)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class WebhookDeliveryRecord:
+    """A message owed to an endpoint (the `webhook_deliveries` table, the outbox)."""
+
+    seq: int
+    id: str  # the message id, sent as `webhook-id` on every try
+    endpoint_id: str
+    job_id: str
+    type: str
+    created_at: int
+    snapshot: dict[str, Any]  # the rows its payload is made from, as they were at the event
+    status: str  # pending -> delivered | failed
+    attempts: int
+    next_attempt_at: float
+    lease_token: str | None
+    delivered_at: int | None
+
+    @classmethod
+    def from_row(cls, row: Mapping[str, Any]) -> Self:
+        return _decode(cls, row, snapshot=json.loads(row["snapshot"]))

@@ -25,7 +25,16 @@ from megaslide.engine.training.finetune_spec import TRAINING_STATES, OptimizerSp
 
 from .plain_text import NUL, NUL_MESSAGE
 from .protocol import ModelCard, adapter_name
-from .records import CheckpointRecord, EventRecord, FileRecord, FineTuneRecord, VideoRecord
+from .records import (
+    CheckpointRecord,
+    EventRecord,
+    FileRecord,
+    FineTuneRecord,
+    VideoRecord,
+    WebhookAttemptRecord,
+    WebhookDeliveryRecord,
+    WebhookEndpointRecord,
+)
 
 T = TypeVar("T")
 
@@ -449,7 +458,20 @@ class Hyperparameters(Request):
         None, ge=1, description="frames per training clip (default: the trainer's)"
     )
     size: str | None = Field(
-        None, description="WIDTHxHEIGHT of training clips (default: the trainer's)"
+        None,
+        description="WIDTHxHEIGHT of training clips (default: the trainer's): every clip "
+        "resized and cropped to it, unless buckets is true",
+    )
+    buckets: bool | None = Field(
+        None,
+        description="train clips as they come, each batch one aspect and length bucket (default: "
+        "when the clips differ in size or length and no size is given); false: one size",
+    )
+    token_budget: int | None = Field(
+        None,
+        ge=1,
+        description="in buckets, a clip's most tokens (default: those of one num_frames x size "
+        "clip)",
     )
     expert: Literal["high", "low", "both"] | None = Field(
         None,
@@ -479,6 +501,13 @@ class Hyperparameters(Request):
     def _batch(cls, v):
         if v != "auto" and not 1 <= v <= 256:
             raise ValueError("must be between 1 and 256")
+        return v
+
+    @field_validator("token_budget")
+    @classmethod
+    def _budget(cls, v, info):
+        if v is not None and info.data.get("buckets") is False:
+            raise ValueError("bounds buckets: not with buckets false")
         return v
 
     @field_validator("optimizer_state")
@@ -550,6 +579,9 @@ def finetune_object(job: FineTuneRecord) -> FineTuningJob:
     public = {k: hyper[k] for k in ("n_epochs", "batch_size", "learning_rate_multiplier")}
     public["optimizer_state"] = hyper.get("optimizer_state", OptimizerSpec.state)  # (older jobs)
     public["optimizer_state_tier"] = hyper.get("optimizer_state_tier", OptimizerSpec.state_tier)
+    for asked in ("buckets", "token_budget"):  # shown when asked for
+        if hyper.get(asked) is not None:
+            public[asked] = hyper[asked]
     if hyper.get("expert") is not None:  # a two-expert base: which trains (high, low or both)
         public["expert"] = hyper["expert"]
     error = (
@@ -687,4 +719,107 @@ def model_object(card: ModelCard) -> Model:
         },
         limits=limits.to_dict(),
         adapters=[{k: v for k, v in a.items() if k != "id"} for a in card.adapters],
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# webhooks
+
+WebhookEvent = Literal[
+    "video.completed",
+    "video.failed",
+    "fine_tuning.job.succeeded",
+    "fine_tuning.job.failed",
+    "fine_tuning.job.checkpoint.created",
+]
+MAX_URL_CHARS = 2048
+
+
+class WebhookEndpointCreate(Request):
+    """`POST /v1/webhooks/endpoints`: where to send which events of this key's jobs."""
+
+    url: str = Field(min_length=1, max_length=MAX_URL_CHARS, description="http:// or https://")
+    events: list[WebhookEvent] = Field(min_length=1, max_length=16)
+    description: str | None = Field(None, max_length=512)
+
+
+class WebhookEndpoint(BaseModel):
+    id: str
+    object: Literal["webhook_endpoint"] = "webhook_endpoint"
+    created_at: int
+    url: str
+    events: list[str]
+    description: str | None
+    disabled: bool = Field(
+        description="set once a delivery failed for good; its events wait until it is enabled"
+    )
+    secret: str | None = Field(
+        None,
+        description="whsec_...: what its deliveries are signed with (Standard Webhooks); "
+        "shown once, in the answer that creates the endpoint",
+    )
+
+
+class WebhookEndpointDeleted(BaseModel):
+    id: str
+    object: Literal["webhook_endpoint"] = "webhook_endpoint"
+    deleted: bool
+
+
+class WebhookAttempt(BaseModel):
+    created_at: int
+    status_code: int | None = Field(description="the receiver's answer; null: none came")
+    error: str | None = Field(description="why the try failed; null: it was delivered")
+    duration_ms: int
+
+
+class WebhookDelivery(BaseModel):
+    id: str = Field(description="the message id, sent as webhook-id on every try")
+    object: Literal["webhook_delivery"] = "webhook_delivery"
+    endpoint_id: str
+    type: str
+    job_id: str
+    created_at: int
+    status: Literal["pending", "delivered", "failed"]
+    attempts: list[WebhookAttempt]
+    next_attempt_at: int | None = Field(description="when it is tried next, while pending")
+    delivered_at: int | None
+
+
+def webhook_endpoint_object(
+    endpoint: WebhookEndpointRecord, *, with_secret: bool = False
+) -> WebhookEndpoint:
+    return WebhookEndpoint(
+        id=endpoint.id,
+        created_at=endpoint.created_at,
+        url=endpoint.url,
+        events=endpoint.events,
+        description=endpoint.description,
+        disabled=endpoint.disabled,
+        secret=endpoint.secret if with_secret else None,
+    )
+
+
+def webhook_delivery_object(
+    delivery: WebhookDeliveryRecord, attempts: list[WebhookAttemptRecord]
+) -> WebhookDelivery:
+    pending = delivery.status == "pending"
+    return WebhookDelivery(
+        id=delivery.id,
+        endpoint_id=delivery.endpoint_id,
+        type=delivery.type,
+        job_id=delivery.job_id,
+        created_at=delivery.created_at,
+        status=delivery.status,
+        attempts=[
+            WebhookAttempt(
+                created_at=a.created_at,
+                status_code=a.status_code,
+                error=a.error,
+                duration_ms=a.duration_ms,
+            )
+            for a in attempts
+        ],
+        next_attempt_at=int(delivery.next_attempt_at) if pending else None,
+        delivered_at=delivery.delivered_at,
     )

@@ -161,8 +161,20 @@ class Settings(BaseSettings):
     max_streams_per_key: int = Field(
         100, ge=1, description="SSE streams one API key (or, without keys, everyone) may hold"
     )
+    preview_every: int = Field(
+        5,
+        ge=0,
+        description="send a running video's SSE stream a small image of its clean clip as "
+        "predicted every this many denoising steps (a video.preview event); 0: never",
+    )
+    preview_size: int = Field(
+        160, ge=16, le=1024, description="longest side of a preview image, in pixels"
+    )
     event_ttl_s: int = Field(
-        30 * 24 * 3600, ge=60, description="how long the events of a finished job are kept"
+        30 * 24 * 3600,
+        ge=60,
+        description="how long the events of a finished job are kept, and webhook deliveries "
+        "once delivered or failed",
     )
 
     # Request bodies, counted as they arrive (413 above).
@@ -209,6 +221,29 @@ class Settings(BaseSettings):
         RunSpec.save_every, ge=1, description="checkpoint interval in optimizer steps"
     )
 
+    # Webhooks (webhooks.py).
+    webhook_allow_private: bool = Field(
+        False,
+        description="let webhook endpoints resolve to loopback, private, link-local and other "
+        "non-public addresses (a receiver on this machine or its network); off, such URLs are "
+        "refused when registered and again before each delivery",
+    )
+    webhook_timeout_s: float = Field(
+        10.0, gt=0, description="how long a receiver may take to answer one delivery"
+    )
+    # Seconds before each retry of a failed delivery; comma-separated in MEGASLIDE_WEBHOOK_RETRY_S.
+    # A delivery is tried once and then once per entry, then it fails for good (about 17 hours
+    # by default, Standard Webhooks' schedule).
+    webhook_retry_s: Annotated[list[float], NoDecode] = Field(
+        default_factory=lambda: [5.0, 300.0, 1800.0, 7200.0, 18000.0, 36000.0, 36000.0]
+    )
+    webhook_concurrency: int = Field(
+        16, ge=1, description="deliveries one API process has in flight at once"
+    )
+    webhook_poll_s: float = Field(
+        1.0, gt=0, description="how often an API process looks for deliveries due"
+    )
+
     @property
     def database_url(self) -> str:
         return self.database or f"sqlite:///{self.data_dir / 'megaslide.db'}"
@@ -227,6 +262,13 @@ class Settings(BaseSettings):
     @property
     def storage_dir(self) -> Path:
         return self.storage or self.data_dir
+
+    @field_validator("webhook_retry_s")
+    @classmethod
+    def _retry_delays(cls, value):
+        if any(delay < 0 for delay in value):
+            raise ValueError(f"webhook_retry_s must hold delays of 0 s or more, got {value}")
+        return value
 
     @model_validator(mode="after")
     def _heartbeat_within_lease(self):
@@ -261,7 +303,9 @@ class Settings(BaseSettings):
         self.placement.validate()
         return self
 
-    @field_validator("models", "api_keys", "loras", "transformers", "devices", mode="before")
+    @field_validator(
+        "models", "api_keys", "loras", "transformers", "devices", "webhook_retry_s", mode="before"
+    )
     @classmethod
     def _split_commas(cls, value):
         if isinstance(value, str):

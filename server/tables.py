@@ -184,3 +184,59 @@ workers = sa.Table(
     sa.Column("dead", sa.Text),  # why its job loop stopped, while the process still lives
     sa.Column("metrics", sa.Text),  # JSON snapshot of its counters and histograms
 )
+
+# A key's webhook endpoint: where the events it subscribed to (`events`, a JSON list) of its own
+# jobs are POSTed, signed with `secret` (Standard Webhooks, webhooks.py).
+webhook_endpoints = sa.Table(
+    "webhook_endpoints",
+    metadata,
+    _seq(),
+    sa.Column("id", sa.Text, nullable=False, unique=True),
+    sa.Column("created_at", sa.Integer, nullable=False),
+    sa.Column("owner", sa.Text),  # the principal that made it; its jobs' events alone reach it
+    sa.Column("url", sa.Text, nullable=False),
+    sa.Column("events", sa.Text, nullable=False),
+    sa.Column("secret", sa.Text, nullable=False),
+    sa.Column("description", sa.Text),
+    sa.Column("disabled", sa.Integer, nullable=False, server_default="0"),
+    sqlite_autoincrement=True,
+)
+
+# The outbox: one message for one endpoint, written in the transaction of the change it reports,
+# so a change committed is a delivery owed. pending -> delivered | failed (retries exhausted, or
+# its endpoint deleted). A sender holds one under `lease_token` until `lease_expires_at`, like a
+# worker its job; `seq` orders the messages of one job (`job_id`) to one endpoint.
+webhook_deliveries = sa.Table(
+    "webhook_deliveries",
+    metadata,
+    _seq(),
+    sa.Column("id", sa.Text, nullable=False, unique=True),  # the webhook-id header: msg_...
+    sa.Column("endpoint_id", sa.Text, nullable=False),
+    sa.Column("job_id", sa.Text, nullable=False),
+    sa.Column("type", sa.Text, nullable=False),
+    sa.Column("created_at", sa.Integer, nullable=False),
+    sa.Column("snapshot", sa.Text, nullable=False),  # JSON: the rows the payload is made from
+    sa.Column("status", sa.Text, nullable=False, server_default="pending"),
+    sa.Column("attempts", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("next_attempt_at", sa.Float, nullable=False),
+    sa.Column("lease_token", sa.Text),
+    sa.Column("lease_expires_at", sa.Float),
+    sa.Column("delivered_at", sa.Integer),
+    sa.Index("webhook_deliveries_due", "status", "next_attempt_at"),
+    sa.Index("webhook_deliveries_by_endpoint", "endpoint_id", "job_id", "seq"),
+    sqlite_autoincrement=True,
+)
+
+# Each try of a delivery: when, the receiver's status code (NULL: no answer) or why it failed.
+webhook_attempts = sa.Table(
+    "webhook_attempts",
+    metadata,
+    _seq(),
+    sa.Column("delivery_id", sa.Text, nullable=False),
+    sa.Column("created_at", sa.Integer, nullable=False),
+    sa.Column("status_code", sa.Integer),
+    sa.Column("error", sa.Text),
+    sa.Column("duration_ms", sa.Integer, nullable=False),
+    sa.Index("webhook_attempts_by_delivery", "delivery_id", "seq"),
+    sqlite_autoincrement=True,
+)

@@ -137,6 +137,9 @@ class TorchBackend(Backend):
             )
         else:
             model = open_pipeline(info, self.placement.on(str(self.device)), dtype=self.dtype)
+            # Its states keep each step's clean-clip prediction, for the previews the worker
+            # sends (a group of ranks keeps none: its states live in the rank processes).
+            model.keep_predictions = self.settings.preview_every > 0
         for adapter in self._adapters.get(card.name, ()):  # on every rank of a RankGroup
             model.register_adapter(adapter)
         return model

@@ -57,3 +57,27 @@ def test_local_only_options_are_refused_with_server(command, option, tmp_path, c
     )
     assert cli_main(head + option.split() + ["--server", "http://127.0.0.1:1"]) == 2
     assert option.split()[0] in capsys.readouterr().err
+
+
+def test_bucket_options_go_to_the_server_as_hyperparameters():
+    from megaslide.cli.main import build_parser
+    from megaslide.cli.remote import _hyperparameters
+
+    flags = [
+        "finetune",
+        "--data",
+        "d",
+        "--server",
+        "http://x",
+        "--buckets",
+        "--token-budget",
+        "500",
+    ]
+    assert _hyperparameters(build_parser().parse_args(flags)) == {
+        "buckets": True,
+        "token_budget": 500,
+    } | _hyperparameters(build_parser().parse_args(flags[:5]))
+    assert (
+        _hyperparameters(build_parser().parse_args([*flags[:5], "--no-buckets"]))["buckets"]
+        is False
+    )

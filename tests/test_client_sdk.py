@@ -8,6 +8,7 @@ against the real server are in test_client_server.py.
 from __future__ import annotations
 
 import asyncio
+import base64
 import io
 import json
 import os
@@ -482,8 +483,12 @@ def test_sse_parser_follows_the_spec():
 
 
 def test_events_yield_videos():
+    jpeg = b"\xff\xd8 a tiny jpeg"
+    preview = {"id": "video_1", "object": "video", "step": 5}
+    preview["preview"] = "data:image/jpeg;base64," + base64.b64encode(jpeg).decode()
     frames = [
         ("video.progress", video_json(status="in_progress", progress=40)),
+        ("video.preview", preview),
         ("video.completed", video_json(status="completed", progress=100)),
     ]
     body = "".join(f"event: {name}\ndata: {json.dumps(data)}\n\n" for name, data in frames)
@@ -494,8 +499,11 @@ def test_events_yield_videos():
         events = list(client.videos.events("video_1"))
     assert [(e.event, e.video.status, e.video.progress) for e in events] == [
         ("video.progress", "in_progress", 40),
+        ("video.preview", None, None),
         ("video.completed", "completed", 100),
     ]
+    assert events[1].preview == jpeg and events[1].data["step"] == 5
+    assert events[0].preview is None and events[2].preview is None
     assert seen[0].headers["accept"] == "text/event-stream"
 
 

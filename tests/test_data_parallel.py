@@ -36,6 +36,8 @@ from megaslide.engine.training.finetune_spec import (
     ScheduleSpec,
 )
 
+from mixed_clips import write_mixed_clips
+
 TIMEOUT_S = 120  # a hang fails the test instead of the suite
 TINY = resolve_source(preset="tiny")
 STEPS = 3
@@ -251,3 +253,26 @@ def test_data_parallel_trains_a_bf16_master(state, world, tmp_path):
     assert off_by(ours, ref, initial) <= 0.1
     written, steps = metrics(tmp_path / "two"), metrics(one)
     assert [m["loss"] for m in written] == pytest.approx([m["loss"] for m in steps], rel=1e-2)
+
+
+@pytest.mark.slow
+def test_clips_in_buckets_split_as_one_process_trains_them(tmp_path):
+    """Every rank plans and orders the buckets alike: each step all take the same bucket, and the
+    run ends where one process does."""
+    data = write_mixed_clips(tmp_path / "data", [(16, 16, 4), (24, 16, 6)] * 3)
+    # Buckets with a size asked for: its clip (16x16x4) only sets the budget and the frames.
+    mixed = {"clips": {"batch_size": 2, "buckets": True}}
+    one = tmp_path / "one"
+    reference = one_process(data, one, **mixed)
+    plans = []
+    finetune_on_devices(
+        TINY,
+        data,
+        spec(tmp_path / "split", ("cpu", "cpu"), **mixed),
+        on_plan=plans.append,
+        timeout_s=TIMEOUT_S,
+        threads=1,
+    )
+    assert len(plans) == 1 and plans[0][0].startswith("2 bucket(s) of at most 64 tokens")
+    initial = exported(one, "initial")
+    assert off_by(exported(tmp_path / "split"), reference, initial) <= 1e-4

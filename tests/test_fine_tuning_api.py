@@ -216,3 +216,36 @@ def test_running_finetune_yields_to_videos_and_can_be_cancelled(make_client):
     assert_error(
         c.post(f"/v1/fine_tuning/jobs/{job['id']}/cancel"), 400, fragment="already cancelled"
     )
+
+
+def test_a_job_asks_for_buckets_and_its_log_shows_the_plan(make_client):
+    backend = FakeBackend(train_step_s=0.01)
+    c = make_client(backend)
+    trained, trainer = [], backend.trainer
+    backend.trainer = lambda job: trained.append(job.spec) or trainer(job)
+    f = processed(c, upload(c, dataset_zip(clips=2)).json())
+    base = {"model": "fake", "training_file": f["id"]}
+    for hyper, fragment in (
+        ({"token_budget": 0}, "greater than or equal to 1"),
+        ({"buckets": False, "token_budget": 100}, "bounds buckets"),
+    ):
+        assert_error(
+            c.post("/v1/fine_tuning/jobs", json={**base, "hyperparameters": hyper}),
+            400,
+            "hyperparameters.token_budget",
+            fragment=fragment,
+        )
+    hyper = {"n_epochs": 1, "buckets": True, "token_budget": 500}
+    job = c.post("/v1/fine_tuning/jobs", json={**base, "hyperparameters": hyper}).json()
+    assert job["hyperparameters"]["buckets"] is True
+    assert job["hyperparameters"]["token_budget"] == 500
+    done = until(
+        lambda: (
+            (j := c.get(f"/v1/fine_tuning/jobs/{job['id']}").json())["status"] == "succeeded" and j
+        ),
+        what="fine-tune",
+    )
+    assert [(s.clips.buckets, s.clips.token_budget) for s in trained] == [(True, 500)]
+    events = c.get(f"/v1/fine_tuning/jobs/{done['id']}/events", params={"limit": 100}).json()
+    messages = [e["message"] for e in events["data"]]
+    assert "Clips in aspect and length buckets: 1 bucket(s) of at most 500 tokens" in messages

@@ -213,7 +213,7 @@ WATCH_QUEUE = """() => {
       const id = card.dataset.id;
       if (r.type === "attributes") (seen.progress[id] ||= []).push(Number(r.oldValue));
       for (const node of r.addedNodes) if (r.target.classList.contains("media"))
-        (seen.media[id] ||= []).push(node.tagName);
+        (seen.media[id] ||= []).push(node.tagName + (node.className ? "." + node.className : ""));
     }
   }).observe(document.querySelector("#queue-list"), {subtree: true, childList: true,
     attributes: true, attributeFilter: ["aria-valuenow"], attributeOldValue: true});
@@ -272,7 +272,9 @@ def test_create_watch_and_play(page, server):
     progress = seen["progress"][video_id] + [100]
     assert progress == sorted(progress), progress
     assert any(0 < p < 90 for p in progress), progress  # denoising steps, not just the ends
-    assert seen["media"][video_id][-2:] == ["IMG", "VIDEO"]  # thumbnail first, then the clip
+    # Previews while it renders (video.preview events), the thumbnail, then the clip.
+    media = [m.split(".")[0] for m in seen["media"][video_id]]
+    assert "IMG.preview" in seen["media"][video_id] and media[-2:] == ["IMG", "VIDEO"], media
     assert server.http.get(f"/v1/videos/{video_id}").json()["num_inference_steps"] == 100
 
 

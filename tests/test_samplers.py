@@ -293,3 +293,25 @@ def test_a_models_own_defaults_name_its_sampler():
     assert "sampler" not in SamplingDefaults().to_dict()
     with pytest.raises(ValueError, match="sampler 'ddim' is unknown"):
         SamplingDefaults.from_dict({"sampler": "ddim"})
+
+
+def test_a_preview_is_the_clip_its_step_predicts(dit, wan):
+    """After the last Euler step the predicted clean clip is the clip itself: its preview is the
+    finished clip's middle frame (our DiT), or its first frame through Wan's VAE (within a level:
+    the VAE decodes one latent frame alone). None before a step, and from a model that keeps no
+    predictions."""
+    cases = ((dit, REQ, lambda f: len(f) // 2), (open_pipeline(wan), {}, lambda f: 0))
+    for pipe, clip, frame in cases:
+        pipe.keep_predictions = True
+        state = pipe.prepare(pipe.resolve(VideoRequest("a red circle", steps=3, **clip)))
+        assert pipe.preview_batch([state]) == [None]
+        while not state.done:
+            pipe.denoise_step([state])
+        (preview,) = pipe.preview_batch([state])
+        frames = pipe.finish(state)
+        assert preview.dtype == np.uint8 and preview.shape == frames.shape[1:]
+        assert np.abs(preview.astype(int) - frames[frame(frames)].astype(int)).max() <= 1
+        pipe.keep_predictions = False
+        plain = pipe.prepare(pipe.resolve(VideoRequest("a red circle", steps=3, **clip)))
+        pipe.denoise_step([plain])
+        assert pipe.preview_batch([plain]) == [None]

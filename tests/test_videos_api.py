@@ -442,6 +442,43 @@ def test_sse_events(make_client):
     assert_error(c.get("/v1/videos/video_nope/events"), 404)
 
 
+def sse_events(c, video_id: str) -> list[dict]:
+    with c.stream("GET", f"/v1/videos/{video_id}/events") as r:
+        text = "".join(r.iter_text())
+    return [
+        {**dict(re.findall(r"^(id|event): (.*)$", block, re.M)), "data": json.loads(data)}
+        for block in text.strip().split("\n\n")
+        for data in re.findall(r"^data: (.*)$", block, re.M)
+    ]
+
+
+def test_previews_come_every_few_steps_while_a_video_renders(make_client):
+    """Every `preview_every` steps before the last, a `video.preview` event after the step's
+    progress: a JPEG data URI no larger than `preview_size`. A preview that fails is skipped and
+    the video completes."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    c = make_client(FakeBackend(step_s=0.01), preview_every=2, preview_size=16)
+    v = create(c, num_inference_steps=5)
+    events = sse_events(c, v["id"])
+    previews = [e["data"] for e in events if e["event"] == "video.preview"]
+    assert [p["step"] for p in previews] == [2, 4] and events[-1]["event"] == "video.completed"
+    names = [e["event"] for e in events]
+    assert names[names.index("video.preview") - 1] == "video.progress"
+    head, _, data = previews[0]["preview"].partition(",")
+    assert head == "data:image/jpeg;base64"
+    with Image.open(io.BytesIO(base64.b64decode(data))) as image:
+        assert image.format == "JPEG" and image.size == (16, 16)
+        assert abs(image.getpixel((8, 8))[0] - 80) <= 2  # the fake's step 2 colour
+    broken = create(c, prompt="badpreview", num_inference_steps=3)
+    events = sse_events(c, broken["id"])
+    assert "video.preview" not in [e["event"] for e in events]
+    assert events[-1]["data"]["status"] == "completed"
+
+
 def test_a_sampler_and_guidance_interval_reach_the_stored_request(make_client):
     """JSON and multipart (lists as JSON text) alike; echoed as resolved."""
     c = make_client()

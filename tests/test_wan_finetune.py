@@ -36,6 +36,7 @@ from megaslide.engine.training.finetune_spec import (
 )
 from megaslide.engine.wan.training import WanTrainingModel
 
+from mixed_clips import write_mixed_clips
 from wan_fixtures import build_tiny_wan
 
 diffusers = pytest.importorskip("diffusers")
@@ -388,3 +389,22 @@ def test_a_bf16_master_trains_resumes_and_exports(wan, tmp_path):
         VideoRequest("a red circle", height=32, width=32, frames=9, steps=2, seed=0)
     )
     assert frames.shape == (9, 32, 32, 3)
+
+
+def test_clips_of_two_sizes_and_lengths_train_in_buckets(wan, tmp_path):
+    """Wan's latents in aspect and length buckets: each clip encoded at its own shape (16-pixel
+    multiples, 4k + 1 frames), each batch one bucket's latents."""
+    torch.set_num_threads(1)
+    data = write_mixed_clips(tmp_path / "data", [(32, 32, 5), (48, 32, 9)] * 2)
+    spec = config(tmp_path / "run", steps=2).replace(clips={"token_budget": 18})
+    with open_trainer(wan["one"], data, spec) as t:
+        assert {str(b) for b in t.plan.buckets} == {"32x32x5", "48x32x9"}
+        shapes = set()
+        for _ in range(2):
+            batch = next(t.loader)
+            shapes.add(tuple(batch.video.shape[2:]))
+            t.blockwise.micro_step(
+                t.data.x0(batch), t.data.condition(batch, [False] * 2), t.generator
+            )
+    # A latent frame per 4 pixel frames (and the first), a latent pixel per 8.
+    assert shapes == {(2, 4, 4), (3, 4, 6)}

@@ -764,8 +764,28 @@ def _add_finetune_run_args(p) -> None:
 
 def _add_finetune_placement_args(p) -> None:
     """The clips' shape, the attention trained with, the expert, and where the weights live."""
-    p.add_argument("--frames", type=int, help="training clip frames (default: the model's)")
-    p.add_argument("--size", help="training clip WIDTHxHEIGHT (default: the model's)")
+    p.add_argument(
+        "--frames",
+        type=int,
+        help="training clip frames (default: the model's); in buckets, a clip's most",
+    )
+    p.add_argument(
+        "--size",
+        help="training clip WIDTHxHEIGHT (default: the model's): every clip resized and cropped "
+        "to it, unless --buckets",
+    )
+    p.add_argument(
+        "--buckets",
+        action=argparse.BooleanOptionalAction,
+        help="train clips as they come, each batch one aspect and length bucket (default: when "
+        "the clips differ in size or length and no --size is given); --no-buckets: one size",
+    )
+    p.add_argument(
+        "--token-budget",
+        type=int,
+        metavar="TOKENS",
+        help="in buckets, a clip's most tokens (default: those of one --frames x --size clip)",
+    )
     p.add_argument(
         "--attention", choices=("dense", "dsa"), help="self-attention backend to train with"
     )
@@ -828,6 +848,8 @@ def finetune_spec(args) -> FinetuneSpec:
             height=height,
             width=width,
             batch_size=args.batch_size,
+            buckets=args.buckets,
+            token_budget=args.token_budget,
             caption_dropout=args.caption_dropout,
             time_sampling=args.time_sampling,
         ),
@@ -856,6 +878,8 @@ def run_finetune(args) -> int:
         return run_finetune_on_devices(args)
     spec = finetune_spec(args)
     with open_trainer(model_source(args), args.data, spec, resume=args.resume) as trainer:
+        if trainer.plan is not None:
+            print("\n".join(trainer.plan.lines()), file=sys.stderr)
         if trainer.done:
             print(f"already at step {trainer.step} of {trainer.total_steps}", file=sys.stderr)
         with progress_bar(trainer.total_steps, "fine-tuning", disable=args.no_progress) as bar:
@@ -899,6 +923,9 @@ def run_finetune_on_devices(args) -> int:
     bar = None
     with contextlib.ExitStack() as stack:
 
+        def plan(lines):
+            print("\n".join(lines), file=sys.stderr)
+
         def start(step, total):
             nonlocal bar
             if step >= total:
@@ -917,6 +944,7 @@ def run_finetune_on_devices(args) -> int:
                 args.data,
                 spec,
                 resume=args.resume,
+                on_plan=plan,
                 on_start=start,
                 progress=report,
             )

@@ -196,6 +196,8 @@ def _hyperparameters(args) -> dict:
         "learning_rate_multiplier": None if lr is None or lr == DEFAULT_LR else lr / DEFAULT_LR,
         "num_frames": getattr(args, "frames", None),
         "size": getattr(args, "size", None),
+        "buckets": getattr(args, "buckets", None),
+        "token_budget": getattr(args, "token_budget", None),
         "optimizer_state": getattr(args, "optimizer_state", None),
         "expert": getattr(args, "expert", None),
     }

@@ -27,7 +27,8 @@ from ..sampling.step_cache import StepCache
 from ..sources import ModelInfo
 from ..streaming.host_store import SafetensorsFile
 from ..streaming.streamer import StreamHandle
-from ..training.data import BackgroundLoader, Batch, VideoDataset, validate_dataset
+from ..training.buckets import training_clips
+from ..training.data import BackgroundLoader, Batch, VideoDataset
 from ..training.model import TrainingData, TrainingModel
 from ..video import float_to_frames
 from .autoencoder import build_autoencoder, check_autoencoder
@@ -87,12 +88,19 @@ class MegaSlideFamily(Family):
 
     def training_data(self, info, data, run, shape: TrainingShape) -> ClipData:
         # The whole dataset is checked before anything else happens: a bad file fails the run now.
-        samples = validate_dataset(data, num_frames=shape.frames)
-        size = (shape.width, shape.height)
+        samples, plan = training_clips(info, data, shape)
         dataset = VideoDataset(
-            data, shape.frames, size, samples=samples, cache_bytes=shape.cache_mb << 20
+            data,
+            shape.frames,
+            (shape.width, shape.height),
+            samples=samples,
+            cache_bytes=shape.cache_mb << 20,
+            # In buckets, a clip keeps its first frames: its own motion, not a faster one.
+            sampling="uniform" if plan is None else "first",
+            shapes=None if plan is None else plan.shapes,
         )
-        return ClipData(BackgroundLoader(dataset, batch_size=shape.batch_size, seed=shape.seed))
+        loader = BackgroundLoader(dataset, batch_size=shape.batch_size, seed=shape.seed, plan=plan)
+        return ClipData(loader)
 
     def save_trained(self, info, states, path: Path) -> None:
         with torch.device("meta"):
@@ -172,6 +180,13 @@ class DiTPipeline(Pipeline):
             self.dit, self.passes, self.first_block_only, self.sp, self.weights, self.interleaves
         )
         sample_step(sampler, states)
+
+    def decode_preview(self, x0: torch.Tensor) -> np.ndarray:
+        """The middle frame of the decoded clips (the autoencoder is small)."""
+        with torch.no_grad():
+            pixels = self.autoencoder.decode(x0.float())  # (B, 3, F, H, W) in [-1, 1]
+        middle = pixels[:, :, pixels.shape[2] // 2]  # (B, 3, H, W)
+        return np.stack([float_to_frames(m[:, None], layout="CFHW")[0] for m in middle])
 
     def finish_batch(self, states: list[SampleState]) -> list[np.ndarray]:
         for state in states:

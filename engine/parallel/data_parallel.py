@@ -12,7 +12,9 @@
   each step). One master per host, page-locked per rank on CUDA for its DMA, not copied.
 * The step (training/group.py, `DataParallel`). Every rank reads the same batch and draws the same
   noise, flow times and dropped captions as one process would, and keeps its rows
-  (`batch_size / ranks` of them). Each block's gradients are summed onto rank 0 as its backward
+  (`batch_size / ranks` of them). Clips in aspect and length buckets (training/buckets.py) are
+  planned and ordered alike by every rank, so all take the same bucket at each step, and every
+  batch is whole, so the shares stay equal. Each block's gradients are summed onto rank 0 as its backward
   ends and averaged there; rank 0's CPU AdamW (the only m and v) updates the shared master while
   the ranks go on to the next block; a barrier ends the step.
 * Rank 0 writes the metrics, the checkpoints and the export, once, exactly as one process does; a
@@ -69,6 +71,7 @@ def finetune_on_devices(
     export: bool = True,
     threads: int | None = None,
     progress: Callable[[dict], None] | None = None,
+    on_plan: Callable[[list[str]], None] | None = None,
     on_start: Callable[[int, int], None] | None = None,
     on_spawn: Callable[[list[int]], None] | None = None,
     timeout_s: float | None = None,
@@ -77,8 +80,9 @@ def finetune_on_devices(
 
     With `export`, rank 0 ends with a checkpoint of the last step and writes the model to
     `<output>/model`, as `megaslide finetune` does. `threads`: CPU threads per rank (default:
-    this machine's cores shared out). `on_start(step, total_steps)` once the run is open (step:
-    where a resumed run starts), `progress(metrics)` after each step, `on_spawn(pids)` once the
+    this machine's cores shared out). `on_plan(lines)` once the run is open, with its clips'
+    aspect and length buckets (`BucketPlan.lines()`; not called for one clip size),
+    `on_start(step, total_steps)` once the run is open (step: where a resumed run starts), `progress(metrics)` after each step, `on_spawn(pids)` once the
     ranks have started. Returns `{"step", "total_steps", "metrics", "model"}` (the last step's
     metrics, the export's path or None). ValueError before anything starts for a spec or devices
     that cannot run; RankFailed if a rank fails, TimeoutError after `timeout_s`.
@@ -99,6 +103,8 @@ def finetune_on_devices(
     def report(event: str, *args) -> None:
         if event == "start" and on_start is not None:
             on_start(*args)
+        elif event == "plan" and on_plan is not None:
+            on_plan(*args)
         elif event == "step" and progress is not None:
             progress(*args)
 
@@ -132,6 +138,8 @@ def _train(link: RankLink, job: _Job) -> dict | None:
     owner = parallel.owner
     with Trainer(job.source, job.data, spec, resume=job.resume, group=parallel) as trainer:
         if owner:
+            if trainer.plan is not None:
+                link.progress("plan", trainer.plan.lines())
             link.progress("start", trainer.step, trainer.total_steps)
         last = trainer.run((lambda m: link.progress("step", m)) if owner else None)
         model = None

@@ -114,6 +114,8 @@ class SampleState:
     # (start, end): guided only on the steps in this fraction of the schedule; None: on all.
     guidance_interval: tuple[float, float] | None = None
     row_passes: int = 0  # rows of the model's passes it ran: two a guided step, one otherwise
+    keep_x0: bool = False  # keep `x0`, the clean clip its last step predicted (previews)
+    x0: torch.Tensor | None = None
 
     @property
     def num_steps(self) -> int:

@@ -44,6 +44,10 @@ class SamplingState(Protocol):
     cache: StepCache | None
     guidance: float
     row_passes: int  # rows of the passes it ran (two a guided step): the loop counts them
+    # The clean clip its last step predicted, `x - t * v` `(1, C, F, H, W)`, kept when
+    # `keep_x0` (for previews of a video while it renders).
+    keep_x0: bool
+    x0: torch.Tensor | None
 
     @property
     def done(self) -> bool: ...
@@ -186,6 +190,8 @@ def sample_step(sampler: Sampler, states: list) -> None:
                     output = cfg_combine(output[:1], output[1:2], s.guidance)
                 if ran and s.cache is not None:
                     s.cache.record(t, s.clip_latents(), output, key=e)
+            if s.keep_x0:
+                s.x0 = s.clip_latents() - t * output  # (1, C, F, H, W): the flow's clean end
             sampler.update(s, output)
 
 

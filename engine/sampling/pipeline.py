@@ -93,6 +93,8 @@ class Pipeline(VideoModel, ABC):
     load_adapter: Callable[[str, Any], Adapter] | None = None  # the family's `load_adapter`
     sp: Any = None  # the ranks its tokens are split over (`parallelize`); None: one process
     denoisers: tuple[str, ...] = ()  # the components a denoising pass runs (set by the family)
+    # Whether its states keep the clean clip each step predicts, for `preview_batch`.
+    keep_predictions: bool = False
 
     def __init__(
         self, info: ModelInfo, handles: dict[str, StreamHandle], parts: dict[str, nn.Module]
@@ -299,6 +301,7 @@ class Pipeline(VideoModel, ABC):
         for fine_tune, group in _grouped(range(len(videos)), lambda i: videos[i].fine_tune):
             with self.using(fine_tune):
                 for i, state in zip(group, self._prepare_batch([videos[i] for i in group])):
+                    state.keep_x0 = self.keep_predictions
                     states[i] = state
         return states
 
@@ -352,6 +355,24 @@ class Pipeline(VideoModel, ABC):
             for handle in self.handles.values():
                 stack.enter_context(handle.ordered([0]))
             yield
+
+    @torch.no_grad()
+    def preview_batch(self, states: list) -> list[np.ndarray | None]:
+        """A frame of each state's clean clip as its last step predicted it (`keep_predictions`),
+        decoded cheaply (`decode_preview`, the states in one pass): uint8 `(H, W, 3)`, or None
+        for a state that keeps no prediction or has made no step."""
+        kept = [i for i, s in enumerate(states) if s.x0 is not None]
+        out: list[np.ndarray | None] = [None] * len(states)
+        for rows in decode_chunks([states[i].x0.shape for i in kept], self.decode_chunk):
+            x0 = torch.cat([states[kept[r]].x0 for r in rows])  # (B, C, F', H', W')
+            for r, frame in zip(rows, self.decode_preview(x0)):
+                out[kept[r]] = frame
+        return out
+
+    def decode_preview(self, x0: torch.Tensor) -> np.ndarray:
+        """Clean-clip latents `(B, C, F', H', W')` -> one uint8 frame of each `(B, H, W, 3)`,
+        as cheaply as the family's decoder allows."""
+        raise NotImplementedError(f"{self.name}: this model family decodes no previews")
 
     def finish(self, state) -> np.ndarray:
         """Decode a finished state to uint8 frames `(F, H, W, 3)`."""

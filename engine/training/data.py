@@ -11,18 +11,22 @@ Layout (the convention of Hugging Face `datasets` "videofolder" and the diffuser
 
 `validate_dataset` checks everything before a step runs: malformed JSON, a line that is not an
 object, missing or non-string keys, an empty caption, a path that is absolute or uses ``..``, a
-missing file, a video that does not decode or holds no frames, and a clip shorter than the frame
-count training needs. All problems (up to `max_problems`) are reported in one `DatasetError`, each
-naming the line of metadata.jsonl and the file as the dataset spells it, never where the dataset
-lies. Symlinks are followed (the Hugging Face cache stores files as symlinks), so only the written
-path is checked for escaping the root. A server checking an upload also bounds what the check may
-cost (`DatasetLimits`): lines, clips, frames decoded, and pixels per frame.
+missing file, a video that does not decode or holds no frames or frames of different sizes, and
+a clip shorter than the frame count training needs. All problems (up to `max_problems`) are
+reported in one `DatasetError`, each naming the line of metadata.jsonl and the file as the
+dataset spells it, never where the dataset lies. Each sample keeps its frame count and frame
+size, which aspect and length buckets (buckets.py) are planned from. Symlinks are followed (the
+Hugging Face cache stores files as symlinks), so only the written path is checked for escaping
+the root. A server checking an upload also bounds what the check may cost (`DatasetLimits`):
+lines, clips, frames decoded, and pixels per frame.
 
 Order: the sample stream is epoch 0's permutation, then epoch 1's, and so on; the permutation of
 epoch e depends only on (seed, e, dataset size). A batch is the next `batch_size` samples of that
-stream (it may straddle two epochs). The loader's position is (epoch, index in epoch), and
+stream (it may straddle two epochs). With a bucket plan (buckets.py) a batch is instead the next of
+the epoch's batches, each of one bucket, in an order that depends only on (seed, epoch, plan). The
+loader's position is (epoch, index in epoch: of a sample, or of a batch with a plan), and
 `BackgroundLoader.state_dict()` gives the position of the next batch the consumer will receive, so
-a resumed run continues with exactly the next sample.
+a resumed run continues with exactly the next batch.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath, PureWindowsPath
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -43,6 +48,17 @@ from ..video import decode_frames, frames_to_float, read_video
 
 METADATA = "metadata.jsonl"
 COPY_CHUNK = 1 << 20  # how much of an overlong metadata line is read at a time, to skip it
+
+
+class BatchPlan(Protocol):
+    """Batches planned ahead for a loader (buckets.py's `BucketPlan`): each epoch's batches of
+    sample indices, a pure function of (seed, epoch)."""
+
+    batch_size: int
+    batches_per_epoch: int
+    fingerprint: str
+
+    def epoch_batches(self, seed: int, epoch: int) -> list[list[int]]: ...
 
 
 class DatasetError(ValueError):
@@ -80,6 +96,7 @@ class Sample:
     text: str  # caption
     line: int  # 1-based line in metadata.jsonl
     num_frames: int  # frames in the clip, counted by decoding it
+    size: tuple[int, int] | None = None  # (W, H) of its frames, as decoded
 
 
 def validate_dataset(
@@ -111,7 +128,8 @@ def validate_dataset(
         if isinstance(res, str):
             problems.append((lineno, res))
         else:
-            samples.append(Sample(path=path, text=text, line=lineno, num_frames=res))
+            n, size = res
+            samples.append(Sample(path=path, text=text, line=lineno, num_frames=n, size=size))
 
     if problems:
         problems.sort(key=lambda p: p[0])
@@ -188,20 +206,27 @@ def _frame_counts(
     num_frames: int | None,
     limits: DatasetLimits,
     workers: int | None,
-) -> list[int | str]:
-    """Each entry's clip decoded in full: its frame count, or a problem. Raises `DatasetError`
-    when the clips hold more than `limits.max_frames` frames in all."""
+) -> list[tuple[int, tuple[int, int]] | str]:
+    """Each entry's clip decoded in full: its frame count and frame size `(W, H)`, or a problem.
+    Raises `DatasetError` when the clips hold more than `limits.max_frames` frames in all."""
     budget = _FrameBudget(limits.max_frames)
 
-    def check(entry: _Entry) -> int | str | None:
-        """The clip's frame count, or a problem, or None when the frame budget ran out."""
+    def check(entry: _Entry) -> tuple[int, tuple[int, int]] | str | None:
+        """The clip's frame count and size, or a problem, or None when the frame budget ran
+        out."""
         lineno, file, _, path = entry
         where = f"{METADATA} line {lineno} ({file})"
-        n = 0
+        n, first = 0, None
         try:
-            for _ in decode_frames(path, max_pixels=limits.max_pixels):
+            for size in decode_frames(path, max_pixels=limits.max_pixels):
                 if not budget.take():
                     return None
+                first = size if first is None else first
+                if size != first:
+                    return (
+                        f"{where}: frames of different sizes ({first[0]}x{first[1]} and "
+                        f"{size[0]}x{size[1]})"
+                    )
                 n += 1
         except ValueError as e:
             # The decoders name the path they opened; the uploader knows the file as written.
@@ -209,8 +234,8 @@ def _frame_counts(
         if n == 0:
             return f"{where}: video has no frames"
         if num_frames is not None and n < num_frames:
-            return f"{where}: video has {n} frames, training needs {num_frames}"
-        return n
+            return too_short(where, n, num_frames)
+        return n, first
 
     # FFmpeg decodes without the GIL, so threads give real parallelism here.
     n_workers = workers or min(8, os.cpu_count() or 1)
@@ -222,6 +247,17 @@ def _frame_counts(
             [f"the clips hold more than {limits.max_frames} frames in all; no more are accepted"],
         )
     return counts
+
+
+def too_short(where: str, frames: int, needed: int) -> str:
+    """The problem of a clip of `frames` frames where training needs `needed`."""
+    return f"{where}: video has {frames} frames, training needs {needed}"
+
+
+def sample_name(root: Path, sample: Sample) -> str:
+    """How a problem names a sample: its line of metadata.jsonl and its file as the dataset
+    spells it."""
+    return f"{METADATA} line {sample.line} ({sample.path.relative_to(Path(root).absolute())})"
 
 
 def _metadata_lines(meta: Path, max_bytes: int | None) -> Iterator[tuple[int, bytes | None]]:
@@ -279,9 +315,12 @@ class VideoDataset:
         sampling: str = "uniform",
         samples: list[Sample] | None = None,
         cache_bytes: int = 0,
+        shapes: list[tuple[int, int, int]] | None = None,
     ):
         """size is (W, H). Validates the whole dataset now (DatasetError) unless `samples` given.
 
+        `shapes`, one `(frames, height, width)` per sample (a clip's bucket, buckets.py), takes
+        the place of `num_frames` and `size`: each clip is read at its own shape.
         Decoded clips are kept in memory, first come first kept, up to `cache_bytes` (as uint8): a
         small dataset is decoded once instead of once per epoch."""
         self.root = Path(root)
@@ -290,7 +329,10 @@ class VideoDataset:
         self.sampling = sampling
         if samples is None:
             samples = validate_dataset(root, num_frames=num_frames)
+        if shapes is not None and len(shapes) != len(samples):
+            raise ValueError(f"{len(shapes)} shapes for {len(samples)} samples")
         self.samples = samples
+        self.shapes = shapes
         self.cache_bytes = cache_bytes
         self._cache: dict[int, np.ndarray] = {}
         self._cached_bytes = 0
@@ -302,11 +344,15 @@ class VideoDataset:
         s = self.samples[i]
         u8 = self._cache.get(i)
         if u8 is None:
+            frames, size = self.num_frames, self.size
+            if self.shapes is not None:
+                frames, height, width = self.shapes[i]
+                size = (width, height)
             try:
                 u8 = read_video(
                     s.path,
-                    num_frames=self.num_frames,
-                    size=self.size,
+                    num_frames=frames,
+                    size=size,
                     sampling=self.sampling,
                     frame_count=s.num_frames,
                 )  # (F, H, W, 3)
@@ -344,19 +390,29 @@ class BackgroundLoader:
     """Decodes batches on a background thread, `prefetch` batches ahead of the consumer.
 
     Iterating never ends (training stops by step count); see the module docstring for the order.
-    An exception on the loader thread is raised from the consumer's next `next()`. `close()` (or
-    leaving the `with` block) stops and joins the thread.
+    With `plan` (buckets.py) every batch is one bucket's, `plan.batch_size` clips. An exception on
+    the loader thread is raised from the consumer's next `next()`. `close()` (or leaving the
+    `with` block) stops and joins the thread.
     """
 
     def __init__(
-        self, dataset: VideoDataset, *, batch_size: int = 1, seed: int = 0, prefetch: int = 2
+        self,
+        dataset: VideoDataset,
+        *,
+        batch_size: int = 1,
+        seed: int = 0,
+        prefetch: int = 2,
+        plan: BatchPlan | None = None,
     ):
+        if plan is not None:
+            batch_size = plan.batch_size
         if batch_size < 1 or prefetch < 1:
             raise ValueError(f"batch_size and prefetch must be >= 1, got {batch_size}, {prefetch}")
         self.dataset = dataset
         self.batch_size = batch_size
         self.seed = seed
         self.prefetch = prefetch
+        self.plan = plan
         self._epoch, self._index = 0, 0  # position of the next batch the consumer receives
         self._thread: threading.Thread | None = None
         self._queue: queue.Queue | None = None
@@ -365,16 +421,39 @@ class BackgroundLoader:
 
     # -- position
 
+    @property
+    def samples_per_epoch(self) -> int:
+        """Clips served in one epoch: every sample once; with a plan, its batches' clips (a
+        bucket's last batch is topped up with clips of that bucket again)."""
+        if self.plan is None:
+            return len(self.dataset)
+        return self.plan.batches_per_epoch * self.batch_size
+
     def state_dict(self) -> dict:
-        """{"seed", "epoch", "index"}: where the next batch handed to the consumer starts."""
-        return {"seed": self.seed, "epoch": self._epoch, "index": self._index}
+        """{"seed", "epoch", "index"}: where the next batch handed to the consumer starts; with
+        a plan, also "plan": its fingerprint (a position counts batches of that plan)."""
+        state = {"seed": self.seed, "epoch": self._epoch, "index": self._index}
+        if self.plan is not None:
+            state["plan"] = self.plan.fingerprint
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from a saved position (drops anything prefetched)."""
-        n = len(self.dataset)
+        saved, mine = state.get("plan"), None if self.plan is None else self.plan.fingerprint
+        if saved != mine:
+
+            def kind(plan: str | None) -> str:
+                return "one clip size" if plan is None else f"bucket plan {plan}"
+
+            raise ValueError(
+                f"the saved data position counts the batches of {kind(saved)}, this run has "
+                f"{kind(mine)}: resume with the dataset and clip options the run started with"
+            )
+        n = len(self.dataset) if self.plan is None else self.plan.batches_per_epoch
         epoch, index = int(state["epoch"]), int(state["index"])
         if epoch < 0 or not 0 <= index < n:
-            raise ValueError(f"bad loader position epoch={epoch} index={index} for {n} samples")
+            unit = "samples" if self.plan is None else "batches an epoch"
+            raise ValueError(f"bad loader position epoch={epoch} index={index} for {n} {unit}")
         self._shutdown()
         self.seed, self._epoch, self._index = int(state["seed"]), epoch, index
         self._failed = None
@@ -420,27 +499,54 @@ class BackgroundLoader:
         self._thread.start()
 
     def _produce(self, epoch: int, index: int, stop: threading.Event, q: queue.Queue) -> None:
-        n = len(self.dataset)
-        order = epoch_permutation(n, self.seed, epoch)
+        order = self._orders()
         try:
             while not stop.is_set():
-                videos, texts, idx = [], [], []
                 first_epoch = epoch
-                for _ in range(self.batch_size):
-                    i = int(order[index])
+                idx, (epoch, index) = order(epoch, index)
+                videos, texts = [], []
+                for i in idx:
                     video, text = self.dataset[i]  # (3, F, H, W)
                     videos.append(video)
                     texts.append(text)
-                    idx.append(i)
-                    index += 1
-                    if index == n:
-                        epoch, index = epoch + 1, 0
-                        order = epoch_permutation(n, self.seed, epoch)
                 batch = Batch(torch.stack(videos), texts, idx, first_epoch)  # (B, 3, F, H, W)
                 if not self._put(q, (batch, (epoch, index)), stop):
                     return
         except BaseException as e:  # carried to the consumer, which re-raises it
             self._put(q, _Failure(e), stop)
+
+    def _orders(self):
+        """`next(epoch, index) -> (dataset indices, next position)`: the batch at a position
+        and the position after it (module docstring); each epoch's order is drawn once."""
+        n, drawn = len(self.dataset), {}
+
+        def epoch_order(epoch: int):
+            if epoch not in drawn:
+                drawn.clear()  # one epoch at a time: the stream only moves forward
+                if self.plan is None:
+                    drawn[epoch] = epoch_permutation(n, self.seed, epoch)
+                else:
+                    drawn[epoch] = self.plan.epoch_batches(self.seed, epoch)
+            return drawn[epoch]
+
+        def next_samples(epoch: int, index: int):
+            idx = []
+            for _ in range(self.batch_size):
+                idx.append(int(epoch_order(epoch)[index]))
+                index += 1
+                if index == n:
+                    epoch, index = epoch + 1, 0
+            return idx, (epoch, index)
+
+        def next_batch(epoch: int, index: int):
+            batches = epoch_order(epoch)
+            idx = list(batches[index])
+            index += 1
+            if index == len(batches):
+                epoch, index = epoch + 1, 0
+            return idx, (epoch, index)
+
+        return next_samples if self.plan is None else next_batch
 
     @staticmethod
     def _put(q: queue.Queue, item, stop: threading.Event) -> bool:

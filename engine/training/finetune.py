@@ -1,7 +1,8 @@
 """Adaptation mode: full-parameter fine-tuning of a video DiT on a directory of captioned clips.
 
 `open_trainer(source, data, spec)` opens a run (`FinetuneSpec`: finetune_spec.py); the `Trainer`
-owns it: it validates the dataset before the first step, opens the model through the loader
+owns it: it validates the dataset (and plans its aspect and length buckets, buckets.py) before
+the first step, opens the model through the loader
 (in its masters' dtype: fp32, or bf16 for a bf16 master state format; streamed or resident),
 streams decoded clips from a background loader, runs
 `BlockwiseStep` (see blockwise.py), appends one JSON line of metrics per step to
@@ -88,6 +89,17 @@ def list_checkpoints(output: str | os.PathLike) -> list[dict]:
     return sorted(found, key=lambda c: c["step"])
 
 
+def resumed_in_buckets(output: Path) -> bool | None:
+    """Whether the run at `output` trained its clips in buckets, by its newest checkpoint's data
+    position (a bucket plan's counts batches); None without a checkpoint. A resumed run left to
+    choose keeps how it started, a run started before buckets existed included."""
+    checkpoints = list_checkpoints(output)
+    if not checkpoints:
+        return None
+    state = torch.load(Path(checkpoints[-1]["path"]) / "state.pt", weights_only=True)
+    return "plan" in state["loader"]
+
+
 def trained_model(
     source: ModelSource, spec: FinetuneSpec, resume: bool
 ) -> tuple[ModelInfo, Path | None]:
@@ -159,6 +171,11 @@ class Trainer(TrainingRun):
         self.output.mkdir(parents=True, exist_ok=True)
         if self.owner:
             remove_stale(self.output / CHECKPOINTS)  # what a killed run left half-written
+        buckets = clips.buckets
+        if buckets is None and (clips.width or clips.height):
+            buckets = False  # a size asked for is one size for every clip, unless buckets are too
+        if buckets is None and resume:
+            buckets = resumed_in_buckets(self.output)
         shape = TrainingShape(
             frames=self.frames,
             width=self.width,
@@ -167,6 +184,8 @@ class Trainer(TrainingRun):
             seed=run.seed,
             cache_mb=runtime.cache_mb,
             device=runtime.device,
+            buckets=buckets,
+            token_budget=clips.token_budget,
         )
         # The dataset is checked (and, for a family with frozen encoders, encoded) before anything
         # else happens: a bad file fails the run now. Rank 0 first: the other ranks then find the
@@ -174,9 +193,13 @@ class Trainer(TrainingRun):
         with group.owner_first():
             self.data = self.family.training_data(info, Path(data), self.output, shape)
         self.loader = self.data.loader
+        # The clips' aspect and length buckets, checked (None: one size); `plan.lines()` is what
+        # a front end prints before the first step.
+        self.plan = self.data.plan
         steps, epochs = spec.schedule.length
         per_step = clips.batch_size * spec.optimizer.grad_accum
-        self.total_steps = steps or max(1, math.ceil(epochs * len(self.data) / per_step))
+        per_epoch = self.loader.samples_per_epoch
+        self.total_steps = steps or max(1, math.ceil(epochs * per_epoch / per_step))
         self.generator = torch.Generator().manual_seed(run.seed)
         self.step = 0
         # The context checkpoints and exports are published in (renamed into place): a server
@@ -237,6 +260,9 @@ class Trainer(TrainingRun):
         if len(models) == 1:
             return step("", *models.values())
         return ExpertSteps({k: step(k, m) for k, m in models.items()}, spec.clips.time_sampling)
+
+    def clip_plan(self) -> str | None:
+        return None if self.plan is None else self.plan.summary()
 
     # -- training ---------------------------------------------------------------------------------
 

@@ -112,12 +112,20 @@ class ScheduleSpec:
 
 @dataclass(frozen=True)
 class ClipSpec:
-    """The training clips (default shape: the model's sampling default) and the batch."""
+    """The training clips (default shape: the model's sampling default) and the batch.
+
+    `buckets` (training/buckets.py): True trains clips as they come, each batch one aspect and
+    length bucket, each clip at most `frames` long and `token_budget` tokens (default: the tokens
+    of one clip of frames x height x width); False resizes and crops every clip to that one shape;
+    None (the default) buckets when the dataset's clips differ in size or length, unless a size
+    (`height`, `width`) is given."""
 
     frames: int | None = None
     height: int | None = None
     width: int | None = None
     batch_size: int = 1
+    buckets: bool | None = None
+    token_budget: int | None = None
     caption_dropout: float = 0.1  # captions replaced by "" so guidance has an unconditional model
     time_sampling: str = "logit-normal"  # training flow times: config.TIME_SAMPLING
 
@@ -256,6 +264,7 @@ class FinetuneSpec:
             "clips.height": c.height,
             "clips.width": c.width,
             "clips.batch_size": c.batch_size,
+            "clips.token_budget": c.token_budget,
             "run.save_every": r.save_every,
         }
         for name, value in at_least_one.items():
@@ -292,6 +301,14 @@ class FinetuneSpec:
                     c.batch_size % max(len(devices), 1) == 0,
                     f"clips.batch_size must be a multiple of the {len(devices)} runtime.devices",
                     c.batch_size,
+                )
+            )
+        if c.buckets is False and c.token_budget is not None:
+            checks.append(
+                (
+                    False,
+                    "clips.token_budget bounds buckets: not with clips.buckets false",
+                    c.token_budget,
                 )
             )
         for ok, rule, value in checks:

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .buckets import BucketPlan
 from .data import BackgroundLoader, Batch
 
 
@@ -63,6 +64,11 @@ class TrainingData(ABC):
 
     def __len__(self) -> int:
         return len(self.loader.dataset)
+
+    @property
+    def plan(self) -> BucketPlan | None:
+        """The clips' aspect and length buckets (buckets.py); None: one clip size."""
+        return self.loader.plan
 
     def x0(self, batch: Batch) -> torch.Tensor:
         """The batch's clips as the model's clean input `(B, C, F, H, W)`."""

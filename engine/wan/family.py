@@ -334,6 +334,8 @@ class WanState:
     step: int = 0
     num_steps: int = field(init=False)
     row_passes: int = 0  # rows of the model's passes it ran: two a guided step, one otherwise
+    keep_x0: bool = False  # keep `x0`, the clean clip its last step predicted (previews)
+    x0: torch.Tensor | None = None
 
     def __post_init__(self):
         self.num_steps = len(self.scheduler.timesteps)
@@ -725,6 +727,10 @@ class WanVideoPipeline(Pipeline, Sampler):
         else:
             mask = torch.ones(s.latents.shape[2:], dtype=torch.float32, device=s.latents.device)
         return (mask[:, ::ph, ::pw] * t).flatten().unsqueeze(0)  # (1, tokens)
+
+    def decode_preview(self, x0: torch.Tensor) -> np.ndarray:
+        """The first frame alone: Wan's VAE decodes its first latent frame into one frame."""
+        return self.encoders.decode(x0[:, :, :1])[:, 0]  # (B, H, W, 3)
 
     def finish_batch(self, states: list[WanState]) -> list[np.ndarray]:
         for state in states:

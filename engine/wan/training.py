@@ -11,7 +11,8 @@ normalised by `latents_mean` / `latents_std`, as the pipelines normalise) and ev
 UMT5 (cleaned, 512 tokens, kept up to the caption's length), into safetensors shards under
 `<run>/cache/`, with a manifest naming what they were made from. A resumed run, or a new one on
 the same data and model, reuses them. Clips are resized and centre-cropped to the training size
-and `frames` of them sampled evenly, as for MegaSlide's own model.
+and `frames` of them sampled evenly, as for MegaSlide's own model; in aspect and length buckets
+(training/buckets.py), each to its bucket's shape, keeping its first frames.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from torch import nn
 from ..atomic import atomic_directory, atomic_write_text
 from ..family import TrainingShape
 from ..streaming.host_store import SafetensorsFile
-from ..training.data import BackgroundLoader, Batch, VideoDataset, validate_dataset
+from ..training.buckets import BucketPlan, training_clips
+from ..training.data import BackgroundLoader, Batch, VideoDataset
 from ..training.model import TrainingData, TrainingModel
 from . import forward
 from .config import EXPERTS, SAMPLING_FILE, TEXT_TOKENS, WanConfig
@@ -132,12 +134,17 @@ class LatentDataset:
 class LatentCache(TrainingData):
     """Clips and captions encoded by the frozen VAE and UMT5, served to training."""
 
-    def __init__(self, root: Path, captions: list[str], shape: TrainingShape):
+    def __init__(
+        self, root: Path, captions: list[str], shape: TrainingShape, plan: BucketPlan | None = None
+    ):
         self.root = root
         self.files = SafetensorsFile(sorted(root.glob("*.safetensors")))
         self.empty = self.embedding("empty")
         self.loader = BackgroundLoader(
-            LatentDataset(self.files, captions), batch_size=shape.batch_size, seed=shape.seed
+            LatentDataset(self.files, captions),
+            batch_size=shape.batch_size,
+            seed=shape.seed,
+            plan=plan,
         )
 
     def embedding(self, key: str) -> torch.Tensor:
@@ -150,9 +157,9 @@ class LatentCache(TrainingData):
         return torch.stack(rows)  # (B, 512, text_dim)
 
 
-def _fingerprint(info, data: Path, samples, shape: TrainingShape) -> dict:
-    """What a cache was made from: the dataset's files, captions and sizes, the clip shape, and
-    the encoders' configs and weights' sizes."""
+def _fingerprint(info, data: Path, samples, shape: TrainingShape, plan: BucketPlan | None) -> dict:
+    """What a cache was made from: the dataset's files, captions and sizes, the clip shape (each
+    clip's, in buckets), and the encoders' configs and weights' sizes."""
     files = []
     for s in samples:
         stat = s.path.stat()
@@ -167,7 +174,7 @@ def _fingerprint(info, data: Path, samples, shape: TrainingShape) -> dict:
         for f in sorted(folder.iterdir()):
             if f.is_file():
                 encoders[f"{component}/{f.name}"] = f.stat().st_size
-    return {
+    fingerprint = {
         "samples": len(samples),
         "dataset": digest,
         "frames": shape.frames,
@@ -175,22 +182,27 @@ def _fingerprint(info, data: Path, samples, shape: TrainingShape) -> dict:
         "height": shape.height,
         "encoders": encoders,
     }
+    if plan is not None:
+        fingerprint["shapes"] = [list(s) for s in plan.shapes]
+    return fingerprint
 
 
 def latent_cache(info, data: Path, run: Path, shape: TrainingShape) -> LatentCache:
     """The run's encoded dataset, made now unless a cache of the same data and model exists."""
-    samples = validate_dataset(data, num_frames=shape.frames)
+    samples, plan = training_clips(info, data, shape)
     root = run / CACHE
-    fingerprint = _fingerprint(info, data, samples, shape)
+    fingerprint = _fingerprint(info, data, samples, shape, plan)
     manifest = root / MANIFEST
     if not (manifest.is_file() and json.loads(manifest.read_text()) == fingerprint):
-        _encode(info, data, samples, shape, root)
+        _encode(info, data, samples, shape, plan, root)
         atomic_write_text(manifest, json.dumps(fingerprint, indent=2) + "\n")
-    return LatentCache(root, [s.text for s in samples], shape)
+    return LatentCache(root, [s.text for s in samples], shape, plan)
 
 
 @torch.no_grad()
-def _encode(info, data: Path, samples, shape: TrainingShape, root: Path) -> None:
+def _encode(
+    info, data: Path, samples, shape: TrainingShape, plan: BucketPlan | None, root: Path
+) -> None:
     """Encode every clip and caption into safetensors shards at `root`, written atomically."""
     from safetensors.torch import save_file
 
@@ -202,7 +214,14 @@ def _encode(info, data: Path, samples, shape: TrainingShape, root: Path) -> None
     encoders = WanEncoders(
         info.source.path, info.config, parts["text_encoder"].eval(), parts["vae"].eval()
     )
-    clips = VideoDataset(data, shape.frames, (shape.width, shape.height), samples=samples)
+    clips = VideoDataset(
+        data,
+        shape.frames,
+        (shape.width, shape.height),
+        samples=samples,
+        sampling="uniform" if plan is None else "first",
+        shapes=None if plan is None else plan.shapes,
+    )
 
     def text(caption: str) -> torch.Tensor:  # kept up to the caption's length: the rest is zeros
         embedding, length = encoders.prompts([caption])

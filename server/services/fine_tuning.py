@@ -63,6 +63,8 @@ def resolve_hyperparameters(h: Hyperparameters, card: ModelCard, settings: Setti
         "num_frames": h.num_frames,
         "width": width,
         "height": height,
+        "buckets": h.buckets,
+        "token_budget": h.token_budget,
         "expert": expert,
         "optimizer_state": OptimizerSpec.state
         if h.optimizer_state == "auto"

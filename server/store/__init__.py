@@ -4,8 +4,8 @@ SQLAlchemy Core description of the tables (tables.py) and Alembic migrations.
 
 `JobStore` (job_store.py) holds one repository per resource over one `Database` (database.py):
 `videos` (with their events and queue positions), `fine_tunes` (with their checkpoints and events),
-`files`, `models`, `workers` (the registry and lease recovery), `keys` (idempotency) and `jobs`
-(what spans both kinds of job). Async routes reach it through `AsyncStore` (async_store.py).
+`files`, `models`, `workers` (the registry and lease recovery), `keys` (idempotency), `jobs`
+(what spans both kinds of job) and `webhooks` (endpoints and the outbox of their deliveries). Async routes reach it through `AsyncStore` (async_store.py).
 
 Every state change is one transaction. SQLite takes its write lock at BEGIN, so writers queue
 instead of deadlocking; PostgreSQL locks the rows a transition reads (`FOR UPDATE`), and workers

@@ -16,6 +16,7 @@ from .job_store import JobStore
 from .jobs import Jobs
 from .keys import IdempotencyKeys
 from .videos import VideoStore
+from .webhooks import WebhookStore
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -110,6 +111,20 @@ class AsyncKeys(_Async):
     record_response = _InThread(IdempotencyKeys.record_response)
 
 
+class AsyncWebhookStore(_Async):
+    """`WebhookStore` for async code."""
+
+    create_endpoint = _InThread(WebhookStore.create_endpoint)
+    get_endpoint = _InThread(WebhookStore.get_endpoint)
+    page_endpoints = _InThread(WebhookStore.page_endpoints)
+    delete_endpoint = _InThread(WebhookStore.delete_endpoint)
+    enable = _InThread(WebhookStore.enable)
+    prune = _InThread(WebhookStore.prune)
+    deliveries = _InThread(WebhookStore.deliveries)
+    claim = _InThread(WebhookStore.claim)
+    record_attempt = _InThread(WebhookStore.record_attempt)
+
+
 class AsyncStore:
     """The job store for async code: `await store.files.get(id)` runs `JobStore.files.get` in a
     worker thread, so the event loop goes on serving other requests meanwhile. The calls async
@@ -122,3 +137,4 @@ class AsyncStore:
         self.files = AsyncFileStore(store.files)
         self.jobs = AsyncJobs(store.jobs)
         self.keys = AsyncKeys(store.keys)
+        self.webhooks = AsyncWebhookStore(store.webhooks)

@@ -182,10 +182,6 @@ class Database:
         """This dialect's INSERT into `table`, the one with ON CONFLICT clauses."""
         return self._insert(table)
 
-    def insert_ignore(self, conn: sa.Connection, table: sa.Table, **values) -> None:
-        """Insert a row unless one with its key exists."""
-        conn.execute(self._insert(table).values(**values).on_conflict_do_nothing())
-
     @staticmethod
     def locked(conn: sa.Connection, table: sa.Table, key) -> dict | None:
         """A row read for a transition: locked until the transaction ends (SQLite locks the

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 from collections.abc import Iterator
 
@@ -31,6 +32,7 @@ from .database import (
     visible_to,
 )
 from .keys import Reservation, remember
+from .webhooks import emit, row_of
 
 
 class FineTuneStore:
@@ -246,11 +248,10 @@ class FineTuneStore:
         """Record a checkpoint written under claim `token` (once: its id is the step's); False
         when the claim is no longer this one."""
         with self.db.tx() as conn:
-            if not self._held(conn, job_id, token):
+            held = self._held(conn, job_id, token)
+            if not held:
                 return False
-            self.db.insert_ignore(
-                conn,
-                checkpoints,
+            stmt = self.db.insert(checkpoints).values(
                 id=checkpoint_id,
                 job_id=job_id,
                 created_at=now(),
@@ -258,6 +259,16 @@ class FineTuneStore:
                 path=path,
                 metrics=json.dumps(metrics) if metrics else None,
             )
+            if conn.execute(stmt.on_conflict_do_nothing()).rowcount:  # a first record of it
+                type_ = "fine_tuning.job.checkpoint.created"
+                emit(
+                    self.db,
+                    conn,
+                    type_,
+                    job_id,
+                    held["owner"],
+                    lambda: {"checkpoint": row_of(conn, checkpoints, checkpoint_id), "job": held},
+                )
         return True
 
     def cancel_requested(self, job_id: str) -> bool:
@@ -297,7 +308,14 @@ class FineTuneStore:
             }
             level = "error" if error else "info"
             append_event(conn, job_id, "message", message or text.get(status, status), level=level)
+            self._notify(conn, job_id, status, job["owner"])
         return True
+
+    def _notify(self, conn: sa.Connection, job_id: str, status: str, owner: str | None) -> None:
+        """Owe the webhooks of a job that succeeded or failed, in its transaction."""
+        if status in ("succeeded", "failed"):
+            snapshot = functools.partial(row_of, conn, fine_tunes, job_id)
+            emit(self.db, conn, f"fine_tuning.job.{status}", job_id, owner, snapshot)
 
     def requeue(self, job_id: str, token: str, reason: str) -> None:
         """A graceful stop: the fine-tune returns to the queue, to resume from its checkpoint."""
@@ -318,7 +336,12 @@ class FineTuneStore:
         checkpoint; or to cancelled when that was pending; or, `crashed` for the
         `crash_limit`-th time, to failed. Returns how many went back to the queue."""
         stmt = (
-            sa.select(fine_tunes.c.id, fine_tunes.c.cancel_requested, fine_tunes.c.crashes)
+            sa.select(
+                fine_tunes.c.id,
+                fine_tunes.c.cancel_requested,
+                fine_tunes.c.crashes,
+                fine_tunes.c.owner,
+            )
             .where(fine_tunes.c.status == "running", where)
             .with_for_update(skip_locked=skip_locked)
         )
@@ -339,4 +362,5 @@ class FineTuneStore:
             changes["crashes"] = crashes
             conn.execute(fine_tunes.update().where(fine_tunes.c.id == row["id"]).values(**changes))
             append_event(conn, row["id"], "message", message, level=level)
+            self._notify(conn, row["id"], changes["status"], row["owner"])
         return requeued

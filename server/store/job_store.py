@@ -11,11 +11,12 @@ from .jobs import Jobs
 from .keys import IdempotencyKeys
 from .models import ModelStore
 from .videos import VideoStore
+from .webhooks import WebhookStore
 from .workers import WorkerRegistry
 
 
 class JobStore:
-    """Videos, fine-tunes, files, fine-tuned models, workers and idempotency keys, each a
+    """Videos, fine-tunes, files, fine-tuned models, workers, idempotency keys and webhooks, each a
     repository (`store.videos.get(id)`) sharing one database; `jobs` spans both kinds of job.
     A job whose worker dies `crash_limit` times fails instead of running again."""
 
@@ -32,6 +33,7 @@ class JobStore:
         self.workers = WorkerRegistry(self.db, self.videos, self.fine_tunes)
         self.keys = IdempotencyKeys(self.db)
         self.jobs = Jobs(self.db)
+        self.webhooks = WebhookStore(self.db)
 
     def close(self) -> None:
         """Close the database's connections."""

@@ -8,6 +8,7 @@ SSE streams read.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from collections.abc import Callable, Hashable
 
@@ -28,6 +29,7 @@ from .database import (
     visible_to,
 )
 from .keys import Reservation, remember
+from .webhooks import emit, row_of
 
 CLAIM_LOOKAHEAD = 32  # queued videos a worker looks past for ones it can run
 # The status poll's read, built once: building a select costs more than running it on SQLite.
@@ -270,12 +272,16 @@ class VideoStore:
             lease_token=token,
         )
 
-    def set_progress(self, updates: list[tuple], *, lease_s: float) -> set[str]:
+    def set_progress(
+        self, updates: list[tuple], *, lease_s: float, previews: dict[str, str] | None = None
+    ) -> set[str]:
         """`(id, lease_token, step, progress)` or `(id, lease_token, step, progress, passes)` for
         running videos, in one transaction; extends their leases. `passes`: the steps that ran a
-        pass of the model (fewer than `step` when a step cache reused). Returns the ids whose
-        lease is no longer this claim's (stop working on them: another worker has them, or they
-        ended)."""
+        pass of the model (fewer than `step` when a step cache reused). `previews`: by video, an
+        image of its clip as predicted at this step (a data URI), logged after its progress as a
+        `video.preview` event. Returns the ids whose lease is no longer this claim's (stop
+        working on them: another worker has them, or they ended)."""
+        previews = previews or {}
         lost = set()
         with self.db.tx() as conn:
             for video_id, token, step, progress, *rest in updates:
@@ -296,6 +302,9 @@ class VideoStore:
                     continue
                 data = {"status": "in_progress", **values}
                 append_event(conn, video_id, "video.progress", data=data)
+                if video_id in previews:
+                    data = {"step": step, "preview": previews[video_id]}
+                    append_event(conn, video_id, "video.preview", data=data)
         return lost
 
     def finish(
@@ -330,7 +339,14 @@ class VideoStore:
                 data["error"] = {"code": code, "message": message}
             level = "error" if error else "info"
             append_event(conn, video_id, f"video.{status}", message or "", data, level=level)
+            self._notify(conn, video_id, status, row["owner"])
         return status
+
+    def _notify(self, conn: sa.Connection, video_id: str, status: str, owner: str | None) -> None:
+        """Owe the webhooks of a video that completed or failed, in its transaction."""
+        if status in ("completed", "failed"):
+            snapshot = functools.partial(row_of, conn, videos, video_id)
+            emit(self.db, conn, f"video.{status}", video_id, owner, snapshot)
 
     def cancel_requested(self, ids: list[str]) -> set[str]:
         """Those of `ids` whose cancellation is pending."""
@@ -373,6 +389,7 @@ class VideoStore:
                 videos.c.crashes,
                 videos.c.suspect,
                 videos.c.worker_id,
+                videos.c.owner,
             )
             .where(videos.c.status == "in_progress", where)
             .with_for_update(skip_locked=skip_locked)
@@ -404,6 +421,7 @@ class VideoStore:
             data["status"] = status
             level = "error" if status == "failed" else "info"
             append_event(conn, row["id"], f"video.{status}", message, data, level=level)
+            self._notify(conn, row["id"], status, row["owner"])
         return requeued
 
     def _shared(self, conn: sa.Connection, workers: set[str | None]) -> set[str]:

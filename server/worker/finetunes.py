@@ -172,6 +172,9 @@ class FineTunes:
                 raise ClaimLost(t.id)
             verb = f"Resumed at step {trainer.step}" if attempt > 1 else "Fine-tuning job started"
             self._event(f"{verb} ({trainer.total_steps} steps)")
+            plan = trainer.clip_plan()
+            if plan is not None:
+                self._event(f"Clips in aspect and length buckets: {plan}")
             if not ctx.store.fine_tunes.set_progress(
                 t.id, token, trainer.step, trainer.total_steps, None, lease_s=ctx.settings.lease_s
             ):

@@ -9,8 +9,10 @@ goes to the model as stored.
 
 from __future__ import annotations
 
+import base64
 import concurrent.futures
 import dataclasses
+import io
 import logging
 import time
 from dataclasses import dataclass
@@ -24,6 +26,19 @@ from .context import WorkerContext, backoff, message
 from .models import Models
 
 log = logging.getLogger("megaslide.server")
+PREVIEW_QUALITY = 80  # JPEG quality of a preview: a 160-pixel image in a few kilobytes
+
+
+def preview_uri(frame, size: int) -> str:
+    """A uint8 frame `(H, W, 3)` as a JPEG data URI, its longest side at most `size` pixels."""
+    from PIL import Image
+
+    image = Image.fromarray(frame)
+    image.thumbnail((size, size))  # keeps the aspect; never enlarges
+    out = io.BytesIO()
+    image.save(out, format="JPEG", quality=PREVIEW_QUALITY)
+    return "data:image/jpeg;base64," + base64.b64encode(out.getvalue()).decode("ascii")
+
 
 DENOISE_SHARE = 90  # progress points for denoising; decoding and encoding the MP4 take the rest
 DECODED_PROGRESS = 95  # clip decoded, MP4 being written; 100 only once the file is in place
@@ -167,7 +182,8 @@ class Videos:
         transfers, advanced, passes = self._denoise(model)
         if not advanced:
             return
-        lost = self._record(advanced, transfers, passes, time.perf_counter() - start)
+        elapsed = time.perf_counter() - start
+        lost = self._record(advanced, transfers, passes, elapsed, self._previews(model, advanced))
         finished = []
         for run in [r for r in self.batch if r.id in lost or r.state.done]:
             self.batch.remove(run)
@@ -206,11 +222,34 @@ class Videos:
                 self._fail(run.id, run.token, single_exc)
         return {}, advanced, passes
 
+    def _previews(self, model: VideoModel, advanced: list[Running]) -> dict[str, str]:
+        """Images of the clips as predicted now, by video id, for the runs at a multiple of
+        `preview_every` steps that go on (as data URIs). A preview that cannot be made is
+        logged and left out: it never fails a video."""
+        every = self.ctx.settings.preview_every
+        due = [r for r in advanced if every and not r.state.done and r.state.step % every == 0]
+        if not due:
+            return {}
+        try:
+            frames = model.preview_batch([r.state for r in due])
+        except Exception:  # noqa: BLE001 - the video goes on without this preview
+            log.warning("preview of %s failed", ", ".join(r.id for r in due), exc_info=True)
+            self.ctx.backend.release_memory()
+            return {}
+        size = self.ctx.settings.preview_size
+        return {r.id: preview_uri(f, size) for r, f in zip(due, frames) if f is not None}
+
     def _record(
-        self, advanced: list[Running], transfers: dict[str, int], passes: int, elapsed: float
+        self,
+        advanced: list[Running],
+        transfers: dict[str, int],
+        passes: int,
+        elapsed: float,
+        previews: dict[str, str],
     ) -> set[str]:
         """The step's metrics, and each advanced run's progress in the store (renewing its
-        lease); the ids of the runs whose lease was lost meanwhile."""
+        lease) with its preview when it has one; the ids of the runs whose lease was lost
+        meanwhile."""
         ctx = self.ctx
         metrics = ctx.metrics
         metrics.passes.inc(passes)
@@ -225,7 +264,9 @@ class Videos:
             state = run.state
             share = DENOISE_SHARE * state.step // state.num_steps
             progress.append((run.id, run.token, state.step, share, state.passes))
-        return ctx.store.videos.set_progress(progress, lease_s=ctx.settings.lease_s)
+        return ctx.store.videos.set_progress(
+            progress, lease_s=ctx.settings.lease_s, previews=previews
+        )
 
     def _finish(self, model: VideoModel, runs: list[Running]) -> None:
         """Decode the clips that finished at this step together (the model bounds how many per

@@ -110,6 +110,12 @@ class FakeModel(VideoModel):
             s.step += 1
         return {"h2d_bytes": 1000 * len(states)}
 
+    def preview_batch(self, states):
+        """A small frame of each clip, its colour its step; "badpreview" prompts raise."""
+        if any("badpreview" in s.spec.prompt for s in states):
+            raise ValueError("the preview decoder met a NaN")
+        return [np.full((s.spec.height, s.spec.width, 3), 40 * s.step, np.uint8) for s in states]
+
     def finish_batch(self, states):
         specs = [state.spec for state in states]
         with self.backend.lock:
@@ -171,6 +177,11 @@ class FakeTrainer(TrainingRun):
             "h2d_bytes": 0,
             "d2h_bytes": 0,
         }
+
+    def clip_plan(self):
+        if not self.spec.clips.buckets:
+            return None
+        return f"1 bucket(s) of at most {self.spec.clips.token_budget} tokens"
 
     def save_checkpoint(self):
         path = self.output / f"step-{self.step}.ckpt"

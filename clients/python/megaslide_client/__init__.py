@@ -26,6 +26,7 @@ from ._exceptions import (
     UnprocessableEntityError,
 )
 from ._version import __version__
+from ._webhooks import WebhookVerificationError, verify_webhook
 
 __all__ = [
     "Client",
@@ -45,5 +46,7 @@ __all__ = [
     "UnprocessableEntityError",
     "RateLimitError",
     "InternalServerError",
+    "WebhookVerificationError",
+    "verify_webhook",
     "__version__",
 ]

@@ -12,10 +12,12 @@ from .resources import (
     AsyncFineTuning,
     AsyncModels,
     AsyncVideos,
+    AsyncWebhooks,
     Files,
     FineTuning,
     Models,
     Videos,
+    Webhooks,
 )
 
 
@@ -37,6 +39,7 @@ class Client(SyncAPIClient):
     fine_tuning = cached_property(FineTuning)
     models = cached_property(Models)
     adapters = cached_property(Adapters)
+    webhooks = cached_property(Webhooks)
 
 
 class AsyncClient(AsyncAPIClient):
@@ -53,3 +56,4 @@ class AsyncClient(AsyncAPIClient):
     fine_tuning = cached_property(AsyncFineTuning)
     models = cached_property(AsyncModels)
     adapters = cached_property(AsyncAdapters)
+    webhooks = cached_property(AsyncWebhooks)

@@ -7,6 +7,7 @@ also readable as attributes (`video.some_new_field`); `to_dict()` gives back the
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
@@ -27,6 +28,10 @@ __all__ = [
     "FineTuningJobEvent",
     "FineTuningJobCheckpoint",
     "Model",
+    "WebhookEndpoint",
+    "WebhookEndpointDeleted",
+    "WebhookDelivery",
+    "WebhookAttempt",
     "VIDEO_TERMINAL_STATUSES",
     "JOB_TERMINAL_STATUSES",
 ]
@@ -169,6 +174,15 @@ class VideoEvent:
     id: str | None = None
     video: Video | None = None
 
+    @property
+    def preview(self) -> bytes | None:
+        """A `video.preview` event's JPEG: one frame of the clip as its step `data["step"]`
+        predicts it, while it renders; None for any other event."""
+        uri = self.data.get("preview") if isinstance(self.data, dict) else None
+        if self.event != "video.preview" or not isinstance(uri, str) or "," not in uri:
+            return None
+        return base64.b64decode(uri.partition(",")[2])
+
 
 # ---------------------------------------------------------------------------------------------
 # files
@@ -240,6 +254,8 @@ class Hyperparameters(APIObject):
     learning_rate_multiplier: Any = None
     optimizer_state: str | None = None
     optimizer_state_tier: str | None = None  # "ram" or "disk": where the moments live
+    buckets: bool | None = None  # clips in aspect and length buckets (shown when asked for)
+    token_budget: int | None = None  # a bucketed clip's most tokens (shown when asked for)
 
 
 @dataclass
@@ -332,3 +348,64 @@ class Model(APIObject):
     defaults: dict[str, Any] | None = None  # what a request gets for an absent field
     limits: dict[str, Any] | None = None  # max_frames, max_size, size_multiple, ...
     adapters: list[dict[str, Any]] | None = None  # LoRA adapters: name, rank, bytes, defaults
+
+
+# ---------------------------------------------------------------------------------------------
+# webhooks
+
+
+@dataclass
+class WebhookEndpoint(APIObject):
+    """Where the events of this key's jobs are POSTed, signed with `secret` (set only in the
+    answer that created it)."""
+
+    id: str | None = None
+    object: str | None = None
+    created_at: int | None = None
+    url: str | None = None
+    events: list[str] | None = None
+    description: str | None = None
+    disabled: bool | None = None
+    secret: str | None = None
+
+
+@dataclass
+class WebhookEndpointDeleted(APIObject):
+    """The answer to deleting a webhook endpoint."""
+
+    id: str | None = None
+    object: str | None = None
+    deleted: bool | None = None
+
+
+@dataclass
+class WebhookAttempt(APIObject):
+    """One try of a delivery: the receiver's `status_code`, or the `error` that stopped it."""
+
+    created_at: int | None = None
+    status_code: int | None = None
+    error: str | None = None
+    duration_ms: int | None = None
+
+
+@dataclass
+class WebhookDelivery(APIObject):
+    """An event owed to an endpoint: `pending`, `delivered`, or `failed` once retries are spent."""
+
+    id: str | None = None  # the message id (webhook-id), the same on every try
+    object: str | None = None
+    endpoint_id: str | None = None
+    type: str | None = None
+    job_id: str | None = None
+    created_at: int | None = None
+    status: str | None = None
+    attempts: list[WebhookAttempt] | None = None
+    next_attempt_at: int | None = None
+    delivered_at: int | None = None
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> WebhookDelivery:
+        delivery = super().from_dict(data)
+        if delivery.attempts is not None:
+            delivery.attempts = [WebhookAttempt.from_dict(a) for a in delivery.attempts]
+        return delivery

@@ -102,6 +102,16 @@ export class Queue {
     els.state.textContent = stateText(video, job.position);
     els.cancel.hidden = TERMINAL.has(video.status);
     els.dismiss.hidden = !TERMINAL.has(video.status);
+    if (video.preview && video.status === "in_progress") {
+      // The clip as the last previewed step predicts it (video.preview events), until it plays.
+      let image = els.media.querySelector("img.preview");
+      if (!image) {
+        image = h("img", { class: "preview", alt: `preview of ${video.id} while it renders` });
+        els.media.replaceChildren(image);
+      }
+      if (image.getAttribute("src") !== video.preview) image.setAttribute("src", video.preview);
+      return;
+    }
     const placeholder = els.media.querySelector(".placeholder");
     if (placeholder) {
       placeholder.textContent =

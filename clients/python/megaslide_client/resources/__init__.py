@@ -5,6 +5,7 @@ from .files import AsyncFiles, Files
 from .fine_tuning import AsyncFineTuning, AsyncJobs, FineTuning, Jobs
 from .models import AsyncModels, Models
 from .videos import AsyncVideos, Videos
+from .webhooks import AsyncEndpoints, AsyncWebhooks, Endpoints, Webhooks
 
 __all__ = [
     "Videos",
@@ -19,4 +20,8 @@ __all__ = [
     "AsyncModels",
     "Adapters",
     "AsyncAdapters",
+    "Webhooks",
+    "AsyncWebhooks",
+    "Endpoints",
+    "AsyncEndpoints",
 ]
