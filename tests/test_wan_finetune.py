@@ -25,6 +25,7 @@ from megaslide.engine.sampling.flow import sample_training_times
 from megaslide.engine.sources import describe, resolve_source
 from megaslide.engine.streaming.host_store import SafetensorsFile
 from megaslide.engine.training.blockwise import BlockwiseStep, StepConfig, master_state_dicts
+from megaslide.engine.training.experts import ExpertSteps
 from megaslide.engine.training.finetune import open_trainer
 from megaslide.engine.training.finetune_spec import (
     ClipSpec,
@@ -34,6 +35,7 @@ from megaslide.engine.training.finetune_spec import (
     RuntimeSpec,
     ScheduleSpec,
 )
+from megaslide.engine.wan.family import WanFamily
 from megaslide.engine.wan.training import WanTrainingModel
 
 from mixed_clips import write_mixed_clips
@@ -204,9 +206,58 @@ def test_both_experts_train_only_on_their_own_times(wan, encoded, tmp_path):
     assert all(m["loss_low"] is None and m["loss_high"] == m["loss"] for m in metrics)
 
 
-def test_one_transformer_refuses_both_experts(wan):
-    from megaslide.engine.wan.family import WanFamily
+def test_each_expert_trains_its_rows_as_alone(wan):
+    """A batch with rows of both experts: each expert's step equals a one-expert step on its
+    rows with their draws, bitwise (the split sends each row, time and noise to its owner)."""
+    info = describe(resolve_source(wan["experts"]))
+    family = WanFamily()
 
+    def steps(expert):
+        parts, handles = open_model(
+            info, dtype=torch.float32, offload="stream", only={"transformer", "transformer_2"}
+        )
+        models = family.training_models(info, parts, expert)
+        config = StepConfig(OptimizerSpec(lr=1e-3), offload="stream")
+        return {
+            k: BlockwiseStep(m, "cpu", config, handles[m.blocks_owner]) for k, m in models.items()
+        }
+
+    g = torch.Generator().manual_seed(0)
+    x0, emb = torch.randn(6, 4, 3, 4, 4, generator=g), torch.randn(6, 512, 32, generator=g)
+    both = ExpertSteps(steps("both"), "uniform")
+    out = both.micro_step(x0, emb, torch.Generator().manual_seed(5))
+    draws = torch.Generator().manual_seed(5)
+    t = sample_training_times(6, draws, "uniform")
+    noise = torch.randn(x0.shape, generator=draws)
+    for label, owned in (("high", t >= 0.9), ("low", t < 0.9)):
+        rows = owned.nonzero()[:, 0]
+        assert len(rows) > 0  # the draws give each expert rows
+        (alone,) = steps(label).values()
+        got = alone.micro_step(x0[rows], emb[rows], None, drawn=(t[rows], noise[rows]))
+        assert got["loss"] == out[f"loss_{label}"]
+        ours, theirs = both.steps[label].state_dicts(), alone.state_dicts()
+        assert all(torch.equal(ours[m][k], theirs[m][k]) for m in theirs for k in theirs[m])
+        alone.close()
+    both.close()
+
+
+def test_command_line_trains_both_experts_and_writes_each_ones_stats(wan, encoded, tmp_path):
+    from megaslide.cli.main import main
+
+    out = tmp_path / "run"
+    shutil.copytree(encoded, out / "cache")
+    args = ["finetune", "--model", str(wan["experts"]), "--data", str(wan["world"])]
+    args += ["--output", str(out), "--steps", "1", "--batch-size", "2", "--offload", "stream"]
+    args += ["--time-sampling", "uniform", "--no-progress", "--stats", str(tmp_path / "s.json")]
+    assert main([*args, "--trace", str(tmp_path / "trace.json")]) == 0
+    stats = json.loads((tmp_path / "s.json").read_text())
+    assert set(stats) == {"high", "low"}
+    assert (tmp_path / "trace-high.json").is_file() and (tmp_path / "trace-low.json").is_file()
+    metrics = json.loads((out / "metrics.jsonl").read_text())
+    assert {"loss_high", "loss_low"} <= set(metrics)
+
+
+def test_one_transformer_refuses_both_experts(wan):
     info = describe(resolve_source(wan["one"]))
     with pytest.raises(ValueError, match="one transformer: expert 'both' does not apply"):
         WanFamily().training_components(info, "both")
@@ -240,6 +291,9 @@ def test_both_experts_resume_exactly_and_export_a_two_expert_pipeline(wan, encod
     for _ in range(3):
         t.train_step()
     t.loader.close()
+    high = config(tmp_path / "b", steps=3, expert="high")
+    with pytest.raises(ValueError, match="trained expert both, the run asks for high"):
+        open_trainer(wan["experts"], wan["world"], high, resume=True)
     with run(tmp_path / "b") as resumed:
         assert resumed.step == 2
         resumed.run()
@@ -377,6 +431,9 @@ def test_a_bf16_master_trains_resumes_and_exports(wan, tmp_path):
     for _ in range(3):
         t.train_step()
     t.loader.close()
+    high = config(tmp_path / "b", steps=3, expert="high")
+    with pytest.raises(ValueError, match="trained expert both, the run asks for high"):
+        open_trainer(wan["experts"], wan["world"], high, resume=True)
     with run(tmp_path / "b") as resumed:
         assert resumed.step == 2
         resumed.run()

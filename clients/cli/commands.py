@@ -893,11 +893,7 @@ def run_finetune(args) -> int:
             last = trainer.run(report)
         if last is not None and trainer.step % args.save_every:
             trainer.save_checkpoint()  # the end of the run is always a checkpoint
-        handle = trainer.blockwise.handle
-        if args.stats and handle is not None:
-            Path(args.stats).write_text(json.dumps(handle.stats(), indent=2) + "\n")
-        if args.trace and handle is not None:
-            handle.write_trace(args.trace)
+        _write_stream_stats(trainer.blockwise.stream_handles, args.stats, args.trace)
         path = trainer.export()
         if trainer.step < trainer.total_steps:
             print(
@@ -906,6 +902,22 @@ def run_finetune(args) -> int:
             )
     print(f"fine-tuned model written to {path}", file=sys.stderr)
     return 0
+
+
+def _write_stream_stats(handles: dict, stats: str | None, trace: str | None) -> None:
+    """`--stats` and `--trace` of a run's streamed blocks: the stats of each expert trained by
+    its label ("high": {...}) and a trace each beside `--trace` (`trace-high.json`), or the one
+    model's as they are."""
+    if stats and handles:
+        one = "" in handles
+        out = handles[""].stats() if one else {k: h.stats() for k, h in handles.items()}
+        Path(stats).write_text(json.dumps(out, indent=2) + "\n")
+    if trace:
+        path = Path(trace)
+        for label, handle in handles.items():
+            handle.write_trace(
+                path.with_name(f"{path.stem}-{label}{path.suffix}") if label else path
+            )
 
 
 def run_finetune_on_devices(args) -> int:

@@ -181,6 +181,11 @@ class BlockwiseStep:
     def h2d_bytes(self) -> int:
         return self.handle.h2d_bytes if self.handle is not None else 0
 
+    @property
+    def stream_handles(self) -> dict[str, StreamHandle]:
+        """The streamer's handle of the blocks, when streamed ("": the one model's)."""
+        return {"": self.handle} if self.handle is not None else {}
+
     def autocast(self):
         if self.config.autocast is None:
             return contextlib.nullcontext()

@@ -85,6 +85,11 @@ class ExpertSteps:
         return out
 
     @property
+    def stream_handles(self) -> dict:
+        """Each streamed expert's streamer handle, by label."""
+        return {k: s.handle for k, s in self.steps.items() if s.handle is not None}
+
+    @property
     def h2d_bytes(self) -> int:
         return sum(s.h2d_bytes for s in self.steps.values())
 

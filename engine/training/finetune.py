@@ -119,6 +119,13 @@ def trained_model(
             f"{latest} holds optimizer state {state!r}, the run asks for "
             f"{spec.optimizer.state!r}: resume with the format it was trained in"
         )
+    # Its optimizer state is that of the experts it trained (None and "both": the same ones).
+    expert = saved.get("run", {}).get("expert")
+    if (expert or "both") != (spec.run.expert or "both"):
+        raise ValueError(
+            f"{latest} trained expert {expert or 'both'}, the run asks for "
+            f"{spec.run.expert or 'both'}: resume with the experts it was trained with"
+        )
     base = describe(source, **overrides)
     source = ModelSource("directory", base.name, path=latest / "model")
     return describe(source, **overrides), latest
