@@ -228,8 +228,9 @@ def plan(info: ModelInfo, machine: Machine = Machine(), w: Workload = Workload()
     image encoder when it has one (Wan2.1-I2V's CLIP: fp32, streamed like the text encoder) and a
     VAE (resident, fp32). Fine-tuning trains the parameters the family names trainable (of a
     two-expert model, both unless the workload names one: twice the masters and moments, a
-    slot ring each, and a step whose rows span both streams both). The workload's placement is checked by the placement's
-    lasting rules (placement.py): what only today's code lacks is still accounted for.
+    slot ring each, and a step whose rows span both streams both). The workload's placement is
+    checked by the placement's lasting rules (placement.py): what only today's code lacks is
+    still accounted for.
     """
     if w.devices < 1:
         raise ValueError(f"devices must be at least 1, got {w.devices}")
