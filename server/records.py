@@ -58,6 +58,8 @@ class VideoRecord(LeasedRecord):
     error_code: str | None
     error_message: str | None
     owner: str | None
+    pixel_key: str | None = None  # what decides its pixels (services/repeats.py)
+    cached_from: str | None = None  # the finished video whose MP4 answered it; None: its own
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> Self:

@@ -222,6 +222,13 @@ class VideoCreate(Request):
         "of the schedule (step i of n when start * n <= i < end * n), e.g. [0, 0.5]; the other "
         "steps run the conditional row alone (default: every step)",
     )
+    reuse: bool = Field(
+        True,
+        description="answer a request equal to one of this key's completed videos in everything "
+        "that decides the pixels (model and its revision, adapters, seed, every sampling "
+        "parameter, the image's bytes) with that video's MP4 at once, naming it in "
+        "cached_from; false: run it again",
+    )
     # Image-to-video: a first-frame image, uploaded as a multipart file (see the videos router).
     input_reference: Any = None
     loras: list[LoraRef] | None = Field(
@@ -334,6 +341,11 @@ class Video(BaseModel):
         None, description="the request's or an adapter's; null: the model's"
     )
     guidance_interval: list[float] | None = Field(None, description="null: guided on every step")
+    cached_from: str | None = Field(
+        None,
+        description="the completed video whose MP4 answered this request, which repeated it "
+        "(no pass ran: passes is 0); null: made by its own run",
+    )
 
 
 class ContentLink(BaseModel):
@@ -391,6 +403,7 @@ def video_object(video: VideoRecord) -> Video:
         timesteps=spec.get("timesteps"),
         shift=spec.get("shift"),
         guidance_interval=spec.get("guidance_interval"),
+        cached_from=video.cached_from,
     )
 
 

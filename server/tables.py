@@ -61,7 +61,12 @@ videos = sa.Table(
     sa.Column("error_message", sa.Text),
     *_lease(),
     sa.Column("owner", sa.Text),  # the principal that made it (auth.py); NULL: made before keys
+    # A digest of everything that decides its pixels (services/repeats.py); NULL: made before.
+    sa.Column("pixel_key", sa.Text),
+    # The finished video whose MP4 answered this request (a repeat, no pass run); NULL: its own.
+    sa.Column("cached_from", sa.Text),
     sa.Index("videos_by_status", "status", sa.desc("priority"), "seq"),
+    sa.Index("videos_by_pixel_key", "owner", "pixel_key"),
     sqlite_autoincrement=True,
 )
 

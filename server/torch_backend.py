@@ -69,7 +69,7 @@ class TorchBackend(Backend):
             )
         self._adapters = self._load_adapters(settings.loras)
         self._cards = [
-            c.replace(adapters=tuple(a.card() | {"base": c.name} for a in self._adapters[c.name]))
+            c.replace(adapters=tuple(_given_at_start(a, c.name) for a in self._adapters[c.name]))
             for c in self._cards
         ]
 
@@ -232,6 +232,13 @@ class TorchBackend(Backend):
         if self.device.type == "cuda":
             # Cached blocks from the failed pass would otherwise look like a leak to the next job.
             torch.cuda.empty_cache()
+
+
+def _given_at_start(adapter, base: str) -> dict:
+    """The card of an adapter given at start (`--lora`): its file's modification time names its
+    revision, as an upload's digest does (a video made with the file before it was rewritten
+    does not answer a request made after: services/repeats.py)."""
+    return adapter.card() | {"base": base, "modified_at": int(os.path.getmtime(adapter.source))}
 
 
 def transformer_files(specs: list[str], names: list[str]) -> dict[str, dict]:

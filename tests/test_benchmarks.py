@@ -151,6 +151,12 @@ def test_api_load_benchmark_polls_a_live_server_idle_and_generating():
     assert r["goals"]["embedded"]["generating_over_idle_throughput"] == {"4": round(ratio, 2)}
 
 
+def test_repeat_request_benchmark_answers_without_a_pass():
+    r = run_json("benchmarks/repeat_request.py", "--repeats", "5", "--json")
+    assert r["same_bytes"] and r["no_pass"] and r["repeat_ms"]["n"] == 5
+    assert r["goal_met"] == (r["repeat_ms"]["max"] < r["goal_ms"])
+
+
 def test_lora_benchmark_quick():
     r = run_json("benchmarks/lora.py", "--quick", "--json")
     assert set(r["megaslide_s"]) == {"none", "one", "four_distinct"}

@@ -51,6 +51,12 @@ def register_generate(sub) -> None:
     )
     p.add_argument("--server", help="generate on a MegaSlide server at this URL instead of locally")
     p.add_argument("--api-key", help="API key for --server (default: $MEGASLIDE_API_KEY)")
+    p.add_argument(
+        "--no-reuse",
+        action="store_true",
+        help="with --server: run the video even when one of your finished videos there repeats "
+        "it in everything that decides the pixels (by default that video's MP4 is the answer)",
+    )
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p.set_defaults(run=run_generate)
 

@@ -94,7 +94,7 @@ def generate_remote(args, request) -> int:
     `args.output`; the server resolves the request against its model.
 
     Reads from `args`: output, model / preset (the server's model name), server, api_key,
-    no_progress. Ctrl-C cancels the job on the server, since nobody is left to fetch its result.
+    no_reuse, no_progress. Ctrl-C cancels the job on the server, since nobody is left to fetch its result.
     """
     _check_local_only(args, LOCAL_ONLY_GENERATE)
     if request.image is not None and not Path(request.image).is_file():
@@ -123,10 +123,12 @@ def generate_remote(args, request) -> int:
                 shift=request.shift,
                 guidance_interval=request.guidance_interval,
                 input_reference=request.image,  # uploaded; the server checks the model takes it
+                reuse=False if args.no_reuse else None,
             )
+            done = f", the MP4 of {video.cached_from}" if video.cached_from else ""
             print(
-                f"video {video.id} queued on {client.base_url} (model {video.model}, {video.size}, "
-                f"seed {video.seed})",
+                f"video {video.id} {video.status} on {client.base_url} (model {video.model}, "
+                f"{video.size}, seed {video.seed}{done})",
                 file=sys.stderr,
             )
             try:

@@ -20,7 +20,7 @@ from ..family import Component, Family, TrainingShape
 from ..parallel.sequence import SequenceGroup, check_shardable, parallelize_dit
 from ..request import ResolvedVideo
 from ..sampling.flow import EulerSampler, SampleState, shifted_schedule
-from ..sampling.loop import sample_step
+from ..sampling.loop import GuidanceMemory, sample_step
 from ..sampling.pipeline import Pipeline, decode_chunks, distinct
 from ..sampling.samplers import flow_times, timestep_sigmas
 from ..sampling.step_cache import StepCache
@@ -173,6 +173,7 @@ class DiTPipeline(Pipeline):
             # A consistency sampler's fresh noise continues the request's own generator.
             renoise=generator if video.sampler == "consistency" else None,
             guidance_interval=video.guidance_interval,
+            guidance_memory=None if video.guidance_interval is None else GuidanceMemory(),
         )
 
     def _step(self, states: list[SampleState]) -> None:

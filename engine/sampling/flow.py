@@ -23,7 +23,7 @@ from ..native.config import TIME_SAMPLING
 from ..parallel.sequence import gather_tokens, shard_tokens
 from ..request import guided_at
 from . import loop
-from .loop import ForwardCut, Sampler, row_slices
+from .loop import ForwardCut, GuidanceMemory, Sampler, row_slices
 from .loop import cfg_combine as cfg_combine  # the guidance rule, where it was documented
 from .samplers import consistency_step, euler_step
 from .step_cache import StepCache
@@ -116,6 +116,8 @@ class SampleState:
     row_passes: int = 0  # rows of the model's passes it ran: two a guided step, one otherwise
     keep_x0: bool = False  # keep `x0`, the clean clip its last step predicted (previews)
     x0: torch.Tensor | None = None
+    # The guidance direction for the steps a guidance interval leaves out (loop.py).
+    guidance_memory: GuidanceMemory | None = None
 
     @property
     def num_steps(self) -> int:

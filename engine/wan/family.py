@@ -55,7 +55,7 @@ from torch import nn
 from ..family import Component, Family
 from ..lora import Adapter, AdapterRouter, linear_targets
 from ..request import ResolvedVideo, check_image, check_loras
-from ..sampling.loop import Sampler, sample_step
+from ..sampling.loop import GuidanceMemory, Sampler, sample_step
 from ..sampling.pipeline import CPU_ROWS_PER_PASS, Pipeline, decode_chunks, distinct
 from ..sampling.samplers import flow_scheduler, timestep_sigmas
 from ..sampling.step_cache import StepCache
@@ -336,6 +336,8 @@ class WanState:
     row_passes: int = 0  # rows of the model's passes it ran: two a guided step, one otherwise
     keep_x0: bool = False  # keep `x0`, the clean clip its last step predicted (previews)
     x0: torch.Tensor | None = None
+    # The guidance direction for the steps a guidance interval leaves out (loop.py).
+    guidance_memory: GuidanceMemory | None = None
 
     def __post_init__(self):
         self.num_steps = len(self.scheduler.timesteps)
@@ -527,6 +529,8 @@ class WanVideoPipeline(Pipeline, Sampler):
         state = WanState(video, latents, context, scheduler, grid, cache=cache)
         if video.sampler == "consistency":
             state.step_args["generator"] = generator
+        if video.guidance_interval is not None:
+            state.guidance_memory = GuidanceMemory()
         if video.image is not None:
             self._condition(state)
         return state

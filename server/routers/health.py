@@ -75,6 +75,11 @@ async def metrics(request: Request, workers: WorkersDep, store: StoreDep):
             "megaslide_jobs", "Jobs in the store by kind and state", n, kind=kind, state=state
         )
     gauges.set(
+        "megaslide_video_repeats",
+        "Videos in the store answered with the MP4 of an earlier one they repeat (no pass ran)",
+        await store.videos.repeats(),
+    )
+    gauges.set(
         "megaslide_ready",
         "1 once some worker has its models loaded and runs jobs",
         1 if workers.ready else 0,

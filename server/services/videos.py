@@ -20,10 +20,11 @@ from ..protocol import ModelCard, WorkerClient
 from ..records import VideoRecord
 from ..schemas import Video, VideoCreate, VideoDeleted, page, video_object
 from ..settings import Settings
-from ..store import AsyncStore, now
+from ..store import AsyncStore, Reservation, now
 from .idempotency import IdempotencyKey, answer_once, create_once
 from .jobs import admit, check_priority, new_id, wait_for
 from .models import find_model
+from .repeats import pixel_key, share_content
 
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP")  # what a first-frame image may be uploaded as
 
@@ -43,8 +44,9 @@ class Videos:
         key: IdempotencyKey | None,
         image: BinaryIO | None = None,
     ) -> Video:
-        """Queue a video (`image`: an uploaded first frame); a retry with the same key gets the
-        video its first request made."""
+        """Queue a video (`image`: an uploaded first frame), or, unless `body.reuse` is off,
+        answer it at once with the requester's finished video it repeats (repeats.py). A retry
+        with the same key gets the video its first request made."""
         check_priority(body.priority, principal)
         served = self.workers.models()
         if not served:
@@ -54,8 +56,16 @@ class Videos:
         stored = await self._store_image(card, video_id, image) if image is not None else None
         try:
             video = self._resolve(body, card, stored)
+            image_sha256 = _digest(stored)
+            parent = self.workers.model(card.parent) if card.parent else None
+            pixels = pixel_key(video, card, image_sha256=image_sha256, parent=parent)
 
             async def insert(idempotency) -> VideoRecord:
+                if body.reuse:
+                    owner = principal.owner
+                    repeat = await self._repeat(video_id, video, pixels, owner, idempotency, body)
+                    if repeat is not None:
+                        return repeat  # no pass, so no place in the queue either
                 await admit(self.store, self.workers, self.settings, principal)
                 return await self.store.videos.insert(
                     video_id,
@@ -63,9 +73,13 @@ class Videos:
                     priority=body.priority,
                     idempotency=idempotency,
                     owner=principal.owner,
+                    pixel_key=pixels,
                 )
 
-            payload = {**body.model_dump(exclude_none=True), "image": _digest(stored)}
+            # `reuse` counts only when off: a request that leaves it out hashes as it did
+            # before the field, so a key reserved then still answers its retries.
+            fields = body.model_dump(exclude_none=True, exclude={"reuse"} if body.reuse else None)
+            payload = {**fields, "image": image_sha256}
             row, replayed = await create_once(
                 self.store, key, payload, self.store.videos.get, insert
             )
@@ -74,9 +88,41 @@ class Videos:
             raise
         if replayed:
             _discard(stored)  # the first request's image is the video's
-        else:
+        elif row.cached_from is None:
             self.workers.wake()
         return video_object(row)
+
+    async def _repeat(
+        self,
+        video_id: str,
+        video: ResolvedVideo,
+        pixels: str,
+        owner: str | None,
+        idempotency: Reservation | None,
+        body: VideoCreate,
+    ) -> VideoRecord | None:
+        """`video_id` recorded completed with the content of `owner`'s newest finished video
+        whose pixel key is `pixels`, when there is one and its MP4 is still there; else None
+        and nothing done (the request runs)."""
+        source = await self.store.videos.repeated(owner, pixels)
+        if source is None:
+            return None
+        if not await run_in_threadpool(share_content, self.data, source.id, video_id):
+            return None
+        try:
+            return await self.store.videos.insert_repeat(
+                video_id,
+                video.to_dict(),
+                source,
+                expires_at=now() + self.settings.video_ttl_s,
+                priority=body.priority,
+                idempotency=idempotency,
+                owner=owner,
+            )
+        except BaseException:
+            for path in self.data.video(video_id):
+                path.unlink(missing_ok=True)
+            raise
 
     async def _store_image(self, card: ModelCard, video_id: str, image: BinaryIO) -> Path:
         """The uploaded first frame, checked and stored as the video's reference image."""

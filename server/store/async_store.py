@@ -64,6 +64,9 @@ class AsyncVideoStore(_Async):
         return await anyio.to_thread.run_sync(self.sync.get, video_id)
 
     insert = _InThread(VideoStore.insert)
+    repeated = _InThread(VideoStore.repeated)
+    insert_repeat = _InThread(VideoStore.insert_repeat)
+    repeats = _InThread(VideoStore.repeats)
     page = _InThread(VideoStore.page)
     cancel = _InThread(VideoStore.cancel)
     delete = _InThread(VideoStore.delete)

@@ -59,8 +59,10 @@ class VideoStore:
         priority: int = 0,
         idempotency: Reservation | None = None,
         owner: str | None = None,
+        pixel_key: str | None = None,
     ) -> VideoRecord:
-        """Queue a resolved video request (`ResolvedVideo.to_dict()`) for `owner`."""
+        """Queue a resolved video request (`ResolvedVideo.to_dict()`) for `owner`; `pixel_key`
+        finds it for the requests that repeat it once it is completed (`repeated`)."""
         with self.db.tx() as conn:
             conn.execute(
                 videos.insert().values(
@@ -71,12 +73,75 @@ class VideoStore:
                     priority=priority,
                     spec=json.dumps(spec),
                     owner=owner,
+                    pixel_key=pixel_key,
                 )
             )
             data = {"status": "queued", "progress": 0, "step": 0}
             append_event(conn, video_id, "video.queued", data=data)
             remember(conn, idempotency, video_id)
         return self.get(video_id)
+
+    def repeated(self, owner: str | None, pixel_key: str) -> VideoRecord | None:
+        """The newest completed video of `owner` with `pixel_key` whose content has not expired,
+        or None. Another owner's is never found (NULL finds only the videos made without keys)."""
+        owned = videos.c.owner.is_(None) if owner is None else videos.c.owner == owner
+        stmt = (
+            sa.select(videos)
+            .where(
+                owned,
+                videos.c.pixel_key == pixel_key,
+                videos.c.status == "completed",
+                sa.or_(videos.c.expires_at.is_(None), videos.c.expires_at >= now()),
+            )
+            .order_by(videos.c.seq.desc())
+            .limit(1)
+        )
+        return record(VideoRecord, self.db.one(stmt))
+
+    def insert_repeat(
+        self,
+        video_id: str,
+        spec: dict,
+        source: VideoRecord,
+        *,
+        expires_at: int,
+        priority: int = 0,
+        idempotency: Reservation | None = None,
+        owner: str | None = None,
+    ) -> VideoRecord:
+        """A video completed at once with the content of `source` (its files are already in
+        place): a request that repeats `source` in everything that decides its pixels. It ran
+        no pass of the model (`passes` 0), and names `source` in `cached_from`."""
+        stamp = now()
+        with self.db.tx() as conn:
+            conn.execute(
+                videos.insert().values(
+                    id=video_id,
+                    created_at=stamp,
+                    status="completed",
+                    progress=100,
+                    step=source.step,
+                    passes=0,
+                    model=spec["model"],
+                    priority=priority,
+                    spec=json.dumps(spec),
+                    owner=owner,
+                    started_at=stamp,
+                    completed_at=stamp,
+                    expires_at=expires_at,
+                    pixel_key=source.pixel_key,
+                    cached_from=source.id,
+                )
+            )
+            data = {"status": "completed", "progress": 100, "step": source.step}
+            append_event(conn, video_id, "video.completed", data=data)
+            remember(conn, idempotency, video_id)
+        return self.get(video_id)
+
+    def repeats(self) -> int:
+        """The videos in the store that were answered with another's content."""
+        stmt = sa.select(sa.func.count().label("n")).where(videos.c.cached_from.is_not(None))
+        return self.db.one(stmt)["n"]
 
     def get(self, video_id: str) -> VideoRecord | None:
         """The video, or None."""

@@ -107,6 +107,8 @@ export function describeVideo(v) {
       : null,
     `guidance ${v.guidance_scale}`,
     `seed ${v.seed}`,
+    // A repeated request, answered with an earlier video's MP4 (no pass ran).
+    v.cached_from ? `reused from ${v.cached_from}` : null,
   ];
   return parts.filter(Boolean).join(" · ");
 }

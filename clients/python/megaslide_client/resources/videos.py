@@ -43,6 +43,7 @@ def create_body(
     timesteps: Sequence[int] | None = None,
     shift: float | None = None,
     guidance_interval: Sequence[float] | None = None,
+    reuse: bool | None = None,
 ) -> dict[str, Any]:
     """The JSON body of POST /v1/videos; unset fields are left for the server's defaults."""
     body = {
@@ -63,6 +64,7 @@ def create_body(
         "timesteps": None if timesteps is None else list(timesteps),
         "shift": shift,
         "guidance_interval": None if guidance_interval is None else list(guidance_interval),
+        "reuse": reuse,
     }
     body = {k: v for k, v in body.items() if v is not None}
     body.update(extra_body or {})
@@ -72,7 +74,9 @@ def create_body(
 def form_fields(body: Mapping[str, Any]) -> dict[str, str]:
     """A create body as multipart form fields, sent when a first-frame image goes with it: each
     value as text, lists and objects as JSON text (the server reads them back so)."""
-    return {k: json.dumps(v) if isinstance(v, (list, dict)) else str(v) for k, v in body.items()}
+    return {
+        k: json.dumps(v) if isinstance(v, (list, dict, bool)) else str(v) for k, v in body.items()
+    }
 
 
 # A LoRA adapter registered on the model: its name, (name, scale), or {"name", "scale", "expert"}.
@@ -162,6 +166,7 @@ class Videos:
         shift: float | None = None,
         guidance_interval: Sequence[float] | None = None,
         input_reference: FileInput | None = None,
+        reuse: bool | None = None,
         extra_body: Mapping[str, Any] | None = None,
         idempotency_key: str | None = None,
     ) -> Video:
@@ -181,6 +186,9 @@ class Videos:
         `input_reference` is a first-frame image (a path, bytes, a binary file or `(filename,
         content)`; PNG, JPEG or WebP) for a model that takes one (`Model.inputs`); with it the
         request goes as multipart form fields. Every retry of this call carries the same Idempotency-Key, so it makes at most one job.
+        A request equal to one of this key's completed videos in everything that decides the
+        pixels (a fixed `seed` among them) comes back completed at once with that video's MP4,
+        naming it in `Video.cached_from`; `reuse=False` runs it again.
         """
         body = create_body(
             prompt=prompt,
@@ -201,6 +209,7 @@ class Videos:
             timesteps=timesteps,
             shift=shift,
             guidance_interval=guidance_interval,
+            reuse=reuse,
         )
         if input_reference is None:
             response = self._client.post("/v1/videos", json=body, idempotency_key=idempotency_key)
@@ -333,6 +342,7 @@ class AsyncVideos:
         shift: float | None = None,
         guidance_interval: Sequence[float] | None = None,
         input_reference: FileInput | None = None,
+        reuse: bool | None = None,
         extra_body: Mapping[str, Any] | None = None,
         idempotency_key: str | None = None,
     ) -> Video:
@@ -356,6 +366,7 @@ class AsyncVideos:
             timesteps=timesteps,
             shift=shift,
             guidance_interval=guidance_interval,
+            reuse=reuse,
         )
         if input_reference is None:
             response = await self._client.post(
