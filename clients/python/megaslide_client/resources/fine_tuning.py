@@ -144,7 +144,9 @@ class Jobs:
         and `optimizer_state_tier`: "ram", or "disk" to keep the moments in files on the
         server's local disk ("auto": ram); `buckets` (true: clips of different sizes and
         lengths train as they come, each batch one aspect and length bucket) and
-        `token_budget` (a bucketed clip's most tokens).
+        `token_budget` (a bucketed clip's most tokens); on a two-expert base (Wan2.2-A14B)
+        `expert`: "high" or "low" to train one, or "both" (the default: each on its own noise
+        levels).
         A job that succeeds registers the model `ft:<model>:<suffix>:<job id>`.
         """
         body = create_body(
