@@ -225,7 +225,8 @@ class BlockwiseStep:
         with self.autocast():
             v = model.epilogue(x, leaves, static)  # (B, C, F, H, W)
             loss = torch.nn.functional.mse_loss(v.float(), target.float())
-        (loss / self.config.optimizer.grad_accum).backward()
+        # Each micro-batch's own gradient: the optimizer sums them and divides by grad_accum.
+        loss.backward()
 
         # 3. Blocks in reverse: recompute, backpropagate, hand gradients to the CPU optimizer.
         outbox = _Outbox(self, last)
@@ -237,7 +238,7 @@ class BlockwiseStep:
         # One host read per micro-step for the metrics; the values are needed on the host anyway.
         return {
             "loss": loss.item(),
-            "grad_norm": outbox.sq_norm.sqrt().item() * self.config.optimizer.grad_accum,
+            "grad_norm": outbox.sq_norm.sqrt().item(),  # this micro-batch's gradient
             "step_time_s": time.perf_counter() - start,
             "stepped": last,
         }
@@ -277,9 +278,7 @@ class BlockwiseStep:
         gradients to `outbox` (the group's `in_flight` latest may still be on their way). The
         gradient at the first block's input."""
         model, io, blocks = self.model, self.blocks_io, self.model.blocks
-        weight = torch.tensor(
-            self.config.aux_loss_weight / self.config.optimizer.grad_accum, device=self.device
-        )
+        weight = torch.tensor(self.config.aux_loss_weight, device=self.device)
         with io.manual(order="reverse"):
             for i in reversed(range(len(blocks))):
                 io.load(i)
