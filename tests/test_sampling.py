@@ -18,6 +18,10 @@ class Toy:
     num_steps: int = 4
     step: int = 0
     cache: None = None
+    row_passes: int = 0
+    keep_x0: bool = False
+    x0: None = None
+    guidance_memory: None = None
 
     def __post_init__(self):
         self.taken: list[float] = []
