@@ -395,6 +395,17 @@ def test_fine_tuning_validation_videos_are_playable_mp4s(client, server_url, tmp
     path = tmp_path / "async.mp4"
     path.write_bytes(got)
     assert read_video(path).shape == (4, 16, 16, 3)
+    # The CLI fetches them all: step-N/<prompt index>.mp4.
+    out = tmp_path / "videos"
+    argv = ["finetune-videos", job.id, "--server", server_url, "--api-key", KEY, "-o", str(out)]
+    assert cli_main(argv) == 0
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*.mp4")) == [
+        "step-1/0.mp4",
+        "step-1/1.mp4",
+        "step-2/0.mp4",
+        "step-2/1.mp4",
+    ]
+    assert read_video(out / "step-2" / "1.mp4").shape == (4, 16, 16, 3)
 
 
 def test_fine_tuning_cancel(client, tmp_path):

@@ -119,3 +119,19 @@ def test_every_checkpoint_samples_its_prompts_into_playable_mp4s(world, tmp_path
         assert read_video(videos[2]["path"]).shape == (4, 16, 32, 3)
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [("validation_loss" in x) for x in lines] == [False, True, False, True]
+
+
+def test_the_cli_samples_every_checkpoint_and_the_last(world, tmp_path):
+    from megaslide.cli.main import main as cli_main
+
+    flags = ["finetune", "--preset", "tiny", "--data", str(world), "--frames", "4"]
+    flags += ["--size", "16x16", "--steps", "3", "--save-every", "2", "--no-progress"]
+    flags += ["--output", str(tmp_path), "--validation-prompt", "a red circle"]
+    flags += ["--validation-size", "16x16", "--validation-frames", "4", "--validation-steps", "2"]
+    assert cli_main([*flags, "--validation-split", "2"]) == 0
+    # Step 2's checkpoint, and the one the run ends with at step 3.
+    for step in (2, 3):
+        folder = tmp_path / "validation" / f"step-{step:06d}"
+        assert read_video(folder / "0.mp4").shape == (4, 16, 16, 3)
+        record = json.loads((folder / "videos.json").read_text())
+        assert isinstance(record["validation_loss"], float)
