@@ -135,3 +135,29 @@ def test_the_cli_samples_every_checkpoint_and_the_last(world, tmp_path):
         assert read_video(folder / "0.mp4").shape == (4, 16, 16, 3)
         record = json.loads((folder / "videos.json").read_text())
         assert isinstance(record["validation_loss"], float)
+
+
+def test_a_wan_run_samples_its_checkpoints_and_refuses_a_split(tmp_path):
+    pytest.importorskip("diffusers")
+    from wan_fixtures import build_tiny_wan
+
+    model = build_tiny_wan(tmp_path / "wan", layers=2)
+    data = write_dataset(tmp_path / "world", 4, seed=0, frames=9, height=32, width=32)
+    prompt = ValidationPrompt("a red circle", seed=1, width=32, height=32, frames=5, steps=2)
+    spec = FinetuneSpec(
+        run=RunSpec(output=str(tmp_path / "run"), save_every=1),
+        schedule=ScheduleSpec(steps=1),
+        clips=ClipSpec(batch_size=2),
+        runtime=RuntimeSpec(offload="stream"),
+        validation=ValidationSpec(prompts=(prompt,)),
+    )
+    with open_trainer(model, data, spec) as t:
+        metrics = t.train_step()
+        (checkpoint,) = t.checkpoints()
+    assert "validation_loss" not in metrics and checkpoint["validation_loss"] is None
+    (video,) = checkpoint["validation"]
+    assert video["status"] == "succeeded", video["error"]
+    assert read_video(video["path"]).shape == (5, 32, 32, 3)
+    held_out = spec.replace(validation={"split": 1}, run={"output": str(tmp_path / "other")})
+    with pytest.raises(ValueError, match="validation.split"):
+        open_trainer(model, data, held_out)
