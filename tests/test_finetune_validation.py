@@ -161,3 +161,22 @@ def test_a_wan_run_samples_its_checkpoints_and_refuses_a_split(tmp_path):
     held_out = spec.replace(validation={"split": 1}, run={"output": str(tmp_path / "other")})
     with pytest.raises(ValueError, match="validation.split"):
         open_trainer(model, data, held_out)
+
+
+@pytest.mark.slow  # processes of its own
+def test_a_data_parallel_run_is_judged_by_its_first_rank(world, tmp_path):
+    from megaslide.engine.parallel.data_parallel import finetune_on_devices
+
+    prompt = ValidationPrompt("a red circle", seed=1, width=16, height=16, frames=4, steps=2)
+    spec = FinetuneSpec(
+        run=RunSpec(output=str(tmp_path), save_every=2, seed=3),
+        schedule=ScheduleSpec(steps=2),
+        clips=ClipSpec(frames=4, height=16, width=16, batch_size=2),
+        runtime=RuntimeSpec(offload="stream", devices=("cpu", "cpu")),
+        validation=ValidationSpec(prompts=(prompt,), split=2),
+    )
+    finetune_on_devices(TINY, world, spec, timeout_s=120, threads=1)
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [("validation_loss" in x) for x in lines] == [False, True]
+    folder = tmp_path / "validation" / "step-000002"
+    assert read_video(folder / "0.mp4").shape == (4, 16, 16, 3)
