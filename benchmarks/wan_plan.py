@@ -58,7 +58,9 @@ def main(argv=None) -> int:
             results.append({"model": model, "machine": machine_name, "mode": "infer", "plan": p})
         for model in ("wan2.1-t2v-14b", "wan2.2-t2v-a14b"):
             for name, machine in FINETUNE.items():
-                workload = Workload(mode="finetune", frames=81, height=480, width=832)
+                workload = Workload(
+                    mode="finetune", frames=81, height=480, width=832, expert="high"
+                )
                 p = plan(infos[model], machine, workload)
                 machine_name = f"{name} GPU, 1.5 TB RAM"
                 results.append(

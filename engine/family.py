@@ -114,6 +114,13 @@ class Family(ABC):
         """The opened model as the block-wise step trains it (`expert`: which denoiser of a
         multi-expert model)."""
 
+    def training_models(
+        self, info: ModelInfo, parts: dict[str, nn.Module], expert: str | None = None
+    ) -> dict[str, TrainingModel]:
+        """The models one run trains, by label: several experts of a multi-expert model, each on
+        the flow times it owns (training/experts.py), or the one `training_model` ("")."""
+        return {"": self.training_model(info, parts, expert)}
+
     @abstractmethod
     def training_data(
         self, info: ModelInfo, data: Path, run: Path, shape: TrainingShape

@@ -151,6 +151,9 @@ class Workload:
     grad_accum: int = 1  # fine-tuning: micro-batches per optimizer step
     optimizer_state: str = "fp32"  # fine-tuning: master and moments' format (state_format.py)
     optimizer_state_tier: str = "ram"  # fine-tuning: the optimizer's own state in RAM or on disk
+    # Fine-tuning a two-expert model (Wan2.2-A14B): "high" or "low" trains one, "both" (or None,
+    # as a run defaults) both in one run, each on the rows whose flow times it owns.
+    expert: str | None = None
     loras: int = 0  # inference: LoRA adapters registered (their factors live on the device)
     lora_rank: int = 0  # their rank, on every adaptable layer
     # Inference: fine-tunes of the model served as deltas over it (deltas.py), each holding
@@ -223,9 +226,11 @@ def plan(info: ModelInfo, machine: Machine = Machine(), w: Workload = Workload()
     A model is its denoiser (one or more experts of `blocks` blocks each; one expert runs per
     step), a text encoder (streamed block by block too when it has blocks, else resident), an
     image encoder when it has one (Wan2.1-I2V's CLIP: fp32, streamed like the text encoder) and a
-    VAE (resident, fp32). Fine-tuning trains the parameters the family names trainable (one
-    expert of a multi-expert model). The workload's placement is checked by the placement's
-    lasting rules (placement.py): what only today's code lacks is still accounted for.
+    VAE (resident, fp32). Fine-tuning trains the parameters the family names trainable (of a
+    two-expert model, both unless the workload names one: twice the masters and moments, a
+    slot ring each, and a step whose rows span both streams both). The workload's placement is
+    checked by the placement's lasting rules (placement.py): what only today's code lacks is
+    still accounted for.
     """
     if w.devices < 1:
         raise ValueError(f"devices must be at least 1, got {w.devices}")
@@ -270,6 +275,7 @@ def plan(info: ModelInfo, machine: Machine = Machine(), w: Workload = Workload()
         "per_block_parameters": z.n_block,
         "blocks": z.depth,
         "experts": z.counts["experts"],
+        **({"experts_trained": z.experts} if z.finetune else {}),
         "resident_blocks": z.resident,
         "streamed_blocks": z.streamed,
         "tokens": z.n_tok,
@@ -310,7 +316,8 @@ class _Sizes:
     n_params: int
     n_block: int  # parameters of one denoiser block
     depth: int
-    experts: int  # experts held (fine-tuning holds one)
+    experts: int  # experts held (fine-tuning: those it trains)
+    stepped: int  # experts a step runs: one in inference; in fine-tuning, those its rows may span
     wb: int  # bytes per streamed parameter: the compute dtype, or fine-tuning's fp32 master
     block_bytes: int
     coded_block_bytes: int  # a block as the host store keeps it and it crosses the bus
@@ -331,7 +338,7 @@ def _optimizer_state(w: Workload, z: _Sizes, machine: Machine) -> dict:
     """A fine-tune's optimizer state format, its host bytes per trained parameter (the master
     and m and v; gradient buffers apart) and what its update costs a step (`_optimizer_update`)."""
     fmt = StateFormat.parse(w.optimizer_state)
-    update = _optimizer_update(w, z.counts["trainable"], machine)
+    update = _optimizer_update(w, z.counts["trainable"] * z.stepped // z.experts, machine)
     return {
         "format": fmt.name,
         "tier": w.optimizer_state_tier,
@@ -375,10 +382,11 @@ def _state_file_bytes(w: Workload) -> float:
 
 
 def _state_disk_bytes(w: Workload, z: _Sizes) -> int:
-    """Bytes the optimizer's disk tier reads and writes a step: its whole state, each way once."""
+    """Bytes the optimizer's disk tier reads and writes a step: the whole state of the experts
+    that step, each way once."""
     if not z.finetune or w.optimizer_state_tier != "disk":
         return 0
-    return 2 * math.ceil(_state_file_bytes(w) * z.counts["trainable"])
+    return 2 * math.ceil(_state_file_bytes(w) * z.counts["trainable"] * z.stepped / z.experts)
 
 
 def _master_stream_bytes(w: Workload) -> int:
@@ -393,7 +401,10 @@ def _sizes(info: ModelInfo, w: Workload) -> _Sizes:
     counts = family(info.family).count_parameters(info)
     finetune = w.mode == "finetune"
     n_params, n_block, depth = counts["total"], counts["per_block"], counts["blocks"]
-    experts = 1 if finetune else counts["experts"]  # fine-tuning holds one expert's blocks
+    experts = counts["experts"]
+    if finetune:  # the experts it trains: each one's masters and moments, and a slot ring each
+        experts = experts if w.expert in (None, "both") else 1
+        counts = {**counts, "trainable": counts["trainable"] * experts}
     b = w.dtype_bytes
     # Inference streams compute-dtype weights; fine-tuning streams the masters themselves: fp32
     # ones cast to the compute dtype on the device (autocast), so no host copy in that dtype
@@ -442,6 +453,7 @@ def _sizes(info: ModelInfo, w: Workload) -> _Sizes:
         n_block=n_block,
         depth=depth,
         experts=experts,
+        stepped=min(experts, rows) if finetune else 1,
         wb=wb,
         block_bytes=block_bytes,
         coded_block_bytes=coded_block_bytes,
@@ -518,10 +530,11 @@ def _memory(info: ModelInfo, w: Workload, z: _Sizes) -> tuple[dict, dict]:
         # into a ring of the largest optimizer block's state (a denoiser block, or everything
         # outside the blocks, one optimizer block).
         per_param = _state_file_bytes(w)
-        largest = max(z.n_block, trainable - z.depth * z.n_block)
+        largest = max(z.n_block, trainable // z.experts - z.depth * z.n_block)
         host.update(
             master=math.ceil((fmt.master_bytes - (per_param - fmt.moment_bytes)) * trainable),
-            optimizer_state_ring=STATE_RING_DEPTH * math.ceil(per_param * largest),
+            # A ring for each expert's optimizer.
+            optimizer_state_ring=z.experts * STATE_RING_DEPTH * math.ceil(per_param * largest),
         )
     else:
         host.update(
@@ -532,8 +545,8 @@ def _memory(info: ModelInfo, w: Workload, z: _Sizes) -> tuple[dict, dict]:
         )
     host.update(
         frozen_weights=(z.n_params - trainable) * b,  # the frozen text encoder, VAE, experts
-        # One block's fp32 gradients on their way to the optimizer.
-        pinned_gradients=z.n_block * 4,
+        # One block's fp32 gradients on their way to the optimizer (each expert's step its own).
+        pinned_gradients=z.experts * z.n_block * 4,
         # Accumulating micro-batches, or clipping by the global norm, holds every gradient.
         grad_accumulation=grad_buffer_bytes(
             trainable,
@@ -607,12 +620,16 @@ def _step_time(info: ModelInfo, w: Workload, z: _Sizes, machine: Machine, host: 
         compute_s = 4 * fwd_flops / (machine.tflops * 1e12) + comm_s
         offloaded = host.get("boundary_activations", 0)  # down in the forward, up in the backward
         # Every block crosses in the forward and again in the backward, except those still in their
-        # slots when the backward turns around.
-        h2d_bytes = (2 * z.streamed - min(w.prefetch, z.streamed)) * z.block_bytes + offloaded
-        d2h_bytes = z.depth * z.n_block * 4 + offloaded  # every block's fp32 gradients
+        # slots when the backward turns around. Training two experts, a step whose rows span both
+        # runs both (planned as the worst case: a batch of several rows holds rows of both).
+        h2d_bytes = z.stepped * (2 * z.streamed - min(w.prefetch, z.streamed)) * z.block_bytes
+        h2d_bytes += offloaded
+        d2h_bytes = z.stepped * z.depth * z.n_block * 4 + offloaded  # every block's fp32 gradients
         transfer_s = h2d_bytes / (machine.h2d_gbps * GB) + d2h_bytes / (machine.d2h_gbps * GB)
-        # The format's bytes through host memory, or the 8-bit codecs' compute.
-        optimizer_s = _optimizer_update(w, z.counts["trainable"], machine)["seconds"]
+        # The format's bytes through host memory, or the 8-bit codecs' compute: of the experts
+        # that step.
+        stepped = z.counts["trainable"] * z.stepped // z.experts
+        optimizer_s = _optimizer_update(w, stepped, machine)["seconds"]
     return {
         "bounds": {"compute": compute_s, "transfer": transfer_s, "optimizer": optimizer_s},
         "decode": decode_s,
@@ -635,6 +652,8 @@ def _problems(
             family(info.family).check_parallel(info, *shape, z.sp)
         except ValueError as e:
             problems.append(str(e))
+    if z.finetune and z.experts > 1 and z.dp > 1:
+        problems.append("both experts train in one process: name one expert to train over devices")
     if z.dp > 1 and w.batch % z.dp:
         problems.append(f"batch {w.batch} does not split over {z.dp} devices: a multiple of it")
     device_limit = machine.gpu_mem * (1 - machine.reserve)

@@ -486,8 +486,10 @@ class Hyperparameters(Request):
         description="in buckets, a clip's most tokens (default: those of one num_frames x size "
         "clip)",
     )
-    expert: Literal["high", "low"] | None = Field(
-        None, description="a two-expert base (Wan2.2-A14B): which expert trains"
+    expert: Literal["high", "low", "both"] | None = Field(
+        None,
+        description="a two-expert base (Wan2.2-A14B): which expert trains, the high- or "
+        "low-noise one, or both in one job, each on its own noise levels (the default)",
     )
     optimizer_state: str = Field(
         "auto",
@@ -629,6 +631,8 @@ def finetune_object(job: FineTuneRecord) -> FineTuningJob:
     for asked in ("buckets", "token_budget"):  # shown when asked for
         if hyper.get(asked) is not None:
             public[asked] = hyper[asked]
+    if hyper.get("expert") is not None:  # a two-expert base: which trains (high, low or both)
+        public["expert"] = hyper["expert"]
     if hyper.get("validation_split"):
         public["validation_split"] = hyper["validation_split"]
     error = (

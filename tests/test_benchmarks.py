@@ -264,3 +264,17 @@ def test_deltas_benchmark_quick():
     assert 0 < held["ratio"] < 1
     assert r["throughput"]["mixed_batch_rows_per_s"] > 0
     assert r["first_video"]["first_registration"]["register_s"] > 0
+
+
+def test_samplers_benchmark_quick():
+    r = run_json(
+        "benchmarks/samplers.py", "--count", "2", "--steps", "4", "--threads", "1", "--json"
+    )
+    by = {s["name"]: s for s in r["settings"]}
+    reference = by["scheduler"]
+    assert reference["row_passes_per_clip"] == 8 and reference["psnr_db"] == 100
+    # Guided on the first half of 4 steps: two of them run one row.
+    half = by["guidance 0-0.5"]
+    assert half["row_passes_per_clip"] == 6 and half["row_pass_saving"] == 0.25
+    assert half["meets_goal"] in (True, False) and "adherence_drop_points" in half
+    assert by["euler 4 steps"]["passes_per_clip"] == 4 and by["consistency"]["psnr_db"] < 100

@@ -145,6 +145,31 @@ def test_gradients_handed_over_a_block_late_train_the_same_weights(tmp_path):
     assert all(torch.equal(masters[0][k], masters[1][k]) for k in masters[0])
 
 
+def test_accumulated_micro_batches_average_their_gradients(tmp_path):
+    """Two micro-batches alike under `grad_accum=2` are one step on one of them: the optimizer
+    sees the mean of the micro-batches' gradients (not that over `grad_accum` again), so
+    clipping reads the same norm and the weights come out bitwise the same."""
+    config = PRESETS["tiny"]
+    dit = VideoDiT(config.model)
+    randomise_zero_inits(dit)
+    save_model(tmp_path / "m", dit, BuiltinTextEncoder(config.model.text), config.sampling)
+    info = describe(resolve_source(tmp_path / "m"))
+    x0 = torch.randn(2, 3, 2, 16, 16, generator=torch.Generator().manual_seed(1))
+    masters, norms = [], []
+    for k in (1, 2):
+        optimizer = OptimizerSpec(lr=1e-3, max_grad_norm=1e-3, grad_accum=k)  # always clipped
+        parts, handles = open_model(info, dtype=torch.float32, offload="stream")
+        model = DiTTrainingModel(parts["dit"].train(), parts["text_encoder"].train())
+        step = BlockwiseStep(model, "cpu", StepConfig(optimizer, offload="stream"), handles["dit"])
+        for _ in range(k):  # the same times and noise each micro-batch
+            step.micro_step(x0, PROMPTS, torch.Generator().manual_seed(0))
+        norms.append(step.optimizer.last_grad_norm)
+        masters.append({n: v.clone() for n, v in master_state_dicts(step)["dit"].items()})
+        step.close()
+    assert norms[0] == pytest.approx(norms[1], rel=1e-6) and norms[0] > 1e-3
+    assert all(torch.equal(masters[0][n], masters[1][n]) for n in masters[0])
+
+
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     return write_dataset(

@@ -137,11 +137,12 @@ def test_the_cli_samples_every_checkpoint_and_the_last(world, tmp_path):
         assert isinstance(record["validation_loss"], float)
 
 
-def test_a_wan_run_samples_its_checkpoints_and_refuses_a_split(tmp_path):
+@pytest.mark.parametrize("experts", [1, 2])  # two: both trained in the run, both sampled
+def test_a_wan_run_samples_its_checkpoints_and_refuses_a_split(tmp_path, experts):
     pytest.importorskip("diffusers")
     from wan_fixtures import build_tiny_wan
 
-    model = build_tiny_wan(tmp_path / "wan", layers=2)
+    model = build_tiny_wan(tmp_path / "wan", layers=2, experts=experts)
     data = write_dataset(tmp_path / "world", 4, seed=0, frames=9, height=32, width=32)
     prompt = ValidationPrompt("a red circle", seed=1, width=32, height=32, frames=5, steps=2)
     spec = FinetuneSpec(

@@ -1,6 +1,7 @@
 """The planner's accounting: each figure follows from the config and the machine."""
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -238,3 +239,30 @@ def test_fine_tunes_kept_as_deltas_cost_their_delta_bytes_in_host_ram():
     assert 10 * DELTA_RATIO * 0.8 * blocks < added < 10 * DELTA_RATIO * blocks
     with pytest.raises(ValueError, match="fine_tunes must be at least 0"):
         plan(info, Machine(), Workload(fine_tunes=-1))
+
+
+def test_fine_tuning_both_experts_holds_both_and_steps_those_its_rows_span(tmp_path):
+    """A two-expert Wan (Wan2.2-A14B's shapes) trains both experts unless one is named: twice the
+    masters and moments in host RAM; a step of one row runs one expert, of several both."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "wan_shapes.py"
+    spec = importlib.util.spec_from_file_location("wan_shapes", path)
+    shapes = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(shapes)
+    info = describe(resolve_source(shapes.write("wan2.2-t2v-a14b", tmp_path / "a14b")))
+    machine = Machine(host_mem=1.5e12)
+    one, both, both4 = (
+        plan(info, machine, Workload(mode="finetune", batch=batch, expert=expert))
+        for expert, batch in (("high", 1), (None, 1), ("both", 4))
+    )
+    assert one["experts_trained"] == 1 and both["experts_trained"] == 2
+    assert both["trainable_parameters"] == 2 * one["trainable_parameters"]
+    for part in ("master", "adam_moments"):
+        assert both["host"][part] == 2 * one["host"][part]
+    assert both["device"]["slots"] > one["device"]["slots"]
+    assert both["bytes_per_step"]["h2d"] == one["bytes_per_step"]["h2d"]  # one row: one expert
+    assert both4["bytes_per_step"]["h2d"] == 2 * one["bytes_per_step"]["h2d"]
+    assert both4["time_s"]["optimizer"] == 2 * one["time_s"]["optimizer"]
+    split = plan(info, machine, Workload(mode="finetune", batch=2, devices=2))
+    assert any("name one expert" in p for p in split["problems"])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -24,6 +25,7 @@ from megaslide.engine.sampling.flow import sample_training_times
 from megaslide.engine.sources import describe, resolve_source
 from megaslide.engine.streaming.host_store import SafetensorsFile
 from megaslide.engine.training.blockwise import BlockwiseStep, StepConfig, master_state_dicts
+from megaslide.engine.training.experts import ExpertSteps
 from megaslide.engine.training.finetune import open_trainer
 from megaslide.engine.training.finetune_spec import (
     ClipSpec,
@@ -33,6 +35,7 @@ from megaslide.engine.training.finetune_spec import (
     RuntimeSpec,
     ScheduleSpec,
 )
+from megaslide.engine.wan.family import WanFamily
 from megaslide.engine.wan.training import WanTrainingModel
 
 from mixed_clips import write_mixed_clips
@@ -52,12 +55,12 @@ def wan(tmp_path_factory):
     }
 
 
-def config(output, steps=4, save_every=2, expert=None) -> FinetuneSpec:
+def config(output, steps=4, save_every=2, expert=None, times="logit-normal") -> FinetuneSpec:
     return FinetuneSpec(
         run=RunSpec(output=str(output), save_every=save_every, expert=expert),
         schedule=ScheduleSpec(steps=steps),
         optimizer=OptimizerSpec(lr=1e-3),
-        clips=ClipSpec(batch_size=2),
+        clips=ClipSpec(batch_size=2, time_sampling=times),
         runtime=RuntimeSpec(offload="stream"),
     )
 
@@ -159,10 +162,164 @@ def test_loss_falls_export_is_diffusers_and_generates_alike(wan, tmp_path):
     assert (tmp_path / "run" / "cache" / "manifest.json").stat().st_mtime_ns == before
 
 
+@pytest.fixture(scope="module")
+def encoded(wan, tmp_path_factory):
+    """The tiny two-expert Wan's encoded dataset, made once: each run below starts with a copy
+    (the same data and model: the run reuses it)."""
+    run = tmp_path_factory.mktemp("encoded")
+    with open_trainer(wan["experts"], wan["world"], config(run, steps=1)):
+        pass
+    return run / "cache"
+
+
+def base_weights(model: Path) -> dict[str, torch.Tensor]:
+    """`{"<component>.<tensor>": tensor}` of both experts as a model directory holds them."""
+    out = {}
+    for name in ("transformer", "transformer_2"):
+        weights = SafetensorsFile(model / name / "diffusion_pytorch_model.safetensors")
+        out |= {f"{name}.{k}": weights[k] for k in weights}
+    return out
+
+
+def trained_weights(t) -> dict[str, torch.Tensor]:
+    states = t.blockwise.state_dicts(values=True)
+    return {f"{m}.{k}": v.clone() for m, sd in states.items() for k, v in sd.items()}
+
+
+def moved(before: dict, after: dict, component: str) -> bool:
+    return any(
+        not torch.equal(before[k], after[k]) for k in before if k.startswith(component + ".")
+    )
+
+
+def test_both_experts_train_only_on_their_own_times(wan, encoded, tmp_path):
+    """Both experts by default; times that all lie above the boundary ("prior": [0.99, 1)) move
+    the high-noise expert only, and the metrics name each expert's loss."""
+    shutil.copytree(encoded, tmp_path / "a" / "cache")
+    with open_trainer(wan["experts"], wan["world"], config(tmp_path / "a", times="prior")) as t:
+        assert set(t.blockwise.steps) == {"high", "low"}
+        metrics = [t.train_step() for _ in range(2)]
+        after = trained_weights(t)
+    before = base_weights(wan["experts"])
+    assert moved(before, after, "transformer")
+    assert not moved(before, after, "transformer_2")
+    assert all(m["loss_low"] is None and m["loss_high"] == m["loss"] for m in metrics)
+
+
+def test_each_expert_trains_its_rows_as_alone(wan):
+    """A batch with rows of both experts: each expert's step equals a one-expert step on its
+    rows with their draws, bitwise (the split sends each row, time and noise to its owner)."""
+    info = describe(resolve_source(wan["experts"]))
+    family = WanFamily()
+
+    def steps(expert):
+        parts, handles = open_model(
+            info, dtype=torch.float32, offload="stream", only={"transformer", "transformer_2"}
+        )
+        models = family.training_models(info, parts, expert)
+        config = StepConfig(OptimizerSpec(lr=1e-3), offload="stream")
+        return {
+            k: BlockwiseStep(m, "cpu", config, handles[m.blocks_owner]) for k, m in models.items()
+        }
+
+    g = torch.Generator().manual_seed(0)
+    x0, emb = torch.randn(6, 4, 3, 4, 4, generator=g), torch.randn(6, 512, 32, generator=g)
+    both = ExpertSteps(steps("both"), "uniform")
+    out = both.micro_step(x0, emb, torch.Generator().manual_seed(5))
+    draws = torch.Generator().manual_seed(5)
+    t = sample_training_times(6, draws, "uniform")
+    noise = torch.randn(x0.shape, generator=draws)
+    for label, owned in (("high", t >= 0.9), ("low", t < 0.9)):
+        rows = owned.nonzero()[:, 0]
+        assert len(rows) > 0  # the draws give each expert rows
+        (alone,) = steps(label).values()
+        got = alone.micro_step(x0[rows], emb[rows], None, drawn=(t[rows], noise[rows]))
+        assert got["loss"] == out[f"loss_{label}"]
+        ours, theirs = both.steps[label].state_dicts(), alone.state_dicts()
+        assert all(torch.equal(ours[m][k], theirs[m][k]) for m in theirs for k in theirs[m])
+        alone.close()
+    both.close()
+
+
+def test_command_line_trains_both_experts_and_writes_each_ones_stats(wan, encoded, tmp_path):
+    from megaslide.cli.main import main
+
+    out = tmp_path / "run"
+    shutil.copytree(encoded, out / "cache")
+    args = ["finetune", "--model", str(wan["experts"]), "--data", str(wan["world"])]
+    args += ["--output", str(out), "--steps", "1", "--batch-size", "2", "--offload", "stream"]
+    args += ["--time-sampling", "uniform", "--no-progress", "--stats", str(tmp_path / "s.json")]
+    assert main([*args, "--trace", str(tmp_path / "trace.json")]) == 0
+    stats = json.loads((tmp_path / "s.json").read_text())
+    assert set(stats) == {"high", "low"}
+    assert (tmp_path / "trace-high.json").is_file() and (tmp_path / "trace-low.json").is_file()
+    metrics = json.loads((out / "metrics.jsonl").read_text())
+    assert {"loss_high", "loss_low"} <= set(metrics)
+
+
+def test_one_transformer_refuses_both_experts(wan):
+    info = describe(resolve_source(wan["one"]))
+    with pytest.raises(ValueError, match="one transformer: expert 'both' does not apply"):
+        WanFamily().training_components(info, "both")
+
+
+def test_both_experts_resume_exactly_and_export_a_two_expert_pipeline(wan, encoded, tmp_path):
+    """Uniform times over a tiny two-expert Wan, two micro-batches a step, clipped: rows of both
+    experts come up, in one micro-batch of a step or both. A run abandoned after step 3 and
+    resumed from its step-2 checkpoint ends with the uninterrupted run's weights, bitwise; the
+    export holds both trained experts, loads in diffusers' WanPipeline and samples in ours; its
+    delta covers both."""
+
+    def run(output, steps=3):
+        resume = output.exists()
+        if not resume:
+            shutil.copytree(encoded, output / "cache")
+        spec = config(output, steps=steps, times="uniform")
+        spec = spec.replace(optimizer={"grad_accum": 2, "max_grad_norm": 1.0})
+        return open_trainer(wan["experts"], wan["world"], spec, resume=resume)
+
+    with run(tmp_path / "a") as t:
+        metrics = [t.train_step() for _ in range(3)]
+        uninterrupted = trained_weights(t)
+        path = t.export()
+    assert any(m["loss_high"] is not None for m in metrics)
+    assert any(m["loss_low"] is not None for m in metrics)
+    before = base_weights(wan["experts"])
+    assert moved(before, uninterrupted, "transformer")
+    assert moved(before, uninterrupted, "transformer_2")
+    t = run(tmp_path / "b")
+    for _ in range(3):
+        t.train_step()
+    t.loader.close()
+    high = config(tmp_path / "b", steps=3, expert="high")
+    with pytest.raises(ValueError, match="trained expert both, the run asks for high"):
+        open_trainer(wan["experts"], wan["world"], high, resume=True)
+    with run(tmp_path / "b") as resumed:
+        assert resumed.step == 2
+        resumed.run()
+        after = trained_weights(resumed)
+    assert after.keys() == uninterrupted.keys()
+    assert all(torch.equal(after[k], uninterrupted[k]) for k in after)
+
+    exported = base_weights(path)
+    assert all(torch.equal(exported[k], uninterrupted[k]) for k in exported)
+    delta = json.loads((path / "delta" / "bfloat16" / "delta.json").read_text())
+    assert set(delta["changed"]) == {"transformer", "transformer_2"}
+    # diffusers' WanPipeline loads both trained experts (tests/test_wan.py: it samples as ours).
+    reference = diffusers.WanPipeline.from_pretrained(path)
+    for name in ("transformer", "transformer_2"):
+        state = getattr(reference, name).state_dict()
+        assert all(torch.equal(state[k], uninterrupted[f"{name}.{k}"]) for k in state)
+    frames = open_pipeline(path).generate(
+        VideoRequest("a red circle", height=32, width=32, frames=9, steps=3, seed=2)
+    )
+    assert frames.shape == (9, 32, 32, 3)
+
+
 @pytest.mark.slow  # tens of seconds: the developer loop leaves it out
 def test_two_experts_train_one_at_a_time(wan, tmp_path):
-    with pytest.raises(ValueError, match="choose --expert high or low"):
-        open_trainer(wan["experts"], wan["world"], config(tmp_path / "a"))
+    with pytest.raises(ValueError, match="must be one of"):
+        open_trainer(wan["experts"], wan["world"], config(tmp_path / "a", expert="middle"))
     with open_trainer(wan["experts"], wan["world"], config(tmp_path / "b", expert="low")) as t:
         assert set(t.blockwise.model.modules) == {"transformer_2"}
         assert t.blockwise.model.time_range == (0.0, 0.9)
@@ -274,6 +431,9 @@ def test_a_bf16_master_trains_resumes_and_exports(wan, tmp_path):
     for _ in range(3):
         t.train_step()
     t.loader.close()
+    high = config(tmp_path / "b", steps=3, expert="high")
+    with pytest.raises(ValueError, match="trained expert both, the run asks for high"):
+        open_trainer(wan["experts"], wan["world"], high, resume=True)
     with run(tmp_path / "b") as resumed:
         assert resumed.step == 2
         resumed.run()

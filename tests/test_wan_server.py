@@ -138,14 +138,17 @@ def test_a_fine_tuning_job_on_a_wan_base_is_served_at_once(app, tmp_path):
             time.sleep(0.05)
         assert c.get(file_url).json()["status"] == "processed", c.get(file_url).text
         body = {"model": "wan-t2v", "training_file": uploaded.json()["id"]}
-        refused = c.post("/v1/fine_tuning/jobs", json=body)  # two experts: which one?
+        refused = c.post(  # one transformer: no experts to choose from
+            "/v1/fine_tuning/jobs",
+            json={**body, "model": "wan-ti2v", "hyperparameters": {"expert": "both"}},
+        )
         assert refused.status_code == 400
         assert refused.json()["error"]["param"] == "hyperparameters.expert"
-        job = c.post(
-            "/v1/fine_tuning/jobs",
-            json={**body, "hyperparameters": {"expert": "low", "batch_size": 2}},
-        )
+        assert "has one denoiser" in refused.json()["error"]["message"]
+        # Two experts: both train in one job unless one is named.
+        job = c.post("/v1/fine_tuning/jobs", json={**body, "hyperparameters": {"batch_size": 2}})
         assert job.status_code == 200, job.text
+        assert job.json()["hyperparameters"]["expert"] == "both"
         deadline = time.monotonic() + 120
         job_url = f"/v1/fine_tuning/jobs/{job.json()['id']}"
         while (status := c.get(job_url).json())["status"] not in (

@@ -562,6 +562,12 @@ def _add_plan_training_args(p) -> None:
     _add_optimizer_state_arg(p)
     p.add_argument("--grad-accum", type=int, default=1, help="fine-tuning micro-batches per step")
     p.add_argument(
+        "--expert",
+        choices=("high", "low", "both"),
+        help="fine-tuning a two-expert model (Wan2.2-A14B): one expert, or both in one run "
+        "(default: both)",
+    )
+    p.add_argument(
         "--dtype-bytes",
         type=int,
         default=2,
@@ -642,6 +648,7 @@ def run_plan(args) -> int:
         dtype_bytes=args.dtype_bytes,
         max_grad_norm=args.max_grad_norm,
         grad_accum=args.grad_accum,
+        expert=args.expert,
         optimizer_state=args.optimizer_state or OptimizerSpec.state,
         optimizer_state_tier=args.optimizer_state_tier or OptimizerSpec.state_tier,
         loras=args.loras,
@@ -793,8 +800,9 @@ def _add_finetune_placement_args(p) -> None:
     )
     p.add_argument(
         "--expert",
-        choices=("high", "low"),
-        help="which expert of a two-expert model (Wan2.2-A14B) to train: high or low noise",
+        choices=("high", "low", "both"),
+        help="which expert of a two-expert model (Wan2.2-A14B) to train: high or low noise, or "
+        "both in one run, each on its own noise levels (default: both)",
     )
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument(
@@ -942,11 +950,7 @@ def run_finetune(args) -> int:
         if last is not None and trainer.step % args.save_every:
             # The end of the run is always a checkpoint, judged like the others.
             trainer.validate(trainer.save_checkpoint(), trainer.validation_loss())
-        handle = trainer.blockwise.handle
-        if args.stats and handle is not None:
-            Path(args.stats).write_text(json.dumps(handle.stats(), indent=2) + "\n")
-        if args.trace and handle is not None:
-            handle.write_trace(args.trace)
+        _write_stream_stats(trainer.blockwise.stream_handles, args.stats, args.trace)
         path = trainer.export()
         if trainer.step < trainer.total_steps:
             print(
@@ -955,6 +959,22 @@ def run_finetune(args) -> int:
             )
     print(f"fine-tuned model written to {path}", file=sys.stderr)
     return 0
+
+
+def _write_stream_stats(handles: dict, stats: str | None, trace: str | None) -> None:
+    """`--stats` and `--trace` of a run's streamed blocks: the stats of each expert trained by
+    its label ("high": {...}) and a trace each beside `--trace` (`trace-high.json`), or the one
+    model's as they are."""
+    if stats and handles:
+        one = "" in handles
+        out = handles[""].stats() if one else {k: h.stats() for k, h in handles.items()}
+        Path(stats).write_text(json.dumps(out, indent=2) + "\n")
+    if trace:
+        path = Path(trace)
+        for label, handle in handles.items():
+            handle.write_trace(
+                path.with_name(f"{path.stem}-{label}{path.suffix}") if label else path
+            )
 
 
 def run_finetune_on_devices(args) -> int:

@@ -201,6 +201,7 @@ def _hyperparameters(args) -> dict:
         "buckets": getattr(args, "buckets", None),
         "token_budget": getattr(args, "token_budget", None),
         "optimizer_state": getattr(args, "optimizer_state", None),
+        "expert": getattr(args, "expert", None),
         "validation_split": getattr(args, "validation_split", None) or None,
     }
     return {k: v for k, v in hp.items() if v is not None}
@@ -247,7 +248,7 @@ def finetune_remote(args) -> int:
 
     Reads from `args`: data, server, api_key, and when present model / preset (the base model;
     default: the server's first), epochs (whole), batch_size, lr (sent as a multiple of 1e-4),
-    frames, size, seed, suffix, no_progress. Options of a local run (--output, --steps,
+    frames, size, expert, seed, suffix, no_progress. Options of a local run (--output, --steps,
     --resume, ...) are refused by name. Prints the fine-tuned model's name on stdout when the
     job succeeds. Ctrl-C detaches: the job keeps running on the server.
     """

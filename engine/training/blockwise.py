@@ -34,6 +34,7 @@ backward computes, and whose masters are one copy in shared memory that rank 0 a
 from __future__ import annotations
 
 import contextlib
+import itertools
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -180,23 +181,36 @@ class BlockwiseStep:
     def h2d_bytes(self) -> int:
         return self.handle.h2d_bytes if self.handle is not None else 0
 
+    @property
+    def stream_handles(self) -> dict[str, StreamHandle]:
+        """The streamer's handle of the blocks, when streamed ("": the one model's)."""
+        return {"": self.handle} if self.handle is not None else {}
+
     def autocast(self):
         if self.config.autocast is None:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.config.autocast)
 
-    def micro_step(self, x0: torch.Tensor, condition: Any, generator: torch.Generator) -> dict:
+    def micro_step(
+        self,
+        x0: torch.Tensor,
+        condition: Any,
+        generator: torch.Generator | None,
+        *,
+        drawn: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> dict:
         """Forward and backward of one micro-batch; the optimizer steps after `grad_accum` of them.
 
         `x0` `(B, C, F, H, W)` clean clips as the model takes them (pixels, or VAE latents);
         `condition` what the model's prologue conditions on (prompts, or text embeddings); noise
         and flow times come from `generator`, the times mapped into the model's `time_range`.
         In a group of several, `x0` and `condition` are this process's rows (`group.rows`); the
-        draws are the whole batch's.
+        draws are the whole batch's. `drawn`: the rows' flow times `(B,)` and noise, drawn by the
+        caller instead (experts.py: each expert trains the rows whose times it owns).
         """
         start = time.perf_counter()
         model = self.model
-        x_t, t, target = self._noised(x0, generator)
+        x_t, t, target = self._noised(x0, generator) if drawn is None else self._placed(x0, *drawn)
         last = self.micro + 1 == self.config.optimizer.grad_accum
 
         # 1. Prologue with autograd; blocks without, keeping each block's input.
@@ -211,7 +225,8 @@ class BlockwiseStep:
         with self.autocast():
             v = model.epilogue(x, leaves, static)  # (B, C, F, H, W)
             loss = torch.nn.functional.mse_loss(v.float(), target.float())
-        (loss / self.config.optimizer.grad_accum).backward()
+        # Each micro-batch's own gradient: the optimizer sums them and divides by grad_accum.
+        loss.backward()
 
         # 3. Blocks in reverse: recompute, backpropagate, hand gradients to the CPU optimizer.
         outbox = _Outbox(self, last)
@@ -223,7 +238,7 @@ class BlockwiseStep:
         # One host read per micro-step for the metrics; the values are needed on the host anyway.
         return {
             "loss": loss.item(),
-            "grad_norm": outbox.sq_norm.sqrt().item() * self.config.optimizer.grad_accum,
+            "grad_norm": outbox.sq_norm.sqrt().item(),  # this micro-batch's gradient
             "step_time_s": time.perf_counter() - start,
             "stepped": last,
         }
@@ -254,9 +269,11 @@ class BlockwiseStep:
         if (lo, hi) != (0.0, 1.0):
             t = lo + (hi - lo) * t
         noise = torch.randn((B, *x0.shape[1:]), generator=generator)  # (B, C, F, H, W)
-        if not whole:
-            rows = self.group.rows(B)
-            t, noise = t[rows], noise[rows]  # this process's rows: (B / world, ...)
+        rows = slice(None) if whole else self.group.rows(B)
+        return self._placed(x0, t[rows], noise[rows])  # this process's rows: (B / world, ...)
+
+    def _placed(self, x0: torch.Tensor, t: torch.Tensor, noise: torch.Tensor):
+        """`x_t`, `t` and the velocity target on this device, for clips `x0` drawn `t`, `noise`."""
         x0, noise, t = x0.to(self.device), noise.to(self.device), t.to(self.device)
         x_t = noisy_sample(x0, noise, t)  # (B, C, F, H, W)
         return x_t, t, velocity_target(x0, noise)
@@ -278,9 +295,7 @@ class BlockwiseStep:
         gradients to `outbox` (the group's `in_flight` latest may still be on their way). The
         gradient at the first block's input."""
         model, io, blocks = self.model, self.blocks_io, self.model.blocks
-        weight = torch.tensor(
-            self.config.aux_loss_weight / self.config.optimizer.grad_accum, device=self.device
-        )
+        weight = torch.tensor(self.config.aux_loss_weight, device=self.device)
         with io.manual(order="reverse"):
             for i in reversed(range(len(blocks))):
                 io.load(i)
@@ -342,6 +357,46 @@ class BlockwiseStep:
     @property
     def d2h_bytes(self) -> int:
         return self.drain.bytes
+
+    def skip_micro_steps(self, count: int) -> None:
+        """`count` micro-steps of this optimizer step in which the model had no rows (experts.py:
+        no time of the micro-batch was this expert's): zero gradients join the accumulation, as
+        a micro-batch whose loss does not depend on the model would give. When that completes the
+        optimizer step, the step ends as `micro_step`'s last would."""
+        if count < 1:
+            return
+        if self.micro + count > self.config.optimizer.grad_accum:
+            raise RuntimeError(
+                f"{self.micro} + {count} micro-steps exceed grad_accum "
+                f"{self.config.optimizer.grad_accum}"
+            )
+        largest = max(sum(t.numel() for t in named.values()) for named in self.masters.values())
+        zero = torch.zeros(largest)
+        for block_id in self.update_order:
+            named = self.masters[block_id]
+            offsets = [0, *itertools.accumulate(t.numel() for t in named.values())]
+            zeros = {
+                n: zero[a : a + t.numel()].view(t.shape)
+                for (n, t), a in zip(named.items(), offsets)
+            }
+            for _ in range(count):
+                self.optimizer.accumulate(block_id, zeros)
+        self.micro += count
+        if self.micro < self.config.optimizer.grad_accum:
+            return
+        for block_id in self.update_order:
+            if self.handle is not None and block_id != NON_BLOCK:
+                # Tells the streamer that the block's host copy is about to change, so a stale
+                # slot copy is never reused (as the backward does before each block's update).
+                self.handle.host_tensors(block_id)
+            self.optimizer.step_block(block_id)
+        self.group.end_step()
+        self._publish()
+        self.micro = 0
+
+    def state_dicts(self, *, values: bool = False) -> dict[str, dict[str, torch.Tensor]]:
+        """`master_state_dicts` of this step: every trained module's state by module name."""
+        return master_state_dicts(self, values=values)
 
     def _update(self, block_id, grads: dict[str, torch.Tensor], landed, last: bool) -> None:
         # The optimizer reads the pinned buffers the D2H copy is filling: wait for that copy

@@ -16,6 +16,8 @@ streams decoded clips from a background loader, runs
     <output>/validation/step-000050/   with `spec.validation.prompts`: the videos sampled from
                           that checkpoint (validation.py)
     <output>/model/       the final export (`export()`), in the same servable format
+                          (several experts trained in one run, experts.py: model/ holds them
+                          all and optimizer.pt each one's state)
     <output>/optimizer-state/   with `optimizer.state_tier="disk"`: the optimizer's working
                           state files (optim_disk.py); optimizer.pt holds their copy, so a
                           killed run's half-written files are simply overwritten on resume
@@ -48,7 +50,8 @@ from ..family import TrainingShape, family
 from ..interfaces import TrainingRun
 from ..loader import as_source, open_model
 from ..sources import ModelInfo, ModelSource, describe
-from .blockwise import BlockwiseStep, StepConfig, master_dtype, master_state_dicts
+from .blockwise import BlockwiseStep, StepConfig, master_dtype
+from .experts import ExpertSteps
 from .finetune_spec import FinetuneSpec
 from .group import OneProcess, TrainingGroup
 from .validation import (
@@ -75,6 +78,10 @@ def learning_rate(spec: FinetuneSpec, step: int, total_steps: int) -> float:
     decay = max(1, total_steps - schedule.warmup_steps)
     progress = min(1.0, (step - schedule.warmup_steps) / decay)
     return lr * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
 
 
 def list_checkpoints(output: str | os.PathLike) -> list[dict]:
@@ -125,6 +132,13 @@ def trained_model(
         raise ValueError(
             f"{latest} holds optimizer state {state!r}, the run asks for "
             f"{spec.optimizer.state!r}: resume with the format it was trained in"
+        )
+    # Its optimizer state is that of the experts it trained (None and "both": the same ones).
+    expert = saved.get("run", {}).get("expert")
+    if (expert or "both") != (spec.run.expert or "both"):
+        raise ValueError(
+            f"{latest} trained expert {expert or 'both'}, the run asks for "
+            f"{spec.run.expert or 'both'}: resume with the experts it was trained with"
         )
     base = describe(source, **overrides)
     source = ModelSource("directory", base.name, path=latest / "model")
@@ -226,10 +240,11 @@ class Trainer(TrainingRun):
             (self.output / METRICS).write_text("")  # a fresh run: no metrics from an earlier one
         self._metrics = open(self.output / METRICS, "a") if self.owner else None
 
-    def _open_step(self, info: ModelInfo) -> BlockwiseStep:
+    def _open_step(self, info: ModelInfo) -> BlockwiseStep | ExpertSteps:
         """The model `info` describes, opened in its masters' dtype where the placement says
         (from the group's shared master, in a group that shares one), and the blockwise step that
-        trains it. A bf16 master computes under bf16 autocast on every device."""
+        trains it (several experts: a step each, experts.py). A bf16 master computes under bf16
+        autocast on every device."""
         spec, runtime = self.spec, self.spec.runtime
         dtype = master_dtype(spec.optimizer)
         parts, handles = open_model(
@@ -242,7 +257,7 @@ class Trainer(TrainingRun):
         )
         for module in parts.values():
             module.train()
-        model = self.family.training_model(info, parts, spec.run.expert)
+        models = self.family.training_models(info, parts, spec.run.expert)
         cuda = torch.device(runtime.device).type == "cuda"
         optimizer = spec.optimizer
         if optimizer.state_tier == "disk" and optimizer.state_dir is None:
@@ -256,8 +271,18 @@ class Trainer(TrainingRun):
             time_sampling=spec.clips.time_sampling,
             seed=spec.run.seed,
         )
-        handle = handles.get(model.blocks_owner)
-        return BlockwiseStep(model, runtime.device, step_config, handle, self.group)
+
+        def step(label: str, model) -> BlockwiseStep:
+            config = step_config
+            if label and optimizer.state_dir is not None:  # an expert's state files: its own
+                expert = dataclasses.replace(optimizer, state_dir=f"{optimizer.state_dir}/{label}")
+                config = dataclasses.replace(step_config, optimizer=expert)
+            handle = handles.get(model.blocks_owner)
+            return BlockwiseStep(model, runtime.device, config, handle, self.group)
+
+        if len(models) == 1:
+            return step("", *models.values())
+        return ExpertSteps({k: step(k, m) for k, m in models.items()}, spec.clips.time_sampling)
 
     def clip_plan(self) -> str | None:
         return None if self.plan is None else self.plan.summary()
@@ -274,7 +299,7 @@ class Trainer(TrainingRun):
         """One optimizer step (`grad_accum` micro-batches); checkpoints every `save_every` steps."""
         start = time.perf_counter()
         h2d0, d2h0 = self.blockwise.h2d_bytes, self.blockwise.d2h_bytes
-        losses, norm = [], 0.0
+        losses, norm, experts = [], 0.0, {}
         lr = learning_rate(self.spec, self.step, self.total_steps)
         if self.blockwise.optimizer is not None:
             self.blockwise.optimizer.lr = lr
@@ -294,10 +319,14 @@ class Trainer(TrainingRun):
             out = self.blockwise.micro_step(self.data.x0(batch), condition, self.generator)
             losses.append(out["loss"])
             norm = out["grad_norm"]
+            for key in [k for k in out if k.startswith("loss_")]:  # several experts: each one's
+                experts.setdefault(key, []).append(out[key])
         self.step += 1
         metrics = {
             "step": self.step,
             "loss": sum(losses) / len(losses),
+            # Several experts: each one's loss over its rows (None: no row's time was its own).
+            **{k: _mean([x for x in v if x is not None]) for k, v in experts.items()},
             "lr": lr,
             "grad_norm": norm,
             "step_time_s": time.perf_counter() - start,
@@ -395,7 +424,7 @@ class Trainer(TrainingRun):
     def _save_model(self, path: Path, values: bool = False) -> None:
         """The masters as stored (a checkpoint: with optimizer.pt, exactly the run's state), or
         with `values` their fp32 values (an export)."""
-        states = master_state_dicts(self.blockwise, values=values)
+        states = self.blockwise.state_dicts(values=values)
         self.family.save_trained(self.info, states, path)
 
     def export(self, path: str | os.PathLike | None = None) -> Path:

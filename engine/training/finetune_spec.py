@@ -139,7 +139,9 @@ class RunSpec:
     seed: int = 0
     save_every: int = 50  # checkpoint every N optimizer steps (and at the end)
     attention: str | None = None  # train with this self-attention backend (default: the model's)
-    expert: str | None = None  # a two-expert model (Wan2.2-A14B): "high" or "low" noise
+    # A two-expert model (Wan2.2-A14B): "high" or "low" noise, or "both" (the default: each on
+    # its own flow times in one run, experts.py).
+    expert: str | None = None
 
 
 @dataclass(frozen=True)

@@ -152,13 +152,13 @@ class WanFamily(Family):
 
         return load_wan_adapter(name, path)
 
-    # -- fine-tuning: one expert trains; UMT5 and the VAE encode the data once, ahead ---------------
+    # -- fine-tuning: one expert or both train; UMT5 and the VAE encode the data once, ahead -------
 
     def training_components(self, info: ModelInfo, expert: str | None) -> set[str]:
-        from .training import expert_for
+        from .training import experts_for
 
         _check_trainable(info)
-        return {expert_for(info.config, expert)[0]}
+        return {name for name, _ in experts_for(info.config, expert).values()}
 
     def training_model(self, info, parts, expert=None):
         from .training import WanTrainingModel, expert_for
@@ -166,6 +166,15 @@ class WanFamily(Family):
         _check_trainable(info)
         name, time_range = expert_for(info.config, expert)
         return WanTrainingModel(name, parts[name], info.config, time_range)
+
+    def training_models(self, info, parts, expert=None):
+        from .training import WanTrainingModel, experts_for
+
+        _check_trainable(info)
+        return {
+            label: WanTrainingModel(name, parts[name], info.config, time_range)
+            for label, (name, time_range) in experts_for(info.config, expert).items()
+        }
 
     def training_data(self, info, data, run, shape):
         from .training import latent_cache

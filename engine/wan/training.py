@@ -76,22 +76,41 @@ class WanTrainingModel(TrainingModel):
         return forward.epilogue(self.transformer, h, carried["temb"], grid, self.config.patch)
 
 
-def expert_for(config: WanConfig, expert: str | None) -> tuple[str, tuple[float, float]]:
-    """The component a run trains and the flow times it trains on: the high-noise expert below
-    `boundary_ratio` of pure noise, the low-noise one the rest."""
+EXPERT_CHOICES = ("high", "low", "both")  # RunSpec.expert on a two-expert model
+
+
+def experts_for(
+    config: WanConfig, expert: str | None
+) -> dict[str, tuple[str, tuple[float, float]]]:
+    """The components a run trains and the flow times each trains on, by label: the high-noise
+    expert from `boundary_ratio` of pure noise up, the low-noise one below it, as Wan2.2 samples
+    and was trained. A two-expert model trains both unless one is named; a one-expert model
+    trains its transformer ("", every time) and takes no expert."""
     if len(config.experts) == 1:
         if expert is not None:
-            raise ValueError("this Wan model has one transformer: --expert does not apply")
-        return config.experts[0], (0.0, 1.0)
-    if expert not in ("high", "low"):
+            raise ValueError(
+                f"this Wan model has one transformer: expert {expert!r} does not apply (high, "
+                "low and both name the experts of a two-expert model, Wan2.2-A14B)"
+            )
+        return {"": (config.experts[0], (0.0, 1.0))}
+    if expert not in (None, *EXPERT_CHOICES):
         raise ValueError(
-            "this Wan model has two experts: choose --expert high or low (train both in two runs, "
-            "the second from the first's output)"
+            f"this Wan model has two experts: expert must be one of {EXPERT_CHOICES} "
+            f"(default both), got {expert!r}"
         )
     boundary = config.boundary_ratio
-    if expert == "high":
-        return EXPERTS[0], (boundary, 1.0)
-    return EXPERTS[1], (0.0, boundary)
+    experts = {"high": (EXPERTS[0], (boundary, 1.0)), "low": (EXPERTS[1], (0.0, boundary))}
+    if expert in (None, "both"):
+        return experts
+    return {expert: experts[expert]}
+
+
+def expert_for(config: WanConfig, expert: str | None) -> tuple[str, tuple[float, float]]:
+    """The one component a run trains and its flow times (`experts_for`, one expert named)."""
+    chosen = experts_for(config, expert)
+    if len(chosen) != 1:
+        raise ValueError("this Wan model has two experts: choose high or low to train one")
+    return next(iter(chosen.values()))
 
 
 # ------------------------------------------------------------------------------------------------

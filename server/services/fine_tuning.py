@@ -54,11 +54,14 @@ def resolve_hyperparameters(h: Hyperparameters, card: ModelCard, settings: Setti
     except RequestError as e:
         param = "hyperparameters.num_frames" if e.param == "num_frames" else e.param
         raise RequestError(f"training clips: {e}", param=param) from None
-    if (limits.experts > 1) != (h.expert is not None):
-        need = (
-            "choose which expert trains: high or low" if limits.experts > 1 else "has one denoiser"
+    if limits.experts == 1 and h.expert is not None:
+        raise RequestError(
+            f"model {card.name} has one denoiser: expert {h.expert!r} names an expert of a "
+            "two-expert model (Wan2.2-A14B)",
+            param="hyperparameters.expert",
         )
-        raise RequestError(f"model {card.name} {need}", param="hyperparameters.expert")
+    # A two-expert model trains both unless one is named: the job records which.
+    expert = (h.expert or "both") if limits.experts > 1 else None
     return {
         "n_epochs": settings.finetune_epochs if h.n_epochs == "auto" else h.n_epochs,
         "batch_size": 1 if h.batch_size == "auto" else h.batch_size,
@@ -70,7 +73,7 @@ def resolve_hyperparameters(h: Hyperparameters, card: ModelCard, settings: Setti
         "height": height,
         "buckets": h.buckets,
         "token_budget": h.token_budget,
-        "expert": h.expert,
+        "expert": expert,
         "optimizer_state": OptimizerSpec.state
         if h.optimizer_state == "auto"
         else h.optimizer_state,

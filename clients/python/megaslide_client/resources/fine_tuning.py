@@ -154,8 +154,10 @@ class Jobs:
         and `optimizer_state_tier`: "ram", or "disk" to keep the moments in files on the
         server's local disk ("auto": ram); `buckets` (true: clips of different sizes and
         lengths train as they come, each batch one aspect and length bucket) and
-        `token_budget` (a bucketed clip's most tokens); `validation_split` (clips held out of
-        training for a validation loss at every checkpoint: a fraction, or a count).
+        `token_budget` (a bucketed clip's most tokens); on a two-expert base (Wan2.2-A14B)
+        `expert`: "high" or "low" to train one, or "both" (the default: each on its own noise
+        levels); `validation_split` (clips held out of training for a validation loss at every
+        checkpoint: a fraction, or a count).
         `validation`: up to 8 prompts (`{"prompt", "seed", "size", "num_frames",
         "num_inference_steps", "guidance_scale"}`) sampled with every checkpoint's weights; each
         checkpoint lists them (`checkpoints`), `download_validation_video` fetches one.
