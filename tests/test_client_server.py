@@ -341,6 +341,7 @@ def test_fine_tuning_jobs(client, tmp_path):
     assert client.models.retrieve(done.fine_tuned_model).parent == "tiny"
 
 
+@pytest.mark.slow  # trains and samples four clips: tens of seconds on two cores
 def test_fine_tuning_validation_videos_are_playable_mp4s(client, server_url, tmp_path):
     """A job with validation prompts yields a playable MP4 per prompt per checkpoint, and a
     held-out loss; the SDK lists and fetches them, sync and async."""
