@@ -67,7 +67,9 @@ class TrainingRun(Protocol):
         ...
 
     def checkpoints(self) -> list[dict]:
-        """The checkpoints written so far, oldest first."""
+        """The checkpoints written so far, oldest first: `{"step", "path", "created_at"}`, and
+        for a run that validates, `"validation"` (its videos: each prompt's sampling, `status`,
+        `error`, `path`) and `"validation_loss"`."""
         ...
 
     def export(self, path: Path) -> Path:

@@ -19,6 +19,8 @@ from megaslide.engine.training.finetune_spec import (
     OptimizerSpec,
     RunSpec,
     ScheduleSpec,
+    ValidationPrompt,
+    ValidationSpec,
 )
 
 from .protocol import ModelCard
@@ -59,6 +61,10 @@ def finetune_spec(hyper: dict, *, output: Path, seed: int, settings: Settings) -
             batch_size=hyper["batch_size"],
             buckets=hyper.get("buckets"),
             token_budget=hyper.get("token_budget"),
+        ),
+        validation=ValidationSpec(
+            prompts=tuple(ValidationPrompt(**p) for p in hyper.get("validation", ())),
+            split=hyper.get("validation_split", 0),
         ),
     )
 

@@ -135,10 +135,15 @@ class CheckpointRecord:
     step: int
     path: str  # relative to the storage
     metrics: dict[str, Any] | None  # the step's loss and learning rate, where known
+    # The validation videos sampled from it, one per prompt of the job (paths relative to the
+    # storage); None without validation prompts.
+    validation: list[dict[str, Any]] | None = None
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> Self:
-        return _decode(cls, row, metrics=_json(row["metrics"]))
+        return _decode(
+            cls, row, metrics=_json(row["metrics"]), validation=_json(row.get("validation"))
+        )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -501,6 +501,19 @@ class Hyperparameters(Request):
         description="where the optimizer keeps its moments between updates: host RAM, or files "
         "on the server's local disk read ahead and written behind per block ('auto': ram)",
     )
+    validation_split: float = Field(
+        0,
+        ge=0,
+        description="clips held out of training for a validation loss at every checkpoint: a "
+        "fraction below 1 (at least one clip) or a whole number of clips; 0: none",
+    )
+
+    @field_validator("validation_split")
+    @classmethod
+    def _split(cls, v):
+        if v >= 1 and not float(v).is_integer():
+            raise ValueError("must be a fraction below 1 or a whole number of clips")
+        return v
 
     @field_validator("n_epochs")
     @classmethod
@@ -545,6 +558,20 @@ class Method(Request):
     supervised: Supervised = Field(default_factory=Supervised)
 
 
+MAX_VALIDATION_PROMPTS = 8
+
+
+class ValidationPrompt(Request):
+    """A video sampled with every checkpoint's weights, checked like a video request's."""
+
+    prompt: str
+    seed: int = Field(0, ge=0, lt=SEED_LIMIT)
+    size: str | None = Field(None, description="WIDTHxHEIGHT, both even (default: the model's)")
+    num_frames: int | None = Field(None, ge=1)
+    num_inference_steps: int | None = Field(None, ge=1)
+    guidance_scale: float | None = Field(None, ge=0, le=100)
+
+
 class FineTuningJobCreate(Request):
     model: str
     training_file: str
@@ -553,6 +580,12 @@ class FineTuningJobCreate(Request):
     seed: int | None = Field(None, ge=0, lt=SEED_LIMIT)
     suffix: str | None = Field(None, max_length=64, pattern=r"^[A-Za-z0-9_-]*$")
     validation_file: str | None = None
+    validation: list[ValidationPrompt] | None = Field(
+        None,
+        max_length=MAX_VALIDATION_PROMPTS,
+        description="prompts sampled with every checkpoint's weights: an MP4 each, listed with "
+        "the checkpoint",
+    )
     integrations: list | None = None
     metadata: dict[str, str] | None = None
 
@@ -585,6 +618,9 @@ class FineTuningJob(BaseModel):
     suffix: str | None
     step: int
     total_steps: int | None
+    validation: list[dict] = Field(
+        default_factory=list, description="the validation prompts, as resolved against the model"
+    )
 
 
 def finetune_object(job: FineTuneRecord) -> FineTuningJob:
@@ -597,6 +633,8 @@ def finetune_object(job: FineTuneRecord) -> FineTuningJob:
             public[asked] = hyper[asked]
     if hyper.get("expert") is not None:  # a two-expert base: which trains (high, low or both)
         public["expert"] = hyper["expert"]
+    if hyper.get("validation_split"):
+        public["validation_split"] = hyper["validation_split"]
     error = (
         FineTuningError(code=job.error_code, message=job.error_message)
         if job.error_message
@@ -617,7 +655,20 @@ def finetune_object(job: FineTuneRecord) -> FineTuningJob:
         suffix=job.suffix,
         step=job.step,
         total_steps=job.total_steps,
+        validation=[api_prompt(p) for p in hyper.get("validation", [])],
     )
+
+
+def api_prompt(prompt: dict) -> dict:
+    """A resolved validation prompt (the spec's names) in the API's names."""
+    return {
+        "prompt": prompt["prompt"],
+        "seed": prompt["seed"],
+        "size": f"{prompt['width']}x{prompt['height']}",
+        "num_frames": prompt["frames"],
+        "num_inference_steps": prompt["steps"],
+        "guidance_scale": prompt["guidance"],
+    }
 
 
 class FineTuningEvent(BaseModel):
@@ -641,6 +692,24 @@ def event_object(event: EventRecord) -> FineTuningEvent:
     )
 
 
+class ValidationVideo(BaseModel):
+    """One validation prompt sampled from one checkpoint."""
+
+    object: Literal["fine_tuning.job.checkpoint.validation_video"] = (
+        "fine_tuning.job.checkpoint.validation_video"
+    )
+    index: int
+    prompt: str
+    seed: int
+    size: str
+    num_frames: int
+    num_inference_steps: int
+    guidance_scale: float
+    status: Literal["succeeded", "failed"]
+    error: str | None = None
+    content_url: str | None = Field(None, description="GET it for the MP4 (succeeded only)")
+
+
 class Checkpoint(BaseModel):
     id: str
     object: Literal["fine_tuning.job.checkpoint"] = "fine_tuning.job.checkpoint"
@@ -649,11 +718,27 @@ class Checkpoint(BaseModel):
     fine_tuning_job_id: str
     metrics: dict
     step_number: int
+    validation: list[ValidationVideo] = Field(
+        default_factory=list,
+        description="the validation prompts sampled with this checkpoint's weights, in the job's "
+        "order; a succeeded one's MP4 is at its content_url",
+    )
 
 
 def checkpoint_object(checkpoint: CheckpointRecord, job: FineTuneRecord) -> Checkpoint:
     step = checkpoint.step
     name = f"ft:{job.model}:{job.suffix or ''}:{job.id.removeprefix('ftjob-')}:ckpt-step-{step}"
+    base = f"/v1/fine_tuning/jobs/{job.id}/checkpoints/{checkpoint.id}/validation"
+    videos = [
+        ValidationVideo(
+            index=v["index"],
+            **api_prompt(v),
+            status=v["status"],
+            error=v.get("error"),
+            content_url=f"{base}/{v['index']}/content" if v["status"] == "succeeded" else None,
+        )
+        for v in checkpoint.validation or []
+    ]
     return Checkpoint(
         id=checkpoint.id,
         created_at=checkpoint.created_at,
@@ -661,6 +746,7 @@ def checkpoint_object(checkpoint: CheckpointRecord, job: FineTuneRecord) -> Chec
         fine_tuning_job_id=checkpoint.job_id,
         metrics=checkpoint.metrics or {},
         step_number=step,
+        validation=videos,
     )
 
 

@@ -142,6 +142,7 @@ checkpoints = sa.Table(
     sa.Column("step", sa.Integer, nullable=False),
     sa.Column("path", sa.Text, nullable=False),
     sa.Column("metrics", sa.Text),
+    sa.Column("validation", sa.Text),  # JSON: the validation videos sampled from it
     sqlite_autoincrement=True,
 )
 

@@ -81,3 +81,30 @@ def test_bucket_options_go_to_the_server_as_hyperparameters():
         _hyperparameters(build_parser().parse_args([*flags[:5], "--no-buckets"]))["buckets"]
         is False
     )
+
+
+def test_validation_options_go_to_the_server_with_the_job():
+    from megaslide.cli.main import build_parser
+    from megaslide.cli.remote import _hyperparameters, _validation
+
+    flags = ["finetune", "--data", "d", "--server", "http://x"]
+    args = build_parser().parse_args(flags)
+    assert _validation(args) is None and "validation_split" not in _hyperparameters(args)
+    more = [
+        "--validation-prompt",
+        "a cat",
+        "--validation-prompt",
+        "a dog",
+        "--validation-size",
+        "32x32",
+        "--validation-steps",
+        "2",
+        "--validation-split",
+        "0.1",
+    ]
+    args = build_parser().parse_args(flags + more)
+    assert _hyperparameters(args)["validation_split"] == 0.1
+    assert _validation(args) == [
+        {"prompt": p, "seed": 0, "size": "32x32", "num_inference_steps": 2}
+        for p in ("a cat", "a dog")
+    ]

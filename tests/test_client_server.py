@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import socket
 import time
 from pathlib import Path
@@ -338,6 +339,74 @@ def test_fine_tuning_jobs(client, tmp_path):
     assert {c.fine_tuning_job_id for c in checkpoints} == {job.id}
     assert done.fine_tuned_model in {m.id for m in client.models.list()}
     assert client.models.retrieve(done.fine_tuned_model).parent == "tiny"
+
+
+@pytest.mark.slow  # trains and samples four clips: tens of seconds on two cores
+def test_fine_tuning_validation_videos_are_playable_mp4s(client, server_url, tmp_path):
+    """A job with validation prompts yields a playable MP4 per prompt per checkpoint, and a
+    held-out loss; the SDK lists and fetches them, sync and async."""
+    from megaslide.engine.video import read_video
+
+    data = make_dataset(tmp_path / "data")
+    shutil.copytree(data / "clips" / "a", data / "clips" / "b")
+    with (data / "metadata.jsonl").open("a") as f:
+        f.write(json.dumps({"file": "clips/b", "text": "the same fade"}) + "\n")
+    archive = tmp_path / "data.tar.gz"
+    pack_dataset(data, archive)
+    training_file = client.files.create(file=archive).id
+    client.files.wait_for_processing(training_file, max_wait=30)
+    prompts = [
+        {"prompt": "a colour fade", "seed": 1, **SMALL},
+        {"prompt": "a slower fade", "seed": 2, "size": "16x16", "num_frames": 4},
+    ]
+    job = client.fine_tuning.jobs.create(
+        model="tiny",
+        training_file=training_file,
+        hyperparameters={
+            "n_epochs": 2,
+            "num_frames": 8,
+            "size": "32x32",
+            "validation_split": 1,
+        },
+        validation=prompts,
+    )
+    assert [v["prompt"] for v in job.validation] == ["a colour fade", "a slower fade"]
+    assert job.hyperparameters.validation_split == 1
+    done = client.fine_tuning.jobs.wait(job.id, poll_interval_ms=50, max_wait=60)
+    assert done.status == "succeeded", done.error
+    checkpoints = list(client.fine_tuning.jobs.checkpoints(job.id))
+    assert [c.step_number for c in checkpoints] == [2, 1]  # one clip trains, one is held out
+    for c in checkpoints:
+        assert isinstance(c.metrics["validation_loss"], float)
+        assert [v.status for v in c.validation] == ["succeeded", "succeeded"], c.validation
+        first = client.fine_tuning.jobs.download_validation_video(
+            job.id, c.id, 0, path=tmp_path / f"{c.id}-0.mp4"
+        )
+        assert read_video(first).shape == (8, 32, 32, 3)
+        second = client.fine_tuning.jobs.download_validation_video(job.id, c.id, 1)
+        assert second[4:8] == b"ftyp"  # an MP4, in memory
+
+    async def fetch() -> bytes:
+        async with megaslide_client.AsyncClient(base_url=server_url, api_key=KEY) as a:
+            page = await a.fine_tuning.jobs.checkpoints(job.id)
+            newest = page.data[0]
+            return await a.fine_tuning.jobs.download_validation_video(job.id, newest.id, 1)
+
+    got = asyncio.run(fetch())
+    path = tmp_path / "async.mp4"
+    path.write_bytes(got)
+    assert read_video(path).shape == (4, 16, 16, 3)
+    # The CLI fetches them all: step-N/<prompt index>.mp4.
+    out = tmp_path / "videos"
+    argv = ["finetune-videos", job.id, "--server", server_url, "--api-key", KEY, "-o", str(out)]
+    assert cli_main(argv) == 0
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*.mp4")) == [
+        "step-1/0.mp4",
+        "step-1/1.mp4",
+        "step-2/0.mp4",
+        "step-2/1.mp4",
+    ]
+    assert read_video(out / "step-2" / "1.mp4").shape == (4, 16, 16, 3)
 
 
 def test_fine_tuning_cancel(client, tmp_path):

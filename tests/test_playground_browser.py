@@ -469,6 +469,51 @@ def test_fine_tune_then_generate_with_it(page, server, tmp_path):
     assert made["model"] == model
 
 
+def test_validation_videos_side_by_side_and_both_loss_curves(page, server, tmp_path):
+    archive = tmp_path / "world.tar.gz"
+    pack_dataset(
+        write_dataset(tmp_path / "world", 4, seed=1, frames=4, height=32, width=32), archive
+    )
+    open_tab(page, "finetune")
+    page.set_input_files("#upload-file", archive)
+    page.click("#upload")
+    expect(page.locator("#upload-status")).to_contain_text("4 clips")
+    for field, value in (
+        ("#ft-epochs", "2"),
+        ("#ft-batch", "1"),
+        ("#ft-frames", "4"),
+        ("#ft-width", "32"),
+        ("#ft-height", "32"),
+        ("#ft-validation", "a red circle\na blue square"),
+        ("#ft-split", "1"),
+        ("#ft-validation-steps", "2"),
+    ):
+        page.fill(field, value)
+    page.click("#start-finetune")
+    detail = page.locator("#ft-detail")
+    expect(detail.locator(".badge")).to_have_text("succeeded")
+    job_id = detail.locator("h3").text_content()
+    checkpoints = server.http.get(f"/v1/fine_tuning/jobs/{job_id}/checkpoints").json()["data"]
+    assert [c["step_number"] for c in checkpoints] == [6, 4, 2]  # 3 clips train, 1 held out
+
+    # Both curves: the training loss at every step, the held-out loss at every checkpoint.
+    chart = detail.locator("svg.loss-chart")
+    expect(chart).to_have_attribute("data-points", "6")
+    expect(chart).to_have_attribute("data-held-out", "3")
+    held = chart.locator("polyline.held-out-line").evaluate("(line) => line.points.numberOfItems")
+    assert held == 3
+    # Prompts as rows, checkpoints as columns (oldest first), every clip playing.
+    grid = detail.locator("table.validation")
+    expect(grid.locator("thead th")).to_have_text(["prompt", "step 2", "step 4", "step 6"])
+    expect(grid.locator("tbody th")).to_have_text(["a red circle", "a blue square"])
+    videos = grid.locator("video")
+    expect(videos).to_have_count(6)
+    for i in range(6):
+        expect_playing(videos.nth(i))
+    assert videos.nth(5).get_attribute("data-step") == "6"
+    screenshot(page, "finetune-validation")
+
+
 def test_image_field_for_models_that_take_one(page, server):
     """A model that lists "image" among its inputs gets the first-frame field; the server (which
     serves no such model yet) refuses the image, and the page shows why beside that field."""

@@ -21,6 +21,8 @@ from megaslide.engine.training.finetune_spec import (
     RunSpec,
     RuntimeSpec,
     ScheduleSpec,
+    ValidationPrompt,
+    ValidationSpec,
 )
 
 from .args import (
@@ -672,6 +674,7 @@ def register_finetune(sub) -> None:
     _add_finetune_optimizer_args(p)
     _add_finetune_run_args(p)
     _add_finetune_placement_args(p)
+    _add_finetune_validation_args(p)
     p.add_argument("--stats", help="write streaming stats of the run as JSON here")
     p.add_argument(
         "--trace", help="write a Chrome trace of the last step's block copies and computes"
@@ -815,6 +818,52 @@ def _add_finetune_placement_args(p) -> None:
     )
 
 
+def _add_finetune_validation_args(p) -> None:
+    """What every checkpoint is judged by: prompts sampled with its weights, a held-out loss."""
+    p.add_argument(
+        "--validation-prompt",
+        action="append",
+        default=[],
+        metavar="PROMPT",
+        help="sample this prompt with every checkpoint's weights (repeatable): an MP4 each, in "
+        "<output>/validation/step-N/ (or listed with the server's checkpoints)",
+    )
+    p.add_argument("--validation-seed", type=int, default=0, help="their seed (default: 0)")
+    p.add_argument("--validation-size", help="their WIDTHxHEIGHT (default: the model's)")
+    p.add_argument("--validation-frames", type=int, help="their frames (default: the model's)")
+    p.add_argument("--validation-steps", type=int, help="their steps (default: the model's)")
+    p.add_argument("--validation-guidance", type=float, help="their guidance scale")
+    p.add_argument(
+        "--validation-split",
+        type=float,
+        default=ValidationSpec.split,
+        metavar="N",
+        help="clips held out of training for a validation loss at every checkpoint: a fraction "
+        "below 1 or a number of clips (default: 0, none)",
+    )
+
+
+def validation_spec(args) -> ValidationSpec:
+    """The validation flags as the spec's section."""
+    from megaslide.engine.request import parse_size
+
+    size = args.validation_size
+    width, height = parse_size(size, "--validation-size") if size else (None, None)
+    prompts = tuple(
+        ValidationPrompt(
+            prompt=text,
+            seed=args.validation_seed,
+            width=width,
+            height=height,
+            frames=args.validation_frames,
+            steps=args.validation_steps,
+            guidance=args.validation_guidance,
+        )
+        for text in args.validation_prompt
+    )
+    return ValidationSpec(prompts=prompts, split=args.validation_split)
+
+
 def finetune_spec(args) -> FinetuneSpec:
     """`megaslide finetune`'s flags as a fine-tuning spec (the one place they map onto it)."""
     from megaslide.engine.request import parse_size
@@ -868,6 +917,7 @@ def finetune_spec(args) -> FinetuneSpec:
             ),
             cache_mb=args.cache_mb,
         ),
+        validation=validation_spec(args),
     )
 
 
@@ -898,7 +948,8 @@ def run_finetune(args) -> int:
 
             last = trainer.run(report)
         if last is not None and trainer.step % args.save_every:
-            trainer.save_checkpoint()  # the end of the run is always a checkpoint
+            # The end of the run is always a checkpoint, judged like the others.
+            trainer.validate(trainer.save_checkpoint(), trainer.validation_loss())
         _write_stream_stats(trainer.blockwise.stream_handles, args.stats, args.trace)
         path = trainer.export()
         if trainer.step < trainer.total_steps:

@@ -1,4 +1,4 @@
-"""The `megaslide` command line: generate, info, plan, finetune and serve.
+"""The `megaslide` command line: generate, info, plan, finetune, finetune-videos and serve.
 
 Every command validates its input before doing any work. A bad input prints one line naming the
 problem and exits with status 2, without a traceback and without leaving a partial output file.
@@ -11,7 +11,7 @@ import sys
 
 from megaslide.engine import __version__
 
-from . import commands, serve_cmd
+from . import commands, remote, serve_cmd
 from .args import UsageError
 
 
@@ -20,6 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"megaslide {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     commands.register(sub)
+    remote.register(sub)
     serve_cmd.register(sub)
     return parser
 

@@ -202,8 +202,23 @@ def _hyperparameters(args) -> dict:
         "token_budget": getattr(args, "token_budget", None),
         "optimizer_state": getattr(args, "optimizer_state", None),
         "expert": getattr(args, "expert", None),
+        "validation_split": getattr(args, "validation_split", None) or None,
     }
     return {k: v for k, v in hp.items() if v is not None}
+
+
+def _validation(args) -> list[dict] | None:
+    """The job's validation prompts from --validation-prompt and its companions (API names)."""
+    texts = getattr(args, "validation_prompt", None) or []
+    shared = {
+        "seed": getattr(args, "validation_seed", None),
+        "size": getattr(args, "validation_size", None),
+        "num_frames": getattr(args, "validation_frames", None),
+        "num_inference_steps": getattr(args, "validation_steps", None),
+        "guidance_scale": getattr(args, "validation_guidance", None),
+    }
+    shared = {k: v for k, v in shared.items() if v is not None}
+    return [{"prompt": text, **shared} for text in texts] or None
 
 
 def _base_model(client, args) -> str:
@@ -264,6 +279,7 @@ def finetune_remote(args) -> int:
                 hyperparameters=hyperparameters or None,
                 seed=getattr(args, "seed", None),
                 suffix=getattr(args, "suffix", None),
+                validation=_validation(args),
             )
             print(f"fine-tuning job {job.id} on {model}: {job.status}", file=sys.stderr)
             try:
@@ -288,4 +304,49 @@ def finetune_remote(args) -> int:
         f"generate with it: megaslide generate PROMPT --server {args.server} --model {job.fine_tuned_model}",
         file=sys.stderr,
     )
+    if job.validation:
+        print(
+            f"its validation videos: megaslide finetune-videos {job.id} --server {args.server}",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def register(sub) -> None:
+    """Add the commands that only talk to a server: finetune-videos."""
+    p = sub.add_parser(
+        "finetune-videos",
+        help="download a fine-tuning job's validation videos, every checkpoint's",
+    )
+    p.add_argument("job", help="the fine-tuning job's id (ftjob-...)")
+    p.add_argument("--server", required=True, help="the MegaSlide server's URL")
+    p.add_argument("--api-key", help="API key (default: $MEGASLIDE_API_KEY)")
+    p.add_argument(
+        "-o", "--output", default=".", help="folder: step-N/<prompt index>.mp4 go under it"
+    )
+    p.set_defaults(run=fetch_validation_videos)
+
+
+def fetch_validation_videos(args) -> int:
+    """Download every checkpoint's validation videos of job `args.job` into `args.output`, as
+    step-N/<index>.mp4; print each path on stdout, and each failed one's reason on stderr."""
+    sdk = _sdk()
+    out = Path(args.output)
+    with sdk.Client(base_url=args.server, api_key=args.api_key) as client:
+        try:
+            checkpoints = list(client.fine_tuning.jobs.checkpoints(args.job, limit=100))
+            for checkpoint in reversed(checkpoints):  # oldest first
+                for video in checkpoint.validation or []:
+                    step = checkpoint.step_number
+                    if video.status != "succeeded":
+                        _say(f"step {step}, prompt {video.index}: failed: {video.error}")
+                        continue
+                    folder = out / f"step-{step}"
+                    folder.mkdir(parents=True, exist_ok=True)
+                    path = client.fine_tuning.jobs.download_validation_video(
+                        args.job, checkpoint.id, video.index, path=folder / f"{video.index}.mp4"
+                    )
+                    print(path)
+        except sdk.APIError as e:
+            return _api_failure("finetune-videos", e, client.base_url)
     return 0

@@ -27,7 +27,7 @@ from ..sampling.step_cache import StepCache
 from ..sources import ModelInfo
 from ..streaming.host_store import SafetensorsFile
 from ..streaming.streamer import StreamHandle
-from ..training.buckets import training_clips
+from ..training.buckets import split_clips
 from ..training.data import BackgroundLoader, Batch, VideoDataset
 from ..training.model import TrainingData, TrainingModel
 from ..video import float_to_frames
@@ -88,7 +88,7 @@ class MegaSlideFamily(Family):
 
     def training_data(self, info, data, run, shape: TrainingShape) -> ClipData:
         # The whole dataset is checked before anything else happens: a bad file fails the run now.
-        samples, plan = training_clips(info, data, shape)
+        samples, plan, held = split_clips(info, data, shape)
         dataset = VideoDataset(
             data,
             shape.frames,
@@ -100,7 +100,11 @@ class MegaSlideFamily(Family):
             shapes=None if plan is None else plan.shapes,
         )
         loader = BackgroundLoader(dataset, batch_size=shape.batch_size, seed=shape.seed, plan=plan)
-        return ClipData(loader)
+        clips = ClipData(loader)
+        if held:
+            size = (shape.width, shape.height)
+            clips.held_out = VideoDataset(data, shape.frames, size, samples=held)
+        return clips
 
     def save_trained(self, info, states, path: Path) -> None:
         with torch.device("meta"):

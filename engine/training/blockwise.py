@@ -243,16 +243,33 @@ class BlockwiseStep:
             "stepped": last,
         }
 
-    def _noised(self, x0: torch.Tensor, generator: torch.Generator):
+    @torch.no_grad()
+    def held_out_loss(self, x0: torch.Tensor, condition: Any, generator: torch.Generator) -> float:
+        """The flow-matching loss of clips the run never trains on, the weights left as they are:
+        `micro_step`'s forward alone, its draws from `generator`, all of `x0`'s rows here (the
+        group's owner judges its checkpoints by itself)."""
+        x_t, t, target = self._noised(x0, generator, whole=True)
+        with self.autocast():
+            h, carried, static = self.model.prologue(x_t, t, condition)  # (B, N, D)
+        x, _ = self._blocks_forward(h, carried, static)  # (B, N, D)
+        with self.autocast():
+            v = self.model.epilogue(x, carried, static)  # (B, C, F, H, W)
+            loss = torch.nn.functional.mse_loss(v.float(), target.float())
+        # The one host read of the evaluation: the value goes into the metrics line.
+        return loss.item()
+
+    def _noised(self, x0: torch.Tensor, generator: torch.Generator, whole: bool = False):
         """The flow-matching draws on this device: `x_t` `(B, C, F, H, W)`, the times `t` `(B,)`
-        and the velocity target, for this process's rows of the whole batch's draws."""
-        B = x0.shape[0] * self.group.world  # the whole batch: every rank draws it, as one process
+        and the velocity target, for this process's rows of the whole batch's draws (`whole`:
+        `x0` is the whole batch, drawn here alone)."""
+        # The whole batch: every rank draws it, as one process.
+        B = x0.shape[0] * (1 if whole else self.group.world)
         t = sample_training_times(B, generator, self.config.time_sampling)  # (B,)
         lo, hi = self.model.time_range
         if (lo, hi) != (0.0, 1.0):
             t = lo + (hi - lo) * t
         noise = torch.randn((B, *x0.shape[1:]), generator=generator)  # (B, C, F, H, W)
-        rows = self.group.rows(B)
+        rows = slice(None) if whole else self.group.rows(B)
         return self._placed(x0, t[rows], noise[rows])  # this process's rows: (B / world, ...)
 
     def _placed(self, x0: torch.Tensor, t: torch.Tensor, noise: torch.Tensor):

@@ -34,7 +34,15 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..request import ModelLimits
-from .data import DatasetError, Sample, sample_name, too_short, validate_dataset
+from .data import (
+    DatasetError,
+    Sample,
+    held_out_split,
+    sample_name,
+    too_short,
+    validate_dataset,
+)
+from .finetune_spec import ValidationSpec
 from .shape import TrainingShape
 
 if TYPE_CHECKING:
@@ -223,17 +231,38 @@ def training_clips(
 ) -> tuple[list[Sample], BucketPlan | None]:
     """The dataset at `data`, validated, and how its clips train: every clip resized and cropped
     to `shape`'s one size (None), or in buckets (a checked plan). `shape.buckets`: True, False,
-    or None for buckets exactly when the clips differ in size or length."""
+    or None for buckets exactly when the clips differ in size or length. A family that takes a
+    held-out split calls `split_clips` instead."""
+    if shape.held_out:
+        raise ValueError(
+            f"validation.split: {info.name} computes no held-out loss yet (pixel-space "
+            "MegaSlide models do); leave it at 0"
+        )
+    samples, plan, _ = split_clips(info, data, shape)
+    return samples, plan
+
+
+def split_clips(
+    info: ModelInfo, data: Path, shape: TrainingShape
+) -> tuple[list[Sample], BucketPlan | None, list[Sample]]:
+    """`training_clips`, with the clips `shape.held_out` keeps out of training (the validation
+    loss's, read at the run's one clip shape) drawn first: the plan holds only the others."""
     if shape.buckets is False:
-        return validate_dataset(data, num_frames=shape.frames), None
-    samples = validate_dataset(data)  # any length: a clip's bucket says what it needs
+        samples = validate_dataset(data, num_frames=shape.frames)
+    else:
+        samples = validate_dataset(data)  # any length: a clip's bucket says what it needs
+    count = ValidationSpec(split=shape.held_out).held_out(len(samples))
+    samples, held = held_out_split(samples, shape.seed, count)
+    check_lengths(data, held, shape.frames)
+    if shape.buckets is False:
+        return samples, None, held
     if shape.buckets is None and len({(s.num_frames, s.size) for s in samples}) == 1:
         check_lengths(data, samples, shape.frames)
-        return samples, None
+        return samples, None, held
 
     def tokens(frames: int, height: int, width: int) -> int:
         return math.prod(info.config.token_grid(frames, height, width))
 
     budget = shape.token_budget or tokens(shape.frames, shape.height, shape.width)
     rules = BucketRules(info.limits, tokens, budget, max_frames=shape.frames)
-    return samples, plan_buckets(data, samples, rules, shape.batch_size)
+    return samples, plan_buckets(data, samples, rules, shape.batch_size), held

@@ -364,6 +364,27 @@ class VideoDataset:
         return frames_to_float(u8), s.text  # (3, F, H, W)
 
 
+HELD_OUT_STREAM = 0x4E1D  # keys the held-out draw apart from every epoch's permutation
+
+
+def held_out_split(
+    samples: list[Sample], seed: int, count: int
+) -> tuple[list[Sample], list[Sample]]:
+    """(training clips, held-out clips): `count` clips drawn by `seed` alone, so a resumed run
+    holds out the same ones; both in dataset order. ValueError when no clip would be left to
+    train on."""
+    if count <= 0:
+        return samples, []
+    if count >= len(samples):
+        raise ValueError(
+            f"validation.split holds out {count} of the dataset's {len(samples)} clips: "
+            "none would be left to train on"
+        )
+    held = set(np.random.default_rng([seed, HELD_OUT_STREAM]).permutation(len(samples))[:count])
+    train = [s for i, s in enumerate(samples) if i not in held]
+    return train, [s for i, s in enumerate(samples) if i in held]
+
+
 def epoch_permutation(n: int, seed: int, epoch: int) -> np.ndarray:
     """The sample order of one epoch: a permutation of range(n) fixed by (seed, epoch)."""
     return np.random.default_rng([seed, epoch]).permutation(n)

@@ -13,6 +13,8 @@ streams decoded clips from a background loader, runs
         optimizer.pt      AdamW's state in its format (m, v, step counts; a bf16-split master's
                           low halves), and the seed of a bf16-sr master's rounding
         state.pt          step, data-loader position and RNG state
+    <output>/validation/step-000050/   with `spec.validation.prompts`: the videos sampled from
+                          that checkpoint (validation.py)
     <output>/model/       the final export (`export()`), in the same servable format
                           (several experts trained in one run, experts.py: model/ holds them
                           all and optimizer.pt each one's state)
@@ -52,6 +54,13 @@ from .blockwise import BlockwiseStep, StepConfig, master_dtype
 from .experts import ExpertSteps
 from .finetune_spec import FinetuneSpec
 from .group import OneProcess, TrainingGroup
+from .validation import (
+    VALIDATION,
+    held_out_loss,
+    read_validation,
+    sample_validation,
+    validation_dir,
+)
 
 CHECKPOINTS = "checkpoints"
 METRICS = "metrics.jsonl"
@@ -86,6 +95,11 @@ def list_checkpoints(output: str | os.PathLike) -> list[dict]:
             found.append(
                 {"step": int(d.name[5:]), "path": str(d), "created_at": int(d.stat().st_mtime)}
             )
+    for checkpoint in found:
+        validation = read_validation(Path(output), checkpoint["step"])
+        if validation is not None:
+            checkpoint["validation_loss"] = validation["validation_loss"]
+            checkpoint["validation"] = validation["videos"]
     return sorted(found, key=lambda c: c["step"])
 
 
@@ -178,6 +192,7 @@ class Trainer(TrainingRun):
         self.output.mkdir(parents=True, exist_ok=True)
         if self.owner:
             remove_stale(self.output / CHECKPOINTS)  # what a killed run left half-written
+            remove_stale(self.output / VALIDATION)
         buckets = clips.buckets
         if buckets is None and (clips.width or clips.height):
             buckets = False  # a size asked for is one size for every clip, unless buckets are too
@@ -193,6 +208,7 @@ class Trainer(TrainingRun):
             device=runtime.device,
             buckets=buckets,
             token_budget=clips.token_budget,
+            held_out=spec.validation.split,
         )
         # The dataset is checked (and, for a family with frozen encoders, encoded) before anything
         # else happens: a bad file fails the run now. Rank 0 first: the other ranks then find the
@@ -321,10 +337,14 @@ class Trainer(TrainingRun):
         }
         if not self.owner:
             return metrics  # rank 0's are the run's: the whole batch's loss and gradient norm
+        checkpoint = self.step % self.spec.run.save_every == 0
+        loss = self.validation_loss() if checkpoint else None
+        if loss is not None:
+            metrics["validation_loss"] = loss
         self._metrics.write(json.dumps(metrics) + "\n")
         self._metrics.flush()
-        if self.step % self.spec.run.save_every == 0:
-            self.save_checkpoint()
+        if checkpoint:
+            self.validate(self.save_checkpoint(), loss)
         return metrics
 
     def run(self, progress=None) -> dict | None:
@@ -358,6 +378,29 @@ class Trainer(TrainingRun):
 
     def checkpoints(self) -> list[dict]:
         return list_checkpoints(self.output)
+
+    def validation_loss(self) -> float | None:
+        """The loss on the held-out clips (`validation.split`) with the weights as they stand."""
+        return held_out_loss(self.blockwise, self.data, self.spec.run.seed)
+
+    def validate(self, checkpoint: Path, loss: float | None) -> dict | None:
+        """Sample the validation prompts from `checkpoint`'s weights, beside it (validation.py);
+        None without prompts or a held-out loss."""
+        validation = self.spec.validation
+        if not validation.prompts and loss is None:
+            return None
+        runtime = self.spec.runtime
+        return sample_validation(
+            self.info,
+            checkpoint / "model",
+            runtime.placement.on(runtime.device),
+            validation.prompts,
+            validation_dir(self.output, self.step),
+            step=self.step,
+            loss=loss,
+            fence=self.fence,
+            **({"attention": self.spec.run.attention} if self.spec.run.attention else {}),
+        )
 
     def _restore(self, path: Path) -> None:
         if self.blockwise.optimizer is not None:

@@ -1,4 +1,4 @@
-"""What a fine-tuning run is asked to do: one spec in five sections, each default written once.
+"""What a fine-tuning run is asked to do: one spec in six sections, each default written once.
 
     FinetuneSpec(
         run=RunSpec(output="runs/a"),         # where it writes, its seed, what trains
@@ -6,6 +6,7 @@
         optimizer=OptimizerSpec(lr=2e-5),     # AdamW, its state format, gradient clipping
         clips=ClipSpec(frames=17),            # the training clips and the batch
         runtime=RuntimeSpec(Placement(device="cuda", offload="stream")),  # where and how it runs
+        validation=ValidationSpec(split=0.1),  # what each checkpoint is judged by (optional)
     )
 
 Every front end maps onto it in one place: `megaslide finetune`'s flags (clients/cli), the API's
@@ -143,6 +144,56 @@ class RunSpec:
     expert: str | None = None
 
 
+@dataclass(frozen=True)
+class ValidationPrompt:
+    """A video sampled with every checkpoint's weights; None takes the model's default."""
+
+    prompt: str
+    seed: int = 0
+    width: int | None = None
+    height: int | None = None
+    frames: int | None = None
+    steps: int | None = None
+    guidance: float | None = None
+
+
+@dataclass(frozen=True)
+class ValidationSpec:
+    """What every checkpoint is judged by: `prompts` sampled with its weights (an MP4 each, beside
+    the checkpoint), and the loss on a held-out part of the dataset. `split` is that part: a
+    fraction of the clips (0 < split < 1, at least one clip) or a whole number of clips; 0 holds
+    none out. Which clips is fixed by `run.seed`; they never train."""
+
+    prompts: tuple[ValidationPrompt, ...] = ()
+    split: float = 0
+
+    def held_out(self, clips: int) -> int:
+        """How many of `clips` clips the split holds out."""
+        if self.split <= 0:
+            return 0
+        if self.split < 1:
+            return max(1, round(self.split * clips))
+        return int(self.split)
+
+    def checks(self) -> list[tuple[bool, str, Any]]:
+        """(ok, rule, value) for `FinetuneSpec.validate`."""
+        checks = [
+            (self.split >= 0, "validation.split must be >= 0", self.split),
+            (
+                self.split < 1 or float(self.split).is_integer(),
+                "validation.split is a fraction below 1 or a whole number of clips",
+                self.split,
+            ),
+        ]
+        for i, p in enumerate(self.prompts):
+            checks.append((bool(p.prompt.strip()), f"validation.prompts[{i}].prompt is empty", ""))
+            for name in ("width", "height", "frames", "steps"):
+                value = getattr(p, name)
+                ok = value is None or value >= 1
+                checks.append((ok, f"validation.prompts[{i}].{name} must be at least 1", value))
+        return checks
+
+
 # RuntimeSpec's flat fields before it held a `Placement`: still taken as keywords (a spec saved
 # then, `spec.replace(runtime={"device": "cuda"})`), laid over the placement.
 FLAT_PLACEMENT = ("device", "offload", "devices", "timing")
@@ -211,13 +262,14 @@ def with_flat(placement: Placement, flat: Mapping[str, Any]) -> Placement:
 
 @dataclass(frozen=True)
 class FinetuneSpec:
-    """A fine-tuning run: its five sections."""
+    """A fine-tuning run: its six sections."""
 
     run: RunSpec
     schedule: ScheduleSpec = field(default_factory=ScheduleSpec)
     optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
     clips: ClipSpec = field(default_factory=ClipSpec)
     runtime: RuntimeSpec = field(default_factory=RuntimeSpec)
+    validation: ValidationSpec = field(default_factory=ValidationSpec)
 
     def replace(self, **sections) -> FinetuneSpec:
         """This spec with some fields changed, by section: `spec.replace(runtime={"device":
@@ -241,6 +293,8 @@ class FinetuneSpec:
             optimizer["betas"] = tuple(optimizer["betas"])
         runtime = dict(d.get("runtime", {}))
         placement = runtime.pop("placement", None)
+        validation = dict(d.get("validation", {}))
+        validation["prompts"] = tuple(ValidationPrompt(**p) for p in validation.get("prompts", ()))
         return cls(
             run=RunSpec(**d["run"]),
             schedule=ScheduleSpec(**d.get("schedule", {})),
@@ -249,6 +303,7 @@ class FinetuneSpec:
             runtime=RuntimeSpec(
                 Placement.of(None, placement) if placement is not None else None, **runtime
             ),
+            validation=ValidationSpec(**validation),
         )
 
     def validate(self) -> None:
@@ -311,6 +366,7 @@ class FinetuneSpec:
                     c.token_budget,
                 )
             )
+        checks += self.validation.checks()
         for ok, rule, value in checks:
             if not ok:
                 raise ValueError(f"{rule}, got {value!r}")

@@ -61,6 +61,9 @@ class TrainingData(ABC):
     """A family's training examples, validated, served in batches by a background loader."""
 
     loader: BackgroundLoader
+    # The clips a validation split keeps out of training, as `(clean clip, caption)` by index
+    # (`VideoDataset`'s items); None: no held-out loss.
+    held_out: Any = None
 
     def __len__(self) -> int:
         return len(self.loader.dataset)

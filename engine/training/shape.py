@@ -22,3 +22,4 @@ class TrainingShape:
     # this shape) bounds a clip's tokens.
     buckets: bool | None = False
     token_budget: int | None = None
+    held_out: float = 0  # ValidationSpec.split: clips kept out of training for a held-out loss

@@ -1,10 +1,12 @@
-"""`/v1/fine_tuning/jobs`: create, list, retrieve, cancel, events (loss and lr as metrics), checkpoints."""
+"""`/v1/fine_tuning/jobs`: create, list, retrieve, cancel, events (loss and lr as metrics),
+checkpoints, and the validation videos sampled from each checkpoint."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Query, Response
 
 from ..deps import FineTuningDep, IdempotencyKeyDep, PrincipalDep
+from ..downloads import Download
 from ..schemas import (
     Checkpoint,
     FineTuningEvent,
@@ -82,3 +84,25 @@ async def list_checkpoints(
     limit: int = Query(10, ge=1, le=100),
 ):
     return await jobs.checkpoints(job_id, principal, after, limit)
+
+
+@router.get(
+    "/{job_id}/checkpoints/{checkpoint_id}/validation/{index}/content",
+    response_class=Response,
+    responses={
+        200: {"content": {"video/mp4": {}}, "description": "The whole file"},
+        206: {"content": {"video/mp4": {}}, "description": "The range asked for"},
+        **error_responses(400, 404, 416),
+    },
+)
+async def validation_video_content(
+    job_id: str,
+    checkpoint_id: str,
+    index: int,
+    jobs: FineTuningDep,
+    principal: PrincipalDep,
+):
+    """The MP4 of validation prompt `index` (the job's order) sampled from the checkpoint's
+    weights, with Range support."""
+    path = await jobs.validation_video(job_id, checkpoint_id, index, principal)
+    return Download(path, "video/mp4", f"{checkpoint_id}-validation-{index}.mp4")

@@ -4,8 +4,15 @@ list, retrieve, cancel, and a job's events and checkpoints."""
 from __future__ import annotations
 
 import secrets
+from pathlib import Path
 
-from megaslide.engine.request import RANDOM_SEED_BITS, RequestError, parse_size
+from megaslide.engine.request import (
+    RANDOM_SEED_BITS,
+    RequestError,
+    VideoRequest,
+    parse_size,
+    resolve,
+)
 from megaslide.engine.training.finetune_spec import OptimizerSpec
 
 from ..auth import Principal
@@ -17,6 +24,7 @@ from ..schemas import (
     FineTuningJob,
     FineTuningJobCreate,
     Hyperparameters,
+    ValidationPrompt,
     checkpoint_object,
     event_object,
     finetune_object,
@@ -72,7 +80,54 @@ def resolve_hyperparameters(h: Hyperparameters, card: ModelCard, settings: Setti
         "optimizer_state_tier": OptimizerSpec.state_tier
         if h.optimizer_state_tier == "auto"
         else h.optimizer_state_tier,
+        "validation_split": h.validation_split,
     }
+
+
+def resolve_validation(
+    prompts: list[ValidationPrompt], card: ModelCard, settings: Settings
+) -> list[dict]:
+    """Each validation prompt checked against the model like a video request and resolved to
+    what every checkpoint samples (the spec's names: `ValidationPrompt` in finetune_spec.py);
+    a RequestError names the field as `validation[i].<param>`."""
+    resolved = []
+    for i, p in enumerate(prompts):
+        try:
+            width = height = None
+            if p.size is not None:
+                width, height = parse_size(p.size, "size")
+            video = resolve(
+                VideoRequest(
+                    prompt=p.prompt,
+                    seed=p.seed,
+                    width=width,
+                    height=height,
+                    frames=p.num_frames,
+                    steps=p.num_inference_steps,
+                    guidance=p.guidance_scale,
+                ),
+                card.limits,
+                card.defaults,
+                model=card.name,
+                max_steps=settings.max_steps,
+                max_prompt_chars=settings.max_prompt_chars,
+            )
+        except RequestError as e:
+            raise RequestError(
+                f"validation[{i}]: {e}", param=f"validation[{i}].{e.param}"
+            ) from None
+        resolved.append(
+            {
+                "prompt": video.prompt,
+                "seed": video.seed,
+                "width": video.width,
+                "height": video.height,
+                "frames": video.frames,
+                "steps": video.steps,
+                "guidance": video.guidance,
+            }
+        )
+    return resolved
 
 
 class FineTuning:
@@ -110,6 +165,8 @@ class FineTuning:
             body.method.supervised.hyperparameters if body.method else Hyperparameters()
         )
         hyper = resolve_hyperparameters(hyper_in, card, self.settings)
+        if body.validation:
+            hyper["validation"] = resolve_validation(body.validation, card, self.settings)
 
         async def insert(idempotency) -> FineTuneRecord:
             await admit(self.store, self.workers, self.settings, principal)
@@ -223,3 +280,36 @@ class FineTuning:
         job = await self.find(job_id, principal)
         rows, has_more = await self.store.fine_tunes.checkpoints(job_id, after, limit)
         return page([checkpoint_object(r, job) for r in rows], has_more)
+
+    async def validation_video(
+        self, job_id: str, checkpoint_id: str, index: int, principal: Principal
+    ) -> Path:
+        """The MP4 of validation prompt `index` sampled from one of the job's checkpoints."""
+        await self.find(job_id, principal)
+        checkpoint = await self.store.fine_tunes.checkpoint(job_id, checkpoint_id)
+        if checkpoint is None:
+            raise NotFound(
+                f"fine-tuning job {job_id} has no checkpoint {checkpoint_id!r}",
+                param="checkpoint_id",
+            )
+        videos = checkpoint.validation or []
+        if not 0 <= index < len(videos):
+            raise NotFound(
+                f"checkpoint {checkpoint_id} has {len(videos)} validation video(s); "
+                f"no index {index}",
+                param="index",
+            )
+        video = videos[index]
+        if video["status"] != "succeeded":
+            raise InvalidRequest(
+                f"validation video {index} of checkpoint {checkpoint_id} failed: {video['error']}",
+                param="index",
+                code="validation_video_failed",
+            )
+        path = self.data.resolve(video["path"])
+        if not path.is_file():
+            raise NotFound(
+                f"the validation videos of checkpoint {checkpoint_id} were removed",
+                param="checkpoint_id",
+            )
+        return path

@@ -87,6 +87,7 @@ class AsyncFineTuneStore(_Async):
     cancel = _InThread(FineTuneStore.cancel)
     events = _InThread(FineTuneStore.events)
     checkpoints = _InThread(FineTuneStore.checkpoints)
+    checkpoint = _InThread(FineTuneStore.checkpoint)
 
 
 class AsyncFileStore(_Async):

@@ -103,6 +103,11 @@ class FineTuneStore:
         rows = self.db.all(stmt.order_by(events.c.seq.desc()).limit(limit + 1))
         return [EventRecord.from_row(r) for r in rows[:limit]], len(rows) > limit
 
+    def checkpoint(self, job_id: str, checkpoint_id: str) -> CheckpointRecord | None:
+        """One of the job's checkpoints, by its id."""
+        mine = checkpoints.c.job_id == job_id, checkpoints.c.id == checkpoint_id
+        return record(CheckpointRecord, self.db.one(sa.select(checkpoints).where(*mine)))
+
     def checkpoints(
         self, job_id: str, after: str | None, limit: int
     ) -> tuple[list[CheckpointRecord], bool]:
@@ -244,9 +249,10 @@ class FineTuneStore:
         step: int,
         path: str,
         metrics: dict | None,
+        validation: list[dict] | None = None,
     ) -> bool:
-        """Record a checkpoint written under claim `token` (once: its id is the step's); False
-        when the claim is no longer this one."""
+        """Record a checkpoint written under claim `token` (once: its id is the step's), with
+        the validation videos sampled from it; False when the claim is no longer this one."""
         with self.db.tx() as conn:
             held = self._held(conn, job_id, token)
             if not held:
@@ -258,6 +264,7 @@ class FineTuneStore:
                 step=step,
                 path=path,
                 metrics=json.dumps(metrics) if metrics else None,
+                validation=json.dumps(validation) if validation is not None else None,
             )
             if conn.execute(stmt.on_conflict_do_nothing()).rowcount:  # a first record of it
                 type_ = "fine_tuning.job.checkpoint.created"

@@ -195,13 +195,45 @@ class FineTunes:
             summary = {"step": ckpt["step"]}
             if metrics is not None and metrics.get("step") == ckpt["step"]:
                 summary.update(loss=metrics.get("loss"), lr=metrics.get("lr"))
+            if ckpt.get("validation_loss") is not None:
+                summary["validation_loss"] = ckpt["validation_loss"]
+            videos = self._validation_videos(t, ckpt)
             checkpoint_id = f"ftckpt-{t.id.removeprefix('ftjob-')}-{ckpt['step']}"
             if not ctx.store.fine_tunes.add_checkpoint(
-                checkpoint_id, t.id, t.token, ckpt["step"], path, summary
+                checkpoint_id, t.id, t.token, ckpt["step"], path, summary, videos
             ):
                 raise ClaimLost(t.id)
             if metrics is not None:
                 self._event(f"Checkpoint saved at step {ckpt['step']}")
+                if videos:
+                    made = sum(v["status"] == "succeeded" for v in videos)
+                    step = ckpt["step"]
+                    self._event(
+                        f"Validation videos sampled at step {step}: {made} of {len(videos)}"
+                    )
+
+    def _validation_videos(self, t: Tuning, ckpt: dict) -> list[dict] | None:
+        """The checkpoint's validation videos as the store keeps them (paths relative to the
+        storage); a failed one is logged with its reason, and fails nothing else."""
+        videos = ckpt.get("validation")
+        if videos is None:
+            return None
+        kept = []
+        for video in videos:
+            video = dict(video)
+            path = video.pop("path", None)
+            video.pop("file", None)
+            video["path"] = self.ctx.data.relative(path) if path else None
+            if video["status"] == "failed":
+                log.warning(
+                    "fine-tune %s: validation video %d at step %d failed: %s",
+                    t.id,
+                    video["index"],
+                    ckpt["step"],
+                    video["error"],
+                )
+            kept.append(video)
+        return kept
 
     def _end(self, status: str, error=None, model: dict | None = None) -> None:
         """Close the trainer and record the outcome; a success registers its model in the same

@@ -14,6 +14,7 @@ with SIGKILL: only for a worker in a child process (`serve_fake_jobs`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -135,7 +136,9 @@ class FakeModel(VideoModel):
 
 
 class FakeTrainer(TrainingRun):
-    """Counts steps, checkpoints every `save_every`, resumes from the newest checkpoint file."""
+    """Counts steps, checkpoints every `save_every`, resumes from the newest checkpoint file.
+    Each checkpoint "samples" the validation prompts into small files (a prompt with "fail" in
+    it fails) and, with a validation split, has a held-out loss."""
 
     def __init__(self, backend: FakeBackend, job: FinetuneJob):
         self.backend, self.job, self.spec = backend, job, job.spec
@@ -166,9 +169,7 @@ class FakeTrainer(TrainingRun):
         self.step += 1
         with self.backend.lock:
             self.backend.timeline.append(("train", self.step))
-        if self.step % self.spec.run.save_every == 0:
-            self.save_checkpoint()
-        return {
+        metrics = {
             "step": self.step,
             "loss": 1.0 / self.step,
             "lr": self.spec.optimizer.lr,
@@ -177,6 +178,30 @@ class FakeTrainer(TrainingRun):
             "h2d_bytes": 0,
             "d2h_bytes": 0,
         }
+        if self.step % self.spec.run.save_every == 0:
+            if self.spec.validation.split:
+                metrics["validation_loss"] = 2.0 / self.step
+            self.save_checkpoint()
+            self._validate(metrics.get("validation_loss"))
+        return metrics
+
+    def _validate(self, loss):
+        validation = self.spec.validation
+        if not validation.prompts and loss is None:
+            return
+        folder = self.output / "validation" / f"step-{self.step}"
+        folder.mkdir(parents=True, exist_ok=True)
+        videos = []
+        for i, p in enumerate(validation.prompts):
+            video = {**dataclasses.asdict(p), "index": i}
+            if "fail" in p.prompt:
+                video.update(status="failed", error="sampling failed", file=None)
+            else:
+                (folder / f"{i}.mp4").write_bytes(b"FAKEMP4" + f"{self.step}:{i}".encode())
+                video.update(status="succeeded", error=None, file=f"{i}.mp4")
+            videos.append(video)
+        record = {"step": self.step, "validation_loss": loss, "videos": videos}
+        (folder / "videos.json").write_text(json.dumps(record))
 
     def clip_plan(self):
         if not self.spec.clips.buckets:
@@ -191,7 +216,21 @@ class FakeTrainer(TrainingRun):
 
     def checkpoints(self):
         found = sorted(self.output.glob("step-*.ckpt"), key=lambda p: int(p.stem.split("-")[1]))
-        return [{"step": int(p.stem.split("-")[1]), "path": p, "created_at": 0} for p in found]
+        checkpoints = []
+        for p in found:
+            step = int(p.stem.split("-")[1])
+            checkpoint = {"step": step, "path": p, "created_at": 0}
+            folder = self.output / "validation" / f"step-{step}"
+            if (folder / "videos.json").is_file():
+                record = json.loads((folder / "videos.json").read_text())
+                for video in record["videos"]:
+                    if video["file"]:
+                        video["path"] = str(folder / video["file"])
+                checkpoint.update(
+                    validation=record["videos"], validation_loss=record["validation_loss"]
+                )
+            checkpoints.append(checkpoint)
+        return checkpoints
 
     def export(self, path):
         path = Path(path)

@@ -27,6 +27,7 @@ __all__ = [
     "Hyperparameters",
     "FineTuningJobEvent",
     "FineTuningJobCheckpoint",
+    "ValidationVideo",
     "Model",
     "WebhookEndpoint",
     "WebhookEndpointDeleted",
@@ -259,6 +260,7 @@ class Hyperparameters(APIObject):
     optimizer_state_tier: str | None = None  # "ram" or "disk": where the moments live
     buckets: bool | None = None  # clips in aspect and length buckets (shown when asked for)
     token_budget: int | None = None  # a bucketed clip's most tokens (shown when asked for)
+    validation_split: float | None = None  # clips held out for a validation loss (when asked)
 
 
 @dataclass
@@ -300,6 +302,9 @@ class FineTuningJob(APIObject):
     integrations: list[Any] | None = None
     step: int | None = None  # optimizer steps done
     total_steps: int | None = None
+    # The prompts every checkpoint samples, as resolved: prompt, seed, size, num_frames,
+    # num_inference_steps, guidance_scale.
+    validation: list[dict[str, Any]] | None = None
 
     @property
     def done(self) -> bool:
@@ -321,8 +326,25 @@ class FineTuningJobEvent(APIObject):
 
 
 @dataclass
+class ValidationVideo(APIObject):
+    """A validation prompt sampled with one checkpoint's weights."""
+
+    object: str | None = None
+    index: int | None = None  # the prompt's place in the job's `validation`
+    prompt: str | None = None
+    seed: int | None = None
+    size: str | None = None
+    num_frames: int | None = None
+    num_inference_steps: int | None = None
+    guidance_scale: float | None = None
+    status: str | None = None  # succeeded | failed
+    error: str | None = None  # why it failed
+    content_url: str | None = None  # the MP4 (succeeded only)
+
+
+@dataclass
 class FineTuningJobCheckpoint(APIObject):
-    """A checkpoint saved during a fine-tune."""
+    """A checkpoint saved during a fine-tune, with the validation videos sampled from it."""
 
     id: str | None = None
     object: str | None = None
@@ -330,7 +352,15 @@ class FineTuningJobCheckpoint(APIObject):
     fine_tuned_model_checkpoint: str | None = None
     fine_tuning_job_id: str | None = None
     step_number: int | None = None
-    metrics: dict[str, Any] | None = None
+    metrics: dict[str, Any] | None = None  # loss, lr; validation_loss with a validation split
+    validation: list[ValidationVideo] | None = None
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> FineTuningJobCheckpoint:
+        checkpoint = super().from_dict(data)
+        if checkpoint.validation is not None:
+            checkpoint.validation = [ValidationVideo.from_dict(v) for v in checkpoint.validation]
+        return checkpoint
 
 
 # ---------------------------------------------------------------------------------------------

@@ -124,6 +124,22 @@ export function forget(pathPrefix) {
   }
 }
 
+// A file held whole in this page, as a blob: URL, for a media element: a fine-tune's validation
+// videos, short clips that have no signed links (those are a video object's). Kept per path: a
+// checkpoint's videos never change.
+const blobs = new Map();
+
+export function blobURL(path) {
+  if (!blobs.has(path)) {
+    const made = send("GET", path).then(async (response) =>
+      URL.createObjectURL(await response.blob()),
+    );
+    made.catch(() => blobs.delete(path)); // a failed request may be tried again
+    blobs.set(path, made);
+  }
+  return blobs.get(path);
+}
+
 // An upload with progress: fetch cannot report how much of a request body was sent, XHR can.
 export function upload(path, form, onProgress) {
   return new Promise((resolve, reject) => {

@@ -1,5 +1,6 @@
-// The loss chart of a fine-tuning job, in SVG: one point per `metrics` event (step, loss), joined
-// by a line, on linear axes fitted to the points.
+// The loss chart of a fine-tuning job, in SVG: the training loss, one point per `metrics` event
+// (step, loss), joined by a line; and the held-out loss, one marked point per checkpoint, joined by
+// a dashed line; on linear axes fitted to both.
 
 import { svg } from "./dom.js";
 
@@ -24,14 +25,16 @@ function label(value) {
     : Number(value.toPrecision(3)).toString();
 }
 
-// `points`: [{step, loss}] in step order.
-export function lossChart(points) {
+// `points`, `heldOut`: [{step, loss}] in step order (the training and the held-out loss).
+export function lossChart(points, heldOut = []) {
+  const held = heldOut.length ? ` and held-out loss at ${heldOut.length} checkpoints` : "";
   const chart = svg("svg", {
     class: "loss-chart",
     viewBox: `0 0 ${WIDTH} ${HEIGHT}`,
     role: "img",
-    "aria-label": `training loss over ${points.length} steps`,
+    "aria-label": `training loss over ${points.length} steps${held}`,
     "data-points": points.length,
+    "data-held-out": heldOut.length,
   });
   if (!points.length) {
     chart.append(
@@ -43,9 +46,10 @@ export function lossChart(points) {
     );
     return chart;
   }
-  let [x0, x1] = extent(points.map((p) => p.step));
+  const all = [...points, ...heldOut];
+  let [x0, x1] = extent(all.map((p) => p.step));
   if (x0 === x1) [x0, x1] = [x0 - 1, x1 + 1];
-  let [y0, y1] = extent(points.map((p) => p.loss));
+  let [y0, y1] = extent(all.map((p) => p.loss));
   const margin = (y1 - y0) * 0.08 || Math.abs(y1) * 0.1 || 1;
   [y0, y1] = [y0 - margin, y1 + margin];
   const x = (step) => PAD.left + ((step - x0) / (x1 - x0)) * (WIDTH - PAD.left - PAD.right);
@@ -105,5 +109,25 @@ export function lossChart(points) {
       svg("title", {}, `step ${end.step}: loss ${end.loss}`),
     ),
   );
+  if (heldOut.length) {
+    chart.append(
+      svg("polyline", {
+        class: "held-out-line",
+        points: heldOut.map((p) => `${x(p.step).toFixed(1)},${y(p.loss).toFixed(1)}`).join(" "),
+      }),
+      ...heldOut.map((p) =>
+        svg(
+          "circle",
+          { class: "held-out-point", cx: x(p.step), cy: y(p.loss), r: 3 },
+          svg("title", {}, `step ${p.step}: held-out loss ${p.loss}`),
+        ),
+      ),
+      // The legend, top right: which line is which.
+      svg("line", { class: "loss-line", x1: WIDTH - 190, x2: WIDTH - 172, y1: 10, y2: 10 }),
+      svg("text", { class: "tick", x: WIDTH - 168, y: 14 }, "training"),
+      svg("line", { class: "held-out-line", x1: WIDTH - 104, x2: WIDTH - 86, y1: 10, y2: 10 }),
+      svg("text", { class: "tick", x: WIDTH - 82, y: 14 }, "held-out"),
+    );
+  }
   return chart;
 }

@@ -1,9 +1,11 @@
 // Fine-tuning: upload a dataset archive (POST /v1/files, with upload progress), start a job
 // (POST /v1/fine_tuning/jobs) and follow it: its status and step (GET .../{id}), its loss from the
 // `metrics` events (GET .../{id}/events, newest first), its checkpoints (GET .../{id}/checkpoints).
+// A job with validation prompts shows their videos side by side: prompts as rows, checkpoints as
+// columns; with a validation split, the held-out loss is drawn beside the training loss.
 // A job that succeeds serves its `ft:` model at once; one click opens it in the Create tab.
 
-import { APIError, get, request, upload } from "./api.js";
+import { APIError, blobURL, get, request, upload } from "./api.js";
 import { lossChart } from "./chart.js";
 import { fillModelSelect } from "./create.js";
 import {
@@ -157,8 +159,21 @@ export class FineTune {
     const height = number(f.height, "hyperparameters.size");
     if (width !== undefined || height !== undefined) hyper.size = `${width ?? ""}x${height ?? ""}`;
     for (const name of Object.keys(hyper)) if (hyper[name] === undefined) delete hyper[name];
+    const split = number(f.validation_split, "hyperparameters.validation_split");
+    if (split) hyper.validation_split = split;
     const body = { model: f.model.value, training_file: f.training_file.value };
     if (Object.keys(hyper).length) body.hyperparameters = hyper;
+    const prompts = f.validation.value
+      .split("\n")
+      .map((line) => line.trim())
+      .filter(Boolean);
+    if (prompts.length) {
+      // Sampled at the training clips' shape when one is given, else at the model's defaults.
+      const steps = number(f.validation_steps, "validation.steps");
+      const shared = { size: hyper.size, num_frames: hyper.num_frames, num_inference_steps: steps };
+      for (const name of Object.keys(shared)) if (shared[name] === undefined) delete shared[name];
+      body.validation = prompts.map((prompt) => ({ prompt, ...shared }));
+    }
     if (f.suffix.value.trim()) body.suffix = f.suffix.value.trim();
     const seed = number(f.seed, "seed");
     if (seed !== undefined) body.seed = seed;
@@ -228,6 +243,7 @@ export class FineTune {
       bar: progressBar(`training progress of ${job.id}`),
       step: h("p", { class: "state" }),
       chart: h("div", { class: "chart" }),
+      validation: h("div", { class: "validation-grid" }),
       checkpoints: h("tbody"),
       log: h("ol", { class: "log" }),
       error: h("p", { class: "error" }),
@@ -243,13 +259,24 @@ export class FineTune {
         onclick: () => this.use(),
       }),
     };
-    this.detail = { id: job.id, job, els, lastSeq: 0, log: [], losses: new Map(), timer: null };
+    this.detail = {
+      id: job.id,
+      job,
+      els,
+      lastSeq: 0,
+      log: [],
+      losses: new Map(),
+      heldOut: new Map(),
+      shownVideos: null, // the checkpoints whose validation videos are on the page
+      timer: null,
+    };
     this.detailBox.replaceChildren(
       h("header", { class: "detail-head" }, els.title, els.badge),
       els.summary,
       els.bar,
       els.step,
       els.chart,
+      els.validation,
       h("h4", {}, "Checkpoints"),
       h(
         "table",
@@ -257,7 +284,14 @@ export class FineTune {
         h(
           "thead",
           {},
-          h("tr", {}, h("th", {}, "step"), h("th", {}, "loss"), h("th", {}, "checkpoint")),
+          h(
+            "tr",
+            {},
+            h("th", {}, "step"),
+            h("th", {}, "loss"),
+            h("th", {}, "held-out loss"),
+            h("th", {}, "checkpoint"),
+          ),
         ),
         els.checkpoints,
       ),
@@ -311,7 +345,11 @@ export class FineTune {
       d.lastSeq = Math.max(d.lastSeq, eventSeq(event));
       d.log.push(event);
       // A resumed run takes a step again after its last checkpoint: the later value stands.
-      if (event.type === "metrics" && event.data) d.losses.set(event.data.step, event.data.loss);
+      if (event.type === "metrics" && event.data) {
+        d.losses.set(event.data.step, event.data.loss);
+        const held = event.data.validation_loss;
+        if (held != null) d.heldOut.set(event.data.step, held);
+      }
     }
   }
 
@@ -329,10 +367,10 @@ export class FineTune {
     const total = job.total_steps || 0;
     setProgress(els.bar, total ? (100 * job.step) / total : job.status === "succeeded" ? 100 : 0);
     els.step.textContent = total ? `step ${job.step} of ${total}` : job.status;
-    const points = [...losses]
-      .map(([step, loss]) => ({ step, loss }))
-      .sort((a, b) => a.step - b.step);
-    els.chart.replaceChildren(lossChart(points));
+    const series = (values) =>
+      [...values].map(([step, loss]) => ({ step, loss })).sort((a, b) => a.step - b.step);
+    els.chart.replaceChildren(lossChart(series(losses), series(this.detail.heldOut)));
+    this.renderValidation();
     els.checkpoints.replaceChildren(
       ...checkpoints.map((c) =>
         h(
@@ -340,6 +378,13 @@ export class FineTune {
           {},
           h("td", {}, c.step_number),
           h("td", {}, c.metrics?.loss != null ? Number(c.metrics.loss).toPrecision(4) : "–"),
+          h(
+            "td",
+            {},
+            c.metrics?.validation_loss != null
+              ? Number(c.metrics.validation_loss).toPrecision(4)
+              : "–",
+          ),
           h("td", { class: "mono" }, c.fine_tuned_model_checkpoint),
         ),
       ),
@@ -363,6 +408,58 @@ export class FineTune {
     els.use.textContent = `Create with ${job.fine_tuned_model}`;
     const row = [...this.jobsList.children].find((r) => r.dataset.id === job.id);
     if (row) this.updateRow(row, job);
+  }
+
+  // The validation videos, prompts as rows and checkpoints as columns (oldest first); drawn again
+  // only when a checkpoint is added, so that the clips keep playing across polls.
+  renderValidation() {
+    const d = this.detail;
+    const prompts = d.job.validation || [];
+    const checkpoints = [...(d.checkpoints || [])].reverse();
+    const shown = checkpoints.map((c) => c.id).join(" ");
+    if (!prompts.length || shown === d.shownVideos) return;
+    d.shownVideos = shown;
+    const cell = (checkpoint, index) => {
+      const video = checkpoint.validation?.[index];
+      if (!video) return h("td", {}, "–");
+      if (video.status !== "succeeded") {
+        return h("td", { class: "failed", title: video.error || "" }, "failed");
+      }
+      const player = h("video", { controls: true, loop: true, playsinline: true });
+      player.muted = true; // browsers autoplay muted clips only
+      player.autoplay = true;
+      player.dataset.step = checkpoint.step_number;
+      player.dataset.index = index;
+      blobURL(video.content_url.replace(/^\//, "")).then(
+        (src) => (player.src = src),
+        (err) => player.replaceWith(h("span", { class: "failed" }, err.message)),
+      );
+      return h("td", {}, player);
+    };
+    d.els.validation.replaceChildren(
+      h("h4", {}, "Validation videos"),
+      h(
+        "table",
+        { class: "validation" },
+        h(
+          "thead",
+          {},
+          h(
+            "tr",
+            {},
+            h("th", {}, "prompt"),
+            ...checkpoints.map((c) => h("th", {}, `step ${c.step_number}`)),
+          ),
+        ),
+        h(
+          "tbody",
+          {},
+          ...prompts.map((p, index) =>
+            h("tr", {}, h("th", {}, p.prompt), ...checkpoints.map((c) => cell(c, index))),
+          ),
+        ),
+      ),
+    );
   }
 
   async cancel() {

@@ -1,13 +1,16 @@
-"""`client.fine_tuning.jobs`: create, retrieve, list, cancel, list_events, checkpoints, wait."""
+"""`client.fine_tuning.jobs`: create, retrieve, list, cancel, list_events, checkpoints, wait,
+and download_validation_video."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .._pagination import AsyncPaginator, SyncCursorPage
 from .._polling import Watch
 from .._progress import ProgressBar
+from .._streaming import PathLike
 from ..types import FineTuningJob, FineTuningJobCheckpoint, FineTuningJobEvent
 
 if TYPE_CHECKING:
@@ -24,6 +27,7 @@ def create_body(
     method: Mapping[str, Any] | None,
     seed: int | None,
     suffix: str | None,
+    validation: Sequence[Mapping[str, Any]] | None,
     extra_body: Mapping[str, Any] | None,
 ) -> dict[str, Any]:
     body = {
@@ -33,10 +37,15 @@ def create_body(
         "method": method,
         "seed": seed,
         "suffix": suffix,
+        "validation": [dict(v) for v in validation] if validation is not None else None,
     }
     body = {k: v for k, v in body.items() if v is not None}
     body.update(extra_body or {})
     return body
+
+
+def validation_video_path(job_id: str, checkpoint_id: str, index: int) -> str:
+    return f"/v1/fine_tuning/jobs/{job_id}/checkpoints/{checkpoint_id}/validation/{index}/content"
 
 
 # Events fetched per page while following a job: enough that one poll rarely needs a second page.
@@ -133,6 +142,7 @@ class Jobs:
         method: Mapping[str, Any] | None = None,
         seed: int | None = None,
         suffix: str | None = None,
+        validation: Sequence[Mapping[str, Any]] | None = None,
         extra_body: Mapping[str, Any] | None = None,
         idempotency_key: str | None = None,
     ) -> FineTuningJob:
@@ -146,7 +156,11 @@ class Jobs:
         lengths train as they come, each batch one aspect and length bucket) and
         `token_budget` (a bucketed clip's most tokens); on a two-expert base (Wan2.2-A14B)
         `expert`: "high" or "low" to train one, or "both" (the default: each on its own noise
-        levels).
+        levels); `validation_split` (clips held out of training for a validation loss at every
+        checkpoint: a fraction, or a count).
+        `validation`: up to 8 prompts (`{"prompt", "seed", "size", "num_frames",
+        "num_inference_steps", "guidance_scale"}`) sampled with every checkpoint's weights; each
+        checkpoint lists them (`checkpoints`), `download_validation_video` fetches one.
         A job that succeeds registers the model `ft:<model>:<suffix>:<job id>`.
         """
         body = create_body(
@@ -156,6 +170,7 @@ class Jobs:
             method=method,
             seed=seed,
             suffix=suffix,
+            validation=validation,
             extra_body=extra_body,
         )
         response = self._client.post(
@@ -191,9 +206,23 @@ class Jobs:
     def checkpoints(
         self, job_id: str, *, after: str | None = None, limit: int | None = None
     ) -> SyncCursorPage[FineTuningJobCheckpoint]:
-        """The checkpoints the job has saved."""
+        """The checkpoints the job has saved, newest first, each with its `validation` videos."""
         path = f"/v1/fine_tuning/jobs/{job_id}/checkpoints"
         return self._client.get_page(path, FineTuningJobCheckpoint, after=after, limit=limit)
+
+    def download_validation_video(
+        self,
+        job_id: str,
+        checkpoint_id: str,
+        index: int,
+        *,
+        path: PathLike | None = None,
+    ) -> Path | bytes:
+        """The MP4 of validation prompt `index` sampled from a checkpoint: into `path` (written
+        whole, resumed with a Range request if the connection breaks) and that Path returned,
+        or as bytes."""
+        url = validation_video_path(job_id, checkpoint_id, index)
+        return self._client.download(url, to=path)
 
     def wait(
         self,
@@ -242,6 +271,7 @@ class AsyncJobs:
         method: Mapping[str, Any] | None = None,
         seed: int | None = None,
         suffix: str | None = None,
+        validation: Sequence[Mapping[str, Any]] | None = None,
         extra_body: Mapping[str, Any] | None = None,
         idempotency_key: str | None = None,
     ) -> FineTuningJob:
@@ -253,6 +283,7 @@ class AsyncJobs:
             method=method,
             seed=seed,
             suffix=suffix,
+            validation=validation,
             extra_body=extra_body,
         )
         response = await self._client.post(
@@ -289,6 +320,18 @@ class AsyncJobs:
     ) -> AsyncPaginator[FineTuningJobCheckpoint]:
         path = f"/v1/fine_tuning/jobs/{job_id}/checkpoints"
         return self._client.get_page(path, FineTuningJobCheckpoint, after=after, limit=limit)
+
+    async def download_validation_video(
+        self,
+        job_id: str,
+        checkpoint_id: str,
+        index: int,
+        *,
+        path: PathLike | None = None,
+    ) -> Path | bytes:
+        """The MP4 of one validation video (see `Jobs.download_validation_video`)."""
+        url = validation_video_path(job_id, checkpoint_id, index)
+        return await self._client.download(url, to=path)
 
     async def wait(
         self,
