@@ -144,6 +144,13 @@ class ModelLimits:
             except ValueError as e:
                 raise RequestError(str(e), param=param) from None
 
+    def fit_frames(self, available: int) -> int:
+        """The longest clip this model makes from `available` frames (an input video's): the
+        frame rule's largest length that is no longer (its shortest clip when none is)."""
+        n = max(min(available, self.max_frames) - self.frames_offset, 0)
+        shortest = 0 if self.frames_offset else self.frames_multiple
+        return max(n - n % self.frames_multiple, shortest) + self.frames_offset
+
     def check_prompt(self, text: str, param: str, max_chars: int | None = None) -> None:
         if max_chars is not None and len(text) > max_chars:
             raise RequestError(
@@ -300,6 +307,11 @@ def resolve_cache(value: str | dict | None) -> CacheSpec | None:
             param="cache",
         )
     return CacheSpec(policy, float(threshold), forecast)
+
+
+# The fields of `ResolvedVideo` that name a file the request brought (stored by a server, which
+# keys repeats by their bytes and resolves them on the worker's side).
+INPUT_FILES = ("image", "last_image", "video")
 
 
 @dataclass(frozen=True)

@@ -182,7 +182,18 @@ class Settings(BaseSettings):
         1024**2, ge=1, description="largest request body on routes that take no file"
     )
     max_image_bytes: int = Field(
-        64 * 1024**2, ge=1, description="largest first-frame image upload (input_reference)"
+        64 * 1024**2,
+        ge=1,
+        description="largest first- or last-frame image upload (input_reference, last_frame)",
+    )
+    max_video_bytes: int = Field(
+        256 * 1024**2, ge=1, description="largest input video upload (input_video)"
+    )
+    max_video_frames: int = Field(
+        1024,
+        ge=1,
+        description="most frames an input video (input_video) may hold: each is decoded when "
+        "it is uploaded",
     )
 
     # Files and fine-tuning.

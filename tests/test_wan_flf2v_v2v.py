@@ -24,8 +24,8 @@ diffusers = pytest.importorskip("diffusers")
 @pytest.fixture(scope="module")
 def wan(tmp_path_factory):
     """A Wan2.1-FLF2V-style pipeline, a Wan2.2-I2V-A14B-style one (two experts, no CLIP), a
-    Wan2.1-I2V-style one, a text-to-video one with each scheduler, two images and an input video
-    of 12 frames larger than the clip."""
+    Wan2.1-I2V-style one, a text-to-video one with each scheduler and a two-expert one, two
+    images and an input video of 12 frames larger than the clip."""
     from PIL import Image
 
     from megaslide.engine.video import write_mp4
@@ -42,6 +42,7 @@ def wan(tmp_path_factory):
         "i2v": build_tiny_wan(root / "i2v", i2v=True),
         "unipc": build_tiny_wan(root / "unipc"),
         "euler": build_tiny_wan(root / "euler", scheduler="euler"),
+        "t2v-experts": build_tiny_wan(root / "t2v-experts", experts=2),
         "first": root / "first.png",
         "last": root / "last.png",
         "video": root / "input.mp4",
@@ -171,7 +172,7 @@ def test_video_to_video_rules_and_batching(wan, tmp_path):
     strength without a video, one that keeps no step, a video on an image-to-video model and a
     video shorter than the clip are refused. A video-to-video request and a
     text-to-video one share a batch at different points of their schedules, each within a level
-    of its clip alone."""
+    of its clip alone; a two-expert model takes a video too."""
     from megaslide.engine.video import write_mp4
 
     pipe = open_pipeline(wan["unipc"])
@@ -205,3 +206,89 @@ def test_video_to_video_rules_and_batching(wan, tmp_path):
     for ours, theirs in zip(pipe.finish_batch(states), alone):
         assert level_diff(ours, theirs) <= 1
     assert level_diff(alone[0], pipe.generate(video_request(wan, strength=1.0))) > 8
+
+    # Wan2.2-A14B-style experts: the steps kept run the expert owning their timesteps (the
+    # low-noise one below the boundary), as any request's do.
+    experts = open_pipeline(wan["t2v-experts"])
+    state = experts.prepare(experts.resolve(video_request(wan)))
+    assert state.timestep < experts.boundary and experts.expert(state) == 1
+    assert experts.generate(video_request(wan)).std() > 1
+
+
+def test_served_through_the_sdk_and_the_command_line(wan, tmp_path, capsys):
+    """A served FLF2V model takes both frames from the SDK (multipart `input_reference` and
+    `last_frame`), a text-to-video one an input video and a strength (the clip's length the
+    video's, to the frame rule), each the clip the pipeline makes of the same request; a video
+    that is no MP4, WebM or GIF, an FFmpeg playlist, one too long to decode or too short for the
+    clip is a 400 naming `input_video`. `megaslide generate` sends them with `--server` and runs
+    them locally."""
+    import megaslide_client
+    from megaslide.cli.main import main
+    from megaslide.engine.video import write_mp4
+    from megaslide.server import Settings
+
+    from server_fakes import live_server, torch_app
+
+    models = [f"flf2v={wan['flf2v']}", f"t2v={wan['unipc']}"]
+    settings = Settings(
+        data_dir=tmp_path / "data", models=models, device="cpu", poll_after_ms=50
+    ).model_copy(update={"max_video_frames": 16})
+    frames = {}
+    small = dict(
+        size="32x32", num_inference_steps=2, guidance_scale=4.0, seed=1, poll_interval_ms=50
+    )
+    with (
+        live_server(torch_app(settings, frames)) as url,
+        megaslide_client.Client(base_url=url) as client,
+    ):
+        inputs = {m.id: m.inputs for m in client.models.list()}
+        assert inputs == {"flf2v": ["text", "image", "last_image"], "t2v": ["text", "video"]}
+        both = client.videos.create_and_poll(
+            model="flf2v",
+            prompt=PROMPT,
+            num_frames=9,
+            input_reference=wan["first"],
+            last_frame=wan["last"],
+            **small,
+        )
+        assert both.status == "completed", both
+        local = open_pipeline(wan["flf2v"])
+        expected = local.generate(frames_request(wan, negative_prompt=None, seed=1))
+        assert np.array_equal(frames[both.id], expected)
+        remade = client.videos.create_and_poll(
+            model="t2v", prompt=PROMPT, input_video=wan["video"], strength=0.5, **small
+        )
+        assert remade.status == "completed" and remade.num_frames == 9, remade
+        local = open_pipeline(wan["unipc"])
+        expected = local.generate(video_request(wan, negative_prompt=None, seed=1, steps=2))
+        assert np.array_equal(frames[remade.id], expected)
+
+        playlist = tmp_path / "list.m3u8"
+        playlist.write_text(f"#EXTM3U\n#EXTINF:1,\nfile://{wan['video']}\n")
+        long = tmp_path / "long.mp4"
+        write_mp4(long, np.zeros((17, 32, 32, 3), np.uint8), fps=8)
+        refusals = [
+            (dict(input_video=b"not a video"), "not a MP4 or QuickTime, WebM or Matroska, GIF"),
+            (dict(input_video=playlist), "not a MP4"),
+            (dict(input_video=long), "more than 16 frames"),
+            (dict(input_video=wan["video"], num_frames=13), "has 12 frames"),
+            (dict(model="flf2v", input_video=wan["video"]), "does not take an input video"),
+        ]
+        for fields, message in refusals:
+            with pytest.raises(megaslide_client.BadRequestError, match=message) as refused:
+                client.videos.create(**{"model": "t2v", "prompt": PROMPT, **fields})
+            assert refused.value.param == "input_video"
+
+        out = tmp_path / "remote.mp4"
+        args = ["--size", "32x32", "--steps", "2", "--no-progress", "-o", str(out)]
+        remote = ["generate", PROMPT, "--server", url, *args]
+        assert main([*remote, "--model", "t2v", "--video", str(wan["video"])]) == 0
+        assert out.read_bytes()[4:8] == b"ftyp"
+        flf = ["--image", str(wan["first"]), "--last-image", str(wan["last"])]
+        assert main([*remote, "--model", "flf2v", "--frames", "9", *flf]) == 0
+    local = ["generate", PROMPT, *args, "--frames", "9", "--model"]
+    assert main([*local, str(wan["flf2v"]), *flf]) == 0
+    assert main([*local, str(wan["unipc"]), "--video", str(wan["video"]), "--strength", "0.5"]) == 0
+    capsys.readouterr()
+    assert main([*local, str(wan["flf2v"]), "--image", str(wan["first"])]) == 2
+    assert "give the last one too" in capsys.readouterr().err
