@@ -233,9 +233,10 @@ class VideoCreate(Request):
         "parameter, the image's bytes) with that video's MP4 at once, naming it in "
         "cached_from; false: run it again",
     )
-    # Image-to-video: a first-frame image, uploaded as a multipart file (see the videos router);
-    # first-last-frame-to-video: a last-frame image besides; video-to-video: an input video (the
-    # clip's length by default, its first num_frames frames otherwise) and a strength.
+    # Image-to-video: a first-frame image, uploaded as a multipart file (see the videos router) or
+    # named by the id of a file uploaded with purpose "input" to /v1/files; first-last-frame-to-
+    # video: a last-frame image besides; video-to-video: an input video (the clip's length by
+    # default, its first num_frames frames otherwise) and a strength.
     input_reference: Any = None
     last_frame: Any = None
     input_video: Any = None

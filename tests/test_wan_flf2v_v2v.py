@@ -218,7 +218,8 @@ def test_video_to_video_rules_and_batching(wan, tmp_path):
 def test_served_through_the_sdk_and_the_command_line(wan, tmp_path, capsys):
     """A served FLF2V model takes both frames from the SDK (multipart `input_reference` and
     `last_frame`), a text-to-video one an input video and a strength (the clip's length the
-    video's, to the frame rule), each the clip the pipeline makes of the same request; a video
+    video's, to the frame rule), each the clip the pipeline makes of the same request, and the
+    video as a file of /v1/files named by id in a JSON request (a repeat of the upload's); a video
     that is no MP4, WebM or GIF, an FFmpeg playlist, one too long to decode or too short for the
     clip is a 400 naming `input_video`. `megaslide generate` sends them with `--server` and runs
     them locally."""
@@ -262,6 +263,13 @@ def test_served_through_the_sdk_and_the_command_line(wan, tmp_path, capsys):
         local = open_pipeline(wan["unipc"])
         expected = local.generate(video_request(wan, negative_prompt=None, seed=1, steps=2))
         assert np.array_equal(frames[remade.id], expected)
+        # The same video uploaded to /v1/files and named by its id in a JSON request.
+        file = client.files.create(file=wan["video"], purpose="input")
+        assert file.status == "processed"
+        named = client.videos.create_and_poll(
+            model="t2v", prompt=PROMPT, strength=0.5, extra_body={"input_video": file.id}, **small
+        )
+        assert named.status == "completed" and named.cached_from == remade.id, named
 
         playlist = tmp_path / "list.m3u8"
         playlist.write_text(f"#EXTM3U\n#EXTINF:1,\nfile://{wan['video']}\n")

@@ -120,7 +120,7 @@ async def create_video(
         key,
         image=files.get("input_reference"),
         last_image=files.get("last_frame"),
-        video=files.get("input_video"),
+        input_video=files.get("input_video"),
     )
     poll_hint(response, video, settings)
     return video

@@ -18,9 +18,10 @@ from ..datadir import DataDir
 from ..errors import InvalidRequest, NotFound, NotReady, PayloadTooLarge
 from ..protocol import ModelCard, WorkerClient
 from ..records import VideoRecord
-from ..schemas import Video, VideoCreate, VideoDeleted, page, video_object
+from ..schemas import FILE_FIELDS, Video, VideoCreate, VideoDeleted, page, video_object
 from ..settings import Settings
 from ..store import AsyncStore, Reservation, now
+from .files import INPUT_PURPOSE
 from .idempotency import IdempotencyKey, answer_once, create_once
 from .jobs import admit, check_priority, new_id, wait_for
 from .models import find_model
@@ -53,10 +54,10 @@ class Videos:
         key: IdempotencyKey | None,
         image: BinaryIO | None = None,
         last_image: BinaryIO | None = None,
-        video: BinaryIO | None = None,
+        input_video: BinaryIO | None = None,
     ) -> Video:
-        """Queue a video (`image`, `last_image`, `video`: an uploaded first frame, last frame,
-        input video), or, unless `body.reuse` is off, answer it at once with the requester's
+        """Queue a video (`image`, `last_image`, `input_video`: an uploaded first frame, last
+        frame, input video; `body` may name files of /v1/files instead), or, unless `body.reuse` is off, answer it at once with the requester's
         finished video it repeats (repeats.py). A retry with the same key gets the video its
         first request made."""
         check_priority(body.priority, principal)
@@ -66,8 +67,13 @@ class Videos:
         card = find_model(self.workers, body.model or served[0].name, principal)
         video_id = new_id("video_")
         stored: dict[str, Path] = {}
+        named = await self._named_files(body, principal)
+        image = named.get("input_reference", image)
+        last_image = named.get("last_frame", last_image)
+        input_video = named.get("input_video", input_video)
+        body = body.model_copy(update=dict.fromkeys(FILE_FIELDS))
         try:
-            frames = await self._store_files(card, video_id, image, last_image, video, stored)
+            frames = await self._store_files(card, video_id, image, last_image, input_video, stored)
             video = self._resolve(body, card, stored, frames)
             digests = {name: _digest(path) for name, path in stored.items()}
             digests = {name: digests.get(name) for name in INPUT_FILES}
@@ -103,6 +109,9 @@ class Videos:
         except BaseException:
             _discard(stored)
             raise
+        finally:
+            for file in named.values():
+                file.close()
         if replayed:
             _discard(stored)  # the first request's files are the video's
         elif row.cached_from is None:
@@ -140,6 +149,37 @@ class Videos:
             for path in self.data.video(video_id):
                 path.unlink(missing_ok=True)
             raise
+
+    async def _named_files(self, body: VideoCreate, principal: Principal) -> dict[str, BinaryIO]:
+        """The files `body` names by id (uploaded with purpose "input" to /v1/files), opened, by
+        field; each is checked as an upload of its own would be (`_store_files`)."""
+        named = {}
+        try:
+            for field in FILE_FIELDS:
+                file_id = getattr(body, field)
+                if file_id is None:
+                    continue
+                if not isinstance(file_id, str) or not file_id.startswith("file-"):
+                    raise RequestError(
+                        f"{field} must be a file uploaded as multipart/form-data, or the id of a "
+                        'file uploaded with purpose "input" to /v1/files',
+                        param=field,
+                    )
+                row = await self.store.files.get(file_id)
+                if row is None or not principal.may_see(row.owner):
+                    raise NotFound(f"{field}: no file {file_id!r}", param=field)
+                if row.purpose != INPUT_PURPOSE:
+                    raise RequestError(
+                        f"{field}: file {file_id} was uploaded with purpose {row.purpose!r}, not "
+                        f"{INPUT_PURPOSE!r}",
+                        param=field,
+                    )
+                named[field] = await run_in_threadpool(self.data.resolve(row.path).open, "rb")
+        except BaseException:
+            for file in named.values():
+                file.close()
+            raise
+        return named
 
     async def _store_files(
         self,
