@@ -147,8 +147,8 @@ class Settings(BaseSettings):
     max_image_pixels: int = Field(
         4096 * 4096,
         ge=1,
-        description="largest image or video frame decoded (input_reference, training clips), "
-        "in pixels; checked from the header, before decoding",
+        description="largest image or video frame decoded (input_reference, last_frame, "
+        "input_video, training clips), in pixels; checked from the header, before decoding",
     )
     poll_after_ms: int = Field(1000, ge=0, description="openai-poll-after-ms hint for active jobs")
     cancel_wait_s: float = Field(
