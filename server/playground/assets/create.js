@@ -253,6 +253,10 @@ export class CreateForm {
     if (f.guidance_interval.value) body.guidance_interval = JSON.parse(f.guidance_interval.value);
     const loras = this.loras();
     if (loras.length) body.loras = loras;
+    // With an input video, how much of the schedule runs (the server's default when empty).
+    if (!this.form.querySelector("#video-field").hidden) {
+      body.strength = number(f.strength, "strength");
+    }
     for (const name of Object.keys(body)) if (body[name] === undefined) delete body[name];
     return body;
   }
@@ -267,8 +271,6 @@ export class CreateForm {
       const files = FILE_INPUTS.filter(([, selector]) => shown(selector))
         .map(([, , name]) => [name, this.fields[name].files[0]])
         .filter(([, file]) => file);
-      const strength = this.fields.strength.value;
-      if (shown("#video-field") && strength) body.strength = Number(strength);
       let video;
       if (files.length) {
         // Files go as multipart, the other fields as form values beside them.
