@@ -118,9 +118,9 @@ def test_plain_from_pretrained_within_one_level(wan):
 @pytest.mark.parametrize("variant", sorted(CPU_VARIANTS))
 @pytest.mark.slow
 def test_parity_holds_on_other_cpus_code_paths(variant):
-    """The parity tests above, test_wan_i2v.py's and test_wan_flf2v_v2v.py's, again in a child process on the kernels an
-    AVX2-only or an SSE4.2 machine would run (MKL, ATen and oneDNN told to use no wider
-    vectors), so a machine with AVX-512 catches what an AMD one would."""
+    """The parity tests above, test_wan_i2v.py's and test_wan_flf2v_v2v.py's, again in a child
+    process on the kernels an AVX2-only or an SSE4.2 machine would run (MKL, ATen and oneDNN
+    told to use no wider vectors), so a machine with AVX-512 catches what an AMD one would."""
     here = Path(__file__)
     others = [here.with_name(f) for f in ("test_wan_i2v.py", "test_wan_flf2v_v2v.py")]
     done = run_on_cpu_variant(variant, "cpu_variants", here, *others)

@@ -112,7 +112,8 @@ class WanConfig:
     # docstring), and whether a CLIP image encoder feeds the transformer (Wan2.1-I2V).
     image_condition: bool = False
     image_encoder: bool = False
-    # Wan2.1-FLF2V: the CLIP embedder takes a first and a last frame's features (`pos_embed_seq_len`).
+    # Wan2.1-FLF2V: the CLIP embedder takes a first and a last frame's features
+    # (`pos_embed_seq_len`).
     first_last_frame: bool = False
     # Single-file transformer checkpoints (one per expert) read instead of the directory's own
     # transformer weights (single_file.py): a fine-tune shared as one file over its base pipeline.
@@ -235,8 +236,9 @@ def read_wan_config(path: Path) -> WanConfig:
 def _image_conditioning(
     path: Path, index: dict, transformer: dict, vae: dict
 ) -> tuple[bool, bool, bool]:
-    """`(image_condition, image_encoder, first_last_frame)` of a pipeline (see the module's docstring), checked
-    against what diffusers' Wan pipelines would run; WanFormatError naming the file otherwise."""
+    """`(image_condition, image_encoder, first_last_frame)` of a pipeline (see the module's
+    docstring), checked against what diffusers' Wan pipelines would run; WanFormatError naming
+    the file otherwise."""
     pipeline = index["_class_name"]
     config = path / "transformer" / "config.json"
     z, mask = vae.get("z_dim", 16), vae.get("scale_factor_temporal", 4)

@@ -57,9 +57,9 @@ class Videos:
         input_video: BinaryIO | None = None,
     ) -> Video:
         """Queue a video (`image`, `last_image`, `input_video`: an uploaded first frame, last
-        frame, input video; `body` may name files of /v1/files instead), or, unless `body.reuse` is off, answer it at once with the requester's
-        finished video it repeats (repeats.py). A retry with the same key gets the video its
-        first request made."""
+        frame, input video; `body` may name files of /v1/files instead), or, unless
+        `body.reuse` is off, answer it at once with the requester's finished video it repeats
+        (repeats.py). A retry with the same key gets the video its first request made."""
         check_priority(body.priority, principal)
         served = self.workers.models()
         if not served:
@@ -174,7 +174,10 @@ class Videos:
                         f"{INPUT_PURPOSE!r}",
                         param=field,
                     )
-                named[field] = await run_in_threadpool(self.data.resolve(row.path).open, "rb")
+                try:
+                    named[field] = await run_in_threadpool(self.data.resolve(row.path).open, "rb")
+                except FileNotFoundError:  # deleted since it was looked up
+                    raise NotFound(f"{field}: no file {file_id!r}", param=field) from None
         except BaseException:
             for file in named.values():
                 file.close()
