@@ -370,6 +370,11 @@ class Video(BaseModel):
         None, description="the request's or an adapter's; null: the model's"
     )
     guidance_interval: list[float] | None = Field(None, description="null: guided on every step")
+    strength: float | None = Field(
+        None,
+        description="with an input video: the fraction of the schedule run (its last "
+        "int(num_inference_steps * strength) steps); null: none",
+    )
     cached_from: str | None = Field(
         None,
         description="the completed video whose MP4 answered this request, which repeated it "
@@ -432,6 +437,7 @@ def video_object(video: VideoRecord) -> Video:
         timesteps=spec.get("timesteps"),
         shift=spec.get("shift"),
         guidance_interval=spec.get("guidance_interval"),
+        strength=spec.get("strength"),
         cached_from=video.cached_from,
     )
 

@@ -260,6 +260,7 @@ def test_served_through_the_sdk_and_the_command_line(wan, tmp_path, capsys):
             model="t2v", prompt=PROMPT, input_video=wan["video"], strength=0.5, **small
         )
         assert remade.status == "completed" and remade.num_frames == 9, remade
+        assert remade.strength == 0.5 and both.strength is None
         local = open_pipeline(wan["unipc"])
         expected = local.generate(video_request(wan, negative_prompt=None, seed=1, steps=2))
         assert np.array_equal(frames[remade.id], expected)
