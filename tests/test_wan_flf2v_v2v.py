@@ -225,7 +225,7 @@ def test_served_through_the_sdk_and_the_command_line(wan, tmp_path, capsys):
     them locally."""
     import megaslide_client
     from megaslide.cli.main import main
-    from megaslide.engine.video import write_mp4
+    from megaslide.engine.video import read_video, write_mp4
     from megaslide.server import Settings
 
     from server_fakes import live_server, torch_app
@@ -295,9 +295,11 @@ def test_served_through_the_sdk_and_the_command_line(wan, tmp_path, capsys):
         assert out.read_bytes()[4:8] == b"ftyp"
         flf = ["--image", str(wan["first"]), "--last-image", str(wan["last"])]
         assert main([*remote, "--model", "flf2v", "--frames", "9", *flf]) == 0
-    local = ["generate", PROMPT, *args, "--frames", "9", "--model"]
-    assert main([*local, str(wan["flf2v"]), *flf]) == 0
+    local = ["generate", PROMPT, *args, "--model"]
+    assert main([*local, str(wan["flf2v"]), "--frames", "9", *flf]) == 0
+    # Without --frames, the video's length to the frame rule: 12 frames make a clip of 9.
     assert main([*local, str(wan["unipc"]), "--video", str(wan["video"]), "--strength", "0.5"]) == 0
+    assert read_video(out).shape == (9, 32, 32, 3)
     capsys.readouterr()
     assert main([*local, str(wan["flf2v"]), "--image", str(wan["first"])]) == 2
     assert "give the last one too" in capsys.readouterr().err
