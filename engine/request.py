@@ -46,6 +46,10 @@ CACHE_PRESETS = {
 }
 MAX_CACHE_THRESHOLD = 100.0
 
+# Video-to-video: the fraction of the schedule a request runs from its noised input video when it
+# names none (diffusers' `WanVideoToVideoPipeline` default).
+DEFAULT_STRENGTH = 0.8
+
 TRAIN_TIMESTEPS = 1000  # the flow-matching models' timestep scale: 1000 is pure noise
 
 
@@ -74,6 +78,10 @@ class ModelLimits:
     frames_offset: int = 0  # e.g. 1 for a causal video VAE (frames = 4k + 1)
     image_input: bool = False  # takes a first-frame image (image-to-video)
     image_required: bool = False  # and needs one (an image-to-video model makes nothing without)
+    # A last-frame image besides the first (first-last-frame-to-video), and whether it needs one.
+    last_image_input: bool = False
+    last_image_required: bool = False
+    video_input: bool = False  # takes an input video to remake (video-to-video, with a strength)
     experts: int = 1  # denoisers that split the noise levels (fine-tuning trains one at a time)
     cache_policies: tuple[str, ...] = CACHE_POLICIES  # the step-cache policies its sampler runs
     prompt_unit: str = "bytes (UTF-8)"
@@ -94,6 +102,9 @@ class ModelLimits:
             "prompt_unit": self.prompt_unit,
             "image_input": self.image_input,
             "image_required": self.image_required,
+            "last_image_input": self.last_image_input,
+            "last_image_required": self.last_image_required,
+            "video_input": self.video_input,
             "experts": self.experts,
             "cache_policies": list(self.cache_policies),
         }
@@ -132,6 +143,13 @@ class ModelLimits:
                 self.check_shape(frames, height, width)
             except ValueError as e:
                 raise RequestError(str(e), param=param) from None
+
+    def fit_frames(self, available: int) -> int:
+        """The longest clip this model makes from `available` frames (an input video's): the
+        frame rule's largest length that is no longer (its shortest clip when none is)."""
+        n = max(min(available, self.max_frames) - self.frames_offset, 0)
+        shortest = 0 if self.frames_offset else self.frames_multiple
+        return max(n - n % self.frames_multiple, shortest) + self.frames_offset
 
     def check_prompt(self, text: str, param: str, max_chars: int | None = None) -> None:
         if max_chars is not None and len(text) > max_chars:
@@ -199,6 +217,12 @@ class VideoRequest:
     guidance: float | None = None
     seed: int | None = None
     image: str | None = None  # a first-frame image file, for a model that takes one
+    last_image: str | None = None  # a last-frame image file (first-last-frame-to-video)
+    # An input video file to remake (video-to-video): its first `frames` frames, resized to the
+    # clip, noised to the `strength` fraction of the schedule (default DEFAULT_STRENGTH) and
+    # denoised from there.
+    video: str | None = None
+    strength: float | None = None
     loras: tuple[LoraChoice, ...] = ()  # LoRA adapters to apply, in order
     # A step cache: a preset's name ("fast", ...), or {"policy": ..., "threshold": ...,
     # "forecast": ...} (forecast optional, "none" by default); None or "off": every step runs
@@ -285,6 +309,11 @@ def resolve_cache(value: str | dict | None) -> CacheSpec | None:
     return CacheSpec(policy, float(threshold), forecast)
 
 
+# The fields of `ResolvedVideo` that name a file the request brought (stored by a server, which
+# keys repeats by their bytes and resolves them on the worker's side).
+INPUT_FILES = ("image", "last_image", "video")
+
+
 @dataclass(frozen=True)
 class ResolvedVideo:
     """A video request with every field concrete and valid for the model it names."""
@@ -300,6 +329,9 @@ class ResolvedVideo:
     guidance: float
     seed: int
     image: str | None = None
+    last_image: str | None = None
+    video: str | None = None
+    strength: float | None = None  # with `video` only: the fraction of the schedule that runs
     cache: CacheSpec | None = None  # rows with and without a cache share a pass
     loras: tuple[LoraChoice, ...] = ()
     # The sampling schedule's shift when the request or an adapter sets one (a step-distilled
@@ -424,7 +456,16 @@ def resolve(
     sampler, timesteps, steps, shift = _schedule(request, defaults, adapter_defaults, max_steps)
     guidance = _guidance(request, defaults, adapter_defaults)
     interval = _guidance_interval(request.guidance_interval)
+    # The video first: a model that takes none says so before asking for the image it needs.
+    strength = check_video(request.video, request.strength, request.image, limits)
     check_image(request.image, limits)
+    check_last_image(request.last_image, request.image, frames, limits)
+    if strength is not None and kept_steps(steps, strength) < 1:
+        raise RequestError(
+            f"strength {strength:g} of {steps} steps runs none of them: at least "
+            f"{1 / steps:.3g} is needed",
+            param="strength",
+        )
     cache = _cache_for(request.cache, limits)
     seed = _seed(request.seed)
     return ResolvedVideo(
@@ -439,6 +480,9 @@ def resolve(
         guidance=guidance,
         seed=seed,
         image=request.image,
+        last_image=request.last_image,
+        video=request.video,
+        strength=strength,
         cache=cache,
         loras=loras,
         shift=shift,
@@ -656,6 +700,77 @@ def check_image(image: str | None, limits: ModelLimits) -> None:
         )
     if not Path(image).is_file():
         raise RequestError(f"image {image} not found", param="input_reference")
+
+
+def check_last_image(
+    last_image: str | None, image: str | None, frames: int, limits: ModelLimits
+) -> None:
+    """RequestError unless the model takes this last-frame image (with a first frame, a clip of
+    two frames or more), or does without one."""
+    if last_image is None:
+        if limits.last_image_required and image is not None:
+            raise RequestError(
+                "this model makes a video from a first and a last frame: give the last one too "
+                "(last_frame)",
+                param="last_frame",
+            )
+        return
+    if not limits.last_image_input:
+        raise RequestError(
+            "this model does not take a last-frame image (last_frame)",
+            param="last_frame",
+            code="unsupported_parameter",
+        )
+    if image is None:
+        raise RequestError(
+            "a last frame (last_frame) needs a first frame (input_reference)", param="last_frame"
+        )
+    if frames < 2:
+        raise RequestError(
+            f"num_frames ({frames}): a clip from a first and a last frame has two or more",
+            param="num_frames",
+        )
+    if not Path(last_image).is_file():
+        raise RequestError(f"image {last_image} not found", param="last_frame")
+
+
+def check_video(
+    video: str | None, strength: float | None, image: str | None, limits: ModelLimits
+) -> float | None:
+    """The strength of a video-to-video request (RequestError unless the model takes an input
+    video, the file exists and the strength is in (0, 1]); None without an input video."""
+    if video is None:
+        if strength is not None:
+            raise RequestError("strength goes with an input video (input_video)", param="strength")
+        return None
+    if not limits.video_input:
+        raise RequestError(
+            "this model does not take an input video (input_video)",
+            param="input_video",
+            code="unsupported_parameter",
+        )
+    if image is not None:
+        raise RequestError(
+            "give an input video or a first-frame image (input_reference), not both",
+            param="input_video",
+        )
+    strength = DEFAULT_STRENGTH if strength is None else strength
+    if isinstance(strength, bool) or not (math.isfinite(strength) and 0 < strength <= 1):
+        raise RequestError(
+            f"strength must be a number in (0, 1], got {strength!r}", param="strength"
+        )
+    if not Path(video).is_file():
+        raise RequestError(f"video {video} not found", param="input_video")
+    return float(strength)
+
+
+def kept_steps(steps: int, strength: float | None) -> int:
+    """The steps a video-to-video request runs of `steps`: the last `strength` of them, as
+    diffusers' `WanVideoToVideoPipeline.get_timesteps` keeps them (`resolve` refuses a strength
+    that keeps none)."""
+    if strength is None:
+        return steps
+    return min(int(steps * strength), steps)
 
 
 def check_loras(

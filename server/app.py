@@ -118,7 +118,13 @@ def _add_middleware(app: FastAPI, settings: Settings) -> None:
     uploads = [
         Upload("POST", "/v1/files", settings.max_upload_bytes, "file"),
         Upload("POST", "/v1/adapters", settings.max_upload_bytes, "file"),
-        Upload("POST", "/v1/videos", settings.max_image_bytes, "input_reference"),
+        # Two images and a video at most; each file's own limit is checked as it is stored.
+        Upload(
+            "POST",
+            "/v1/videos",
+            2 * settings.max_image_bytes + settings.max_video_bytes,
+            "input_reference, last_frame, input_video",
+        ),
     ]
     app.add_middleware(
         BodyLimit,

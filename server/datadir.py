@@ -77,9 +77,22 @@ class DataDir:
         """Where an image-to-video request's first-frame image lives."""
         return self.videos / f"{video_id}.input.png"
 
+    def last_frame(self, video_id: str) -> Path:
+        """Where a first-last-frame request's last-frame image lives."""
+        return self.videos / f"{video_id}.last.png"
+
+    def input_video(self, video_id: str) -> Path:
+        """Where a video-to-video request's input video lives (as uploaded)."""
+        return self.videos / f"{video_id}.input.video"
+
     def video_files(self, video_id: str) -> tuple[Path, ...]:
         """Every file of a video, for deleting it."""
-        return (*self.video(video_id), self.reference(video_id))
+        return (
+            *self.video(video_id),
+            self.reference(video_id),
+            self.last_frame(video_id),
+            self.input_video(video_id),
+        )
 
     def upload(self, file_id: str) -> Path:
         """The folder of one uploaded file: `upload` (the archive), then `data/` (unpacked)."""

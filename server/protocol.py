@@ -46,9 +46,13 @@ class ModelCard:
 
     @property
     def inputs(self) -> tuple[str, ...]:
-        """What a request may condition on: "text" (prompt, negative prompt), and "image" for a
-        model that takes a first frame (`input_reference`). The playground shows fields from it."""
-        return ("text", "image") if self.limits.image_input else ("text",)
+        """What a request may condition on: "text" (prompt, negative prompt), "image" for a
+        model that takes a first frame (`input_reference`), "last_image" for one that takes a
+        last frame besides (`last_frame`), "video" for one that remakes an input video
+        (`input_video`, with a strength). The playground shows fields from it."""
+        limits = self.limits
+        takes = (limits.image_input, limits.last_image_input, limits.video_input)
+        return ("text", *(n for n, t in zip(("image", "last_image", "video"), takes) if t))
 
     def replace(self, **changes) -> ModelCard:
         return dataclasses.replace(self, **changes)

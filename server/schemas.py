@@ -165,6 +165,10 @@ class LoraRef(Request):
     )
 
 
+# The create body's file fields (multipart uploads), and what each must be.
+FILE_FIELDS = {"input_reference": "an image", "last_frame": "an image", "input_video": "a video"}
+
+
 class VideoCreate(Request):
     """`POST /v1/videos`, as JSON or as multipart form fields (all strings, converted here)."""
 
@@ -229,8 +233,20 @@ class VideoCreate(Request):
         "parameter, the image's bytes) with that video's MP4 at once, naming it in "
         "cached_from; false: run it again",
     )
-    # Image-to-video: a first-frame image, uploaded as a multipart file (see the videos router).
+    # Image-to-video: a first-frame image, uploaded as a multipart file (see the videos router) or
+    # named by the id of a file uploaded with purpose "input" to /v1/files; first-last-frame-to-
+    # video: a last-frame image besides; video-to-video: an input video (the clip's length by
+    # default, its first num_frames frames otherwise) and a strength.
     input_reference: Any = None
+    last_frame: Any = None
+    input_video: Any = None
+    strength: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="with input_video: the fraction of the schedule that runs from the input "
+        "video noised to its start (1: from nearly pure noise; default 0.8)",
+    )
     loras: list[LoraRef] | None = Field(
         None,
         max_length=MAX_LORAS,
@@ -273,19 +289,29 @@ class VideoCreate(Request):
                 raise ValueError(f"not a JSON object: {e}") from None
         return value
 
-    def to_request(self, image: str | None = None) -> VideoRequest:
+    def to_request(
+        self,
+        image: str | None = None,
+        *,
+        last_image: str | None = None,
+        video: str | None = None,
+        frames: int | None = None,
+    ) -> VideoRequest:
         """The engine's request: what was asked, `None` where the model's default applies;
-        `image` is where an uploaded first-frame image was stored."""
-        if self.input_reference is not None:
-            raise RequestError(
-                "input_reference must be an image file uploaded as multipart/form-data",
-                param="input_reference",
-            )
+        `image`, `last_image` and `video` are where the uploaded files were stored; `frames`
+        stands in for a length the request leaves out (an input video's)."""
+        for field, what in FILE_FIELDS.items():
+            if getattr(self, field) is not None:
+                raise RequestError(
+                    f"{field} must be {what} file uploaded as multipart/form-data", param=field
+                )
+        if frames is not None and (self.num_frames is not None or self.seconds is not None):
+            frames = None
         width, height = parse_size(self.size) if self.size else (None, None)
         return VideoRequest(
             prompt=self.prompt,
             negative_prompt=self.negative_prompt,
-            frames=self.num_frames,
+            frames=self.num_frames if frames is None else frames,
             seconds=self.seconds,
             width=width,
             height=height,
@@ -294,6 +320,9 @@ class VideoCreate(Request):
             guidance=self.guidance_scale,
             seed=self.seed,
             image=image,
+            last_image=last_image,
+            video=video,
+            strength=self.strength,
             cache=self.cache,
             loras=tuple(LoraChoice(r.name, r.scale, r.expert) for r in self.loras or ()),
             sampler=self.sampler,
@@ -341,6 +370,11 @@ class Video(BaseModel):
         None, description="the request's or an adapter's; null: the model's"
     )
     guidance_interval: list[float] | None = Field(None, description="null: guided on every step")
+    strength: float | None = Field(
+        None,
+        description="with an input video: the fraction of the schedule run (its last "
+        "int(num_inference_steps * strength) steps); null: none",
+    )
     cached_from: str | None = Field(
         None,
         description="the completed video whose MP4 answered this request, which repeated it "
@@ -403,6 +437,7 @@ def video_object(video: VideoRecord) -> Video:
         timesteps=spec.get("timesteps"),
         shift=spec.get("shift"),
         guidance_interval=spec.get("guidance_interval"),
+        strength=spec.get("strength"),
         cached_from=video.cached_from,
     )
 

@@ -147,8 +147,8 @@ class Settings(BaseSettings):
     max_image_pixels: int = Field(
         4096 * 4096,
         ge=1,
-        description="largest image or video frame decoded (input_reference, training clips), "
-        "in pixels; checked from the header, before decoding",
+        description="largest image or video frame decoded (input_reference, last_frame, "
+        "input_video, training clips), in pixels; checked from the header, before decoding",
     )
     poll_after_ms: int = Field(1000, ge=0, description="openai-poll-after-ms hint for active jobs")
     cancel_wait_s: float = Field(
@@ -182,7 +182,18 @@ class Settings(BaseSettings):
         1024**2, ge=1, description="largest request body on routes that take no file"
     )
     max_image_bytes: int = Field(
-        64 * 1024**2, ge=1, description="largest first-frame image upload (input_reference)"
+        64 * 1024**2,
+        ge=1,
+        description="largest first- or last-frame image upload (input_reference, last_frame)",
+    )
+    max_video_bytes: int = Field(
+        256 * 1024**2, ge=1, description="largest input video upload (input_video)"
+    )
+    max_video_frames: int = Field(
+        1024,
+        ge=1,
+        description="most frames an input video (input_video) may hold: each is decoded when "
+        "it is uploaded",
     )
 
     # Files and fine-tuning.

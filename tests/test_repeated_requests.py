@@ -41,11 +41,15 @@ OTHER = {
     "cache": CacheSpec("output-change", 0.05),
     "loras": (LoraChoice("style", 0.5),),
     "image": "videos/video_other.input.png",
+    "last_image": "videos/video_other.last.png",
+    "video": "videos/video_other.input.video",
+    "strength": 0.5,
 }
 
 
 def key(video=VIDEO, card=FAKE_CARD, image="0" * 64, **kwargs) -> str:
-    return pixel_key(video, card, image_sha256=image, **kwargs)
+    digests = {"image": image, "last_image": "2" * 64, "video": "3" * 64}
+    return pixel_key(video, card, digests=digests, **kwargs)
 
 
 def test_every_field_of_a_resolved_video_counts_unless_excluded_by_name():
@@ -55,9 +59,13 @@ def test_every_field_of_a_resolved_video_counts_unless_excluded_by_name():
     for name in sorted(fields - NOT_PIXELS - {"image"}):
         changed = dataclasses.replace(VIDEO, **{name: OTHER.get(name, f"another {name}")})
         assert key(changed) != key(), f"{name} changes the pixels but not the pixel key"
-    # The image counts by its bytes: a path of its own for every upload, the same pixels.
-    moved = dataclasses.replace(VIDEO, image=OTHER["image"])
-    assert key(moved) == key() and key(image="1" * 64) != key()
+    # The image counts by its bytes: a path of its own for every upload, the same pixels; so do
+    # the last frame and the input video.
+    for name in ("image", "last_image", "video"):
+        one, other = (dataclasses.replace(VIDEO, **{name: f"videos/{n}"}) for n in "ab")
+        assert key(one) == key(other) != key()
+    image = dataclasses.replace(VIDEO, image=OTHER["image"])
+    assert key(image, image="1" * 64) != key(image)
 
 
 def test_the_weights_count_by_their_revision():

@@ -114,3 +114,27 @@ def test_first_frame_images_are_bounded_and_opened_with_few_decoders(tmp_path):
         save_image(io.BytesIO(broken), tmp_path / "b.png", max_pixels=1_000_000)
     save_image(io.BytesIO(png.getvalue()), tmp_path / "ok.png", max_pixels=1_000_000)
     assert Path(tmp_path / "ok.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_input_videos_are_bounded_and_opened_with_a_forced_demuxer(tmp_path):
+    """An input video: its bytes bounded as they are copied (413), its frame size and count as
+    they are decoded, its container by its first bytes; nothing stays behind a refusal."""
+    from megaslide.engine.video import write_mp4
+    from megaslide.server.errors import PayloadTooLarge
+    from megaslide.server.services.videos import save_video
+
+    mp4 = write_mp4(tmp_path / "in.mp4", np.zeros((6, 64, 48, 3), np.uint8), fps=8).read_bytes()
+    limits = dict(max_bytes=len(mp4), max_pixels=64 * 48, max_frames=6)
+    assert save_video(io.BytesIO(mp4), tmp_path / "ok", **limits) == 6
+    refusals = [
+        (mp4, dict(max_bytes=len(mp4) - 1), PayloadTooLarge, "videos up to"),
+        (mp4, dict(max_pixels=64 * 48 - 1), RequestError, "frames of 48x64 pixels"),
+        (mp4, dict(max_frames=5), RequestError, "more than 5 frames"),
+        (b"#EXTM3U\n#EXTINF:1,\nin.mp4\n", {}, RequestError, "not a MP4"),
+        (mp4[:4] + b"ftyp" + b"\x00" * 64, {}, RequestError, "not a readable video"),
+    ]
+    for data, changes, error, message in refusals:
+        with pytest.raises(error, match=message) as refused:
+            save_video(io.BytesIO(data), tmp_path / "bad", **{**limits, **changes})
+        assert refused.value.param == "input_video"
+        assert not (tmp_path / "bad").exists()

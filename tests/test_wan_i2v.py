@@ -148,7 +148,7 @@ def test_a_directory_the_pipelines_would_not_run_is_named(wan, tmp_path):
 
     cases = [
         (lambda p: shutil.rmtree(p / "image_encoder"), "gone", "image_encoder/config.json"),
-        (config_edit(pos_embed_seq_len=34), "flf2v", "first-last-frame"),
+        (config_edit(pos_embed_seq_len=30), "flf2v", "not two images' CLIP tokens"),
         (config_edit(in_channels=10), "channels", "in_channels 10 is neither"),
     ]
     for edit, name, message in cases:

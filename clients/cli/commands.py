@@ -97,12 +97,29 @@ def _add_sampling_args(p) -> None:
 
 
 def _add_conditioning_args(p) -> None:
-    """What steers it besides the prompt: a first frame, a step cache, single-file
-    transformers and LoRA adapters."""
+    """What steers it besides the prompt: a first (and last) frame, an input video, a step
+    cache, single-file transformers and LoRA adapters."""
     p.add_argument(
         "--image",
         help="first-frame image, for a model that takes one (Wan2.2-TI2V) or needs one (the I2V "
         "models); with --server it is uploaded",
+    )
+    p.add_argument(
+        "--last-image",
+        help="last-frame image besides --image, for a model that takes one (Wan2.2-I2V-A14B) or "
+        "needs one (Wan2.1-FLF2V); with --server it is uploaded",
+    )
+    p.add_argument(
+        "--video",
+        help="input video to remake (video-to-video, text-to-video Wan models): its first "
+        "--frames frames (default: as many as it holds, to the model's frame rule), resized to "
+        "--size; with --server it is uploaded",
+    )
+    p.add_argument(
+        "--strength",
+        type=float,
+        help="with --video: the fraction of the schedule that runs from the noised video "
+        "(0 < S <= 1, default 0.8; 1 starts from nearly pure noise)",
     )
     p.add_argument(
         "--cache",
@@ -243,8 +260,20 @@ def parse_numbers(text: str | None, flag: str, kind: type) -> tuple | None:
         raise UsageError(f"{flag} must be comma-separated numbers, got {text!r}") from None
 
 
+def video_frames(path: str, limits) -> int:
+    """The longest clip the model makes of the input video at `path` (every frame decoded)."""
+    from megaslide.engine.video import count_frames
+
+    if not Path(path).is_file():
+        raise UsageError(f"--video: {path} not found")
+    try:
+        return limits.fit_frames(count_frames(path))
+    except ValueError as e:
+        raise UsageError(f"--video: {e}") from None
+
+
 def run_generate(args) -> int:
-    from megaslide.engine.request import VideoRequest, parse_size, resolve
+    from megaslide.engine.request import VideoRequest, kept_steps, parse_size, resolve
     from megaslide.engine.sources import describe
 
     width, height = parse_size(args.size, "--size") if args.size else (None, None)
@@ -265,6 +294,9 @@ def run_generate(args) -> int:
         guidance=args.guidance,
         seed=args.seed,
         image=args.image,
+        last_image=args.last_image,
+        video=args.video,
+        strength=args.strength,
         cache=parse_cache(args.cache),
         sampler=args.sampler,
         timesteps=parse_numbers(args.timesteps, "--timesteps", int),
@@ -290,6 +322,8 @@ def run_generate(args) -> int:
     # against the model and them, before any weights load.
     adapters = [load_adapter(info, name, path) for name, path in lora_files.items()]
     defaults = {a.name: a.defaults for a in adapters}
+    if request.video is not None and request.frames is None:
+        request = dataclasses.replace(request, frames=video_frames(request.video, info.limits))
     video = resolve(request, info.limits, info.sampling, model=info.name, adapters=defaults)
     if placement.devices:
         return run_generate_on_devices(args, info, video, placement, adapters)
@@ -297,7 +331,8 @@ def run_generate(args) -> int:
     for adapter in adapters:
         pipe.register_adapter(adapter)
     step_times = []
-    with progress_bar(video.steps, "denoising", disable=args.no_progress) as bar:
+    steps = kept_steps(video.steps, video.strength)  # video-to-video runs the last ones
+    with progress_bar(steps, "denoising", disable=args.no_progress) as bar:
         state = pipe.prepare(video)
         while not state.done:
             start = time.perf_counter()

@@ -97,8 +97,10 @@ def generate_remote(args, request) -> int:
     no_reuse, no_progress. Ctrl-C cancels the job on the server, since nobody is left to fetch its result.
     """
     _check_local_only(args, LOCAL_ONLY_GENERATE)
-    if request.image is not None and not Path(request.image).is_file():
-        raise UsageError(f"--image: {request.image} not found")
+    files = ("--image", request.image), ("--last-image", request.last_image)
+    for flag, path in (*files, ("--video", request.video)):
+        if path is not None and not Path(path).is_file():
+            raise UsageError(f"{flag}: {path} not found")
     sdk = _sdk()
     client = sdk.Client(base_url=args.server, api_key=args.api_key)
     with client:
@@ -122,7 +124,11 @@ def generate_remote(args, request) -> int:
                 timesteps=request.timesteps,
                 shift=request.shift,
                 guidance_interval=request.guidance_interval,
-                input_reference=request.image,  # uploaded; the server checks the model takes it
+                # Uploaded; the server checks the model takes them.
+                input_reference=request.image,
+                last_frame=request.last_image,
+                input_video=request.video,
+                strength=request.strength,
                 reuse=False if args.no_reuse else None,
             )
             done = f", the MP4 of {video.cached_from}" if video.cached_from else ""

@@ -19,6 +19,14 @@ A first-frame image conditions a Wan model in one of two ways, read from the con
   per pixel frame a latent frame covers), and the latent of the image followed by black frames; Wan2.1-I2V's transformer also cross-attends the image's
   CLIP features (`image_dim`, from `image_encoder/`).
 
+A last frame joins the first on the `image_condition` models (`WanImageToVideoPipeline`'s
+`last_image`): black frames between the two, a mask given on both. Wan2.1-FLF2V's transformer
+(`pos_embed_seq_len`: two images' CLIP tokens) cross-attends both images' CLIP features side by
+side, each with its own learnt position embedding, so it needs both frames; Wan2.1-I2V's CLIP
+embedder takes one image's and refuses a last frame; Wan2.2-I2V-A14B, without CLIP, takes one.
+
+Any text-to-video model remakes an input video (`WanVideoToVideoPipeline`): no layout of its own.
+
 Weights are `*.safetensors` in each component folder, sharded or not. A missing file is named in
 the error.
 """
@@ -104,6 +112,9 @@ class WanConfig:
     # docstring), and whether a CLIP image encoder feeds the transformer (Wan2.1-I2V).
     image_condition: bool = False
     image_encoder: bool = False
+    # Wan2.1-FLF2V: the CLIP embedder takes a first and a last frame's features
+    # (`pos_embed_seq_len`).
+    first_last_frame: bool = False
     # Single-file transformer checkpoints (one per expert) read instead of the directory's own
     # transformer weights (single_file.py): a fine-tune shared as one file over its base pipeline.
     transformer_files: tuple[str, ...] = ()
@@ -190,7 +201,7 @@ def read_wan_config(path: Path) -> WanConfig:
         if any(o.get(k) != t.get(k) for k in shared):
             raise WanFormatError(f"{path / other / 'config.json'} does not match {experts[0]}")
     vae = _read_json(path / "vae" / "config.json")
-    image_condition, image_encoder = _image_conditioning(path, index, t, vae)
+    image_condition, image_encoder, first_last_frame = _image_conditioning(path, index, t, vae)
     text = _read_json(path / "text_encoder" / "config.json")
     scheduler = _read_json(path / "scheduler" / "scheduler_config.json")
     if not (path / "tokenizer").is_dir():
@@ -218,12 +229,16 @@ def read_wan_config(path: Path) -> WanConfig:
         num_train_timesteps=scheduler.get("num_train_timesteps", 1000),
         image_condition=image_condition,
         image_encoder=image_encoder,
+        first_last_frame=first_last_frame,
     )
 
 
-def _image_conditioning(path: Path, index: dict, transformer: dict, vae: dict) -> tuple[bool, bool]:
-    """`(image_condition, image_encoder)` of a pipeline (see the module's docstring), checked
-    against what diffusers' Wan pipelines would run; WanFormatError naming the file otherwise."""
+def _image_conditioning(
+    path: Path, index: dict, transformer: dict, vae: dict
+) -> tuple[bool, bool, bool]:
+    """`(image_condition, image_encoder, first_last_frame)` of a pipeline (see the module's
+    docstring), checked against what diffusers' Wan pipelines would run; WanFormatError naming
+    the file otherwise."""
     pipeline = index["_class_name"]
     config = path / "transformer" / "config.json"
     z, mask = vae.get("z_dim", 16), vae.get("scale_factor_temporal", 4)
@@ -246,12 +261,13 @@ def _image_conditioning(path: Path, index: dict, transformer: dict, vae: dict) -
             f"{config}: WanImageToVideoPipeline needs a transformer of {2 * z + mask} input "
             f"channels (or expand_timesteps), not {channels}"
         )
-    if transformer.get("pos_embed_seq_len") is not None:
-        raise WanFormatError(
-            f"{config}: pos_embed_seq_len is set: first-last-frame models (Wan2.1-FLF2V) are "
-            "not supported"
-        )
     image_encoder = transformer.get("image_dim") is not None
+    pos_embed = transformer.get("pos_embed_seq_len")
+    if pos_embed is not None and not (image_condition and image_encoder):
+        raise WanFormatError(
+            f"{config}: pos_embed_seq_len is set (a first-last-frame model's CLIP positions) "
+            f"on a transformer without {'an image condition' if image_encoder else 'image_dim'}"
+        )
     if image_encoder:
         for component in ("image_encoder", "image_processor"):
             if (index.get(component) or [None])[0] is None:
@@ -264,9 +280,16 @@ def _image_conditioning(path: Path, index: dict, transformer: dict, vae: dict) -
                 f"{path / 'model_index.json'}: image_encoder {index['image_encoder']} is not "
                 f"supported (supported: {', '.join(c for _, c in IMAGE_ENCODERS)})"
             )
-        _read_json(path / "image_encoder" / "config.json")  # named when missing
+        clip = _read_json(path / "image_encoder" / "config.json")  # named when missing
         _read_json(path / "image_processor" / "preprocessor_config.json")
-    return image_condition, image_encoder
+        # CLIP's tokens of one image: its patches and the class token.
+        tokens = (clip.get("image_size", 224) // clip.get("patch_size", 32)) ** 2 + 1
+        if pos_embed is not None and pos_embed != 2 * tokens:
+            raise WanFormatError(
+                f"{config}: pos_embed_seq_len {pos_embed} is not two images' CLIP tokens "
+                f"(2 x {tokens}, from {path / 'image_encoder' / 'config.json'})"
+            )
+    return image_condition, image_encoder, pos_embed is not None
 
 
 def default_sampling(config: WanConfig, path: Path) -> SamplingDefaults:
@@ -327,6 +350,13 @@ def wan_limits(config: WanConfig, sampling: SamplingDefaults, path: Path) -> Mod
         # frame); the I2V models need one, as diffusers' WanImageToVideoPipeline does.
         image_input=config.expand_timesteps or config.image_condition,
         image_required=config.image_condition,
+        # A last frame: on the image-condition models whose CLIP embedder (if any) takes two
+        # images' features (the module's docstring).
+        last_image_input=config.image_condition
+        and (config.first_last_frame or not config.image_encoder),
+        last_image_required=config.first_last_frame,
+        # Video-to-video: text-to-video models (WanVideoToVideoPipeline's own inputs).
+        video_input=not (config.image_condition or config.expand_timesteps),
         experts=len(config.experts),
         max_prompt_tokens=TEXT_TOKENS - 1,  # and the end-of-sequence token
         prompt_unit="tokens (UMT5)",

@@ -86,9 +86,9 @@ class WanEncoders:
 
     @torch.no_grad()
     def image(self, image) -> torch.Tensor:
-        """A PIL image -> CLIP features `(1, N, image_dim)` fp32, as WanImageToVideoPipeline
-        encodes it: the processor's resize, crop and normalisation, then the hidden states of
-        the encoder's second-to-last layer."""
+        """A PIL image (or a list of them: FLF2V's first and last frames) -> CLIP features `(1 or
+        B, N, image_dim)` fp32, as WanImageToVideoPipeline encodes them: the processor's resize,
+        crop and normalisation, then the hidden states of the encoder's second-to-last layer."""
         pixels = self.image_processor(images=image, return_tensors="pt").pixel_values
         device = self.image_encoder.embeddings.patch_embedding.weight.device
         out = self.image_encoder(pixel_values=pixels.to(device), output_hidden_states=True)

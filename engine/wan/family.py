@@ -20,6 +20,13 @@ the loader from the directory's safetensors, so the streamer can keep their bloc
   the first latent frame, rides along every input as extra channels (36 in all for Wan's VAE).
   Wan2.1-I2V's transformer also cross-attends the image's CLIP features (the second-to-last
   layer's hidden states), the same for both halves of a guidance pair;
+- a last frame as well (`WanImageToVideoPipeline`'s `last_image`): black frames between the two
+  images, the mask also 1 on the last pixel frame; Wan2.1-FLF2V's transformer cross-attends both
+  images' CLIP features, which its embedder lays side by side;
+- video-to-video (`WanVideoToVideoPipeline`): the input video's first frames, resized to the
+  clip, are encoded by the VAE; the schedule's first `1 - strength` is skipped, and the
+  latent is noised to the first step kept by the scheduler's `add_noise` (or `scale_noise`) with
+  the noise drawn as the starting latents are;
 - latents are de-normalised with the VAE's `latents_mean` / `latents_std` and decoded (tiled
   above 256 pixels, so decoding memory does not grow with the frame size).
 
@@ -54,7 +61,14 @@ from torch import nn
 
 from ..family import Component, Family
 from ..lora import Adapter, AdapterRouter, linear_targets
-from ..request import ResolvedVideo, check_image, check_loras
+from ..request import (
+    ResolvedVideo,
+    check_image,
+    check_last_image,
+    check_loras,
+    check_video,
+    kept_steps,
+)
 from ..sampling.loop import GuidanceMemory, Sampler, sample_step
 from ..sampling.pipeline import CPU_ROWS_PER_PASS, Pipeline, decode_chunks, distinct
 from ..sampling.samplers import flow_scheduler, timestep_sigmas
@@ -204,9 +218,9 @@ class WanFamily(Family):
     def kept_across_steps(self, info: ModelInfo, rows: int, dtype_bytes: int) -> int:
         # Each row's cross-attention keys and values of its 512 text tokens (prompt_cache.py;
         # fp32 rows keep fewer) and Wan2.1-I2V's image tokens (its CLIP ViT-H/14 at 224 pixels:
-        # 256 patches and the class token), within the pipeline's budget.
+        # 256 patches and the class token; FLF2V's two images, twice), within the pipeline's budget.
         c = info.config
-        tokens = TEXT_TOKENS + (257 if c.image_encoder else 0)
+        tokens = TEXT_TOKENS + (257 * (1 + c.first_last_frame) if c.image_encoder else 0)
         per_row = tokens * 2 * c.dim * c.depth * dtype_bytes
         return min(WanVideoPipeline.prompt_cache_bytes, rows * per_row)
 
@@ -302,6 +316,15 @@ def _single_file(config: WanConfig, folder: str, expert: nn.Module):
     return weights
 
 
+def _noised(scheduler, latent: torch.Tensor, noise: torch.Tensor, start: int) -> torch.Tensor:
+    """`latent` noised to the scheduler's timestep `start`, as WanVideoToVideoPipeline does it:
+    by the scheduler's `add_noise`, or the flow-matching schedulers' `scale_noise`."""
+    timestep = scheduler.timesteps[start : start + 1]  # (1,)
+    if hasattr(scheduler, "add_noise"):
+        return scheduler.add_noise(latent, noise, timestep)
+    return scheduler.scale_noise(latent, timestep, noise)
+
+
 def _numel(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
@@ -320,7 +343,8 @@ class WanState:
     #   F', H', W')` is 0 on the first latent frame (taken from the image) and 1 elsewhere;
     # - I2V (`image_condition`): `condition` `(1, 4 + C, F', H', W')` fp32 is the mask of the
     #   frames given and the latent of the image and black frames, the input's extra channels;
-    #   `mask` is None. `image_embeds`: Wan2.1-I2V's CLIP features `(1, N, image_dim)`.
+    #   `mask` is None. `image_embeds`: Wan2.1-I2V's CLIP features `(1, N, image_dim)`, or
+    #   FLF2V's of the first and the last frame `(2, N, image_dim)`.
     condition: torch.Tensor | None = None
     mask: torch.Tensor | None = None
     image_embeds: torch.Tensor | None = None
@@ -338,9 +362,11 @@ class WanState:
     x0: torch.Tensor | None = None
     # The guidance direction for the steps a guidance interval leaves out (loop.py).
     guidance_memory: GuidanceMemory | None = None
+    # Video-to-video: the schedule's steps skipped (the scheduler's timesteps from this one on).
+    start: int = 0
 
     def __post_init__(self):
-        self.num_steps = len(self.scheduler.timesteps)
+        self.num_steps = len(self.scheduler.timesteps) - self.start
         # The encoder zeroes the positions past a prompt's end (encoders.py): its length is up
         # to the last token that is not all zeros.
         tokens = self.context.ne(0).any(dim=-1)  # (rows, 512)
@@ -359,7 +385,7 @@ class WanState:
     def guided(self) -> bool:
         """Whether this step runs the guidance pair: WanPipeline's rule (a scale above 1), on
         the steps of the request's guidance interval."""
-        return self.video.guidance > 1.0 and self.video.guided_at(self.step)
+        return self.video.guidance > 1.0 and self.video.guided_at(self.start + self.step)
 
     @property
     def passes(self) -> int:
@@ -372,11 +398,12 @@ class WanState:
 
     @property
     def timestep(self) -> torch.Tensor:
-        return self.scheduler.timesteps[self.step]
+        return self.scheduler.timesteps[self.start + self.step]
 
     def flow_time(self, step: int) -> float:
-        """The flow time (1: noise, 0: data) at `step`; 0 past the last step."""
+        """The flow time (1: noise, 0: data) at `step` (of those it runs); 0 past the last."""
         timesteps = self.scheduler.timesteps
+        step += self.start
         t = timesteps[step] if step < len(timesteps) else 0
         return float(t) / self.scheduler.config.num_train_timesteps
 
@@ -501,7 +528,10 @@ class WanVideoPipeline(Pipeline, Sampler):
             # The adapters it names must be registered here (a request stored elsewhere may not
             # know); those registered are every tenant's, so the refusal lists none.
             check_loras(video.loras, self.info.limits, self.adapter_defaults(), list_known=False)
-            check_image(video.image, self.info.limits)  # nor its image rule (an older card's)
+            # nor its rules for images and videos (an older card's)
+            check_image(video.image, self.info.limits)
+            check_last_image(video.last_image, video.image, video.frames, self.info.limits)
+            check_video(video.video, video.strength, video.image, self.info.limits)
         contexts = self._contexts(videos)
         return [self._prepare(video, context) for video, context in zip(videos, contexts)]
 
@@ -519,14 +549,22 @@ class WanVideoPipeline(Pipeline, Sampler):
 
     def _prepare(self, video: ResolvedVideo, context: torch.Tensor) -> WanState:
         shape = (1, *self.config.latent_shape(video.frames, video.height, video.width))
+        # Video-to-video: the input video's latent, encoded before the noise is drawn, as
+        # WanVideoToVideoPipeline does (the VAE's mode draws nothing from the generator).
+        source = self._video_latents(video) if video.video is not None else None
         # Drawn on the CPU from the request's own generator: the same seed gives the same start on
         # every device and whatever else is in the batch (WanPipeline with a CPU generator).
         generator = torch.Generator().manual_seed(video.seed)
         latents = torch.randn(shape, generator=generator, dtype=torch.float32).to(self.device)
         scheduler = self._scheduler(video)
+        start = len(scheduler.timesteps) - kept_steps(video.steps, video.strength)
+        if source is not None:
+            # Its steps and the noise's level count from the first step kept.
+            scheduler.set_begin_index(start)
+            latents = _noised(scheduler, source, latents, start)
         grid = self.config.token_grid(video.frames, video.height, video.width)
         cache = StepCache.from_spec(video.cache, self.step_curve)
-        state = WanState(video, latents, context, scheduler, grid, cache=cache)
+        state = WanState(video, latents, context, scheduler, grid, cache=cache, start=start)
         if video.sampler == "consistency":
             state.step_args["generator"] = generator
         if video.guidance_interval is not None:
@@ -552,33 +590,63 @@ class WanVideoPipeline(Pipeline, Sampler):
         return scheduler
 
     @torch.no_grad()
+    def _video_latents(self, video: ResolvedVideo) -> torch.Tensor:
+        """The input video's normalised latent `(1, C, F', H', W')` fp32, as
+        WanVideoToVideoPipeline encodes it: its first `frames` frames resized to the clip by
+        diffusers' own video processor, then the VAE's mode."""
+        from diffusers.video_processor import VideoProcessor
+        from PIL import Image
+
+        from ..video import read_video
+
+        # (F, H, W, 3) uint8; ValueError naming the file when it holds fewer frames.
+        frames = read_video(video.video, num_frames=video.frames, sampling="first")
+        processor = VideoProcessor(vae_scale_factor=self.config.vae_spatial)
+        images = [Image.fromarray(f) for f in frames]
+        pixels = processor.preprocess_video(images, height=video.height, width=video.width)
+        return self.encoders.clip(pixels.to(torch.float32))  # (1, C, F', H', W')
+
+    @torch.no_grad()
     def _condition(self, state: WanState) -> None:
         """Condition `state` on its first-frame image, as WanImageToVideoPipeline does: the image
         resized to the clip by diffusers' own video processor and encoded by the VAE (I2V: followed
-        by black frames, the clip's length in all), and Wan2.1-I2V's CLIP features of it."""
+        by black frames, the clip's length in all), and Wan2.1-I2V's CLIP features of it; with a
+        last frame, that image closes the black frames (and FLF2V's CLIP features are both
+        images')."""
         from diffusers.video_processor import VideoProcessor
         from PIL import Image
 
         video, (_, _, frames, h, w) = state.video, state.latents.shape
         processor = VideoProcessor(vae_scale_factor=self.config.vae_spatial)
-        with Image.open(video.image) as image:
-            image = image.convert("RGB")
-        pixels = processor.preprocess(image, height=video.height, width=video.width)
-        pixels = pixels.to(torch.float32).unsqueeze(2)  # (1, 3, 1, H, W) in [-1, 1]
+        images = []
+        for file in (video.image, video.last_image):
+            if file is not None:
+                with Image.open(file) as image:
+                    images.append(image.convert("RGB"))
+        pixels = [
+            processor.preprocess(image, height=video.height, width=video.width)
+            .to(torch.float32)
+            .unsqueeze(2)  # (1, 3, 1, H, W) in [-1, 1]
+            for image in images
+        ]
         if not self.config.image_condition:  # TI2V: the image's latent is the first frame
-            state.condition = self.encoders.clip(pixels)  # (1, C, 1, H', W')
+            state.condition = self.encoders.clip(pixels[0])  # (1, C, 1, H', W')
             state.mask = torch.ones((1, 1, frames, h, w), dtype=torch.float32, device=self.device)
             state.mask[:, :, 0] = 0
             return
-        black = pixels.new_zeros((1, 3, video.frames - 1, video.height, video.width))
-        latent = self.encoders.clip(torch.cat([pixels, black], dim=2))  # (1, C, F', H', W')
+        first, *last = pixels
+        black = first.new_zeros((1, 3, video.frames - len(pixels), video.height, video.width))
+        latent = self.encoders.clip(torch.cat([first, black, *last], dim=2))  # (1, C, F', H', W')
         # One mask channel per pixel frame of a latent frame (the first latent frame holds the
         # image alone, repeated): 1 where the frame is given.
         given = torch.zeros((1, self.config.vae_temporal, frames, h, w), device=self.device)
         given[:, :, 0] = 1
+        if last:  # the clip's last pixel frame: the last channel of the last latent frame
+            given[:, -1, -1] = 1
         state.condition = torch.cat([given, latent], dim=1)  # (1, 4 + C, F', H', W')
         if self.encoders.image_encoder is not None:
-            state.image_embeds = self.encoders.image(image).to(self.device, self.dtype)
+            # (1 or 2, N, image_dim): FLF2V's embedder lays the two images' tokens side by side.
+            state.image_embeds = self.encoders.image(images).to(self.device, self.dtype)
 
     def expert(self, state: WanState) -> int:
         """The expert that owns the state's timestep (Wan2.2-A14B: the high-noise one while
@@ -655,7 +723,8 @@ class WanVideoPipeline(Pipeline, Sampler):
         compact = self._compact_prompt_kv
         total, keep = 0, set()
         for s in states:
-            image = 0 if s.image_embeds is None else s.image_embeds.shape[1]
+            # Image tokens of a row: one image's, or FLF2V's two side by side.
+            image = 0 if s.image_embeds is None else s.image_embeds.shape[:2].numel()
             model = self.experts[self.expert(s)]
             need = sum(
                 entry_bytes(model, image + PromptKV(length=n, compact=compact).kept, self.dtype)
@@ -716,7 +785,8 @@ class WanVideoPipeline(Pipeline, Sampler):
 
             set_grid(model, group[0].grid)  # a batch shares one latent shape
         # Every row of a model with an image encoder has its image (it is required).
-        image = torch.cat(images) if images[0] is not None else None  # (rows, N, image_dim)
+        # (rows, N, image_dim); FLF2V's (2 rows, N, image_dim), a row's two images together.
+        image = torch.cat(images) if images[0] is not None else None
         latents = torch.cat(latents).to(self.dtype)
         return latents, torch.cat(timesteps), torch.cat(context), image, adapters
 

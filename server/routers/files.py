@@ -24,7 +24,9 @@ from ..services.jobs import new_id
 
 router = APIRouter(prefix="/v1/files", tags=["files"])
 
-PURPOSES = ("fine-tune",)
+# fine-tune: a training archive, validated after the upload; input: a first- or last-frame
+# image or an input video for POST /v1/videos, checked by the request that names it.
+PURPOSES = ("fine-tune", "input")
 MAX_FORM_FIELDS = 8  # the form's parser refuses more, before reading on
 # The form is read by hand (to stream the file to disk), so its schema is declared for the docs.
 UPLOAD_BODY_DOC = {
@@ -79,7 +81,9 @@ async def create_file(
     key: IdempotencyKeyDep,
 ):
     """Multipart `file` + `purpose=fine-tune`: a .zip or .tar(.gz) in the fine-tuning dataset
-    layout. Answers at once with `status: uploaded`; poll the file until it is `processed`."""
+    layout. Answers at once with `status: uploaded`; poll the file until it is `processed`.
+    `purpose=input`: an image or a video a video request names by id (`processed` at once; the
+    request checks it as it would an upload of its own)."""
     purpose, upload = await read_upload_form(request)
     file_id = new_id("file-")
     folder = data.upload(file_id)

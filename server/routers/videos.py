@@ -17,6 +17,7 @@ from ..errors import InvalidRequest, invalid_request
 from ..feed import EventFeed, Subscription
 from ..links import DEFAULT_TTL_S, MAX_TTL_S
 from ..schemas import (
+    FILE_FIELDS,
     ContentLink,
     ListPage,
     Video,
@@ -36,19 +37,22 @@ SSE_KEEPALIVE_S = 15.0  # a comment line this often keeps proxies from closing a
 TEXT_FIELDS = ("prompt", "negative_prompt")  # an empty form value is meaningful for these only
 
 
-async def read_create_body(request: Request) -> tuple[VideoCreate, UploadFile | None]:
+async def read_create_body(request: Request) -> tuple[VideoCreate, dict[str, UploadFile]]:
     """The create parameters from a JSON body or form fields (the openai SDK sends multipart),
-    and the first-frame image (`input_reference`) when one was uploaded."""
+    and the files uploaded, by field: the first-frame image (`input_reference`), the last-frame
+    one (`last_frame`), the input video (`input_video`)."""
     content_type = request.headers.get("content-type", "")
-    image = None
+    files = {}
     if content_type.startswith(("multipart/form-data", "application/x-www-form-urlencoded")):
-        form = await request.form(max_files=1)
+        form = await request.form(max_files=len(FILE_FIELDS))
         data = {}
         for key, value in form.multi_items():
             if isinstance(value, UploadFile):
-                if key != "input_reference":
+                if key not in FILE_FIELDS:
                     raise InvalidRequest(f"{key} cannot be a file", param=key)
-                image = value
+                if key in files:
+                    raise InvalidRequest(f"{key}: one file only", param=key)
+                files[key] = value
             elif value != "" or key in TEXT_FIELDS:
                 data[key] = value
     else:
@@ -58,7 +62,7 @@ async def read_create_body(request: Request) -> tuple[VideoCreate, UploadFile | 
                 "the request body must be a JSON object (or multipart form fields)"
             )
     try:
-        return VideoCreate.model_validate(data), image
+        return VideoCreate.model_validate(data), files
     except ValidationError as e:
         raise invalid_request(e) from None
 
@@ -108,8 +112,16 @@ async def create_video(
     principal: PrincipalDep,
     key: IdempotencyKeyDep,
 ):
-    body, upload = await read_create_body(request)
-    video = await videos.create(body, principal, key, image=upload.file if upload else None)
+    body, uploads = await read_create_body(request)
+    files = {k: v.file for k, v in uploads.items()}
+    video = await videos.create(
+        body,
+        principal,
+        key,
+        image=files.get("input_reference"),
+        last_image=files.get("last_frame"),
+        input_video=files.get("input_video"),
+    )
     poll_hint(response, video, settings)
     return video
 

@@ -19,6 +19,8 @@ from ..store import AsyncStore
 from ..uploads import Validator
 from .idempotency import IdempotencyKey, answer_once, create_once
 
+INPUT_PURPOSE = "input"  # an image or video that video requests name by id
+
 
 @dataclass(frozen=True)
 class StagedFile:
@@ -44,6 +46,10 @@ class Files:
         """Record a staged upload, `uploaded` until the validator has looked inside; a retry with
         the same key and content gets the file its first request made (this copy is dropped)."""
 
+        # A video's input is checked by each request that names it (videos.py), not here.
+        ready = staged.purpose == INPUT_PURPOSE
+        path = staged.folder / ("upload" if ready else "data")
+
         async def insert(idempotency) -> FileRecord:
             return await self.store.files.insert(
                 {
@@ -51,8 +57,9 @@ class Files:
                     "filename": staged.filename or "upload",
                     "purpose": staged.purpose,
                     "bytes": staged.bytes,
-                    "path": self.data.relative(staged.folder / "data"),
+                    "path": self.data.relative(path),
                     "owner": principal.owner,
+                    "status": "processed" if ready else "uploaded",
                 },
                 idempotency=idempotency,
             )
@@ -61,7 +68,7 @@ class Files:
         row, replayed = await create_once(self.store, key, payload, self.store.files.get, insert)
         if replayed:
             remove_tree(staged.folder)
-        else:
+        elif not ready:
             self.validator.wake()
         return file_object(row)
 

@@ -2,9 +2,10 @@
 decides the pixels is answered with that video's MP4, and no pass of the model runs.
 
 What decides the pixels is the resolved request (`ResolvedVideo`: every field counts but those
-named in `NOT_PIXELS`, so a field added to it counts from the start), the first-frame image by its
-bytes, and the identity of the weights: the model's revision and each adapter's. `pixel_key`
-digests them; the store keeps the digest beside each video and finds a finished one by it.
+named in `NOT_PIXELS`, so a field added to it counts from the start), the files it names (first-
+and last-frame images, an input video) by their bytes, and the identity of the weights: the
+model's revision and each adapter's. `pixel_key` digests them; the store keeps the digest beside
+each video and finds a finished one by it.
 """
 
 from __future__ import annotations
@@ -14,16 +15,17 @@ import hashlib
 import json
 import os
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 
-from megaslide.engine.request import ResolvedVideo
+from megaslide.engine.request import INPUT_FILES, ResolvedVideo
 
 from ..datadir import DataDir
 from ..protocol import ModelCard
 
 # Fields of `ResolvedVideo` that leave the MP4 as it is. None so far: even `fps`, which changes
-# no frame, is written into the MP4. `image` counts, by the bytes of the stored image rather than
-# its path (each upload is stored under its own video's id).
+# no frame, is written into the MP4. The files (`INPUT_FILES`) count by the bytes stored rather
+# than their paths (each upload is stored under its own video's id).
 NOT_PIXELS: frozenset[str] = frozenset()
 
 # What names a model's weights on its card: a directory's modification time, a preset's start
@@ -38,16 +40,17 @@ def pixel_key(
     video: ResolvedVideo,
     card: ModelCard,
     *,
-    image_sha256: str | None,
+    digests: Mapping[str, str | None],
     parent: ModelCard | None = None,
 ) -> str:
     """A digest of everything that decides `video`'s pixels on `card`'s weights (`parent`: the
-    base model of a fine-tune); `image_sha256` is the stored first-frame image's digest.
+    base model of a fine-tune); `digests` are the stored files' by field (`INPUT_FILES`).
     `video.loras` name adapters by their ids on `card`."""
     fields = {f.name for f in dataclasses.fields(video)}
     request = {k: v for k, v in video.to_dict().items() if k in fields - NOT_PIXELS}
-    if "image" in request:
-        request["image"] = image_sha256
+    for name in INPUT_FILES:
+        if request.get(name) is not None:
+            request[name] = digests[name]
     adapters = {a["id"] if "id" in a else a["name"]: a for a in card.adapters}
     weights = {
         "model": _revision(card),

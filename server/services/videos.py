@@ -10,23 +10,33 @@ from typing import BinaryIO
 
 from starlette.concurrency import run_in_threadpool
 
-from megaslide.engine.atomic import atomic_write_bytes
-from megaslide.engine.request import RequestError, ResolvedVideo, resolve
+from megaslide.engine.atomic import atomic_write, atomic_write_bytes
+from megaslide.engine.request import INPUT_FILES, RequestError, ResolvedVideo, resolve
 
 from ..auth import Principal
 from ..datadir import DataDir
-from ..errors import InvalidRequest, NotFound, NotReady
+from ..errors import InvalidRequest, NotFound, NotReady, PayloadTooLarge
 from ..protocol import ModelCard, WorkerClient
 from ..records import VideoRecord
-from ..schemas import Video, VideoCreate, VideoDeleted, page, video_object
+from ..schemas import FILE_FIELDS, Video, VideoCreate, VideoDeleted, page, video_object
 from ..settings import Settings
 from ..store import AsyncStore, Reservation, now
+from .files import INPUT_PURPOSE
 from .idempotency import IdempotencyKey, answer_once, create_once
 from .jobs import admit, check_priority, new_id, wait_for
 from .models import find_model
 from .repeats import pixel_key, share_content
 
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP")  # what a first-frame image may be uploaded as
+# What an input video may be uploaded as: FFmpeg's demuxer for each, picked by the file's first
+# bytes and forced, so FFmpeg never probes for another (its playlist and concat demuxers open
+# further files and URLs named inside the upload).
+VIDEO_CONTAINERS = (
+    ("MP4 or QuickTime", lambda head: head[4:8] == b"ftyp", "mov"),
+    ("WebM or Matroska", lambda head: head.startswith(b"\x1a\x45\xdf\xa3"), "matroska"),
+    ("GIF", lambda head: head.startswith((b"GIF87a", b"GIF89a")), "gif"),
+)
+COPY_CHUNK = 1 << 20
 
 
 class Videos:
@@ -43,22 +53,32 @@ class Videos:
         principal: Principal,
         key: IdempotencyKey | None,
         image: BinaryIO | None = None,
+        last_image: BinaryIO | None = None,
+        input_video: BinaryIO | None = None,
     ) -> Video:
-        """Queue a video (`image`: an uploaded first frame), or, unless `body.reuse` is off,
-        answer it at once with the requester's finished video it repeats (repeats.py). A retry
-        with the same key gets the video its first request made."""
+        """Queue a video (`image`, `last_image`, `input_video`: an uploaded first frame, last
+        frame, input video; `body` may name files of /v1/files instead), or, unless
+        `body.reuse` is off, answer it at once with the requester's finished video it repeats
+        (repeats.py). A retry with the same key gets the video its first request made."""
         check_priority(body.priority, principal)
         served = self.workers.models()
         if not served:
             raise NotReady("no live worker serves a model yet; retry shortly")
         card = find_model(self.workers, body.model or served[0].name, principal)
         video_id = new_id("video_")
-        stored = await self._store_image(card, video_id, image) if image is not None else None
+        stored: dict[str, Path] = {}
+        named = await self._named_files(body, principal)
+        image = named.get("input_reference", image)
+        last_image = named.get("last_frame", last_image)
+        input_video = named.get("input_video", input_video)
+        body = body.model_copy(update=dict.fromkeys(FILE_FIELDS))
         try:
-            video = self._resolve(body, card, stored)
-            image_sha256 = _digest(stored)
+            frames = await self._store_files(card, video_id, image, last_image, input_video, stored)
+            video = self._resolve(body, card, stored, frames)
+            digests = {name: _digest(path) for name, path in stored.items()}
+            digests = {name: digests.get(name) for name in INPUT_FILES}
             parent = self.workers.model(card.parent) if card.parent else None
-            pixels = pixel_key(video, card, image_sha256=image_sha256, parent=parent)
+            pixels = pixel_key(video, card, digests=digests, parent=parent)
 
             async def insert(idempotency) -> VideoRecord:
                 if body.reuse:
@@ -79,15 +99,21 @@ class Videos:
             # `reuse` counts only when off: a request that leaves it out hashes as it did
             # before the field, so a key reserved then still answers its retries.
             fields = body.model_dump(exclude_none=True, exclude={"reuse"} if body.reuse else None)
-            payload = {**fields, "image": image_sha256}
+            # The image's digest under its old name, so a key reserved before the other files
+            # hashes as it did.
+            files = {"image" if n == "image" else f"{n}_sha256": d for n, d in digests.items()}
+            payload = {**fields, **{k: v for k, v in files.items() if k == "image" or v}}
             row, replayed = await create_once(
                 self.store, key, payload, self.store.videos.get, insert
             )
         except BaseException:
             _discard(stored)
             raise
+        finally:
+            for file in named.values():
+                file.close()
         if replayed:
-            _discard(stored)  # the first request's image is the video's
+            _discard(stored)  # the first request's files are the video's
         elif row.cached_from is None:
             self.workers.wake()
         return video_object(row)
@@ -124,23 +150,104 @@ class Videos:
                 path.unlink(missing_ok=True)
             raise
 
-    async def _store_image(self, card: ModelCard, video_id: str, image: BinaryIO) -> Path:
-        """The uploaded first frame, checked and stored as the video's reference image."""
-        if not card.limits.image_input:
-            raise RequestError(
-                f"model {card.name} does not take a first-frame image (input_reference)",
-                param="input_reference",
-                code="unsupported_parameter",
-            )
-        stored = self.data.reference(video_id)
-        await run_in_threadpool(save_image, image, stored, self.settings.max_image_pixels)
-        return stored
+    async def _named_files(self, body: VideoCreate, principal: Principal) -> dict[str, BinaryIO]:
+        """The files `body` names by id (uploaded with purpose "input" to /v1/files), opened, by
+        field; each is checked as an upload of its own would be (`_store_files`)."""
+        named = {}
+        try:
+            for field in FILE_FIELDS:
+                file_id = getattr(body, field)
+                if file_id is None:
+                    continue
+                if not isinstance(file_id, str) or not file_id.startswith("file-"):
+                    raise RequestError(
+                        f"{field} must be a file uploaded as multipart/form-data, or the id of a "
+                        'file uploaded with purpose "input" to /v1/files',
+                        param=field,
+                    )
+                row = await self.store.files.get(file_id)
+                if row is None or not principal.may_see(row.owner):
+                    raise NotFound(f"{field}: no file {file_id!r}", param=field)
+                if row.purpose != INPUT_PURPOSE:
+                    raise RequestError(
+                        f"{field}: file {file_id} was uploaded with purpose {row.purpose!r}, not "
+                        f"{INPUT_PURPOSE!r}",
+                        param=field,
+                    )
+                try:
+                    named[field] = await run_in_threadpool(self.data.resolve(row.path).open, "rb")
+                except FileNotFoundError:  # deleted since it was looked up
+                    raise NotFound(f"{field}: no file {file_id!r}", param=field) from None
+        except BaseException:
+            for file in named.values():
+                file.close()
+            raise
+        return named
 
-    def _resolve(self, body: VideoCreate, card: ModelCard, stored: Path | None) -> ResolvedVideo:
+    async def _store_files(
+        self,
+        card: ModelCard,
+        video_id: str,
+        image: BinaryIO | None,
+        last_image: BinaryIO | None,
+        video: BinaryIO | None,
+        stored: dict[str, Path],
+    ) -> int | None:
+        """The uploaded files, each checked against the model and the server's limits and
+        stored under `video_id` (into `stored`, by `ResolvedVideo` field); the input video's
+        frame count, or None without one."""
+        limits, settings = card.limits, self.settings
+        uploads = (
+            ("image", image, limits.image_input, "a first-frame image", "input_reference"),
+            ("last_image", last_image, limits.last_image_input, "a last-frame image", "last_frame"),
+            ("video", video, limits.video_input, "an input video", "input_video"),
+        )
+        for _, file, takes, what, param in uploads:
+            if file is not None and not takes:
+                raise RequestError(
+                    f"model {card.name} does not take {what} ({param})",
+                    param=param,
+                    code="unsupported_parameter",
+                )
+        if image is not None:
+            stored["image"] = self.data.reference(video_id)
+            await run_in_threadpool(save_image, image, stored["image"], settings.max_image_pixels)
+        if last_image is not None:
+            stored["last_image"] = self.data.last_frame(video_id)
+            await run_in_threadpool(
+                save_image,
+                last_image,
+                stored["last_image"],
+                settings.max_image_pixels,
+                "last_frame",
+            )
+        if video is None:
+            return None
+        stored["video"] = self.data.input_video(video_id)
+        return await run_in_threadpool(
+            save_video,
+            video,
+            stored["video"],
+            max_bytes=settings.max_video_bytes,
+            max_pixels=settings.max_image_pixels,
+            max_frames=settings.max_video_frames,
+        )
+
+    def _resolve(
+        self, body: VideoCreate, card: ModelCard, stored: dict[str, Path], frames: int | None
+    ) -> ResolvedVideo:
         """The request resolved against the model, as the workers will read it: adapters by id,
-        the image relative to the storage."""
+        the files relative to the storage. An input video of `frames` frames sets the clip's
+        length when the request gives none, and must hold the clip's frames."""
+        paths = {name: str(path) for name, path in stored.items()}
+        fit = None if frames is None else card.limits.fit_frames(frames)
         video = resolve(
-            body.to_request(image=str(stored) if stored else None),
+            body.to_request(
+                image=paths.get("image"),
+                last_image=paths.get("last_image"),
+                video=paths.get("video"),
+                frames=fit,
+            ),
             card.limits,
             card.defaults,
             model=card.name,
@@ -152,10 +259,15 @@ class Videos:
         ids = {a["name"]: a["id"] for a in card.adapters}
         loras = tuple(dataclasses.replace(c, name=ids[c.name]) for c in video.loras)
         video = dataclasses.replace(video, loras=loras)
-        # The image is named relative to the storage, which hosts mount where they like.
-        if stored is not None:
-            video = dataclasses.replace(video, image=self.data.relative(stored))
-        return video
+        if frames is not None and frames < video.frames:
+            raise RequestError(
+                f"input_video has {frames} frames; a clip of {video.frames} (num_frames) takes "
+                "its first ones: give a shorter clip or a longer video",
+                param="input_video",
+            )
+        # The files are named relative to the storage, which hosts mount where they like.
+        relative = {name: self.data.relative(path) for name, path in stored.items()}
+        return dataclasses.replace(video, **relative)
 
     async def find(self, video_id: str, principal: Principal) -> VideoRecord:
         """The video, if `principal` may see it; another key's answers 404 as if absent."""
@@ -241,8 +353,9 @@ class Videos:
         return path, media_type
 
 
-def save_image(src, dst: Path, max_pixels: int) -> None:
-    """Check an uploaded first-frame image and store it as PNG; RequestError if it is not one.
+def save_image(src, dst: Path, max_pixels: int, param: str = "input_reference") -> None:
+    """Check an uploaded first- (or last-) frame image and store it as PNG; RequestError naming
+    `param` if it is not one.
 
     The pixel count is read from the header and bounded before anything is decoded, so a small
     file that would inflate to gigabytes is refused cheaply. Only the formats a first frame comes
@@ -255,8 +368,8 @@ def save_image(src, dst: Path, max_pixels: int) -> None:
             width, height = image.size
             if width * height > max_pixels:
                 raise RequestError(
-                    f"input_reference is {width}x{height} pixels; at most {max_pixels} are accepted",
-                    param="input_reference",
+                    f"{param} is {width}x{height} pixels; at most {max_pixels} are accepted",
+                    param=param,
                 )
             image = image.convert("RGB")
     except RequestError:
@@ -264,24 +377,95 @@ def save_image(src, dst: Path, max_pixels: int) -> None:
     except UnidentifiedImageError:
         formats = f"{', '.join(IMAGE_FORMATS[:-1])} or {IMAGE_FORMATS[-1]}"
         raise RequestError(
-            f"input_reference is not a readable image: not a {formats} file",
-            param="input_reference",
+            f"{param} is not a readable image: not a {formats} file",
+            param=param,
         ) from None
     # PIL reports a damaged file as SyntaxError ("broken PNG file") or ValueError as well as
     # OSError.
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
-        raise RequestError(
-            f"input_reference is not a readable image ({e})", param="input_reference"
-        ) from None
+        raise RequestError(f"{param} is not a readable image ({e})", param=param) from None
     png = io.BytesIO()
     image.save(png, format="PNG")
     atomic_write_bytes(dst, png.getvalue())
+
+
+def save_video(src, dst: Path, *, max_bytes: int, max_pixels: int, max_frames: int) -> int:
+    """Store an uploaded input video as it is and check it by decoding every frame with PyAV
+    (FFmpeg); its frame count, or RequestError naming `input_video` (PayloadTooLarge past
+    `max_bytes`), and nothing left behind.
+
+    A hostile file is bounded before it costs much: its bytes as they are copied, its container
+    by its first bytes (one of `VIDEO_CONTAINERS`, the demuxer forced), its frame size from the
+    stream's header before any frame is decoded and again on each frame (a stream may change
+    size midway), and its frames as they are decoded."""
+    try:
+        _copy_bounded(src, dst, max_bytes)
+        return _count_video_frames(dst, max_pixels, max_frames)
+    except BaseException:
+        dst.unlink(missing_ok=True)
+        raise
+
+
+def _copy_bounded(src, dst: Path, max_bytes: int) -> None:
+    def write(tmp: Path) -> None:
+        written = 0
+        with tmp.open("wb") as out:
+            while chunk := src.read(COPY_CHUNK):
+                written += len(chunk)
+                if written > max_bytes:
+                    raise PayloadTooLarge(
+                        f"input_video: this server accepts videos up to {max_bytes} bytes",
+                        param="input_video",
+                    )
+                out.write(chunk)
+
+    atomic_write(dst, write)
+
+
+def _count_video_frames(path: Path, max_pixels: int, max_frames: int) -> int:
+    import av
+
+    with path.open("rb") as f:
+        head = f.read(16)
+    demuxer = next((d for _, is_it, d in VIDEO_CONTAINERS if is_it(head)), None)
+    if demuxer is None:
+        kinds = ", ".join(name for name, _, _ in VIDEO_CONTAINERS)
+        raise RequestError(
+            f"input_video is not a readable video: not a {kinds} file", param="input_video"
+        )
+
+    def refuse(problem: str) -> RequestError:
+        return RequestError(f"input_video {problem}", param="input_video")
+
+    def check_size(w: int, h: int) -> None:
+        if w * h > max_pixels:
+            raise refuse(f"has frames of {w}x{h} pixels; at most {max_pixels} are accepted")
+
+    frames = 0
+    try:
+        with av.open(str(path), format=demuxer) as container:
+            if not container.streams.video:
+                raise refuse("holds no video stream")
+            stream = container.streams.video[0]
+            check_size(stream.codec_context.width, stream.codec_context.height)
+            for frame in container.decode(stream):
+                check_size(frame.width, frame.height)
+                frames += 1
+                if frames > max_frames:
+                    raise refuse(f"has more than {max_frames} frames, the most this server decodes")
+    except RequestError:
+        raise
+    except (av.FFmpegError, ValueError, OSError) as e:
+        raise refuse(f"is not a readable video ({e})") from None
+    if frames == 0:
+        raise refuse("holds no frame")
+    return frames
 
 
 def _digest(path: Path | None) -> str | None:
     return hashlib.sha256(path.read_bytes()).hexdigest() if path is not None else None
 
 
-def _discard(path: Path | None) -> None:
-    if path is not None:
+def _discard(stored: dict[str, Path]) -> None:
+    for path in stored.values():
         path.unlink(missing_ok=True)

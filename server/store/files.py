@@ -18,14 +18,15 @@ class FileStore:
         self.db = db
 
     def insert(self, row: dict, idempotency: Reservation | None = None) -> FileRecord:
-        """An upload, `uploaded` until validated (`claim_validation`)."""
+        """An upload, `uploaded` until validated (`claim_validation`), unless `row` says it is
+        `processed` already (a video's input, checked where it is used)."""
         keys = ("id", "filename", "purpose", "bytes", "path")
         with self.db.tx() as conn:
             conn.execute(
                 files.insert().values(
                     created_at=now(),
                     clips=0,
-                    status="uploaded",
+                    status=row.get("status", "uploaded"),
                     owner=row.get("owner"),
                     **{k: row[k] for k in keys},
                 )

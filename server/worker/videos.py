@@ -116,8 +116,13 @@ class Videos:
         claimed = []
         for row in rows:
             video = ResolvedVideo.from_dict(row.spec)
-            if video.image is not None:  # stored relative to the storage (see the videos router)
-                video = dataclasses.replace(video, image=str(ctx.data.resolve(video.image)))
+            # Its files are stored relative to the storage (see the videos service).
+            files = {
+                name: str(ctx.data.resolve(path))
+                for name in ("image", "last_image", "video")
+                if (path := getattr(video, name)) is not None
+            }
+            video = dataclasses.replace(video, **files)
             try:
                 model = self.models.video_model(video.model)
                 if self.models.as_delta(video.model):  # its base's model, with its delta

@@ -5,8 +5,9 @@ A SentencePiece tokenizer is trained on the fly on a few captions and wrapped by
 Wan2.1-style (one transformer, UniPC or flow-matching Euler), Wan2.2-A14B-style (two experts and
 a boundary), Wan2.2-TI2V-style (per-token timesteps, a residual VAE with 2x2 patches),
 Wan2.1-I2V-style (`WanImageToVideoPipeline`: the image condition as extra input channels and a
-CLIP image encoder; with two experts Wan2.2-I2V-A14B-style, without the encoder), and sharded
-weights.
+CLIP image encoder; with two experts Wan2.2-I2V-A14B-style, without the encoder),
+Wan2.1-FLF2V-style (the I2V layout whose CLIP embedder takes a first and a last frame's features
+side by side, `pos_embed_seq_len`), and sharded weights.
 """
 
 from __future__ import annotations
@@ -47,9 +48,12 @@ def tokenizer():
     return T5Tokenizer(vocab=vocab, extra_ids=0)
 
 
-def transformer(in_channels: int = 4, layers: int = 2, *, condition: int = 0, image_dim=None):
+def transformer(
+    in_channels: int = 4, layers: int = 2, *, condition: int = 0, image_dim=None, pos_embed=None
+):
     """`condition`: extra input channels (I2V's mask and image latent); `image_dim`: the width of
-    the CLIP features it cross-attends (Wan2.1-I2V)."""
+    the CLIP features it cross-attends (Wan2.1-I2V); `pos_embed`: two images' CLIP tokens, whose
+    positions FLF2V's embedder learns."""
     from diffusers import WanTransformer3DModel
 
     return WanTransformer3DModel(
@@ -65,10 +69,12 @@ def transformer(in_channels: int = 4, layers: int = 2, *, condition: int = 0, im
         rope_max_seq_len=32,
         image_dim=image_dim,
         added_kv_proj_dim=None if image_dim is None else 24,  # the model's width
+        pos_embed_seq_len=pos_embed,
     )
 
 
 IMAGE_DIM = 16  # the tiny CLIP's width
+IMAGE_TOKENS = 17  # the tiny CLIP's tokens of one image: 16 patches and the class token
 
 
 def image_encoder():
@@ -95,6 +101,7 @@ def build_tiny_wan(
     scheduler: str = "unipc",
     ti2v: bool = False,
     i2v: bool = False,
+    flf2v: bool = False,
     shard: str | None = None,
     layers: int = 2,
     seed: int = 0,
@@ -104,6 +111,7 @@ def build_tiny_wan(
     sampling defaults a tiny model can take in `megaslide.json` (Wan's own are 480x832)."""
     from diffusers import WanImageToVideoPipeline, WanPipeline
 
+    i2v = i2v or flf2v
     torch.manual_seed(seed)
     tok = tokenizer()
     text = _text_encoder(len(tok))
@@ -113,11 +121,16 @@ def build_tiny_wan(
     condition = 4 + channels if i2v else 0
     clip = i2v and experts == 1  # Wan2.2-I2V-A14B has no image encoder
     image_dim = IMAGE_DIM if clip else None
-    models = [transformer(channels, layers, condition=condition, image_dim=image_dim)]
+    pos_embed = 2 * IMAGE_TOKENS if flf2v else None
+    models = [
+        transformer(channels, layers, condition=condition, image_dim=image_dim, pos_embed=pos_embed)
+    ]
     models += [transformer(channels, layers, condition=condition) for _ in range(experts - 1)]
     with torch.no_grad():  # Wan's output projection starts random here, so outputs are not zero
         for m in models:
             m.proj_out.weight.normal_(0, 0.5)
+            if pos_embed is not None:  # zero at init: the two images' positions would not count
+                m.condition_embedder.image_embedder.pos_embed.normal_(0, 1.0)
     parts = dict(
         tokenizer=tok,
         text_encoder=text,

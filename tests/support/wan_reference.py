@@ -73,22 +73,41 @@ def misaligned(*modules: nn.Module) -> list[str]:
 
 
 def diffusers_run(
-    path, request, image=None, *, aligned: bool = True, step_generator: bool = False
+    path,
+    request,
+    image=None,
+    *,
+    last_image=None,
+    video=None,
+    strength: float = 0.8,
+    aligned: bool = True,
+    step_generator: bool = False,
 ) -> tuple[list[torch.Tensor], np.ndarray]:
     """diffusers' pipeline at `path` (or a pipeline already loaded, with adapters say) on
     `request` (a VideoRequest), its weights re-homed unless not `aligned`: the latents after
-    every step, and the frames as uint8, rounded as MegaSlide rounds. `step_generator`: the
+    every step, and the frames as uint8, rounded as MegaSlide rounds. `image` and `last_image`
+    (files): `WanImageToVideoPipeline`'s first and last frames; `video` (a file): the request's
+    first frames of it remade by `WanVideoToVideoPipeline` at `strength`. `step_generator`: the
     scheduler's steps draw their noise from the generator that drew the starting noise
     (WanPipeline passes none: a consistency scheduler would draw from the global one)."""
     import diffusers
+    from PIL import Image
 
     cls = diffusers.WanPipeline if image is None else diffusers.WanImageToVideoPipeline
     pipe = cls.from_pretrained(path) if isinstance(path, (str, os.PathLike)) else path
     extra = {}
     if image is not None:
-        from PIL import Image
-
         extra = {"image": Image.open(image)}
+    if last_image is not None:
+        extra["last_image"] = Image.open(last_image)
+    if video is not None:
+        from megaslide.engine.video import read_video
+
+        # WanVideoToVideoPipeline over the text-to-video pipeline's own modules.
+        names = ("tokenizer", "text_encoder", "transformer", "vae", "scheduler")
+        pipe = diffusers.WanVideoToVideoPipeline(**{n: pipe.components[n] for n in names})
+        frames = read_video(video, num_frames=request.frames, sampling="first")
+        extra = {"video": [Image.fromarray(f) for f in frames], "strength": strength}
     modules = [m for m in pipe.components.values() if isinstance(m, nn.Module)]
     if aligned:
         rehome(*modules)
@@ -109,7 +128,7 @@ def diffusers_run(
         negative_prompt=request.negative_prompt,
         height=request.height,
         width=request.width,
-        num_frames=request.frames,
+        **({} if video is not None else {"num_frames": request.frames}),
         num_inference_steps=request.steps,
         guidance_scale=request.guidance,
         generator=generator,

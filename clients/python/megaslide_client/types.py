@@ -135,6 +135,8 @@ class Video(APIObject):
     timesteps: list[int] | None = None  # an euler or consistency sampler's
     shift: float | None = None  # the request's or an adapter's; None: the model's
     guidance_interval: list[float] | None = None  # None: guided on every step
+    # With an input video: the fraction of the schedule run (its last int(steps * strength)).
+    strength: float | None = None
     # The completed video whose MP4 answered this request, which repeated it in everything that
     # decides the pixels (no pass ran); None: made by its own run.
     cached_from: str | None = None

@@ -5,6 +5,13 @@
 import { APIError, request } from "./api.js";
 import { clearErrors, numberIn, showError } from "./dom.js";
 
+// The files a model may take: the input it lists in `inputs`, its field, the form field it goes in.
+const FILE_INPUTS = [
+  ["image", "#image-field", "input_reference"],
+  ["last_image", "#last-image-field", "last_frame"],
+  ["video", "#video-field", "input_video"],
+];
+
 // A rolled seed is below 2**31, like the seeds the server draws for requests without one.
 function rollSeed() {
   return crypto.getRandomValues(new Uint32Array(1))[0] >>> 1;
@@ -83,10 +90,13 @@ export class CreateForm {
     const model = this.model;
     const limits = this.form.querySelector("#model-limits");
     limits.textContent = model ? describeLimits(model) : "No model is served.";
-    // A model announces a first-frame input by listing "image" among its inputs.
-    const image = this.form.querySelector("#image-field");
-    image.hidden = !model?.inputs?.includes("image");
-    if (image.hidden) this.fields.input_reference.value = "";
+    // A model announces each file it takes among its inputs: "image" (a first frame),
+    // "last_image" (a last frame besides), "video" (an input video, with a strength).
+    for (const [input, selector, name] of FILE_INPUTS) {
+      const field = this.form.querySelector(selector);
+      field.hidden = !model?.inputs?.includes(input);
+      if (field.hidden) this.fields[name].value = "";
+    }
     this.showAdapters(model?.adapters || []);
     this.showCachePolicies(model?.limits?.cache_policies);
     if (!model) return;
@@ -243,6 +253,10 @@ export class CreateForm {
     if (f.guidance_interval.value) body.guidance_interval = JSON.parse(f.guidance_interval.value);
     const loras = this.loras();
     if (loras.length) body.loras = loras;
+    // With an input video, how much of the schedule runs (the server's default when empty).
+    if (!this.form.querySelector("#video-field").hidden) {
+      body.strength = number(f.strength, "strength");
+    }
     for (const name of Object.keys(body)) if (body[name] === undefined) delete body[name];
     return body;
   }
@@ -253,17 +267,18 @@ export class CreateForm {
     button.disabled = true;
     try {
       const body = this.body();
-      const image = this.form.querySelector("#image-field").hidden
-        ? null
-        : this.fields.input_reference.files[0];
+      const shown = (selector) => !this.form.querySelector(selector).hidden;
+      const files = FILE_INPUTS.filter(([, selector]) => shown(selector))
+        .map(([, , name]) => [name, this.fields[name].files[0]])
+        .filter(([, file]) => file);
       let video;
-      if (image) {
-        // A first frame goes as multipart, the other fields as form values beside it.
+      if (files.length) {
+        // Files go as multipart, the other fields as form values beside them.
         const form = new FormData();
         for (const [name, value] of Object.entries(body)) {
           form.append(name, typeof value === "object" ? JSON.stringify(value) : String(value));
         }
-        form.append("input_reference", image);
+        for (const [name, file] of files) form.append(name, file);
         video = await request("POST", "v1/videos", { form });
       } else {
         video = await request("POST", "v1/videos", { json: body });

@@ -94,6 +94,27 @@ class Upload:
         self.close()
 
 
+class Uploads:
+    """Several files of one multipart body, by form field: each an `Upload`, made afresh by
+    each call as one is."""
+
+    def __init__(self, files: Mapping[str, FileInput]) -> None:
+        self.uploads = [Upload(file, field=field) for field, file in files.items()]
+
+    def __call__(self) -> Mapping[str, Any]:
+        return {k: v for upload in self.uploads for k, v in upload().items()}
+
+    def close(self) -> None:
+        for upload in self.uploads:
+            upload.close()
+
+    def __enter__(self) -> Uploads:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
 class Files:
     """Uploaded files."""
 

@@ -15,7 +15,7 @@ from .._progress import ProgressBar
 from .._sse import ServerSentEvent
 from .._streaming import EventStream, PathLike
 from ..types import Video, VideoContentLink, VideoDeleted, VideoEvent
-from .files import FileInput, Upload
+from .files import FileInput, Uploads
 
 if TYPE_CHECKING:
     from .._base_client import AsyncAPIClient, SyncAPIClient
@@ -44,6 +44,7 @@ def create_body(
     shift: float | None = None,
     guidance_interval: Sequence[float] | None = None,
     reuse: bool | None = None,
+    strength: float | None = None,
 ) -> dict[str, Any]:
     """The JSON body of POST /v1/videos; unset fields are left for the server's defaults."""
     body = {
@@ -65,10 +66,23 @@ def create_body(
         "shift": shift,
         "guidance_interval": None if guidance_interval is None else list(guidance_interval),
         "reuse": reuse,
+        "strength": strength,
     }
     body = {k: v for k, v in body.items() if v is not None}
     body.update(extra_body or {})
     return body
+
+
+def upload_fields(
+    input_reference: FileInput | None, last_frame: FileInput | None, input_video: FileInput | None
+) -> dict[str, FileInput]:
+    """The files of a create call by form field, those given."""
+    files = {
+        "input_reference": input_reference,
+        "last_frame": last_frame,
+        "input_video": input_video,
+    }
+    return {k: v for k, v in files.items() if v is not None}
 
 
 def form_fields(body: Mapping[str, Any]) -> dict[str, str]:
@@ -166,6 +180,9 @@ class Videos:
         shift: float | None = None,
         guidance_interval: Sequence[float] | None = None,
         input_reference: FileInput | None = None,
+        last_frame: FileInput | None = None,
+        input_video: FileInput | None = None,
+        strength: float | None = None,
         reuse: bool | None = None,
         extra_body: Mapping[str, Any] | None = None,
         idempotency_key: str | None = None,
@@ -184,7 +201,10 @@ class Videos:
         model's), the last two over `timesteps` (e.g. `[1000, 750, 500, 250]`) with `shift`;
         `guidance_interval` `(start, end)` guides only that fraction of the steps.
         `input_reference` is a first-frame image (a path, bytes, a binary file or `(filename,
-        content)`; PNG, JPEG or WebP) for a model that takes one (`Model.inputs`); with it the
+        content)`; PNG, JPEG or WebP) for a model that takes one (`Model.inputs`); `last_frame`
+        a last-frame image besides (first-last-frame-to-video); `input_video` a video to remake
+        (MP4, WebM or GIF; the clip's length by default, else its first `num_frames` frames) at
+        `strength`, the fraction of the schedule that runs (0.8 by default). With a file the
         request goes as multipart form fields. Every retry of this call carries the same Idempotency-Key, so it makes at most one job.
         A request equal to one of this key's completed videos in everything that decides the
         pixels (a fixed `seed` among them) comes back completed at once with that video's MP4,
@@ -210,15 +230,17 @@ class Videos:
             shift=shift,
             guidance_interval=guidance_interval,
             reuse=reuse,
+            strength=strength,
         )
-        if input_reference is None:
+        files = upload_fields(input_reference, last_frame, input_video)
+        if not files:
             response = self._client.post("/v1/videos", json=body, idempotency_key=idempotency_key)
         else:
-            with Upload(input_reference, field="input_reference") as image:
+            with Uploads(files) as uploads:
                 response = self._client.post(
                     "/v1/videos",
                     data=form_fields(body),
-                    files=image,
+                    files=uploads,
                     idempotency_key=idempotency_key,
                 )
         return Video.from_dict(response.json())
@@ -342,6 +364,9 @@ class AsyncVideos:
         shift: float | None = None,
         guidance_interval: Sequence[float] | None = None,
         input_reference: FileInput | None = None,
+        last_frame: FileInput | None = None,
+        input_video: FileInput | None = None,
+        strength: float | None = None,
         reuse: bool | None = None,
         extra_body: Mapping[str, Any] | None = None,
         idempotency_key: str | None = None,
@@ -367,17 +392,19 @@ class AsyncVideos:
             shift=shift,
             guidance_interval=guidance_interval,
             reuse=reuse,
+            strength=strength,
         )
-        if input_reference is None:
+        files = upload_fields(input_reference, last_frame, input_video)
+        if not files:
             response = await self._client.post(
                 "/v1/videos", json=body, idempotency_key=idempotency_key
             )
         else:
-            with Upload(input_reference, field="input_reference") as image:
+            with Uploads(files) as uploads:
                 response = await self._client.post(
                     "/v1/videos",
                     data=form_fields(body),
-                    files=image,
+                    files=uploads,
                     idempotency_key=idempotency_key,
                 )
         return Video.from_dict(response.json())
