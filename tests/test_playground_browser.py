@@ -26,6 +26,8 @@ from playwright.sync_api import Page, Route, expect, sync_playwright
 from megaslide.cli.remote import pack_dataset
 from megaslide.engine.native.world import write_dataset
 
+from server_fakes import until
+
 ROOT = Path(__file__).resolve().parents[1]
 SCREENSHOTS = Path(os.environ.get("MEGASLIDE_SCREENSHOT_DIR") or ROOT / "out" / "playground")
 
@@ -489,10 +491,14 @@ def test_validation_videos_side_by_side_and_both_loss_curves(page, server, tmp_p
         ("#ft-validation-steps", "2"),
     ):
         page.fill(field, value)
+    before = len(server.http.get("/v1/fine_tuning/jobs").json()["data"])
     page.click("#start-finetune")
+    # The page may still show an earlier test's job: wait for this one's.
+    until(lambda: len(server.http.get("/v1/fine_tuning/jobs").json()["data"]) > before)
+    job_id = server.http.get("/v1/fine_tuning/jobs").json()["data"][0]["id"]  # newest first
     detail = page.locator("#ft-detail")
+    expect(detail.locator("h3")).to_have_text(job_id)
     expect(detail.locator(".badge")).to_have_text("succeeded")
-    job_id = detail.locator("h3").text_content()
     checkpoints = server.http.get(f"/v1/fine_tuning/jobs/{job_id}/checkpoints").json()["data"]
     assert [c["step_number"] for c in checkpoints] == [6, 4, 2]  # 3 clips train, 1 held out
 
