@@ -9,6 +9,8 @@ latents, for a step where eager happens to land on the oracle).
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -190,3 +192,46 @@ def test_compiled_wan_with_a_lora_row_equals_eager(tmp_path_factory):
     assert not torch.equal(runs["eager"][0], runs["eager"][1])  # the adapter did something
     stats = pipe.compile_stats()
     assert stats and all(s["graph_breaks"] == 0 for s in stats.values()), stats
+
+
+def test_generate_stats_report_the_compiled_blocks(tmp_path):
+    from megaslide.cli.main import main
+
+    stats = tmp_path / "stats.json"
+    argv = ["generate", "a red circle", "--preset", "tiny", "--steps", "2", "--frames", "4"]
+    argv += ["--size", "16x16", "--no-progress", "-o", str(tmp_path / "a.mp4")]
+    assert main([*argv, "--compile", "--stats", str(stats)]) == 0
+    got = json.loads(stats.read_text())["compile"]["dit"]
+    assert got["graphs"] >= 1 and got["graph_breaks"] == 0, got
+
+
+def test_a_worker_warms_the_default_shape_and_counts_recompiles(tmp_path):
+    """With `compile`, the worker compiles the model's default shape as it loads it; a request
+    at another shape is a recompile, counted in /metrics."""
+    pytest.importorskip("fastapi")
+    import warnings
+
+    with warnings.catch_warnings():  # starlette's notice that its TestClient will move to httpx2
+        warnings.simplefilter("ignore")
+        from fastapi.testclient import TestClient
+
+    from megaslide.server import Settings
+
+    from api_helpers import wait_status
+    from server_fakes import torch_app
+
+    torch._dynamo.reset()  # the first graph is the warm-up's, the request's a recompile
+    settings = Settings(
+        data_dir=tmp_path / "data", preset="tiny", device="cpu", poll_after_ms=50, compile=True
+    )
+    clip = {"num_frames": 4, "size": "16x16", "num_inference_steps": 2}  # not the default shape
+    with TestClient(torch_app(settings)) as c:
+        v = c.post("/v1/videos", json={"prompt": "compiled", "seed": 3, **clip}).json()
+        assert wait_status(c, v["id"], timeout=300)["status"] == "completed"
+        metrics = c.get("/metrics").text
+    counted = [
+        float(line.split()[1])
+        for line in metrics.splitlines()
+        if line.startswith("megaslide_compile_recompiles_total")
+    ]
+    assert counted == [1.0], counted

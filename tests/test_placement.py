@@ -126,6 +126,9 @@ def test_settings_and_fine_tunes_are_built_from_the_spec(tmp_path):
     assert s.placement.device is None
     with pytest.raises(ValueError, match="needs offload='stream'"):
         Settings(data_dir=tmp_path, host_tier="disk")
+    assert Settings(data_dir=tmp_path, compile=True).placement.compile
+    with pytest.raises(ValueError, match="compile is checked on one device"):
+        Settings(data_dir=tmp_path, devices=["cpu", "cpu"], compile=True)
     s = Settings(data_dir=tmp_path, offload="stream", host_tier="disk", disk_io="direct")
     assert s.placement.disk_io == "direct" and s.placement.host_tier == "disk"
     # Adapters given at start run on several devices too (each rank registers them).
