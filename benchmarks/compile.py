@@ -72,6 +72,9 @@ def side_by_side(preset: str, offload: str, steps: int, warmup: int) -> dict:
         "compile_s": round(times["compiled"][0] - compiled, 2),
         "first_eager_step_s": round(times["eager"][0], 4),
         "compile_stats": pipes["compiled"].compile_stats(),
+        # Every timed step, to judge the spread on a shared machine.
+        "eager_steps_s": [round(t, 4) for t in times["eager"][1 + warmup :]],
+        "compiled_steps_s": [round(t, 4) for t in times["compiled"][1 + warmup :]],
     }
 
 

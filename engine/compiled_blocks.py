@@ -20,11 +20,11 @@ graph, not constants baked into it. Three things follow, each checked by tests/t
 
 `dynamic=False` (the default) compiles a graph for each distinct shape a block sees: each batch
 size (rows of a pass, as requests join and leave), token count and text length, once. Dynamo's
-automatic dynamic shapes (`dynamic=None`) compiled more graphs, not fewer, measured on our DiT
-(tests/test_compile.py, benchmarks/compile.py `--batches`): passes of 2, 4, 3, 2, 1 and 3 rows
-took 4 static graphs and 5 automatic ones (a size of 1 keeps a graph of its own, and the symbolic
-graph was compiled twice). Past Dynamo's `recompile_limit` (8 graphs of one function) a block
-runs eagerly.
+automatic dynamic shapes (`dynamic=None`) were not better on our DiT: on the tiny preset passes of
+2, 4, 3, 2, 1 and 3 rows took 5 graphs against static's 4 (a size of 1 keeps a graph of its own,
+and the symbolic graph was compiled twice), on megaslide-tiny passes of 2, 4, 3 and 2 rows took 2
+against 3 (tests/test_compile.py, benchmarks/compile.py `--batches`). Past Dynamo's
+`recompile_limit` (8 graphs of one function) a block runs eagerly.
 
 Caution:
 - Dynamo caches graphs per function (its code object), not per `torch.compile` call: pipelines of
