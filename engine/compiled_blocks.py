@@ -20,20 +20,21 @@ graph, not constants baked into it. Three things follow, each checked by tests/t
 
 `dynamic=False` (the default) compiles a graph for each distinct shape a block sees: each batch
 size (rows of a pass, as requests join and leave), token count and text length, once. Dynamo's
-automatic dynamic shapes (`dynamic=None`) were not better on our DiT: on the tiny preset passes of
-2, 4, 3, 2, 1 and 3 rows took 5 graphs against static's 4 (a size of 1 keeps a graph of its own,
-and the symbolic graph was compiled twice), on megaslide-tiny passes of 2, 4, 3 and 2 rows took 2
-against 3 (tests/test_compile.py, benchmarks/compile.py `--batches`). Past Dynamo's
-`recompile_limit` (8 graphs of one function) a block runs eagerly.
+automatic dynamic shapes (`dynamic=None`) were not reliably better on our DiT: passes of 2, 4, 3
+and 2 rows took 2 graphs against static's 3 (one static, one symbolic), but passes of 2, 4, 3, 2,
+1 and 3 rows on the tiny preset took 5 against 4 (a size of 1 keeps a graph of its own, and the
+symbolic graph was compiled twice) (tests/test_compile.py, benchmarks/compile.py `--batches`).
+Static is one graph per size, predictably. Past Dynamo's `recompile_limit` (8 graphs) a block
+runs eagerly.
 
-Caution:
-- Dynamo caches graphs per function (its code object), not per `torch.compile` call: pipelines of
-  one family in a process share the graphs of their block's forward, the shapes seen (automatic
-  dynamic) and the `recompile_limit`. A second pipeline of a model already compiled reuses its
-  graphs and counts none of them.
-- `stats()` counts the graphs compiled through this object exactly (its backend counts what Dynamo
-  hands it), but `graph_breaks` is Dynamo's process-wide counter since `compile_blocks` ran:
-  another compiled function in the process adds to it.
+Each `compile_blocks` compiles a copy of the forward with a code object of its own, because
+Dynamo keeps its graphs, the shapes it has seen and its `recompile_limit` per code object: with
+the class's own forward, every pipeline a process opens of one family would share one limit of 8
+graphs, and a worker that reloads models would end up running them all eagerly.
+
+Caution: `stats()` counts the graphs compiled through this object exactly (its backend counts
+what Dynamo hands it), but `graph_breaks` is Dynamo's process-wide counter since `compile_blocks`
+ran: another compiled function in the process adds to it.
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ class CompiledBlocks:
         self.blocks = list(blocks)
         self.dynamic = dynamic
         self.counting = CountingBackend(backend)
-        forward = next(iter(kinds)).forward
+        forward = _own_code(next(iter(kinds)).forward)
         self.compiled = torch.compile(forward, backend=self.counting, dynamic=dynamic)
         self._breaks_before = _graph_breaks()
         for block in self.blocks:
@@ -114,6 +115,17 @@ def compile_blocks(
     """Run `blocks` (instances of one class, in a built model) through one `torch.compile`d
     forward; compilation happens at the first call. See the module docstring."""
     return CompiledBlocks(blocks, dynamic=dynamic, backend=backend)
+
+
+def _own_code(fn: types.FunctionType) -> types.FunctionType:
+    """`fn` with a copy of its code object, so that Dynamo's cache of it is this copy's alone
+    (see the module docstring)."""
+    copy = types.FunctionType(
+        fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__
+    )
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    copy.__qualname__ = fn.__qualname__
+    return copy
 
 
 def _graph_breaks() -> int:

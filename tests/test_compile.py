@@ -131,18 +131,27 @@ def test_compiled_3d_dsa_equals_eager(oracle):
 @pytest.mark.parametrize("dynamic", [False, None])
 def test_batches_that_change_recompile_at_most_once_a_size(dynamic):
     """Requests joining and leaving a batch: passes of 2, 4, 3 and 2 rows (a guided request is
-    two rows, an unguided one one): a graph per batch size, static (the default) or with
-    Dynamo's automatic dynamic shapes (which compiles its symbolic graph twice here)."""
-    torch._dynamo.reset()  # Dynamo's cache of the block's forward is the process's (see above)
+    two rows, an unguided one one): a graph per batch size with static shapes (the default), at
+    most as many with Dynamo's automatic dynamic shapes (2 here: one static, one symbolic)."""
     pipe = dit()
     blocks = compile_blocks(pipe.dit.blocks, dynamic=dynamic)
     requests = [request(), request(seed=2), request(seed=3, guidance=1.0)]
     states = [pipe.prepare(pipe.resolve(r)) for r in requests]
     for batch in ([0], [0, 1], [0, 2], [1]):
         pipe.denoise_step([states[i] for i in batch])
-    assert blocks.stats()["graphs"] == 3, blocks.stats()
+    graphs = blocks.stats()["graphs"]
+    assert graphs == 3 if dynamic is False else 1 <= graphs <= 3, blocks.stats()
     blocks.remove()
     assert "forward" not in vars(pipe.dit.blocks[0])
+
+
+def test_pipelines_of_one_model_keep_graphs_and_limits_of_their_own():
+    """Each pipeline's blocks compile their own graphs: one process opening a model again and
+    again (a worker reloading it) never runs into Dynamo's recompile limit."""
+    for _ in range(torch._dynamo.config.recompile_limit + 1):
+        pipe = dit(compile=True)
+        latents(pipe, [request(steps=1)])
+        assert pipe.compile_stats()["dit"]["graphs"] == 1
 
 
 def test_warm_up_compiles_the_default_shape(compiled):
@@ -220,7 +229,6 @@ def test_a_worker_warms_the_default_shape_and_counts_recompiles(tmp_path):
     from api_helpers import wait_status
     from server_fakes import torch_app
 
-    torch._dynamo.reset()  # the first graph is the warm-up's, the request's a recompile
     settings = Settings(
         data_dir=tmp_path / "data", preset="tiny", device="cpu", poll_after_ms=50, compile=True
     )
