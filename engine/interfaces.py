@@ -27,7 +27,8 @@ class VideoModel(Protocol):
         ...
 
     def denoise_step(self, states: list) -> dict[str, int]:
-        """Advance every unfinished state one step; return the step's transfer counters."""
+        """Advance every unfinished state one step; return the step's counters (bytes moved,
+        recompiles of compiled blocks)."""
         ...
 
     def finish_batch(self, states: list) -> list:

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .compiled_blocks import compile_blocks
 from .family import Component, family
 from .initialization import init_module, init_parts, seeded
 from .lora import Adapter, AdapterError
@@ -109,7 +110,8 @@ def open_pipeline(
     blocks live between steps: "ram", "disk" (read from the model's safetensors files through a
     bounded ring each step; disk_store.py) or "auto" (disk when the blocks would not fit in the
     available RAM with a margin; `planner.choose_host_tier`); `disk_io` is how the disk tier
-    reads ("buffered" or "direct", O_DIRECT).
+    reads ("buffered" or "direct", O_DIRECT). `compile` runs each denoiser's repeated block
+    through one `torch.compile`d forward (compiled_blocks.py), streamed or resident.
 
     `batched=False` runs each request's rows in passes of their own (a reference mode).
     `ordering` replaces the device's own streams and events for the streamed modules (see
@@ -124,10 +126,22 @@ def open_pipeline(
         info = source
     else:
         info = describe(as_source(source), **overrides)
-    parts, handles = open_model(info, placement, dtype=dtype, ordering=ordering, shared=shared)
+    components, handles = _open_components(
+        info, placement, dtype=dtype, ordering=ordering, shared=shared
+    )
+    parts = {c.name: c.module for c in components}
     for module in parts.values():
         module.eval()
-    return family(info.family).pipeline(info, parts, handles, batched=batched)
+    pipe = family(info.family).pipeline(info, parts, handles, batched=batched)
+    if placement.compile:
+        # A transform of the built, placed model like streaming: the blocks' forwards compile
+        # at their first call (`Pipeline.warm_up` pays it ahead of a user's request).
+        pipe.compiled = {
+            c.name: compile_blocks(c.blocks)
+            for c in components
+            if c.blocks and c.name in pipe.denoisers
+        }
+    return pipe
 
 
 def open_model(
@@ -151,7 +165,30 @@ def open_model(
     from it: nothing is read from files or drawn. `keep_fp32=False` casts the modules a family
     keeps in fp32 to `dtype` too (a bf16 training master is one dtype throughout).
     """
-    placement = Placement.of(placement, fields).validate()
+    components, handles = _open_components(
+        info,
+        Placement.of(placement, fields),
+        dtype=dtype,
+        only=only,
+        ordering=ordering,
+        shared=shared,
+        keep_fp32=keep_fp32,
+    )
+    return {c.name: c.module for c in components}, handles
+
+
+def _open_components(
+    info: ModelInfo,
+    placement: Placement,
+    *,
+    dtype: str | torch.dtype = "auto",
+    only: set[str] | None = None,
+    ordering: Ordering | None = None,
+    shared: SharedWeights | None = None,
+    keep_fp32: bool = True,
+) -> tuple[list[Component], dict[str, StreamHandle]]:
+    """`open_model`, with each module as its family's `Component` (its blocks named)."""
+    placement = placement.validate()
     if placement.devices is not None:
         raise ValueError("open_model opens on one device: a rank opens placement.on(its device)")
     if ordering is not None and not placement.streams:
@@ -202,7 +239,7 @@ def open_model(
             else:
                 for state in _random_parts(template, c):
                     fill(state, strict=False)
-    return {c.name: c.module for c in components}, handles
+    return components, handles
 
 
 def held_tensors(info: ModelInfo, dtype: torch.dtype) -> Iterator[tuple[str, str, torch.Tensor]]:

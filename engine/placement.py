@@ -10,6 +10,7 @@
         host_tier="ram",             # streaming: blocks in RAM, on disk, or "auto" (disk_store.py)
         disk_io="buffered",          # the disk tier: through the page cache or "direct"
         timing=False,                # the streamer's copy and compute times (stats, traces)
+        compile=False,               # the repeated block through torch.compile (compiled_blocks.py)
     )
 
 None of it changes what a model computes. `open_pipeline`, `open_model` and `stream_module` take
@@ -59,6 +60,7 @@ class Placement:
     host_tier: str = "ram"  # HOST_TIERS
     disk_io: str = "buffered"  # DISK_IO
     timing: bool = False
+    compile: bool = False  # each denoiser's repeated block compiled, one graph for all of them
 
     @property
     def streams(self) -> bool:
@@ -202,6 +204,18 @@ RULES: tuple[Rule, ...] = (
     Rule(
         lambda p, mode: mode == "finetune" and p.devices is not None and p.timing,
         "fine-tuning on several devices keeps no streamer timings of its ranks: no timing yet",
+        lasting=False,
+    ),
+    # Compiled blocks (compiled_blocks.py) are measured where they were built: sampling on one
+    # device.
+    Rule(
+        lambda p, mode: mode == "finetune" and p.compile,
+        "compile applies to sampling: fine-tuning runs its blocks eagerly (no compile yet)",
+        lasting=False,
+    ),
+    Rule(
+        lambda p, mode: p.devices is not None and p.compile,
+        "compile is checked on one device: not with devices yet",
         lasting=False,
     ),
 )

@@ -41,6 +41,9 @@ Caution:
 - Row offsets inside one (batch, head) are int32: `N * stride(2)` must stay below 2**31 (checked).
 - Results are deterministic for a given block configuration; autotuning may pick another
   configuration on another machine, which changes the summation order in the last bits.
+- Under `torch.compile` (a model's compiled blocks) the Triton path is a graph break and runs as
+  it does eagerly: the launcher's checks, window lists and autotuning are Python Dynamo would
+  have to trace (unmeasured on a GPU). The reference is plain torch and compiles with the block.
 - Triton is optional at import time (no wheels on macOS): `backend="auto"` then always uses the
   reference, and `backend="triton"` raises.
 """
@@ -685,6 +688,7 @@ class DSAFunction(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None
 
 
+@torch.compiler.disable  # a graph break under torch.compile: see the Caution above
 def dsa_triton(
     q: Tensor,
     k: Tensor,

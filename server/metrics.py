@@ -89,6 +89,11 @@ SPECS = (
     Spec("train_steps", "megaslide_finetune_steps", "Fine-tuning optimizer steps"),
     Spec("h2d_bytes", "megaslide_h2d_bytes", "Bytes copied host to device by weight streaming"),
     Spec("d2h_bytes", "megaslide_d2h_bytes", "Bytes copied device to host by weight streaming"),
+    Spec(
+        "compile_recompiles",
+        "megaslide_compile_recompiles",
+        "Graphs torch.compile compiled again for the compiled blocks (a new shape or guard)",
+    ),
 )
 
 

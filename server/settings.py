@@ -92,6 +92,10 @@ class Settings(BaseSettings):
     host_tier: Literal["ram", "disk", "auto"] = "auto"
     # With host_tier="disk": read through the page cache ("buffered") or around it ("direct").
     disk_io: Literal["buffered", "direct"] = "buffered"
+    # Each denoiser's repeated block through torch.compile (engine/compiled_blocks.py), and a
+    # step at the model's defaults when a worker loads it, so no request pays the compile.
+    compile: bool = False
+    compile_warm_up: bool = True
     engine_threads: int | None = Field(
         None, ge=1, description="CPU threads for the engine's tensor math (None: torch's default)"
     )
@@ -293,8 +297,9 @@ class Settings(BaseSettings):
     @property
     def placement(self) -> Placement:
         """Where the served models' weights live (engine/placement.py), from `device`,
-        `devices`, `offload`, `gpu_budget`, `weights`, `host_tier` and `disk_io`. Several devices
-        stream (unless `offload` is set otherwise, which their placement refuses)."""
+        `devices`, `offload`, `gpu_budget`, `weights`, `host_tier`, `disk_io` and `compile`.
+        Several devices stream (unless `offload` is set otherwise, which their placement
+        refuses)."""
         devices = tuple(self.devices) or None
         offload = self.offload
         if devices and "offload" not in self.model_fields_set:
@@ -307,6 +312,7 @@ class Settings(BaseSettings):
             weights=self.weights,
             host_tier=self.host_tier,
             disk_io=self.disk_io,
+            compile=self.compile,
         )
 
     @model_validator(mode="after")

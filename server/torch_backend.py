@@ -137,6 +137,8 @@ class TorchBackend(Backend):
             )
         else:
             model = open_pipeline(info, self.placement.on(str(self.device)), dtype=self.dtype)
+            if self.placement.compile and self.settings.compile_warm_up:
+                model.warm_up()  # the compile at the default shape, before any request waits
             # Its states keep each step's clean-clip prediction, for the previews the worker
             # sends (a group of ranks keeps none: its states live in the rank processes).
             model.keep_predictions = self.settings.preview_every > 0

@@ -11,6 +11,19 @@ pytestmark = pytest.mark.slow  # each runs a benchmark script as a child process
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def test_compile_benchmark_quick():
+    r = run_json("benchmarks/compile.py", "--quick", "--batches", "--json")
+    assert [(row["preset"], row["offload"]) for row in r["rows"]] == [
+        ("tiny", "none"),
+        ("tiny", "stream"),
+    ]
+    for row in r["rows"]:
+        assert row["eager_s"] > 0 and row["compiled_s"] > 0 and row["compile_s"] > 0
+        assert row["compile_stats"]["dit"]["graphs"] == 1  # one graph for every block and step
+    assert r["batches"]["static"]["graphs"] == 3  # passes of 2, 4, 3 and 2 rows
+    assert len(r["load_average"]["start"]) == 3
+
+
 def test_streaming_benchmark_quick():
     r = run_json("benchmarks/streaming.py", "--quick", "--json")
     assert {"resident_s", "streamed_s", "ratio"} <= r.keys()

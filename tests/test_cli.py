@@ -54,6 +54,8 @@ def test_generate_writes_a_deterministic_mp4(tmp_path, capsys):
         (["--steps", "0"], "--steps must be at least 1"),
         (["--size", "big"], "WIDTHxHEIGHT"),
         (["--weights", "lossless"], "needs --offload stream"),
+        (["--stats", "s.json"], "needs --offload stream or --compile"),
+        (["--compile", "--devices", "cpu,cpu"], "compile is checked on one device"),
         (["--timesteps", "1000,500"], "need the euler or consistency sampler"),
         (["--sampler", "euler", "--timesteps", "1000,x"], "--timesteps must be comma-separated"),
         (["--guidance-interval", "0.5,0.1"], "start < end"),

@@ -39,6 +39,8 @@ TWO = Placement(devices=("cpu", "cpu"), offload="stream")
         (TWO.replace(offload="none"), "infer", "one shared host copy: needs offload='stream'"),
         (TWO.replace(host_tier="disk", weights="fp8"), "infer", "(weights='raw')"),
         (TWO.replace(timing=True), "finetune", "fine-tuning on several devices keeps no streamer"),
+        (Placement(compile=True), "finetune", "fine-tuning runs its blocks eagerly"),
+        (TWO.replace(compile=True), "infer", "compile is checked on one device"),
     ],
 )
 def test_each_rule_refuses_with_its_reason(placement, mode, reason):
@@ -60,10 +62,12 @@ def test_what_runs_passes_and_every_rule_is_reachable():
         TWO.replace(gpu_budget_bytes=10, weights="lossless", timing=True),
         TWO.replace(weights="fp8", host_tier="auto"),
         TWO.replace(host_tier="disk", disk_io="direct", gpu_budget_bytes=0),
+        Placement(compile=True),
+        STREAM.replace(compile=True, weights="lossless", gpu_budget_bytes=0),
     ):
         assert placement.validate() is placement
     assert STREAM.validate("finetune") and TWO.validate("finetune")
-    assert len(RULES) == 13  # each case above names one: a new rule gets a case
+    assert len(RULES) == 15  # each case above names one: a new rule gets a case
 
 
 def test_the_planner_accounts_for_what_only_todays_code_lacks():
@@ -122,6 +126,9 @@ def test_settings_and_fine_tunes_are_built_from_the_spec(tmp_path):
     assert s.placement.device is None
     with pytest.raises(ValueError, match="needs offload='stream'"):
         Settings(data_dir=tmp_path, host_tier="disk")
+    assert Settings(data_dir=tmp_path, compile=True).placement.compile
+    with pytest.raises(ValueError, match="compile is checked on one device"):
+        Settings(data_dir=tmp_path, devices=["cpu", "cpu"], compile=True)
     s = Settings(data_dir=tmp_path, offload="stream", host_tier="disk", disk_io="direct")
     assert s.placement.disk_io == "direct" and s.placement.host_tier == "disk"
     # Adapters given at start run on several devices too (each rank registers them).

@@ -25,6 +25,7 @@ PLACEMENT_FLAGS = {
     "host_tier": "--host-tier",
     "disk_io": "--disk-io",
     "timing": "--stats/--trace",
+    "compile": "--compile",
 }
 
 

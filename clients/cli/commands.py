@@ -209,6 +209,13 @@ def _add_placement_args(p) -> None:
         help="with --host-tier disk: read blocks through the page cache (buffered) or around it "
         "(direct, O_DIRECT where the filesystem takes it) (default: buffered)",
     )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="run the denoiser's repeated block through torch.compile, one graph for all blocks "
+        "(resident or streamed; the first step pays the compile, tens of seconds on a CPU; "
+        "docs/models.md)",
+    )
 
 
 def lora_flags(args, *, remote: bool) -> tuple[dict[str, str], tuple]:
@@ -356,6 +363,8 @@ def run_generate(args) -> int:
             "cache": video.cache.to_dict() if video.cache else None,
             "step_times_s": step_times,
             "components": pipe.stats(),
+            # Each compiled denoiser's graphs, recompiles and graph breaks (with --compile).
+            "compile": pipe.compile_stats(),
         }
         Path(args.stats).write_text(json.dumps(stats, indent=2) + "\n")
     if args.trace:
@@ -390,13 +399,19 @@ def generate_placement(args) -> Placement:
         host_tier=args.host_tier,
         disk_io=args.disk_io,
         timing=timing,
+        compile=args.compile,
     )
     try:
         placement.validate()
     except ValueError as e:
         raise UsageError(in_flag_words(str(e))) from None
-    if timing and not placement.streams:  # what they write is the streamer's
-        raise UsageError("--stats and --trace record the streamed blocks: need --offload stream")
+    if args.trace and not placement.streams:  # what it draws is the streamer's
+        raise UsageError("--trace records the streamed blocks: needs --offload stream")
+    if args.stats and not (placement.streams or placement.compile):
+        raise UsageError(
+            "--stats records the streamed blocks or the compiled ones: needs --offload stream "
+            "or --compile"
+        )
     return placement
 
 

@@ -40,6 +40,7 @@ from ..streaming.variants import DeltaError, ResidentVariants, digest
 from .step_cache import StepCurve
 
 if TYPE_CHECKING:
+    from ..compiled_blocks import CompiledBlocks
     from ..delta_format import ModelDelta
     from ..lora import Adapter, AdapterRouter
 
@@ -109,6 +110,8 @@ class Pipeline(VideoModel, ABC):
         self._variants: dict[str, StreamHandle | ResidentVariants] = {}  # by component
         self._digests: dict | None = None  # the base's tensors' SHA-256, once a delta needs them
         self._on_disk: dict[str, bool] = {}  # by fine-tune: its deltas read from their file
+        # Denoisers whose repeated block runs compiled (`Placement.compile`), by component.
+        self.compiled: dict[str, CompiledBlocks] = {}
 
     @property
     def name(self) -> str:
@@ -386,10 +389,16 @@ class Pipeline(VideoModel, ABC):
     def denoise_step(self, states: list) -> dict[str, int]:
         """Advance every unfinished state by one step, in one batched pass of the weights;
         returns the bytes the streamer moved to the device meanwhile (a counter: no device
-        sync)."""
-        before = self.h2d_bytes()
+        sync) and, with compiled blocks, the recompiles the step caused."""
+        before, recompiles = self.h2d_bytes(), self._recompiles()
         self._step(states)
-        return {"h2d_bytes": self.h2d_bytes() - before} if self.handles else {}
+        counters = {"h2d_bytes": self.h2d_bytes() - before} if self.handles else {}
+        if self.compiled:
+            counters["compile_recompiles"] = self._recompiles() - recompiles
+        return counters
+
+    def _recompiles(self) -> int:
+        return sum(c.stats()["recompiles"] for c in self.compiled.values())
 
     def h2d_bytes(self) -> int:
         return sum(h.h2d_bytes for h in self.handles.values())
@@ -397,6 +406,21 @@ class Pipeline(VideoModel, ABC):
     def stats(self) -> dict[str, dict]:
         """The streamer's accounting of each streamed module, by name."""
         return {name: handle.stats() for name, handle in self.handles.items()}
+
+    def compile_stats(self) -> dict[str, dict]:
+        """Each compiled denoiser's graphs, recompiles and graph breaks, by name (none when the
+        blocks run eagerly)."""
+        return {name: compiled.stats() for name, compiled in self.compiled.items()}
+
+    def warm_up(self) -> bool:
+        """Run one step of a request at the model's defaults and drop it, so that the first
+        request at that shape finds its blocks compiled (and the allocator warm). False, and
+        nothing run, for a model that needs a first-frame image: its first request pays."""
+        if self.info.limits.image_required:
+            return False
+        state = self.prepare(self.resolve(VideoRequest(prompt="warm-up", seed=0)))
+        self.denoise_step([state])
+        return True
 
     def write_trace(self, path) -> None:
         """One Chrome trace (Perfetto) of every streamed module's block copies and computes."""
@@ -425,3 +449,6 @@ class Pipeline(VideoModel, ABC):
         for handle in self.handles.values():
             handle.remove()
         self.handles = {}
+        for compiled in self.compiled.values():
+            compiled.remove()
+        self.compiled = {}

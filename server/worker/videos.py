@@ -263,6 +263,7 @@ class Videos:
         metrics.batch_size.observe(len(advanced))
         metrics.h2d_bytes.inc(transfers.get("h2d_bytes", 0))
         metrics.d2h_bytes.inc(transfers.get("d2h_bytes", 0))
+        metrics.compile_recompiles.inc(transfers.get("compile_recompiles", 0))
         ctx.publish_metrics()
         progress = []
         for run in advanced:

@@ -1,0 +1,134 @@
+"""Regional compilation: `torch.compile` of a model's repeated block, one graph for all its blocks.
+
+    compiled = compile_blocks(dit.blocks)    # each block's forward through one compiled function
+    compiled.stats()                         # {"graphs": 1, "recompiles": 0, "graph_breaks": 0}
+    compiled.remove()                        # the blocks' own forwards again
+
+A model's blocks are instances of one class, so the forward of one is the forward of all: it is
+compiled once (diffusers' `compile_repeated_blocks` idea), and with Dynamo's
+`inline_inbuilt_nn_modules` (on by default since torch 2.5) a block's parameters are inputs of the
+graph, not constants baked into it. Three things follow, each checked by tests/test_compile.py:
+
+- Streaming keeps working. Only `forward` is compiled; the module's `__call__`, and with it the
+  streamer's pre- and post-hooks that copy a block's weights into a device slot and release them,
+  stay eager around it, and the graph reads whatever storage the parameters point at when it runs.
+  Swapping a parameter's data for a slot's is no new input: no recompile.
+- Hooks inside the block are traced into the graph: a LoRA row (lora.py's forward hook on each
+  adaptable Linear) is part of it. The hook reads the pass's adapter plan, so a pass with adapters
+  and one without are two graphs (a recompile, once each).
+- A step cache cuts the pass between blocks (step_cache.py), never inside one: unchanged.
+
+`dynamic=False` (the default) compiles a graph for each distinct shape a block sees: each batch
+size (rows of a pass, as requests join and leave), token count and text length, once. Dynamo's
+automatic dynamic shapes (`dynamic=None`) were not reliably better on our DiT: passes of 2, 4, 3
+and 2 rows took 2 graphs against static's 3 (one static, one symbolic), but passes of 2, 4, 3, 2,
+1 and 3 rows on the tiny preset took 5 against 4 (a size of 1 keeps a graph of its own, and the
+symbolic graph was compiled twice) (tests/test_compile.py, benchmarks/compile.py `--batches`).
+Static is one graph per size, predictably. Past Dynamo's `recompile_limit` (8 graphs) a block
+runs eagerly.
+
+Each `compile_blocks` compiles a copy of the forward with a code object of its own, because
+Dynamo keeps its graphs, the shapes it has seen and its `recompile_limit` per code object: with
+the class's own forward, every pipeline a process opens of one family would share one limit of 8
+graphs, and a worker that reloads models would end up running them all eagerly.
+
+Caution: `stats()` counts the graphs compiled through this object exactly (its backend counts
+what Dynamo hands it), but `graph_breaks` is Dynamo's process-wide counter since `compile_blocks`
+ran: another compiled function in the process adds to it.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class CountingBackend:
+    """A `torch.compile` backend that counts the graphs Dynamo hands to `backend` ("inductor")."""
+
+    def __init__(self, backend: str | Callable = "inductor"):
+        self.backend = backend
+        self.graphs = 0
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        self.graphs += 1
+        compile_fx = torch._dynamo.lookup_backend(self.backend)
+        return compile_fx(gm, example_inputs)
+
+
+class CompiledBlocks:
+    """The blocks of one module running through one compiled forward (see the module docstring)."""
+
+    def __init__(
+        self,
+        blocks: Sequence[nn.Module],
+        *,
+        dynamic: bool | None = False,
+        backend: str | Callable = "inductor",
+    ):
+        kinds = {type(b) for b in blocks}
+        if len(kinds) != 1:
+            # One function for every block is the point: blocks of several classes would each
+            # need their own, and no family has them.
+            raise ValueError(
+                f"compile_blocks takes blocks of one class, got {sorted(map(str, kinds))}"
+            )
+        self.blocks = list(blocks)
+        self.dynamic = dynamic
+        self.counting = CountingBackend(backend)
+        forward = _own_code(next(iter(kinds)).forward)
+        self.compiled = torch.compile(forward, backend=self.counting, dynamic=dynamic)
+        self._breaks_before = _graph_breaks()
+        for block in self.blocks:
+            # An instance attribute shadows the class's forward; `Module.__call__` (and the hooks
+            # it runs around forward) is untouched.
+            block.forward = types.MethodType(self.compiled, block)
+
+    def stats(self) -> dict[str, Any]:
+        """`graphs` compiled for these blocks, `recompiles` (graphs after the first), and the
+        `graph_breaks` Dynamo recorded since (process-wide: see the module's Caution)."""
+        graphs = self.counting.graphs
+        return {
+            "graphs": graphs,
+            "recompiles": max(graphs - 1, 0),
+            "graph_breaks": _graph_breaks() - self._breaks_before,
+            "dynamic": self.dynamic,
+        }
+
+    def remove(self) -> None:
+        """The blocks' own (eager) forwards again."""
+        for block in self.blocks:
+            block.__dict__.pop("forward", None)
+        self.blocks = []
+
+
+def compile_blocks(
+    blocks: Sequence[nn.Module],
+    *,
+    dynamic: bool | None = False,
+    backend: str | Callable = "inductor",
+) -> CompiledBlocks:
+    """Run `blocks` (instances of one class, in a built model) through one `torch.compile`d
+    forward; compilation happens at the first call. See the module docstring."""
+    return CompiledBlocks(blocks, dynamic=dynamic, backend=backend)
+
+
+def _own_code(fn: types.FunctionType) -> types.FunctionType:
+    """`fn` with a copy of its code object, so that Dynamo's cache of it is this copy's alone
+    (see the module docstring)."""
+    copy = types.FunctionType(
+        fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__
+    )
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    copy.__qualname__ = fn.__qualname__
+    return copy
+
+
+def _graph_breaks() -> int:
+    from torch._dynamo.utils import counters
+
+    return sum(counters["graph_break"].values())
