@@ -12,15 +12,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_compile_benchmark_quick():
-    r = run_json("benchmarks/compile.py", "--quick", "--batches", "--json")
-    assert [(row["preset"], row["offload"]) for row in r["rows"]] == [
-        ("tiny", "none"),
-        ("tiny", "stream"),
-    ]
+    # Streamed only, and no batch-size study: test_compile.py holds those (each compile costs
+    # seconds on a CPU).
+    r = run_json("benchmarks/compile.py", "--quick", "--offloads", "stream", "--json")
+    assert [(row["preset"], row["offload"]) for row in r["rows"]] == [("tiny", "stream")]
     for row in r["rows"]:
         assert row["eager_s"] > 0 and row["compiled_s"] > 0 and row["compile_s"] > 0
         assert row["compile_stats"]["dit"]["graphs"] == 1  # one graph for every block and step
-    assert r["batches"]["static"]["graphs"] == 3  # passes of 2, 4, 3 and 2 rows
     assert len(r["load_average"]["start"]) == 3
 
 
