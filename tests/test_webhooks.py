@@ -303,13 +303,17 @@ def test_a_failing_receiver_is_retried_with_back_off(make_client):
 
 def test_a_receiver_that_does_not_answer_in_time_is_a_failed_try(make_client):
     c = make_client(**{**FAST, "webhook_timeout_s": 0.3, "webhook_retry_s": [0.1]})
-    with Receiver(delay_s=1.0) as r:
+    with Receiver() as r:
+        # No answer while the test runs: a late one could still win a race with the deadline on
+        # a machine busy enough to stall the sender's loop past it.
+        r.hold.clear()
         endpoint = register(c, r.url, events=["video.completed"])
         wait_status(c, video(c)["id"])
         [d] = deliveries(c, endpoint["id"], settled=1)
         assert d["status"] == "failed" and len(r.all()) == 2
         assert [a["error"] for a in d["attempts"]] == ["no answer within 0.3 s"] * 2
-        assert all(a["status_code"] is None and a["duration_ms"] < 1000 for a in d["attempts"])
+        # Cut at the deadline, not at the receiver's 60 s (the slack: a busy machine's stalls).
+        assert all(a["status_code"] is None and a["duration_ms"] < 5000 for a in d["attempts"])
 
 
 def test_a_slow_receiver_holds_up_neither_videos_nor_other_jobs_deliveries(make_client):
