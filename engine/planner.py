@@ -213,8 +213,8 @@ def adapter_bytes(info: ModelInfo, loras: int, rank: int, dtype_bytes: int) -> i
 
 
 def attention_keys(config, n: int) -> int:
-    """Keys each query attends to: all tokens (dense) or the 3D-DSA window."""
-    if config.attention == "dense":
+    """Keys each query attends to: all tokens (dense, sage) or the 3D-DSA window."""
+    if config.attention != "dsa":
         return n
     return min(n, math.prod(config.dsa_window) * math.prod(config.dsa_tile))
 

@@ -13,6 +13,10 @@ minus its base's as a `DeltaBuffer`; `delta_apply(buffer, words, sign)` adds it 
 words in place, or subtracts it back (the Triton kernel on CUDA, the reference on the CPU). Both
 formats share the lane-parallel Huffman code of `lane_code.py`.
 
+8-bit attention (SageAttention's recipe: smoothed K, int8 QK^T with per-block scales, fp16 PV):
+`sage_attention` is the entry point (the Triton kernel for CUDA tensors, the reference
+otherwise), `sage_triton` and `sage_attention_reference` the two backends.
+
 The package needs torch, with Triton optional, and imports nothing from `engine/` or `server/`.
 """
 
@@ -29,6 +33,8 @@ from .dsa_reference import (
     invert_windows,
     window_tiles,
 )
+from .sage import sage_attention, sage_triton
+from .sage_reference import sage_attention_reference
 
 __all__ = [
     "DSAGeometry",
@@ -43,5 +49,8 @@ __all__ = [
     "dsa_geometry",
     "dsa_triton",
     "invert_windows",
+    "sage_attention",
+    "sage_attention_reference",
+    "sage_triton",
     "window_tiles",
 ]

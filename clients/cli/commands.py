@@ -171,8 +171,9 @@ def _add_placement_args(p) -> None:
     )
     p.add_argument(
         "--attention",
-        choices=("dense", "dsa"),
-        help="self-attention backend (default: the model's)",
+        choices=("dense", "dsa", "sage"),
+        help="self-attention backend (default: the model's); sage: 8-bit attention over all "
+        "tokens for a dense model as it is (inference only, SageAttention's accuracy)",
     )
     p.add_argument(
         "--offload",

@@ -15,7 +15,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-ATTENTION_BACKENDS = ("dense", "dsa")
+# Self-attention backends: "dense" (SDPA), "dsa" (3D-DSA, kernels/dsa.py), "sage" (8-bit attention
+# over all tokens for inference, kernels/sage.py).
+ATTENTION_BACKENDS = ("dense", "dsa", "sage")
 TOKENIZERS = ("bytes", "words")
 PREDICTIONS = ("velocity", "data")
 # Distributions of training flow times (see `flow.sample_training_times`): spread over the whole
@@ -73,7 +75,7 @@ class DiTConfig:
     # in pure noise every token looks alike, so without these a token cannot tell the first frame
     # from the tenth, nor the left edge from the right, when it starts to draw a clip.
     absolute_positions: bool = False
-    attention: str = "dense"  # self-attention backend: "dense" (SDPA) or "dsa" (3D-DSA)
+    attention: str = "dense"  # self-attention backend: ATTENTION_BACKENDS
     dsa_tile: tuple[int, int, int] = (1, 4, 4)  # 3D-DSA tile, in tokens (t, y, x)
     dsa_window: tuple[int, int, int] = (3, 3, 3)  # 3D-DSA window, in tiles (odd)
     # What the network's last layer predicts: "velocity" (noise - data, as Wan and SD3) or "data"

@@ -92,7 +92,8 @@ def timestep_embedding(t: torch.Tensor, dim: int, max_period: float = 10000.0) -
 
 
 class SelfAttention(nn.Module):
-    """Multi-head self-attention over all video tokens, dense or 3D Deformable Slide Attention."""
+    """Multi-head self-attention over all video tokens: dense, 8-bit, or 3D Deformable Slide
+    Attention."""
 
     def __init__(self, config: DiTConfig):
         super().__init__()
@@ -139,6 +140,12 @@ class SelfAttention(nn.Module):
         the one place a transform may regroup tokens and heads (see `parallel/sequence.py`)."""
         if self.backend == "dense":
             return F.scaled_dot_product_attention(q, k, v)  # (B, h, N, d)
+        if self.backend == "sage":
+            from megaslide.kernels import sage_attention
+
+            # The kernel's layout is (B, N, h, d): transposed views, no copies.
+            o = sage_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+            return o.transpose(1, 2)  # (B, h, N, d)
         from megaslide.kernels import dsa_attention
 
         return dsa_attention(

@@ -366,6 +366,14 @@ class FinetuneSpec:
                     c.token_budget,
                 )
             )
+        checks.append(
+            (
+                r.attention != "sage",
+                "run.attention: sage is inference only (int8 rounding has no gradient); "
+                "fine-tune with dense or dsa",
+                r.attention,
+            )
+        )
         checks += self.validation.checks()
         for ok, rule, value in checks:
             if not ok:

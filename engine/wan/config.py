@@ -104,7 +104,8 @@ class WanConfig:
     scheduler: str
     flow_shift: float
     num_train_timesteps: int
-    # Self-attention backend; "dsa" swaps Wan's processor for 3D-DSA (attention.py).
+    # Self-attention backend; "dsa" swaps Wan's processor for 3D-DSA, "sage" for 8-bit attention
+    # over all tokens (attention.py).
     attention: str = "dense"
     dsa_tile: tuple[int, int, int] = (1, 2, 2)
     dsa_window: tuple[int, int, int] = (3, 3, 3)

@@ -107,6 +107,11 @@ class WanFamily(Family):
 
             for expert in experts:
                 use_slide_attention(expert, config.dsa_tile, config.dsa_window)
+        elif config.attention == "sage":
+            from .attention import use_sage_attention
+
+            for expert in experts:
+                use_sage_attention(expert)
         keep = tuple(diffusers.WanTransformer3DModel._keep_in_fp32_modules)
         text_keep = tuple(
             getattr(transformers.UMT5EncoderModel, "_keep_in_fp32_modules", None) or ()
@@ -206,7 +211,9 @@ class WanFamily(Family):
     def check_parallel(self, info: ModelInfo, frames: int, height: int, width: int, world: int):
         config = info.config
         if config.attention != "dense":
-            raise ValueError("sequence parallel for Wan runs dense attention only (not 3D-DSA)")
+            raise ValueError(
+                "sequence parallel for Wan runs dense attention only (not 3D-DSA or sage)"
+            )
         heads = config.heads
         grid = config.token_grid(frames, height, width)
         if heads % world or math.prod(grid) % world:
