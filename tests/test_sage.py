@@ -192,7 +192,7 @@ def _interpret_case(case: dict) -> dict:
     return {
         "kernel": _err(kernel, oracle),
         "torch": _err(torch_lp, oracle),
-        "scale": oracle.abs().max().item(),
+        "binade": 2.0 ** math.floor(math.log2(oracle.abs().max().item())),  # largest output's
         "dtype_ok": kernel.dtype == dtype and kernel.shape == q.shape,
         "cosine": cosine(kernel, sdpa(q, k, v)),
     }
@@ -244,9 +244,11 @@ def test_the_interpreter_sums_int8_dots_exactly_in_int32(interpret_results):
     assert res["equal"] and res["corner"] == [2064512, -2064512], res
 
 
-# A few float32 ulps at the output's scale: in fp32 the kernel's and the reference's remaining
-# differences are accumulator rounding and exp2 against exp.
-_EPS = 8 * torch.finfo(torch.float32).eps
+# Both outputs are rounded to the output dtype last, and two values a hair apart before that
+# rounding may land one unit in the last place apart (bf16 outputs of the large-V case: the
+# reference's error 1019 and the kernel's 2011, both under half an ulp, 2048). In fp32 that unit
+# is below the accumulators' own rounding: there a few fp32 ulps at the output's scale serve.
+_FP32_ULPS, _EPS32 = 8, torch.finfo(torch.float32).eps
 
 
 @pytest.mark.parametrize("name", list(INTERPRET_CASES))
@@ -255,7 +257,8 @@ def test_triton_interpreter_matches_reference(interpret_results, name):
     assert "exception" not in res, res.get("exception")
     assert res["dtype_ok"]
     (k_max, k_mean), (t_max, t_mean) = res["kernel"], res["torch"]
-    bound = 2 * t_max + _EPS * res["scale"]
+    eps = max(torch.finfo(getattr(torch, INTERPRET_CASES[name]["dtype"])).eps, _FP32_ULPS * _EPS32)
+    bound = 2 * t_max + eps * res["binade"]  # an output ulp, or a few fp32 ulps, at the top
     assert k_max <= bound, (
         f"kernel max {k_max:.3e} mean {k_mean:.3e} | torch max {t_max:.3e} mean {t_mean:.3e} | "
         f"bound {bound:.3e}"
@@ -299,7 +302,7 @@ def test_wan_with_sage_and_streamed_fp8_weights_gives_the_dense_video(tiny_wan):
 
     from wan_fixtures import request
 
-    clip = request(32, frames=9, steps=2)
+    clip = request(32, frames=5, steps=2)
     kw = dict(dtype="bfloat16", offload="stream", weights="fp8")
     dense = open_pipeline(tiny_wan, **kw).generate(clip)
     sage = open_pipeline(tiny_wan, attention="sage", **kw).generate(clip)
