@@ -22,12 +22,12 @@ import math
 import numpy as np
 import pytest
 import torch
-from sage_inputs import cosine, sdpa, wan_like_qkv
 
 from megaslide.kernels import sage_attention, sage_attention_reference
 from megaslide.kernels.sage_reference import quantize_blocks, smooth_keys, values_fp16
 
 from interpreted import interpreted_results, worker_main
+from sage_inputs import cosine, sdpa, wan_like_qkv
 
 pytest.importorskip("diffusers")  # the inputs use Wan's own rotary positions
 
