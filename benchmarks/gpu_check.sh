@@ -60,6 +60,9 @@ run streaming_small 60 python3 benchmarks/streaming.py --device cuda --preset sm
 # per format (raw, lossless, fp8) of the small preset.
 run weight_formats 90 python3 benchmarks/weight_formats_device.py --device cuda --json
 run attention 180 python3 benchmarks/attention.py --json --quick
+# 8-bit attention: the kernel against its reference (bf16, fp16), then its time against bf16 SDPA
+# at Wan2.1-14B's 480p self-attention.
+run sage_cuda_check 120 python3 benchmarks/sage_cuda_check.py --json
 if python3 -c "import diffusers" 2>/dev/null; then
   run wan_streaming 90 python3 benchmarks/wan_streaming.py --json
 fi

@@ -108,9 +108,9 @@ def values_fp16(v: Tensor) -> tuple[Tensor, Tensor]:
     exponent = torch.ceil(torch.log2(amax / _V_LIMIT)).clamp_(min=0)
     s = torch.exp2(torch.nan_to_num(exponent, nan=0.0, posinf=0.0))  # nan/inf: inputs' problem
     s = s.contiguous()  # (B, H, D): the kernel reads it as such
-    if v.dtype == torch.float16 or bool((s == 1).all()):
-        return v.to(torch.float16), s  # no rescaling needed: skip the division
-    return (v.float() / s[:, None]).to(torch.float16), s
+    # Always divided (exact for a power of two in v's own dtype), so no branch on the data: a
+    # host sync on a GPU, and a graph break under torch.compile.
+    return (v / s[:, None].to(v.dtype)).to(torch.float16), s
 
 
 def quantized_operands(q: Tensor, k: Tensor, v: Tensor, blocks, smooth: bool = True):
