@@ -221,11 +221,14 @@ def sage_attention(
 ) -> Tensor:
     """8-bit attention over `(B, N, heads, D)` tensors; semantics in this module's docstring.
 
-    `backend`: "triton", "reference", or "auto" (Triton for CUDA tensors when Triton imports,
-    the PyTorch reference otherwise). Inference only.
+    `backend`: "triton", "reference", or "auto" (Triton for CUDA tensors when Triton imports
+    and takes the head dim, the PyTorch reference otherwise: tiny models' odd head dims still
+    run). Inference only.
     """
     if backend == "auto":
-        backend = "triton" if q.is_cuda and TRITON_IMPORT_ERROR is None else "reference"
+        D = q.shape[-1]
+        fits = q.is_cuda and TRITON_IMPORT_ERROR is None and 16 <= D <= 256 and not D & (D - 1)
+        backend = "triton" if fits else "reference"
     if backend == "triton":
         return sage_triton(q, k, v, scale=scale)
     if backend == "reference":

@@ -334,6 +334,30 @@ def test_our_dit_runs_sage_close_to_dense():
     assert not torch.equal(a, b)  # the 8-bit path ran
 
 
+def test_the_command_line_generates_with_sage(tiny_wan, tmp_path):
+    from megaslide.cli.main import main
+
+    out = tmp_path / "sage.mp4"
+    args = ["--size", "32x32", "--frames", "5", "--steps", "1", "--no-progress"]
+    assert (
+        main(
+            [
+                "generate",
+                "x",
+                "--model",
+                str(tiny_wan),
+                "--attention",
+                "sage",
+                "-o",
+                str(out),
+                *args,
+            ]
+        )
+        == 0
+    )
+    assert out.stat().st_size > 0
+
+
 def test_fine_tuning_with_sage_is_refused():
     from megaslide.engine.training.finetune_spec import FinetuneSpec
 
