@@ -119,6 +119,10 @@ def delta_apply_native(buffer: DeltaBuffer, words: Tensor, sign: int = 1) -> Ten
     native = load_native()
     if native is None:
         raise RuntimeError(f"the native delta decoder is unavailable: {unavailable_reason()}")
+    return _apply_native(native, buffer, words, sign)
+
+
+def _apply_native(native, buffer: DeltaBuffer, words: Tensor, sign: int) -> Tensor:
     check_delta_apply(buffer, words, sign)
     if words.device.type != "cpu":
         raise ValueError(f"delta_apply_native needs CPU tensors, got words on {words.device}")
@@ -131,8 +135,9 @@ def delta_apply(buffer: DeltaBuffer, words: Tensor, sign: int = 1) -> Tensor:
     the C++ decoder on the CPU, the reference where that is unavailable. Returns `words`."""
     if words.device.type == "cuda" or interpreting():
         return delta_apply_triton(buffer, words, sign)
-    if words.device.type == "cpu" and load_native() is not None:
-        return delta_apply_native(buffer, words, sign)
+    native = load_native() if words.device.type == "cpu" else None
+    if native is not None:
+        return _apply_native(native, buffer, words, sign)
     return delta_apply_reference(buffer, words, sign)
 
 

@@ -276,6 +276,7 @@ def test_deltas_benchmark_quick():
     assert held["base_and_deltas_bytes"] == held["model_bytes"] + held["deltas_bytes"]
     assert 0 < held["ratio"] < 1
     assert r["throughput"]["mixed_batch_rows_per_s"] > 0
+    assert r["throughput"]["mixed_decodes_per_step"] > 0  # streamed: each slot's block gets it
     assert r["first_video"]["first_registration"]["register_s"] > 0
 
 

@@ -253,8 +253,9 @@ class StreamHandle:
         self.variant: str | None = None
         self._non_block_variant: str | None = None  # the one the tensors outside blocks hold
         # A variant's block deltas coded again as one per block: one decode as a block loads.
-        # On the CPU, whose (reference) decode costs much per call; on a GPU a kernel per
-        # tensor costs little, and coding a model again at registration a lot.
+        # On the CPU, where a decode has a cost per call (the torch reference's much, the C++
+        # decoder's some); on a GPU a kernel per tensor costs little, and coding a model again
+        # at registration a lot.
         self.deltas_per_block = device.type == "cpu"
         self.set_order("forward")
         self.reset_stats()
