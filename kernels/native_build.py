@@ -21,7 +21,8 @@ torch path after loading (a stale or foreign file, a miscompile) and refuses it 
 differ.
 
 Caution: a build runs once per process and (directory, compiler), under a lock: the first
-caller waits seconds, the others wait for it. A failure is remembered for the process too.
+caller waits seconds, the others wait for it. A failure is remembered for the process too, and
+logged once as a warning.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import hashlib
+import logging
 import os
 import platform
 import shutil
@@ -45,6 +47,8 @@ from typing import Any
 # reassociated and results depend on each element's inputs only.
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-std=c++17")
 BUILD_TIMEOUT_S = 300
+
+log = logging.getLogger(__name__)
 
 
 def cache_dir() -> Path:
@@ -96,7 +100,9 @@ class NativeLibrary:
         memo = (str(directory), compiler)
         with self._lock:  # one build per process; other threads wait for it
             if memo not in self._loaded:
-                self._loaded[memo] = self.build_now(Path(directory), compiler)
+                got = self._loaded[memo] = self.build_now(Path(directory), compiler)
+                if isinstance(got, str):  # said once a process: the torch path runs, slower
+                    log.warning("%s is not used: %s", self.source.name, got)
             return self._loaded[memo]
 
     def build_now(self, directory: Path, compiler: str) -> Any:
