@@ -8,6 +8,7 @@ the references.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 import test_delta_codec
@@ -141,3 +142,21 @@ def test_a_missing_compiler_is_a_reason(tmp_path, monkeypatch):
     w = words(base)
     delta_apply(delta_encode(base, tuned), w)
     assert torch.equal(w, words(tuned))
+
+
+@pytest.mark.slow  # runs the compiler
+def test_build_from_scratch_and_from_the_cache(tmp_path):
+    compiler = os.environ.get("CXX", "g++")
+    built = lane_native.LIBRARY.build_now(tmp_path, compiler)
+    if isinstance(built, str):
+        if os.environ.get("MEGASLIDE_REQUIRE_NATIVE") == "1":
+            pytest.fail(built)
+        pytest.skip(built)
+    assert built.build_s > 0 and built.path.parent == tmp_path
+    again = lane_native.LIBRARY.build_now(tmp_path, compiler)
+    assert again.path == built.path and again.build_s == 0  # found in the cache
+    assert [p.name for p in tmp_path.iterdir()] == [built.path.name]  # no temporary left
+    base, tuned = DELTA_CASES["boundaries"]
+    assert torch.equal(
+        again.delta_apply(delta_encode(base, tuned), words(base), 1, 2), words(tuned)
+    )

@@ -608,7 +608,8 @@ class StreamHandle:
         target = self.variant if target is ... else target
         if held == target:
             return held
-        if held is not None and base is not None and self._variants[held].blocks.get(block.index):
+        undone = self._variants.get(held) if held is not None else None
+        if base is not None and undone is not None and undone.blocks.get(block.index):
             # Bitwise what subtracting the delta gives (the arithmetic is exact mod 2**16). A copy
             # within host memory: not counted in h2d_bytes, nothing crosses a bus.
             flat[: block.nbytes].copy_(base)
