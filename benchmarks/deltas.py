@@ -18,15 +18,17 @@ many, the throughput of a batch mixing them, and the first video of one nobody h
    running base (the first registration also hashes the base's weights once) and sampling, against
    opening the fine-tune's own copy and sampling.
 
-Cautions: CPU figures. On the CPU "streaming" is a memcpy and a pass's compute dominates, so the
-mixed batch's cost here is its passes (one per fine-tune), not the bus; the GPU's bus-bound case is
-not measured. The fine-tunes are short runs of tiny models: a fine-tune's delta grows with how far
+Cautions: CPU figures. On the CPU "streaming" is a memcpy: the mixed batch's cost here is its
+passes (one per fine-tune) and the deltas' decode (the C++ decoder, or the torch reference with
+MEGASLIDE_NATIVE_CODEC=0: `throughput.decoder` says which), not the bus; the GPU's bus-bound case
+is not measured. The fine-tunes are short runs of tiny models: a fine-tune's delta grows with how far
 its weights move (learning rate x steps), which the sweep shows.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import tempfile
@@ -45,6 +47,7 @@ from megaslide.engine.loader import held_nbytes, open_pipeline  # noqa: E402
 from megaslide.engine.native.world import write_dataset  # noqa: E402
 from megaslide.engine.request import VideoRequest  # noqa: E402
 from megaslide.engine.sources import DEFAULT_MODEL, describe, resolve_source  # noqa: E402
+from megaslide.engine.streaming import variants  # noqa: E402
 from megaslide.engine.training.finetune import open_trainer  # noqa: E402
 from megaslide.engine.training.finetune_spec import (  # noqa: E402
     ClipSpec,
@@ -53,6 +56,7 @@ from megaslide.engine.training.finetune_spec import (  # noqa: E402
     RunSpec,
     ScheduleSpec,
 )
+from megaslide.kernels import lane_native  # noqa: E402
 
 DTYPES = (torch.bfloat16, torch.float32)
 
@@ -131,18 +135,39 @@ def host_ram(base, models: list[str], dtype: torch.dtype) -> dict:
     }
 
 
-def steps_per_s(pipe, names: list[str | None], request: dict, rounds: int) -> float:
+def steps_per_s(
+    pipe, names: list[str | None], request: dict, rounds: int, decodes: list | None = None
+) -> float:
     """Rows of denoising steps a second of one batch whose rows sample `names` (fine-tunes;
-    None: the base), after a warm-up step."""
+    None: the base), after a warm-up step. `decodes`: cleared after the warm-up (`counting`)."""
     videos = [
         pipe.resolve(VideoRequest(fine_tune=n, seed=i, **request)) for i, n in enumerate(names)
     ]
     states = pipe.prepare_batch(videos)
     pipe.denoise_step(states)
+    if decodes is not None:
+        decodes.clear()
     start = time.perf_counter()
     for _ in range(rounds):
         pipe.denoise_step(states)
     return rounds * len(names) / (time.perf_counter() - start)
+
+
+@contextlib.contextmanager
+def counting(decodes: list):
+    """Each delta the pipeline decodes meanwhile, appended to `decodes` as (words, seconds)."""
+    apply = variants.delta_apply
+
+    def counted(delta, words, sign):
+        start = time.perf_counter()
+        apply(delta, words, sign)
+        decodes.append((delta.num_words, time.perf_counter() - start))
+
+    variants.delta_apply = counted
+    try:
+        yield decodes
+    finally:
+        variants.delta_apply = apply
 
 
 def throughput(base, models: list[str], request: dict, rounds: int) -> dict:
@@ -151,17 +176,27 @@ def throughput(base, models: list[str], request: dict, rounds: int) -> dict:
     for name, model in zip(names, models):
         pipe.add_fine_tune(name, read_delta(model, pipe.compute_dtype))
     base_rows = steps_per_s(pipe, [None] * len(models), request, rounds)
-    mixed_rows = steps_per_s(pipe, names, request, rounds)
+    with counting([]) as decodes:
+        mixed_rows = steps_per_s(pipe, names, request, rounds, decodes)
     pipe.close()
     separate = [open_pipeline(m, offload="stream") for m in models]
     start = time.perf_counter()
     per_model = [steps_per_s(p, [None], request, rounds) for p in separate]
     elapsed = sum(1 / r for r in per_model)  # seconds for one step of each model's row
+    native = lane_native.load()
     return {
         "fine_tunes": len(models),
+        "threads": torch.get_num_threads(),
+        # What decodes the deltas on the CPU: the C++ decoder, or the torch reference and why.
+        "decoder": "native" if native else f"reference ({lane_native.unavailable_reason()})",
         "base_batch_rows_per_s": base_rows,
         "mixed_batch_rows_per_s": mixed_rows,
         "mixed_vs_base": mixed_rows / base_rows,
+        # The deltas a step of the mixed batch decodes: how many, their words, their seconds.
+        "mixed_decodes_per_step": len(decodes) / rounds,
+        "mixed_decoded_words_per_step": sum(w for w, _ in decodes) / rounds,
+        "mixed_decode_s_per_step": sum(s for _, s in decodes) / rounds,
+        "mixed_step_s": len(names) / mixed_rows,
         "separate_models_rows_per_s": len(models) / elapsed,
         "seconds_measuring_separate": time.perf_counter() - start,
     }

@@ -6,12 +6,15 @@ the two backends, `dsa_geometry`, `window_tiles` and `invert_windows` compute th
 them read, and `dsa_dense_oracle` is the dense masked attention the tests hold them to.
 
 DFloat, lossless bf16 weights: `dfloat_encode` (CPU, numpy) codes a buffer's exponents,
-`dfloat_decode` decodes on the device (the Triton kernel on CUDA, the reference on the CPU).
+`dfloat_decode` decodes on the device (the Triton kernel on CUDA, C++ or the reference on the
+CPU).
 
 Fine-tune deltas, lossless: `delta_encode(base, tuned)` (CPU, numpy) codes a fine-tune's words
 minus its base's as a `DeltaBuffer`; `delta_apply(buffer, words, sign)` adds it into the base's
-words in place, or subtracts it back (the Triton kernel on CUDA, the reference on the CPU). Both
-formats share the lane-parallel Huffman code of `lane_code.py`.
+words in place, or subtracts it back (the Triton kernel on CUDA, C++ or the reference on the
+CPU). Both formats share the lane-parallel Huffman code of `lane_code.py`; on the CPU both decode
+with its C++ decoders (`lane_native.py`, built on first use by `native_build.py`) where a
+compiler is available, the references otherwise.
 
 8-bit attention (SageAttention's recipe: smoothed K, int8 QK^T with per-block scales, fp16 PV):
 `sage_attention` is the entry point (the Triton kernel for CUDA tensors, the reference

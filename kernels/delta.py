@@ -23,8 +23,10 @@ Caution:
   that `escape_value` holds every escape the stream names is only known by decoding it.
 - Decoding is serial within a lane (256 steps); parallelism is num_words / 256 lanes, plenty for
   the large tensors of a model, not for tiny ones (those are usually in the sparse form).
-- Triton is optional at import time; `delta_apply` raises on CUDA tensors without it and uses
-  the reference on the CPU (unless TRITON_INTERPRET=1 asks for the kernel).
+- Triton is optional at import time; `delta_apply` raises on CUDA tensors without it. On the CPU
+  it runs the C++ decoder (`lane_native.py`, built on first use), or the reference where that
+  cannot be built or ``MEGASLIDE_NATIVE_CODEC=0`` (unless TRITON_INTERPRET=1 asks for the
+  kernel).
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ from .delta_reference import (
     delta_apply_reference,
 )
 from .lane_code import LANES, SYMBOLS, lane_start, next_code
+from .lane_native import load as load_native
+from .lane_native import unavailable_reason
 from .triton_import import TRITON_IMPORT_ERROR, interpreting, tl, triton
 
 
@@ -108,12 +112,32 @@ def delta_apply_triton(
     return words
 
 
+def delta_apply_native(buffer: DeltaBuffer, words: Tensor, sign: int = 1) -> Tensor:
+    """`words += sign * delta` in place with the C++ decoder (`lane_native.py`; CPU tensors,
+    up to `torch.get_num_threads()` threads); RuntimeError when it is unavailable. Returns
+    `words`."""
+    native = load_native()
+    if native is None:
+        raise RuntimeError(f"the native delta decoder is unavailable: {unavailable_reason()}")
+    return _apply_native(native, buffer, words, sign)
+
+
+def _apply_native(native, buffer: DeltaBuffer, words: Tensor, sign: int) -> Tensor:
+    check_delta_apply(buffer, words, sign)
+    if words.device.type != "cpu":
+        raise ValueError(f"delta_apply_native needs CPU tensors, got words on {words.device}")
+    return native.delta_apply(buffer, words, sign, torch.get_num_threads())
+
+
 def delta_apply(buffer: DeltaBuffer, words: Tensor, sign: int = 1) -> Tensor:
     """`words += sign * delta` mod 2**16, in place (`words`: contiguous `(num_words,)` int16 on
-    the buffer's device): the Triton kernel on CUDA, the reference on the CPU (the kernel under
-    TRITON_INTERPRET=1). Returns `words`."""
+    the buffer's device): the Triton kernel on CUDA (and on the CPU under TRITON_INTERPRET=1),
+    the C++ decoder on the CPU, the reference where that is unavailable. Returns `words`."""
     if words.device.type == "cuda" or interpreting():
         return delta_apply_triton(buffer, words, sign)
+    native = load_native() if words.device.type == "cpu" else None
+    if native is not None:
+        return _apply_native(native, buffer, words, sign)
     return delta_apply_reference(buffer, words, sign)
 
 

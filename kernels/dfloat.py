@@ -20,8 +20,9 @@ Caution:
 - Decoding is serial within a lane (256 steps); parallelism is the number of lanes, num_words /
   256. Buffers of a few thousand words leave most of a GPU idle: that is fine for a block of a
   streamed model (millions of words), not for tiny tensors.
-- Triton is optional at import time; `dfloat_decode` raises on CUDA tensors without it and uses
-  the reference on the CPU (unless TRITON_INTERPRET=1 asks for the kernel).
+- Triton is optional at import time; `dfloat_decode` raises on CUDA tensors without it. On the
+  CPU it runs the C++ decoder (`lane_native.py`), or the reference where that cannot be built
+  or ``MEGASLIDE_NATIVE_CODEC=0`` (unless TRITON_INTERPRET=1 asks for the kernel).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from .lane_code import (
     next_code,
     num_lanes,
 )
+from .lane_native import load as load_native
 from .triton_import import TRITON_IMPORT_ERROR, interpreting, tl, triton
 
 
@@ -114,9 +116,13 @@ def dfloat_triton(
 def dfloat_decode(
     sm: Tensor, table: Tensor, lane_offsets: Tensor, stream: Tensor, out: Tensor
 ) -> Tensor:
-    """Decode into `out` (int16, `(num_words,)`): the Triton kernel on CUDA, the reference on
-    the CPU (the kernel under TRITON_INTERPRET=1). Queued on the current stream; returns `out`."""
+    """Decode into `out` (int16, `(num_words,)`): the Triton kernel on CUDA (and on the CPU
+    under TRITON_INTERPRET=1), the C++ decoder on the CPU (`lane_native.py`), the reference
+    where that is unavailable. Queued on the current stream; returns `out`."""
     if out.device.type == "cuda" or interpreting():
         return dfloat_triton(sm, table, lane_offsets, stream, out)
     _check(sm, table, lane_offsets, stream, out)
+    native = load_native() if out.device.type == "cpu" else None
+    if native is not None:
+        return native.dfloat_decode(sm, table, lane_offsets, stream, out)
     return dfloat_decode_reference(sm, table, lane_offsets, stream, out)

@@ -77,12 +77,15 @@ def _adopting(start):
 
 
 def pytest_configure(config):
-    # CPUAdamW's compact formats build their fused kernel on first use (a compiler run, or
-    # nothing when it is cached): do it once here, before any test, so that the tests find it
-    # built whatever their order and no test starts the compiler.
+    # CPUAdamW's compact formats build their fused kernel on first use, and CPU deltas and
+    # DFloat their decoder (a compiler run, or nothing when it is cached): do it once here,
+    # before any test, so that the tests find them built whatever their order and no test
+    # starts the compiler.
     from megaslide.engine.training import compact_kernel
+    from megaslide.kernels import lane_native
 
     compact_kernel.load()
+    lane_native.load()
     threading.Thread.start = _adopting(threading.Thread.start)
     subprocess.Popen._execute_child = _noted("a subprocess", subprocess.Popen._execute_child)
     process = multiprocessing.process.BaseProcess

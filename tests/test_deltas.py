@@ -149,6 +149,57 @@ def test_requests_of_several_fine_tunes_share_a_step_moving_each_block_once(mode
         assert np.abs(got.astype(int) - want.astype(int)).max() <= 1, name
 
 
+@pytest.mark.slow  # samples two mixed batches: about 20 s on a loaded 2-core CPU
+def test_a_mixed_step_decodes_each_delta_once_per_pass_on_the_cpu(models, monkeypatch):
+    """A streamed step of the base and two fine-tunes on the CPU: each block's slot gets the
+    base's bytes back by a copy before the next fine-tune's delta goes on, so each fine-tune's
+    block delta is decoded once a block; the tensors outside the blocks switch twice a part at
+    most (prologues, then epilogues in reverse); the text encoder (which b changes) never
+    switches during a step. The clips are bitwise those of taking deltas off instead, decoded
+    by the torch reference."""
+    from megaslide.engine.streaming import variants
+
+    pipe = open_pipeline(str(models["base"]), offload="stream")
+    for name in ("a", "b"):
+        pipe.add_fine_tune(
+            name, make_delta(info(models[name]), info(models["base"]), pipe.compute_dtype)
+        )
+    handle, encoder = pipe.handles["dit"], pipe._variants["text_encoder"]
+    blocks = {id(d) for v in handle._variants.values() for p in v.blocks.values() for *_, d in p}
+    outside = {id(v.non_block.delta) for v in handle._variants.values()}
+    encoders = {id(v.delta) for v in encoder._variants.values()}
+    decoded = []
+    apply = variants.delta_apply
+
+    def counted(delta, words, sign):
+        decoded.append(id(delta))
+        return apply(delta, words, sign)
+
+    def clips():
+        asked = [(None, 0), ("a", 1), ("b", 2)]
+        videos = [VideoRequest("a blue cube", seed=s, fine_tune=f, **SHAPE) for f, s in asked]
+        states = pipe.prepare_batch([pipe.resolve(v) for v in videos])
+        pipe.denoise_step(states)
+        decoded.clear()
+        pipe.denoise_step(states)  # the second step: the order of a running batch
+        step = list(decoded)
+        assert all(s.done for s in states)
+        return pipe.finish_batch(states), step
+
+    monkeypatch.setattr(variants, "delta_apply", counted)
+    got, step = clips()
+    depth = len(handle._blocks)
+    assert sum(d in blocks for d in step) == depth * 2  # a's and b's, once a block
+    assert sum(d in outside for d in step) <= 2 * (1 + 2)  # <= 3 a pass: None->a->b, reversed
+    assert not any(d in encoders for d in step) and len(step) <= depth * 2 + 6
+    monkeypatch.setattr(type(handle), "_base_bytes", lambda self, block: None)
+    monkeypatch.setenv("MEGASLIDE_NATIVE_CODEC", "0")  # the torch reference decodes
+    want, step = clips()
+    assert sum(d in blocks for d in step) > depth * 2  # deltas taken off again
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+
+
 def test_a_delta_of_another_base_is_refused(models, tmp_path):
     other = fine_tuned_copy(models["base"], tmp_path / "other", seed=9)
     delta = make_delta(info(models["a"]), info(other), torch.float32)

@@ -254,7 +254,13 @@ def forward_interleaved(
     kept as a delta), cut at their blocks and run block by block: block i runs for every part
     before block i + 1 runs for any, so a streamed block crosses to the device once a step and
     each part's delta is put on it in turn. Each part's prologue and epilogue run with its own
-    weights. Per part, each request's output rows, as `forward` gives them."""
+    weights. Per part, each request's output rows, as `forward` gives them.
+
+    The epilogues run in the reverse order of the prologues: the tensors outside the blocks
+    hold the last part's weights when the blocks are done and the first part's when the
+    epilogues are, which the next step's prologues start with, so they switch weights
+    `len(parts) - 1` times each, not `len(parts)` (a switch is a delta taken off and one put
+    on). A part's outputs do not depend on the order the parts run in."""
     cuts = [sampler.cut(e, part) for part in parts]
     carried = []
     for part, cut in zip(parts, cuts):
@@ -265,11 +271,12 @@ def forward_interleaved(
             h, c = carried[k]
             with sampler.weights(part, blocks_only=True), cut.scope():
                 carried[k] = (cut.block(i, h, c), c)  # (B, n, D)
-    outputs = []
-    for part, cut, (h, c) in zip(parts, cuts, carried):
-        with sampler.weights(part), cut.scope():
-            out = cut.epilogue(h, c)  # (B, C, F, H, W)
-        outputs.append([(out[r], True) for r in row_slices(part)])
+    outputs: list = [None] * len(parts)
+    for k in reversed(range(len(parts))):
+        (h, c), part = carried[k], parts[k]
+        with sampler.weights(part), cuts[k].scope():
+            out = cuts[k].epilogue(h, c)  # (B, C, F, H, W)
+        outputs[k] = [(out[r], True) for r in row_slices(part)]
     return outputs
 
 

@@ -24,7 +24,7 @@ import contextlib
 import json
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -220,17 +220,28 @@ class Pipeline(VideoModel, ABC):
         return torch.float32
 
     @contextlib.contextmanager
-    def using(self, fine_tune: str | None, blocks_only: bool = False) -> Iterator[None]:
-        """Compute with fine-tune `fine_tune`'s weights (None: the model's own) from here on;
-        with `blocks_only` in the streamed blocks only (see `interleaves`)."""
+    def using(
+        self,
+        fine_tune: str | None,
+        blocks_only: bool = False,
+        components: Collection[str] | None = None,
+    ) -> Iterator[None]:
+        """Compute with fine-tune `fine_tune`'s weights (None: the model's own) from here on, in
+        `components` (None: every component); with `blocks_only` in the streamed blocks only
+        (see `interleaves`)."""
         changed = self.fine_tunes[fine_tune].deltas if fine_tune is not None else {}
         for component, owner in self._variants.items():
-            owner.select_variant(fine_tune if component in changed else None, blocks_only)
+            if components is None or component in components:
+                owner.select_variant(fine_tune if component in changed else None, blocks_only)
         yield
 
     def weights(self, states: list, blocks_only: bool = False) -> contextlib.AbstractContextManager:
-        """The weights a pass over `states` computes with (they share a fine-tune: `passes`)."""
-        return self.using(states[0].fine_tune if states else None, blocks_only)
+        """The weights a pass over `states` computes with (they share a fine-tune: `passes`):
+        the denoisers' alone, the components a pass runs. The others (the text encoders) keep
+        what they hold: switching them per pass would decode their deltas for nothing, twice a
+        fine-tune a step in a mixed batch; `prepare_batch` selects them with `using`."""
+        fine_tune = states[0].fine_tune if states else None
+        return self.using(fine_tune, blocks_only, self.denoisers or None)
 
     def interleaves(self, parts: list[list]) -> bool:
         """Whether the passes `parts` of one step run block by block (`loop.forward_interleaved`):
@@ -330,11 +341,21 @@ class Pipeline(VideoModel, ABC):
         of different fine-tunes never share a pass."""
         if not self.batched:
             return [[state] for state in states]
-        return [
-            part
-            for _, group in _grouped(states, lambda s: s.fine_tune)
-            for part in self._passes(group)
-        ]
+        groups = _grouped(states, lambda s: s.fine_tune)
+        # The fine-tune the denoisers hold now runs first: one switch of weights (a delta taken
+        # off, one put on) less a step than any other order. Outputs do not depend on the order.
+        held = self._held_fine_tune()
+        groups.sort(key=lambda group: group[0] != held)  # stable: the others keep their order
+        return [part for _, group in groups for part in self._passes(group)]
+
+    def _held_fine_tune(self) -> str | None:
+        """The fine-tune the first denoiser with fine-tunes registered computes with (None: the
+        base's weights)."""
+        for name in self.denoisers:
+            owner = self._variants.get(name)
+            if owner is not None:
+                return owner.variant
+        return None
 
     def _passes(self, states: list) -> list[list]:
         """`passes` for requests of one fine-tune."""

@@ -253,8 +253,9 @@ class StreamHandle:
         self.variant: str | None = None
         self._non_block_variant: str | None = None  # the one the tensors outside blocks hold
         # A variant's block deltas coded again as one per block: one decode as a block loads.
-        # On the CPU, whose (reference) decode costs much per call; on a GPU a kernel per
-        # tensor costs little, and coding a model again at registration a lot.
+        # On the CPU, where a decode has a cost per call (the torch reference's much, the C++
+        # decoder's some); on a GPU a kernel per tensor costs little, and coding a model again
+        # at registration a lot.
         self.deltas_per_block = device.type == "cpu"
         self.set_order("forward")
         self.reset_stats()
@@ -349,7 +350,7 @@ class StreamHandle:
                 if self.timing:
                     end = self.ordering.stamp(False)
                     self._spans.append(_Span("decode", i, slot, self._forwards, start, end))
-            s.variant = self._vary(block, s.buffer, s.variant)
+            s.variant = self._vary(block, s.buffer, s.variant, base=self._base_bytes(block))
             for bound, view in zip(block.tensors, block.slot_views[slot]):
                 bound.tensor.data = view
             self._tick += 1
@@ -593,18 +594,42 @@ class StreamHandle:
         self._non_block_variant = name
 
     def _vary(
-        self, block: _Block, flat: torch.Tensor, held: str | None, target: str | None = ...
+        self,
+        block: _Block,
+        flat: torch.Tensor,
+        held: str | None,
+        target: str | None = ...,
+        base: torch.Tensor | None = None,
     ) -> str | None:
         """Turn block `block`'s bytes in `flat` (its slot or resident buffer) from variant `held`
-        into `target` (default: the selected one), on the compute stream; returns `target`."""
+        into `target` (default: the selected one), on the compute stream; returns `target`.
+        `base`: the block's base bytes, copied back rather than `held`'s delta taken off (one
+        decode less: `_base_bytes`)."""
         target = self.variant if target is ... else target
         if held == target:
             return held
+        undone = self._variants.get(held) if held is not None else None
+        if base is not None and undone is not None and undone.blocks.get(block.index):
+            # Bitwise what subtracting the delta gives (the arithmetic is exact mod 2**16). A copy
+            # within host memory: not counted in h2d_bytes, nothing crosses a bus.
+            flat[: block.nbytes].copy_(base)
+            held = None
         for name, sign in ((held, -1), (target, 1)):
             variant = self._variants.get(name) if name is not None else None
             for offset, nbytes, delta in variant.blocks.get(block.index, ()) if variant else ():
                 self._h2d_bytes += add_delta(flat[offset : offset + nbytes], delta, sign)
         return target
+
+    def _base_bytes(self, block: _Block) -> torch.Tensor | None:
+        """Block `block`'s base bytes in host memory, when copying them back into its slot costs
+        less than taking a variant's delta off: on the CPU, from a raw store in RAM (a memcpy
+        against a decode; a mixed batch switches each block's slot between fine-tunes, and on
+        the CPU the decodes are most of what that costs). None elsewhere: on a GPU the copy
+        would cross the bus again, and a coded or disk store would be read again."""
+        store = block.store
+        if self.device.type != "cpu" or not isinstance(store, HostBlockStore):
+            return None
+        return store.payload
 
     @staticmethod
     def _qualified(block: _Block, names: Sequence[str]) -> list[str]:

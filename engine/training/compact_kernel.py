@@ -6,18 +6,11 @@ does the same per element in one pass (decode, AdamW, encode, with the same code
 random bits), so a compact format runs at the speed of the fp32 format or faster
 (benchmarks/optimizer.py).
 
-Build. compact_kernel.cpp is plain C++ with a C ABI and no torch headers: the system compiler
-(``$CXX``, else ``g++``) builds it in a few seconds, where `torch.utils.cpp_extension.load_inline`
-spends ~25 s here compiling torch's extension headers for even an empty function; ctypes calls
-it and releases the GIL for the call, so the optimizer's worker threads run it in parallel. Flags:
-``-O3 -march=native`` vectorizes the element loops for this machine's ISA; ``-ffp-contract=off``
-keeps the compiler from fusing multiply-adds that torch's kernel does not fuse; no
-``-ffast-math``, so nothing is reassociated and results depend on each element's inputs only.
-The library is cached under ``$MEGASLIDE_NATIVE_CACHE`` (default
-``~/.cache/megaslide/native``), named by a hash of the source, the flags, the compiler's
-version and this CPU's model and feature flags (a cache shared by machines with different CPUs
-never hands one a library built for another); it is written to a temporary name and renamed,
-so processes building at once do not see a half-written file.
+Build. compact_kernel.cpp is plain C++ with a C ABI and no torch headers, built on first use by
+the system compiler and cached (`kernels/native_build.py`: flags, cache, switches), and called
+through ctypes, which releases the GIL for the call, so the optimizer's worker threads run it in
+parallel. ``-ffp-contract=off`` keeps the compiler from fusing multiply-adds that torch's kernel
+does not fuse, and there is no ``-ffast-math``: results depend on each element's inputs only.
 
 Fallback. ``MEGASLIDE_NATIVE_OPTIM=0`` turns the kernel off; a missing compiler or a failed
 build does too, with the reason in `unavailable_reason()`. The optimizer then runs the torch-ops
@@ -33,31 +26,19 @@ element is bitwise equal.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import math
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
+from ...kernels.native_build import NativeLibrary
 from . import compact
 
 SOURCE = Path(__file__).with_name("compact_kernel.cpp")
-FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-std=c++17")
-BUILD_TIMEOUT_S = 300
 
 MASTER_KINDS = {"fp32": 0, "bf16-split": 1, "bf16-sr": 2, "bf16": 3}
-
-_lock = threading.Lock()
-_loaded: dict[tuple[str, str], Kernel | str] = {}  # (cache dir, compiler) -> kernel or reason
 
 
 @dataclass
@@ -149,77 +130,8 @@ def hyper(
     return (ctypes.c_float * 8)(*values)
 
 
-def load() -> Kernel | None:
-    """The kernel, built or taken from the cache once per process; None when it is turned off
-    (``MEGASLIDE_NATIVE_OPTIM=0``) or cannot be built (`unavailable_reason` says why)."""
-    if os.environ.get("MEGASLIDE_NATIVE_OPTIM", "1") == "0":
-        return None
-    got = build(cache_dir(), os.environ.get("CXX", "g++"))
-    return got if isinstance(got, Kernel) else None
-
-
-def unavailable_reason() -> str | None:
-    """Why `load` returns None, or None when it returns the kernel."""
-    if os.environ.get("MEGASLIDE_NATIVE_OPTIM", "1") == "0":
-        return "turned off by MEGASLIDE_NATIVE_OPTIM=0"
-    got = build(cache_dir(), os.environ.get("CXX", "g++"))
-    return got if isinstance(got, str) else None
-
-
-def cache_dir() -> Path:
-    default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "megaslide/native"
-    return Path(os.environ.get("MEGASLIDE_NATIVE_CACHE", default))
-
-
-def build(directory: Path, compiler: str) -> Kernel | str:
-    """The kernel built with `compiler` into `directory` (or found there), or the reason it
-    could not be; remembered per (directory, compiler) for the life of the process."""
-    memo = (str(directory), compiler)
-    with _lock:  # one build per process; the optimizer's threads wait for it
-        if memo not in _loaded:
-            _loaded[memo] = _build(Path(directory), compiler)
-        return _loaded[memo]
-
-
-def _build(directory: Path, compiler: str) -> Kernel | str:
-    exe = shutil.which(compiler)
-    if exe is None:
-        return f"no C++ compiler: {compiler!r} not found (set CXX)"
-    try:
-        version = subprocess.run(
-            [exe, "--version"], capture_output=True, text=True, timeout=30
-        ).stdout
-    except (OSError, subprocess.SubprocessError) as exc:
-        return f"{compiler} --version failed: {exc}"
-    source = SOURCE.read_bytes()
-    digest = hashlib.sha256()
-    for part in (source, " ".join(FLAGS).encode(), version.encode(), _cpu_identity().encode()):
-        digest.update(part)
-    path = directory / f"compact_kernel-{digest.hexdigest()[:16]}.so"
-    build_s = 0.0
-    if not path.exists():
-        try:
-            directory.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
-            os.close(fd)
-        except OSError as exc:
-            return f"cannot write the build cache {directory}: {exc}"
-        cmd = [exe, *FLAGS, "-shared", "-fPIC", "-o", tmp, str(SOURCE)]
-        t0 = time.perf_counter()
-        try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
-        except (OSError, subprocess.SubprocessError) as exc:
-            os.unlink(tmp)
-            return f"building {SOURCE.name} failed: {exc}"
-        build_s = time.perf_counter() - t0
-        if done.returncode != 0:
-            os.unlink(tmp)
-            return f"building {SOURCE.name} failed ({' '.join(cmd)}):\n{done.stderr[-2000:]}"
-        os.replace(tmp, path)  # atomic: another process sees no library or a whole one
-    try:
-        kernel = Kernel(path, build_s, ctypes.CDLL(str(path)))
-    except (OSError, AttributeError) as exc:
-        return f"loading {path} failed: {exc}"
+def _bind(path: Path, build_s: float, lib: ctypes.CDLL) -> Kernel | str:
+    kernel = Kernel(path, build_s, lib)
     # A cheap check that the library computes what compact.py does (a stale or foreign file, a
     # miscompile): the random bits of a few elements, bit for bit.
     if not torch.equal(
@@ -229,18 +141,29 @@ def _build(directory: Path, compiler: str) -> Kernel | str:
     return kernel
 
 
-def _cpu_identity() -> str:
-    """This CPU's model and feature flags: what -march=native compiles for."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor() + platform.machine()
-    keep = [
-        line
-        for line in info.splitlines()
-        if line.startswith(("model name", "flags", "Features", "CPU part"))
-    ]
-    return "\n".join(sorted(set(keep)))
+LIBRARY = NativeLibrary(SOURCE, "MEGASLIDE_NATIVE_OPTIM", _bind)
+
+
+def load() -> Kernel | None:
+    """The kernel, built or taken from the cache once per process; None when it is turned off
+    (``MEGASLIDE_NATIVE_OPTIM=0``) or cannot be built (`unavailable_reason` says why)."""
+    return LIBRARY.load()
+
+
+def unavailable_reason() -> str | None:
+    """Why `load` returns None, or None when it returns the kernel."""
+    return LIBRARY.unavailable_reason()
+
+
+def build(directory: Path, compiler: str) -> Kernel | str:
+    """The kernel built with `compiler` into `directory` (or found there), or the reason it
+    could not be; remembered per (directory, compiler) for the life of the process."""
+    return LIBRARY.build(directory, compiler)
+
+
+def _build(directory: Path, compiler: str) -> Kernel | str:
+    """`build` without the memo (the tests' build from scratch)."""
+    return LIBRARY.build_now(Path(directory), compiler)
 
 
 def _ptr(t: Tensor | None) -> int | None:
