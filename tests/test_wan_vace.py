@@ -1,0 +1,240 @@
+"""Wan VACE (`WanVACEPipeline` on a `WanVACETransformer3DModel`: reference images, a control video,
+a mask and the conditioning scale): the same frames as diffusers for the same seed, resident and
+streamed (the VACE blocks streamed with the blocks), within one level batched; and the rules a
+request and a model directory meet."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from megaslide.engine.loader import open_pipeline
+from megaslide.engine.request import RequestError, VideoRequest
+
+from wan_fixtures import NEGATIVE, PROMPT, build_tiny_wan
+from wan_reference import diffusers_run, first_difference, megaslide_run
+
+diffusers = pytest.importorskip("diffusers")
+
+
+@pytest.fixture(scope="module")
+def wan(tmp_path_factory):
+    """A VACE pipeline of three blocks (hints into the first and the last), a two-expert one
+    (Wan2.2 VACE-Fun-style), a text-to-video one; two reference images of other shapes than the
+    clip, a control video of 12 frames at the clip's size and a mask video (the right half and
+    the last frames to generate, the rest kept)."""
+    from PIL import Image
+
+    from megaslide.engine.video import write_mp4
+
+    torch.set_num_threads(1)  # tiny models: threads cost more than they give
+    root = tmp_path_factory.mktemp("vace-inputs")
+    rng = np.random.default_rng(0)
+    for name, shape in (("ref0.png", (40, 48, 3)), ("ref1.png", (24, 40, 3))):
+        Image.fromarray((rng.random(shape) * 255).astype(np.uint8)).save(root / name)
+    write_mp4(root / "control.mp4", (rng.random((12, 32, 32, 3)) * 255).astype(np.uint8), fps=8)
+    mask = np.zeros((12, 32, 32, 3), np.uint8)
+    mask[:, :, 16:] = 255
+    mask[6:] = 255
+    write_mp4(root / "mask.mp4", mask, fps=8)
+    return {
+        "vace": build_tiny_wan(root / "vace", vace=True, layers=3),
+        "experts": build_tiny_wan(root / "experts", vace=True, experts=2, layers=3),
+        "t2v": build_tiny_wan(root / "t2v"),
+        "refs": [root / "ref0.png", root / "ref1.png"],
+        "control": root / "control.mp4",
+        "mask": root / "mask.mp4",
+    }
+
+
+def request(**changes) -> VideoRequest:
+    fields = dict(
+        prompt=PROMPT,
+        negative_prompt=NEGATIVE,
+        height=32,
+        width=32,
+        frames=9,
+        steps=2,
+        guidance=4.0,
+        seed=3,
+    )
+    return VideoRequest(**{**fields, **changes})
+
+
+def vace_request(wan, case: str, **changes) -> VideoRequest:
+    """The request of a case: "all" (two reference images, control video, mask, scale 0.7),
+    "control" (control video alone) or "bare" (nothing: text-to-video through the VACE blocks)."""
+    fields = {
+        "all": dict(
+            reference_images=tuple(map(str, wan["refs"])),
+            control_video=str(wan["control"]),
+            mask=str(wan["mask"]),
+            conditioning_scale=0.7,
+        ),
+        "control": dict(control_video=str(wan["control"])),
+        "bare": {},
+    }[case]
+    return request(**{**fields, **changes})
+
+
+def conditioning(clip: VideoRequest) -> dict:
+    """The request's VACE inputs as `diffusers_run` takes them."""
+    return {
+        "reference_images": list(clip.reference_images),
+        "control_video": clip.control_video,
+        "mask": clip.mask,
+        "conditioning_scale": 1.0 if clip.conditioning_scale is None else clip.conditioning_scale,
+    }
+
+
+def level_diff(a: np.ndarray, b: np.ndarray) -> int:
+    return int(np.abs(a.astype(int) - b.astype(int)).max())
+
+
+@pytest.mark.cpu_variants
+@pytest.mark.parametrize(
+    ("variant", "case"), [("vace", "all"), ("vace", "bare"), ("experts", "control")]
+)
+def test_vace_same_video_as_diffusers(wan, variant, case):
+    """Every step's latents (the reference images' frames with them) and the frames bitwise
+    WanVACEPipeline's with each row alone, resident and streamed; within one uint8 level with
+    the guidance pair batched into one pass (its cross-attention keys kept, the VACE blocks'
+    too)."""
+    clip = vace_request(wan, case)
+    latents, frames = diffusers_run(wan[variant], clip, vace=conditioning(clip))
+    assert frames.shape == (9, 32, 32, 3) and frames.std() > 1
+    for offload in ("none", "stream"):
+        pipe = open_pipeline(wan[variant], batched=False, offload=offload)
+        ours, our_frames = megaslide_run(pipe, clip)
+        differs = first_difference(ours, latents)
+        assert differs is None, (offload, differs)
+        assert np.array_equal(our_frames, frames), offload
+        batched = open_pipeline(wan[variant], offload=offload)
+        assert level_diff(batched.generate(clip), frames) <= 1, offload
+
+
+def test_the_vace_blocks_stream_and_condition_the_clip(wan):
+    """The streamer holds the VACE blocks with the blocks, in the order they run (two VACE
+    blocks, then three), none resident; the model says what it takes. Each input changes the
+    clip: the scale (0 drops the hints), the reference images, the mask."""
+    pipe = open_pipeline(wan["vace"], offload="stream")
+    stats = pipe.handles["transformer"].stats()
+    assert stats["num_blocks"] == stats["streamed_blocks"] == 5
+    model = pipe.experts[0]
+    assert pipe.handles["transformer"]._blocks[0].module is model.vace_blocks[0]
+    limits = pipe.info.limits.to_dict()
+    assert limits["vace_input"] and not limits["video_input"] and not limits["image_input"]
+    assert limits["cache_policies"] == []
+
+    full = pipe.generate(vace_request(wan, "all"))
+    for change in (
+        dict(conditioning_scale=0.0),
+        dict(reference_images=(str(wan["refs"][0]),)),
+        dict(mask=None),
+    ):
+        assert level_diff(full, pipe.generate(vace_request(wan, "all", **change))) > 2, change
+
+
+def test_requests_of_different_scales_share_a_pass(wan):
+    """Two requests with other conditioning scales and seeds (one unguided) in one batch: the
+    hints' scale goes per row, each clip within a level of its own alone; reference images are
+    latent frames, so a request with another count of them is in another batch."""
+    pipe = open_pipeline(wan["vace"])
+    clips = [
+        vace_request(wan, "all", conditioning_scale=0.3),
+        vace_request(wan, "all", conditioning_scale=1.5, seed=5, guidance=1.0),
+    ]
+    alone = [pipe.generate(c) for c in clips]
+    states = pipe.prepare_batch([pipe.resolve(c) for c in clips])
+    while not all(s.done for s in states):
+        pipe.denoise_step(states)
+    for ours, theirs in zip(pipe.finish_batch(states), alone):
+        assert level_diff(ours, theirs) <= 1
+    one = pipe.resolve(vace_request(wan, "all", reference_images=(str(wan["refs"][1]),)))
+    assert one.batch_key != pipe.resolve(clips[0]).batch_key
+    assert pipe.resolve(vace_request(wan, "bare")).batch_key == pipe.resolve(request()).batch_key
+
+
+def test_vace_requests_are_checked(wan, tmp_path):
+    """Each field named when wrong: a mask without a control video, too many reference images
+    (or more than the model's frames leave room for), a missing file, a scale out of range, a
+    step cache; a control video or mask shorter than the clip is a ValueError naming the file.
+    A model without VACE blocks refuses every VACE field by name."""
+    from megaslide.engine.video import write_mp4
+
+    pipe = open_pipeline(wan["vace"])
+    resolved = pipe.resolve(vace_request(wan, "bare"))
+    assert resolved.conditioning_scale == 1.0 and resolved.reference_images == ()
+    ref = str(wan["refs"][0])
+    refusals = [
+        (dict(mask=str(wan["mask"])), "mask", "goes with a control video"),
+        (dict(reference_images=(ref,) * 5), "reference_images", "at most 4"),
+        (dict(reference_images=(ref,) * 4, frames=121), "reference_images", "room for 1"),
+        (dict(reference_images=(str(tmp_path / "no.png"),)), "reference_images", "not found"),
+        (dict(reference_images=ref), "reference_images", "must be a list"),
+        (dict(control_video=str(tmp_path / "no.mp4")), "control_video", "not found"),
+        (dict(conditioning_scale=-1.0), "conditioning_scale", r"in \[0, 10\]"),
+        (dict(conditioning_scale=float("nan")), "conditioning_scale", r"in \[0, 10\]"),
+        (dict(cache="fast"), "cache", "it takes none"),
+    ]
+    for changes, param, message in refusals:
+        with pytest.raises(RequestError, match=message) as refused:
+            pipe.resolve(vace_request(wan, "bare", **changes))
+        assert refused.value.param == param, changes
+    short = tmp_path / "short.mp4"
+    write_mp4(short, np.zeros((5, 32, 32, 3), np.uint8), fps=8)
+    for changes in (dict(control_video=str(short)), dict(mask=str(short))):
+        clip = vace_request(wan, "control", **changes)
+        with pytest.raises(ValueError, match="5 frames, 9 needed"):
+            pipe.prepare(pipe.resolve(clip))
+
+    t2v = open_pipeline(wan["t2v"])
+    assert not t2v.info.limits.vace_input
+    for name, value in (
+        ("reference_images", (ref,)),
+        ("control_video", str(wan["control"])),
+        ("mask", str(wan["mask"])),
+        ("conditioning_scale", 1.0),
+    ):
+        with pytest.raises(RequestError, match="does not take VACE's") as refused:
+            t2v.resolve(request(**{name: value}))
+        assert refused.value.param == name and refused.value.code == "unsupported_parameter"
+
+
+def test_a_vace_directory_is_checked(wan, tmp_path):
+    """`vace_layers` and `vace_in_channels` read and checked against the VAE and the blocks; a
+    VACE transformer under another pipeline class (and the reverse) named in the error. A VACE
+    model is not fine-tuned nor split over devices (not built)."""
+    from megaslide.engine.family import family
+    from megaslide.engine.sources import describe, resolve_source
+    from megaslide.engine.wan.config import WanFormatError, read_wan_config
+
+    config = read_wan_config(wan["vace"])
+    assert config.vace and config.vace_layers == (0, 2) and config.vace_in_channels == 72
+    assert not read_wan_config(wan["t2v"]).vace
+    cases = [
+        ("transformer/config.json", {"vace_in_channels": 96}, "not the control video's"),
+        ("transformer/config.json", {"vace_layers": [1, 2]}, "must rise from 0"),
+        ("transformer/config.json", {"vace_layers": [0, 3]}, "must rise from 0"),
+        ("model_index.json", {"_class_name": "WanPipeline"}, "goes with"),
+    ]
+    for file, change, message in cases:
+        path = tmp_path / f"case{cases.index((file, change, message))}"
+        shutil.copytree(wan["vace"], path)
+        data = json.loads((path / file).read_text())
+        (path / file).write_text(json.dumps({**data, **change}))
+        with pytest.raises(WanFormatError, match=message):
+            read_wan_config(path)
+
+    info = describe(resolve_source(wan["vace"]))
+    wan_family = family("wan")
+    with pytest.raises(ValueError, match="VACE model: fine-tuning"):
+        wan_family.training_components(info, None)
+    with pytest.raises(ValueError, match="not built for Wan VACE"):
+        wan_family.check_parallel(info, 9, 32, 32, 2)
+    counts = wan_family.count_parameters(info)
+    assert counts["blocks"] == 5
