@@ -328,8 +328,9 @@ def resolve_cache(value: str | dict | None) -> CacheSpec | None:
 
 
 # The fields of `ResolvedVideo` that name a file the request brought (stored by a server, which
-# keys repeats by their bytes and resolves them on the worker's side).
-INPUT_FILES = ("image", "last_image", "video")
+# keys repeats by their bytes and resolves them on the worker's side), and those that name several.
+INPUT_FILES = ("image", "last_image", "video", "control_video", "mask")
+INPUT_FILE_LISTS = ("reference_images",)
 
 
 @dataclass(frozen=True)

@@ -238,3 +238,92 @@ def test_a_vace_directory_is_checked(wan, tmp_path):
         wan_family.check_parallel(info, 9, 32, 32, 2)
     counts = wan_family.count_parameters(info)
     assert counts["blocks"] == 5
+
+
+def test_served_through_the_sdk_and_the_command_line(wan, tmp_path, capsys):
+    """A served VACE model lists its inputs and takes two reference images (the multipart field
+    repeated), a control video, a mask and a scale from the SDK, the clip's length the control
+    video's (to the frame rule): the clip the pipeline makes of the same request; the same files
+    of /v1/files named by id in a JSON request repeat it. A mask that is no video, a control video
+    too long to decode, five reference images and VACE's inputs on a text-to-video model are 400s
+    naming the field. `megaslide generate` sends them with `--server` and runs them locally."""
+    import megaslide_client
+    from megaslide.cli.main import main
+    from megaslide.engine.video import read_video, write_mp4
+    from megaslide.server import Settings
+
+    from server_fakes import live_server, torch_app
+
+    models = [f"vace={wan['vace']}", f"t2v={wan['t2v']}"]
+    settings = Settings(
+        data_dir=tmp_path / "data", models=models, device="cpu", poll_after_ms=50
+    ).model_copy(update={"max_video_frames": 16})
+    frames = {}
+    small = dict(
+        size="32x32", num_inference_steps=2, guidance_scale=4.0, seed=1, poll_interval_ms=50
+    )
+    vace = dict(
+        reference_images=wan["refs"],
+        control_video=wan["control"],
+        mask=wan["mask"],
+        conditioning_scale=0.7,
+    )
+    with (
+        live_server(torch_app(settings, frames)) as url,
+        megaslide_client.Client(base_url=url) as client,
+    ):
+        inputs = {m.id: m.inputs for m in client.models.list()}
+        assert inputs == {
+            "vace": ["text", "reference_images", "control_video", "mask"],
+            "t2v": ["text", "video"],
+        }
+        made = client.videos.create_and_poll(model="vace", prompt=PROMPT, **vace, **small)
+        assert made.status == "completed" and made.num_frames == 9, made
+        assert made.conditioning_scale == 0.7
+        local = open_pipeline(wan["vace"])
+        expected = local.generate(vace_request(wan, "all", negative_prompt=None, seed=1))
+        assert np.array_equal(frames[made.id], expected)
+        ids = {
+            name: client.files.create(file=wan[key], purpose="input").id
+            for name, key in (("control_video", "control"), ("mask", "mask"))
+        }
+        refs = [client.files.create(file=f, purpose="input").id for f in wan["refs"]]
+        named = client.videos.create_and_poll(
+            model="vace",
+            prompt=PROMPT,
+            conditioning_scale=0.7,
+            extra_body={**ids, "reference_images": refs},
+            **small,
+        )
+        assert named.status == "completed" and named.cached_from == made.id, named
+
+        long = tmp_path / "long.mp4"
+        write_mp4(long, np.zeros((17, 32, 32, 3), np.uint8), fps=8)
+        control = dict(control_video=wan["control"])
+        refusals = [
+            (dict(mask=b"not a video", **control), "mask", "not a MP4"),
+            (dict(control_video=long), "control_video", "more than 16 frames"),
+            (dict(reference_images=[wan["refs"][0]] * 5), "reference_images", "at most 4"),
+            (dict(model="t2v", **control), "control_video", "does not take a control video"),
+            (dict(model="t2v", conditioning_scale=1.0), "conditioning_scale", "VACE"),
+        ]
+        for fields, param, message in refusals:
+            with pytest.raises(megaslide_client.BadRequestError, match=message) as refused:
+                client.videos.create(**{"model": "vace", "prompt": PROMPT, **fields})
+            assert refused.value.param == param
+
+        out = tmp_path / "remote.mp4"
+        args = ["--size", "32x32", "--steps", "2", "--no-progress", "-o", str(out)]
+        flags = [
+            *("--reference-image", str(wan["refs"][0])),
+            *("--control-video", str(wan["control"]), "--mask", str(wan["mask"])),
+            *("--conditioning-scale", "0.5"),
+        ]
+        assert main(["generate", PROMPT, "--server", url, "--model", "vace", *args, *flags]) == 0
+        assert read_video(out).shape == (9, 32, 32, 3)
+    assert main(["generate", PROMPT, *args, "--model", str(wan["vace"]), *flags]) == 0
+    assert read_video(out).shape == (9, 32, 32, 3)
+    capsys.readouterr()
+    local_t2v = ["generate", PROMPT, *args, "--model", str(wan["t2v"])]
+    assert main([*local_t2v, "--control-video", str(wan["control"])]) == 2
+    assert "does not take VACE's control_video" in capsys.readouterr().err
