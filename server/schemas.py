@@ -289,6 +289,17 @@ class VideoCreate(Request):
                 raise ValueError(f"must be a JSON list of {what}") from None
         return value
 
+    @field_validator("reference_images", mode="before")
+    @classmethod
+    def _file_ids(cls, value):
+        # In a form field: one /v1/files id, or a JSON list of them.
+        if isinstance(value, str):
+            try:
+                return json.loads(value) if value.lstrip().startswith("[") else [value]
+            except json.JSONDecodeError:
+                raise ValueError("must be a file id or a JSON list of file ids") from None
+        return value
+
     @field_validator("seconds", mode="before")
     @classmethod
     def _seconds(cls, value):
