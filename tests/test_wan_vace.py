@@ -327,3 +327,18 @@ def test_served_through_the_sdk_and_the_command_line(wan, tmp_path, capsys):
     local_t2v = ["generate", PROMPT, *args, "--model", str(wan["t2v"])]
     assert main([*local_t2v, "--control-video", str(wan["control"])]) == 2
     assert "does not take VACE's control_video" in capsys.readouterr().err
+
+
+def test_the_disk_tier_and_a_weight_format_hold_the_vace_blocks(wan):
+    """The VACE blocks are streamed blocks like any other: read from the model's files each step
+    (the disk tier) or kept in a lossless host format, the reference mode's latents and frames
+    are bitwise the resident pipeline's."""
+    clip = vace_request(wan, "control")
+    latents, frames = megaslide_run(open_pipeline(wan["vace"], batched=False), clip)
+    for placement in (dict(host_tier="disk"), dict(weights="lossless")):
+        pipe = open_pipeline(wan["vace"], batched=False, offload="stream", **placement)
+        stats = pipe.handles["transformer"].stats()
+        assert stats["streamed_blocks"] == 5
+        ours, our_frames = megaslide_run(pipe, clip)
+        assert first_difference(ours, latents) is None, placement
+        assert np.array_equal(our_frames, frames), placement
