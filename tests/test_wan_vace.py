@@ -128,7 +128,7 @@ def test_the_vace_blocks_stream_and_condition_the_clip(wan):
     assert pipe.handles["transformer"]._blocks[0].module is model.vace_blocks[0]
     limits = pipe.info.limits.to_dict()
     assert limits["vace_input"] and not limits["video_input"] and not limits["image_input"]
-    assert limits["cache_policies"] == []
+    assert limits["cache_policies"] == ["output-change", "adaptive"]
 
     full = pipe.generate(vace_request(wan, "all"))
     for change in (
@@ -179,7 +179,7 @@ def test_vace_requests_are_checked(wan, tmp_path):
         (dict(control_video=str(tmp_path / "no.mp4")), "control_video", "not found"),
         (dict(conditioning_scale=-1.0), "conditioning_scale", r"in \[0, 10\]"),
         (dict(conditioning_scale=float("nan")), "conditioning_scale", r"in \[0, 10\]"),
-        (dict(cache="fast"), "cache", "it takes none"),
+        (dict(cache={"policy": "first-block", "threshold": 0.1}), "cache", "not available"),
     ]
     for changes, param, message in refusals:
         with pytest.raises(RequestError, match=message) as refused:
@@ -244,7 +244,7 @@ def test_served_through_the_sdk_and_the_command_line(wan, tmp_path, capsys):
     """A served VACE model lists its inputs and takes two reference images (the multipart field
     repeated), a control video, a mask and a scale from the SDK, the clip's length the control
     video's (to the frame rule): the clip the pipeline makes of the same request; the same files
-    of /v1/files named by id in a JSON request repeat it. A mask that is no video, a control video
+    of /v1/files named by id in a JSON request (or in a form field beside uploads) repeat it. A mask that is no video, a control video
     too long to decode, five reference images and VACE's inputs on a text-to-video model are 400s
     naming the field. `megaslide generate` sends them with `--server` and runs them locally."""
     import megaslide_client
@@ -296,6 +296,17 @@ def test_served_through_the_sdk_and_the_command_line(wan, tmp_path, capsys):
             **small,
         )
         assert named.status == "completed" and named.cached_from == made.id, named
+        # Uploads beside ids: the reference images' ids as a JSON list in a form field.
+        mixed = client.videos.create_and_poll(
+            model="vace",
+            prompt=PROMPT,
+            control_video=wan["control"],
+            mask=wan["mask"],
+            conditioning_scale=0.7,
+            extra_body={"reference_images": refs},
+            **small,
+        )
+        assert mixed.status == "completed" and mixed.cached_from in (made.id, named.id), mixed
 
         long = tmp_path / "long.mp4"
         write_mp4(long, np.zeros((17, 32, 32, 3), np.uint8), fps=8)
@@ -342,3 +353,32 @@ def test_the_disk_tier_and_a_weight_format_hold_the_vace_blocks(wan):
         ours, our_frames = megaslide_run(pipe, clip)
         assert first_difference(ours, latents) is None, placement
         assert np.array_equal(our_frames, frames), placement
+
+
+@pytest.mark.parametrize("policy", ["output-change", "adaptive"])
+def test_step_caches_and_previews_on_vace(wan, policy):
+    """The caches that decide before a pass run on a VACE model (its reference images' frames in
+    the outputs they keep): threshold 0 reuses nothing and changes nothing; a loose one skips
+    whole passes, which move no weights. A preview shows the clip's first frame, not a
+    reference image's."""
+    pipe = open_pipeline(wan["vace"], offload="stream")
+    off = pipe.generate(vace_request(wan, "all", steps=4))
+    zero = pipe.prepare(
+        pipe.resolve(vace_request(wan, "all", steps=4, cache=dict(policy=policy, threshold=0)))
+    )
+    zero.keep_x0 = True
+    while not zero.done:
+        pipe.denoise_step([zero])
+        assert zero.x0.shape[2] == 3  # the clip's latent frames, without the two references
+    assert zero.cache.passes == 4 and np.array_equal(pipe.finish(zero), off)
+    (preview,) = pipe.preview_batch([zero])
+    assert preview.shape == (32, 32, 3)
+    loose = pipe.resolve(
+        vace_request(wan, "all", steps=4, cache=dict(policy=policy, threshold=100))
+    )
+    loose = pipe.prepare(loose)
+    moved = []
+    while not loose.done:
+        moved.append(pipe.denoise_step([loose])["h2d_bytes"])
+    assert 2 <= loose.cache.passes < 4
+    assert moved.count(0) == loose.cache.reused and max(moved) > 0

@@ -421,8 +421,8 @@ def wan_limits(config: WanConfig, sampling: SamplingDefaults, path: Path) -> Mod
         # transformer runs with its conditioning only (WanVACEPipeline's inputs).
         video_input=not (config.image_condition or config.expand_timesteps or config.vace),
         vace_input=config.vace,
-        # The step caches are not built for VACE's hints yet: its requests run every step.
-        cache_policies=() if config.vace else CACHE_POLICIES,
+        # A VACE model's pass is not cut at its blocks (family.py): no first-block cache.
+        cache_policies=tuple(p for p in CACHE_POLICIES if not (config.vace and p == "first-block")),
         experts=len(config.experts),
         max_prompt_tokens=TEXT_TOKENS - 1,  # and the end-of-sequence token
         prompt_unit="tokens (UMT5)",
