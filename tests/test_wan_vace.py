@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from megaslide.engine.loader import open_pipeline
-from megaslide.engine.request import RequestError, VideoRequest
+from megaslide.engine.request import LoraChoice, RequestError, VideoRequest
 
 from wan_fixtures import NEGATIVE, PROMPT, build_tiny_wan
 from wan_reference import diffusers_run, first_difference, megaslide_run
@@ -382,3 +382,35 @@ def test_step_caches_and_previews_on_vace(wan, policy):
         moved.append(pipe.denoise_step([loose])["h2d_bytes"])
     assert 2 <= loose.cache.passes < 4
     assert moved.count(0) == loose.cache.reused and max(moved) > 0
+
+
+def test_a_lora_on_the_vace_blocks_as_diffusers_applies_it(wan, tmp_path):
+    """A diffusers / PEFT-layout adapter on the blocks and the VACE blocks (their attention, and
+    the hints' output projections) gives bitwise diffusers' clip with each row alone, and
+    changes it."""
+    pytest.importorskip("peft")
+    from lora_fixtures import DIM, _factors, write_peft
+
+    g = torch.Generator().manual_seed(7)
+    extra = {}
+    for i in (0, 1):
+        for name in (f"vace_blocks.{i}.attn1.to_q", f"vace_blocks.{i}.attn2.to_v"):
+            down, up = _factors(g, 4, DIM, DIM, 0.3)
+            extra[f"transformer.{name}.lora_A.weight"] = down
+            extra[f"transformer.{name}.lora_B.weight"] = up
+        down, up = _factors(g, 4, DIM, DIM, 0.3)
+        extra[f"transformer.vace_blocks.{i}.proj_out.lora_A.weight"] = down
+        extra[f"transformer.vace_blocks.{i}.proj_out.lora_B.weight"] = up
+    file = write_peft(tmp_path / "vace-lora.safetensors", blocks=3, bias=False, extra=extra)
+
+    clip = vace_request(wan, "all")
+    pipe = open_pipeline(wan["vace"], batched=False)
+    card = pipe.add_adapter("v", file)
+    assert card["modules"] == 3 * 10 + 2 * 3
+    reference = diffusers.WanVACEPipeline.from_pretrained(wan["vace"])
+    reference.load_lora_weights(str(file), adapter_name="v")
+    reference.set_adapters(["v"], [0.8])
+    _, theirs = diffusers_run(reference, clip, vace=conditioning(clip))
+    ours = pipe.generate(vace_request(wan, "all", loras=(LoraChoice("v", 0.8),)))
+    assert np.array_equal(ours, theirs)
+    assert level_diff(ours, pipe.generate(clip)) > 2
