@@ -88,7 +88,7 @@ from ..sampling.samplers import flow_scheduler, timestep_sigmas
 from ..sampling.step_cache import StepCache
 from ..sources import ModelInfo
 from ..streaming.host_store import RenamedWeights, SafetensorsFile
-from .config import TEXT_TOKENS, WanConfig, weight_files
+from .config import TEXT_TOKENS, VACE_TRANSFORMER, WanConfig, weight_files
 from .encoders import WanEncoders, fast_vae_norms, libraries
 from .forward import WanCut, streamed_blocks
 from .prompt_cache import PromptCache, PromptKV, entry_bytes
@@ -290,8 +290,6 @@ def _meta_transformer(diffusers, folder: Path) -> nn.Module:
     """A WanTransformer3DModel (or WanVACETransformer3DModel, as its config names) on the meta
     device (call inside `torch.device("meta")`), with its rotary tables, which it computes rather
     than stores, built for real on the CPU."""
-    from .config import VACE_TRANSFORMER
-
     config = diffusers.WanTransformer3DModel.load_config(folder, local_files_only=True)
     vace = config.get("_class_name") == VACE_TRANSFORMER
     cls = diffusers.WanVACETransformer3DModel if vace else diffusers.WanTransformer3DModel
