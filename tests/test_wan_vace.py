@@ -244,9 +244,11 @@ def test_served_through_the_sdk_and_the_command_line(wan, tmp_path, capsys):
     """A served VACE model lists its inputs and takes two reference images (the multipart field
     repeated), a control video, a mask and a scale from the SDK, the clip's length the control
     video's (to the frame rule): the clip the pipeline makes of the same request; the same files
-    of /v1/files named by id in a JSON request (or in a form field beside uploads) repeat it. A mask that is no video, a control video
-    too long to decode, five reference images and VACE's inputs on a text-to-video model are 400s
-    naming the field. `megaslide generate` sends them with `--server` and runs them locally."""
+    of /v1/files named by id in a JSON request (or in a form field beside uploads) repeat it. A
+    mask that is no video, an FFmpeg playlist as a control video, one too long to decode, a
+    reference image that is no image, five reference images and VACE's inputs on a
+    text-to-video model are 400s naming the field. `megaslide generate` sends them with
+    `--server` and runs them locally."""
     import megaslide_client
     from megaslide.cli.main import main
     from megaslide.engine.video import read_video, write_mp4
@@ -311,8 +313,12 @@ def test_served_through_the_sdk_and_the_command_line(wan, tmp_path, capsys):
         long = tmp_path / "long.mp4"
         write_mp4(long, np.zeros((17, 32, 32, 3), np.uint8), fps=8)
         control = dict(control_video=wan["control"])
+        playlist = tmp_path / "list.m3u8"
+        playlist.write_text(f"#EXTM3U\n#EXTINF:1,\nfile://{wan['control']}\n")
         refusals = [
             (dict(mask=b"not a video", **control), "mask", "not a MP4"),
+            (dict(control_video=playlist), "control_video", "not a MP4"),
+            (dict(reference_images=[b"not an image"]), "reference_images", "not a readable image"),
             (dict(control_video=long), "control_video", "more than 16 frames"),
             (dict(reference_images=[wan["refs"][0]] * 5), "reference_images", "at most 4"),
             (dict(model="t2v", **control), "control_video", "does not take a control video"),
@@ -340,6 +346,7 @@ def test_served_through_the_sdk_and_the_command_line(wan, tmp_path, capsys):
     assert "does not take VACE's control_video" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # two more streamed pipelines: the same streamer as the tests above
 def test_the_disk_tier_and_a_weight_format_hold_the_vace_blocks(wan):
     """The VACE blocks are streamed blocks like any other: read from the model's files each step
     (the disk tier) or kept in a lossless host format, the reference mode's latents and frames
@@ -355,7 +362,9 @@ def test_the_disk_tier_and_a_weight_format_hold_the_vace_blocks(wan):
         assert np.array_equal(our_frames, frames), placement
 
 
-@pytest.mark.parametrize("policy", ["output-change", "adaptive"])
+@pytest.mark.parametrize(
+    "policy", ["output-change", pytest.param("adaptive", marks=pytest.mark.slow)]
+)
 def test_step_caches_and_previews_on_vace(wan, policy):
     """The caches that decide before a pass run on a VACE model (its reference images' frames in
     the outputs they keep): threshold 0 reuses nothing and changes nothing; a loose one skips
@@ -384,6 +393,7 @@ def test_step_caches_and_previews_on_vace(wan, policy):
     assert moved.count(0) == loose.cache.reused and max(moved) > 0
 
 
+@pytest.mark.slow  # diffusers' pipeline with PEFT, and two clips of ours
 def test_a_lora_on_the_vace_blocks_as_diffusers_applies_it(wan, tmp_path):
     """A diffusers / PEFT-layout adapter on the blocks and the VACE blocks (their attention, and
     the hints' output projections) gives bitwise diffusers' clip with each row alone, and
