@@ -208,7 +208,8 @@ def test_vace_requests_are_checked(wan, tmp_path):
 def test_a_vace_directory_is_checked(wan, tmp_path):
     """`vace_layers` and `vace_in_channels` read and checked against the VAE and the blocks; a
     VACE transformer under another pipeline class (and the reverse) named in the error. A VACE
-    model is not fine-tuned nor split over devices (not built)."""
+    model is not fine-tuned (not built); split over devices, a frame's tokens must split alone
+    (reference images add frames)."""
     from megaslide.engine.family import family
     from megaslide.engine.sources import describe, resolve_source
     from megaslide.engine.wan.config import WanFormatError, read_wan_config
@@ -234,8 +235,8 @@ def test_a_vace_directory_is_checked(wan, tmp_path):
     wan_family = family("wan")
     with pytest.raises(ValueError, match="VACE model: fine-tuning"):
         wan_family.training_components(info, None)
-    with pytest.raises(ValueError, match="not built for Wan VACE"):
-        wan_family.check_parallel(info, 9, 32, 32, 2)
+    with pytest.raises(ValueError, match="a frame's tokens"):
+        wan_family.check_parallel(info, 5, 16, 48, 2)  # 2 frames of 1 x 3 tokens
     counts = wan_family.count_parameters(info)
     assert counts["blocks"] == 5
 
@@ -424,3 +425,19 @@ def test_a_lora_on_the_vace_blocks_as_diffusers_applies_it(wan, tmp_path):
     ours = pipe.generate(vace_request(wan, "all", loras=(LoraChoice("v", 0.8),)))
     assert np.array_equal(ours, theirs)
     assert level_diff(ours, pipe.generate(clip)) > 2
+
+
+@pytest.mark.slow
+def test_two_ranks_make_one_process_clip(wan):
+    """Sequence parallel on two CPU processes (gloo): the VACE blocks' tokens split with the
+    blocks' where they enter, each rank's hints added to its own tokens; the frames of one
+    process streamed, bitwise, with two reference images, a control video and a mask."""
+    from megaslide.engine.parallel.multidevice import generate_on_devices
+    from megaslide.engine.request import resolve
+    from megaslide.engine.sources import describe, resolve_source
+
+    info = describe(resolve_source(str(wan["vace"])))
+    clip = resolve(vace_request(wan, "all"), info.limits, info.sampling, model=info.name)
+    split = generate_on_devices(info, clip, ["cpu", "cpu"], timeout_s=300)
+    one = open_pipeline(info, offload="stream").generate(clip)
+    assert np.array_equal(split, one), level_diff(split, one)

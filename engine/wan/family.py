@@ -222,8 +222,6 @@ class WanFamily(Family):
 
     def check_parallel(self, info: ModelInfo, frames: int, height: int, width: int, world: int):
         config = info.config
-        if config.vace:
-            raise ValueError("sequence parallel is not built for Wan VACE models yet")
         if config.attention != "dense":
             raise ValueError("sequence parallel for Wan runs dense attention only (not 3D-DSA)")
         heads = config.heads
@@ -232,6 +230,12 @@ class WanFamily(Family):
             raise ValueError(
                 f"sequence parallel over {world} devices needs the heads ({heads}) and the "
                 f"token count ({'x'.join(map(str, grid))}) to be multiples of {world}"
+            )
+        if config.vace and math.prod(grid[1:]) % world:
+            # Reference images add latent frames: a frame's tokens must split alone.
+            raise ValueError(
+                f"sequence parallel of a VACE model over {world} devices needs a frame's tokens "
+                f"({'x'.join(map(str, grid[1:]))}) to be a multiple of {world}"
             )
 
     def kept_across_steps(self, info: ModelInfo, rows: int, dtype_bytes: int) -> int:
@@ -521,9 +525,9 @@ class WanVideoPipeline(Pipeline, Sampler):
         the layer's forward): an adapter's delta on `proj_out` (a forward hook put first,
         lora.py) then adds to this rank's tokens' output, from this rank's tokens, before the
         gather, as every other adapted layer does."""
-        from diffusers import ContextParallelConfig
+        from diffusers import ContextParallelConfig, WanTransformer3DModel
         from diffusers.hooks.context_parallel import apply_context_parallel
-        from diffusers.models._modeling_parallel import ParallelConfig
+        from diffusers.models._modeling_parallel import ContextParallelInput, ParallelConfig
         from torch.distributed.device_mesh import init_device_mesh
 
         from ..parallel.sequence import gather_tokens
@@ -541,7 +545,13 @@ class WanVideoPipeline(Pipeline, Sampler):
             for module in expert.modules():
                 if hasattr(getattr(module, "processor", None), "_parallel_config"):
                     module.processor._parallel_config = config
-            plan = {k: v for k, v in expert._cp_plan.items() if k != "proj_out"}
+            # diffusers gives its VACE transformer no plan: Wan's, with the VACE blocks' two token
+            # inputs split where they enter (VACE block 0), so each rank's hints are its tokens'.
+            plan = dict(expert._cp_plan or WanTransformer3DModel._cp_plan)
+            if self.config.vace:
+                split = ContextParallelInput(split_dim=1, expected_dims=3, split_output=False)
+                plan["vace_blocks.0"] = {"hidden_states": split, "control_hidden_states": split}
+            plan = {k: v for k, v in plan.items() if k != "proj_out"}
             apply_context_parallel(expert, cp, plan)
             expert.proj_out.register_forward_hook(
                 lambda module, args, out: gather_tokens(out, sp)  # (B, N, pt*ph*pw*C)
