@@ -3,8 +3,8 @@ decides the pixels is answered with that video's MP4, and no pass of the model r
 
 What decides the pixels is the resolved request (`ResolvedVideo`: every field counts but those
 named in `NOT_PIXELS`, so a field added to it counts from the start), the files it names (first-
-and last-frame images, an input video) by their bytes, and the identity of the weights: the
-model's revision and each adapter's. `pixel_key` digests them; the store keeps the digest beside
+and last-frame images, an input video, VACE's reference images, control video and mask) by their
+bytes, and the identity of the weights: the model's revision and each adapter's. `pixel_key` digests them; the store keeps the digest beside
 each video and finds a finished one by it.
 """
 
