@@ -5,7 +5,8 @@
     compiled.remove()                        # the blocks' own forwards again
 
 A model's blocks are instances of one class, so the forward of one is the forward of all: it is
-compiled once (diffusers' `compile_repeated_blocks` idea), and with Dynamo's
+compiled once (diffusers' `compile_repeated_blocks` idea; a Wan VACE transformer's VACE blocks
+are a second class, compiled once of their own), and with Dynamo's
 `inline_inbuilt_nn_modules` (on by default since torch 2.5) a block's parameters are inputs of the
 graph, not constants baked into it. Three things follow, each checked by tests/test_compile.py:
 
@@ -70,31 +71,33 @@ class CompiledBlocks:
         dynamic: bool | None = False,
         backend: str | Callable = "inductor",
     ):
-        kinds = {type(b) for b in blocks}
-        if len(kinds) != 1:
-            # One function for every block is the point: blocks of several classes would each
-            # need their own, and no family has them.
-            raise ValueError(
-                f"compile_blocks takes blocks of one class, got {sorted(map(str, kinds))}"
-            )
+        # One compiled function for every block of a class (a Wan VACE transformer streams its
+        # VACE blocks and its blocks, two classes: a function each), counted apart.
+        kinds = list(dict.fromkeys(type(b) for b in blocks))
+        if not kinds:
+            raise ValueError("compile_blocks takes at least one block")
         self.blocks = list(blocks)
         self.dynamic = dynamic
-        self.counting = CountingBackend(backend)
-        forward = _own_code(next(iter(kinds)).forward)
-        self.compiled = torch.compile(forward, backend=self.counting, dynamic=dynamic)
+        self.counting = {kind: CountingBackend(backend) for kind in kinds}
+        self.compiled = {
+            kind: torch.compile(
+                _own_code(kind.forward), backend=self.counting[kind], dynamic=dynamic
+            )
+            for kind in kinds
+        }
         self._breaks_before = _graph_breaks()
         for block in self.blocks:
             # An instance attribute shadows the class's forward; `Module.__call__` (and the hooks
             # it runs around forward) is untouched.
-            block.forward = types.MethodType(self.compiled, block)
+            block.forward = types.MethodType(self.compiled[type(block)], block)
 
     def stats(self) -> dict[str, Any]:
-        """`graphs` compiled for these blocks, `recompiles` (graphs after the first), and the
-        `graph_breaks` Dynamo recorded since (process-wide: see the module's Caution)."""
-        graphs = self.counting.graphs
+        """`graphs` compiled for these blocks, `recompiles` (graphs after each class's first),
+        and the `graph_breaks` Dynamo recorded since (process-wide: see the module's Caution)."""
+        counts = [c.graphs for c in self.counting.values()]
         return {
-            "graphs": graphs,
-            "recompiles": max(graphs - 1, 0),
+            "graphs": sum(counts),
+            "recompiles": sum(max(n - 1, 0) for n in counts),
             "graph_breaks": _graph_breaks() - self._breaks_before,
             "dynamic": self.dynamic,
         }
@@ -112,8 +115,8 @@ def compile_blocks(
     dynamic: bool | None = False,
     backend: str | Callable = "inductor",
 ) -> CompiledBlocks:
-    """Run `blocks` (instances of one class, in a built model) through one `torch.compile`d
-    forward; compilation happens at the first call. See the module docstring."""
+    """Run `blocks` (of a built model) through one `torch.compile`d forward for each class of
+    them; compilation happens at the first call. See the module docstring."""
     return CompiledBlocks(blocks, dynamic=dynamic, backend=backend)
 
 

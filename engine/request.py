@@ -50,6 +50,13 @@ MAX_CACHE_THRESHOLD = 100.0
 # names none (diffusers' `WanVideoToVideoPipeline` default).
 DEFAULT_STRENGTH = 0.8
 
+# VACE: the weight of the VACE blocks' hints when a request names none (diffusers'
+# `WanVACEPipeline` default), the largest a request may set, and the reference images one request
+# may bring (each adds a latent frame to the clip the transformer sees).
+DEFAULT_CONDITIONING_SCALE = 1.0
+MAX_CONDITIONING_SCALE = 10.0
+MAX_REFERENCE_IMAGES = 4
+
 TRAIN_TIMESTEPS = 1000  # the flow-matching models' timestep scale: 1000 is pure noise
 
 
@@ -82,6 +89,8 @@ class ModelLimits:
     last_image_input: bool = False
     last_image_required: bool = False
     video_input: bool = False  # takes an input video to remake (video-to-video, with a strength)
+    # VACE: reference images, a control video and its mask, with a conditioning scale.
+    vace_input: bool = False
     experts: int = 1  # denoisers that split the noise levels (fine-tuning trains one at a time)
     cache_policies: tuple[str, ...] = CACHE_POLICIES  # the step-cache policies its sampler runs
     prompt_unit: str = "bytes (UTF-8)"
@@ -105,6 +114,7 @@ class ModelLimits:
             "last_image_input": self.last_image_input,
             "last_image_required": self.last_image_required,
             "video_input": self.video_input,
+            "vace_input": self.vace_input,
             "experts": self.experts,
             "cache_policies": list(self.cache_policies),
         }
@@ -223,6 +233,14 @@ class VideoRequest:
     # denoised from there.
     video: str | None = None
     strength: float | None = None
+    # VACE (a model whose limits say `vace_input`): images of what the clip shows (each resized
+    # into the clip's frame on white), a control video (its first `frames` frames, resized to the
+    # clip) and a video of masks over it (white: generate, black: keep the control video), and the
+    # weight of the VACE blocks' hints (default DEFAULT_CONDITIONING_SCALE).
+    reference_images: tuple[str, ...] = ()
+    control_video: str | None = None
+    mask: str | None = None
+    conditioning_scale: float | None = None
     loras: tuple[LoraChoice, ...] = ()  # LoRA adapters to apply, in order
     # A step cache: a preset's name ("fast", ...), or {"policy": ..., "threshold": ...,
     # "forecast": ...} (forecast optional, "none" by default); None or "off": every step runs
@@ -310,8 +328,9 @@ def resolve_cache(value: str | dict | None) -> CacheSpec | None:
 
 
 # The fields of `ResolvedVideo` that name a file the request brought (stored by a server, which
-# keys repeats by their bytes and resolves them on the worker's side).
-INPUT_FILES = ("image", "last_image", "video")
+# keys repeats by their bytes and resolves them on the worker's side), and those that name several.
+INPUT_FILES = ("image", "last_image", "video", "control_video", "mask")
+INPUT_FILE_LISTS = ("reference_images",)
 
 
 @dataclass(frozen=True)
@@ -332,6 +351,10 @@ class ResolvedVideo:
     last_image: str | None = None
     video: str | None = None
     strength: float | None = None  # with `video` only: the fraction of the schedule that runs
+    reference_images: tuple[str, ...] = ()
+    control_video: str | None = None
+    mask: str | None = None
+    conditioning_scale: float | None = None  # a VACE model's requests only (others: None)
     cache: CacheSpec | None = None  # rows with and without a cache share a pass
     loras: tuple[LoraChoice, ...] = ()
     # The sampling schedule's shift when the request or an adapter sets one (a step-distilled
@@ -350,8 +373,10 @@ class ResolvedVideo:
     def batch_key(self) -> tuple:
         """Requests with equal keys can share one denoising pass: same base weights, latent shape
         and schedule length (adapters are applied per row, and fine-tunes kept as deltas per
-        group of rows, so neither splits a batch)."""
-        return (self.model, self.frames, self.height, self.width, self.steps)
+        group of rows, so neither splits a batch). VACE's reference images are latent frames
+        of their own."""
+        frames = (self.frames, len(self.reference_images)) if self.reference_images else self.frames
+        return (self.model, frames, self.height, self.width, self.steps)
 
     @property
     def seconds(self) -> float:
@@ -370,7 +395,7 @@ class ResolvedVideo:
         if d.get("cache") is not None:
             d["cache"] = CacheSpec(**d["cache"])
         d["loras"] = tuple(LoraChoice(**c) for c in d.get("loras") or ())
-        for key in ("timesteps", "guidance_interval"):  # JSON gives lists
+        for key in ("timesteps", "guidance_interval", "reference_images"):  # JSON gives lists
             if d.get(key) is not None:
                 d[key] = tuple(d[key])
         return cls(**d)
@@ -460,6 +485,7 @@ def resolve(
     strength = check_video(request.video, request.strength, request.image, limits)
     check_image(request.image, limits)
     check_last_image(request.last_image, request.image, frames, limits)
+    scale = check_vace(request, frames, limits)
     if strength is not None and kept_steps(steps, strength) < 1:
         raise RequestError(
             f"strength {strength:g} of {steps} steps runs none of them: at least "
@@ -483,6 +509,10 @@ def resolve(
         last_image=request.last_image,
         video=request.video,
         strength=strength,
+        reference_images=tuple(request.reference_images),
+        control_video=request.control_video,
+        mask=request.mask,
+        conditioning_scale=scale,
         cache=cache,
         loras=loras,
         shift=shift,
@@ -654,7 +684,7 @@ def _cache_for(value: str | dict | None, limits: ModelLimits) -> CacheSpec | Non
     if cache is not None and cache.policy not in limits.cache_policies:
         raise RequestError(
             f"cache policy {cache.policy!r} is not available for this model; it takes "
-            f"{', '.join(limits.cache_policies)}",
+            f"{', '.join(limits.cache_policies) or 'none'}",
             param="cache",
             code="unsupported_parameter",
         )
@@ -762,6 +792,71 @@ def check_video(
     if not Path(video).is_file():
         raise RequestError(f"video {video} not found", param="input_video")
     return float(strength)
+
+
+def check_vace(
+    request: VideoRequest | ResolvedVideo, frames: int, limits: ModelLimits
+) -> float | None:
+    """The conditioning scale of a VACE request (RequestError naming the field unless the model
+    takes VACE's inputs, the files exist, a mask comes with a control video, the reference images
+    fit the model's frames beside the clip and the scale is in [0, MAX_CONDITIONING_SCALE]);
+    None for a model without VACE blocks."""
+    given = [
+        ("reference_images", bool(request.reference_images)),
+        ("control_video", request.control_video is not None),
+        ("mask", request.mask is not None),
+        ("conditioning_scale", request.conditioning_scale is not None),
+    ]
+    if not limits.vace_input:
+        for name, present in given:
+            if present:
+                raise RequestError(
+                    f"this model does not take VACE's {name} (a Wan VACE model does)",
+                    param=name,
+                    code="unsupported_parameter",
+                )
+        return None
+    references = request.reference_images
+    if isinstance(references, str) or not isinstance(references, (tuple, list)):
+        raise RequestError(
+            "reference_images must be a list of image files", param="reference_images"
+        )
+    if len(references) > MAX_REFERENCE_IMAGES:
+        raise RequestError(
+            f"{len(references)} reference images: a request takes at most {MAX_REFERENCE_IMAGES}",
+            param="reference_images",
+        )
+    # Each reference image takes a latent frame of the clip the transformer sees: a clip's
+    # worth of frames_multiple pixel frames.
+    if references and frames + len(references) * limits.frames_multiple > limits.max_frames:
+        room = (limits.max_frames - frames) // limits.frames_multiple
+        raise RequestError(
+            f"{len(references)} reference images beside a clip of {frames} frames: this model "
+            f"takes {limits.max_frames} frames in all, each image counting {limits.frames_multiple} "
+            f"(room for {room})",
+            param="reference_images",
+        )
+    for i, image in enumerate(references):
+        if not Path(image).is_file():
+            raise RequestError(f"reference image {i} ({image}) not found", param="reference_images")
+    if request.mask is not None and request.control_video is None:
+        raise RequestError("a mask goes with a control video (control_video)", param="mask")
+    for name in ("control_video", "mask"):
+        file = getattr(request, name)
+        if file is not None and not Path(file).is_file():
+            raise RequestError(f"{name} {file} not found", param=name)
+    scale = request.conditioning_scale
+    scale = DEFAULT_CONDITIONING_SCALE if scale is None else scale
+    if (
+        isinstance(scale, bool)
+        or not isinstance(scale, (int, float))
+        or not (math.isfinite(scale) and 0 <= scale <= MAX_CONDITIONING_SCALE)
+    ):
+        raise RequestError(
+            f"conditioning_scale must be a number in [0, {MAX_CONDITIONING_SCALE:g}], got {scale!r}",
+            param="conditioning_scale",
+        )
+    return float(scale)
 
 
 def kept_steps(steps: int, strength: float | None) -> int:

@@ -17,6 +17,7 @@ import time
 from fastapi import Depends, FastAPI
 
 from megaslide.engine import __version__
+from megaslide.engine.request import MAX_REFERENCE_IMAGES
 
 from .auth import Keyring
 from .body_limit import BodyLimit, Upload
@@ -118,12 +119,13 @@ def _add_middleware(app: FastAPI, settings: Settings) -> None:
     uploads = [
         Upload("POST", "/v1/files", settings.max_upload_bytes, "file"),
         Upload("POST", "/v1/adapters", settings.max_upload_bytes, "file"),
-        # Two images and a video at most; each file's own limit is checked as it is stored.
+        # Two images and three videos at most, and VACE's reference images; each file's own
+        # limit is checked as it is stored.
         Upload(
             "POST",
             "/v1/videos",
-            2 * settings.max_image_bytes + settings.max_video_bytes,
-            "input_reference, last_frame, input_video",
+            (2 + MAX_REFERENCE_IMAGES) * settings.max_image_bytes + 3 * settings.max_video_bytes,
+            "input_reference, last_frame, input_video, control_video, mask, reference_images",
         ),
     ]
     app.add_middleware(

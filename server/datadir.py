@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megaslide.engine.atomic import atomic_write_text, remove_abandoned, remove_stale
+from megaslide.engine.request import MAX_REFERENCE_IMAGES
 
 from .protocol import OWNER_MARK
 
@@ -85,6 +86,18 @@ class DataDir:
         """Where a video-to-video request's input video lives (as uploaded)."""
         return self.videos / f"{video_id}.input.video"
 
+    def control_video(self, video_id: str) -> Path:
+        """Where a VACE request's control video lives (as uploaded)."""
+        return self.videos / f"{video_id}.control.video"
+
+    def mask_video(self, video_id: str) -> Path:
+        """Where a VACE request's mask video lives (as uploaded)."""
+        return self.videos / f"{video_id}.mask.video"
+
+    def reference_image(self, video_id: str, index: int) -> Path:
+        """Where a VACE request's reference image `index` lives."""
+        return self.videos / f"{video_id}.ref{index}.png"
+
     def video_files(self, video_id: str) -> tuple[Path, ...]:
         """Every file of a video, for deleting it."""
         return (
@@ -92,6 +105,9 @@ class DataDir:
             self.reference(video_id),
             self.last_frame(video_id),
             self.input_video(video_id),
+            self.control_video(video_id),
+            self.mask_video(video_id),
+            *(self.reference_image(video_id, i) for i in range(MAX_REFERENCE_IMAGES)),
         )
 
     def upload(self, file_id: str) -> Path:

@@ -49,10 +49,14 @@ class ModelCard:
         """What a request may condition on: "text" (prompt, negative prompt), "image" for a
         model that takes a first frame (`input_reference`), "last_image" for one that takes a
         last frame besides (`last_frame`), "video" for one that remakes an input video
-        (`input_video`, with a strength). The playground shows fields from it."""
+        (`input_video`, with a strength), and a VACE model's "reference_images", "control_video"
+        and "mask" (with a conditioning scale). The playground shows fields from it."""
         limits = self.limits
         takes = (limits.image_input, limits.last_image_input, limits.video_input)
-        return ("text", *(n for n, t in zip(("image", "last_image", "video"), takes) if t))
+        inputs = ("text", *(n for n, t in zip(("image", "last_image", "video"), takes) if t))
+        if limits.vace_input:
+            inputs += ("reference_images", "control_video", "mask")
+        return inputs
 
     def replace(self, **changes) -> ModelCard:
         return dataclasses.replace(self, **changes)

@@ -13,7 +13,9 @@ from typing import Annotated, Any, Generic, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator
 
 from megaslide.engine.request import (
+    MAX_CONDITIONING_SCALE,
     MAX_LORAS,
+    MAX_REFERENCE_IMAGES,
     SAMPLERS,
     SEED_LIMIT,
     LoraChoice,
@@ -165,8 +167,16 @@ class LoraRef(Request):
     )
 
 
-# The create body's file fields (multipart uploads), and what each must be.
-FILE_FIELDS = {"input_reference": "an image", "last_frame": "an image", "input_video": "a video"}
+# The create body's file fields (multipart uploads), and what each must be; and those that take
+# several files (multipart: the field repeated; JSON: a list of /v1/files ids), up to a number.
+FILE_FIELDS = {
+    "input_reference": "an image",
+    "last_frame": "an image",
+    "input_video": "a video",
+    "control_video": "a video",
+    "mask": "a video",
+}
+FILE_LIST_FIELDS = {"reference_images": ("images", MAX_REFERENCE_IMAGES)}
 
 
 class VideoCreate(Request):
@@ -247,6 +257,19 @@ class VideoCreate(Request):
         description="with input_video: the fraction of the schedule that runs from the input "
         "video noised to its start (1: from nearly pure noise; default 0.8)",
     )
+    # VACE (a model whose inputs list them): reference images (the field repeated in a multipart
+    # form, or a JSON list of /v1/files ids), a control video and a video of masks over it (the
+    # clip's length by default, their first num_frames frames otherwise), the hints' weight.
+    reference_images: Any = None
+    control_video: Any = None
+    mask: Any = None
+    conditioning_scale: float | None = Field(
+        None,
+        ge=0,
+        le=MAX_CONDITIONING_SCALE,
+        description="a VACE model's: the weight of its VACE blocks' hints (default 1; 0 ignores "
+        "the reference images, control video and mask)",
+    )
     loras: list[LoraRef] | None = Field(
         None,
         max_length=MAX_LORAS,
@@ -264,6 +287,17 @@ class VideoCreate(Request):
             except json.JSONDecodeError:
                 what = {"loras": "{name, scale, expert}"}.get(info.field_name, "numbers")
                 raise ValueError(f"must be a JSON list of {what}") from None
+        return value
+
+    @field_validator("reference_images", mode="before")
+    @classmethod
+    def _file_ids(cls, value):
+        # In a form field: one /v1/files id, or a JSON list of them.
+        if isinstance(value, str):
+            try:
+                return json.loads(value) if value.lstrip().startswith("[") else [value]
+            except json.JSONDecodeError:
+                raise ValueError("must be a file id or a JSON list of file ids") from None
         return value
 
     @field_validator("seconds", mode="before")
@@ -296,14 +330,23 @@ class VideoCreate(Request):
         last_image: str | None = None,
         video: str | None = None,
         frames: int | None = None,
+        control_video: str | None = None,
+        mask: str | None = None,
+        reference_images: tuple[str, ...] = (),
     ) -> VideoRequest:
         """The engine's request: what was asked, `None` where the model's default applies;
-        `image`, `last_image` and `video` are where the uploaded files were stored; `frames`
-        stands in for a length the request leaves out (an input video's)."""
+        `image`, `last_image`, `video`, `control_video`, `mask` and `reference_images` are where
+        the uploaded files were stored; `frames` stands in for a length the request leaves out
+        (an input video's, or a control video's)."""
         for field, what in FILE_FIELDS.items():
             if getattr(self, field) is not None:
                 raise RequestError(
                     f"{field} must be {what} file uploaded as multipart/form-data", param=field
+                )
+        for field, (what, _) in FILE_LIST_FIELDS.items():
+            if getattr(self, field) is not None:
+                raise RequestError(
+                    f"{field} must be {what} uploaded as multipart/form-data", param=field
                 )
         if frames is not None and (self.num_frames is not None or self.seconds is not None):
             frames = None
@@ -323,6 +366,10 @@ class VideoCreate(Request):
             last_image=last_image,
             video=video,
             strength=self.strength,
+            reference_images=reference_images,
+            control_video=control_video,
+            mask=mask,
+            conditioning_scale=self.conditioning_scale,
             cache=self.cache,
             loras=tuple(LoraChoice(r.name, r.scale, r.expert) for r in self.loras or ()),
             sampler=self.sampler,
@@ -374,6 +421,9 @@ class Video(BaseModel):
         None,
         description="with an input video: the fraction of the schedule run (its last "
         "int(num_inference_steps * strength) steps); null: none",
+    )
+    conditioning_scale: float | None = Field(
+        None, description="a VACE model's: the weight of its VACE blocks' hints; null: not VACE"
     )
     cached_from: str | None = Field(
         None,
@@ -438,6 +488,7 @@ def video_object(video: VideoRecord) -> Video:
         shift=spec.get("shift"),
         guidance_interval=spec.get("guidance_interval"),
         strength=spec.get("strength"),
+        conditioning_scale=spec.get("conditioning_scale"),
         cached_from=video.cached_from,
     )
 

@@ -152,7 +152,8 @@ class Settings(BaseSettings):
         4096 * 4096,
         ge=1,
         description="largest image or video frame decoded (input_reference, last_frame, "
-        "input_video, training clips), in pixels; checked from the header, before decoding",
+        "input_video, reference_images, control_video, mask, training clips), in pixels; "
+        "checked from the header, before decoding",
     )
     poll_after_ms: int = Field(1000, ge=0, description="openai-poll-after-ms hint for active jobs")
     cancel_wait_s: float = Field(
@@ -188,16 +189,18 @@ class Settings(BaseSettings):
     max_image_bytes: int = Field(
         64 * 1024**2,
         ge=1,
-        description="largest first- or last-frame image upload (input_reference, last_frame)",
+        description="largest image upload (input_reference, last_frame, each of reference_images)",
     )
     max_video_bytes: int = Field(
-        256 * 1024**2, ge=1, description="largest input video upload (input_video)"
+        256 * 1024**2,
+        ge=1,
+        description="largest video upload (input_video, control_video, mask)",
     )
     max_video_frames: int = Field(
         1024,
         ge=1,
-        description="most frames an input video (input_video) may hold: each is decoded when "
-        "it is uploaded",
+        description="most frames an uploaded video (input_video, control_video, mask) may hold: "
+        "each is decoded when it is uploaded",
     )
 
     # Files and fine-tuning.

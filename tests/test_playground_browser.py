@@ -543,6 +543,46 @@ def test_image_field_for_models_that_take_one(page, server):
     expect(page.locator("#queue-list .job")).to_have_count(0)
 
 
+def test_vace_fields_for_models_that_take_them(page, server):
+    """A model that lists VACE's inputs gets the control video, mask, reference images and scale
+    fields; the request goes as multipart with each reference image under the field repeated and
+    the scale beside; the server (which serves no VACE model) refuses the control video, and the
+    page shows why beside that field."""
+
+    def with_vace_inputs(route: Route) -> None:
+        listed = route.fetch().json()
+        for model in listed["data"]:
+            model["inputs"] = ["text", "reference_images", "control_video", "mask"]
+        route.fulfill(json=listed)
+
+    sent = []
+
+    def keep_body(route: Route) -> None:
+        if route.request.method == "POST":
+            sent.append(route.request.post_data_buffer)
+        route.continue_()
+
+    page.route(re.compile(r".*/v1/models$"), with_vace_inputs)
+    page.route(re.compile(r".*/v1/videos$"), keep_body)
+    open_tab(page, "create")
+    expect(page.locator("#vace-field")).to_be_visible()
+    expect(page.locator("#video-field")).to_be_hidden()
+    page.fill("#create-prompt", "a dancer spins")
+    png = b"\x89PNG\r\n\x1a\n" + b"\0" * 16
+    images = [{"name": f"ref{i}.png", "mimeType": "image/png", "buffer": png} for i in (0, 1)]
+    page.set_input_files("#create-reference-images", files=images)
+    mp4 = {"name": "pose.mp4", "mimeType": "video/mp4", "buffer": b"\0\0\0\x18ftypmp42"}
+    page.set_input_files("#create-control-video", files=[mp4])
+    page.fill("#create-conditioning-scale", "0.5")
+    page.click("#generate")
+    expect(page.locator("[data-param=control_video] .error")).to_contain_text("control_video")
+    expect(page.locator("#queue-list .job")).to_have_count(0)
+    (body,) = sent
+    assert body.count(b'name="reference_images"; filename=') == 2
+    assert b'name="control_video"; filename="pose.mp4"' in body
+    assert re.search(rb'name="conditioning_scale"\r\n\r\n0.5\r\n', body)
+
+
 def test_api_key_gate(browser, tmp_path_factory):
     server = Serve(tmp_path_factory.mktemp("keyed") / "data", api_key=KEY)
     try:

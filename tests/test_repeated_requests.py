@@ -44,11 +44,22 @@ OTHER = {
     "last_image": "videos/video_other.last.png",
     "video": "videos/video_other.input.video",
     "strength": 0.5,
+    "control_video": "videos/video_other.control.video",
+    "mask": "videos/video_other.mask.video",
+    "reference_images": ("videos/video_other.ref0.png",),
+    "conditioning_scale": 0.5,
 }
 
 
 def key(video=VIDEO, card=FAKE_CARD, image="0" * 64, **kwargs) -> str:
-    digests = {"image": image, "last_image": "2" * 64, "video": "3" * 64}
+    digests = {
+        "image": image,
+        "last_image": "2" * 64,
+        "video": "3" * 64,
+        "control_video": "4" * 64,
+        "mask": "5" * 64,
+        "reference_images": ["6" * 64],
+    }
     return pixel_key(video, card, digests=digests, **kwargs)
 
 
@@ -60,10 +71,12 @@ def test_every_field_of_a_resolved_video_counts_unless_excluded_by_name():
         changed = dataclasses.replace(VIDEO, **{name: OTHER.get(name, f"another {name}")})
         assert key(changed) != key(), f"{name} changes the pixels but not the pixel key"
     # The image counts by its bytes: a path of its own for every upload, the same pixels; so do
-    # the last frame and the input video.
-    for name in ("image", "last_image", "video"):
+    # the last frame, the input video and VACE's files.
+    for name in ("image", "last_image", "video", "control_video", "mask"):
         one, other = (dataclasses.replace(VIDEO, **{name: f"videos/{n}"}) for n in "ab")
         assert key(one) == key(other) != key()
+    one, other = (dataclasses.replace(VIDEO, reference_images=(f"videos/{n}",)) for n in "ab")
+    assert key(one) == key(other) != key()
     image = dataclasses.replace(VIDEO, image=OTHER["image"])
     assert key(image, image="1" * 64) != key(image)
 

@@ -118,16 +118,19 @@ def test_plain_from_pretrained_within_one_level(wan):
 @pytest.mark.parametrize("variant", sorted(CPU_VARIANTS))
 @pytest.mark.slow
 def test_parity_holds_on_other_cpus_code_paths(variant):
-    """The parity tests above, test_wan_i2v.py's and test_wan_flf2v_v2v.py's, again in a child
-    process on the kernels an AVX2-only or an SSE4.2 machine would run (MKL, ATen and oneDNN
-    told to use no wider vectors), so a machine with AVX-512 catches what an AMD one would."""
+    """The parity tests above, test_wan_i2v.py's, test_wan_flf2v_v2v.py's and test_wan_vace.py's,
+    again in a child process on the kernels an AVX2-only or an SSE4.2 machine would run (MKL,
+    ATen and oneDNN told to use no wider vectors), so a machine with AVX-512 catches what an AMD
+    one would."""
     here = Path(__file__)
-    others = [here.with_name(f) for f in ("test_wan_i2v.py", "test_wan_flf2v_v2v.py")]
+    files = ("test_wan_i2v.py", "test_wan_flf2v_v2v.py", "test_wan_vace.py")
+    others = [here.with_name(f) for f in files]
     done = run_on_cpu_variant(variant, "cpu_variants", here, *others)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     # Four variants, TI2V's image-to-video, plain loading, the two I2V models, the two
-    # first-last-frame ones and video-to-video with each scheduler, none skipped by mistake.
-    assert re.search(r"^12 passed, \d+ deselected in", done.stdout, re.M), done.stdout[-2000:]
+    # first-last-frame ones, video-to-video with each scheduler and VACE's three, none skipped
+    # by mistake.
+    assert re.search(r"^15 passed, \d+ deselected in", done.stdout, re.M), done.stdout[-2000:]
 
 
 def test_requests_share_one_pass_and_one_weight_crossing_per_step(wan, monkeypatch):
@@ -285,7 +288,7 @@ def test_a_broken_directory_is_named(wan, tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert "vae/config.json is missing" in err
-    (broken / "model_index.json").write_text(json.dumps({"_class_name": "WanVACEPipeline"}))
+    (broken / "model_index.json").write_text(json.dumps({"_class_name": "WanAnimatePipeline"}))
     assert main(["info", "--model", str(broken)]) == 2
     assert "not supported" in capsys.readouterr().err
 

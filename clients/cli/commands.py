@@ -122,6 +122,29 @@ def _add_conditioning_args(p) -> None:
         "(0 < S <= 1, default 0.8; 1 starts from nearly pure noise)",
     )
     p.add_argument(
+        "--reference-image",
+        action="append",
+        dest="reference_images",
+        metavar="IMAGE",
+        help="a VACE model's reference image (repeat for several, at most 4): what the clip "
+        "shows, fitted into its frame on white; with --server it is uploaded",
+    )
+    p.add_argument(
+        "--control-video",
+        help="a VACE model's control video: its first --frames frames (default: as many as it "
+        "holds, to the model's frame rule), resized to --size; with --server it is uploaded",
+    )
+    p.add_argument(
+        "--mask",
+        help="with --control-video: a video of masks over it (white: generate, black: keep the "
+        "control video); with --server it is uploaded",
+    )
+    p.add_argument(
+        "--conditioning-scale",
+        type=float,
+        help="a VACE model's weight of its VACE blocks' hints (0 to 10, default 1)",
+    )
+    p.add_argument(
         "--cache",
         help="step cache: a preset (quality, balanced, fast; default off), "
         "POLICY:THRESHOLD[:FORECAST] (output-change, adaptive or first-block; forecast none, "
@@ -268,16 +291,16 @@ def parse_numbers(text: str | None, flag: str, kind: type) -> tuple | None:
         raise UsageError(f"{flag} must be comma-separated numbers, got {text!r}") from None
 
 
-def video_frames(path: str, limits) -> int:
-    """The longest clip the model makes of the input video at `path` (every frame decoded)."""
+def video_frames(path: str, limits, flag: str = "--video") -> int:
+    """The longest clip the model makes of the video at `path` (every frame decoded)."""
     from megaslide.engine.video import count_frames
 
     if not Path(path).is_file():
-        raise UsageError(f"--video: {path} not found")
+        raise UsageError(f"{flag}: {path} not found")
     try:
         return limits.fit_frames(count_frames(path))
     except ValueError as e:
-        raise UsageError(f"--video: {e}") from None
+        raise UsageError(f"{flag}: {e}") from None
 
 
 def run_generate(args) -> int:
@@ -305,6 +328,10 @@ def run_generate(args) -> int:
         last_image=args.last_image,
         video=args.video,
         strength=args.strength,
+        reference_images=tuple(args.reference_images or ()),
+        control_video=args.control_video,
+        mask=args.mask,
+        conditioning_scale=args.conditioning_scale,
         cache=parse_cache(args.cache),
         sampler=args.sampler,
         timesteps=parse_numbers(args.timesteps, "--timesteps", int),
@@ -330,8 +357,12 @@ def run_generate(args) -> int:
     # against the model and them, before any weights load.
     adapters = [load_adapter(info, name, path) for name, path in lora_files.items()]
     defaults = {a.name: a.defaults for a in adapters}
-    if request.video is not None and request.frames is None:
-        request = dataclasses.replace(request, frames=video_frames(request.video, info.limits))
+    if request.frames is None:  # an input or a control video's length, to the frame rule
+        for flag, path in (("--video", request.video), ("--control-video", request.control_video)):
+            if path is not None:
+                frames = video_frames(path, info.limits, flag)
+                request = dataclasses.replace(request, frames=frames)
+                break
     video = resolve(request, info.limits, info.sampling, model=info.name, adapters=defaults)
     if placement.devices:
         return run_generate_on_devices(args, info, video, placement, adapters)

@@ -98,7 +98,9 @@ def generate_remote(args, request) -> int:
     """
     _check_local_only(args, LOCAL_ONLY_GENERATE)
     files = ("--image", request.image), ("--last-image", request.last_image)
-    for flag, path in (*files, ("--video", request.video)):
+    videos = ("--video", request.video), ("--control-video", request.control_video)
+    references = [("--reference-image", path) for path in request.reference_images]
+    for flag, path in (*files, *videos, ("--mask", request.mask), *references):
         if path is not None and not Path(path).is_file():
             raise UsageError(f"{flag}: {path} not found")
     sdk = _sdk()
@@ -129,6 +131,10 @@ def generate_remote(args, request) -> int:
                 last_frame=request.last_image,
                 input_video=request.video,
                 strength=request.strength,
+                reference_images=list(request.reference_images) or None,
+                control_video=request.control_video,
+                mask=request.mask,
+                conditioning_scale=request.conditioning_scale,
                 reuse=False if args.no_reuse else None,
             )
             done = f", the MP4 of {video.cached_from}" if video.cached_from else ""

@@ -87,8 +87,9 @@ class WanSageAttnProcessor:
 
 
 def use_sage_attention(model: nn.Module) -> None:
-    """Every block's self-attention (`attn1`) of a WanTransformer3DModel runs 8-bit attention."""
-    for block in model.blocks:
+    """Every block's self-attention (`attn1`) of a WanTransformer3DModel runs 8-bit attention,
+    a VACE model's VACE blocks' too."""
+    for block in [*getattr(model, "vace_blocks", ()), *model.blocks]:
         block.attn1.set_processor(WanSageAttnProcessor())
 
 

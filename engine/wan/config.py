@@ -1,9 +1,10 @@
 """A diffusers-format Wan pipeline directory, read without torch.
 
-    <dir>/model_index.json            the pipeline class (WanPipeline, WanImageToVideoPipeline)
-                                      and its components (boundary_ratio, expand_timesteps for
+    <dir>/model_index.json            the pipeline class (WanPipeline, WanImageToVideoPipeline,
+                                      WanVACEPipeline) and its components (boundary_ratio, expand_timesteps for
                                       Wan2.2)
-    <dir>/transformer/config.json     WanTransformer3DModel (and transformer_2/ for Wan2.2-A14B)
+    <dir>/transformer/config.json     WanTransformer3DModel, or WanVACETransformer3DModel (and
+                                      transformer_2/ for Wan2.2-A14B and Wan2.2 VACE-Fun)
     <dir>/vae/config.json             AutoencoderKLWan: strides, latent channels, normalisation
     <dir>/text_encoder/config.json    UMT5EncoderModel
     <dir>/tokenizer/                  its SentencePiece tokenizer (tokenizer.json)
@@ -27,6 +28,13 @@ embedder takes one image's and refuses a last frame; Wan2.2-I2V-A14B, without CL
 
 Any text-to-video model remakes an input video (`WanVideoToVideoPipeline`): no layout of its own.
 
+VACE (`WanVACEPipeline`: Wan2.1 VACE 1.3B/14B, Wan2.2 VACE-Fun with two experts) is a text-to-video
+transformer (`in_channels` the VAE's latent channels, no CLIP) with VACE blocks beside its blocks
+(`vace_layers`: the blocks whose output each VACE block's hint adds to) and a patch embedding of
+the conditioning latents (`vace_in_channels`: the control video's inactive and reactive latents,
+`2 * z_dim`, and the mask folded to one channel per pixel of a latent pixel, `vae_spatial ** 2`;
+96 for Wan's VAE).
+
 Weights are `*.safetensors` in each component folder, sharded or not. A missing file is named in
 the error.
 """
@@ -42,9 +50,9 @@ from functools import cache
 from pathlib import Path
 
 from ..native.config import ATTENTION_BACKENDS, SamplingDefaults
-from ..request import ModelLimits
+from ..request import CACHE_POLICIES, ModelLimits
 
-PIPELINES = ("WanPipeline", "WanImageToVideoPipeline")
+PIPELINES = ("WanPipeline", "WanImageToVideoPipeline", "WanVACEPipeline")
 IMAGE_ENCODERS = (("transformers", "CLIPVisionModel"),)  # Wan2.1-I2V's
 EXPERTS = ("transformer", "transformer_2")  # high-noise expert, then low-noise (Wan2.2-A14B)
 TEXT_TOKENS = 512  # Wan's pipelines pad (and cut) every prompt to 512 UMT5 tokens
@@ -116,6 +124,10 @@ class WanConfig:
     # Wan2.1-FLF2V: the CLIP embedder takes a first and a last frame's features
     # (`pos_embed_seq_len`).
     first_last_frame: bool = False
+    # VACE (`WanVACETransformer3DModel`): the blocks each VACE block's hint adds to, in order
+    # (empty: no VACE blocks), and the conditioning latents' channels.
+    vace_layers: tuple[int, ...] = ()
+    vace_in_channels: int = 0
     # Single-file transformer checkpoints (one per expert) read instead of the directory's own
     # transformer weights (single_file.py): a fine-tune shared as one file over its base pipeline.
     transformer_files: tuple[str, ...] = ()
@@ -165,8 +177,13 @@ class WanConfig:
                     f"({t}) with at least {w} tiles"
                 )
 
+    @property
+    def vace(self) -> bool:
+        """Whether the transformer carries VACE blocks (reference images, control video, mask)."""
+        return bool(self.vace_layers)
+
     def replace(self, **changes) -> WanConfig:
-        for key in ("dsa_tile", "dsa_window", "transformer_files"):
+        for key in ("dsa_tile", "dsa_window", "transformer_files", "vace_layers"):
             if key in changes:
                 changes[key] = tuple(changes[key])
         return dataclasses.replace(self, **changes)
@@ -198,11 +215,14 @@ def read_wan_config(path: Path) -> WanConfig:
             "attention_head_dim",
             "text_dim",
             "image_dim",
+            "vace_layers",
+            "vace_in_channels",
         )
         if any(o.get(k) != t.get(k) for k in shared):
             raise WanFormatError(f"{path / other / 'config.json'} does not match {experts[0]}")
     vae = _read_json(path / "vae" / "config.json")
     image_condition, image_encoder, first_last_frame = _image_conditioning(path, index, t, vae)
+    vace_layers, vace_in_channels = _vace(path, index, t, vae, image_condition or image_encoder)
     text = _read_json(path / "text_encoder" / "config.json")
     scheduler = _read_json(path / "scheduler" / "scheduler_config.json")
     if not (path / "tokenizer").is_dir():
@@ -231,7 +251,49 @@ def read_wan_config(path: Path) -> WanConfig:
         image_condition=image_condition,
         image_encoder=image_encoder,
         first_last_frame=first_last_frame,
+        vace_layers=vace_layers,
+        vace_in_channels=vace_in_channels,
     )
+
+
+VACE_TRANSFORMER = "WanVACETransformer3DModel"
+
+
+def _vace(
+    path: Path, index: dict, transformer: dict, vae: dict, image: bool
+) -> tuple[tuple[int, ...], int]:
+    """`(vace_layers, vace_in_channels)` of a WanVACEPipeline's transformer (`((), 0)` for the
+    other pipelines), checked against what diffusers' pipeline feeds it; WanFormatError naming
+    the file otherwise."""
+    config = path / "transformer" / "config.json"
+    vace = index["_class_name"] == "WanVACEPipeline"
+    if (transformer.get("_class_name") == VACE_TRANSFORMER) != vace:
+        raise WanFormatError(
+            f"{config}: a {transformer.get('_class_name')} under "
+            f"{index['_class_name']}: WanVACEPipeline goes with {VACE_TRANSFORMER}, and only it"
+        )
+    if not vace:
+        return (), 0
+    if image:
+        raise WanFormatError(
+            f"{config}: a VACE transformer takes no image condition nor CLIP features "
+            "(in_channels the VAE's latent channels, image_dim unset)"
+        )
+    depth = transformer.get("num_layers", 40)
+    layers = tuple(transformer.get("vace_layers", (0, 5, 10, 15, 20, 25, 30, 35)))
+    if not layers or layers[0] != 0 or list(layers) != sorted(set(layers)) or layers[-1] >= depth:
+        raise WanFormatError(
+            f"{config}: vace_layers {list(layers)} must rise from 0 and stay below num_layers "
+            f"({depth})"
+        )
+    z, spatial = vae.get("z_dim", 16), vae.get("scale_factor_spatial", 8)
+    channels = transformer.get("vace_in_channels", 96)
+    if channels != 2 * z + spatial**2:
+        raise WanFormatError(
+            f"{config}: vace_in_channels {channels} is not the control video's two latents and "
+            f"its mask folded per latent pixel (2 x {z} + {spatial}^2 = {2 * z + spatial**2})"
+        )
+    return layers, channels
 
 
 def _image_conditioning(
@@ -356,8 +418,12 @@ def wan_limits(config: WanConfig, sampling: SamplingDefaults, path: Path) -> Mod
         last_image_input=config.image_condition
         and (config.first_last_frame or not config.image_encoder),
         last_image_required=config.first_last_frame,
-        # Video-to-video: text-to-video models (WanVideoToVideoPipeline's own inputs).
-        video_input=not (config.image_condition or config.expand_timesteps),
+        # Video-to-video: text-to-video models (WanVideoToVideoPipeline's own inputs); a VACE
+        # transformer runs with its conditioning only (WanVACEPipeline's inputs).
+        video_input=not (config.image_condition or config.expand_timesteps or config.vace),
+        vace_input=config.vace,
+        # A VACE model's pass is not cut at its blocks (family.py): no first-block cache.
+        cache_policies=tuple(p for p in CACHE_POLICIES if not (config.vace and p == "first-block")),
         experts=len(config.experts),
         max_prompt_tokens=TEXT_TOKENS - 1,  # and the end-of-sequence token
         prompt_unit="tokens (UMT5)",

@@ -23,6 +23,18 @@ the loader from the directory's safetensors, so the streamer can keep their bloc
 - a last frame as well (`WanImageToVideoPipeline`'s `last_image`): black frames between the two
   images, the mask also 1 on the last pixel frame; Wan2.1-FLF2V's transformer cross-attends both
   images' CLIP features, which its embedder lays side by side;
+- VACE (`WanVACEPipeline`): a control video (black frames without one) is split by its mask
+  (thresholded at one half; all ones without one) into the frames kept and the frames to
+  generate, each encoded by the VAE; each reference image, resized into the clip's frame on
+  white, is encoded alone and put before them as a latent frame of its own (the last image
+  first, as the pipeline's loop stacks them), and the mask, folded to one channel per pixel of a
+  latent pixel and resampled to the latent frames, joins them: the conditioning latents
+  `(1, 2C + s^2, R + F', H', W')`, the same on every step and both halves of a guidance pair.
+  The starting noise has the R reference frames too, dropped before decoding. The VACE blocks
+  run first on the conditioning, and each one's hint, times the request's conditioning scale,
+  adds to the output of its block (`vace_layers`): the transformer's own forward, given a scale
+  per row so requests of different scales share a pass. The streamed blocks are the VACE blocks
+  and then the blocks, the order they run in;
 - video-to-video (`WanVideoToVideoPipeline`): the input video's first frames, resized to the
   clip, are encoded by the VAE; the schedule's first `1 - strength` is skipped, and the
   latent is noised to the first step kept by the scheduler's `add_noise` (or `scale_noise`) with
@@ -66,6 +78,7 @@ from ..request import (
     check_image,
     check_last_image,
     check_loras,
+    check_vace,
     check_video,
     kept_steps,
 )
@@ -75,9 +88,9 @@ from ..sampling.samplers import flow_scheduler, timestep_sigmas
 from ..sampling.step_cache import StepCache
 from ..sources import ModelInfo
 from ..streaming.host_store import RenamedWeights, SafetensorsFile
-from .config import TEXT_TOKENS, WanConfig, weight_files
+from .config import TEXT_TOKENS, VACE_TRANSFORMER, WanConfig, weight_files
 from .encoders import WanEncoders, fast_vae_norms, libraries
-from .forward import WanCut
+from .forward import WanCut, streamed_blocks
 from .prompt_cache import PromptCache, PromptKV, entry_bytes
 
 # Bytes of cross-attention keys and values the batched mode keeps across steps (prompt_cache.py):
@@ -103,6 +116,10 @@ class WanFamily(Family):
                 diffusers.AutoencoderKLWan.load_config(path / "vae", local_files_only=True)
             )
         if config.attention == "dsa":
+            if config.vace:
+                raise ValueError(
+                    "3D-DSA is not built for VACE's blocks: open it with dense attention"
+                )
             from .attention import use_slide_attention
 
             for expert in experts:
@@ -112,7 +129,7 @@ class WanFamily(Family):
 
             for expert in experts:
                 use_sage_attention(expert)
-        keep = tuple(diffusers.WanTransformer3DModel._keep_in_fp32_modules)
+        keep = tuple(type(experts[0])._keep_in_fp32_modules)
         text_keep = tuple(
             getattr(transformers.UMT5EncoderModel, "_keep_in_fp32_modules", None) or ()
         )
@@ -143,7 +160,7 @@ class WanFamily(Family):
             ),
             *image,
             *(
-                Component(name, expert, expert.blocks, weights(name), keep_fp32=keep)
+                Component(name, expert, streamed_blocks(expert), weights(name), keep_fp32=keep)
                 for name, expert in zip(config.experts, experts)
             ),
             # The VAE decodes in fp32, as Wan's pipelines are run.
@@ -221,14 +238,21 @@ class WanFamily(Family):
                 f"sequence parallel over {world} devices needs the heads ({heads}) and the "
                 f"token count ({'x'.join(map(str, grid))}) to be multiples of {world}"
             )
+        if config.vace and math.prod(grid[1:]) % world:
+            # Reference images add latent frames: a frame's tokens must split alone.
+            raise ValueError(
+                f"sequence parallel of a VACE model over {world} devices needs a frame's tokens "
+                f"({'x'.join(map(str, grid[1:]))}) to be a multiple of {world}"
+            )
 
     def kept_across_steps(self, info: ModelInfo, rows: int, dtype_bytes: int) -> int:
         # Each row's cross-attention keys and values of its 512 text tokens (prompt_cache.py;
         # fp32 rows keep fewer) and Wan2.1-I2V's image tokens (its CLIP ViT-H/14 at 224 pixels:
         # 256 patches and the class token; FLF2V's two images, twice), within the pipeline's budget.
+        # VACE's blocks keep theirs too.
         c = info.config
         tokens = TEXT_TOKENS + (257 * (1 + c.first_last_frame) if c.image_encoder else 0)
-        per_row = tokens * 2 * c.dim * c.depth * dtype_bytes
+        per_row = tokens * 2 * c.dim * (c.depth + len(c.vace_layers)) * dtype_bytes
         return min(WanVideoPipeline.prompt_cache_bytes, rows * per_row)
 
     def count_parameters(self, info: ModelInfo) -> dict[str, int]:
@@ -244,7 +268,9 @@ class WanFamily(Family):
             vae = diffusers.AutoencoderKLWan.from_config(
                 diffusers.AutoencoderKLWan.load_config(path / "vae", local_files_only=True)
             )
-        n_expert, per_block = _numel(expert), _numel(expert.blocks[0])
+        # VACE's blocks stream with the blocks: each a block's size and a projection or two more.
+        blocks = streamed_blocks(expert)
+        n_expert, per_block = _numel(expert), max(_numel(b) for b in blocks)
         n_text, experts = _numel(text), len(config.experts)
         image = {}
         if config.image_encoder:
@@ -258,10 +284,10 @@ class WanFamily(Family):
         return {
             "total": experts * n_expert + n_text + image.get("image_encoder", 0) + _numel(vae),
             "per_block": per_block,
-            "blocks": config.depth,
+            "blocks": len(blocks),
             "experts": experts,
             "denoiser": n_expert,
-            "denoiser_non_block": n_expert - config.depth * per_block,
+            "denoiser_non_block": n_expert - sum(_numel(b) for b in blocks),
             "text_encoder": n_text,
             "text_per_block": _numel(text.encoder.block[0]),
             "text_blocks": len(text.encoder.block),
@@ -272,10 +298,13 @@ class WanFamily(Family):
 
 
 def _meta_transformer(diffusers, folder: Path) -> nn.Module:
-    """A WanTransformer3DModel on the meta device (call inside `torch.device("meta")`), with its
-    rotary tables, which it computes rather than stores, built for real on the CPU."""
-    cls = diffusers.WanTransformer3DModel
-    model = cls.from_config(cls.load_config(folder, local_files_only=True))
+    """A WanTransformer3DModel (or WanVACETransformer3DModel, as its config names) on the meta
+    device (call inside `torch.device("meta")`), with its rotary tables, which it computes rather
+    than stores, built for real on the CPU."""
+    config = diffusers.WanTransformer3DModel.load_config(folder, local_files_only=True)
+    vace = config.get("_class_name") == VACE_TRANSFORMER
+    cls = diffusers.WanVACETransformer3DModel if vace else diffusers.WanTransformer3DModel
+    model = cls.from_config(config)
     rope = type(model.rope)
     with torch.device("cpu"):
         model.rope = rope(
@@ -285,6 +314,11 @@ def _meta_transformer(diffusers, folder: Path) -> nn.Module:
 
 
 def _check_trainable(info: ModelInfo) -> None:
+    if info.config.vace:
+        raise ValueError(
+            f"{info.name} is a VACE model: fine-tuning trains on captioned clips without VACE's "
+            "conditioning, so it takes text-to-video Wan models (and TI2V) only"
+        )
     if info.config.image_condition:
         raise ValueError(
             f"{info.name} is an image-to-video model: fine-tuning trains on captioned clips "
@@ -355,6 +389,12 @@ class WanState:
     condition: torch.Tensor | None = None
     mask: torch.Tensor | None = None
     image_embeds: torch.Tensor | None = None
+    # VACE: the conditioning latents `(1, 2C + s^2, R + F', H', W')` in the model's dtype, the
+    # weight of the VACE blocks' hints, and the R reference images' latent frames that lead
+    # `latents` (dropped before decoding).
+    control: torch.Tensor | None = None
+    control_scale: float = 1.0
+    references: int = 0
     cache: StepCache | None = None  # a step cache: may reuse an earlier output instead of a pass
     # Cross-attention keys and values of its rows by (expert, half), kept across steps.
     prompt_kv: dict[tuple[int, int], PromptKV] = field(default_factory=dict)
@@ -492,9 +532,9 @@ class WanVideoPipeline(Pipeline, Sampler):
         the layer's forward): an adapter's delta on `proj_out` (a forward hook put first,
         lora.py) then adds to this rank's tokens' output, from this rank's tokens, before the
         gather, as every other adapted layer does."""
-        from diffusers import ContextParallelConfig
+        from diffusers import ContextParallelConfig, WanTransformer3DModel
         from diffusers.hooks.context_parallel import apply_context_parallel
-        from diffusers.models._modeling_parallel import ParallelConfig
+        from diffusers.models._modeling_parallel import ContextParallelInput, ParallelConfig
         from torch.distributed.device_mesh import init_device_mesh
 
         from ..parallel.sequence import gather_tokens
@@ -512,7 +552,13 @@ class WanVideoPipeline(Pipeline, Sampler):
             for module in expert.modules():
                 if hasattr(getattr(module, "processor", None), "_parallel_config"):
                     module.processor._parallel_config = config
-            plan = {k: v for k, v in expert._cp_plan.items() if k != "proj_out"}
+            # diffusers gives its VACE transformer no plan: Wan's, with the VACE blocks' two token
+            # inputs split where they enter (VACE block 0), so each rank's hints are its tokens'.
+            plan = dict(expert._cp_plan or WanTransformer3DModel._cp_plan)
+            if self.config.vace:
+                split = ContextParallelInput(split_dim=1, expected_dims=3, split_output=False)
+                plan["vace_blocks.0"] = {"hidden_states": split, "control_hidden_states": split}
+            plan = {k: v for k, v in plan.items() if k != "proj_out"}
             apply_context_parallel(expert, cp, plan)
             expert.proj_out.register_forward_hook(
                 lambda module, args, out: gather_tokens(out, sp)  # (B, N, pt*ph*pw*C)
@@ -539,6 +585,7 @@ class WanVideoPipeline(Pipeline, Sampler):
             check_image(video.image, self.info.limits)
             check_last_image(video.last_image, video.image, video.frames, self.info.limits)
             check_video(video.video, video.strength, video.image, self.info.limits)
+            check_vace(video, video.frames, self.info.limits)
         contexts = self._contexts(videos)
         return [self._prepare(video, context) for video, context in zip(videos, contexts)]
 
@@ -555,7 +602,11 @@ class WanVideoPipeline(Pipeline, Sampler):
         return list(context.split([len(prompts) for prompts in rows]))
 
     def _prepare(self, video: ResolvedVideo, context: torch.Tensor) -> WanState:
-        shape = (1, *self.config.latent_shape(video.frames, video.height, video.width))
+        # VACE's reference images lead the clip, a latent frame each (WanVACEPipeline draws the
+        # noise for `frames + R * vae_temporal` pixel frames).
+        references = len(video.reference_images)
+        frames = video.frames + references * self.config.vae_temporal
+        shape = (1, *self.config.latent_shape(frames, video.height, video.width))
         # Video-to-video: the input video's latent, encoded before the noise is drawn, as
         # WanVideoToVideoPipeline does (the VAE's mode draws nothing from the generator).
         source = self._video_latents(video) if video.video is not None else None
@@ -569,15 +620,18 @@ class WanVideoPipeline(Pipeline, Sampler):
             # Its steps and the noise's level count from the first step kept.
             scheduler.set_begin_index(start)
             latents = _noised(scheduler, source, latents, start)
-        grid = self.config.token_grid(video.frames, video.height, video.width)
+        grid = self.config.token_grid(frames, video.height, video.width)
         cache = StepCache.from_spec(video.cache, self.step_curve)
         state = WanState(video, latents, context, scheduler, grid, cache=cache, start=start)
+        state.references = references
         if video.sampler == "consistency":
             state.step_args["generator"] = generator
         if video.guidance_interval is not None:
             state.guidance_memory = GuidanceMemory()
         if video.image is not None:
             self._condition(state)
+        if self.config.vace:
+            self._vace_condition(state)
         return state
 
     def _scheduler(self, video: ResolvedVideo):
@@ -655,6 +709,80 @@ class WanVideoPipeline(Pipeline, Sampler):
             # (1 or 2, N, image_dim): FLF2V's embedder lays the two images' tokens side by side.
             state.image_embeds = self.encoders.image(images).to(self.device, self.dtype)
 
+    @torch.no_grad()
+    def _vace_condition(self, state: WanState) -> None:
+        """VACE's conditioning latents of `state`, as WanVACEPipeline makes them (see the module's
+        docstring): the control video's and the mask's first `frames` frames resized to the clip
+        by diffusers' own video processor (the mask as greyscale), the reference images fitted
+        into the clip's frame on white."""
+        from diffusers.video_processor import VideoProcessor
+        from PIL import Image
+
+        from ..video import read_video
+
+        video, config = state.video, self.config
+        height, width, frames = video.height, video.width, video.frames
+        processor = VideoProcessor(vae_scale_factor=config.vae_spatial)
+
+        def clip(file: str, mode: str) -> torch.Tensor:  # (1, 1 or 3, F, H, W) in [-1, 1]
+            # (F, H, W, 3) uint8; ValueError naming the file when it holds fewer frames.
+            images = [
+                Image.fromarray(f).convert(mode)
+                for f in read_video(file, num_frames=frames, sampling="first")
+            ]
+            return processor.preprocess_video(images, height=height, width=width).float()
+
+        if video.control_video is not None:
+            pixels = clip(video.control_video, "RGB")
+        else:
+            pixels = torch.zeros((1, 3, frames, height, width))
+        if video.mask is not None:
+            mask = torch.clamp((clip(video.mask, "L") + 1) / 2, min=0, max=1)  # (1, 1, F, H, W)
+        else:
+            mask = torch.ones_like(pixels)
+        given = torch.where(mask > 0.5, 1.0, 0.0)  # 1: generate, 0: keep the control video
+        inactive = self.encoders.clip(pixels * (1 - given))  # (1, C, F', H', W')
+        reactive = self.encoders.clip(pixels * given)
+        latents = torch.cat([inactive, reactive], dim=1)  # (1, 2C, F', H', W')
+        for file in video.reference_images:  # each in front of those before: the last first
+            latent = self.encoders.clip(self._reference(processor, file, height, width))
+            latent = torch.cat([latent, torch.zeros_like(latent)], dim=1)  # (1, 2C, 1, H', W')
+            latents = torch.cat([latent, latents], dim=2)
+        # The mask (its first channel), one channel per pixel of a latent pixel, resampled to the
+        # latent frames; zero on the reference images' frames.
+        s = config.vae_spatial
+        h, w = height // s, width // s
+        folded = mask[0, 0].view(frames, h, s, w, s).permute(2, 4, 0, 1, 3).flatten(0, 1)
+        latent_frames = (frames + config.vae_temporal - 1) // config.vae_temporal
+        folded = torch.nn.functional.interpolate(
+            folded.unsqueeze(0), size=(latent_frames, h, w), mode="nearest-exact"
+        )  # (1, s^2, F', H', W')
+        lead = folded.new_zeros((1, s * s, state.references, h, w))
+        folded = torch.cat([lead, folded], dim=2).to(latents.device)
+        control = torch.cat([latents, folded], dim=1)  # (1, 2C + s^2, R + F', H', W')
+        state.control = control.to(self.device, self.dtype)
+        state.control_scale = video.conditioning_scale
+
+    @staticmethod
+    def _reference(processor, file: str, height: int, width: int) -> torch.Tensor:
+        """A reference image as WanVACEPipeline fits it into the clip's frame: at its own size
+        (to the processor's multiple), scaled bilinearly to fit, centred on white; `(1, 3, 1,
+        H, W)` fp32 in [-1, 1]."""
+        from PIL import Image
+
+        with Image.open(file) as image:
+            image = processor.preprocess(image.convert("RGB"), None, None).float()  # (1, 3, h, w)
+        h, w = image.shape[-2:]
+        scale = min(height / h, width / w)
+        fitted_h, fitted_w = int(h * scale), int(w * scale)
+        image = torch.nn.functional.interpolate(
+            image, size=(fitted_h, fitted_w), mode="bilinear", align_corners=False
+        ).squeeze(0)  # (3, h', w')
+        top, left = (height - fitted_h) // 2, (width - fitted_w) // 2
+        canvas = torch.ones((3, height, width))
+        canvas[:, top : top + fitted_h, left : left + fitted_w] = image
+        return canvas[None, :, None]
+
     def expert(self, state: WanState) -> int:
         """The expert that owns the state's timestep (Wan2.2-A14B: the high-noise one while
         `t >= boundary_ratio * 1000`, then the low-noise one)."""
@@ -678,11 +806,21 @@ class WanVideoPipeline(Pipeline, Sampler):
     def cut(self, e: int, states: list[WanState]) -> WanCut:
         """The pass of `forward` cut at its blocks (forward.py), for a first-block cache: its
         inputs are those of a pass that keeps no cross-attention keys and values."""
+        if self.config.vace:
+            raise ValueError("a VACE model's pass is not cut at its blocks (no first-block cache)")
         model = self.experts[e]
         *inputs, adapters = self._inputs(model, states, (0, 1))
         return WanCut(model, self.config.patch, tuple(inputs), adapters, self.adapters, self.sp)
 
+    def interleaves(self, parts: list[list]) -> bool:
+        # A VACE model's pass is not cut at its blocks: its fine-tunes run one pass each.
+        return not self.config.vace and super().interleaves(parts)
+
     def update(self, s: WanState, noise: torch.Tensor) -> None:
+        if s.references and s.keep_x0:
+            # The loop has just set this step's prediction of the clean latents: a preview shows
+            # the clip's first frame, not the reference images' frames before it.
+            s.x0 = s.x0[:, :, s.references :]
         s.latents = s.scheduler.step(
             noise, s.timestep, s.latents, return_dict=False, **s.step_args
         )[0]
@@ -707,6 +845,7 @@ class WanVideoPipeline(Pipeline, Sampler):
             )
             if not fill:  # no text or image token to embed: the keys and values are kept
                 context, image = context[:, :0], None  # (B, 0, text_dim)
+        vace = self._control(group, halves) if self.config.vace else {}
         with torch.no_grad(), self.adapters.rows(adapters), cache:
             return model(
                 hidden_states=latents,
@@ -714,7 +853,29 @@ class WanVideoPipeline(Pipeline, Sampler):
                 encoder_hidden_states=context,
                 encoder_hidden_states_image=image,
                 return_dict=False,
+                **vace,
             )[0]
+
+    def _control(self, group: list[WanState], halves) -> dict:
+        """VACE's inputs of a pass over `group`'s rows (in `_inputs`' order): the conditioning
+        latents, and the hints' scales `(layers,)` as WanVACEPipeline gives them (the reference
+        mode's one row), or `(layers, rows, 1, 1)`, each row its request's: diffusers' forward
+        multiplies each hint by its layer's entry, which broadcasts over the rows."""
+        controls, scales = [], []
+        for s in group:
+            for half in halves:
+                if half == 0 or s.guided:  # both halves take the same conditioning
+                    controls.append(s.control)
+                    scales.append(s.control_scale)
+        layers = len(self.config.vace_layers)
+        if len(scales) == 1:
+            scale = torch.tensor(scales * layers)  # (layers,)
+        else:
+            scale = torch.tensor(scales).view(1, -1, 1, 1).expand(layers, -1, 1, 1)
+        return {
+            "control_hidden_states": torch.cat(controls),  # (rows, 2C + s^2, R + F', H', W')
+            "control_hidden_states_scale": scale.to(self.device, self.dtype),
+        }
 
     @property
     def _compact_prompt_kv(self) -> bool:
@@ -817,7 +978,8 @@ class WanVideoPipeline(Pipeline, Sampler):
         for state in states:
             if not state.done:
                 raise RuntimeError(f"state is at step {state.step} of {state.num_steps}")
-        latents = [s.clip_latents() for s in states]  # (1, C, F', H', W') each
+        # (1, C, F', H', W') each, without VACE's reference frames
+        latents = [s.clip_latents()[:, :, s.references :] for s in states]
         frames: list[np.ndarray] = [None] * len(states)
         # The reference mode decodes each clip alone, as WanPipeline does one request.
         chunk = self.decode_chunk if self.batched else 1

@@ -18,6 +18,12 @@ from torch import nn
 from ..sampling.loop import ForwardCut
 
 
+def streamed_blocks(model: nn.Module) -> list[nn.Module]:
+    """A transformer's blocks in the order its forward runs them: a VACE transformer's VACE
+    blocks (all of them, before any block), then the blocks."""
+    return [*getattr(model, "vace_blocks", ()), *model.blocks]
+
+
 def prologue(model: nn.Module, x, timestep, context, image=None):
     """Tokens `(B, N, D)`, the time embedding, the blocks' modulation `(B, [N,] 6, D)`, the
     embedded text (after Wan2.1-I2V's embedded image features) and the rotary tables. `timestep`

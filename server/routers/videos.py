@@ -18,6 +18,7 @@ from ..feed import EventFeed, Subscription
 from ..links import DEFAULT_TTL_S, MAX_TTL_S
 from ..schemas import (
     FILE_FIELDS,
+    FILE_LIST_FIELDS,
     ContentLink,
     ListPage,
     Video,
@@ -37,17 +38,29 @@ SSE_KEEPALIVE_S = 15.0  # a comment line this often keeps proxies from closing a
 TEXT_FIELDS = ("prompt", "negative_prompt")  # an empty form value is meaningful for these only
 
 
-async def read_create_body(request: Request) -> tuple[VideoCreate, dict[str, UploadFile]]:
+async def read_create_body(
+    request: Request,
+) -> tuple[VideoCreate, dict[str, UploadFile | list[UploadFile]]]:
     """The create parameters from a JSON body or form fields (the openai SDK sends multipart),
     and the files uploaded, by field: the first-frame image (`input_reference`), the last-frame
-    one (`last_frame`), the input video (`input_video`)."""
+    one (`last_frame`), the input video (`input_video`), VACE's control video and mask
+    (`control_video`, `mask`), and a list of VACE's reference images (`reference_images`, the
+    field repeated)."""
     content_type = request.headers.get("content-type", "")
     files = {}
     if content_type.startswith(("multipart/form-data", "application/x-www-form-urlencoded")):
-        form = await request.form(max_files=len(FILE_FIELDS))
+        most = len(FILE_FIELDS) + sum(n for _, n in FILE_LIST_FIELDS.values())
+        form = await request.form(max_files=most)
         data = {}
         for key, value in form.multi_items():
             if isinstance(value, UploadFile):
+                if key in FILE_LIST_FIELDS:
+                    files.setdefault(key, []).append(value)
+                    if len(files[key]) > FILE_LIST_FIELDS[key][1]:
+                        raise InvalidRequest(
+                            f"{key}: at most {FILE_LIST_FIELDS[key][1]} files", param=key
+                        )
+                    continue
                 if key not in FILE_FIELDS:
                     raise InvalidRequest(f"{key} cannot be a file", param=key)
                 if key in files:
@@ -113,7 +126,7 @@ async def create_video(
     key: IdempotencyKeyDep,
 ):
     body, uploads = await read_create_body(request)
-    files = {k: v.file for k, v in uploads.items()}
+    files = {k: [f.file for f in v] if isinstance(v, list) else v.file for k, v in uploads.items()}
     video = await videos.create(
         body,
         principal,
@@ -121,6 +134,9 @@ async def create_video(
         image=files.get("input_reference"),
         last_image=files.get("last_frame"),
         input_video=files.get("input_video"),
+        control_video=files.get("control_video"),
+        mask=files.get("mask"),
+        reference_images=files.get("reference_images", []),
     )
     poll_hint(response, video, settings)
     return video

@@ -3,8 +3,8 @@ decides the pixels is answered with that video's MP4, and no pass of the model r
 
 What decides the pixels is the resolved request (`ResolvedVideo`: every field counts but those
 named in `NOT_PIXELS`, so a field added to it counts from the start), the files it names (first-
-and last-frame images, an input video) by their bytes, and the identity of the weights: the
-model's revision and each adapter's. `pixel_key` digests them; the store keeps the digest beside
+and last-frame images, an input video, VACE's reference images, control video and mask) by their
+bytes, and the identity of the weights: the model's revision and each adapter's. `pixel_key` digests them; the store keeps the digest beside
 each video and finds a finished one by it.
 """
 
@@ -18,7 +18,7 @@ import shutil
 from collections.abc import Mapping
 from pathlib import Path
 
-from megaslide.engine.request import INPUT_FILES, ResolvedVideo
+from megaslide.engine.request import INPUT_FILE_LISTS, INPUT_FILES, ResolvedVideo
 
 from ..datadir import DataDir
 from ..protocol import ModelCard
@@ -40,16 +40,20 @@ def pixel_key(
     video: ResolvedVideo,
     card: ModelCard,
     *,
-    digests: Mapping[str, str | None],
+    digests: Mapping[str, str | list[str] | None],
     parent: ModelCard | None = None,
 ) -> str:
     """A digest of everything that decides `video`'s pixels on `card`'s weights (`parent`: the
-    base model of a fine-tune); `digests` are the stored files' by field (`INPUT_FILES`).
+    base model of a fine-tune); `digests` are the stored files' by field (`INPUT_FILES`; a
+    list of them for each of `INPUT_FILE_LISTS`).
     `video.loras` name adapters by their ids on `card`."""
     fields = {f.name for f in dataclasses.fields(video)}
     request = {k: v for k, v in video.to_dict().items() if k in fields - NOT_PIXELS}
     for name in INPUT_FILES:
         if request.get(name) is not None:
+            request[name] = digests[name]
+    for name in INPUT_FILE_LISTS:  # several files: their digests in order
+        if request.get(name):
             request[name] = digests[name]
     adapters = {a["id"] if "id" in a else a["name"]: a for a in card.adapters}
     weights = {

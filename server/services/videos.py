@@ -11,14 +11,28 @@ from typing import BinaryIO
 from starlette.concurrency import run_in_threadpool
 
 from megaslide.engine.atomic import atomic_write, atomic_write_bytes
-from megaslide.engine.request import INPUT_FILES, RequestError, ResolvedVideo, resolve
+from megaslide.engine.request import (
+    INPUT_FILE_LISTS,
+    INPUT_FILES,
+    RequestError,
+    ResolvedVideo,
+    resolve,
+)
 
 from ..auth import Principal
 from ..datadir import DataDir
 from ..errors import InvalidRequest, NotFound, NotReady, PayloadTooLarge
 from ..protocol import ModelCard, WorkerClient
 from ..records import VideoRecord
-from ..schemas import FILE_FIELDS, Video, VideoCreate, VideoDeleted, page, video_object
+from ..schemas import (
+    FILE_FIELDS,
+    FILE_LIST_FIELDS,
+    Video,
+    VideoCreate,
+    VideoDeleted,
+    page,
+    video_object,
+)
 from ..settings import Settings
 from ..store import AsyncStore, Reservation, now
 from .files import INPUT_PURPOSE
@@ -38,6 +52,18 @@ VIDEO_CONTAINERS = (
 )
 COPY_CHUNK = 1 << 20
 
+# Each file a request may bring, by its field on the API: the `ResolvedVideo` field it fills, the
+# model limit that says the model takes it, and what it is (an image, or a video whose frames
+# are counted). `reference_images` holds several.
+UPLOADS = {
+    "input_reference": ("image", "image_input", "a first-frame image"),
+    "last_frame": ("last_image", "last_image_input", "a last-frame image"),
+    "input_video": ("video", "video_input", "an input video"),
+    "control_video": ("control_video", "vace_input", "a control video"),
+    "mask": ("mask", "vace_input", "a mask video"),
+    "reference_images": ("reference_images", "vace_input", "reference images"),
+}
+
 
 class Videos:
     """The video jobs of one server, as its API's principals see them."""
@@ -55,9 +81,13 @@ class Videos:
         image: BinaryIO | None = None,
         last_image: BinaryIO | None = None,
         input_video: BinaryIO | None = None,
+        control_video: BinaryIO | None = None,
+        mask: BinaryIO | None = None,
+        reference_images: list[BinaryIO] | tuple = (),
     ) -> Video:
         """Queue a video (`image`, `last_image`, `input_video`: an uploaded first frame, last
-        frame, input video; `body` may name files of /v1/files instead), or, unless
+        frame, input video; `control_video`, `mask`, `reference_images`: VACE's; `body` may name
+        files of /v1/files instead), or, unless
         `body.reuse` is off, answer it at once with the requester's finished video it repeats
         (repeats.py). A retry with the same key gets the video its first request made."""
         check_priority(body.priority, principal)
@@ -66,17 +96,26 @@ class Videos:
             raise NotReady("no live worker serves a model yet; retry shortly")
         card = find_model(self.workers, body.model or served[0].name, principal)
         video_id = new_id("video_")
-        stored: dict[str, Path] = {}
+        stored: dict[str, Path | list[Path]] = {}
         named = await self._named_files(body, principal)
-        image = named.get("input_reference", image)
-        last_image = named.get("last_frame", last_image)
-        input_video = named.get("input_video", input_video)
-        body = body.model_copy(update=dict.fromkeys(FILE_FIELDS))
+        uploads = {
+            "input_reference": image,
+            "last_frame": last_image,
+            "input_video": input_video,
+            "control_video": control_video,
+            "mask": mask,
+            "reference_images": list(reference_images) or None,
+        }
+        uploads = {field: named.get(field, file) for field, file in uploads.items()}
+        body = body.model_copy(update=dict.fromkeys([*FILE_FIELDS, *FILE_LIST_FIELDS]))
         try:
-            frames = await self._store_files(card, video_id, image, last_image, input_video, stored)
+            frames = await self._store_files(card, video_id, uploads, stored)
             video = self._resolve(body, card, stored, frames)
-            digests = {name: _digest(path) for name, path in stored.items()}
-            digests = {name: digests.get(name) for name in INPUT_FILES}
+            digests = {
+                name: [_digest(p) for p in path] if isinstance(path, list) else _digest(path)
+                for name, path in stored.items()
+            }
+            digests = {name: digests.get(name) for name in (*INPUT_FILES, *INPUT_FILE_LISTS)}
             parent = self.workers.model(card.parent) if card.parent else None
             pixels = pixel_key(video, card, digests=digests, parent=parent)
 
@@ -110,7 +149,7 @@ class Videos:
             _discard(stored)
             raise
         finally:
-            for file in named.values():
+            for file in _each(named):
                 file.close()
         if replayed:
             _discard(stored)  # the first request's files are the video's
@@ -150,103 +189,138 @@ class Videos:
                 path.unlink(missing_ok=True)
             raise
 
-    async def _named_files(self, body: VideoCreate, principal: Principal) -> dict[str, BinaryIO]:
+    async def _named_files(
+        self, body: VideoCreate, principal: Principal
+    ) -> dict[str, BinaryIO | list[BinaryIO]]:
         """The files `body` names by id (uploaded with purpose "input" to /v1/files), opened, by
-        field; each is checked as an upload of its own would be (`_store_files`)."""
-        named = {}
+        field (a list of them for `reference_images`); each is checked as an upload of its own
+        would be (`_store_files`)."""
+        named: dict[str, BinaryIO | list[BinaryIO]] = {}
         try:
             for field in FILE_FIELDS:
                 file_id = getattr(body, field)
-                if file_id is None:
+                if file_id is not None:
+                    named[field] = await self._named_file(field, file_id, principal)
+            for field, (_, most) in FILE_LIST_FIELDS.items():
+                ids = getattr(body, field)
+                if ids is None:
                     continue
-                if not isinstance(file_id, str) or not file_id.startswith("file-"):
+                if not isinstance(ids, list) or len(ids) > most:
                     raise RequestError(
-                        f"{field} must be a file uploaded as multipart/form-data, or the id of a "
-                        'file uploaded with purpose "input" to /v1/files',
+                        f"{field} must be a list of at most {most} ids of files uploaded with "
+                        'purpose "input" to /v1/files (or files uploaded as multipart/form-data)',
                         param=field,
                     )
-                row = await self.store.files.get(file_id)
-                if row is None or not principal.may_see(row.owner):
-                    raise NotFound(f"{field}: no file {file_id!r}", param=field)
-                if row.purpose != INPUT_PURPOSE:
-                    raise RequestError(
-                        f"{field}: file {file_id} was uploaded with purpose {row.purpose!r}, not "
-                        f"{INPUT_PURPOSE!r}",
-                        param=field,
-                    )
-                try:
-                    named[field] = await run_in_threadpool(self.data.resolve(row.path).open, "rb")
-                except FileNotFoundError:  # deleted since it was looked up
-                    raise NotFound(f"{field}: no file {file_id!r}", param=field) from None
+                named[field] = []
+                for file_id in ids:
+                    named[field].append(await self._named_file(field, file_id, principal))
         except BaseException:
-            for file in named.values():
+            for file in _each(named):
                 file.close()
             raise
         return named
+
+    async def _named_file(self, field: str, file_id, principal: Principal) -> BinaryIO:
+        """The file of /v1/files `file_id` names for `field`, opened."""
+        if not isinstance(file_id, str) or not file_id.startswith("file-"):
+            raise RequestError(
+                f"{field} must be a file uploaded as multipart/form-data, or the id of a "
+                'file uploaded with purpose "input" to /v1/files',
+                param=field,
+            )
+        row = await self.store.files.get(file_id)
+        if row is None or not principal.may_see(row.owner):
+            raise NotFound(f"{field}: no file {file_id!r}", param=field)
+        if row.purpose != INPUT_PURPOSE:
+            raise RequestError(
+                f"{field}: file {file_id} was uploaded with purpose {row.purpose!r}, not "
+                f"{INPUT_PURPOSE!r}",
+                param=field,
+            )
+        try:
+            return await run_in_threadpool(self.data.resolve(row.path).open, "rb")
+        except FileNotFoundError:  # deleted since it was looked up
+            raise NotFound(f"{field}: no file {file_id!r}", param=field) from None
 
     async def _store_files(
         self,
         card: ModelCard,
         video_id: str,
-        image: BinaryIO | None,
-        last_image: BinaryIO | None,
-        video: BinaryIO | None,
-        stored: dict[str, Path],
-    ) -> int | None:
-        """The uploaded files, each checked against the model and the server's limits and
-        stored under `video_id` (into `stored`, by `ResolvedVideo` field); the input video's
-        frame count, or None without one."""
-        limits, settings = card.limits, self.settings
-        uploads = (
-            ("image", image, limits.image_input, "a first-frame image", "input_reference"),
-            ("last_image", last_image, limits.last_image_input, "a last-frame image", "last_frame"),
-            ("video", video, limits.video_input, "an input video", "input_video"),
-        )
-        for _, file, takes, what, param in uploads:
-            if file is not None and not takes:
+        uploads: dict[str, BinaryIO | list[BinaryIO] | None],
+        stored: dict[str, Path | list[Path]],
+    ) -> dict[str, int]:
+        """The uploaded files (by API field, `UPLOADS`), each checked against the model and the
+        server's limits and stored under `video_id` (into `stored`, by `ResolvedVideo` field);
+        each video's frame count, by API field."""
+        limits, settings, data = card.limits, self.settings, self.data
+        for param, file in uploads.items():
+            _, takes, what = UPLOADS[param]
+            if file is not None and not getattr(limits, takes):
                 raise RequestError(
                     f"model {card.name} does not take {what} ({param})",
                     param=param,
                     code="unsupported_parameter",
                 )
-        if image is not None:
-            stored["image"] = self.data.reference(video_id)
-            await run_in_threadpool(save_image, image, stored["image"], settings.max_image_pixels)
-        if last_image is not None:
-            stored["last_image"] = self.data.last_frame(video_id)
+        images = {"input_reference": data.reference, "last_frame": data.last_frame}
+        for param, where in images.items():
+            if uploads.get(param) is not None:
+                name = UPLOADS[param][0]
+                stored[name] = where(video_id)
+                max_pixels = settings.max_image_pixels
+                await run_in_threadpool(save_image, uploads[param], stored[name], max_pixels, param)
+        for i, file in enumerate(uploads.get("reference_images") or ()):
+            path = data.reference_image(video_id, i)
+            stored.setdefault("reference_images", []).append(path)
             await run_in_threadpool(
-                save_image,
-                last_image,
-                stored["last_image"],
-                settings.max_image_pixels,
-                "last_frame",
+                save_image, file, path, settings.max_image_pixels, "reference_images"
             )
-        if video is None:
-            return None
-        stored["video"] = self.data.input_video(video_id)
-        return await run_in_threadpool(
-            save_video,
-            video,
-            stored["video"],
-            max_bytes=settings.max_video_bytes,
-            max_pixels=settings.max_image_pixels,
-            max_frames=settings.max_video_frames,
-        )
+        videos = {
+            "input_video": data.input_video,
+            "control_video": data.control_video,
+            "mask": data.mask_video,
+        }
+        frames = {}
+        for param, where in videos.items():
+            if uploads.get(param) is None:
+                continue
+            name = UPLOADS[param][0]
+            stored[name] = where(video_id)
+            frames[param] = await run_in_threadpool(
+                save_video,
+                uploads[param],
+                stored[name],
+                max_bytes=settings.max_video_bytes,
+                max_pixels=settings.max_image_pixels,
+                max_frames=settings.max_video_frames,
+                param=param,
+            )
+        return frames
 
     def _resolve(
-        self, body: VideoCreate, card: ModelCard, stored: dict[str, Path], frames: int | None
+        self,
+        body: VideoCreate,
+        card: ModelCard,
+        stored: dict[str, Path | list[Path]],
+        frames: dict[str, int],
     ) -> ResolvedVideo:
         """The request resolved against the model, as the workers will read it: adapters by id,
-        the files relative to the storage. An input video of `frames` frames sets the clip's
-        length when the request gives none, and must hold the clip's frames."""
-        paths = {name: str(path) for name, path in stored.items()}
-        fit = None if frames is None else card.limits.fit_frames(frames)
+        the files relative to the storage. Videos of `frames` frames (by API field: an input
+        video, a control video, a mask) set the clip's length when the request gives none (the
+        shortest's), and each must hold the clip's frames."""
+        paths = {
+            name: [str(p) for p in path] if isinstance(path, list) else str(path)
+            for name, path in stored.items()
+        }
+        fit = card.limits.fit_frames(min(frames.values())) if frames else None
         video = resolve(
             body.to_request(
                 image=paths.get("image"),
                 last_image=paths.get("last_image"),
                 video=paths.get("video"),
                 frames=fit,
+                control_video=paths.get("control_video"),
+                mask=paths.get("mask"),
+                reference_images=tuple(paths.get("reference_images", ())),
             ),
             card.limits,
             card.defaults,
@@ -259,14 +333,20 @@ class Videos:
         ids = {a["name"]: a["id"] for a in card.adapters}
         loras = tuple(dataclasses.replace(c, name=ids[c.name]) for c in video.loras)
         video = dataclasses.replace(video, loras=loras)
-        if frames is not None and frames < video.frames:
-            raise RequestError(
-                f"input_video has {frames} frames; a clip of {video.frames} (num_frames) takes "
-                "its first ones: give a shorter clip or a longer video",
-                param="input_video",
-            )
+        for param, count in frames.items():
+            if count < video.frames:
+                raise RequestError(
+                    f"{param} has {count} frames; a clip of {video.frames} (num_frames) takes "
+                    "its first ones: give a shorter clip or a longer video",
+                    param=param,
+                )
         # The files are named relative to the storage, which hosts mount where they like.
-        relative = {name: self.data.relative(path) for name, path in stored.items()}
+        relative = {
+            name: tuple(map(self.data.relative, path))
+            if isinstance(path, list)
+            else self.data.relative(path)
+            for name, path in stored.items()
+        }
         return dataclasses.replace(video, **relative)
 
     async def find(self, video_id: str, principal: Principal) -> VideoRecord:
@@ -389,24 +469,32 @@ def save_image(src, dst: Path, max_pixels: int, param: str = "input_reference") 
     atomic_write_bytes(dst, png.getvalue())
 
 
-def save_video(src, dst: Path, *, max_bytes: int, max_pixels: int, max_frames: int) -> int:
-    """Store an uploaded input video as it is and check it by decoding every frame with PyAV
-    (FFmpeg); its frame count, or RequestError naming `input_video` (PayloadTooLarge past
-    `max_bytes`), and nothing left behind.
+def save_video(
+    src,
+    dst: Path,
+    *,
+    max_bytes: int,
+    max_pixels: int,
+    max_frames: int,
+    param: str = "input_video",
+) -> int:
+    """Store an uploaded video (an input video, a control video, a mask) as it is and check it
+    by decoding every frame with PyAV (FFmpeg); its frame count, or RequestError naming `param`
+    (PayloadTooLarge past `max_bytes`), and nothing left behind.
 
     A hostile file is bounded before it costs much: its bytes as they are copied, its container
     by its first bytes (one of `VIDEO_CONTAINERS`, the demuxer forced), its frame size from the
     stream's header before any frame is decoded and again on each frame (a stream may change
     size midway), and its frames as they are decoded."""
     try:
-        _copy_bounded(src, dst, max_bytes)
-        return _count_video_frames(dst, max_pixels, max_frames)
+        _copy_bounded(src, dst, max_bytes, param)
+        return _count_video_frames(dst, max_pixels, max_frames, param)
     except BaseException:
         dst.unlink(missing_ok=True)
         raise
 
 
-def _copy_bounded(src, dst: Path, max_bytes: int) -> None:
+def _copy_bounded(src, dst: Path, max_bytes: int, param: str) -> None:
     def write(tmp: Path) -> None:
         written = 0
         with tmp.open("wb") as out:
@@ -414,15 +502,15 @@ def _copy_bounded(src, dst: Path, max_bytes: int) -> None:
                 written += len(chunk)
                 if written > max_bytes:
                     raise PayloadTooLarge(
-                        f"input_video: this server accepts videos up to {max_bytes} bytes",
-                        param="input_video",
+                        f"{param}: this server accepts videos up to {max_bytes} bytes",
+                        param=param,
                     )
                 out.write(chunk)
 
     atomic_write(dst, write)
 
 
-def _count_video_frames(path: Path, max_pixels: int, max_frames: int) -> int:
+def _count_video_frames(path: Path, max_pixels: int, max_frames: int, param: str) -> int:
     import av
 
     with path.open("rb") as f:
@@ -430,12 +518,10 @@ def _count_video_frames(path: Path, max_pixels: int, max_frames: int) -> int:
     demuxer = next((d for _, is_it, d in VIDEO_CONTAINERS if is_it(head)), None)
     if demuxer is None:
         kinds = ", ".join(name for name, _, _ in VIDEO_CONTAINERS)
-        raise RequestError(
-            f"input_video is not a readable video: not a {kinds} file", param="input_video"
-        )
+        raise RequestError(f"{param} is not a readable video: not a {kinds} file", param=param)
 
     def refuse(problem: str) -> RequestError:
-        return RequestError(f"input_video {problem}", param="input_video")
+        return RequestError(f"{param} {problem}", param=param)
 
     def check_size(w: int, h: int) -> None:
         if w * h > max_pixels:
@@ -466,6 +552,11 @@ def _digest(path: Path | None) -> str | None:
     return hashlib.sha256(path.read_bytes()).hexdigest() if path is not None else None
 
 
-def _discard(stored: dict[str, Path]) -> None:
-    for path in stored.values():
+def _each(files: dict) -> list:
+    """The values of `files`, a list among them spread."""
+    return [f for v in files.values() for f in (v if isinstance(v, list) else [v])]
+
+
+def _discard(stored: dict[str, Path | list[Path]]) -> None:
+    for path in _each(stored):
         path.unlink(missing_ok=True)

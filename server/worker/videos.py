@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megaslide.engine.interfaces import VideoModel
-from megaslide.engine.request import RequestError, ResolvedVideo
+from megaslide.engine.request import INPUT_FILE_LISTS, INPUT_FILES, RequestError, ResolvedVideo
 
 from ..store import UNAVAILABLE, is_disk_full, now
 from .context import WorkerContext, backoff, message
@@ -119,9 +119,11 @@ class Videos:
             # Its files are stored relative to the storage (see the videos service).
             files = {
                 name: str(ctx.data.resolve(path))
-                for name in ("image", "last_image", "video")
+                for name in INPUT_FILES
                 if (path := getattr(video, name)) is not None
             }
+            for name in INPUT_FILE_LISTS:  # VACE's reference images
+                files[name] = tuple(str(ctx.data.resolve(p)) for p in getattr(video, name))
             video = dataclasses.replace(video, **files)
             try:
                 model = self.models.video_model(video.model)

@@ -7,7 +7,8 @@ a boundary), Wan2.2-TI2V-style (per-token timesteps, a residual VAE with 2x2 pat
 Wan2.1-I2V-style (`WanImageToVideoPipeline`: the image condition as extra input channels and a
 CLIP image encoder; with two experts Wan2.2-I2V-A14B-style, without the encoder),
 Wan2.1-FLF2V-style (the I2V layout whose CLIP embedder takes a first and a last frame's features
-side by side, `pos_embed_seq_len`), and sharded weights.
+side by side, `pos_embed_seq_len`), Wan VACE-style (`WanVACEPipeline`: VACE blocks beside the
+blocks, one or two experts), and sharded weights.
 """
 
 from __future__ import annotations
@@ -49,14 +50,25 @@ def tokenizer():
 
 
 def transformer(
-    in_channels: int = 4, layers: int = 2, *, condition: int = 0, image_dim=None, pos_embed=None
+    in_channels: int = 4,
+    layers: int = 2,
+    *,
+    condition: int = 0,
+    image_dim=None,
+    pos_embed=None,
+    vace_layers=None,
 ):
     """`condition`: extra input channels (I2V's mask and image latent); `image_dim`: the width of
     the CLIP features it cross-attends (Wan2.1-I2V); `pos_embed`: two images' CLIP tokens, whose
-    positions FLF2V's embedder learns."""
-    from diffusers import WanTransformer3DModel
+    positions FLF2V's embedder learns; `vace_layers`: a VACE transformer's, whose blocks hint
+    (its conditioning: the control video's two latents and the 8x8-folded mask)."""
+    from diffusers import WanTransformer3DModel, WanVACETransformer3DModel
 
-    return WanTransformer3DModel(
+    vace = {}
+    if vace_layers is not None:
+        vace = dict(vace_layers=list(vace_layers), vace_in_channels=2 * in_channels + 64)
+    cls = WanVACETransformer3DModel if vace else WanTransformer3DModel
+    return cls(
         patch_size=(1, 2, 2),
         num_attention_heads=2,
         attention_head_dim=12,
@@ -70,6 +82,7 @@ def transformer(
         image_dim=image_dim,
         added_kv_proj_dim=None if image_dim is None else 24,  # the model's width
         pos_embed_seq_len=pos_embed,
+        **vace,
     )
 
 
@@ -102,6 +115,7 @@ def build_tiny_wan(
     ti2v: bool = False,
     i2v: bool = False,
     flf2v: bool = False,
+    vace: bool = False,
     shard: str | None = None,
     layers: int = 2,
     seed: int = 0,
@@ -109,7 +123,7 @@ def build_tiny_wan(
 ) -> Path:
     """Write a tiny random Wan pipeline directory at `path` (as `save_pretrained` writes it), with
     sampling defaults a tiny model can take in `megaslide.json` (Wan's own are 480x832)."""
-    from diffusers import WanImageToVideoPipeline, WanPipeline
+    from diffusers import WanImageToVideoPipeline, WanPipeline, WanVACEPipeline
 
     i2v = i2v or flf2v
     torch.manual_seed(seed)
@@ -122,13 +136,27 @@ def build_tiny_wan(
     clip = i2v and experts == 1  # Wan2.2-I2V-A14B has no image encoder
     image_dim = IMAGE_DIM if clip else None
     pos_embed = 2 * IMAGE_TOKENS if flf2v else None
+    # VACE: hints into the first and the last block (three blocks: one between without).
+    vace_layers = (0, layers - 1) if vace else None
     models = [
-        transformer(channels, layers, condition=condition, image_dim=image_dim, pos_embed=pos_embed)
+        transformer(
+            channels,
+            layers,
+            condition=condition,
+            image_dim=image_dim,
+            pos_embed=pos_embed,
+            vace_layers=vace_layers,
+        )
     ]
-    models += [transformer(channels, layers, condition=condition) for _ in range(experts - 1)]
+    models += [
+        transformer(channels, layers, condition=condition, vace_layers=vace_layers)
+        for _ in range(experts - 1)
+    ]
     with torch.no_grad():  # Wan's output projection starts random here, so outputs are not zero
         for m in models:
             m.proj_out.weight.normal_(0, 0.5)
+            for block in getattr(m, "vace_blocks", ()):  # the hints start random too
+                block.proj_out.weight.normal_(0, 0.5)
             if pos_embed is not None:  # zero at init: the two images' positions would not count
                 m.condition_embedder.image_embedder.pos_embed.normal_(0, 1.0)
     parts = dict(
@@ -141,7 +169,10 @@ def build_tiny_wan(
         boundary_ratio=0.9 if experts > 1 else None,
         expand_timesteps=ti2v,
     )
-    if i2v:
+    if vace:
+        del parts["expand_timesteps"]
+        pipe = WanVACEPipeline(**parts)
+    elif i2v:
         encoder, processor = image_encoder() if clip else (None, None)
         pipe = WanImageToVideoPipeline(**parts, image_encoder=encoder, image_processor=processor)
     else:

@@ -80,6 +80,7 @@ def diffusers_run(
     last_image=None,
     video=None,
     strength: float = 0.8,
+    vace: dict | None = None,
     aligned: bool = True,
     step_generator: bool = False,
 ) -> tuple[list[torch.Tensor], np.ndarray]:
@@ -87,13 +88,18 @@ def diffusers_run(
     `request` (a VideoRequest), its weights re-homed unless not `aligned`: the latents after
     every step, and the frames as uint8, rounded as MegaSlide rounds. `image` and `last_image`
     (files): `WanImageToVideoPipeline`'s first and last frames; `video` (a file): the request's
-    first frames of it remade by `WanVideoToVideoPipeline` at `strength`. `step_generator`: the
+    first frames of it remade by `WanVideoToVideoPipeline` at `strength`. `vace`:
+    `WanVACEPipeline`'s conditioning (keys `reference_images`, a list of files; `control_video`
+    and `mask`, files whose first frames are taken, the mask's as greyscale;
+    `conditioning_scale`), for a VACE pipeline at `path`. `step_generator`: the
     scheduler's steps draw their noise from the generator that drew the starting noise
     (WanPipeline passes none: a consistency scheduler would draw from the global one)."""
     import diffusers
     from PIL import Image
 
     cls = diffusers.WanPipeline if image is None else diffusers.WanImageToVideoPipeline
+    if vace is not None:
+        cls = diffusers.WanVACEPipeline
     pipe = cls.from_pretrained(path) if isinstance(path, (str, os.PathLike)) else path
     extra = {}
     if image is not None:
@@ -108,6 +114,22 @@ def diffusers_run(
         pipe = diffusers.WanVideoToVideoPipeline(**{n: pipe.components[n] for n in names})
         frames = read_video(video, num_frames=request.frames, sampling="first")
         extra = {"video": [Image.fromarray(f) for f in frames], "strength": strength}
+    if vace is not None:
+        from megaslide.engine.video import read_video
+
+        def frames_of(file, mode):
+            return [
+                Image.fromarray(f).convert(mode)
+                for f in read_video(file, num_frames=request.frames, sampling="first")
+            ]
+
+        extra = {"conditioning_scale": vace.get("conditioning_scale", 1.0)}
+        if vace.get("reference_images"):
+            extra["reference_images"] = [Image.open(f) for f in vace["reference_images"]]
+        if vace.get("control_video"):
+            extra["video"] = frames_of(vace["control_video"], "RGB")
+        if vace.get("mask"):
+            extra["mask"] = frames_of(vace["mask"], "L")
     modules = [m for m in pipe.components.values() if isinstance(m, nn.Module)]
     if aligned:
         rehome(*modules)

@@ -48,7 +48,8 @@ PERMANENT_CONFLICTS = frozenset(
 _sleep = time.sleep
 _async_sleep = anyio.sleep
 
-FilesFactory = Callable[[], Mapping[str, Any]]
+# The multipart files of one attempt: by form field, or `(field, file)` pairs (a field repeated).
+FilesFactory = Callable[[], Mapping[str, Any] | list[tuple[str, Any]]]
 T = TypeVar("T")
 HttpClientT = TypeVar("HttpClientT", httpx.Client, httpx.AsyncClient)
 TransportT = TypeVar("TransportT", httpx.BaseTransport, httpx.AsyncBaseTransport)

@@ -137,6 +137,8 @@ class Video(APIObject):
     guidance_interval: list[float] | None = None  # None: guided on every step
     # With an input video: the fraction of the schedule run (its last int(steps * strength)).
     strength: float | None = None
+    # A VACE model's: the weight of its VACE blocks' hints; None: not a VACE model.
+    conditioning_scale: float | None = None
     # The completed video whose MP4 answered this request, which repeated it in everything that
     # decides the pixels (no pass ran); None: made by its own run.
     cached_from: str | None = None

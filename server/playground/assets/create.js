@@ -10,6 +10,9 @@ const FILE_INPUTS = [
   ["image", "#image-field", "input_reference"],
   ["last_image", "#last-image-field", "last_frame"],
   ["video", "#video-field", "input_video"],
+  ["control_video", "#vace-field", "control_video"],
+  ["mask", "#vace-field", "mask"],
+  ["reference_images", "#vace-field", "reference_images"],
 ];
 
 // A rolled seed is below 2**31, like the seeds the server draws for requests without one.
@@ -91,7 +94,8 @@ export class CreateForm {
     const limits = this.form.querySelector("#model-limits");
     limits.textContent = model ? describeLimits(model) : "No model is served.";
     // A model announces each file it takes among its inputs: "image" (a first frame),
-    // "last_image" (a last frame besides), "video" (an input video, with a strength).
+    // "last_image" (a last frame besides), "video" (an input video, with a strength), and a VACE
+    // model's "reference_images", "control_video" and "mask" (with a conditioning scale).
     for (const [input, selector, name] of FILE_INPUTS) {
       const field = this.form.querySelector(selector);
       field.hidden = !model?.inputs?.includes(input);
@@ -257,6 +261,10 @@ export class CreateForm {
     if (!this.form.querySelector("#video-field").hidden) {
       body.strength = number(f.strength, "strength");
     }
+    // A VACE model's weight of its hints (the server's default when empty).
+    if (!this.form.querySelector("#vace-field").hidden) {
+      body.conditioning_scale = number(f.conditioning_scale, "conditioning_scale");
+    }
     for (const name of Object.keys(body)) if (body[name] === undefined) delete body[name];
     return body;
   }
@@ -268,9 +276,10 @@ export class CreateForm {
     try {
       const body = this.body();
       const shown = (selector) => !this.form.querySelector(selector).hidden;
-      const files = FILE_INPUTS.filter(([, selector]) => shown(selector))
-        .map(([, , name]) => [name, this.fields[name].files[0]])
-        .filter(([, file]) => file);
+      // Every file of each shown field: reference images may be several (the field repeated).
+      const files = FILE_INPUTS.filter(([, selector]) => shown(selector)).flatMap(([, , name]) =>
+        Array.from(this.fields[name].files, (file) => [name, file]),
+      );
       let video;
       if (files.length) {
         // Files go as multipart, the other fields as form values beside them.

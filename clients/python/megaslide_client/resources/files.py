@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Union
 
@@ -95,14 +95,15 @@ class Upload:
 
 
 class Uploads:
-    """Several files of one multipart body, by form field: each an `Upload`, made afresh by
-    each call as one is."""
+    """Several files of one multipart body, as `(form field, file)` pairs (a field may repeat:
+    a list of files) or by field: each an `Upload`, made afresh by each call as one is."""
 
-    def __init__(self, files: Mapping[str, FileInput]) -> None:
-        self.uploads = [Upload(file, field=field) for field, file in files.items()]
+    def __init__(self, files: Mapping[str, FileInput] | Sequence[tuple[str, FileInput]]) -> None:
+        pairs = files.items() if isinstance(files, Mapping) else files
+        self.uploads = [Upload(file, field=field) for field, file in pairs]
 
-    def __call__(self) -> Mapping[str, Any]:
-        return {k: v for upload in self.uploads for k, v in upload().items()}
+    def __call__(self) -> list[tuple[str, Any]]:
+        return [(k, v) for upload in self.uploads for k, v in upload().items()]
 
     def close(self) -> None:
         for upload in self.uploads:

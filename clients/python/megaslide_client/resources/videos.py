@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -45,6 +46,7 @@ def create_body(
     guidance_interval: Sequence[float] | None = None,
     reuse: bool | None = None,
     strength: float | None = None,
+    conditioning_scale: float | None = None,
 ) -> dict[str, Any]:
     """The JSON body of POST /v1/videos; unset fields are left for the server's defaults."""
     body = {
@@ -67,6 +69,7 @@ def create_body(
         "guidance_interval": None if guidance_interval is None else list(guidance_interval),
         "reuse": reuse,
         "strength": strength,
+        "conditioning_scale": conditioning_scale,
     }
     body = {k: v for k, v in body.items() if v is not None}
     body.update(extra_body or {})
@@ -74,15 +77,26 @@ def create_body(
 
 
 def upload_fields(
-    input_reference: FileInput | None, last_frame: FileInput | None, input_video: FileInput | None
-) -> dict[str, FileInput]:
-    """The files of a create call by form field, those given."""
+    input_reference: FileInput | None,
+    last_frame: FileInput | None,
+    input_video: FileInput | None,
+    control_video: FileInput | None = None,
+    mask: FileInput | None = None,
+    reference_images: Sequence[FileInput] | None = None,
+) -> list[tuple[str, FileInput]]:
+    """The files of a create call as `(form field, file)`, those given: the reference images
+    each under their one field, in order."""
     files = {
         "input_reference": input_reference,
         "last_frame": last_frame,
         "input_video": input_video,
+        "control_video": control_video,
+        "mask": mask,
     }
-    return {k: v for k, v in files.items() if v is not None}
+    if isinstance(reference_images, (str, bytes, os.PathLike)):
+        raise TypeError("reference_images is a list of files (paths, bytes or binary files)")
+    pairs = [(k, v) for k, v in files.items() if v is not None]
+    return pairs + [("reference_images", f) for f in reference_images or ()]
 
 
 def form_fields(body: Mapping[str, Any]) -> dict[str, str]:
@@ -183,6 +197,10 @@ class Videos:
         last_frame: FileInput | None = None,
         input_video: FileInput | None = None,
         strength: float | None = None,
+        reference_images: Sequence[FileInput] | None = None,
+        control_video: FileInput | None = None,
+        mask: FileInput | None = None,
+        conditioning_scale: float | None = None,
         reuse: bool | None = None,
         extra_body: Mapping[str, Any] | None = None,
         idempotency_key: str | None = None,
@@ -204,7 +222,11 @@ class Videos:
         content)`; PNG, JPEG or WebP) for a model that takes one (`Model.inputs`); `last_frame`
         a last-frame image besides (first-last-frame-to-video); `input_video` a video to remake
         (MP4, WebM or GIF; the clip's length by default, else its first `num_frames` frames) at
-        `strength`, the fraction of the schedule that runs (0.8 by default). With a file the
+        `strength`, the fraction of the schedule that runs (0.8 by default). A VACE model
+        (`Model.inputs` lists them) takes `reference_images` (a list of images, at most 4),
+        `control_video` and `mask` (videos: white where the clip is generated, black where the
+        control video is kept; the clip's length by default) and `conditioning_scale` (the
+        weight of its VACE blocks' hints, 1 by default). With a file the
         request goes as multipart form fields. Every retry of this call carries the same Idempotency-Key, so it makes at most one job.
         A request equal to one of this key's completed videos in everything that decides the
         pixels (a fixed `seed` among them) comes back completed at once with that video's MP4,
@@ -231,8 +253,11 @@ class Videos:
             guidance_interval=guidance_interval,
             reuse=reuse,
             strength=strength,
+            conditioning_scale=conditioning_scale,
         )
-        files = upload_fields(input_reference, last_frame, input_video)
+        files = upload_fields(
+            input_reference, last_frame, input_video, control_video, mask, reference_images
+        )
         if not files:
             response = self._client.post("/v1/videos", json=body, idempotency_key=idempotency_key)
         else:
@@ -367,6 +392,10 @@ class AsyncVideos:
         last_frame: FileInput | None = None,
         input_video: FileInput | None = None,
         strength: float | None = None,
+        reference_images: Sequence[FileInput] | None = None,
+        control_video: FileInput | None = None,
+        mask: FileInput | None = None,
+        conditioning_scale: float | None = None,
         reuse: bool | None = None,
         extra_body: Mapping[str, Any] | None = None,
         idempotency_key: str | None = None,
@@ -393,8 +422,11 @@ class AsyncVideos:
             guidance_interval=guidance_interval,
             reuse=reuse,
             strength=strength,
+            conditioning_scale=conditioning_scale,
         )
-        files = upload_fields(input_reference, last_frame, input_video)
+        files = upload_fields(
+            input_reference, last_frame, input_video, control_video, mask, reference_images
+        )
         if not files:
             response = await self._client.post(
                 "/v1/videos", json=body, idempotency_key=idempotency_key
