@@ -23,6 +23,7 @@ from wan_reference import (
     diffusers_run,
     first_difference,
     megaslide_run,
+    on_cpu_variants,
     run_on_cpu_variant,
 )
 
@@ -59,8 +60,11 @@ def level_diff(a: np.ndarray, b: np.ndarray) -> int:
     return int(np.abs(a.astype(int) - b.astype(int)).max())
 
 
-@pytest.mark.cpu_variants
-@pytest.mark.parametrize("variant", ["unipc", "euler", "experts", "ti2v"])
+# One case per task runs again on the other CPUs' code paths (the kernels are what differ there;
+# schedulers and experts are the same arithmetic on every ISA).
+@pytest.mark.parametrize(
+    "variant", [on_cpu_variants("unipc"), "euler", "experts", on_cpu_variants("ti2v")]
+)
 def test_same_seed_same_video_as_diffusers(wan, reference, variant):
     """Bitwise, every step's latents and the frames, in the reference mode (each row alone, as
     WanPipeline runs them), resident and streamed; the weights on both sides at 64-byte boundaries
@@ -87,7 +91,6 @@ def test_batched_guidance_pairs_within_one_level_of_diffusers(wan, reference, va
         assert level_diff(batched.generate(clip), frames) <= 1, (variant, offload)
 
 
-@pytest.mark.cpu_variants
 def test_image_to_video_first_frame_matches_diffusers(wan, tmp_path):
     from PIL import Image
 
@@ -127,10 +130,9 @@ def test_parity_holds_on_other_cpus_code_paths(variant):
     others = [here.with_name(f) for f in files]
     done = run_on_cpu_variant(variant, "cpu_variants", here, *others)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
-    # Four variants, TI2V's image-to-video, plain loading, the two I2V models, the two
-    # first-last-frame ones, video-to-video with each scheduler and VACE's three, none skipped
-    # by mistake.
-    assert re.search(r"^15 passed, \d+ deselected in", done.stdout, re.M), done.stdout[-2000:]
+    # Text-to-video (Wan2.1's VAE and Wan2.2's), plain loading, image-to-video, first-last-frame,
+    # video-to-video and VACE, none skipped by mistake.
+    assert re.search(r"^7 passed, \d+ deselected in", done.stdout, re.M), done.stdout[-2000:]
 
 
 def test_requests_share_one_pass_and_one_weight_crossing_per_step(wan, monkeypatch):

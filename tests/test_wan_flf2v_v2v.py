@@ -16,7 +16,7 @@ from megaslide.engine.loader import open_pipeline
 from megaslide.engine.request import RequestError, VideoRequest
 
 from wan_fixtures import NEGATIVE, PROMPT, build_tiny_wan
-from wan_reference import diffusers_run, first_difference, megaslide_run, rehome
+from wan_reference import diffusers_run, first_difference, megaslide_run, on_cpu_variants, rehome
 
 diffusers = pytest.importorskip("diffusers")
 
@@ -89,8 +89,7 @@ def check_parity(path, clip: VideoRequest, latents, frames) -> None:
         assert level_diff(batched.generate(clip), frames) <= 1, offload
 
 
-@pytest.mark.cpu_variants
-@pytest.mark.parametrize("variant", ["flf2v", "experts"])
+@pytest.mark.parametrize("variant", [on_cpu_variants("flf2v"), "experts"])
 def test_first_last_frame_same_video_as_diffusers(wan, variant):
     """FLF2V's two images' CLIP features side by side (its embedder's learnt positions on them),
     and the A14B-style model's last frame by the VAE alone, as WanImageToVideoPipeline makes them
@@ -155,8 +154,7 @@ def test_a_first_last_frame_directory_is_checked(wan, tmp_path):
             read_wan_config(path)
 
 
-@pytest.mark.cpu_variants
-@pytest.mark.parametrize("variant", ["unipc", "euler"])
+@pytest.mark.parametrize("variant", [on_cpu_variants("unipc"), "euler"])
 def test_video_to_video_same_video_as_diffusers(wan, variant):
     """The input video's first nine of twelve frames, resized to the clip, encoded, noised to
     the first of the steps kept (UniPC's `add_noise`, flow-matching Euler's `scale_noise`) with

@@ -16,7 +16,7 @@ from megaslide.engine.loader import open_pipeline
 from megaslide.engine.request import LoraChoice, RequestError, VideoRequest
 
 from wan_fixtures import NEGATIVE, PROMPT, build_tiny_wan
-from wan_reference import diffusers_run, first_difference, megaslide_run
+from wan_reference import diffusers_run, first_difference, megaslide_run, on_cpu_variants
 
 diffusers = pytest.importorskip("diffusers")
 
@@ -95,9 +95,9 @@ def level_diff(a: np.ndarray, b: np.ndarray) -> int:
     return int(np.abs(a.astype(int) - b.astype(int)).max())
 
 
-@pytest.mark.cpu_variants
 @pytest.mark.parametrize(
-    ("variant", "case"), [("vace", "all"), ("vace", "bare"), ("experts", "control")]
+    ("variant", "case"),
+    [on_cpu_variants("vace", "all"), ("vace", "bare"), ("experts", "control")],
 )
 def test_vace_same_video_as_diffusers(wan, variant, case):
     """Every step's latents (the reference images' frames with them) and the frames bitwise

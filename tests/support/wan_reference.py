@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from torch import nn
 
@@ -184,6 +185,12 @@ def first_difference(ours: list[torch.Tensor], theirs: list[torch.Tensor]) -> st
         if not torch.equal(a, b):
             return f"step {step}: max |diff| {(a - b).abs().max().item():.3g}"
     return None
+
+
+def on_cpu_variants(*values):
+    """A parametrized case that also runs on the other CPUs' code paths (marked `cpu_variants`):
+    one case per task is enough there, the kernels being what differs."""
+    return pytest.param(*values, marks=pytest.mark.cpu_variants)
 
 
 def run_on_cpu_variant(variant: str, marker: str, *test_files: Path) -> subprocess.CompletedProcess:
