@@ -1,4 +1,5 @@
 import multiprocessing.process
+import os
 import subprocess
 import sys
 import sysconfig
@@ -109,10 +110,15 @@ def pytest_runtest_teardown(item):
         pytest.fail(f"started {', '.join(started)}: mark the test @pytest.mark.slow")
 
 
+# Two threads everywhere: CI has two cores, and a fixed count keeps CPU reductions in one order.
+# Under pytest-xdist (the README's `pytest -n 2`) each of the two workers takes one, so together
+# they use the two cores without oversubscribing them.
+THREADS = 1 if os.environ.get("PYTEST_XDIST_WORKER") else 2
+
+
 @pytest.fixture(autouse=True)
 def _deterministic_threads():
-    # Two threads everywhere: CI has two cores, and a fixed count keeps CPU reductions in one order.
-    torch.set_num_threads(2)
+    torch.set_num_threads(THREADS)
     yield
 
 
