@@ -2,6 +2,7 @@
 decoding against encoding overlapped with it.
 
     python benchmarks/wan_vae.py --json                            # 480x832, 5 frames
+    python benchmarks/wan_vae.py --height 192 --width 288 --json   # 2 tiles: minutes, not hours
     python benchmarks/wan_vae.py --height 720 --width 1280 --json
     python benchmarks/wan_vae.py --quick --json                    # a tiny VAE: the suite's form
 
@@ -12,12 +13,14 @@ Contenders, each in its own process, one after the other:
 
 - `diffusers`: `vae.decode(z)` then the pipeline's postprocessing to uint8, the whole clip at once
   (what the Wan family did before chunking);
-- `chunked`: engine/wan/vae_decode.py's `frame_chunks` on the unfused VAE (each chunk's uint8
-  frames kept, the float video never whole);
-- `chunked_fused`: the same after `fuse_chains` (the family's decode now);
+- `chunked_fused`: engine/wan/vae_decode.py's `frame_chunks` after `fuse_chains`, tiles in
+  diffusers' order (`order="tiles"`: the family's decode now), each chunk's uint8 frames kept;
 - `decode_then_encode`: `chunked_fused`, its frames concatenated, then `write_mp4`;
 - `overlapped`: `write_mp4_chunks` taking `chunked_fused`'s chunks, encoding on a thread while
-  the next chunk decodes (what `megaslide generate` does now).
+  the next chunk decodes (what `megaslide generate` does now);
+- `frames_order`, `overlapped_frames_order`: the same with `order="frames"` (every tile's cache
+  alive, every chunk out as soon as it exists);
+- `chunked`: `chunked_fused` on the unfused VAE (what fusing the chains alone changes).
 
 Each reports wall and CPU seconds, and the peak resident memory of its process above what it held
 before the decode (`peak_rss_above_start_mb`: Linux's VmHWM, reset through
@@ -47,8 +50,16 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "support"))
 
-CONTENDERS = ("diffusers", "chunked", "chunked_fused", "decode_then_encode", "overlapped")
-ENCODERS = ("decode_then_encode", "overlapped")
+CONTENDERS = (
+    "diffusers",
+    "chunked_fused",
+    "decode_then_encode",
+    "overlapped",
+    "frames_order",
+    "overlapped_frames_order",
+    "chunked",
+)
+ENCODERS = ("decode_then_encode", "overlapped", "overlapped_frames_order")
 
 
 def build_vae(quick: bool):
@@ -99,8 +110,9 @@ def run_one(name: str, args) -> dict:
 
     torch.set_num_threads(args.threads)
     vae = build_vae(args.quick)
-    if name in ("chunked_fused", *ENCODERS):
+    if name not in ("diffusers", "chunked"):
         fuse_chains(vae)
+    order = "frames" if name.endswith("frames_order") else "tiles"
     ratio = vae.spatial_compression_ratio
     g = torch.Generator().manual_seed(1)
     latent_frames = 1 + (args.frames - 1) // 4
@@ -113,7 +125,7 @@ def run_one(name: str, args) -> dict:
     fed = []
 
     def fed_chunks():
-        for c in frame_chunks(vae, z):
+        for c in frame_chunks(vae, z, order=order):
             fed.append(c[0])
             yield c[0]
 
@@ -127,8 +139,8 @@ def run_one(name: str, args) -> dict:
             frames = (video.permute(0, 2, 3, 4, 1).float() * 255).round().to(torch.uint8)
             frames = frames.numpy()[0]
             out["frames_sha256"] = digest([frames])
-        elif name in ("chunked", "chunked_fused"):
-            chunks = [c[0] for c in frame_chunks(vae, z)]
+        elif name in ("chunked", "chunked_fused", "frames_order"):
+            chunks = [c[0] for c in frame_chunks(vae, z, order=order)]
             out["frames_sha256"] = digest(chunks)
         elif name == "decode_then_encode":
             chunks = list(fed_chunks())
@@ -176,8 +188,7 @@ def main(argv=None) -> int:
         if done.returncode:
             raise SystemExit(f"{n} failed:\n{done.stderr[-4000:]}")
         results[n] = json.loads(done.stdout.strip().splitlines()[-1])
-        if not args.json:
-            print(n, results[n], file=sys.stderr)
+        print(n, json.dumps(results[n]), file=sys.stderr, flush=True)
     digests = {r["frames_sha256"] for r in results.values()}
     mp4s = {r["mp4_frames_sha256"] for r in results.values() if "mp4_frames_sha256" in r}
     base = results.get("diffusers")

@@ -296,12 +296,14 @@ def test_wan_vae_benchmark_quick():
     runs = r["contenders"]
     assert set(runs) == {
         "diffusers",
-        "chunked",
         "chunked_fused",
         "decode_then_encode",
         "overlapped",
+        "frames_order",
+        "overlapped_frames_order",
+        "chunked",
     }
-    # Every contender made the same uint8 frames; both encoders' MP4s decode to the same frames.
+    # Every contender made the same uint8 frames; the encoders' MP4s decode to the same frames.
     assert r["bitwise"] and r["mp4_frames_identical"]
     assert all(run["seconds"] > 0 and run["peak_rss_above_start_mb"] >= 0 for run in runs.values())
     assert r["speedup_vs_diffusers"]["overlapped"] == (

@@ -75,10 +75,15 @@ def fused(vae, norm="exact"):
 KEYS = [(v, t) for v in ("wan2.1", "wan2.2") for t in ("untiled", "tiled")]
 
 
-@pytest.mark.parametrize("key", KEYS, ids=["-".join(k) for k in KEYS])
-def test_chunks_of_the_fused_vae_are_diffusers_decode_bit_for_bit(vaes, decoded, key):
+CASES = [(v, t, o) for v, t in KEYS for o in (("tiles", "frames") if t == "tiled" else ("tiles",))]
+
+
+@pytest.mark.parametrize("case", CASES, ids=["-".join(c) for c in CASES])
+def test_chunks_of_the_fused_vae_are_diffusers_decode_bit_for_bit(vaes, decoded, case):
+    *key, order = case
+    key = tuple(key)
     vae, z = vaes[key]
-    chunks = list(decode_chunks(fused(vae), z))
+    chunks = list(decode_chunks(fused(vae), z, order=order))
     # One chunk a latent frame: its first frame alone, then 4 frames each.
     assert [c.shape[2] for c in chunks] == [1, 4]
     assert torch.equal(bits(torch.cat(chunks, dim=2)), bits(decoded[key]))
@@ -135,9 +140,12 @@ def test_sliced_rows_decode_as_diffusers_slices_them(vaes):
     assert torch.equal(bits(got), bits(torch.cat(want)))
 
 
-def test_fuse_chains_names_a_bad_norm(vaes):
+def test_bad_norms_and_orders_are_named(vaes):
+    vae, z = vaes["wan2.1", "untiled"]
     with pytest.raises(ValueError, match="norm must be one of"):
-        fuse_chains(copy.deepcopy(vaes["wan2.1", "untiled"][0]), norm="fast")
+        fuse_chains(copy.deepcopy(vae), norm="fast")
+    with pytest.raises(ValueError, match="order must be one of"):
+        next(decode_chunks(vae, z, order="rows"))
 
 
 # ---------------------------------------------------------------------- overlapped MP4 encoding

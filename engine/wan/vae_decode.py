@@ -6,19 +6,27 @@ the chunks, clamps the whole video, and only then returns. `decode_chunks` makes
 in the same order on the same tensors, but yields each latent frame's pixels (1 frame for the
 first latent frame, 4 for each later one with Wan's VAEs) as soon as they are decoded, clamped
 as diffusers clamps them. A caller that encodes or postprocesses chunk by chunk never holds the
-whole float video, and its chunks are bitwise `vae.decode(z).sample[:, :, t0:t1]`: the decoder
+float video concatenated, nor the postprocessing's copies of it, and its chunks are bitwise `vae.decode(z).sample[:, :, t0:t1]`: the decoder
 calls are diffusers' own, and what follows them (the tiles' blending, `unpatchify`, the clamp)
 is elementwise or a copy, the same value for an element whatever the length of the video.
 
-Tiling (`vae.enable_tiling()`, what the Wan family turns on) decodes each spatial tile through
-all its frames before the next tile, with one cache; here every tile keeps its own cache and all
-tiles advance a latent frame together, so the chunk of a latent frame can be blended as soon as
-its last tile is decoded. The blend is diffusers' `blend_v` / `blend_h` in diffusers' order on
-the chunk's tiles. Caution, memory: the tiles' caches are alive together, about 9 KB a pixel
-for Wan2.1's decoder (times the tiles' overlap, 1.66 at 480x832): 6 GB at 480p, where diffusers
-holds one tile's cache but every tile's fp32 output of the whole clip (12 bytes a pixel and
-frame, 1.66 times too) and two copies of the video while it concatenates them. Which peak is
-lower depends on the frame count; benchmarks/wan_vae.py measures both.
+Tiling (`vae.enable_tiling()`, what the Wan family turns on above 256 pixels a side) decodes
+each spatial tile through all its frames before the next tile, with one cache alive; the chunk of
+a latent frame then needs every tile's output of that frame. Two orders (`decode_chunks`'s
+`order`), both bitwise diffusers' (the blend is diffusers' `blend_v` / `blend_h`, in diffusers'
+order, on the chunk's tiles):
+
+- "tiles" (the default) decodes as diffusers does and keeps every tile's 3-channel output of the
+  clip (12 bytes a pixel and frame, times the tiles' overlap: 1.66 at 480x832), the last tile
+  decoded a latent frame at a time as its chunks are taken. Its memory is diffusers' without the
+  copies diffusers makes of the whole video after the tiles (the concatenations, the clamp, the
+  postprocessing's intermediates): each chunk is blended, clamped and turned to uint8 alone.
+- "frames" gives every tile its own cache and advances all tiles a latent frame together, so each
+  chunk comes out as soon as it exists (an encoder overlaps the whole decode). Caution: the
+  caches of all tiles are alive together, 9.5 KB a pixel for Wan2.1's decoder (measured: the last
+  two input frames of its 30-odd causal convolutions), times the overlap: 6.3 GB at 480x832 and
+  14 GB at 720x1280, whatever the frame count, against "tiles"' 0.6 GB (one 256-pixel tile's
+  cache) plus 8 MB (480p) or 18 MB (720p) a frame. Below about 780 frames "tiles" holds less.
 
 `fuse_chains` rewrites the decoder's elementwise chains in place, bitwise:
 
@@ -64,6 +72,7 @@ import torch.nn.functional as F
 from torch import nn
 
 NORMS = ("exact", "sum")
+ORDERS = ("tiles", "frames")  # how a tiled decode walks its tiles and frames: decode_chunks
 
 
 # ---------------------------------------------------------------------- fused chains
@@ -163,9 +172,9 @@ class _TileStream:
         return self.vae.decoder(frame, feat_cache=self.cache, feat_idx=[0], first_chunk=(k == 0))
 
 
-def _group_chunks(vae, z: torch.Tensor) -> Iterator[torch.Tensor]:
+def _group_chunks(vae, z: torch.Tensor, order: str) -> Iterator[torch.Tensor]:
     """`vae._decode(z).sample` (tiled or not, as `vae.use_tiling` and the size decide) a latent
-    frame at a time: `(B, 3, f, H, W)` chunks, clamped to [-1, 1]."""
+    frame at a time: `(B, 3, f, H, W)` chunks, clamped to [-1, 1]; tiled, in `order`."""
     from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
 
     _, _, frames, height, width = z.shape
@@ -174,7 +183,7 @@ def _group_chunks(vae, z: torch.Tensor) -> Iterator[torch.Tensor]:
     min_h = vae.tile_sample_min_height // ratio
     min_w = vae.tile_sample_min_width // ratio
     if not (vae.use_tiling and (width > min_w or height > min_h)):
-        stream = _TileStream(vae, z, quant_whole=True)
+        stream = _TileStream(vae, z, quant_whole=True)  # one cache: the order does not matter
         for k in range(frames):
             out = stream.decode(k)
             if patch is not None:
@@ -195,15 +204,16 @@ def _group_chunks(vae, z: torch.Tensor) -> Iterator[torch.Tensor]:
     else:
         blend_h = vae.tile_sample_min_height - sample_stride_h
         blend_w = vae.tile_sample_min_width - sample_stride_w
-    streams = [
-        [
-            _TileStream(vae, z[:, :, :, i : i + min_h, j : j + min_w], quant_whole=False)
-            for j in range(0, width, stride_w)
-        ]
+    tiles = [
+        [z[:, :, :, i : i + min_h, j : j + min_w] for j in range(0, width, stride_w)]
         for i in range(0, height, stride_h)
     ]
-    for k in range(frames):
-        rows = [[s.decode(k) for s in row] for row in streams]  # (B, c, f, th, tw) each
+    if order == "frames":  # every tile's cache alive: each chunk as soon as its tiles are decoded
+        streams = [[_TileStream(vae, t, quant_whole=False) for t in row] for row in tiles]
+        decoded = ([[s.decode(k) for s in row] for row in streams] for k in range(frames))
+    else:
+        decoded = _tile_major(vae, tiles, frames)
+    for rows in decoded:  # (B, c, f, th, tw) each
         result_rows = []
         for i, row in enumerate(rows):
             result_row = []
@@ -222,20 +232,47 @@ def _group_chunks(vae, z: torch.Tensor) -> Iterator[torch.Tensor]:
         yield out.clamp_(-1.0, 1.0)
 
 
+def _tile_major(vae, tiles: list[list[torch.Tensor]], frames: int):
+    """The tiles' decoded chunks, latent frame by latent frame, decoding as diffusers does: each
+    tile through all its frames with one cache alive. The last tile is decoded a frame at a
+    time as its chunks are taken, so the first chunk is out before the whole clip is decoded."""
+    flat = [t for row in tiles for t in row]
+    done = []
+    for t in flat[:-1]:
+        stream = _TileStream(vae, t, quant_whole=False)
+        done.append([stream.decode(k) for k in range(frames)])
+        del stream  # its cache: one tile's alive at a time
+    last = _TileStream(vae, flat[-1], quant_whole=False)
+    cols = len(tiles[0])
+    for k in range(frames):
+        chunk = [d[k] for d in done] + [last.decode(k)]
+        for d in done:
+            d[k] = None  # the chunk's tiles are freed once it is blended
+        yield [chunk[r * cols : (r + 1) * cols] for r in range(len(tiles))]
+
+
 @torch.no_grad()
-def decode_chunks(vae, z: torch.Tensor) -> Iterator[torch.Tensor]:
+def decode_chunks(vae, z: torch.Tensor, *, order: str = "tiles") -> Iterator[torch.Tensor]:
     """Latents `(B, C, F', H', W')` (the VAE's own scale: not normalised) -> pixel chunks
     `(B, 3, f, H, W)` in [-1, 1], one a latent frame, whose concatenation over time is bitwise
     `vae.decode(z).sample` (with `vae.use_slicing`, each row's chunks are decoded alone and
-    concatenated over the rows, as diffusers decodes the slices)."""
+    concatenated over the rows, as diffusers decodes the slices).
+
+    `order` matters when the VAE tiles: "tiles" decodes as diffusers does, one tile through all
+    frames at a time, and hands the chunks out as the last tile decodes (memory: one tile's cache
+    and every tile's 3-channel output); "frames" advances all tiles a latent frame at a time, so
+    every chunk comes out as soon as it exists (memory: every tile's cache, see the module
+    docstring; independent of the frame count)."""
     if z.ndim != 5:
         raise ValueError(f"latents must be (B, C, F, H, W), got shape {tuple(z.shape)}")
+    if order not in ORDERS:
+        raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
     if vae.use_slicing and z.shape[0] > 1:
-        groups = [_group_chunks(vae, row) for row in z.split(1)]
+        groups = [_group_chunks(vae, row, order) for row in z.split(1)]
         for chunks in zip(*groups, strict=True):
             yield torch.cat(chunks)
         return
-    yield from _group_chunks(vae, z)
+    yield from _group_chunks(vae, z, order)
 
 
 def to_frames(chunk: torch.Tensor) -> np.ndarray:
@@ -248,10 +285,10 @@ def to_frames(chunk: torch.Tensor) -> np.ndarray:
     return np.ascontiguousarray(u8.cpu().numpy())
 
 
-def frame_chunks(vae, z: torch.Tensor) -> Iterator[np.ndarray]:
+def frame_chunks(vae, z: torch.Tensor, *, order: str = "tiles") -> Iterator[np.ndarray]:
     """`decode_chunks` postprocessed: uint8 `(B, f, H, W, 3)` a latent frame at a time."""
-    for chunk in decode_chunks(vae, z):
+    for chunk in decode_chunks(vae, z, order=order):
         yield to_frames(chunk)
 
 
-__all__ = ["NORMS", "decode_chunks", "frame_chunks", "fuse_chains", "to_frames"]
+__all__ = ["NORMS", "ORDERS", "decode_chunks", "frame_chunks", "fuse_chains", "to_frames"]
