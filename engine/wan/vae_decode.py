@@ -90,7 +90,7 @@ def _rms_norm(self, x: torch.Tensor, *, norm: str) -> torch.Tensor:
     y = torch.div(x, denom)  # the one new tensor: (B, C, ...)
     y.mul_(self.scale)
     y.mul_(self.gamma)
-    if isinstance(self.bias, torch.Tensor):  # the float 0.0 (no bias): see the module docstring
+    if isinstance(self.bias, torch.Tensor) or self.bias != 0.0:  # 0.0: see the module docstring
         y.add_(self.bias)
     return y
 
@@ -143,8 +143,8 @@ def fuse_chains(vae: nn.Module, *, norm: str = "exact") -> None:
     for module in vae.modules():
         if isinstance(module, WanRMS_norm):
             module.forward = functools.partial(_rms_norm, module, norm=norm)
-        elif isinstance(module, WanResidualBlock):
-            module.forward = _residual_block.__get__(module)
+        elif isinstance(module, WanResidualBlock) and isinstance(module.nonlinearity, nn.SiLU):
+            module.forward = _residual_block.__get__(module)  # (Wan's VAEs: SiLU everywhere)
         elif isinstance(module, WanDecoder3d | WanEncoder3d):
             # The head's SiLU follows `norm_out` (a new tensor): it may run in place.
             if isinstance(module.nonlinearity, nn.SiLU):
