@@ -21,6 +21,8 @@ order, on the chunk's tiles):
   decoded a latent frame at a time as its chunks are taken. Its memory is diffusers' without the
   copies diffusers makes of the whole video after the tiles (the concatenations, the clamp, the
   postprocessing's intermediates): each chunk is blended, clamped and turned to uint8 alone.
+  Caution: on a CPU with glibc's default malloc settings the process's measured peak is no lower
+  than diffusers' (its heap keeps what the chunks free: docs/benchmarks.md, "Wan VAE decode").
 - "frames" gives every tile its own cache and advances all tiles a latent frame together, so each
   chunk comes out as soon as it exists (an encoder overlaps the whole decode). Caution: the
   caches of all tiles are alive together, 9.5 KB a pixel for Wan2.1's decoder (measured: the last
