@@ -19,7 +19,9 @@ x264's other code paths (C, SSE, AVX2) give bit-identical output, so the bytes d
 the CPU either.
 4:2:0 chroma needs even width and height; odd sizes are rejected, not silently padded. The file is
 written under a temporary name in the target directory and renamed on success, so a failed write
-never leaves a partial file at `path`.
+never leaves a partial file at `path`. `write_mp4_chunks` encodes on a thread while its caller
+makes the next chunk of frames (a decoder), through a queue of a few chunks: the same frames in
+the same order as `write_mp4`, so the same file.
 
 Decoding uses PyAV (FFmpeg): mp4, webm, gif and anything else FFmpeg reads, plus folders of frames
 (png/jpg/jpeg/webp/bmp, sorted by name with numbers compared as numbers, so frame2 < frame10).
@@ -30,9 +32,12 @@ Decoding uses PyAV (FFmpeg): mp4, webm, gif and anything else FFmpeg reads, plus
 from __future__ import annotations
 
 import functools
+import itertools
 import os
+import queue
 import re
-from collections.abc import Iterator
+import threading
+from collections.abc import Iterable, Iterator
 from fractions import Fraction
 from pathlib import Path
 
@@ -48,6 +53,11 @@ SAMPLING_MODES = ("uniform", "first")
 # x264's frame threads for every encode: a constant, so that the bytes do not follow the host.
 # (Frame threads, not slices: slices cost 5-15% in size at the same quality.)
 ENCODER_THREADS = 4
+# Chunks `write_mp4_chunks` lets wait for the encoder: enough to keep it busy across a decoder's
+# uneven chunks (Wan: 1 frame, then 4), few enough that frames do not pile up in memory.
+ENCODE_QUEUE_DEPTH = 2
+_PUT_POLL_S = 0.1  # how often a producer waiting on a full queue checks that the encoder lives
+_END, _ABORT = object(), object()  # the queue's last item: all sent, or the producer failed
 # x264's name for each x86 feature it uses, by the flag /proc/cpuinfo lists for it (AVX-512 left
 # out: see the module docstring). x264 implies MMX2 from SSE, as the CPU does.
 X264_CPU_FEATURES = {
@@ -150,29 +160,124 @@ def write_mp4(
     if n == 0:
         raise ValueError("no frames to write")
     check_even(w, h, param="frames")
+    rate = _encoder_rate(fps, crf)
+    return atomic_write(path, lambda tmp: _encode(tmp, iter([u8]), rate, crf, preset))
+
+
+def write_mp4_chunks(
+    path: str | os.PathLike,
+    chunks: Iterable,
+    fps: int | float | Fraction = 16,
+    *,
+    crf: int = 18,
+    preset: str = "medium",
+    depth: int = ENCODE_QUEUE_DEPTH,
+) -> int:
+    """`write_mp4` of the frames of consecutive chunks (each uint8 ``(f, H, W, 3)``, or float as
+    `write_mp4` takes them), encoded on a thread while the caller's iterator makes the next
+    chunk (a decoder: `Pipeline.finish_chunks`); returns the number of frames written.
+
+    At most `depth` chunks wait between the two, so a fast decoder does not pile frames up in
+    memory. The encoder receives the same uint8 frames in the same order as `write_mp4` of their
+    concatenation, so the file is the same. If the iterator raises, or a chunk's size differs
+    from the first's, the encoder stops, no file is published at `path`, and the error is raised
+    here; an encoder error is raised here too (the iterator is not drawn further)."""
+    if depth < 1:
+        raise ValueError(f"depth must be >= 1, got {depth}")
+    rate = _encoder_rate(fps, crf)
+    waiting: queue.Queue = queue.Queue(maxsize=depth)
+    failure: list[BaseException] = []
+
+    def received() -> Iterator[np.ndarray]:
+        while (item := waiting.get()) is not _END:
+            if item is _ABORT:
+                raise _Aborted("the frames' producer failed")
+            yield item
+
+    def encoder() -> None:
+        try:
+            atomic_write(path, lambda tmp: _encode(tmp, received(), rate, crf, preset))
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread below
+            failure.append(exc)
+
+    thread = threading.Thread(target=encoder, name="mp4-encoder", daemon=True)
+    thread.start()
+
+    def hand(item) -> bool:
+        """Queue `item` for the encoder; False once the encoder has stopped (it failed)."""
+        while thread.is_alive():
+            try:
+                waiting.put(item, timeout=_PUT_POLL_S)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    count, size = 0, None
+    try:
+        for chunk in chunks:
+            u8 = to_uint8_frames(chunk)
+            if size is None:
+                size = u8.shape[1:3]
+                check_even(size[1], size[0], param="frames")
+            elif u8.shape[1:3] != size:
+                raise ValueError(
+                    f"frames: a chunk is {u8.shape[2]}x{u8.shape[1]}, the first was "
+                    f"{size[1]}x{size[0]}"
+                )
+            if len(u8) and not hand(u8):
+                break  # the encoder failed: its error is raised below
+            count += len(u8)
+        else:
+            if count == 0:
+                raise ValueError("no frames to write")
+            hand(_END)
+    except BaseException:
+        hand(_ABORT)  # the encoder drops its temporary file and stops
+        thread.join()
+        raise
+    thread.join()
+    if failure:
+        raise failure[0]
+    return count
+
+
+class _Aborted(Exception):
+    """The frames' producer failed: the encoder stops and publishes nothing."""
+
+
+def _encoder_rate(fps, crf: int) -> Fraction:
+    """The stream's frame rate, after checking the encoder's settings."""
     if not 0 <= crf <= 51:
         raise ValueError(f"crf must be in [0, 51], got {crf}")
     rate = Fraction(fps).limit_denominator(1001)
     if rate <= 0:
         raise ValueError(f"fps must be > 0, got {fps}")
+    return rate
 
+
+def _encode(tmp: Path, chunks: Iterator[np.ndarray], rate: Fraction, crf: int, preset: str) -> None:
+    """Encode checked uint8 chunks ``(f, H, W, 3)`` of one size, at least one frame in all, to
+    an MP4 at `tmp`."""
     import av
 
-    def encode(tmp: Path) -> None:
-        # A real file path, not a buffer: +faststart rewrites the file to move the index first.
-        options = {"movflags": "+faststart"}
-        with av.open(str(tmp), mode="w", format="mp4", container_options=options) as container:
-            stream = container.add_stream("libx264", rate=rate)
-            stream.width, stream.height, stream.pix_fmt = w, h, "yuv420p"
-            stream.time_base = 1 / rate
-            stream.options = {"crf": str(crf), "preset": preset, "x264-params": _x264_params()}
-            for i in range(n):
-                frame = av.VideoFrame.from_ndarray(u8[i], format="rgb24")
+    first = next(chunks)
+    _, h, w, _ = first.shape
+    # A real file path, not a buffer: +faststart rewrites the file to move the index first.
+    options = {"movflags": "+faststart"}
+    with av.open(str(tmp), mode="w", format="mp4", container_options=options) as container:
+        stream = container.add_stream("libx264", rate=rate)
+        stream.width, stream.height, stream.pix_fmt = w, h, "yuv420p"
+        stream.time_base = 1 / rate
+        stream.options = {"crf": str(crf), "preset": preset, "x264-params": _x264_params()}
+        i = 0
+        for u8 in itertools.chain([first], chunks):
+            for frame_u8 in u8:
+                frame = av.VideoFrame.from_ndarray(frame_u8, format="rgb24")
                 frame.pts = i  # constant frame rate: frame i at i / fps seconds
+                i += 1
                 container.mux(stream.encode(frame))
-            container.mux(stream.encode(None))  # flush the encoder's delayed frames
-
-    return atomic_write(path, encode)
+        container.mux(stream.encode(None))  # flush the encoder's delayed frames
 
 
 @functools.cache  # the CPU's flags do not change while the process runs: read them once

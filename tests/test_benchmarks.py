@@ -292,3 +292,27 @@ def test_samplers_benchmark_quick():
     assert half["row_passes_per_clip"] == 6 and half["row_pass_saving"] == 0.25
     assert half["meets_goal"] in (True, False) and "adherence_drop_points" in half
     assert by["euler 4 steps"]["passes_per_clip"] == 4 and by["consistency"]["psnr_db"] < 100
+
+
+def test_wan_vae_benchmark_quick():
+    # Four of its contenders (a process each): diffusers', the family's, and both encoders.
+    r = run_json(
+        "benchmarks/wan_vae.py",
+        "--quick",
+        "--contenders",
+        "diffusers,chunked_fused,decode_then_encode,overlapped_frames_order",
+        "--json",
+    )
+    runs = r["contenders"]
+    assert list(runs) == [
+        "diffusers",
+        "chunked_fused",
+        "decode_then_encode",
+        "overlapped_frames_order",
+    ]
+    # Every contender made the same uint8 frames; the encoders' MP4s decode to the same frames.
+    assert r["bitwise"] and r["mp4_frames_identical"]
+    assert all(run["seconds"] > 0 and run["peak_rss_above_start_mb"] >= 0 for run in runs.values())
+    assert r["speedup_vs_diffusers"]["chunked_fused"] == (
+        runs["diffusers"]["seconds"] / runs["chunked_fused"]["seconds"]
+    )

@@ -378,11 +378,10 @@ def run_generate(args) -> int:
             pipe.denoise_step([state])
             step_times.append(time.perf_counter() - start)
             bar.update(1)
-    frames = pipe.finish(state)
+    from megaslide.engine.video import write_mp4_chunks
 
-    from megaslide.engine.video import write_mp4
-
-    write_mp4(args.output, frames, fps=video.fps)
+    # The MP4 encoder takes each chunk of frames on its own thread while the next one decodes.
+    frames = write_mp4_chunks(args.output, pipe.finish_chunks(state), fps=video.fps)
     if args.stats:
         stats = {
             "steps": video.steps,
@@ -403,7 +402,7 @@ def run_generate(args) -> int:
         pipe.write_trace(args.trace)
     cached = f", {state.passes} passes for {video.steps} steps" if video.cache else ""
     print(
-        f"wrote {args.output} ({len(frames)} frames, {video.width}x{video.height}, {video.fps} fps"
+        f"wrote {args.output} ({frames} frames, {video.width}x{video.height}, {video.fps} fps"
         f"{cached})",
         file=sys.stderr,
     )
@@ -486,7 +485,7 @@ def run_generate_on_devices(args, info, video, placement: Placement, adapters) -
         }
         Path(args.stats).write_text(json.dumps(stats, indent=2) + "\n")
     print(
-        f"wrote {args.output} ({len(frames)} frames, {video.width}x{video.height}, {video.fps} fps, "
+        f"wrote {args.output} ({frames} frames, {video.width}x{video.height}, {video.fps} fps, "
         f"{len(devices)} devices)",
         file=sys.stderr,
     )

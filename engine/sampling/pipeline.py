@@ -402,6 +402,12 @@ class Pipeline(VideoModel, ABC):
         """Decode a finished state to uint8 frames `(F, H, W, 3)`."""
         return self.finish_batch([state])[0]
 
+    def finish_chunks(self, state) -> Iterator[np.ndarray]:
+        """`finish` in consecutive uint8 chunks `(f, H, W, 3)` as the decoder makes them, so a
+        consumer (video.write_mp4_chunks) can take each while the next decodes; a family whose
+        decoder is not causal in time yields the whole clip as one chunk."""
+        yield self.finish(state)
+
     @abstractmethod
     def finish_batch(self, states: list) -> list[np.ndarray]:
         """`finish` for states that finish together, `decode_chunk` per pass of the autoencoder

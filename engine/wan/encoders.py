@@ -4,6 +4,7 @@ encoder), shared by sampling (family.py) and the fine-tuning cache (training.py)
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -11,6 +12,7 @@ import torch
 from torch import nn
 
 from .config import TEXT_TOKENS, WanConfig
+from .vae_decode import frame_chunks, fuse_chains
 
 
 def libraries():
@@ -109,25 +111,26 @@ class WanEncoders:
         mean, std_inv = self._normalisation(latent)
         return (latent - mean) * std_inv
 
+    def _vae_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        """Normalised latents -> the VAE's own scale, on its device and in its dtype."""
+        latents = latents.to(self.device, self.vae.dtype)
+        mean, std_inv = self._normalisation(latents)
+        return latents / std_inv + mean
+
+    @torch.no_grad()
+    def frames(self, latents: torch.Tensor) -> Iterator[np.ndarray]:
+        """Normalised latents `(B, C, F', H', W')` -> uint8 frames `(B, f, H, W, 3)`, a latent
+        frame's at a time as the VAE decodes them (vae_decode.py: 1 frame, then 4 per latent
+        frame), so the caller never holds the float video. Their concatenation over time is
+        `decode(latents)`."""
+        yield from frame_chunks(self.vae, self._vae_latents(latents))
+
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> np.ndarray:
         """Normalised latents `(B, C, F', H', W')` -> uint8 frames `(B, F, H, W, 3)`, in one pass
-        of the VAE (its activations grow with B: the caller bounds it)."""
-        latents = latents.to(self.device, self.vae.dtype)
-        mean, std_inv = self._normalisation(latents)
-        video = self.vae.decode(latents / std_inv + mean, return_dict=False)[0]  # (B, 3, F, H, W)
-        video = (video / 2 + 0.5).clamp(0, 1)  # diffusers' denormalisation
-        frames = video.permute(0, 2, 3, 4, 1).float()  # (B, F, H, W, 3) in [0, 1]
-        return (frames * 255).round().to(torch.uint8).cpu().numpy()
-
-
-def _channel_rms_norm(self, x: torch.Tensor) -> torch.Tensor:
-    """`WanRMS_norm.forward` over the channels of an fp32 `(B, C, ...)`, its norm as a sum of
-    squares (see `fast_vae_norms`)."""
-    if not self.channel_first or x.dtype != torch.float32:
-        return type(self).forward(self, x)
-    norm = (x * x).sum(dim=1, keepdim=True).sqrt().clamp_min(1e-12)  # (B, 1, ...): F.normalize's
-    return x / norm * self.scale * self.gamma + self.bias
+        of the VAE (its activations grow with B: the caller bounds it): bitwise `vae.decode` and
+        diffusers' postprocessing (diffusers' own with the reference mode's exact norms)."""
+        return np.concatenate(list(self.frames(latents)), axis=1)
 
 
 def fast_vae_norms(vae: nn.Module) -> None:
@@ -136,12 +139,9 @@ def fast_vae_norms(vae: nn.Module) -> None:
     channels of a `(B, C, T, H, W)` tensor many times slower (a fifth of a decode of the
     benchmark's clips). The same math, summed in another order: a few ulps apart, so frames
     within one uint8 level of diffusers' decode (a level where a value sits on a rounding edge,
-    about 5e-5 of them in `benchmarks/wan_batch.py`'s clips)."""
-    from diffusers.models.autoencoders.autoencoder_kl_wan import WanRMS_norm
-
-    for module in vae.modules():
-        if isinstance(module, WanRMS_norm):
-            module.forward = _channel_rms_norm.__get__(module)
+    about 5e-5 of them in `benchmarks/wan_batch.py`'s clips). The chains around the norms are
+    fused as `vae_decode.fuse_chains` fuses them (bitwise the unfused sum-of-squares norm)."""
+    fuse_chains(vae, norm="sum")
 
 
 __all__ = ["WanEncoders", "fast_vae_norms", "libraries"]

@@ -40,7 +40,10 @@ the loader from the directory's safetensors, so the streamer can keep their bloc
   latent is noised to the first step kept by the scheduler's `add_noise` (or `scale_noise`) with
   the noise drawn as the starting latents are;
 - latents are de-normalised with the VAE's `latents_mean` / `latents_std` and decoded (tiled
-  above 256 pixels, so decoding memory does not grow with the frame size).
+  above 256 pixels, so decoding memory does not grow with the frame size), a latent frame at a
+  time with the VAE's elementwise chains fused (vae_decode.py: bitwise the unfused VAE);
+  `finish_chunks` hands each latent frame's pixels out as they exist, for an MP4 encoder to
+  take while the next decode.
 
 Requests that arrive together have their prompts encoded in one UMT5 pass, and clips that finish
 together decode `decode_chunk` per VAE pass (pipeline.py's `DECODE_CHUNK`), each within a level
@@ -64,6 +67,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -92,6 +96,7 @@ from .config import TEXT_TOKENS, VACE_TRANSFORMER, WanConfig, weight_files
 from .encoders import WanEncoders, fast_vae_norms, libraries
 from .forward import WanCut, streamed_blocks
 from .prompt_cache import PromptCache, PromptKV, entry_bytes
+from .vae_decode import fuse_chains
 
 # Bytes of cross-attention keys and values the batched mode keeps across steps (prompt_cache.py):
 # the requests of a step fill entries in order while their total fits. 1 GiB holds 8 guided
@@ -514,6 +519,8 @@ class WanVideoPipeline(Pipeline, Sampler):
         self._keep: set[int] = set()  # ids of the states keeping keys and values this step
         if batched:  # the reference mode decodes with diffusers' own norms: bitwise its frames
             fast_vae_norms(self.encoders.vae)
+        else:  # the elementwise chains fused, bitwise diffusers' (vae_decode.py)
+            fuse_chains(self.encoders.vae, norm="exact")
 
     @property
     def device(self) -> torch.device:
@@ -988,3 +995,11 @@ class WanVideoPipeline(Pipeline, Sampler):
             for i, clip in zip(rows, clips):
                 frames[i] = clip
         return frames
+
+    def finish_chunks(self, state: WanState) -> Iterator[np.ndarray]:
+        """`finish` a latent frame's pixels at a time (1 frame, then 4 with Wan's VAEs): uint8
+        `(f, H, W, 3)` chunks as the VAE decodes them, whose concatenation is `finish(state)`."""
+        if not state.done:
+            raise RuntimeError(f"state is at step {state.step} of {state.num_steps}")
+        for chunk in self.encoders.frames(state.clip_latents()):  # (1, f, H, W, 3)
+            yield chunk[0]
