@@ -1001,5 +1001,6 @@ class WanVideoPipeline(Pipeline, Sampler):
         `(f, H, W, 3)` chunks as the VAE decodes them, whose concatenation is `finish(state)`."""
         if not state.done:
             raise RuntimeError(f"state is at step {state.step} of {state.num_steps}")
-        for chunk in self.encoders.frames(state.clip_latents()):  # (1, f, H, W, 3)
+        latents = state.clip_latents()[:, :, state.references :]  # without VACE's references
+        for chunk in self.encoders.frames(latents):  # (1, f, H, W, 3)
             yield chunk[0]
