@@ -165,44 +165,6 @@ def test_warm_up_compiles_the_default_shape(compiled):
     assert pipe.compile_stats()["dit"]["graphs"] == graphs
 
 
-def test_compiled_wan_with_a_lora_row_equals_eager(tmp_path_factory):
-    """A tiny Wan, a batch of a request with a LoRA adapter and one without: the adapter's hooks
-    run inside the compiled block, and the rows still get their own deltas."""
-    from lora_fixtures import write_peft
-    from wan_fixtures import CLIP, build_tiny_wan
-
-    root = tmp_path_factory.mktemp("compile-wan")
-    model, adapter = build_tiny_wan(root / "wan"), write_peft(root / "peft.safetensors", alpha=8)
-
-    def wan_request(loras=()):
-        return VideoRequest(
-            prompt="a red circle moving left",
-            negative_prompt="blurry",
-            height=32,
-            width=32,
-            frames=CLIP["num_frames"],
-            steps=2,
-            guidance=CLIP["guidance_scale"],
-            seed=3,
-            loras=tuple(loras),
-        )
-
-    requests = [wan_request([LoraChoice("a", 0.8)]), wan_request()]
-    runs = {}
-    for key, dtype, compile_ in (
-        ("oracle", torch.float64, False),
-        ("eager", torch.float32, False),
-        ("compiled", torch.float32, True),
-    ):
-        pipe = open_pipeline(model, dtype=dtype, compile=compile_, offload="stream")
-        pipe.add_adapter("a", adapter)
-        runs[key] = latents(pipe, requests)
-    check_close(runs["compiled"], runs["eager"], runs["oracle"])
-    assert not torch.equal(runs["eager"][0], runs["eager"][1])  # the adapter did something
-    stats = pipe.compile_stats()
-    assert stats and all(s["graph_breaks"] == 0 for s in stats.values()), stats
-
-
 def test_generate_stats_report_the_compiled_blocks(tmp_path):
     from megaslide.cli.main import main
 
@@ -245,24 +207,28 @@ def test_a_worker_warms_the_default_shape_and_counts_recompiles(tmp_path):
     assert counted == [1.0], counted
 
 
-def test_compiled_wan_vace_compiles_each_block_class_apart(tmp_path_factory):
+def test_compiled_wan_vace_with_a_lora_row_equals_eager(tmp_path_factory):
     """A tiny Wan VACE model, streamed: its VACE blocks and its blocks, two classes, each through
-    a compiled function of its own, equal to eager within fp32's error for a batch of two
-    requests of different conditioning scales with a reference image and a control video."""
+    a compiled function of its own, equal to eager within fp32's error for a batch of a request
+    with a LoRA adapter and one without, at other conditioning scales, with a reference image
+    and a control video: the adapter's hooks run inside the compiled blocks, and the rows still
+    get their own deltas."""
     import numpy as np
     from PIL import Image
 
     from megaslide.engine.video import write_mp4
 
+    from lora_fixtures import write_peft
     from wan_fixtures import build_tiny_wan
 
     root = tmp_path_factory.mktemp("compile-vace")
     model = build_tiny_wan(root / "vace", vace=True, layers=3)
+    adapter = write_peft(root / "peft.safetensors", alpha=8, blocks=3)
     rng = np.random.default_rng(0)
     Image.fromarray((rng.random((40, 48, 3)) * 255).astype(np.uint8)).save(root / "ref.png")
     control = write_mp4(root / "c.mp4", (rng.random((9, 32, 32, 3)) * 255).astype(np.uint8))
 
-    def vace_request(scale: float) -> VideoRequest:
+    def vace_request(scale: float, loras=()) -> VideoRequest:
         return VideoRequest(
             prompt="a red circle moving left",
             height=32,
@@ -274,9 +240,10 @@ def test_compiled_wan_vace_compiles_each_block_class_apart(tmp_path_factory):
             reference_images=(str(root / "ref.png"),),
             control_video=str(control),
             conditioning_scale=scale,
+            loras=tuple(loras),
         )
 
-    requests = [vace_request(0.5), vace_request(1.5)]
+    requests = [vace_request(0.5, [LoraChoice("a", 0.8)]), vace_request(0.5), vace_request(1.5)]
     runs = {}
     for key, dtype, compile_ in (
         ("oracle", torch.float64, False),
@@ -284,12 +251,16 @@ def test_compiled_wan_vace_compiles_each_block_class_apart(tmp_path_factory):
         ("compiled", torch.float32, True),
     ):
         pipe = open_pipeline(model, dtype=dtype, compile=compile_, offload="stream")
+        pipe.add_adapter("a", adapter)
         runs[key] = latents(pipe, requests)
     check_close(runs["compiled"], runs["eager"], runs["oracle"])
+    assert not torch.equal(runs["eager"][0], runs["eager"][1])  # the adapter did something
+    assert not torch.equal(runs["eager"][1], runs["eager"][2])  # and the scale
     compiled = pipe.compiled["transformer"]
     assert {kind.__name__ for kind in compiled.compiled} == {
         "WanVACETransformerBlock",
         "WanTransformerBlock",
     }
     assert all(c.graphs for c in compiled.counting.values())  # each class ran compiled
-    assert compiled.stats()["graph_breaks"] == 0
+    stats = pipe.compile_stats()
+    assert stats and all(s["graph_breaks"] == 0 for s in stats.values()), stats
