@@ -7,7 +7,8 @@
 #
 #   OUT=/tmp/results bash benchmarks/gpu_check.sh
 #   OUT=/tmp/results bash benchmarks/gpu_check.sh stream_protocol cuda_checks
-#   OUT=/tmp/results bash benchmarks/gpu_check.sh wan_e2e   # only by name: it needs the whole run
+#   OUT=/tmp/results bash benchmarks/gpu_check.sh wan_e2e      # only by name: each needs the
+#   OUT=/tmp/results bash benchmarks/gpu_check.sh preset_step  # whole run
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-results}
@@ -79,6 +80,12 @@ if [[ "$only" == *" wan_e2e "* ]] && python3 -c "import diffusers" 2>/dev/null; 
 elif [[ "$only" == *" wan_e2e "* ]]; then
   echo "== wan_e2e: skipped, diffusers is not installed (carry its wheels: scripts/gpu_wheels.sh)"
   status=1
+fi
+# The 105B preset streamed in fp8 with 3D-DSA: one 480p step against the planner's prediction
+# (benchmarks/preset_step.py). Opt-in by name too: drawing and encoding 105B random parameters
+# takes minutes of the run.
+if [[ "$only" == *" preset_step "* ]]; then
+  run preset_step 460 python3 benchmarks/preset_step.py --json
 fi
 # One video split over two GPUs (sequence parallel, NCCL), where the machine has two: the frames
 # against one GPU's, and the wall time with the ranks' start-up.

@@ -199,11 +199,19 @@ def build_model_dir(path: Path, tiny: bool) -> dict:
                 "diffusion_pytorch_model.safetensors",
             ),
         }
+    shapes = {folder: tensor_shapes(module) for folder, (module, _) in modules.items()}
+    need = sum(2 * torch.Size(s).numel() for each in shapes.values() for s in each.values())
+    free = shutil.disk_usage(path).free
+    if need > free:  # found now, not as a full disk halfway through 40 GB
+        raise SystemExit(
+            f"wan_e2e: the random model needs {need / 1e9:.1f} GB, {path} has "
+            f"{free / 1e9:.1f} GB free (--model-dir elsewhere)"
+        )
     g = torch.Generator().manual_seed(0)
     pool = (torch.randn(POOL_BYTES // 2, generator=g) * 0.02).to(torch.bfloat16)
     written = {
-        folder: write_random_safetensors(path / folder / file, tensor_shapes(module), pool)
-        for folder, (module, file) in modules.items()
+        folder: write_random_safetensors(path / folder / file, shapes[folder], pool)
+        for folder, (_, file) in modules.items()
     }
     record = {"tiny": tiny, "bytes": written}
     marker.write_text(json.dumps(record))
