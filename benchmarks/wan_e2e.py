@@ -17,10 +17,10 @@ levers; `WanPipeline.from_pretrained`), then samples one request of `--warmup` +
 and decodes it. Reported per contender: the opening time, each step's seconds, `per_step_s` (the
 median of the timed steps: after the warm-up step, which pays allocator growth; a compiled
 contender warms up one step more, as its blocks recompile at the second step, and a step that
-recompiled is never timed),
-`decode_s` (VAE decode and frame conversion), `run_s` (prompt to frames, measured) and the peak
-GPU memory. The 4- and 40-step figures are NOT measured: `e2e_s_extrapolated[n]` is `run_s` plus
-`n - steps_run` more steps at `per_step_s`, labelled so in the JSON.
+recompiled is never timed), `decode_s` (VAE decode and frame conversion), `run_s` (prompt to
+frames, measured), the peak GPU memory and, streamed, the planner's step time
+(`planned_step_s`). The 4- and 40-step figures are NOT measured: `e2e_s_extrapolated[n]` is
+`run_s` plus `n - steps_run` more steps at `per_step_s`, labelled so in the JSON.
 
 Contenders run in the order of CONTENDERS (the comparisons that matter most first). Before each,
 its time is estimated from those already run (twice as long when it compiles); one that would not
@@ -352,6 +352,25 @@ def resident_fits(device: str, model_bytes: dict) -> str | None:
     return None
 
 
+def planned_step_s(path: Path, options: dict, clip: dict, device: str) -> float | None:
+    """The planner's seconds per step for a streamed MegaSlide contender (its `Machine` defaults,
+    an H200's link and compute, with this device's memory); None for a resident one, which the
+    planner does not time."""
+    from megaslide.engine.placement import Placement
+    from megaslide.engine.planner import Machine, Workload, plan
+    from megaslide.engine.sources import describe, resolve_source
+
+    if options.get("offload") != "stream":
+        return None
+    machine = Machine()
+    if device == "cuda":
+        machine = Machine(gpu_mem=torch.cuda.get_device_properties(0).total_memory)
+    info = describe(resolve_source(str(path)), attention=options.get("attention", "dense"))
+    placement = Placement(offload="stream", weights=options.get("weights", "raw"))
+    clip_shape = {k: clip[k] for k in ("frames", "height", "width")}
+    return plan(info, machine, Workload.of(placement, **clip_shape))["time_s"]["step"]
+
+
 def skip_reason(
     name: str, walls: list[float], left: float, device: str, model_bytes: dict
 ) -> str | None:
@@ -487,6 +506,8 @@ def main(argv=None) -> int:
             try:
                 row.update(run(path, options, clip, warmup + args.timed, device, dtype))
                 summarise(row, warmup)
+                if implementation == "megaslide":
+                    row["planned_step_s"] = planned_step_s(path, options, clip, device)
             except Exception as e:  # one contender failing (out of memory, say) is a result
                 row["failed"] = f"{type(e).__name__}: {e}"[:500]
             row["wall_s"] = time.perf_counter() - t

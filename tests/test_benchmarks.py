@@ -339,6 +339,9 @@ def test_wan_e2e_benchmark_tiny():
         assert row["per_step_s"] == statistics.median(row["step_s"][1:])  # after the warm-up
         assert row["e2e_s_extrapolated"]["40"] == row["run_s"] + 37 * row["per_step_s"]
         assert row["decode_s"] > 0 and 0 < row["frames_mean"] < 255
+        if row["implementation"] == "megaslide":  # the planner times streaming only
+            streamed = row["options"]["offload"] == "stream"
+            assert (row["planned_step_s"] is not None) == streamed
     ours = r["speedups"]["megaslide_streamed"]
     assert ours["per_step_s_vs_diffusers_group_offload"] == (
         r["contenders"]["diffusers_group_offload"]["per_step_s"]
