@@ -241,36 +241,38 @@ def run_megaslide(path: Path, options: dict, clip: dict, steps: int, device: str
     peak_reset(device)
     start = time.perf_counter()
     pipe = open_pipeline(path, device=device, dtype=dtype, **options)
-    sync(device)
-    opened = time.perf_counter()
-    request = VideoRequest(prompt=PROMPT, negative_prompt=NEGATIVE, steps=steps, seed=0, **clip)
-    states = pipe.prepare_batch([pipe.resolve(request)])
-    sync(device)
-    prepared = time.perf_counter()
-    step_s, h2d, recompiles = [], [], []
-    while not all(s.done for s in states):
-        t = time.perf_counter()
-        counters = pipe.denoise_step(states)
+    try:  # a failed contender (out of memory) must not hold its memory into the next
         sync(device)
-        step_s.append(time.perf_counter() - t)
-        h2d.append(counters.get("h2d_bytes", 0))
-        recompiles.append(counters.get("compile_recompiles", 0))
-    t = time.perf_counter()
-    frames = pipe.finish_batch(states)[0]
-    sync(device)
-    done = time.perf_counter()
-    result = {
-        "open_s": opened - start,
-        "encode_s": prepared - opened,
-        "step_s": step_s,
-        "decode_s": done - t,
-        "run_s": done - opened,
-        "h2d_bytes_per_step": h2d[-1] if h2d else 0,
-        "compile_recompiles_by_step": recompiles,  # a timed step that recompiles is not steady
-        "frames_mean": float(frames.mean()),
-        "peak_gpu_bytes": peak_bytes(device),
-    }
-    pipe.close()
+        opened = time.perf_counter()
+        request = VideoRequest(prompt=PROMPT, negative_prompt=NEGATIVE, steps=steps, seed=0, **clip)
+        states = pipe.prepare_batch([pipe.resolve(request)])
+        sync(device)
+        prepared = time.perf_counter()
+        step_s, h2d, recompiles = [], [], []
+        while not all(s.done for s in states):
+            t = time.perf_counter()
+            counters = pipe.denoise_step(states)
+            sync(device)
+            step_s.append(time.perf_counter() - t)
+            h2d.append(counters.get("h2d_bytes", 0))
+            recompiles.append(counters.get("compile_recompiles", 0))
+        t = time.perf_counter()
+        frames = pipe.finish_batch(states)[0]
+        sync(device)
+        done = time.perf_counter()
+        result = {
+            "open_s": opened - start,
+            "encode_s": prepared - opened,
+            "step_s": step_s,
+            "decode_s": done - t,
+            "run_s": done - opened,
+            "h2d_bytes_per_step": h2d[-1] if h2d else 0,
+            "compile_recompiles_by_step": recompiles,  # a timed step that recompiles is not steady
+            "frames_mean": float(frames.mean()),
+            "peak_gpu_bytes": peak_bytes(device),
+        }
+    finally:
+        pipe.close()
     return result
 
 
