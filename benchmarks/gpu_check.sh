@@ -85,7 +85,7 @@ fi
 # (benchmarks/preset_step.py). Opt-in by name too: drawing and encoding 105B random parameters
 # takes minutes of the run.
 if [[ "$only" == *" preset_step "* ]]; then
-  run preset_step 460 python3 benchmarks/preset_step.py --json
+  run preset_step 460 python3 benchmarks/preset_step.py --json --out "$OUT/checks/preset_step.json"
 fi
 # One video split over two GPUs (sequence parallel, NCCL), where the machine has two: the frames
 # against one GPU's, and the wall time with the ranks' start-up.

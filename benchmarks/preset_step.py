@@ -16,6 +16,9 @@ compute figures): its `time_s.step`, the bound it names, and `step_over_planned`
 predicted. Caution: the planner's compute figure is an H200's; on another card the ratio measures
 the card as much as the planner.
 
+With `--out` the JSON is rewritten after the opening and each step, so a run stopped from outside
+keeps what it measured (the plan, at least, and how long the opening took).
+
 `--tiny` runs the same code on the CPU with the tiny preset (its default frames, 48x48), in seconds, so the
 script is tested without a GPU; its times say nothing about the planner's GPU figures.
 """
@@ -26,6 +29,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -45,6 +49,7 @@ def main(argv=None) -> int:
     ap.add_argument("--attention", default="dsa", help="self-attention backend")
     ap.add_argument("--frames", type=int, help="pixel frames (default 81; --tiny: the preset's)")
     ap.add_argument("--size", help="HxW in pixels (default 480x832; --tiny: 48x48)")
+    ap.add_argument("--out", type=Path, help="the JSON, rewritten after each phase")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     device = args.device or ("cpu" if args.tiny else "cuda")
@@ -72,10 +77,33 @@ def main(argv=None) -> int:
     workload = Workload.of(placement, frames=frames, height=height, width=width)
     planned = plan(info, machine, workload)
 
+    result = {
+        "preset": preset,
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "weights": args.weights,
+        "attention": args.attention,
+        "clip": {"frames": frames, "height": height, "width": width, "guidance": True},
+        "parameters": planned["parameters"],
+        "tokens": planned["tokens"],
+        "planned": {
+            "machine": vars(machine),
+            "time_s": planned["time_s"],
+            "h2d_bytes_per_step": planned["bytes_per_step"]["h2d"],
+            "host_total_bytes": planned["host"]["total"],
+            "device_total_bytes": planned["device"]["total"],
+        },
+    }
+
+    def save() -> None:
+        if args.out:
+            args.out.write_text(json.dumps(result, indent=2, default=str))
+
+    save()
     start = time.perf_counter()
     pipe = open_pipeline(info, placement)
     sync(device)
-    open_s = time.perf_counter() - start
+    result["open_s"] = time.perf_counter() - start
+    save()
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     request = VideoRequest(
@@ -94,29 +122,14 @@ def main(argv=None) -> int:
         sync(device)
         step_s.append(time.perf_counter() - t)
         h2d.append(counters.get("h2d_bytes", 0))
-    result = {
-        "preset": preset,
-        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-        "weights": args.weights,
-        "attention": args.attention,
-        "clip": {"frames": frames, "height": height, "width": width, "guidance": True},
-        "parameters": planned["parameters"],
-        "tokens": planned["tokens"],
-        "open_s": open_s,
-        "first_step_s": step_s[0],
-        "step_s": step_s[1],
-        "h2d_bytes_per_step": h2d[1],
-        "peak_gpu_bytes": torch.cuda.max_memory_allocated() if device == "cuda" else None,
-        "planned": {
-            "machine": vars(machine),
-            "time_s": planned["time_s"],
-            "h2d_bytes_per_step": planned["bytes_per_step"]["h2d"],
-            "host_total_bytes": planned["host"]["total"],
-            "device_total_bytes": planned["device"]["total"],
-        },
-    }
+        result["first_step_s"] = step_s[0]
+        save()
+    result["step_s"] = step_s[1]
+    result["h2d_bytes_per_step"] = h2d[1]
+    result["peak_gpu_bytes"] = torch.cuda.max_memory_allocated() if device == "cuda" else None
     result["step_over_planned"] = step_s[1] / planned["time_s"]["step"]
     result["h2d_over_planned"] = h2d[1] / planned["bytes_per_step"]["h2d"]
+    save()
     pipe.close()
     print(json.dumps(result, indent=2, default=str) if args.json else result)
     return 0
