@@ -7,6 +7,8 @@
 #
 #   OUT=/tmp/results bash benchmarks/gpu_check.sh
 #   OUT=/tmp/results bash benchmarks/gpu_check.sh stream_protocol cuda_checks
+#   OUT=/tmp/results bash benchmarks/gpu_check.sh wan_e2e      # only by name: each needs the
+#   OUT=/tmp/results bash benchmarks/gpu_check.sh preset_step  # whole run
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-results}
@@ -65,6 +67,25 @@ run attention 180 python3 benchmarks/attention.py --json --quick
 run sage_cuda_check 120 python3 benchmarks/sage_cuda_check.py --json
 if python3 -c "import diffusers" 2>/dev/null; then
   run wan_streaming 90 python3 benchmarks/wan_streaming.py --json
+fi
+# End to end at Wan2.1-T2V-14B's size (480x832x81; benchmarks/wan_e2e.py): MegaSlide resident and
+# streamed, each lever on and off, against diffusers resident and group-offloaded. Opt-in by name
+# (`bash benchmarks/gpu_check.sh wan_e2e`): writing the 40 GB random model and opening it per
+# contender takes the whole run, after the checks above it would get no time. It skips the
+# contenders that would not fit in what is left and rewrites its JSON after each one, so what it
+# measured comes back even when the limit stops it.
+if [[ "$only" == *" wan_e2e "* ]] && python3 -c "import diffusers" 2>/dev/null; then
+  run wan_e2e 460 python3 benchmarks/wan_e2e.py --json --budget-s $((deadline - SECONDS - 30)) \
+    --out "$OUT/checks/wan_e2e.json"
+elif [[ "$only" == *" wan_e2e "* ]]; then
+  echo "== wan_e2e: skipped, diffusers is not installed (carry its wheels: scripts/gpu_wheels.sh)"
+  status=1
+fi
+# The 105B preset streamed in fp8 with 3D-DSA: one 480p step against the planner's prediction
+# (benchmarks/preset_step.py). Opt-in by name too: drawing and encoding 105B random parameters
+# takes minutes of the run.
+if [[ "$only" == *" preset_step "* ]]; then
+  run preset_step 460 python3 benchmarks/preset_step.py --json --out "$OUT/checks/preset_step.json"
 fi
 # One video split over two GPUs (sequence parallel, NCCL), where the machine has two: the frames
 # against one GPU's, and the wall time with the ranks' start-up.

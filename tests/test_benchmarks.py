@@ -1,5 +1,8 @@
 """The benchmarks run in their CI-sized form and report what their JSON promises."""
 
+import importlib.util
+import statistics
+import sys
 from pathlib import Path
 
 import pytest
@@ -316,3 +319,58 @@ def test_wan_vae_benchmark_quick():
     assert r["speedup_vs_diffusers"]["chunked_fused"] == (
         runs["diffusers"]["seconds"] / runs["chunked_fused"]["seconds"]
     )
+
+
+def test_wan_e2e_benchmark_tiny():
+    # The GPU comparison's code path at tiny dims on the CPU: both implementations, streamed and
+    # resident, and a weight format (the compiled contenders cost a CPU too long).
+    names = [
+        "megaslide_streamed",
+        "diffusers_group_offload",
+        "megaslide_resident",
+        "megaslide_streamed_fp8",
+    ]
+    r = run_json("benchmarks/wan_e2e.py", "--tiny", "--contenders", ",".join(names), "--json")
+    assert list(r["contenders"]) == names and r["clip"]["warmup_steps"] == 1
+    assert r["model_dir"]["bytes"]["transformer"] > 0 and not r["model_dir"]["reused"]
+    for row in r["contenders"].values():
+        assert "failed" not in row and "skipped" not in row
+        assert len(row["step_s"]) == row["steps_run"] == 3 and row["timed_steps"] == 2
+        assert row["per_step_s"] == statistics.median(row["step_s"][1:])  # after the warm-up
+        assert row["e2e_s_extrapolated"]["40"] == row["run_s"] + 37 * row["per_step_s"]
+        assert row["decode_s"] > 0 and 0 < row["frames_mean"] < 255
+        if row["implementation"] == "megaslide":  # the planner times streaming only
+            streamed = row["options"]["offload"] == "stream"
+            assert (row["planned_step_s"] is not None) == streamed
+    ours = r["speedups"]["megaslide_streamed"]
+    assert ours["per_step_s_vs_diffusers_group_offload"] == (
+        r["contenders"]["diffusers_group_offload"]["per_step_s"]
+        / r["contenders"]["megaslide_streamed"]["per_step_s"]
+    )
+
+
+def test_wan_e2e_skips_what_does_not_fit():
+    saved = list(sys.path)  # the script puts benchmarks/ on the path for its imports
+    spec = importlib.util.spec_from_file_location("wan_e2e", ROOT / "benchmarks" / "wan_e2e.py")
+    e2e = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(e2e)
+    sys.path[:] = saved
+    nbytes = {"transformer": 1, "text_encoder": 1, "vae": 1}
+    assert e2e.skip_reason("megaslide_streamed", [], 1.0, "cpu", nbytes) is None  # the first runs
+    assert e2e.skip_reason("megaslide_streamed", [], -1.0, "cpu", nbytes) is not None
+    assert e2e.skip_reason("megaslide_resident", [10.0, 30.0], 25.0, "cpu", nbytes) is None
+    why = e2e.skip_reason("megaslide_streamed_compile", [10.0, 30.0], 25.0, "cpu", nbytes)
+    assert why == "estimated 40 s, 25 s of the budget left"  # compiling: twice the median
+
+
+def test_preset_step_benchmark_tiny():
+    # The 105B headline's script on the tiny preset: fp8 blocks streamed, 3D-DSA, one timed step.
+    r = run_json("benchmarks/preset_step.py", "--tiny", "--json")
+    assert (r["preset"], r["weights"], r["attention"]) == ("tiny", "fp8", "dsa")
+    assert r["step_s"] > 0 and r["open_s"] > 0 and r["first_step_s"] > 0
+    assert r["step_over_planned"] == r["step_s"] / r["planned"]["time_s"]["step"]
+    # Every streamed block crosses once a step, in fp8, as the planner counts, but for the fp32
+    # scales it leaves out (4 bytes a row: 3% of the tiny preset's 128-wide rows, 0.03% of 12288).
+    planned = r["planned"]["h2d_bytes_per_step"]
+    assert planned <= r["h2d_bytes_per_step"] <= 1.05 * planned
+    assert r["h2d_over_planned"] == r["h2d_bytes_per_step"] / planned
