@@ -26,6 +26,7 @@ PLACEMENT_FLAGS = {
     "disk_io": "--disk-io",
     "timing": "--stats/--trace",
     "compile": "--compile",
+    "fp8_matmul": "--fp8-matmul",
 }
 
 
