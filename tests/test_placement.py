@@ -163,3 +163,6 @@ def test_the_cli_names_a_rule_in_its_flags():
     )
     assert said == "--weights fp8 is a format of the streamed host store: needs --offload stream"
     assert in_flag_words("gpu_budget_bytes needs offload='stream'").startswith("--gpu-budget needs")
+    refused = Placement(offload="stream", fp8_matmul=True).problems()[0]
+    assert in_flag_words(refused).startswith("--fp8-matmul multiplies by")
+    assert in_flag_words(refused).endswith("needs --weights fp8")
