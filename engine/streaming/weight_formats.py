@@ -19,6 +19,10 @@ the store to decode it, and neither it nor the model knows which format is in us
   `(q.float() * scale).to(dtype)`, the very product the raw store computes when it upcasts the
   file on load, so the frames are bitwise those of `raw` on the same file.
 
+With `fp8_matmul` (fp8_matmul.py) the decode is asked to leave the linear weights it keeps in
+e4m3fn out of the slot and hands them back as `Fp8Operand`s (views of the payload's device copy,
+with fp32 row scales) for their layers to multiply by.
+
 `make_store(tensors, pinned, weights)` builds the store for a block; `EncodedBlockStore` is the
 coded one. Its `payload` is what one copy moves; `decode(staging, out)` queues the decode on the
 current stream, reading the payload's device copy in `staging` and writing the block's flat
