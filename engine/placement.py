@@ -11,12 +11,14 @@
         disk_io="buffered",          # the disk tier: through the page cache or "direct"
         timing=False,                # the streamer's copy and compute times (stats, traces)
         compile=False,               # the repeated block through torch.compile (compiled_blocks.py)
-    )
+        fp8_matmul=False,            # weights="fp8": streamed linears multiply by the fp8 bytes
+    )                                #   (streaming/fp8_matmul.py)
 
-None of it changes what a model computes. `open_pipeline`, `open_model` and `stream_module` take
-it whole; `megaslide generate`'s flags (clients/cli), the server's settings (server/settings.py)
-and the planner's `Workload` (planner.py) are built from it, so a combination is refused in one
-place with one reason, whichever front end asked. Plain data, no torch: the server imports it.
+None of it changes what a model computes, apart from the lossy `weights="fp8"` and, with it,
+`fp8_matmul` (the streamed blocks' linears quantize their activations to fp8 too).
+`open_pipeline`, `open_model` and `stream_module` take it whole; `megaslide generate`'s flags
+(clients/cli), the server's settings (server/settings.py) and the planner's `Workload`
+(planner.py) are built from it, so a combination is refused in one place with one reason, whichever front end asked. Plain data, no torch: the server imports it.
 
 A rule is `lasting` when the combination can never work (a format of the host store in RAM
 cannot live on disk), or not when it is what today's code lacks (streamer timings from the ranks
@@ -61,6 +63,9 @@ class Placement:
     disk_io: str = "buffered"  # DISK_IO
     timing: bool = False
     compile: bool = False  # each denoiser's repeated block compiled, one graph for all of them
+    # weights="fp8": the streamed blocks' linears run torch._scaled_mm on the stored fp8 weights
+    # (activations quantized per token) instead of dequantizing them into the slot
+    fp8_matmul: bool = False
 
     @property
     def streams(self) -> bool:
@@ -172,6 +177,15 @@ RULES: tuple[Rule, ...] = (
         lambda p, mode: p.host_tier == "disk" and _coded(p),
         "weights={p.weights!r} is a format of the host store in RAM: the disk tier streams the "
         "files' bytes as they are (weights='raw')",
+    ),
+    Rule(
+        lambda p, mode: p.fp8_matmul and p.weights != "fp8",
+        "fp8_matmul multiplies by the streamed blocks' stored fp8 weights: needs weights='fp8'",
+    ),
+    Rule(
+        lambda p, mode: p.fp8_matmul and p.compile,
+        "fp8_matmul is checked eagerly: not with compile yet",
+        lasting=False,
     ),
     # Fine-tuning updates the streamed blocks' host store in place after every step.
     Rule(

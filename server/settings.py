@@ -96,6 +96,9 @@ class Settings(BaseSettings):
     # step at the model's defaults when a worker loads it, so no request pays the compile.
     compile: bool = False
     compile_warm_up: bool = True
+    # With weights="fp8": the streamed blocks' linears multiply by the stored fp8 weights
+    # (torch._scaled_mm, activations quantized per token; engine/streaming/fp8_matmul.py).
+    fp8_matmul: bool = False
     engine_threads: int | None = Field(
         None, ge=1, description="CPU threads for the engine's tensor math (None: torch's default)"
     )
@@ -300,7 +303,8 @@ class Settings(BaseSettings):
     @property
     def placement(self) -> Placement:
         """Where the served models' weights live (engine/placement.py), from `device`,
-        `devices`, `offload`, `gpu_budget`, `weights`, `host_tier`, `disk_io` and `compile`.
+        `devices`, `offload`, `gpu_budget`, `weights`, `host_tier`, `disk_io`, `compile` and
+        `fp8_matmul`.
         Several devices stream (unless `offload` is set otherwise, which their placement
         refuses)."""
         devices = tuple(self.devices) or None
@@ -316,6 +320,7 @@ class Settings(BaseSettings):
             host_tier=self.host_tier,
             disk_io=self.disk_io,
             compile=self.compile,
+            fp8_matmul=self.fp8_matmul,
         )
 
     @model_validator(mode="after")

@@ -41,6 +41,12 @@ TWO = Placement(devices=("cpu", "cpu"), offload="stream")
         (TWO.replace(timing=True), "finetune", "fine-tuning on several devices keeps no streamer"),
         (Placement(compile=True), "finetune", "fine-tuning runs its blocks eagerly"),
         (TWO.replace(compile=True), "infer", "compile is checked on one device"),
+        (STREAM.replace(fp8_matmul=True), "infer", "fp8_matmul multiplies by the streamed"),
+        (
+            STREAM.replace(weights="fp8", fp8_matmul=True, compile=True),
+            "infer",
+            "fp8_matmul is checked eagerly",
+        ),
     ],
 )
 def test_each_rule_refuses_with_its_reason(placement, mode, reason):
@@ -64,10 +70,12 @@ def test_what_runs_passes_and_every_rule_is_reachable():
         TWO.replace(host_tier="disk", disk_io="direct", gpu_budget_bytes=0),
         Placement(compile=True),
         STREAM.replace(compile=True, weights="lossless", gpu_budget_bytes=0),
+        STREAM.replace(weights="fp8", fp8_matmul=True, gpu_budget_bytes=0),
+        TWO.replace(weights="fp8", fp8_matmul=True),
     ):
         assert placement.validate() is placement
     assert STREAM.validate("finetune") and TWO.validate("finetune")
-    assert len(RULES) == 15  # each case above names one: a new rule gets a case
+    assert len(RULES) == 17  # each case above names one: a new rule gets a case
 
 
 def test_the_planner_accounts_for_what_only_todays_code_lacks():
@@ -155,3 +163,6 @@ def test_the_cli_names_a_rule_in_its_flags():
     )
     assert said == "--weights fp8 is a format of the streamed host store: needs --offload stream"
     assert in_flag_words("gpu_budget_bytes needs offload='stream'").startswith("--gpu-budget needs")
+    refused = Placement(offload="stream", fp8_matmul=True).problems()[0]
+    assert in_flag_words(refused).startswith("--fp8-matmul multiplies by")
+    assert in_flag_words(refused).endswith("needs --weights fp8")

@@ -255,3 +255,33 @@ def test_cli_and_server_take_a_transformer_file(wan, tmp_path):
     assert card.name == "wan"
     with pytest.raises(ValueError, match="no served model is named 'other'"):
         backend(f"other={file}")
+
+
+@pytest.mark.parametrize(
+    "scale, fp8",
+    [("tensor", torch.float8_e4m3fn), ("row", torch.float8_e4m3fn), (None, torch.float8_e5m2)],
+)
+def test_fp8_files_with_fp8_matmul_multiply_by_the_stored_bytes(wan, scale, fp8):
+    file = write_fp8(wan, f"fp8-{scale}-{fp8}", scale, fp8)
+    info = describe(resolve_source(str(wan["base"])), transformer_files=(str(file),))
+    only = {"transformer"}
+    upcast = open_model(info, dtype="float32", only=only)[0]["transformer"]
+    parts, handles = open_model(
+        info, dtype="float32", offload="stream", weights="fp8", fp8_matmul=True, only=only
+    )
+    g = torch.Generator().manual_seed(0)
+    c = upcast.config
+    x = torch.randn(1, c.in_channels, 3, 8, 8, generator=g)
+    text = torch.randn(1, 7, c.text_dim, generator=g)
+    args = dict(hidden_states=x, encoder_hidden_states=text, return_dict=False)
+    with torch.no_grad():
+        got = parts["transformer"](timestep=torch.tensor([500.0]), **args)[0]
+        expected = upcast(timestep=torch.tensor([500.0]), **args)[0]
+    assert handles["transformer"].stats()["fp8_matmul"] == "on"
+    if fp8 == torch.float8_e5m2:  # dequantized as without the lever: the upcast output
+        assert torch.equal(got, expected)
+        return
+    # The file's bytes and scales as they are; only the activations' rounding differs.
+    assert not torch.equal(got, expected)
+    rel = ((got - expected).norm() / expected.norm()).item()
+    assert rel < 0.1, rel

@@ -20,6 +20,7 @@ from torch import nn
 from megaslide.engine import VideoRequest, open_pipeline
 from megaslide.engine.planner import Machine, Workload, plan
 from megaslide.engine.sources import describe, resolve_source
+from megaslide.engine.streaming.fp8_matmul import Fp8Operand, fp8_linear
 from megaslide.engine.streaming.host_store import TensorEntry
 from megaslide.engine.streaming.streamer import stream_module
 from megaslide.engine.streaming.weight_formats import (
@@ -146,7 +147,7 @@ class _Stack(nn.Module):
         return x
 
 
-@pytest.mark.parametrize("weights", ["lossless", "fp8"])
+@pytest.mark.parametrize("weights", ["lossless", "fp8", "fp8_matmul"])
 def test_protocol_on_the_simulated_device(weights):
     torch.manual_seed(0)
     model = _Stack().to(torch.bfloat16)
@@ -155,8 +156,18 @@ def test_protocol_on_the_simulated_device(weights):
         for b in ref.blocks:
             q, s = fp8_quantize(b[0].weight.data)
             b[0].weight.data = fp8_dequantize(q, s, torch.bfloat16)
+    matmul = weights == "fp8_matmul"
+    if matmul:  # the oracle: fp8_linear on the same operands, which the linears read from the
+        # staging buffer while their block computes (a copy landing there early would show)
+        for b in ref.blocks:
+            q, s = fp8_quantize(b[0].weight.data)
+            w, lin = Fp8Operand(q, torch.exp2(s.float())), b[0]
+            lin.forward = lambda x, w=w, lin=lin: fp8_linear(x, w, lin.bias)
+        weights = "fp8"
     sim = SimulatedDevice()
-    handle = stream_module(model, model.blocks, "cpu", ordering=sim.ordering(), weights=weights)
+    handle = stream_module(
+        model, model.blocks, "cpu", ordering=sim.ordering(), weights=weights, fp8_matmul=matmul
+    )
     watch_handle(sim, handle, list(model.blocks))
     for seed in range(6):  # copies land at random moments the recorded waits allow
         sim.reseed(seed)

@@ -26,6 +26,7 @@ PLACEMENT_FLAGS = {
     "disk_io": "--disk-io",
     "timing": "--stats/--trace",
     "compile": "--compile",
+    "fp8_matmul": "--fp8-matmul",
 }
 
 
@@ -40,7 +41,7 @@ def in_flag_words(reason: str) -> str:
 
     reason = re.sub(r"\b(\w+)='([^']*)'", valued, reason)
     return re.sub(
-        r"\b(gpu_budget_bytes|gpu_budget|host_tier|disk_io)\b",
+        r"\b(gpu_budget_bytes|gpu_budget|host_tier|disk_io|fp8_matmul)\b",
         lambda m: PLACEMENT_FLAGS[m.group(1)],
         reason,
     )

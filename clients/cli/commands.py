@@ -240,6 +240,13 @@ def _add_placement_args(p) -> None:
         "(resident or streamed; the first step pays the compile, tens of seconds on a CPU; "
         "docs/models.md)",
     )
+    p.add_argument(
+        "--fp8-matmul",
+        action="store_true",
+        help="with --weights fp8: the streamed blocks' linears multiply by the stored fp8 weights "
+        "(torch._scaled_mm, activations quantized per token) instead of dequantizing them; "
+        "where _scaled_mm cannot run it dequantizes and --stats says why (docs/streaming.md)",
+    )
 
 
 def lora_flags(args, *, remote: bool) -> tuple[dict[str, str], tuple]:
@@ -431,6 +438,7 @@ def generate_placement(args) -> Placement:
         disk_io=args.disk_io,
         timing=timing,
         compile=args.compile,
+        fp8_matmul=args.fp8_matmul,
     )
     try:
         placement.validate()

@@ -46,6 +46,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import types
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -55,6 +56,7 @@ from torch import nn
 from ...kernels.delta_reference import DeltaBuffer
 from ..placement import Placement
 from .disk_store import DEFAULT_RING_DEPTH, DiskBlockStore, make_disk_stores
+from .fp8_matmul import fp8_linear_forward, fp8_matmul_shape_ok, fp8_matmul_unavailable
 from .host_store import (
     BoundTensor,
     HostBlockStore,
@@ -68,7 +70,7 @@ from .host_store import (
 )
 from .ordering import Ordering, make_ordering
 from .variants import TensorsDelta, add_delta, flat_delta, pinned
-from .weight_formats import EncodedBlockStore, SharedPayload, make_store
+from .weight_formats import EncodedBlockStore, SharedPayload, fp8_quantizable, make_store
 
 __all__ = ["ResidencyPlan", "StreamHandle", "plan_residency", "stream_module"]
 
@@ -162,6 +164,8 @@ class _Block:
     loaded: bool = False  # tensors point at the device copy and compute may use them
     open_span: _Span | None = None
     missing: set[int] = dataclasses.field(default_factory=set)  # entries never filled (meta)
+    # fp8_matmul (fp8_matmul.py): entries whose Linear multiplies by the payload's fp8 operand
+    matmul: frozenset[int] = frozenset()
     variant: str | None = None  # resident blocks: the weight variant their device copy holds
 
 
@@ -177,6 +181,7 @@ class _Slot:
     # Coded weight formats: the payload lands here and is decoded into `buffer` at load.
     staging: torch.Tensor | None = None
     undecoded: bool = False  # `buffer` does not yet hold the decoded copy of `block`
+    operands: dict = dataclasses.field(default_factory=dict)  # fp8_matmul: views of `staging`
     variant: str | None = None  # the weight variant `buffer` holds (variants.py; None: the base)
 
 
@@ -238,6 +243,9 @@ class StreamHandle:
         self.timing = timing
         self.weights = "raw"  # the host stores' format (weight_formats.py); set by stream_module
         self.host_tier = "ram"  # where streamed blocks' bytes live: "ram" or "disk" (disk_store.py)
+        # fp8_matmul.py: "off", "on", or "dequantize: <why the lever fell back>"
+        self.fp8_matmul = "off"
+        self._fp8_linears: list[nn.Linear] = []  # whose forward stream_module replaced
         self._blocks: list[_Block] = blocks
         self._non_block: list[BoundTensor] = non_block
         self._non_block_missing = {k for k, t in enumerate(non_block) if t.device.type == "meta"}
@@ -345,7 +353,9 @@ class StreamHandle:
                 # before the block's kernels (they read what it writes): the next block's copy
                 # runs meanwhile. The staging buffer is refilled only after this slot's release.
                 start = self.ordering.stamp(False) if self.timing else None
-                block.store.decode(s.staging, s.buffer[: block.nbytes])
+                s.operands = block.store.decode(
+                    s.staging, s.buffer[: block.nbytes], matmul=block.matmul
+                )
                 s.undecoded = False
                 if self.timing:
                     end = self.ordering.stamp(False)
@@ -353,6 +363,10 @@ class StreamHandle:
             s.variant = self._vary(block, s.buffer, s.variant, base=self._base_bytes(block))
             for bound, view in zip(block.tensors, block.slot_views[slot]):
                 bound.tensor.data = view
+            # fp8_matmul: these weights stay in the payload (their slot bytes are not written);
+            # their Linears read the operands while the block is loaded.
+            for k, operand in s.operands.items():
+                block.tensors[k].tensor.fp8_operand = operand
             self._tick += 1
             s.last_use = self._tick
         else:
@@ -383,6 +397,8 @@ class StreamHandle:
         self.ordering.record_on_compute(self._slots[block.slot].free)
         for bound, view in zip(block.tensors, block.store.views):
             bound.tensor.data = view
+        for k in self._slots[block.slot].operands:
+            block.tensors[k].tensor.fp8_operand = None
 
     def prefetch(self, indices: Sequence[int]) -> None:
         """Start copying these streamed blocks into free slots, in order, as far as slots allow;
@@ -500,6 +516,11 @@ class StreamHandle:
         self._check_open()
         if name in self._variants:
             raise ValueError(f"variant {name!r} is registered already")
+        if self.fp8_matmul == "on":
+            raise ValueError(
+                "fp8_matmul multiplies by the stored fp8 weights, which a variant's deltas "
+                "(added to the slot's decoded weights) would not reach: open without fp8_matmul"
+            )
         where: dict[str, tuple[int | None, int]] = {}
         for k, t in enumerate(self._non_block):
             where.update({n: (None, k) for n in t.names})
@@ -680,6 +701,16 @@ class StreamHandle:
             "copies": self._copies,
             "forwards": self._forwards,
         }
+        if self.fp8_matmul != "off":
+            out["fp8_matmul"] = self.fp8_matmul
+            out["fp8_matmul_linears"] = len(self._fp8_linears)
+        # Bytes one pass's decodes write into the slots (coded formats; fp8_matmul leaves its
+        # weights out), against `h2d_bytes` those copies moved.
+        out["slot_decode_bytes_per_pass"] = sum(
+            b.nbytes - sum(b.entries[k].nbytes for k in b.matmul)
+            for b in (self._blocks[i] for i in p.streamed)
+            if b.store is not None and b.store.encoded
+        )
         if self.timing:
             out.update(self._timing_stats())
         return out
@@ -791,6 +822,9 @@ class StreamHandle:
         self.ordering.synchronize()  # see _CudaOrdering.synchronize
         for hook in self._hooks:
             hook.remove()
+        for linear in self._fp8_linears:
+            del linear.forward  # the class's own again
+            linear.weight.fp8_operand = None
         home = lambda d: torch.device("cpu") if d.type == "meta" else d  # noqa: E731
         for block in self._blocks:
             if block.store is None:
@@ -957,11 +991,13 @@ def stream_module(
     host_tier: str = "ram",
     ring_depth: int = DEFAULT_RING_DEPTH,
     disk_io: str = "buffered",
+    fp8_matmul: bool = False,
 ) -> StreamHandle:
     """Stream `blocks` (submodules of `module`, in the order they run) from host RAM to `device`.
 
     `device` is a device, or a whole `Placement` (placement.py) in place of it and of
-    `gpu_budget_bytes`, `prefetch`, `timing`, `weights`, `host_tier` and `disk_io`.
+    `gpu_budget_bytes`, `prefetch`, `timing`, `weights`, `host_tier`, `disk_io` and `fp8_matmul`
+    (with `weights="fp8"`, streamed Linears multiply by the stored fp8 weights: fp8_matmul.py).
     After this call `module(...)` runs as usual. Tensors outside the blocks move to `device`.
     With `gpu_budget_bytes`, the most blocks that fit beside the `prefetch` slots, the non-block
     tensors and `activation_reserve_bytes` stay resident (see `plan_residency`); `None` streams all.
@@ -989,6 +1025,7 @@ def stream_module(
         weights=weights,
         host_tier=host_tier,
         disk_io=disk_io,
+        fp8_matmul=fp8_matmul,
     )
     placement = _stream_placement(device, loose)
     device = _resolve_device(placement.device)
@@ -1036,6 +1073,8 @@ def stream_module(
     handle.placement = placement
     handle.weights = placement.weights
     handle.host_tier = placement.host_tier
+    if placement.fp8_matmul:
+        _use_fp8_matmul(handle, device)
     _open_slots(handle, plan, ordering)
     handle._install()
     return handle
@@ -1083,6 +1122,7 @@ _LOOSE_DEFAULTS = {
     "weights": "raw",
     "host_tier": "ram",
     "disk_io": "buffered",
+    "fp8_matmul": False,
 }
 
 
@@ -1176,6 +1216,34 @@ def _place_block(
         rec.store = disk_stores[rec.index]
     else:  # block by block, so the host holds at most one block twice at a time
         rec.store = make_store(rec.tensors, pinned, placement.weights)
+
+
+def _use_fp8_matmul(handle: StreamHandle, device: torch.device) -> None:
+    """fp8_matmul.py: the streamed fp8 blocks' plain Linears multiply by their stored fp8
+    weights, or, where `_scaled_mm` cannot run here, the decode dequantizes as without the lever
+    and `handle.fp8_matmul` says why."""
+    why = fp8_matmul_unavailable(str(device))
+    if why is not None:
+        handle.fp8_matmul = f"dequantize: {why}"
+        return
+    handle.fp8_matmul = "on"
+    for rec in handle._blocks:
+        if rec.resident or not isinstance(rec.store, EncodedBlockStore):
+            continue
+        entry_of = {id(b.tensor): k for k, b in enumerate(rec.tensors) if len(b.names) == 1}
+        chosen = set()
+        for linear in rec.module.modules():
+            # Subclasses (adapter layers and the like) keep their own forward.
+            if type(linear) is not nn.Linear or id(linear.weight) not in entry_of:
+                continue
+            k = entry_of[id(linear.weight)]
+            entry = rec.entries[k]
+            if not (fp8_quantizable(entry) and fp8_matmul_shape_ok(entry.shape, device)):
+                continue
+            chosen.add(k)
+            linear.forward = types.MethodType(fp8_linear_forward, linear)
+            handle._fp8_linears.append(linear)
+        rec.matmul = frozenset(chosen)
 
 
 def _check_shared_block(

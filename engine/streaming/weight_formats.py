@@ -19,6 +19,10 @@ the store to decode it, and neither it nor the model knows which format is in us
   `(q.float() * scale).to(dtype)`, the very product the raw store computes when it upcasts the
   file on load, so the frames are bitwise those of `raw` on the same file.
 
+With `fp8_matmul` (fp8_matmul.py) the decode is asked to leave the linear weights it keeps in
+e4m3fn out of the slot and hands them back as `Fp8Operand`s (views of the payload's device copy,
+with fp32 row scales) for their layers to multiply by.
+
 `make_store(tensors, pinned, weights)` builds the store for a block; `EncodedBlockStore` is the
 coded one. Its `payload` is what one copy moves; `decode(staging, out)` queues the decode on the
 current stream, reading the payload's device copy in `staging` and writing the block's flat
@@ -45,6 +49,7 @@ import torch
 from ...kernels.dfloat import dfloat_decode
 from ...kernels.dfloat_reference import dfloat_encode
 from ..placement import WEIGHT_FORMATS
+from .fp8_matmul import Fp8Operand
 from .host_store import (
     ALIGN_BYTES,
     BoundTensor,
@@ -129,9 +134,17 @@ class WeightCodec(ABC):
         return {}
 
     @abstractmethod
-    def decode(self, parts: Sequence[torch.Tensor], meta: Any, out: torch.Tensor) -> None:
+    def decode(
+        self,
+        parts: Sequence[torch.Tensor],
+        meta: Any,
+        out: torch.Tensor,
+        matmul: frozenset[int] = frozenset(),
+    ) -> dict[int, Fp8Operand]:
         """Write the block's flat buffer into `out` (uint8, `(nbytes,)`, on the parts' device)
-        from the payload tensors, queued on the current stream."""
+        from the payload tensors, queued on the current stream. `matmul`: entries (by index)
+        whose layers multiply by fp8 operands (fp8_matmul.py); those the codec keeps as such are
+        left out of `out` and returned as `Fp8Operand`s (views of `parts`), by index."""
 
 
 class LosslessCodec(WeightCodec):
@@ -145,9 +158,10 @@ class LosslessCodec(WeightCodec):
         coded = dfloat_encode(raw)
         return list(coded.parts()), coded.num_words
 
-    def decode(self, parts, meta, out):
+    def decode(self, parts, meta, out, matmul=frozenset()):
         sm, table, lane_offsets, stream = parts
         dfloat_decode(sm, table, lane_offsets, stream, out[: 2 * meta].view(torch.int16))
+        return {}
 
 
 def fp8_quantizable(entry: TensorEntry) -> bool:
@@ -228,8 +242,9 @@ class Fp8Codec(WeightCodec):
                 plan.append(_Kept(k, "raw"))
         return parts, (tuple(entries), tuple(plan))
 
-    def decode(self, parts, meta, out):
+    def decode(self, parts, meta, out, matmul=frozenset()):
         entries, plan = meta
+        operands = {}
         it = iter(parts)
         for kept in plan:
             entry = entries[kept.k]
@@ -238,10 +253,18 @@ class Fp8Codec(WeightCodec):
                 out[entry.offset : entry.offset + entry.nbytes].copy_(taken[0])
             elif kept.how == "exp2":
                 q = taken[0].view(torch.float8_e4m3fn).view(entry.shape)
+                if kept.k in matmul:
+                    operands[kept.k] = Fp8Operand(q, torch.exp2(taken[1].float()))
+                    continue
                 entry.view(out).copy_(fp8_dequantize(q, taken[1], entry.dtype))
             else:
                 w = self._stored(taken, entry, kept)
+                if kept.k in matmul and w.q.dtype == torch.float8_e4m3fn:
+                    scale = w.scale if kept.per_row else w.scale.expand(entry.shape[0]).contiguous()
+                    operands[kept.k] = Fp8Operand(w.q, scale)
+                    continue
                 entry.view(out).copy_(w.dequantize(entry.dtype))
+        return operands
 
     def stored(self, parts, meta):
         entries, plan = meta
@@ -408,9 +431,13 @@ class EncodedBlockStore:
             self.codec.decode([p.view(self.payload) for p in self.parts], self.meta, raw)
         return raw
 
-    def decode(self, staging: torch.Tensor, out: torch.Tensor) -> None:
-        """Decode the payload's copy in `staging` into `out` (a slot), on the current stream."""
-        self.codec.decode([p.view(staging) for p in self.parts], self.meta, out)
+    def decode(
+        self, staging: torch.Tensor, out: torch.Tensor, matmul: frozenset[int] = frozenset()
+    ) -> dict[int, Fp8Operand]:
+        """Decode the payload's copy in `staging` into `out` (a slot), on the current stream;
+        the entries in `matmul` the codec keeps in fp8 come back as operands instead
+        (`WeightCodec.decode`)."""
+        return self.codec.decode([p.view(staging) for p in self.parts], self.meta, out, matmul)
 
     def fill(self, source: Mapping[str, torch.Tensor], prefix: str = "") -> set[int]:
         """Like `HostBlockStore.fill`; the block is decoded, overwritten and re-encoded. Linear

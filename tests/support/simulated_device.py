@@ -672,11 +672,12 @@ def _watch_decode(sim: SimulatedDevice, store, i: int) -> None:
     copied into (that copy must have landed and be block i's) and writes block i into the slot."""
     decode = store.decode
 
-    def watched_decode(staging: torch.Tensor, out: torch.Tensor) -> None:
+    def watched_decode(staging: torch.Tensor, out: torch.Tensor, matmul=frozenset()) -> dict:
         sim.compute_begins(staging, i)
-        decode(staging, out)
+        operands = decode(staging, out, matmul)
         sim.compute_ends(staging, i)
         sim.compute_writes([out], f"decode of block {i}", block=i)
+        return operands
 
     store.decode = watched_decode
 
