@@ -1,0 +1,133 @@
+"""Wan Animate (`WanAnimatePipeline` on a `WanAnimateTransformer3DModel`: a character image, a
+pose video and a face video, and for the replace mode a background video and its mask), one
+segment: every step's latents and the frames bitwise diffusers' for the same seed, resident and
+streamed (the face adapters streamed between the blocks); and the rules a request meets."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from megaslide.engine.loader import open_pipeline
+from megaslide.engine.request import RequestError, VideoRequest
+
+from wan_fixtures import FACE_SIZE, NEGATIVE, PROMPT, build_tiny_wan
+from wan_reference import diffusers_run, first_difference, megaslide_run
+
+diffusers = pytest.importorskip("diffusers")
+
+
+@pytest.fixture(scope="module")
+def wan(tmp_path_factory):
+    """An Animate pipeline of two blocks (a face adapter after each), a text-to-video one; a
+    character image of another shape than the clip, pose, background and mask videos of 12
+    frames at the clip's size, and a face video at another size than the motion encoder's."""
+    from PIL import Image
+
+    from megaslide.engine.video import write_mp4
+
+    torch.set_num_threads(1)  # tiny models: threads cost more than they give
+    root = tmp_path_factory.mktemp("animate-inputs")
+    rng = np.random.default_rng(0)
+
+    def noise(*shape):
+        return (rng.random(shape) * 255).astype(np.uint8)
+
+    Image.fromarray(noise(40, 48, 3)).save(root / "character.png")
+    write_mp4(root / "pose.mp4", noise(12, 32, 32, 3), fps=8)
+    write_mp4(root / "face.mp4", noise(12, 2 * FACE_SIZE, 2 * FACE_SIZE, 3), fps=8)
+    write_mp4(root / "background.mp4", noise(12, 32, 32, 3), fps=8)
+    mask = np.zeros((12, 32, 32, 3), np.uint8)
+    mask[:, 8:24, 8:24] = 255  # the person to replace: the middle
+    write_mp4(root / "mask.mp4", mask, fps=8)
+    return {
+        "animate": build_tiny_wan(root / "animate", animate=True, layers=2),
+        "t2v": build_tiny_wan(root / "t2v"),
+        **{
+            name: str(root / f"{name}.{ext}")
+            for name, ext in (
+                ("character", "png"),
+                ("pose", "mp4"),
+                ("face", "mp4"),
+                ("background", "mp4"),
+                ("mask", "mp4"),
+            )
+        },
+    }
+
+
+def request(wan, replace: bool = False, **changes) -> VideoRequest:
+    fields = dict(
+        prompt=PROMPT,
+        negative_prompt=NEGATIVE,
+        height=32,
+        width=32,
+        frames=9,
+        steps=2,
+        guidance=4.0,
+        seed=3,
+        image=wan["character"],
+        pose_video=wan["pose"],
+        face_video=wan["face"],
+    )
+    if replace:
+        fields.update(background_video=wan["background"], background_mask=wan["mask"])
+    return VideoRequest(**{**fields, **changes})
+
+
+@pytest.mark.parametrize("replace", [False, True], ids=["animate", "replace"])
+def test_animate_same_video_as_diffusers(wan, replace):
+    """Every step's latents (the character's latent frame with them) and the frames bitwise
+    WanAnimatePipeline's with each row alone, resident and streamed."""
+    clip = request(wan, replace)
+    videos = {"pose_video": clip.pose_video, "face_video": clip.face_video}
+    if replace:
+        videos.update(background_video=clip.background_video, mask_video=clip.background_mask)
+    latents, frames = diffusers_run(wan["animate"], clip, clip.image, animate=videos)
+    assert frames.shape == (9, 32, 32, 3) and frames.std() > 1
+    assert latents[0].shape[2] == 4  # the character's latent frame and the clip's three
+    for offload in ("none", "stream"):
+        pipe = open_pipeline(wan["animate"], batched=False, offload=offload)
+        ours, our_frames = megaslide_run(pipe, clip)
+        differs = first_difference(ours, latents)
+        assert differs is None, (offload, differs)
+        assert np.array_equal(our_frames, frames), offload
+
+
+def test_animate_streams_its_face_adapters_and_checks_requests(wan):
+    """The streamer holds the face adapters between the blocks, in the order they run (block,
+    adapter, block, adapter); the model says what it takes; a request's videos are checked by
+    name, and a text-to-video model refuses them."""
+    pipe = open_pipeline(wan["animate"], offload="stream")
+    stats = pipe.handles["transformer"].stats()
+    assert stats["num_blocks"] == stats["streamed_blocks"] == 4
+    model = pipe.experts[0]
+    held = [b.module for b in pipe.handles["transformer"]._blocks]
+    assert held == [model.blocks[0], model.face_adapter[0], model.blocks[1], model.face_adapter[1]]
+    limits = pipe.info.limits.to_dict()
+    assert limits["animate_input"] and limits["image_required"]
+    assert not (limits["vace_input"] or limits["video_input"] or limits["cache_policies"])
+
+    def refused(changes, param, model="animate"):
+        target = open_pipeline(wan[model]) if model != "animate" else pipe
+        with pytest.raises(RequestError) as err:
+            target.resolve(request(wan, **changes))
+        assert err.value.param == param, (changes, err.value)
+        return str(err.value)
+
+    refused(dict(pose_video=None), "pose_video")
+    refused(dict(face_video=None), "face_video")
+    refused(dict(image=None), "input_reference")
+    refused(dict(background_video=wan["background"]), "background_mask")
+    refused(dict(background_mask=wan["mask"]), "background_video")
+    assert "not found" in refused(dict(face_video=wan["face"] + ".missing"), "face_video")
+    refused(dict(frames=1), "frames")
+    refused(dict(cache="fast"), "cache")
+    message = refused(
+        dict(image=None, pose_video=wan["pose"], face_video=None), "pose_video", "t2v"
+    )
+    assert "Animate" in message
+    # A pose video shorter than the clip is named when the request runs.
+    with pytest.raises(ValueError, match="pose"):
+        pipe.generate(request(wan, frames=13, pose_video=wan["pose"]))
