@@ -79,7 +79,8 @@ def request(wan, replace: bool = False, **changes) -> VideoRequest:
 @pytest.mark.parametrize("replace", [False, True], ids=["animate", "replace"])
 def test_animate_same_video_as_diffusers(wan, replace):
     """Every step's latents (the character's latent frame with them) and the frames bitwise
-    WanAnimatePipeline's with each row alone, resident and streamed."""
+    WanAnimatePipeline's with each row alone, resident and streamed; within one uint8 level with
+    the guidance pair batched into one pass (its cross-attention keys kept)."""
     clip = request(wan, replace)
     videos = {"pose_video": clip.pose_video, "face_video": clip.face_video}
     if replace:
@@ -93,6 +94,25 @@ def test_animate_same_video_as_diffusers(wan, replace):
         differs = first_difference(ours, latents)
         assert differs is None, (offload, differs)
         assert np.array_equal(our_frames, frames), offload
+    assert level_diff(open_pipeline(wan["animate"]).generate(clip), frames) <= 1
+
+
+def level_diff(a: np.ndarray, b: np.ndarray) -> int:
+    return int(np.abs(a.astype(int) - b.astype(int)).max())
+
+
+def test_animate_and_replace_share_a_pass(wan):
+    """An animate and a replace request (other seeds and prompts) step together, each within a
+    level of its clip alone; a text-to-video model refuses Animate's videos by name."""
+    pipe = open_pipeline(wan["animate"])
+    clips = [request(wan), request(wan, True, seed=5, prompt="a blue square")]
+    alone = [pipe.generate(c) for c in clips]
+    states = pipe.prepare_batch([pipe.resolve(c) for c in clips])
+    while not all(s.done for s in states):
+        pipe.denoise_step(states)
+    for ours, theirs in zip(pipe.finish_batch(states), alone):
+        assert level_diff(ours, theirs) <= 1
+    assert level_diff(*alone) > 2
 
 
 def test_animate_streams_its_face_adapters_and_checks_requests(wan):
