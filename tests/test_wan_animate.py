@@ -151,3 +151,23 @@ def test_animate_streams_its_face_adapters_and_checks_requests(wan):
     # A pose video shorter than the clip is named when the request runs.
     with pytest.raises(ValueError, match="pose"):
         pipe.generate(request(wan, frames=13, pose_video=wan["pose"]))
+
+
+def test_animate_from_the_command_line(wan, tmp_path, capsys):
+    """`megaslide generate` takes Animate's videos as flags (the clip's length from the pose
+    video's, to the frame rule: 12 frames give 9); a text-to-video model refuses them by name."""
+    from megaslide.cli.main import main
+    from megaslide.engine.video import read_video
+
+    out = tmp_path / "animate.mp4"
+    args = ["--size", "32x32", "--steps", "1", "--no-progress", "-o", str(out)]
+    flags = [
+        *("--image", wan["character"], "--pose-video", wan["pose"], "--face-video", wan["face"]),
+        *("--background-video", wan["background"], "--background-mask", wan["mask"]),
+    ]
+    assert main(["generate", PROMPT, *args, "--model", str(wan["animate"]), *flags]) == 0
+    assert read_video(out).shape == (9, 32, 32, 3)
+    capsys.readouterr()
+    local_t2v = ["generate", PROMPT, *args, "--model", str(wan["t2v"]), "--frames", "9"]
+    assert main([*local_t2v, "--face-video", wan["face"]]) == 2
+    assert "does not take Animate's face_video" in capsys.readouterr().err

@@ -27,6 +27,11 @@ LOCAL_ONLY_GENERATE = {
     "stats": None,
     "trace": None,
     "transformer": [],
+    # Wan Animate's videos: the API does not take them (local runs only).
+    "pose_video": None,
+    "face_video": None,
+    "background_video": None,
+    "background_mask": None,
 }
 # The same for `finetune`: the server decides the schedule, checkpoints and where the model lives.
 LOCAL_ONLY_FINETUNE = {
