@@ -339,9 +339,12 @@ def resolve_cache(value: str | dict | None) -> CacheSpec | None:
     return CacheSpec(policy, float(threshold), forecast)
 
 
+# Wan Animate's videos, by their field on a request (and on the API).
+ANIMATE_VIDEOS = ("pose_video", "face_video", "background_video", "background_mask")
+
 # The fields of `ResolvedVideo` that name a file the request brought (stored by a server, which
 # keys repeats by their bytes and resolves them on the worker's side), and those that name several.
-INPUT_FILES = ("image", "last_image", "video", "control_video", "mask")
+INPUT_FILES = ("image", "last_image", "video", "control_video", "mask", *ANIMATE_VIDEOS)
 INPUT_FILE_LISTS = ("reference_images",)
 
 
@@ -878,9 +881,6 @@ def check_vace(
             param="conditioning_scale",
         )
     return float(scale)
-
-
-ANIMATE_VIDEOS = ("pose_video", "face_video", "background_video", "background_mask")
 
 
 def check_animate(request: VideoRequest | ResolvedVideo, frames: int, limits: ModelLimits) -> None:

@@ -290,7 +290,7 @@ def test_a_broken_directory_is_named(wan, tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert "vae/config.json is missing" in err
-    (broken / "model_index.json").write_text(json.dumps({"_class_name": "WanAnimatePipeline"}))
+    (broken / "model_index.json").write_text(json.dumps({"_class_name": "WanVideoToVideoPipeline"}))
     assert main(["info", "--model", str(broken)]) == 2
     assert "not supported" in capsys.readouterr().err
 

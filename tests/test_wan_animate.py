@@ -171,3 +171,65 @@ def test_animate_from_the_command_line(wan, tmp_path, capsys):
     local_t2v = ["generate", PROMPT, *args, "--model", str(wan["t2v"]), "--frames", "9"]
     assert main([*local_t2v, "--face-video", wan["face"]]) == 2
     assert "does not take Animate's face_video" in capsys.readouterr().err
+
+
+def test_served_through_the_sdk_and_the_command_line(wan, tmp_path, capsys):
+    """A served Animate model lists its inputs and takes the character, pose, face, background
+    and mask videos from the SDK as multipart uploads, the clip's length the videos' (to the
+    frame rule): the clip the pipeline makes of the same request. A missing face video, or a
+    pose video on a text-to-video model, is a 400 naming the field; `megaslide generate
+    --server` uploads them."""
+    import megaslide_client
+    from megaslide.cli.main import main
+    from megaslide.engine.video import read_video
+    from megaslide.server import Settings
+
+    from server_fakes import live_server, torch_app
+
+    models = [f"animate={wan['animate']}", f"t2v={wan['t2v']}"]
+    settings = Settings(data_dir=tmp_path / "data", models=models, device="cpu", poll_after_ms=50)
+    frames = {}
+    small = dict(size="32x32", num_inference_steps=1, seed=1, poll_interval_ms=50)
+    videos = dict(
+        input_reference=wan["character"],
+        pose_video=wan["pose"],
+        face_video=wan["face"],
+        background_video=wan["background"],
+        background_mask=wan["mask"],
+    )
+    with (
+        live_server(torch_app(settings, frames)) as url,
+        megaslide_client.Client(base_url=url) as client,
+    ):
+        inputs = {m.id: m.inputs for m in client.models.list()}
+        assert inputs["animate"] == [
+            "text",
+            "image",
+            "pose_video",
+            "face_video",
+            "background_video",
+            "background_mask",
+        ]
+        made = client.videos.create_and_poll(model="animate", prompt=PROMPT, **videos, **small)
+        assert made.status == "completed" and made.num_frames == 9, made
+        expected = open_pipeline(wan["animate"]).generate(
+            request(wan, True, negative_prompt=None, seed=1, steps=1, guidance=None)
+        )
+        assert np.array_equal(frames[made.id], expected)
+        refusals = [
+            ({**videos, "face_video": None}, "animate", "face_video"),
+            (dict(pose_video=wan["pose"]), "t2v", "pose_video"),
+        ]
+        for fields, model, param in refusals:
+            with pytest.raises(megaslide_client.BadRequestError) as refused:
+                client.videos.create(model=model, prompt=PROMPT, **fields)
+            assert refused.value.param == param
+
+        out = tmp_path / "remote.mp4"
+        args = ["--size", "32x32", "--steps", "1", "--no-progress", "-o", str(out)]
+        flags = [
+            *("--image", wan["character"], "--pose-video", wan["pose"]),
+            *("--face-video", wan["face"]),
+        ]
+        assert main(["generate", PROMPT, "--server", url, "--model", "animate", *args, *flags]) == 0
+        assert read_video(out).shape == (9, 32, 32, 3)
