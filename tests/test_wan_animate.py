@@ -176,7 +176,8 @@ def test_animate_from_the_command_line(wan, tmp_path, capsys):
 def test_served_through_the_sdk_and_the_command_line(wan, tmp_path, capsys):
     """A served Animate model lists its inputs and takes the character, pose, face, background
     and mask videos from the SDK as multipart uploads, the clip's length the videos' (to the
-    frame rule): the clip the pipeline makes of the same request. A missing face video, or a
+    frame rule): the clip the pipeline makes of the same request; the same files named by their
+    /v1/files ids repeat it. A missing face video, or a
     pose video on a text-to-video model, is a 400 naming the field; `megaslide generate
     --server` uploads them."""
     import megaslide_client
@@ -216,6 +217,12 @@ def test_served_through_the_sdk_and_the_command_line(wan, tmp_path, capsys):
             request(wan, True, negative_prompt=None, seed=1, steps=1, guidance=None)
         )
         assert np.array_equal(frames[made.id], expected)
+        # The same files of /v1/files named by id in a JSON request repeat it.
+        ids = {f: client.files.create(file=p, purpose="input").id for f, p in videos.items()}
+        named = client.videos.create_and_poll(
+            model="animate", prompt=PROMPT, extra_body=ids, **small
+        )
+        assert named.status == "completed" and named.cached_from == made.id, named
         refusals = [
             ({**videos, "face_video": None}, "animate", "face_video"),
             (dict(pose_video=wan["pose"]), "t2v", "pose_video"),
