@@ -13,7 +13,7 @@ from megaslide.engine.loader import open_pipeline
 from megaslide.engine.request import RequestError, VideoRequest
 
 from wan_fixtures import FACE_SIZE, NEGATIVE, PROMPT, build_tiny_wan
-from wan_reference import diffusers_run, first_difference, megaslide_run
+from wan_reference import diffusers_run, first_difference, megaslide_run, on_cpu_variants
 
 diffusers = pytest.importorskip("diffusers")
 
@@ -76,7 +76,7 @@ def request(wan, replace: bool = False, **changes) -> VideoRequest:
     return VideoRequest(**{**fields, **changes})
 
 
-@pytest.mark.parametrize("replace", [False, True], ids=["animate", "replace"])
+@pytest.mark.parametrize("replace", [False, on_cpu_variants(True)], ids=["animate", "replace"])
 def test_animate_same_video_as_diffusers(wan, replace):
     """Every step's latents (the character's latent frame with them) and the frames bitwise
     WanAnimatePipeline's with each row alone, resident and streamed; within one uint8 level with
@@ -240,3 +240,28 @@ def test_served_through_the_sdk_and_the_command_line(wan, tmp_path, capsys):
         ]
         assert main(["generate", PROMPT, "--server", url, "--model", "animate", *args, *flags]) == 0
         assert read_video(out).shape == (9, 32, 32, 3)
+
+
+def test_a_directory_whose_classes_disagree_is_named(wan, tmp_path):
+    """An Animate transformer under another pipeline class, or the other way round, and face
+    adapters that do not divide the blocks, are refused naming the file."""
+    import json
+    import shutil
+
+    from megaslide.engine.wan.config import WanFormatError, read_wan_config
+
+    assert read_wan_config(wan["animate"]).face_size == FACE_SIZE
+    broken = shutil.copytree(wan["animate"], tmp_path / "broken")
+    index = json.loads((broken / "model_index.json").read_text())
+    (broken / "model_index.json").write_text(
+        json.dumps({**index, "_class_name": "WanImageToVideoPipeline"})
+    )
+    with pytest.raises(WanFormatError, match="transformer/config.json.*WanAnimatePipeline"):
+        read_wan_config(broken)
+    (broken / "model_index.json").write_text(json.dumps(index))
+    config = json.loads((broken / "transformer" / "config.json").read_text())
+    (broken / "transformer" / "config.json").write_text(
+        json.dumps({**config, "num_layers": 3, "inject_face_latents_blocks": 2})
+    )
+    with pytest.raises(WanFormatError, match="inject_face_latents_blocks 2 does not divide"):
+        read_wan_config(broken)

@@ -322,7 +322,8 @@ class WanFamily(Family):
 def _meta_transformer(diffusers, folder: Path) -> nn.Module:
     """A WanTransformer3DModel (or WanVACETransformer3DModel or WanAnimateTransformer3DModel, as
     its config names) on the meta device (call inside `torch.device("meta")`), with the buffers
-    it computes rather than stores (its rotary tables) built for real on the CPU."""
+    it computes rather than stores (its rotary tables, Animate's blur kernels) built for real on
+    the CPU."""
     config = diffusers.WanTransformer3DModel.load_config(folder, local_files_only=True)
     cls = {
         VACE_TRANSFORMER: diffusers.WanVACETransformer3DModel,
