@@ -128,6 +128,7 @@ def test_animate_streams_its_face_adapters_and_checks_requests(wan):
     limits = pipe.info.limits.to_dict()
     assert limits["animate_input"] and limits["image_required"]
     assert not (limits["vace_input"] or limits["video_input"] or limits["cache_policies"])
+    assert pipe.info.sampling.guidance == 1.0  # WanAnimatePipeline's default: no guidance pair
 
     def refused(changes, param, model="animate"):
         target = open_pipeline(wan[model]) if model != "animate" else pipe

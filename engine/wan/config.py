@@ -408,9 +408,12 @@ def _image_conditioning(
 
 
 def default_sampling(config: WanConfig, path: Path) -> SamplingDefaults:
-    """Wan's published defaults (480x832, 81 frames at 16 fps; TI2V-5B: 704x1280, 121 at 24),
+    """Wan's published defaults (480x832, 81 frames at 16 fps; TI2V-5B: 704x1280, 121 at 24;
+    Animate: WanAnimatePipeline's, 720x1280, a segment of 77 frames, 20 steps, no guidance),
     overridden by `megaslide.json` in the directory when it has a "sampling" entry."""
-    if config.vae_spatial == 16:  # Wan2.2-TI2V-5B's VAE
+    if config.animate:
+        base = SamplingDefaults(frames=77, height=720, width=1280, fps=16, steps=20, guidance=1.0)
+    elif config.vae_spatial == 16:  # Wan2.2-TI2V-5B's VAE
         base = SamplingDefaults(frames=121, height=704, width=1280, fps=24, steps=50, guidance=5.0)
     else:
         # Wan2.2's A14B experts: 4.0 for text-to-video, 3.5 for image-to-video (its i2v config).
