@@ -91,6 +91,9 @@ class ModelLimits:
     video_input: bool = False  # takes an input video to remake (video-to-video, with a strength)
     # VACE: reference images, a control video and its mask, with a conditioning scale.
     vace_input: bool = False
+    # Animate: a pose video and a face video (with `image`, the character), and for replacing a
+    # person a background video and its mask.
+    animate_input: bool = False
     experts: int = 1  # denoisers that split the noise levels (fine-tuning trains one at a time)
     cache_policies: tuple[str, ...] = CACHE_POLICIES  # the step-cache policies its sampler runs
     prompt_unit: str = "bytes (UTF-8)"
@@ -115,6 +118,7 @@ class ModelLimits:
             "last_image_required": self.last_image_required,
             "video_input": self.video_input,
             "vace_input": self.vace_input,
+            "animate_input": self.animate_input,
             "experts": self.experts,
             "cache_policies": list(self.cache_policies),
         }
@@ -241,6 +245,14 @@ class VideoRequest:
     control_video: str | None = None
     mask: str | None = None
     conditioning_scale: float | None = None
+    # Animate (a model whose limits say `animate_input`; `image` is the character): a pose video
+    # and a face video (their first `frames` frames: one segment), and to replace the person of a
+    # video rather than animate the character on black, that background video and a mask video
+    # (white: the person to replace), given together. Pose and face extraction stays outside.
+    pose_video: str | None = None
+    face_video: str | None = None
+    background_video: str | None = None
+    background_mask: str | None = None
     loras: tuple[LoraChoice, ...] = ()  # LoRA adapters to apply, in order
     # A step cache: a preset's name ("fast", ...), or {"policy": ..., "threshold": ...,
     # "forecast": ...} (forecast optional, "none" by default); None or "off": every step runs
@@ -327,9 +339,12 @@ def resolve_cache(value: str | dict | None) -> CacheSpec | None:
     return CacheSpec(policy, float(threshold), forecast)
 
 
+# Wan Animate's videos, by their field on a request (and on the API).
+ANIMATE_VIDEOS = ("pose_video", "face_video", "background_video", "background_mask")
+
 # The fields of `ResolvedVideo` that name a file the request brought (stored by a server, which
 # keys repeats by their bytes and resolves them on the worker's side), and those that name several.
-INPUT_FILES = ("image", "last_image", "video", "control_video", "mask")
+INPUT_FILES = ("image", "last_image", "video", "control_video", "mask", *ANIMATE_VIDEOS)
 INPUT_FILE_LISTS = ("reference_images",)
 
 
@@ -355,6 +370,10 @@ class ResolvedVideo:
     control_video: str | None = None
     mask: str | None = None
     conditioning_scale: float | None = None  # a VACE model's requests only (others: None)
+    pose_video: str | None = None
+    face_video: str | None = None
+    background_video: str | None = None
+    background_mask: str | None = None
     cache: CacheSpec | None = None  # rows with and without a cache share a pass
     loras: tuple[LoraChoice, ...] = ()
     # The sampling schedule's shift when the request or an adapter sets one (a step-distilled
@@ -486,6 +505,7 @@ def resolve(
     check_image(request.image, limits)
     check_last_image(request.last_image, request.image, frames, limits)
     scale = check_vace(request, frames, limits)
+    check_animate(request, frames, limits)
     if strength is not None and kept_steps(steps, strength) < 1:
         raise RequestError(
             f"strength {strength:g} of {steps} steps runs none of them: at least "
@@ -513,6 +533,10 @@ def resolve(
         control_video=request.control_video,
         mask=request.mask,
         conditioning_scale=scale,
+        pose_video=request.pose_video,
+        face_video=request.face_video,
+        background_video=request.background_video,
+        background_mask=request.background_mask,
         cache=cache,
         loras=loras,
         shift=shift,
@@ -857,6 +881,44 @@ def check_vace(
             param="conditioning_scale",
         )
     return float(scale)
+
+
+def check_animate(request: VideoRequest | ResolvedVideo, frames: int, limits: ModelLimits) -> None:
+    """RequestError naming the field unless an Animate request's videos are right: the model
+    takes them, the pose and face videos are given, the background video and its mask come
+    together, each file exists, and the clip is one segment of at least two latent frames
+    (diffusers' WanAnimatePipeline carries one frame over between segments; longer clips in
+    segments are not built). Each video is read for its first `frames` frames when the request
+    runs (a shorter one is refused then, naming its file)."""
+    given = [name for name in ANIMATE_VIDEOS if getattr(request, name) is not None]
+    if not limits.animate_input:
+        if given:
+            raise RequestError(
+                f"this model does not take Animate's {given[0]} (a Wan Animate model does)",
+                param=given[0],
+                code="unsupported_parameter",
+            )
+        return
+    for name in ("pose_video", "face_video"):
+        if getattr(request, name) is None:
+            raise RequestError(f"a Wan Animate model needs a {name}", param=name)
+    if (request.background_video is None) != (request.background_mask is None):
+        missing = "background_mask" if request.background_mask is None else "background_video"
+        raise RequestError(
+            "background_video and background_mask go together (replacing the person the mask "
+            f"shows); {missing} is missing",
+            param=missing,
+        )
+    for name in given:
+        file = getattr(request, name)
+        if not isinstance(file, str) or not Path(file).is_file():
+            raise RequestError(f"{name} {file} not found", param=name)
+    if frames <= limits.frames_multiple:
+        raise RequestError(
+            f"a Wan Animate clip has at least {limits.frames_multiple + limits.frames_offset} "
+            f"frames (the pipeline's segment carries a frame over), got {frames}",
+            param="frames",
+        )
 
 
 def kept_steps(steps: int, strength: float | None) -> int:

@@ -119,13 +119,15 @@ def _add_middleware(app: FastAPI, settings: Settings) -> None:
     uploads = [
         Upload("POST", "/v1/files", settings.max_upload_bytes, "file"),
         Upload("POST", "/v1/adapters", settings.max_upload_bytes, "file"),
-        # Two images and three videos at most, and VACE's reference images; each file's own
-        # limit is checked as it is stored.
+        # Two images and seven videos at most (an input video, VACE's control video and mask,
+        # Wan Animate's four), and VACE's reference images; each file's own limit is checked as
+        # it is stored.
         Upload(
             "POST",
             "/v1/videos",
-            (2 + MAX_REFERENCE_IMAGES) * settings.max_image_bytes + 3 * settings.max_video_bytes,
-            "input_reference, last_frame, input_video, control_video, mask, reference_images",
+            (2 + MAX_REFERENCE_IMAGES) * settings.max_image_bytes + 7 * settings.max_video_bytes,
+            "input_reference, last_frame, input_video, control_video, mask, reference_images, "
+            "pose_video, face_video, background_video, background_mask",
         ),
     ]
     app.add_middleware(

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megaslide.engine.atomic import atomic_write_text, remove_abandoned, remove_stale
-from megaslide.engine.request import MAX_REFERENCE_IMAGES
+from megaslide.engine.request import ANIMATE_VIDEOS, MAX_REFERENCE_IMAGES
 
 from .protocol import OWNER_MARK
 
@@ -94,6 +94,11 @@ class DataDir:
         """Where a VACE request's mask video lives (as uploaded)."""
         return self.videos / f"{video_id}.mask.video"
 
+    def animate_video(self, video_id: str, name: str) -> Path:
+        """Where a Wan Animate request's video `name` (pose_video, face_video, background_video,
+        background_mask) lives (as uploaded)."""
+        return self.videos / f"{video_id}.{name}.video"
+
     def reference_image(self, video_id: str, index: int) -> Path:
         """Where a VACE request's reference image `index` lives."""
         return self.videos / f"{video_id}.ref{index}.png"
@@ -108,6 +113,7 @@ class DataDir:
             self.control_video(video_id),
             self.mask_video(video_id),
             *(self.reference_image(video_id, i) for i in range(MAX_REFERENCE_IMAGES)),
+            *(self.animate_video(video_id, name) for name in ANIMATE_VIDEOS),
         )
 
     def upload(self, file_id: str) -> Path:

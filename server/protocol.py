@@ -50,12 +50,16 @@ class ModelCard:
         model that takes a first frame (`input_reference`), "last_image" for one that takes a
         last frame besides (`last_frame`), "video" for one that remakes an input video
         (`input_video`, with a strength), and a VACE model's "reference_images", "control_video"
-        and "mask" (with a conditioning scale). The playground shows fields from it."""
+        and "mask" (with a conditioning scale), and a Wan Animate model's "pose_video",
+        "face_video", "background_video" and "background_mask" (with "image", the character).
+        The playground shows fields from it."""
         limits = self.limits
         takes = (limits.image_input, limits.last_image_input, limits.video_input)
         inputs = ("text", *(n for n, t in zip(("image", "last_image", "video"), takes) if t))
         if limits.vace_input:
             inputs += ("reference_images", "control_video", "mask")
+        if limits.animate_input:
+            inputs += ("pose_video", "face_video", "background_video", "background_mask")
         return inputs
 
     def replace(self, **changes) -> ModelCard:

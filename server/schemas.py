@@ -175,6 +175,10 @@ FILE_FIELDS = {
     "input_video": "a video",
     "control_video": "a video",
     "mask": "a video",
+    "pose_video": "a video",
+    "face_video": "a video",
+    "background_video": "a video",
+    "background_mask": "a video",
 }
 FILE_LIST_FIELDS = {"reference_images": ("images", MAX_REFERENCE_IMAGES)}
 
@@ -270,6 +274,13 @@ class VideoCreate(Request):
         description="a VACE model's: the weight of its VACE blocks' hints (default 1; 0 ignores "
         "the reference images, control video and mask)",
     )
+    # Wan Animate (a model whose inputs list them; input_reference is the character): a pose
+    # video and a face video, and for the replace mode a background video and its mask (their
+    # first num_frames frames, one segment; the clip's length by default).
+    pose_video: Any = None
+    face_video: Any = None
+    background_video: Any = None
+    background_mask: Any = None
     loras: list[LoraRef] | None = Field(
         None,
         max_length=MAX_LORAS,
@@ -333,11 +344,13 @@ class VideoCreate(Request):
         control_video: str | None = None,
         mask: str | None = None,
         reference_images: tuple[str, ...] = (),
+        animate: dict[str, str] | None = None,
     ) -> VideoRequest:
         """The engine's request: what was asked, `None` where the model's default applies;
         `image`, `last_image`, `video`, `control_video`, `mask` and `reference_images` are where
         the uploaded files were stored; `frames` stands in for a length the request leaves out
-        (an input video's, or a control video's)."""
+        (an input video's, or a control video's); `animate`: where Wan Animate's videos were
+        stored, by field."""
         for field, what in FILE_FIELDS.items():
             if getattr(self, field) is not None:
                 raise RequestError(
@@ -370,6 +383,7 @@ class VideoCreate(Request):
             control_video=control_video,
             mask=mask,
             conditioning_scale=self.conditioning_scale,
+            **(animate or {}),
             cache=self.cache,
             loras=tuple(LoraChoice(r.name, r.scale, r.expert) for r in self.loras or ()),
             sampler=self.sampler,

@@ -155,7 +155,8 @@ class Settings(BaseSettings):
         4096 * 4096,
         ge=1,
         description="largest image or video frame decoded (input_reference, last_frame, "
-        "input_video, reference_images, control_video, mask, training clips), in pixels; "
+        "input_video, reference_images, control_video, mask, Animate's videos, training clips), "
+        "in pixels; "
         "checked from the header, before decoding",
     )
     poll_after_ms: int = Field(1000, ge=0, description="openai-poll-after-ms hint for active jobs")
@@ -197,13 +198,14 @@ class Settings(BaseSettings):
     max_video_bytes: int = Field(
         256 * 1024**2,
         ge=1,
-        description="largest video upload (input_video, control_video, mask)",
+        description="largest video upload (input_video, control_video, mask, pose_video, "
+        "face_video, background_video, background_mask)",
     )
     max_video_frames: int = Field(
         1024,
         ge=1,
-        description="most frames an uploaded video (input_video, control_video, mask) may hold: "
-        "each is decoded when it is uploaded",
+        description="most frames an uploaded video (input_video, control_video, mask, Animate's "
+        "videos) may hold: each is decoded when it is uploaded",
     )
 
     # Files and fine-tuning.

@@ -13,7 +13,7 @@ import httpx
 
 import megaslide_client
 from megaslide.cli.main import main as cli_main
-from megaslide.engine.request import CacheSpec, LoraChoice, ResolvedVideo
+from megaslide.engine.request import ANIMATE_VIDEOS, CacheSpec, LoraChoice, ResolvedVideo
 from megaslide.server import Settings, build_app
 from megaslide.server.services.repeats import NOT_PIXELS, pixel_key
 from megaslide.server.worker import Fleet
@@ -59,6 +59,7 @@ def key(video=VIDEO, card=FAKE_CARD, image="0" * 64, **kwargs) -> str:
         "control_video": "4" * 64,
         "mask": "5" * 64,
         "reference_images": ["6" * 64],
+        **{name: str(i) * 64 for i, name in enumerate(ANIMATE_VIDEOS, start=7)},
     }
     return pixel_key(video, card, digests=digests, **kwargs)
 
@@ -72,7 +73,7 @@ def test_every_field_of_a_resolved_video_counts_unless_excluded_by_name():
         assert key(changed) != key(), f"{name} changes the pixels but not the pixel key"
     # The image counts by its bytes: a path of its own for every upload, the same pixels; so do
     # the last frame, the input video and VACE's files.
-    for name in ("image", "last_image", "video", "control_video", "mask"):
+    for name in ("image", "last_image", "video", "control_video", "mask", *ANIMATE_VIDEOS):
         one, other = (dataclasses.replace(VIDEO, **{name: f"videos/{n}"}) for n in "ab")
         assert key(one) == key(other) != key()
     one, other = (dataclasses.replace(VIDEO, reference_images=(f"videos/{n}",)) for n in "ab")

@@ -121,18 +121,18 @@ def test_plain_from_pretrained_within_one_level(wan):
 @pytest.mark.parametrize("variant", sorted(CPU_VARIANTS))
 @pytest.mark.slow
 def test_parity_holds_on_other_cpus_code_paths(variant):
-    """The parity tests above, test_wan_i2v.py's, test_wan_flf2v_v2v.py's and test_wan_vace.py's,
-    again in a child process on the kernels an AVX2-only or an SSE4.2 machine would run (MKL,
-    ATen and oneDNN told to use no wider vectors), so a machine with AVX-512 catches what an AMD
-    one would."""
+    """The parity tests above, test_wan_i2v.py's, test_wan_flf2v_v2v.py's, test_wan_vace.py's and
+    test_wan_animate.py's, again in a child process on the kernels an AVX2-only or an SSE4.2
+    machine would run (MKL, ATen and oneDNN told to use no wider vectors), so a machine with
+    AVX-512 catches what an AMD one would."""
     here = Path(__file__)
-    files = ("test_wan_i2v.py", "test_wan_flf2v_v2v.py", "test_wan_vace.py")
+    files = ("test_wan_i2v.py", "test_wan_flf2v_v2v.py", "test_wan_vace.py", "test_wan_animate.py")
     others = [here.with_name(f) for f in files]
     done = run_on_cpu_variant(variant, "cpu_variants", here, *others)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     # Text-to-video (Wan2.1's VAE and Wan2.2's), plain loading, image-to-video, first-last-frame,
-    # video-to-video and VACE, none skipped by mistake.
-    assert re.search(r"^7 passed, \d+ deselected in", done.stdout, re.M), done.stdout[-2000:]
+    # video-to-video, VACE and Animate, none skipped by mistake.
+    assert re.search(r"^8 passed, \d+ deselected in", done.stdout, re.M), done.stdout[-2000:]
 
 
 def test_requests_share_one_pass_and_one_weight_crossing_per_step(wan, monkeypatch):
@@ -290,7 +290,7 @@ def test_a_broken_directory_is_named(wan, tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert "vae/config.json is missing" in err
-    (broken / "model_index.json").write_text(json.dumps({"_class_name": "WanAnimatePipeline"}))
+    (broken / "model_index.json").write_text(json.dumps({"_class_name": "WanVideoToVideoPipeline"}))
     assert main(["info", "--model", str(broken)]) == 2
     assert "not supported" in capsys.readouterr().err
 

@@ -140,6 +140,27 @@ def _add_conditioning_args(p) -> None:
         "control video); with --server it is uploaded",
     )
     p.add_argument(
+        "--pose-video",
+        help="a Wan Animate model's pose video (with --image, the character): its first --frames "
+        "frames (default: as many as it holds, to the model's frame rule; one segment), resized "
+        "to --size; with --server it is uploaded",
+    )
+    p.add_argument(
+        "--face-video",
+        help="a Wan Animate model's face video (the face's frames, resized to its motion "
+        "encoder's square); with --server it is uploaded",
+    )
+    p.add_argument(
+        "--background-video",
+        help="a Wan Animate model's replace mode: the video whose person the character replaces "
+        "(with --background-mask); with --server it is uploaded",
+    )
+    p.add_argument(
+        "--background-mask",
+        help="with --background-video: a video of masks over it (white: the person to replace); "
+        "with --server it is uploaded",
+    )
+    p.add_argument(
         "--conditioning-scale",
         type=float,
         help="a VACE model's weight of its VACE blocks' hints (0 to 10, default 1)",
@@ -339,6 +360,10 @@ def run_generate(args) -> int:
         control_video=args.control_video,
         mask=args.mask,
         conditioning_scale=args.conditioning_scale,
+        pose_video=args.pose_video,
+        face_video=args.face_video,
+        background_video=args.background_video,
+        background_mask=args.background_mask,
         cache=parse_cache(args.cache),
         sampler=args.sampler,
         timesteps=parse_numbers(args.timesteps, "--timesteps", int),
@@ -364,8 +389,12 @@ def run_generate(args) -> int:
     # against the model and them, before any weights load.
     adapters = [load_adapter(info, name, path) for name, path in lora_files.items()]
     defaults = {a.name: a.defaults for a in adapters}
-    if request.frames is None:  # an input or a control video's length, to the frame rule
-        for flag, path in (("--video", request.video), ("--control-video", request.control_video)):
+    if request.frames is None:  # an input, control or pose video's length, to the frame rule
+        for flag, path in (
+            ("--video", request.video),
+            ("--control-video", request.control_video),
+            ("--pose-video", request.pose_video),
+        ):
             if path is not None:
                 frames = video_frames(path, info.limits, flag)
                 request = dataclasses.replace(request, frames=frames)

@@ -100,7 +100,12 @@ def generate_remote(args, request) -> int:
     files = ("--image", request.image), ("--last-image", request.last_image)
     videos = ("--video", request.video), ("--control-video", request.control_video)
     references = [("--reference-image", path) for path in request.reference_images]
-    for flag, path in (*files, *videos, ("--mask", request.mask), *references):
+    animate = {
+        name: getattr(request, name)
+        for name in ("pose_video", "face_video", "background_video", "background_mask")
+    }
+    animated = [("--" + name.replace("_", "-"), path) for name, path in animate.items()]
+    for flag, path in (*files, *videos, ("--mask", request.mask), *references, *animated):
         if path is not None and not Path(path).is_file():
             raise UsageError(f"{flag}: {path} not found")
     sdk = _sdk()
@@ -135,6 +140,7 @@ def generate_remote(args, request) -> int:
                 control_video=request.control_video,
                 mask=request.mask,
                 conditioning_scale=request.conditioning_scale,
+                **animate,
                 reuse=False if args.no_reuse else None,
             )
             done = f", the MP4 of {video.cached_from}" if video.cached_from else ""

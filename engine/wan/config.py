@@ -1,9 +1,10 @@
 """A diffusers-format Wan pipeline directory, read without torch.
 
     <dir>/model_index.json            the pipeline class (WanPipeline, WanImageToVideoPipeline,
-                                      WanVACEPipeline) and its components (boundary_ratio, expand_timesteps for
+                                      WanVACEPipeline, WanAnimatePipeline) and its components (boundary_ratio, expand_timesteps for
                                       Wan2.2)
-    <dir>/transformer/config.json     WanTransformer3DModel, or WanVACETransformer3DModel (and
+    <dir>/transformer/config.json     WanTransformer3DModel, WanVACETransformer3DModel or
+                                      WanAnimateTransformer3DModel (and
                                       transformer_2/ for Wan2.2-A14B and Wan2.2 VACE-Fun)
     <dir>/vae/config.json             AutoencoderKLWan: strides, latent channels, normalisation
     <dir>/text_encoder/config.json    UMT5EncoderModel
@@ -35,6 +36,11 @@ the conditioning latents (`vace_in_channels`: the control video's inactive and r
 `2 * z_dim`, and the mask folded to one channel per pixel of a latent pixel, `vae_spatial ** 2`;
 96 for Wan's VAE).
 
+Animate (`WanAnimatePipeline`: Wan2.2-Animate-14B) is the Wan2.1-I2V layout (`in_channels`
+`2 * z_dim + 4`, CLIP features, one expert) on a `WanAnimateTransformer3DModel`: a pose patch
+embedding, a motion encoder of square face frames (`motion_encoder_size` pixels), a face encoder
+and a face adapter after every `inject_face_latents_blocks`-th block.
+
 Weights are `*.safetensors` in each component folder, sharded or not. A missing file is named in
 the error.
 """
@@ -52,7 +58,7 @@ from pathlib import Path
 from ..native.config import ATTENTION_BACKENDS, SamplingDefaults
 from ..request import CACHE_POLICIES, ModelLimits
 
-PIPELINES = ("WanPipeline", "WanImageToVideoPipeline", "WanVACEPipeline")
+PIPELINES = ("WanPipeline", "WanImageToVideoPipeline", "WanVACEPipeline", "WanAnimatePipeline")
 IMAGE_ENCODERS = (("transformers", "CLIPVisionModel"),)  # Wan2.1-I2V's
 EXPERTS = ("transformer", "transformer_2")  # high-noise expert, then low-noise (Wan2.2-A14B)
 TEXT_TOKENS = 512  # Wan's pipelines pad (and cut) every prompt to 512 UMT5 tokens
@@ -128,6 +134,9 @@ class WanConfig:
     # (empty: no VACE blocks), and the conditioning latents' channels.
     vace_layers: tuple[int, ...] = ()
     vace_in_channels: int = 0
+    # Animate (`WanAnimateTransformer3DModel`): the face video's frame size (square, pixels); 0:
+    # not an Animate model.
+    face_size: int = 0
     # Single-file transformer checkpoints (one per expert) read instead of the directory's own
     # transformer weights (single_file.py): a fine-tune shared as one file over its base pipeline.
     transformer_files: tuple[str, ...] = ()
@@ -182,6 +191,11 @@ class WanConfig:
         """Whether the transformer carries VACE blocks (reference images, control video, mask)."""
         return bool(self.vace_layers)
 
+    @property
+    def animate(self) -> bool:
+        """Whether the transformer is Wan Animate's (a character image, pose and face videos)."""
+        return self.face_size > 0
+
     def replace(self, **changes) -> WanConfig:
         for key in ("dsa_tile", "dsa_window", "transformer_files", "vace_layers"):
             if key in changes:
@@ -223,6 +237,7 @@ def read_wan_config(path: Path) -> WanConfig:
     vae = _read_json(path / "vae" / "config.json")
     image_condition, image_encoder, first_last_frame = _image_conditioning(path, index, t, vae)
     vace_layers, vace_in_channels = _vace(path, index, t, vae, image_condition or image_encoder)
+    face_size = _animate(path, index, t, experts, image_condition and image_encoder)
     text = _read_json(path / "text_encoder" / "config.json")
     scheduler = _read_json(path / "scheduler" / "scheduler_config.json")
     if not (path / "tokenizer").is_dir():
@@ -253,6 +268,7 @@ def read_wan_config(path: Path) -> WanConfig:
         first_last_frame=first_last_frame,
         vace_layers=vace_layers,
         vace_in_channels=vace_in_channels,
+        face_size=face_size,
     )
 
 
@@ -296,6 +312,40 @@ def _vace(
     return layers, channels
 
 
+ANIMATE_TRANSFORMER = "WanAnimateTransformer3DModel"
+
+
+def _animate(path: Path, index: dict, transformer: dict, experts: tuple, image: bool) -> int:
+    """The face frames' size of a WanAnimatePipeline's transformer (0 for the other pipelines),
+    checked against what diffusers' pipeline feeds it; WanFormatError naming the file
+    otherwise."""
+    config = path / "transformer" / "config.json"
+    animate = index["_class_name"] == "WanAnimatePipeline"
+    if (transformer.get("_class_name") == ANIMATE_TRANSFORMER) != animate:
+        raise WanFormatError(
+            f"{config}: a {transformer.get('_class_name')} under "
+            f"{index['_class_name']}: WanAnimatePipeline goes with {ANIMATE_TRANSFORMER}, and only "
+            "it"
+        )
+    if not animate:
+        return 0
+    if len(experts) != 1 or not image:
+        raise WanFormatError(
+            f"{config}: an Animate transformer is one expert with an image condition and CLIP "
+            "features (in_channels 2 x z_dim + 4, image_dim set, an image_encoder)"
+        )
+    depth = transformer.get("num_layers", 40)
+    every = transformer.get("inject_face_latents_blocks", 5)
+    if not (isinstance(every, int) and every >= 1 and depth % every == 0):
+        # diffusers' forward runs face_adapter[i // every] after each block i divisible by
+        # `every`, of which there are num_layers // every.
+        raise WanFormatError(
+            f"{config}: inject_face_latents_blocks {every} does not divide num_layers {depth} "
+            "(a face adapter runs after every such block)"
+        )
+    return int(transformer.get("motion_encoder_size", 512))
+
+
 def _image_conditioning(
     path: Path, index: dict, transformer: dict, vae: dict
 ) -> tuple[bool, bool, bool]:
@@ -312,10 +362,12 @@ def _image_conditioning(
             f"(text-to-video, TI2V) nor {2 * z + mask} (image-to-video: latents, mask, image)"
         )
     image_condition = channels == 2 * z + mask
-    if image_condition and (pipeline != "WanImageToVideoPipeline" or index.get("expand_timesteps")):
+    image_pipelines = ("WanImageToVideoPipeline", "WanAnimatePipeline")
+    if image_condition and (pipeline not in image_pipelines or index.get("expand_timesteps")):
         raise WanFormatError(
             f"{config}: a transformer of {channels} input channels takes an image condition: "
-            "model_index.json must name WanImageToVideoPipeline without expand_timesteps"
+            "model_index.json must name WanImageToVideoPipeline (or WanAnimatePipeline) without "
+            "expand_timesteps"
         )
     if pipeline == "WanImageToVideoPipeline" and not (
         image_condition or index.get("expand_timesteps")
@@ -356,9 +408,12 @@ def _image_conditioning(
 
 
 def default_sampling(config: WanConfig, path: Path) -> SamplingDefaults:
-    """Wan's published defaults (480x832, 81 frames at 16 fps; TI2V-5B: 704x1280, 121 at 24),
+    """Wan's published defaults (480x832, 81 frames at 16 fps; TI2V-5B: 704x1280, 121 at 24;
+    Animate: WanAnimatePipeline's, 720x1280, a segment of 77 frames, 20 steps, no guidance),
     overridden by `megaslide.json` in the directory when it has a "sampling" entry."""
-    if config.vae_spatial == 16:  # Wan2.2-TI2V-5B's VAE
+    if config.animate:
+        base = SamplingDefaults(frames=77, height=720, width=1280, fps=16, steps=20, guidance=1.0)
+    elif config.vae_spatial == 16:  # Wan2.2-TI2V-5B's VAE
         base = SamplingDefaults(frames=121, height=704, width=1280, fps=24, steps=50, guidance=5.0)
     else:
         # Wan2.2's A14B experts: 4.0 for text-to-video, 3.5 for image-to-video (its i2v config).
@@ -422,8 +477,12 @@ def wan_limits(config: WanConfig, sampling: SamplingDefaults, path: Path) -> Mod
         # transformer runs with its conditioning only (WanVACEPipeline's inputs).
         video_input=not (config.image_condition or config.expand_timesteps or config.vace),
         vace_input=config.vace,
-        # A VACE model's pass is not cut at its blocks (family.py): no first-block cache.
-        cache_policies=tuple(p for p in CACHE_POLICIES if not (config.vace and p == "first-block")),
+        animate_input=config.animate,
+        # A VACE model's pass is not cut at its blocks (family.py): no first-block cache. No step
+        # cache is built for Animate's face adapters.
+        cache_policies=()
+        if config.animate
+        else tuple(p for p in CACHE_POLICIES if not (config.vace and p == "first-block")),
         experts=len(config.experts),
         max_prompt_tokens=TEXT_TOKENS - 1,  # and the end-of-sequence token
         prompt_unit="tokens (UMT5)",

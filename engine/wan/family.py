@@ -35,6 +35,19 @@ the loader from the directory's safetensors, so the streamer can keep their bloc
   adds to the output of its block (`vace_layers`): the transformer's own forward, given a scale
   per row so requests of different scales share a pass. The streamed blocks are the VACE blocks
   and then the blocks, the order they run in;
+- Animate (`WanAnimatePipeline`, one segment: the clip is `segment_frame_length` frames and the
+  videos' first frames): the character image, resized to fill the clip's frame (its aspect
+  kept, black around), is encoded by the VAE as a latent frame of its own behind a mask of ones;
+  after it come the latents of black frames (animate) or of the background video (replace),
+  behind a mask of zeros (animate) or of where the background is kept (one minus the mask
+  video, nearest-resampled, the first frame's mask repeated over its latent frame's channels).
+  These ride along every input as I2V's extra channels; the starting noise has the leading
+  frame too, dropped before decoding. The pose video's latents join the tokens after the first
+  frame's through the pose patch embedding; the face video, resized to the motion encoder's
+  square, feeds the motion and face encoders (in the transformer's forward), whose features the
+  face adapters add after their blocks; the unconditional half of a guidance pair sees a face
+  of all -1, as the pipeline blanks it. CLIP features are the character image's. The streamed
+  blocks are the blocks with the face adapters between them, the order they run in;
 - video-to-video (`WanVideoToVideoPipeline`): the input video's first frames, resized to the
   clip, are encoded by the VAE; the schedule's first `1 - strength` is skipped, and the
   latent is noised to the first step kept by the scheduler's `add_noise` (or `scale_noise`) with
@@ -79,6 +92,7 @@ from ..family import Component, Family
 from ..lora import Adapter, AdapterRouter, linear_targets
 from ..request import (
     ResolvedVideo,
+    check_animate,
     check_image,
     check_last_image,
     check_loras,
@@ -92,7 +106,7 @@ from ..sampling.samplers import flow_scheduler, timestep_sigmas
 from ..sampling.step_cache import StepCache
 from ..sources import ModelInfo
 from ..streaming.host_store import RenamedWeights, SafetensorsFile
-from .config import TEXT_TOKENS, VACE_TRANSFORMER, WanConfig, weight_files
+from .config import ANIMATE_TRANSFORMER, TEXT_TOKENS, VACE_TRANSFORMER, WanConfig, weight_files
 from .encoders import WanEncoders, fast_vae_norms, libraries
 from .forward import WanCut, streamed_blocks
 from .prompt_cache import PromptCache, PromptKV, entry_bytes
@@ -121,9 +135,10 @@ class WanFamily(Family):
                 diffusers.AutoencoderKLWan.load_config(path / "vae", local_files_only=True)
             )
         if config.attention == "dsa":
-            if config.vace:
+            if config.vace or config.animate:
                 raise ValueError(
-                    "3D-DSA is not built for VACE's blocks: open it with dense attention"
+                    f"3D-DSA is not built for {'VACE' if config.vace else 'Animate'}'s blocks: "
+                    "open it with dense attention"
                 )
             from .attention import use_slide_attention
 
@@ -243,6 +258,8 @@ class WanFamily(Family):
                 f"sequence parallel over {world} devices needs the heads ({heads}) and the "
                 f"token count ({'x'.join(map(str, grid))}) to be multiples of {world}"
             )
+        if config.animate:
+            raise ValueError("sequence parallel is not built for Wan Animate models")
         if config.vace and math.prod(grid[1:]) % world:
             # Reference images add latent frames: a frame's tokens must split alone.
             raise ValueError(
@@ -303,18 +320,32 @@ class WanFamily(Family):
 
 
 def _meta_transformer(diffusers, folder: Path) -> nn.Module:
-    """A WanTransformer3DModel (or WanVACETransformer3DModel, as its config names) on the meta
-    device (call inside `torch.device("meta")`), with its rotary tables, which it computes rather
-    than stores, built for real on the CPU."""
+    """A WanTransformer3DModel (or WanVACETransformer3DModel or WanAnimateTransformer3DModel, as
+    its config names) on the meta device (call inside `torch.device("meta")`), with the buffers
+    it computes rather than stores (its rotary tables, Animate's blur kernels) built for real on
+    the CPU."""
     config = diffusers.WanTransformer3DModel.load_config(folder, local_files_only=True)
-    vace = config.get("_class_name") == VACE_TRANSFORMER
-    cls = diffusers.WanVACETransformer3DModel if vace else diffusers.WanTransformer3DModel
+    cls = {
+        VACE_TRANSFORMER: diffusers.WanVACETransformer3DModel,
+        ANIMATE_TRANSFORMER: diffusers.WanAnimateTransformer3DModel,
+    }.get(config.get("_class_name"), diffusers.WanTransformer3DModel)
     model = cls.from_config(config)
     rope = type(model.rope)
     with torch.device("cpu"):
         model.rope = rope(
             model.rope.attention_head_dim, model.rope.patch_size, model.rope.max_seq_len
         )
+    if hasattr(model, "motion_encoder"):
+        # Animate's motion encoder blurs with a FIR kernel its convolutions compute, not store
+        # (a buffer outside the state dict): without this it would be uninitialised memory.
+        # Its residual blocks all take the default kernel, so a one-channel block's is theirs.
+        from diffusers.models.transformers.transformer_wan_animate import MotionEncoderResBlock
+
+        with torch.device("cpu"):
+            kernel = MotionEncoderResBlock(1, 1).conv2.blur_kernel
+        for module in model.motion_encoder.modules():
+            if getattr(module, "blur", False):
+                module.blur_kernel = kernel.clone()
     return model
 
 
@@ -394,6 +425,11 @@ class WanState:
     condition: torch.Tensor | None = None
     mask: torch.Tensor | None = None
     image_embeds: torch.Tensor | None = None
+    # Animate: the pose video's latents `(1, C, F', H', W')` and the face video `(1, 3, F,
+    # face, face)` in [-1, 1], both in the model's dtype (the character image's latent frame is
+    # `condition`'s first, its CLIP features `image_embeds`, and `references` is 1).
+    pose: torch.Tensor | None = None
+    face: torch.Tensor | None = None
     # VACE: the conditioning latents `(1, 2C + s^2, R + F', H', W')` in the model's dtype, the
     # weight of the VACE blocks' hints, and the R reference images' latent frames that lead
     # `latents` (dropped before decoding).
@@ -593,6 +629,7 @@ class WanVideoPipeline(Pipeline, Sampler):
             check_last_image(video.last_image, video.image, video.frames, self.info.limits)
             check_video(video.video, video.strength, video.image, self.info.limits)
             check_vace(video, video.frames, self.info.limits)
+            check_animate(video, video.frames, self.info.limits)
         contexts = self._contexts(videos)
         return [self._prepare(video, context) for video, context in zip(videos, contexts)]
 
@@ -611,7 +648,8 @@ class WanVideoPipeline(Pipeline, Sampler):
     def _prepare(self, video: ResolvedVideo, context: torch.Tensor) -> WanState:
         # VACE's reference images lead the clip, a latent frame each (WanVACEPipeline draws the
         # noise for `frames + R * vae_temporal` pixel frames).
-        references = len(video.reference_images)
+        # Animate: the character image's latent frame leads the clip the same way.
+        references = 1 if self.config.animate else len(video.reference_images)
         frames = video.frames + references * self.config.vae_temporal
         shape = (1, *self.config.latent_shape(frames, video.height, video.width))
         # Video-to-video: the input video's latent, encoded before the noise is drawn, as
@@ -635,7 +673,9 @@ class WanVideoPipeline(Pipeline, Sampler):
             state.step_args["generator"] = generator
         if video.guidance_interval is not None:
             state.guidance_memory = GuidanceMemory()
-        if video.image is not None:
+        if self.config.animate:
+            self._animate_condition(state)
+        elif video.image is not None:
             self._condition(state)
         if self.config.vace:
             self._vace_condition(state)
@@ -770,6 +810,67 @@ class WanVideoPipeline(Pipeline, Sampler):
         state.control = control.to(self.device, self.dtype)
         state.control_scale = video.conditioning_scale
 
+    @torch.no_grad()
+    def _animate_condition(self, state: WanState) -> None:
+        """Animate's inputs of `state`, as WanAnimatePipeline makes them for one segment (see
+        the module's docstring): the condition channels, the character's CLIP features, the pose
+        latents and the face frames."""
+        from diffusers.pipelines.wan.image_processor import WanAnimateImageProcessor
+        from diffusers.video_processor import VideoProcessor
+        from PIL import Image
+
+        from ..video import read_video
+
+        video, config = state.video, self.config
+        height, width, frames = video.height, video.width, video.frames
+        processor = VideoProcessor(vae_scale_factor=config.vae_spatial)
+
+        def clip(file: str, mode: str = "RGB") -> list:
+            # The first `frames` frames; ValueError naming the file when it holds fewer.
+            images = read_video(file, num_frames=frames, sampling="first")  # (F, H, W, 3) uint8
+            return [Image.fromarray(f).convert(mode) for f in images]
+
+        with Image.open(video.image) as image:
+            character = image.convert("RGB")
+        fill = WanAnimateImageProcessor(
+            vae_scale_factor=config.vae_spatial,
+            spatial_patch_size=config.patch[-2:],
+            resample="bilinear",
+            fill_color=0,
+        )
+        pixels = fill.preprocess(character, height=height, width=width, resize_mode="fill")
+        latent = self.encoders.clip(pixels.float().unsqueeze(2))  # (1, C, 1, H', W')
+        t, s = config.vae_temporal, config.vae_spatial
+        h, w = height // s, width // s
+        lead = torch.cat([torch.ones_like(latent[:, :1]).expand(-1, t, -1, -1, -1), latent], 1)
+        if video.background_video is not None:
+            background = processor.preprocess_video(clip(video.background_video), height, width)
+            masker = VideoProcessor(
+                vae_scale_factor=s, do_normalize=False, do_convert_grayscale=True
+            )
+            mask = masker.preprocess_video(clip(video.background_mask, "L"), height, width)
+            kept = 1 - mask.float()  # (1, 1, F, H, W): 1 where the background stays
+            kept = torch.nn.functional.interpolate(
+                kept[0].transpose(0, 1), size=(h, w), mode="nearest"
+            ).transpose(0, 1)[None]  # (1, 1, F, H', W')
+            # The first frame's mask fills its latent frame's channels, as the pipeline's
+            # `get_i2v_mask` repeats it.
+            kept = torch.cat([kept[:, :, :1].expand(-1, -1, t, -1, -1), kept[:, :, 1:]], dim=2)
+            given = kept.view(1, -1, t, h, w).transpose(1, 2)  # (1, t, F', H', W')
+            rest = self.encoders.clip(background.float())  # (1, C, F', H', W')
+        else:
+            black = torch.zeros((1, 3, frames, height, width))
+            rest = self.encoders.clip(black)
+            given = torch.zeros_like(rest[:, :1]).expand(-1, t, -1, -1, -1)
+        rest = torch.cat([given.to(rest), rest], dim=1)  # (1, t + C, F', H', W')
+        state.condition = torch.cat([lead, rest], dim=2)  # (1, t + C, 1 + F', H', W')
+        state.image_embeds = self.encoders.image([character]).to(self.device, self.dtype)
+        pose = processor.preprocess_video(clip(video.pose_video), height, width)
+        state.pose = self.encoders.clip(pose.float()).to(self.device, self.dtype)
+        size = config.face_size
+        face = processor.preprocess_video(clip(video.face_video), height=size, width=size)
+        state.face = face.float().to(self.device, self.dtype)  # (1, 3, F, face, face)
+
     @staticmethod
     def _reference(processor, file: str, height: int, width: int) -> torch.Tensor:
         """A reference image as WanVACEPipeline fits it into the clip's frame: at its own size
@@ -813,15 +914,18 @@ class WanVideoPipeline(Pipeline, Sampler):
     def cut(self, e: int, states: list[WanState]) -> WanCut:
         """The pass of `forward` cut at its blocks (forward.py), for a first-block cache: its
         inputs are those of a pass that keeps no cross-attention keys and values."""
-        if self.config.vace:
-            raise ValueError("a VACE model's pass is not cut at its blocks (no first-block cache)")
+        if self.config.vace or self.config.animate:
+            raise ValueError(
+                "a VACE or Animate model's pass is not cut at its blocks (no first-block cache)"
+            )
         model = self.experts[e]
         *inputs, adapters = self._inputs(model, states, (0, 1))
         return WanCut(model, self.config.patch, tuple(inputs), adapters, self.adapters, self.sp)
 
     def interleaves(self, parts: list[list]) -> bool:
-        # A VACE model's pass is not cut at its blocks: its fine-tunes run one pass each.
-        return not self.config.vace and super().interleaves(parts)
+        # A VACE or Animate model's pass is not cut at its blocks: its fine-tunes run one pass
+        # each.
+        return not (self.config.vace or self.config.animate) and super().interleaves(parts)
 
     def update(self, s: WanState, noise: torch.Tensor) -> None:
         if s.references and s.keep_x0:
@@ -853,6 +957,8 @@ class WanVideoPipeline(Pipeline, Sampler):
             if not fill:  # no text or image token to embed: the keys and values are kept
                 context, image = context[:, :0], None  # (B, 0, text_dim)
         vace = self._control(group, halves) if self.config.vace else {}
+        if self.config.animate:
+            vace = self._motion(group, halves)
         with torch.no_grad(), self.adapters.rows(adapters), cache:
             return model(
                 hidden_states=latents,
@@ -882,6 +988,22 @@ class WanVideoPipeline(Pipeline, Sampler):
         return {
             "control_hidden_states": torch.cat(controls),  # (rows, 2C + s^2, R + F', H', W')
             "control_hidden_states_scale": scale.to(self.device, self.dtype),
+        }
+
+    @staticmethod
+    def _motion(group: list[WanState], halves) -> dict:
+        """Animate's inputs of a pass over `group`'s rows (in `_inputs`' order): the pose
+        latents, the same for both halves, and the face frames, all -1 on an unconditional row
+        (WanAnimatePipeline blanks the face for guidance)."""
+        poses, faces = [], []
+        for s in group:
+            for half in halves:
+                if half == 0 or s.guided:
+                    poses.append(s.pose)
+                    faces.append(s.face if half == 0 else s.face * 0 - 1)
+        return {
+            "pose_hidden_states": torch.cat(poses),  # (rows, C, F', H', W')
+            "face_pixel_values": torch.cat(faces),  # (rows, 3, F, face, face)
         }
 
     @property

@@ -20,8 +20,25 @@ from ..sampling.loop import ForwardCut
 
 def streamed_blocks(model: nn.Module) -> list[nn.Module]:
     """A transformer's blocks in the order its forward runs them: a VACE transformer's VACE
-    blocks (all of them, before any block), then the blocks."""
+    blocks (all of them, before any block), then the blocks; an Animate transformer's blocks
+    with its face adapters between them (adapter `i // n` after each block `i` that `n =
+    inject_face_latents_blocks` divides)."""
+    adapters = getattr(model, "face_adapter", None)
+    if adapters is not None:
+        every = model.config.inject_face_latents_blocks
+        order = []
+        for i, block in enumerate(model.blocks):
+            order.append(block)
+            if i % every == 0:
+                order.append(adapters[i // every])
+        return order
     return [*getattr(model, "vace_blocks", ()), *model.blocks]
+
+
+def attention_blocks(model: nn.Module) -> list[nn.Module]:
+    """The streamed blocks that cross-attend the prompt (`attn2`): all but Animate's face
+    adapters, which attend the face's motion features."""
+    return [b for b in streamed_blocks(model) if hasattr(b, "attn2")]
 
 
 def prologue(model: nn.Module, x, timestep, context, image=None):

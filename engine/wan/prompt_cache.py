@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from .config import TEXT_TOKENS  # the text follows Wan2.1-I2V's image tokens, as in diffusers
-from .forward import streamed_blocks  # a VACE transformer's VACE blocks cross-attend as well
+from .forward import attention_blocks  # a VACE transformer's VACE blocks cross-attend as well
 
 
 @dataclass
@@ -74,7 +74,7 @@ class PromptKV:
 def entry_bytes(model: nn.Module, tokens: int, dtype: torch.dtype) -> int:
     """Bytes of one row's entry for `model` with `tokens` context tokens (image and text)."""
     width = 0
-    for block in streamed_blocks(model):
+    for block in attention_blocks(model):
         attn = block.attn2
         width += attn.to_k.out_features + attn.to_v.out_features
     return tokens * width * torch.empty((), dtype=dtype).element_size()
@@ -200,7 +200,7 @@ class PromptCache:
 
     def __init__(self, model: nn.Module):
         self.processors = []
-        for i, block in enumerate(streamed_blocks(model)):
+        for i, block in enumerate(attention_blocks(model)):
             processor = PromptCacheProcessor(i, block.attn2.processor)
             block.attn2.set_processor(processor)
             self.processors.append(processor)
@@ -228,5 +228,5 @@ class PromptCache:
 
     def remove(self, model: nn.Module) -> None:
         """Put diffusers' processors back."""
-        for p, block in zip(self.processors, streamed_blocks(model)):
+        for p, block in zip(self.processors, attention_blocks(model)):
             block.attn2.set_processor(p.base)

@@ -11,6 +11,8 @@ from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 from starlette.datastructures import UploadFile
 
+from megaslide.engine.request import ANIMATE_VIDEOS
+
 from ..deps import IdempotencyKeyDep, PrincipalDep, SettingsDep, StoreDep, VideosDep
 from ..downloads import Download
 from ..errors import InvalidRequest, invalid_request
@@ -44,8 +46,9 @@ async def read_create_body(
     """The create parameters from a JSON body or form fields (the openai SDK sends multipart),
     and the files uploaded, by field: the first-frame image (`input_reference`), the last-frame
     one (`last_frame`), the input video (`input_video`), VACE's control video and mask
-    (`control_video`, `mask`), and a list of VACE's reference images (`reference_images`, the
-    field repeated)."""
+    (`control_video`, `mask`), a list of VACE's reference images (`reference_images`, the
+    field repeated), and Wan Animate's videos (`pose_video`, `face_video`, `background_video`,
+    `background_mask`)."""
     content_type = request.headers.get("content-type", "")
     files = {}
     if content_type.startswith(("multipart/form-data", "application/x-www-form-urlencoded")):
@@ -137,6 +140,7 @@ async def create_video(
         control_video=files.get("control_video"),
         mask=files.get("mask"),
         reference_images=files.get("reference_images", []),
+        animate={f: files[f] for f in ANIMATE_VIDEOS if f in files},
     )
     poll_hint(response, video, settings)
     return video

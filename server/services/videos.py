@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import io
 from pathlib import Path
@@ -12,6 +13,7 @@ from starlette.concurrency import run_in_threadpool
 
 from megaslide.engine.atomic import atomic_write, atomic_write_bytes
 from megaslide.engine.request import (
+    ANIMATE_VIDEOS,
     INPUT_FILE_LISTS,
     INPUT_FILES,
     RequestError,
@@ -62,6 +64,10 @@ UPLOADS = {
     "control_video": ("control_video", "vace_input", "a control video"),
     "mask": ("mask", "vace_input", "a mask video"),
     "reference_images": ("reference_images", "vace_input", "reference images"),
+    "pose_video": ("pose_video", "animate_input", "a pose video"),
+    "face_video": ("face_video", "animate_input", "a face video"),
+    "background_video": ("background_video", "animate_input", "a background video"),
+    "background_mask": ("background_mask", "animate_input", "a background mask video"),
 }
 
 
@@ -84,9 +90,11 @@ class Videos:
         control_video: BinaryIO | None = None,
         mask: BinaryIO | None = None,
         reference_images: list[BinaryIO] | tuple = (),
+        animate: dict[str, BinaryIO] | None = None,
     ) -> Video:
         """Queue a video (`image`, `last_image`, `input_video`: an uploaded first frame, last
-        frame, input video; `control_video`, `mask`, `reference_images`: VACE's; `body` may name
+        frame, input video; `control_video`, `mask`, `reference_images`: VACE's; `animate`: Wan
+        Animate's videos by field (ANIMATE_VIDEOS); `body` may name
         files of /v1/files instead), or, unless
         `body.reuse` is off, answer it at once with the requester's finished video it repeats
         (repeats.py). A retry with the same key gets the video its first request made."""
@@ -105,6 +113,7 @@ class Videos:
             "control_video": control_video,
             "mask": mask,
             "reference_images": list(reference_images) or None,
+            **{field: (animate or {}).get(field) for field in ANIMATE_VIDEOS},
         }
         uploads = {field: named.get(field, file) for field, file in uploads.items()}
         body = body.model_copy(update=dict.fromkeys([*FILE_FIELDS, *FILE_LIST_FIELDS]))
@@ -278,6 +287,9 @@ class Videos:
             "input_video": data.input_video,
             "control_video": data.control_video,
             "mask": data.mask_video,
+            **{
+                field: functools.partial(data.animate_video, name=field) for field in ANIMATE_VIDEOS
+            },
         }
         frames = {}
         for param, where in videos.items():
@@ -321,6 +333,7 @@ class Videos:
                 control_video=paths.get("control_video"),
                 mask=paths.get("mask"),
                 reference_images=tuple(paths.get("reference_images", ())),
+                animate={f: paths[f] for f in ANIMATE_VIDEOS if f in paths},
             ),
             card.limits,
             card.defaults,

@@ -8,7 +8,9 @@ Wan2.1-I2V-style (`WanImageToVideoPipeline`: the image condition as extra input 
 CLIP image encoder; with two experts Wan2.2-I2V-A14B-style, without the encoder),
 Wan2.1-FLF2V-style (the I2V layout whose CLIP embedder takes a first and a last frame's features
 side by side, `pos_embed_seq_len`), Wan VACE-style (`WanVACEPipeline`: VACE blocks beside the
-blocks, one or two experts), and sharded weights.
+blocks, one or two experts), Wan Animate-style (`WanAnimatePipeline`: the I2V layout with a pose
+patch embedding, a motion encoder of 16x16 face frames, a face encoder and a face adapter after
+every block), and sharded weights.
 """
 
 from __future__ import annotations
@@ -86,6 +88,41 @@ def transformer(
     )
 
 
+FACE_SIZE = 16  # the tiny Animate model's face frames: 16x16 pixels
+
+
+def animate_transformer(in_channels: int = 4, layers: int = 2):
+    """A tiny WanAnimateTransformer3DModel: the I2V input channels (latents, mask, reference),
+    CLIP features, a pose patch embedding, a motion encoder of FACE_SIZE face frames and a face
+    adapter after every block (`inject_face_latents_blocks=1`, so each adapter runs)."""
+    from diffusers import WanAnimateTransformer3DModel
+
+    return WanAnimateTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=12,
+        in_channels=2 * in_channels + 4,
+        latent_channels=in_channels,
+        out_channels=in_channels,
+        text_dim=32,
+        freq_dim=16,
+        ffn_dim=32,
+        num_layers=layers,
+        rope_max_seq_len=32,
+        image_dim=IMAGE_DIM,
+        added_kv_proj_dim=24,
+        motion_encoder_channel_sizes={"16": 8, "8": 8, "4": 8},
+        motion_encoder_size=FACE_SIZE,
+        motion_style_dim=16,
+        motion_dim=4,
+        motion_encoder_dim=16,
+        face_encoder_hidden_dim=16,
+        face_encoder_num_heads=2,
+        inject_face_latents_blocks=1,
+        motion_encoder_batch_size=4,
+    )
+
+
 IMAGE_DIM = 16  # the tiny CLIP's width
 IMAGE_TOKENS = 17  # the tiny CLIP's tokens of one image: 16 patches and the class token
 
@@ -116,6 +153,7 @@ def build_tiny_wan(
     i2v: bool = False,
     flf2v: bool = False,
     vace: bool = False,
+    animate: bool = False,
     shard: str | None = None,
     layers: int = 2,
     seed: int = 0,
@@ -123,9 +161,9 @@ def build_tiny_wan(
 ) -> Path:
     """Write a tiny random Wan pipeline directory at `path` (as `save_pretrained` writes it), with
     sampling defaults a tiny model can take in `megaslide.json` (Wan's own are 480x832)."""
-    from diffusers import WanImageToVideoPipeline, WanPipeline, WanVACEPipeline
+    from diffusers import WanAnimatePipeline, WanImageToVideoPipeline, WanPipeline, WanVACEPipeline
 
-    i2v = i2v or flf2v
+    i2v = i2v or flf2v or animate
     torch.manual_seed(seed)
     tok = tokenizer()
     text = _text_encoder(len(tok))
@@ -139,7 +177,9 @@ def build_tiny_wan(
     # VACE: hints into the first and the last block (three blocks: one between without).
     vace_layers = (0, layers - 1) if vace else None
     models = [
-        transformer(
+        animate_transformer(channels, layers)
+        if animate
+        else transformer(
             channels,
             layers,
             condition=condition,
@@ -157,6 +197,8 @@ def build_tiny_wan(
             m.proj_out.weight.normal_(0, 0.5)
             for block in getattr(m, "vace_blocks", ()):  # the hints start random too
                 block.proj_out.weight.normal_(0, 0.5)
+            for adapter in getattr(m, "face_adapter", ()):  # and Animate's face adapters
+                adapter.to_out.weight.normal_(0, 0.5)
             if pos_embed is not None:  # zero at init: the two images' positions would not count
                 m.condition_embedder.image_embedder.pos_embed.normal_(0, 1.0)
     parts = dict(
@@ -172,6 +214,11 @@ def build_tiny_wan(
     if vace:
         del parts["expand_timesteps"]
         pipe = WanVACEPipeline(**parts)
+    elif animate:
+        for name in ("transformer_2", "boundary_ratio", "expand_timesteps"):
+            del parts[name]
+        encoder, processor = image_encoder()
+        pipe = WanAnimatePipeline(**parts, image_encoder=encoder, image_processor=processor)
     elif i2v:
         encoder, processor = image_encoder() if clip else (None, None)
         pipe = WanImageToVideoPipeline(**parts, image_encoder=encoder, image_processor=processor)

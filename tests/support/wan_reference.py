@@ -82,6 +82,7 @@ def diffusers_run(
     video=None,
     strength: float = 0.8,
     vace: dict | None = None,
+    animate: dict | None = None,
     aligned: bool = True,
     step_generator: bool = False,
 ) -> tuple[list[torch.Tensor], np.ndarray]:
@@ -92,7 +93,10 @@ def diffusers_run(
     first frames of it remade by `WanVideoToVideoPipeline` at `strength`. `vace`:
     `WanVACEPipeline`'s conditioning (keys `reference_images`, a list of files; `control_video`
     and `mask`, files whose first frames are taken, the mask's as greyscale;
-    `conditioning_scale`), for a VACE pipeline at `path`. `step_generator`: the
+    `conditioning_scale`), for a VACE pipeline at `path`. `animate`: `WanAnimatePipeline`'s
+    videos (keys `pose_video`, `face_video`, and for its replace mode `background_video` and
+    `mask_video`: files whose first `frames` frames are one segment of `frames`), with `image`
+    the character, for an Animate pipeline at `path`. `step_generator`: the
     scheduler's steps draw their noise from the generator that drew the starting noise
     (WanPipeline passes none: a consistency scheduler would draw from the global one)."""
     import diffusers
@@ -101,6 +105,8 @@ def diffusers_run(
     cls = diffusers.WanPipeline if image is None else diffusers.WanImageToVideoPipeline
     if vace is not None:
         cls = diffusers.WanVACEPipeline
+    if animate is not None:
+        cls = diffusers.WanAnimatePipeline
     pipe = cls.from_pretrained(path) if isinstance(path, (str, os.PathLike)) else path
     extra = {}
     if image is not None:
@@ -131,6 +137,18 @@ def diffusers_run(
             extra["video"] = frames_of(vace["control_video"], "RGB")
         if vace.get("mask"):
             extra["mask"] = frames_of(vace["mask"], "L")
+    if animate is not None:
+        from megaslide.engine.video import read_video
+
+        def frames_of(file):
+            frames = read_video(file, num_frames=request.frames, sampling="first")
+            return [Image.fromarray(f) for f in frames]
+
+        extra["segment_frame_length"] = request.frames  # one segment: the clip
+        extra["mode"] = "replace" if animate.get("background_video") else "animate"
+        for name, file in animate.items():
+            if file is not None:
+                extra[name] = frames_of(file)
     modules = [m for m in pipe.components.values() if isinstance(m, nn.Module)]
     if aligned:
         rehome(*modules)
@@ -151,7 +169,7 @@ def diffusers_run(
         negative_prompt=request.negative_prompt,
         height=request.height,
         width=request.width,
-        **({} if video is not None else {"num_frames": request.frames}),
+        **({} if video is not None or animate is not None else {"num_frames": request.frames}),
         num_inference_steps=request.steps,
         guidance_scale=request.guidance,
         generator=generator,

@@ -83,15 +83,17 @@ def upload_fields(
     control_video: FileInput | None = None,
     mask: FileInput | None = None,
     reference_images: Sequence[FileInput] | None = None,
+    animate: Mapping[str, FileInput | None] | None = None,
 ) -> list[tuple[str, FileInput]]:
     """The files of a create call as `(form field, file)`, those given: the reference images
-    each under their one field, in order."""
+    each under their one field, in order; `animate`: Wan Animate's videos by field."""
     files = {
         "input_reference": input_reference,
         "last_frame": last_frame,
         "input_video": input_video,
         "control_video": control_video,
         "mask": mask,
+        **(animate or {}),
     }
     if isinstance(reference_images, (str, bytes, os.PathLike)):
         raise TypeError("reference_images is a list of files (paths, bytes or binary files)")
@@ -201,6 +203,10 @@ class Videos:
         control_video: FileInput | None = None,
         mask: FileInput | None = None,
         conditioning_scale: float | None = None,
+        pose_video: FileInput | None = None,
+        face_video: FileInput | None = None,
+        background_video: FileInput | None = None,
+        background_mask: FileInput | None = None,
         reuse: bool | None = None,
         extra_body: Mapping[str, Any] | None = None,
         idempotency_key: str | None = None,
@@ -226,7 +232,10 @@ class Videos:
         (`Model.inputs` lists them) takes `reference_images` (a list of images, at most 4),
         `control_video` and `mask` (videos: white where the clip is generated, black where the
         control video is kept; the clip's length by default) and `conditioning_scale` (the
-        weight of its VACE blocks' hints, 1 by default). With a file the
+        weight of its VACE blocks' hints, 1 by default). A Wan Animate model takes
+        `input_reference` (the character), `pose_video` and `face_video` (their first
+        `num_frames` frames, one segment; the clip's length by default), and for its replace mode
+        `background_video` with `background_mask` (white: the person to replace). With a file the
         request goes as multipart form fields. Every retry of this call carries the same Idempotency-Key, so it makes at most one job.
         A request equal to one of this key's completed videos in everything that decides the
         pixels (a fixed `seed` among them) comes back completed at once with that video's MP4,
@@ -255,8 +264,14 @@ class Videos:
             strength=strength,
             conditioning_scale=conditioning_scale,
         )
+        animate = {
+            "pose_video": pose_video,
+            "face_video": face_video,
+            "background_video": background_video,
+            "background_mask": background_mask,
+        }
         files = upload_fields(
-            input_reference, last_frame, input_video, control_video, mask, reference_images
+            input_reference, last_frame, input_video, control_video, mask, reference_images, animate
         )
         if not files:
             response = self._client.post("/v1/videos", json=body, idempotency_key=idempotency_key)
@@ -396,6 +411,10 @@ class AsyncVideos:
         control_video: FileInput | None = None,
         mask: FileInput | None = None,
         conditioning_scale: float | None = None,
+        pose_video: FileInput | None = None,
+        face_video: FileInput | None = None,
+        background_video: FileInput | None = None,
+        background_mask: FileInput | None = None,
         reuse: bool | None = None,
         extra_body: Mapping[str, Any] | None = None,
         idempotency_key: str | None = None,
@@ -424,8 +443,14 @@ class AsyncVideos:
             strength=strength,
             conditioning_scale=conditioning_scale,
         )
+        animate = {
+            "pose_video": pose_video,
+            "face_video": face_video,
+            "background_video": background_video,
+            "background_mask": background_mask,
+        }
         files = upload_fields(
-            input_reference, last_frame, input_video, control_video, mask, reference_images
+            input_reference, last_frame, input_video, control_video, mask, reference_images, animate
         )
         if not files:
             response = await self._client.post(

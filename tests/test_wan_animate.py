@@ -1,0 +1,268 @@
+"""Wan Animate (`WanAnimatePipeline` on a `WanAnimateTransformer3DModel`: a character image, a
+pose video and a face video, and for the replace mode a background video and its mask), one
+segment: every step's latents and the frames bitwise diffusers' for the same seed, resident and
+streamed (the face adapters streamed between the blocks); and the rules a request meets."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from megaslide.engine.loader import open_pipeline
+from megaslide.engine.request import RequestError, VideoRequest
+
+from wan_fixtures import FACE_SIZE, NEGATIVE, PROMPT, build_tiny_wan
+from wan_reference import diffusers_run, first_difference, megaslide_run, on_cpu_variants
+
+diffusers = pytest.importorskip("diffusers")
+
+
+@pytest.fixture(scope="module")
+def wan(tmp_path_factory):
+    """An Animate pipeline of two blocks (a face adapter after each), a text-to-video one; a
+    character image of another shape than the clip, pose, background and mask videos of 12
+    frames at the clip's size, and a face video at another size than the motion encoder's."""
+    from PIL import Image
+
+    from megaslide.engine.video import write_mp4
+
+    torch.set_num_threads(1)  # tiny models: threads cost more than they give
+    root = tmp_path_factory.mktemp("animate-inputs")
+    rng = np.random.default_rng(0)
+
+    def noise(*shape):
+        return (rng.random(shape) * 255).astype(np.uint8)
+
+    Image.fromarray(noise(40, 48, 3)).save(root / "character.png")
+    write_mp4(root / "pose.mp4", noise(12, 32, 32, 3), fps=8)
+    write_mp4(root / "face.mp4", noise(12, 2 * FACE_SIZE, 2 * FACE_SIZE, 3), fps=8)
+    write_mp4(root / "background.mp4", noise(12, 32, 32, 3), fps=8)
+    mask = np.zeros((12, 32, 32, 3), np.uint8)
+    mask[:, 8:24, 8:24] = 255  # the person to replace: the middle
+    write_mp4(root / "mask.mp4", mask, fps=8)
+    return {
+        "animate": build_tiny_wan(root / "animate", animate=True, layers=2),
+        "t2v": build_tiny_wan(root / "t2v"),
+        **{
+            name: str(root / f"{name}.{ext}")
+            for name, ext in (
+                ("character", "png"),
+                ("pose", "mp4"),
+                ("face", "mp4"),
+                ("background", "mp4"),
+                ("mask", "mp4"),
+            )
+        },
+    }
+
+
+def request(wan, replace: bool = False, **changes) -> VideoRequest:
+    fields = dict(
+        prompt=PROMPT,
+        negative_prompt=NEGATIVE,
+        height=32,
+        width=32,
+        frames=9,
+        steps=2,
+        guidance=4.0,
+        seed=3,
+        image=wan["character"],
+        pose_video=wan["pose"],
+        face_video=wan["face"],
+    )
+    if replace:
+        fields.update(background_video=wan["background"], background_mask=wan["mask"])
+    return VideoRequest(**{**fields, **changes})
+
+
+@pytest.mark.parametrize("replace", [False, on_cpu_variants(True)], ids=["animate", "replace"])
+def test_animate_same_video_as_diffusers(wan, replace):
+    """Every step's latents (the character's latent frame with them) and the frames bitwise
+    WanAnimatePipeline's with each row alone, resident and streamed; within one uint8 level with
+    the guidance pair batched into one pass (its cross-attention keys kept)."""
+    clip = request(wan, replace)
+    videos = {"pose_video": clip.pose_video, "face_video": clip.face_video}
+    if replace:
+        videos.update(background_video=clip.background_video, mask_video=clip.background_mask)
+    latents, frames = diffusers_run(wan["animate"], clip, clip.image, animate=videos)
+    assert frames.shape == (9, 32, 32, 3) and frames.std() > 1
+    assert latents[0].shape[2] == 4  # the character's latent frame and the clip's three
+    for offload in ("none", "stream"):
+        pipe = open_pipeline(wan["animate"], batched=False, offload=offload)
+        ours, our_frames = megaslide_run(pipe, clip)
+        differs = first_difference(ours, latents)
+        assert differs is None, (offload, differs)
+        assert np.array_equal(our_frames, frames), offload
+    assert level_diff(open_pipeline(wan["animate"]).generate(clip), frames) <= 1
+
+
+def level_diff(a: np.ndarray, b: np.ndarray) -> int:
+    return int(np.abs(a.astype(int) - b.astype(int)).max())
+
+
+def test_animate_and_replace_share_a_pass(wan):
+    """An animate and a replace request (other seeds and prompts) step together, each within a
+    level of its clip alone; a text-to-video model refuses Animate's videos by name."""
+    pipe = open_pipeline(wan["animate"])
+    clips = [request(wan), request(wan, True, seed=5, prompt="a blue square")]
+    alone = [pipe.generate(c) for c in clips]
+    states = pipe.prepare_batch([pipe.resolve(c) for c in clips])
+    while not all(s.done for s in states):
+        pipe.denoise_step(states)
+    for ours, theirs in zip(pipe.finish_batch(states), alone):
+        assert level_diff(ours, theirs) <= 1
+    assert level_diff(*alone) > 2
+
+
+def test_animate_streams_its_face_adapters_and_checks_requests(wan):
+    """The streamer holds the face adapters between the blocks, in the order they run (block,
+    adapter, block, adapter); the model says what it takes; a request's videos are checked by
+    name, and a text-to-video model refuses them."""
+    pipe = open_pipeline(wan["animate"], offload="stream")
+    stats = pipe.handles["transformer"].stats()
+    assert stats["num_blocks"] == stats["streamed_blocks"] == 4
+    model = pipe.experts[0]
+    held = [b.module for b in pipe.handles["transformer"]._blocks]
+    assert held == [model.blocks[0], model.face_adapter[0], model.blocks[1], model.face_adapter[1]]
+    limits = pipe.info.limits.to_dict()
+    assert limits["animate_input"] and limits["image_required"]
+    assert not (limits["vace_input"] or limits["video_input"] or limits["cache_policies"])
+    assert pipe.info.sampling.guidance == 1.0  # WanAnimatePipeline's default: no guidance pair
+
+    def refused(changes, param, model="animate"):
+        target = open_pipeline(wan[model]) if model != "animate" else pipe
+        with pytest.raises(RequestError) as err:
+            target.resolve(request(wan, **changes))
+        assert err.value.param == param, (changes, err.value)
+        return str(err.value)
+
+    refused(dict(pose_video=None), "pose_video")
+    refused(dict(face_video=None), "face_video")
+    refused(dict(image=None), "input_reference")
+    refused(dict(background_video=wan["background"]), "background_mask")
+    refused(dict(background_mask=wan["mask"]), "background_video")
+    assert "not found" in refused(dict(face_video=wan["face"] + ".missing"), "face_video")
+    refused(dict(frames=1), "frames")
+    refused(dict(cache="fast"), "cache")
+    message = refused(
+        dict(image=None, pose_video=wan["pose"], face_video=None), "pose_video", "t2v"
+    )
+    assert "Animate" in message
+    # A pose video shorter than the clip is named when the request runs.
+    with pytest.raises(ValueError, match="pose"):
+        pipe.generate(request(wan, frames=13, pose_video=wan["pose"]))
+
+
+def test_animate_from_the_command_line(wan, tmp_path, capsys):
+    """`megaslide generate` takes Animate's videos as flags (the clip's length from the pose
+    video's, to the frame rule: 12 frames give 9); a text-to-video model refuses them by name."""
+    from megaslide.cli.main import main
+    from megaslide.engine.video import read_video
+
+    out = tmp_path / "animate.mp4"
+    args = ["--size", "32x32", "--steps", "1", "--no-progress", "-o", str(out)]
+    flags = [
+        *("--image", wan["character"], "--pose-video", wan["pose"], "--face-video", wan["face"]),
+        *("--background-video", wan["background"], "--background-mask", wan["mask"]),
+    ]
+    assert main(["generate", PROMPT, *args, "--model", str(wan["animate"]), *flags]) == 0
+    assert read_video(out).shape == (9, 32, 32, 3)
+    capsys.readouterr()
+    local_t2v = ["generate", PROMPT, *args, "--model", str(wan["t2v"]), "--frames", "9"]
+    assert main([*local_t2v, "--face-video", wan["face"]]) == 2
+    assert "does not take Animate's face_video" in capsys.readouterr().err
+
+
+def test_served_through_the_sdk_and_the_command_line(wan, tmp_path, capsys):
+    """A served Animate model lists its inputs and takes the character, pose, face, background
+    and mask videos from the SDK as multipart uploads, the clip's length the videos' (to the
+    frame rule): the clip the pipeline makes of the same request; the same files named by their
+    /v1/files ids repeat it. A missing face video, or a
+    pose video on a text-to-video model, is a 400 naming the field; `megaslide generate
+    --server` uploads them."""
+    import megaslide_client
+    from megaslide.cli.main import main
+    from megaslide.engine.video import read_video
+    from megaslide.server import Settings
+
+    from server_fakes import live_server, torch_app
+
+    models = [f"animate={wan['animate']}", f"t2v={wan['t2v']}"]
+    settings = Settings(data_dir=tmp_path / "data", models=models, device="cpu", poll_after_ms=50)
+    frames = {}
+    small = dict(size="32x32", num_inference_steps=1, seed=1, poll_interval_ms=50)
+    videos = dict(
+        input_reference=wan["character"],
+        pose_video=wan["pose"],
+        face_video=wan["face"],
+        background_video=wan["background"],
+        background_mask=wan["mask"],
+    )
+    with (
+        live_server(torch_app(settings, frames)) as url,
+        megaslide_client.Client(base_url=url) as client,
+    ):
+        inputs = {m.id: m.inputs for m in client.models.list()}
+        assert inputs["animate"] == [
+            "text",
+            "image",
+            "pose_video",
+            "face_video",
+            "background_video",
+            "background_mask",
+        ]
+        made = client.videos.create_and_poll(model="animate", prompt=PROMPT, **videos, **small)
+        assert made.status == "completed" and made.num_frames == 9, made
+        expected = open_pipeline(wan["animate"]).generate(
+            request(wan, True, negative_prompt=None, seed=1, steps=1, guidance=None)
+        )
+        assert np.array_equal(frames[made.id], expected)
+        # The same files of /v1/files named by id in a JSON request repeat it.
+        ids = {f: client.files.create(file=p, purpose="input").id for f, p in videos.items()}
+        named = client.videos.create_and_poll(
+            model="animate", prompt=PROMPT, extra_body=ids, **small
+        )
+        assert named.status == "completed" and named.cached_from == made.id, named
+        refusals = [
+            ({**videos, "face_video": None}, "animate", "face_video"),
+            (dict(pose_video=wan["pose"]), "t2v", "pose_video"),
+        ]
+        for fields, model, param in refusals:
+            with pytest.raises(megaslide_client.BadRequestError) as refused:
+                client.videos.create(model=model, prompt=PROMPT, **fields)
+            assert refused.value.param == param
+
+        out = tmp_path / "remote.mp4"
+        args = ["--size", "32x32", "--steps", "1", "--no-progress", "-o", str(out)]
+        flags = [
+            *("--image", wan["character"], "--pose-video", wan["pose"]),
+            *("--face-video", wan["face"]),
+        ]
+        assert main(["generate", PROMPT, "--server", url, "--model", "animate", *args, *flags]) == 0
+        assert read_video(out).shape == (9, 32, 32, 3)
+
+
+def test_a_directory_whose_classes_disagree_is_named(wan, tmp_path):
+    """An Animate transformer under another pipeline class, or the other way round, and face
+    adapters that do not divide the blocks, are refused naming the file."""
+    import json
+    import shutil
+
+    from megaslide.engine.wan.config import WanFormatError, read_wan_config
+
+    assert read_wan_config(wan["animate"]).face_size == FACE_SIZE
+    broken = shutil.copytree(wan["animate"], tmp_path / "broken")
+    index = json.loads((broken / "model_index.json").read_text())
+    (broken / "model_index.json").write_text(
+        json.dumps({**index, "_class_name": "WanImageToVideoPipeline"})
+    )
+    with pytest.raises(WanFormatError, match="transformer/config.json.*WanAnimatePipeline"):
+        read_wan_config(broken)
+    (broken / "model_index.json").write_text(json.dumps(index))
+    config = json.loads((broken / "transformer" / "config.json").read_text())
+    (broken / "transformer" / "config.json").write_text(
+        json.dumps({**config, "num_layers": 3, "inject_face_latents_blocks": 2})
+    )
+    with pytest.raises(WanFormatError, match="inject_face_latents_blocks 2 does not divide"):
+        read_wan_config(broken)
