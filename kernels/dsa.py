@@ -59,7 +59,7 @@ from .dsa_reference import (
     invert_windows,
     window_tiles,
 )
-from .triton_import import TRITON_IMPORT_ERROR, interpreting, tl, triton
+from .triton_import import TRITON_IMPORT_ERROR, check_attention_inputs, interpreting, tl, triton
 
 # ---------------------------------------------------------------------------------------------
 # Triton helpers and kernels
@@ -426,29 +426,10 @@ _dsa_bwd_dkdv = triton.autotune(
 # Launchers
 # ---------------------------------------------------------------------------------------------
 
-_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
 
 def _check_triton_inputs(q: Tensor, k: Tensor, v: Tensor) -> None:
     """Raise with a clear message when the Triton backend cannot take these tensors."""
-    if TRITON_IMPORT_ERROR is not None:
-        raise RuntimeError(
-            "backend='triton' needs the triton package, which failed to import "
-            f"({TRITON_IMPORT_ERROR}); use backend='reference'"
-        )
-    if not q.is_cuda and not interpreting():
-        raise ValueError(
-            f"backend='triton' needs CUDA tensors (got {q.device}); use backend='reference' on "
-            "CPU, or set TRITON_INTERPRET=1 before importing triton to run the kernels on CPU"
-        )
-    if q.dtype not in _SUPPORTED_DTYPES:
-        raise ValueError(f"backend='triton' supports fp16, bf16 and fp32, got {q.dtype}")
-    D = q.shape[-1]
-    if D < 16 or D > 256 or D & (D - 1):
-        raise ValueError(
-            f"backend='triton' needs a power-of-two head dim in [16, 256], got {D}; "
-            "backend='reference' takes any head dim"
-        )
+    check_attention_inputs(q)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.shape[2] * t.stride(2) >= 2**31:
             raise ValueError(

@@ -51,7 +51,7 @@ from .sage_reference import (
     quantized_operands,
     sage_attention_reference,
 )
-from .triton_import import TRITON_IMPORT_ERROR, interpreting, tl, triton
+from .triton_import import TRITON_IMPORT_ERROR, check_attention_inputs, interpreting, tl, triton
 
 # ---------------------------------------------------------------------------------------------
 # Triton kernel
@@ -139,29 +139,10 @@ _sage_fwd = triton.autotune(
 # Launcher
 # ---------------------------------------------------------------------------------------------
 
-_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
 
 def _check_triton_inputs(q: Tensor, blocks) -> None:
     """Raise with a clear message when the Triton backend cannot take these tensors."""
-    if TRITON_IMPORT_ERROR is not None:
-        raise RuntimeError(
-            "backend='triton' needs the triton package, which failed to import "
-            f"({TRITON_IMPORT_ERROR}); use backend='reference'"
-        )
-    if not q.is_cuda and not interpreting():
-        raise ValueError(
-            f"backend='triton' needs CUDA tensors (got {q.device}); use backend='reference' on "
-            "CPU, or set TRITON_INTERPRET=1 before importing triton to run the kernel on CPU"
-        )
-    if q.dtype not in _SUPPORTED_DTYPES:
-        raise ValueError(f"backend='triton' supports fp16, bf16 and fp32, got {q.dtype}")
-    D = q.shape[-1]
-    if D < 16 or D > 256 or D & (D - 1):
-        raise ValueError(
-            f"backend='triton' needs a power-of-two head dim in [16, 256], got {D}; "
-            "backend='reference' takes any head dim"
-        )
+    check_attention_inputs(q)
     if min(blocks) < 16:
         raise ValueError(f"backend='triton' needs blocks of at least 16 tokens, got {blocks}")
 

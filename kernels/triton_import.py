@@ -44,4 +44,30 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-__all__ = ["TRITON_IMPORT_ERROR", "interpreting", "tl", "triton"]
+def check_attention_inputs(q) -> None:
+    """What every attention kernel here needs of `backend='triton'` and its queries `q`
+    (..., D): Triton itself, CUDA tensors (or the interpreter), fp16/bf16/fp32 and a power-of-two
+    head dim in [16, 256]; raises with a clear message otherwise."""
+    import torch
+
+    if TRITON_IMPORT_ERROR is not None:
+        raise RuntimeError(
+            "backend='triton' needs the triton package, which failed to import "
+            f"({TRITON_IMPORT_ERROR}); use backend='reference'"
+        )
+    if not q.is_cuda and not interpreting():
+        raise ValueError(
+            f"backend='triton' needs CUDA tensors (got {q.device}); use backend='reference' on "
+            "CPU, or set TRITON_INTERPRET=1 before importing triton to run the kernels on CPU"
+        )
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"backend='triton' supports fp16, bf16 and fp32, got {q.dtype}")
+    D = q.shape[-1]
+    if D < 16 or D > 256 or D & (D - 1):
+        raise ValueError(
+            f"backend='triton' needs a power-of-two head dim in [16, 256], got {D}; "
+            "backend='reference' takes any head dim"
+        )
+
+
+__all__ = ["TRITON_IMPORT_ERROR", "check_attention_inputs", "interpreting", "tl", "triton"]
