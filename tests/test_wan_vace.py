@@ -348,6 +348,20 @@ def test_served_through_the_sdk_and_the_command_line(wan, tmp_path, capsys):
     assert "does not take VACE's control_video" in capsys.readouterr().err
 
 
+def test_sage_attention_reaches_the_vace_blocks(wan):
+    """`attention="sage"` runs every self-attention in 8 bits, the VACE blocks' too, and the clip
+    stays close to dense attention's."""
+    from megaslide.engine.wan.attention import WanSageAttnProcessor
+
+    pipe = open_pipeline(wan["vace"], attention="sage")
+    model = pipe.experts[0]
+    for block in [*model.vace_blocks, *model.blocks]:
+        assert isinstance(block.attn1.processor, WanSageAttnProcessor)
+        assert not isinstance(block.attn2.processor, WanSageAttnProcessor)
+    clip = vace_request(wan, "all", steps=1)
+    assert level_diff(pipe.generate(clip), open_pipeline(wan["vace"]).generate(clip)) <= 8
+
+
 @pytest.mark.slow  # two more streamed pipelines: the same streamer as the tests above
 def test_the_disk_tier_and_a_weight_format_hold_the_vace_blocks(wan):
     """The VACE blocks are streamed blocks like any other: read from the model's files each step
