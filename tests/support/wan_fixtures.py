@@ -51,6 +51,18 @@ def tokenizer():
     return T5Tokenizer(vocab=vocab, extra_ids=0)
 
 
+# The tiny transformers' widths, shared by every Wan variant the tests build.
+TINY_DIMS = dict(
+    patch_size=(1, 2, 2),
+    num_attention_heads=2,
+    attention_head_dim=12,
+    text_dim=32,
+    freq_dim=16,
+    ffn_dim=32,
+    rope_max_seq_len=32,
+)
+
+
 def transformer(
     in_channels: int = 4,
     layers: int = 2,
@@ -71,16 +83,10 @@ def transformer(
         vace = dict(vace_layers=list(vace_layers), vace_in_channels=2 * in_channels + 64)
     cls = WanVACETransformer3DModel if vace else WanTransformer3DModel
     return cls(
-        patch_size=(1, 2, 2),
-        num_attention_heads=2,
-        attention_head_dim=12,
+        **TINY_DIMS,
         in_channels=in_channels + condition,
         out_channels=in_channels,
-        text_dim=32,
-        freq_dim=16,
-        ffn_dim=32,
         num_layers=layers,
-        rope_max_seq_len=32,
         image_dim=image_dim,
         added_kv_proj_dim=None if image_dim is None else 24,  # the model's width
         pos_embed_seq_len=pos_embed,
@@ -98,17 +104,11 @@ def animate_transformer(in_channels: int = 4, layers: int = 2):
     from diffusers import WanAnimateTransformer3DModel
 
     return WanAnimateTransformer3DModel(
-        patch_size=(1, 2, 2),
-        num_attention_heads=2,
-        attention_head_dim=12,
+        **TINY_DIMS,
         in_channels=2 * in_channels + 4,
         latent_channels=in_channels,
         out_channels=in_channels,
-        text_dim=32,
-        freq_dim=16,
-        ffn_dim=32,
         num_layers=layers,
-        rope_max_seq_len=32,
         image_dim=IMAGE_DIM,
         added_kv_proj_dim=24,
         motion_encoder_channel_sizes={"16": 8, "8": 8, "4": 8},

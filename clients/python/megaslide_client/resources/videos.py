@@ -77,24 +77,11 @@ def create_body(
 
 
 def upload_fields(
-    input_reference: FileInput | None,
-    last_frame: FileInput | None,
-    input_video: FileInput | None,
-    control_video: FileInput | None = None,
-    mask: FileInput | None = None,
-    reference_images: Sequence[FileInput] | None = None,
-    animate: Mapping[str, FileInput | None] | None = None,
+    reference_images: Sequence[FileInput] | None = None, **files: FileInput | None
 ) -> list[tuple[str, FileInput]]:
-    """The files of a create call as `(form field, file)`, those given: the reference images
-    each under their one field, in order; `animate`: Wan Animate's videos by field."""
-    files = {
-        "input_reference": input_reference,
-        "last_frame": last_frame,
-        "input_video": input_video,
-        "control_video": control_video,
-        "mask": mask,
-        **(animate or {}),
-    }
+    """The files of a create call as `(form field, file)`, those given: `files` by their field
+    (`input_reference`, `last_frame`, `input_video`, VACE's and Animate's videos), then the
+    reference images each under their one field, in order."""
     if isinstance(reference_images, (str, bytes, os.PathLike)):
         raise TypeError("reference_images is a list of files (paths, bytes or binary files)")
     pairs = [(k, v) for k, v in files.items() if v is not None]
@@ -264,14 +251,17 @@ class Videos:
             strength=strength,
             conditioning_scale=conditioning_scale,
         )
-        animate = {
-            "pose_video": pose_video,
-            "face_video": face_video,
-            "background_video": background_video,
-            "background_mask": background_mask,
-        }
         files = upload_fields(
-            input_reference, last_frame, input_video, control_video, mask, reference_images, animate
+            reference_images,
+            input_reference=input_reference,
+            last_frame=last_frame,
+            input_video=input_video,
+            control_video=control_video,
+            mask=mask,
+            pose_video=pose_video,
+            face_video=face_video,
+            background_video=background_video,
+            background_mask=background_mask,
         )
         if not files:
             response = self._client.post("/v1/videos", json=body, idempotency_key=idempotency_key)
@@ -443,14 +433,17 @@ class AsyncVideos:
             strength=strength,
             conditioning_scale=conditioning_scale,
         )
-        animate = {
-            "pose_video": pose_video,
-            "face_video": face_video,
-            "background_video": background_video,
-            "background_mask": background_mask,
-        }
         files = upload_fields(
-            input_reference, last_frame, input_video, control_video, mask, reference_images, animate
+            reference_images,
+            input_reference=input_reference,
+            last_frame=last_frame,
+            input_video=input_video,
+            control_video=control_video,
+            mask=mask,
+            pose_video=pose_video,
+            face_video=face_video,
+            background_video=background_video,
+            background_mask=background_mask,
         )
         if not files:
             response = await self._client.post(
