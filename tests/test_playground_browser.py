@@ -612,7 +612,10 @@ def test_api_key_gate(browser, tmp_path_factory):
             expect(page.locator("#create-model option")).to_have_count(1)
             card = page.locator(f"#gallery-list .video-card[data-id='{video['id']}']")
             expect(card.locator("img")).to_be_visible()  # media come with the key too
-            assert card.locator("img").evaluate("(img) => img.naturalWidth") > 0
+            page.wait_for_function(  # visible comes before decoded: wait for the pixels
+                "(img) => img.complete && img.naturalWidth > 0",
+                arg=card.locator("img").element_handle(),
+            )
             # The clip plays from a signed link the browser streams itself, not from a blob.
             card.locator("button.play").click()
             player = card.locator("video")

@@ -45,6 +45,9 @@ class Receiver:
             def do_POST(self):
                 length = int(self.headers.get("content-length", 0))
                 body = self.rfile.read(length)
+                if len(body) < length:  # the sender died mid-request: no request was made
+                    self.close_connection = True
+                    return
                 headers = {k.lower(): v for k, v in self.headers.items()}
                 with receiver.lock:
                     receiver.received.append(Received(headers, body, time.monotonic()))
