@@ -616,6 +616,12 @@ def _add_plan_machine_args(p) -> None:
         help="inference: host format of streamed blocks (default: raw)",
     )
     p.add_argument(
+        "--fp8-matmul",
+        action="store_true",
+        help="with --weights fp8: streamed linears multiply by the fp8 weights (no decode of "
+        "them; their FLOPs at --fp8-tflops)",
+    )
+    p.add_argument(
         "--host-tier",
         choices=("ram", "disk", "auto"),
         default="auto",
@@ -639,6 +645,12 @@ def _add_plan_machine_args(p) -> None:
     p.add_argument("--d2h-gbps", type=float, default=55.0, help="device-to-host GB/s (default: 55)")
     p.add_argument(
         "--tflops", type=float, default=790.0, help="achieved bf16 TFLOP/s (default: 790)"
+    )
+    p.add_argument(
+        "--fp8-tflops",
+        type=float,
+        default=1580.0,
+        help="achieved fp8 TFLOP/s, for --fp8-matmul (default: 1580, twice bf16's)",
     )
     p.add_argument(
         "--host-gbps", type=float, default=200.0, help="host memory GB/s for the CPU optimizer"
@@ -741,6 +753,7 @@ def run_plan(args) -> int:
         h2d_gbps=args.h2d_gbps,
         d2h_gbps=args.d2h_gbps,
         tflops=args.tflops,
+        fp8_tflops=args.fp8_tflops,
         host_gbps=args.host_gbps,
         cpu_threads=args.cpu_threads,
         decode_gbps=args.decode_gbps,
@@ -753,6 +766,7 @@ def run_plan(args) -> int:
         gpu_budget_bytes=args.gpu_budget,
         prefetch=args.prefetch,
         weights=args.weights,
+        fp8_matmul=args.fp8_matmul,
         host_tier=args.host_tier,
     )
     workload = Workload.of(
