@@ -5,6 +5,8 @@ streamed (the face adapters streamed between the blocks); and the rules a reques
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -155,8 +157,9 @@ def test_animate_streams_its_face_adapters_and_checks_requests(wan):
 
 
 def test_animate_from_the_command_line(wan, tmp_path, capsys):
-    """`megaslide generate` takes Animate's videos as flags (the clip's length from the pose
-    video's, to the frame rule: 12 frames give 9); a text-to-video model refuses them by name."""
+    """`megaslide generate` takes Animate's videos and segments as flags (the clip's length from
+    the pose video's, to the frame rule: 12 frames give 9, here in two segments of 5); a
+    text-to-video model refuses them by name."""
     from megaslide.cli.main import main
     from megaslide.engine.video import read_video
 
@@ -165,6 +168,7 @@ def test_animate_from_the_command_line(wan, tmp_path, capsys):
     flags = [
         *("--image", wan["character"], "--pose-video", wan["pose"], "--face-video", wan["face"]),
         *("--background-video", wan["background"], "--background-mask", wan["mask"]),
+        *("--segment-frame-length", "5", "--prev-segment-conditioning-frames", "1"),
     ]
     assert main(["generate", PROMPT, *args, "--model", str(wan["animate"]), *flags]) == 0
     assert read_video(out).shape == (9, 32, 32, 3)
@@ -172,6 +176,8 @@ def test_animate_from_the_command_line(wan, tmp_path, capsys):
     local_t2v = ["generate", PROMPT, *args, "--model", str(wan["t2v"]), "--frames", "9"]
     assert main([*local_t2v, "--face-video", wan["face"]]) == 2
     assert "does not take Animate's face_video" in capsys.readouterr().err
+    assert main([*local_t2v, "--segment-frame-length", "5"]) == 2
+    assert "does not take Animate's segment_frame_length" in capsys.readouterr().err
 
 
 def test_served_through_the_sdk_and_the_command_line(wan, tmp_path, capsys):
@@ -224,9 +230,34 @@ def test_served_through_the_sdk_and_the_command_line(wan, tmp_path, capsys):
             model="animate", prompt=PROMPT, extra_body=ids, **small
         )
         assert named.status == "completed" and named.cached_from == made.id, named
+        assert (made.segment_frame_length, made.prev_segment_conditioning_frames) == (9, 1)
+        # In two segments of 5 frames: the clip the pipeline makes of the same request.
+        segmented = client.videos.create_and_poll(
+            model="animate", prompt=PROMPT, segment_frame_length=5, **videos, **small
+        )
+        assert segmented.status == "completed" and segmented.segment_frame_length == 5, segmented
+        expected = open_pipeline(wan["animate"]).generate(
+            request(
+                wan,
+                True,
+                negative_prompt=None,
+                seed=1,
+                steps=1,
+                guidance=None,
+                segment_frame_length=5,
+            )
+        )
+        assert np.array_equal(frames[segmented.id], expected)
         refusals = [
             ({**videos, "face_video": None}, "animate", "face_video"),
+            ({**videos, "segment_frame_length": 6}, "animate", "segment_frame_length"),
+            (
+                {**videos, "prev_segment_conditioning_frames": 3},
+                "animate",
+                "prev_segment_conditioning_frames",
+            ),
             (dict(pose_video=wan["pose"]), "t2v", "pose_video"),
+            (dict(segment_frame_length=5), "t2v", "segment_frame_length"),
         ]
         for fields, model, param in refusals:
             with pytest.raises(megaslide_client.BadRequestError) as refused:
@@ -237,7 +268,7 @@ def test_served_through_the_sdk_and_the_command_line(wan, tmp_path, capsys):
         args = ["--size", "32x32", "--steps", "1", "--no-progress", "-o", str(out)]
         flags = [
             *("--image", wan["character"], "--pose-video", wan["pose"]),
-            *("--face-video", wan["face"]),
+            *("--face-video", wan["face"], "--segment-frame-length", "5"),
         ]
         assert main(["generate", PROMPT, "--server", url, "--model", "animate", *args, *flags]) == 0
         assert read_video(out).shape == (9, 32, 32, 3)
@@ -401,4 +432,10 @@ def test_segments_are_counted_as_diffusers_counts_them(wan):
         assert err.value.param == name and "Animate" in str(err.value)
     resolved = pipe.resolve(request(wan))
     assert (resolved.segment_frame_length, resolved.prev_segment_conditioning_frames) == (9, 1)
+    # A request resolved before the segments were fields (a stored one) runs in one segment.
+    older = dataclasses.replace(
+        resolved, segment_frame_length=None, prev_segment_conditioning_frames=None
+    )
+    segments = pipe.prepare(older).segments
+    assert (segments.length, segments.carried, segments.count) == (9, 1, 1)
     assert pipe.resolve(request(wan, segment_frame_length=5)).batch_key[1] == ("segment", 5)

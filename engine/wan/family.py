@@ -85,7 +85,7 @@ import contextlib
 import copy
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -644,6 +644,7 @@ class WanVideoPipeline(Pipeline, Sampler):
     # -- sampling ------------------------------------------------------------------------------
 
     def _prepare_batch(self, videos: list[ResolvedVideo]) -> list[WanState]:
+        checked = []
         for video in videos:
             # The adapters it names must be registered here (a request stored elsewhere may not
             # know); those registered are every tenant's, so the refusal lists none.
@@ -653,9 +654,15 @@ class WanVideoPipeline(Pipeline, Sampler):
             check_last_image(video.last_image, video.image, video.frames, self.info.limits)
             check_video(video.video, video.strength, video.image, self.info.limits)
             check_vace(video, video.frames, self.info.limits)
-            check_animate(video, video.frames, self.info.limits)
-        contexts = self._contexts(videos)
-        return [self._prepare(video, context) for video, context in zip(videos, contexts)]
+            segments = check_animate(video, video.frames, self.info.limits)
+            if segments is not None:  # one resolved before its segments were fields: the defaults
+                length, carried = segments
+                video = replace(
+                    video, segment_frame_length=length, prev_segment_conditioning_frames=carried
+                )
+            checked.append(video)
+        contexts = self._contexts(checked)
+        return [self._prepare(video, context) for video, context in zip(checked, contexts)]
 
     def _contexts(self, videos: list[ResolvedVideo]) -> list[torch.Tensor]:
         """Each request's prompt embeddings `(1 or 2, 512, text_dim)`: the prompt, then the
@@ -866,8 +873,10 @@ class WanVideoPipeline(Pipeline, Sampler):
         one's condition, fresh noise from the request's generator and a fresh scheduler."""
         seg = state.segments
         latents = state.clip_latents()[:, :, state.references :]  # without the character's
-        # (1, L, H, W, 3) uint8, and (1, 3, P, H, W) in [-1, 1] as the VAE decoded them
-        frames, prev = self.encoders.decode_tail(latents, seg.carried)
+        # The VAE as its request's fine-tune has it (a step selects the denoisers' alone).
+        with self.using(state.fine_tune, components=("vae",)):
+            # (1, L, H, W, 3) uint8, and (1, 3, P, H, W) in [-1, 1] as the VAE decoded them
+            frames, prev = self.encoders.decode_tail(latents, seg.carried)
         seg.made.append(frames[0] if seg.index == 0 else frames[0][seg.carried :])
         seg.index += 1
         # Drawn after the segment before's, on the CPU, as the pipeline's `prepare_latents`.
@@ -876,7 +885,8 @@ class WanVideoPipeline(Pipeline, Sampler):
         state.scheduler = self._scheduler(state.video)
         if state.guidance_memory is not None:  # the directions were the segment before's
             state.guidance_memory = GuidanceMemory()
-        self._animate_condition(state, prev)
+        with self.using(state.fine_tune, components=("vae",)):
+            self._animate_condition(state, prev)
 
     @staticmethod
     def _reference(processor, file: str, height: int, width: int) -> torch.Tensor:
