@@ -914,13 +914,13 @@ class WanVideoPipeline(Pipeline, Sampler):
         return 0 if self.boundary is None or state.timestep >= self.boundary else 1
 
     def _step(self, states: list[WanState]) -> None:
-        # The rows whose cross-attention keys and values are kept this step (prompt_cache.py).
         for s in states:
             # An Animate request whose segment's steps are done starts its next segment as its
             # next step begins (the segment's last latents stay in view until then): its own VAE
             # passes, before the batch's pass.
             if s.segment_done:
                 self._next_segment(s)
+        # The rows whose cross-attention keys and values are kept this step (prompt_cache.py).
         self._keep = self._prompt_kv_budget([s for s in states if not s.done])
         sample_step(self, states)
 
