@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..request import ResolvedVideo
+from ..request import ANIMATE_VIDEOS, ResolvedVideo
 from .config import WanConfig
 
 
@@ -118,7 +118,7 @@ class Segments:
 
 @torch.no_grad()
 def prepare_segments(encoders, config: WanConfig, video: ResolvedVideo, generator) -> Segments:
-    """The segments of `video` before the first: the input videos read (their first `frames`
+    """The segments of `video`, at the first: the input videos read (their first `frames`
     frames; ValueError naming a file that holds fewer) and padded, and the character image
     resized to fill the clip's frame (its aspect kept, black around) and encoded by the VAE
     behind a mask of ones."""
@@ -132,7 +132,7 @@ def prepare_segments(encoders, config: WanConfig, video: ResolvedVideo, generato
     total = length + (count - 1) * (length - carried)
     order = reflected(video.frames, total)
     videos = {}
-    for name in ("pose_video", "face_video", "background_video", "background_mask"):
+    for name in ANIMATE_VIDEOS:
         file = getattr(video, name)
         if file is not None:
             frames = read_video(file, num_frames=video.frames, sampling="first")  # (F, H, W, 3)
