@@ -29,12 +29,13 @@ from torch import Tensor
 # The kernel's tiles: 128 query tokens per program, 64 keys per step of its loop (SageAttention's).
 DEFAULT_BLOCKS = (128, 64)
 # Tokens per int8 scale of Q and of smoothed K: one scale per token. SageAttention's first recipe
-# shared one scale per tile, (128, 64); a scale moves every logit of its rows by up to half a step
-# of the largest value it covers, and on peaked rows (median top probability 0.62 over 4,680 keys,
-# Wan2.1's head dim 128) those shared scales cost cosine 0.9990 against exact attention, per-token
-# ones 0.9995 (docs/benchmarks.md#8-bit-attention). SageAttention2 likewise refines Q's (per warp)
-# and K's (per thread) scales. The cost on a GPU: a vector of BLOCK_N scales per key tile instead
-# of one number (under 1/32 of the K tile's bytes at head dim 128), and one more multiply per score.
+# shared one scale per tile, (128, 64). A scale moves every logit of its rows by up to half a step
+# of the largest value it covers, and that int8 rounding of Q and K is nearly all of the recipe's
+# error (P's and V's fp16 rounding cost next to nothing): on very peaked rows tile scales fell
+# short of cosine 0.999 against exact attention, per-token ones meet it
+# (docs/benchmarks.md#8-bit-attention). SageAttention2 likewise refines Q's and K's scales. The
+# cost on a GPU: a vector of BLOCK_N fp32 scales per key tile instead of one number (1/32 of the
+# int8 K tile's bytes at head dim 128) and one more multiply per score.
 DEFAULT_GROUPS = (1, 1)
 INT8_MAX = 127
 # fp16's largest finite value is 65504; V channels whose magnitude reaches this are scaled down by
