@@ -59,8 +59,9 @@ the loader from the directory's safetensors, so the streamer can keep their bloc
 - latents are de-normalised with the VAE's `latents_mean` / `latents_std` and decoded (tiled
   above 256 pixels, so decoding memory does not grow with the frame size), a latent frame at a
   time with the VAE's elementwise chains fused (vae_decode.py: bitwise the unfused VAE);
-  `finish_chunks` hands each latent frame's pixels out as they exist, for an MP4 encoder to
-  take while the next decode.
+  `finish_batch_chunks` (and `finish_chunks`, for one clip) hands each latent frame's pixels
+  out as they exist, for an MP4 encoder to take while the next decode (`megaslide generate` and
+  the server's worker both do).
 
 Requests that arrive together have their prompts encoded in one UMT5 pass, and clips that finish
 together decode `decode_chunk` per VAE pass (pipeline.py's `DECODE_CHUNK`), each within a level
@@ -81,6 +82,7 @@ first-block cache and for fine-tuning alike.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import math
@@ -1127,31 +1129,64 @@ class WanVideoPipeline(Pipeline, Sampler):
         return self.encoders.decode(x0[:, :, :1])[:, 0]  # (B, H, W, 3)
 
     def finish_batch(self, states: list[WanState]) -> list[np.ndarray]:
+        frames: list[list[np.ndarray]] = [[] for _ in states]
+        for i, chunk in self.finish_batch_chunks(states):
+            frames[i].append(chunk)
+        return [np.concatenate(chunks) for chunks in frames]  # (F, H, W, 3) each
+
+    def finish_batch_chunks(self, states: list[WanState]) -> Iterator[tuple[int, np.ndarray]]:
+        """`finish_batch` a latent frame's pixels at a time (1 frame, then 4 with Wan's VAEs):
+        `(i, chunk)`, uint8 `(f, H, W, 3)` chunks of `states[i]` as the VAE decodes them, the
+        clips of one VAE pass (`decode_chunk` of them) a chunk of each in turn, one pass after
+        the other. The same VAE calls on the same tensors as decoding each pass whole; an
+        Animate clip's chunks are stitched after its earlier segments' frames and cut to the
+        clip's length (`Segments.stitch_chunks`)."""
         for state in states:
             if not state.done:
                 raise RuntimeError(f"state is at step {state.step} of {state.num_steps}")
         # (1, C, F', H', W') each, without VACE's reference frames
         latents = [s.clip_latents()[:, :, s.references :] for s in states]
-        frames: list[np.ndarray] = [None] * len(states)
         # The reference mode decodes each clip alone, as WanPipeline does one request.
         chunk = self.decode_chunk if self.batched else 1
         for rows in decode_chunks([x.shape for x in latents], chunk):
-            clips = self.encoders.decode(torch.cat([latents[i] for i in rows]))  # (B, F, H, W, 3)
-            for i, clip in zip(rows, clips):
-                segments = states[i].segments
-                # Animate: after the segments before, cut to the clip's length
-                frames[i] = (
-                    clip if segments is None else segments.stitch(clip, states[i].video.frames)
-                )
-        return frames
+            decoded = self.encoders.frames(torch.cat([latents[i] for i in rows]))  # (B, f, ...)
+            streams = []
+            for row, stream in zip(rows, _rows_of(decoded, len(rows))):
+                segments = states[row].segments
+                if segments is not None:  # Animate: after the segments before, to its length
+                    stream = segments.stitch_chunks(stream, states[row].video.frames)
+                streams.append((row, stream))
+            while streams:  # a chunk of each clip in turn, as long as it has chunks
+                for row, stream in list(streams):
+                    frames = next(stream, None)
+                    if frames is None:
+                        streams.remove((row, stream))
+                    else:
+                        yield row, frames
 
-    def finish_chunks(self, state: WanState) -> Iterator[np.ndarray]:
-        """`finish` a latent frame's pixels at a time (1 frame, then 4 with Wan's VAEs): uint8
-        `(f, H, W, 3)` chunks as the VAE decodes them, whose concatenation is `finish(state)`."""
-        if not state.done:
-            raise RuntimeError(f"state is at step {state.step} of {state.num_steps}")
-        latents = state.clip_latents()[:, :, state.references :]  # without VACE's references
-        chunks = (chunk[0] for chunk in self.encoders.frames(latents))  # (f, H, W, 3) each
-        if state.segments is not None:  # Animate: after the segments before, to the clip's length
-            chunks = state.segments.stitch_chunks(chunks, state.video.frames)
-        yield from chunks
+
+def _rows_of(decoded: Iterator[np.ndarray], rows: int) -> list[Iterator[np.ndarray]]:
+    """One iterator of `(f, H, W, 3)` chunks per row of a batched decode's `(B, f, H, W, 3)`
+    chunks: each draws the decoder on when its own chunks run out, and keeps the other rows'
+    for them (a chunk or two: the rows are drawn in turn)."""
+    waiting: list[collections.deque] = [collections.deque() for _ in range(rows)]
+    done = [False] * rows
+
+    def draw() -> bool:
+        chunk = next(decoded, None)
+        if chunk is None:
+            return False
+        for k, frames in enumerate(chunk):
+            if not done[k]:  # a row its consumer stopped drawing keeps nothing
+                waiting[k].append(frames)
+        return True
+
+    def row(k: int) -> Iterator[np.ndarray]:
+        try:
+            while waiting[k] or draw():
+                yield waiting[k].popleft()
+        finally:
+            done[k] = True
+            waiting[k].clear()
+
+    return [row(k) for k in range(rows)]
