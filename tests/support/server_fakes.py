@@ -124,23 +124,24 @@ class FakeModel(VideoModel):
             self.backend.decoded.append([s.seed for s in specs])
         if any("baddecode" in s.prompt for s in specs):
             raise ValueError("the decoder met a NaN")
-        return [_clip(s) for s in specs]
+        return [fake_clip(s.seed, s.frames, s.height, s.width) for s in specs]
 
     def finish_batch_chunks(self, states):
         """`finish_batch` a frame at a time, the clips' frames in turn (a causal decoder's
-        order), each frame once `decode_gate` is open; "baddecode" raises once every clip has
-        had its first frame."""
+        order); "baddecode" raises once every clip has had its first frame, and a "holddecode"
+        clip's frames each wait for `decode_gate`."""
         b, specs = self.backend, [state.spec for state in states]
         with b.lock:
             b.decoded.append([s.seed for s in specs])
         b.decoding.set()
-        clips = [_clip(s) for s in specs]
+        clips = [fake_clip(s.seed, s.frames, s.height, s.width) for s in specs]
         for f in range(max(len(clip) for clip in clips)):
             if f == 1 and any("baddecode" in s.prompt for s in specs):
                 raise ValueError("the decoder met a NaN")
             for i, clip in enumerate(clips):
                 if f < len(clip):
-                    b.decode_gate.wait(30)
+                    if "holddecode" in specs[i].prompt:
+                        b.decode_gate.wait(30)
                     with b.lock:
                         b.chunks_drawn += 1
                     yield i, clip[f : f + 1]
@@ -149,11 +150,11 @@ class FakeModel(VideoModel):
         pass  # holds nothing beyond its memory
 
 
-def _clip(spec: ResolvedVideo) -> np.ndarray:
+def fake_clip(seed: int, frames: int, height: int, width: int) -> np.ndarray:
     """The fake model's clip: bytes that depend on the seed, so content tests can tell videos
     apart."""
-    shape = (spec.frames, spec.height, spec.width, 3)
-    return np.random.default_rng(spec.seed).integers(0, 256, size=shape, dtype=np.uint8)
+    shape = (frames, height, width, 3)
+    return np.random.default_rng(seed).integers(0, 256, size=shape, dtype=np.uint8)
 
 
 class FakeTrainer(TrainingRun):
@@ -287,7 +288,7 @@ class FakeBackend(Backend):
         self.held = threading.Event()  # set once a step waits for `train_gate`
         self.encode_gate = threading.Event()  # a test clears it to hold MP4s unwritten
         self.encode_gate.set()
-        self.decode_gate = threading.Event()  # a test clears it to hold a decode mid-clip
+        self.decode_gate = threading.Event()  # a test clears it to hold "holddecode" decodes
         self.decode_gate.set()
         self.decoding = threading.Event()  # set once a decode has begun
         self.chunks_drawn = 0  # frames the decoder has handed out
