@@ -199,6 +199,10 @@ class Mp4Writer:
     each its own writer. The encoder runs on a thread of its own from the start; `close` ends
     the clip and publishes it at `path` (atomically), `abort` publishes nothing.
 
+    `depth` None lets any number of chunks wait, so that `add` never waits for the encoder: for
+    a caller that keeps every chunk anyway (the server, to write a clip again after a full
+    disk), where a bound saves no memory and would only hold the caller to the encoder's pace.
+
     Caution: one thread calls `add`, `close` and `abort` at a time (the server adds on its loop
     and closes on its encoder thread, one after the other). A writer that raised from `add` has
     stopped and removed its temporary file: nothing will be published at `path`."""
@@ -210,14 +214,14 @@ class Mp4Writer:
         *,
         crf: int = 18,
         preset: str = "medium",
-        depth: int = ENCODE_QUEUE_DEPTH,
+        depth: int | None = ENCODE_QUEUE_DEPTH,
     ):
-        if depth < 1:
-            raise ValueError(f"depth must be >= 1, got {depth}")
+        if depth is not None and depth < 1:
+            raise ValueError(f"depth must be >= 1 or None, got {depth}")
         rate = _encoder_rate(fps, crf)
         self.path, self.frames = Path(path), 0
         self._size: tuple[int, int] | None = None
-        self._waiting: queue.Queue = queue.Queue(maxsize=depth)
+        self._waiting: queue.Queue = queue.Queue(maxsize=depth or 0)  # 0: unbounded
         self._failure: list[BaseException] = []
         self._thread = threading.Thread(
             target=self._encoder, args=(rate, crf, preset), name="mp4-encoder", daemon=True

@@ -240,8 +240,9 @@ class TorchBackend(Backend):
 
 
 class Mp4ClipWriter(VideoWriter):
-    """A clip's MP4 encoded on a thread of its own as its chunks come (`engine.video.Mp4Writer`):
-    the same frames in the same order as `save_video` of the whole clip, so the same file. The
+    """A clip's MP4 encoded on a thread of its own as its chunks come (`engine.video.Mp4Writer`),
+    while the worker decodes the next and, once the clip is decoded, goes on denoising: the same
+    frames in the same order as `save_video` of the whole clip, so the same file. The
     thumbnail is the first frame exactly as sampled, written in `close` before the MP4 is
     published, and removed again if the MP4 then fails."""
 
@@ -250,7 +251,10 @@ class Mp4ClipWriter(VideoWriter):
 
         self.thumbnail_path = thumbnail_path
         self.first = None  # the clip's first frame, for the thumbnail
-        self.mp4 = Mp4Writer(mp4_path, fps=fps)
+        # No bound on the chunks waiting: the worker keeps every chunk anyway (a full disk has
+        # the clip written again), so a bound would save no memory and only hold the worker's
+        # loop, and the next denoising steps, to the encoder's pace.
+        self.mp4 = Mp4Writer(mp4_path, fps=fps, depth=None)
 
     def add(self, chunk) -> None:
         if self.first is None and len(chunk):

@@ -321,6 +321,18 @@ def test_wan_vae_benchmark_quick():
     )
 
 
+def test_server_encode_benchmark_quick():
+    """The worker's decode and encode, before and now, on two tiny clips: the same frames."""
+    r = run_json(
+        "benchmarks/server_encode.py",
+        *("--clips", "2", "--frames", "5", "--size", "32x32", "--repeats", "1", "--json"),
+    )
+    runs = r["contenders"]
+    assert list(runs) == ["whole_then_encode", "chunked_overlapped"] and r["bitwise"]
+    for run in runs.values():
+        assert 0 < run["loop_seconds"] <= run["published_seconds"]
+
+
 def test_wan_e2e_benchmark_tiny():
     # The GPU comparison's code path at tiny dims on the CPU: both implementations, streamed and
     # resident, and a weight format (the compiled contenders cost a CPU too long).

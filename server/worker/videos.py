@@ -1,10 +1,27 @@
 """Running video jobs: the batch a worker denoises one step at a time, jobs joining it at step
-boundaries, clips decoded together when they finish, and MP4s written on a thread of their own.
+boundaries, clips decoded together when they finish, and MP4s encoded while they decode.
 
 Jobs claimed together are prepared together (their prompts in one pass of the text encoder), and
 clips that finish together decode together; when such a batched call raises, it runs again for
 each job alone, so only the job at fault fails. A stored request (`engine.request.ResolvedVideo`)
 goes to the model as stored.
+
+Decoding and encoding overlap. The model hands out each clip's frames a chunk at a time as its
+decoder makes them (`VideoModel.finish_batch_chunks`: a Wan VAE's latent frame, or a whole clip
+from a decoder that is not causal in time), and each chunk goes at once to its clip's writer
+(`Backend.open_video`), which encodes on a thread of its own. The writers take chunks without
+bound, so the loop never waits for an encoder; once the clips are decoded, each is published on
+the encoder thread (`Clip.publish`) while the loop takes the next denoising step. Cautions:
+
+- a decode that raises voids every clip of its call: their writers are aborted (no file) and
+  each clip decodes again alone, from its first chunk, into a new writer;
+- the worker keeps every chunk until its MP4 is in place, so that a full disk can have the clip
+  written again (the whole clip's frames, as when clips were decoded whole);
+- while clips decode, the store is asked every `CANCEL_POLL_S` which were cancelled: such a
+  clip's writer is aborted and it ends cancelled, and the decode stops once none is left. The
+  other clips of the call go on: their frames do not depend on it;
+- the decoding clips' claims sit in `_encoding` from the start of the decode, so the heartbeat
+  renews them however long the decode takes.
 """
 
 from __future__ import annotations
