@@ -88,6 +88,46 @@ def test_clips_decoded_together_are_published_apart_and_one_cancelled_leaves_not
     assert files_of(data, alone["id"]) == []
 
 
+class StreamFullDisk(FakeBackend):
+    """A backend whose writers encode as the chunks come, and whose disk is full (the writer's
+    `add` fails, as an encoder thread that could not write does) while `full` is set."""
+
+    def __init__(self):
+        super().__init__()
+        self.full, self.refused = threading.Event(), 0
+
+    def open_video(self, fps, mp4_path, thumbnail_path):
+        backend, writer = self, super().open_video(fps, mp4_path, thumbnail_path)
+        add = writer.add
+
+        def add_or_refuse(chunk):
+            if backend.full.is_set():
+                backend.refused += 1
+                raise OSError(errno.ENOSPC, "No space left on device", str(mp4_path))
+            add(chunk)
+
+        writer.add = add_or_refuse
+        return writer
+
+
+def test_a_disk_that_fills_mid_stream_has_the_clip_written_whole_once_there_is_room(
+    make_client, monkeypatch
+):
+    """The streamed encoder fails for want of space while the clip decodes: the video waits
+    (its chunks kept), and once there is room its every frame is written, in order."""
+    monkeypatch.setattr("megaslide.server.worker.context.STORE_RETRY_S", (0.05, 0.2))
+    backend = StreamFullDisk()
+    c = make_client(backend)
+    backend.full.set()
+    v = create(c, seed=21, num_frames=6)
+    until(lambda: backend.refused >= 3, what="writes refused for want of space")
+    assert c.get(f"/v1/videos/{v['id']}").json()["status"] == "in_progress"
+    backend.full.clear()
+    assert wait_status(c, v["id"])["status"] == "completed"
+    content = c.get(f"/v1/videos/{v['id']}/content").content
+    assert content == b"FAKEMP4" + fake_clip(21, 6, 32, 32).tobytes()
+
+
 # ---------------------------------------------------------------------- the torch backend, tiny Wan
 
 
