@@ -13,6 +13,10 @@ const FILE_INPUTS = [
   ["control_video", "#vace-field", "control_video"],
   ["mask", "#vace-field", "mask"],
   ["reference_images", "#vace-field", "reference_images"],
+  ["pose_video", "#animate-field", "pose_video"],
+  ["face_video", "#animate-field", "face_video"],
+  ["background_video", "#animate-field", "background_video"],
+  ["background_mask", "#animate-field", "background_mask"],
 ];
 
 // A rolled seed is below 2**31, like the seeds the server draws for requests without one.
@@ -94,13 +98,18 @@ export class CreateForm {
     const limits = this.form.querySelector("#model-limits");
     limits.textContent = model ? describeLimits(model) : "No model is served.";
     // A model announces each file it takes among its inputs: "image" (a first frame),
-    // "last_image" (a last frame besides), "video" (an input video, with a strength), and a VACE
-    // model's "reference_images", "control_video" and "mask" (with a conditioning scale).
+    // "last_image" (a last frame besides), "video" (an input video, with a strength), a VACE
+    // model's "reference_images", "control_video" and "mask" (with a conditioning scale), and a
+    // Wan Animate model's "pose_video", "face_video", "background_video" and "background_mask"
+    // (its "image" is the character to move, not a first frame).
     for (const [input, selector, name] of FILE_INPUTS) {
       const field = this.form.querySelector(selector);
       field.hidden = !model?.inputs?.includes(input);
       if (field.hidden) this.fields[name].value = "";
     }
+    this.form.querySelector("label[for=create-image]").textContent = model?.limits?.animate_input
+      ? "Character image"
+      : "First frame";
     this.showAdapters(model?.adapters || []);
     this.showCachePolicies(model?.limits?.cache_policies);
     if (!model) return;
