@@ -506,3 +506,26 @@ def test_a_lora_on_the_blocks_and_face_adapters_as_diffusers_applies_it(wan, tmp
     batched = open_pipeline(wan["animate"], offload="stream")
     batched.add_adapter("a", file)
     assert level_diff(batched.generate(adapted), theirs) <= 1
+
+
+@pytest.mark.slow  # diffusers' pipeline with PEFT, and a clip of ours
+def test_an_original_layout_adapter_as_diffusers_applies_it(wan, tmp_path):
+    """An original-layout (ComfyUI) Wan2.1-I2V-style adapter, the format most Wan adapters are
+    shared in (the blocks' attention and feed-forward, their image projections `k_img` /
+    `v_img`, the image embedder), goes through diffusers' converter onto an Animate model:
+    bitwise WanAnimatePipeline's clip after `load_lora_weights`, its face adapters streamed."""
+    pytest.importorskip("peft")
+    from lora_fixtures import write_original
+
+    file = write_original(tmp_path / "i2v-lora.safetensors", i2v=True)
+    clip = request(wan)
+    pipe = open_pipeline(wan["animate"], batched=False, offload="stream")
+    assert pipe.add_adapter("o", file)["modules"] == 20 + 4 + 2
+    reference = diffusers.WanAnimatePipeline.from_pretrained(wan["animate"])
+    reference.load_lora_weights(str(file), adapter_name="o")
+    reference.set_adapters(["o"], [0.8])
+    videos = {"pose_video": clip.pose_video, "face_video": clip.face_video}
+    _, theirs = diffusers_run(reference, clip, clip.image, animate=videos)
+    ours = pipe.generate(request(wan, loras=(LoraChoice("o", 0.8),)))
+    assert np.array_equal(ours, theirs)
+    assert level_diff(ours, pipe.generate(clip)) > 2
