@@ -585,8 +585,8 @@ def test_vace_fields_for_models_that_take_them(page, server):
 
 def test_animate_fields_for_models_that_take_them(page, server):
     """A model that lists Animate's inputs gets the pose, face, background and mask video fields
-    and its image field names the character; the request goes as multipart with each file under
-    its API field; the server (which serves no Animate model) refuses the character image, and
+    and the segments' two numbers, and its image field names the character; the request goes as
+    multipart with each file under its API field, a segment length beside them; the server (which serves no Animate model) refuses the character image, and
     the page shows why beside that field."""
 
     def with_animate_inputs(route: Route) -> None:
@@ -619,6 +619,7 @@ def test_animate_fields_for_models_that_take_them(page, server):
         mp4 = {"name": f"{name}.mp4", "mimeType": "video/mp4", "buffer": b"\0\0\0\x18ftypmp42"}
         field = "background-mask" if name == "mask" else f"{name}-video"
         page.set_input_files(f"#create-{field}", files=[mp4])
+    page.fill("#create-segment-frame-length", "5")
     page.click("#generate")
     expect(page.locator("[data-param=input_reference] .error")).to_contain_text("input_reference")
     expect(page.locator("#queue-list .job")).to_have_count(0)
@@ -631,6 +632,8 @@ def test_animate_fields_for_models_that_take_them(page, server):
         ("background_mask", "mask.mp4"),
     ):
         assert f'name="{field}"; filename="{file}"'.encode() in body, field
+    assert re.search(rb'name="segment_frame_length"\r\n\r\n5\r\n', body)
+    assert b'name="prev_segment_conditioning_frames"' not in body  # empty: the server's default
 
 
 def test_api_key_gate(browser, tmp_path_factory):

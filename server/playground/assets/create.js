@@ -218,6 +218,8 @@ export class CreateForm {
       num_inference_steps: video.num_inference_steps,
       guidance_scale: video.guidance_scale,
       seed: video.seed,
+      segment_frame_length: video.segment_frame_length,
+      prev_segment_conditioning_frames: video.prev_segment_conditioning_frames,
     });
     this.fields.cache.value = cacheChoice(this.fields.cache, video.cache);
     this.fields.sampler.value = video.sampler === "scheduler" ? "" : video.sampler || "";
@@ -273,6 +275,14 @@ export class CreateForm {
     // A VACE model's weight of its hints (the server's default when empty).
     if (!this.form.querySelector("#vace-field").hidden) {
       body.conditioning_scale = number(f.conditioning_scale, "conditioning_scale");
+    }
+    // A Wan Animate model's segments (the server's defaults when empty: one segment, carrying 1).
+    if (!this.form.querySelector("#animate-field").hidden) {
+      body.segment_frame_length = number(f.segment_frame_length, "segment_frame_length");
+      body.prev_segment_conditioning_frames = number(
+        f.prev_segment_conditioning_frames,
+        "prev_segment_conditioning_frames",
+      );
     }
     for (const name of Object.keys(body)) if (body[name] === undefined) delete body[name];
     return body;
