@@ -386,3 +386,12 @@ def test_preset_step_benchmark_tiny():
     planned = r["planned"]["h2d_bytes_per_step"]
     assert planned <= r["h2d_bytes_per_step"] <= 1.05 * planned
     assert r["h2d_over_planned"] == r["h2d_bytes_per_step"] / planned
+
+
+def test_wan_conditioned_fp8_benchmark_quick():
+    r = run_json("benchmarks/wan_conditioned_fp8.py", "--steps", "1", "--json")
+    assert [(row["task"], row["steps"]) for row in r["rows"]] == [("vace", 1), ("animate", 1)]
+    for row in r["rows"]:
+        assert 30 < row["fp8_vs_bf16_db"] < float("inf"), row  # lossy, and close
+        assert row["streamed_blocks"] == {"vace": 5, "animate": 4}[row["task"]]
+        assert 0.5 < row["host_store_over_raw"] < 0.75, row

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from megaslide.engine.loader import open_pipeline
-from megaslide.engine.request import RequestError, VideoRequest
+from megaslide.engine.request import LoraChoice, RequestError, VideoRequest
 
 from wan_fixtures import FACE_SIZE, NEGATIVE, PROMPT, build_tiny_wan
 from wan_reference import diffusers_run, first_difference, megaslide_run, on_cpu_variants
@@ -439,3 +439,93 @@ def test_segments_are_counted_as_diffusers_counts_them(wan):
     segments = pipe.prepare(older).segments
     assert (segments.length, segments.carried, segments.count) == (9, 1, 1)
     assert pipe.resolve(request(wan, segment_frame_length=5)).batch_key[1] == ("segment", 5)
+
+
+@pytest.mark.parametrize(
+    "placement",
+    [
+        dict(host_tier="disk"),
+        pytest.param(dict(weights="lossless"), marks=pytest.mark.slow),  # the same streamer
+        pytest.param(dict(weights="fp8"), marks=pytest.mark.slow),
+    ],
+    ids=["disk", "lossless", "fp8"],
+)
+def test_the_disk_tier_and_weight_formats_hold_the_face_adapters(wan, placement):
+    """The face adapters are streamed blocks like any other: read from the model's files each
+    step (the disk tier, the CLIP image encoder's renamed keys with them) or kept in a lossless
+    host format, the reference mode's latents and frames are bitwise the resident pipeline's;
+    stored in fp8 with the blocks, the clip moves, within a few levels."""
+    clip = request(wan, True, steps=1)
+    latents, frames = megaslide_run(open_pipeline(wan["animate"], batched=False), clip)
+    pipe = open_pipeline(wan["animate"], batched=False, offload="stream", **placement)
+    stats = pipe.handles["transformer"].stats()
+    assert stats["streamed_blocks"] == 4 and stats["weights"] == placement.get("weights", "raw")
+    clip_stats = pipe.handles["image_encoder"].stats()
+    assert clip_stats["streamed_blocks"] == 3
+    assert clip_stats["host_tier"] == stats["host_tier"] == placement.get("host_tier", "ram")
+    ours, our_frames = megaslide_run(pipe, clip)
+    if placement.get("weights") == "fp8":
+        assert first_difference(ours, latents) is not None  # fp8 is lossy: it must change
+        assert 0 < level_diff(our_frames, frames) <= 16
+    else:
+        assert first_difference(ours, latents) is None
+        assert np.array_equal(our_frames, frames)
+
+
+@pytest.mark.slow  # diffusers' pipeline with PEFT, and three clips of ours
+def test_a_lora_on_the_blocks_and_face_adapters_as_diffusers_applies_it(wan, tmp_path):
+    """A diffusers / PEFT-layout adapter on the blocks and the face adapters (streamed between
+    the blocks) and on the face encoder (resident) gives bitwise WanAnimatePipeline's clip after
+    `load_lora_weights` with each row alone, resident and streamed, and changes it; batched,
+    within a level."""
+    pytest.importorskip("peft")
+    from lora_fixtures import DIM, _factors, write_peft
+
+    g = torch.Generator().manual_seed(7)
+    extra = {}
+    names = [f"face_adapter.{i}.{o}" for i in (0, 1) for o in ("to_q", "to_k", "to_v", "to_out")]
+    for name, n_in in [*((n, DIM) for n in names), ("face_encoder.out_proj", 16)]:
+        down, up = _factors(g, 4, n_in, DIM, 0.3)
+        extra[f"transformer.{name}.lora_A.weight"] = down
+        extra[f"transformer.{name}.lora_B.weight"] = up
+    file = write_peft(tmp_path / "animate-lora.safetensors", bias=False, extra=extra)
+
+    clip = request(wan)
+    adapted = request(wan, loras=(LoraChoice("a", 0.8),))
+    reference = diffusers.WanAnimatePipeline.from_pretrained(wan["animate"])
+    reference.load_lora_weights(str(file), adapter_name="a")
+    reference.set_adapters(["a"], [0.8])
+    videos = {"pose_video": clip.pose_video, "face_video": clip.face_video}
+    _, theirs = diffusers_run(reference, clip, clip.image, animate=videos)
+    for offload in ("none", "stream"):
+        pipe = open_pipeline(wan["animate"], batched=False, offload=offload)
+        card = pipe.add_adapter("a", file)
+        assert card["modules"] == 2 * 10 + 2 * 4 + 1
+        assert np.array_equal(pipe.generate(adapted), theirs), offload
+    assert level_diff(theirs, pipe.generate(clip)) > 2
+    batched = open_pipeline(wan["animate"], offload="stream")
+    batched.add_adapter("a", file)
+    assert level_diff(batched.generate(adapted), theirs) <= 1
+
+
+@pytest.mark.slow  # diffusers' pipeline with PEFT, and a clip of ours
+def test_an_original_layout_adapter_as_diffusers_applies_it(wan, tmp_path):
+    """An original-layout (ComfyUI) Wan2.1-I2V-style adapter, the format most Wan adapters are
+    shared in (the blocks' attention and feed-forward, their image projections `k_img` /
+    `v_img`, the image embedder), goes through diffusers' converter onto an Animate model:
+    bitwise WanAnimatePipeline's clip after `load_lora_weights`, its face adapters streamed."""
+    pytest.importorskip("peft")
+    from lora_fixtures import write_original
+
+    file = write_original(tmp_path / "i2v-lora.safetensors", i2v=True)
+    clip = request(wan)
+    pipe = open_pipeline(wan["animate"], batched=False, offload="stream")
+    assert pipe.add_adapter("o", file)["modules"] == 20 + 4 + 2
+    reference = diffusers.WanAnimatePipeline.from_pretrained(wan["animate"])
+    reference.load_lora_weights(str(file), adapter_name="o")
+    reference.set_adapters(["o"], [0.8])
+    videos = {"pose_video": clip.pose_video, "face_video": clip.face_video}
+    _, theirs = diffusers_run(reference, clip, clip.image, animate=videos)
+    ours = pipe.generate(request(wan, loras=(LoraChoice("o", 0.8),)))
+    assert np.array_equal(ours, theirs)
+    assert level_diff(ours, pipe.generate(clip)) > 2
