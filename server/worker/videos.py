@@ -405,17 +405,17 @@ class Videos:
                 if time.monotonic() - polled < CANCEL_POLL_S:
                     continue
                 polled = time.monotonic()
-                for k in self._cancelled_clips(runs, live):
-                    clips[k].abort()
+                for k in self._cancelled_clips(runs, clips, live):
                     live.discard(runs[k].id)
                     ended.add(runs[k].id)
                     self._encoding.pop(runs[k].id, None)
                 if not live:
                     return
 
-    def _cancelled_clips(self, runs: list[Running], live: set[str]) -> list[int]:
-        """Indices of the `live` runs whose cancellation was asked for, now recorded cancelled
-        (the store unreachable: none, ask again later)."""
+    def _cancelled_clips(self, runs: list[Running], clips: list[Clip], live: set[str]) -> list[int]:
+        """Indices of the `live` runs whose cancellation was asked for, their clips given up
+        (the encoder stopped, its temporary file gone) and then recorded cancelled, so that a
+        video seen cancelled has no file left (the store unreachable: none, ask again later)."""
         store = self.ctx.store
         try:
             asked = store.videos.cancel_requested(sorted(live))
@@ -425,6 +425,7 @@ class Videos:
         for i, run in enumerate(runs):
             if run.id in asked:
                 cancelled.append(i)
+                clips[i].abort()
                 if self.ctx.retrying(store.videos.finish, run.id, run.token, "cancelled"):
                     self.ctx.count_finished("video", "cancelled")
         return cancelled
