@@ -129,7 +129,8 @@ def test_animate_streams_its_face_adapters_and_checks_requests(wan):
     assert held == [model.blocks[0], model.face_adapter[0], model.blocks[1], model.face_adapter[1]]
     limits = pipe.info.limits.to_dict()
     assert limits["animate_input"] and limits["image_required"]
-    assert not (limits["vace_input"] or limits["video_input"] or limits["cache_policies"])
+    assert not (limits["vace_input"] or limits["video_input"])
+    assert limits["cache_policies"] == ["output-change", "adaptive"]  # no first-block cache
     assert pipe.info.sampling.guidance == 1.0  # WanAnimatePipeline's default: no guidance pair
 
     def refused(changes, param, model="animate"):
@@ -146,7 +147,7 @@ def test_animate_streams_its_face_adapters_and_checks_requests(wan):
     refused(dict(background_mask=wan["mask"]), "background_video")
     assert "not found" in refused(dict(face_video=wan["face"] + ".missing"), "face_video")
     refused(dict(frames=1), "frames")
-    refused(dict(cache="fast"), "cache")
+    refused(dict(cache={"policy": "first-block", "threshold": 0.1}), "cache")
     message = refused(
         dict(image=None, pose_video=wan["pose"], face_video=None), "pose_video", "t2v"
     )
@@ -529,3 +530,24 @@ def test_an_original_layout_adapter_as_diffusers_applies_it(wan, tmp_path):
     ours = pipe.generate(request(wan, loras=(LoraChoice("o", 0.8),)))
     assert np.array_equal(ours, theirs)
     assert level_diff(ours, pipe.generate(clip)) > 2
+
+
+def test_step_caches_start_afresh_with_each_segment(wan):
+    """The caches that decide before a pass run on Animate: threshold 0 reuses nothing and
+    changes nothing; a loose one reuses, but each segment (a new trajectory from fresh noise)
+    computes its first two steps, whose outputs it measures, and its last."""
+    pipe = open_pipeline(wan["animate"], offload="stream")
+    clip = request(wan, segment_frame_length=5, steps=4)
+    off = pipe.generate(clip)
+    zero = pipe.generate(dataclasses.replace(clip, cache=dict(policy="output-change", threshold=0)))
+    assert np.array_equal(zero, off)
+    loose = pipe.prepare(
+        pipe.resolve(dataclasses.replace(clip, cache=dict(policy="output-change", threshold=100)))
+    )
+    moved = []
+    while not loose.done:
+        moved.append(pipe.denoise_step([loose])["h2d_bytes"])
+    assert [m > 0 for m in moved] == [True, True, False, True] * 2, moved
+    assert loose.cache.reused == 2 and loose.cache.passes == 6
+    assert pipe.finish(loose).shape == off.shape
+    assert pipe.info.limits.cache_policies == ("output-change", "adaptive")

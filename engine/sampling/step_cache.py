@@ -423,6 +423,11 @@ class StepCache:
             policy = POLICIES[spec.policy](spec.threshold)
         return cls(policy, FORECAST_ORDERS[spec.forecast])
 
+    def restart(self) -> None:
+        """A new trajectory from fresh noise (an Animate clip's next segment): the outputs held
+        say nothing of it, so they go; the counts of passes and reuses go on."""
+        self.histories.clear()
+
     def reuse(self, step: int, t: float, t_next: float, key: int = 0) -> bool:
         """Whether step `step`, from flow time `t` to `t_next`, reuses the cached output of
         expert `key`; a False must be followed by `record` once the pass ran. Asking again for

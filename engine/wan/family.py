@@ -887,6 +887,8 @@ class WanVideoPipeline(Pipeline, Sampler):
         state.scheduler = self._scheduler(state.video)
         if state.guidance_memory is not None:  # the directions were the segment before's
             state.guidance_memory = GuidanceMemory()
+        if state.cache is not None:  # so were the outputs its step cache holds
+            state.cache.restart()
         with self.using(state.fine_tune, components=("vae",)):
             self._animate_condition(state, prev)
 
