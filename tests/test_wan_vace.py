@@ -489,3 +489,59 @@ def test_two_ranks_make_one_process_clip(wan):
     split = generate_on_devices(info, clip, ["cpu", "cpu"], timeout_s=300)
     one = open_pipeline(info, offload="stream").generate(clip)
     assert np.array_equal(split, one), level_diff(split, one)
+
+
+def test_an_original_layout_adapter_on_the_vace_blocks_equals_its_peft_twin(wan, tmp_path):
+    """An original-layout (ComfyUI) file with `vace_blocks.*` keys, which diffusers' converter
+    does not know: the VACE blocks' attention, feed-forward and hint projections (alphas folded,
+    `diff_b` biases) become the deltas of the same adapter in PEFT's names, and with alpha equal
+    to the rank its clip is bitwise the PEFT twin's (whose clip is diffusers', above)."""
+    from safetensors.torch import save_file
+
+    from megaslide.engine.wan.lora import wan_deltas
+
+    g = torch.Generator().manual_seed(11)
+    original, peft = {}, {}
+    layers = [("blocks.0.self_attn.q", "blocks.0.attn1.to_q")]
+    for i in (0, 1):
+        layers += [
+            (f"vace_blocks.{i}.self_attn.q", f"vace_blocks.{i}.attn1.to_q"),
+            (f"vace_blocks.{i}.cross_attn.o", f"vace_blocks.{i}.attn2.to_out.0"),
+            (f"vace_blocks.{i}.ffn.2", f"vace_blocks.{i}.ffn.net.2"),
+            (f"vace_blocks.{i}.after_proj", f"vace_blocks.{i}.proj_out"),
+        ]
+    layers.append(("vace_blocks.0.before_proj", "vace_blocks.0.proj_in"))
+    for theirs, ours in layers:
+        n_in = 32 if ".ffn." in theirs else 24  # the tiny model's feed-forward width, or its dim
+        down, up = torch.randn(4, n_in, generator=g) * 0.3, torch.randn(24, 4, generator=g) * 0.3
+        bias = torch.randn(24, generator=g) * 0.05
+        original[f"diffusion_model.{theirs}.lora_down.weight"] = down
+        original[f"diffusion_model.{theirs}.lora_up.weight"] = up
+        original[f"diffusion_model.{theirs}.alpha"] = torch.tensor(4.0)
+        original[f"diffusion_model.{theirs}.diff_b"] = bias
+        peft[f"transformer.{ours}.lora_A.weight"] = down
+        peft[f"transformer.{ours}.lora_B.weight"] = up
+        peft[f"transformer.{ours}.lora_B.bias"] = bias
+    save_file(original, str(tmp_path / "original.safetensors"))
+    save_file(peft, str(tmp_path / "peft.safetensors"))
+
+    # Another alpha is folded into the factors: the product is alpha / rank times theirs.
+    halved = dict(original, **{"diffusion_model.vace_blocks.1.after_proj.alpha": torch.tensor(2.0)})
+    folded = wan_deltas(halved, {})["vace_blocks.1.proj_out"]
+    plain = wan_deltas(original, {})["vace_blocks.1.proj_out"]
+    torch.testing.assert_close(folded.up @ folded.down, 0.5 * (plain.up @ plain.down))
+
+    pipe = open_pipeline(wan["vace"])
+    pipe.add_adapter("original", tmp_path / "original.safetensors")
+    pipe.add_adapter("peft", tmp_path / "peft.safetensors")
+    clips = [
+        pipe.generate(vace_request(wan, "all", loras=(LoraChoice(name, 0.8),)))
+        for name in ("original", "peft")
+    ]
+    assert np.array_equal(clips[0], clips[1])
+    assert level_diff(clips[0], pipe.generate(vace_request(wan, "all"))) > 2
+
+    # A hint projection with one factor is named.
+    del original["diffusion_model.vace_blocks.0.before_proj.lora_up.weight"]
+    with pytest.raises(Exception, match="vace_blocks.0.proj_in.lora_up.weight is missing"):
+        wan_deltas(original, {})

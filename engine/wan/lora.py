@@ -1,13 +1,18 @@
 """Wan LoRA files in every layout people share them, converted to one form (diffusers' names).
 
 - original Wan / ComfyUI: `diffusion_model.blocks.0.self_attn.q.lora_down.weight` (or `lora_A`),
-  `.alpha`, `diff_b` bias deltas, `head.head.diff`;
+  `.alpha`, `diff_b` bias deltas, `head.head.diff`; a VACE model's `vace_blocks.0...` too (the
+  same layers, and `before_proj` / `after_proj`: diffusers' `proj_in` / `proj_out`);
 - Kohya / musubi-tuner: `lora_unet_blocks_0_self_attn_q.lora_down.weight` with `.alpha`;
 - diffusers / PEFT: `transformer.blocks.0.attn1.to_q.lora_A.weight` (alphas, when not 1.0, in the
   file's `lora_adapter_metadata`, as diffusers writes it).
 
 The first two go through diffusers' own converters (the ones `WanPipeline.load_lora_weights`
-uses), so the factors are the very tensors diffusers would load. What those converters drop
+uses), so the factors are the very tensors diffusers would load. Its converter knows no VACE
+blocks (`WanVACEPipeline.load_lora_weights` refuses an original-layout file that has them): their
+layers are the blocks' own, so they go through the same converter under the blocks' names, and
+the hints' projections are folded here the same way (`alpha / rank`, split between the factors
+by powers of two as the converter splits it). What those converters drop
 without a word (non-zero deltas on norm layers, full-weight `.diff` deltas, a time projection's
 bias delta without its weight, DoRA magnitudes) is refused here instead, naming the key.
 """
@@ -79,11 +84,20 @@ def _convert_with_diffusers(tensors: dict[str, torch.Tensor], where: str) -> dic
     if original:
         _refuse_dropped(tensors, where)
     _check_alphas(tensors, where)
+    vace: dict[str, torch.Tensor] = {}
+    if original:
+        vace = {k: v for k, v in tensors.items() if k.startswith(VACE_PREFIX)}
+        tensors = {k: v for k, v in tensors.items() if k not in vace}
     try:
-        if original:
-            converted = _convert_non_diffusers_wan_lora_to_diffusers(dict(tensors))
-        else:
+        converted = {}
+        if not original:
             converted = _convert_musubi_wan_lora_to_diffusers(dict(tensors))
+        elif tensors:
+            converted = _convert_non_diffusers_wan_lora_to_diffusers(dict(tensors))
+        if vace:
+            converted.update(
+                _convert_vace_blocks(vace, _convert_non_diffusers_wan_lora_to_diffusers)
+            )
     except KeyError as e:
         key = str(e.args[0]) if e.args else "?"
         raise AdapterError(
@@ -98,6 +112,58 @@ def _convert_with_diffusers(tensors: dict[str, torch.Tensor], where: str) -> dic
             f"{where}diffusers' Wan converter cannot read this file ({type(e).__name__}: {e})"
         ) from None
     return {k.removeprefix("transformer."): v for k, v in converted.items()}
+
+
+VACE_PREFIX = "diffusion_model.vace_blocks."
+VACE_PROJECTIONS = {"before_proj": "proj_in", "after_proj": "proj_out"}
+
+
+def _convert_vace_blocks(tensors: dict[str, torch.Tensor], convert) -> dict[str, torch.Tensor]:
+    """An original-layout file's `vace_blocks.*` keys in diffusers' names: the attention and
+    feed-forward layers through `convert` (diffusers' converter) under the blocks' names, the
+    hints' `before_proj` / `after_proj` here. Keys it leaves are refused by the caller's
+    except clauses as the converter's own are."""
+    blocks, projections = {}, {}
+    for key, value in tensors.items():
+        index, rest = key.removeprefix(VACE_PREFIX).split(".", 1)
+        layer = rest.split(".", 1)[0]
+        if layer in VACE_PROJECTIONS:
+            projections[f"vace_blocks.{index}.{VACE_PROJECTIONS[layer]}{rest[len(layer) :]}"] = (
+                value
+            )
+        else:
+            blocks[f"diffusion_model.blocks.{index}.{rest}"] = value
+    out = {}
+    if blocks:
+        for key, value in convert(blocks).items():
+            out["vace_" + key.removeprefix("transformer.")] = value
+    for module in sorted({k.rsplit(".", 2)[0] for k in projections if ".lora_" in k}):
+        down = projections.pop(f"{module}.lora_down.weight", None)
+        down = projections.pop(f"{module}.lora_A.weight", down)
+        up = projections.pop(f"{module}.lora_up.weight", None)
+        up = projections.pop(f"{module}.lora_B.weight", up)
+        if down is None or up is None:
+            missing = "lora_down" if down is None else "lora_up"
+            raise KeyError(f"{module}.{missing}.weight")
+        alpha = projections.pop(f"{module}.alpha", None)
+        if alpha is not None:
+            scale_down, scale_up = _alpha_split(float(alpha), down.shape[0])
+            down, up = down * scale_down, up * scale_up
+        out[f"{module}.lora_A.weight"], out[f"{module}.lora_B.weight"] = down, up
+    for key in [k for k in projections if k.endswith(".diff_b")]:
+        out[key.removesuffix(".diff_b") + ".lora_B.bias"] = projections.pop(key)
+    if projections:
+        raise ValueError(f"VACE keys left over: {sorted(projections)}")
+    return out
+
+
+def _alpha_split(alpha: float, rank: int) -> tuple[float, float]:
+    """`alpha / rank` as (down's factor, up's factor), powers of two moved from up to down
+    while down's is under half of up's: the split diffusers' Wan converter makes."""
+    down, up = alpha / rank, 1.0
+    while down * 2 < up:
+        down, up = down * 2, up / 2
+    return down, up
 
 
 def _check_alphas(tensors: dict[str, torch.Tensor], where: str) -> None:
