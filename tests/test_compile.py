@@ -90,6 +90,9 @@ def test_the_compiled_blocks_equal_eager_and_compile_once(compiled, eager, oracl
     # One graph for every block of the model and every step: its weights are the graph's inputs.
     assert stats["graphs"] == 1, stats
     assert stats["graph_breaks"] == 0, stats
+    # Every linear of the block through oneDNN (kernels/cpu_linear.py): self-attention's two,
+    # cross-attention's four and the MLP's two, its GELU fused into the first.
+    assert stats["cpu_linears"] == 8, stats
 
 
 def test_streamed_compiled_blocks_read_each_slot_without_recompiling(eager, oracle):
