@@ -6,9 +6,12 @@ across heads, Wan's rotary positions, spatially smooth hidden states), with Wan2
 over a 3 x 30 x 52 token grid (4,680 tokens: 3 latent frames of a 480x832 clip), two heads, bf16
 inputs. Sharpness (`gain`) and an outlier offset on 8 channels of K (`k_offset`) vary. Each
 output is compared with float64 SDPA on the same bf16 inputs: cosine similarity (SageAttention's
-published measure, >= 0.999 the goal), max and mean absolute error; bf16 SDPA and 8-bit attention
-without K smoothing are given beside it. The PyTorch reference computes the 8-bit recipe here
-(the Triton kernel equals it within rounding: tests/test_sage.py).
+published measure, >= 0.999 the goal), max and mean absolute error; bf16 SDPA, 8-bit attention
+without K smoothing and with one int8 scale per tile (128 queries, 64 keys: SageAttention's first
+recipe, this one's before per-token scales) are given beside it. The PyTorch reference computes
+the 8-bit recipe here (the Triton kernel equals it within rounding: tests/test_sage.py).
+`ablation` says where the error comes from: each of the recipe's roundings alone (Q or smoothed K
+to int8 per tile or per token, P or V to fp16), everything else exact in float64.
 
 Videos: PSNR of frames sampled with `attention="sage"` against the same model, seed and request
 with dense SDPA attention: the tiny random Wan of the tests (fp32 resident, and bf16 streamed with
@@ -39,6 +42,7 @@ sys.path.insert(0, str(ROOT / "tests" / "support"))  # the tests' inputs and tin
 from megaslide.engine.loader import open_pipeline  # noqa: E402
 from megaslide.engine.request import VideoRequest  # noqa: E402
 from megaslide.kernels import sage_attention_reference  # noqa: E402
+from megaslide.kernels.sage_reference import quantize_int8, smooth_keys, values_fp16  # noqa: E402
 
 from sage_inputs import cosine, sdpa, wan_like_qkv  # noqa: E402
 from wan_fixtures import build_tiny_wan, request  # noqa: E402
@@ -61,6 +65,41 @@ def errors(out: torch.Tensor, exact: torch.Tensor) -> dict:
     }
 
 
+def _int8(x: torch.Tensor, group: int) -> torch.Tensor:
+    """`x (B, N, H, D)` rounded to int8 with one scale per `group` tokens, back in float64."""
+    x8, scale = quantize_int8(x, group, 1)  # (B, H, N, D), (B, H, N)
+    return (x8.double() * scale.double()[..., None]).transpose(1, 2)
+
+
+def _attend(q, k, v, p_fp16: bool = False) -> torch.Tensor:
+    """Attention in float64 on `(B, N, H, D)`; `p_fp16` rounds the unnormalised probabilities to
+    fp16 as the recipe's P V does."""
+    q, k, v = (t.double().transpose(1, 2) for t in (q, k, v))
+    s = q @ k.mT / math.sqrt(q.shape[-1])  # (B, H, Nq, Nk)
+    p = torch.exp(s - s.amax(-1, keepdim=True))
+    total = p.sum(-1, keepdim=True)
+    if p_fp16:
+        p = p.half().double()
+    return ((p @ v) / total).transpose(1, 2)
+
+
+def ablation(q, k, v, exact) -> dict:
+    """Cosine against float64 SDPA with one of the recipe's roundings at a time."""
+    ks = smooth_keys(k)  # changes no softmax: the exact attention is the same
+    vh, vs = values_fp16(v)
+    v16 = vh.double() * vs[:, None].double()
+    tile_q, tile_k = 128, 64
+    variants = {
+        "q_int8_per_tile": lambda: _attend(_int8(q, tile_q), ks, v),
+        "q_int8_per_token": lambda: _attend(_int8(q, 1), ks, v),
+        "k_int8_per_tile": lambda: _attend(q, _int8(ks, tile_k), v),
+        "k_int8_per_token": lambda: _attend(q, _int8(ks, 1), v),
+        "p_fp16": lambda: _attend(q, ks, v, p_fp16=True),
+        "v_fp16": lambda: _attend(q, ks, v16),
+    }
+    return {name: round(cosine(run(), exact), 6) for name, run in variants.items()}
+
+
 def heads(quick: bool) -> list[dict]:
     shape = dict(HEADS, grid=(2, 8, 12)) if quick else HEADS
     rows = []
@@ -79,8 +118,12 @@ def heads(quick: bool) -> list[dict]:
                 "k_offset": offset,
                 "median_top_probability": round(probs.amax(-1).median().item(), 3),
                 "sage": errors(sage_attention_reference(q, k, v), exact),
+                "sage_per_tile_scales": errors(
+                    sage_attention_reference(q, k, v, groups=(128, 64)), exact
+                ),
                 "sage_unsmoothed": errors(sage_attention_reference(q, k, v, smooth=False), exact),
                 "sdpa_bf16": errors(bf16, exact),
+                "ablation": ablation(q, k, v, exact),
             }
         )
     return rows
@@ -147,7 +190,8 @@ def main(argv=None) -> int:
     for row in result["heads"]["rows"]:
         print(
             f"gain {row['gain']} k_offset {row['k_offset']}: cosine sage "
-            f"{row['sage']['cosine']}, unsmoothed {row['sage_unsmoothed']['cosine']}, "
+            f"{row['sage']['cosine']}, per-tile scales {row['sage_per_tile_scales']['cosine']}, "
+            f"unsmoothed {row['sage_unsmoothed']['cosine']}, "
             f"bf16 SDPA {row['sdpa_bf16']['cosine']}"
         )
     for name, row in result["videos"].items():

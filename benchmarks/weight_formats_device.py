@@ -6,7 +6,9 @@
 Decode: one buffer of bf16 weights (`--decode-mb`, Gaussian with trained-like spread) coded
 lossless on the CPU, its payload put on the device, then the decode (the Triton kernel on CUDA,
 the reference on the CPU) timed over `--repeats` runs, in GB/s of decoded output; checked
-bitwise against the original. fp8's dequantize is timed the same way. Goal on an H200: the
+bitwise against the original. fp8's dequantize is timed the same way, the per-weight PyTorch ops
+and, where Triton runs (CUDA), the one-launch kernel the slot decode uses (kernels/fp8_decode.py),
+checked bitwise against them. Goal on an H200: the
 lossless decode >= 200 GB/s, so decoding a block takes under a third of copying it at 55 GB/s.
 
 Step time: the `--preset` model (bf16 on CUDA) streamed with every block in host RAM, median
@@ -31,6 +33,7 @@ from megaslide.engine.sources import resolve_source
 from megaslide.engine.streaming.weight_formats import fp8_dequantize, fp8_quantize
 from megaslide.kernels.dfloat import dfloat_decode
 from megaslide.kernels.dfloat_reference import dfloat_encode
+from megaslide.kernels.fp8_decode import fp8_decode_available, fp8_rows_decode
 
 
 def sync(device: torch.device) -> None:
@@ -66,6 +69,18 @@ def decode_throughput(device: torch.device, megabytes: int, repeats: int) -> dic
     q, scale = fp8_quantize(rows)
     q, scale = q.to(device), scale.to(device)
     fp8_s = timed(lambda: fp8_dequantize(q, scale, torch.bfloat16), device, repeats)
+    fused = {}
+    if fp8_decode_available(device):
+        slot = torch.empty(2 * words, dtype=torch.uint8, device=device)
+        weights = [(q.view(torch.uint8), scale, 0)]
+        fused_s = timed(lambda: fp8_rows_decode(weights, slot, torch.bfloat16), device, repeats)
+        same = torch.equal(
+            slot.view(torch.bfloat16).view(q.shape), fp8_dequantize(q, scale, torch.bfloat16)
+        )
+        fused = {
+            "fp8_fused_decode_gbps": 2 * words / fused_s / 1e9,
+            "fp8_fused_bitwise": bool(same),
+        }
     return {
         "decoded_bytes": 2 * words,
         "payload_bytes": coded.nbytes,
@@ -73,6 +88,7 @@ def decode_throughput(device: torch.device, megabytes: int, repeats: int) -> dic
         "lossless_decode_bitwise": exact,
         "lossless_encode_cpu_gbps": 2 * words / encode_s / 1e9,
         "fp8_dequantize_gbps": 2 * words / fp8_s / 1e9,
+        **fused,
     }
 
 

@@ -7,10 +7,10 @@ the tensor library, and its tests plug in fakes that declare them too.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from .request import ResolvedVideo
 
@@ -34,6 +34,14 @@ class VideoModel(Protocol):
     def finish_batch(self, states: list) -> list:
         """Decode finished states, in bounded chunks, to uint8 frames `(F, H, W, 3)` each."""
         ...
+
+    def finish_batch_chunks(self, states: list) -> Iterator[tuple[int, Any]]:
+        """`finish_batch` as the decoder makes the frames: `(i, chunk)` pairs, `chunk` the next
+        uint8 frames `(f, H, W, 3)` of `states[i]`, so that a caller can encode each while the
+        next decodes. Each state's chunks, in order, concatenate to its `finish_batch` frames,
+        bitwise. This default, for a decoder that is not causal in time, yields each clip whole
+        once the batch has decoded; when it raises, the chunks already yielded are void."""
+        yield from enumerate(self.finish_batch(states))
 
     def preview_batch(self, states: list) -> list:
         """A small uint8 frame `(H, W, 3)` of each state's clip as its last step predicts it, or

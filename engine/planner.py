@@ -38,7 +38,11 @@ block (`decode` time, at `Machine.decode_gbps` of decoded output). `lossless` is
 `LOSSLESS_RATIO` (measured on trained weights by benchmarks/compression.py; the exact figure
 depends on the weights); `fp8` at 1 byte per matmul parameter, the rest in the compute dtype. An
 fp8 single file kept as stored is the same count (its fp32 scales, one per row at most, add
-4 bytes a row: under 0.1% of a 5120-wide row's 5120 bytes).
+4 bytes a row: under 0.1% of a 5120-wide row's 5120 bytes). With `fp8_matmul`
+(streaming/fp8_matmul.py) a streamed block's matmul weights are not decoded at all (only the
+rest of the block is) and its matmuls run at `Machine.fp8_tflops`; the slots keep their size
+(the code still allocates the decoded block), and the activations' quantization, an elementwise
+pass per linear, is left out.
 
 The disk tier (`Workload.host_tier`, disk_store.py) keeps streamed blocks in the model's files:
 the host holds the non-block weights and one ring of `ring_depth` blocks per streamed module
@@ -115,6 +119,9 @@ class Machine:
     h2d_gbps: float = 55.0  # achieved pinned host->device bandwidth, GB/s (PCIe 5 x16)
     d2h_gbps: float = 55.0
     tflops: float = 790.0  # achieved dense bf16 TFLOP/s
+    # Achieved dense fp8 TFLOP/s (`fp8_matmul`): twice bf16's, as the H100's and H200's peaks
+    # are; an assumption, not a measurement.
+    fp8_tflops: float = 1580.0
     host_gbps: float = 200.0  # host memory bandwidth the CPU optimizer streams through, GB/s
     # Threads the CPU optimizer updates on (CPUAdamW's `threads`; its default is torch's
     # intra-op count, the physical cores): what the 8-bit codecs' compute bound scales with. 32
@@ -161,6 +168,7 @@ class Workload:
     fine_tunes: int = 0
     delta_ratio: float = DELTA_RATIO
     weights: str = "raw"  # inference: host format of streamed blocks (raw, lossless, fp8)
+    fp8_matmul: bool = False  # weights="fp8": streamed blocks' linears multiply by the fp8 bytes
     # Inference: one clip's tokens split over this many devices (parallel/sequence.py); fine-tuning: the
     # batch split over them, one master in host RAM (parallel/data_parallel.py).
     devices: int = 1
@@ -174,6 +182,7 @@ class Workload:
             prefetch=placement.prefetch,
             gpu_budget=placement.gpu_budget_bytes,
             weights=placement.weights,
+            fp8_matmul=placement.fp8_matmul,
             devices=len(placement.devices) if placement.devices else 1,
             host_tier=placement.host_tier,
         )
@@ -189,6 +198,7 @@ class Workload:
             gpu_budget_bytes=budget,
             prefetch=self.prefetch,
             weights=self.weights,
+            fp8_matmul=self.fp8_matmul,
             host_tier=self.host_tier,
         )
 
@@ -584,8 +594,13 @@ def _step_time(info: ModelInfo, w: Workload, z: _Sizes, machine: Machine, host: 
     keys = attention_keys(config, z.n_tok)
     n_tok, rows = z.n_tok, z.rows
     # Time: FLOPs of one forward over the batch (matmuls 2*params*tokens, attention 4*N*keys*D).
-    fwd_flops = (
-        z.depth * rows * (2 * z.matmul_params * n_tok + 4 * n_tok * keys * D + 4 * n_tok * L * D)
+    # With fp8_matmul the streamed blocks' matmuls run at fp8's rate: their FLOPs count at the
+    # bf16 rate scaled by tflops / fp8_tflops.
+    fp8_blocks = z.streamed if (w.fp8_matmul and not z.finetune) else 0
+    matmul_blocks = z.depth - fp8_blocks + fp8_blocks * machine.tflops / machine.fp8_tflops
+    fwd_flops = rows * (
+        matmul_blocks * 2 * z.matmul_params * n_tok
+        + z.depth * (4 * n_tok * keys * D + 4 * n_tok * L * D)
     )
     streamed_bytes = z.streamed * z.block_bytes  # one expert runs per step
     # Sequence parallel: each device computes 1/P of every matmul and attention (the prologue and
@@ -606,7 +621,10 @@ def _step_time(info: ModelInfo, w: Workload, z: _Sizes, machine: Machine, host: 
     if not z.finetune:
         # A coded block is decoded on the compute stream before it runs: compute time grows.
         if w.weights != "raw":
-            decode_s = streamed_bytes / (machine.decode_gbps * GB)
+            decoded = streamed_bytes
+            if w.fp8_matmul:  # only the block's other parameters are decoded
+                decoded = z.streamed * (z.n_block - z.matmul_params) * z.wb
+            decode_s = decoded / (machine.decode_gbps * GB)
         compute_s = fwd_flops / (machine.tflops * 1e12) + decode_s + comm_s
         h2d_bytes = z.streamed * z.coded_block_bytes
         # Each device has its own link; with several, they all read the one host copy, so host
@@ -808,6 +826,11 @@ def format_plan(p: dict) -> str:
         lines.append(
             f"weights {p['workload']['weights']}: the compute time includes {t['decode']:.3f} s of "
             "decoding streamed blocks"
+            + (
+                " (fp8 matmuls: their linear weights stay fp8)"
+                if p["workload"]["fp8_matmul"]
+                else ""
+            )
         )
     lines.append(
         "verdict: fits" if p["fits"] else "verdict: does not fit: " + "; ".join(p["problems"])

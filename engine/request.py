@@ -246,13 +246,18 @@ class VideoRequest:
     mask: str | None = None
     conditioning_scale: float | None = None
     # Animate (a model whose limits say `animate_input`; `image` is the character): a pose video
-    # and a face video (their first `frames` frames: one segment), and to replace the person of a
-    # video rather than animate the character on black, that background video and a mask video
-    # (white: the person to replace), given together. Pose and face extraction stays outside.
+    # and a face video (their first `frames` frames), and to replace the person of a video rather
+    # than animate the character on black, that background video and a mask video (white: the
+    # person to replace), given together. Pose and face extraction stays outside. The clip is
+    # made in segments of `segment_frame_length` frames (default: the clip, one segment), each
+    # after the first continuing the last `prev_segment_conditioning_frames` (1 or 5, default 1)
+    # frames of the one before, as diffusers' WanAnimatePipeline makes them.
     pose_video: str | None = None
     face_video: str | None = None
     background_video: str | None = None
     background_mask: str | None = None
+    segment_frame_length: int | None = None
+    prev_segment_conditioning_frames: int | None = None
     loras: tuple[LoraChoice, ...] = ()  # LoRA adapters to apply, in order
     # A step cache: a preset's name ("fast", ...), or {"policy": ..., "threshold": ...,
     # "forecast": ...} (forecast optional, "none" by default); None or "off": every step runs
@@ -341,6 +346,8 @@ def resolve_cache(value: str | dict | None) -> CacheSpec | None:
 
 # Wan Animate's videos, by their field on a request (and on the API).
 ANIMATE_VIDEOS = ("pose_video", "face_video", "background_video", "background_mask")
+# and the fields that cut its clip into segments.
+ANIMATE_SEGMENTS = ("segment_frame_length", "prev_segment_conditioning_frames")
 
 # The fields of `ResolvedVideo` that name a file the request brought (stored by a server, which
 # keys repeats by their bytes and resolves them on the worker's side), and those that name several.
@@ -374,6 +381,10 @@ class ResolvedVideo:
     face_video: str | None = None
     background_video: str | None = None
     background_mask: str | None = None
+    # An Animate model's requests only (others: None): the frames of a segment and those each
+    # segment after the first carries over from the one before.
+    segment_frame_length: int | None = None
+    prev_segment_conditioning_frames: int | None = None
     cache: CacheSpec | None = None  # rows with and without a cache share a pass
     loras: tuple[LoraChoice, ...] = ()
     # The sampling schedule's shift when the request or an adapter sets one (a step-distilled
@@ -395,6 +406,8 @@ class ResolvedVideo:
         group of rows, so neither splits a batch). VACE's reference images are latent frames
         of their own."""
         frames = (self.frames, len(self.reference_images)) if self.reference_images else self.frames
+        if self.segment_frame_length is not None:  # Animate: a segment's latents, whatever the clip
+            frames = ("segment", self.segment_frame_length)
         return (self.model, frames, self.height, self.width, self.steps)
 
     @property
@@ -505,7 +518,7 @@ def resolve(
     check_image(request.image, limits)
     check_last_image(request.last_image, request.image, frames, limits)
     scale = check_vace(request, frames, limits)
-    check_animate(request, frames, limits)
+    segments = check_animate(request, frames, limits)
     if strength is not None and kept_steps(steps, strength) < 1:
         raise RequestError(
             f"strength {strength:g} of {steps} steps runs none of them: at least "
@@ -537,6 +550,8 @@ def resolve(
         face_video=request.face_video,
         background_video=request.background_video,
         background_mask=request.background_mask,
+        segment_frame_length=segments and segments[0],
+        prev_segment_conditioning_frames=segments and segments[1],
         cache=cache,
         loras=loras,
         shift=shift,
@@ -883,14 +898,20 @@ def check_vace(
     return float(scale)
 
 
-def check_animate(request: VideoRequest | ResolvedVideo, frames: int, limits: ModelLimits) -> None:
-    """RequestError naming the field unless an Animate request's videos are right: the model
-    takes them, the pose and face videos are given, the background video and its mask come
-    together, each file exists, and the clip is one segment of at least two latent frames
-    (diffusers' WanAnimatePipeline carries one frame over between segments; longer clips in
-    segments are not built). Each video is read for its first `frames` frames when the request
-    runs (a shorter one is refused then, naming its file)."""
+def check_animate(
+    request: VideoRequest | ResolvedVideo, frames: int, limits: ModelLimits
+) -> tuple[int, int] | None:
+    """An Animate request's segments, `(segment_frame_length, prev_segment_conditioning_frames)`
+    (RequestError naming the field unless its videos are right: the model takes them, the pose
+    and face videos are given, the background video and its mask come together, each file
+    exists; and its segments are: `segment_frame_length` on the frame rule, of at least two
+    latent frames, and more than twice `prev_segment_conditioning_frames`, which is 1 or 5 as in
+    diffusers' WanAnimatePipeline); None for a model that takes no Animate videos. A clip of
+    `frames` longer than a segment is made in several (`wan/animate.py`). Each video is read for
+    its first `frames` frames when the request runs (a shorter one is refused then, naming its
+    file)."""
     given = [name for name in ANIMATE_VIDEOS if getattr(request, name) is not None]
+    given += [name for name in ANIMATE_SEGMENTS if getattr(request, name) is not None]
     if not limits.animate_input:
         if given:
             raise RequestError(
@@ -898,7 +919,7 @@ def check_animate(request: VideoRequest | ResolvedVideo, frames: int, limits: Mo
                 param=given[0],
                 code="unsupported_parameter",
             )
-        return
+        return None
     for name in ("pose_video", "face_video"):
         if getattr(request, name) is None:
             raise RequestError(f"a Wan Animate model needs a {name}", param=name)
@@ -909,16 +930,52 @@ def check_animate(request: VideoRequest | ResolvedVideo, frames: int, limits: Mo
             f"shows); {missing} is missing",
             param=missing,
         )
-    for name in given:
+    for name in ANIMATE_VIDEOS:
         file = getattr(request, name)
-        if not isinstance(file, str) or not Path(file).is_file():
+        if file is not None and (not isinstance(file, str) or not Path(file).is_file()):
             raise RequestError(f"{name} {file} not found", param=name)
+    shortest = limits.frames_multiple + limits.frames_offset
     if frames <= limits.frames_multiple:
         raise RequestError(
-            f"a Wan Animate clip has at least {limits.frames_multiple + limits.frames_offset} "
-            f"frames (the pipeline's segment carries a frame over), got {frames}",
+            f"a Wan Animate clip has at least {shortest} frames (the pipeline's segment carries "
+            f"a frame over), got {frames}",
             param="frames",
         )
+    carried = request.prev_segment_conditioning_frames
+    if carried is None:
+        carried = 1
+    if isinstance(carried, bool) or carried not in (1, 5):
+        raise RequestError(
+            f"prev_segment_conditioning_frames must be 1 or 5 (WanAnimatePipeline's choices), "
+            f"got {carried!r}",
+            param="prev_segment_conditioning_frames",
+        )
+    segment = request.segment_frame_length
+    if segment is None:
+        segment = frames  # the clip in one segment
+    name = "segment_frame_length"
+    if isinstance(segment, bool) or not isinstance(segment, int):
+        raise RequestError(f"{name} must be a whole number of frames, got {segment!r}", param=name)
+    if not shortest <= segment <= limits.max_frames:
+        raise RequestError(
+            f"{name} ({segment}): a Wan Animate segment is {shortest} to {limits.max_frames} "
+            "frames (the pipeline's segment carries a frame over)",
+            param=name,
+        )
+    if (segment - limits.frames_offset) % limits.frames_multiple:
+        raise RequestError(
+            f"{name} ({segment}) must be {limits.frames_multiple}k + {limits.frames_offset}",
+            param=name,
+        )
+    if segment <= 2 * carried:
+        # Each later segment makes `segment - carried` new frames and carries `carried` over
+        # from those of the one before (diffusers' loop needs as many).
+        raise RequestError(
+            f"{name} ({segment}) must be more than twice prev_segment_conditioning_frames "
+            f"({carried}): a segment carries its last {carried} over to the next",
+            param=name,
+        )
+    return segment, carried
 
 
 def kept_steps(steps: int, strength: float | None) -> int:

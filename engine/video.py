@@ -21,7 +21,8 @@ the CPU either.
 written under a temporary name in the target directory and renamed on success, so a failed write
 never leaves a partial file at `path`. `write_mp4_chunks` encodes on a thread while its caller
 makes the next chunk of frames (a decoder), through a queue of a few chunks: the same frames in
-the same order as `write_mp4`, so the same file.
+the same order as `write_mp4`, so the same file. `Mp4Writer` is the same encoder for a caller that
+hands the chunks over one at a time (the server's worker feeds one per clip it decodes).
 
 Decoding uses PyAV (FFmpeg): mp4, webm, gif and anything else FFmpeg reads, plus folders of frames
 (png/jpg/jpeg/webp/bmp, sorted by name with numbers compared as numbers, so frame2 < frame10).
@@ -182,64 +183,114 @@ def write_mp4_chunks(
     concatenation, so the file is the same. If the iterator raises, or a chunk's size differs
     from the first's, the encoder stops, no file is published at `path`, and the error is raised
     here; an encoder error is raised here too (the iterator is not drawn further)."""
-    if depth < 1:
-        raise ValueError(f"depth must be >= 1, got {depth}")
-    rate = _encoder_rate(fps, crf)
-    waiting: queue.Queue = queue.Queue(maxsize=depth)
-    failure: list[BaseException] = []
+    writer = Mp4Writer(path, fps, crf=crf, preset=preset, depth=depth)
+    try:
+        for chunk in chunks:
+            writer.add(chunk)
+    except BaseException:
+        writer.abort()  # the encoder drops its temporary file and stops
+        raise
+    return writer.close()
 
-    def received() -> Iterator[np.ndarray]:
-        while (item := waiting.get()) is not _END:
+
+class Mp4Writer:
+    """`write_mp4_chunks` for a caller that hands the chunks over one at a time (`add`) rather
+    than as an iterator: the server's worker, which decodes several clips together and feeds
+    each its own writer. The encoder runs on a thread of its own from the start; `close` ends
+    the clip and publishes it at `path` (atomically), `abort` publishes nothing.
+
+    `depth` None lets any number of chunks wait, so that `add` never waits for the encoder: for
+    a caller that keeps every chunk anyway (the server, to write a clip again after a full
+    disk), where a bound saves no memory and would only hold the caller to the encoder's pace.
+
+    Caution: one thread calls `add`, `close` and `abort` at a time (the server adds on its loop
+    and closes on its encoder thread, one after the other). A writer that raised from `add` has
+    stopped and removed its temporary file: nothing will be published at `path`."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        fps: int | float | Fraction = 16,
+        *,
+        crf: int = 18,
+        preset: str = "medium",
+        depth: int | None = ENCODE_QUEUE_DEPTH,
+    ):
+        if depth is not None and depth < 1:
+            raise ValueError(f"depth must be >= 1 or None, got {depth}")
+        rate = _encoder_rate(fps, crf)
+        self.path, self.frames = Path(path), 0
+        self._size: tuple[int, int] | None = None
+        self._waiting: queue.Queue = queue.Queue(maxsize=depth or 0)  # 0: unbounded
+        self._failure: list[BaseException] = []
+        self._thread = threading.Thread(
+            target=self._encoder, args=(rate, crf, preset), name="mp4-encoder", daemon=True
+        )
+        self._thread.start()
+
+    def _received(self) -> Iterator[np.ndarray]:
+        while (item := self._waiting.get()) is not _END:
             if item is _ABORT:
                 raise _Aborted("the frames' producer failed")
             yield item
 
-    def encoder() -> None:
+    def _encoder(self, rate: Fraction, crf: int, preset: str) -> None:
         try:
-            atomic_write(path, lambda tmp: _encode(tmp, received(), rate, crf, preset))
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread below
-            failure.append(exc)
+            atomic_write(self.path, lambda tmp: _encode(tmp, self._received(), rate, crf, preset))
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+            self._failure.append(exc)
 
-    thread = threading.Thread(target=encoder, name="mp4-encoder", daemon=True)
-    thread.start()
-
-    def hand(item) -> bool:
+    def _hand(self, item) -> bool:
         """Queue `item` for the encoder; False once the encoder has stopped (it failed)."""
-        while thread.is_alive():
+        while self._thread.is_alive():
             try:
-                waiting.put(item, timeout=_PUT_POLL_S)
+                self._waiting.put(item, timeout=_PUT_POLL_S)
                 return True
             except queue.Full:
                 continue
         return False
 
-    count, size = 0, None
-    try:
-        for chunk in chunks:
+    def add(self, chunk) -> None:
+        """Hand the encoder the next chunk of frames, waiting while `depth` chunks wait already.
+        Raises ValueError for a chunk whose size is odd or differs from the first's, and the
+        encoder's own error once it has failed; the writer has stopped then."""
+        try:
             u8 = to_uint8_frames(chunk)
-            if size is None:
-                size = u8.shape[1:3]
-                check_even(size[1], size[0], param="frames")
-            elif u8.shape[1:3] != size:
+            if self._size is None:
+                self._size = u8.shape[1:3]
+                check_even(self._size[1], self._size[0], param="frames")
+            elif u8.shape[1:3] != self._size:
                 raise ValueError(
                     f"frames: a chunk is {u8.shape[2]}x{u8.shape[1]}, the first was "
-                    f"{size[1]}x{size[0]}"
+                    f"{self._size[1]}x{self._size[0]}"
                 )
-            if len(u8) and not hand(u8):
-                break  # the encoder failed: its error is raised below
-            count += len(u8)
-        else:
-            if count == 0:
-                raise ValueError("no frames to write")
-            hand(_END)
-    except BaseException:
-        hand(_ABORT)  # the encoder drops its temporary file and stops
-        thread.join()
-        raise
-    thread.join()
-    if failure:
-        raise failure[0]
-    return count
+        except BaseException:
+            self.abort()
+            raise
+        if len(u8) and not self._hand(u8):
+            self._thread.join()
+            raise self._failure[0]  # the encoder failed: its temporary file is gone already
+        self.frames += len(u8)
+
+    def close(self) -> int:
+        """End the clip: wait for the encoder to finish and publish the MP4 at `path`; returns
+        the number of frames. Raises ValueError for a clip of no frames, and the encoder's error
+        (nothing is published then)."""
+        if self.frames == 0:
+            self.abort()
+            raise ValueError("no frames to write")
+        self._hand(_END)
+        self._thread.join()
+        if self._failure:
+            raise self._failure[0]
+        return self.frames
+
+    def abort(self) -> None:
+        """Stop the encoder and remove its temporary file: nothing is published at `path`. Does
+        nothing once the encoder has stopped (closed, failed or aborted before)."""
+        if self._thread.is_alive():
+            self._hand(_ABORT)
+            self._thread.join()
 
 
 class _Aborted(Exception):

@@ -16,7 +16,7 @@ CPU). Both formats share the lane-parallel Huffman code of `lane_code.py`; on th
 with its C++ decoders (`lane_native.py`, built on first use by `native_build.py`) where a
 compiler is available, the references otherwise.
 
-8-bit attention (SageAttention's recipe: smoothed K, int8 QK^T with per-block scales, fp16 PV):
+8-bit attention (SageAttention's recipe: smoothed K, int8 QK^T with per-token scales, fp16 PV):
 `sage_attention` is the entry point (the Triton kernel for CUDA tensors, the reference
 otherwise), `sage_triton` and `sage_attention_reference` the two backends.
 

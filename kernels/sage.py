@@ -8,28 +8,31 @@ Semantics (both backends; `tests/test_sage.py` checks them):
   [16, 256] for the Triton backend (Wan: 128; the tiny models: 16-64).
 - K is smoothed: its mean over the Nk tokens is subtracted per (batch, head, channel), which
   changes no softmax (`sage_reference.smooth_keys`).
-- Q and smoothed K are rounded to int8 with one fp32 scale (`max|x| / 127`) per block of
-  `blocks = (block_q, block_k)` tokens of one (batch, head), SageAttention's (128, 64) by default
-  (`sage_reference.quantize_blocks`).
-- Scores: int8 x int8 products summed in int32, times the two blocks' scales and the softmax
-  scale (`1/sqrt(D)` unless given) in fp32; softmax online in fp32, base 2.
+- Q and smoothed K are rounded to int8 with one fp32 scale (`max|x| / 127`) per token of one
+  (batch, head) by default, or per group of `groups = (group_q, group_k)` tokens
+  (`sage_reference.quantize_int8`; `(128, 64)` is SageAttention's first, per-tile recipe).
+- Scores: int8 x int8 products summed in int32, times the query's and the key's scales and the
+  softmax scale (`1/sqrt(D)` unless given) in fp32; softmax online in fp32, base 2.
 - P V: probabilities and V rounded to fp16 (V with a power-of-two scale per channel when its
   values exceed fp16's range, `sage_reference.values_fp16`), summed in fp32; output in q's dtype.
 
 Layout of the work: the quantization is a few torch operations (one read of Q, K, V, int8 and
 fp16 copies written, Q and K padded to whole blocks), shared with the reference, so both backends
-read the same int8 tensors. Then one program per (query block, batch * head) walks all key blocks,
-FlashAttention-style, with one scale load per block.
+read the same int8 tensors. Then one program per (query tile, batch * head) walks all key tiles
+(`blocks = (128, 64)` tokens by default), FlashAttention-style: Q's scales are loaded once per
+program, K's as one vector per key tile beside its int8 rows, and each int32 score becomes a
+logit by two fp32 multiplies.
 
 Caution:
 - Inference only: rounding has no useful derivative, so inputs that require a gradient (with
   grad mode on) are rejected. Fine-tuning runs dense or 3D-DSA attention.
 - Accuracy is SageAttention's, not SDPA's: cosine similarity >= 0.999 against exact attention
-  on Wan-like heads (measured in `benchmarks/sage.py`, held in `tests/test_sage.py`). The int8
-  rounding moves logits in proportion to their size, so very peaked rows lose more: a median
-  row's top probability of 0.62 gives 0.9990 (docs/benchmarks.md). Without smoothing, a
-  channel-wise offset in K (common in trained models) sets every block's scale and the accuracy
-  falls well below that.
+  on Wan-like heads (measured in `benchmarks/sage.py`, held in `tests/test_sage.py`). Nearly all
+  the error is the int8 rounding of Q and K (P's and V's fp16 rounding cost next to nothing
+  there): it moves logits in proportion to their size, so very peaked rows lose more, and scales
+  shared by a whole tile fell short of 0.999 on them where per-token scales meet it
+  (docs/benchmarks.md#8-bit-attention). Without smoothing, a channel-wise offset in K (common in
+  trained models) sets every scale and the accuracy falls well below that.
 - The Triton path is unverified on a GPU (int8 `tl.dot` lowering, head dims below 32 included):
   `benchmarks/sage_cuda_check.py` checks it there.
 - Speed is unmeasured: no GPU has run this kernel. The separate torch quantization costs extra
@@ -47,6 +50,7 @@ from torch import Tensor
 
 from .sage_reference import (
     DEFAULT_BLOCKS,
+    DEFAULT_GROUPS,
     check_inputs,
     quantized_operands,
     sage_attention_reference,
@@ -71,7 +75,8 @@ def _sage_fwd_kernel(
     """O for BLOCK_M queries of one (batch, head) against all N_K keys.
 
     Q8 (B, H, Q_BLOCKS * BLOCK_M, D) and K8 (B, H, K_BLOCKS * BLOCK_N, D) int8, contiguous and
-    zero-padded; QS (B, H, Q_BLOCKS), KS (B, H, K_BLOCKS) fp32 block scales; V (B, N_K, H, D)
+    zero-padded; QS (B, H, Q_BLOCKS * BLOCK_M), KS (B, H, K_BLOCKS * BLOCK_N) their fp32
+    per-token scales (0 on padding); V (B, N_K, H, D)
     fp16 and VS (B, H, D) its fp32 channel scales; O (B, N_Q, H, D) in the output dtype.
     qk_scale is the softmax scale times log2(e), kept in fp32.
     """
@@ -84,9 +89,9 @@ def _sage_fwd_kernel(
 
     q_rows = Q8 + bh * Q_BLOCKS * BLOCK_M * HEAD_DIM
     q = tl.load(q_rows + offs_m[:, None] * HEAD_DIM + offs_d[None, :])  # (BLOCK_M, D) int8
-    q_scale = tl.load(QS + bh * Q_BLOCKS + m_block) * qk_scale
+    q_scale = tl.load(QS + bh * Q_BLOCKS * BLOCK_M + offs_m) * qk_scale  # (BLOCK_M,) fp32
     K8 += bh * K_BLOCKS * BLOCK_N * HEAD_DIM
-    KS += bh * K_BLOCKS
+    KS += bh * K_BLOCKS * BLOCK_N
     V += b * stride_vb + h * stride_vh
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -96,7 +101,8 @@ def _sage_fwd_kernel(
         keys = n_block * BLOCK_N + offs_n
         kT = tl.load(K8 + keys[None, :] * HEAD_DIM + offs_d[:, None])  # (D, BLOCK_N) int8
         s = tl.dot(q, kT, out_dtype=tl.int32)  # (BLOCK_M, BLOCK_N): exact integer sums
-        s = s.to(tl.float32) * (q_scale * tl.load(KS + n_block))
+        k_scale = tl.load(KS + keys)  # (BLOCK_N,) fp32
+        s = s.to(tl.float32) * q_scale[:, None] * k_scale[None, :]
         if not EVEN_N:
             s = tl.where(keys[None, :] < N_K, s, float("-inf"))
         # Every key block holds at least one real key, so m_new is finite from the first one.
@@ -163,16 +169,18 @@ def sage_triton(
     *,
     scale: float | None = None,
     blocks: tuple[int, int] = DEFAULT_BLOCKS,
+    groups: tuple[int, int] = DEFAULT_GROUPS,
 ) -> Tensor:
-    """8-bit attention on the Triton kernel; semantics in this module's docstring."""
-    blocks = tuple(blocks)
-    scale = check_inputs(q, k, v, scale, blocks)
+    """8-bit attention on the Triton kernel; semantics in this module's docstring. `blocks` are
+    the kernel's tiles (query, key), `groups` the tokens per int8 scale of Q and K."""
+    blocks, groups = tuple(blocks), tuple(groups)
+    scale = check_inputs(q, k, v, scale, blocks, groups)
     _check_no_grad(q, k, v)
     _check_triton_inputs(q, blocks)
     B, Nq, H, D = q.shape
     Nk = k.shape[1]
     block_q, block_k = blocks
-    q8, qs, k8, ks, vh, vs = quantized_operands(q, k, v, blocks)
+    q8, qs, k8, ks, vh, vs = quantized_operands(q, k, v, blocks, groups)
     if vh.stride(-1) != 1:
         vh = vh.contiguous()
     out = torch.empty(B, Nq, H, D, dtype=q.dtype, device=q.device)

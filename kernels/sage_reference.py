@@ -7,9 +7,10 @@ The operator's exact semantics are documented in `kernels/sage.py`. This file ho
   same shift `q . mean(k)` on all its logits, so softmax ignores it; what it removes is the
   channel-wise offset that trained models put in K, which would otherwise set each block's int8
   scale and leave the token-to-token differences, the part softmax reads, a few int8 steps.
-- `quantize_blocks` rounds a `(B, N, H, D)` tensor to int8 with one fp32 scale per block of
-  tokens of one (batch, head), laid out `(B, H, N_padded, D)` with zero padding. The Triton
-  kernel reads exactly these tensors, so the two backends cannot disagree about a rounding.
+- `quantize_int8` rounds a `(B, N, H, D)` tensor to int8 with one fp32 scale per group of
+  tokens of one (batch, head), one per token by default, laid out `(B, H, N_padded, D)` with
+  zero padding and each token's scale beside it. The Triton kernel reads exactly these tensors,
+  so the two backends cannot disagree about a rounding.
 - `values_fp16` turns V into the fp16 operand of the P V product, with a power-of-two scale per
   (batch, head, channel) that keeps it in fp16's range.
 - `sage_attention_reference` is the readable PyTorch implementation of the attention over those
@@ -25,9 +26,17 @@ import math
 import torch
 from torch import Tensor
 
-# SageAttention's blocks: one Q scale per 128 query tokens, one K scale per 64 key tokens (the
-# kernel's tile shape on a GPU, so each scale is loaded once per tile).
+# The kernel's tiles: 128 query tokens per program, 64 keys per step of its loop (SageAttention's).
 DEFAULT_BLOCKS = (128, 64)
+# Tokens per int8 scale of Q and of smoothed K: one scale per token. SageAttention's first recipe
+# shared one scale per tile, (128, 64). A scale moves every logit of its rows by up to half a step
+# of the largest value it covers, and that int8 rounding of Q and K is nearly all of the recipe's
+# error (P's and V's fp16 rounding cost next to nothing): on very peaked rows tile scales fell
+# short of cosine 0.999 against exact attention, per-token ones meet it
+# (docs/benchmarks.md#8-bit-attention). SageAttention2 likewise refines Q's and K's scales. The
+# cost on a GPU: a vector of BLOCK_N fp32 scales per key tile instead of one number (1/32 of the
+# int8 K tile's bytes at head dim 128) and one more multiply per score.
+DEFAULT_GROUPS = (1, 1)
 INT8_MAX = 127
 # fp16's largest finite value is 65504; V channels whose magnitude reaches this are scaled down by
 # a power of two (exact) before the cast, and the output is scaled back in fp32.
@@ -36,7 +45,9 @@ _V_LIMIT = 2.0**14
 _CHUNK_SCORES = 8 * 2**20
 
 
-def check_inputs(q: Tensor, k: Tensor, v: Tensor, scale: float | None, blocks) -> float:
+def check_inputs(
+    q: Tensor, k: Tensor, v: Tensor, scale: float | None, blocks, groups=DEFAULT_GROUPS
+) -> float:
     """Raise ValueError with a clear message on any inconsistency; return the softmax scale."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
@@ -56,6 +67,8 @@ def check_inputs(q: Tensor, k: Tensor, v: Tensor, scale: float | None, blocks) -
     for name, b in (("query", block_q), ("key", block_k)):
         if b < 16 or b & (b - 1):
             raise ValueError(f"the {name} block must be a power of two >= 16, got {b}")
+    if len(groups) != 2 or not all(isinstance(g, int) and g >= 1 for g in groups):
+        raise ValueError(f"groups must be two positive token counts (query, key), got {groups}")
     D = q.shape[-1]
     if D * INT8_MAX * INT8_MAX >= 2**24:
         # Integer dot products are exact in fp32 below 2**24 (the interpreter and the reference
@@ -75,26 +88,31 @@ def smooth_keys(k: Tensor) -> Tensor:
     return k - k.mean(dim=1, keepdim=True)
 
 
-def quantize_blocks(x: Tensor, block: int) -> tuple[Tensor, Tensor]:
-    """int8 `(B, H, N_pad, D)` and fp32 scales `(B, H, N_pad // block)` of `x (B, N, H, D)`,
-    both contiguous.
+def quantize_int8(x: Tensor, group: int, pad: int) -> tuple[Tensor, Tensor]:
+    """int8 `(B, H, N_pad, D)` and fp32 per-token scales `(B, H, N_pad)` of `x (B, N, H, D)`,
+    N_pad being N rounded up to a multiple of `pad` (the kernel's tile), both contiguous.
 
-    Each block of `block` tokens of one (batch, head) gets `scale = max|x| / 127` and holds
-    `round(x / scale)`, so `x ~ int8 * scale` with an error of at most half a step. Tokens past N
-    are zero (they never raise a block's maximum); an all-zero block gets scale 0 and zeros, not
-    0/0. Rounding is half to even.
+    Each group of `group` consecutive tokens of one (batch, head) (1: each token alone) gets
+    `scale = max|x| / 127` and holds `round(x / scale)`, so `x ~ int8 * scale` with an error of at
+    most half a step; every token carries its group's scale, so the kernel reads one scale per
+    token whatever the grouping. Tokens past N are zero with scale 0 (they never raise a group's
+    maximum); an all-zero group gets scale 0 and zeros, not 0/0. Rounding is half to even.
     """
     B, N, H, D = x.shape
-    n_blocks = -(-N // block)
+    n_groups = -(-N // group)
+    n_pad = -(-N // pad) * pad
     xf = x.float().transpose(1, 2)  # (B, H, N, D)
-    xf = torch.nn.functional.pad(xf, (0, 0, 0, n_blocks * block - N))  # (B, H, N_pad, D)
-    tiles = xf.view(B, H, n_blocks, block, D)
-    scale = tiles.abs().amax(dim=(3, 4)) / INT8_MAX  # (B, H, n_blocks)
+    xf = torch.nn.functional.pad(xf, (0, 0, 0, n_groups * group - N))  # (B, H, groups * group, D)
+    tiles = xf.reshape(B, H, n_groups, group, D)
+    scale = tiles.abs().amax(dim=(3, 4)) / INT8_MAX  # (B, H, n_groups)
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = torch.round(tiles / safe[..., None, None]).clamp_(-INT8_MAX, INT8_MAX)
-    # Contiguous: the kernel computes offsets in this layout (with no padding, pad and round
-    # may keep the transposed strides of x).
-    return q.to(torch.int8).reshape(B, H, n_blocks * block, D).contiguous(), scale.contiguous()
+    q = q.reshape(B, H, n_groups * group, D)[:, :, :N]  # (B, H, N, D)
+    scale = scale.repeat_interleave(group, dim=2)[:, :, :N]  # (B, H, N): each token's group's
+    # Contiguous: the kernel computes offsets in this layout (pad and round may keep the
+    # transposed strides of x).
+    q = torch.nn.functional.pad(q, (0, 0, 0, n_pad - N)).to(torch.int8).contiguous()
+    return q, torch.nn.functional.pad(scale, (0, n_pad - N)).contiguous()
 
 
 def values_fp16(v: Tensor) -> tuple[Tensor, Tensor]:
@@ -113,11 +131,15 @@ def values_fp16(v: Tensor) -> tuple[Tensor, Tensor]:
     return (v / s[:, None].to(v.dtype)).to(torch.float16), s
 
 
-def quantized_operands(q: Tensor, k: Tensor, v: Tensor, blocks, smooth: bool = True):
-    """What the attention reads: `(q_int8, q_scale, k_int8, k_scale, v_fp16, v_scale)`."""
+def quantized_operands(
+    q: Tensor, k: Tensor, v: Tensor, blocks, groups=DEFAULT_GROUPS, smooth: bool = True
+):
+    """What the attention reads: `(q_int8, q_scale, k_int8, k_scale, v_fp16, v_scale)`, Q and K
+    padded to whole `blocks` (the kernel's tiles) with one scale per token."""
     block_q, block_k = blocks
-    q8, qs = quantize_blocks(q, block_q)
-    k8, ks = quantize_blocks(smooth_keys(k) if smooth else k, block_k)
+    group_q, group_k = groups
+    q8, qs = quantize_int8(q, group_q, block_q)
+    k8, ks = quantize_int8(smooth_keys(k) if smooth else k, group_k, block_k)
     vh, vs = values_fp16(v)
     return q8, qs, k8, ks, vh, vs
 
@@ -129,31 +151,34 @@ def sage_attention_reference(
     *,
     scale: float | None = None,
     blocks: tuple[int, int] = DEFAULT_BLOCKS,
+    groups: tuple[int, int] = DEFAULT_GROUPS,
     smooth: bool = True,
     pv: str = "fp16",
 ) -> Tensor:
     """8-bit attention in PyTorch: `q (B, Nq, H, D)`, `k, v (B, Nk, H, D)` -> like q.
 
-    Scores are the int8 products (exact integers in fp32) times the two blocks' scales and the
-    softmax scale, in fp32; the softmax is taken over all keys at once (the kernel's online
+    Scores are the int8 products (exact integers in fp32) times the query's and the key's int8
+    scales and the softmax scale, in fp32; the softmax is taken over all keys at once (the kernel's online
     softmax gives the same values up to rounding). `pv="fp16"` rounds the unnormalised
     probabilities and V to fp16 and sums in fp32, as the kernel does; `pv="exact"` does the rest
-    in float64 from the same int8 scores: the oracle tests compare both against. `smooth=False`
-    quantizes K as it is (to measure what smoothing buys). Inference only: no gradient.
+    in float64 from the same int8 scores: the oracle tests compare both against. `blocks` are the
+    kernel's tiles (they only pad here); `groups` the tokens per int8 scale of Q and K,
+    `(128, 64)` being SageAttention's first per-tile recipe. `smooth=False` quantizes K as it
+    is. Both are there to measure what the default buys. Inference only: no gradient.
     """
     if pv not in ("fp16", "exact"):
         raise ValueError(f"pv must be 'fp16' or 'exact', got {pv!r}")
-    blocks = tuple(blocks)
-    scale = check_inputs(q, k, v, scale, blocks)
+    blocks, groups = tuple(blocks), tuple(groups)
+    scale = check_inputs(q, k, v, scale, blocks, groups)
     B, Nq, H, D = q.shape
     Nk = k.shape[1]
-    block_q, block_k = blocks
+    block_q = blocks[0]
     with torch.no_grad():
-        q8, qs, k8, ks, vh, vs = quantized_operands(q, k, v, blocks, smooth)
+        q8, qs, k8, ks, vh, vs = quantized_operands(q, k, v, blocks, groups, smooth)
         work = torch.float64 if pv == "exact" else torch.float32
         k_rows = k8[:, :, :Nk].float()  # (B, H, Nk, D) integer-valued
-        k_scale = ks.repeat_interleave(block_k, dim=2)[:, :, :Nk]  # (B, H, Nk)
-        q_scale = qs.repeat_interleave(block_q, dim=2)[:, :, :Nq]  # (B, H, Nq)
+        k_scale = ks[:, :, :Nk]  # (B, H, Nk)
+        q_scale = qs[:, :, :Nq]  # (B, H, Nq)
         values = vh.transpose(1, 2).to(work)  # (B, H, Nk, D), fp16-rounded
         out = torch.empty(B, H, Nq, D, dtype=work, device=q.device)
         chunk = max(block_q, _CHUNK_SCORES // max(Nk, 1) // block_q * block_q)

@@ -122,6 +122,13 @@ class Backend(ABC):
     def save_video(self, frames, fps: int, mp4_path: Path, thumbnail_path: Path) -> None:
         """Write the MP4 (atomically) and a PNG of its first frame."""
 
+    def open_video(self, fps: int, mp4_path: Path, thumbnail_path: Path) -> VideoWriter:
+        """A writer of one clip handed over a chunk of frames at a time, as its decoder makes
+        them: `save_video` of their concatenation once closed. This default keeps the chunks
+        and calls `save_video` in `close`; a backend that can encode as the chunks come (on a
+        thread, while the next decodes) returns a writer that does."""
+        return WholeClipWriter(self, fps, mp4_path, thumbnail_path)
+
     def error_code(self, exc: BaseException) -> str | None:
         """A specific error code for this exception (e.g. "out_of_memory"), or None for the
         generic one."""
@@ -136,3 +143,50 @@ class Backend(ABC):
         poisoned by an illegal memory access, say): the worker then stops. Out of memory is not:
         that job fails and the next one runs."""
         return False
+
+
+class VideoWriter(ABC):
+    """One clip on its way to an MP4 and its thumbnail, fed a chunk of frames at a time.
+
+    The worker calls `add` for each chunk in order, then `close` (perhaps from another thread,
+    never both at once), or `abort` to give the clip up. Nothing is published at the MP4's path
+    unless `close` returns: a writer that raised, or was aborted, leaves no MP4 (nor any
+    temporary file)."""
+
+    @abstractmethod
+    def add(self, chunk) -> None:
+        """The clip's next uint8 frames `(f, H, W, 3)`; may wait while the encoder catches up.
+        Raises when the encoder has failed (the writer has stopped then: `close` raises too)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Finish the clip and publish the MP4 (atomically) and a PNG of its first frame, the
+        PNG first, so that once the MP4 exists both do."""
+
+    @abstractmethod
+    def abort(self) -> None:
+        """Give the clip up: stop encoding, publish nothing. Safe after `close` or a failure."""
+
+
+class WholeClipWriter(VideoWriter):
+    """`open_video` for a backend that writes whole clips only: the chunks are kept and
+    written together by `save_video` in `close` (the clip's frames held whole, as before)."""
+
+    def __init__(self, backend: Backend, fps: int, mp4_path: Path, thumbnail_path: Path):
+        self.backend, self.fps = backend, fps
+        self.mp4_path, self.thumbnail_path = mp4_path, thumbnail_path
+        self.chunks: list = []
+
+    def add(self, chunk) -> None:
+        self.chunks.append(chunk)
+
+    def close(self) -> None:
+        import numpy as np
+
+        if not self.chunks:
+            raise ValueError("no frames to write")
+        frames = self.chunks[0] if len(self.chunks) == 1 else np.concatenate(self.chunks)
+        self.backend.save_video(frames, self.fps, self.mp4_path, self.thumbnail_path)
+
+    def abort(self) -> None:
+        self.chunks = []

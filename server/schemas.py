@@ -276,11 +276,21 @@ class VideoCreate(Request):
     )
     # Wan Animate (a model whose inputs list them; input_reference is the character): a pose
     # video and a face video, and for the replace mode a background video and its mask (their
-    # first num_frames frames, one segment; the clip's length by default).
+    # first num_frames frames; the clip's length by default), made in segments.
     pose_video: Any = None
     face_video: Any = None
     background_video: Any = None
     background_mask: Any = None
+    segment_frame_length: int | None = Field(
+        None,
+        description="a Wan Animate model's: the frames of each segment the clip is made in "
+        "(4k + 1; default: the clip's, one segment)",
+    )
+    prev_segment_conditioning_frames: int | None = Field(
+        None,
+        description="a Wan Animate model's: the frames each segment after the first continues "
+        "from the one before (1 or 5; default 1)",
+    )
     loras: list[LoraRef] | None = Field(
         None,
         max_length=MAX_LORAS,
@@ -384,6 +394,8 @@ class VideoCreate(Request):
             mask=mask,
             conditioning_scale=self.conditioning_scale,
             **(animate or {}),
+            segment_frame_length=self.segment_frame_length,
+            prev_segment_conditioning_frames=self.prev_segment_conditioning_frames,
             cache=self.cache,
             loras=tuple(LoraChoice(r.name, r.scale, r.expert) for r in self.loras or ()),
             sampler=self.sampler,
@@ -438,6 +450,14 @@ class Video(BaseModel):
     )
     conditioning_scale: float | None = Field(
         None, description="a VACE model's: the weight of its VACE blocks' hints; null: not VACE"
+    )
+    segment_frame_length: int | None = Field(
+        None, description="a Wan Animate model's: the frames of a segment; null: not Animate"
+    )
+    prev_segment_conditioning_frames: int | None = Field(
+        None,
+        description="a Wan Animate model's: the frames a segment continues from the one "
+        "before; null: not Animate",
     )
     cached_from: str | None = Field(
         None,
@@ -503,6 +523,8 @@ def video_object(video: VideoRecord) -> Video:
         guidance_interval=spec.get("guidance_interval"),
         strength=spec.get("strength"),
         conditioning_scale=spec.get("conditioning_scale"),
+        segment_frame_length=spec.get("segment_frame_length"),
+        prev_segment_conditioning_frames=spec.get("prev_segment_conditioning_frames"),
         cached_from=video.cached_from,
     )
 

@@ -24,7 +24,7 @@ from megaslide.engine.planner import check_host_memory
 from megaslide.engine.sources import ModelInfo, ModelSource, describe, resolve_source
 from megaslide.engine.training.finetune import open_trainer
 
-from .backend import Backend, FinetuneJob
+from .backend import Backend, FinetuneJob, VideoWriter
 from .protocol import ModelCard
 from .settings import Settings
 
@@ -214,6 +214,9 @@ class TorchBackend(Backend):
         atomic_write_bytes(thumbnail_path, png.getvalue())
         write_mp4(mp4_path, frames, fps=fps)
 
+    def open_video(self, fps: int, mp4_path: Path, thumbnail_path: Path) -> VideoWriter:
+        return Mp4ClipWriter(fps, mp4_path, thumbnail_path)
+
     def error_code(self, exc: BaseException) -> str | None:
         if isinstance(exc, torch.cuda.OutOfMemoryError):
             return "out_of_memory"
@@ -234,6 +237,48 @@ class TorchBackend(Backend):
         if self.device.type == "cuda":
             # Cached blocks from the failed pass would otherwise look like a leak to the next job.
             torch.cuda.empty_cache()
+
+
+class Mp4ClipWriter(VideoWriter):
+    """A clip's MP4 encoded on a thread of its own as its chunks come (`engine.video.Mp4Writer`),
+    while the worker decodes the next and, once the clip is decoded, goes on denoising: the same
+    frames in the same order as `save_video` of the whole clip, so the same file. The
+    thumbnail is the first frame exactly as sampled, written in `close` before the MP4 is
+    published, and removed again if the MP4 then fails."""
+
+    def __init__(self, fps: int, mp4_path: Path, thumbnail_path: Path):
+        from megaslide.engine.video import Mp4Writer
+
+        self.thumbnail_path = thumbnail_path
+        self.first = None  # the clip's first frame, for the thumbnail
+        # No bound on the chunks waiting: the worker keeps every chunk anyway (a full disk has
+        # the clip written again), so a bound would save no memory and only hold the worker's
+        # loop, and the next denoising steps, to the encoder's pace.
+        self.mp4 = Mp4Writer(mp4_path, fps=fps, depth=None)
+
+    def add(self, chunk) -> None:
+        if self.first is None and len(chunk):
+            self.first = chunk[0].copy()  # the chunk may be a view of a batch's decoded frames
+        self.mp4.add(chunk)
+
+    def close(self) -> None:
+        from PIL import Image
+
+        if self.first is None:
+            self.mp4.abort()
+            raise ValueError("no frames to write")
+        png = io.BytesIO()
+        Image.fromarray(self.first).save(png, format="PNG")
+        try:
+            atomic_write_bytes(self.thumbnail_path, png.getvalue())
+            self.mp4.close()
+        except BaseException:
+            self.mp4.abort()
+            self.thumbnail_path.unlink(missing_ok=True)  # no thumbnail without its MP4
+            raise
+
+    def abort(self) -> None:
+        self.mp4.abort()
 
 
 def _given_at_start(adapter, base: str) -> dict:

@@ -167,4 +167,5 @@ def make_client(tmp_path, monkeypatch):
     yield make
     for client in reversed(opened):
         client.backend.gate.set()
+        client.backend.decode_gate.set()
         client.__exit__(None, None, None)

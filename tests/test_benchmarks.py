@@ -323,6 +323,18 @@ def test_wan_vae_benchmark_quick():
     )
 
 
+def test_server_encode_benchmark_quick():
+    """The worker's decode and encode, before and now, on two tiny clips: the same frames."""
+    r = run_json(
+        "benchmarks/server_encode.py",
+        *("--clips", "2", "--frames", "5", "--size", "32x32", "--repeats", "1", "--json"),
+    )
+    runs = r["contenders"]
+    assert list(runs) == ["whole_then_encode", "chunked_overlapped"] and r["bitwise"]
+    for run in runs.values():
+        assert 0 < run["loop_seconds"] <= run["published_seconds"]
+
+
 def test_wan_e2e_benchmark_tiny():
     # The GPU comparison's code path at tiny dims on the CPU: both implementations, streamed and
     # resident, and a weight format (the compiled contenders cost a CPU too long).
@@ -376,3 +388,12 @@ def test_preset_step_benchmark_tiny():
     planned = r["planned"]["h2d_bytes_per_step"]
     assert planned <= r["h2d_bytes_per_step"] <= 1.05 * planned
     assert r["h2d_over_planned"] == r["h2d_bytes_per_step"] / planned
+
+
+def test_wan_conditioned_fp8_benchmark_quick():
+    r = run_json("benchmarks/wan_conditioned_fp8.py", "--steps", "1", "--json")
+    assert [(row["task"], row["steps"]) for row in r["rows"]] == [("vace", 1), ("animate", 1)]
+    for row in r["rows"]:
+        assert 30 < row["fp8_vs_bf16_db"] < float("inf"), row  # lossy, and close
+        assert row["streamed_blocks"] == {"vace": 5, "animate": 4}[row["task"]]
+        assert 0.5 < row["host_store_over_raw"] < 0.75, row

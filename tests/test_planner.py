@@ -133,6 +133,28 @@ def test_streaming_levers_on_several_devices_count_one_host_copy_and_each_device
         assert plan(info, small, Workload(host_tier="auto", devices=devices))["host_tier"] == "disk"
 
 
+def test_fp8_matmuls_decode_only_the_non_matmul_weights_and_run_the_matmuls_at_fp8s_rate():
+    info = preset("wan-14b")
+    machine = Machine()
+    plain = plan(info, machine, Workload(weights="fp8"))
+    direct = plan(info, machine, Workload(weights="fp8", fp8_matmul=True))
+    block, depth = plain["per_block_parameters"], plain["blocks"]
+    matmuls = block - 6 * 5120  # the modulation table is the one non-matmul weight of size
+    # What crosses the bus and what the device holds are the same; the decode shrinks to the
+    # blocks' other parameters, and the matmul FLOPs run at twice the rate.
+    assert direct["bytes_per_step"]["h2d"] == plain["bytes_per_step"]["h2d"]
+    assert direct["device"] == plain["device"]
+    assert plain["time_s"]["decode"] == pytest.approx(depth * block * 2 / 200e9)
+    other = depth * (block - matmuls) * 2 / 200e9
+    assert direct["time_s"]["decode"] == pytest.approx(other, rel=0.05)
+    saved = plain["time_s"]["compute"] - direct["time_s"]["compute"]
+    assert saved > plain["time_s"]["decode"] - direct["time_s"]["decode"]
+    assert "fp8 matmuls" in format_plan(direct)
+    # The placement's rule: fp8 matmuls multiply by fp8 weights.
+    with pytest.raises(ValueError, match="needs weights='fp8'"):
+        plan(info, machine, Workload(fp8_matmul=True))
+
+
 @pytest.mark.parametrize("state", ["fp32", "bf16-split/fp32", "bf16-sr/8bit"])
 def test_optimizer_disk_tier_swaps_the_state_for_a_ring_and_counts_its_traffic(state):
     info, machine = preset("megaslide-105b"), Machine(gpu_mem=80e9, host_mem=512e9)

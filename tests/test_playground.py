@@ -5,6 +5,7 @@ inputs, a queued video's place in the queue). The page itself runs in test_playg
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import time
@@ -179,3 +180,55 @@ def test_events_tell_a_queued_video_its_place(tmp_path):
         backend.gate.set()
         for video_id in (ahead, running):
             http.delete(f"/v1/videos/{video_id}")
+
+
+def test_the_create_form_has_a_field_for_every_file_a_model_may_take():
+    """Each input a model card may list (VACE's and Animate's among them) has a file input in
+    the Create form, named as the API names its upload, inside the container create.js shows
+    when a model lists that input; every upload the API takes has one."""
+    from html.parser import HTMLParser
+
+    from megaslide.server.services.videos import UPLOADS
+
+    from server_fakes import FAKE_CARD
+
+    VOID = {"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "source"}
+    script = (PLAYGROUND / "assets" / "create.js").read_text()
+    listed = re.search(r"const FILE_INPUTS = \[(.*?)\n\];", script, re.S).group(1)
+    file_inputs = re.findall(r'\["(\w+)", "#([\w-]+)", "(\w+)"\]', listed)
+
+    class FileInputs(HTMLParser):
+        """Each file input's name, with the ids of the elements around it."""
+
+        def __init__(self):
+            super().__init__()
+            self.open: list[str | None] = []
+            self.found: dict[str, set[str]] = {}
+
+        def handle_starttag(self, tag, attrs):
+            a = dict(attrs)
+            if tag == "input" and a.get("type") == "file":
+                self.found[a["name"]] = {i for i in [*self.open, a.get("id")] if i}
+            if tag not in VOID:
+                self.open.append(a.get("id"))
+
+        def handle_endtag(self, tag):
+            if tag not in VOID:
+                self.open.pop()
+
+    html = FileInputs()
+    html.feed((PLAYGROUND / "index.html").read_text())
+    for _, container, name in file_inputs:
+        assert name in html.found, f"create.js names a form field {name!r} the page lacks"
+        assert container in html.found[name], (name, container)
+    every = dataclasses.replace(
+        FAKE_CARD.limits, image_input=True, last_image_input=True, video_input=True
+    )
+    inputs = set(FAKE_CARD.replace(limits=every).inputs)
+    inputs |= set(
+        FAKE_CARD.replace(
+            limits=dataclasses.replace(every, vace_input=True, animate_input=True)
+        ).inputs
+    )
+    assert {i for i, _, _ in file_inputs} == inputs - {"text"}
+    assert {n for _, _, n in file_inputs} == set(UPLOADS)

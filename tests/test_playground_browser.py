@@ -583,6 +583,59 @@ def test_vace_fields_for_models_that_take_them(page, server):
     assert re.search(rb'name="conditioning_scale"\r\n\r\n0.5\r\n', body)
 
 
+def test_animate_fields_for_models_that_take_them(page, server):
+    """A model that lists Animate's inputs gets the pose, face, background and mask video fields
+    and the segments' two numbers, and its image field names the character; the request goes as
+    multipart with each file under its API field, a segment length beside them; the server (which serves no Animate model) refuses the character image, and
+    the page shows why beside that field."""
+
+    def with_animate_inputs(route: Route) -> None:
+        listed = route.fetch().json()
+        for model in listed["data"]:
+            model["inputs"] = ["text", "image", "pose_video", "face_video"]
+            model["inputs"] += ["background_video", "background_mask"]
+            model["limits"]["animate_input"] = True
+        route.fulfill(json=listed)
+
+    sent = []
+
+    def keep_body(route: Route) -> None:
+        if route.request.method == "POST":
+            sent.append(route.request.post_data_buffer)
+        route.continue_()
+
+    page.route(re.compile(r".*/v1/models$"), with_animate_inputs)
+    page.route(re.compile(r".*/v1/videos$"), keep_body)
+    open_tab(page, "create")
+    expect(page.locator("#animate-field")).to_be_visible()
+    expect(page.locator("#vace-field")).to_be_hidden()
+    expect(page.locator("label[for=create-image]")).to_have_text("Character image")
+    page.fill("#create-prompt", "a dancer")
+    png = b"\x89PNG\r\n\x1a\n" + b"\0" * 16
+    page.set_input_files(
+        "#create-image", files=[{"name": "dancer.png", "mimeType": "image/png", "buffer": png}]
+    )
+    for name in ("pose", "face", "background", "mask"):
+        mp4 = {"name": f"{name}.mp4", "mimeType": "video/mp4", "buffer": b"\0\0\0\x18ftypmp42"}
+        field = "background-mask" if name == "mask" else f"{name}-video"
+        page.set_input_files(f"#create-{field}", files=[mp4])
+    page.fill("#create-segment-frame-length", "5")
+    page.click("#generate")
+    expect(page.locator("[data-param=input_reference] .error")).to_contain_text("input_reference")
+    expect(page.locator("#queue-list .job")).to_have_count(0)
+    (body,) = sent
+    for field, file in (
+        ("input_reference", "dancer.png"),
+        ("pose_video", "pose.mp4"),
+        ("face_video", "face.mp4"),
+        ("background_video", "background.mp4"),
+        ("background_mask", "mask.mp4"),
+    ):
+        assert f'name="{field}"; filename="{file}"'.encode() in body, field
+    assert re.search(rb'name="segment_frame_length"\r\n\r\n5\r\n', body)
+    assert b'name="prev_segment_conditioning_frames"' not in body  # empty: the server's default
+
+
 def test_api_key_gate(browser, tmp_path_factory):
     server = Serve(tmp_path_factory.mktemp("keyed") / "data", api_key=KEY)
     try:

@@ -171,9 +171,9 @@ def test_requests_share_one_pass_and_one_weight_crossing_per_step(wan, monkeypat
     assert passes == [5] * steps  # 2 + 2 + 1 rows in one pass per step
     block_bytes = handle.stats()["streamed_block_bytes"]
     assert handle.h2d_bytes - before == steps * block_bytes
-    decode = pipe.encoders.decode  # the VAE's pass over a chunk of clips
+    frames = pipe.encoders.frames  # the VAE's pass over a chunk of clips
     monkeypatch.setattr(
-        pipe.encoders, "decode", lambda z, **kw: decoded.append(len(z)) or decode(z, **kw)
+        pipe.encoders, "frames", lambda z, **kw: decoded.append(len(z)) or frames(z, **kw)
     )
     monkeypatch.setattr(pipe, "decode_chunk", 2)
     together = pipe.finish_batch(states)

@@ -5,12 +5,14 @@ streamed (the face adapters streamed between the blocks); and the rules a reques
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 
 from megaslide.engine.loader import open_pipeline
-from megaslide.engine.request import RequestError, VideoRequest
+from megaslide.engine.request import LoraChoice, RequestError, VideoRequest
 
 from wan_fixtures import FACE_SIZE, NEGATIVE, PROMPT, build_tiny_wan
 from wan_reference import diffusers_run, first_difference, megaslide_run, on_cpu_variants
@@ -155,8 +157,9 @@ def test_animate_streams_its_face_adapters_and_checks_requests(wan):
 
 
 def test_animate_from_the_command_line(wan, tmp_path, capsys):
-    """`megaslide generate` takes Animate's videos as flags (the clip's length from the pose
-    video's, to the frame rule: 12 frames give 9); a text-to-video model refuses them by name."""
+    """`megaslide generate` takes Animate's videos and segments as flags (the clip's length from
+    the pose video's, to the frame rule: 12 frames give 9, here in two segments of 5); a
+    text-to-video model refuses them by name."""
     from megaslide.cli.main import main
     from megaslide.engine.video import read_video
 
@@ -165,6 +168,7 @@ def test_animate_from_the_command_line(wan, tmp_path, capsys):
     flags = [
         *("--image", wan["character"], "--pose-video", wan["pose"], "--face-video", wan["face"]),
         *("--background-video", wan["background"], "--background-mask", wan["mask"]),
+        *("--segment-frame-length", "5", "--prev-segment-conditioning-frames", "1"),
     ]
     assert main(["generate", PROMPT, *args, "--model", str(wan["animate"]), *flags]) == 0
     assert read_video(out).shape == (9, 32, 32, 3)
@@ -172,6 +176,8 @@ def test_animate_from_the_command_line(wan, tmp_path, capsys):
     local_t2v = ["generate", PROMPT, *args, "--model", str(wan["t2v"]), "--frames", "9"]
     assert main([*local_t2v, "--face-video", wan["face"]]) == 2
     assert "does not take Animate's face_video" in capsys.readouterr().err
+    assert main([*local_t2v, "--segment-frame-length", "5"]) == 2
+    assert "does not take Animate's segment_frame_length" in capsys.readouterr().err
 
 
 def test_served_through_the_sdk_and_the_command_line(wan, tmp_path, capsys):
@@ -224,9 +230,34 @@ def test_served_through_the_sdk_and_the_command_line(wan, tmp_path, capsys):
             model="animate", prompt=PROMPT, extra_body=ids, **small
         )
         assert named.status == "completed" and named.cached_from == made.id, named
+        assert (made.segment_frame_length, made.prev_segment_conditioning_frames) == (9, 1)
+        # In two segments of 5 frames: the clip the pipeline makes of the same request.
+        segmented = client.videos.create_and_poll(
+            model="animate", prompt=PROMPT, segment_frame_length=5, **videos, **small
+        )
+        assert segmented.status == "completed" and segmented.segment_frame_length == 5, segmented
+        expected = open_pipeline(wan["animate"]).generate(
+            request(
+                wan,
+                True,
+                negative_prompt=None,
+                seed=1,
+                steps=1,
+                guidance=None,
+                segment_frame_length=5,
+            )
+        )
+        assert np.array_equal(frames[segmented.id], expected)
         refusals = [
             ({**videos, "face_video": None}, "animate", "face_video"),
+            ({**videos, "segment_frame_length": 6}, "animate", "segment_frame_length"),
+            (
+                {**videos, "prev_segment_conditioning_frames": 3},
+                "animate",
+                "prev_segment_conditioning_frames",
+            ),
             (dict(pose_video=wan["pose"]), "t2v", "pose_video"),
+            (dict(segment_frame_length=5), "t2v", "segment_frame_length"),
         ]
         for fields, model, param in refusals:
             with pytest.raises(megaslide_client.BadRequestError) as refused:
@@ -237,7 +268,7 @@ def test_served_through_the_sdk_and_the_command_line(wan, tmp_path, capsys):
         args = ["--size", "32x32", "--steps", "1", "--no-progress", "-o", str(out)]
         flags = [
             *("--image", wan["character"], "--pose-video", wan["pose"]),
-            *("--face-video", wan["face"]),
+            *("--face-video", wan["face"], "--segment-frame-length", "5"),
         ]
         assert main(["generate", PROMPT, "--server", url, "--model", "animate", *args, *flags]) == 0
         assert read_video(out).shape == (9, 32, 32, 3)
@@ -266,3 +297,235 @@ def test_a_directory_whose_classes_disagree_is_named(wan, tmp_path):
     )
     with pytest.raises(WanFormatError, match="inject_face_latents_blocks 2 does not divide"):
         read_wan_config(broken)
+
+
+@pytest.fixture(scope="module")
+def long_inputs(wan, tmp_path_factory):
+    """Pose, face, background and mask videos of 17 frames (the module's others have 12)."""
+    from megaslide.engine.video import write_mp4
+
+    root = tmp_path_factory.mktemp("animate-long")
+    rng = np.random.default_rng(1)
+    write_mp4(root / "pose.mp4", (rng.random((17, 32, 32, 3)) * 255).astype(np.uint8), fps=8)
+    face = (rng.random((17, FACE_SIZE, FACE_SIZE, 3)) * 255).astype(np.uint8)
+    write_mp4(root / "face.mp4", face, fps=8)
+    write_mp4(root / "background.mp4", (rng.random((17, 32, 32, 3)) * 255).astype(np.uint8), fps=8)
+    mask = np.zeros((17, 32, 32, 3), np.uint8)
+    mask[:, 4:20, 12:28] = 255
+    write_mp4(root / "mask.mp4", mask, fps=8)
+    return {name: str(root / f"{name}.mp4") for name in ("pose", "face", "background", "mask")}
+
+
+def diffusers_videos(clip: VideoRequest) -> dict:
+    videos = {"pose_video": clip.pose_video, "face_video": clip.face_video}
+    if clip.background_video is not None:
+        videos.update(background_video=clip.background_video, mask_video=clip.background_mask)
+    return videos
+
+
+def test_two_segments_same_video_as_diffusers(wan):
+    """A clip of two segments (9 frames in segments of 5, one frame carried over): every step's
+    latents of both segments and the stitched frames bitwise WanAnimatePipeline's with the row
+    alone, resident and streamed; within one uint8 level batched; the steps counted over both
+    segments, and the frames in chunks the same as at once."""
+    clip = request(wan, segment_frame_length=5)
+    latents, frames = diffusers_run(
+        wan["animate"], clip, clip.image, animate=diffusers_videos(clip)
+    )
+    assert frames.shape == (9, 32, 32, 3) and len(latents) == 2 * clip.steps
+    assert latents[0].shape[2] == 3  # the character's latent frame and a segment's two
+    for offload in ("none", "stream"):
+        pipe = open_pipeline(wan["animate"], batched=False, offload=offload)
+        ours, our_frames = megaslide_run(pipe, clip)
+        differs = first_difference(ours, latents)
+        assert differs is None, (offload, differs)
+        assert np.array_equal(our_frames, frames), offload
+    pipe = open_pipeline(wan["animate"])
+    state = pipe.prepare(pipe.resolve(clip))
+    assert (state.num_steps, state.segments.count) == (2 * clip.steps, 2)
+    while not state.done:
+        pipe.denoise_step([state])
+    assert level_diff(pipe.finish(state), frames) <= 1
+    assert np.array_equal(np.concatenate(list(pipe.finish_chunks(state))), pipe.finish(state))
+
+
+def test_five_frames_carried_and_the_videos_padded_as_diffusers(wan, long_inputs):
+    """The replace mode with five frames carried over: 17 frames in segments of 13 (the videos
+    padded to 21 by walking back over their frames, the clip cut to 17) bitwise
+    WanAnimatePipeline's with the row alone; within one uint8 level batched."""
+    clip = request(
+        wan,
+        frames=17,
+        steps=1,
+        segment_frame_length=13,
+        prev_segment_conditioning_frames=5,
+        pose_video=long_inputs["pose"],
+        face_video=long_inputs["face"],
+        background_video=long_inputs["background"],
+        background_mask=long_inputs["mask"],
+    )
+    latents, frames = diffusers_run(
+        wan["animate"], clip, clip.image, animate=diffusers_videos(clip)
+    )
+    assert frames.shape == (17, 32, 32, 3) and len(latents) == 2
+    ours, our_frames = megaslide_run(open_pipeline(wan["animate"], batched=False), clip)
+    assert first_difference(ours, latents) is None, first_difference(ours, latents)
+    assert np.array_equal(our_frames, frames)
+    assert level_diff(open_pipeline(wan["animate"]).generate(clip), frames) <= 1
+
+
+def test_segments_share_passes_with_other_requests(wan):
+    """A request of two segments steps in one batch with a one-segment request that joins a
+    step later (other seeds and prompts): its second segment starts while the other steps on,
+    and each clip is within a level of its own alone."""
+    pipe = open_pipeline(wan["animate"])
+    long = request(wan, segment_frame_length=5, steps=2)
+    short = request(wan, frames=5, steps=2, seed=5, prompt="a blue square")
+    alone = [pipe.generate(c) for c in (long, short)]
+    first = pipe.prepare(pipe.resolve(long))
+    pipe.denoise_step([first])
+    second = pipe.prepare(pipe.resolve(short))
+    states = [first, second]
+    seen = []
+    while not all(s.done for s in states):
+        pipe.denoise_step(states)
+        seen.append((first.segments.index, second.step))
+    assert seen[:2] == [(0, 1), (1, 2)]  # the long one's second segment began beside the other
+    assert first.num_steps == 4 and second.num_steps == 2
+    for ours, theirs in zip(pipe.finish_batch(states), alone):
+        assert level_diff(ours, theirs) <= 1
+    assert alone[0].shape == (9, 32, 32, 3) and alone[1].shape == (5, 32, 32, 3)
+
+
+def test_segments_are_counted_as_diffusers_counts_them(wan):
+    """The segments of a clip and the frames its videos are padded with are the pipeline's
+    (`pad_video_frames`), and a request's segment fields are checked by name."""
+    from megaslide.engine.wan.animate import reflected, segment_count
+
+    pad = diffusers.WanAnimatePipeline.pad_video_frames
+    for available, total in [(5, 10), (2, 7), (9, 21), (12, 12)]:
+        assert reflected(available, total) == pad(None, list(range(available)), total)
+    assert [segment_count(f, 77, 1) for f in (9, 77, 78, 153, 154)] == [1, 1, 2, 2, 3]
+    assert [segment_count(f, 13, 5) for f in (13, 17, 21, 22)] == [1, 2, 2, 3]
+
+    pipe = open_pipeline(wan["animate"], batched=False)
+
+    def refused(changes, param, target=pipe):
+        with pytest.raises(RequestError) as err:
+            target.resolve(request(wan, **changes))
+        assert err.value.param == param, (changes, err.value)
+        return str(err.value)
+
+    assert "4k + 1" in refused(dict(segment_frame_length=6), "segment_frame_length")
+    refused(dict(segment_frame_length=1), "segment_frame_length")
+    refused(dict(segment_frame_length=True), "segment_frame_length")
+    refused(dict(segment_frame_length="9"), "segment_frame_length")
+    refused(dict(prev_segment_conditioning_frames=2), "prev_segment_conditioning_frames")
+    message = refused(
+        dict(segment_frame_length=9, prev_segment_conditioning_frames=5), "segment_frame_length"
+    )
+    assert "twice" in message
+    t2v = open_pipeline(wan["t2v"])
+    for name in ("segment_frame_length", "prev_segment_conditioning_frames"):
+        with pytest.raises(RequestError) as err:
+            t2v.resolve(VideoRequest(prompt=PROMPT, height=32, width=32, frames=9, **{name: 5}))
+        assert err.value.param == name and "Animate" in str(err.value)
+    resolved = pipe.resolve(request(wan))
+    assert (resolved.segment_frame_length, resolved.prev_segment_conditioning_frames) == (9, 1)
+    # A request resolved before the segments were fields (a stored one) runs in one segment.
+    older = dataclasses.replace(
+        resolved, segment_frame_length=None, prev_segment_conditioning_frames=None
+    )
+    segments = pipe.prepare(older).segments
+    assert (segments.length, segments.carried, segments.count) == (9, 1, 1)
+    assert pipe.resolve(request(wan, segment_frame_length=5)).batch_key[1] == ("segment", 5)
+
+
+@pytest.mark.parametrize(
+    "placement",
+    [
+        dict(host_tier="disk"),
+        pytest.param(dict(weights="lossless"), marks=pytest.mark.slow),  # the same streamer
+        pytest.param(dict(weights="fp8"), marks=pytest.mark.slow),
+    ],
+    ids=["disk", "lossless", "fp8"],
+)
+def test_the_disk_tier_and_weight_formats_hold_the_face_adapters(wan, placement):
+    """The face adapters are streamed blocks like any other: read from the model's files each
+    step (the disk tier, the CLIP image encoder's renamed keys with them) or kept in a lossless
+    host format, the reference mode's latents and frames are bitwise the resident pipeline's;
+    stored in fp8 with the blocks, the clip moves, within a few levels."""
+    clip = request(wan, True, steps=1)
+    latents, frames = megaslide_run(open_pipeline(wan["animate"], batched=False), clip)
+    pipe = open_pipeline(wan["animate"], batched=False, offload="stream", **placement)
+    stats = pipe.handles["transformer"].stats()
+    assert stats["streamed_blocks"] == 4 and stats["weights"] == placement.get("weights", "raw")
+    clip_stats = pipe.handles["image_encoder"].stats()
+    assert clip_stats["streamed_blocks"] == 3
+    assert clip_stats["host_tier"] == stats["host_tier"] == placement.get("host_tier", "ram")
+    ours, our_frames = megaslide_run(pipe, clip)
+    if placement.get("weights") == "fp8":
+        assert first_difference(ours, latents) is not None  # fp8 is lossy: it must change
+        assert 0 < level_diff(our_frames, frames) <= 16
+    else:
+        assert first_difference(ours, latents) is None
+        assert np.array_equal(our_frames, frames)
+
+
+@pytest.mark.slow  # diffusers' pipeline with PEFT, and three clips of ours
+def test_a_lora_on_the_blocks_and_face_adapters_as_diffusers_applies_it(wan, tmp_path):
+    """A diffusers / PEFT-layout adapter on the blocks and the face adapters (streamed between
+    the blocks) and on the face encoder (resident) gives bitwise WanAnimatePipeline's clip after
+    `load_lora_weights` with each row alone, resident and streamed, and changes it; batched,
+    within a level."""
+    pytest.importorskip("peft")
+    from lora_fixtures import DIM, _factors, write_peft
+
+    g = torch.Generator().manual_seed(7)
+    extra = {}
+    names = [f"face_adapter.{i}.{o}" for i in (0, 1) for o in ("to_q", "to_k", "to_v", "to_out")]
+    for name, n_in in [*((n, DIM) for n in names), ("face_encoder.out_proj", 16)]:
+        down, up = _factors(g, 4, n_in, DIM, 0.3)
+        extra[f"transformer.{name}.lora_A.weight"] = down
+        extra[f"transformer.{name}.lora_B.weight"] = up
+    file = write_peft(tmp_path / "animate-lora.safetensors", bias=False, extra=extra)
+
+    clip = request(wan)
+    adapted = request(wan, loras=(LoraChoice("a", 0.8),))
+    reference = diffusers.WanAnimatePipeline.from_pretrained(wan["animate"])
+    reference.load_lora_weights(str(file), adapter_name="a")
+    reference.set_adapters(["a"], [0.8])
+    videos = {"pose_video": clip.pose_video, "face_video": clip.face_video}
+    _, theirs = diffusers_run(reference, clip, clip.image, animate=videos)
+    for offload in ("none", "stream"):
+        pipe = open_pipeline(wan["animate"], batched=False, offload=offload)
+        card = pipe.add_adapter("a", file)
+        assert card["modules"] == 2 * 10 + 2 * 4 + 1
+        assert np.array_equal(pipe.generate(adapted), theirs), offload
+    assert level_diff(theirs, pipe.generate(clip)) > 2
+    batched = open_pipeline(wan["animate"], offload="stream")
+    batched.add_adapter("a", file)
+    assert level_diff(batched.generate(adapted), theirs) <= 1
+
+
+@pytest.mark.slow  # diffusers' pipeline with PEFT, and a clip of ours
+def test_an_original_layout_adapter_as_diffusers_applies_it(wan, tmp_path):
+    """An original-layout (ComfyUI) Wan2.1-I2V-style adapter, the format most Wan adapters are
+    shared in (the blocks' attention and feed-forward, their image projections `k_img` /
+    `v_img`, the image embedder), goes through diffusers' converter onto an Animate model:
+    bitwise WanAnimatePipeline's clip after `load_lora_weights`, its face adapters streamed."""
+    pytest.importorskip("peft")
+    from lora_fixtures import write_original
+
+    file = write_original(tmp_path / "i2v-lora.safetensors", i2v=True)
+    clip = request(wan)
+    pipe = open_pipeline(wan["animate"], batched=False, offload="stream")
+    assert pipe.add_adapter("o", file)["modules"] == 20 + 4 + 2
+    reference = diffusers.WanAnimatePipeline.from_pretrained(wan["animate"])
+    reference.load_lora_weights(str(file), adapter_name="o")
+    reference.set_adapters(["o"], [0.8])
+    videos = {"pose_video": clip.pose_video, "face_video": clip.face_video}
+    _, theirs = diffusers_run(reference, clip, clip.image, animate=videos)
+    ours = pipe.generate(request(wan, loras=(LoraChoice("o", 0.8),)))
+    assert np.array_equal(ours, theirs)
+    assert level_diff(ours, pipe.generate(clip)) > 2

@@ -142,8 +142,8 @@ def _add_conditioning_args(p) -> None:
     p.add_argument(
         "--pose-video",
         help="a Wan Animate model's pose video (with --image, the character): its first --frames "
-        "frames (default: as many as it holds, to the model's frame rule; one segment), resized "
-        "to --size; with --server it is uploaded",
+        "frames (default: as many as it holds, to the model's frame rule), resized to --size; "
+        "with --server it is uploaded",
     )
     p.add_argument(
         "--face-video",
@@ -159,6 +159,20 @@ def _add_conditioning_args(p) -> None:
         "--background-mask",
         help="with --background-video: a video of masks over it (white: the person to replace); "
         "with --server it is uploaded",
+    )
+    p.add_argument(
+        "--segment-frame-length",
+        type=int,
+        metavar="FRAMES",
+        help="a Wan Animate model's segments: the clip is made in segments of FRAMES frames "
+        "(4k + 1; default: the clip's, one segment)",
+    )
+    p.add_argument(
+        "--prev-segment-conditioning-frames",
+        type=int,
+        choices=(1, 5),
+        help="with --segment-frame-length: the frames each segment after the first continues "
+        "from the one before (default 1)",
     )
     p.add_argument(
         "--conditioning-scale",
@@ -332,7 +346,7 @@ def video_frames(path: str, limits, flag: str = "--video") -> int:
 
 
 def run_generate(args) -> int:
-    from megaslide.engine.request import VideoRequest, kept_steps, parse_size, resolve
+    from megaslide.engine.request import VideoRequest, parse_size, resolve
     from megaslide.engine.sources import describe
 
     width, height = parse_size(args.size, "--size") if args.size else (None, None)
@@ -364,6 +378,8 @@ def run_generate(args) -> int:
         face_video=args.face_video,
         background_video=args.background_video,
         background_mask=args.background_mask,
+        segment_frame_length=args.segment_frame_length,
+        prev_segment_conditioning_frames=args.prev_segment_conditioning_frames,
         cache=parse_cache(args.cache),
         sampler=args.sampler,
         timesteps=parse_numbers(args.timesteps, "--timesteps", int),
@@ -406,9 +422,9 @@ def run_generate(args) -> int:
     for adapter in adapters:
         pipe.register_adapter(adapter)
     step_times = []
-    steps = kept_steps(video.steps, video.strength)  # video-to-video runs the last ones
-    with progress_bar(steps, "denoising", disable=args.no_progress) as bar:
-        state = pipe.prepare(video)
+    state = pipe.prepare(video)
+    # Video-to-video runs the last of its steps; Wan Animate runs them once a segment.
+    with progress_bar(state.num_steps, "denoising", disable=args.no_progress) as bar:
         while not state.done:
             start = time.perf_counter()
             pipe.denoise_step([state])
@@ -616,6 +632,12 @@ def _add_plan_machine_args(p) -> None:
         help="inference: host format of streamed blocks (default: raw)",
     )
     p.add_argument(
+        "--fp8-matmul",
+        action="store_true",
+        help="with --weights fp8: streamed linears multiply by the fp8 weights (no decode of "
+        "them; their FLOPs at --fp8-tflops)",
+    )
+    p.add_argument(
         "--host-tier",
         choices=("ram", "disk", "auto"),
         default="auto",
@@ -639,6 +661,12 @@ def _add_plan_machine_args(p) -> None:
     p.add_argument("--d2h-gbps", type=float, default=55.0, help="device-to-host GB/s (default: 55)")
     p.add_argument(
         "--tflops", type=float, default=790.0, help="achieved bf16 TFLOP/s (default: 790)"
+    )
+    p.add_argument(
+        "--fp8-tflops",
+        type=float,
+        default=1580.0,
+        help="achieved fp8 TFLOP/s, for --fp8-matmul (default: 1580, twice bf16's)",
     )
     p.add_argument(
         "--host-gbps", type=float, default=200.0, help="host memory GB/s for the CPU optimizer"
@@ -741,6 +769,7 @@ def run_plan(args) -> int:
         h2d_gbps=args.h2d_gbps,
         d2h_gbps=args.d2h_gbps,
         tflops=args.tflops,
+        fp8_tflops=args.fp8_tflops,
         host_gbps=args.host_gbps,
         cpu_threads=args.cpu_threads,
         decode_gbps=args.decode_gbps,
@@ -753,6 +782,7 @@ def run_plan(args) -> int:
         gpu_budget_bytes=args.gpu_budget,
         prefetch=args.prefetch,
         weights=args.weights,
+        fp8_matmul=args.fp8_matmul,
         host_tier=args.host_tier,
     )
     workload = Workload.of(

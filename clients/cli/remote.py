@@ -141,6 +141,8 @@ def generate_remote(args, request) -> int:
                 mask=request.mask,
                 conditioning_scale=request.conditioning_scale,
                 **animate,
+                segment_frame_length=request.segment_frame_length,
+                prev_segment_conditioning_frames=request.prev_segment_conditioning_frames,
                 reuse=False if args.no_reuse else None,
             )
             done = f", the MP4 of {video.cached_from}" if video.cached_from else ""

@@ -405,8 +405,10 @@ class Pipeline(VideoModel, ABC):
     def finish_chunks(self, state) -> Iterator[np.ndarray]:
         """`finish` in consecutive uint8 chunks `(f, H, W, 3)` as the decoder makes them, so a
         consumer (video.write_mp4_chunks) can take each while the next decodes; a family whose
-        decoder is not causal in time yields the whole clip as one chunk."""
-        yield self.finish(state)
+        decoder is not causal in time yields the whole clip as one chunk
+        (`finish_batch_chunks`)."""
+        for _, chunk in self.finish_batch_chunks([state]):
+            yield chunk
 
     @abstractmethod
     def finish_batch(self, states: list) -> list[np.ndarray]:

@@ -388,6 +388,13 @@ class RenamedWeights(Mapping):
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.source[self.names[name]]
 
+    def locate(self, name: str) -> Extent | None:
+        """Where tensor `name` lies on disk (the disk tier): a rename moves no bytes, so the
+        source's extent of its key; None where the source cannot say. Without this the disk tier
+        refused every renamed checkpoint (Wan's CLIP image encoder) as converted on load."""
+        locate = getattr(self.source, "locate", None)
+        return locate(self.names[name]) if locate is not None else None
+
     def __contains__(self, name: object) -> bool:
         return name in self.names
 

@@ -48,6 +48,7 @@ import torch
 
 from ...kernels.dfloat import dfloat_decode
 from ...kernels.dfloat_reference import dfloat_encode
+from ...kernels.fp8_decode import fp8_decode_available, fp8_rows_decode
 from ..placement import WEIGHT_FORMATS
 from .fp8_matmul import Fp8Operand
 from .host_store import (
@@ -245,18 +246,30 @@ class Fp8Codec(WeightCodec):
     def decode(self, parts, meta, out, matmul=frozenset()):
         entries, plan = meta
         operands = {}
+        # Where the Triton kernel runs (CUDA), every quantized weight of one dtype decodes in one
+        # launch and the raw tensors copy in one foreach call (kernels/fp8_decode.py); elsewhere
+        # each weight decodes by itself, through the same arithmetic.
+        fused = fp8_decode_available(out.device)
+        rows: dict[torch.dtype, list] = {}
+        raw_out, raw_in = [], []
         it = iter(parts)
         for kept in plan:
             entry = entries[kept.k]
             taken = [next(it) for _ in range(kept.nparts)]
             if kept.how == "raw":
-                out[entry.offset : entry.offset + entry.nbytes].copy_(taken[0])
+                raw_out.append(out[entry.offset : entry.offset + entry.nbytes])
+                raw_in.append(taken[0])
             elif kept.how == "exp2":
                 q = taken[0].view(torch.float8_e4m3fn).view(entry.shape)
                 if kept.k in matmul:
                     operands[kept.k] = Fp8Operand(q, torch.exp2(taken[1].float()))
-                    continue
-                entry.view(out).copy_(fp8_dequantize(q, taken[1], entry.dtype))
+                elif fused:
+                    at = entry.offset // entry.dtype.itemsize
+                    rows.setdefault(entry.dtype, []).append(
+                        (taken[0].view(entry.shape), taken[1], at)
+                    )
+                else:
+                    entry.view(out).copy_(fp8_dequantize(q, taken[1], entry.dtype))
             else:
                 w = self._stored(taken, entry, kept)
                 if kept.k in matmul and w.q.dtype == torch.float8_e4m3fn:
@@ -264,6 +277,10 @@ class Fp8Codec(WeightCodec):
                     operands[kept.k] = Fp8Operand(w.q, scale)
                     continue
                 entry.view(out).copy_(w.dequantize(entry.dtype))
+        if raw_out:
+            torch._foreach_copy_(raw_out, raw_in)
+        for dtype, weights in rows.items():
+            fp8_rows_decode(weights, out, dtype)
         return operands
 
     def stored(self, parts, meta):

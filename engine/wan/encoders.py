@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from .config import TEXT_TOKENS, WanConfig
-from .vae_decode import frame_chunks, fuse_chains
+from .vae_decode import decode_chunks, frame_chunks, fuse_chains, to_frames
 
 
 def libraries():
@@ -124,6 +124,17 @@ class WanEncoders:
         frame), so the caller never holds the float video. Their concatenation over time is
         `decode(latents)`."""
         yield from frame_chunks(self.vae, self._vae_latents(latents))
+
+    @torch.no_grad()
+    def decode_tail(self, latents: torch.Tensor, n: int) -> tuple[np.ndarray, torch.Tensor]:
+        """`decode(latents)`, and its last `n` frames before postprocessing `(B, 3, n, H, W)` in
+        [-1, 1], bitwise `vae.decode`'s (what Wan Animate's next segment starts from)."""
+        chunks, tail = [], None
+        for chunk in decode_chunks(self.vae, self._vae_latents(latents)):  # (B, 3, f, H, W)
+            tail = chunk if tail is None else torch.cat([tail, chunk], dim=2)
+            tail = tail[:, :, -n:].clone()  # before `to_frames` overwrites the chunk
+            chunks.append(to_frames(chunk))
+        return np.concatenate(chunks, axis=1), tail
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> np.ndarray:

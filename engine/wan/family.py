@@ -35,9 +35,10 @@ the loader from the directory's safetensors, so the streamer can keep their bloc
   adds to the output of its block (`vace_layers`): the transformer's own forward, given a scale
   per row so requests of different scales share a pass. The streamed blocks are the VACE blocks
   and then the blocks, the order they run in;
-- Animate (`WanAnimatePipeline`, one segment: the clip is `segment_frame_length` frames and the
-  videos' first frames): the character image, resized to fill the clip's frame (its aspect
-  kept, black around), is encoded by the VAE as a latent frame of its own behind a mask of ones;
+- Animate (`WanAnimatePipeline`, in segments of `segment_frame_length` frames, the clip's by
+  default, each after the first starting from the last frames of the one before: animate.py):
+  the character image, resized to fill the clip's frame (its aspect kept, black around), is
+  encoded by the VAE as a latent frame of its own behind a mask of ones;
   after it come the latents of black frames (animate) or of the background video (replace),
   behind a mask of zeros (animate) or of where the background is kept (one minus the mask
   video, nearest-resampled, the first frame's mask repeated over its latent frame's channels).
@@ -47,7 +48,10 @@ the loader from the directory's safetensors, so the streamer can keep their bloc
   square, feeds the motion and face encoders (in the transformer's forward), whose features the
   face adapters add after their blocks; the unconditional half of a guidance pair sees a face
   of all -1, as the pipeline blanks it. CLIP features are the character image's. The streamed
-  blocks are the blocks with the face adapters between them, the order they run in;
+  blocks are the blocks with the face adapters between them, the order they run in. When a
+  segment's steps are done and another follows, the request's next step starts it (decoding
+  the segment, re-encoding its last frames, fresh noise and scheduler) before the batch's pass:
+  the other requests step on, and `step` counts every segment's steps;
 - video-to-video (`WanVideoToVideoPipeline`): the input video's first frames, resized to the
   clip, are encoded by the VAE; the schedule's first `1 - strength` is skipped, and the
   latent is noised to the first step kept by the scheduler's `add_noise` (or `scale_noise`) with
@@ -55,8 +59,9 @@ the loader from the directory's safetensors, so the streamer can keep their bloc
 - latents are de-normalised with the VAE's `latents_mean` / `latents_std` and decoded (tiled
   above 256 pixels, so decoding memory does not grow with the frame size), a latent frame at a
   time with the VAE's elementwise chains fused (vae_decode.py: bitwise the unfused VAE);
-  `finish_chunks` hands each latent frame's pixels out as they exist, for an MP4 encoder to
-  take while the next decode.
+  `finish_batch_chunks` (and `finish_chunks`, for one clip) hands each latent frame's pixels
+  out as they exist, for an MP4 encoder to take while the next decode (`megaslide generate` and
+  the server's worker both do).
 
 Requests that arrive together have their prompts encoded in one UMT5 pass, and clips that finish
 together decode `decode_chunk` per VAE pass (pipeline.py's `DECODE_CHUNK`), each within a level
@@ -77,11 +82,12 @@ first-block cache and for fine-tuning alike.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -106,6 +112,7 @@ from ..sampling.samplers import flow_scheduler, timestep_sigmas
 from ..sampling.step_cache import StepCache
 from ..sources import ModelInfo
 from ..streaming.host_store import RenamedWeights, SafetensorsFile
+from .animate import Segments, prepare_segments, segment_inputs
 from .config import ANIMATE_TRANSFORMER, TEXT_TOKENS, VACE_TRANSFORMER, WanConfig, weight_files
 from .encoders import WanEncoders, fast_vae_norms, libraries
 from .forward import WanCut, streamed_blocks
@@ -452,9 +459,14 @@ class WanState:
     guidance_memory: GuidanceMemory | None = None
     # Video-to-video: the schedule's steps skipped (the scheduler's timesteps from this one on).
     start: int = 0
+    # Animate: the clip's segments (animate.py). `step` and `num_steps` count the steps of all
+    # of them; each segment runs the schedule's `segment_steps` from its start.
+    segments: Segments | None = None
+    segment_steps: int = field(init=False)
 
     def __post_init__(self):
-        self.num_steps = len(self.scheduler.timesteps) - self.start
+        self.segment_steps = len(self.scheduler.timesteps) - self.start
+        self.num_steps = self.segment_steps * (1 if self.segments is None else self.segments.count)
         # The encoder zeroes the positions past a prompt's end (encoders.py): its length is up
         # to the last token that is not all zeros.
         tokens = self.context.ne(0).any(dim=-1)  # (rows, 512)
@@ -465,6 +477,20 @@ class WanState:
     def done(self) -> bool:
         return self.step >= self.num_steps
 
+    def _in_segment(self, step: int) -> int:
+        """The scheduler's index of `step` (of all the request runs): its segment's own."""
+        index = 0 if self.segments is None else self.segments.index
+        return self.start + step - index * self.segment_steps
+
+    @property
+    def segment_done(self) -> bool:
+        """Whether an Animate segment's steps are done and another segment follows."""
+        return (
+            self.segments is not None
+            and not self.segments.last
+            and self._in_segment(self.step) == len(self.scheduler.timesteps)
+        )
+
     @property
     def guidance(self) -> float:
         return self.video.guidance
@@ -473,7 +499,7 @@ class WanState:
     def guided(self) -> bool:
         """Whether this step runs the guidance pair: WanPipeline's rule (a scale above 1), on
         the steps of the request's guidance interval."""
-        return self.video.guidance > 1.0 and self.video.guided_at(self.start + self.step)
+        return self.video.guidance > 1.0 and self.video.guided_at(self._in_segment(self.step))
 
     @property
     def passes(self) -> int:
@@ -486,12 +512,12 @@ class WanState:
 
     @property
     def timestep(self) -> torch.Tensor:
-        return self.scheduler.timesteps[self.start + self.step]
+        return self.scheduler.timesteps[self._in_segment(self.step)]
 
     def flow_time(self, step: int) -> float:
         """The flow time (1: noise, 0: data) at `step` (of those it runs); 0 past the last."""
         timesteps = self.scheduler.timesteps
-        step += self.start
+        step = self._in_segment(step)
         t = timesteps[step] if step < len(timesteps) else 0
         return float(t) / self.scheduler.config.num_train_timesteps
 
@@ -620,6 +646,7 @@ class WanVideoPipeline(Pipeline, Sampler):
     # -- sampling ------------------------------------------------------------------------------
 
     def _prepare_batch(self, videos: list[ResolvedVideo]) -> list[WanState]:
+        checked = []
         for video in videos:
             # The adapters it names must be registered here (a request stored elsewhere may not
             # know); those registered are every tenant's, so the refusal lists none.
@@ -629,9 +656,15 @@ class WanVideoPipeline(Pipeline, Sampler):
             check_last_image(video.last_image, video.image, video.frames, self.info.limits)
             check_video(video.video, video.strength, video.image, self.info.limits)
             check_vace(video, video.frames, self.info.limits)
-            check_animate(video, video.frames, self.info.limits)
-        contexts = self._contexts(videos)
-        return [self._prepare(video, context) for video, context in zip(videos, contexts)]
+            segments = check_animate(video, video.frames, self.info.limits)
+            if segments is not None:  # one resolved before its segments were fields: the defaults
+                length, carried = segments
+                video = replace(
+                    video, segment_frame_length=length, prev_segment_conditioning_frames=carried
+                )
+            checked.append(video)
+        contexts = self._contexts(checked)
+        return [self._prepare(video, context) for video, context in zip(checked, contexts)]
 
     def _contexts(self, videos: list[ResolvedVideo]) -> list[torch.Tensor]:
         """Each request's prompt embeddings `(1 or 2, 512, text_dim)`: the prompt, then the
@@ -648,9 +681,10 @@ class WanVideoPipeline(Pipeline, Sampler):
     def _prepare(self, video: ResolvedVideo, context: torch.Tensor) -> WanState:
         # VACE's reference images lead the clip, a latent frame each (WanVACEPipeline draws the
         # noise for `frames + R * vae_temporal` pixel frames).
-        # Animate: the character image's latent frame leads the clip the same way.
+        # Animate: the character image's latent frame leads each segment the same way.
         references = 1 if self.config.animate else len(video.reference_images)
-        frames = video.frames + references * self.config.vae_temporal
+        length = video.segment_frame_length if self.config.animate else video.frames
+        frames = length + references * self.config.vae_temporal
         shape = (1, *self.config.latent_shape(frames, video.height, video.width))
         # Video-to-video: the input video's latent, encoded before the noise is drawn, as
         # WanVideoToVideoPipeline does (the VAE's mode draws nothing from the generator).
@@ -667,7 +701,12 @@ class WanVideoPipeline(Pipeline, Sampler):
             latents = _noised(scheduler, source, latents, start)
         grid = self.config.token_grid(frames, video.height, video.width)
         cache = StepCache.from_spec(video.cache, self.step_curve)
-        state = WanState(video, latents, context, scheduler, grid, cache=cache, start=start)
+        segments = None
+        if self.config.animate:  # the input videos read, the character's latent frame encoded
+            segments = prepare_segments(self.encoders, self.config, video, generator)
+        state = WanState(
+            video, latents, context, scheduler, grid, cache=cache, start=start, segments=segments
+        )
         state.references = references
         if video.sampler == "consistency":
             state.step_args["generator"] = generator
@@ -811,65 +850,45 @@ class WanVideoPipeline(Pipeline, Sampler):
         state.control_scale = video.conditioning_scale
 
     @torch.no_grad()
-    def _animate_condition(self, state: WanState) -> None:
-        """Animate's inputs of `state`, as WanAnimatePipeline makes them for one segment (see
-        the module's docstring): the condition channels, the character's CLIP features, the pose
-        latents and the face frames."""
-        from diffusers.pipelines.wan.image_processor import WanAnimateImageProcessor
-        from diffusers.video_processor import VideoProcessor
+    def _animate_condition(self, state: WanState, prev: torch.Tensor | None = None) -> None:
+        """Animate's inputs of `state`'s segment, as WanAnimatePipeline makes them (animate.py):
+        the condition channels, the pose latents and the face frames; `prev`: the frames the
+        segment before carries over (None for the first). The character's CLIP features once."""
         from PIL import Image
 
-        from ..video import read_video
-
-        video, config = state.video, self.config
-        height, width, frames = video.height, video.width, video.frames
-        processor = VideoProcessor(vae_scale_factor=config.vae_spatial)
-
-        def clip(file: str, mode: str = "RGB") -> list:
-            # The first `frames` frames; ValueError naming the file when it holds fewer.
-            images = read_video(file, num_frames=frames, sampling="first")  # (F, H, W, 3) uint8
-            return [Image.fromarray(f).convert(mode) for f in images]
-
-        with Image.open(video.image) as image:
-            character = image.convert("RGB")
-        fill = WanAnimateImageProcessor(
-            vae_scale_factor=config.vae_spatial,
-            spatial_patch_size=config.patch[-2:],
-            resample="bilinear",
-            fill_color=0,
+        video = state.video
+        condition, pose, face = segment_inputs(
+            self.encoders, self.config, video, state.segments, prev
         )
-        pixels = fill.preprocess(character, height=height, width=width, resize_mode="fill")
-        latent = self.encoders.clip(pixels.float().unsqueeze(2))  # (1, C, 1, H', W')
-        t, s = config.vae_temporal, config.vae_spatial
-        h, w = height // s, width // s
-        lead = torch.cat([torch.ones_like(latent[:, :1]).expand(-1, t, -1, -1, -1), latent], 1)
-        if video.background_video is not None:
-            background = processor.preprocess_video(clip(video.background_video), height, width)
-            masker = VideoProcessor(
-                vae_scale_factor=s, do_normalize=False, do_convert_grayscale=True
-            )
-            mask = masker.preprocess_video(clip(video.background_mask, "L"), height, width)
-            kept = 1 - mask.float()  # (1, 1, F, H, W): 1 where the background stays
-            kept = torch.nn.functional.interpolate(
-                kept[0].transpose(0, 1), size=(h, w), mode="nearest"
-            ).transpose(0, 1)[None]  # (1, 1, F, H', W')
-            # The first frame's mask fills its latent frame's channels, as the pipeline's
-            # `get_i2v_mask` repeats it.
-            kept = torch.cat([kept[:, :, :1].expand(-1, -1, t, -1, -1), kept[:, :, 1:]], dim=2)
-            given = kept.view(1, -1, t, h, w).transpose(1, 2)  # (1, t, F', H', W')
-            rest = self.encoders.clip(background.float())  # (1, C, F', H', W')
-        else:
-            black = torch.zeros((1, 3, frames, height, width))
-            rest = self.encoders.clip(black)
-            given = torch.zeros_like(rest[:, :1]).expand(-1, t, -1, -1, -1)
-        rest = torch.cat([given.to(rest), rest], dim=1)  # (1, t + C, F', H', W')
-        state.condition = torch.cat([lead, rest], dim=2)  # (1, t + C, 1 + F', H', W')
-        state.image_embeds = self.encoders.image([character]).to(self.device, self.dtype)
-        pose = processor.preprocess_video(clip(video.pose_video), height, width)
-        state.pose = self.encoders.clip(pose.float()).to(self.device, self.dtype)
-        size = config.face_size
-        face = processor.preprocess_video(clip(video.face_video), height=size, width=size)
-        state.face = face.float().to(self.device, self.dtype)  # (1, 3, F, face, face)
+        state.condition = condition  # (1, t + C, 1 + F', H', W')
+        state.pose = pose.to(self.device, self.dtype)  # (1, C, F', H', W')
+        state.face = face.to(self.device, self.dtype)  # (1, 3, L, face, face)
+        if state.image_embeds is None:
+            with Image.open(video.image) as image:
+                character = image.convert("RGB")
+            state.image_embeds = self.encoders.image([character]).to(self.device, self.dtype)
+
+    @torch.no_grad()
+    def _next_segment(self, state: WanState) -> None:
+        """Start `state`'s next Animate segment, as WanAnimatePipeline's loop does: the segment
+        just denoised decoded (its new frames kept), its last frames carried over into the next
+        one's condition, fresh noise from the request's generator and a fresh scheduler."""
+        seg = state.segments
+        latents = state.clip_latents()[:, :, state.references :]  # without the character's
+        # The VAE as its request's fine-tune has it (a step selects the denoisers' alone).
+        with self.using(state.fine_tune, components=("vae",)):
+            # (1, L, H, W, 3) uint8, and (1, 3, P, H, W) in [-1, 1] as the VAE decoded them
+            frames, prev = self.encoders.decode_tail(latents, seg.carried)
+        seg.made.append(frames[0] if seg.index == 0 else frames[0][seg.carried :])
+        seg.index += 1
+        # Drawn after the segment before's, on the CPU, as the pipeline's `prepare_latents`.
+        noise = torch.randn(state.latents.shape, generator=seg.generator, dtype=torch.float32)
+        state.latents = noise.to(self.device)
+        state.scheduler = self._scheduler(state.video)
+        if state.guidance_memory is not None:  # the directions were the segment before's
+            state.guidance_memory = GuidanceMemory()
+        with self.using(state.fine_tune, components=("vae",)):
+            self._animate_condition(state, prev)
 
     @staticmethod
     def _reference(processor, file: str, height: int, width: int) -> torch.Tensor:
@@ -897,6 +916,12 @@ class WanVideoPipeline(Pipeline, Sampler):
         return 0 if self.boundary is None or state.timestep >= self.boundary else 1
 
     def _step(self, states: list[WanState]) -> None:
+        for s in states:
+            # An Animate request whose segment's steps are done starts its next segment as its
+            # next step begins (the segment's last latents stay in view until then): its own VAE
+            # passes, before the batch's pass.
+            if s.segment_done:
+                self._next_segment(s)
         # The rows whose cross-attention keys and values are kept this step (prompt_cache.py).
         self._keep = self._prompt_kv_budget([s for s in states if not s.done])
         sample_step(self, states)
@@ -1104,25 +1129,64 @@ class WanVideoPipeline(Pipeline, Sampler):
         return self.encoders.decode(x0[:, :, :1])[:, 0]  # (B, H, W, 3)
 
     def finish_batch(self, states: list[WanState]) -> list[np.ndarray]:
+        frames: list[list[np.ndarray]] = [[] for _ in states]
+        for i, chunk in self.finish_batch_chunks(states):
+            frames[i].append(chunk)
+        return [np.concatenate(chunks) for chunks in frames]  # (F, H, W, 3) each
+
+    def finish_batch_chunks(self, states: list[WanState]) -> Iterator[tuple[int, np.ndarray]]:
+        """`finish_batch` a latent frame's pixels at a time (1 frame, then 4 with Wan's VAEs):
+        `(i, chunk)`, uint8 `(f, H, W, 3)` chunks of `states[i]` as the VAE decodes them, the
+        clips of one VAE pass (`decode_chunk` of them) a chunk of each in turn, one pass after
+        the other. The same VAE calls on the same tensors as decoding each pass whole; an
+        Animate clip's chunks are stitched after its earlier segments' frames and cut to the
+        clip's length (`Segments.stitch_chunks`)."""
         for state in states:
             if not state.done:
                 raise RuntimeError(f"state is at step {state.step} of {state.num_steps}")
         # (1, C, F', H', W') each, without VACE's reference frames
         latents = [s.clip_latents()[:, :, s.references :] for s in states]
-        frames: list[np.ndarray] = [None] * len(states)
         # The reference mode decodes each clip alone, as WanPipeline does one request.
         chunk = self.decode_chunk if self.batched else 1
         for rows in decode_chunks([x.shape for x in latents], chunk):
-            clips = self.encoders.decode(torch.cat([latents[i] for i in rows]))  # (B, F, H, W, 3)
-            for i, clip in zip(rows, clips):
-                frames[i] = clip
-        return frames
+            decoded = self.encoders.frames(torch.cat([latents[i] for i in rows]))  # (B, f, ...)
+            streams = []
+            for row, stream in zip(rows, _rows_of(decoded, len(rows))):
+                segments = states[row].segments
+                if segments is not None:  # Animate: after the segments before, to its length
+                    stream = segments.stitch_chunks(stream, states[row].video.frames)
+                streams.append((row, stream))
+            while streams:  # a chunk of each clip in turn, as long as it has chunks
+                for row, stream in list(streams):
+                    frames = next(stream, None)
+                    if frames is None:
+                        streams.remove((row, stream))
+                    else:
+                        yield row, frames
 
-    def finish_chunks(self, state: WanState) -> Iterator[np.ndarray]:
-        """`finish` a latent frame's pixels at a time (1 frame, then 4 with Wan's VAEs): uint8
-        `(f, H, W, 3)` chunks as the VAE decodes them, whose concatenation is `finish(state)`."""
-        if not state.done:
-            raise RuntimeError(f"state is at step {state.step} of {state.num_steps}")
-        latents = state.clip_latents()[:, :, state.references :]  # without VACE's references
-        for chunk in self.encoders.frames(latents):  # (1, f, H, W, 3)
-            yield chunk[0]
+
+def _rows_of(decoded: Iterator[np.ndarray], rows: int) -> list[Iterator[np.ndarray]]:
+    """One iterator of `(f, H, W, 3)` chunks per row of a batched decode's `(B, f, H, W, 3)`
+    chunks: each draws the decoder on when its own chunks run out, and keeps the other rows'
+    for them (a chunk or two: the rows are drawn in turn)."""
+    waiting: list[collections.deque] = [collections.deque() for _ in range(rows)]
+    done = [False] * rows
+
+    def draw() -> bool:
+        chunk = next(decoded, None)
+        if chunk is None:
+            return False
+        for k, frames in enumerate(chunk):
+            if not done[k]:  # a row its consumer stopped drawing keeps nothing
+                waiting[k].append(frames)
+        return True
+
+    def row(k: int) -> Iterator[np.ndarray]:
+        try:
+            while waiting[k] or draw():
+                yield waiting[k].popleft()
+        finally:
+            done[k] = True
+            waiting[k].clear()
+
+    return [row(k) for k in range(rows)]

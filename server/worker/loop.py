@@ -10,7 +10,8 @@ Scheduling happens at denoising-step boundaries. At each boundary the worker
    instead of waiting for it to finish. Claims follow the queue order (priority, then arrival) and
    stop at the first job that cannot join, so batching never lets a job overtake an earlier one;
 3. runs one batched denoising step, records progress (which renews the jobs' leases), decodes the
-   clips that finished at it together, and hands them to the encoder thread (videos.py);
+   clips that finished at it together, each chunk of frames going to its clip's MP4 encoder as
+   the decoder makes it, and leaves the encoders to finish on their threads (videos.py);
 4. only when no video is queued or running, runs one fine-tuning step (finetunes.py). A running
    fine-tune thus yields to videos at its next step boundary and continues where it stopped once
    they are done.

@@ -1,26 +1,46 @@
 """Running video jobs: the batch a worker denoises one step at a time, jobs joining it at step
-boundaries, clips decoded together when they finish, and MP4s written on a thread of their own.
+boundaries, clips decoded together when they finish, and MP4s encoded while they decode.
 
 Jobs claimed together are prepared together (their prompts in one pass of the text encoder), and
 clips that finish together decode together; when such a batched call raises, it runs again for
 each job alone, so only the job at fault fails. A stored request (`engine.request.ResolvedVideo`)
 goes to the model as stored.
+
+Decoding and encoding overlap. The model hands out each clip's frames a chunk at a time as its
+decoder makes them (`VideoModel.finish_batch_chunks`: a Wan VAE's latent frame, or a whole clip
+from a decoder that is not causal in time), and each chunk goes at once to its clip's writer
+(`Backend.open_video`), which encodes on a thread of its own. The writers take chunks without
+bound, so the loop never waits for an encoder; once the clips are decoded, each is published on
+the encoder thread (`Clip.publish`) while the loop takes the next denoising step. Cautions:
+
+- a decode that raises voids every clip of its call: their writers are aborted (no file) and
+  each clip decodes again alone, from its first chunk, into a new writer;
+- the worker keeps every chunk until its MP4 is in place, so that a full disk can have the clip
+  written again (the whole clip's frames, as when clips were decoded whole);
+- while clips decode, the store is asked every `CANCEL_POLL_S` which were cancelled: such a
+  clip's writer is aborted and it ends cancelled, and the decode stops once none is left. The
+  other clips of the call go on: their frames do not depend on it;
+- the decoding clips' claims sit in `_encoding` from the start of the decode, so the heartbeat
+  renews them however long the decode takes.
 """
 
 from __future__ import annotations
 
 import base64
 import concurrent.futures
+import contextlib
 import dataclasses
 import io
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from megaslide.engine.interfaces import VideoModel
 from megaslide.engine.request import INPUT_FILE_LISTS, INPUT_FILES, RequestError, ResolvedVideo
 
+from ..backend import Backend, VideoWriter
 from ..store import UNAVAILABLE, is_disk_full, now
 from .context import WorkerContext, backoff, message
 from .models import Models
@@ -42,6 +62,54 @@ def preview_uri(frame, size: int) -> str:
 
 DENOISE_SHARE = 90  # progress points for denoising; decoding and encoding the MP4 take the rest
 DECODED_PROGRESS = 95  # clip decoded, MP4 being written; 100 only once the file is in place
+# How often a decode asks the store whether its clips were cancelled meanwhile: a long clip's
+# decode stops early for a cancellation, and the store is not asked once a chunk.
+CANCEL_POLL_S = 0.5
+
+
+class Clip:
+    """A finished video's frames on their way to its MP4: each chunk, as the decoder makes it,
+    is kept (a full disk has the clip written again) and handed to the backend's writer, which
+    encodes it meanwhile (`Backend.open_video`)."""
+
+    def __init__(self, backend: Backend, run: Running, mp4_path: Path, thumbnail_path: Path):
+        self.backend, self.fps = backend, run.video.fps
+        self.mp4_path, self.thumbnail_path = mp4_path, thumbnail_path
+        self.chunks: list = []
+        self.writer: VideoWriter | None = backend.open_video(self.fps, mp4_path, thumbnail_path)
+        self.error: Exception | None = None  # the writer's, from `add`: raised by `publish`
+
+    def add(self, chunk) -> None:
+        self.chunks.append(chunk)
+        if self.writer is not None and self.error is None:
+            try:
+                self.writer.add(chunk)
+            except Exception as exc:  # noqa: BLE001 - the decode goes on for the other clips
+                self.error = exc
+
+    def publish(self) -> None:
+        """Publish the MP4 and thumbnail (`VideoWriter.close`), or raise why not. The first
+        call ends the writer that took the chunks as they came; a later one (the disk was full)
+        writes the kept chunks again through a new writer."""
+        writer, self.writer = self.writer, None
+        if writer is None:
+            writer = self.backend.open_video(self.fps, self.mp4_path, self.thumbnail_path)
+            try:
+                for chunk in self.chunks:
+                    writer.add(chunk)
+            except BaseException:
+                writer.abort()
+                raise
+        elif self.error is not None:
+            raise self.error
+        writer.close()
+
+    def abort(self) -> None:
+        """Give the clip up: its writer publishes nothing."""
+        if self.writer is not None:
+            self.writer.abort()
+            self.writer = None
+        self.chunks = []
 
 
 @dataclass
@@ -278,35 +346,102 @@ class Videos:
 
     def _finish(self, model: VideoModel, runs: list[Running]) -> None:
         """Decode the clips that finished at this step together (the model bounds how many per
-        pass), then hand each to the encoder thread."""
-        decoded = self._together(
-            # Decoding needs the device: it stays on this thread.
-            lambda some: model.finish_batch([run.state for run in some]),
-            runs,
-            lambda run, exc: self._fail(run.id, run.token, exc),
-        )
+        pass), each chunk handed to its clip's MP4 encoder as the decoder makes it, then publish
+        each clip on the encoder thread. A clip cancelled while it decodes is dropped there."""
+        for run in runs:  # the heartbeat renews their claims while they decode and encode
+            self._encoding[run.id] = run.token
+        ended: set[str] = set()  # cancelled while decoding: finished, nothing to publish
+
+        def failed(run: Running, exc: BaseException) -> None:
+            self._encoding.pop(run.id, None)
+            self._fail(run.id, run.token, exc)
+
+        # Decoding needs the device: it stays on this thread, the encoders run on their own.
+        decoded = self._together(lambda some: self._decode(model, some, ended), runs, failed)
+        decoded = [(run, clip) for run, clip in decoded if clip is not None]
         if not decoded:
             return
         update = [(run.id, run.token, run.state.step, DECODED_PROGRESS) for run, _ in decoded]
         lost = self.ctx.store.videos.set_progress(update, lease_s=self.ctx.settings.lease_s)
-        for run, frames in decoded:
-            if run.id not in lost:
-                self._encoding[run.id] = run.token
-                self._encoder.submit(self._encode, run, frames)
+        for run, clip in decoded:
+            if run.id in lost:  # not ours any more: whoever holds it writes it
+                clip.abort()
+                self._encoding.pop(run.id, None)
+            else:
+                self._encoder.submit(self._encode, run, clip)
 
-    def _encode(self, run: Running, frames) -> None:
-        """On the encoder thread: write the MP4 and thumbnail, then mark the job completed."""
+    def _decode(self, model: VideoModel, runs: list[Running], ended: set[str]) -> list[Clip | None]:
+        """Decode `runs` together, a chunk at a time (`finish_batch_chunks`), into a `Clip` each
+        whose encoder takes the chunks as they come. Every `CANCEL_POLL_S` the store is asked
+        which were cancelled meanwhile: those are given up (nothing published), recorded
+        cancelled and added to `ended` (None in their place); the decode stops once none is
+        left. When the decode raises, every clip of the batch is given up and the error raised."""
+        ctx = self.ctx
+        todo = [r for r in runs if r.id not in ended]  # (a retry alone after a failed batch)
+        clips: list[Clip] = []
         try:
-            self._write(run, frames)
+            for run in todo:
+                clips.append(Clip(ctx.backend, run, *ctx.data.video(run.id)))
+            if todo:
+                self._feed(model, todo, clips, ended)
+        except BaseException:
+            for clip in clips:
+                clip.abort()
+            raise
+        made = {run.id: clip for run, clip in zip(todo, clips)}
+        return [None if run.id in ended else made[run.id] for run in runs]
+
+    def _feed(
+        self, model: VideoModel, runs: list[Running], clips: list[Clip], ended: set[str]
+    ) -> None:
+        """Each chunk the model decodes to its run's clip, as it comes (see `_decode`)."""
+        live = {run.id for run in runs}
+        polled = time.monotonic()
+        chunks = model.finish_batch_chunks([run.state for run in runs])
+        with contextlib.closing(chunks):  # stopped early: the decoder's memory goes now
+            for i, chunk in chunks:
+                if runs[i].id in live:
+                    clips[i].add(chunk)
+                if time.monotonic() - polled < CANCEL_POLL_S:
+                    continue
+                polled = time.monotonic()
+                for k in self._cancelled_clips(runs, clips, live):
+                    live.discard(runs[k].id)
+                    ended.add(runs[k].id)
+                    self._encoding.pop(runs[k].id, None)
+                if not live:
+                    return
+
+    def _cancelled_clips(self, runs: list[Running], clips: list[Clip], live: set[str]) -> list[int]:
+        """Indices of the `live` runs whose cancellation was asked for, their clips given up
+        (the encoder stopped, its temporary file gone) and then recorded cancelled, so that a
+        video seen cancelled has no file left (the store unreachable: none, ask again later)."""
+        store = self.ctx.store
+        try:
+            asked = store.videos.cancel_requested(sorted(live))
+        except UNAVAILABLE:
+            return []
+        cancelled = []
+        for i, run in enumerate(runs):
+            if run.id in asked:
+                cancelled.append(i)
+                clips[i].abort()
+                if self.ctx.retrying(store.videos.finish, run.id, run.token, "cancelled"):
+                    self.ctx.count_finished("video", "cancelled")
+        return cancelled
+
+    def _encode(self, run: Running, clip: Clip) -> None:
+        """On the encoder thread: publish the MP4 and thumbnail, then mark the job completed."""
+        try:
+            self._write(run, clip)
         finally:
             self._encoding.pop(run.id, None)
 
-    def _write(self, run: Running, frames) -> None:
+    def _write(self, run: Running, clip: Clip) -> None:
         ctx = self.ctx
-        mp4, png = ctx.data.video(run.id)
         for wait_s in backoff():
             try:
-                ctx.backend.save_video(frames, run.video.fps, mp4, png)
+                clip.publish()
                 break
             except Exception as exc:  # noqa: BLE001
                 if not is_disk_full(exc):
@@ -317,6 +452,7 @@ class Videos:
             log.warning("video %s: the disk is full; writing it again in %.1f s", run.id, wait_s)
             if ctx.stop.wait(wait_s) or self._given_up(run):
                 return  # stopping (its lease decides where it runs again), cancelled, or not ours
+        mp4, png = clip.mp4_path, clip.thumbnail_path
         expires_at = now() + ctx.settings.video_ttl_s
         status = ctx.retrying(
             ctx.store.videos.finish, run.id, run.token, "completed", expires_at=expires_at

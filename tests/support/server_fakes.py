@@ -3,7 +3,8 @@
 `FakeBackend` plugs into the real worker (`Fleet.embedded`: thread, scheduler, store): only the models
 are fake. It records every batched step as the list of job seeds it advanced, so tests can see which
 jobs shared a pass, in which order they ran, and that a cancelled job got no further steps; and
-every call to prepare or decode as the seeds it took (`prepared`, `decoded`).
+every call to prepare or decode as the seeds it took (`prepared`, `decoded`). Its decoder hands
+the clips out a frame at a time, as a causal one does (`finish_batch_chunks`).
 
 Prompts steer failures: "explode" raises in the denoising step, "nomem" raises an error with the type
 name CUDA uses, "badprep" raises while preparing, "baddecode" while decoding, and "poison" raises
@@ -123,16 +124,37 @@ class FakeModel(VideoModel):
             self.backend.decoded.append([s.seed for s in specs])
         if any("baddecode" in s.prompt for s in specs):
             raise ValueError("the decoder met a NaN")
-        # Clips whose bytes depend on the seed, so content tests can tell videos apart.
-        return [
-            np.random.default_rng(s.seed).integers(
-                0, 256, size=(s.frames, s.height, s.width, 3), dtype=np.uint8
-            )
-            for s in specs
-        ]
+        return [fake_clip(s.seed, s.frames, s.height, s.width) for s in specs]
+
+    def finish_batch_chunks(self, states):
+        """`finish_batch` a frame at a time, the clips' frames in turn (a causal decoder's
+        order); "baddecode" raises once every clip has had its first frame, and a "holddecode"
+        clip's frames each wait for `decode_gate`."""
+        b, specs = self.backend, [state.spec for state in states]
+        with b.lock:
+            b.decoded.append([s.seed for s in specs])
+        b.decoding.set()
+        clips = [fake_clip(s.seed, s.frames, s.height, s.width) for s in specs]
+        for f in range(max(len(clip) for clip in clips)):
+            if f == 1 and any("baddecode" in s.prompt for s in specs):
+                raise ValueError("the decoder met a NaN")
+            for i, clip in enumerate(clips):
+                if f < len(clip):
+                    if "holddecode" in specs[i].prompt:
+                        b.decode_gate.wait(30)
+                    with b.lock:
+                        b.chunks_drawn += 1
+                    yield i, clip[f : f + 1]
 
     def close(self):
         pass  # holds nothing beyond its memory
+
+
+def fake_clip(seed: int, frames: int, height: int, width: int) -> np.ndarray:
+    """The fake model's clip: bytes that depend on the seed, so content tests can tell videos
+    apart."""
+    shape = (frames, height, width, 3)
+    return np.random.default_rng(seed).integers(0, 256, size=shape, dtype=np.uint8)
 
 
 class FakeTrainer(TrainingRun):
@@ -266,6 +288,10 @@ class FakeBackend(Backend):
         self.held = threading.Event()  # set once a step waits for `train_gate`
         self.encode_gate = threading.Event()  # a test clears it to hold MP4s unwritten
         self.encode_gate.set()
+        self.decode_gate = threading.Event()  # a test clears it to hold "holddecode" decodes
+        self.decode_gate.set()
+        self.decoding = threading.Event()  # set once a decode has begun
+        self.chunks_drawn = 0  # frames the decoder has handed out
         self.lock = threading.Lock()
         self.passes: list[tuple[str, list[int]]] = []
         self.timeline: list[tuple] = []
@@ -353,14 +379,37 @@ def torch_app(settings, frames: dict | None = None):
 
     backend = TorchBackend(settings)
     if frames is not None:
-        save_video = backend.save_video
-
-        def keep(sampled, fps, mp4_path, thumbnail_path):
-            frames[mp4_path.stem] = np.array(sampled)
-            save_video(sampled, fps, mp4_path, thumbnail_path)
-
-        backend.save_video = keep
+        keep_frames(backend, frames)
     return build_app(settings, Fleet.embedded(settings, backend))
+
+
+def keep_frames(backend, frames: dict) -> None:
+    """Have `backend` keep each video's frames as the worker hands them to its MP4 encoder, by
+    video id in `frames`: whole (`save_video`), or chunk by chunk (`open_video`), concatenated
+    there once the clip is published."""
+    save_video, open_video = backend.save_video, backend.open_video
+
+    def keep(sampled, fps, mp4_path, thumbnail_path):
+        frames[mp4_path.stem] = np.array(sampled)
+        save_video(sampled, fps, mp4_path, thumbnail_path)
+
+    class Keeping:
+        def __init__(self, fps, mp4_path, thumbnail_path):
+            self.writer, self.chunks = open_video(fps, mp4_path, thumbnail_path), []
+            self.video_id = mp4_path.stem
+
+        def add(self, chunk):
+            self.chunks.append(np.array(chunk))
+            self.writer.add(chunk)
+
+        def close(self):
+            self.writer.close()
+            frames[self.video_id] = np.concatenate(self.chunks)
+
+        def abort(self):
+            self.writer.abort()
+
+    backend.save_video, backend.open_video = keep, Keeping
 
 
 @contextlib.contextmanager

@@ -95,8 +95,9 @@ def diffusers_run(
     and `mask`, files whose first frames are taken, the mask's as greyscale;
     `conditioning_scale`), for a VACE pipeline at `path`. `animate`: `WanAnimatePipeline`'s
     videos (keys `pose_video`, `face_video`, and for its replace mode `background_video` and
-    `mask_video`: files whose first `frames` frames are one segment of `frames`), with `image`
-    the character, for an Animate pipeline at `path`. `step_generator`: the
+    `mask_video`: files whose first `frames` frames are the clip, in segments of the request's
+    `segment_frame_length`, default `frames`), with `image` the character, for an Animate
+    pipeline at `path`. `step_generator`: the
     scheduler's steps draw their noise from the generator that drew the starting noise
     (WanPipeline passes none: a consistency scheduler would draw from the global one)."""
     import diffusers
@@ -144,7 +145,10 @@ def diffusers_run(
             frames = read_video(file, num_frames=request.frames, sampling="first")
             return [Image.fromarray(f) for f in frames]
 
-        extra["segment_frame_length"] = request.frames  # one segment: the clip
+        # The request's segments (default: one, the clip)
+        extra["segment_frame_length"] = request.segment_frame_length or request.frames
+        if request.prev_segment_conditioning_frames is not None:
+            extra["prev_segment_conditioning_frames"] = request.prev_segment_conditioning_frames
         extra["mode"] = "replace" if animate.get("background_video") else "animate"
         for name, file in animate.items():
             if file is not None:

@@ -139,6 +139,10 @@ class Video(APIObject):
     strength: float | None = None
     # A VACE model's: the weight of its VACE blocks' hints; None: not a VACE model.
     conditioning_scale: float | None = None
+    # A Wan Animate model's segments: their frames, and those each continues from the one
+    # before; None: not an Animate model.
+    segment_frame_length: int | None = None
+    prev_segment_conditioning_frames: int | None = None
     # The completed video whose MP4 answered this request, which repeated it in everything that
     # decides the pixels (no pass ran); None: made by its own run.
     cached_from: str | None = None

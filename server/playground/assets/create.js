@@ -13,6 +13,10 @@ const FILE_INPUTS = [
   ["control_video", "#vace-field", "control_video"],
   ["mask", "#vace-field", "mask"],
   ["reference_images", "#vace-field", "reference_images"],
+  ["pose_video", "#animate-field", "pose_video"],
+  ["face_video", "#animate-field", "face_video"],
+  ["background_video", "#animate-field", "background_video"],
+  ["background_mask", "#animate-field", "background_mask"],
 ];
 
 // A rolled seed is below 2**31, like the seeds the server draws for requests without one.
@@ -94,13 +98,18 @@ export class CreateForm {
     const limits = this.form.querySelector("#model-limits");
     limits.textContent = model ? describeLimits(model) : "No model is served.";
     // A model announces each file it takes among its inputs: "image" (a first frame),
-    // "last_image" (a last frame besides), "video" (an input video, with a strength), and a VACE
-    // model's "reference_images", "control_video" and "mask" (with a conditioning scale).
+    // "last_image" (a last frame besides), "video" (an input video, with a strength), a VACE
+    // model's "reference_images", "control_video" and "mask" (with a conditioning scale), and a
+    // Wan Animate model's "pose_video", "face_video", "background_video" and "background_mask"
+    // (its "image" is the character to move, not a first frame).
     for (const [input, selector, name] of FILE_INPUTS) {
       const field = this.form.querySelector(selector);
       field.hidden = !model?.inputs?.includes(input);
       if (field.hidden) this.fields[name].value = "";
     }
+    this.form.querySelector("label[for=create-image]").textContent = model?.limits?.animate_input
+      ? "Character image"
+      : "First frame";
     this.showAdapters(model?.adapters || []);
     this.showCachePolicies(model?.limits?.cache_policies);
     if (!model) return;
@@ -209,6 +218,8 @@ export class CreateForm {
       num_inference_steps: video.num_inference_steps,
       guidance_scale: video.guidance_scale,
       seed: video.seed,
+      segment_frame_length: video.segment_frame_length,
+      prev_segment_conditioning_frames: video.prev_segment_conditioning_frames,
     });
     this.fields.cache.value = cacheChoice(this.fields.cache, video.cache);
     this.fields.sampler.value = video.sampler === "scheduler" ? "" : video.sampler || "";
@@ -264,6 +275,14 @@ export class CreateForm {
     // A VACE model's weight of its hints (the server's default when empty).
     if (!this.form.querySelector("#vace-field").hidden) {
       body.conditioning_scale = number(f.conditioning_scale, "conditioning_scale");
+    }
+    // A Wan Animate model's segments (the server's defaults when empty: one segment, carrying 1).
+    if (!this.form.querySelector("#animate-field").hidden) {
+      body.segment_frame_length = number(f.segment_frame_length, "segment_frame_length");
+      body.prev_segment_conditioning_frames = number(
+        f.prev_segment_conditioning_frames,
+        "prev_segment_conditioning_frames",
+      );
     }
     for (const name of Object.keys(body)) if (body[name] === undefined) delete body[name];
     return body;

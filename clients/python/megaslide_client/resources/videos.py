@@ -47,6 +47,8 @@ def create_body(
     reuse: bool | None = None,
     strength: float | None = None,
     conditioning_scale: float | None = None,
+    segment_frame_length: int | None = None,
+    prev_segment_conditioning_frames: int | None = None,
 ) -> dict[str, Any]:
     """The JSON body of POST /v1/videos; unset fields are left for the server's defaults."""
     body = {
@@ -70,6 +72,8 @@ def create_body(
         "reuse": reuse,
         "strength": strength,
         "conditioning_scale": conditioning_scale,
+        "segment_frame_length": segment_frame_length,
+        "prev_segment_conditioning_frames": prev_segment_conditioning_frames,
     }
     body = {k: v for k, v in body.items() if v is not None}
     body.update(extra_body or {})
@@ -194,6 +198,8 @@ class Videos:
         face_video: FileInput | None = None,
         background_video: FileInput | None = None,
         background_mask: FileInput | None = None,
+        segment_frame_length: int | None = None,
+        prev_segment_conditioning_frames: int | None = None,
         reuse: bool | None = None,
         extra_body: Mapping[str, Any] | None = None,
         idempotency_key: str | None = None,
@@ -221,8 +227,11 @@ class Videos:
         control video is kept; the clip's length by default) and `conditioning_scale` (the
         weight of its VACE blocks' hints, 1 by default). A Wan Animate model takes
         `input_reference` (the character), `pose_video` and `face_video` (their first
-        `num_frames` frames, one segment; the clip's length by default), and for its replace mode
-        `background_video` with `background_mask` (white: the person to replace). With a file the
+        `num_frames` frames; the clip's length by default), and for its replace mode
+        `background_video` with `background_mask` (white: the person to replace); it makes the
+        clip in segments of `segment_frame_length` frames (4k + 1; the clip's by default), each
+        after the first continuing from the last `prev_segment_conditioning_frames` (1 or 5,
+        default 1) of the one before. With a file the
         request goes as multipart form fields. Every retry of this call carries the same Idempotency-Key, so it makes at most one job.
         A request equal to one of this key's completed videos in everything that decides the
         pixels (a fixed `seed` among them) comes back completed at once with that video's MP4,
@@ -250,6 +259,8 @@ class Videos:
             reuse=reuse,
             strength=strength,
             conditioning_scale=conditioning_scale,
+            segment_frame_length=segment_frame_length,
+            prev_segment_conditioning_frames=prev_segment_conditioning_frames,
         )
         files = upload_fields(
             reference_images,
@@ -405,6 +416,8 @@ class AsyncVideos:
         face_video: FileInput | None = None,
         background_video: FileInput | None = None,
         background_mask: FileInput | None = None,
+        segment_frame_length: int | None = None,
+        prev_segment_conditioning_frames: int | None = None,
         reuse: bool | None = None,
         extra_body: Mapping[str, Any] | None = None,
         idempotency_key: str | None = None,
@@ -432,6 +445,8 @@ class AsyncVideos:
             reuse=reuse,
             strength=strength,
             conditioning_scale=conditioning_scale,
+            segment_frame_length=segment_frame_length,
+            prev_segment_conditioning_frames=prev_segment_conditioning_frames,
         )
         files = upload_fields(
             reference_images,
