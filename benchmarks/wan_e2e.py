@@ -15,10 +15,9 @@ takes it. The clip is 480x832, 81 frames, guidance 5 (a CFG pair of rows each st
 Each contender opens the model through its own front door (`open_pipeline` with its placement
 levers; `WanPipeline.from_pretrained`), then samples one request of `--warmup` + `--timed` steps
 and decodes it. Reported per contender: the opening time, each step's seconds, `per_step_s` (the
-median of the timed steps: after the warm-up step, which pays allocator growth; a compiled
-contender warms up one step more, as its blocks recompile at the second step, and a step that
-recompiled is never timed), `decode_s` (VAE decode and frame conversion), `run_s` (prompt to
-frames, measured), the peak GPU memory and, streamed, the planner's step time
+median of the timed steps: after the warm-up step, which pays allocator growth and a compiled
+contender's compile; a step that recompiled is never timed), `decode_s` (VAE decode and frame
+conversion), `run_s` (prompt to frames, measured), the peak GPU memory and, streamed, the planner's step time
 (`planned_step_s`). The 4- and 40-step figures are NOT measured: `e2e_s_extrapolated[n]` is
 `run_s` plus `n - steps_run` more steps at `per_step_s`, labelled so in the JSON.
 
@@ -501,9 +500,9 @@ def main(argv=None) -> int:
                 save()
                 continue
             run = run_megaslide if implementation == "megaslide" else run_diffusers
-            # Compiled blocks recompile at the second step too (the prompt's keys and values are
-            # cached from then on): one more warm-up step.
-            warmup = args.warmup + (1 if options.get("compile") else 0)
+            # Compiled blocks compile at the first step only: the pass that fills the prompt's
+            # kept keys and values runs the graph of those that read them (prompt_cache.py).
+            warmup = args.warmup
             t = time.perf_counter()
             try:
                 row.update(run(path, options, clip, warmup + args.timed, device, dtype))

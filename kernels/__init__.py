@@ -20,9 +20,14 @@ compiler is available, the references otherwise.
 `sage_attention` is the entry point (the Triton kernel for CUDA tensors, the reference
 otherwise), `sage_triton` and `sage_attention_reference` the two backends.
 
+A Linear on the CPU through oneDNN, a GELU fused (`cpu_linear`, its reference
+`cpu_linear_reference`): a custom op that compiled blocks call for their float32 CPU linears,
+whose weights are graph inputs (engine/compiled_blocks.py).
+
 The package needs torch, with Triton optional, and imports nothing from `engine/` or `server/`.
 """
 
+from .cpu_linear import cpu_linear, cpu_linear_reference
 from .delta import delta_apply
 from .delta_reference import DeltaBuffer, delta_encode
 from .dfloat import dfloat_decode
@@ -40,6 +45,8 @@ from .sage import sage_attention, sage_triton
 from .sage_reference import sage_attention_reference
 
 __all__ = [
+    "cpu_linear",
+    "cpu_linear_reference",
     "DSAGeometry",
     "DeltaBuffer",
     "delta_apply",

@@ -21,7 +21,9 @@ def test_compile_benchmark_quick():
     assert [(row["preset"], row["offload"]) for row in r["rows"]] == [("tiny", "stream")]
     for row in r["rows"]:
         assert row["eager_s"] > 0 and row["compiled_s"] > 0 and row["compile_s"] > 0
+        assert row["eager_cpu_s"] > 0 and row["compiled_cpu_s"] > 0  # CPU seconds beside wall
         assert row["compile_stats"]["dit"]["graphs"] == 1  # one graph for every block and step
+        assert row["compile_stats"]["dit"]["cpu_linears"] == 8  # every linear through oneDNN
     assert len(r["load_average"]["start"]) == 3
 
 

@@ -90,6 +90,9 @@ def test_the_compiled_blocks_equal_eager_and_compile_once(compiled, eager, oracl
     # One graph for every block of the model and every step: its weights are the graph's inputs.
     assert stats["graphs"] == 1, stats
     assert stats["graph_breaks"] == 0, stats
+    # Every linear of the block through oneDNN (kernels/cpu_linear.py): self-attention's two,
+    # cross-attention's four and the MLP's two, its GELU fused into the first.
+    assert stats["cpu_linears"] == 8, stats
 
 
 def test_streamed_compiled_blocks_read_each_slot_without_recompiling(eager, oracle):
@@ -326,3 +329,41 @@ def test_compiled_wan_animate_equals_eager(tmp_path_factory):
     assert all(c.graphs for c in compiled.counting.values())  # each class ran compiled
     stats = pipe.compile_stats()
     assert stats and all(s["graph_breaks"] == 0 for s in stats.values()), stats
+
+
+def test_compiled_wan_compiles_one_graph_across_steps_and_prompts(tmp_path_factory):
+    """A tiny Wan, streamed, compiled: its first step fills each row's kept cross-attention keys
+    (prompt_cache.py) in the blocks' eager hooks and later steps read them, so both run the one
+    graph the first step compiled: the second step does not recompile. A request joining at the
+    third step with a prompt of another length (compact entries: another count of kept tokens,
+    padded to the pass's width) recompiles once, for the new batch size, and the step after it
+    not at all; compiled equals eager within fp32's error."""
+    from wan_fixtures import build_tiny_wan
+
+    model = build_tiny_wan(tmp_path_factory.mktemp("compile-wan") / "wan")
+    first = VideoRequest("a red circle", height=32, width=32, frames=9, steps=4, seed=1)
+    joining = VideoRequest(
+        "a much longer prompt about a blue square", height=32, width=32, frames=9, steps=2, seed=2
+    )
+    runs, recompiles = {}, []
+    for key, dtype, compile_ in (
+        ("oracle", torch.float64, False),
+        ("eager", torch.float32, False),
+        ("compiled", torch.float32, True),
+    ):
+        pipe = open_pipeline(model, dtype=dtype, compile=compile_, offload="stream")
+        states = [pipe.prepare(pipe.resolve(first))]
+        step = 0
+        while not all(s.done for s in states):
+            if step == 2:
+                states.append(pipe.prepare(pipe.resolve(joining)))
+            counters = pipe.denoise_step([s for s in states if not s.done])
+            recompiles.append(counters.get("compile_recompiles", 0))
+            step += 1
+        assert len({s.lengths[0] for s in states}) == 2  # the prompts' lengths differ
+        runs[key] = [s.latents.double() for s in states]
+    check_close(runs["compiled"], runs["eager"], runs["oracle"])
+    stats = pipe.compile_stats()["transformer"]
+    assert recompiles[-4:] == [0, 0, 1, 0], recompiles  # the compiled run's four steps
+    assert stats["graphs"] == 2, stats  # a pass of 2 rows, then of 4 (the second request joins)
+    assert stats["graph_breaks"] == 0, stats

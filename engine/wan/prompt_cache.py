@@ -21,6 +21,20 @@ so an entry records the adapter objects and scales of its row and is refilled wh
 row has a valid entry; otherwise it runs as without the cache, on the real prompt embeddings,
 and (re)fills every row's entry: rows joining a batch cost one ordinary pass.
 
+Where it happens. A pass with kept keys hooks each block (`PromptCache.rows`): before the block
+runs, its hook fills the rows' entries from the prompt embeddings when the pass fills (after the
+streamer's hook, which has put the block's weights in place), gathers the block's keys and values
+of every row, padded to the pass's width, into the processor's `kv`, and hands the block empty
+prompt embeddings; the processor attends `kv`. So a block's forward is the same computation
+whether its pass fills or reads, which a compiled block (compiled_blocks.py) needs: the hooks run
+eagerly around the compiled forward, the gathered tensors are graph inputs, and a first step
+(fill) and the steps after it (read) run one graph. Entries' lookups by block index, writes into
+the rows' dicts and the prompt's own length stay out of the graph, each of which would otherwise
+be a guard and a recompile (one per block, per step kind, per prompt length). A pass that fills
+attends what it kept, as the passes after it do: for compact entries (`PromptKV.compact`, fp32: a
+prompt's tokens and one padding token) that is within rounding of attending all 512. Compact rows
+are padded to a power of two of at least 64 tokens (`pass_width`): a few widths, each a graph.
+
 Memory: `rows x tokens x (keys + values widths) x blocks x bytes` (`entry_bytes`), e.g. 2 rows
 (a guided request) x 512 x 2 x 384 x 6 blocks x 4 bytes = 18.9 MB for the benchmark's Wan, and
 2 x 512 x 2 x 1536 x 30 x 2 = 189 MB for Wan2.1-1.3B in bf16. The pipeline fills entries only
@@ -30,6 +44,8 @@ while its requests' total stays within its budget (`WanVideoPipeline.prompt_cach
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -39,6 +55,8 @@ from torch import nn
 
 from .config import TEXT_TOKENS  # the text follows Wan2.1-I2V's image tokens, as in diffusers
 from .forward import attention_blocks  # a VACE transformer's VACE blocks cross-attend as well
+
+MIN_WIDTH = 64  # the fewest text tokens of a pass over compact rows (`pass_width`)
 
 
 @dataclass
@@ -81,14 +99,47 @@ def entry_bytes(model: nn.Module, tokens: int, dtype: torch.dtype) -> int:
 
 
 class PromptCacheProcessor:
-    """diffusers' `WanAttnProcessor` for a cross-attention, with the keys and values of each row
-    read from, or written to, the rows set by `PromptCache.rows`; plain diffusers without."""
+    """diffusers' `WanAttnProcessor` for a cross-attention that attends the keys and values
+    `kv` its block's hook set for the pass (`PromptCache.rows`); plain diffusers without."""
 
     def __init__(self, index: int, base):
         self.index, self.base = index, base
         self.rows: Sequence[PromptKV] | None = None
         self.fill = False
         self.mask: torch.Tensor | None = None  # compact rows' scores bias `(B, 1, 1, tokens)`
+        self.width = TEXT_TOKENS  # text tokens of the pass's keys: rows of fewer padded to it
+        # The pass's keys and values `(k, v, k_img, v_img)`, each `(B, tokens, heads, d)`, set
+        # before the block runs and dropped after it.
+        self.kv: tuple | None = None
+
+    def before(self, block: nn.Module, args: tuple, kwargs: dict):
+        """The block's forward pre-hook (eager, after the streamer's: the weights are in place):
+        fill the rows' entries from the prompt embeddings when the pass fills, then gather this
+        block's keys and values of every row into `kv`, and hand the block empty prompt
+        embeddings, as a pass that reads gives it."""
+        bound = _signature(type(block)).bind(block, *args, **kwargs)
+        context = bound.arguments["encoder_hidden_states"]  # (B, [image +] 512 or 0, D)
+        if self.fill:
+            k, v, k_img, v_img = _keys_values(block.attn2, context)
+            for i, row in enumerate(self.rows):
+                text = slice(i, i + 1), slice(0, row.kept)
+                row.blocks[self.index] = (
+                    k[text].clone(),
+                    v[text].clone(),
+                    *(None if t is None else t[i : i + 1].clone() for t in (k_img, v_img)),
+                )
+            bound.arguments["encoder_hidden_states"] = context[:, :0]
+        kept = [row.blocks[self.index] for row in self.rows]
+        self.kv = (
+            # (B, width, heads, d): rows of fewer tokens padded, masked out by `mask`
+            *(torch.cat([_pad(kv[j], self.width) for kv in kept]) for j in (0, 1)),
+            *(None if kept[0][j] is None else torch.cat([kv[j] for kv in kept]) for j in (2, 3)),
+        )
+        return bound.args[1:], bound.kwargs
+
+    def after(self, block: nn.Module, args: tuple, output) -> None:
+        """The block's forward post-hook: its keys and values of the pass are no longer needed."""
+        self.kv = None
 
     @property
     def _attention_backend(self):
@@ -112,27 +163,12 @@ class PromptCacheProcessor:
     ) -> torch.Tensor:
         from diffusers.models.attention_dispatch import dispatch_attention_fn
 
-        if self.rows is None:
+        if self.kv is None:  # no kept keys this pass: diffusers' own processor
             return self.base(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
-        if self.fill:
-            k, v, k_img, v_img = _keys_values(attn, encoder_hidden_states)
-            for i, row in enumerate(self.rows):
-                text = slice(i, i + 1), slice(0, row.kept)
-                row.blocks[self.index] = (
-                    k[text].clone(),
-                    v[text].clone(),
-                    *(None if t is None else t[i : i + 1].clone() for t in (k_img, v_img)),
-                )
-        else:
-            kept = [row.blocks[self.index] for row in self.rows]
-            width = max(kv[0].shape[1] for kv in kept)
-            k, v = (  # (B, tokens, heads, d): rows of fewer tokens padded, masked out below
-                torch.cat([_pad(kv[j], width) for kv in kept]) for j in (0, 1)
-            )
-            k_img, v_img = (
-                None if kept[0][j] is None else torch.cat([kv[j] for kv in kept]) for j in (2, 3)
-            )
-            attention_mask = self.mask
+        # The pass's keys and values of this block, set by `PromptCache`'s hook around it: the
+        # prompt embeddings given here are empty (the hook took them).
+        k, v, k_img, v_img = self.kv
+        attention_mask = self.mask
         # From here on as WanAttnProcessor (cross-attention: no rotary, no context parallel).
         query = attn.norm_q(attn.to_q(hidden_states)).unflatten(2, (attn.heads, -1))  # (B, N, h, d)
 
@@ -155,6 +191,11 @@ class PromptCacheProcessor:
         return attn.to_out[1](attn.to_out[0](out))
 
 
+@functools.cache
+def _signature(kind: type) -> inspect.Signature:
+    return inspect.signature(kind.forward)
+
+
 def _pad(t: torch.Tensor, tokens: int) -> torch.Tensor:
     """`(1, n, heads, d)` -> `(1, tokens, heads, d)`, zeros after."""
     return (
@@ -164,13 +205,24 @@ def _pad(t: torch.Tensor, tokens: int) -> torch.Tensor:
     )
 
 
+def pass_width(rows: Sequence[PromptKV]) -> int:
+    """Text tokens of a pass's keys: the rows' most kept, rounded up to a power of two of at least
+    `MIN_WIDTH` (at most 512), so that compiled blocks see a few widths, not one per prompt."""
+    kept = max(row.kept for row in rows)
+    return (
+        kept
+        if kept == TEXT_TOKENS
+        else min(TEXT_TOKENS, max(MIN_WIDTH, 1 << (kept - 1).bit_length()))
+    )
+
+
 def padding_mask(rows: Sequence[PromptKV], dtype: torch.dtype, device) -> torch.Tensor | None:
-    """The scores' bias of a pass over compact rows `(B, 1, 1, tokens)`: 0 on a row's prompt
+    """The scores' bias of a pass over compact rows `(B, 1, 1, pass_width)`: 0 on a row's prompt
     tokens, `log(512 - L)` on its padding token, -inf past its kept tokens; None when no row is
     compact (every row keeps all 512)."""
     if not any(row.compact for row in rows):
         return None
-    mask = torch.full((len(rows), 1, 1, max(row.kept for row in rows)), -math.inf)
+    mask = torch.full((len(rows), 1, 1, pass_width(rows)), -math.inf)
     for i, row in enumerate(rows):
         mask[i, ..., : row.kept] = 0
         if row.compact and row.length < TEXT_TOKENS:
@@ -199,8 +251,8 @@ class PromptCache:
     a VACE transformer's VACE blocks, indexed first)."""
 
     def __init__(self, model: nn.Module):
-        self.processors = []
-        for i, block in enumerate(attention_blocks(model)):
+        self.processors, self.blocks = [], attention_blocks(model)
+        for i, block in enumerate(self.blocks):
             processor = PromptCacheProcessor(i, block.attn2.processor)
             block.attn2.set_processor(processor)
             self.processors.append(processor)
@@ -217,14 +269,24 @@ class PromptCache:
         (`fill`, from the prompt embeddings they are given) or read them (the embeddings they
         are given are ignored); `dtype` and `device` are the pass's. None: diffusers' own
         processor."""
-        mask = None if fill or rows is None else padding_mask(rows, dtype, device)
-        for p in self.processors:
-            p.rows, p.fill, p.mask = rows, fill, mask
+        if rows is None:
+            yield
+            return
+        mask, width = padding_mask(rows, dtype, device), pass_width(rows)
+        hooks = []
+        for p, block in zip(self.processors, self.blocks):
+            p.rows, p.fill, p.mask, p.width = rows, fill, mask, width
+            # Registered for the pass, so that they run after the streamer's hooks (which put
+            # the block's weights in place: a fill reads `to_k` and `to_v`).
+            hooks.append(block.register_forward_pre_hook(p.before, with_kwargs=True))
+            hooks.append(block.register_forward_hook(p.after, always_call=True))
         try:
             yield
         finally:
+            for h in hooks:
+                h.remove()
             for p in self.processors:
-                p.rows, p.fill, p.mask = None, False, None
+                p.rows, p.fill, p.mask, p.kv = None, False, None, None
 
     def remove(self, model: nn.Module) -> None:
         """Put diffusers' processors back."""
