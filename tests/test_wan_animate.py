@@ -551,3 +551,38 @@ def test_step_caches_start_afresh_with_each_segment(wan):
     assert loose.cache.reused == 2 and loose.cache.passes == 6
     assert pipe.finish(loose).shape == off.shape
     assert pipe.info.limits.cache_policies == ("output-change", "adaptive")
+
+
+@pytest.mark.slow  # two processes
+def test_two_ranks_make_one_process_clip(wan):
+    """Sequence parallel on two CPU processes (gloo), replace mode in two segments: a pass's
+    three latent frames of four tokens split six and six, so a rank's shard ends mid-frame and
+    each face adapter sees every token (gathered before it, this rank's rows kept after); the
+    frames of one process streamed, bitwise."""
+    from megaslide.engine.parallel.multidevice import generate_on_devices
+    from megaslide.engine.request import resolve
+    from megaslide.engine.sources import describe, resolve_source
+
+    info = describe(resolve_source(str(wan["animate"])))
+    clip = resolve(
+        request(wan, True, segment_frame_length=5), info.limits, info.sampling, model=info.name
+    )
+    # Each rank with this process's threads: a CPU matmul's reduction order follows the thread
+    # count (the guidance pair's batched rows differ by a level between one and two threads).
+    threads = torch.get_num_threads()
+    split = generate_on_devices(info, clip, ["cpu", "cpu"], threads=threads, timeout_s=300)
+    one = open_pipeline(info, offload="stream").generate(clip)
+    assert np.array_equal(split, one), level_diff(split, one)
+
+
+def test_sequence_parallel_needs_a_frames_tokens_to_split(wan):
+    """A clip whose token count splits but whose frame's tokens (3x3 at 48x48) do not is refused
+    by name before any process starts: the character's frame and the segments set frames apart."""
+    from megaslide.engine.family import family
+    from megaslide.engine.sources import describe, resolve_source
+
+    info = describe(resolve_source(str(wan["animate"])))
+    check = family(info.family).check_parallel
+    check(info, 9, 32, 32, 2)  # 2x2 tokens a frame
+    with pytest.raises(ValueError, match=r"Animate model over 2 devices needs a frame's tokens"):
+        check(info, 5, 48, 48, 2)  # 2x3x3 tokens: 18 split, 9 a frame do not

@@ -265,13 +265,13 @@ class WanFamily(Family):
                 f"sequence parallel over {world} devices needs the heads ({heads}) and the "
                 f"token count ({'x'.join(map(str, grid))}) to be multiples of {world}"
             )
-        if config.animate:
-            raise ValueError("sequence parallel is not built for Wan Animate models")
-        if config.vace and math.prod(grid[1:]) % world:
-            # Reference images add latent frames: a frame's tokens must split alone.
+        if (config.vace or config.animate) and math.prod(grid[1:]) % world:
+            # Reference images (VACE) and the character's frame and segments (Animate) add or
+            # set latent frames apart from the clip's: a frame's tokens must split alone.
             raise ValueError(
-                f"sequence parallel of a VACE model over {world} devices needs a frame's tokens "
-                f"({'x'.join(map(str, grid[1:]))}) to be a multiple of {world}"
+                f"sequence parallel of a {'VACE' if config.vace else 'Animate'} model over "
+                f"{world} devices needs a frame's tokens ({'x'.join(map(str, grid[1:]))}) to be "
+                f"a multiple of {world}"
             )
 
     def kept_across_steps(self, info: ModelInfo, rows: int, dtype_bytes: int) -> int:
@@ -600,7 +600,17 @@ class WanVideoPipeline(Pipeline, Sampler):
         The gather after `proj_out` is a forward hook of ours in place of diffusers' (which wraps
         the layer's forward): an adapter's delta on `proj_out` (a forward hook put first,
         lora.py) then adds to this rank's tokens' output, from this rank's tokens, before the
-        gather, as every other adapted layer does."""
+        gather, as every other adapted layer does.
+
+        Animate (diffusers gives its transformer no plan: Wan's fits, the pose tokens being added
+        before the split at the first block): each face adapter attends frame by frame, its
+        queries grouped into the latent frames (`unflatten(1, (T, -1))`) against each frame's
+        motion vectors, so it must see whole frames. It sees all the tokens: hooks of ours gather
+        them before it and keep this rank's shard of its output after, and its attention runs
+        without the Ulysses all-to-alls (no parallel config on its processor). Its compute is
+        repeated on every rank (a projection in and out and an attention over a few motion
+        tokens per frame, once every `inject_face_latents_blocks` blocks) and each call gathers
+        the tokens once; its output is the one-process output's rows, op for op."""
         from diffusers import ContextParallelConfig, WanTransformer3DModel
         from diffusers.hooks.context_parallel import apply_context_parallel
         from diffusers.models._modeling_parallel import ContextParallelInput, ParallelConfig
@@ -618,9 +628,18 @@ class WanVideoPipeline(Pipeline, Sampler):
         config.setup(sp.rank, sp.world, self.device, mesh=mesh)
         for expert in self.experts:
             expert._parallel_config = config
+            faces = set(getattr(expert, "face_adapter", ()))  # Animate's: they see every token
             for module in expert.modules():
-                if hasattr(getattr(module, "processor", None), "_parallel_config"):
-                    module.processor._parallel_config = config
+                processor = getattr(module, "processor", None)
+                if hasattr(processor, "_parallel_config") and module not in faces:
+                    processor._parallel_config = config
+            for face in faces:
+                face.register_forward_pre_hook(
+                    lambda module, args: (gather_tokens(args[0], sp), *args[1:])  # (B, N, D)
+                )
+                face.register_forward_hook(
+                    lambda module, args, out: out[:, sp.shard(out.shape[1])]  # (B, n, D)
+                )
             # diffusers gives its VACE transformer no plan: Wan's, with the VACE blocks' two token
             # inputs split where they enter (VACE block 0), so each rank's hints are its tokens'.
             plan = dict(expert._cp_plan or WanTransformer3DModel._cp_plan)
