@@ -129,7 +129,7 @@ def test_the_vace_blocks_stream_and_condition_the_clip(wan):
     assert pipe.handles["transformer"]._blocks[0].module is model.vace_blocks[0]
     limits = pipe.info.limits.to_dict()
     assert limits["vace_input"] and not limits["video_input"] and not limits["image_input"]
-    assert limits["cache_policies"] == ["output-change", "adaptive"]
+    assert limits["cache_policies"] == ["output-change", "adaptive", "first-block"]
 
     full = pipe.generate(vace_request(wan, "all", steps=1))
     for change in (
