@@ -568,6 +568,7 @@ def test_an_animate_pass_cut_at_its_blocks_is_its_forward(wan):
         assert torch.equal(cut.epilogue(h, carry), whole)
 
 
+@pytest.mark.slow  # three streamed clips of two segments each
 def test_a_first_block_cache_on_animate(wan):
     """first-block on a streamed Animate model, over two segments: threshold 0 reuses nothing
     and gives the uncached clip bitwise; a loose one reuses, its reused steps loading block 0

@@ -464,6 +464,7 @@ def test_a_vace_pass_cut_at_its_blocks_is_its_forward(wan):
             assert torch.equal(cut.epilogue(h, carry), whole)
 
 
+@pytest.mark.slow  # three streamed clips and a batch of two
 def test_a_first_block_cache_on_vace(wan):
     """first-block on a streamed VACE model: threshold 0 reuses nothing and gives the uncached
     clip bitwise; a loose one reuses, its reused steps loading the VACE blocks and block 0
