@@ -130,7 +130,7 @@ def test_animate_streams_its_face_adapters_and_checks_requests(wan):
     limits = pipe.info.limits.to_dict()
     assert limits["animate_input"] and limits["image_required"]
     assert not (limits["vace_input"] or limits["video_input"])
-    assert limits["cache_policies"] == ["output-change", "adaptive"]  # no first-block cache
+    assert limits["cache_policies"] == ["output-change", "adaptive", "first-block"]
     assert pipe.info.sampling.guidance == 1.0  # WanAnimatePipeline's default: no guidance pair
 
     def refused(changes, param, model="animate"):
@@ -147,7 +147,6 @@ def test_animate_streams_its_face_adapters_and_checks_requests(wan):
     refused(dict(background_mask=wan["mask"]), "background_video")
     assert "not found" in refused(dict(face_video=wan["face"] + ".missing"), "face_video")
     refused(dict(frames=1), "frames")
-    refused(dict(cache={"policy": "first-block", "threshold": 0.1}), "cache")
     message = refused(
         dict(image=None, pose_video=wan["pose"], face_video=None), "pose_video", "t2v"
     )
@@ -550,7 +549,6 @@ def test_step_caches_start_afresh_with_each_segment(wan):
     assert [m > 0 for m in moved] == [True, True, False, True] * 2, moved
     assert loose.cache.reused == 2 and loose.cache.passes == 6
     assert pipe.finish(loose).shape == off.shape
-    assert pipe.info.limits.cache_policies == ("output-change", "adaptive")
 
 
 @pytest.mark.slow  # two processes
@@ -586,3 +584,50 @@ def test_sequence_parallel_needs_a_frames_tokens_to_split(wan):
     check(info, 9, 32, 32, 2)  # 2x2 tokens a frame
     with pytest.raises(ValueError, match=r"Animate model over 2 devices needs a frame's tokens"):
         check(info, 5, 48, 48, 2)  # 2x3x3 tokens: 18 split, 9 a frame do not
+
+
+def test_an_animate_pass_cut_at_its_blocks_is_its_forward(wan):
+    """The pass cut at its blocks (forward.py: the pose tokens added and the motion vectors
+    made in the prologue, each face adapter after its block), run in a row, is the
+    transformer's forward bitwise, over an animate and a replace request's rows (guided)."""
+    pipe = open_pipeline(wan["animate"])
+    clips = [request(wan), request(wan, replace=True, seed=5)]
+    states = pipe.prepare_batch([pipe.resolve(c) for c in clips])
+    pipe._keep = set()  # no kept cross-attention keys and values: the cut pass keeps none
+    with torch.no_grad():
+        whole = torch.cat(pipe.forward(0, states))  # (rows, C, F', H', W')
+        cut = pipe.cut(0, states)
+        h, carry = cut.prologue()
+        for i in range(cut.depth):
+            h = cut.block(i, h, carry)
+        assert torch.equal(cut.epilogue(h, carry), whole)
+
+
+@pytest.mark.slow  # three streamed clips of two segments each
+def test_a_first_block_cache_on_animate(wan):
+    """first-block on a streamed Animate model, over two segments: threshold 0 reuses nothing
+    and gives the uncached clip bitwise; a loose one reuses, its reused steps loading block 0
+    and its face adapter alone, and each segment computes its first step afresh."""
+    pipe = open_pipeline(wan["animate"], offload="stream")
+    # The plain passes keep all 512 tokens' keys: compact entries are only within a level of
+    # recomputing them (prompt_cache.py), as the cut pass does.
+    pipe.prompt_cache_compact = False
+    clip = request(wan, segment_frame_length=5, steps=3)
+    off = pipe.generate(clip)
+    zero = dataclasses.replace(clip, cache=dict(policy="first-block", threshold=0))
+    assert np.array_equal(pipe.generate(zero), off)
+    handle = pipe.handles["transformer"]
+    loose = dataclasses.replace(clip, cache=dict(policy="first-block", threshold=100))
+    loose = pipe.prepare(pipe.resolve(loose))
+    loads, load = [], handle.load
+    handle.load = lambda i: (loads[-1].append(i), load(i))[1]
+    try:
+        while not loose.done:
+            loads.append([])
+            pipe.denoise_step([loose])
+    finally:
+        del handle.load
+    # streamed: block 0, its face adapter, block 1, its face adapter
+    full, first = [0, 1, 2, 3], [0, 1]
+    assert loads == [full, first, first] * 2, loads
+    assert pipe.finish(loose).shape == off.shape

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -128,7 +129,7 @@ def test_the_vace_blocks_stream_and_condition_the_clip(wan):
     assert pipe.handles["transformer"]._blocks[0].module is model.vace_blocks[0]
     limits = pipe.info.limits.to_dict()
     assert limits["vace_input"] and not limits["video_input"] and not limits["image_input"]
-    assert limits["cache_policies"] == ["output-change", "adaptive"]
+    assert limits["cache_policies"] == ["output-change", "adaptive", "first-block"]
 
     full = pipe.generate(vace_request(wan, "all", steps=1))
     for change in (
@@ -162,8 +163,8 @@ def test_requests_of_different_scales_share_a_pass(wan):
 
 def test_vace_requests_are_checked(wan, tmp_path):
     """Each field named when wrong: a mask without a control video, too many reference images
-    (or more than the model's frames leave room for), a missing file, a scale out of range, a
-    step cache; a control video or mask shorter than the clip is a ValueError naming the file.
+    (or more than the model's frames leave room for), a missing file, a scale out of range;
+    a control video or mask shorter than the clip is a ValueError naming the file.
     A model without VACE blocks refuses every VACE field by name."""
     from megaslide.engine.video import write_mp4
 
@@ -180,7 +181,6 @@ def test_vace_requests_are_checked(wan, tmp_path):
         (dict(control_video=str(tmp_path / "no.mp4")), "control_video", "not found"),
         (dict(conditioning_scale=-1.0), "conditioning_scale", r"in \[0, 10\]"),
         (dict(conditioning_scale=float("nan")), "conditioning_scale", r"in \[0, 10\]"),
-        (dict(cache={"policy": "first-block", "threshold": 0.1}), "cache", "not available"),
     ]
     for changes, param, message in refusals:
         with pytest.raises(RequestError, match=message) as refused:
@@ -442,6 +442,68 @@ def test_step_caches_and_previews_on_vace(wan, policy):
     assert moved.count(0) == loose.cache.reused and max(moved) > 0
 
 
+def test_a_vace_pass_cut_at_its_blocks_is_its_forward(wan):
+    """The pass cut at its blocks (forward.py: the VACE blocks' hints made in the prologue, each
+    added after its block times its row's scale), run in a row, is the transformer's forward
+    bitwise: two requests of different scales in one pass (a scale per row), and one row alone
+    (the reference mode's scales, one per layer)."""
+    pipe = open_pipeline(wan["vace"])
+    clips = [
+        vace_request(wan, "all"),
+        vace_request(wan, "all", conditioning_scale=1.5, seed=5, guidance=1.0),
+    ]
+    states = pipe.prepare_batch([pipe.resolve(c) for c in clips])
+    pipe._keep = set()  # no kept cross-attention keys and values: the cut pass keeps none
+    for group in (states, states[1:]):
+        with torch.no_grad():
+            whole = torch.cat(pipe.forward(0, group))  # (rows, C, F', H', W')
+            cut = pipe.cut(0, group)
+            h, carry = cut.prologue()
+            for i in range(cut.depth):
+                h = cut.block(i, h, carry)
+            assert torch.equal(cut.epilogue(h, carry), whole)
+
+
+@pytest.mark.slow  # three streamed clips and a batch of two
+def test_a_first_block_cache_on_vace(wan):
+    """first-block on a streamed VACE model: threshold 0 reuses nothing and gives the uncached
+    clip bitwise; a loose one reuses, its reused steps loading the VACE blocks and block 0
+    alone. A plain request stepped beside it gets its clip alone (within a uint8 level: the
+    later blocks run a smaller batch on reuse steps)."""
+    pipe = open_pipeline(wan["vace"], offload="stream")
+    # The plain passes keep all 512 tokens' keys: compact entries are only within a level of
+    # recomputing them (prompt_cache.py), as the cut pass does.
+    pipe.prompt_cache_compact = False
+    clip = vace_request(wan, "all", steps=3)
+    loose_clip = replace(clip, cache=dict(policy="first-block", threshold=100))
+    off = pipe.generate(clip)
+    zero = pipe.prepare(pipe.resolve(replace(clip, cache=dict(policy="first-block", threshold=0))))
+    while not zero.done:
+        pipe.denoise_step([zero])
+    assert zero.cache.reused == 0 and np.array_equal(pipe.finish(zero), off)
+    handle = pipe.handles["transformer"]
+    loose = pipe.prepare(pipe.resolve(loose_clip))
+    loads, load = [], handle.load
+    handle.load = lambda i: (loads[-1].append(i), load(i))[1]
+    try:
+        while not loose.done:
+            loads.append([])
+            pipe.denoise_step([loose])
+    finally:
+        del handle.load
+    # streamed: the two VACE blocks, then the three blocks
+    assert loose.cache.passes == 1 and loose.cache.reused == 2
+    assert loads[0] == [0, 1, 2, 3, 4] and all(step == [0, 1, 2] for step in loads[1:])
+    plain = vace_request(wan, "all", steps=3, conditioning_scale=1.5, seed=5)
+    states = [pipe.prepare(pipe.resolve(c)) for c in (loose_clip, plain)]
+    while not all(s.done for s in states):
+        pipe.denoise_step(states)
+    assert states[0].cache.reused > 0 and states[1].passes == 3
+    alone = [pipe.finish(loose), pipe.generate(plain)]
+    for ours, theirs in zip(pipe.finish_batch(states), alone):
+        assert level_diff(ours, theirs) <= 1
+
+
 @pytest.mark.slow  # diffusers' pipeline with PEFT, and two clips of ours
 def test_a_lora_on_the_vace_blocks_as_diffusers_applies_it(wan, tmp_path):
     """A diffusers / PEFT-layout adapter on the blocks and the VACE blocks (their attention, and
@@ -488,6 +550,28 @@ def test_two_ranks_make_one_process_clip(wan):
     clip = resolve(vace_request(wan, "all"), info.limits, info.sampling, model=info.name)
     split = generate_on_devices(info, clip, ["cpu", "cpu"], timeout_s=300)
     one = open_pipeline(info, offload="stream").generate(clip)
+    assert np.array_equal(split, one), level_diff(split, one)
+
+
+@pytest.mark.slow  # two processes, and a clip of one
+def test_two_ranks_with_a_first_block_cache_make_one_process_clip(wan):
+    """A first-block cache under sequence parallel: the cut pass's hints are each rank's tokens'
+    (VACE block 0 splits its inputs as in the forward), the ranks decide together; a loose
+    cache that reuses gives the frames of one process, bitwise."""
+    from megaslide.engine.parallel.multidevice import generate_on_devices
+    from megaslide.engine.request import resolve
+    from megaslide.engine.sources import describe, resolve_source
+
+    info = describe(resolve_source(str(wan["vace"])))
+    loose = vace_request(wan, "all", steps=3, cache=dict(policy="first-block", threshold=100))
+    clip = resolve(loose, info.limits, info.sampling, model=info.name)
+    split = generate_on_devices(info, clip, ["cpu", "cpu"], timeout_s=300)
+    pipe = open_pipeline(info, offload="stream")
+    state = pipe.prepare(clip)
+    while not state.done:
+        pipe.denoise_step([state])
+    assert state.cache.reused > 0
+    one = pipe.finish(state)
     assert np.array_equal(split, one), level_diff(split, one)
 
 

@@ -478,13 +478,9 @@ def wan_limits(config: WanConfig, sampling: SamplingDefaults, path: Path) -> Mod
         video_input=not (config.image_condition or config.expand_timesteps or config.vace),
         vace_input=config.vace,
         animate_input=config.animate,
-        # A VACE or Animate model's pass is not cut at its blocks (family.py): no first-block
-        # cache; the caches that decide before a pass run (an Animate segment starts afresh).
-        cache_policies=tuple(
-            p
-            for p in CACHE_POLICIES
-            if not ((config.vace or config.animate) and p == "first-block")
-        ),
+        # Every step cache, a VACE or Animate model's too (forward.py cuts their passes; an
+        # Animate segment starts its cache afresh).
+        cache_policies=CACHE_POLICIES,
         experts=len(config.experts),
         max_prompt_tokens=TEXT_TOKENS - 1,  # and the end-of-sequence token
         prompt_unit="tokens (UMT5)",

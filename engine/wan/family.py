@@ -959,18 +959,20 @@ class WanVideoPipeline(Pipeline, Sampler):
 
     def cut(self, e: int, states: list[WanState]) -> WanCut:
         """The pass of `forward` cut at its blocks (forward.py), for a first-block cache: its
-        inputs are those of a pass that keeps no cross-attention keys and values."""
-        if self.config.vace or self.config.animate:
-            raise ValueError(
-                "a VACE or Animate model's pass is not cut at its blocks (no first-block cache)"
-            )
+        inputs are those of a pass that keeps no cross-attention keys and values (and a VACE
+        or Animate model's own, as `_forward` gives them)."""
         model = self.experts[e]
         *inputs, adapters = self._inputs(model, states, (0, 1))
-        return WanCut(model, self.config.patch, tuple(inputs), adapters, self.adapters, self.sp)
+        extra = self._control(states, (0, 1)) if self.config.vace else {}
+        if self.config.animate:
+            extra = self._motion(states, (0, 1))
+        return WanCut(
+            model, self.config.patch, tuple(inputs), adapters, self.adapters, self.sp, extra
+        )
 
     def interleaves(self, parts: list[list]) -> bool:
-        # A VACE or Animate model's pass is not cut at its blocks: its fine-tunes run one pass
-        # each.
+        # A VACE or Animate model's fine-tunes run one pass each (the interleaved pass is not
+        # built for what runs between their blocks: VACE blocks, face adapters).
         return not (self.config.vace or self.config.animate) and super().interleaves(parts)
 
     def update(self, s: WanState, noise: torch.Tensor) -> None:

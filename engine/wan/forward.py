@@ -6,6 +6,17 @@ norm and projection, unpatchified); between them each block is the model's own, 
 forward calls it. Run in a row, they are the model's forward op for op. The first-block step
 cache cuts its passes here (`WanCut`), and block-wise fine-tuning runs the blocks one at a time
 between them (training.py).
+
+A VACE or Animate transformer's pass is cut the same way, what its forward adds between the
+blocks carried from the prologue: VACE's hints (`vace_hints`: its VACE blocks, which run before
+any block, on the control latents), each added times its scale after its block (`vace_layers`);
+Animate's pose tokens (added in the prologue) and motion vectors (`motion`), which the face
+adapter after every `inject_face_latents_blocks`-th block reads. A first-block cache's reused
+step then runs the VACE blocks and block 0 (and its face adapter), not the blocks after.
+
+Caution: diffusers' VACE forward runs its blocks on the patch embedding's strided view, the
+other forwards on a contiguous copy; `prologue` does as the model's forward does, since a
+matmul over a strided view need not round as one over a copy.
 """
 
 from __future__ import annotations
@@ -41,12 +52,18 @@ def attention_blocks(model: nn.Module) -> list[nn.Module]:
     return [b for b in streamed_blocks(model) if hasattr(b, "attn2")]
 
 
-def prologue(model: nn.Module, x, timestep, context, image=None):
+def prologue(model: nn.Module, x, timestep, context, image=None, pose=None):
     """Tokens `(B, N, D)`, the time embedding, the blocks' modulation `(B, [N,] 6, D)`, the
     embedded text (after Wan2.1-I2V's embedded image features) and the rotary tables. `timestep`
-    is `(B,)`, or `(B, N)` one per token (Wan2.2-TI2V's `expand_timesteps`)."""
+    is `(B,)`, or `(B, N)` one per token (Wan2.2-TI2V's `expand_timesteps`); `pose`: Animate's
+    pose latents `(B, C, F' - 1, H', W')`, whose tokens add to those after the first frame's."""
     rotary = model.rope(x)
-    h = model.patch_embedding(x).flatten(2).transpose(1, 2).contiguous()  # (B, N, D)
+    h = model.patch_embedding(x)  # (B, D, F', H'', W'')
+    if pose is not None:
+        h[:, :, 1:] = h[:, :, 1:] + model.pose_patch_embedding(pose)
+    h = h.flatten(2).transpose(1, 2)  # (B, N, D)
+    if not hasattr(model, "vace_blocks"):  # VACE's forward keeps the strided view (Caution)
+        h = h.contiguous()
     seq_len = None
     if timestep.ndim == 2:  # one timestep per token
         seq_len = timestep.shape[1]
@@ -63,6 +80,33 @@ def prologue(model: nn.Module, x, timestep, context, image=None):
 def block(model: nn.Module, i: int, h, context, projection, rotary) -> torch.Tensor:
     """Block `i` on tokens `(B, N, D)`."""
     return model.blocks[i](h, context, projection, rotary)
+
+
+def vace_hints(model: nn.Module, h, context, projection, rotary, control, scale) -> list:
+    """A VACE transformer's hints, as its forward makes them before the blocks: its VACE blocks
+    run in turn on the control latents `(B, C', F', H', W')` (their tokens padded with zeros to
+    the clip's, `h` `(B, N, D)`), each giving a hint `(B, N, D)`; `scale` is `(layers,)` or
+    `(layers, B, 1, 1)`, one per row. A `(hint, scale)` pair per entry of `vace_layers`."""
+    c = model.vace_patch_embedding(control).flatten(2).transpose(1, 2)  # (B, N', D)
+    pad = c.new_zeros(c.shape[0], h.shape[1] - c.shape[1], c.shape[2])
+    c = torch.cat([c, pad], dim=1)  # (B, N, D)
+    hints = []
+    for vace_block, s in zip(model.vace_blocks, torch.unbind(scale)):
+        hint, c = vace_block(h, context, c, projection, rotary)  # (B, N, D) each
+        hints.append((hint, s))
+    return hints
+
+
+def motion(model: nn.Module, face: torch.Tensor) -> torch.Tensor:
+    """An Animate transformer's motion vectors of face frames `(B, 3, L, S, S)`, as its forward
+    makes them (the motion encoder in batches of `motion_encoder_batch_size` frames, then the
+    face encoder), with the zero vector of the first latent frame before them."""
+    B, C, L, S, _ = face.shape
+    frames = face.permute(0, 2, 1, 3, 4).reshape(-1, C, S, S)  # (B L, 3, S, S)
+    size = model.config.motion_encoder_batch_size
+    vectors = torch.cat([model.motion_encoder(f) for f in torch.split(frames, size)])
+    vectors = model.face_encoder(vectors.view(B, L, -1))  # (B, L', heads, D')
+    return torch.cat([torch.zeros_like(vectors[:, :1]), vectors], dim=1)
 
 
 def epilogue(model: nn.Module, h, temb, grid: tuple[int, int, int], patch) -> torch.Tensor:
@@ -88,6 +132,8 @@ class Carry:
     projection: torch.Tensor  # (B, [N,] 6, D) the blocks' modulation
     context: torch.Tensor  # (B, L, D) the embedded text (and image)
     rotary: tuple  # rotary tables, shared by every row
+    hints: list | None = None  # VACE: (hint (B, N, D), scale () or (B, 1, 1)) per vace layer
+    motion: torch.Tensor | None = None  # Animate: the face adapters' motion vectors
 
 
 class WanCut(ForwardCut):
@@ -98,12 +144,23 @@ class WanCut(ForwardCut):
     rotary tables at `rope`, the tokens entering block 0, the gather after `proj_out`. The one
     split made at the model's own forward, per-token timesteps (`expand_timesteps`), the cut
     makes itself in `prologue`, so the modulation and the epilogue's time embedding are this
-    rank's tokens'."""
+    rank's tokens'.
 
-    def __init__(self, model, patch, inputs: tuple, adapters: list, router, sp=None):
+    A VACE transformer's hints under sequence parallel are this rank's tokens': the plan splits
+    the VACE blocks' token inputs where they enter VACE block 0 (`WanVideoPipeline.parallelize`),
+    which the prologue runs as the forward does.
+
+    `extra`: a VACE or Animate transformer's own inputs, in the names its forward takes
+    (`control_hidden_states` and `control_hidden_states_scale`; `pose_hidden_states` and
+    `face_pixel_values`)."""
+
+    def __init__(self, model, patch, inputs: tuple, adapters: list, router, sp=None, extra=None):
         self.model, self.patch = model, patch
         self.x, self.timestep, self.context, self.image = inputs
         self.adapters, self.router, self.sp = adapters, router, sp
+        self.extra = extra or {}
+        layers = getattr(model.config, "vace_layers", None) or ()
+        self.hint_of = {i: j for j, i in enumerate(sorted(layers))}  # block -> its hint
 
     @property
     def depth(self) -> int:
@@ -113,16 +170,37 @@ class WanCut(ForwardCut):
         timestep = self.timestep
         if timestep.ndim == 2:  # (B, N) one per token: (B, n), this rank's
             timestep = self.local(timestep)
+        extra = self.extra
         h, temb, projection, context, rotary = prologue(
-            self.model, self.x, timestep, self.context, self.image
+            self.model, self.x, timestep, self.context, self.image, extra.get("pose_hidden_states")
         )
-        return h, Carry(temb, projection, context, rotary)  # (B, N, D)
+        c = Carry(temb, projection, context, rotary)
+        if "control_hidden_states" in extra:
+            control, scale = extra["control_hidden_states"], extra["control_hidden_states_scale"]
+            c.hints = vace_hints(self.model, h, context, projection, rotary, control, scale)
+        if "face_pixel_values" in extra:
+            c.motion = motion(self.model, extra["face_pixel_values"])
+        return h, c  # (B, N, D)
 
     def block(self, i, h, c: Carry):
-        return block(self.model, i, h, c.context, c.projection, c.rotary)  # (B, N, D)
+        h = block(self.model, i, h, c.context, c.projection, c.rotary)  # (B, N, D)
+        if c.hints is not None and i in self.hint_of:
+            hint, scale = c.hints[self.hint_of[i]]
+            h = h + hint * scale
+        if c.motion is not None and i % self.model.config.inject_face_latents_blocks == 0:
+            adapter = self.model.face_adapter[i // self.model.config.inject_face_latents_blocks]
+            h = adapter(h, c.motion) + h
+        return h
 
     def rows(self, c: Carry, index):
-        return replace(c, projection=c.projection[index], context=c.context[index])
+        hints = c.hints and [(h[index], s[index] if s.ndim else s) for h, s in c.hints]
+        return replace(
+            c,
+            projection=c.projection[index],
+            context=c.context[index],
+            hints=hints,
+            motion=None if c.motion is None else c.motion[index],
+        )
 
     def epilogue(self, h, c: Carry):
         _, _, F, H, W = self.x.shape
