@@ -90,6 +90,8 @@ class DecodeTable:
                 n = min(ROWS, rows - r0)
                 tiles.append((q_off + r0 * cols, e_off + r0, o_off + r0 * cols, n, cols))
         self.tiles = len(tiles)
+        # A copy from pageable memory (it waits for the host): once per layout and device, at
+        # the first decode of a model's first block, never per step.
         self.table = torch.tensor(tiles, dtype=torch.int64, device=device).reshape(-1)
 
 
