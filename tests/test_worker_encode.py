@@ -98,12 +98,13 @@ class StreamFullDisk(FakeBackend):
 
     def open_video(self, fps, mp4_path, thumbnail_path):
         backend, writer = self, super().open_video(fps, mp4_path, thumbnail_path)
-        add = writer.add
+        add, taken = writer.add, []
 
-        def add_or_refuse(chunk):
-            if backend.full.is_set():
+        def add_or_refuse(chunk):  # the first chunk fits: the disk fills mid-stream
+            if backend.full.is_set() and taken:
                 backend.refused += 1
                 raise OSError(errno.ENOSPC, "No space left on device", str(mp4_path))
+            taken.append(len(chunk))
             add(chunk)
 
         writer.add = add_or_refuse

@@ -117,6 +117,32 @@ def test_a_full_disk_answers_507_and_the_server_recovers_by_itself(make_client, 
     assert c.get("/healthz").status_code == 200
 
 
+def test_a_store_that_fails_as_a_clip_finishes_decoding_loses_no_job(make_client, monkeypatch):
+    """The decode is done and recording it fails: the clip is given up (no encoder left waiting,
+    no file) and its claim no longer renewed, so once the store is back the job is claimed again
+    when its lease runs out and completes once."""
+    monkeypatch.setattr("megaslide.server.worker.context.STORE_RETRY_S", (0.05, 0.2))
+    backend = FakeBackend()
+    c = make_client(backend, lease_s=1.0, heartbeat_s=0.2)
+    failing = threading.Event()
+    fail_writes(c.app.state.store.sync, failing)
+    backend.decode_gate.clear()  # a "holddecode" clip's frames wait for it
+    video = create(c, prompt="holddecode", seed=4)
+    until(lambda: c.get(f"/v1/videos/{video['id']}").json()["progress"] >= 90, what="denoised")
+    failing.set()
+    backend.decode_gate.set()  # the decode ends; recording it fails
+    until(lambda: c.get("/readyz").status_code == 503, what="readyz to report the failing store")
+    failing.clear()
+    done = wait_status(c, video["id"], timeout=30)
+    assert done["status"] == "completed" and done["progress"] == 100
+    mp4 = c.app.state.settings.data_dir / "videos" / f"{video['id']}.mp4"
+    assert mp4.is_file()  # and nothing else of it: no temporary file left by the aborted encoder
+    assert sorted(p.name for p in mp4.parent.glob(f"*{video['id']}*")) == [
+        mp4.name,
+        f"{video['id']}.png",
+    ]
+
+
 class FullDiskBackend(FakeBackend):
     """Writing an MP4 fails for want of space while `full` is set."""
 

@@ -88,16 +88,10 @@ class Segments:
     def last(self) -> bool:
         return self.index == self.count - 1
 
-    def stitch(self, frames: np.ndarray, clip: int) -> np.ndarray:
-        """The clip of `clip` frames: the earlier segments' and the last one's `frames` (its
-        decoded segment, uint8 `(L, H, W, 3)`) past those it carried over."""
-        own = frames if self.index == 0 else frames[self.carried :]
-        return np.concatenate([*self.made, own])[:clip]
-
     def stitch_chunks(self, chunks: Iterator[np.ndarray], clip: int) -> Iterator[np.ndarray]:
-        """`stitch` chunk by chunk: the earlier segments' frames, then the last one's `chunks`
-        (uint8 `(f, H, W, 3)` as the VAE decodes them) past those it carried over, until the
-        clip's `clip` frames are out."""
+        """The clip of `clip` frames, chunk by chunk: the earlier segments' frames, then the last
+        one's `chunks` (uint8 `(f, H, W, 3)` as the VAE decodes them) past those it carried
+        over, until the clip's `clip` frames are out."""
 
         def own() -> Iterator[np.ndarray]:
             skip = 0 if self.index == 0 else self.carried

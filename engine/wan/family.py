@@ -894,10 +894,9 @@ class WanVideoPipeline(Pipeline, Sampler):
         one's condition, fresh noise from the request's generator and a fresh scheduler."""
         seg = state.segments
         latents = state.clip_latents()[:, :, state.references :]  # without the character's
-        # The VAE as its request's fine-tune has it (a step selects the denoisers' alone).
-        with self.using(state.fine_tune, components=("vae",)):
-            # (1, L, H, W, 3) uint8, and (1, 3, P, H, W) in [-1, 1] as the VAE decoded them
-            frames, prev = self.encoders.decode_tail(latents, seg.carried)
+        # The VAE is every fine-tune's (a delta may not change it: `decoders`).
+        # (1, L, H, W, 3) uint8, and (1, 3, P, H, W) in [-1, 1] as the VAE decoded them
+        frames, prev = self.encoders.decode_tail(latents, seg.carried)
         seg.made.append(frames[0] if seg.index == 0 else frames[0][seg.carried :])
         seg.index += 1
         # Drawn after the segment before's, on the CPU, as the pipeline's `prepare_latents`.
@@ -908,8 +907,7 @@ class WanVideoPipeline(Pipeline, Sampler):
             state.guidance_memory = GuidanceMemory()
         if state.cache is not None:  # so were the outputs its step cache holds
             state.cache.restart()
-        with self.using(state.fine_tune, components=("vae",)):
-            self._animate_condition(state, prev)
+        self._animate_condition(state, prev)
 
     @staticmethod
     def _reference(processor, file: str, height: int, width: int) -> torch.Tensor:
@@ -1035,7 +1033,9 @@ class WanVideoPipeline(Pipeline, Sampler):
             scale = torch.tensor(scales).view(1, -1, 1, 1).expand(layers, -1, 1, 1)
         return {
             "control_hidden_states": torch.cat(controls),  # (rows, 2C + s^2, R + F', H', W')
-            "control_hidden_states_scale": scale.to(self.device, self.dtype),
+            # A few numbers a pass: queued without waiting for the device (a blocking copy
+            # would wait for the passes queued before it).
+            "control_hidden_states_scale": scale.to(self.dtype).to(self.device, non_blocking=True),
         }
 
     @staticmethod
@@ -1048,7 +1048,7 @@ class WanVideoPipeline(Pipeline, Sampler):
             for half in halves:
                 if half == 0 or s.guided:
                     poses.append(s.pose)
-                    faces.append(s.face if half == 0 else s.face * 0 - 1)
+                    faces.append(s.face if half == 0 else torch.full_like(s.face, -1.0))
         return {
             "pose_hidden_states": torch.cat(poses),  # (rows, C, F', H', W')
             "face_pixel_values": torch.cat(faces),  # (rows, 3, F, face, face)

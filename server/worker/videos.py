@@ -362,7 +362,16 @@ class Videos:
         if not decoded:
             return
         update = [(run.id, run.token, run.state.step, DECODED_PROGRESS) for run, _ in decoded]
-        lost = self.ctx.store.videos.set_progress(update, lease_s=self.ctx.settings.lease_s)
+        try:
+            lost = self.ctx.store.videos.set_progress(update, lease_s=self.ctx.settings.lease_s)
+        except BaseException:
+            # The store is out of reach: give the clips up (no encoder left waiting, no file)
+            # and stop renewing their claims, so that their leases run out and the jobs are
+            # claimed again.
+            for run, clip in decoded:
+                clip.abort()
+                self._encoding.pop(run.id, None)
+            raise
         for run, clip in decoded:
             if run.id in lost:  # not ours any more: whoever holds it writes it
                 clip.abort()
