@@ -94,7 +94,7 @@ def cpu_linears(gm: torch.fx.GraphModule) -> int:
     """Rewrite each float32 CPU `F.linear` of Dynamo's graph `gm` as kernels/cpu_linear.py's
     oneDNN call, a GELU that is its only user fused into it; the count rewritten. Other devices
     and dtypes keep `F.linear` (on a GPU the compiler's own GEMMs are the ones to use)."""
-    from megaslide.kernels.cpu_linear import cpu_linear  # noqa: F401  (registers the op)
+    from ..kernels.cpu_linear import cpu_linear  # noqa: F401  (registers the op)
 
     count = 0
     for node in list(gm.graph.nodes):
@@ -189,7 +189,7 @@ def compile_blocks(
 ) -> CompiledBlocks:
     """Run `blocks` (of a built model) through one `torch.compile`d forward for each class of
     them; compilation happens at the first call. `cpu_linears`: float32 linears on the CPU
-    through oneDNN (see the module docstring). See the module docstring."""
+    through oneDNN (see the module docstring)."""
     return CompiledBlocks(blocks, dynamic=dynamic, backend=backend, cpu_linears=cpu_linears)
 
 

@@ -41,8 +41,8 @@ fp8 single file kept as stored is the same count (its fp32 scales, one per row a
 4 bytes a row: under 0.1% of a 5120-wide row's 5120 bytes). With `fp8_matmul`
 (streaming/fp8_matmul.py) a streamed block's matmul weights are not decoded at all (only the
 rest of the block is) and its matmuls run at `Machine.fp8_tflops`; the slots keep their size
-(the code still allocates the decoded block), and the activations' quantization, an elementwise
-pass per linear, is left out.
+(the code still allocates the decoded block), and the activations' quantization (several
+unfused elementwise passes per linear, docs/streaming.md) is left out: an upper bound on the gain.
 
 The disk tier (`Workload.host_tier`, disk_store.py) keeps streamed blocks in the model's files:
 the host holds the non-block weights and one ring of `ring_depth` blocks per streamed module

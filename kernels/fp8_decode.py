@@ -31,6 +31,7 @@ whatever the base part's dtype (uint8 or int8): both are masked to their low 8 b
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import torch
@@ -139,4 +140,7 @@ def fp8_rows_decode(
     )
     table = decode_table(layout, out.device)
     typed = out[: out.numel() // dtype.itemsize * dtype.itemsize].view(dtype)
-    _fp8_rows_kernel[(table.tiles,)](base, table.table, typed, ROWS=ROWS, COLS=COLS)
+    # Launched on the output's device, whichever is current (a rank's, a second GPU's).
+    guard = torch.cuda.device(out.device) if out.is_cuda else contextlib.nullcontext()
+    with guard:
+        _fp8_rows_kernel[(table.tiles,)](base, table.table, typed, ROWS=ROWS, COLS=COLS)

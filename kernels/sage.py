@@ -146,13 +146,6 @@ _sage_fwd = triton.autotune(
 # ---------------------------------------------------------------------------------------------
 
 
-def _check_triton_inputs(q: Tensor, blocks) -> None:
-    """Raise with a clear message when the Triton backend cannot take these tensors."""
-    check_attention_inputs(q)
-    if min(blocks) < 16:
-        raise ValueError(f"backend='triton' needs blocks of at least 16 tokens, got {blocks}")
-
-
 def _check_no_grad(q: Tensor, k: Tensor, v: Tensor) -> None:
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         raise RuntimeError(
@@ -176,7 +169,7 @@ def sage_triton(
     blocks, groups = tuple(blocks), tuple(groups)
     scale = check_inputs(q, k, v, scale, blocks, groups)
     _check_no_grad(q, k, v)
-    _check_triton_inputs(q, blocks)
+    check_attention_inputs(q)  # what Triton takes (`check_inputs` has checked the blocks)
     B, Nq, H, D = q.shape
     Nk = k.shape[1]
     block_q, block_k = blocks

@@ -516,10 +516,11 @@ class StreamHandle:
         self._check_open()
         if name in self._variants:
             raise ValueError(f"variant {name!r} is registered already")
-        if self.fp8_matmul == "on":
+        if self.weights == "fp8":
+            # A delta is exact over the base's own words, not over their fp8 rounding (and with
+            # fp8_matmul the linears would not even read the slot the delta is added to).
             raise ValueError(
-                "fp8_matmul multiplies by the stored fp8 weights, which a variant's deltas "
-                "(added to the slot's decoded weights) would not reach: open without fp8_matmul"
+                "weight variants need the base's weights raw or lossless, not weights='fp8'"
             )
         where: dict[str, tuple[int | None, int]] = {}
         for k, t in enumerate(self._non_block):
