@@ -17,7 +17,6 @@ import time
 from fastapi import Depends, FastAPI
 
 from megaslide.engine import __version__
-from megaslide.engine.request import MAX_REFERENCE_IMAGES
 
 from .auth import Keyring
 from .body_limit import BodyLimit, Upload
@@ -29,7 +28,7 @@ from .links import LinkSigner
 from .plain_text import RefuseNul
 from .protocol import WorkerClient
 from .routers import adapters, files, fine_tuning, health, models, videos, web, webhooks
-from .schemas import error_responses
+from .schemas import FILE_FIELDS, FILE_LIST_FIELDS, error_responses
 from .settings import Settings
 from .store import AsyncStore, JobStore
 from .uploads import Validator
@@ -115,19 +114,26 @@ def _lifespan(settings: Settings, workers: WorkerClient, data: DataDir):
     return lifespan
 
 
+def _video_files_bytes(settings: Settings) -> int:
+    """The most a `POST /v1/videos` body's files may take: each field of `FILE_FIELDS` and
+    `FILE_LIST_FIELDS` (schemas.py) at its kind's limit."""
+    limit = {"an image": settings.max_image_bytes, "a video": settings.max_video_bytes}
+    limit["images"] = settings.max_image_bytes
+    one = sum(limit[kind] for kind in FILE_FIELDS.values())
+    return one + sum(limit[kind] * most for kind, most in FILE_LIST_FIELDS.values())
+
+
 def _add_middleware(app: FastAPI, settings: Settings) -> None:
     uploads = [
         Upload("POST", "/v1/files", settings.max_upload_bytes, "file"),
         Upload("POST", "/v1/adapters", settings.max_upload_bytes, "file"),
-        # Two images and seven videos at most (an input video, VACE's control video and mask,
-        # Wan Animate's four), and VACE's reference images; each file's own limit is checked as
-        # it is stored.
+        # Every file field the API takes at its own limit (no model takes them all, so this
+        # bounds the body loosely); each file's limit is checked as it is stored.
         Upload(
             "POST",
             "/v1/videos",
-            (2 + MAX_REFERENCE_IMAGES) * settings.max_image_bytes + 7 * settings.max_video_bytes,
-            "input_reference, last_frame, input_video, control_video, mask, reference_images, "
-            "pose_video, face_video, background_video, background_mask",
+            _video_files_bytes(settings),
+            ", ".join([*FILE_FIELDS, *FILE_LIST_FIELDS]),
         ),
     ]
     app.add_middleware(

@@ -674,7 +674,9 @@ class WanVideoPipeline(Pipeline, Sampler):
             check_image(video.image, self.info.limits)
             check_last_image(video.last_image, video.image, video.frames, self.info.limits)
             check_video(video.video, video.strength, video.image, self.info.limits)
-            check_vace(video, video.frames, self.info.limits)
+            scale = check_vace(video, video.frames, self.info.limits)
+            if scale is not None and video.conditioning_scale is None:  # the default, as resolved
+                video = replace(video, conditioning_scale=scale)
             segments = check_animate(video, video.frames, self.info.limits)
             if segments is not None:  # one resolved before its segments were fields: the defaults
                 length, carried = segments

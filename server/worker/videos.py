@@ -21,7 +21,11 @@ the encoder thread (`Clip.publish`) while the loop takes the next denoising step
   clip's writer is aborted and it ends cancelled, and the decode stops once none is left. The
   other clips of the call go on: their frames do not depend on it;
 - the decoding clips' claims sit in `_encoding` from the start of the decode, so the heartbeat
-  renews them however long the decode takes.
+  renews them however long the decode takes (and leave it if recording the decode fails, so
+  that their leases run out);
+- clips that finish together encode at the same time, an encoder thread each (x264's own
+  threads inside), where they were written one after another: the CPU they take is shared with
+  the next steps.
 """
 
 from __future__ import annotations
