@@ -763,16 +763,10 @@ class WanVideoPipeline(Pipeline, Sampler):
         WanVideoToVideoPipeline encodes it: its first `frames` frames resized to the clip by
         diffusers' own video processor, then the VAE's mode."""
         from diffusers.video_processor import VideoProcessor
-        from PIL import Image
 
-        from ..video import read_video
-
-        # (F, H, W, 3) uint8; ValueError naming the file when it holds fewer frames.
-        frames = read_video(video.video, num_frames=video.frames, sampling="first")
         processor = VideoProcessor(vae_scale_factor=self.config.vae_spatial)
-        images = [Image.fromarray(f) for f in frames]
-        pixels = processor.preprocess_video(images, height=video.height, width=video.width)
-        return self.encoders.clip(pixels.to(torch.float32))  # (1, C, F', H', W')
+        pixels = _video_pixels(processor, video.video, video.frames, video.height, video.width)
+        return self.encoders.clip(pixels)  # (1, C, F', H', W')
 
     @torch.no_grad()
     def _condition(self, state: WanState) -> None:
@@ -823,21 +817,13 @@ class WanVideoPipeline(Pipeline, Sampler):
         by diffusers' own video processor (the mask as greyscale), the reference images fitted
         into the clip's frame on white."""
         from diffusers.video_processor import VideoProcessor
-        from PIL import Image
-
-        from ..video import read_video
 
         video, config = state.video, self.config
         height, width, frames = video.height, video.width, video.frames
         processor = VideoProcessor(vae_scale_factor=config.vae_spatial)
 
         def clip(file: str, mode: str) -> torch.Tensor:  # (1, 1 or 3, F, H, W) in [-1, 1]
-            # (F, H, W, 3) uint8; ValueError naming the file when it holds fewer frames.
-            images = [
-                Image.fromarray(f).convert(mode)
-                for f in read_video(file, num_frames=frames, sampling="first")
-            ]
-            return processor.preprocess_video(images, height=height, width=width).float()
+            return _video_pixels(processor, file, frames, height, width, mode)
 
         if video.control_video is not None:
             pixels = clip(video.control_video, "RGB")
@@ -1188,6 +1174,21 @@ class WanVideoPipeline(Pipeline, Sampler):
                         streams.remove((row, stream))
                     else:
                         yield row, frames
+
+
+def _video_pixels(processor, file: str, frames: int, height: int, width: int, mode="RGB"):
+    """`file`'s first `frames` frames (ValueError naming it when it holds fewer) in `mode`,
+    resized to the clip by diffusers' video processor `processor`: `(1, 1 or 3, F, H, W)` fp32
+    in [-1, 1]."""
+    from PIL import Image
+
+    from ..video import read_video
+
+    images = [
+        Image.fromarray(f).convert(mode)
+        for f in read_video(file, num_frames=frames, sampling="first")  # (F, H, W, 3) uint8
+    ]
+    return processor.preprocess_video(images, height=height, width=width).float()
 
 
 def _rows_of(decoded: Iterator[np.ndarray], rows: int) -> list[Iterator[np.ndarray]]:
